@@ -140,7 +140,7 @@ class OptimConfig:
     lr: float = _f(2e-3, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of the peak")
     warmup_steps: int = _f(30, "linear warmup steps")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices only)")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (all parameters, as torchtitan)")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")

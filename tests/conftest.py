@@ -1,0 +1,54 @@
+"""Shared fixtures: a small corpus and the overrides that make a run take seconds on 2 cores."""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+# Print every thread's stack if a test hangs (hangs must be diagnosable, not silent).
+faulthandler.enable(file=sys.stderr)
+
+
+def write_corpus(path: Path, kb: int = 160) -> Path:
+    """A deterministic text corpus: the first ``kb`` KB of a few standard-library modules."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for name in ("argparse.py", "difflib.py", "textwrap.py", "fractions.py", "heapq.py"):
+        text = (stdlib / name).read_text(encoding="utf-8")
+        parts.append(text)
+        size += len(text)
+        if size > kb * 1024:
+            break
+    path.write_text("\n\n".join(parts)[: kb * 1024], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """Path of the shared small corpus."""
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """A tokenizer/token cache shared by the session's runs."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def tiny_overrides(corpus: Path, cache: Path, out: Path, **extra) -> list[tuple[str, str]]:
+    """Overrides for a seconds-long run of a 2-layer, 64-wide model."""
+    base = {
+        "data.corpus": str(corpus), "data.cache_dir": str(cache), "data.vocab_size": "320",
+        "data.seq_len": "32", "model.hidden_size": "64", "model.intermediate_size": "128",
+        "model.num_hidden_layers": "2", "model.num_attention_heads": "4",
+        "model.num_key_value_heads": "2", "train.global_batch_size": "8",
+        "train.micro_batch_size": "8", "train.steps": "6", "train.output_dir": str(out),
+        "train.eval_batches": "2", "train.eval_interval": "0", "train.log_interval": "100",
+        "train.progress": "off", "optim.warmup_steps": "2", "optim.lr": "3e-3",
+    }
+    base.update({k.replace("__", "."): str(v) for k, v in extra.items()})
+    return list(base.items())

@@ -1,0 +1,195 @@
+"""ParallelDims: resolution, every refusal, rank arithmetic, and agreement with DeviceMesh."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from tests.dist import run_distributed
+from threefold.config import ConfigError, ModelConfig, ParallelConfig
+from threefold.mesh import AXES, ParallelDims, submesh
+
+
+def dims(world: int, **kw) -> ParallelDims:
+    """ParallelDims of ParallelConfig(**kw) over ``world`` ranks."""
+    return ParallelDims.from_config(ParallelConfig(**kw), world)
+
+
+# ------------------------------------------------------------------ resolution and refusals
+@pytest.mark.parametrize("kw, expect", [
+    ({}, (1, 8, 1, 1)),
+    ({"tp": 2}, (1, 4, 2, 1)),
+    ({"tp": 2, "dp_replicate": 2}, (2, 2, 2, 1)),
+    ({"tp": 2, "pp": 2, "dp_shard": 2}, (1, 2, 2, 2)),
+    ({"pp": 8}, (1, 1, 1, 8)),
+])
+def test_from_config_resolves_the_rest(kw, expect):
+    d = dims(8, **kw)
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.pp) == expect
+    assert d.world_size == 8 and d.dp == expect[0] * expect[1]
+    assert d.shape == (expect[3], expect[0], expect[1], expect[2])  # AXES order
+
+
+@pytest.mark.parametrize("world, kw, message", [
+    (8, {"tp": 3}, "parallel.tp: 3 does not divide world size 8; valid tp values: 1, 2, 4, 8"),
+    (8, {"pp": 3}, "parallel.pp: 3 does not divide world size 8; valid pp values: 1, 2, 4, 8"),
+    (6, {"dp_replicate": 4},
+     "parallel.dp_replicate: 4 does not divide world size 6; valid dp_replicate values: 1, 2, "
+     "3, 6"),
+    (8, {"tp": 4, "pp": 4}, "parallel: pp·dp_replicate·tp = 4·1·4 = 16 does not divide world "
+                            "size 8; lower one of them or launch a multiple of 16 ranks"),
+    (8, {"tp": 2, "dp_shard": 2}, "parallel.dp_shard: pp·dp_replicate·tp = 1·1·2 = 2, times "
+                                  "dp_shard=2 is 4, not world size 8; set parallel.dp_shard to "
+                                  "4 or -1 (the rest)"),
+    (8, {"tp": 0}, "parallel.tp: must be >= 1, got 0"),
+    (8, {"dp_shard": 0}, "parallel.dp_shard: must be >= 1 or -1 (the rest), got 0"),
+    (0, {}, "world size must be >= 1, got 0"),
+])
+def test_from_config_refuses_with_field_and_fix(world, kw, message):
+    with pytest.raises(ConfigError) as e:
+        dims(world, **kw)
+    assert str(e.value) == message
+
+
+def test_zero_over_one_rank_is_allowed_with_a_note():
+    assert dims(4, tp=4, zero_stage=2).notes == (
+        "parallel.zero_stage=2 with dp_shard=1 shards over one rank: no memory saving (raise "
+        "parallel.dp_shard to shard)",)
+    assert dims(4, tp=2, zero_stage=2).notes == ()
+    assert dims(4, tp=4).notes == ()
+
+
+def test_direct_construction_checks_the_product():
+    with pytest.raises(ConfigError, match="must equal world size 8"):
+        ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, world_size=8)
+
+
+# ------------------------------------------------------------------ model divisibility
+def tiny(**kw) -> ModelConfig:
+    """The tiny preset (8 heads, 4 KV heads, SwiGLU 688, 4 layers) with changes."""
+    return ModelConfig(**kw).resolved(vocab_size=321)
+
+
+def test_validate_model_splits_heads_ffn_layers_and_pads_vocab():
+    s = dims(2, tp=2).validate_model(tiny())
+    assert (s.heads_per_rank, s.kv_heads_per_rank, s.kv_replicas) == (4, 2, 1)
+    assert s.intermediate_per_rank == 344 and s.padded_vocab_size == 322
+    assert s.layers_per_chunk == [4]
+    s = dims(8, tp=8).validate_model(tiny())  # 4 KV heads over 8 ranks: each held twice
+    assert (s.heads_per_rank, s.kv_heads_per_rank, s.kv_replicas) == (1, 1, 2)
+    assert s.intermediate_per_rank == 86 and s.padded_vocab_size == 328
+    assert dims(4, pp=2).validate_model(tiny(num_hidden_layers=5)).layers_per_chunk == [3, 2]
+    assert dims(2, pp=2).validate_model(tiny(), vpp=2).layers_per_chunk == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("world, kw, model, vpp, message", [
+    (16, {"tp": 16}, {}, 1, "model.num_attention_heads: 8 is not divisible by parallel.tp=16; "
+                            "use a tp in 1, 2, 4, 8"),
+    (2, {"tp": 2}, {"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 384},
+     1, "model.num_key_value_heads: 3 neither divides nor is divisible by parallel.tp=2; use a "
+        "tp that divides 3 or a multiple of 3"),
+    (4, {"tp": 4}, {"intermediate_size": 690}, 1,
+     "model.intermediate_size: 690 is not divisible by parallel.tp=4; round it to a multiple of "
+     "4"),
+    (8, {"pp": 4}, {}, 2, "model.num_hidden_layers: 4 layers cannot fill pp·vpp = 4·2 = 8 "
+                          "pipeline chunks; lower parallel.pp or parallel.vpp"),
+    (8, {"pp": 8}, {}, 1, "model.num_hidden_layers: 4 layers cannot fill pp·vpp = 8·1 = 8 "
+                          "pipeline chunks; lower parallel.pp or parallel.vpp"),
+])
+def test_validate_model_refuses_with_field_and_fix(world, kw, model, vpp, message):
+    with pytest.raises(ConfigError) as e:
+        dims(world, **kw).validate_model(tiny(**model), vpp=vpp)
+    assert str(e.value) == message
+
+
+# ------------------------------------------------------------------ rank arithmetic
+def test_coords_and_groups_of_a_2x2x2_layout():
+    d = dims(8, dp_replicate=2, dp_shard=2, tp=2)
+    # rank = dp_replicate·4 + dp_shard·2 + tp (tp innermost): rank 5 = (1, 0, 1)
+    assert d.coords(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "tp": 1, "dp": 2,
+                           "world": 5}
+    assert d.axis_ranks(5, "tp") == [4, 5]
+    assert d.axis_ranks(5, "dp_shard") == [5, 7]
+    assert d.axis_ranks(5, "dp_replicate") == [1, 5]
+    assert d.axis_ranks(5, "dp") == [1, 3, 5, 7]
+    assert d.axis_ranks(5, "pp") == [5]
+    assert d.axis_ranks(5, "world") == list(range(8))
+    d = dims(8, pp=2, dp_shard=2, tp=2)
+    assert d.coords(6) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "tp": 0, "dp": 1,
+                           "world": 6}
+    assert d.axis_ranks(6, "pp") == [2, 6] and d.axis_ranks(6, "dp") == [4, 6]
+
+
+@pytest.mark.parametrize("kw", [{"dp_replicate": 2, "dp_shard": 2, "tp": 2},
+                                {"pp": 2, "dp_shard": 2, "tp": 2},
+                                {"pp": 2, "dp_replicate": 2, "tp": 2},
+                                {"pp": 2, "dp_replicate": 2, "dp_shard": 2}])
+def test_groups_partition_the_world_and_agree_with_coords(kw):
+    d = dims(8, **kw)
+    for axis in AXES + ("dp",):
+        groups = d.axis_groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(8))
+        assert all(len(g) == d.axis_size(axis) for g in groups)
+        for g in groups:
+            for i, r in enumerate(g):
+                assert d.coords(r)[axis] == i and d.axis_ranks(r, axis) == g
+                # ranks in one group differ only in this axis's coordinates
+                others = {a: v for a, v in d.coords(r).items() if a not in (axis, "world", "dp")
+                          and not (axis == "dp" and a in ("dp_replicate", "dp_shard"))}
+                assert others == {a: v for a, v in d.coords(g[0]).items() if a in others}
+    with pytest.raises(ValueError, match="outside world size 8"):
+        d.coords(8)
+    with pytest.raises(KeyError, match="unknown mesh axis 'cp'"):
+        d.axis_ranks(0, "cp")
+
+
+def test_axis_spans_nodes_keeps_tp_inside_a_node():
+    d = dims(16, tp=8)  # 2 nodes of 8: tp inside, dp_shard across
+    assert not d.axis_spans_nodes("tp", 8) and d.axis_spans_nodes("dp_shard", 8)
+    assert not d.axis_spans_nodes("pp", 8)
+    d = dims(16, tp=4, pp=2, dp_shard=2)
+    assert not d.axis_spans_nodes("tp", 8) and not d.axis_spans_nodes("dp_shard", 8)
+    assert d.axis_spans_nodes("pp", 8) and d.axis_spans_nodes("tp", 2)
+    assert d.describe() == "pp 2 × dp_replicate 1 × dp_shard 2 × tp 4 = 16 ranks"
+
+
+def test_world_of_one_builds_no_mesh():
+    assert dims(1).build_mesh("cpu") is None
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        dims(2).build_mesh("cpu")
+
+
+# ------------------------------------------------------------------ against the real DeviceMesh
+LAYOUTS = [(2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2), (2, 2, 1, 2)]  # dp_rep, dp_shard, tp, pp
+
+
+def mesh_groups(rank: int, world: int, layouts: list) -> list[dict]:
+    """Per layout: this rank's group ranks and local rank on each axis, from the DeviceMesh."""
+    import torch.distributed as dist
+
+    out = []
+    for layout in layouts:
+        d = ParallelDims(*layout, world_size=world)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mesh = d.build_mesh("cpu")
+            got = {}
+            for axis in AXES + ("dp",):
+                sub = submesh(mesh, axis)
+                got[axis] = (dist.get_process_group_ranks(sub.get_group()), sub.get_local_rank())
+            same = submesh(mesh, "dp").get_group() is submesh(mesh, "dp").get_group()
+        out.append({"groups": got, "dp_cached": same, "names": mesh.mesh_dim_names,
+                    "warnings": [str(w.message) for w in caught]})
+    return out
+
+
+def test_arithmetic_matches_device_mesh_on_8_ranks():
+    results = run_distributed(mesh_groups, 8, LAYOUTS, timeout=120)
+    for rank, per_layout in enumerate(results):
+        for layout, got in zip(LAYOUTS, per_layout):
+            d = ParallelDims(*layout, world_size=8)
+            assert got["names"] == AXES and got["dp_cached"]
+            assert got["warnings"] == []
+            for axis, (ranks, local) in got["groups"].items():
+                assert ranks == d.axis_ranks(rank, axis), (layout, axis, rank)
+                assert local == d.coords(rank)[axis], (layout, axis, rank)

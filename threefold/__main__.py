@@ -1,0 +1,7 @@
+"""`python -m threefold ...` (also what torchrun runs: `torchrun ... -m threefold train ...`)."""
+
+import sys
+
+from threefold.cli import main
+
+sys.exit(main())

@@ -1,0 +1,177 @@
+"""`threefold train | plan | schedule | launch` — a thin entry point.
+
+Bad input becomes one line on stderr and exit code 2, before any process starts and before
+anything is written to the output directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+USAGE = """usage: threefold <command> [args]
+
+commands:
+  train [CONFIG.toml] [--section.key value ...] [--nproc-per-node N]
+                     train (N > 1 starts torchrun with N local processes)
+  plan ...           rank parallel layouts for a model and cluster (threefold plan --help)
+  schedule ...       check and simulate a pipeline schedule (threefold schedule --help)
+  options            list every configuration option with its default and meaning
+"""
+
+
+def _fail(msg: str) -> int:
+    print(f"threefold: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _split_train_args(argv: list[str]) -> tuple[str | None, list[str], int | None, list[str]]:
+    """(config path, override args, nproc, extra torchrun args) from train's argv."""
+    path, rest, nproc, launcher = None, [], None, []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--nproc-per-node", "--nproc_per_node"):
+            if i + 1 >= len(argv):
+                raise ValueError(f"{a}: missing value")
+            nproc, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--nproc-per-node=") or a.startswith("--nproc_per_node="):
+            nproc, i = a.split("=", 1)[1], i + 1
+            continue
+        if a in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "--rdzv-id"):
+            if i + 1 >= len(argv):
+                raise ValueError(f"{a}: missing value")
+            launcher += [a, argv[i + 1]]
+            i += 2
+            continue
+        if a == "--dry-run":
+            rest += ["--train.dry_run", "true"]
+            i += 1
+            continue
+        if i == 0 and not a.startswith("--"):
+            path, i = a, i + 1
+            continue
+        rest.append(a)
+        i += 1
+    if nproc is not None:
+        if not str(nproc).isdigit() or int(nproc) < 1:
+            raise ValueError(f"--nproc-per-node: '{nproc}' is not a positive integer")
+        nproc = int(nproc)
+    return path, rest, nproc, launcher
+
+
+def cmd_train(argv: list[str]) -> int:
+    """`threefold train`: validate everything, then train here or under torchrun."""
+    from threefold.config import ConfigError, load_config, parse_overrides
+
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE.splitlines()[3] + "\n\nrun `threefold options` for every --section.key")
+        return 0
+    try:
+        path, rest, nproc, launcher = _split_train_args(argv)
+        cfg = load_config(path, parse_overrides(rest))
+        world = _world_size_for(nproc, launcher)
+        _check_layout(cfg, world)
+    except (ConfigError, ValueError) as e:
+        return _fail(str(e))
+    if nproc is not None and "LOCAL_RANK" not in os.environ:
+        return _launch(nproc, launcher, argv)
+    return _run_training(cfg)
+
+
+def _world_size_for(nproc: int | None, launcher: list[str]) -> int:
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    nnodes = 1
+    if "--nnodes" in launcher:
+        nnodes = int(launcher[launcher.index("--nnodes") + 1].split(":")[-1])
+    return (nproc or 1) * nnodes
+
+
+def _check_layout(cfg, world_size: int) -> None:
+    """Refuse an impossible layout before any process starts."""
+    from threefold.mesh import ParallelDims
+    from threefold.parallel.layout import check_batch
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    check_batch(cfg, dims.dp_replicate * dims.dp_shard)
+
+
+def _launch(nproc: int, launcher: list[str], argv: list[str]) -> int:
+    """Re-run this command under torchrun (torch's own launcher, never a home-made one)."""
+    args = [a for i, a in enumerate(argv)
+            if a not in ("--nproc-per-node", "--nproc_per_node")
+            and not (i and argv[i - 1] in ("--nproc-per-node", "--nproc_per_node"))
+            and not a.startswith(("--nproc-per-node=", "--nproc_per_node="))]
+    for flag in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "--rdzv-id"):
+        while flag in args:
+            j = args.index(flag)
+            del args[j:j + 2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if "--nnodes" not in launcher:
+        cmd += ["--standalone"]
+    cmd += launcher + ["-m", "threefold", "train"] + args
+    return subprocess.call(cmd)
+
+
+def _run_training(cfg) -> int:
+    from threefold.checkpoint import CheckpointError
+    from threefold.config import ConfigError
+    from threefold.data import DataError
+
+    try:
+        if cfg.train.dry_run:
+            from threefold.dryrun import dry_run
+
+            return dry_run(cfg)
+        from threefold.train import train
+
+        train(cfg, _layout_from_env(cfg))
+    except (ConfigError, DataError, CheckpointError) as e:
+        return _fail(str(e))
+    return 0
+
+
+def _layout_from_env(cfg):
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from threefold.parallel.distributed_layout import Distributed
+
+    return Distributed(cfg)
+
+
+def cmd_options(argv: list[str]) -> int:
+    """Print every option with its default and doc."""
+    from threefold.config import describe
+
+    for name, default, doc in describe():
+        print(f"--{name:<40} {default:<22} {doc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``threefold <command>``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return cmd_train(rest)
+    if cmd == "options":
+        return cmd_options(rest)
+    if cmd == "plan":
+        from threefold.plan import main as plan_main
+
+        return plan_main(rest)
+    if cmd == "schedule":
+        from threefold.parallel.pipeline.simulate import main as schedule_main
+
+        return schedule_main(rest)
+    return _fail(f"unknown command '{cmd}'; commands: train, plan, schedule, options")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Process-group start-up and shut-down from torchrun's environment.
+
+``init_distributed`` reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and
+TORCHELASTIC_RESTART_COUNT, chooses the backend at run time (NCCL for CUDA devices, with gloo
+beside it for CPU tensors; gloo alone on CPU) and joins the default process group through a
+store whose keys are prefixed per restart attempt. A world of one starts no process group.
+
+Why the per-attempt prefix: when torchrun restarts workers, a second attempt that reuses the
+first attempt's keys in the agent's store sees stale addresses; with two launchers this failed
+every time, and prefixing the keys with the attempt number fixed it (CPU-NOTES.md).
+
+This module holds no state: the process group is torch's, and everything above it reaches
+groups through the mesh (``threefold.mesh``) and the communication layer (``threefold.comm``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: rank, world, local rank, device and backend (None: no group)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+    restart_count: int = 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when a process group was initialised."""
+        return self.backend is not None
+
+
+def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    """``auto``: this local rank's GPU when CUDA is available, else the CPU."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got '{device}'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but CUDA is not available")
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    try:
+        return default if value in (None, "") else int(value)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """A TCPStore client of torchrun's agent store, or (without an agent) hosted by rank 0."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set; launch with "
+                           "torchrun (or `threefold train --nproc-per-node N`)")
+    # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT and says so with this
+    # variable; without an agent, rank 0 serves it (as torch's env:// rendezvous does).
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(addr, int(port), world_size, is_master=(not agent and rank == 0),
+                         timeout=timeout, wait_for_workers=False, multi_tenant=not agent)
+
+
+def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistEnv:
+    """Join the default process group described by torchrun's environment.
+
+    ``timeout_s`` bounds the store rendezvous and every collective until ``set_timeout``
+    changes it. Calling it again once a group exists returns the same environment.
+    """
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    dev = pick_device(device, local_rank)
+    if world <= 1:
+        return DistEnv(0, 1, local_rank, dev, None, restart)
+    if not 0 <= rank < world:
+        raise RuntimeError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    # NCCL moves the CUDA tensors; gloo next to it serves CPU tensors (small metadata,
+    # checkpoint headers) without a device round trip.
+    backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world):
+            raise RuntimeError("a process group already exists with a different rank/world")
+        return DistEnv(rank, world, local_rank, dev, _name(dev), restart)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.PrefixStore(f"threefold/attempt{restart}", _store(rank, world, timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=dev if dev.type == "cuda" else None)
+    return DistEnv(rank, world, local_rank, dev, _name(dev), restart)
+
+
+def _name(dev: torch.device) -> str:
+    """The backend that moves this device's tensors."""
+    return "nccl" if dev.type == "cuda" else "gloo"
+
+
+def set_timeout(seconds: float, groups: Iterable | None = None) -> int:
+    """Change the collective timeout of ``groups`` (default: every group of this process).
+
+    torch 2.13 has no public call for this; ``distributed_c10d._set_pg_timeout`` (private,
+    present in 2.13) sets it on gloo and NCCL backends for collectives issued afterwards. The
+    use: a generous timeout for start-up and the first step, then a short one, so that a dead
+    rank turns into an error within seconds. Returns how many groups were changed.
+    """
+    if not dist.is_initialized():
+        return 0
+    from torch.distributed import distributed_c10d as c10d
+
+    if groups is None:
+        groups = list(getattr(c10d._world, "pg_map", {}) or [dist.group.WORLD])
+    count = 0
+    for g in groups:
+        g = dist.group.WORLD if g is None else g
+        if g is dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        c10d._set_pg_timeout(timedelta(seconds=seconds), g)
+        count += 1
+    return count
+
+
+def shutdown(barrier_timeout_s: float | None = 60.0) -> None:
+    """Barrier, then destroy the process group; a no-op without one.
+
+    The barrier lets every rank finish its last collective before any rank tears its group
+    down; without it processes sometimes abort at exit after init_device_mesh (CPU-NOTES.md).
+    Pass ``barrier_timeout_s=None`` to skip the barrier (e.g. after an error on this rank, when
+    peers may never reach it).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if barrier_timeout_s is not None:
+            dist.barrier(timeout=timedelta(seconds=barrier_timeout_s))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,111 @@
+"""Accelerators and clusters the planner predicts for.
+
+A ``Hardware`` is the triple the cost model needs (peak FLOP/s, link bandwidth, link latency)
+plus memory. It comes from the catalogue below (vendor datasheet figures, dense, no sparsity),
+from CLI overrides, or from a measurement (``Hardware.measured``) — the cost model never knows
+which, so a calibrated machine drops in where a catalogue entry would.
+
+Units inside this module are SI: FLOP/s, bytes, bytes/s *per direction per GPU*, seconds.
+Datasheets quote NVLink as both directions summed (A100: 600 GB/s = 300 GB/s each way) and
+network cards in bits per second per direction (400 Gb/s = 50 GB/s); the conversions are
+written out where the catalogue is built so nobody has to remember which is which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GB = 1e9  # datasheets use decimal gigabytes
+
+# Per-hop latency of a collective step (α in the α–β model). Not datasheet figures: typical
+# small-message NCCL latencies over NVLink and over InfiniBand/RoCE. Overridable; a measured α
+# from --calibrate replaces them.
+NVLINK_LATENCY_S = 2e-6
+NETWORK_LATENCY_S = 6e-6
+DEFAULT_INTER_NODE_GBITS = 400.0  # per GPU, InfiniBand NDR / RoCE (REFERENCE.md)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator as the cost model sees it. ``None`` peak means unknown (MFU unknown)."""
+
+    name: str
+    peak_flops_16bit: float | None  # dense bf16 (fp16 on V100) tensor-core FLOP/s
+    peak_flops_fp32: float | None  # dense fp32 FLOP/s (no TF32: PyTorch's default for matmul)
+    memory_bytes: float
+    intra_node_bw: float  # bytes/s per direction per GPU inside a node (NVLink)
+    inter_node_bw: float  # bytes/s per direction per GPU across nodes (network card)
+    intra_node_latency_s: float = NVLINK_LATENCY_S
+    inter_node_latency_s: float = NETWORK_LATENCY_S
+    # Achieved fraction of the peak for large matmuls; None = the cost model's calibrated
+    # constant (datasheet peaks), 1.0 for a measured peak (it is already achieved FLOP/s).
+    matmul_efficiency: float | None = None
+
+    def peak_flops(self, precision: str) -> float | None:
+        """Peak matmul FLOP/s for ``precision`` ('bf16' or 'fp32'); None if unknown."""
+        if precision == "bf16":
+            return self.peak_flops_16bit
+        if precision == "fp32":
+            return self.peak_flops_fp32
+        raise ValueError(f"precision '{precision}' is not bf16 or fp32")
+
+    def link(self, inter_node: bool) -> tuple[float, float]:
+        """(latency s, bandwidth bytes/s) of the link a collective group uses."""
+        if inter_node:
+            return self.inter_node_latency_s, self.inter_node_bw
+        return self.intra_node_latency_s, self.intra_node_bw
+
+    def with_overrides(self, **changes) -> "Hardware":
+        """A copy with the given fields replaced (None values are ignored)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @classmethod
+    def measured(cls, name: str, peak_flops: float, bandwidth: float, latency_s: float,
+                 memory_bytes: float, precision: str = "bf16") -> "Hardware":
+        """Hardware from a measurement (e.g. ``--calibrate``): one achieved matmul FLOP/s and one
+        (bandwidth, latency) pair used for every link, as on a single machine."""
+        flops = {"peak_flops_16bit": None, "peak_flops_fp32": None}
+        flops["peak_flops_16bit" if precision == "bf16" else "peak_flops_fp32"] = peak_flops
+        return cls(name=name, memory_bytes=memory_bytes, intra_node_bw=bandwidth,
+                   inter_node_bw=bandwidth, intra_node_latency_s=latency_s,
+                   inter_node_latency_s=latency_s, matmul_efficiency=1.0, **flops)
+
+
+def _gpu(name: str, tflops16: float, tflops32: float, memory_gb: float,
+         nvlink_gb_both_ways: float) -> Hardware:
+    return Hardware(name=name, peak_flops_16bit=tflops16 * 1e12, peak_flops_fp32=tflops32 * 1e12,
+                    memory_bytes=memory_gb * GB, intra_node_bw=nvlink_gb_both_ways / 2 * GB,
+                    inter_node_bw=DEFAULT_INTER_NODE_GBITS / 8 * GB)
+
+
+# NVIDIA datasheets (SXM parts, dense). V100 has no bf16: its 16-bit figure is fp16 tensor cores.
+GPUS: dict[str, Hardware] = {
+    "v100": _gpu("v100", tflops16=125, tflops32=15.7, memory_gb=32, nvlink_gb_both_ways=300),
+    "a100": _gpu("a100", tflops16=312, tflops32=19.5, memory_gb=80, nvlink_gb_both_ways=600),
+    "a100-40gb": _gpu("a100-40gb", tflops16=312, tflops32=19.5, memory_gb=40,
+                      nvlink_gb_both_ways=600),
+    "h100": _gpu("h100", tflops16=989, tflops32=67, memory_gb=80, nvlink_gb_both_ways=900),
+    "h200": _gpu("h200", tflops16=989, tflops32=67, memory_gb=141, nvlink_gb_both_ways=900),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    """The catalogue entry ``name`` (case-insensitive); ValueError naming the choices."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"--gpu: unknown GPU '{name}'; known: {', '.join(GPUS)}")
+    return GPUS[key]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_gpus`` copies of ``hardware``, ``gpus_per_node`` of them sharing NVLink."""
+
+    hardware: Hardware
+    num_gpus: int
+    gpus_per_node: int
+
+    def __post_init__(self):
+        if self.num_gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError("num_gpus and gpus_per_node must be >= 1")

@@ -1,0 +1,265 @@
+"""The layout of the world: ``ParallelDims`` (pp × dp_replicate × dp_shard × tp) and its mesh.
+
+A rank's place in the layout is pure arithmetic on its global rank, so the coordinates, the
+groups of every axis and the node-spanning test work without any process group (the planner
+and the CLI check a layout before a process starts). ``build_mesh`` turns the same layout into
+one ``torch.distributed`` DeviceMesh whose named axes are the only way to reach a process group.
+
+Axis order, outermost to innermost, is ``AXES``: tp innermost so that its ranks are neighbours
+(same node, NVLink), then dp_shard, then dp_replicate and pp outermost, where traffic is
+lightest (DESIGN.md, topology rule). ``dp`` is the flattened dp_replicate × dp_shard axis: the
+ranks that see different data.
+
+Nothing here is global: every mesh and every rule lives on the objects, so one process can
+build many layouts (tests, DPO's two models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from threefold.config import ConfigError, ParallelConfig
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+"""Mesh axes, outermost (largest rank stride) to innermost (stride 1)."""
+
+DERIVED_AXES = ("dp", "world")
+"""Axes made of other axes: dp = dp_replicate × dp_shard; world = every rank."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(map(str, values))
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """How one model's shapes divide over tensor-parallel (and pipeline) ranks.
+
+    ``kv_replicas`` is 1 when key/value heads are sharded over tp ranks, and tp / kv heads when
+    there are fewer kv heads than tp ranks, so each kv head is replicated on that many ranks.
+    """
+
+    heads_per_rank: int
+    kv_heads_per_rank: int
+    kv_replicas: int
+    intermediate_per_rank: int
+    padded_vocab_size: int
+    layers_per_chunk: list[int]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of each parallel dimension, checked against the world size.
+
+    Build it with ``from_config``; constructing it directly skips the checks in ``from_config``
+    but ``__post_init__`` still insists that the product equals the world size.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        sizes = [self.pp, self.dp_replicate, self.dp_shard, self.tp]
+        if any(s < 1 for s in sizes) or math.prod(sizes) != self.world_size:
+            raise ConfigError(f"parallel: pp·dp_replicate·dp_shard·tp = "
+                              f"{'·'.join(map(str, sizes))} must equal world size "
+                              f"{self.world_size} (use ParallelDims.from_config to resolve -1)")
+
+    # ---------------------------------------------------------------- construction and checks
+    @classmethod
+    def from_config(cls, pcfg: ParallelConfig, world_size: int) -> "ParallelDims":
+        """Resolve ``dp_shard = -1`` to the rest of the world and check every size.
+
+        Raises ``ConfigError`` naming the field and a value that would work.
+        """
+        if world_size < 1:
+            raise ConfigError(f"world size must be >= 1, got {world_size}")
+        valid = _fmt(_divisors(world_size))
+        for name in ("tp", "pp", "dp_replicate"):
+            v = getattr(pcfg, name)
+            if v < 1:
+                raise ConfigError(f"parallel.{name}: must be >= 1, got {v}")
+            if world_size % v:
+                raise ConfigError(f"parallel.{name}: {v} does not divide world size "
+                                  f"{world_size}; valid {name} values: {valid}")
+        if pcfg.dp_shard != -1 and pcfg.dp_shard < 1:
+            raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (the rest), got "
+                              f"{pcfg.dp_shard}")
+        fixed = pcfg.tp * pcfg.pp * pcfg.dp_replicate
+        named = f"pp·dp_replicate·tp = {pcfg.pp}·{pcfg.dp_replicate}·{pcfg.tp} = {fixed}"
+        if world_size % fixed:
+            raise ConfigError(f"parallel: {named} does not divide world size {world_size}; "
+                              f"lower one of them or launch a multiple of {fixed} ranks")
+        rest = world_size // fixed
+        dp_shard = rest if pcfg.dp_shard == -1 else pcfg.dp_shard
+        if dp_shard != rest:
+            raise ConfigError(f"parallel.dp_shard: {named}, times dp_shard={dp_shard} is "
+                              f"{fixed * dp_shard}, not world size {world_size}; set "
+                              f"parallel.dp_shard to {rest} or -1 (the rest)")
+        notes = []
+        # ZeRO over a one-rank shard group is legal and changes nothing: allow it, but say so.
+        if pcfg.zero_stage > 0 and dp_shard == 1:
+            notes.append(f"parallel.zero_stage={pcfg.zero_stage} with dp_shard=1 shards over "
+                         "one rank: no memory saving (raise parallel.dp_shard to shard)")
+        return cls(pcfg.dp_replicate, dp_shard, pcfg.tp, pcfg.pp, world_size, tuple(notes))
+
+    def validate_model(self, model_cfg: Any, vpp: int = 1) -> TPSplit:
+        """Check the model's shapes against tp and pp (× ``vpp`` chunks); return the split.
+
+        Rules: query heads and the SwiGLU width divide by tp; key/value heads either divide by
+        tp (sharded) or divide tp (each replicated on tp / kv ranks); every pipeline chunk gets
+        at least one layer. The vocabulary is padded up to a multiple of tp, not refused.
+        """
+        m = model_cfg.resolved() if hasattr(model_cfg, "resolved") else model_cfg
+        tp, chunks = self.tp, self.pp * vpp
+        heads, kv = m.num_attention_heads, m.num_key_value_heads
+        if heads % tp:
+            raise ConfigError(f"model.num_attention_heads: {heads} is not divisible by "
+                              f"parallel.tp={tp}; use a tp in "
+                              f"{_fmt(_divisors(math.gcd(heads, self.world_size)))}")
+        if kv % tp and tp % kv:
+            raise ConfigError(f"model.num_key_value_heads: {kv} neither divides nor is divisible"
+                              f" by parallel.tp={tp}; use a tp that divides {kv} or a multiple"
+                              f" of {kv}")
+        if m.intermediate_size % tp:
+            raise ConfigError(f"model.intermediate_size: {m.intermediate_size} is not divisible"
+                              f" by parallel.tp={tp}; round it to a multiple of {tp}")
+        if m.num_hidden_layers < chunks:
+            raise ConfigError(f"model.num_hidden_layers: {m.num_hidden_layers} layers cannot "
+                              f"fill pp·vpp = {self.pp}·{vpp} = {chunks} pipeline chunks; lower "
+                              f"parallel.pp or parallel.vpp")
+        base, extra = divmod(m.num_hidden_layers, chunks)
+        vocab = m.vocab_size or 0
+        return TPSplit(
+            heads_per_rank=heads // tp,
+            kv_heads_per_rank=max(kv // tp, 1),
+            kv_replicas=1 if kv % tp == 0 else tp // kv,
+            intermediate_per_rank=m.intermediate_size // tp,
+            padded_vocab_size=-(-vocab // tp) * tp,
+            layers_per_chunk=[base + (1 if i < extra else 0) for i in range(chunks)],
+        )
+
+    # ---------------------------------------------------------------- arithmetic on ranks
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: dp_replicate × dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in ``AXES`` order."""
+        return tuple(getattr(self, a) for a in AXES)
+
+    def axis_size(self, axis: str) -> int:
+        """Number of ranks in one group of ``axis`` (an AXES name, ``dp`` or ``world``)."""
+        if axis == "dp":
+            return self.dp
+        if axis == "world":
+            return self.world_size
+        if axis not in AXES:
+            raise KeyError(f"unknown mesh axis '{axis}'; axes: {', '.join(AXES + DERIVED_AXES)}")
+        return getattr(self, axis)
+
+    def _strides(self) -> dict[str, int]:
+        strides, s = {}, 1
+        for a in reversed(AXES):
+            strides[a] = s
+            s *= getattr(self, a)
+        return strides
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index on every axis (``dp`` = dp_replicate · dp_shard + dp_shard index)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        out = {a: (rank // st) % getattr(self, a) for a, st in self._strides().items()}
+        out = {a: out[a] for a in AXES}
+        out["dp"] = out["dp_replicate"] * self.dp_shard + out["dp_shard"]
+        out["world"] = rank
+        return out
+
+    def axis_ranks(self, rank: int, axis: str) -> list[int]:
+        """Global ranks in ``rank``'s group on ``axis``, ordered by their index on that axis."""
+        n = self.axis_size(axis)
+        if axis == "world":
+            return list(range(self.world_size))
+        c, st = self.coords(rank), self._strides()
+        if axis == "dp":
+            base = rank - c["dp_replicate"] * st["dp_replicate"] - c["dp_shard"] * st["dp_shard"]
+            return [base + (i // self.dp_shard) * st["dp_replicate"]
+                    + (i % self.dp_shard) * st["dp_shard"] for i in range(n)]
+        base = rank - c[axis] * st[axis]
+        return [base + i * st[axis] for i in range(n)]
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis``, each as its global ranks."""
+        seen, groups = set(), []
+        for r in range(self.world_size):
+            if r not in seen:
+                g = self.axis_ranks(r, axis)
+                seen.update(g)
+                groups.append(g)
+        return groups
+
+    def axis_spans_nodes(self, axis: str, gpus_per_node: int) -> bool:
+        """Whether some group of ``axis`` holds ranks of two nodes (rank // gpus_per_node)."""
+        if gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+        return any(len({r // gpus_per_node for r in g}) > 1 for g in self.axis_groups(axis))
+
+    def describe(self) -> str:
+        """One line for logs, e.g. 'pp 1 × dp_replicate 1 × dp_shard 4 × tp 2 = 8 ranks'."""
+        return " × ".join(f"{a} {getattr(self, a)}" for a in AXES) + f" = {self.world_size} ranks"
+
+    def replace(self, **changes: int) -> "ParallelDims":
+        """A checked copy with some sizes changed."""
+        return dataclasses.replace(self, **changes)
+
+    # ---------------------------------------------------------------- the real mesh
+    def build_mesh(self, device_type: str):
+        """The DeviceMesh of this layout (all four axes, size-1 ones too, plus flattened ``dp``).
+
+        Returns None for a world of one with no process group: every caller (``Comm`` first)
+        treats None as "one rank, nothing to communicate". The process group must already be
+        initialised (``threefold.distributed.init_distributed``) for larger worlds.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            if self.world_size == 1:
+                return None
+            raise RuntimeError(f"build_mesh: a world of {self.world_size} ranks needs a process "
+                               "group; call threefold.distributed.init_distributed() first")
+        if dist.get_world_size() != self.world_size:
+            raise ConfigError(f"parallel: layout is for {self.world_size} ranks but the process "
+                              f"group has {dist.get_world_size()}")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+        # torch keeps the flattened mesh on the root mesh; _flatten (torch's private API, the
+        # one torchtitan uses) creates its groups once and returns the cached mesh afterwards.
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+
+def submesh(mesh, axis: str):
+    """The one-dimensional DeviceMesh of ``axis`` (``dp`` = the flattened data axes).
+
+    Reaches the flattened ``dp`` mesh through ``_flatten`` rather than ``mesh["dp"]``, which
+    torch 2.13 warns is going away for flattened axes.
+    """
+    if axis == "dp":
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if axis not in AXES:
+        raise KeyError(f"unknown mesh axis '{axis}'; axes: {', '.join(AXES)}, dp")
+    return mesh[axis]

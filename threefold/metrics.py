@@ -1,0 +1,89 @@
+"""What a run reports: peak FLOP/s of the device (for MFU), peak memory, and the per-step
+record written to metrics.jsonl.
+
+MFU is "unknown" (None in JSON) when the device's peak is unknown: never a guess. On a CPU the
+peak is *measured* by a short matmul probe at the compute dtype, so CPU MFU reads as "share of
+what this CPU's matmul reaches", and says so in the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
+    """Measured FLOP/s of an n×n matmul on this CPU, with the threads torch uses now."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # warm-up
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds and reps >= 3:
+            return 2.0 * n**3 * reps / elapsed
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """(peak FLOP/s, where the figure came from). CUDA devices come from the hardware
+    catalogue by name; CPUs are probed; anything else is unknown."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        try:
+            from threefold.hardware import peak_flops_for_device_name
+        except ImportError:  # pragma: no cover - catalogue always ships
+            return None, "unknown"
+        peak = peak_flops_for_device_name(name, "bf16" if dtype == torch.bfloat16 else "fp32")
+        return (peak, f"catalogue:{name}") if peak else (None, "unknown")
+    if device.type == "cpu":
+        return cpu_matmul_flops(dtype), "cpu-matmul-probe"
+    return None, "unknown"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: allocator peak on CUDA, peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to DIR/metrics.jsonl (flushed every line, so a crash
+    loses at most the step in progress)."""
+
+    def __init__(self, path: Path, append: bool):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Write one record."""
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._f.close()
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop records written after the checkpoint being resumed from, so the file
+    has exactly one record per step."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                keep.append(line)
+        except (ValueError, KeyError):
+            continue
+    path.write_text("".join(k + "\n" for k in keep))

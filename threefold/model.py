@@ -1,0 +1,331 @@
+"""A Llama-style decoder in plain PyTorch: RMSNorm, RoPE (with Llama-3 frequency scaling),
+grouped-query attention through ``scaled_dot_product_attention``, SwiGLU, and the loss.
+
+Parameter names are exactly those of Hugging Face ``LlamaForCausalLM``, so a state dict moves
+between the two without renaming. The model knows nothing of devices or ranks; parallelism is
+applied from outside, which is why:
+
+- every piece is its own reachable ``nn.Module`` (tensor parallel swaps or shards the Linear
+  layers, the embedding and the head; pipeline parallel splits ``model.layers`` and may set
+  ``model.embed_tokens``, ``model.norm`` or ``lm_head`` to ``None`` on stages that do not own
+  them, in which case that step is skipped; activation checkpointing wraps each block);
+- attention takes its head counts from the projections' outputs at run time, so a shard holding
+  fewer heads runs the same code;
+- a weight's initial values depend only on the seed and its name (see ``init_weights``), so a
+  model initialised in pieces equals one initialised whole.
+
+Architecture: Touvron et al., "LLaMA" (arXiv 2302.13971) and "The Llama 3 Herd of Models"
+(arXiv 2407.21783).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich, arXiv 1910.07467): x / rms(x) · weight.
+
+    Computed in fp32 and cast back before the weight is applied, as Hugging Face does, so bf16
+    activations lose no precision in the reduction."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of ``x``."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        """Weight to ones."""
+        nn.init.ones_(self.weight)
+
+
+def rope_inverse_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """RoPE inverse frequencies θ^(-2i/d), i < d/2 (Su et al., arXiv 2104.09864), with the
+    Llama 3 long-context rescaling when ``cfg.rope_scaling == "llama3"``: wavelengths longer
+    than original_context/low_freq_factor are divided by ``factor``, those shorter than
+    original_context/high_freq_factor are kept, and the band between is interpolated smoothly
+    (arXiv 2407.21783 and Meta's reference code)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
+    if cfg.rope_scaling in (None, "none"):
+        return inv
+    if cfg.rope_scaling != "llama3":
+        raise ValueError(f"unknown rope_scaling {cfg.rope_scaling!r}; use 'none' or 'llama3'")
+    factor, lo, hi = cfg.rope_scaling_factor, cfg.low_freq_factor, cfg.high_freq_factor
+    old_ctx = cfg.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the RoPE inverse frequencies (a non-persistent buffer: never checkpointed, always
+    recomputable) and turns position ids into cos/sin tables.
+
+    We keep the d/2 frequencies rather than a (max_positions × d) cos/sin table: cos/sin for a
+    batch cost B·T·d element-wise ops, nothing next to the matmuls, they are bit-identical to
+    Hugging Face's (same fp32 products), they need no memory that grows with the context length
+    (131072 positions for Llama 3.1), and position ids may restart per packed document."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Recompute the frequencies in place (needed after ``to_empty``)."""
+        with torch.no_grad():
+            self.inv_freq.copy_(rope_inverse_frequencies(self.cfg, device=self.inv_freq.device))
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) integer positions -> (cos, sin), each (B, T, head_dim) fp32, in the
+        rotate-half layout (frequencies repeated over the two halves of a head)."""
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dimension (HF / Llama layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, heads, T, d) by position: x·cos + rotate_half(x)·sin."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, 1, T, T) boolean mask, True where query i may attend key j:
+    j <= i and both tokens belong to the same document (packed sequences)."""
+    t = document_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids (each document one contiguous run) -> positions restarting at 0 at
+    the start of each document, e.g. [0,0,0,1,1] -> [0,1,2,0,1]."""
+    b, t = document_ids.shape
+    idx = torch.arange(t, device=document_ids.device).expand(b, t)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    # Index of the most recent document start at or before each token.
+    start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - start_idx
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query self-attention (Ainslie et al., arXiv 2305.13245) with RoPE."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, h) -> (B, T, h). ``attn_mask`` None means plain causal attention, else a
+        boolean (B, 1, T, T) mask (True = attend), e.g. from ``document_mask``."""
+        # Head counts come from what the projections return, so a tensor-parallel shard with
+        # fewer local heads (or a replaced Linear) needs no change here.
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, t = q.shape[:2]
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        if attn_mask is None:
+            # SDPA's own GQA avoids materialising repeated keys/values.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=groups > 1)
+        else:
+            # With an explicit mask, not every fused kernel takes enable_gqa; repeating K/V
+            # keeps the memory-efficient kernels eligible.
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer, arXiv 2002.05202): down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, h) -> (B, T, h)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(·))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, h) -> (B, T, h); cos/sin from ``RotaryEmbedding``."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the stack of blocks and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> final normed hidden states (B, T, h).
+
+        On a pipeline stage without the embedding (``embed_tokens is None``) ``input_ids`` is
+        taken to be the hidden states from the previous stage; without ``norm`` the output is
+        the un-normed residual stream."""
+        x = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        b, t = x.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(t, device=x.device).expand(b, t)
+        cos, sin = self.rotary(position_ids)
+        mask = document_mask(document_ids) if document_ids is not None else None
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x) if self.norm is not None else x
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus the LM head; ``forward`` returns fp32 logits.
+
+    ``cfg`` must be resolved (every field set, ``vocab_size > 0``). With
+    ``cfg.tie_word_embeddings`` the head shares the embedding's weight; the state dict then
+    still holds both names (as HF's does) and a state dict without ``lm_head.weight`` (as HF
+    saves tied checkpoints) loads too."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if not cfg.vocab_size or cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (resolve the config first)")
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_load_state_dict_pre_hook(LlamaForCausalLM._fill_tied_head)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Point ``lm_head.weight`` at the embedding when tied. ``Module.to_empty`` makes new
+        tensors per module and so unties them; ``init_weights`` calls this again."""
+        if self.cfg.tie_word_embeddings and self.lm_head is not None \
+                and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _fill_tied_head(self, state_dict, prefix, *args) -> None:
+        # HF omits lm_head.weight from tied checkpoints; take it from the embedding.
+        head, embed = prefix + "lm_head.weight", prefix + "model.embed_tokens.weight"
+        if self.cfg.tie_word_embeddings and head not in state_dict and embed in state_dict:
+            state_dict[head] = state_dict[embed]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every weight in place, and recompute the RoPE buffer.
+
+        Matrices (embedding, projections, head): normal(0, init_std). The residual-output
+        projections ``o_proj`` and ``down_proj`` use init_std / sqrt(2·layers), the GPT-2
+        scaled init (Radford et al. 2019, §2.3), so the residual stream's variance does not
+        grow with depth (two residual additions per block). Norm weights: 1.
+
+        With ``seed`` each weight draws from its own generator seeded by (seed, its name), so
+        the result does not depend on the order of initialisation or on which other weights
+        exist (a pipeline stage initialised alone equals the same layers of the whole model);
+        values are reproducible per device type (CPU and CUDA generators differ). Without
+        ``seed`` the global RNG is used. Parameters still on the meta device are skipped, so
+        this works after ``LlamaForCausalLM(cfg)`` under ``torch.device("meta")`` followed by
+        ``to_empty(device=...)``."""
+        self.tie_weights()
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
+        for name, p in self.named_parameters():  # tied weights appear once
+            if p.is_meta:
+                continue
+            if p.ndim == 1:
+                nn.init.ones_(p)
+                continue
+            gen = None
+            if seed is not None:
+                gen = torch.Generator(device=p.device)
+                gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            scaled = name.endswith(("o_proj.weight", "down_proj.weight"))
+            nn.init.normal_(p, mean=0.0, std=out_std if scaled else std, generator=gen)
+        if not self.model.rotary.inv_freq.is_meta:
+            self.model.rotary.reset_parameters()
+
+    def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final normed hidden states (B, T, h), before the head (for chunked or
+        vocab-parallel loss)."""
+        return self.model(input_ids, position_ids, document_ids)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V) in fp32. ``position_ids`` default to 0..T-1;
+        with ``document_ids`` (B, T) attention stays within each packed document (pass
+        positions that restart per document, e.g. from ``document_position_ids``)."""
+        h = self.forward_hidden(input_ids, position_ids, document_ids)
+        return self.lm_head(h).float() if self.lm_head is not None else h
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                   reduction: str = "sum") -> torch.Tensor:
+    """Token cross-entropy in fp32. ``labels`` are aligned with ``logits`` (labels[:, t] is
+    the target of position t: the caller has already shifted them) and ``ignore_index``
+    marks tokens without a target. ``reduction`` "sum" (the default: the trainer divides by
+    the global count of target tokens over accumulation steps and data-parallel ranks, so every
+    token weighs the same), "mean" (over this call's target tokens) or "none"."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
+                           ignore_index=ignore_index, reduction=reduction)
+
+
+def count_target_tokens(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Number of labels that are not ``ignore_index`` (an int64 scalar tensor, ready for an
+    all-reduce)."""
+    return (labels != ignore_index).sum()

@@ -1,0 +1,106 @@
+"""Data parallel: every rank holds the whole model; gradients are summed over the "dp" axis
+with bucketed all-reduces launched from backward hooks, so communication of late layers
+overlaps the backward of early ones (the DDP idea, Li et al., VLDB 2020).
+
+The loss is already divided by the global token count, so the all-reduce is a SUM, not a mean:
+the result is exactly the single-process gradient of the same global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from threefold.config import OptimConfig
+from threefold.parallel.engine import LocalEngine
+
+
+class _Bucket:
+    """A flat gradient buffer for a few parameters, all-reduced as one message."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.flat = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
+        self.pending = len(params)
+        self.handle = None
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters in reverse registration order (roughly the order backward produces
+    their gradients) into buckets of about ``bucket_bytes``."""
+    buckets, cur, size = [], [], 0
+    for p in reversed(params):
+        cur.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+class DataParallelEngine(LocalEngine):
+    """Full replicas on every rank of ``axis``; gradient all-reduce overlapped with backward."""
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, comm, bucket_mb: float,
+                 axis: str = "dp"):
+        super().__init__(model, cfg)
+        self.comm, self.axis = comm, axis
+        params = [p for _, p in self.named_params]
+        self.buckets = [_Bucket(b) for b in make_buckets(params, int(bucket_mb * 2**20))]
+        self._where = {}
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                self._where[p] = (bucket, i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._sync = True
+        self._broadcast_parameters()
+
+    def _broadcast_parameters(self) -> None:
+        """Replicas start equal because every rank initialises from the same seed; check it
+        cheaply rather than trust it (a sum per parameter, all-reduced as max - min)."""
+        sums = torch.stack([p.detach().double().sum() for p in (q for _, q in self.named_params)])
+        hi, lo = sums.clone(), -sums.clone()
+        self.comm.all_reduce(hi, self.axis, op="max")
+        self.comm.all_reduce(lo, self.axis, op="max")
+        if not torch.equal(hi, -lo):
+            raise RuntimeError("data-parallel replicas differ at start-up (non-deterministic "
+                               "initialisation?)")
+
+    @contextlib.contextmanager
+    def micro_step(self, last: bool) -> Iterator[None]:
+        """Gradients are communicated only on the last micro-step of an accumulation."""
+        self._sync = last
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        bucket, i = self._where[p]
+        n = p.numel()
+        bucket.flat[bucket.offsets[i]:bucket.offsets[i] + n].copy_(p.grad.reshape(-1))
+        bucket.pending -= 1
+        if bucket.pending == 0:  # the whole bucket is ready: send it while backward goes on
+            bucket.handle = self.comm.all_reduce(bucket.flat, self.axis, async_op=True)
+
+    def finish_gradients(self) -> None:
+        """Wait for every bucket and put the summed gradients back into ``.grad``."""
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                raise RuntimeError("a gradient bucket was never reduced: some parameter got no "
+                                   "gradient this step (unused parameter?)")
+            bucket.handle.wait()
+            for p, off in zip(bucket.params, bucket.offsets):
+                p.grad.copy_(bucket.flat[off:off + p.numel()].view_as(p))
+            bucket.handle, bucket.pending = None, len(bucket.params)

@@ -1,0 +1,113 @@
+"""The optimiser side of a run, one object per layout.
+
+An engine owns the parameters' storage, their gradients' synchronisation and the optimiser. The
+training loop drives every layout with the same five calls:
+
+    with engine.micro_step(last=...):   # no gradient sync on accumulation micro-steps
+        loss.backward()
+    engine.finish_gradients()          # wait for in-flight reductions
+    norm = engine.clip_grad_norm(c)    # global norm, whatever is sharded where
+    engine.step(lr)                    # AdamW, then re-materialise what the layout needs
+    engine.state_dict()                # logical (unsharded, HF-named) tensors for checkpoints
+
+``LocalEngine`` is the single-process reference every parallel engine is proven equal to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from threefold.config import OptimConfig
+
+
+def unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Named parameters with tied weights listed once (under their first name)."""
+    return list(model.named_parameters(remove_duplicate=True))
+
+
+def make_adamw(params, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW as every engine uses it: same hyper-parameters, single-tensor kernel (the same
+    elementwise arithmetic whether a tensor is a whole parameter or a flat shard)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, foreach=False, fused=False)
+
+
+class LocalEngine:
+    """One process holds everything: plain AdamW over the model's parameters."""
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig):
+        self.model = model
+        self.cfg = cfg
+        self.named_params = unique_named_parameters(model)
+        self.optimizer = make_adamw([p for _, p in self.named_params], cfg)
+
+    # -- the step ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def micro_step(self, last: bool) -> Iterator[None]:
+        """Context for one micro-batch's backward; ``last`` marks the accumulation boundary."""
+        yield
+
+    def finish_gradients(self) -> None:
+        """Wait for outstanding gradient communication (none here)."""
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradients this rank owns (each element of the global gradient owned once)."""
+        return [p.grad for _, p in self.named_params if p.grad is not None]
+
+    def reduce_sq_norm(self, sq: torch.Tensor) -> torch.Tensor:
+        """Sum a local squared norm over the ranks that own disjoint parts of the gradient."""
+        return sq
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm of the gradient; scale gradients so it is at most ``max_norm``
+        (0 = measure only)."""
+        grads = self.grad_tensors()
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            sq += g.detach().float().pow(2).sum()
+        total = math.sqrt(float(self.reduce_sq_norm(sq)))
+        if max_norm > 0:
+            coef = max_norm / (total + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return total
+
+    def step(self, lr: float) -> None:
+        """One optimiser step at learning rate ``lr``; gradients are released afterwards."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{"model": {name: tensor}, "optim": {name.exp_avg / name.exp_avg_sq: tensor}} plus
+        the step count in ``optim_step``; every tensor whole and HF-named."""
+        model = {n: p.detach().clone() for n, p in self.named_params}
+        optim, step = {}, 0
+        for n, p in self.named_params:
+            st = self.optimizer.state.get(p)
+            if st:
+                optim[f"{n}.exp_avg"] = st["exp_avg"].detach().clone()
+                optim[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
+                step = int(st["step"])
+        return {"model": model, "optim": optim, "optim_step": step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load what ``state_dict`` produced (possibly written by another layout)."""
+        with torch.no_grad():
+            for n, p in self.named_params:
+                p.copy_(sd["model"][n])
+        for n, p in self.named_params:
+            if f"{n}.exp_avg" in sd["optim"]:
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(sd["optim_step"])),
+                    "exp_avg": sd["optim"][f"{n}.exp_avg"].clone().to(p.device),
+                    "exp_avg_sq": sd["optim"][f"{n}.exp_avg_sq"].clone().to(p.device),
+                }

@@ -1,0 +1,337 @@
+"""Replay every rank's action list together, with a cost per action, to get each rank's
+timeline, the makespan and the bubble; plus the ``threefold schedule`` command.
+
+The replay follows the executor's rules (schedules.py): compute actions run one after another
+on their rank; each maximal run of sends/receives is one batch that is posted when the rank
+reaches it and finishes when every message in it has met its partner. A message between two
+ranks is matched in FIFO order and is taken to need both sides posted (rendezvous): the
+strictest reading, so a list that finishes here also finishes where small sends are buffered.
+The same replay is the deadlock proof in check.py (the list runs with any positive costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+
+from threefold.parallel.pipeline.schedules import (
+    Action,
+    ActionKind,
+    SCHEDULES,
+    build_schedule,
+    in_flight_chunks,
+    message_key,
+    num_stages,
+    stage_rank,
+)
+from threefold.parallel.pipeline.timeline import TraceRecord, ascii_timeline, draw_png, write_chrome_trace
+
+
+class ScheduleError(ValueError):
+    """An action list the executor could not run correctly (missing input, mismatched
+    message, incomplete or misordered work)."""
+
+
+class DeadlockError(ScheduleError):
+    """Every unfinished rank waits on a message that never comes; ``blocked`` describes the
+    first such state, one line per waiting rank."""
+
+    def __init__(self, blocked: list[str]):
+        self.blocked = blocked
+        super().__init__("pipeline schedule deadlocks; blocked state:\n  " + "\n  ".join(blocked))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one action on one model chunk (any unit). BW costs t_b + t_w; t_comm is the
+    time from both sides posting a message to its arrival."""
+
+    t_f: float = 1.0
+    t_b: float = 1.0
+    t_w: float = 1.0
+    t_comm: float = 0.0
+
+    def of(self, kind: ActionKind) -> float:
+        """Duration of a compute action of this kind."""
+        return {ActionKind.FORWARD: self.t_f, ActionKind.BACKWARD_INPUT: self.t_b,
+                ActionKind.BACKWARD_WEIGHT: self.t_w, ActionKind.BACKWARD: self.t_b + self.t_w}[kind]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval on one rank: a compute action, or a communication batch (from posting
+    to completion, which includes any wait for the peer)."""
+
+    rank: int
+    start: float
+    end: float
+    actions: tuple[Action, ...]
+
+    @property
+    def is_compute(self) -> bool:
+        """True for a compute action, False for a communication batch."""
+        return self.actions[0].kind.is_compute
+
+
+@dataclass
+class SimResult:
+    """Per-rank timelines of one replay, with the bubble measures."""
+
+    spans: list[list[Span]]
+    makespan: float
+    busy: list[float] = field(default_factory=list)  # compute time per rank
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle compute time over p · makespan: GPipe's (p-1)/(m+p-1) form."""
+        p = len(self.busy)
+        return 1.0 - sum(self.busy) / (p * self.makespan) if self.makespan else 0.0
+
+    @property
+    def bubble_over_ideal(self) -> float:
+        """Mean idle time per rank over mean compute time per rank: Narayanan's
+        (p-1)/m form (bubble time / ideal time)."""
+        p = len(self.busy)
+        ideal = sum(self.busy) / p
+        return (self.makespan - ideal) / ideal if ideal else 0.0
+
+    def records(self, unit_s: float = 1.0) -> list[TraceRecord]:
+        """Trace records, one simulated time unit = ``unit_s`` seconds: every compute action,
+        and every communication batch that took time (waiting for a peer included)."""
+        out = []
+        for rank_spans in self.spans:
+            for s in rank_spans:
+                t0, t1 = s.start * unit_s, s.end * unit_s
+                if s.is_compute:
+                    out.append(TraceRecord(s.rank, str(s.actions[0]), t0, t1, "compute"))
+                elif s.end > s.start:
+                    out.append(TraceRecord(s.rank, " + ".join(map(str, s.actions)), t0, t1, "comm"))
+        return out
+
+
+def _pair_messages(lists: list[list[Action]]) -> dict[tuple[int, int], tuple[int, int]]:
+    """FIFO pairing: the k-th send from r to r' meets the k-th receive on r' from r.
+    Raises ScheduleError if a pair carries different messages (silently wrong data)."""
+    sends: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for r, acts in enumerate(lists):
+        for i, a in enumerate(acts):
+            if a.kind.name.startswith("SEND"):
+                sends.setdefault((r, a.peer), []).append((r, i))
+            elif a.kind.name.startswith("RECV"):
+                recvs.setdefault((a.peer, r), []).append((r, i))
+    partner = {}
+    for channel, ss in sends.items():
+        for k, (sr, si) in enumerate(ss):
+            rr = recvs.get(channel, [])
+            if k >= len(rr):
+                break  # unmatched send: the replay reports it as a deadlock
+            (dr, di) = rr[k]
+            send, recv = lists[sr][si], lists[dr][di]
+            if message_key(send) != message_key(recv):
+                raise ScheduleError(
+                    f"message {k} from rank {sr} to rank {dr} is mismatched: rank {sr} action "
+                    f"#{si} sends {send} but rank {dr} action #{di} expects {recv}")
+            partner[(sr, si)], partner[(dr, di)] = (dr, di), (sr, si)
+    return partner
+
+
+def _run_compute(r: int, i: int, a: Action, have: set, n_stages: int, p: int) -> None:
+    """Check a compute action's inputs are on this rank, then record what it produces."""
+    s, mb = a.stage, a.microbatch
+    need = []
+    if a.kind is ActionKind.FORWARD and s > 0:
+        need.append(("act", mb, s))
+    if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+        need.append(("fwd", mb, s))
+        if s < n_stages - 1:
+            need.append(("grad", mb, s))
+    if a.kind is ActionKind.BACKWARD_WEIGHT:
+        need.append(("bwd", mb, s))
+    for item in need:
+        if item not in have:
+            what = {"act": "input activation", "fwd": "forward", "grad": "output gradient",
+                    "bwd": "input-gradient backward (B)"}[item[0]]
+            raise ScheduleError(f"rank {r} action #{i} ({a}) runs before its {what} of "
+                                f"microbatch {mb} stage {s} is on this rank")
+    if a.kind is ActionKind.FORWARD:
+        have.add(("fwd", mb, s))
+        if s + 1 < n_stages and stage_rank(s + 1, p) == r:
+            have.add(("act", mb, s + 1))  # next stage on this rank: handed over in memory
+    elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+        have.add(("bwd", mb, s))
+        if s > 0 and stage_rank(s - 1, p) == r:
+            have.add(("grad", mb, s - 1))
+
+
+def replay(lists: list[list[Action]], n_stages: int, costs: Costs = Costs()) -> SimResult:
+    """Run all ranks' lists together under the executor's rules and return the timelines.
+    Raises ScheduleError on a missing input or mismatched message, DeadlockError if the
+    ranks block each other forever (with the first blocked state)."""
+    p = len(lists)
+    partner = _pair_messages(lists)
+    pc, clock, busy = [0] * p, [0.0] * p, [0.0] * p
+    have: list[set] = [set() for _ in range(p)]
+    posted: list[tuple[int, int, float] | None] = [None] * p  # (first, end, post time)
+    done: dict[tuple[int, int], float] = {}  # comm op -> arrival time
+    spans: list[list[Span]] = [[] for _ in range(p)]
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            acts = lists[r]
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                if a.kind.is_compute:
+                    _run_compute(r, pc[r], a, have[r], n_stages, p)
+                    end = clock[r] + costs.of(a.kind)
+                    spans[r].append(Span(r, clock[r], end, (a,)))
+                    busy[r] += end - clock[r]
+                    clock[r], pc[r], progress = end, pc[r] + 1, True
+                    continue
+                if posted[r] is None:  # post the batch: the whole run of sends/receives
+                    hi = pc[r]
+                    while hi < len(acts) and not acts[hi].kind.is_compute:
+                        x = acts[hi]
+                        src = ("fwd" if x.kind is ActionKind.SEND_FORWARD else "bwd",
+                               x.microbatch, x.stage)
+                        if x.kind.name.startswith("SEND") and src not in have[r]:
+                            raise ScheduleError(f"rank {r} action #{hi} ({x}) sends before the "
+                                                f"{'forward' if src[0] == 'fwd' else 'backward'}"
+                                                f" that produces it has run")
+                        hi += 1
+                    posted[r], progress = (pc[r], hi, clock[r]), True
+                lo, hi, t = posted[r]
+                for i in range(lo, hi):
+                    q = partner.get((r, i))
+                    if (r, i) not in done and q is not None and posted[q[0]] is not None \
+                            and posted[q[0]][0] <= q[1] < posted[q[0]][1]:
+                        done[(r, i)] = done[q] = max(t, posted[q[0]][2]) + costs.t_comm
+                if any((r, i) not in done for i in range(lo, hi)):
+                    break  # still waiting for a peer
+                end = max([clock[r]] + [done[(r, i)] for i in range(lo, hi)])
+                spans[r].append(Span(r, clock[r], end, tuple(acts[lo:hi])))
+                for x in acts[lo:hi]:
+                    if x.kind is ActionKind.RECV_FORWARD:
+                        have[r].add(("act", x.microbatch, x.stage))
+                    elif x.kind is ActionKind.RECV_BACKWARD:
+                        have[r].add(("grad", x.microbatch, x.stage))
+                clock[r], pc[r], posted[r], progress = end, hi, None, True
+    if any(pc[r] < len(lists[r]) for r in range(p)):
+        raise DeadlockError(_blocked_state(lists, pc, posted, partner, done))
+    return SimResult(spans, max(clock, default=0.0), busy)
+
+
+def _blocked_state(lists, pc, posted, partner, done) -> list[str]:
+    """One line per unfinished rank: where it stopped and which messages it waits for."""
+    lines = []
+    for r, acts in enumerate(lists):
+        if pc[r] >= len(acts):
+            continue
+        lo, hi, _ = posted[r] or (pc[r], pc[r] + 1, 0.0)
+        waits = []
+        for i in range(lo, hi):
+            if (r, i) in done:
+                continue
+            q = partner.get((r, i))
+            other = (f"rank {q[0]} action #{q[1]} ({lists[q[0]][q[1]]}) not posted" if q
+                     else "no matching message on the peer")
+            waits.append(f"#{i} {acts[i]} [{other}]")
+        lines.append(f"rank {r} at action #{pc[r]}/{len(acts)} waits on " + "; ".join(waits))
+    return lines
+
+
+def simulate(name: str, p: int, m: int, v: int = 1, costs: Costs = Costs()) -> SimResult:
+    """Build the named schedule for every rank and replay it with ``costs``."""
+    return replay(build_schedule(name, p, m, v), num_stages(name, p, v), costs)
+
+
+# --------------------------------------------------------------------------------------------
+# threefold schedule --pp P --microbatches M --schedule NAME [--vpp V] [--json] [--png F] ...
+# --------------------------------------------------------------------------------------------
+
+
+class _UsageError(Exception):
+    """A bad command line; main prints it on one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print the usage block and exit itself
+        raise _UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="threefold schedule",
+                 description="Prove a pipeline schedule free of deadlock and simulate its bubble.")
+    ap.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
+    ap.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    ap.add_argument("--schedule", required=True, choices=list(SCHEDULES), help="schedule name")
+    ap.add_argument("--vpp", type=int, default=1, help="model chunks per rank (interleaved)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+    ap.add_argument("--png", metavar="FILE", help="draw the timeline (needs matplotlib)")
+    ap.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
+    for flag, default, what in (("--t-f", 1.0, "forward of one model chunk"),
+                                ("--t-b", 1.0, "input-grad backward of one model chunk"),
+                                ("--t-w", 1.0, "weight-grad backward of one model chunk"),
+                                ("--t-comm", 0.0, "one message, once both sides posted it")):
+        ap.add_argument(flag, type=float, default=default, help=f"time of {what}, ms "
+                        f"(default {default:g})")
+    return ap
+
+
+def summary(name: str, p: int, m: int, v: int, costs: Costs, result: SimResult) -> dict:
+    """The figures ``threefold schedule --json`` prints."""
+    lists = build_schedule(name, p, m, v)
+    return {
+        "schedule": name, "pp": p, "microbatches": m, "vpp": v,
+        "bubble_fraction": result.bubble_fraction,
+        "bubble_over_ideal": result.bubble_over_ideal,
+        "makespan_ms": result.makespan,
+        "compute_ms_per_rank": result.busy,
+        "peak_in_flight_microbatches": [in_flight_chunks(acts) / v for acts in lists],
+        "messages_per_step": sum(a.kind.name.startswith("SEND") for acts in lists for a in acts),
+        "costs_ms": {"t_f": costs.t_f, "t_b": costs.t_b, "t_w": costs.t_w, "t_comm": costs.t_comm},
+    }
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``threefold schedule``; returns the exit code (2 for bad arguments)."""
+    # Imported here: check.py imports this module for its replay.
+    from threefold.parallel.pipeline.check import check_schedule
+
+    try:
+        args = _parser().parse_args(argv)
+        costs = Costs(args.t_f, args.t_b, args.t_w, args.t_comm)
+        if min(costs.t_f, costs.t_b, costs.t_w, costs.t_comm) < 0:
+            raise _UsageError("--t-f, --t-b, --t-w and --t-comm must be >= 0")
+        if args.png:
+            try:
+                import matplotlib  # noqa: F401  (only to fail before any work is done)
+            except ImportError:
+                raise _UsageError("--png needs matplotlib: pip install matplotlib") from None
+        check_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
+        result = simulate(args.schedule, args.pp, args.microbatches, args.vpp, costs)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except (_UsageError, ValueError) as e:
+        print(f"threefold schedule: error: {e}", file=sys.stderr)
+        return 2
+    info = summary(args.schedule, args.pp, args.microbatches, args.vpp, costs, result)
+    records = result.records(unit_s=1e-3)  # costs are in ms
+    title = f"{args.schedule}  pp={args.pp} microbatches={args.microbatches} vpp={args.vpp}"
+    if args.trace:
+        write_chrome_trace(records, args.trace)
+    if args.png:
+        draw_png(records, args.png, title=f"{title}  bubble {result.bubble_fraction:.1%}")
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    peaks = ", ".join(f"{x:g}" for x in info["peak_in_flight_microbatches"])
+    print(f"{title}: no deadlock, every (microbatch, stage) forward and backward once")
+    print(f"makespan {result.makespan:g} ms; bubble {result.bubble_fraction:.1%} of the step "
+          f"(idle / (pp x makespan)), {result.bubble_over_ideal:.1%} of the ideal time")
+    print(f"peak microbatches of activations in flight per rank: {peaks}")
+    print(ascii_timeline(result.records(), width=100))
+    return 0

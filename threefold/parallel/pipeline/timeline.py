@@ -1,0 +1,110 @@
+"""Timelines of pipeline ranks: a Chrome-trace writer (opens in Perfetto or chrome://tracing)
+and a PNG drawer. Both take generic records, so the simulator's predicted timeline and the
+executor's measured one are drawn by the same code and can be compared side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, NamedTuple
+
+
+class TraceRecord(NamedTuple):
+    """One interval on one rank. ``name`` starts with the action kind (``F``, ``B``, ``W``,
+    ``BW``, ``SEND_F``, ...) followed by details; ``category`` is e.g. compute or comm."""
+
+    rank: int
+    name: str
+    start_s: float
+    end_s: float
+    category: str
+
+
+def chrome_trace(records: Iterable[TraceRecord]) -> dict:
+    """The Chrome trace-event JSON object: one complete ("X") event per record, one process
+    per rank (named "rank r") and one thread per category, so overlapping compute and
+    communication of a rank sit on separate rows. Times are in microseconds."""
+    records = list(records)
+    categories = sorted({rec.category for rec in records})
+    tid = {c: i for i, c in enumerate(categories)}
+    events: list[dict] = []
+    for rank in sorted({rec.rank for rec in records}):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"sort_index": rank}})
+        for c in categories:
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid[c],
+                           "args": {"name": c}})
+    for rec in records:
+        events.append({"name": rec.name, "cat": rec.category, "ph": "X",
+                       "ts": rec.start_s * 1e6, "dur": (rec.end_s - rec.start_s) * 1e6,
+                       "pid": rec.rank, "tid": tid[rec.category]})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(records: Iterable[TraceRecord], path: str | Path) -> None:
+    """Write ``chrome_trace(records)`` to ``path``."""
+    Path(path).write_text(json.dumps(chrome_trace(records)))
+
+
+def ascii_timeline(records: Iterable[TraceRecord], width: int = 100) -> str:
+    """A text picture, one row per rank: each cell shows the kind of compute running at its
+    midpoint (F, B, W; a fused backward shows as B) or ``.`` when the rank is idle. One cell
+    is one time unit when the step is at most ``width`` units long, else the step is scaled."""
+    compute = [rec for rec in records if rec.category == "compute"]
+    end = max((rec.end_s for rec in compute), default=0.0)
+    if end <= 0:
+        return ""
+    cells = min(width, max(1, round(end))) if end >= 1 else width
+    step = end / cells
+    rows = []
+    for rank in sorted({rec.rank for rec in compute}):
+        row = ["."] * cells
+        for rec in compute:
+            if rec.rank == rank:
+                first = int(rec.start_s / step + 0.5)
+                last = int(rec.end_s / step + 0.5)
+                for c in range(first, min(last, cells)):
+                    row[c] = rec.name[:1]
+        rows.append(f"rank {rank:>2} |{''.join(row)}|")
+    return "\n".join(rows)
+
+
+# Colours by action kind: forward blue, input-grad orange, weight-grad green, fused backward
+# purple; communication grey.
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#8172b3"}
+
+
+def draw_png(records: Iterable[TraceRecord], path: str | Path, title: str = "") -> None:
+    """Draw one row per rank (rank 0 on top) with a bar per record, labelled with its
+    microbatch where the bar is wide enough. Needs matplotlib, imported here so the rest of
+    threefold does not depend on it; ImportError if it is missing."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never open a window
+    import matplotlib.pyplot as plt
+
+    records = list(records)
+    ranks = sorted({rec.rank for rec in records})
+    end = max((rec.end_s for rec in records), default=1.0) or 1.0
+    fig, ax = plt.subplots(figsize=(min(4 + end * 0.35, 30), 0.6 * len(ranks) + 1.2))
+    for rec in records:
+        kind, *rest = rec.name.split()
+        colour = _COLOURS.get(kind, "#bbbbbb")
+        width = rec.end_s - rec.start_s
+        ax.broken_barh([(rec.start_s, width)], (rec.rank - 0.4, 0.8), facecolors=colour,
+                       edgecolors="white", linewidth=0.5)
+        mb = next((w[2:] for w in rest if w.startswith("mb")), "")
+        if rec.category == "compute" and width >= end / 80:
+            ax.text(rec.start_s + width / 2, rec.rank, f"{kind}{mb}", ha="center",
+                    va="center", fontsize=7, color="white")
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylim(max(ranks, default=0) + 0.6, -0.6)
+    ax.set_xlim(0, end)
+    ax.set_xlabel("time")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,315 @@
+"""ZeRO (Rajbhandari et al., arXiv 1910.02054) over the "dp_shard" axis, on flat shards.
+
+Parameters are grouped into *units* — the embedding, each transformer block, the final norm and
+the LM head (a root unit takes tied weights) — and each unit's parameters are flattened into one
+buffer, padded to a multiple of N = |dp_shard| and cut into N equal shards. Rank r owns shard r
+of every unit, and AdamW updates only that shard (elementwise the same arithmetic as on whole
+tensors, so the result equals single-process training).
+
+- Stage 1 (P_os): optimiser state sharded. Full gradients stay allocated; after backward each
+  unit's gradient is reduce-scattered, the owner updates its shard, the new shards are
+  all-gathered back into the full parameters.
+- Stage 2 (P_os+g): as stage 1, but each unit's reduce-scatter starts from a backward hook as
+  soon as the unit's gradients are complete (overlapping the rest of backward) and the full
+  gradient is released right after: only shard gradients stay.
+- Stage 3 (P_os+g+p): parameters sharded too. A block's full parameters exist only around its
+  forward and its backward: all-gathered just before (the next block prefetched
+  asynchronously), released after. Gradients are reduce-scattered per micro-batch into the
+  shard's gradient, so no full gradient outlives its block's backward.
+
+With dp_replicate > 1 (hybrid sharding, HSDP), shard gradients are then all-reduced over
+"dp_replicate": every replica group holds the same shards.
+
+Communication per step, elements per rank (ZeRO §7): stages 1-2 reduce-scatter Ψ(N-1)/N +
+all-gather Ψ(N-1)/N = 2Ψ(N-1)/N; stage 3 adds the backward re-gather: 3Ψ(N-1)/N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from threefold.config import OptimConfig
+from threefold.parallel.engine import make_adamw, unique_named_parameters
+
+
+class FlatUnit:
+    """One unit's parameters as a padded flat buffer, sharded over the shard axis."""
+
+    def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], comm, axis: str,
+                 stage: int):
+        self.name, self.comm, self.axis, self.stage = name, comm, axis, stage
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]
+        self.offsets, n = [], 0
+        for p in self.params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        world, rank = comm.size(axis), comm.rank(axis)
+        self.shard_numel = math.ceil(n / world)
+        self.padded = self.shard_numel * world
+        dev, dtype = self.params[0].device, self.params[0].dtype
+        self.full = torch.zeros(self.padded, dtype=dtype, device=dev)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
+        lo = rank * self.shard_numel
+        self.shard = nn.Parameter(self.full[lo:lo + self.shard_numel].clone())
+        self._point_params_at_full()
+        self.gathered = True
+        self.pending = len(self.params)
+        self.gather_handle = None
+        self.reduce_jobs: list[tuple] = []
+        self.in_backward = False
+
+    # -- parameters as views of the flat buffer -------------------------------------------
+    def _point_params_at_full(self) -> None:
+        # `.data` assignment keeps each Parameter's identity (optimiser hooks, autograd leaf)
+        # while its storage becomes a view of the unit's flat buffer.
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            p.data = self.full.data[off:off + math.prod(shape)].view(shape)
+
+    def release(self) -> None:
+        """Free the full parameters' memory (stage 3); views stay, pointing at no bytes."""
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def start_gather(self) -> None:
+        """Begin re-materialising the full parameters from all shards (asynchronous)."""
+        if self.gathered or self.gather_handle is not None:
+            return
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        self.gather_handle = self.comm.all_gather(self.full.data, self.shard.data, self.axis,
+                                                  async_op=True)
+
+    def wait_gather(self) -> None:
+        """Make sure the full parameters are present."""
+        if self.gathered:
+            return
+        self.start_gather()
+        self.gather_handle.wait()
+        self.gather_handle = None
+        self.gathered = True
+
+    # -- gradients --------------------------------------------------------------------------
+    def flat_grad(self) -> torch.Tensor:
+        """This unit's full gradient as one padded flat tensor (parameter grads released)."""
+        g = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
+        for p, off in zip(self.params, self.offsets):
+            if p.grad is not None:
+                g[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        return g
+
+    def start_reduce_scatter(self) -> None:
+        """Sum the unit's gradient over the shard axis, keeping only this rank's shard."""
+        g = self.flat_grad()
+        out = torch.empty(self.shard_numel, dtype=g.dtype, device=g.device)
+        handle = self.comm.reduce_scatter(out, g, self.axis, async_op=True)
+        self.reduce_jobs.append((handle, out, g))
+
+    def finish_reduce_scatter(self) -> None:
+        """Wait for this unit's reductions and accumulate them into the shard's gradient."""
+        for handle, out, _ in self.reduce_jobs:
+            handle.wait()
+            if self.shard.grad is None:
+                self.shard.grad = out
+            else:
+                self.shard.grad.add_(out)
+        self.reduce_jobs = []
+
+
+class ZeroEngine:
+    """ZeRO stage 1, 2 or 3 over ``shard_axis``, optionally replicated over ``replicate_axis``.
+
+    ``modules`` lists, in forward order, the modules that become units (for the Llama model:
+    the embedding, each block, the final norm, the LM head). A parameter used by two of them
+    (tied embeddings) and any parameter in none of them go to the *root* unit, which stays
+    gathered from the model's forward until the gradients are reduced.
+    """
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module], cfg: OptimConfig, comm,
+                 stage: int, shard_axis: str = "dp_shard", replicate_axis: str = "dp_replicate"):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        self.model, self.cfg, self.comm, self.stage = model, cfg, comm, stage
+        self.shard_axis, self.replicate_axis = shard_axis, replicate_axis
+        named = unique_named_parameters(model)
+        users: dict[nn.Parameter, list[int]] = {}
+        for i, module in enumerate(modules):
+            for p in module.parameters():
+                users.setdefault(p, []).append(i)
+        groups: list[list] = [[] for _ in modules]
+        root: list = []
+        for n, p in named:
+            u = users.get(p, [])
+            (groups[u[0]] if len(u) == 1 else root).append((n, p))
+        self.unit_modules = [(m, FlatUnit(f"unit{i}", g, comm, shard_axis, stage))
+                             for i, (m, g) in enumerate(zip(modules, groups)) if g]
+        self.units = [u for _, u in self.unit_modules]
+        self.root = FlatUnit("root", root, comm, shard_axis, stage) if root else None
+        self.all_units = self.units + ([self.root] if self.root else [])
+        self.named_params = named
+        self.optimizer = make_adamw([u.shard for u in self.all_units], cfg)
+        self._sync = True
+        for unit in self.all_units:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda _p, u=unit: self._on_grad(u))
+        if stage == 3:
+            self._install_stage3_hooks()
+            for unit in self.all_units:
+                unit.release()
+
+    # -- stage 3: gather around use -------------------------------------------------------
+    def _install_stage3_hooks(self) -> None:
+        units = self.units
+
+        def pre_forward(i):
+            def hook(_m, _args):
+                if not units[i].in_backward:
+                    units[i].wait_gather()
+                    if i + 1 < len(units):
+                        units[i + 1].start_gather()  # prefetch the next unit
+            return hook
+
+        def post_forward(i):
+            def hook(_m, _args, _out):
+                # under activation checkpointing a block's forward is re-run inside backward,
+                # after its backward pre-hook: then its parameters must stay for backward
+                if not units[i].in_backward:
+                    units[i].release()
+            return hook
+
+        def pre_backward(i):
+            def hook(_m, _grad_out):
+                units[i].in_backward = True
+                units[i].wait_gather()
+                if i > 0:
+                    units[i - 1].start_gather()  # prefetch the unit whose backward is next
+            return hook
+
+        # The embedding's input (token ids) needs no gradient; its backward pre-hook still
+        # fires on the output gradient, which is what we want. Silence torch's note about it.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
+        for i, (module, _) in enumerate(self.unit_modules):
+            module.register_forward_pre_hook(pre_forward(i))
+            module.register_forward_hook(post_forward(i))
+            module.register_full_backward_pre_hook(pre_backward(i))
+        if self.root:
+            self.model.register_forward_pre_hook(lambda _m, _a: self.root.wait_gather())
+
+    # -- the step -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def micro_step(self, last: bool) -> Iterator[None]:
+        """Stages 1-2 keep accumulating full gradients locally until the last micro-step;
+        stage 3 reduces every micro-step (its full gradients are not kept)."""
+        self._sync = last or self.stage == 3
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad(self, unit: FlatUnit) -> None:
+        unit.pending -= 1
+        if unit.pending:
+            return
+        unit.pending = len(unit.params)
+        if self.stage == 3:
+            unit.start_reduce_scatter()
+            unit.in_backward = False
+            if unit is not self.root:
+                unit.release()
+        elif self.stage == 2 and self._sync:
+            unit.start_reduce_scatter()
+
+    def finish_gradients(self) -> None:
+        """Complete every unit's reduce-scatter (stage 1 starts them here), then all-reduce
+        shard gradients across replicas for hybrid sharding."""
+        for unit in self.all_units:
+            if self.stage == 1:
+                unit.start_reduce_scatter()
+            unit.finish_reduce_scatter()
+            if self.comm.size(self.replicate_axis) > 1:
+                self.comm.all_reduce(unit.shard.grad, self.replicate_axis)
+        if self.stage == 3 and self.root:
+            self.root.release()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global norm from the shards (padding is zero), summed over the shard axis."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.all_units[0].full.device)
+        for unit in self.all_units:
+            sq += unit.shard.grad.float().pow(2).sum()
+        self.comm.all_reduce(sq, self.shard_axis)
+        total = math.sqrt(float(sq))
+        if max_norm > 0:
+            coef = max_norm / (total + 1e-6)
+            if coef < 1.0:
+                for unit in self.all_units:
+                    unit.shard.grad.mul_(coef)
+        return total
+
+    def step(self, lr: float) -> None:
+        """AdamW on the owned shards; stages 1-2 then all-gather the new parameters."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.stage in (1, 2):
+            for unit in self.all_units:
+                unit.gathered = False
+                unit.wait_gather()
+
+    # -- checkpoints: whole, HF-named tensors whatever the sharding -------------------------
+    def _gather_flat(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
+        self.comm.all_gather(full, shard.contiguous(), self.shard_axis)
+        return full
+
+    def _split(self, unit: FlatUnit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: flat[o:o + math.prod(s)].view(s).clone()
+                for n, o, s in zip(unit.names, unit.offsets, unit.shapes)}
+
+    def state_dict(self) -> dict:
+        """Collective: every rank must call it. Returns logical tensors on every rank."""
+        model, optim, step = {}, {}, 0
+        for unit in self.all_units:
+            model.update(self._split(unit, self._gather_flat(unit, unit.shard.data)))
+            st = self.optimizer.state.get(unit.shard)
+            if st:
+                step = int(st["step"])
+                for key in ("exp_avg", "exp_avg_sq"):
+                    parts = self._split(unit, self._gather_flat(unit, st[key]))
+                    optim.update({f"{n}.{key}": t for n, t in parts.items()})
+        return {"model": model, "optim": optim, "optim_step": step}
+
+    def _my_shard(self, unit: FlatUnit, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        flat = torch.zeros(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
+        for n, o, s in zip(unit.names, unit.offsets, unit.shapes):
+            flat[o:o + math.prod(s)].copy_(tensors[n].reshape(-1))
+        lo = self.comm.rank(self.shard_axis) * unit.shard_numel
+        return flat[lo:lo + unit.shard_numel].clone()
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Take this rank's shards of logical tensors written by any layout."""
+        for unit in self.all_units:
+            with torch.no_grad():
+                unit.shard.copy_(self._my_shard(unit, sd["model"]))
+            if f"{unit.names[0]}.exp_avg" in sd["optim"]:
+                st = {"step": torch.tensor(float(sd["optim_step"]))}
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key] = self._my_shard(unit, {n: sd["optim"][f"{n}.{key}"]
+                                                    for n in unit.names})
+                self.optimizer.state[unit.shard] = st
+            if self.stage in (1, 2) or unit.gathered:
+                unit.gathered = False
+                unit.wait_gather()
+            if self.stage == 3:
+                unit.release()

@@ -1,0 +1,441 @@
+"""`threefold plan`: rank every parallel layout of a model on a cluster by predicted step time.
+
+The search enumerates (dp_replicate, dp_shard, tp, pp, vpp, zero_stage, microbatch_size,
+recompute) whose product is the world and which divide the model and the batch, drops those
+that do not fit in memory (keeping the reason), scores the rest with ``threefold.cost`` and
+``threefold.memory``, and explains the ranking. Imports no torch: the 1024-GPU search for a
+70B model takes a second or two.
+
+Conventions: tensor parallelism runs with sequence parallelism; zero_stage 0 means plain data
+parallelism over dp_shard (dp_replicate = 1); vpp > 1 means interleaved 1F1B; mesh axes are
+ordered pp, dp_replicate, dp_shard, tp (outermost first), so tp stays inside a node when it
+can, and a layout whose tp group crosses nodes is flagged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from threefold.config import MODEL_PRESETS, ConfigError, ModelConfig, load_config
+from threefold.cost import (
+    RECOMPUTE,
+    Layout,
+    LayoutError,
+    StepPrediction,
+    Workload,
+    check_layout,
+    num_parameters,
+    padded_vocab,
+    predict_step,
+    tp_shard,
+)
+from threefold.hardware import GPUS, Cluster, Hardware, get_hardware
+from threefold.memory import MemoryBreakdown, memory_per_gpu
+
+JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "zero_stage", "vpp", "microbatch_size",
+             "recompute", "memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
+             "tflops_per_gpu", "mfu", "bubble_fraction", "warnings")
+BUBBLE_WARN = 0.20
+MEMORY_WARN = 0.95
+MAX_MICROBATCH = 16
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Values each knob may take; None = every value that divides the world and the model."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    vpp: tuple[int, ...] | None = None
+    dp_replicate: tuple[int, ...] | None = None
+    zero_stage: tuple[int, ...] = (0, 1, 2, 3)
+    microbatch_size: tuple[int, ...] | None = None
+    recompute: tuple[str, ...] = RECOMPUTE
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout that fits, with its prediction and warnings."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    step: StepPrediction
+    warnings: tuple[str, ...]
+
+
+@dataclass
+class PlanResult:
+    """Ranked candidates (best first), the layouts that do not fit (with why), and counts of
+    layouts the model or batch does not divide, by reason."""
+
+    ranked: list[Candidate]
+    too_big: list[tuple[Layout, float, str]] = field(default_factory=list)
+    invalid: dict[str, int] = field(default_factory=dict)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
+                      space: SearchSpace = SearchSpace(),
+                      invalid: dict[str, int] | None = None) -> Iterator[Layout]:
+    """Every layout in ``space`` that uses exactly ``world`` ranks and passes
+    ``check_layout``; the reasons others fail are counted into ``invalid``."""
+    invalid = {} if invalid is None else invalid
+
+    def reject(reason: str) -> None:
+        invalid[reason] = invalid.get(reason, 0) + 1
+
+    for tp in space.tp or _divisors(world):
+        if world % tp:
+            reject(f"tp={tp} does not divide {world} GPUs")
+            continue
+        try:
+            tp_shard(cfg, tp)
+        except LayoutError as e:
+            reject(str(e))
+            continue
+        for pp in space.pp or _divisors(world // tp):
+            if (world // tp) % pp:
+                reject(f"tp·pp={tp * pp} does not divide {world} GPUs")
+                continue
+            if cfg.num_hidden_layers % pp:
+                reject(f"pp={pp} does not divide the {cfg.num_hidden_layers} layers")
+                continue
+            dp = world // (tp * pp)
+            per_replica, rem = divmod(work.global_batch, dp)
+            if rem or not per_replica:
+                reject(f"dp={dp} does not divide the global batch of {work.global_batch}")
+                continue
+            vpps = [1] if pp == 1 else [v for v in _divisors(cfg.num_hidden_layers // pp)]
+            for vpp in space.vpp or vpps:
+                for zero, dp_r in _dp_splits(dp, space):
+                    for mbs in space.microbatch_size or _divisors(per_replica):
+                        if mbs > MAX_MICROBATCH and not space.microbatch_size:
+                            continue
+                        for rc in space.recompute:
+                            lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
+                                         zero_stage=zero, vpp=vpp, microbatch_size=mbs,
+                                         recompute=rc)
+                            try:
+                                check_layout(cfg, lay, work)
+                            except LayoutError as e:
+                                reject(str(e).split(":")[0] if "global batch" in str(e)
+                                       else _generic(str(e)))
+                                continue
+                            yield lay
+
+
+def _generic(reason: str) -> str:
+    """Group reasons that differ only in their numbers (for the summary)."""
+    if reason.startswith("interleaved"):
+        return "interleaved 1F1B needs microbatches a multiple of pp"
+    return reason
+
+
+def _dp_splits(dp: int, space: SearchSpace) -> Iterator[tuple[int, int]]:
+    """(zero_stage, dp_replicate): stage 0 is plain DP (dp_replicate 1); stages 1-3 shard over
+    dp_shard = dp / dp_replicate > 1, with any dp_replicate (hybrid sharding)."""
+    for zero in space.zero_stage:
+        if zero == 0:
+            if not space.dp_replicate or 1 in space.dp_replicate:
+                yield 0, 1
+            continue
+        for dp_r in space.dp_replicate or _divisors(dp):
+            if dp % dp_r == 0 and dp // dp_r > 1:
+                yield zero, dp_r
+
+
+def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: StepPrediction,
+                    cluster: Cluster) -> tuple[str, ...]:
+    """What a user should know before launching ``lay``."""
+    out = []
+    if "tp" in step.inter_node_axes:
+        out.append(f"tp crosses nodes (tp={lay.tp} > {cluster.gpus_per_node} GPUs per node)")
+    if step.bubble_fraction > BUBBLE_WARN:
+        out.append(f"pipeline bubble {step.bubble_fraction:.0%} > {BUBBLE_WARN:.0%}")
+    if mem.total > MEMORY_WARN * cluster.hardware.memory_bytes:
+        out.append(f"within {1 - MEMORY_WARN:.0%} of the memory limit")
+    sh = tp_shard(cfg, lay.tp)
+    if sh.kv_replicas > 1:
+        out.append(f"{cfg.num_key_value_heads} kv heads replicated {sh.kv_replicas}x over tp")
+    if cfg.intermediate_size % lay.tp:
+        out.append(f"intermediate size {cfg.intermediate_size} padded to {sh.ffn}·tp")
+    return tuple(out)
+
+
+def search(cfg: ModelConfig, cluster: Cluster, work: Workload,
+           space: SearchSpace = SearchSpace(), memory_limit: float | None = None) -> PlanResult:
+    """Score every layout in ``space``; best (shortest step) first."""
+    limit = cluster.hardware.memory_bytes if memory_limit is None else memory_limit
+    result = PlanResult(ranked=[])
+    for lay in enumerate_layouts(cfg, cluster.num_gpus, work, space, result.invalid):
+        mem = memory_per_gpu(cfg, lay, work)
+        if mem.total > limit:
+            why = (f"needs {mem.total / 1e9:.1f} GB > {limit / 1e9:.0f} GB on stage {mem.stage}"
+                   f" (states {mem.model_states / 1e9:.1f}, activations "
+                   f"{(mem.activations + mem.recompute_working) / 1e9:.1f}, logits "
+                   f"{mem.logits / 1e9:.1f})")
+            result.too_big.append((lay, mem.total, why))
+            continue
+        step = predict_step(cfg, lay, work, cluster)
+        result.ranked.append(Candidate(lay, mem, step, layout_warnings(cfg, lay, mem, step,
+                                                                       cluster)))
+    result.ranked.sort(key=lambda c: (c.step.step_time_s, c.memory.total))
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Explaining and printing
+# --------------------------------------------------------------------------------------------
+def _terms(c: Candidate) -> dict[str, float]:
+    s = c.step
+    return {"compute": s.compute_s, "bubble": s.bubble_s, "tp comm": s.tp_exposed_s,
+            "pp comm": s.pp_exposed_s, "dp comm": s.dp_exposed_s}
+
+
+def explain(best: Candidate, other: Candidate) -> str:
+    """Why ``other`` is slower than ``best``: the terms of its step time that are larger,
+    biggest first, with what in the layout makes them so."""
+    if other is best:
+        return "best: shortest predicted step"
+    tb, to = _terms(best), _terms(other)
+    deltas = sorted(((to[k] - tb[k], k) for k in tb), reverse=True)
+    lost = other.step.step_time_s - best.step.step_time_s
+    parts = [f"{k} +{d * 1e3:.1f} ms" for d, k in deltas if d > 0.005 * best.step.step_time_s]
+    head = f"{lost * 1e3:.1f} ms slower: " + (", ".join(parts[:3]) or "within rounding")
+    why = _cause(best, other, deltas[0][1])
+    saved = best.memory.total - other.memory.total
+    tail = f"; uses {saved / 1e9:.1f} GB less per GPU" if saved > 1e9 else ""
+    return head + (f" ({why})" if why else "") + tail
+
+
+def _cause(best: Candidate, other: Candidate, term: str) -> str:
+    """A short reason for the largest term difference."""
+    b, o = best.layout, other.layout
+    if term == "compute":
+        if o.recompute != b.recompute:
+            return f"recompute {o.recompute} vs {b.recompute}"
+        return "more FLOPs on the slowest stage (padding, replicated kv, head imbalance)"
+    if term == "bubble":
+        return f"pp={o.pp}, vpp={o.vpp}, {other.step.bubble_fraction:.0%} bubble"
+    if term == "tp comm":
+        crosses = "tp" in other.step.inter_node_axes
+        return f"tp={o.tp}" + (" across nodes" if crosses else "")
+    if term == "pp comm":
+        return f"pp={o.pp}, vpp={o.vpp}"
+    if term == "dp comm":
+        return f"zero_stage {o.zero_stage} over dp_shard={o.dp_shard}" + \
+               (" across nodes" if "dp_shard" in other.step.inter_node_axes else "")
+    return ""
+
+
+def to_json_rows(cands: list[Candidate]) -> list[dict]:
+    """The ``--json`` records, keys exactly ``JSON_KEYS``."""
+    rows = []
+    for c in cands:
+        lay, s = c.layout, c.step
+        rows.append({"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
+                     "dp_shard": lay.dp_shard, "zero_stage": lay.zero_stage, "vpp": lay.vpp,
+                     "microbatch_size": lay.microbatch_size, "recompute": lay.recompute,
+                     "memory_bytes_per_gpu": c.memory.total, "step_time_s": s.step_time_s,
+                     "tokens_per_second_per_gpu": s.tokens_per_second_per_gpu,
+                     "tflops_per_gpu": s.tflops_per_gpu, "mfu": s.mfu,
+                     "bubble_fraction": s.bubble_fraction, "warnings": list(c.warnings)})
+    return rows
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def format_table(cands: list[Candidate], explain_all: bool = False) -> str:
+    """The text table of ``cands`` (best first), with warnings and explanations under rows."""
+    head = (f"{'#':>2} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp_r':>4} {'dp_s':>4} {'zero':>4} "
+            f"{'mbs':>3} {'recomp':<9} {'mem GB (states+act+other)':<26} {'step s':>8} "
+            f"{'tok/s/GPU':>9} {'TF/s':>6} {'MFU':>5} {'bubble':>6}  "
+            f"{'GB sent per step: tp/pp/dp_s/dp_r'}")
+    lines = [head]
+    for i, c in enumerate(cands, 1):
+        lay, s, m = c.layout, c.step, c.memory
+        other = m.total - m.model_states - m.activations
+        mem = f"{_gb(m.total)} ({_gb(m.model_states)}+{_gb(m.activations)}+{_gb(other)})"
+        comm = "/".join(_gb(s.comm_bytes[a]) for a in ("tp", "pp", "dp_shard", "dp_replicate"))
+        lines.append(
+            f"{i:>2} {lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
+            f"{lay.dp_shard:>4} {lay.zero_stage:>4} {lay.microbatch_size:>3} "
+            f"{lay.recompute:<9} {mem:<26} {s.step_time_s:>8.3f} "
+            f"{s.tokens_per_second_per_gpu:>9.0f} {s.tflops_per_gpu:>6.0f} {s.mfu:>5.1%} "
+            f"{s.bubble_fraction:>6.1%}  {comm}")
+        for w in c.warnings:
+            lines.append(f"{'':>6}! {w}")
+        if explain_all and i > 1:
+            lines.append(f"{'':>6}why not best: {explain(cands[0], c)}")
+    return "\n".join(lines)
+
+
+def _summary(result: PlanResult) -> str:
+    lines = []
+    if result.too_big:
+        lay, total, why = min(result.too_big, key=lambda r: r[1])
+        lines.append(f"{len(result.too_big)} layouts do not fit in memory; the smallest "
+                     f"(tp={lay.tp} pp={lay.pp} zero={lay.zero_stage} mbs={lay.microbatch_size}"
+                     f" recompute={lay.recompute}) {why}")
+    for reason, n in sorted(result.invalid.items(), key=lambda kv: -kv[1])[:6]:
+        lines.append(f"{n} skipped: {reason}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, instead of usage + message
+        raise _UsageError(message)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``threefold plan`` options."""
+    p = _Parser(prog="threefold plan", description="Rank parallel layouts by predicted step "
+                "time. Throughput counts recomputation (hardware TF/s, as Narayanan et al. "
+                "report); MFU does not (PaLM's definition).")
+    p.add_argument("--model", default="llama3-8b",
+                   help=f"preset ({', '.join(MODEL_PRESETS)}) or a TOML file with [model]")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in total")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink")
+    p.add_argument("--gpu", default="h100", help=f"catalogue entry: {', '.join(GPUS)}")
+    p.add_argument("--peak-tflops", type=float, help="override: dense peak TF/s at --precision")
+    p.add_argument("--memory-gb", type=float, help="override: GPU memory, GB (1e9 bytes)")
+    p.add_argument("--intra-bw-gbps", type=float,
+                   help="override: NVLink GB/s per GPU as datasheets state it (both directions"
+                   " summed, e.g. 900 for H100)")
+    p.add_argument("--inter-bw-gbps", type=float,
+                   help="override: network Gb/s (bits) per GPU per direction, e.g. 400")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default min(4096, model))")
+    p.add_argument("--global-batch-tokens", type=int, default=4 * 1024 * 1024,
+                   help="tokens per optimiser step (a multiple of --seq-len)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 mixed precision with fp32 Adam (16 bytes/param), or fp32")
+    p.add_argument("--attention", choices=("flash", "eager"), default="flash",
+                   help="flash: attention probabilities not stored; eager: stored")
+    p.add_argument("--top", type=int, default=5, help="layouts to show")
+    p.add_argument("--tp", type=_int_list, help="only these tp degrees (comma list)")
+    p.add_argument("--pp", type=_int_list, help="only these pp degrees")
+    p.add_argument("--zero-stage", type=_int_list, help="only these ZeRO stages")
+    p.add_argument("--recompute", help="only these: none,selective,full")
+    p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
+    p.add_argument("--explain", action="store_true", help="say why each loses to the best")
+    return p
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A resolved ModelConfig from a preset name or a TOML file's [model] (and [data]) tables."""
+    if spec in MODEL_PRESETS:
+        cfg = ModelConfig(preset=spec).resolved()
+        vocab = 0
+    elif Path(spec).suffix == ".toml" or Path(spec).is_file():
+        full = load_config(spec, validate_now=False)
+        cfg, vocab = full.model.resolved(full.data.vocab_size), full.data.vocab_size
+    else:
+        raise ConfigError(f"--model: '{spec}' is neither a preset ({', '.join(MODEL_PRESETS)})"
+                          " nor a TOML file")
+    if not cfg.vocab_size:
+        # presets without a vocabulary use the tokenizer's; plan with the default BPE size
+        cfg.vocab_size = vocab or 4096
+    return cfg
+
+
+def _hardware(args) -> Hardware:
+    hw = get_hardware(args.gpu)
+    peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
+    return hw.with_overrides(
+        peak_flops_16bit=peak if args.precision == "bf16" else None,
+        peak_flops_fp32=peak if args.precision == "fp32" else None,
+        memory_bytes=None if args.memory_gb is None else args.memory_gb * 1e9,
+        intra_node_bw=None if args.intra_bw_gbps is None else args.intra_bw_gbps / 2 * 1e9,
+        inter_node_bw=None if args.inter_bw_gbps is None else args.inter_bw_gbps / 8 * 1e9)
+
+
+def _setup(argv: list[str]):
+    args = build_parser().parse_args(argv)
+    cfg = load_model(args.model)
+    for name in ("gpus", "gpus_per_node", "top", "global_batch_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
+    for name in ("peak_tflops", "memory_gb", "intra_bw_gbps", "inter_bw_gbps"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be positive")
+    seq = args.seq_len or min(4096, cfg.max_position_embeddings)
+    if seq < 1 or seq > cfg.max_position_embeddings:
+        raise ConfigError(f"--seq-len: {seq} is outside 1..{cfg.max_position_embeddings} "
+                          f"(the model's max_position_embeddings)")
+    if args.global_batch_tokens % seq:
+        raise ConfigError(f"--global-batch-tokens: {args.global_batch_tokens} is not a multiple "
+                          f"of --seq-len {seq}")
+    recompute = RECOMPUTE
+    if args.recompute:
+        recompute = tuple(args.recompute.split(","))
+        bad = [r for r in recompute if r not in RECOMPUTE]
+        if bad:
+            raise ConfigError(f"--recompute: '{bad[0]}' is not one of {', '.join(RECOMPUTE)}")
+    if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
+        raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
+    work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
+                    precision=args.precision, flash_attention=args.attention == "flash")
+    cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))
+    space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
+                        recompute=recompute)
+    return args, cfg, cluster, work, space
+
+
+def main(argv: list[str]) -> int:
+    """``threefold plan ...``: print the top layouts (table or --json). Exit 0 on success,
+    1 when no layout fits, 2 on bad input (one line on stderr)."""
+    try:
+        args, cfg, cluster, work, space = _setup(argv)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except (_UsageError, ConfigError, ValueError) as e:
+        print(f"threefold plan: error: {e}", file=sys.stderr)
+        return 2
+    result = search(cfg, cluster, work, space)
+    top = result.ranked[:args.top]
+    if args.json:
+        print(json.dumps(to_json_rows(top), indent=1))
+    else:
+        hw = cluster.hardware
+        print(f"{args.model}: {num_parameters(cfg) / 1e9:.2f}B parameters (vocab "
+              f"{cfg.vocab_size} padded to {padded_vocab(cfg, 1)}·tp multiples), seq "
+              f"{work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
+        print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
+              f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "
+              f"{hw.memory_bytes / 1e9:.0f} GB, NVLink {hw.intra_node_bw * 2 / 1e9:.0f} GB/s, "
+              f"network {hw.inter_node_bw * 8 / 1e9:.0f} Gb/s per GPU")
+        print(f"{len(result.ranked)} layouts fit; top {len(top)} by predicted step time:")
+        if top:
+            print(format_table(top, explain_all=args.explain))
+        summary = _summary(result)
+        if summary:
+            print(summary)
+    if not result.ranked:
+        print("threefold plan: no layout fits; " + (_summary(result).splitlines() or [""])[0],
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,316 @@
+"""The training loop: build mesh -> data -> model -> parallelise -> optimiser -> steps -> log ->
+checkpoint. Everything layout-specific lives behind the engine (threefold.parallel); this file
+reads the same for one process and for many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from threefold import cost
+from threefold.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from threefold.config import Config, ConfigError, ModelConfig
+from threefold.data import BatchSampler, DataBundle, prepare_data
+from threefold.metrics import MetricsWriter, device_peak_flops, peak_memory_bytes, truncate_metrics
+from threefold.model import LlamaForCausalLM, causal_lm_loss
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Learning rate for optimiser step ``step`` (0-based): linear warmup, then cosine decay to
+    ``min_lr_ratio`` of the peak at the last step."""
+    o, total = cfg.optim, cfg.train.steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    span = max(1, total - o.warmup_steps)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def pick_device(cfg: Config, local_rank: int = 0) -> torch.device:
+    """cuda when asked for (or auto and available), else cpu."""
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device: cuda was asked for but no CUDA device is available; "
+                          "use --train.device cpu")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """The autocast dtype; bf16 is refused where the device cannot run it."""
+    if cfg.train.dtype == "float32":
+        return torch.float32
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train.dtype: this GPU does not support bfloat16; use float32")
+    return torch.bfloat16
+
+
+def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> LlamaForCausalLM:
+    """The plain model, built on the meta device then materialised and initialised from
+    ``seed`` (identical on every rank)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(mcfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def apply_activation_checkpointing(model: LlamaForCausalLM) -> None:
+    """Recompute each transformer block in backward. The block's forward is wrapped in place,
+    so parameter names (and checkpoints) do not change."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.model.layers:
+        inner = block.forward
+        block.forward = lambda *a, _f=inner, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+
+
+def apply_compile(model: LlamaForCausalLM) -> None:
+    """torch.compile each block in place (names unchanged)."""
+    for block in model.model.layers:
+        block.compile()
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built and checked before the output directory is touched."""
+
+    cfg: Config
+    model_cfg: ModelConfig
+    data: DataBundle
+    sampler: BatchSampler
+    val_sampler: BatchSampler
+    device: torch.device
+    dtype: torch.dtype
+    engine: Any
+    layout: Any
+    out: Path
+
+
+def build_run(cfg: Config, layout=None) -> Run:
+    """Check and build a run. Nothing is written to the output directory here, so bad input
+    leaves no half-made run behind."""
+    from threefold.parallel.layout import SingleProcess, build_engine
+
+    layout = layout or SingleProcess()
+    if cfg.train.eval_batches * cfg.train.global_batch_size == 0:
+        raise ConfigError("train.eval_batches: must be positive")
+    device = pick_device(cfg, layout.local_rank)
+    dtype = compute_dtype(cfg, device)
+    data = layout.first_rank_first(lambda: prepare_data(cfg.data))
+    mcfg = cfg.model.resolved(vocab_size=data.vocab_size)
+    if mcfg.vocab_size < data.vocab_size:
+        raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
+                          f"{data.vocab_size}; leave it unset (0) or raise it")
+    layout.check(cfg, mcfg)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(mcfg, device, cfg.train.seed)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.train.compile:
+        apply_compile(model)
+    engine = build_engine(model, cfg, layout)
+    t = cfg.train
+    sampler = BatchSampler(data.train, cfg.data.seq_len, t.global_batch_size, t.seed)
+    val_sampler = BatchSampler(data.val, cfg.data.seq_len, t.global_batch_size, t.seed + 1)
+    return Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
+               Path(t.output_dir))
+
+
+def _autocast(run: Run):
+    if run.dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(run.device.type, dtype=run.dtype)
+
+
+def _micro_batches(run: Run, inputs: torch.Tensor, labels: torch.Tensor):
+    mb = min(run.cfg.train.micro_batch_size, inputs.shape[0])
+    for i in range(0, inputs.shape[0], mb):
+        yield inputs[i:i + mb].to(run.device), labels[i:i + mb].to(run.device)
+
+
+def train_step(run: Run, step: int) -> tuple[float, float]:
+    """One optimiser step over the global batch of ``step``; returns (mean loss, grad norm).
+    The loss is the sum of token losses divided by the true number of target tokens in the
+    global batch, so accumulation and data parallelism give the single-process gradient."""
+    lay, eng = run.layout, run.engine
+    inputs, labels = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
+    n_tokens = lay.global_token_count(labels)
+    micro = list(_micro_batches(run, inputs, labels))
+    loss_sum = torch.zeros((), dtype=torch.float32, device=run.device)
+    for i, (x, y) in enumerate(micro):
+        with eng.micro_step(last=i == len(micro) - 1):
+            with _autocast(run):
+                logits = eng.model(x)
+            loss = causal_lm_loss(logits.float(), y, reduction="sum") / n_tokens
+            loss.backward()
+        loss_sum += loss.detach()
+    eng.finish_gradients()
+    norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
+    eng.step(lr_at(step, run.cfg))
+    return lay.sum_over_dp(loss_sum), norm
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean token loss on the fixed validation batches."""
+    lay = run.layout
+    total = torch.zeros((), dtype=torch.float64, device=run.device)
+    count = 0
+    for k in range(run.cfg.train.eval_batches):
+        inputs, labels = run.val_sampler.local_batch(k, lay.dp_rank, lay.dp_size)
+        for x, y in _micro_batches(run, inputs, labels):
+            with _autocast(run):
+                logits = run.engine.model(x)
+            total += causal_lm_loss(logits.float(), y, reduction="sum").double()
+        count += lay.global_token_count(labels)
+    return lay.sum_over_dp(total) / count
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint glue: what a step's state is made of
+# --------------------------------------------------------------------------------------------
+def _save(run: Run, step: int) -> None:
+    sd = run.engine.state_dict()  # collective under parallel layouts: every rank calls it
+    if not run.layout.is_writer:
+        return
+    rng = {"cpu": torch.get_rng_state()}
+    state = {"step": step, "optim_step": sd["optim_step"], "sampler": run.sampler.state_dict(),
+             "config": run.cfg.to_dict(), "model_config": vars(run.model_cfg),
+             "scheduler": {"last_step": step, "lr": lr_at(step - 1, run.cfg) if step else 0.0}}
+    save_checkpoint(run.out / "checkpoints", step,
+                    {"model": sd["model"], "optim": sd["optim"], "rng": rng}, state,
+                    run.cfg.checkpoint.keep_last)
+
+
+def _resume(run: Run) -> int:
+    """Load the newest checkpoint if asked; return the step to start from."""
+    ckroot = run.out / "checkpoints"
+    steps = list_checkpoints(ckroot)
+    if not run.cfg.checkpoint.resume:
+        if steps:
+            raise ConfigError(f"train.output_dir: '{run.out}' already holds checkpoints "
+                              f"(step {steps[-1]}); pass --checkpoint.resume true to continue, "
+                              "or choose another --train.output_dir")
+        return 0
+    if not steps:
+        return 0
+    tensors, state = load_checkpoint(ckroot / str(steps[-1]))
+    saved = state["model_config"]
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
+        if saved[key] != getattr(run.model_cfg, key):
+            raise CheckpointError(f"checkpoint {steps[-1]}: model.{key}={saved[key]} but this "
+                                  f"run has {getattr(run.model_cfg, key)}")
+    run.engine.load_state_dict({"model": tensors["model"], "optim": tensors["optim"],
+                                "optim_step": state["optim_step"]})
+    run.sampler.load_state_dict(state["sampler"])
+    torch.set_rng_state(tensors["rng"]["cpu"])
+    return int(state["step"])
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+def _progress(run: Run, start: int):
+    mode = run.cfg.train.progress
+    on = mode == "on" or (mode == "auto" and sys.stderr.isatty())
+    if not (on and run.layout.is_writer):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=run.cfg.train.steps, initial=start, unit="step", dynamic_ncols=True)
+
+
+def train(cfg: Config, layout=None, return_run: bool = False):
+    """Run training as configured; returns the summary (also written to summary.json), and
+    the ``Run`` (engine, layout) too when ``return_run``."""
+    run = build_run(cfg, layout)
+    t, lay = cfg.train, run.layout
+    start = _resume(run)
+    writer = None
+    if lay.is_writer:
+        run.out.mkdir(parents=True, exist_ok=True)
+        if start:
+            truncate_metrics(run.out / "metrics.jsonl", start)
+        writer = MetricsWriter(run.out / "metrics.jsonl", append=start > 0)
+        shutil.copyfile(run.data.tokenizer_path, run.out / "tokenizer.json")
+        (run.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    peak, peak_src = device_peak_flops(run.device, run.dtype)
+    flops_tok = cost.flops_per_token(run.model_cfg, cfg.data.seq_len)
+    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    bar = _progress(run, start)
+    log = (lambda s: bar.write(s)) if bar else (lambda s: print(s, flush=True) if lay.is_writer else None)
+    n_params = cost.num_parameters(run.model_cfg)
+    log(f"threefold: {n_params / 1e6:.2f}M parameters, {lay.describe()}, device {run.device}, "
+        f"dtype {t.dtype}, steps {start}->{t.steps}")
+    initial_val = evaluate(run) if start == 0 else None
+    val_loss, loss, history = initial_val, float("nan"), []
+    wall0 = time.perf_counter()
+    for step in range(start, t.steps):
+        lay.before_step(step)
+        t0 = time.perf_counter()
+        loss, norm = train_step(run, step)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+        dt = time.perf_counter() - t0
+        tps = tokens_per_step / dt
+        rec = {"step": step + 1, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": norm,
+               "tokens_per_second": tps,
+               "mfu": (tps * flops_tok / (peak * lay.world_size)) if peak else None,
+               "peak_memory_bytes": peak_memory_bytes(run.device)}
+        rec.update(lay.step_metrics())
+        history.append(rec)
+        if writer:
+            writer.write(rec)
+        if bar:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}")
+        if (step + 1) % t.log_interval == 0 or step + 1 == t.steps:
+            log(f"step {step + 1:>6} loss {loss:.4f} lr {rec['lr']:.2e} norm {norm:.3f} "
+                f"tok/s {tps:,.0f}" + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] else ""))
+        if t.eval_interval and (step + 1) % t.eval_interval == 0 and step + 1 < t.steps:
+            val_loss = evaluate(run)
+            log(f"step {step + 1:>6} validation loss {val_loss:.4f}")
+        if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
+            _save(run, step + 1)
+    wall = time.perf_counter() - wall0
+    if t.steps > start:
+        val_loss = evaluate(run)
+        if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and
+                                               t.steps % cfg.checkpoint.interval == 0):
+            _save(run, t.steps)
+    if bar:
+        bar.close()
+    timed = history[1:] or history  # the first step pays for warm-up
+    summary = {
+        "final_loss": loss, "validation_loss": val_loss, "initial_validation_loss": initial_val,
+        "parameters": n_params, "steps": t.steps, "resumed_from_step": start,
+        "tokens_per_step": tokens_per_step, "wall_time_s": wall,
+        "tokens_per_second": (sum(r["tokens_per_second"] for r in timed) / len(timed)
+                              if timed else None),
+        "mfu": (sum(r["mfu"] for r in timed) / len(timed)) if timed and peak else None,
+        "peak_flops_per_device": peak, "peak_flops_source": peak_src,
+        "flops_per_token": flops_tok, "world_size": lay.world_size, "layout": lay.describe(),
+    }
+    summary.update(lay.summary_metrics())
+    if writer:
+        writer.close()
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        log(f"done: loss {loss:.4f}, validation {val_loss:.4f}"
+            + (f" (from {initial_val:.4f})" if initial_val is not None else "")
+            + f", {wall:.1f}s")
+    lay.close()
+    return (summary, run) if return_run else summary
