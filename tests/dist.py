@@ -7,8 +7,11 @@ It returns the per-rank results ordered by rank, or raises AssertionError with t
 rank's traceback, or, on timeout, with the ranks that did not finish and their stacks.
 
 ``fn`` must be a module-level function of an importable module (it is pickled by name) and
-its result must be picklable. Start-up costs seconds per launch on a small machine (every
-child imports torch), so batch several checks into one launch with ``run_checks``.
+its arguments and result must be picklable. Children see the launcher's environment variables
+and ``sys.path`` as they are at the launch (torch itself is imported earlier, by the
+forkserver, so variables read at ``import torch`` do not apply); each uses one CPU thread.
+Every launch still pays for process-group set-up, so batch several checks into one launch with
+``run_checks``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -41,9 +45,14 @@ def _context(method: str):
     return ctx
 
 
-def _child(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple,
+def _child(rank: int, world_size: int, port: int, timeout: float, blob: bytes, parent: dict,
            results, stack_dir: str) -> None:
     """One rank: environment as torchrun sets it, join the group, run ``fn``, report."""
+    # The forkserver was started with an older environment and import path: take the
+    # launcher's current ones before ``fn`` is unpickled (and its module imported).
+    os.environ.clear()
+    os.environ.update(parent["environ"])
+    sys.path[:] = parent["path"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True",
@@ -58,12 +67,17 @@ def _child(rank: int, world_size: int, port: int, timeout: float, fn: Callable, 
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     ok = False
     try:
+        fn, args = pickle.loads(blob)
         init_distributed(timeout_s=timeout, device="cpu")
         payload = pickle.dumps(fn(rank, world_size, *args))  # here, so errors are reported
         ok = True
     except BaseException:
         payload = traceback.format_exc()
     results.put((rank, ok, payload))
+    # Flush the report before tearing the group down: a failing rank's report then arrives
+    # before the errors its departure causes on its peers, so the launcher names it first.
+    results.close()
+    results.join_thread()
     # After a failure peers may never reach a barrier: tear down without one.
     shutdown(barrier_timeout_s=timeout if ok else None)
 
@@ -74,13 +88,15 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     import torch.distributed as dist
 
     ctx = _context(start_method or START_METHOD)
+    blob = pickle.dumps((fn, args))  # fails here, clearly, for a lambda or a local function
+    parent = {"environ": dict(os.environ), "path": list(sys.path)}
     # This process serves the rendezvous store (as torchrun's agent does) on a port the OS
     # picks, so there is no race for a "free" port between launches.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="threefold-dist-") as stack_dir:
         procs = [ctx.Process(target=_child, daemon=True, name=f"rank{r}",
-                             args=(r, world_size, store.port, timeout, fn, args, results,
+                             args=(r, world_size, store.port, timeout, blob, parent, results,
                                    stack_dir))
                  for r in range(world_size)]
         unfinished = list(range(world_size))  # until reports say otherwise
@@ -94,7 +110,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             del store
     name = getattr(fn, "__name__", repr(fn))
     if errors:
-        msg = "\n".join(f"--- rank {r} failed:\n{tb}" for r, tb in sorted(errors.items()))
+        # Reports arrive in order of failure: the first is usually the cause, later ones
+        # (peers losing their connection to it) the consequence.
+        msg = "\n".join(f"--- rank {r} failed{' first' if i == 0 else ''}:\n{tb}"
+                        for i, (r, tb) in enumerate(errors.items()))
         if unfinished:
             msg += f"\nranks {unfinished} did not finish (stopped after the failure)"
         raise AssertionError(f"run_distributed({name}, world_size={world_size}):\n{msg}")

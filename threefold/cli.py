@@ -112,6 +112,8 @@ def _launch(nproc: int, launcher: list[str], argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if "--nnodes" not in launcher:
         cmd += ["--standalone"]
+    elif "--rdzv-endpoint" in launcher:
+        cmd += ["--rdzv-backend=c10d"]
     cmd += launcher + ["-m", "threefold", "train"] + args
     return subprocess.call(cmd)
 

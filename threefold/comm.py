@@ -131,6 +131,12 @@ class Comm:
         axes = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "world")
         return [] if self.mesh is None else [self.group(a) for a in axes]
 
+    def set_timeout(self, seconds: float) -> int:
+        """Collective timeout for every group of this Comm (see distributed.set_timeout)."""
+        from threefold.distributed import set_timeout
+
+        return set_timeout(seconds, self.groups())
+
     # ---------------------------------------------------------------- accounting
     def set_step(self, step: int) -> None:
         """Tag later records with the training step (for hang reports)."""

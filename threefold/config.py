@@ -170,7 +170,7 @@ class TrainConfig:
     """The training loop."""
 
     steps: int = _f(300, "optimiser steps")
-    global_batch_size: int = _f(16, "sequences per optimiser step, over all ranks")
+    global_batch_size: int = _f(8, "sequences per optimiser step, over all ranks")
     micro_batch_size: int = _f(8, "sequences per forward/backward on one rank")
     seed: int = _f(0, "seed for init and data order")
     dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (autocast; fp32 master)")

@@ -41,7 +41,7 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 # Fitted once to Narayanan et al. 2021 Table 1 (ten GPT runs, 1.7B-1T on A100s; see
 # tests/test_cost.py), where every predicted TF/s per GPU lands within ±15% of the published one.
 # A measured Hardware (``Hardware.measured``) carries achieved FLOP/s and uses 1.0 instead.
-MATMUL_EFFICIENCY = 0.60
+MATMUL_EFFICIENCY = 0.58
 DEFAULT_BUCKET_BYTES = 25e6  # last gradient bucket, never hidden behind backward
 
 
@@ -244,14 +244,23 @@ def layer_parameters_per_rank(cfg: ModelConfig, tp: int) -> tuple[int, int]:
 
 def stage_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """Parameters held by one rank of pipeline stage ``stage`` (largest over stages at 0/p-1)."""
-    p, h = layout.pp, cfg.hidden_size
-    sharded, replicated = layer_parameters_per_rank(cfg, layout.tp)
-    n = cfg.num_hidden_layers // p * (sharded + replicated)
-    emb = tp_shard(cfg, layout.tp).vocab * h
+    return _stage_parameters(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                             cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers,
+                             bool(cfg.tie_word_embeddings), layout.tp, layout.pp, stage)
+
+
+@lru_cache(maxsize=65536)
+def _stage_parameters(h: int, a: int, kv: int, f: int, vocab: int, n_layers: int, tied: bool,
+                      tp: int, p: int, stage: int) -> int:
+    sh = _tp_shard(h, a, kv, f, vocab, tp)
+    hd = h // a
+    block = 2 * h * sh.heads * hd + 2 * h * sh.kv_heads * hd + 3 * h * sh.ffn + 2 * h
+    n = n_layers // p * block
+    emb = sh.vocab * h
     if stage == 0:
         n += emb
     if stage == p - 1:
-        n += h + (0 if cfg.tie_word_embeddings and p == 1 else emb)
+        n += h + (0 if tied and p == 1 else emb)
     return n
 
 
@@ -295,6 +304,33 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     return float(fwd), float(bwd)
 
 
+def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload
+                                        ) -> tuple[float, float]:
+    """(forward, backward + recompute) HBM bytes that one rank's memory-bound kernels move per
+    microbatch (matmuls and flash attention are counted as FLOPs instead). Per token per
+    block, forward, d bytes per element: two RMSNorms read and write h (4d·h), two residual
+    adds read two and write one (6d·h) — these are split over tp only under sequence
+    parallelism, every tp rank repeats them otherwise —; RoPE reads and writes q and k, SwiGLU's
+    silu(gate)·up reads two and writes one f-wide tensor (3d·f); materialised attention adds a
+    fused softmax that reads and writes a·s scores. Backward moves about twice the forward;
+    recompute repeats the forward (or only the softmax, when selective). The loss is not
+    counted."""
+    sh, h, hd, d, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.act_bytes, \
+        work.seq_len
+    tokens = layout.microbatch_size * s
+    layers = cfg.num_hidden_layers // layout.pp
+    replicated = 10 * d * h / (layout.tp if layout.sp else 1)
+    softmax = 0 if work.flash_attention else 2 * d * sh.heads * s
+    fwd = layers * tokens * (replicated + 2 * d * (sh.heads + sh.kv_heads) * hd + 3 * d * sh.ffn
+                             + softmax)
+    bwd = 2 * fwd
+    if layout.recompute == "full":
+        bwd += fwd
+    elif layout.recompute == "selective":
+        bwd += layers * tokens * softmax
+    return fwd, bwd
+
+
 def hardware_flops_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """FLOPs all ranks execute in one step (the HFU numerator: recompute included)."""
     per_pipeline = 0.0
@@ -319,7 +355,7 @@ def _stage_multiplicity(p: int, stage: int) -> int:
 # --------------------------------------------------------------------------------------------
 # Collectives per step
 # --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Collective:
     """One kind of collective a rank issues: ``count`` calls of ``op`` on a buffer of ``size``
     bytes over ``group`` ranks of mesh axis ``axis``; per microbatch when ``per_microbatch``.
@@ -442,12 +478,17 @@ def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,
     stage ``stage`` or, when None, the largest over stages per axis. Gradients and gathered
     parameters move in the activation dtype unless ``grad_bytes``/``param_bytes`` say
     otherwise. See ``collectives`` for what each axis carries."""
-    m = microbatches(layout, work)
     stages = _distinct_stages(layout.pp) if stage is None else [stage]
+    lists = [collectives(cfg, layout, work, st, grad_bytes, param_bytes) for st in stages]
+    return _bytes_per_axis(lists, microbatches(layout, work))
+
+
+def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, float]:
+    """Per axis, the largest over the given stages' collective lists of bytes sent per step."""
     out = {axis: 0.0 for axis in MESH_ORDER}
-    for st in stages:
+    for colls in lists:
         per = {axis: 0.0 for axis in MESH_ORDER}
-        for c in collectives(cfg, layout, work, st, grad_bytes, param_bytes):
+        for c in colls:
             per[c.axis] += c.bytes_sent() * c.count * (m if c.per_microbatch else 1)
         for axis in MESH_ORDER:
             out[axis] = max(out[axis], per[axis])
@@ -540,15 +581,18 @@ class StepPrediction:
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
-                 efficiency: float | None = None,
-                 bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> StepPrediction:
+                 efficiency: float | None = None, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+                 simulate: bool = False, overlap_grad_reduce: bool = True) -> StepPrediction:
     """Predicted step of ``layout`` on ``cluster`` (a ``threefold.hardware.Cluster``).
 
-    Time model, per pipeline stage and microbatch: compute = FLOPs / (peak · efficiency); tp
+    Time model, per pipeline stage and microbatch: compute = FLOPs / (peak · efficiency) +
+    memory-bound bytes / HBM bandwidth (``stage_memory_traffic_per_microbatch``); tp
     collectives and pipeline sends are *not* overlapped (they sit between dependent matmuls);
     ZeRO-3 gathers overlap the forward/backward of their microbatch and ZeRO-2/3
     reduce-scatters the backward, except one bucket each; the once-per-step gradient reduction
-    overlaps the last microbatch's backward except one bucket; ZeRO-1/2 parameter all-gathers
+    overlaps the last microbatch's backward except one bucket (with
+    ``overlap_grad_reduce=False`` no data-parallel communication overlaps anything, as in
+    Megatron-LM of 2021); ZeRO-1/2 parameter all-gathers
     after the optimiser step are exposed. The pipeline then takes m·T_slowest plus the bubble,
     (bubble/ideal ratio of the schedule)·m·T_mean. Optimiser arithmetic is not modelled."""
     hw = cluster.hardware
@@ -559,59 +603,88 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     rate = peak * eff
     m = microbatches(layout, work)
     inter = {a: axis_crosses_nodes(layout, a, cluster.gpus_per_node) for a in MESH_ORDER}
-    per_mb, per_step, parts = {}, {}, {}
-    for st in _distinct_stages(layout.pp):
+    links = {a: hw.link(inter[a]) for a in MESH_ORDER}
+    stages = _distinct_stages(layout.pp)
+    mem_f, mem_b = stage_memory_traffic_per_microbatch(cfg, layout, work)
+    hbm = hw.memory_bw or math.inf
+    per_mb, per_step, parts, lists, hw_flops = {}, {}, {}, [], 0.0
+    for st in stages:
         f, bwd = stage_flops_per_microbatch(cfg, layout, work, st)
-        t_f, t_b = f / rate, bwd / rate
-        exposed = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
-        step_dp = 0.0
-        groups: dict[tuple[str, str], float] = {}
-        tails: dict[tuple[str, str], float] = {}
-        for c in collectives(cfg, layout, work, st):
-            lat, bw = hw.link(inter[c.axis])
-            one = c.time(lat, bw)
-            kind = "tp" if c.axis == "tp" else "pp" if c.axis == "pp" else "dp"
-            if c.overlap == "none":
-                exposed[kind] += one * c.count
-            elif c.overlap in ("forward", "backward", "last"):
-                key = (kind, c.overlap)
-                groups[key] = groups.get(key, 0.0) + one * c.count
-                tails[key] = max(tails.get(key, 0.0), c.time(lat, bw, min(c.size, bucket_bytes)))
-            elif c.overlap == "step":
-                step_dp += one * c.count
-        for (kind, overlap), total in groups.items():
-            window = t_f if overlap == "forward" else t_b
-            hidden_left = max(tails[(kind, overlap)], total - window)
-            if overlap == "last":
-                step_dp += hidden_left
-            else:
-                exposed[kind] += hidden_left
+        hw_flops += (f + bwd) * _stage_multiplicity(layout.pp, st)
+        t_f, t_b = f / rate + mem_f / hbm, bwd / rate + mem_b / hbm
+        colls = collectives(cfg, layout, work, st)
+        lists.append(colls)
+        windows = (t_f, t_b) if overlap_grad_reduce else (0.0, 0.0)
+        exposed, step_dp = _exposed_comm(colls, links, *windows, bucket_bytes)
         per_mb[st] = t_f + t_b + sum(exposed.values())
         per_step[st] = step_dp
-        parts[st] = (t_f + t_b, exposed)
+        parts[st] = (t_f + t_b, exposed, t_b / t_f)
     slow = max(per_mb, key=per_mb.get)
-    mean = sum(per_mb[s] * _stage_multiplicity(layout.pp, s) for s in per_mb) / layout.pp
+    mean = sum(per_mb[s] * _stage_multiplicity(layout.pp, s) for s in stages) / layout.pp
     ratio, source = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
-                                      _bwd_ratio(cfg, layout, work))
+                                      parts[stages[len(stages) // 2]][2], simulate)
     ideal = m * per_mb[slow]
     bubble = ratio * m * mean
     dp_step = max(per_step.values())
     step = ideal + bubble + dp_step
-    comp, exp = parts[slow]
-    mf = model_flops_per_step(cfg, work)
-    hf = hardware_flops_per_step(cfg, layout, work)
+    comp, exp, _ = parts[slow]
     n = layout.world
+    mf = model_flops_per_step(cfg, work)
+    hf = hw_flops * m * layout.tp * layout.dp
     return StepPrediction(
         step_time_s=step, compute_s=m * comp, tp_exposed_s=m * exp["tp"],
         pp_exposed_s=m * exp["pp"], dp_exposed_s=m * exp["dp"] + dp_step, bubble_s=bubble,
         bubble_fraction=bubble / (ideal + bubble), bubble_source=source, model_flops=mf,
         hardware_flops=hf, tokens_per_second_per_gpu=work.tokens / step / n,
         tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
-        hfu=hf / (step * n * peak), comm_bytes=comm_bytes_per_step(cfg, layout, work),
+        hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m),
         inter_node_axes=tuple(a for a in MESH_ORDER if inter[a]))
 
 
-def _bwd_ratio(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
-    """Backward (with recompute) over forward time on a middle stage."""
-    f, b = stage_flops_per_microbatch(cfg, layout, work, min(1, layout.pp - 1))
-    return b / f
+def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
+                            efficiency: float | None = None) -> float:
+    """``predict_step``'s step time with every collective free: a lower bound on it, cheap
+    enough to order and prune a search."""
+    hw = cluster.hardware
+    rate = hw.peak_flops(work.precision) * (efficiency if efficiency is not None else
+                                            (hw.matmul_efficiency or MATMUL_EFFICIENCY))
+    m = microbatches(layout, work)
+    stages = _distinct_stages(layout.pp)
+    mem = sum(stage_memory_traffic_per_microbatch(cfg, layout, work)) / (hw.memory_bw or math.inf)
+    times = {st: sum(stage_flops_per_microbatch(cfg, layout, work, st)) / rate + mem
+             for st in stages}
+    mean = sum(times[s] * _stage_multiplicity(layout.pp, s) for s in stages) / layout.pp
+    ratio, _ = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp)
+    return m * max(times.values()) + ratio * m * mean
+
+
+def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
+                  bucket_bytes: float) -> tuple[dict[str, float], float]:
+    """({tp, pp, dp}: exposed seconds per microbatch, exposed dp seconds once per step) for
+    one stage, applying the overlap rules of ``predict_step``."""
+    exposed = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    step_dp = 0.0
+    groups: dict[tuple[str, str], float] = {}
+    tails: dict[tuple[str, str], float] = {}
+    for c in colls:
+        if c.overlap == "hidden":
+            continue
+        lat, bw = links[c.axis]
+        one = c.time(lat, bw)
+        kind = c.axis if c.axis in ("tp", "pp") else "dp"
+        if c.overlap == "none":
+            exposed[kind] += one * c.count
+        elif c.overlap == "step":
+            step_dp += one * c.count
+        else:
+            key = (kind, c.overlap)
+            groups[key] = groups.get(key, 0.0) + one * c.count
+            tails[key] = max(tails.get(key, 0.0), c.time(lat, bw, min(c.size, bucket_bytes)))
+    for (kind, overlap), total in groups.items():
+        window = t_f if overlap == "forward" else t_b
+        left = max(tails[(kind, overlap)], total - window)
+        if overlap == "last":
+            step_dp += left
+        else:
+            exposed[kind] += left
+    return exposed, step_dp

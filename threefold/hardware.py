@@ -36,6 +36,7 @@ class Hardware:
     memory_bytes: float
     intra_node_bw: float  # bytes/s per direction per GPU inside a node (NVLink)
     inter_node_bw: float  # bytes/s per direction per GPU across nodes (network card)
+    memory_bw: float | None = None  # HBM bytes/s (memory-bound kernels); None = not modelled
     intra_node_latency_s: float = NVLINK_LATENCY_S
     inter_node_latency_s: float = NETWORK_LATENCY_S
     # Achieved fraction of the peak for large matmuls; None = the cost model's calibrated
@@ -72,21 +73,26 @@ class Hardware:
                    inter_node_latency_s=latency_s, matmul_efficiency=1.0, **flops)
 
 
-def _gpu(name: str, tflops16: float, tflops32: float, memory_gb: float,
+def _gpu(name: str, tflops16: float, tflops32: float, memory_gb: float, hbm_gb_s: float,
          nvlink_gb_both_ways: float) -> Hardware:
     return Hardware(name=name, peak_flops_16bit=tflops16 * 1e12, peak_flops_fp32=tflops32 * 1e12,
                     memory_bytes=memory_gb * GB, intra_node_bw=nvlink_gb_both_ways / 2 * GB,
-                    inter_node_bw=DEFAULT_INTER_NODE_GBITS / 8 * GB)
+                    inter_node_bw=DEFAULT_INTER_NODE_GBITS / 8 * GB, memory_bw=hbm_gb_s * GB)
 
 
 # NVIDIA datasheets (SXM parts, dense). V100 has no bf16: its 16-bit figure is fp16 tensor cores.
+# HBM bandwidth: V100 900 GB/s, A100 80GB 2039, A100 40GB 1555, H100 SXM 3350, H200 4800.
 GPUS: dict[str, Hardware] = {
-    "v100": _gpu("v100", tflops16=125, tflops32=15.7, memory_gb=32, nvlink_gb_both_ways=300),
-    "a100": _gpu("a100", tflops16=312, tflops32=19.5, memory_gb=80, nvlink_gb_both_ways=600),
-    "a100-40gb": _gpu("a100-40gb", tflops16=312, tflops32=19.5, memory_gb=40,
+    "v100": _gpu("v100", tflops16=125, tflops32=15.7, memory_gb=32, hbm_gb_s=900,
+                 nvlink_gb_both_ways=300),
+    "a100": _gpu("a100", tflops16=312, tflops32=19.5, memory_gb=80, hbm_gb_s=2039,
+                 nvlink_gb_both_ways=600),
+    "a100-40gb": _gpu("a100-40gb", tflops16=312, tflops32=19.5, memory_gb=40, hbm_gb_s=1555,
                       nvlink_gb_both_ways=600),
-    "h100": _gpu("h100", tflops16=989, tflops32=67, memory_gb=80, nvlink_gb_both_ways=900),
-    "h200": _gpu("h200", tflops16=989, tflops32=67, memory_gb=141, nvlink_gb_both_ways=900),
+    "h100": _gpu("h100", tflops16=989, tflops32=67, memory_gb=80, hbm_gb_s=3350,
+                 nvlink_gb_both_ways=900),
+    "h200": _gpu("h200", tflops16=989, tflops32=67, memory_gb=141, hbm_gb_s=4800,
+                 nvlink_gb_both_ways=900),
 }
 
 

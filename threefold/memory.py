@@ -140,14 +140,18 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
 
 def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
     """Microbatches whose activations ``rank`` holds at its peak, in units of the rank's whole
-    share of layers (v chunks). GPipe m; 1F1B and ZB-H1 min(p - rank, m) (Narayanan et al.
-    §2.2.1). Interleaved 1F1B: rank r runs 2(p-r-1) + (v-1)·p warm-up chunk-forwards (as
+    share of layers (v chunks). GPipe m; 1F1B min(p - rank, m) (Narayanan et al. §2.2.1);
+    ZB-H1 min(p, m) on every rank (its weight gradients, which free the activations, run up to
+    `rank` steps late; Qi et al. §3). Interleaved 1F1B: rank r runs 2(p-r-1) + (v-1)·p warm-up chunk-forwards (as
     Megatron schedules them) plus one, each 1/v of its layers; for rank 0 with m >= p that is
     p·(1 + (p-1)/(p·v)) — Korthikanti's interleaving factor, whose 'm' is the number of
-    interleaved stages (our v)."""
+    interleaved stages (our v). tests/test_cost.py checks all of these against the schedules'
+    action lists."""
     if schedule == "gpipe":
         return float(m)
-    if schedule == "interleaved-1f1b" and v > 1:
+    if schedule == "zb-h1":
+        return float(min(p, m))
+    if schedule == "interleaved-1f1b":
         chunk_mbs = min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v)
         return chunk_mbs / v
     return float(min(p - rank, m))
@@ -196,25 +200,7 @@ def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     """Peak memory of one rank of pipeline ``stage``: its model states (ZeRO over dp_shard;
     replication over dp_replicate costs nothing extra per rank), the activations of the
     microbatches its schedule keeps in flight, the logits on the last stage, ZeRO-3 buffers."""
-    state = state or STATE_BYTES[work.precision]
-    m = microbatches(layout, work)
-    states = model_state_breakdown(stage_parameters(cfg, layout, stage), layout.dp_shard,
-                                   layout.zero_stage if layout.dp_shard > 1 else 0, state)
-    per_layer = model_layer_activation_bytes(cfg, layout, work)
-    layers = cfg.num_hidden_layers // layout.pp
-    inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage)
-    working = 0.0
-    if layout.recompute == "full":  # the block being recomputed holds everything at once
-        working = model_layer_activation_bytes(cfg, layout, work, recompute="none")
-    zero3 = 0.0
-    if layout.zero_stage == 3 and layout.dp_shard > 1:
-        zero3 = zero3_working_bytes(largest_unit_parameters(cfg, layout.tp), state)
-    return MemoryBreakdown(
-        stage=stage, params=states["params"], grads=states["grads"],
-        optimizer=states["optimizer"], activations=per_layer * layers * inflight,
-        recompute_working=working,
-        logits=logits_bytes(cfg, layout, work) if stage == layout.pp - 1 else 0.0,
-        zero3_working=zero3, overhead=overhead_bytes)
+    return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
 
 
 def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
@@ -224,5 +210,33 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
     activations, the last stage the logits and head)."""
     p = layout.pp
     stages = sorted({0, min(1, p - 1), p - 1})
-    return max((stage_memory(cfg, layout, work, s, state, overhead_bytes) for s in stages),
+    return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes),
                key=lambda mb: mb.total)
+
+
+def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: list[int],
+                    state: StateBytes | None, overhead_bytes: float) -> list[MemoryBreakdown]:
+    state = state or STATE_BYTES[work.precision]
+    m = microbatches(layout, work)
+    zero = layout.zero_stage if layout.dp_shard > 1 else 0
+    per_layer = model_layer_activation_bytes(cfg, layout, work)
+    layers = cfg.num_hidden_layers // layout.pp
+    working = 0.0
+    if layout.recompute == "full":  # the block being recomputed holds everything at once
+        working = model_layer_activation_bytes(cfg, layout, work, recompute="none")
+    zero3 = 0.0
+    if zero == 3:
+        zero3 = zero3_working_bytes(largest_unit_parameters(cfg, layout.tp), state)
+    out = []
+    for stage in stages:
+        states = model_state_breakdown(stage_parameters(cfg, layout, stage), layout.dp_shard,
+                                       zero, state)
+        inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
+                                         stage)
+        out.append(MemoryBreakdown(
+            stage=stage, params=states["params"], grads=states["grads"],
+            optimizer=states["optimizer"], activations=per_layer * layers * inflight,
+            recompute_working=working,
+            logits=logits_bytes(cfg, layout, work) if stage == layout.pp - 1 else 0.0,
+            zero3_working=zero3, overhead=overhead_bytes))
+    return out

@@ -16,7 +16,6 @@ build many layouts (tests, DPO's two models).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,10 +219,6 @@ class ParallelDims:
     def describe(self) -> str:
         """One line for logs, e.g. 'pp 1 × dp_replicate 1 × dp_shard 4 × tp 2 = 8 ranks'."""
         return " × ".join(f"{a} {getattr(self, a)}" for a in AXES) + f" = {self.world_size} ranks"
-
-    def replace(self, **changes: int) -> "ParallelDims":
-        """A checked copy with some sizes changed."""
-        return dataclasses.replace(self, **changes)
 
     # ---------------------------------------------------------------- the real mesh
     def build_mesh(self, device_type: str):

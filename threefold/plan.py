@@ -15,6 +15,7 @@ can, and a layout whose tp group crosses nodes is flagged.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import sys
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from threefold.cost import (
     StepPrediction,
     Workload,
     check_layout,
+    compute_bound_step_time,
     num_parameters,
     padded_vocab,
     predict_step,
@@ -55,7 +57,7 @@ class SearchSpace:
     dp_replicate: tuple[int, ...] | None = None
     zero_stage: tuple[int, ...] = (0, 1, 2, 3)
     microbatch_size: tuple[int, ...] | None = None
-    recompute: tuple[str, ...] = RECOMPUTE
+    recompute: tuple[str, ...] | None = None  # None: all, less selective under flash
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,14 @@ class Candidate:
 @dataclass
 class PlanResult:
     """Ranked candidates (best first), the layouts that do not fit (with why), and counts of
-    layouts the model or batch does not divide, by reason."""
+    layouts the model or batch does not divide, by reason. ``fits`` counts every layout that
+    fits; with ``search(keep=k)`` only the best k are scored in full (``ranked``), the others
+    being provably slower (their communication-free time already exceeds the k-th best)."""
 
     ranked: list[Candidate]
     too_big: list[tuple[Layout, float, str]] = field(default_factory=list)
     invalid: dict[str, int] = field(default_factory=dict)
+    fits: int = 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -119,7 +124,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                     for mbs in space.microbatch_size or _divisors(per_replica):
                         if mbs > MAX_MICROBATCH and not space.microbatch_size:
                             continue
-                        for rc in space.recompute:
+                        for rc in _recompute_options(space, work, reject):
                             lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
                                          zero_stage=zero, vpp=vpp, microbatch_size=mbs,
                                          recompute=rc)
@@ -130,6 +135,19 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                                        else _generic(str(e)))
                                 continue
                             yield lay
+
+
+def _recompute_options(space: SearchSpace, work: Workload, reject) -> tuple[str, ...]:
+    """Recompute modes to try. Under flash attention selective recompute keeps exactly what
+    no recompute keeps (the attention core is already recomputed) at more FLOPs, so it can
+    never win; it is skipped unless asked for."""
+    if space.recompute:
+        return space.recompute
+    if work.flash_attention:
+        reject("selective recompute: no memory saved under flash attention (never better "
+               "than none)")
+        return tuple(r for r in RECOMPUTE if r != "selective")
+    return RECOMPUTE
 
 
 def _generic(reason: str) -> str:
@@ -171,10 +189,15 @@ def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: S
 
 
 def search(cfg: ModelConfig, cluster: Cluster, work: Workload,
-           space: SearchSpace = SearchSpace(), memory_limit: float | None = None) -> PlanResult:
-    """Score every layout in ``space``; best (shortest step) first."""
+           space: SearchSpace = SearchSpace(), memory_limit: float | None = None,
+           keep: int | None = None, **predict_kw) -> PlanResult:
+    """Score every layout in ``space`` that fits in memory; best (shortest step) first. With
+    ``keep``, layouts are scored in order of their communication-free step time and the search
+    stops once that bound exceeds the ``keep``-th best full prediction (same top ``keep``).
+    ``predict_kw`` go to ``predict_step`` (e.g. ``overlap_grad_reduce=False``)."""
     limit = cluster.hardware.memory_bytes if memory_limit is None else memory_limit
     result = PlanResult(ranked=[])
+    fitting = []
     for lay in enumerate_layouts(cfg, cluster.num_gpus, work, space, result.invalid):
         mem = memory_per_gpu(cfg, lay, work)
         if mem.total > limit:
@@ -184,10 +207,24 @@ def search(cfg: ModelConfig, cluster: Cluster, work: Workload,
                    f"{mem.logits / 1e9:.1f})")
             result.too_big.append((lay, mem.total, why))
             continue
-        step = predict_step(cfg, lay, work, cluster)
+        bound = compute_bound_step_time(cfg, lay, work, cluster) if keep else 0.0
+        fitting.append((bound, lay, mem))
+    result.fits = len(fitting)
+    fitting.sort(key=lambda x: x[0])
+    best: list[float] = []  # the keep smallest step times so far, as a max-heap
+    for bound, lay, mem in fitting:
+        if keep and len(best) >= keep and bound >= -best[0]:
+            break
+        step = predict_step(cfg, lay, work, cluster, **predict_kw)
         result.ranked.append(Candidate(lay, mem, step, layout_warnings(cfg, lay, mem, step,
                                                                        cluster)))
+        if keep:
+            heapq.heappush(best, -step.step_time_s)
+            if len(best) > keep:
+                heapq.heappop(best)
     result.ranked.sort(key=lambda c: (c.step.step_time_s, c.memory.total))
+    if keep:
+        del result.ranked[keep:]
     return result
 
 
@@ -208,8 +245,11 @@ def explain(best: Candidate, other: Candidate) -> str:
     tb, to = _terms(best), _terms(other)
     deltas = sorted(((to[k] - tb[k], k) for k in tb), reverse=True)
     lost = other.step.step_time_s - best.step.step_time_s
-    parts = [f"{k} +{d * 1e3:.1f} ms" for d, k in deltas if d > 0.005 * best.step.step_time_s]
-    head = f"{lost * 1e3:.1f} ms slower: " + (", ".join(parts[:3]) or "within rounding")
+    parts = [f"{k} +{d * 1e3:.1f} ms" for d, k in deltas if d > 0.1 * max(lost, 1e-9)]
+    gains = [f"{k} -{-d * 1e3:.1f} ms" for d, k in sorted(deltas) if d < -0.1 * max(lost, 1e-9)]
+    head = f"{lost * 1e3:.1f} ms slower: " + ", ".join(parts[:3])
+    if gains:
+        head += " (saves " + ", ".join(gains[:2]) + ")"
     why = _cause(best, other, deltas[0][1])
     saved = best.memory.total - other.memory.total
     tail = f"; uses {saved / 1e9:.1f} GB less per GPU" if saved > 1e9 else ""
@@ -401,7 +441,7 @@ def _setup(argv: list[str]):
                     precision=args.precision, flash_attention=args.attention == "flash")
     cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))
     space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
-                        recompute=recompute)
+                        recompute=recompute if args.recompute else None)
     return args, cfg, cluster, work, space
 
 
@@ -415,7 +455,7 @@ def main(argv: list[str]) -> int:
     except (_UsageError, ConfigError, ValueError) as e:
         print(f"threefold plan: error: {e}", file=sys.stderr)
         return 2
-    result = search(cfg, cluster, work, space)
+    result = search(cfg, cluster, work, space, keep=args.top)
     top = result.ranked[:args.top]
     if args.json:
         print(json.dumps(to_json_rows(top), indent=1))
@@ -428,13 +468,13 @@ def main(argv: list[str]) -> int:
               f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "
               f"{hw.memory_bytes / 1e9:.0f} GB, NVLink {hw.intra_node_bw * 2 / 1e9:.0f} GB/s, "
               f"network {hw.inter_node_bw * 8 / 1e9:.0f} Gb/s per GPU")
-        print(f"{len(result.ranked)} layouts fit; top {len(top)} by predicted step time:")
+        print(f"{result.fits} layouts fit; top {len(top)} by predicted step time:")
         if top:
             print(format_table(top, explain_all=args.explain))
         summary = _summary(result)
         if summary:
             print(summary)
-    if not result.ranked:
+    if not result.fits:
         print("threefold plan: no layout fits; " + (_summary(result).splitlines() or [""])[0],
               file=sys.stderr)
         return 1

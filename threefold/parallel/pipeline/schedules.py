@@ -209,6 +209,7 @@ def _place_by_gap(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
     where = {_done_key(a): (r, i) for r, order in enumerate(orders) for i, a in enumerate(order)}
     gaps = [[(t[j - 1][1] if j else 0, t[j][0] if j < len(t) else math.inf)
              for j in range(len(t) + 1)] for t in times]  # gaps[r][j]: just before compute j
+    gap_ends = [[gap[1] for gap in g] for g in gaps]
     batches: list[list[list]] = [[[] for _ in g] for g in gaps]
     for r, order in enumerate(orders):
         for q, a in enumerate(order):
@@ -217,7 +218,7 @@ def _place_by_gap(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
                 continue
             src, i = where[_inputs(a, n)[-1]]  # the remote input is always the last one
             lo, hi = gaps[r][q]
-            g = bisect.bisect_left([gap[1] for gap in gaps[src]], lo, i + 1)
+            g = bisect.bisect_left(gap_ends[src], lo, i + 1)
             assert gaps[src][g][0] <= hi, "unit-cost gaps always overlap"
             send = _send_for(orders[src][i], src, p, n)
             batches[src][g].append(((0, r, q, message_key(send)), send))  # sends first

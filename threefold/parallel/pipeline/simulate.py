@@ -166,62 +166,81 @@ def _run_compute(r: int, i: int, a: Action, have: set, n_stages: int, p: int) ->
             have.add(("grad", mb, s - 1))
 
 
+def _items(acts: list[Action]) -> list[tuple[int, int]]:
+    """A rank's list cut into what the executor runs one at a time: (i, i+1) for a compute
+    action, (first, end) for a maximal run of sends/receives (one batch)."""
+    out, i = [], 0
+    while i < len(acts):
+        j = i + 1
+        if not acts[i].kind.is_compute:
+            while j < len(acts) and not acts[j].kind.is_compute:
+                j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
 def replay(lists: list[list[Action]], n_stages: int, costs: Costs = Costs()) -> SimResult:
     """Run all ranks' lists together under the executor's rules and return the timelines.
     Raises ScheduleError on a missing input or mismatched message, DeadlockError if the
     ranks block each other forever (with the first blocked state)."""
     p = len(lists)
     partner = _pair_messages(lists)
-    pc, clock, busy = [0] * p, [0.0] * p, [0.0] * p
+    items = [_items(acts) for acts in lists]
+    nxt, clock, busy = [0] * p, [0.0] * p, [0.0] * p  # nxt: index into items
     have: list[set] = [set() for _ in range(p)]
-    posted: list[tuple[int, int, float] | None] = [None] * p  # (first, end, post time)
-    done: dict[tuple[int, int], float] = {}  # comm op -> arrival time
+    posted: list[tuple[int, int, float] | None] = [None] * p  # the batch a rank waits in
+    waiting = [0] * p  # messages of that batch not matched yet
+    done: dict[tuple[int, int], float] = {}  # message (rank, index) -> arrival time
     spans: list[list[Span]] = [[] for _ in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            acts = lists[r]
-            while pc[r] < len(acts):
-                a = acts[pc[r]]
-                if a.kind.is_compute:
-                    _run_compute(r, pc[r], a, have[r], n_stages, p)
-                    end = clock[r] + costs.of(a.kind)
-                    spans[r].append(Span(r, clock[r], end, (a,)))
-                    busy[r] += end - clock[r]
-                    clock[r], pc[r], progress = end, pc[r] + 1, True
-                    continue
-                if posted[r] is None:  # post the batch: the whole run of sends/receives
-                    hi = pc[r]
-                    while hi < len(acts) and not acts[hi].kind.is_compute:
-                        x = acts[hi]
-                        src = ("fwd" if x.kind is ActionKind.SEND_FORWARD else "bwd",
-                               x.microbatch, x.stage)
-                        if x.kind.name.startswith("SEND") and src not in have[r]:
-                            raise ScheduleError(f"rank {r} action #{hi} ({x}) sends before the "
-                                                f"{'forward' if src[0] == 'fwd' else 'backward'}"
-                                                f" that produces it has run")
-                        hi += 1
-                    posted[r], progress = (pc[r], hi, clock[r]), True
-                lo, hi, t = posted[r]
+    ready = list(range(p))  # ranks that may be able to move on
+    while ready:
+        r = ready.pop()
+        acts = lists[r]
+        while nxt[r] < len(items[r]):
+            lo, hi = items[r][nxt[r]]
+            if acts[lo].kind.is_compute:
+                _run_compute(r, lo, acts[lo], have[r], n_stages, p)
+                end = clock[r] + costs.of(acts[lo].kind)
+                spans[r].append(Span(r, clock[r], end, (acts[lo],)))
+                busy[r] += end - clock[r]
+                clock[r], nxt[r] = end, nxt[r] + 1
+                continue
+            if posted[r] is None:  # post the batch; match what the peers already posted
+                posted[r], waiting[r] = (lo, hi, clock[r]), hi - lo
                 for i in range(lo, hi):
+                    _check_send_source(r, i, acts[i], have[r])
                     q = partner.get((r, i))
-                    if (r, i) not in done and q is not None and posted[q[0]] is not None \
-                            and posted[q[0]][0] <= q[1] < posted[q[0]][1]:
-                        done[(r, i)] = done[q] = max(t, posted[q[0]][2]) + costs.t_comm
-                if any((r, i) not in done for i in range(lo, hi)):
-                    break  # still waiting for a peer
-                end = max([clock[r]] + [done[(r, i)] for i in range(lo, hi)])
-                spans[r].append(Span(r, clock[r], end, tuple(acts[lo:hi])))
-                for x in acts[lo:hi]:
-                    if x.kind is ActionKind.RECV_FORWARD:
-                        have[r].add(("act", x.microbatch, x.stage))
-                    elif x.kind is ActionKind.RECV_BACKWARD:
-                        have[r].add(("grad", x.microbatch, x.stage))
-                clock[r], pc[r], posted[r], progress = end, hi, None, True
+                    peer = posted[q[0]] if q else None
+                    if peer and peer[0] <= q[1] < peer[1]:
+                        done[(r, i)] = done[q] = max(clock[r], peer[2]) + costs.t_comm
+                        waiting[r] -= 1
+                        waiting[q[0]] -= 1
+                        if waiting[q[0]] == 0:
+                            ready.append(q[0])
+            if waiting[r]:
+                break  # a peer has not posted its side yet
+            end = max([clock[r]] + [done[(r, i)] for i in range(lo, hi)])
+            spans[r].append(Span(r, clock[r], end, tuple(acts[lo:hi])))
+            for x in acts[lo:hi]:
+                if x.kind is ActionKind.RECV_FORWARD:
+                    have[r].add(("act", x.microbatch, x.stage))
+                elif x.kind is ActionKind.RECV_BACKWARD:
+                    have[r].add(("grad", x.microbatch, x.stage))
+            clock[r], nxt[r], posted[r] = end, nxt[r] + 1, None
+    pc = [items[r][nxt[r]][0] if nxt[r] < len(items[r]) else len(lists[r]) for r in range(p)]
     if any(pc[r] < len(lists[r]) for r in range(p)):
         raise DeadlockError(_blocked_state(lists, pc, posted, partner, done))
     return SimResult(spans, max(clock, default=0.0), busy)
+
+
+def _check_send_source(r: int, i: int, x: Action, have: set) -> None:
+    """A send is posted only after the compute that produces what it sends."""
+    if x.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD):
+        tag, what = ("fwd", "forward") if x.kind is ActionKind.SEND_FORWARD else ("bwd", "backward")
+        if (tag, x.microbatch, x.stage) not in have:
+            raise ScheduleError(f"rank {r} action #{i} ({x}) is posted before the {what} "
+                                "that produces it has run")
 
 
 def _blocked_state(lists, pc, posted, partner, done) -> list[str]:

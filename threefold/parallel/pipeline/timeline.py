@@ -73,38 +73,49 @@ def ascii_timeline(records: Iterable[TraceRecord], width: int = 100) -> str:
 
 
 # Colours by action kind: forward blue, input-grad orange, weight-grad green, fused backward
-# purple; communication grey.
+# purple; communication (including waiting for a peer) grey.
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#8172b3"}
+_COMM = "#bbbbbb"
 
 
 def draw_png(records: Iterable[TraceRecord], path: str | Path, title: str = "") -> None:
-    """Draw one row per rank (rank 0 on top) with a bar per record, labelled with its
-    microbatch where the bar is wide enough. Needs matplotlib, imported here so the rest of
-    threefold does not depend on it; ImportError if it is missing."""
+    """Draw one row per rank (rank 0 on top) with a bar per record, coloured by kind and
+    labelled with its microbatch; communication (and waiting in it) in grey. Needs
+    matplotlib, imported here so the rest of threefold does not depend on it (ImportError
+    if it is missing)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never open a window
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     records = list(records)
     ranks = sorted({rec.rank for rec in records})
     end = max((rec.end_s for rec in records), default=1.0) or 1.0
-    fig, ax = plt.subplots(figsize=(min(4 + end * 0.35, 30), 0.6 * len(ranks) + 1.2))
+    busiest = max((sum(rec.rank == r for rec in records) for r in ranks), default=1)
+    fig, ax = plt.subplots(figsize=(min(max(6.0, 1.5 + 0.3 * busiest), 30.0),
+                                    0.55 * len(ranks) + 1.6))
+    kinds = set()
     for rec in records:
         kind, *rest = rec.name.split()
-        colour = _COLOURS.get(kind, "#bbbbbb")
+        colour = _COLOURS.get(kind, _COMM) if rec.category == "compute" else _COMM
+        kinds.add(kind if kind in _COLOURS and rec.category == "compute" else "comm / wait")
         width = rec.end_s - rec.start_s
         ax.broken_barh([(rec.start_s, width)], (rec.rank - 0.4, 0.8), facecolors=colour,
                        edgecolors="white", linewidth=0.5)
         mb = next((w[2:] for w in rest if w.startswith("mb")), "")
-        if rec.category == "compute" and width >= end / 80:
-            ax.text(rec.start_s + width / 2, rec.rank, f"{kind}{mb}", ha="center",
-                    va="center", fontsize=7, color="white")
+        if rec.category == "compute" and width >= end / 120:
+            ax.text(rec.start_s + width / 2, rec.rank, mb, ha="center", va="center",
+                    fontsize=7, color="white")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks, default=0) + 0.6, -0.6)
     ax.set_xlim(0, end)
-    ax.set_xlabel("time")
-    ax.set_title(title)
+    ax.set_xlabel("time (s)")
+    ax.set_title(title, fontsize=10)
+    legend = {**_COLOURS, "comm / wait": _COMM}
+    ax.legend(handles=[Patch(color=legend[k], label=k) for k in legend if k in kinds],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=8,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

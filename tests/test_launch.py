@@ -1,0 +1,92 @@
+"""Launching: `threefold train --nproc-per-node N` starts torchrun; two torchrun agents on
+127.0.0.1 act as two nodes (c10d rendezvous); impossible layouts are refused before any process
+starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import tiny_overrides
+from threefold.config import load_config
+from threefold.train import train
+
+
+def _args(corpus, cache, out, **extra) -> list[str]:
+    return [a for k, v in tiny_overrides(corpus, cache, out, **extra) for a in (f"--{k}", v)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _losses(out):
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_nproc_per_node_starts_torchrun(corpus, cache_dir, tmp_path):
+    ref = tmp_path / "ref"
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=3)))
+    out = tmp_path / "zero2"
+    cmd = [sys.executable, "-m", "threefold", "train", "--nproc-per-node", "2",
+           *_args(corpus, cache_dir, out, train__steps=3, parallel__zero_stage=2)]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["world_size"] == 2
+    assert s["comm_bytes_per_step"]["dp_shard"] > 0
+    assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_two_agents_as_two_nodes(corpus, cache_dir, tmp_path):
+    out = tmp_path / "two_nodes"
+    port = _free_port()
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "threefold", "train", "--nnodes", "2", "--nproc-per-node",
+               "1", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "twonodes",
+               *_args(corpus, cache_dir, out, train__steps=2, parallel__dp_replicate=2)]
+        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+        time.sleep(0.5)
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["comm_bytes_per_step"]["dp"] > 0
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--nproc-per-node", "3", "--parallel.dp_replicate", "2"], "parallel."),
+    (["--nproc-per-node", "4", "--train.global_batch_size", "6",
+      "--train.micro_batch_size", "2"], "train.global_batch_size"),
+    (["--nproc-per-node", "2", "--train.micro_batch_size", "4", "--train.global_batch_size",
+      "12"], "train.micro_batch_size"),
+])
+def test_impossible_layout_refused_before_launch(corpus, cache_dir, tmp_path, extra, needle):
+    out = tmp_path / "never"
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "threefold", "train",
+                        *_args(corpus, cache_dir, out), *extra],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+    assert not out.exists()
+    assert "torch.distributed.run" not in p.stderr and time.perf_counter() - t0 < 60

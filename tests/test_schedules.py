@@ -1,0 +1,311 @@
+"""Pipeline schedules as data: every schedule proven by the checker, broken lists caught, the
+simulated bubble against the papers' formulas, activations in flight, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from threefold.parallel.pipeline import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    Costs,
+    DeadlockError,
+    ScheduleError,
+    build_schedule,
+    check_actions,
+    check_schedule,
+    num_stages,
+    peak_in_flight,
+    simulate,
+)
+from threefold.parallel.pipeline.schedules import message_key
+from threefold.parallel.pipeline.simulate import main
+from threefold.parallel.pipeline.timeline import TraceRecord, ascii_timeline, chrome_trace
+
+K = ActionKind
+SENDS = (K.SEND_FORWARD, K.SEND_BACKWARD)
+RECVS = (K.RECV_FORWARD, K.RECV_BACKWARD)
+
+
+def _cases():
+    for name in SCHEDULES:
+        for p in (2, 4):
+            for m in (4, 8):
+                yield name, p, m, 2 if name == "interleaved-1f1b" else 1
+
+
+@pytest.mark.parametrize("name,p,m,v", list(_cases()))
+def test_every_schedule_passes_the_checker(name, p, m, v):
+    result = check_schedule(name, p, m, v)
+    lists = build_schedule(name, p, m, v)
+    n = num_stages(name, p, v)
+    kinds = Counter(a.kind for acts in lists for a in acts)
+    assert kinds[K.FORWARD] == m * n  # one forward per (microbatch, stage) ...
+    assert kinds[K.BACKWARD] + kinds[K.BACKWARD_INPUT] == m * n  # ... and one backward
+    assert kinds[K.BACKWARD_WEIGHT] == kinds[K.BACKWARD_INPUT]
+    # Every stage boundary carries one activation down and one gradient up per microbatch.
+    sends = sorted(message_key(a) for acts in lists for a in acts if a.kind in SENDS)
+    recvs = sorted(message_key(a) for acts in lists for a in acts if a.kind in RECVS)
+    assert sends == recvs and len(sends) == 2 * m * (n - 1)
+    assert all(a.peer is not None for acts in lists for a in acts if not a.kind.is_compute)
+    assert result.makespan > 0
+
+
+def test_all_small_sizes_pass_the_checker():
+    """Wider net, including m < p (torchtitan #775's hang) and a single stage."""
+    for name in SCHEDULES:
+        for p in range(1, 6):
+            for m in range(1, 11):
+                for v in (1, 2, 3) if name == "interleaved-1f1b" else (1,):
+                    if name == "interleaved-1f1b" and m % p:
+                        continue
+                    check_schedule(name, p, m, v)
+
+
+@pytest.mark.parametrize("args,match", [
+    (("interleaved-1f1b", 4, 6, 2), r"multiple of pp.*microbatches=4 or 8"),
+    (("interleaved-1f1b", 4, 2, 2), r"microbatches=4"),
+    (("1f1b", 2, 4, 2), r"vpp=1"),
+    (("gpipe", 2, 0, 1), r"microbatches must be an integer >= 1"),
+    (("zb-h2", 2, 4, 1), r"choose one of"),
+])
+def test_impossible_settings_are_refused_with_the_fix(args, match):
+    with pytest.raises(ValueError, match=match):
+        check_schedule(*args)
+
+
+# ---- deliberately broken lists -------------------------------------------------------------
+
+
+def _lists(name="1f1b", p=2, m=4, v=1):
+    return [list(acts) for acts in build_schedule(name, p, m, v)], m, num_stages(name, p, v)
+
+
+def _index(acts, kind, mb):
+    return next(i for i, a in enumerate(acts) if a.kind is kind and a.microbatch == mb)
+
+
+def test_a_dropped_backward_is_caught():
+    lists, m, n = _lists()
+    del lists[1][_index(lists[1], K.BACKWARD, 2)]
+    with pytest.raises(ScheduleError, match="microbatch 2 stage 1 .* 0 BW, 0 B and 0 W"):
+        check_actions(lists, m, n)
+
+
+def test_a_dropped_receive_is_caught():
+    lists, m, n = _lists()
+    del lists[1][_index(lists[1], K.RECV_FORWARD, 3)]  # the last one: FIFO pairing still fits
+    with pytest.raises(ScheduleError, match="before its input activation of microbatch 3"):
+        check_actions(lists, m, n)
+
+
+def test_waiting_for_a_gradient_before_sending_its_activation_deadlocks():
+    # 1F1B p=2 rank 0 starts [F0, SEND_F0, F1, SEND_F1, RECV_B0, BW0]. Receive first: rank 0
+    # then waits for microbatch 0's gradient, which needs the activation it has not sent.
+    # Per-channel order is unchanged, so only the replay can see it.
+    lists, m, n = _lists()
+    f0, send_f0, f1, send_f1, recv_b0 = lists[0][:5]
+    assert [a.kind for a in (f0, send_f0, f1, send_f1, recv_b0)] == [
+        K.FORWARD, K.SEND_FORWARD, K.FORWARD, K.SEND_FORWARD, K.RECV_BACKWARD]
+    lists[0][:5] = [f0, recv_b0, f1, send_f0, send_f1]
+    with pytest.raises(DeadlockError) as err:
+        check_actions(lists, m, n)
+    blocked = "\n".join(err.value.blocked)
+    assert "rank 0" in blocked and "RECV_B mb0" in blocked
+    assert "rank 1" in blocked and "RECV_F mb0" in blocked
+
+
+def test_order_inside_one_batch_does_not_matter():
+    # Adjacent sends/receives are posted together (batch_isend_irecv): swapping them is safe.
+    lists, m, n = _lists()
+    r0 = lists[0]
+    j = _index(r0, K.RECV_BACKWARD, 0)
+    assert r0[j - 1].kind is K.SEND_FORWARD
+    r0[j - 1], r0[j] = r0[j], r0[j - 1]
+    check_actions(lists, m, n)
+
+
+def test_receives_in_the_wrong_fifo_order_are_caught():
+    lists, m, n = _lists("gpipe")
+    r1 = lists[1]
+    i, j = _index(r1, K.RECV_FORWARD, 0), _index(r1, K.RECV_FORWARD, 1)
+    r1[i], r1[j] = r1[j], r1[i]
+    with pytest.raises(ScheduleError, match="mismatched"):
+        check_actions(lists, m, n)
+
+
+def test_weight_grad_before_input_grad_is_caught():
+    lists, m, n = _lists("zb-h1")
+    r0 = lists[0]
+    i, j = _index(r0, K.BACKWARD_INPUT, 1), _index(r0, K.BACKWARD_WEIGHT, 1)
+    r0[i], r0[j] = r0[j], r0[i]
+    with pytest.raises(ScheduleError, match="W .* before B"):
+        check_actions(lists, m, n)
+
+
+def test_a_message_to_the_wrong_rank_is_caught():
+    lists, m, n = _lists("1f1b", p=4, m=4)
+    i = _index(lists[1], K.SEND_FORWARD, 0)
+    a = lists[1][i]
+    lists[1][i] = Action(a.kind, a.microbatch, a.chunk, a.stage, peer=3)
+    with pytest.raises(ScheduleError, match="stage 2 is on rank 2, not rank 3"):
+        check_actions(lists, m, n)
+
+
+# ---- bubble against the formulas -------------------------------------------------------------
+
+EQUAL = Costs(1.0, 1.0, 1.0, 0.0)  # backward (B+W) twice the forward, as usual
+UNIT_BACKWARD = Costs(1.0, 0.5, 0.5, 0.0)  # backward as long as forward
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (8, 16), (4, 2)])
+@pytest.mark.parametrize("costs", [EQUAL, UNIT_BACKWARD])
+def test_gpipe_and_1f1b_bubble(name, p, m, costs):
+    # GPipe (arXiv 1811.06965): (p-1)/(m+p-1) of the step is idle; Narayanan et al. §2.2.1:
+    # bubble time / ideal time = (p-1)/m. Exact with equal stages and free messages.
+    r = simulate(name, p, m, 1, costs)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert r.bubble_over_ideal == pytest.approx((p - 1) / m, abs=1e-12)
+
+
+def test_reference_check_p4_m8():
+    r = simulate("1f1b", 4, 8)
+    assert r.bubble_fraction == pytest.approx(3 / 11)  # 27.3%, GPipe's form
+    assert r.bubble_over_ideal == pytest.approx(3 / 8)  # 37.5%, Narayanan's form
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 2), (4, 8, 4), (8, 16, 2)])
+def test_interleaved_bubble(p, m, v):
+    # Narayanan et al. §2.2.2 state the interleaved bubble relative to the ideal time (each
+    # rank's own compute, m·v chunk forwards and backwards): (p-1)/(v·m). We test that form
+    # because it is the paper's; as a fraction of the step it is (p-1)/(v·m + p - 1).
+    # Per-action costs are per chunk (1/v of a rank's layers). Exact here (abs 1e-12) with
+    # equal stages and free messages; Megatron's lockstep batches add no wait.
+    r = simulate("interleaved-1f1b", p, m, v, EQUAL)
+    assert r.bubble_over_ideal == pytest.approx((p - 1) / (v * m), abs=1e-12)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    plain = simulate("1f1b", p, m, 1, Costs(v * 1.0, v * 1.0, v * 1.0))  # same model, v=1
+    assert r.makespan < plain.makespan
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (8, 16), (4, 12)])
+def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
+    # Qi et al. (arXiv 2401.10241) with T_F = T_B = T_W: ZB-H1 idles (p-1)·(T_F+T_B-T_W)
+    # per rank against 1F1B's (p-1)·(T_F+T_B+T_W): a third. We compare idle time per rank
+    # (the fractions differ because the step lengths differ), within 1% (it comes out exact).
+    zb, base = simulate("zb-h1", p, m, 1, EQUAL), simulate("1f1b", p, m, 1, EQUAL)
+    idle = lambda r: r.makespan - sum(r.busy) / len(r.busy)  # noqa: E731
+    assert idle(zb) / idle(base) == pytest.approx(1 / 3, rel=0.01)
+    assert zb.bubble_over_ideal == pytest.approx((p - 1) / (3 * m), rel=0.01)
+
+
+def test_message_time_lengthens_the_step_but_proves_nothing_new():
+    fast = simulate("1f1b", 4, 8, 1, EQUAL)
+    slow = simulate("1f1b", 4, 8, 1, Costs(1.0, 1.0, 1.0, 0.25))
+    assert slow.makespan > fast.makespan and slow.bubble_fraction > fast.bubble_fraction
+    assert sum(slow.busy) == sum(fast.busy)
+
+
+# ---- activations in flight -------------------------------------------------------------------
+
+
+def test_peak_in_flight():
+    p, m = 4, 8
+    assert peak_in_flight("gpipe", p, m) == m
+    assert [peak_in_flight("1f1b", p, m, 1, r) for r in range(p)] == [4, 3, 2, 1]
+    assert [peak_in_flight("1f1b", p, 2, 1, r) for r in range(p)] == [2, 2, 2, 1]
+    assert all(peak_in_flight("zb-h1", p, m, 1, r) == p for r in range(p))  # 1F1B's peak
+    # Korthikanti et al. (arXiv 2205.05198): interleaving holds 1 + (p-1)/(p·v) times more.
+    for v in (2, 4):
+        assert peak_in_flight("interleaved-1f1b", p, m, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+# ---- CLI, trace, picture ---------------------------------------------------------------------
+
+
+def test_cli_json(capsys):
+    assert main(["--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble_fraction"] == pytest.approx(3 / 11)
+    assert out["bubble_over_ideal"] == pytest.approx(3 / 8)
+    assert (out["pp"], out["microbatches"], out["vpp"]) == (4, 8, 1)
+    assert out["peak_in_flight_microbatches"] == [4, 3, 2, 1]
+    assert out["messages_per_step"] == 2 * 8 * 3
+
+
+def test_cli_text_shows_a_timeline(capsys):
+    assert main(["--pp", "2", "--microbatches", "4", "--schedule", "zb-h1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank  0 |" in out and "rank  1 |" in out and "no deadlock" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--pp", "4", "--microbatches", "8", "--schedule", "zb"], "invalid choice"),
+    (["--pp", "4", "--microbatches", "6", "--schedule", "interleaved-1f1b", "--vpp", "2"],
+     "multiple of pp"),
+    (["--pp", "4", "--microbatches", "8"], "required"),
+    (["--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--t-f", "-1"], ">= 0"),
+])
+def test_cli_bad_args_one_line_exit_2(capsys, argv, match):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1 and match in captured.err
+
+
+@pytest.mark.parametrize("name,v,per_mb_stage", [("1f1b", 1, 2), ("zb-h1", 1, 3),
+                                                  ("interleaved-1f1b", 2, 2)])
+def test_cli_trace_is_chrome_json_with_one_event_per_compute(tmp_path, capsys, name, v,
+                                                             per_mb_stage):
+    path = tmp_path / "trace.json"
+    argv = ["--pp", "2", "--microbatches", "4", "--schedule", name, "--vpp", str(v),
+            "--trace", str(path), "--json"]
+    assert main(argv) == 0
+    events = json.loads(path.read_text())["traceEvents"]
+    compute = [e for e in events if e["ph"] == "X" and e["cat"] == "compute"]
+    assert len(compute) == per_mb_stage * 4 * 2 * v
+    assert all({"name", "ph", "ts", "dur", "pid", "tid"} <= e.keys() for e in compute)
+    assert {e["pid"] for e in compute} == {0, 1}
+    assert sum(e["dur"] for e in compute if e["pid"] == 0) > 0
+
+
+def test_chrome_trace_from_measured_records():
+    recs = [TraceRecord(0, "F mb0 s0", 0.0, 0.002, "compute"),
+            TraceRecord(0, "SEND_F mb0 s0->r1", 0.002, 0.0025, "comm"),
+            TraceRecord(1, "F mb0 s1", 0.0025, 0.0045, "compute")]
+    events = [e for e in chrome_trace(recs)["traceEvents"] if e["ph"] == "X"]
+    assert [e["ts"] for e in events] == pytest.approx([0, 2000, 2500])  # microseconds
+    assert [e["dur"] for e in events] == pytest.approx([2000, 500, 2000])
+    assert events[0]["tid"] != events[1]["tid"]  # compute and comm on separate rows
+    assert ascii_timeline(recs, width=10).count("\n") == 1  # two ranks, two rows
+
+
+PNG_ARGS = ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b", "--png"]
+
+
+def test_cli_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timeline.png"
+    assert main(PNG_ARGS + [str(path), "--json"]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_png_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert main(PNG_ARGS + [str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install matplotlib" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_the_pure_half_imports_no_torch():
+    code = ("import sys, threefold.parallel.pipeline as p, threefold.parallel.pipeline.check, "
+            "threefold.parallel.pipeline.timeline; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
