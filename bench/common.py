@@ -18,3 +18,69 @@ def report(name: str, rows: list[dict], ratio_key: str, goal: float) -> None:
     med = statistics.median(ratios) if ratios else float("nan")
     print(json.dumps({"benchmark": name, ratio_key + "_median": med, "goal": goal,
                       "meets_goal": med >= goal}), file=sys.stdout, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-process benchmarks: re-launch under torch's launcher, and peak memory of a phase
+# --------------------------------------------------------------------------------------------
+def under_torchrun() -> bool:
+    """True inside a process started by torchrun (``torch.distributed.run``)."""
+    import os
+
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def relaunch_with_torchrun(script: str, argv: list[str], nproc: int) -> int:
+    """Run ``script argv`` as ``nproc`` processes under ``python -m torch.distributed.run
+    --standalone`` (torch's own launcher) with one OpenMP thread each; returns its exit code.
+    One thread per rank because the ranks share the machine's cores: more threads than cores
+    would make every rank wait on the others' oversubscribed thread pools."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), script, *argv]
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def start_peak_rss_window() -> int | None:
+    """Return freed heap to the OS, reset this process's peak RSS (Linux ``VmHWM``) to its
+    current RSS, and return that RSS in bytes (None where /proc is unavailable).
+
+    Peak RSS is monotonic over a process's life; Linux lets a process reset it by writing "5"
+    to /proc/self/clear_refs, so one process can measure the peak of each phase in turn.
+    ``malloc_trim`` first, so that memory freed by the previous phase is not silently reused
+    (which would hide the next phase's growth)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    rss = _proc_status_kib("VmRSS")
+    return None if rss is None else rss * 1024
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak RSS (``VmHWM``) since the last ``start_peak_rss_window``, in bytes."""
+    hwm = _proc_status_kib("VmHWM")
+    return None if hwm is None else hwm * 1024

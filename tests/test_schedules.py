@@ -101,7 +101,7 @@ def test_a_dropped_backward_is_caught():
 def test_a_dropped_receive_is_caught():
     lists, m, n = _lists()
     del lists[1][_index(lists[1], K.RECV_FORWARD, 3)]  # the last one: FIFO pairing still fits
-    with pytest.raises(ScheduleError, match="before its input activation of microbatch 3"):
+    with pytest.raises(ScheduleError, match="before F of microbatch 3 stage 0 has run on or"):
         check_actions(lists, m, n)
 
 
@@ -224,7 +224,8 @@ def test_peak_in_flight():
     assert all(peak_in_flight("zb-h1", p, m, 1, r) == p for r in range(p))  # 1F1B's peak
     # Korthikanti et al. (arXiv 2205.05198): interleaving holds 1 + (p-1)/(p·v) times more.
     for v in (2, 4):
-        assert peak_in_flight("interleaved-1f1b", p, m, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+        factor = 1 + (p - 1) / (p * v)
+        assert peak_in_flight("interleaved-1f1b", p, m, v) == pytest.approx(p * factor)
 
 
 # ---- CLI, trace, picture ---------------------------------------------------------------------
@@ -252,6 +253,8 @@ def test_cli_text_shows_a_timeline(capsys):
      "multiple of pp"),
     (["--pp", "4", "--microbatches", "8"], "required"),
     (["--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--t-f", "-1"], ">= 0"),
+    (["--pp", "2", "--microbatches", "2", "--schedule", "1f1b", "--trace", "/no/such/dir/t.json",
+      "--json"], "cannot write"),
 ])
 def test_cli_bad_args_one_line_exit_2(capsys, argv, match):
     assert main(argv) == 2

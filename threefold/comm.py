@@ -22,6 +22,9 @@ Bytes are those a rank sends in a ring implementation, N = ranks on the axis (Ze
 - all_gather_uneven (gloo has no all-gather of unequal sizes) is built from all_to_all_single
   and counts what it moves: (N−1) · this rank's nbytes, plus the size exchange if any.
 
+These are the ring algorithm's figures, the ones the published formulas use, not a capture of
+the wire: gloo and NCCL may pick other algorithms (trees, halving-doubling) for some sizes.
+
 On an axis of size 1 (and everywhere when the mesh is None, a world of one) every op is a
 local no-op with the same result, counted as a call with zero bytes; nothing reaches c10d.
 """
@@ -169,16 +172,21 @@ class Comm:
             return {a: {op: asdict(s) for op, s in ops.items()} for a, ops in self._stats.items()}
 
     def recent(self) -> list[dict]:
-        """The last collectives that reached c10d, oldest first."""
+        """The last collectives that reached c10d, oldest first.
+
+        Each: op, axis, shape, dtype, step (from ``set_step``), time (wall clock at issue),
+        async, seconds (set when a synchronous op returns: None on a synchronous op means this
+        rank is still inside it, the first thing to look at in a hang).
+        """
         with self._lock:
             return [dict(r) for r in self._recent]
 
     def _issue(self, op: str, axis: str, t: torch.Tensor, sent: int, call: Callable,
-               async_op: bool, after: Callable[[], None] | None = None, received: int = 0):
+               async_op: bool, after: Callable[[], None] | None = None):
         """Count, record and run ``call(group, async_op)``; time it when synchronous."""
-        stats = self._count(op, axis, sent, received)
+        stats = self._count(op, axis, sent)
         rec = {"op": op, "axis": axis, "shape": tuple(t.shape), "dtype": str(t.dtype),
-               "step": self._step, "time": time.time(), "seconds": None}
+               "step": self._step, "time": time.time(), "async": async_op, "seconds": None}
         with self._lock:
             self._recent.append(rec)
         t0 = time.perf_counter()
@@ -330,7 +338,7 @@ class Comm:
             return _done_handle() if async_op else None
         rec = {"op": "p2p", "axis": "pp", "shape": [tuple(o.tensor.shape) for o in p2p],
                "dtype": str(p2p[0].tensor.dtype), "step": self._step, "time": time.time(),
-               "seconds": None, "sent": sent, "received": received}
+               "async": async_op, "seconds": None, "sent": sent, "received": received}
         with self._lock:
             self._recent.append(rec)
         t0 = time.perf_counter()

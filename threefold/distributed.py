@@ -93,7 +93,8 @@ def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistEnv:
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world):
             raise RuntimeError("a process group already exists with a different rank/world")
-        return DistEnv(rank, world, local_rank, dev, _name(dev), restart)
+        existing = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+        return DistEnv(rank, world, local_rank, dev, existing, restart)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     timeout = timedelta(seconds=timeout_s)

@@ -142,8 +142,9 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int =
     """Microbatches whose activations ``rank`` holds at its peak, in units of the rank's whole
     share of layers (v chunks). GPipe m; 1F1B min(p - rank, m) (Narayanan et al. §2.2.1);
     ZB-H1 min(p, m) on every rank (its weight gradients, which free the activations, run up to
-    `rank` steps late; Qi et al. §3). Interleaved 1F1B: rank r runs 2(p-r-1) + (v-1)·p warm-up chunk-forwards (as
-    Megatron schedules them) plus one, each 1/v of its layers; for rank 0 with m >= p that is
+    `rank` steps late; Qi et al. §3). Interleaved 1F1B: rank r runs 2(p-r-1) + (v-1)·p
+    warm-up chunk-forwards (as Megatron schedules them) plus one, each 1/v of its layers
+    (at most m·v in all); for rank 0 with m >= p that is
     p·(1 + (p-1)/(p·v)) — Korthikanti's interleaving factor, whose 'm' is the number of
     interleaved stages (our v). tests/test_cost.py checks all of these against the schedules'
     action lists."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import sys
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Iterator
 from threefold.config import MODEL_PRESETS, ConfigError, ModelConfig, load_config
 from threefold.cost import (
     RECOMPUTE,
+    VOCAB_PAD_MULTIPLE,
     Layout,
     LayoutError,
     StepPrediction,
@@ -32,7 +34,6 @@ from threefold.cost import (
     check_layout,
     compute_bound_step_time,
     num_parameters,
-    padded_vocab,
     predict_step,
     tp_shard,
 )
@@ -49,7 +50,8 @@ MAX_MICROBATCH = 16
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Values each knob may take; None = every value that divides the world and the model."""
+    """Values each knob may take; None = every value that divides the world and the model
+    (microbatch sizes: the divisors of each replica's batch up to ``MAX_MICROBATCH``)."""
 
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
@@ -94,9 +96,11 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
     ``check_layout``; the reasons others fail are counted into ``invalid``."""
     invalid = {} if invalid is None else invalid
 
-    def reject(reason: str) -> None:
-        invalid[reason] = invalid.get(reason, 0) + 1
+    def reject(reason: str, n: int = 1) -> None:
+        """Count ``n`` layouts skipped for ``reason``."""
+        invalid[reason] = invalid.get(reason, 0) + n
 
+    recompute, dropped = _recompute_options(space, work)
     for tp in space.tp or _divisors(world):
         if world % tp:
             reject(f"tp={tp} does not divide {world} GPUs")
@@ -118,36 +122,33 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
             if rem or not per_replica:
                 reject(f"dp={dp} does not divide the global batch of {work.global_batch}")
                 continue
-            vpps = [1] if pp == 1 else [v for v in _divisors(cfg.num_hidden_layers // pp)]
-            for vpp in space.vpp or vpps:
-                for zero, dp_r in _dp_splits(dp, space):
-                    for mbs in space.microbatch_size or _divisors(per_replica):
-                        if mbs > MAX_MICROBATCH and not space.microbatch_size:
-                            continue
-                        for rc in _recompute_options(space, work, reject):
-                            lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
-                                         zero_stage=zero, vpp=vpp, microbatch_size=mbs,
-                                         recompute=rc)
-                            try:
-                                check_layout(cfg, lay, work)
-                            except LayoutError as e:
-                                reject(str(e).split(":")[0] if "global batch" in str(e)
-                                       else _generic(str(e)))
-                                continue
-                            yield lay
+            vpps = space.vpp or ([1] if pp == 1 else _divisors(cfg.num_hidden_layers // pp))
+            splits = list(_dp_splits(dp, space))
+            sizes = space.microbatch_size or [b for b in _divisors(per_replica)
+                                              if b <= MAX_MICROBATCH]
+            if dropped:
+                reject(dropped, len(vpps) * len(splits) * len(sizes))
+            for vpp, (zero, dp_r), mbs, rc in itertools.product(vpps, splits, sizes, recompute):
+                lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
+                             zero_stage=zero, vpp=vpp, microbatch_size=mbs, recompute=rc)
+                try:
+                    check_layout(cfg, lay, work)
+                except LayoutError as e:
+                    reject(_generic(str(e)))
+                    continue
+                yield lay
 
 
-def _recompute_options(space: SearchSpace, work: Workload, reject) -> tuple[str, ...]:
-    """Recompute modes to try. Under flash attention selective recompute keeps exactly what
-    no recompute keeps (the attention core is already recomputed) at more FLOPs, so it can
-    never win; it is skipped unless asked for."""
+def _recompute_options(space: SearchSpace, work: Workload) -> tuple[tuple[str, ...], str]:
+    """(recompute modes to try, why one was dropped or ''). Under flash attention selective
+    recompute keeps exactly what no recompute keeps (the attention core is already
+    recomputed) at more FLOPs, so it can never win; it is skipped unless asked for."""
     if space.recompute:
-        return space.recompute
+        return space.recompute, ""
     if work.flash_attention:
-        reject("selective recompute: no memory saved under flash attention (never better "
-               "than none)")
-        return tuple(r for r in RECOMPUTE if r != "selective")
-    return RECOMPUTE
+        return tuple(r for r in RECOMPUTE if r != "selective"), \
+            "selective recompute: no memory saved under flash attention (never better than none)"
+    return RECOMPUTE, ""
 
 
 def _generic(reason: str) -> str:
@@ -245,6 +246,8 @@ def explain(best: Candidate, other: Candidate) -> str:
     tb, to = _terms(best), _terms(other)
     deltas = sorted(((to[k] - tb[k], k) for k in tb), reverse=True)
     lost = other.step.step_time_s - best.step.step_time_s
+    if lost <= 1e-4 * best.step.step_time_s:
+        return "ties with the best (predicted step within 0.01%)"
     parts = [f"{k} +{d * 1e3:.1f} ms" for d, k in deltas if d > 0.1 * max(lost, 1e-9)]
     gains = [f"{k} -{-d * 1e3:.1f} ms" for d, k in sorted(deltas) if d < -0.1 * max(lost, 1e-9)]
     head = f"{lost * 1e3:.1f} ms slower: " + ", ".join(parts[:3])
@@ -340,7 +343,8 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, instead of usage + message
+    def error(self, message: str):
+        """One line and exit 2 (through main) instead of argparse's usage + message."""
         raise _UsageError(message)
 
 
@@ -461,9 +465,9 @@ def main(argv: list[str]) -> int:
         print(json.dumps(to_json_rows(top), indent=1))
     else:
         hw = cluster.hardware
-        print(f"{args.model}: {num_parameters(cfg) / 1e9:.2f}B parameters (vocab "
-              f"{cfg.vocab_size} padded to {padded_vocab(cfg, 1)}·tp multiples), seq "
-              f"{work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
+        print(f"{args.model}: {num_parameters(cfg) / 1e9:.2f}B parameters, vocab "
+              f"{cfg.vocab_size} (padded to a multiple of {VOCAB_PAD_MULTIPLE}·tp), "
+              f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
         print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
               f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "
               f"{hw.memory_bytes / 1e9:.0f} GB, NVLink {hw.intra_node_bw * 2 / 1e9:.0f} GB/s, "

@@ -99,6 +99,11 @@ class Run:
     layout: Any
     out: Path
 
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token loss: vocab-parallel under tensor parallelism, plain otherwise."""
+        fn = getattr(self.engine.model, "loss_function", None) or causal_lm_loss
+        return fn(logits, labels, reduction="sum")
+
 
 def build_run(cfg: Config, layout=None) -> Run:
     """Check and build a run. Nothing is written to the output directory here, so bad input
@@ -118,6 +123,7 @@ def build_run(cfg: Config, layout=None) -> Run:
     layout.check(cfg, mcfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(mcfg, device, cfg.train.seed)
+    model = layout.parallelize(model, cfg)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
@@ -155,7 +161,7 @@ def train_step(run: Run, step: int) -> tuple[float, float]:
         with eng.micro_step(last=i == len(micro) - 1):
             with _autocast(run):
                 logits = eng.model(x)
-            loss = causal_lm_loss(logits.float(), y, reduction="sum") / n_tokens
+            loss = run.loss(logits, y) / n_tokens
             loss.backward()
         loss_sum += loss.detach()
     eng.finish_gradients()
@@ -175,7 +181,7 @@ def evaluate(run: Run) -> float:
         for x, y in _micro_batches(run, inputs, labels):
             with _autocast(run):
                 logits = run.engine.model(x)
-            total += causal_lm_loss(logits.float(), y, reduction="sum").double()
+            total += run.loss(logits, y).double()
         count += lay.global_token_count(labels)
     return lay.sum_over_dp(total) / count
 
@@ -184,7 +190,8 @@ def evaluate(run: Run) -> float:
 # Checkpoint glue: what a step's state is made of
 # --------------------------------------------------------------------------------------------
 def _save(run: Run, step: int) -> None:
-    sd = run.engine.state_dict()  # collective under parallel layouts: every rank calls it
+    # collective under parallel layouts: every rank calls it; whole tensors come back
+    sd = run.layout.gather_state(run.engine.state_dict(), run.engine)
     if not run.layout.is_writer:
         return
     rng = {"cpu": torch.get_rng_state()}
@@ -214,8 +221,9 @@ def _resume(run: Run) -> int:
         if saved[key] != getattr(run.model_cfg, key):
             raise CheckpointError(f"checkpoint {steps[-1]}: model.{key}={saved[key]} but this "
                                   f"run has {getattr(run.model_cfg, key)}")
-    run.engine.load_state_dict({"model": tensors["model"], "optim": tensors["optim"],
-                                "optim_step": state["optim_step"]})
+    run.engine.load_state_dict(run.layout.shard_state(
+        {"model": tensors["model"], "optim": tensors["optim"], "optim_step": state["optim_step"]},
+        run.engine))
     run.sampler.load_state_dict(state["sampler"])
     torch.set_rng_state(tensors["rng"]["cpu"])
     return int(state["step"])

@@ -52,8 +52,8 @@ class DataParallelEngine(LocalEngine):
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, comm, bucket_mb: float,
                  axis: str = "dp"):
-        super().__init__(model, cfg)
-        self.comm, self.axis = comm, axis
+        super().__init__(model, cfg, comm)
+        self.axis = axis
         params = [p for _, p in self.named_params]
         self.buckets = [_Bucket(b) for b in make_buckets(params, int(bucket_mb * 2**20))]
         self._where = {}

@@ -53,13 +53,54 @@ class Distributed:
         """Divisibility of the model by the layout, and what is not built yet."""
         from threefold.parallel.layout import check_batch
 
+        from threefold.config import ConfigError
+
         self.dims.validate_model(mcfg, vpp=cfg.parallel.vpp)
         check_batch(cfg, self.dp_size)
-        if self.dims.tp > 1 or self.dims.pp > 1:
-            from threefold.config import ConfigError
+        if self.dims.pp > 1:
+            raise ConfigError("parallel.pp: pipeline parallel training is not available in this "
+                              "build yet (its schedules are: `threefold schedule`); use pp 1")
+        if cfg.parallel.sequence_parallel and cfg.data.seq_len % self.dims.tp:
+            raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by "
+                              f"parallel.tp={self.dims.tp}, which sequence parallelism needs")
 
-            raise ConfigError("parallel.tp/parallel.pp: tensor and pipeline parallel are not "
-                              "available in this build yet; use dp_replicate/dp_shard")
+    def parallelize(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+        """Tensor parallelism (and sequence parallelism) over "tp", when tp > 1."""
+        if self.dims.tp == 1:
+            return model
+        from threefold.parallel.tensor import apply_tensor_parallel
+
+        return apply_tensor_parallel(model, self.comm, cfg.parallel.sequence_parallel)
+
+    def _tp_info(self, engine) -> dict[str, tuple]:
+        from threefold.parallel.engine import tp_shard_dim
+
+        return {n: (tp_shard_dim(p), getattr(p, "_tp_full_size", None))
+                for n, p in engine.named_params}
+
+    def gather_state(self, sd: dict, engine) -> dict:
+        """Whole tensors: tp slices all-gathered (vocabulary padding dropped)."""
+        if self.dims.tp == 1:
+            return sd
+        from threefold.parallel.tensor import gather_full
+
+        info = self._tp_info(engine)
+        model = {n: gather_full(t, *info[n], self.comm) for n, t in sd["model"].items()}
+        optim = {k: gather_full(t, *info[k.rsplit(".", 1)[0]], self.comm)
+                 for k, t in sd["optim"].items()}
+        return {"model": model, "optim": optim, "optim_step": sd["optim_step"]}
+
+    def shard_state(self, sd: dict, engine) -> dict:
+        """This tp rank's slices of whole tensors."""
+        if self.dims.tp == 1:
+            return sd
+        from threefold.parallel.tensor import take_shard
+
+        info = self._tp_info(engine)
+        model = {n: take_shard(t, info[n][0], self.comm) for n, t in sd["model"].items()}
+        optim = {k: take_shard(t, info[k.rsplit(".", 1)[0]][0], self.comm)
+                 for k, t in sd["optim"].items()}
+        return {"model": model, "optim": optim, "optim_step": sd["optim_step"]}
 
     def build_engine(self, model: torch.nn.Module, cfg: Config):
         """Data parallel for ZeRO stage 0, the ZeRO engine for stages 1-3."""
@@ -70,7 +111,7 @@ class Distributed:
         p = cfg.parallel
         if p.zero_stage == 0:
             if self.dp_size == 1:
-                return LocalEngine(model, cfg.optim)
+                return LocalEngine(model, cfg.optim, self.comm)
             return DataParallelEngine(model, cfg.optim, self.comm, p.bucket_mb, axis="dp")
         units = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
         return ZeroEngine(model, units, cfg.optim, self.comm, p.zero_stage)

@@ -30,6 +30,23 @@ def unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(model.named_parameters(remove_duplicate=True))
 
 
+def tp_shard_dim(p: torch.Tensor) -> int | None:
+    """Which dimension of ``p`` tensor parallelism split (None: whole on every tp rank)."""
+    return getattr(p, "_tp_shard_dim", None)
+
+
+def global_sq_norm(parts: torch.Tensor, comm, shard_axis: str | None = None) -> float:
+    """Squared global gradient norm from local [tp-sharded, tp-replicated] sums of squares:
+    both summed over ``shard_axis`` (ranks holding disjoint ZeRO shards), the sharded part
+    also over tp (each tp rank holds a different slice); replicated parts count once."""
+    if comm is not None and shard_axis and comm.size(shard_axis) > 1:
+        comm.all_reduce(parts, shard_axis)
+    sharded = parts[0:1].clone()
+    if comm is not None and comm.size("tp") > 1:
+        comm.all_reduce(sharded, "tp")
+    return float(sharded[0] + parts[1])
+
+
 def make_adamw(params, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW as every engine uses it: same hyper-parameters, single-tensor kernel (the same
     elementwise arithmetic whether a tensor is a whole parameter or a flat shard)."""
@@ -40,9 +57,10 @@ def make_adamw(params, cfg: OptimConfig) -> torch.optim.AdamW:
 class LocalEngine:
     """One process holds everything: plain AdamW over the model's parameters."""
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig):
+    def __init__(self, model: nn.Module, cfg: OptimConfig, comm=None):
         self.model = model
         self.cfg = cfg
+        self.comm = comm
         self.named_params = unique_named_parameters(model)
         self.optimizer = make_adamw([p for _, p in self.named_params], cfg)
 
@@ -55,27 +73,24 @@ class LocalEngine:
     def finish_gradients(self) -> None:
         """Wait for outstanding gradient communication (none here)."""
 
-    def grad_tensors(self) -> list[torch.Tensor]:
-        """The gradients this rank owns (each element of the global gradient owned once)."""
-        return [p.grad for _, p in self.named_params if p.grad is not None]
-
-    def reduce_sq_norm(self, sq: torch.Tensor) -> torch.Tensor:
-        """Sum a local squared norm over the ranks that own disjoint parts of the gradient."""
-        return sq
+    def sq_norm_parts(self) -> torch.Tensor:
+        """[sum of squares of tp-sharded gradients, of tp-replicated ones] on this rank."""
+        parts = torch.zeros(2, dtype=torch.float32)
+        for _, p in self.named_params:
+            if p.grad is not None:
+                parts[0 if tp_shard_dim(p) is not None else 1] += p.grad.detach().float().pow(2).sum().cpu()
+        return parts
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm of the gradient; scale gradients so it is at most ``max_norm``
         (0 = measure only)."""
-        grads = self.grad_tensors()
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for g in grads:
-            sq += g.detach().float().pow(2).sum()
-        total = math.sqrt(float(self.reduce_sq_norm(sq)))
+        total = math.sqrt(global_sq_norm(self.sq_norm_parts(), self.comm))
         if max_norm > 0:
             coef = max_norm / (total + 1e-6)
             if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+                for _, p in self.named_params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
         return total
 
     def step(self, lr: float) -> None:

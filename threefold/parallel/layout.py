@@ -27,6 +27,18 @@ class SingleProcess:
     def check(self, cfg: Config, mcfg: ModelConfig) -> None:
         """Layout rules against the model (nothing to check for one process)."""
 
+    def parallelize(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+        """Apply the layout's model parallelism (none for one process)."""
+        return model
+
+    def gather_state(self, sd: dict, engine) -> dict:
+        """Whole logical tensors from an engine's state (already whole here)."""
+        return sd
+
+    def shard_state(self, sd: dict, engine) -> dict:
+        """This rank's part of whole logical tensors (all of it here)."""
+        return sd
+
     def global_token_count(self, labels: torch.Tensor) -> int:
         """Target tokens in the global batch (labels of -100 are not targets)."""
         return int((labels != -100).sum())

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
-from threefold.parallel.engine import make_adamw, unique_named_parameters
+from threefold.parallel.engine import (global_sq_norm, make_adamw, tp_shard_dim,
+                                       unique_named_parameters)
 
 
 class FlatUnit:
@@ -115,6 +116,17 @@ class FlatUnit:
         out = torch.empty(self.shard_numel, dtype=g.dtype, device=g.device)
         handle = self.comm.reduce_scatter(out, g, self.axis, async_op=True)
         self.reduce_jobs.append((handle, out, g))
+
+    def shard_sq_norm_parts(self) -> torch.Tensor:
+        """[tp-sharded, tp-replicated] sums of squares of this rank's gradient shard."""
+        parts = torch.zeros(2, dtype=torch.float32)
+        g = self.shard.grad.detach().float()
+        lo = self.comm.rank(self.axis) * self.shard_numel
+        for p, off in zip(self.params, self.offsets):
+            a, b = max(off, lo), min(off + p.numel(), lo + self.shard_numel)
+            if b > a:
+                parts[0 if tp_shard_dim(p) is not None else 1] += g[a - lo:b - lo].pow(2).sum().cpu()
+        return parts
 
     def finish_reduce_scatter(self) -> None:
         """Wait for this unit's reductions and accumulate them into the shard's gradient."""
@@ -243,12 +255,12 @@ class ZeroEngine:
             self.root.release()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global norm from the shards (padding is zero), summed over the shard axis."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.all_units[0].full.device)
+        """Global norm from the shards (padding is zero), summed over the shard axis; tp
+        slices summed over tp, tp-replicated parameters counted once."""
+        parts = torch.zeros(2, dtype=torch.float32)
         for unit in self.all_units:
-            sq += unit.shard.grad.float().pow(2).sum()
-        self.comm.all_reduce(sq, self.shard_axis)
-        total = math.sqrt(float(sq))
+            parts += unit.shard_sq_norm_parts()
+        total = math.sqrt(global_sq_norm(parts, self.comm, self.shard_axis))
         if max_norm > 0:
             coef = max_norm / (total + 1e-6)
             if coef < 1.0:

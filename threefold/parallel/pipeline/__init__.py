@@ -2,7 +2,12 @@
 (``schedules``), the pre-launch proof (``check``), the simulator (``simulate``) and the
 timeline writers (``timeline``). Modules that need torch are imported by their full name."""
 
-from threefold.parallel.pipeline.check import DeadlockError, ScheduleError, check_actions, check_schedule
+from threefold.parallel.pipeline.check import (
+    DeadlockError,
+    ScheduleError,
+    check_actions,
+    check_schedule,
+)
 from threefold.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,

@@ -16,9 +16,12 @@ from __future__ import annotations
 from collections import Counter
 
 from threefold.parallel.pipeline.schedules import (
+    RECEIVES,
+    SENDS,
     Action,
     ActionKind,
     build_schedule,
+    completes,
     message_key,
     num_stages,
     stage_rank,
@@ -72,7 +75,7 @@ def _check_placement(r: int, i: int, a: Action, p: int, m: int, n_stages: int) -
             raise ScheduleError(f"{where}: a compute action has no peer")
         return
     _, _, src, dst = message_key(a)
-    other = dst if a.kind.name.startswith("SEND") else src
+    other = dst if a.kind in SENDS else src
     if not 0 <= other < n_stages:
         raise ScheduleError(f"{where}: there is no stage {other} to exchange with")
     if stage_rank(other, p) == r:
@@ -109,27 +112,24 @@ def _check_complete(lists: list[list[Action]], m: int, n_stages: int) -> None:
 
 def _check_messages_once(lists: list[list[Action]]) -> None:
     """No message is sent, or received, twice."""
-    for direction in ("SEND", "RECV"):
-        seen = Counter(message_key(a) for acts in lists for a in acts
-                       if a.kind.name.startswith(direction))
+    for kinds, what in ((SENDS, "sends"), (RECEIVES, "receives")):
+        seen = Counter(message_key(a) for acts in lists for a in acts if a.kind in kinds)
         twice = [k for k, c in seen.items() if c > 1]
         if twice:
-            raise ScheduleError(f"message {twice[0]} has {seen[twice[0]]} {direction}s")
+            raise ScheduleError(f"message {twice[0]} has {seen[twice[0]]} {what}")
 
 
 def _check_cross_stage_order(result: SimResult, n_stages: int) -> None:
     """In the replay, F of stage s+1 starts after F of stage s ends, and B of stage s after
     B of stage s+1 (data flow guarantees it; asserted so a replay bug cannot hide a bad list)."""
-    end, start = {}, {}
+    start, end = {}, {}
     for rank_spans in result.spans:
         for sp in rank_spans:
             if sp.is_compute:
-                a = sp.actions[0]
-                tag = "F" if a.kind is F else "W" if a.kind is W else "B"
-                start[(tag, a.microbatch, a.stage)] = sp.start
-                end[(tag, a.microbatch, a.stage)] = sp.end
+                key = completes(sp.actions[0])
+                start[key], end[key] = sp.start, sp.end
     for (tag, mb, s), t in start.items():
-        before = (tag, mb, s - 1) if tag == "F" else (tag, mb, s + 1) if tag == "B" else None
+        before = {"F": ("F", mb, s - 1), "B": ("B", mb, s + 1)}.get(tag)
         if before in end and end[before] > t:
             raise ScheduleError(f"{tag} of microbatch {mb} stage {s} starts before stage "
                                 f"{before[2]} finished")

@@ -47,9 +47,10 @@ class ActionKind(enum.Enum):
         return self in COMPUTE_KINDS
 
 
-COMPUTE_KINDS = frozenset(
-    {ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD}
-)
+COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD_INPUT,
+                           ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD})
+SENDS = frozenset({ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD})
+RECEIVES = frozenset({ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD})
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Action:
     peer: int | None = None
 
     def __str__(self) -> str:
-        peer = f"->r{self.peer}" if self.kind.name.startswith("SEND") else f"<-r{self.peer}"
+        peer = f"->r{self.peer}" if self.kind in SENDS else f"<-r{self.peer}"
         tail = "" if self.peer is None else peer
         return f"{self.kind.value} mb{self.microbatch} s{self.stage}{tail}"
 
@@ -90,6 +91,30 @@ def message_key(action: Action) -> tuple[str, int, int, int]:
         ActionKind.SEND_BACKWARD: ("gradient", mb, s, s - 1),
         ActionKind.RECV_BACKWARD: ("gradient", mb, s + 1, s),
     }[action.kind]
+
+
+def completes(a: Action) -> tuple[str, int, int]:
+    """What a compute action makes: ("F" | "B" | "W", microbatch, stage); BW makes B (and W).
+    A send carries, and a receive brings, a "F" or "B" of the neighbouring stage."""
+    tag = {ActionKind.FORWARD: "F", ActionKind.BACKWARD_WEIGHT: "W"}.get(a.kind, "B")
+    return tag, a.microbatch, a.stage
+
+
+def needs(a: Action, n: int) -> list[tuple[str, int, int]]:
+    """What compute action ``a`` needs first (as ``completes`` keys), here or received:
+    F the previous stage's F; B or BW its own F and the next stage's B; W its own B."""
+    s, mb = a.stage, a.microbatch
+    if a.kind is ActionKind.FORWARD:
+        return [("F", mb, s - 1)] if s > 0 else []
+    if a.kind is ActionKind.BACKWARD_WEIGHT:
+        return [("B", mb, s)]
+    return [("F", mb, s)] + ([("B", mb, s + 1)] if s < n - 1 else [])
+
+
+def carries(a: Action) -> tuple[str, int, int]:
+    """The ``completes`` key a send or receive moves between ranks."""
+    direction, mb, src, _ = message_key(a)
+    return ("F" if direction == "activation" else "B"), mb, src
 
 
 def _validate(name: str, p: int, m: int, v: int, rank: int, interleaved: bool = False) -> None:
@@ -114,6 +139,7 @@ def _validate(name: str, p: int, m: int, v: int, rank: int, interleaved: bool = 
 # --------------------------------------------------------------------------------------------
 
 Steps = list[list[Action]]  # one rank's compute actions, grouped into steps (see _place_by_step)
+_BACKWARD_INPUTS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)  # make the input grad
 
 
 def _recv_for(a: Action, rank: int, p: int, n: int) -> Action | None:
@@ -136,9 +162,6 @@ def _send_for(a: Action, rank: int, p: int, n: int) -> Action | None:
     return None
 
 
-_BACKWARD_INPUTS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)  # make the input grad
-
-
 def _place_by_step(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
     """Megatron-LM's layout: after each step one batch holding the sends of what the step
     made and the receives the next step needs (send_forward_recv_backward and kin). With
@@ -156,22 +179,6 @@ def _place_by_step(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]
     return lists
 
 
-def _done_key(a: Action) -> tuple[str, int, int]:
-    """What a compute action completes: ("F" | "B" | "W", microbatch, stage); BW completes B."""
-    tag = "F" if a.kind is ActionKind.FORWARD else "W" if a.kind is ActionKind.BACKWARD_WEIGHT else "B"
-    return tag, a.microbatch, a.stage
-
-
-def _inputs(a: Action, n: int) -> list[tuple[str, int, int]]:
-    """The computations an action needs first (as ``_done_key``s), local or remote."""
-    s, mb = a.stage, a.microbatch
-    if a.kind is ActionKind.FORWARD:
-        return [("F", mb, s - 1)] if s > 0 else []
-    if a.kind is ActionKind.BACKWARD_WEIGHT:
-        return [("B", mb, s)]
-    return [("F", mb, s)] + ([("B", mb, s + 1)] if s < n - 1 else [])
-
-
 def _unit_times(orders: list[list[Action]], n: int) -> list[list[tuple[int, int]]]:
     """(start, end) of every compute when each takes one time unit and messages arrive at
     once: the reference timeline _place_by_gap lays messages out against."""
@@ -182,12 +189,12 @@ def _unit_times(orders: list[list[Action]], n: int) -> list[list[tuple[int, int]
         progress = False
         for r, order in enumerate(orders):
             while len(times[r]) < len(order):
-                deps = _inputs(order[len(times[r])], n)
+                deps = needs(order[len(times[r])], n)
                 if any(d not in done for d in deps):
                     break
                 start = max([times[r][-1][1] if times[r] else 0] + [done[d] for d in deps])
                 times[r].append((start, start + 1))
-                done[_done_key(order[len(times[r]) - 1])] = start + 1
+                done[completes(order[len(times[r]) - 1])] = start + 1
                 progress = True
     if any(len(t) < len(o) for t, o in zip(times, orders)):
         raise RuntimeError("internal error: a schedule's compute order waits on itself")
@@ -206,7 +213,7 @@ def _place_by_gap(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
     sorted by the partner's gap on both sides, keeping the FIFO order consistent."""
     orders = [[a for step in steps for a in step] for steps in steps_all]
     times = _unit_times(orders, n)
-    where = {_done_key(a): (r, i) for r, order in enumerate(orders) for i, a in enumerate(order)}
+    where = {completes(a): (r, i) for r, acts in enumerate(orders) for i, a in enumerate(acts)}
     gaps = [[(t[j - 1][1] if j else 0, t[j][0] if j < len(t) else math.inf)
              for j in range(len(t) + 1)] for t in times]  # gaps[r][j]: just before compute j
     gap_ends = [[gap[1] for gap in g] for g in gaps]
@@ -216,10 +223,11 @@ def _place_by_gap(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
             recv = _recv_for(a, r, p, n)
             if recv is None:
                 continue
-            src, i = where[_inputs(a, n)[-1]]  # the remote input is always the last one
+            src, i = where[needs(a, n)[-1]]  # the remote input is always the last one
             lo, hi = gaps[r][q]
             g = bisect.bisect_left(gap_ends[src], lo, i + 1)
-            assert gaps[src][g][0] <= hi, "unit-cost gaps always overlap"
+            if gaps[src][g][0] > hi:  # impossible with unit costs; guards a future edit
+                raise RuntimeError("internal error: no overlapping gap for a message")
             send = _send_for(orders[src][i], src, p, n)
             batches[src][g].append(((0, r, q, message_key(send)), send))  # sends first
             batches[r][q].append(((1, src, g, message_key(recv)), recv))

@@ -17,16 +17,25 @@ import sys
 from dataclasses import dataclass, field
 
 from threefold.parallel.pipeline.schedules import (
+    RECEIVES,
+    SCHEDULES,
+    SENDS,
     Action,
     ActionKind,
-    SCHEDULES,
     build_schedule,
+    carries,
+    completes,
     in_flight_chunks,
     message_key,
+    needs,
     num_stages,
-    stage_rank,
 )
-from threefold.parallel.pipeline.timeline import TraceRecord, ascii_timeline, draw_png, write_chrome_trace
+from threefold.parallel.pipeline.timeline import (
+    TraceRecord,
+    ascii_timeline,
+    draw_png,
+    write_chrome_trace,
+)
 
 
 class ScheduleError(ValueError):
@@ -56,7 +65,8 @@ class Costs:
     def of(self, kind: ActionKind) -> float:
         """Duration of a compute action of this kind."""
         return {ActionKind.FORWARD: self.t_f, ActionKind.BACKWARD_INPUT: self.t_b,
-                ActionKind.BACKWARD_WEIGHT: self.t_w, ActionKind.BACKWARD: self.t_b + self.t_w}[kind]
+                ActionKind.BACKWARD_WEIGHT: self.t_w,
+                ActionKind.BACKWARD: self.t_b + self.t_w}[kind]
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,8 @@ class SimResult:
                 if s.is_compute:
                     out.append(TraceRecord(s.rank, str(s.actions[0]), t0, t1, "compute"))
                 elif s.end > s.start:
-                    out.append(TraceRecord(s.rank, " + ".join(map(str, s.actions)), t0, t1, "comm"))
+                    name = " + ".join(map(str, s.actions))
+                    out.append(TraceRecord(s.rank, name, t0, t1, "comm"))
         return out
 
 
@@ -118,9 +129,9 @@ def _pair_messages(lists: list[list[Action]]) -> dict[tuple[int, int], tuple[int
     recvs: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for r, acts in enumerate(lists):
         for i, a in enumerate(acts):
-            if a.kind.name.startswith("SEND"):
+            if a.kind in SENDS:
                 sends.setdefault((r, a.peer), []).append((r, i))
-            elif a.kind.name.startswith("RECV"):
+            elif a.kind in RECEIVES:
                 recvs.setdefault((a.peer, r), []).append((r, i))
     partner = {}
     for channel, ss in sends.items():
@@ -138,32 +149,14 @@ def _pair_messages(lists: list[list[Action]]) -> dict[tuple[int, int], tuple[int
     return partner
 
 
-def _run_compute(r: int, i: int, a: Action, have: set, n_stages: int, p: int) -> None:
-    """Check a compute action's inputs are on this rank, then record what it produces."""
-    s, mb = a.stage, a.microbatch
-    need = []
-    if a.kind is ActionKind.FORWARD and s > 0:
-        need.append(("act", mb, s))
-    if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
-        need.append(("fwd", mb, s))
-        if s < n_stages - 1:
-            need.append(("grad", mb, s))
-    if a.kind is ActionKind.BACKWARD_WEIGHT:
-        need.append(("bwd", mb, s))
-    for item in need:
-        if item not in have:
-            what = {"act": "input activation", "fwd": "forward", "grad": "output gradient",
-                    "bwd": "input-gradient backward (B)"}[item[0]]
-            raise ScheduleError(f"rank {r} action #{i} ({a}) runs before its {what} of "
-                                f"microbatch {mb} stage {s} is on this rank")
-    if a.kind is ActionKind.FORWARD:
-        have.add(("fwd", mb, s))
-        if s + 1 < n_stages and stage_rank(s + 1, p) == r:
-            have.add(("act", mb, s + 1))  # next stage on this rank: handed over in memory
-    elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
-        have.add(("bwd", mb, s))
-        if s > 0 and stage_rank(s - 1, p) == r:
-            have.add(("grad", mb, s - 1))
+def _run_compute(r: int, i: int, a: Action, have: set, n_stages: int) -> None:
+    """Check that what a compute action needs has run on this rank or been received, then
+    record what it makes."""
+    for tag, mb, s in needs(a, n_stages):
+        if (tag, mb, s) not in have:
+            raise ScheduleError(f"rank {r} action #{i} ({a}) runs before {tag} of microbatch "
+                                f"{mb} stage {s} has run on or reached this rank")
+    have.add(completes(a))
 
 
 def _items(acts: list[Action]) -> list[tuple[int, int]]:
@@ -183,7 +176,8 @@ def _items(acts: list[Action]) -> list[tuple[int, int]]:
 def replay(lists: list[list[Action]], n_stages: int, costs: Costs = Costs()) -> SimResult:
     """Run all ranks' lists together under the executor's rules and return the timelines.
     Raises ScheduleError on a missing input or mismatched message, DeadlockError if the
-    ranks block each other forever (with the first blocked state)."""
+    ranks block each other forever (with the state they stopped in). Whether a list
+    deadlocks does not depend on the costs, only when things happen does."""
     p = len(lists)
     partner = _pair_messages(lists)
     items = [_items(acts) for acts in lists]
@@ -200,7 +194,7 @@ def replay(lists: list[list[Action]], n_stages: int, costs: Costs = Costs()) -> 
         while nxt[r] < len(items[r]):
             lo, hi = items[r][nxt[r]]
             if acts[lo].kind.is_compute:
-                _run_compute(r, lo, acts[lo], have[r], n_stages, p)
+                _run_compute(r, lo, acts[lo], have[r], n_stages)
                 end = clock[r] + costs.of(acts[lo].kind)
                 spans[r].append(Span(r, clock[r], end, (acts[lo],)))
                 busy[r] += end - clock[r]
@@ -222,11 +216,7 @@ def replay(lists: list[list[Action]], n_stages: int, costs: Costs = Costs()) -> 
                 break  # a peer has not posted its side yet
             end = max([clock[r]] + [done[(r, i)] for i in range(lo, hi)])
             spans[r].append(Span(r, clock[r], end, tuple(acts[lo:hi])))
-            for x in acts[lo:hi]:
-                if x.kind is ActionKind.RECV_FORWARD:
-                    have[r].add(("act", x.microbatch, x.stage))
-                elif x.kind is ActionKind.RECV_BACKWARD:
-                    have[r].add(("grad", x.microbatch, x.stage))
+            have[r].update(carries(x) for x in acts[lo:hi] if x.kind in RECEIVES)
             clock[r], nxt[r], posted[r] = end, nxt[r] + 1, None
     pc = [items[r][nxt[r]][0] if nxt[r] < len(items[r]) else len(lists[r]) for r in range(p)]
     if any(pc[r] < len(lists[r]) for r in range(p)):
@@ -235,12 +225,10 @@ def replay(lists: list[list[Action]], n_stages: int, costs: Costs = Costs()) -> 
 
 
 def _check_send_source(r: int, i: int, x: Action, have: set) -> None:
-    """A send is posted only after the compute that produces what it sends."""
-    if x.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD):
-        tag, what = ("fwd", "forward") if x.kind is ActionKind.SEND_FORWARD else ("bwd", "backward")
-        if (tag, x.microbatch, x.stage) not in have:
-            raise ScheduleError(f"rank {r} action #{i} ({x}) is posted before the {what} "
-                                "that produces it has run")
+    """A send is posted only after the compute that makes what it carries."""
+    if x.kind in SENDS and carries(x) not in have:
+        raise ScheduleError(f"rank {r} action #{i} ({x}) is posted before the "
+                            f"{carries(x)[0]} it sends has run")
 
 
 def _blocked_state(lists, pc, posted, partner, done) -> list[str]:
@@ -310,7 +298,7 @@ def summary(name: str, p: int, m: int, v: int, costs: Costs, result: SimResult) 
         "makespan_ms": result.makespan,
         "compute_ms_per_rank": result.busy,
         "peak_in_flight_microbatches": [in_flight_chunks(acts) / v for acts in lists],
-        "messages_per_step": sum(a.kind.name.startswith("SEND") for acts in lists for a in acts),
+        "messages_per_step": sum(a.kind in SENDS for acts in lists for a in acts),
         "costs_ms": {"t_f": costs.t_f, "t_b": costs.t_b, "t_w": costs.t_w, "t_comm": costs.t_comm},
     }
 
@@ -340,10 +328,15 @@ def main(argv: list[str]) -> int:
     info = summary(args.schedule, args.pp, args.microbatches, args.vpp, costs, result)
     records = result.records(unit_s=1e-3)  # costs are in ms
     title = f"{args.schedule}  pp={args.pp} microbatches={args.microbatches} vpp={args.vpp}"
-    if args.trace:
-        write_chrome_trace(records, args.trace)
-    if args.png:
-        draw_png(records, args.png, title=f"{title}  bubble {result.bubble_fraction:.1%}")
+    try:
+        if args.trace:
+            write_chrome_trace(records, args.trace)
+        if args.png:
+            draw_png(records, args.png, title=f"{title}  bubble {result.bubble_fraction:.1%}")
+    except OSError as e:
+        print(f"threefold schedule: error: cannot write {e.filename}: {e.strerror}",
+              file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(info))
         return 0
@@ -352,5 +345,8 @@ def main(argv: list[str]) -> int:
     print(f"makespan {result.makespan:g} ms; bubble {result.bubble_fraction:.1%} of the step "
           f"(idle / (pp x makespan)), {result.bubble_over_ideal:.1%} of the ideal time")
     print(f"peak microbatches of activations in flight per rank: {peaks}")
+    if args.microbatches < args.pp:
+        print(f"note: fewer microbatches than stages runs correctly but leaves ranks idle; "
+              f"the bubble is small from about {4 * args.pp} (4 x pp, GPipe's rule of thumb)")
     print(ascii_timeline(result.records(), width=100))
     return 0

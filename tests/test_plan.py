@@ -1,0 +1,139 @@
+"""`threefold plan`: the search, its ranking and explanations, and the command line."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from threefold.config import ModelConfig
+from threefold.cost import Workload
+from threefold.hardware import Cluster, get_hardware
+from threefold.plan import JSON_KEYS, SearchSpace, explain, load_model, main, search
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def llama70b_on_64():
+    cfg = load_model("llama3-70b")
+    cluster = Cluster(get_hardware("h100"), 64, 8)
+    work = Workload(seq_len=4096, global_batch=1024)
+    return cfg, cluster, work, search(cfg, cluster, work, keep=20)
+
+
+def test_best_layout_keeps_tp_inside_a_node(llama70b_on_64):
+    cfg, cluster, work, result = llama70b_on_64
+    best = result.ranked[0]
+    assert best.layout.tp <= cluster.gpus_per_node
+    assert "tp" not in best.step.inter_node_axes
+    assert not any("tp crosses nodes" in w for w in best.warnings)
+    # layouts whose tp group spans nodes exist in the search and are flagged
+    wide = search(cfg, cluster, work, SearchSpace(tp=(16,), zero_stage=(3,)), keep=1)
+    assert wide.ranked and "tp crosses nodes" in " ".join(wide.ranked[0].warnings)
+    assert wide.ranked[0].step.step_time_s > best.step.step_time_s
+
+
+def test_layouts_that_do_not_fit_are_excluded_with_a_reason(llama70b_on_64):
+    cfg, cluster, work, result = llama70b_on_64
+    assert result.too_big, "a 70B model must not fit every layout on 80 GB"
+    limit = cluster.hardware.memory_bytes
+    for lay, total, why in result.too_big:
+        assert total > limit and "GB >" in why and "states" in why
+    assert all(c.memory.total <= limit for c in result.ranked)
+    # no sharding and no model parallelism: 70B x 16 bytes is excluded, with its reason
+    assert any(lay.tp == lay.pp == 1 and lay.zero_stage == 0 and "states 1128" in why
+               for lay, _, why in result.too_big)
+
+
+def test_ranking_is_best_first_and_pruning_keeps_the_top(llama70b_on_64):
+    cfg, cluster, work, result = llama70b_on_64
+    times = [c.step.step_time_s for c in result.ranked]
+    assert times == sorted(times) and len(times) == 20
+    small = load_model("llama3-8b")
+    cl, wk = Cluster(get_hardware("a100"), 16, 8), Workload(2048, 256)
+    full = search(small, cl, wk)
+    pruned = search(small, cl, wk, keep=5)
+    assert full.fits == pruned.fits == len(full.ranked)
+    assert [c.layout for c in pruned.ranked] == [c.layout for c in full.ranked[:5]]
+
+
+def test_explain_names_the_bigger_term(llama70b_on_64):
+    _, _, _, result = llama70b_on_64
+    best = result.ranked[0]
+    assert explain(best, best).startswith("best")
+    worst = result.ranked[-1]
+    text = explain(best, worst)
+    assert "slower" in text
+    assert any(term in text for term in ("compute", "bubble", "tp comm", "pp comm", "dp comm"))
+
+
+def test_json_keys_exactly_and_best_first(capsys):
+    rc, out, err = run(capsys, "--model", "llama3-70b", "--gpus", "64", "--json", "--top", "4")
+    assert rc == 0, err
+    rows = json.loads(out)
+    assert len(rows) == 4
+    for row in rows:
+        assert tuple(row) == JSON_KEYS
+        assert row["tp"] * row["pp"] * row["dp_replicate"] * row["dp_shard"] == 64
+        assert 0 < row["mfu"] < 1 and row["memory_bytes_per_gpu"] <= 80e9
+        assert isinstance(row["warnings"], list)
+    steps = [r["step_time_s"] for r in rows]
+    assert steps == sorted(steps)
+
+
+def test_table_and_explain_text(capsys):
+    rc, out, _ = run(capsys, "--model", "llama3-8b", "--gpus", "16", "--top", "3", "--explain")
+    assert rc == 0
+    assert "tok/s/GPU" in out and "MFU" in out and "why not best" in out
+    assert "do not fit" in out or "skipped" in out
+
+
+def test_precision_and_overrides_change_the_prediction(capsys):
+    base = json.loads(run(capsys, "--model", "llama3-8b", "--gpus", "8", "--json")[1])[0]
+    fast = json.loads(run(capsys, "--model", "llama3-8b", "--gpus", "8", "--json",
+                          "--peak-tflops", "1978")[1])[0]
+    assert fast["step_time_s"] < base["step_time_s"]
+    fp32 = json.loads(run(capsys, "--model", "llama3-8b", "--gpus", "8", "--json",
+                          "--precision", "fp32", "--memory-gb", "141")[1])
+    assert fp32 and fp32[0]["step_time_s"] > 5 * base["step_time_s"]  # 67 vs 989 TF/s
+
+
+def test_model_from_toml_file(tmp_path, capsys):
+    path = tmp_path / "m.toml"
+    path.write_text('[model]\npreset = "llama3-8b"\nnum_hidden_layers = 16\n')
+    cfg = load_model(str(path))
+    assert isinstance(cfg, ModelConfig) and cfg.num_hidden_layers == 16
+    rc, out, _ = run(capsys, "--model", str(path), "--gpus", "8", "--json", "--top", "1")
+    assert rc == 0 and json.loads(out)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "llama9"], ["--gpu", "tpu-v9"], ["--gpus", "0"], ["--seq-len", "1000000"],
+    ["--global-batch-tokens", "1000"], ["--precision", "fp8"], ["--recompute", "some"],
+    ["--tp", "two"], ["--peak-tflops", "-1"],
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv):
+    rc, out, err = run(capsys, "--model", "llama3-8b", *argv) if argv[0] != "--model" else \
+        run(capsys, *argv)
+    assert rc == 2
+    assert err.strip().count("\n") == 0 and err.startswith("threefold plan: error:")
+
+
+def test_nothing_fits_exits_1_and_says_why(capsys):
+    rc, out, err = run(capsys, "--model", "llama3-70b", "--gpus", "8", "--memory-gb", "8")
+    assert rc == 1
+    assert "no layout fits" in err and "GB" in err
+
+
+def test_thousand_gpu_search_is_fast(capsys):
+    start = time.process_time()
+    rc, out, _ = run(capsys, "--model", "llama3-70b", "--gpus", "1024", "--json", "--top", "3")
+    elapsed = time.process_time() - start
+    assert rc == 0 and len(json.loads(out)) == 3
+    assert elapsed < 8, f"search took {elapsed:.1f} s of CPU"

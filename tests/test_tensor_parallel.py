@@ -1,0 +1,67 @@
+"""Tensor parallel (Megatron column/row, vocab-parallel embedding and loss), sequence
+parallel, and their compositions with DP and ZeRO train to the same losses and weights as one
+process; per-layer collectives match Megatron's counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import tiny_overrides
+from tests.dist import run_distributed
+from tests.test_dp_zero import STEPS, _check_equal, _metrics, _weights
+from threefold.config import load_config
+from threefold.cost import num_parameters
+from threefold.train import train
+
+
+def _runs(rank, world, corpus, cache, root, runs):
+    from threefold.parallel.distributed_layout import Distributed
+
+    out = {}
+    for name, extra in runs:
+        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, train__steps=STEPS,
+                                               **extra))
+        layout = Distributed(cfg)
+        summary, _ = train(cfg, layout, return_run=True)
+        out[name] = {"steps": layout._steps, "summary": summary}
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(corpus, cache_dir, tmp_path_factory):
+    """Single-process runs: the plain tiny model, and one with a vocabulary of 322 (not a
+    multiple of 4: exercises padding)."""
+    refs = {}
+    for key, extra in (("plain", {}), ("vocab322", {"model__vocab_size": 322})):
+        out = tmp_path_factory.mktemp("tpref") / key
+        train(load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=STEPS,
+                                               **extra)))
+        refs[key] = {"losses": [r["loss"] for r in _metrics(out)], "weights": _weights(out)}
+    return refs
+
+
+RUNS_2 = [
+    ("tp2", {"parallel__tp": 2}, "plain"),
+    ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"}, "plain"),
+    ("tp2_sp_accum_ac", {"parallel__tp": 2, "parallel__sequence_parallel": "true",
+                         "train__micro_batch_size": 2,
+                         "train__activation_checkpointing": "true"}, "plain"),
+]
+RUNS_4 = [
+    ("tp4_kv_replicated_padded", {"parallel__tp": 4, "model__vocab_size": 322}, "vocab322"),
+    ("tp2_dp2", {"parallel__tp": 2}, "plain"),
+    ("tp2_zero3", {"parallel__tp": 2, "parallel__zero_stage": 3}, "plain"),
+    ("tp2_sp_zero1", {"parallel__tp": 2, "parallel__sequence_parallel": "true",
+                      "parallel__zero_stage": 1}, "plain"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,runs", [(2, RUNS_2), (4, RUNS_4)], ids=["2ranks", "4ranks"])
+def test_tp_layouts_equal_single_process(world, runs, references, corpus, cache_dir, tmp_path):
+    results = run_distributed(_runs, world, corpus, cache_dir, tmp_path,
+                              [(n, e) for n, e, _ in runs], timeout=400)
+    for name, extra, ref in runs:
+        _check_equal(references[ref], tmp_path / name)
+        assert all("tp" in r[name]["summary"]["comm_bytes_per_step"] for r in results), name

@@ -1,0 +1,359 @@
+"""Megatron-style tensor parallelism (Shoeybi et al., arXiv 1909.08053 §3), with sequence
+parallelism (Korthikanti et al., arXiv 2205.05198 §4), applied to the plain model from outside.
+
+The plan is data (``TP_PLAN``): module name pattern -> style. Column-parallel layers keep a
+slice of output rows (q/k/v by heads, gate/up by the SwiGLU width, the LM head by vocabulary);
+row-parallel layers keep a slice of input columns (o, down). Megatron's conjugate operators
+wrap each sub-layer:
+
+- ``f``: identity forward, all-reduce of the gradient backward — at the input of attention,
+  the MLP and the LM head;
+- ``g``: all-reduce forward, identity backward — at the output of o_proj and down_proj (and
+  of the vocab-parallel embedding).
+
+So each transformer layer does 2 all-reduces of b·s·h in forward and 2 in backward. With
+sequence parallelism the activations between sub-layers are split on the sequence: ``f``
+becomes an all-gather (reduce-scatter backward) and ``g`` a reduce-scatter (all-gather
+backward) — the same bytes in ring terms, but norms, residuals and their activations are held
+1/t per rank. Norm weights then see only their rank's tokens, so their gradients are
+all-reduced over tp.
+
+GQA: key/value heads are split over tp when tp divides their number. When there are fewer KV
+heads than tp (tp a multiple of them), k_proj/v_proj stay whole on every rank (replicated);
+each rank uses the rows of the one KV head its query heads attend with, and the weight
+gradient is all-reduced over tp (zeros outside the rows a rank used), so it is complete.
+
+The embedding is vocab-parallel and the loss a vocab-parallel cross-entropy that never
+gathers the full logits: a max, a sum of exponentials and the target logit are all-reduced
+(3·b·s elements). A vocabulary not divisible by tp is padded; padded logits are masked out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.model import LlamaForCausalLM
+
+AXIS = "tp"
+
+# module-name pattern -> style; patterns are matched against names relative to the model root
+TP_PLAN: dict[str, str] = {
+    r"model\.embed_tokens": "vocab_embedding",
+    r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)": "column",
+    r"model\.layers\.\d+\.self_attn\.o_proj": "row",
+    r"model\.layers\.\d+\.mlp\.(gate_proj|up_proj)": "column",
+    r"model\.layers\.\d+\.mlp\.down_proj": "row",
+    r"lm_head": "vocab_column",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Conjugate operators (autograd functions through the communication layer)
+# --------------------------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, AXIS)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        out = x.contiguous().clone()
+        comm.all_reduce(out, AXIS)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _gather_seq(x: torch.Tensor, comm) -> torch.Tensor:
+    t = comm.size(AXIS)
+    xs = x.transpose(0, 1).contiguous()  # (s/t, b, h): the sequence leads, chunks concatenate
+    out = torch.empty((xs.shape[0] * t, *xs.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, xs, AXIS)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, comm) -> torch.Tensor:
+    t = comm.size(AXIS)
+    xs = x.transpose(0, 1).contiguous()
+    out = torch.empty((xs.shape[0] // t, *xs.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, xs, AXIS)
+    return out.transpose(0, 1)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """f under sequence parallelism: all-gather on the sequence, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.comm), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """g under sequence parallelism: reduce-scatter on the sequence, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.comm), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Keep this rank's slice of the sequence (no communication); all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        t, r = comm.size(AXIS), comm.rank(AXIS)
+        n = x.shape[1] // t
+        return x[:, r * n:(r + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.comm), None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Identity on a replicated weight whose gradient each rank sees only part of."""
+
+    @staticmethod
+    def forward(ctx, w, comm):
+        ctx.comm = comm
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, AXIS)
+        return grad, None
+
+
+# --------------------------------------------------------------------------------------------
+# Vocab-parallel cross-entropy
+# --------------------------------------------------------------------------------------------
+class _VocabParallelCE(torch.autograd.Function):
+    """Summed token cross-entropy over logits split by vocabulary across tp."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, comm, offset, vocab, ignore_index):
+        logits = logits.float()
+        n_local = logits.shape[-1]
+        if offset + n_local > vocab:  # padded rows of the last shard: never a valid class
+            logits = logits.clone()
+            logits[:, max(0, vocab - offset):] = float("-inf")
+        lmax = logits.max(dim=-1).values
+        comm.all_reduce(lmax, AXIS, op="max")
+        exp = (logits - lmax[:, None]).exp()
+        sumexp = exp.sum(-1)
+        comm.all_reduce(sumexp, AXIS)
+        valid = labels != ignore_index
+        local = labels - offset
+        mine = valid & (local >= 0) & (local < n_local)
+        idx = torch.where(mine, local, torch.zeros_like(local))
+        target = torch.where(mine, logits.gather(1, idx[:, None]).squeeze(1) - lmax,
+                             torch.zeros_like(lmax))
+        comm.all_reduce(target, AXIS)
+        loss = torch.where(valid, sumexp.log() - target, torch.zeros_like(target))
+        ctx.save_for_backward(exp / sumexp[:, None], idx, mine, valid)
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, idx, mine, valid = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows[mine], idx[mine]] -= 1.0
+        g *= valid[:, None].to(g.dtype) * grad
+        return g, None, None, None, None, None
+
+
+class VocabParallelLoss:
+    """``loss(logits_local, labels, reduction="sum")`` with the same contract as
+    ``threefold.model.causal_lm_loss`` (summed fp32 token loss)."""
+
+    def __init__(self, comm, vocab_size: int, shard: int):
+        self.comm, self.vocab, self.shard = comm, vocab_size, shard
+        self.offset = comm.rank(AXIS) * shard
+
+    def __call__(self, logits, labels, ignore_index: int = -100, reduction: str = "sum"):
+        if reduction != "sum":
+            raise ValueError("the vocab-parallel loss returns sums only")
+        return _VocabParallelCE.apply(logits.flatten(0, -2), labels.flatten(), self.comm,
+                                      self.offset, self.vocab, ignore_index)
+
+
+# --------------------------------------------------------------------------------------------
+# Applying the plan
+# --------------------------------------------------------------------------------------------
+def _shard_rows(weight: torch.Tensor, rank: int, t: int, pad_to: int | None = None):
+    rows = weight.shape[0]
+    total = pad_to or rows
+    n = total // t
+    out = torch.zeros((n, *weight.shape[1:]), dtype=weight.dtype, device=weight.device)
+    lo, hi = rank * n, min((rank + 1) * n, rows)
+    if hi > lo:
+        out[:hi - lo] = weight[lo:hi]
+    return out
+
+
+def _set_weight(module: nn.Module, new: torch.Tensor, shard_dim: int | None, full: int) -> None:
+    p = module.weight
+    p.data = new.contiguous()
+    p._tp_shard_dim = shard_dim  # None: replicated over tp
+    p._tp_full_size = full  # logical size along shard_dim (vocabulary before padding)
+
+
+def _vocab_embedding_forward(comm, sp: bool, shard: int):
+    offset = comm.rank(AXIS) * shard
+
+    def forward(self, ids):
+        local = ids - offset
+        outside = (local < 0) | (local >= shard)
+        out = F.embedding(torch.where(outside, torch.zeros_like(local), local), self.weight)
+        out = out.masked_fill(outside[..., None], 0.0)
+        return _ReduceScatterSeq.apply(out, comm) if sp else _ReduceFromTP.apply(out, comm)
+    return forward
+
+
+def _replicated_kv_forward(comm, rows: slice):
+    def forward(self, x):
+        return F.linear(x, _GradAllReduce.apply(self.weight, comm)[rows])
+    return forward
+
+
+def _sp_norm_forward(comm):
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return _GradAllReduce.apply(self.weight, comm) * x.to(dtype)
+    return forward
+
+
+def _style(name: str) -> str | None:
+    for pattern, style in TP_PLAN.items():
+        if re.fullmatch(pattern, name):
+            return style
+    return None
+
+
+def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool = False):
+    """Shard ``model`` in place over the "tp" axis of ``comm`` and install the conjugate
+    operators. Returns the model, with ``model.loss_function`` set to the vocab-parallel loss.
+    Weights are sliced from the full (already initialised) ones, so the sharded model computes
+    exactly what the full one does."""
+    t, r = comm.size(AXIS), comm.rank(AXIS)
+    cfg = model.cfg
+    sp = sequence_parallel
+    hd, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    vocab = cfg.vocab_size
+    vshard = math.ceil(vocab / t)
+    split_kv = kv % t == 0
+    for name, module in list(model.named_modules()):
+        style = _style(name)
+        if style is None or module is None:
+            continue
+        w = module.weight.detach()
+        if style == "vocab_embedding":
+            _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab)
+            module.forward = types.MethodType(_vocab_embedding_forward(comm, sp, vshard), module)
+        elif style == "vocab_column":
+            if model.cfg.tie_word_embeddings:
+                module.weight = model.model.embed_tokens.weight
+            else:
+                _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab)
+        elif style == "column" and name.endswith(("k_proj", "v_proj")) and not split_kv:
+            kv_head = (r * (heads // t)) // (heads // kv)
+            _set_weight(module, w.clone(), None, w.shape[0])
+            module.weight._tp_grad_reduced = True
+            module.forward = types.MethodType(
+                _replicated_kv_forward(comm, slice(kv_head * hd, (kv_head + 1) * hd)), module)
+        elif style == "column":
+            _set_weight(module, _shard_rows(w, r, t), 0, w.shape[0])
+        elif style == "row":
+            _set_weight(module, _shard_rows(w.t(), r, t).t(), 1, w.shape[1])
+    enter = _GatherSeq.apply if sp else _CopyToTP.apply
+    leave = _ReduceScatterSeq.apply if sp else _ReduceFromTP.apply
+    for layer in model.model.layers:
+        for sub, out_proj in ((layer.self_attn, layer.self_attn.o_proj),
+                              (layer.mlp, layer.mlp.down_proj)):
+            sub.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm), *a[1:]))
+            out_proj.register_forward_hook(lambda _m, _a, out: leave(out, comm))
+        if sp:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.forward = types.MethodType(_sp_norm_forward(comm), norm)
+                norm.weight._tp_grad_reduced = True
+    if sp:
+        model.model.norm.forward = types.MethodType(_sp_norm_forward(comm), model.model.norm)
+        model.model.norm.weight._tp_grad_reduced = True
+
+        def positions(_m, args, kwargs):  # rotary tables for the whole sequence
+            if kwargs.get("position_ids") is None and (len(args) < 2 or args[1] is None):
+                ids = args[0]
+                kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(
+                    ids.shape[0], -1)
+            return args[:1], kwargs
+        model.model.register_forward_pre_hook(positions, with_kwargs=True)
+    model.lm_head.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm),))
+    for p in model.parameters():
+        if not hasattr(p, "_tp_shard_dim"):
+            p._tp_shard_dim = None
+            p._tp_full_size = p.shape[0] if p.dim() else 1
+    model.loss_function = VocabParallelLoss(comm, vocab, vshard)
+    model.tp_size = t
+    return model
+
+
+def tp_shard_dim(p: torch.Tensor) -> int | None:
+    """Which dimension of ``p`` is split over tp (None: the same on every tp rank)."""
+    return getattr(p, "_tp_shard_dim", None)
+
+
+def gather_full(local: torch.Tensor, dim: int | None, full: int, comm) -> torch.Tensor:
+    """A tensor split over tp along ``dim`` made whole again (vocabulary padding dropped)."""
+    if dim is None or comm.size(AXIS) == 1:
+        return local
+    t = comm.size(AXIS)
+    x = local.movedim(dim, 0).contiguous()
+    out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, x, AXIS)
+    return out[:full].movedim(0, dim).contiguous()
+
+
+def take_shard(whole: torch.Tensor, dim: int | None, comm) -> torch.Tensor:
+    """This rank's tp slice of a whole tensor (padded to a multiple of tp along ``dim``)."""
+    if dim is None or comm.size(AXIS) == 1:
+        return whole
+    t, r = comm.size(AXIS), comm.rank(AXIS)
+    x = whole.movedim(dim, 0)
+    n = math.ceil(x.shape[0] / t)
+    return _shard_rows(x, r, t, n * t).movedim(0, dim).contiguous()
