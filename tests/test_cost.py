@@ -11,6 +11,7 @@ import pytest
 from threefold.config import Config, ModelConfig
 from threefold.cost import (
     MATMUL_EFFICIENCY,
+    MESH_ORDER,
     Layout,
     LayoutError,
     Workload,
@@ -27,7 +28,13 @@ from threefold.cost import (
     stage_parameters,
     tp_shard,
 )
-from threefold.hardware import GPUS, Cluster, Hardware, get_hardware
+from threefold.hardware import (
+    GPUS,
+    Cluster,
+    Hardware,
+    get_hardware,
+    peak_flops_for_device_name,
+)
 from threefold.memory import (
     DEEPSPEED_MIXED_ADAM,
     FP32_ADAM,
@@ -94,7 +101,8 @@ def test_deepspeed_estimators_cross_check():
 
 
 def test_zero_and_dp_communication_volume():
-    """ZeRO §7: DP all-reduce and ZeRO-1/2 move 2Ψ, ZeRO-3 3Ψ (ring: (N-1)/N per rank)."""
+    """ZeRO §7: DP all-reduce and ZeRO-1/2 move 2Ψ, ZeRO-3 3Ψ (ring: (N-1)/N per rank).
+    Plain DP all-reduces over the flattened "dp" group, ZeRO over "dp_shard"."""
     cfg = preset("llama3-8b")
     work = Workload(seq_len=1024, global_batch=16)
     for n in (2, 4, 16):
@@ -102,8 +110,9 @@ def test_zero_and_dp_communication_volume():
         lay = dict(dp_shard=n, microbatch_size=16 // n)  # one microbatch: no accumulation
         for zero, mult in ((0, 2), (1, 2), (2, 2), (3, 3)):
             got = comm_bytes_per_step(cfg, Layout(zero_stage=zero, **lay), work)
-            assert got["dp_shard"] == pytest.approx(mult * psi * (n - 1) / n)
+            assert got["dp" if zero == 0 else "dp_shard"] == pytest.approx(mult * psi * (n - 1) / n)
             assert got["tp"] == got["pp"] == got["dp_replicate"] == 0
+            assert sum(got.values()) == pytest.approx(mult * psi * (n - 1) / n)
 
 
 def test_hybrid_sharding_splits_bytes_but_not_the_total():
@@ -112,16 +121,29 @@ def test_hybrid_sharding_splits_bytes_but_not_the_total():
     hsdp = comm_bytes_per_step(cfg, Layout(dp_replicate=4, dp_shard=4, zero_stage=1), work)
     assert hsdp["dp_replicate"] > 0
     assert sum(hsdp.values()) == pytest.approx(sum(flat.values()))
+    ddp = comm_bytes_per_step(cfg, Layout(dp_replicate=4, dp_shard=4), work)
+    assert ddp["dp"] == pytest.approx(sum(flat.values())) and ddp["dp_replicate"] == 0
 
 
-def test_zero2_and_3_communicate_per_microbatch():
+def test_only_zero3_communicates_every_microbatch():
+    """threefold's ZeRO-1/2 accumulate full gradients and reduce once per step; ZeRO-3 keeps
+    no full gradients or weights, so it gathers and reduce-scatters every microbatch."""
     cfg, work = preset("llama3-8b"), Workload(1024, 64)
-    one = comm_bytes_per_step(cfg, Layout(dp_shard=8, zero_stage=3, microbatch_size=8), work)
-    four = comm_bytes_per_step(cfg, Layout(dp_shard=8, zero_stage=3, microbatch_size=2), work)
-    assert four["dp_shard"] == pytest.approx(4 * one["dp_shard"])
-    z1 = comm_bytes_per_step(cfg, Layout(dp_shard=8, zero_stage=1, microbatch_size=2), work)
-    z1_one = comm_bytes_per_step(cfg, Layout(dp_shard=8, zero_stage=1, microbatch_size=8), work)
-    assert z1["dp_shard"] == z1_one["dp_shard"]  # stage 1 reduces once per step
+    for zero, factor in ((1, 1), (2, 1), (3, 4)):
+        one = comm_bytes_per_step(cfg, Layout(dp_shard=8, zero_stage=zero, microbatch_size=8),
+                                  work)
+        four = comm_bytes_per_step(cfg, Layout(dp_shard=8, zero_stage=zero, microbatch_size=2),
+                                   work)
+        assert four["dp_shard"] == pytest.approx(factor * one["dp_shard"])
+
+
+def test_zero2_keeps_full_gradients_while_accumulating():
+    cfg, work = preset("llama3-8b"), Workload(1024, 64)
+    z1 = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=1, microbatch_size=2), work)
+    z2 = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=2, microbatch_size=2), work)
+    z2_one = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=2, microbatch_size=8), work)
+    assert z2.grads == pytest.approx(z1.grads * (1 + 1 / 8))
+    assert z2_one.grads == pytest.approx(z1.grads / 8)  # one microbatch: ZeRO's 2Ψ/N
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,12 +183,16 @@ def test_pipeline_p2p_bytes():
 
 
 def test_mesh_axes_and_nodes():
+    mesh = pytest.importorskip("threefold.mesh")
+    assert tuple(mesh.AXES) == MESH_ORDER  # the planner orders axes as the runtime does
     assert not axis_crosses_nodes(Layout(tp=8, dp_shard=8), "tp", 8)
     assert axis_crosses_nodes(Layout(tp=16, dp_shard=4), "tp", 8)
     assert axis_crosses_nodes(Layout(tp=8, dp_shard=8), "dp_shard", 8)
     assert not axis_crosses_nodes(Layout(tp=4, dp_shard=2, pp=8), "dp_shard", 8)
     assert axis_crosses_nodes(Layout(tp=4, dp_shard=2, pp=8), "pp", 8)
     assert not axis_crosses_nodes(Layout(tp=1, dp_shard=64), "tp", 8)  # size-1 axis
+    assert not axis_crosses_nodes(Layout(tp=2, dp_replicate=2, dp_shard=2, pp=4), "dp", 8)
+    assert axis_crosses_nodes(Layout(tp=2, dp_replicate=4, dp_shard=2), "dp", 8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,6 +388,15 @@ def test_catalogue_facts():
     assert a100.peak_flops("fp32") == 19.5e12
     with pytest.raises(ValueError):
         get_hardware("tpu")
+
+
+def test_device_names_map_to_the_catalogue_or_to_unknown():
+    assert peak_flops_for_device_name("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert peak_flops_for_device_name("NVIDIA H200", "bf16") == 989e12
+    assert peak_flops_for_device_name("NVIDIA A100-SXM4-40GB", "fp32") == 19.5e12
+    assert peak_flops_for_device_name("Tesla V100-SXM2-32GB", "bf16") == 125e12
+    assert peak_flops_for_device_name("NVIDIA H100 PCIe", "bf16") is None  # lower peak
+    assert peak_flops_for_device_name("NVIDIA GeForce RTX 4090", "bf16") is None
 
 
 def test_layout_from_config_and_checks():

@@ -36,7 +36,10 @@ from functools import lru_cache
 
 from threefold.config import Config, ModelConfig
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first (= threefold.mesh.AXES)
+# Axes communication is counted on: the mesh axes plus "dp", the flattened dp_replicate ×
+# dp_shard group plain data parallelism all-reduces over (as threefold.parallel.data does).
+COMM_AXES = MESH_ORDER + ("dp",)
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 VOCAB_PAD_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128·tp
@@ -129,8 +132,8 @@ class Layout:
         return self.schedule or ("interleaved-1f1b" if self.vpp > 1 else "1f1b")
 
     def size(self, axis: str) -> int:
-        """Degree of the named mesh axis."""
-        return getattr(self, axis)
+        """Degree of the named mesh axis (or of "dp", dp_replicate·dp_shard)."""
+        return self.dp if axis == "dp" else getattr(self, axis)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "Layout":
@@ -405,10 +408,13 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     recompute repeats the forward's collectives. Embedding (first stage) and head (last stage)
     add one each way; vocab-parallel cross-entropy 3 all-reduces of b·s fp32.
     pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary.
-    dp (ZeRO, arXiv 1910.02054 §7; hierarchical over dp_shard then dp_replicate as in HSDP):
-    stage 0 all-reduce Ψ; 1 reduce-scatter Ψ + all-gather Ψ; 2 the reduce-scatter per
-    microbatch (no full gradient is kept across accumulation); 3 all-gather Ψ in forward and in
-    backward and reduce-scatter Ψ, per microbatch. Ψ is this rank's parameters.
+    dp, as threefold's engines do it (ZeRO, arXiv 1910.02054 §7; FSDP's no-sync accumulation):
+    stage 0 one all-reduce of Ψ over the flattened "dp" group, bucketed and overlapped with the
+    last microbatch's backward; stage 1 reduce-scatter Ψ after backward + all-gather Ψ after
+    the step; stage 2 the same, the reduce-scatter overlapped with the last backward (full
+    gradients are kept while accumulating, as stage 1); stage 3 all-gather Ψ in forward and
+    in backward and reduce-scatter Ψ, every microbatch. With dp_replicate > 1 (HSDP) the
+    shard gradients are then all-reduced over dp_replicate. Ψ is this rank's parameters.
     """
     t, p, v, b, s = layout.tp, layout.pp, layout.vpp, layout.microbatch_size, work.seq_len
     d = work.act_bytes
@@ -454,20 +460,17 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
 
     psi = stage_parameters(cfg, layout, stage)
     ns, nr, z = layout.dp_shard, layout.dp_replicate, layout.zero_stage
-    shard = psi / ns
     if z == 0 or ns == 1:
-        add("dp_shard", "all_reduce", psi * g, 1, ns, False, "last")
-    elif z == 1:
-        add("dp_shard", "reduce_scatter", psi * g, 1, ns, False, "last")
-        add("dp_shard", "all_gather", psi * pb, 1, ns, False, "step")
-    elif z == 2:
-        add("dp_shard", "reduce_scatter", psi * g, 1, ns, True, "backward")
+        add("dp", "all_reduce", psi * g, 1, ns * nr, False, "last")
+        return out
+    if z in (1, 2):
+        add("dp_shard", "reduce_scatter", psi * g, 1, ns, False, "step" if z == 1 else "last")
         add("dp_shard", "all_gather", psi * pb, 1, ns, False, "step")
     else:
         add("dp_shard", "all_gather", psi * pb, 1, ns, True, "forward")
         add("dp_shard", "all_gather", psi * pb, 1, ns, True, "backward")
         add("dp_shard", "reduce_scatter", psi * g, 1, ns, True, "backward")
-    add("dp_replicate", "all_reduce", (shard if z and ns > 1 else psi) * g, 1, nr, False, "last")
+    add("dp_replicate", "all_reduce", psi / ns * g, 1, nr, False, "step")
     return out
 
 
@@ -481,7 +484,7 @@ def _p2p_sends_per_microbatch(p: int, v: int, rank: int) -> int:
 def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,
                         stage: int | None = None, grad_bytes: float | None = None,
                         param_bytes: float | None = None) -> dict[str, float]:
-    """Bytes one rank sends per step on each mesh axis (keys ``MESH_ORDER``), for pipeline
+    """Bytes one rank sends per step on each axis (keys ``COMM_AXES``), for pipeline
     stage ``stage`` or, when None, the largest over stages per axis. Gradients and gathered
     parameters move in the activation dtype unless ``grad_bytes``/``param_bytes`` say
     otherwise. See ``collectives`` for what each axis carries."""
@@ -492,12 +495,12 @@ def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,
 
 def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, float]:
     """Per axis, the largest over the given stages' collective lists of bytes sent per step."""
-    out = {axis: 0.0 for axis in MESH_ORDER}
+    out = {axis: 0.0 for axis in COMM_AXES}
     for colls in lists:
-        per = {axis: 0.0 for axis in MESH_ORDER}
+        per = {axis: 0.0 for axis in COMM_AXES}
         for c in colls:
             per[c.axis] += c.bytes_sent() * c.count * (m if c.per_microbatch else 1)
-        for axis in MESH_ORDER:
+        for axis in COMM_AXES:
             out[axis] = max(out[axis], per[axis])
     return out
 
@@ -507,6 +510,8 @@ def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 def axis_stride(layout: Layout, axis: str) -> int:
     """Rank distance between neighbours of ``axis``: product of the inner axes' degrees."""
+    if axis == "dp":  # dp_replicate and dp_shard are adjacent: one contiguous block
+        axis = "dp_shard"
     i = MESH_ORDER.index(axis)
     return math.prod(layout.size(a) for a in MESH_ORDER[i + 1:])
 
@@ -595,12 +600,12 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     Time model, per pipeline stage and microbatch: compute = FLOPs / (peak · efficiency) +
     memory-bound bytes / HBM bandwidth (``stage_memory_traffic_per_microbatch``); tp
     collectives and pipeline sends are *not* overlapped (they sit between dependent matmuls);
-    ZeRO-3 gathers overlap the forward/backward of their microbatch and ZeRO-2/3
-    reduce-scatters the backward, except one bucket each; the once-per-step gradient reduction
-    overlaps the last microbatch's backward except one bucket (with
-    ``overlap_grad_reduce=False`` no data-parallel communication overlaps anything, as in
-    Megatron-LM of 2021); ZeRO-1/2 parameter all-gathers
-    after the optimiser step are exposed. The pipeline then takes m·T_slowest plus the bubble,
+    ZeRO-3 gathers and reduce-scatters overlap the forward/backward of their microbatch, except
+    one bucket each; the data-parallel all-reduce and the ZeRO-2 reduce-scatter overlap the
+    last microbatch's backward except one bucket; the ZeRO-1 reduce-scatter, the HSDP
+    all-reduce over dp_replicate and the ZeRO-1/2 parameter all-gathers after the step are
+    exposed (with ``overlap_grad_reduce=False`` no data-parallel communication overlaps
+    anything, as in Megatron-LM of 2021). The pipeline then takes m·T_slowest plus the bubble,
     (bubble/ideal ratio of the schedule)·m·T_mean. Optimiser arithmetic is not modelled."""
     hw = cluster.hardware
     peak = hw.peak_flops(work.precision)
@@ -609,8 +614,8 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     eff = efficiency if efficiency is not None else (hw.matmul_efficiency or MATMUL_EFFICIENCY)
     rate = peak * eff
     m = microbatches(layout, work)
-    inter = {a: axis_crosses_nodes(layout, a, cluster.gpus_per_node) for a in MESH_ORDER}
-    links = {a: hw.link(inter[a]) for a in MESH_ORDER}
+    inter = {a: axis_crosses_nodes(layout, a, cluster.gpus_per_node) for a in COMM_AXES}
+    links = {a: hw.link(inter[a]) for a in COMM_AXES}
     stages = _distinct_stages(layout.pp)
     mem_f, mem_b = stage_memory_traffic_per_microbatch(cfg, layout, work)
     hbm = hw.memory_bw or math.inf
@@ -645,7 +650,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         hardware_flops=hf, tokens_per_second_per_gpu=work.tokens / step / n,
         tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
         hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m),
-        inter_node_axes=tuple(a for a in MESH_ORDER if inter[a]))
+        inter_node_axes=tuple(a for a in COMM_AXES if inter[a]))
 
 
 def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cluster,

@@ -104,6 +104,28 @@ def get_hardware(name: str) -> Hardware:
     return GPUS[key]
 
 
+def hardware_for_device_name(device_name: str) -> Hardware | None:
+    """The catalogue entry for a CUDA device name (``torch.cuda.get_device_name``), or None
+    when the name is not one whose datasheet peak we know: PCIe and NVL variants of H100/H200
+    and V100 have lower peaks than the SXM parts listed here, so they are not guessed."""
+    name = device_name.upper()
+    if any(variant in name for variant in ("PCIE", "NVL")) and "A100" not in name:
+        return None  # (A100 PCIe has the SXM part's 312 TF/s; the others do not)
+    for key, marker in (("h200", "H200"), ("h100", "H100"), ("v100", "V100")):
+        if marker in name:
+            return GPUS[key]
+    if "A100" in name:
+        return GPUS["a100-40gb" if "40GB" in name else "a100"]
+    return None
+
+
+def peak_flops_for_device_name(device_name: str, precision: str) -> float | None:
+    """Datasheet peak FLOP/s ('bf16' or 'fp32') of a CUDA device by name; None if unknown
+    (then MFU is reported as unknown, never guessed)."""
+    hw = hardware_for_device_name(device_name)
+    return hw.peak_flops(precision) if hw else None
+
+
 @dataclass(frozen=True)
 class Cluster:
     """``num_gpus`` copies of ``hardware``, ``gpus_per_node`` of them sharing NVLink."""

@@ -199,7 +199,9 @@ def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                  state: StateBytes | None = None,
                  overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """Peak memory of one rank of pipeline ``stage``: its model states (ZeRO over dp_shard;
-    replication over dp_replicate costs nothing extra per rank), the activations of the
+    replication over dp_replicate costs nothing extra per rank; stage 2 with more than one
+    microbatch keeps full gradients while accumulating, as threefold's engine does), the
+    activations of the
     microbatches its schedule keeps in flight, the logits on the last stage, ZeRO-3 buffers."""
     return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
 
@@ -230,8 +232,12 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
         zero3 = zero3_working_bytes(largest_unit_parameters(cfg, layout.tp), state)
     out = []
     for stage in stages:
-        states = model_state_breakdown(stage_parameters(cfg, layout, stage), layout.dp_shard,
-                                       zero, state)
+        psi = stage_parameters(cfg, layout, stage)
+        states = model_state_breakdown(psi, layout.dp_shard, zero, state)
+        if zero == 2 and m > 1:
+            # threefold's stage 2 accumulates full gradients over the microbatches (FSDP's
+            # no-sync) and reduce-scatters on the last: stage 1's full gradients plus the shard
+            states["grads"] = psi * state.grad * (1 + 1 / layout.dp_shard)
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage)
         out.append(MemoryBreakdown(

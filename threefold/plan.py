@@ -274,8 +274,9 @@ def _cause(best: Candidate, other: Candidate, term: str) -> str:
     if term == "pp comm":
         return f"pp={o.pp}, vpp={o.vpp}"
     if term == "dp comm":
-        return f"zero_stage {o.zero_stage} over dp_shard={o.dp_shard}" + \
-               (" across nodes" if "dp_shard" in other.step.inter_node_axes else "")
+        axis = "dp" if o.zero_stage == 0 else "dp_shard"
+        return f"zero_stage {o.zero_stage} over {axis}={o.size(axis)}" + \
+               (" across nodes" if axis in other.step.inter_node_axes else "")
     return ""
 
 
@@ -303,13 +304,15 @@ def format_table(cands: list[Candidate], explain_all: bool = False) -> str:
     head = (f"{'#':>2} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp_r':>4} {'dp_s':>4} {'zero':>4} "
             f"{'mbs':>3} {'recomp':<9} {'mem GB (states+act+other)':<26} {'step s':>8} "
             f"{'tok/s/GPU':>9} {'TF/s':>6} {'MFU':>5} {'bubble':>6}  "
-            f"{'GB sent per step: tp/pp/dp_s/dp_r'}")
+            f"{'GB sent per step: tp/pp/dp|dp_s/dp_r'}")
     lines = [head]
     for i, c in enumerate(cands, 1):
         lay, s, m = c.layout, c.step, c.memory
         other = m.total - m.model_states - m.activations
         mem = f"{_gb(m.total)} ({_gb(m.model_states)}+{_gb(m.activations)}+{_gb(other)})"
-        comm = "/".join(_gb(s.comm_bytes[a]) for a in ("tp", "pp", "dp_shard", "dp_replicate"))
+        b = s.comm_bytes
+        comm = "/".join(_gb(x) for x in (b["tp"], b["pp"], b["dp"] + b["dp_shard"],
+                                         b["dp_replicate"]))
         lines.append(
             f"{i:>2} {lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
             f"{lay.dp_shard:>4} {lay.zero_stage:>4} {lay.microbatch_size:>3} "

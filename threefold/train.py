@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from threefold import cost
-from threefold.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from threefold.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_sharded
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import BatchSampler, DataBundle, prepare_data
 from threefold.metrics import MetricsWriter, device_peak_flops, peak_memory_bytes, truncate_metrics
@@ -190,17 +190,17 @@ def evaluate(run: Run) -> float:
 # Checkpoint glue: what a step's state is made of
 # --------------------------------------------------------------------------------------------
 def _save(run: Run, step: int) -> None:
-    # collective under parallel layouts: every rank calls it; whole tensors come back
-    sd = run.layout.gather_state(run.engine.state_dict(), run.engine)
-    if not run.layout.is_writer:
-        return
-    rng = {"cpu": torch.get_rng_state()}
-    state = {"step": step, "optim_step": sd["optim_step"], "sampler": run.sampler.state_dict(),
-             "config": run.cfg.to_dict(), "model_config": vars(run.model_cfg),
-             "scheduler": {"last_step": step, "lr": lr_at(step - 1, run.cfg) if step else 0.0}}
-    save_checkpoint(run.out / "checkpoints", step,
-                    {"model": sd["model"], "optim": sd["optim"], "rng": rng}, state,
-                    run.cfg.checkpoint.keep_last)
+    """Collective: every rank writes what it holds; rank 0 adds the run's state."""
+    lay = run.layout
+    state = None
+    if lay.is_writer:
+        state = {"step": step, "optim_step": run.engine.optim_step(),
+                 "sampler": run.sampler.state_dict(), "config": run.cfg.to_dict(),
+                 "model_config": vars(run.model_cfg), "layout": lay.describe(),
+                 "scheduler": {"last_step": step, "lr": lr_at(step - 1, run.cfg) if step else 0.0}}
+    save_sharded(run.out / "checkpoints", step, lay.rank, lay.world_size,
+                 lay.checkpoint_pieces(run.engine), {"cpu_rng": torch.get_rng_state()}, state,
+                 run.cfg.checkpoint.keep_last, lay.barrier)
 
 
 def _resume(run: Run) -> int:
@@ -215,7 +215,7 @@ def _resume(run: Run) -> int:
         return 0
     if not steps:
         return 0
-    tensors, state = load_checkpoint(ckroot / str(steps[-1]))
+    tensors, state = load_checkpoint(ckroot / str(steps[-1]), run.layout.rank)
     saved = state["model_config"]
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
         if saved[key] != getattr(run.model_cfg, key):
@@ -225,7 +225,7 @@ def _resume(run: Run) -> int:
         {"model": tensors["model"], "optim": tensors["optim"], "optim_step": state["optim_step"]},
         run.engine))
     run.sampler.load_state_dict(state["sampler"])
-    torch.set_rng_state(tensors["rng"]["cpu"])
+    torch.set_rng_state(tensors["rng"]["cpu_rng"])
     return int(state["step"])
 
 

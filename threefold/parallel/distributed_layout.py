@@ -90,6 +90,36 @@ class Distributed:
                  for k, t in sd["optim"].items()}
         return {"model": model, "optim": optim, "optim_step": sd["optim_step"]}
 
+    def checkpoint_pieces(self, engine) -> list:
+        """This rank's pieces, each replicated tensor written by one rank only: ZeRO shards by
+        the first replica group, data-parallel copies by dp rank 0, tp-replicated tensors by
+        tp rank 0; tp slices get their place in the logical tensor."""
+        from threefold.parallel.engine import tp_shard_dim
+        from threefold.parallel.zero import ZeroEngine
+
+        c = self.dims.coords(self.rank)
+        if (c["dp_replicate"] if isinstance(engine, ZeroEngine) else c["dp"]) != 0:
+            return []
+        params = dict(engine.named_params)
+        t, out = self.dims.tp, []
+        for piece in engine.local_pieces():
+            p = params[piece.name]
+            dim = tp_shard_dim(p) if t > 1 else None
+            if dim is None:
+                if c["tp"] == 0:
+                    out.append(piece)
+                continue
+            shape = list(piece.shape)
+            shape[dim] = p._tp_full_size
+            piece.shape, piece.tp_dim, piece.tp_index, piece.tp_count = (tuple(shape), dim,
+                                                                         c["tp"], t)
+            out.append(piece)
+        return out
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        self.control.barrier()
+
     def shard_state(self, sd: dict, engine) -> dict:
         """This tp rank's slices of whole tensors."""
         if self.dims.tp == 1:

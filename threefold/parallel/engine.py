@@ -114,6 +114,26 @@ class LocalEngine:
                 step = int(st["step"])
         return {"model": model, "optim": optim, "optim_step": step}
 
+    def local_pieces(self) -> list:
+        """What this rank holds, as checkpoint pieces (whole local tensors here)."""
+        from threefold.checkpoint import Piece
+
+        out = []
+        for n, p in self.named_params:
+            out.append(Piece(n, "model", p.detach().reshape(-1), 0, p.numel(), tuple(p.shape)))
+            st = self.optimizer.state.get(p)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if st:
+                    out.append(Piece(n, kind, st[kind].reshape(-1), 0, p.numel(),
+                                     tuple(p.shape)))
+        return out
+
+    def optim_step(self) -> int:
+        """Optimiser steps taken so far."""
+        for st in self.optimizer.state.values():
+            return int(st["step"])
+        return 0
+
     def load_state_dict(self, sd: dict) -> None:
         """Load what ``state_dict`` produced (possibly written by another layout)."""
         with torch.no_grad():

@@ -39,6 +39,13 @@ class SingleProcess:
         """This rank's part of whole logical tensors (all of it here)."""
         return sd
 
+    def checkpoint_pieces(self, engine) -> list:
+        """The pieces this rank writes (everything, for one process)."""
+        return engine.local_pieces()
+
+    def barrier(self) -> None:
+        """Wait for every rank (nothing to wait for here)."""
+
     def global_token_count(self, labels: torch.Tensor) -> int:
         """Target tokens in the global batch (labels of -100 are not targets)."""
         return int((labels != -100).sum())

@@ -302,6 +302,32 @@ class ZeroEngine:
                     optim.update({f"{n}.{key}": t for n, t in parts.items()})
         return {"model": model, "optim": optim, "optim_step": step}
 
+    def local_pieces(self) -> list:
+        """This rank's shard of every unit, cut at parameter boundaries into pieces."""
+        from threefold.checkpoint import Piece
+
+        out = []
+        for unit in self.all_units:
+            lo = self.comm.rank(self.shard_axis) * unit.shard_numel
+            st = self.optimizer.state.get(unit.shard, {})
+            sources = [("model", unit.shard.detach())] + [(k, st[k]) for k in ("exp_avg",
+                                                                               "exp_avg_sq")
+                                                          if k in st]
+            for n, off, shape in zip(unit.names, unit.offsets, unit.shapes):
+                a, b = max(off, lo), min(off + math.prod(shape), lo + unit.shard_numel)
+                if b <= a:
+                    continue
+                for kind, flat in sources:
+                    out.append(Piece(n, kind, flat[a - lo:b - lo], a - off, b - off,
+                                     tuple(shape)))
+        return out
+
+    def optim_step(self) -> int:
+        """Optimiser steps taken so far."""
+        for st in self.optimizer.state.values():
+            return int(st["step"])
+        return 0
+
     def _my_shard(self, unit: FlatUnit, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         flat = torch.zeros(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
         for n, o, s in zip(unit.names, unit.offsets, unit.shapes):

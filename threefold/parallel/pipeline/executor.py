@@ -1,0 +1,369 @@
+"""Run one rank's pipeline schedule: any schedule's action list (schedules.py), one executor.
+
+Per optimiser step the executor walks this rank's actions in order:
+
+- ``F``: forward of one microbatch through one chunk. The first stage reads token ids; the
+  others read the activation received from (or, on the same rank, handed over by) the
+  previous stage, as a leaf that requires grad. The last stage computes the loss with the
+  given loss function, divided by the step's target-token count, so the summed gradient over
+  microbatches (and data-parallel ranks) is the single-process gradient of the global batch.
+- ``BW``: the whole backward of that chunk: weight gradients accumulate in ``.grad``, the input
+  gradient goes to the previous stage.
+- ``B`` / ``W`` (zero bubble, Qi et al., arXiv 2401.10241 §2): B computes only the input
+  gradient, which the previous stage is waiting for; W computes the weight gradients later.
+  See ``_split_backward`` for how the graph is cut.
+- sends and receives: each maximal run of them is one ``comm.batch_isend_irecv`` over "pp",
+  waited on before the next compute action (the contract check.py proves deadlock-free).
+  Messages are matched by posting order between each pair of ranks.
+
+Gradient synchronisation of data parallelism/ZeRO (``grad_sync``, e.g. ``engine.micro_step``)
+is switched on only around the last backward action that produces weight gradients for each
+chunk (its last BW or W), so bucketed reductions fire once per step, after the last
+microbatch has contributed.
+
+Every action is timed (``TraceRecord``: compute actions, and communication batches including
+any wait for the peer), for a Chrome trace of the run and the measured idle fraction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from typing import Callable, ContextManager, Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge
+
+from threefold.parallel.pipeline.check import check_schedule
+from threefold.parallel.pipeline.schedules import (
+    RECEIVES,
+    Action,
+    ActionKind,
+    build_schedule,
+    num_stages,
+    stage_rank,
+)
+from threefold.parallel.pipeline.timeline import TraceRecord
+
+F, B, W, BW = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
+               ActionKind.BACKWARD)
+
+
+@functools.lru_cache(maxsize=32)
+def checked_schedule(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's action list, proven complete and deadlock-free first (check.py)."""
+    check_schedule(name, p, m, v)
+    return tuple(tuple(acts) for acts in build_schedule(name, p, m, v))
+
+
+# --------------------------------------------------------------------------------------------
+# Split backward: B (input gradient now) and W (weight gradients later)
+# --------------------------------------------------------------------------------------------
+class _SplitBackward:
+    """The deferred half of one chunk's backward for one microbatch.
+
+    Autograd computes, at each node, only the gradients some requested input needs. So B asks
+    for the gradient of the chunk's input alone (``autograd.grad``, keeping the graph): every
+    node on the path from the output to the input runs, but a matmul skips its weight
+    gradient. The nodes where a weight's branch leaves that path (the "joins": the matmul of
+    a Linear, the product of a norm weight) receive their output gradient during B; a hook
+    keeps it. W then re-enters each join with the kept gradient and asks only for its
+    weights, which runs exactly the weight-gradient half (and accumulates into ``.grad``
+    through the usual AccumulateGrad nodes, so gradient-sync hooks fire as for backward()).
+
+    A parameter is split this way only when a single join edge leads to it (so no path is
+    counted twice); any other parameter (a stage without an input gradient, i.e. the first,
+    or a weight used twice) gets its gradient in W from one ordinary backward from the output.
+    """
+
+    def __init__(self, root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
+                 params: set):
+        self.root, self.grad = root, grad
+        joins, self.fallback = _find_joins(root, x, params)
+        self.captured: dict = {}
+        hooks = [j.register_prehook(functools.partial(self._keep, j)) for j in joins]
+        try:
+            self.input_grad = None
+            if x.requires_grad:
+                (self.input_grad,) = torch.autograd.grad(root, [x], grad, retain_graph=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        self.joins = joins
+
+    def _keep(self, node, grad_outputs):
+        self.captured[node] = grad_outputs
+
+    def weight_backward(self) -> None:
+        """Accumulate every weight gradient of this microbatch (W)."""
+        missed = {p for j, ps in self.joins.items() if j not in self.captured for p in ps}
+        fallback = list(self.fallback | missed)
+        if fallback:
+            torch.autograd.backward(self.root, self.grad, inputs=fallback, retain_graph=True)
+        for j, params in self.joins.items():
+            grads = self.captured.get(j)
+            if grads is None:
+                continue
+            edges = [(GradientEdge(j, i), g) for i, g in enumerate(grads) if g is not None]
+            if edges:
+                torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
+                                        inputs=list(params), retain_graph=True)
+        self.root = self.grad = self.captured = self.joins = None  # free the graph
+
+
+def _find_joins(root: torch.Tensor, x: torch.Tensor, params: set) -> tuple[dict, set]:
+    """Walk the graph below ``root``: returns ({join node: its weights}, weights to leave to
+    an ordinary backward). A join is a node that leads to ``x`` with an edge into a sub-graph
+    that does not lead to ``x`` but reaches weights."""
+    reaches_x: dict = {}
+    weights: dict = {}  # node that does not reach x -> the parameters below it
+    stack = [(root.grad_fn, False)]
+    while stack:  # iterative post-order: graphs of deep stages are deeper than recursion
+        node, expanded = stack.pop()
+        if node in reaches_x:
+            continue
+        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
+            reaches_x[node] = node.variable is x
+            if not reaches_x[node]:
+                weights[node] = frozenset([node.variable]) & params
+            continue
+        children = [n for n, _ in node.next_functions if n is not None]
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((n, False) for n in children if n not in reaches_x)
+            continue
+        reaches_x[node] = any(reaches_x[n] for n in children)
+        if not reaches_x[node]:
+            weights[node] = frozenset().union(*(weights[n] for n in children))
+    joins: dict = {}
+    edges_to: dict = {}  # parameter -> number of join edges leading to it
+    for node, rx in reaches_x.items():
+        if not rx or hasattr(node, "variable"):
+            continue
+        for n, _ in node.next_functions:
+            if n is not None and not reaches_x[n] and weights[n]:
+                joins.setdefault(node, set()).update(weights[n])
+                for p in weights[n]:
+                    edges_to[p] = edges_to.get(p, 0) + 1
+    shared = {p for p, k in edges_to.items() if k > 1}
+    reachable = set().union(*weights.values()) if weights else set()
+    joins = {j: ps - shared for j, ps in joins.items() if ps - shared}
+    covered = set().union(*joins.values()) if joins else set()
+    return joins, reachable - covered
+
+
+# --------------------------------------------------------------------------------------------
+# The executor
+# --------------------------------------------------------------------------------------------
+def _null_context(*_args) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+class PipelineExecutor:
+    """Runs one rank's share of a pipeline schedule, step after step.
+
+    ``chunks[c]`` is this rank's model chunk ``c`` (virtual stage ``c·p + pp_rank``, see
+    stage.split_model). ``loss_fn(logits, labels)`` returns the summed token loss (e.g.
+    ``causal_lm_loss`` or the vocab-parallel loss). ``micro_context()`` is entered around
+    every forward (e.g. autocast); ``grad_sync(last)`` around every backward that makes weight
+    gradients (e.g. ``engine.micro_step``), with ``last`` True for each chunk's final one.
+    ``loss_comm`` carries the loss all-reduce over "pp" (default ``comm``; pass a separate
+    Comm to keep logging traffic out of the training counters). ``activation_shape(inputs)``
+    is the shape of a stage-boundary activation for a microbatch of token ids ``inputs``
+    (default (batch, seq, hidden); pass (batch, seq/tp, hidden) under sequence parallelism)
+    and ``activation_dtype`` its dtype (default: the chunks' parameter dtype).
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], schedule: str, p: int, m: int, v: int,
+                 pp_rank: int, comm, loss_fn: Callable, *,
+                 micro_context: Callable[[], ContextManager] | None = None,
+                 grad_sync: Callable[[bool], ContextManager] | None = None,
+                 loss_comm=None, activation_shape: Callable | None = None,
+                 activation_dtype: torch.dtype | None = None, trace_rank: int | None = None):
+        self.n = num_stages(schedule, p, v)
+        if len(chunks) != self.n // p:
+            raise ValueError(f"pipeline: schedule {schedule} with pp={p}, vpp={v} runs "
+                             f"{self.n // p} chunk(s) per rank, got {len(chunks)}")
+        for c, chunk in enumerate(chunks):
+            want, got = c * p + pp_rank, getattr(chunk, "pipeline_stage", None)
+            if got is not None and got != want:
+                raise ValueError(f"pipeline: chunk {c} of rank {pp_rank} must be virtual stage "
+                                 f"{want}, got a chunk of stage {got}")
+        self.actions = checked_schedule(schedule, p, m, v)[pp_rank]
+        self.chunks, self.schedule, self.p, self.m, self.v = list(chunks), schedule, p, m, v
+        self.pp_rank, self.comm, self.loss_fn = pp_rank, comm, loss_fn
+        self.loss_comm = loss_comm if loss_comm is not None else comm
+        self.micro_context = micro_context or _null_context
+        self.grad_sync = grad_sync or _null_context
+        self.activation_shape = activation_shape
+        self.activation_dtype = activation_dtype or next(
+            (q.dtype for c in chunks for q in c.parameters() if q.is_floating_point()),
+            torch.float32)
+        self.trace_rank = trace_rank if trace_rank is not None else \
+            (comm.global_rank if comm is not None else 0)
+        self.pp_ranks = (comm.dims.axis_ranks(comm.global_rank, "pp")
+                         if comm is not None else [0])
+        self.params = [{q for q in c.parameters() if q.requires_grad} for c in self.chunks]
+        # The last action of each chunk that accumulates weight gradients: gradient sync on.
+        self.last_weight_action = {}
+        for i, a in enumerate(self.actions):
+            if a.kind in (BW, W):
+                self.last_weight_action[a.chunk] = i
+        self.records: list[TraceRecord] = []
+
+    # ---------------------------------------------------------------- one step
+    def run(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+            n_tokens: int | float) -> float:
+        """Forward and backward of all m microbatches of one step; gradients are left
+        accumulated in the chunks' parameters. Returns the step's summed loss (sum over
+        microbatches of loss / n_tokens), the same on every rank of the pipeline."""
+        if len(microbatches) != self.m:
+            raise ValueError(f"pipeline: schedule is for {self.m} microbatches, got "
+                             f"{len(microbatches)}")
+        self._mbs, self._n_tokens = microbatches, n_tokens
+        self._x, self._out, self._grad_out, self._grad_in, self._split = {}, {}, {}, {}, {}
+        self._handoff_f, self._handoff_b = {}, {}  # stage-to-stage on this rank
+        self._recv_f, self._recv_b = {}, {}  # received activations / output gradients
+        device = microbatches[0][0].device
+        self._loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.records = []
+        i = 0
+        while i < len(self.actions):
+            j = i + 1
+            if self.actions[i].kind.is_compute:
+                self._compute(i, self.actions[i])
+            else:
+                while j < len(self.actions) and not self.actions[j].kind.is_compute:
+                    j += 1
+                self._communicate(self.actions[i:j])
+            i = j
+        if self._out or self._split:
+            raise RuntimeError("pipeline: the schedule left microbatches without a backward")
+        loss = self._loss.reshape(1).clone()
+        if self.p > 1:  # only the last stage has it; the others add zero
+            self.loss_comm.all_reduce(loss, "pp")
+        return float(loss)
+
+    # ---------------------------------------------------------------- compute actions
+    def _compute(self, index: int, a: Action) -> None:
+        t0 = time.perf_counter()
+        key = (a.microbatch, a.stage)
+        if a.kind is F:
+            self._forward(a, key)
+        else:
+            makes_weights = a.kind in (BW, W)
+            last = self.last_weight_action.get(a.chunk) == index
+            ctx = self.grad_sync(last) if makes_weights else contextlib.nullcontext()
+            with ctx:
+                if a.kind is BW:
+                    self._full_backward(a, key)
+                elif a.kind is B:
+                    self._input_backward(a, key)
+                else:
+                    self._split.pop(key).weight_backward()
+        self.records.append(TraceRecord(self.trace_rank, str(a), t0, time.perf_counter(),
+                                        "compute"))
+
+    def _forward(self, a: Action, key: tuple[int, int]) -> None:
+        inputs, labels = self._mbs[a.microbatch]
+        if a.stage == 0:
+            x = inputs
+        else:
+            x = self._handoff_f.pop(key) if key in self._handoff_f else self._recv_f.pop(key)
+            x = x.detach().requires_grad_(True)
+        b, t = inputs.shape[:2]
+        positions = torch.arange(t, device=inputs.device).expand(b, t)
+        with self.micro_context():
+            out = self.chunks[a.chunk](x, position_ids=positions)
+        if a.stage == self.n - 1:
+            out = self.loss_fn(out, labels) / self._n_tokens
+            self._loss += out.detach().double()
+        elif stage_rank(a.stage + 1, self.p) == self.pp_rank:  # next stage here: hand over
+            self._handoff_f[(a.microbatch, a.stage + 1)] = out.detach()
+        self._x[key], self._out[key] = x, out
+
+    def _output_grad(self, a: Action, key: tuple[int, int]) -> torch.Tensor | None:
+        if a.stage == self.n - 1:
+            return None  # the loss: d loss / d loss = 1
+        g = self._handoff_b.pop(key) if key in self._handoff_b else self._recv_b.pop(key)
+        return g.to(self._out[key].dtype)
+
+    def _pass_input_grad(self, a: Action, key: tuple[int, int], g: torch.Tensor | None) -> None:
+        if a.stage == 0:
+            return
+        if stage_rank(a.stage - 1, self.p) == self.pp_rank:
+            self._handoff_b[(a.microbatch, a.stage - 1)] = g
+        else:
+            self._grad_in[key] = g
+
+    def _full_backward(self, a: Action, key: tuple[int, int]) -> None:
+        g = self._output_grad(a, key)
+        x, out = self._x.pop(key), self._out.pop(key)
+        torch.autograd.backward(out, g)
+        self._pass_input_grad(a, key, x.grad if a.stage > 0 else None)
+
+    def _input_backward(self, a: Action, key: tuple[int, int]) -> None:
+        g = self._output_grad(a, key)
+        x, out = self._x.pop(key), self._out.pop(key)
+        split = _SplitBackward(out, g, x, self.params[a.chunk])
+        self._pass_input_grad(a, key, split.input_grad)
+        split.input_grad = None
+        self._split[key] = split
+
+    # ---------------------------------------------------------------- communication
+    def _buffer(self, a: Action) -> torch.Tensor:
+        inputs = self._mbs[a.microbatch][0]
+        shape = (self.activation_shape(inputs) if self.activation_shape
+                 else (*inputs.shape[:2], self.chunks[0].cfg.hidden_size))
+        return torch.empty(shape, dtype=self.activation_dtype, device=inputs.device)
+
+    def _communicate(self, batch: Sequence[Action]) -> None:
+        t0 = time.perf_counter()
+        ops = []
+        for a in batch:
+            key, peer = (a.microbatch, a.stage), self.pp_ranks[a.peer]
+            if a.kind is ActionKind.SEND_FORWARD:
+                t = self._out[key].detach().to(self.activation_dtype).contiguous()
+            elif a.kind is ActionKind.SEND_BACKWARD:
+                t = self._grad_in.pop(key).to(self.activation_dtype).contiguous()
+            else:
+                t = self._buffer(a)
+                (self._recv_f if a.kind is ActionKind.RECV_FORWARD else self._recv_b)[key] = t
+            ops.append(("recv" if a.kind in RECEIVES else "send", t, peer))
+        self.comm.batch_isend_irecv(ops)
+        self.records.append(TraceRecord(self.trace_rank, " + ".join(map(str, batch)), t0,
+                                        time.perf_counter(), "comm"))
+
+
+def pipeline_step(chunks: Sequence[nn.Module], schedule_name: str, p: int, m: int, v: int,
+                  pp_rank: int, comm, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  loss_fn: Callable, n_tokens: int | float,
+                  micro_context: Callable[[], ContextManager] | None = None,
+                  grad_sync: Callable[[bool], ContextManager] | None = None,
+                  records: list | None = None, loss_comm=None) -> float:
+    """Forward and backward of one optimiser step's ``m`` microbatches on this rank under
+    the named schedule; gradients are left in the chunks' parameters for the engine to
+    finish, clip and apply. Returns the step's summed loss on every rank. Measured trace
+    records are appended to ``records`` when given. See ``PipelineExecutor`` for the
+    arguments; build one executor and call ``run`` per step to avoid re-checking."""
+    ex = PipelineExecutor(chunks, schedule_name, p, m, v, pp_rank, comm, loss_fn,
+                          micro_context=micro_context, grad_sync=grad_sync, loss_comm=loss_comm)
+    loss = ex.run(microbatches, n_tokens)
+    if records is not None:
+        records.extend(ex.records)
+    return loss
+
+
+def idle_fraction(records: Sequence[TraceRecord]) -> float:
+    """Measured bubble in the simulator's form: 1 − compute time / (ranks × makespan), the
+    makespan running from the first compute start to the last compute end over all ranks
+    (times from ``time.perf_counter``, one clock for all processes of a machine)."""
+    compute = [r for r in records if r.category == "compute"]
+    if not compute:
+        return 0.0
+    ranks = {r.rank for r in compute}
+    span = max(r.end_s for r in compute) - min(r.start_s for r in compute)
+    busy = sum(r.end_s - r.start_s for r in compute)
+    return 1.0 - busy / (len(ranks) * span) if span > 0 else 0.0

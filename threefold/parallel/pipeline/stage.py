@@ -1,0 +1,191 @@
+"""Cut the plain model into pipeline stages.
+
+With ``S = p·v`` virtual stages (``v`` model chunks per rank, Megatron's interleaved layout,
+Narayanan et al. 2021 §2.2.2) the L transformer blocks are split into S contiguous runs, each
+of at least one block; the embedding goes with the first run, the final norm and the LM head
+with the last. Virtual stage ``s`` lives on rank ``s % p`` as its chunk ``s // p``, so chunk
+``c`` of rank ``r`` is stage ``c·p + r``.
+
+A chunk is a ``LlamaForCausalLM`` holding only its own modules (the same module objects as
+the model it was cut from): ``model.embed_tokens``, ``model.norm`` and ``lm_head`` are None
+where the chunk does not own them (the model then skips that step and takes hidden states as
+input), and ``model.layers`` keeps the blocks under their global indices, so every parameter
+keeps its Hugging Face name (``model.layers.5.mlp.up_proj.weight`` on whichever rank holds
+block 5). Initialisation by name (``init_weights(seed)``) therefore gives a chunk built on the
+meta device exactly the values the whole model would have.
+
+Balance: the runs minimise the largest per-stage cost, measured either in parameters (memory)
+or in training FLOPs per token (time; PaLM's count, arXiv 2204.02311 App. B: 6 per matmul
+weight, plus 12·H·Q·T for attention; the embedding lookup costs no FLOPs, the head 6·V·h).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from threefold.config import ConfigError, ModelConfig
+from threefold.cost import layer_parameters
+from threefold.model import LlamaForCausalLM
+
+BALANCES = ("params", "flops")
+
+
+class StageLayers(nn.ModuleList):
+    """The blocks of one chunk, registered under their global indices (``"4"``, ``"5"``) so
+    parameter names match the whole model's. Iterates in order like a ModuleList; integer
+    indexing is positional (``layers[0]`` is the chunk's first block)."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__()
+        for i, layer in sorted(layers.items()):
+            self.add_module(str(i), layer)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """Global indices of the blocks held, in order."""
+        return [int(name) for name, _ in self.named_children()]
+
+    def __getitem__(self, idx):
+        """Positional access (an int or a slice), whatever the global indices are."""
+        layers = list(self.children())
+        return nn.ModuleList(layers[idx]) if isinstance(idx, slice) else layers[idx]
+
+
+def stage_costs(cfg: ModelConfig, balance: str = "params",
+                seq_len: int | None = None) -> tuple[float, float, float]:
+    """(cost of one block, extra cost of the first stage, extra cost of the last stage).
+
+    ``params``: weights (embedding V·h first; final norm h plus head V·h last).
+    ``flops``: training FLOPs per token (6 per matmul weight, 12·H·Q·T for attention at
+    sequence length ``seq_len``, default ``cfg.max_position_embeddings``); the embedding is a
+    lookup (0), the head 6·V·h."""
+    if balance not in BALANCES:
+        raise ValueError(f"pipeline balance must be one of {', '.join(BALANCES)}, got "
+                         f"{balance!r}")
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    if balance == "params":
+        return float(layer_parameters(cfg)), float(vocab * h), float(h + vocab * h)
+    t = seq_len or cfg.max_position_embeddings
+    attn = 12 * cfg.num_attention_heads * cfg.head_dim * t
+    return 6.0 * (layer_parameters(cfg) - 2 * h) + attn, 0.0, 6.0 * vocab * h
+
+
+def partition(n_layers: int, n_stages: int, layer_cost: float, first_extra: float = 0.0,
+              last_extra: float = 0.0) -> list[range]:
+    """Split ``n_layers`` equal blocks into ``n_stages`` contiguous runs of at least one block
+    that minimise the largest stage cost (blocks plus the first/last extras); among those,
+    the one with the smallest sum of squared stage costs, then the one whose later stages
+    are larger (the first stage holds the most activations under 1F1B)."""
+    if n_stages < 1:
+        raise ValueError(f"pipeline: need at least one stage, got {n_stages}")
+    if n_layers < n_stages:
+        raise ConfigError(f"model.num_hidden_layers: {n_layers} layers cannot fill {n_stages} "
+                          f"pipeline stages (pp·vpp) with at least one layer each; lower "
+                          f"parallel.pp or parallel.vpp, or use a deeper model")
+
+    def cost(stage: int, a: int, b: int) -> float:
+        return ((b - a) * layer_cost + (first_extra if stage == 0 else 0.0)
+                + (last_extra if stage == n_stages - 1 else 0.0))
+
+    # 1) the smallest achievable bottleneck, by dynamic programming over prefixes
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(n_stages)]
+    for b in range(1, n_layers + 1):
+        best[0][b] = cost(0, 0, b)
+    for k in range(1, n_stages):
+        for b in range(k + 1, n_layers + 1):
+            best[k][b] = min(max(best[k - 1][a], cost(k, a, b)) for a in range(k, b))
+    bound = best[n_stages - 1][n_layers] * (1 + 1e-12)
+    # 2) under that bound, the most even split (smallest sum of squares)
+    sq = [[inf] * (n_layers + 1) for _ in range(n_stages)]
+    cut = [[0] * (n_layers + 1) for _ in range(n_stages)]
+    for b in range(1, n_layers + 1):
+        if cost(0, 0, b) <= bound:
+            sq[0][b] = cost(0, 0, b) ** 2
+    for k in range(1, n_stages):
+        for b in range(k + 1, n_layers + 1):
+            for a in range(k, b):  # ascending a: on ties the later stage gets more blocks
+                c = cost(k, a, b)
+                if c <= bound and sq[k - 1][a] + c * c < sq[k][b] * (1 - 1e-12):
+                    sq[k][b], cut[k][b] = sq[k - 1][a] + c * c, a
+    bounds, b = [n_layers], n_layers
+    for k in range(n_stages - 1, 0, -1):
+        b = cut[k][b]
+        bounds.append(b)
+    bounds.append(0)
+    bounds.reverse()
+    return [range(bounds[i], bounds[i + 1]) for i in range(n_stages)]
+
+
+def stage_layers(cfg: ModelConfig, n_stages: int, balance: str = "params",
+                 seq_len: int | None = None) -> list[range]:
+    """The blocks of each virtual stage, balanced by ``balance`` (see ``stage_costs``)."""
+    return partition(cfg.num_hidden_layers, n_stages, *stage_costs(cfg, balance, seq_len))
+
+
+def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
+                stage: int | None = None) -> LlamaForCausalLM:
+    """A LlamaForCausalLM made of ``model``'s own modules: the blocks in ``layers``, the
+    embedding if ``first``, the final norm and head if ``last`` (None otherwise). The shell is
+    built on the meta device, so nothing is allocated; the RoPE buffer is copied."""
+    with torch.device("meta"):
+        chunk = LlamaForCausalLM(model.cfg)
+    chunk.model.embed_tokens = model.model.embed_tokens if first else None
+    chunk.model.layers = StageLayers({i: model.model.layers[i] for i in layers})
+    chunk.model.norm = model.model.norm if last else None
+    chunk.lm_head = model.lm_head if last else None
+    chunk.model.rotary = copy.deepcopy(model.model.rotary)
+    chunk.pipeline_stage = stage
+    return chunk
+
+
+def split_model(model: LlamaForCausalLM, p: int, v: int = 1, pp_rank: int = 0,
+                balance: str = "params", seq_len: int | None = None) -> list[LlamaForCausalLM]:
+    """This rank's chunks of ``model`` for ``p`` pipeline ranks with ``v`` chunks each:
+    chunk ``c`` is virtual stage ``c·p + pp_rank`` (Megatron's interleaved assignment). Works
+    on a materialised model or on one still on the meta device (then ``to_empty`` and
+    ``init_weights(seed)`` each chunk). Modules of other ranks are not referenced, so they are
+    freed once the caller drops ``model``.
+
+    Refuses (ConfigError) fewer blocks than ``p·v`` and tied embeddings across stages."""
+    for label, value in (("pp", p), ("vpp", v)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"split_model: {label} must be an integer >= 1, got {value!r}")
+    if not 0 <= pp_rank < p:
+        raise ValueError(f"split_model: pp_rank must be in [0, {p}), got {pp_rank}")
+    if isinstance(model.model.layers, StageLayers):
+        raise ValueError("split_model: this model is already a pipeline chunk; split the whole "
+                         "model")
+    n = p * v
+    if n > 1 and model.cfg.tie_word_embeddings:
+        # The first and last stage would each hold a copy, whose gradients must be summed
+        # (Megatron's embedding group); not built yet.
+        raise ConfigError("model.tie_word_embeddings: a tied LM head and embedding cannot be on "
+                          "different pipeline stages yet; set model.tie_word_embeddings false "
+                          "or parallel.pp 1")
+    runs = stage_layers(model.cfg, n, balance, seq_len)
+    return [build_chunk(model, runs[s], first=s == 0, last=s == n - 1, stage=s)
+            for s in (c * p + pp_rank for c in range(v))]
+
+
+def rank_model(chunks: list[LlamaForCausalLM]) -> LlamaForCausalLM:
+    """One module over all of a rank's chunks (shared modules, HF names), for what wants a
+    single model: the engines (optimiser, gradient sync, ZeRO units), tensor parallelism and
+    checkpoints. Only the chunks are run; calling this module's forward would run the
+    chunks' blocks back to back, which is not the model."""
+    if len(chunks) == 1:
+        return chunks[0]
+    with torch.device("meta"):
+        merged = LlamaForCausalLM(chunks[0].cfg)
+    merged.model.embed_tokens = chunks[0].model.embed_tokens
+    merged.model.layers = StageLayers({i: layer for c in chunks
+                                       for i, layer in zip(c.model.layers.layer_ids,
+                                                           c.model.layers)})
+    merged.model.norm = chunks[-1].model.norm
+    merged.lm_head = chunks[-1].lm_head
+    merged.model.rotary = chunks[0].model.rotary
+    merged.pipeline_stage = None
+    return merged
