@@ -1,6 +1,6 @@
 """threefold data parallel vs torch DDP, and threefold ZeRO-3 vs torch FSDP2, on 4 CPU ranks.
 
-    python3 bench/bench_dp_zero.py [--preset small] [--steps 4] [--warmup 1] [--rounds 2]
+    python3 bench/bench_dp_zero.py [--preset small] [--steps 3] [--warmup 1] [--rounds 2]
     python3 bench/bench_dp_zero.py --preset tiny --steps 3          # a quick run
 
 Started without torchrun's environment, the script re-launches itself once under
@@ -26,12 +26,16 @@ configuration (they must agree: same weights, same batch); communication bytes p
 threefold's ``Comm`` counted per axis, against ZeRO's formulas (2Ψ(N−1)/N and 3Ψ(N−1)/N
 elements); and memory per rank, measured two ways inside the same launch:
 
-- ``peak_rss_mib``: the peak resident memory a configuration added to its process over its
-  whole run (build, steps, activations, communication buffers, hidden ones such as DDP's
-  reducer buckets included). Peak RSS is monotonic over a process's life, so before each
-  configuration the heap is trimmed and Linux's high-water mark reset (/proc/self/clear_refs);
-  the figure is that peak minus the resident size at the start. Allocator noise: a few MiB.
-- ``state_mib``: model-state bytes read from the tensors the configuration holds once the
+- ``step_peak_MiB``: peak resident memory (RSS) during the steps, minus the process's RSS
+  before the configuration was built: what it keeps (parameters, gradients, optimiser state)
+  plus its training-time peak (activations, gathered parameters, communication buffers,
+  hidden ones such as DDP's reducer buckets included). Peak RSS is monotonic over a process's
+  life, so the heap is trimmed (malloc_trim) and Linux's high-water mark reset
+  (/proc/self/clear_refs) before the build and again after it; build-time transients (every
+  rank builds the full model before sharding it) are in ``build_peak_MiB`` instead. Each is
+  the smallest over rounds (the first configuration of a process pays one-time set-up),
+  the largest over ranks. Allocator noise: a few MiB.
+- ``state_MiB``: model-state bytes read from the tensors the configuration holds once the
   step's gradients are ready (parameters, gradients, optimiser state, engine buffers
   reachable from Python; storages counted once). Deterministic; DDP's reducer buckets are
   C++-side and not in it (they are in the RSS figure).
@@ -72,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (the same in the launcher and in every rank)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small", help="model preset (small; tiny to be quick)")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per configuration/round")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration/round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     ap.add_argument("--rounds", type=int, default=2, help="A/B rounds (order flips each round)")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -234,6 +238,10 @@ def run_config(name, cfg, mcfg, lay, batches, args) -> dict:
     torch.manual_seed(cfg.train.seed)
     setup = (build_threefold(name, cfg, mcfg, lay) if name.startswith("tf_")
              else build_torch(name, cfg, mcfg, lay, world))
+    build_peak = peak_rss_bytes()
+    # a second window for the steps: build-time transients (the full model every rank makes
+    # before sharding it) are trimmed away, what the configuration keeps is not
+    start_peak_rss_window()
     state = {}
 
     def probe():
@@ -252,8 +260,10 @@ def run_config(name, cfg, mcfg, lay, batches, args) -> dict:
             comm_steps.append(setup.comm.step_counters())
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
+    known = None not in (rss0, peak, build_peak)
     out = {"seconds": seconds, "loss0": losses[0], "state_bytes": state["bytes"],
-           "peak_rss_bytes": (peak - rss0) if (peak is not None and rss0 is not None) else None,
+           "peak_rss_bytes": (peak - rss0) if known else None,
+           "build_peak_rss_bytes": (build_peak - rss0) if known else None,
            "comm": ({a: statistics.mean(c.get(a, 0) for c in comm_steps)
                      for a in comm_steps[0]} if comm_steps else None)}
     del setup, state
@@ -297,6 +307,45 @@ def worker(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
+def _min_over_rounds(results, name: str, key: str, world: int) -> float | None:
+    """Max over ranks of each rank's smallest ``key`` over rounds, in MiB. Every round builds
+    the same thing, but the first configuration of a process also pays one-time costs (lazy
+    library set-up, gloo buffers); the order flips each round, so the minimum skips them."""
+    rows = [[ps[k][key] for _, nm, ps in results if nm == name] for k in range(world)]
+    if any(v is None for row in rows for v in row):
+        return None
+    return max(min(row) for row in rows) / MIB
+
+
+def memory_table(results, world: int, psi: int) -> dict:
+    """Print memory per rank and threefold's bytes per step; return them by configuration."""
+    n = world
+    # ZeRO §7: DP 2Ψ(N−1)/N, stage 3 3Ψ(N−1)/N elements per rank, fp32 here. threefold's
+    # figure also holds each unit's padding to a multiple of N and the clip-norm scalar.
+    formula = {"tf_dp": 2 * psi * (n - 1) / n * 4, "tf_z3": 3 * psi * (n - 1) / n * 4}
+    print("\nmemory per rank (max over ranks; RSS: min over rounds), threefold Comm bytes "
+          "per step and rank (max over ranks):")
+    fmt = "{:>7} | {:>15} | {:>15} | {:>10} | {:>22} | {:>14}"
+    print(fmt.format("config", "step_peak_MiB", "build_peak_MiB", "state_MiB",
+                     "comm_bytes/step/rank", "formula"))
+    out = {}
+    for name in CONFIGS:
+        last = [ps for _, nm, ps in results if nm == name][-1]
+        step_peak = _min_over_rounds(results, name, "peak_rss_bytes", world)
+        build_peak = _min_over_rounds(results, name, "build_peak_rss_bytes", world)
+        state = max(p["state_bytes"] for p in last) / MIB
+        comm = last[0]["comm"]
+        comm_max = max(sum(p["comm"].values()) for p in last) if comm else None
+        out[name] = {"step_peak_rss_mib": step_peak, "build_peak_rss_mib": build_peak,
+                     "state_mib": state, "comm_bytes_per_step_rank0": comm,
+                     "comm_bytes_per_step_max": comm_max, "formula_bytes": formula.get(name)}
+        mib = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+        print(fmt.format(name, mib(step_peak), mib(build_peak), f"{state:.1f}",
+                         f"{comm_max:,.0f}" if comm else "-",
+                         f"{formula[name]:,.0f}" if name in formula else "-"))
+    return out
+
+
 def summarise(args, cfg, mcfg, world, results) -> None:
     """Loss agreement, memory and bytes table, then the two ratio reports (JSON lines)."""
     tok = cfg.train.global_batch_size * cfg.data.seq_len * args.steps
@@ -313,34 +362,11 @@ def summarise(args, cfg, mcfg, world, results) -> None:
     worst = max(abs(v - ref) / abs(ref) for v in loss0.values())
     print(f"  max relative difference {worst:.1e} -> {'agree' if worst < 1e-5 else 'DIFFER'}")
 
-    # memory and bytes. Every round builds the same thing; the first configuration of a
-    # process also pays one-time costs (lazy library set-up, gloo buffers), so peak RSS is the
-    # smallest over rounds (the order flips, so each configuration runs later in some round).
-    print("\nmemory per rank (max over ranks; peak RSS: min over rounds) and threefold Comm "
-          "bytes per step:")
-    fmt = "{:>7} | {:>13} | {:>13} | {:>22} | {:>16}"
-    print(fmt.format("config", "peak_rss_MiB", "state_MiB", "comm_bytes/step/rank", "formula"))
-    last = {name: ranks for r, name, ranks in results if r == args.rounds - 1}
-    memory = {}
-    n = world
-    formula = {"tf_dp": 2 * psi * (n - 1) / n * 4, "tf_z3": 3 * psi * (n - 1) / n * 4}
-    for name in CONFIGS:
-        ranks = last[name]
-        by_rank = [[ps[k]["peak_rss_bytes"] for _, nm, ps in results if nm == name]
-                   for k in range(world)]
-        rss_max = (max(min(row) for row in by_rank) / MIB
-                   if all(v is not None for row in by_rank for v in row) else None)
-        state = max(p["state_bytes"] for p in ranks) / MIB
-        comm = ranks[0]["comm"]
-        comm_total = sum(comm.values()) if comm else None
-        memory[name] = {"peak_rss_mib": rss_max, "state_mib": state,
-                        "comm_bytes_per_step": comm, "formula_bytes": formula.get(name)}
-        print(fmt.format(name, f"{rss_max:.1f}" if rss_max is not None else "n/a",
-                         f"{state:.1f}", f"{comm_total:,.0f}" if comm else "-",
-                         f"{formula[name]:,.0f}" if name in formula else "-"))
-    print(json.dumps({"benchmark": "dp_zero_memory", "memory": "peak RSS added per rank "
-                      "(clear_refs window) and model-state bytes from held tensors",
-                      "per_config": memory}))
+    memory = memory_table(results, world, psi)
+    print(json.dumps({"benchmark": "dp_zero_memory",
+                      "memory": "peak RSS a configuration adds per rank, measured in one "
+                                "process with /proc/self/clear_refs windows; state = bytes of "
+                                "the tensors it holds", "per_config": memory}))
 
     for a, b in PAIRS:
         rows = []

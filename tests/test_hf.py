@@ -62,7 +62,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_tokens(trained):
     text = "def f(x):\n    return x + 1  # ünïcode<|endoftext|>next"
     mine = Tokenizer.from_file(str(root / "run" / "tokenizer.json")).encode(text).ids
     assert tok.encode(text) == mine and len(mine) > 5
-    assert conf["eos_token_id"] == tok.eos_token_id == mine[-2]
+    assert conf["eos_token_id"] == tok.eos_token_id and tok.eos_token_id in mine
     # A second export into the now non-empty folder is refused, not merged.
     assert hf.main(["--to", "hf", str(root / "run"), str(out)]) == 2
 
@@ -205,8 +205,24 @@ def test_convert_from_hf_then_training_starts_from_it(trained, corpus, cache_dir
     assert evaluate(run) == pytest.approx(first["validation_loss"], abs=1e-6)
     loss, _ = train_step(run, 0)
     assert torch.isfinite(torch.tensor(loss))
+    # init_from also takes a threefold run directory: its newest checkpoint (the resumed run's).
+    hf.init_from_hf(run.engine.model, imp)
+    assert evaluate(run) == pytest.approx(again["validation_loss"], abs=1e-6)
     # Bad command lines: one line on stderr, exit 2.
     capsys.readouterr()
     for argv in (["--to", "onnx", "a", "b"], ["--from", "hf", str(root / "nope"), "x"], ["a"]):
         assert hf.main(argv) == 2
         assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_transformers_4_style_rope_fields_import():
+    base = _perturbed_hf_model().config.to_dict()
+    base.pop("rope_parameters")
+    legacy = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
+    cfg = hf.model_config_from_hf({**base, "rope_theta": 5e4, "rope_scaling": legacy})
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor) == (5e4, "llama3", 4.0)
+    assert hf.model_config_from_hf({**base, "rope_theta": 2e4}).rope_scaling == "none"
+    # Export writes both spellings, which read back the same.
+    conf = hf.hf_config(cfg)
+    assert hf.model_config_from_hf({**conf, "rope_parameters": None}) == cfg
+    assert hf.model_config_from_hf(conf) == cfg

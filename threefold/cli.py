@@ -17,6 +17,8 @@ commands:
                      train (N > 1 starts torchrun with N local processes)
   plan ...           rank parallel layouts for a model and cluster (threefold plan --help)
   schedule ...       check and simulate a pipeline schedule (threefold schedule --help)
+  convert --to hf CKPT OUT | --from hf HF_DIR OUT
+                     Hugging Face export / import
   options            list every configuration option with its default and meaning
 """
 
@@ -76,6 +78,13 @@ def cmd_train(argv: list[str]) -> int:
         _check_layout(cfg, world)
     except (ConfigError, ValueError) as e:
         return _fail(str(e))
+    if cfg.train.dry_run:
+        from threefold.dryrun import dry_run
+
+        try:
+            return dry_run(cfg, world)
+        except (ConfigError, ValueError) as e:
+            return _fail(str(e))
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         return _launch(nproc, launcher, argv)
     return _run_training(cfg)
@@ -124,10 +133,6 @@ def _run_training(cfg) -> int:
     from threefold.data import DataError
 
     try:
-        if cfg.train.dry_run:
-            from threefold.dryrun import dry_run
-
-            return dry_run(cfg)
         from threefold.train import train
 
         train(cfg, _layout_from_env(cfg))
@@ -168,11 +173,15 @@ def main(argv: list[str] | None = None) -> int:
         from threefold.plan import main as plan_main
 
         return plan_main(rest)
+    if cmd == "convert":
+        from threefold.hf import main as convert_main
+
+        return convert_main(rest)
     if cmd == "schedule":
         from threefold.parallel.pipeline.simulate import main as schedule_main
 
         return schedule_main(rest)
-    return _fail(f"unknown command '{cmd}'; commands: train, plan, schedule, options")
+    return _fail(f"unknown command '{cmd}'; commands: train, plan, schedule, convert, options")
 
 
 if __name__ == "__main__":

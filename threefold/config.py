@@ -193,6 +193,8 @@ class CheckpointConfig:
     keep_last: int = _f(3, "keep this many most recent checkpoints")
     resume: bool = _f(False, "resume from the newest checkpoint in the output directory")
     save_final: bool = _f(True, "save a checkpoint after the last step")
+    init_from: str = _f("", "start from these weights (a Hugging Face folder, or a threefold run "
+                        "or checkpoint directory); model shape and tokenizer come with them")
 
 
 @dataclass

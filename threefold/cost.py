@@ -4,33 +4,42 @@ planner can evaluate a 1T-parameter layout in microseconds. The runtime's measur
 compared against these same functions (``comm_bytes_per_step``, ``predict_step``); memory is in
 ``threefold.memory``, the hardware catalogue in ``threefold.hardware``.
 
-Sections, in order: parameters of the model; ``Layout`` and ``Workload``; parameters per rank;
-FLOPs and memory-bound traffic per stage; ``collectives`` (the one list from which both the
-bytes per mesh axis and the communication times are derived); which link each mesh axis
-crosses; the pipeline bubble; ``predict_step`` (α-β times, overlap rules, MFU/HFU).
+Sections, in order: parameters of the model; ``Layout`` and ``Workload``; parameters per rank
+(and the ZeRO units and gradient buckets the runtime builds from them); FLOPs and memory-bound
+traffic per stage; ``collectives`` (the one list from which both the bytes per mesh axis and
+the communication times are derived); which link each mesh axis crosses; the pipeline bubble;
+``predict_step`` (α-β times, overlap rules, MFU/HFU).
 
 Conventions (every function below follows them):
 - A *layout* splits the world into pp × dp_replicate × dp_shard × tp. Mesh axes are ordered
   outermost first as ``MESH_ORDER``: tp innermost (NVLink), then dp_shard, then dp_replicate and
   pp outermost (DESIGN.md, topology rule). A group that does not fit inside one aligned node
   crosses the network.
-- Tensor parallelism follows Megatron (Shoeybi et al. 2019): q/k/v/gate/up column-parallel,
-  o/down row-parallel, vocab-parallel embedding and head. RMSNorm weights are *replicated* over
-  tp (their gradients are all-reduced over tp once per step under sequence parallelism). When
-  kv heads < tp, each kv head is *replicated* on tp/kv ranks (its gradient all-reduced among
-  them, its projection computed redundantly). The vocabulary is padded to a multiple of
-  ``VOCAB_PAD_MULTIPLE``·tp; an intermediate size that tp does not divide is padded to
-  ceil(f/tp) per rank.
-- Pipeline: virtual stage s of v·p lives on rank s % p (Megatron's interleaved layout); rank 0
-  also holds the embedding, rank p-1 the final norm and LM head; with tied embeddings and pp > 1
-  both ends hold a copy, whose gradients are all-reduced between them once per step.
-- Bytes are those *sent by one rank* under ring algorithms: all-reduce 2(n-1)/n·S, reduce-scatter
-  and all-gather (n-1)/n·S for a buffer of S bytes, point-to-point S.
+- Tensor parallelism is threefold's (``threefold.parallel.tensor``, after Megatron, Shoeybi et
+  al. 2019): q/k/v/gate/up column-parallel, o/down row-parallel, vocab-parallel embedding and
+  head. RMSNorm weights are *replicated* over tp (under sequence parallelism their gradients
+  are all-reduced over tp in every backward). When kv heads < tp, k/v projections stay whole
+  on every tp rank, each rank computing the one kv head its query heads use, and their weight
+  gradients are all-reduced over tp in every backward. The vocabulary is padded to a multiple
+  of tp, as the runtime pads it (Megatron pads further, to 128·t); an intermediate size that
+  tp does not divide is padded to ceil(f/tp) per rank (the runtime refuses it; the planner
+  allows it, with a warning).
+- Pipeline (planned, not yet run by the runtime): virtual stage s of v·p lives on rank s % p
+  (Megatron's interleaved layout); rank 0 also holds the embedding, rank p-1 the final norm
+  and LM head; with tied embeddings and pp > 1 both ends hold a copy, whose gradients are
+  all-reduced between them once per step.
+- Bytes are those one rank *sends*, counted exactly as ``threefold.comm.Comm`` counts them (ring
+  algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
+  elements, point-to-point all of it. For the rank with coordinate 0 on every axis (global
+  rank 0, the one that writes summary.json); other ranks differ by at most 2 elements per
+  all-reduce whose size the group does not divide. With n dividing every size these are the
+  published 2(n−1)/n·S and (n−1)/n·S.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -42,7 +51,6 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first (= thre
 COMM_AXES = MESH_ORDER + ("dp",)
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-VOCAB_PAD_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128·tp
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 # The one calibration constant: achieved matmul FLOP/s as a fraction of the datasheet peak.
@@ -51,7 +59,7 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 # Everything else in the time model is a datasheet figure or a count (FLOPs, bytes).
 # A measured Hardware (``Hardware.measured``) carries achieved FLOP/s and uses 1.0 instead.
 MATMUL_EFFICIENCY = 0.58
-DEFAULT_BUCKET_BYTES = 25e6  # last gradient bucket, never hidden behind backward
+DEFAULT_BUCKET_MB = 25.0  # = ParallelConfig.bucket_mb: data-parallel gradient buckets, MiB
 
 
 class LayoutError(ValueError):
@@ -98,7 +106,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 @dataclass(frozen=True)
 class Layout:
     """How one step is split over the world. ``schedule`` '' means 1f1b, or interleaved-1f1b
-    when vpp > 1; sequence parallelism only matters when tp > 1."""
+    when vpp > 1; sequence parallelism only matters when tp > 1. ``bucket_mb`` is the
+    data-parallel gradient bucket (``parallel.bucket_mb``), which sets how the all-reduce is cut."""
 
     tp: int = 1
     pp: int = 1
@@ -110,6 +119,7 @@ class Layout:
     recompute: str = "none"
     schedule: str = ""
     sequence_parallel: bool = True
+    bucket_mb: float = DEFAULT_BUCKET_MB
 
     @property
     def dp(self) -> int:
@@ -131,13 +141,19 @@ class Layout:
         """The schedule name, with the default filled in."""
         return self.schedule or ("interleaved-1f1b" if self.vpp > 1 else "1f1b")
 
+    @property
+    def bucket_bytes(self) -> int:
+        """Gradient bucket size in bytes, as ``threefold.parallel.data`` computes it."""
+        return int(self.bucket_mb * 2**20)
+
     def size(self, axis: str) -> int:
         """Degree of the named mesh axis (or of "dp", dp_replicate·dp_shard)."""
         return self.dp if axis == "dp" else getattr(self, axis)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "Layout":
-        """The layout a training config describes on ``world_size`` ranks (dp_shard -1 = rest)."""
+        """The layout a training config describes on ``world_size`` ranks (dp_shard -1 = rest).
+        A micro-batch larger than a rank's share of the batch is that share, as in the loop."""
         p = cfg.parallel
         dp_shard = p.dp_shard
         if dp_shard == -1:
@@ -146,22 +162,33 @@ class Layout:
                 raise LayoutError(f"world size {world_size} is not a multiple of "
                                   f"pp·dp_replicate·tp = {rest}")
             dp_shard = world_size // rest
+        local = max(1, cfg.train.global_batch_size // (p.dp_replicate * dp_shard))
         return cls(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard,
                    zero_stage=p.zero_stage, vpp=p.vpp,
-                   microbatch_size=cfg.train.micro_batch_size,
+                   microbatch_size=min(cfg.train.micro_batch_size, local),
                    recompute="full" if cfg.train.activation_checkpointing else "none",
-                   schedule=p.schedule, sequence_parallel=p.sequence_parallel)
+                   schedule=p.schedule, sequence_parallel=p.sequence_parallel,
+                   bucket_mb=p.bucket_mb)
 
 
 @dataclass(frozen=True)
 class Workload:
     """What one optimiser step trains: ``global_batch`` sequences of ``seq_len`` tokens.
-    ``flash_attention`` False means the attention probabilities are materialised."""
+    ``flash_attention`` False means the attention probabilities are materialised.
+
+    ``precision`` is the matmul (activation) dtype. ``residual_bytes`` and ``master_bytes``
+    (0 = the same as the activations) are the element sizes of the residual stream and of the
+    stored weights and gradients. The published figures (Megatron, ZeRO) keep all three in
+    16 bits under bf16/fp16 and the fp32 master copy in the optimiser state, which is this
+    class's default. threefold's runtime keeps fp32 weights, gradients and residual stream and
+    autocasts only the matmuls: ``Workload.from_config`` describes that."""
 
     seq_len: int
     global_batch: int
     precision: str = "bf16"
     flash_attention: bool = True
+    residual_bytes: int = 0
+    master_bytes: int = 0
 
     @property
     def tokens(self) -> int:
@@ -170,8 +197,30 @@ class Workload:
 
     @property
     def act_bytes(self) -> int:
-        """Bytes of one activation / communicated element."""
+        """Bytes of one matmul activation element."""
         return DTYPE_BYTES[self.precision]
+
+    @property
+    def resid_bytes(self) -> int:
+        """Bytes of one element of the residual stream (what norms read, what the tp
+        "enter" collectives and pipeline sends move)."""
+        return self.residual_bytes or self.act_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one stored weight or gradient element (what ZeRO gathers and data
+        parallelism reduces)."""
+        return self.master_bytes or self.act_bytes
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Workload":
+        """The workload of a threefold training config, with the runtime's numerics: fp32
+        weights, gradients and residual stream; matmuls in ``train.dtype`` (autocast);
+        attention through ``scaled_dot_product_attention`` (a flash kernel: probabilities
+        not stored)."""
+        precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
+        return cls(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch_size,
+                   precision=precision, flash_attention=True, residual_bytes=4, master_bytes=4)
 
 
 @dataclass(frozen=True)
@@ -186,9 +235,8 @@ class TPShard:
 
 
 def padded_vocab(cfg: ModelConfig, tp: int) -> int:
-    """Vocabulary padded to a multiple of VOCAB_PAD_MULTIPLE·tp (as Megatron does)."""
-    mult = VOCAB_PAD_MULTIPLE * tp
-    return -(-cfg.vocab_size // mult) * mult
+    """Vocabulary padded to a multiple of tp, as ``threefold.parallel.tensor`` pads it."""
+    return -(-cfg.vocab_size // tp) * tp
 
 
 @lru_cache(maxsize=4096)
@@ -201,8 +249,7 @@ def _tp_shard(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> TPShard:
         kv_r, reps = 1, tp // kv  # each kv head replicated on tp/kv ranks
     else:
         raise LayoutError(f"tp={tp} neither divides nor is a multiple of the {kv} kv heads")
-    mult = VOCAB_PAD_MULTIPLE * tp
-    return TPShard(a // tp, kv_r, reps, -(-f // tp), -(-vocab // mult) * mult // tp)
+    return TPShard(a // tp, kv_r, reps, -(-f // tp), -(-vocab // tp))
 
 
 def tp_shard(cfg: ModelConfig, tp: int) -> TPShard:
@@ -241,43 +288,107 @@ def microbatches(layout: Layout, work: Workload) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Parameters per rank
+# Parameters per rank, as the runtime groups them
 # --------------------------------------------------------------------------------------------
 def layer_parameters_per_rank(cfg: ModelConfig, tp: int) -> tuple[int, int]:
-    """(tp-sharded, tp-replicated) weights of one block on one rank; the replicated ones are the
-    two RMSNorm weights (and kv projections when kv heads are replicated count as sharded)."""
+    """(tp-sharded, tp-replicated) weights of one block on one rank, as the FLOPs see them: the
+    replicated ones are the two RMSNorm weights; a replicated kv projection counts as the one
+    kv head the rank computes with."""
     sh, h, hd = tp_shard(cfg, tp), cfg.hidden_size, cfg.head_dim
     sharded = 2 * h * sh.heads * hd + 2 * h * sh.kv_heads * hd + 3 * h * sh.ffn
     return sharded, 2 * h
 
 
-def stage_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
-    """Parameters held by one rank of pipeline stage ``stage`` (largest over stages at 0/p-1)."""
-    return _stage_parameters(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers,
-                             bool(cfg.tie_word_embeddings), layout.tp, layout.pp, stage)
+def _shape_key(cfg: ModelConfig) -> tuple:
+    return (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers,
+            bool(cfg.tie_word_embeddings))
+
+
+@lru_cache(maxsize=4096)
+def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> tuple[int, ...]:
+    sh, hd = _tp_shard(h, a, kv, f, vocab, tp), h // a
+    kv_rows = (kv * hd) if sh.kv_replicas > 1 else sh.kv_heads * hd  # replicated: whole
+    # registration order of threefold.model.LlamaDecoderLayer: input_layernorm,
+    # q/k/v/o_proj, post_attention_layernorm, gate/up/down_proj
+    return (h, sh.heads * hd * h, kv_rows * h, kv_rows * h, h * sh.heads * hd, h,
+            sh.ffn * h, sh.ffn * h, h * sh.ffn)
+
+
+def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
+    """Elements of each parameter of one block held by one tp rank, in the order the model
+    registers them (a replicated k/v projection is held whole)."""
+    h, a, kv, f, vocab, _, _ = _shape_key(cfg)
+    return _block_numels(h, a, kv, f, vocab, tp)
 
 
 @lru_cache(maxsize=65536)
-def _stage_parameters(h: int, a: int, kv: int, f: int, vocab: int, n_layers: int, tied: bool,
-                      tp: int, p: int, stage: int) -> int:
-    sh = _tp_shard(h, a, kv, f, vocab, tp)
-    hd = h // a
-    block = 2 * h * sh.heads * hd + 2 * h * sh.kv_heads * hd + 3 * h * sh.ffn + 2 * h
-    n = n_layers // p * block
-    emb = sh.vocab * h
-    if stage == 0:
-        n += emb
+def _stage_units(key: tuple, tp: int, p: int, stage: int) -> tuple[tuple[int, ...], ...]:
+    h, a, kv, f, vocab, n_layers, tied = key
+    emb = _tp_shard(h, a, kv, f, vocab, tp).vocab * h
+    block = _block_numels(h, a, kv, f, vocab, tp)
+    units: list[tuple[int, ...]] = []
+    if stage == 0 and not (tied and p == 1):
+        units.append((emb,))
+    units += [block] * (n_layers // p)
     if stage == p - 1:
-        n += h + (0 if tied and p == 1 else emb)
-    return n
+        units.append((h,))
+        if not (tied and p == 1):
+            units.append((emb,))
+    if tied and p == 1:
+        units.append((emb,))  # the shared weight: ZeRO's root unit, registered first
+    return tuple(units)
+
+
+def stage_units(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[tuple[int, ...], ...]:
+    """The parameters one rank of pipeline ``stage`` holds, grouped as threefold's ZeRO engine
+    groups them into units, in forward order: the embedding, each block, the final norm, the
+    LM head (each a tuple of parameter sizes in registration order). With tied embeddings on
+    one stage the shared weight is one *root* unit, listed last (``ZeroEngine`` does so); in
+    registration order it comes first (``parameter_numels``)."""
+    return _stage_units(_shape_key(cfg), layout.tp, layout.pp, stage)
+
+
+def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[int]:
+    """Sizes of the parameters one rank of ``stage`` holds, in the model's registration order
+    (embedding, blocks, final norm, LM head; a tied weight once, first): the order
+    ``threefold.parallel.data`` cuts gradient buckets in."""
+    units = list(stage_units(cfg, layout, stage))
+    if cfg.tie_word_embeddings and layout.pp == 1:
+        units = [units[-1]] + units[:-1]
+    return [n for unit in units for n in unit]
+
+
+def stage_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    """Parameters held by one rank of pipeline stage ``stage`` (tp-sharded, vocabulary padded)."""
+    return sum(sum(u) for u in stage_units(cfg, layout, stage))
 
 
 def largest_unit_parameters(cfg: ModelConfig, tp: int) -> int:
-    """Largest block of weights ZeRO-3 gathers at once on one rank: a transformer block or the
+    """Largest unit of weights ZeRO-3 gathers at once on one rank: a transformer block or the
     embedding/head shard (DeepSpeed's 'largest layer')."""
-    sharded, replicated = layer_parameters_per_rank(cfg, tp)
-    return max(sharded + replicated, tp_shard(cfg, tp).vocab * cfg.hidden_size)
+    return max(sum(block_parameter_numels(cfg, tp)), tp_shard(cfg, tp).vocab * cfg.hidden_size)
+
+
+@lru_cache(maxsize=4096)
+def _buckets(numels: tuple[int, ...], elem: int, bucket_bytes: int) -> tuple[int, ...]:
+    out, cur = [], 0
+    for n in reversed(numels):
+        cur += n
+        if cur * elem >= bucket_bytes:
+            out.append(cur)
+            cur = 0
+    if cur:
+        out.append(cur)
+    return tuple(out)
+
+
+def gradient_buckets(cfg: ModelConfig, layout: Layout, elem_bytes: int, stage: int = 0
+                     ) -> tuple[int, ...]:
+    """Elements of each data-parallel gradient bucket, cut as ``threefold.parallel.data``
+    cuts them: parameters in reverse registration order, a bucket closed once it reaches
+    ``layout.bucket_bytes``."""
+    return _buckets(tuple(parameter_numels(cfg, layout, stage)), elem_bytes, layout.bucket_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,25 +477,37 @@ def _stage_multiplicity(p: int, stage: int) -> int:
 # --------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Collective:
-    """One kind of collective a rank issues: ``count`` calls of ``op`` on a buffer of ``size``
-    bytes over ``group`` ranks of mesh axis ``axis``; per microbatch when ``per_microbatch``.
-    ``overlap`` says what may hide it: 'none' (on the critical path), 'hidden' (overlapped
-    entirely), 'forward'/'backward' (that microbatch's compute, except one bucket), 'last'
-    (the last microbatch's backward, except one bucket), 'step' (after the step, exposed)."""
+    """One kind of collective a rank issues: ``count`` calls of ``op`` on a buffer of ``numel``
+    elements of ``elem`` bytes over ``group`` ranks of mesh axis ``axis``; per microbatch when
+    ``per_microbatch``. ``overlap`` says what may hide it: 'none' (on the critical path),
+    'hidden' (overlapped entirely), 'forward'/'backward' (that microbatch's compute, except one
+    bucket), 'last' (the last microbatch's backward, except one bucket), 'step' (after the
+    step, exposed)."""
 
     axis: str
     op: str  # all_reduce | all_gather | reduce_scatter | p2p
-    size: float
-    count: float
+    numel: int
+    elem: int
+    count: int
     group: int
     per_microbatch: bool
     overlap: str
 
-    def bytes_sent(self) -> float:
-        """Bytes one rank sends per call (ring algorithms)."""
-        n = self.group
-        return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-                "reduce_scatter": (n - 1) / n, "p2p": 1.0}[self.op] * self.size
+    @property
+    def size(self) -> int:
+        """Bytes of the buffer (all_gather: the gathered output, reduce_scatter: the input)."""
+        return self.numel * self.elem
+
+    def bytes_sent(self, index: int = 0) -> int:
+        """Bytes the rank with coordinate ``index`` on the axis sends per call, exactly as
+        ``threefold.comm.Comm`` counts them."""
+        n, numel = self.group, self.numel
+        if self.op == "all_reduce":  # every chunk but its own, twice (tensor_split chunks)
+            q, r = divmod(numel, n)
+            return 2 * (numel - q - (1 if index < r else 0)) * self.elem
+        if self.op in ("all_gather", "reduce_scatter"):
+            return (n - 1) * numel // n * self.elem
+        return numel * self.elem  # p2p
 
     def time(self, latency_s: float, bw: float, size: float | None = None) -> float:
         """α-β time of one call (on a buffer of ``size`` bytes if given)."""
@@ -397,81 +520,108 @@ class Collective:
 
 
 def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
-                grad_bytes: float | None = None, param_bytes: float | None = None
+                grad_bytes: int | None = None, param_bytes: int | None = None
                 ) -> list[Collective]:
-    """Every collective one rank of ``stage`` issues in a step.
+    """Every collective one rank of ``stage`` issues in a step, as threefold's runtime issues
+    them (x = b·s·h elements of one microbatch's activation, L = layers on the stage).
 
-    tp (Megatron; Korthikanti et al. §4.2.2 for sequence parallelism), per microbatch per layer:
-    without SP 2 all-reduces of b·s·h forward, 2 backward (8·b·s·h·(t-1)/t elements); with SP
-    2 all-gathers + 2 reduce-scatters forward, the same backward, plus 2 all-gathers that
-    re-gather the saved sequence-sharded inputs for the weight gradients (overlapped). Full
-    recompute repeats the forward's collectives. Embedding (first stage) and head (last stage)
-    add one each way; vocab-parallel cross-entropy 3 all-reduces of b·s fp32.
+    tp (``threefold.parallel.tensor``; Megatron §3, Korthikanti et al. §4.2.2), per microbatch:
+    without SP each layer all-reduces its two sub-layer outputs forward (matmul dtype) and its
+    two sub-layer input gradients backward (residual dtype): 8·x·(t-1)/t elements per layer.
+    With SP each "all-reduce" becomes an all-gather plus a reduce-scatter — the same bytes;
+    the q/k/v and gate/up linears keep the gathered input for backward, so there is no
+    re-gather — plus an all-reduce of each RMSNorm weight gradient (h elements, 2 per layer
+    and the final norm) in every backward. The vocab-parallel embedding all-reduces (SP:
+    reduce-scatters, all-gathers back) x forward; the LM head input's gather costs x backward
+    (SP: forward and backward); the vocab-parallel loss all-reduces 3 vectors of b·s fp32.
+    Replicated k/v projections (kv heads < tp) all-reduce their whole weight gradient over tp
+    in every backward. Full recompute (torch's non-reentrant checkpoint) re-runs each block's
+    forward but stops as soon as the last tensor saved for backward is rebuilt
+    (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default), so the attention's
+    closing collective is repeated and the MLP's is not: +1 all-reduce per layer, or under SP
+    +2 all-gathers and +1 reduce-scatter. The gradient-norm all-reduces one fp32 scalar over tp.
     pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary.
-    dp, as threefold's engines do it (ZeRO, arXiv 1910.02054 §7; FSDP's no-sync accumulation):
-    stage 0 one all-reduce of Ψ over the flattened "dp" group, bucketed and overlapped with the
-    last microbatch's backward; stage 1 reduce-scatter Ψ after backward + all-gather Ψ after
-    the step; stage 2 the same, the reduce-scatter overlapped with the last backward (full
-    gradients are kept while accumulating, as stage 1); stage 3 all-gather Ψ in forward and
-    in backward and reduce-scatter Ψ, every microbatch. With dp_replicate > 1 (HSDP) the
-    shard gradients are then all-reduced over dp_replicate. Ψ is this rank's parameters.
+    dp (``threefold.parallel.data`` / ``zero``; ZeRO arXiv 1910.02054 §7): stage 0 all-reduces
+    the gradient buckets over the flattened "dp" group once per step (no sync while
+    accumulating), overlapped with the last backward; ZeRO works per unit (embedding, each
+    block, final norm, head; each padded to a multiple of dp_shard): stages 1 and 2
+    reduce-scatter every unit once per step (stage 2 from backward hooks) and all-gather it
+    after the optimiser step; stage 3 all-gathers each unit before its forward and again before
+    its backward and reduce-scatters it, every microbatch (a tied root unit stays gathered
+    from the first forward to the end of the step: one gather per step). Then, with
+    dp_replicate > 1, every unit's gradient shard is all-reduced over dp_replicate, and the
+    gradient norm all-reduces 2 fp32 scalars over dp_shard. Weights and gradients move in
+    ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say otherwise.
     """
     t, p, v, b, s = layout.tp, layout.pp, layout.vpp, layout.microbatch_size, work.seq_len
-    d = work.act_bytes
-    g = d if grad_bytes is None else grad_bytes
-    pb = d if param_bytes is None else param_bytes
-    layers = cfg.num_hidden_layers // p
-    act = b * s * cfg.hidden_size * d
+    d, r = work.act_bytes, work.resid_bytes
+    g = work.weight_bytes if grad_bytes is None else grad_bytes
+    pb = work.weight_bytes if param_bytes is None else param_bytes
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers // p
+    x = b * s * h
+    first, last = int(stage == 0), int(stage == p - 1)
+    rec = layers if layout.recompute == "full" else 0
     out: list[Collective] = []
 
-    def add(axis, op, size, count, group, per_mb, overlap):
+    def add(axis, op, numel, elem, count, group, per_mb, overlap):
         """Record a collective unless it is a no-op (group of one or no calls)."""
         if group > 1 and count > 0:
-            out.append(Collective(axis, op, size, count, group, per_mb, overlap))
+            out.append(Collective(axis, op, int(numel), int(elem), int(count), group, per_mb,
+                                  overlap))
 
     if layout.sp:
-        rec = 2 * layers if layout.recompute == "full" else 0
-        add("tp", "all_gather", act, 4 * layers + rec, t, True, "none")
-        add("tp", "reduce_scatter", act, 4 * layers + rec, t, True, "none")
-        add("tp", "all_gather", act, 2 * layers, t, True, "hidden")
-        first = stage == 0
-        last = stage == p - 1
-        add("tp", "reduce_scatter", act, first + last, t, True, "none")
-        add("tp", "all_gather", act, first + last, t, True, "none")
-        add("tp", "all_gather", act, int(last), t, True, "hidden")
-        norms = layers * 2 * cfg.hidden_size + (cfg.hidden_size if last else 0)
-        add("tp", "all_reduce", norms * g, 1, t, False, "last")
+        add("tp", "all_gather", x, r, 2 * layers + 2 * rec + first + last, t, True, "none")
+        add("tp", "reduce_scatter", x, r, 2 * layers + first + last, t, True, "none")
+        add("tp", "reduce_scatter", x, d, 2 * layers + rec, t, True, "none")
+        add("tp", "all_gather", x, d, 2 * layers, t, True, "none")
+        add("tp", "all_reduce", h, g, 2 * layers + last, t, True, "none")
     else:
-        rec = 2 * layers if layout.recompute == "full" else 0
-        ends = (stage == 0) + (stage == p - 1)
-        add("tp", "all_reduce", act, 4 * layers + rec + ends, t, True, "none")
-    if stage == p - 1:
-        add("tp", "all_reduce", b * s * 4, 3, t, True, "none")
+        add("tp", "all_reduce", x, r, 2 * layers + first + last, t, True, "none")
+        add("tp", "all_reduce", x, d, 2 * layers + rec, t, True, "none")
+    add("tp", "all_reduce", b * s, 4, 3 * last, t, True, "none")
     sh = tp_shard(cfg, t)
-    kv_params = layers * 2 * cfg.hidden_size * cfg.head_dim * sh.kv_heads
-    add("tp", "all_reduce", kv_params * g, 1, sh.kv_replicas, False, "last")
+    if sh.kv_replicas > 1:
+        add("tp", "all_reduce", cfg.num_key_value_heads * cfg.head_dim * h, g, 2 * layers, t,
+            True, "none")
+    add("tp", "all_reduce", 1, 4, 1, t, False, "step")  # gradient norm
 
     if p > 1:
-        msg = act / t if layout.sp else act
         sends = _p2p_sends_per_microbatch(p, v, stage)
-        add("pp", "p2p", msg, sends, p, True, "none")
+        add("pp", "p2p", x // t if layout.sp else x, r, sends, p, True, "none")
         if cfg.tie_word_embeddings and stage in (0, p - 1):
-            add("pp", "all_reduce", sh.vocab * cfg.hidden_size * g, 1, 2, False, "step")
+            add("pp", "all_reduce", sh.vocab * h, g, 1, 2, False, "step")
 
-    psi = stage_parameters(cfg, layout, stage)
     ns, nr, z = layout.dp_shard, layout.dp_replicate, layout.zero_stage
-    if z == 0 or ns == 1:
-        add("dp", "all_reduce", psi * g, 1, ns * nr, False, "last")
+    if z == 0:
+        for numel, count in Counter(gradient_buckets(cfg, layout, g, stage)).items():
+            add("dp", "all_reduce", numel, g, count, ns * nr, False, "last")
         return out
-    if z in (1, 2):
-        add("dp_shard", "reduce_scatter", psi * g, 1, ns, False, "step" if z == 1 else "last")
-        add("dp_shard", "all_gather", psi * pb, 1, ns, False, "step")
-    else:
-        add("dp_shard", "all_gather", psi * pb, 1, ns, True, "forward")
-        add("dp_shard", "all_gather", psi * pb, 1, ns, True, "backward")
-        add("dp_shard", "reduce_scatter", psi * g, 1, ns, True, "backward")
-    add("dp_replicate", "all_reduce", psi / ns * g, 1, nr, False, "step")
+    units = list(stage_units(cfg, layout, stage))
+    # a tied root unit (``ZeroEngine``'s last) stays gathered from the step's first forward
+    # to its end under stage 3: one gather per step instead of two per microbatch
+    root = units.pop() if cfg.tie_word_embeddings and p == 1 else None
+    for unit, count in Counter(-(-sum(u) // ns) * ns for u in units).items():
+        _zero_unit(add, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
+    if root is not None:
+        _zero_unit(add, z, -(-sum(root) // ns) * ns, 1, ns, nr, g, pb, per_step_gathers=True)
+    add("dp_shard", "all_reduce", 2, 4, 1, ns, False, "step")  # gradient norm
     return out
+
+
+def _zero_unit(add, z: int, padded: int, count: int, ns: int, nr: int, g: int, pb: int,
+               per_step_gathers: bool) -> None:
+    """The collectives of ``count`` ZeRO units of ``padded`` elements (see ``collectives``)."""
+    if z in (1, 2):
+        add("dp_shard", "reduce_scatter", padded, g, count, ns, False, "step" if z == 1 else "last")
+        add("dp_shard", "all_gather", padded, pb, count, ns, False, "step")
+    elif per_step_gathers:
+        add("dp_shard", "reduce_scatter", padded, g, count, ns, True, "backward")
+        add("dp_shard", "all_gather", padded, pb, count, ns, False, "step")
+    else:
+        add("dp_shard", "reduce_scatter", padded, g, count, ns, True, "backward")
+        add("dp_shard", "all_gather", padded, pb, count, ns, True, "forward")
+        add("dp_shard", "all_gather", padded, pb, count, ns, True, "backward")
+    add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
 
 
 def _p2p_sends_per_microbatch(p: int, v: int, rank: int) -> int:
@@ -482,22 +632,24 @@ def _p2p_sends_per_microbatch(p: int, v: int, rank: int) -> int:
 
 
 def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,
-                        stage: int | None = None, grad_bytes: float | None = None,
-                        param_bytes: float | None = None) -> dict[str, float]:
-    """Bytes one rank sends per step on each axis (keys ``COMM_AXES``), for pipeline
-    stage ``stage`` or, when None, the largest over stages per axis. Gradients and gathered
-    parameters move in the activation dtype unless ``grad_bytes``/``param_bytes`` say
+                        stage: int | None = None, grad_bytes: int | None = None,
+                        param_bytes: int | None = None) -> dict[str, int]:
+    """Bytes global rank 0 (of pipeline stage ``stage``; when None, the largest over stages
+    per axis) sends per step on each axis (keys ``COMM_AXES``): with ``Workload.from_config``
+    exactly what threefold's runtime reports as ``comm_bytes_per_step`` in summary.json
+    (tests/test_dryrun.py checks it for DP, ZeRO 1/2/3 and TP). Gradients and gathered
+    parameters move in ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say
     otherwise. See ``collectives`` for what each axis carries."""
     stages = _distinct_stages(layout.pp) if stage is None else [stage]
     lists = [collectives(cfg, layout, work, st, grad_bytes, param_bytes) for st in stages]
     return _bytes_per_axis(lists, microbatches(layout, work))
 
 
-def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, float]:
+def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, int]:
     """Per axis, the largest over the given stages' collective lists of bytes sent per step."""
-    out = {axis: 0.0 for axis in COMM_AXES}
+    out = {axis: 0 for axis in COMM_AXES}
     for colls in lists:
-        per = {axis: 0.0 for axis in COMM_AXES}
+        per = {axis: 0 for axis in COMM_AXES}
         for c in colls:
             per[c.axis] += c.bytes_sent() * c.count * (m if c.per_microbatch else 1)
         for axis in COMM_AXES:

@@ -90,3 +90,16 @@ def truncate_metrics(path: Path, last_step: int) -> None:
         except (ValueError, KeyError):
             continue
     path.write_text("".join(k + "\n" for k in keep))
+
+
+def last_logged_step(path: Path) -> int:
+    """The highest step recorded in metrics.jsonl (0 if none)."""
+    if not path.exists():
+        return 0
+    last = 0
+    for line in path.read_text().splitlines():
+        try:
+            last = max(last, int(json.loads(line)["step"]))
+        except (ValueError, KeyError):
+            continue
+    return last

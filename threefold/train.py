@@ -22,7 +22,8 @@ from threefold import cost
 from threefold.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_sharded
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import BatchSampler, DataBundle, prepare_data
-from threefold.metrics import MetricsWriter, device_peak_flops, peak_memory_bytes, truncate_metrics
+from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
+                               peak_memory_bytes, truncate_metrics)
 from threefold.model import LlamaForCausalLM, causal_lm_loss
 
 
@@ -115,14 +116,17 @@ def build_run(cfg: Config, layout=None) -> Run:
         raise ConfigError("train.eval_batches: must be positive")
     device = pick_device(cfg, layout.local_rank)
     dtype = compute_dtype(cfg, device)
+    pretrained = _pretrained(cfg) if cfg.checkpoint.init_from else None
     data = layout.first_rank_first(lambda: prepare_data(cfg.data))
-    mcfg = cfg.model.resolved(vocab_size=data.vocab_size)
+    mcfg = pretrained[0] if pretrained else cfg.model.resolved(vocab_size=data.vocab_size)
     if mcfg.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
                           f"{data.vocab_size}; leave it unset (0) or raise it")
     layout.check(cfg, mcfg)
     torch.manual_seed(cfg.train.seed)
     model = build_model(mcfg, device, cfg.train.seed)
+    if pretrained:
+        model.load_state_dict(pretrained[1], strict=True)
     model = layout.parallelize(model, cfg)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -134,6 +138,24 @@ def build_run(cfg: Config, layout=None) -> Run:
     val_sampler = BatchSampler(data.val, cfg.data.seq_len, t.global_batch_size, t.seed + 1)
     return Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
                Path(t.output_dir))
+
+
+def _pretrained(cfg: Config):
+    """(model config, weights) of ``checkpoint.init_from``; its tokenizer replaces the default
+    BPE (the weights only make sense with the vocabulary they were trained on)."""
+    from threefold.hf import load_pretrained
+
+    src = Path(cfg.checkpoint.init_from)
+    if not src.exists():
+        raise ConfigError(f"checkpoint.init_from: '{src}' does not exist")
+    pcfg, weights = load_pretrained(src)
+    pcfg.init_std = cfg.model.init_std
+    if cfg.data.tokenizer == "bpe":
+        for cand in (src / "tokenizer.json", src.parent.parent / "tokenizer.json"):
+            if cand.is_file():
+                cfg.data.tokenizer = str(cand)
+                break
+    return pcfg, {k: v.to(torch.float32) for k, v in weights.items()}
 
 
 def _autocast(run: Run):
@@ -207,7 +229,8 @@ def _resume(run: Run) -> int:
     """Load the newest checkpoint if asked; return the step to start from."""
     ckroot = run.out / "checkpoints"
     steps = list_checkpoints(ckroot)
-    if not run.cfg.checkpoint.resume:
+    # after a restart by torchrun (--max-restarts) the run always continues from its checkpoint
+    if not (run.cfg.checkpoint.resume or run.layout.restarts):
         if steps:
             raise ConfigError(f"train.output_dir: '{run.out}' already holds checkpoints "
                               f"(step {steps[-1]}); pass --checkpoint.resume true to continue, "
@@ -248,13 +271,15 @@ def train(cfg: Config, layout=None, return_run: bool = False):
     run = build_run(cfg, layout)
     t, lay = cfg.train, run.layout
     start = _resume(run)
-    writer = None
+    writer, lost = None, 0
     if lay.is_writer:
         run.out.mkdir(parents=True, exist_ok=True)
-        if start:
+        if start or lay.restarts:
+            lost = max(0, last_logged_step(run.out / "metrics.jsonl") - start)
             truncate_metrics(run.out / "metrics.jsonl", start)
         writer = MetricsWriter(run.out / "metrics.jsonl", append=start > 0)
-        shutil.copyfile(run.data.tokenizer_path, run.out / "tokenizer.json")
+        if Path(run.data.tokenizer_path).resolve() != (run.out / "tokenizer.json").resolve():
+            shutil.copyfile(run.data.tokenizer_path, run.out / "tokenizer.json")
         (run.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     peak, peak_src = device_peak_flops(run.device, run.dtype)
     flops_tok = cost.flops_per_token(run.model_cfg, cfg.data.seq_len)
@@ -270,7 +295,11 @@ def train(cfg: Config, layout=None, return_run: bool = False):
     for step in range(start, t.steps):
         lay.before_step(step)
         t0 = time.perf_counter()
-        loss, norm = train_step(run, step)
+        try:
+            loss, norm = train_step(run, step)
+        except Exception as e:  # a collective failed or timed out: say who and where
+            lay.report_failure(e, step)
+            raise
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         dt = time.perf_counter() - t0
@@ -312,6 +341,7 @@ def train(cfg: Config, layout=None, return_run: bool = False):
         "mfu": (sum(r["mfu"] for r in timed) / len(timed)) if timed and peak else None,
         "peak_flops_per_device": peak, "peak_flops_source": peak_src,
         "flops_per_token": flops_tok, "world_size": lay.world_size, "layout": lay.describe(),
+        "restarts": lay.restarts, "lost_steps": lost,
     }
     summary.update(lay.summary_metrics())
     if writer:

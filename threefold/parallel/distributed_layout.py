@@ -38,6 +38,11 @@ class Distributed:
         self.is_writer = self.rank == 0
         self.cfg = cfg
         self._steps: list[dict[str, int]] = []
+        # one id per run so several runs in one process group keep separate heartbeats
+        import zlib
+
+        self._run_id = f"{zlib.crc32(f'{cfg.train.output_dir}|{cfg.train.steps}'.encode()):08x}"
+        self.restarts = self.env.restart_count
         self._step_timeout_set = False
 
     def first_rank_first(self, fn: Callable[[], Any]) -> Any:
@@ -159,8 +164,20 @@ class Distributed:
         self.control.all_reduce(v, "dp")
         return float(v)
 
+    # -- liveness: heartbeats in the rendezvous store, read back when a collective fails ------
+    def _store(self):
+        from torch.distributed import distributed_c10d as c10d
+
+        return c10d._get_default_store()
+
+    def _key(self, what: str, rank: int) -> str:
+        return f"threefold/{self._run_id}/{what}/{rank}"
+
     def before_step(self, step: int) -> None:
-        """Open a new accounting window; after step 1 switch to the short collective timeout."""
+        """Open a new accounting window; after step 1 switch to the short collective timeout;
+        leave a heartbeat (this rank reached ``step``)."""
+        self._store().set(self._key("step", self.rank), str(step))
+        _fault_injection(self.rank, step)
         self.comm.set_step(step)
         self.comm.step_counters()  # discard traffic between steps (evaluation, checkpoints)
         if step > 0 and not self._step_timeout_set:
@@ -168,6 +185,40 @@ class Distributed:
 
             set_timeout(self.cfg.parallel.step_timeout_s)
             self._step_timeout_set = True
+
+    def report_failure(self, exc: BaseException, step: int, grace_s: float = 3.0) -> str:
+        """After a failed or timed-out collective: say which ranks did not report the failure
+        (dead or stuck), where every rank's heartbeat stands, and this rank's last collectives.
+        Printed to stderr and returned."""
+        import sys
+        import time
+
+        lines = [f"threefold: rank {self.rank}: collective failed at step {step + 1}: "
+                 f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}"]
+        try:
+            store = self._store()
+            store.set(self._key("failed", self.rank), str(step))
+            time.sleep(grace_s)  # let the other live ranks reach their own failure
+            silent = [r for r in range(self.world_size)
+                      if not store.check([self._key("failed", r)])]
+            beats = {}
+            for r in range(self.world_size):
+                k = self._key("step", r)
+                beats[r] = int(store.get(k)) + 1 if store.check([k]) else 0
+            if silent:
+                lines.append("threefold: ranks that did not report (dead or stuck): "
+                             + ", ".join(f"rank {r} (last reached step {beats[r]})"
+                                         for r in silent))
+            lines.append("threefold: steps reached: " + ", ".join(
+                f"rank {r}: {b}" for r, b in beats.items()))
+        except Exception as e:  # noqa: BLE001 - the store may be gone with its host
+            lines.append(f"threefold: (rendezvous store unreachable: {e})")
+        lines.append("threefold: last collectives on rank {}: {}".format(self.rank, "; ".join(
+            f"{r['op']} on {r['axis']} {list(r['shape'])} step {None if r['step'] is None else r['step'] + 1}"
+            for r in self.comm.recent()[-5:])))
+        report = "\n".join(lines)
+        print(report, file=sys.stderr, flush=True)
+        return report
 
     def step_metrics(self) -> dict[str, Any]:
         """Bytes this rank sent per mesh axis during the step just finished."""
@@ -195,3 +246,23 @@ class Distributed:
             shutdown()
         else:
             self.control.barrier()
+
+
+def _fault_injection(rank: int, step: int) -> None:
+    """For failure tests only: THREEFOLD_FAULT="stall:RANK:STEP:SECONDS" makes that rank sleep
+    before that (1-based) step; "kill:RANK:STEP" sends that rank SIGKILL there (first attempt
+    only, so a restarted run goes on)."""
+    import os
+    import signal
+    import time
+
+    spec = os.environ.get("THREEFOLD_FAULT")
+    if not spec:
+        return
+    kind, *args = spec.split(":")
+    if int(args[0]) != rank or int(args[1]) != step + 1:
+        return
+    if kind == "stall":
+        time.sleep(float(args[2]))
+    elif kind == "kill" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)

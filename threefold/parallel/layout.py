@@ -57,6 +57,12 @@ class SingleProcess:
     def before_step(self, step: int) -> None:
         """Hook at the start of each step."""
 
+    restarts = 0
+
+    def report_failure(self, exc: BaseException, step: int) -> str:
+        """Nothing to diagnose across ranks in one process."""
+        return ""
+
     def step_metrics(self) -> dict[str, Any]:
         """Extra per-step metrics (communication bytes under parallel layouts)."""
         return {}

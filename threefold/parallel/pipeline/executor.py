@@ -182,6 +182,7 @@ class PipelineExecutor:
                  grad_sync: Callable[[bool], ContextManager] | None = None,
                  loss_comm=None, activation_shape: Callable | None = None,
                  activation_dtype: torch.dtype | None = None, trace_rank: int | None = None):
+        self.actions = checked_schedule(schedule, p, m, v)[pp_rank]
         self.n = num_stages(schedule, p, v)
         if len(chunks) != self.n // p:
             raise ValueError(f"pipeline: schedule {schedule} with pp={p}, vpp={v} runs "
@@ -191,7 +192,6 @@ class PipelineExecutor:
             if got is not None and got != want:
                 raise ValueError(f"pipeline: chunk {c} of rank {pp_rank} must be virtual stage "
                                  f"{want}, got a chunk of stage {got}")
-        self.actions = checked_schedule(schedule, p, m, v)[pp_rank]
         self.chunks, self.schedule, self.p, self.m, self.v = list(chunks), schedule, p, m, v
         self.pp_rank, self.comm, self.loss_fn = pp_rank, comm, loss_fn
         self.loss_comm = loss_comm if loss_comm is not None else comm

@@ -26,8 +26,7 @@ import copy
 import torch
 from torch import nn
 
-from threefold.config import ConfigError, ModelConfig
-from threefold.cost import layer_parameters
+from threefold.config import ConfigError
 from threefold.model import LlamaForCausalLM
 
 BALANCES = ("params", "flops")
@@ -54,40 +53,53 @@ class StageLayers(nn.ModuleList):
         return nn.ModuleList(layers[idx]) if isinstance(idx, slice) else layers[idx]
 
 
-def stage_costs(cfg: ModelConfig, balance: str = "params",
-                seq_len: int | None = None) -> tuple[float, float, float]:
-    """(cost of one block, extra cost of the first stage, extra cost of the last stage).
+def _linear_weights(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
-    ``params``: weights (embedding V·h first; final norm h plus head V·h last).
-    ``flops``: training FLOPs per token (6 per matmul weight, 12·H·Q·T for attention at
-    sequence length ``seq_len``, default ``cfg.max_position_embeddings``); the embedding is a
-    lookup (0), the head 6·V·h."""
+
+def stage_costs(model: LlamaForCausalLM, balance: str = "params",
+                seq_len: int | None = None) -> tuple[list[float], float, float]:
+    """(cost of each block, extra cost of the first stage, extra cost of the last stage),
+    counted on the model's own modules (which may be on the meta device).
+
+    ``params``: weights (the embedding's on the first stage; the final norm's and the head's
+    on the last). ``flops``: training FLOPs per token, 6 per matmul weight plus 12·H·Q·T for
+    attention at sequence length ``seq_len`` (default ``cfg.max_position_embeddings``); the
+    embedding is a lookup (0), the head 6·V·h."""
     if balance not in BALANCES:
         raise ValueError(f"pipeline balance must be one of {', '.join(BALANCES)}, got "
                          f"{balance!r}")
-    h, vocab = cfg.hidden_size, cfg.vocab_size
+    inner = model.model
     if balance == "params":
-        return float(layer_parameters(cfg)), float(vocab * h), float(h + vocab * h)
-    t = seq_len or cfg.max_position_embeddings
-    attn = 12 * cfg.num_attention_heads * cfg.head_dim * t
-    return 6.0 * (layer_parameters(cfg) - 2 * h) + attn, 0.0, 6.0 * vocab * h
+        count = lambda m: float(sum(q.numel() for q in m.parameters()))  # noqa: E731
+        return ([count(layer) for layer in inner.layers], count(inner.embed_tokens),
+                count(inner.norm) + (0.0 if model.cfg.tie_word_embeddings
+                                     else count(model.lm_head)))
+    t = seq_len or model.cfg.max_position_embeddings
+    layers = [6.0 * _linear_weights(layer) + 12.0 * layer.self_attn.q_proj.out_features * t
+              for layer in inner.layers]
+    return layers, 0.0, 6.0 * model.lm_head.weight.numel()
 
 
-def partition(n_layers: int, n_stages: int, layer_cost: float, first_extra: float = 0.0,
+def partition(layer_costs: list[float], n_stages: int, first_extra: float = 0.0,
               last_extra: float = 0.0) -> list[range]:
-    """Split ``n_layers`` equal blocks into ``n_stages`` contiguous runs of at least one block
-    that minimise the largest stage cost (blocks plus the first/last extras); among those,
-    the one with the smallest sum of squared stage costs, then the one whose later stages
-    are larger (the first stage holds the most activations under 1F1B)."""
+    """Split the blocks, with the given costs, into ``n_stages`` contiguous runs of at least
+    one block that minimise the largest stage cost (blocks plus the first/last extras); among
+    those, the one with the smallest sum of squared stage costs, then the one whose later
+    stages are larger (the first stage holds the most activations under 1F1B)."""
+    n_layers = len(layer_costs)
     if n_stages < 1:
         raise ValueError(f"pipeline: need at least one stage, got {n_stages}")
     if n_layers < n_stages:
         raise ConfigError(f"model.num_hidden_layers: {n_layers} layers cannot fill {n_stages} "
                           f"pipeline stages (pp·vpp) with at least one layer each; lower "
                           f"parallel.pp or parallel.vpp, or use a deeper model")
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
 
     def cost(stage: int, a: int, b: int) -> float:
-        return ((b - a) * layer_cost + (first_extra if stage == 0 else 0.0)
+        return (prefix[b] - prefix[a] + (first_extra if stage == 0 else 0.0)
                 + (last_extra if stage == n_stages - 1 else 0.0))
 
     # 1) the smallest achievable bottleneck, by dynamic programming over prefixes
@@ -120,10 +132,11 @@ def partition(n_layers: int, n_stages: int, layer_cost: float, first_extra: floa
     return [range(bounds[i], bounds[i + 1]) for i in range(n_stages)]
 
 
-def stage_layers(cfg: ModelConfig, n_stages: int, balance: str = "params",
+def stage_layers(model: LlamaForCausalLM, n_stages: int, balance: str = "params",
                  seq_len: int | None = None) -> list[range]:
     """The blocks of each virtual stage, balanced by ``balance`` (see ``stage_costs``)."""
-    return partition(cfg.num_hidden_layers, n_stages, *stage_costs(cfg, balance, seq_len))
+    return partition(*stage_costs(model, balance, seq_len)[:1], n_stages,
+                     *stage_costs(model, balance, seq_len)[1:])
 
 
 def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
@@ -166,7 +179,7 @@ def split_model(model: LlamaForCausalLM, p: int, v: int = 1, pp_rank: int = 0,
         raise ConfigError("model.tie_word_embeddings: a tied LM head and embedding cannot be on "
                           "different pipeline stages yet; set model.tie_word_embeddings false "
                           "or parallel.pp 1")
-    runs = stage_layers(model.cfg, n, balance, seq_len)
+    runs = stage_layers(model, n, balance, seq_len)
     return [build_chunk(model, runs[s], first=s == 0, last=s == n - 1, stage=s)
             for s in (c * p + pp_rank for c in range(v))]
 

@@ -1,0 +1,328 @@
+"""Pipeline parallelism at run time: the stage split (balanced, HF names, refusals), the split
+backward (B then W equals one backward), and every schedule at pp 2 and 4 training to the same
+losses and weights as one process, alone and with data parallelism or ZeRO; plus the measured
+trace."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from threefold.config import ConfigError, ModelConfig, OptimConfig
+from threefold.model import LlamaForCausalLM, causal_lm_loss
+from threefold.parallel.pipeline.executor import (
+    PipelineExecutor,
+    _SplitBackward,
+    idle_fraction,
+    pipeline_step,
+)
+from threefold.parallel.pipeline.schedules import build_schedule
+from threefold.parallel.pipeline.stage import partition, rank_model, split_model, stage_costs
+from threefold.parallel.pipeline.timeline import write_chrome_trace
+
+SEED, VOCAB, SEQ, BATCH, STEPS, LR = 0, 320, 32, 8, 3, 3e-3
+
+
+def _cfg(layers: int = 8, **kw) -> ModelConfig:
+    """The tests' tiny shape (conftest's tiny_overrides), deeper so that pp·vpp chunks fit."""
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2)
+    return ModelConfig(**{**base, **kw}).resolved(VOCAB)
+
+
+def _model(cfg: ModelConfig) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return model
+
+
+def _materialise(chunks):
+    for c in chunks:
+        c.to_empty(device="cpu")
+        c.init_weights(SEED)
+    return chunks
+
+
+def _whole(cfg: ModelConfig) -> LlamaForCausalLM:
+    return _materialise([_model(cfg)])[0]
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels[step % BATCH, : SEQ // 2] = -100  # some tokens without a target
+    return ids, labels
+
+
+def _optim() -> OptimConfig:
+    return OptimConfig(lr=LR, grad_clip=0.0, warmup_steps=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage split
+# --------------------------------------------------------------------------------------------
+def _brute_force_bottleneck(n_layers, n_stages, cost, first, last):
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
+        b = [0, *cuts, n_layers]
+        worst = max((b[i + 1] - b[i]) * cost + (first if i == 0 else 0)
+                    + (last if i == n_stages - 1 else 0) for i in range(n_stages))
+        best = min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("n_layers,n_stages,first,last", [
+    (8, 2, 0, 0), (7, 3, 0, 0), (8, 4, 2.5, 0), (9, 3, 0, 3.2), (10, 4, 1.7, 2.2),
+    (12, 5, 6, 6), (6, 6, 9, 9)])
+def test_partition_is_optimal_and_covers_every_layer(n_layers, n_stages, first, last):
+    runs = partition(n_layers, n_stages, 1.0, first, last)
+    assert len(runs) == n_stages and all(len(r) >= 1 for r in runs)
+    assert [i for r in runs for i in r] == list(range(n_layers))  # contiguous, in order
+    worst = max(len(r) + (first if i == 0 else 0) + (last if i == n_stages - 1 else 0)
+                for i, r in enumerate(runs))
+    assert worst == pytest.approx(_brute_force_bottleneck(n_layers, n_stages, 1.0, first, last))
+
+
+def test_balance_by_params_and_by_flops():
+    cfg = _cfg(layers=4)
+    assert [list(r) for r in partition(4, 2, *stage_costs(cfg))] == [[0, 1], [2, 3]]
+    # A large vocabulary: by parameters both ends (embedding, head) take fewer blocks; by FLOPs
+    # the embedding lookup is free, so only the last stage (the head's matmul) is lighter.
+    big = _cfg(layers=12, vocab_size=4096)
+    by_params = [len(r) for r in partition(12, 4, *stage_costs(big, "params"))]
+    by_flops = [len(r) for r in partition(12, 4, *stage_costs(big, "flops", seq_len=SEQ))]
+    assert by_params[0] < by_params[1] and by_params[-1] < by_params[1]
+    assert by_flops[-1] < min(by_flops[:-1]) and by_flops[0] > by_params[0]
+    with pytest.raises(ValueError, match="balance"):
+        stage_costs(cfg, "memory")
+
+
+def test_split_refuses_impossible_layouts():
+    with pytest.raises(ConfigError, match="num_hidden_layers: 4 layers cannot fill 8"):
+        split_model(_model(_cfg(layers=4)), p=4, v=2, pp_rank=0)
+    with pytest.raises(ConfigError, match="tie_word_embeddings"):
+        split_model(_model(_cfg(layers=4, tie_word_embeddings=True)), p=2)
+    with pytest.raises(ValueError, match="pp_rank"):
+        split_model(_model(_cfg()), p=2, pp_rank=2)
+
+
+def test_chunks_keep_names_own_the_ends_and_compose_to_the_model():
+    cfg, p, v = _cfg(), 2, 2
+    whole = _whole(cfg)
+    ids, _ = _batch(0)
+    names = []
+    per_rank = [_materialise(split_model(_model(cfg), p, v, r)) for r in range(p)]
+    for r, chunks in enumerate(per_rank):
+        for c, chunk in enumerate(chunks):
+            s = c * p + r  # Megatron's interleaved assignment
+            assert chunk.pipeline_stage == s and len(chunk.model.layers) == 2
+            assert (chunk.model.embed_tokens is not None) == (s == 0)
+            assert (chunk.lm_head is not None) == (chunk.model.norm is not None) == (s == 3)
+        names += [n for n, _ in rank_model(chunks).named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in whole.named_parameters())  # disjoint, complete
+    full = dict(whole.named_parameters())
+    for chunks in per_rank:  # initialised alone, by name, equal to the whole model
+        for n, q in rank_model(chunks).named_parameters():
+            assert torch.equal(q, full[n]), n
+    x = ids
+    for s in range(p * v):  # the chunks run in stage order are the model
+        x = per_rank[s % p][s // p](x)
+    torch.testing.assert_close(x, whole(ids), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Split backward and the single-rank executor
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["fp32", "bf16_autocast", "checkpointed"])
+def test_split_backward_equals_one_backward(variant):
+    """B (input grad) then W (weight grads) gives exactly what one backward gives, on a middle
+    stage whose input requires grad and on the last stage (loss)."""
+    from threefold.train import apply_activation_checkpointing
+
+    cfg = _cfg(layers=4)
+    chunk = _materialise(split_model(_model(cfg), 2, 1, 1))[0]  # layers 2-3, norm, head
+    if variant == "checkpointed":
+        apply_activation_checkpointing(chunk)
+    _, labels = _batch(0)
+    x0 = torch.randn(BATCH, SEQ, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if variant == "bf16_autocast"
+           else torch.autocast("cpu", enabled=False))
+
+    def forward():
+        x = x0.clone().requires_grad_(True)
+        with ctx:
+            out = chunk(x)
+        return x, causal_lm_loss(out, labels)
+
+    x, loss = forward()
+    loss.backward()
+    want = {n: q.grad.clone() for n, q in chunk.named_parameters()}
+    want_x = x.grad.clone()
+    chunk.zero_grad(set_to_none=True)
+    x, loss = forward()
+    split = _SplitBackward(loss, None, x, set(chunk.parameters()))
+    assert all(q.grad is None for q in chunk.parameters())  # B touched no weight
+    assert len(split.joins) == len(want) and not split.fallback  # every weight split off
+    torch.testing.assert_close(split.input_grad, want_x, rtol=0, atol=0)
+    split.weight_backward()
+    for n, q in chunk.named_parameters():
+        torch.testing.assert_close(q.grad, want[n], rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
+def test_one_rank_pipeline_is_gradient_accumulation(schedule, v):
+    """pp = 1 (interleaved: two chunks on one rank, handed over in memory) gives the
+    gradient of the whole batch."""
+    cfg = _cfg(layers=4)
+    ids, labels = _batch(1)
+    n = int((labels != -100).sum())
+    ref = _whole(cfg)
+    (causal_lm_loss(ref(ids), labels) / n).backward()
+    chunks = _materialise(split_model(_model(cfg), 1, v, 0))
+    mbs = [(ids[i:i + 2], labels[i:i + 2]) for i in range(0, BATCH, 2)]
+    records = []
+    loss = pipeline_step(chunks, schedule, 1, 4, v, 0, None, mbs, causal_lm_loss, n,
+                         records=records)
+    with torch.no_grad():
+        want = (causal_lm_loss(ref(ids), labels) / n).item()
+    assert loss == pytest.approx(want, rel=1e-6)
+    got = dict(rank_model(chunks).named_parameters())
+    for name, q in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert len([r for r in records if r.category == "compute"]) == \
+        sum(a.kind.is_compute for a in build_schedule(schedule, 1, 4, v)[0])
+
+
+def test_executor_refuses_mismatched_chunks_and_microbatches():
+    chunks = _materialise(split_model(_model(_cfg(layers=4)), 1, 2, 0))
+    with pytest.raises(ValueError, match="1 chunk"):
+        PipelineExecutor(chunks, "1f1b", 1, 4, 1, 0, None, causal_lm_loss)
+    with pytest.raises(ValueError, match="multiple of pp"):
+        PipelineExecutor(chunks, "interleaved-1f1b", 3, 4, 2, 0, None, causal_lm_loss)
+    ex = PipelineExecutor(chunks, "interleaved-1f1b", 1, 4, 2, 0, None, causal_lm_loss)
+    with pytest.raises(ValueError, match="4 microbatches, got 2"):
+        ex.run([_batch(0)] * 2, 100)
+
+
+# --------------------------------------------------------------------------------------------
+# Every schedule on several ranks equals one process
+# --------------------------------------------------------------------------------------------
+def _train_single(cfg: ModelConfig):
+    from threefold.parallel.engine import LocalEngine
+
+    model = _whole(cfg)
+    engine = LocalEngine(model, _optim())
+    losses = []
+    for step in range(STEPS):
+        ids, labels = _batch(step)
+        loss = causal_lm_loss(model(ids), labels) / int((labels != -100).sum())
+        loss.backward()
+        engine.step(LR)
+        losses.append(loss.item())
+    return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0):
+    """One layout on this rank: pp = p, the rest data parallel (dp_shard), engine by ``zero``
+    (0: plain AdamW or bucketed all-reduce; 1-3: ZeRO). Returns losses, this rank's final
+    whole weights (dp rank 0 only) and the last step's measured trace."""
+    from threefold.comm import Comm
+    from threefold.mesh import ParallelDims
+    from threefold.parallel.data import DataParallelEngine
+    from threefold.parallel.engine import LocalEngine
+    from threefold.parallel.zero import ZeroEngine
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=world // p, tp=1, pp=p, world_size=world)
+    comm = Comm(dims, dims.build_mesh("cpu"))
+    pp_rank, dp_rank, dp = comm.rank("pp"), comm.rank("dp"), comm.size("dp")
+    chunks = _materialise(split_model(_model(_cfg()), p, v, pp_rank))
+    model = rank_model(chunks)
+    if zero:
+        units = [u for u in (model.model.embed_tokens, *model.model.layers, model.model.norm,
+                             model.lm_head) if u is not None]
+        engine = ZeroEngine(model, units, _optim(), comm, zero)
+    elif dp > 1:
+        engine = DataParallelEngine(model, _optim(), comm, bucket_mb=0.05)
+    else:
+        engine = LocalEngine(model, _optim(), comm)
+    ex = PipelineExecutor(chunks, schedule, p, m, v, pp_rank, comm, causal_lm_loss,
+                          grad_sync=engine.micro_step)
+    losses = []
+    for step in range(STEPS):
+        ids, labels = _batch(step)
+        n_tokens = int((labels != -100).sum())  # the global batch's, known to every rank
+        rows = BATCH // dp
+        ids, labels = ids[dp_rank * rows:(dp_rank + 1) * rows], \
+            labels[dp_rank * rows:(dp_rank + 1) * rows]
+        mb = rows // m
+        loss = ex.run([(ids[i:i + mb], labels[i:i + mb]) for i in range(0, rows, mb)], n_tokens)
+        total = torch.tensor([loss], dtype=torch.float64)
+        comm.all_reduce(total, "dp")
+        engine.finish_gradients()
+        engine.step(LR)
+        losses.append(float(total))
+    weights = engine.state_dict()["model"]  # collective under ZeRO
+    n_compute = sum(a.kind.is_compute for a in ex.actions)
+    return {"losses": losses, "weights": weights if dp_rank == 0 else {},
+            "records": ex.records, "n_compute": n_compute}
+
+
+def _runs(rank, world, runs):
+    return {run["name"]: _train_pipeline(rank, world, **run) for run in runs}
+
+
+RUNS_2 = [
+    dict(name="gpipe", schedule="gpipe", p=2, m=4),
+    dict(name="1f1b", schedule="1f1b", p=2, m=4),
+    dict(name="interleaved", schedule="interleaved-1f1b", p=2, m=4, v=2),
+    dict(name="zb-h1", schedule="zb-h1", p=2, m=4),
+]
+RUNS_4 = [
+    dict(name="gpipe", schedule="gpipe", p=4, m=4),
+    dict(name="1f1b", schedule="1f1b", p=4, m=8),
+    dict(name="interleaved", schedule="interleaved-1f1b", p=4, m=8, v=2),
+    dict(name="zb-h1", schedule="zb-h1", p=4, m=8),
+    dict(name="pp2_dp2_1f1b", schedule="1f1b", p=2, m=2),
+    dict(name="pp2_zero1_interleaved", schedule="interleaved-1f1b", p=2, m=2, v=2, zero=1),
+    dict(name="pp2_zero3_zb-h1", schedule="zb-h1", p=2, m=4, zero=3),
+]
+
+
+@pytest.fixture(scope="module")
+def single():
+    return _train_single(_cfg())
+
+
+@pytest.mark.parametrize("world,runs", [(2, RUNS_2), (4, RUNS_4)], ids=["2ranks", "4ranks"])
+def test_every_schedule_equals_single_process(world, runs, single, tmp_path):
+    ref_losses, ref_weights = single
+    results = run_distributed(_runs, world, runs, timeout=300)
+    for run in runs:
+        name = run["name"]
+        per_rank = [r[name] for r in results]
+        for r in per_rank:
+            assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), name
+        weights = {}
+        for r in per_rank:
+            assert not set(weights) & set(r["weights"]), name  # each weight on one stage
+            weights.update(r["weights"])
+        assert set(weights) == set(ref_weights), name
+        for k, want in ref_weights.items():
+            torch.testing.assert_close(weights[k], want, rtol=1e-4, atol=2e-5,
+                                       msg=f"{name}: {k}")
+        # the measured trace: one record per compute action, in the schedule's order
+        for rank, r in enumerate(per_rank):
+            compute = [x for x in r["records"] if x.category == "compute"]
+            assert len(compute) == r["n_compute"], name
+            assert all(x.end_s >= x.start_s for x in r["records"])
+        records = [x for r in per_rank for x in r["records"]]
+        assert 0.0 <= idle_fraction(records) < 1.0
+    path = tmp_path / "trace.json"
+    write_chrome_trace([x for r in results for x in r[runs[-1]["name"]]["records"]], path)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == sum(len(r[runs[-1]["name"]]["records"]) for r in results)
