@@ -34,6 +34,7 @@ goal >= 1.0, as a table and a JSON line (``bench.common.report``).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -228,6 +229,9 @@ def summarise(args, mcfg, world, results) -> None:
           f"({rel_last:.1e})")
     print(f"collectives per step (first step, rank 0): threefold {first['threefold']['calls']}"
           f"; torch {first['torch']['calls']}")
+    print(json.dumps({"benchmark": f"tp{world}_agreement", "loss0": l0, "loss_last": last,
+                      "loss0_rel_diff": rel, "agree": rel < 1e-5,
+                      "collectives": {n: v["calls"] for n, v in first.items()}}))
     rows = []
     for r in range(args.rounds):
         sec = {name: max(p["seconds"] for p in ranks) for rr, name, ranks in results if rr == r}

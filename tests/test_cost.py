@@ -150,20 +150,42 @@ def test_zero2_keeps_full_gradients_while_accumulating():
 # Tensor and pipeline parallel bytes (Megatron; Narayanan et al. 2021 §3.2)
 # --------------------------------------------------------------------------------------------
 def test_tensor_parallel_bytes_per_layer():
-    """Middle pipeline stage (no embedding/head), one microbatch per replica: without SP
-    8·b·s·h·(t-1)/t elements per layer; SP adds the 2 re-gathers of saved inputs (10); full
-    recompute repeats the forward's 4."""
+    """Middle pipeline stage (no embedding/head), one microbatch per replica: 8·b·s·h·(t-1)/t
+    elements per layer with or without SP (threefold's SP keeps the gathered inputs, so there
+    is no re-gather in backward), SP adding the norm-weight gradient all-reduces; full
+    recompute repeats the attention's forward collective but not the MLP's (torch stops
+    recomputing once the last saved tensor is rebuilt): +2 units (one all-reduce) without
+    SP, +3 (two all-gathers and a reduce-scatter) with it."""
     cfg = preset("llama3-8b")
     b, s, h, t, p = 2, 1024, cfg.hidden_size, 4, 4
     layers = cfg.num_hidden_layers // p
     work = Workload(seq_len=s, global_batch=b)
     unit = b * s * h * (t - 1) / t * 2 * layers  # bf16 bytes
-    for sp, recompute, ops in ((False, "none", 8), (True, "none", 10), (False, "full", 12),
-                               (True, "full", 14)):
+    for sp, recompute, ops in ((False, "none", 8), (True, "none", 8), (False, "full", 10),
+                               (True, "full", 11)):
         lay = Layout(tp=t, pp=p, microbatch_size=b, sequence_parallel=sp, recompute=recompute)
         got = comm_bytes_per_step(cfg, lay, work, stage=1)["tp"]
-        norms = 0 if not sp else layers * 2 * h * 2 * 2 * (t - 1) / t  # norm grads, once
-        assert got == pytest.approx(ops * unit + norms)
+        norms = 0 if not sp else layers * 2 * 2 * h * 2 * (t - 1) / t  # 2 norms per layer
+        assert got == pytest.approx(ops * unit + norms), (sp, recompute)
+    # threefold's runtime moves the residual stream's gradients in fp32 (the backward
+    # all-reduces) and the sub-layer outputs in the matmul dtype (the forward ones)
+    rt = Workload(seq_len=s, global_batch=b, residual_bytes=4, master_bytes=4)
+    got = comm_bytes_per_step(cfg, Layout(tp=t, pp=p, microbatch_size=b, sequence_parallel=False),
+                              rt, stage=1)["tp"]
+    assert got == pytest.approx(4 * unit + 4 * unit * 2)
+
+
+def test_replicated_kv_gradients_all_reduced_every_microbatch():
+    cfg = preset("llama3-70b")  # 8 kv heads: tp 16 replicates each on 2 ranks
+    work = Workload(seq_len=1024, global_batch=4)
+    lay = Layout(tp=16, pp=80, microbatch_size=1, sequence_parallel=False)
+    with_kv = comm_bytes_per_step(cfg, lay, work, stage=1)["tp"]
+    plain = comm_bytes_per_step(cfg, Layout(tp=8, pp=80, microbatch_size=1,
+                                            sequence_parallel=False), work, stage=1)["tp"]
+    x = 1024 * cfg.hidden_size * 2
+    kv = 8 * cfg.head_dim * cfg.hidden_size * 2  # whole k (or v) weight, bf16
+    assert plain == pytest.approx(4 * 8 * 7 / 8 * x)
+    assert with_kv == pytest.approx(4 * (4 * 2 * 15 / 16 * x + 2 * 2 * 15 / 16 * kv))
 
 
 def test_pipeline_p2p_bytes():

@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
+from threefold.checkpoint import load_checkpoint
 from threefold.config import load_config
 from threefold.cost import num_parameters
 from threefold.train import train
@@ -24,7 +24,7 @@ def _metrics(out):
 
 
 def _weights(out):
-    return load_file(str(out / "checkpoints" / str(STEPS) / "model.safetensors"))
+    return load_checkpoint(out / "checkpoints" / str(STEPS))[0]["model"]
 
 
 def _layouts(rank, world, corpus, cache, root, runs):
@@ -49,6 +49,12 @@ def _layouts(rank, world, corpus, cache, root, runs):
                      "owned_param_elems": owned, "optim_elems": opt_elems,
                      "dims": (layout.dims.dp_replicate, layout.dims.dp_shard)}
     return out
+
+
+def _all_reduce_bytes(numel: int, n: int, i: int) -> int:
+    """fp32 bytes rank i sends in a ring all-reduce: 2·(numel − its own chunk)."""
+    own = numel // n + (1 if i < numel % n else 0)
+    return 2 * (numel - own) * 4
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +123,8 @@ def test_layouts_equal_single_process(world, runs, reference, corpus, cache_dir,
         scatters = accum if zero == 3 else 1
         gathers = 2 * accum if zero == 3 else 1
         for rank, r in enumerate(per_rank):
-            norm_bytes = 0 if rank % n == 0 else 8  # the grad-norm scalar all-reduce
+            # the grad-norm all-reduce: 2 fp32 sums of squares (tp-sharded, replicated parts)
+            norm_bytes = _all_reduce_bytes(2, n, rank % n)
             expect = (scatters + gathers) * psi * (n - 1) // n * 4 + norm_bytes
             assert [s["dp_shard"] for s in r["steps"]] == [expect] * STEPS, name
             # model state per rank: Ψ/N parameters owned, 2Ψ/N optimiser elements

@@ -35,20 +35,24 @@ def _cfg(layers: int = 8, **kw) -> ModelConfig:
 
 
 def _model(cfg: ModelConfig) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    """The whole model, initialised by name from SEED. (Built on the CPU: initialising on the
+    meta device imports torch's compiler stack, seconds in every test process.)"""
+    model = LlamaForCausalLM(cfg)
+    model.init_weights(SEED)
     return model
 
 
+def _meta_model(cfg: ModelConfig) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
 def _materialise(chunks):
+    """Chunks cut from a meta model, allocated and initialised alone (as train.py would)."""
     for c in chunks:
         c.to_empty(device="cpu")
         c.init_weights(SEED)
     return chunks
-
-
-def _whole(cfg: ModelConfig) -> LlamaForCausalLM:
-    return _materialise([_model(cfg)])[0]
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,40 +70,54 @@ def _optim() -> OptimConfig:
 # --------------------------------------------------------------------------------------------
 # Stage split
 # --------------------------------------------------------------------------------------------
-def _brute_force_bottleneck(n_layers, n_stages, cost, first, last):
+def _stage_cost(costs, run, i, n_stages, first, last):
+    return sum(costs[j] for j in run) + (first if i == 0 else 0) + \
+        (last if i == n_stages - 1 else 0)
+
+
+def _brute_force_bottleneck(costs, n_stages, first, last):
     best = float("inf")
-    for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
-        b = [0, *cuts, n_layers]
-        worst = max((b[i + 1] - b[i]) * cost + (first if i == 0 else 0)
-                    + (last if i == n_stages - 1 else 0) for i in range(n_stages))
-        best = min(best, worst)
+    for cuts in itertools.combinations(range(1, len(costs)), n_stages - 1):
+        b = [0, *cuts, len(costs)]
+        best = min(best, max(_stage_cost(costs, range(b[i], b[i + 1]), i, n_stages, first,
+                                         last) for i in range(n_stages)))
     return best
 
 
-@pytest.mark.parametrize("n_layers,n_stages,first,last", [
-    (8, 2, 0, 0), (7, 3, 0, 0), (8, 4, 2.5, 0), (9, 3, 0, 3.2), (10, 4, 1.7, 2.2),
-    (12, 5, 6, 6), (6, 6, 9, 9)])
-def test_partition_is_optimal_and_covers_every_layer(n_layers, n_stages, first, last):
-    runs = partition(n_layers, n_stages, 1.0, first, last)
+@pytest.mark.parametrize("costs,n_stages,first,last", [
+    ([1] * 8, 2, 0, 0), ([1] * 7, 3, 0, 0), ([1] * 8, 4, 2.5, 0), ([1] * 9, 3, 0, 3.2),
+    ([1] * 10, 4, 1.7, 2.2), ([1] * 12, 5, 6, 6), ([1] * 6, 6, 9, 9),
+    ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 4, 2, 7), ([2, 7, 1, 8, 2, 8, 1, 8], 3, 0, 0)])
+def test_partition_is_optimal_and_covers_every_layer(costs, n_stages, first, last):
+    runs = partition(costs, n_stages, first, last)
     assert len(runs) == n_stages and all(len(r) >= 1 for r in runs)
-    assert [i for r in runs for i in r] == list(range(n_layers))  # contiguous, in order
-    worst = max(len(r) + (first if i == 0 else 0) + (last if i == n_stages - 1 else 0)
-                for i, r in enumerate(runs))
-    assert worst == pytest.approx(_brute_force_bottleneck(n_layers, n_stages, 1.0, first, last))
+    assert [i for r in runs for i in r] == list(range(len(costs)))  # contiguous, in order
+    worst = max(_stage_cost(costs, r, i, n_stages, first, last) for i, r in enumerate(runs))
+    assert worst == pytest.approx(_brute_force_bottleneck(costs, n_stages, first, last))
 
 
 def test_balance_by_params_and_by_flops():
-    cfg = _cfg(layers=4)
-    assert [list(r) for r in partition(4, 2, *stage_costs(cfg))] == [[0, 1], [2, 3]]
+    layers, first, last = stage_costs(_model(_cfg(layers=4)))
+    assert layers == [36992] * 4 and (first, last) == (320 * 64, 64 + 320 * 64)  # weights
+    assert [list(r) for r in partition(layers, 2, first, last)] == [[0, 1], [2, 3]]
     # A large vocabulary: by parameters both ends (embedding, head) take fewer blocks; by FLOPs
     # the embedding lookup is free, so only the last stage (the head's matmul) is lighter.
-    big = _cfg(layers=12, vocab_size=4096)
-    by_params = [len(r) for r in partition(12, 4, *stage_costs(big, "params"))]
-    by_flops = [len(r) for r in partition(12, 4, *stage_costs(big, "flops", seq_len=SEQ))]
+    big = _model(_cfg(layers=12, vocab_size=4096))
+    by_params = _split_sizes(stage_costs(big, "params"), 4)
+    by_flops = _split_sizes(stage_costs(big, "flops", seq_len=SEQ), 4)
     assert by_params[0] < by_params[1] and by_params[-1] < by_params[1]
     assert by_flops[-1] < min(by_flops[:-1]) and by_flops[0] > by_params[0]
+    from threefold.cost import flops_per_token  # the same PaLM count as the cost model
+
+    layers, first, last = stage_costs(big, "flops", seq_len=SEQ)
+    assert sum(layers) + first + last == flops_per_token(big.cfg, SEQ)
     with pytest.raises(ValueError, match="balance"):
-        stage_costs(cfg, "memory")
+        stage_costs(big, "memory")
+
+
+def _split_sizes(costs, n_stages):
+    layers, first, last = costs
+    return [len(r) for r in partition(layers, n_stages, first, last)]
 
 
 def test_split_refuses_impossible_layouts():
@@ -113,10 +131,10 @@ def test_split_refuses_impossible_layouts():
 
 def test_chunks_keep_names_own_the_ends_and_compose_to_the_model():
     cfg, p, v = _cfg(), 2, 2
-    whole = _whole(cfg)
+    whole = _model(cfg)
     ids, _ = _batch(0)
     names = []
-    per_rank = [_materialise(split_model(_model(cfg), p, v, r)) for r in range(p)]
+    per_rank = [_materialise(split_model(_meta_model(cfg), p, v, r)) for r in range(p)]
     for r, chunks in enumerate(per_rank):
         for c, chunk in enumerate(chunks):
             s = c * p + r  # Megatron's interleaved assignment
@@ -145,7 +163,7 @@ def test_split_backward_equals_one_backward(variant):
     from threefold.train import apply_activation_checkpointing
 
     cfg = _cfg(layers=4)
-    chunk = _materialise(split_model(_model(cfg), 2, 1, 1))[0]  # layers 2-3, norm, head
+    chunk = split_model(_model(cfg), 2, 1, 1)[0]  # layers 2-3, norm, head
     if variant == "checkpointed":
         apply_activation_checkpointing(chunk)
     _, labels = _batch(0)
@@ -181,9 +199,9 @@ def test_one_rank_pipeline_is_gradient_accumulation(schedule, v):
     cfg = _cfg(layers=4)
     ids, labels = _batch(1)
     n = int((labels != -100).sum())
-    ref = _whole(cfg)
+    ref = _model(cfg)
     (causal_lm_loss(ref(ids), labels) / n).backward()
-    chunks = _materialise(split_model(_model(cfg), 1, v, 0))
+    chunks = split_model(_model(cfg), 1, v, 0)
     mbs = [(ids[i:i + 2], labels[i:i + 2]) for i in range(0, BATCH, 2)]
     records = []
     loss = pipeline_step(chunks, schedule, 1, 4, v, 0, None, mbs, causal_lm_loss, n,
@@ -199,7 +217,7 @@ def test_one_rank_pipeline_is_gradient_accumulation(schedule, v):
 
 
 def test_executor_refuses_mismatched_chunks_and_microbatches():
-    chunks = _materialise(split_model(_model(_cfg(layers=4)), 1, 2, 0))
+    chunks = split_model(_model(_cfg(layers=4)), 1, 2, 0)
     with pytest.raises(ValueError, match="1 chunk"):
         PipelineExecutor(chunks, "1f1b", 1, 4, 1, 0, None, causal_lm_loss)
     with pytest.raises(ValueError, match="multiple of pp"):
@@ -215,7 +233,7 @@ def test_executor_refuses_mismatched_chunks_and_microbatches():
 def _train_single(cfg: ModelConfig):
     from threefold.parallel.engine import LocalEngine
 
-    model = _whole(cfg)
+    model = _model(cfg)
     engine = LocalEngine(model, _optim())
     losses = []
     for step in range(STEPS):
@@ -240,7 +258,7 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0):
     dims = ParallelDims(dp_replicate=1, dp_shard=world // p, tp=1, pp=p, world_size=world)
     comm = Comm(dims, dims.build_mesh("cpu"))
     pp_rank, dp_rank, dp = comm.rank("pp"), comm.rank("dp"), comm.size("dp")
-    chunks = _materialise(split_model(_model(_cfg()), p, v, pp_rank))
+    chunks = split_model(_model(_cfg()), p, v, pp_rank)
     model = rank_model(chunks)
     if zero:
         units = [u for u in (model.model.embed_tokens, *model.model.layers, model.model.norm,

@@ -612,7 +612,8 @@ def _zero_unit(add, z: int, padded: int, count: int, ns: int, nr: int, g: int, p
                per_step_gathers: bool) -> None:
     """The collectives of ``count`` ZeRO units of ``padded`` elements (see ``collectives``)."""
     if z in (1, 2):
-        add("dp_shard", "reduce_scatter", padded, g, count, ns, False, "step" if z == 1 else "last")
+        add("dp_shard", "reduce_scatter", padded, g, count, ns, False,
+            "step" if z == 1 else "last")
         add("dp_shard", "all_gather", padded, pb, count, ns, False, "step")
     elif per_step_gathers:
         add("dp_shard", "reduce_scatter", padded, g, count, ns, True, "backward")
@@ -745,7 +746,7 @@ class StepPrediction:
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
-                 efficiency: float | None = None, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+                 efficiency: float | None = None, bucket_bytes: float | None = None,
                  simulate: bool = False, overlap_grad_reduce: bool = True) -> StepPrediction:
     """Predicted step of ``layout`` on ``cluster`` (a ``threefold.hardware.Cluster``).
 
@@ -760,6 +761,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     anything, as in Megatron-LM of 2021). The pipeline then takes m·T_slowest plus the bubble,
     (bubble/ideal ratio of the schedule)·m·T_mean. Optimiser arithmetic is not modelled."""
     hw = cluster.hardware
+    bucket_bytes = layout.bucket_bytes if bucket_bytes is None else bucket_bytes
     peak = hw.peak_flops(work.precision)
     if not peak:
         raise ValueError(f"{hw.name}: peak {work.precision} FLOP/s unknown; give --peak-tflops")

@@ -26,7 +26,6 @@ from typing import Iterator
 from threefold.config import MODEL_PRESETS, ConfigError, ModelConfig, load_config
 from threefold.cost import (
     RECOMPUTE,
-    VOCAB_PAD_MULTIPLE,
     Layout,
     LayoutError,
     StepPrediction,
@@ -469,7 +468,7 @@ def main(argv: list[str]) -> int:
     else:
         hw = cluster.hardware
         print(f"{args.model}: {num_parameters(cfg) / 1e9:.2f}B parameters, vocab "
-              f"{cfg.vocab_size} (padded to a multiple of {VOCAB_PAD_MULTIPLE}·tp), "
+              f"{cfg.vocab_size} (padded to a multiple of tp), "
               f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
         print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
               f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "

@@ -21,7 +21,7 @@ import torch
 from threefold import cost
 from threefold.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_sharded
 from threefold.config import Config, ConfigError, ModelConfig
-from threefold.data import BatchSampler, DataBundle, prepare_data
+from threefold.data import DataBundle, prepare_data
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
                                peak_memory_bytes, truncate_metrics)
 from threefold.model import LlamaForCausalLM, causal_lm_loss
@@ -92,13 +92,20 @@ class Run:
     cfg: Config
     model_cfg: ModelConfig
     data: DataBundle
-    sampler: BatchSampler
-    val_sampler: BatchSampler
+    sampler: Any
+    val_sampler: Any
     device: torch.device
     dtype: torch.dtype
     engine: Any
     layout: Any
     out: Path
+    task: Any = None
+
+    def forward(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model on a micro-batch dict (positions and document ids when it has them)."""
+        with _autocast(self):
+            return self.engine.model(micro["input_ids"], position_ids=micro.get("position_ids"),
+                                     document_ids=micro.get("document_ids"))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token loss: vocab-parallel under tensor parallelism, plain otherwise."""
@@ -106,12 +113,14 @@ class Run:
         return fn(logits, labels, reduction="sum")
 
 
-def build_run(cfg: Config, layout=None) -> Run:
+def build_run(cfg: Config, layout=None, task=None) -> Run:
     """Check and build a run. Nothing is written to the output directory here, so bad input
     leaves no half-made run behind."""
     from threefold.parallel.layout import SingleProcess, build_engine
+    from threefold.task import PretrainTask
 
     layout = layout or SingleProcess()
+    task = task or PretrainTask()
     if cfg.train.eval_batches * cfg.train.global_batch_size == 0:
         raise ConfigError("train.eval_batches: must be positive")
     device = pick_device(cfg, layout.local_rank)
@@ -133,11 +142,11 @@ def build_run(cfg: Config, layout=None) -> Run:
     if cfg.train.compile:
         apply_compile(model)
     engine = build_engine(model, cfg, layout)
-    t = cfg.train
-    sampler = BatchSampler(data.train, cfg.data.seq_len, t.global_batch_size, t.seed)
-    val_sampler = BatchSampler(data.val, cfg.data.seq_len, t.global_batch_size, t.seed + 1)
-    return Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
-               Path(t.output_dir))
+    sampler, val_sampler = task.samplers(cfg, data)
+    run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
+              Path(cfg.train.output_dir), task)
+    task.setup(run)
+    return run
 
 
 def _pretrained(cfg: Config):
@@ -164,47 +173,50 @@ def _autocast(run: Run):
     return torch.autocast(run.device.type, dtype=run.dtype)
 
 
-def _micro_batches(run: Run, inputs: torch.Tensor, labels: torch.Tensor):
-    mb = min(run.cfg.train.micro_batch_size, inputs.shape[0])
-    for i in range(0, inputs.shape[0], mb):
-        yield inputs[i:i + mb].to(run.device), labels[i:i + mb].to(run.device)
+def _micro_batches(run: Run, batch: dict[str, torch.Tensor]):
+    n = next(iter(batch.values())).shape[0]
+    mb = min(run.cfg.train.micro_batch_size, n)
+    for i in range(0, n, mb):
+        yield {k: v[i:i + mb].to(run.device) for k, v in batch.items()}
 
 
-def train_step(run: Run, step: int) -> tuple[float, float]:
-    """One optimiser step over the global batch of ``step``; returns (mean loss, grad norm).
-    The loss is the sum of token losses divided by the true number of target tokens in the
-    global batch, so accumulation and data parallelism give the single-process gradient."""
+def train_step(run: Run, step: int) -> tuple[float, float, dict[str, float]]:
+    """One optimiser step over the global batch of ``step``; returns (mean loss, grad norm,
+    extra metrics). The loss is the sum over the global batch divided by the true number of
+    units (target tokens, pairs) in it, so accumulation and data parallelism give the
+    single-process gradient."""
     lay, eng = run.layout, run.engine
-    inputs, labels = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
-    n_tokens = lay.global_token_count(labels)
-    micro = list(_micro_batches(run, inputs, labels))
+    batch = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
+    n = lay.global_token_count(run.task.count(batch))
+    micro = list(_micro_batches(run, batch))
     loss_sum = torch.zeros((), dtype=torch.float32, device=run.device)
-    for i, (x, y) in enumerate(micro):
+    extras: dict[str, torch.Tensor] = {}
+    for i, mb in enumerate(micro):
         with eng.micro_step(last=i == len(micro) - 1):
-            with _autocast(run):
-                logits = eng.model(x)
-            loss = run.loss(logits, y) / n_tokens
+            total, more = run.task.loss(run, mb)
+            loss = total / n
             loss.backward()
         loss_sum += loss.detach()
+        for k, v in more.items():
+            extras[k] = extras.get(k, 0) + v.detach().double()
     eng.finish_gradients()
     norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
     eng.step(lr_at(step, run.cfg))
-    return lay.sum_over_dp(loss_sum), norm
+    return (lay.sum_over_dp(loss_sum), norm,
+            {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras})
 
 
 @torch.no_grad()
 def evaluate(run: Run) -> float:
-    """Mean token loss on the fixed validation batches."""
+    """Mean loss per unit on the fixed validation batches."""
     lay = run.layout
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     count = 0
     for k in range(run.cfg.train.eval_batches):
-        inputs, labels = run.val_sampler.local_batch(k, lay.dp_rank, lay.dp_size)
-        for x, y in _micro_batches(run, inputs, labels):
-            with _autocast(run):
-                logits = run.engine.model(x)
-            total += run.loss(logits, y).double()
-        count += lay.global_token_count(labels)
+        batch = run.val_sampler.local_batch(k, lay.dp_rank, lay.dp_size)
+        for mb in _micro_batches(run, batch):
+            total += run.task.loss(run, mb)[0].double()
+        count += lay.global_token_count(run.task.count(batch))
     return lay.sum_over_dp(total) / count
 
 
@@ -265,10 +277,10 @@ def _progress(run: Run, start: int):
     return tqdm(total=run.cfg.train.steps, initial=start, unit="step", dynamic_ncols=True)
 
 
-def train(cfg: Config, layout=None, return_run: bool = False):
+def train(cfg: Config, layout=None, return_run: bool = False, task=None):
     """Run training as configured; returns the summary (also written to summary.json), and
     the ``Run`` (engine, layout) too when ``return_run``."""
-    run = build_run(cfg, layout)
+    run = build_run(cfg, layout, task)
     t, lay = cfg.train, run.layout
     start = _resume(run)
     writer, lost = None, 0
@@ -296,7 +308,7 @@ def train(cfg: Config, layout=None, return_run: bool = False):
         lay.before_step(step)
         t0 = time.perf_counter()
         try:
-            loss, norm = train_step(run, step)
+            loss, norm, extras = train_step(run, step)
         except Exception as e:  # a collective failed or timed out: say who and where
             lay.report_failure(e, step)
             raise
@@ -308,6 +320,7 @@ def train(cfg: Config, layout=None, return_run: bool = False):
                "tokens_per_second": tps,
                "mfu": (tps * flops_tok / (peak * lay.world_size)) if peak else None,
                "peak_memory_bytes": peak_memory_bytes(run.device)}
+        rec.update(extras)
         rec.update(lay.step_metrics())
         history.append(rec)
         if writer:

@@ -151,9 +151,9 @@ class Distributed:
         units = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
         return ZeroEngine(model, units, cfg.optim, self.comm, p.zero_stage)
 
-    def global_token_count(self, labels: torch.Tensor) -> int:
-        """Target tokens over the whole global batch (a scalar all-reduce over dp)."""
-        n = torch.tensor([int((labels != -100).sum())], dtype=torch.int64)
+    def global_token_count(self, local_count: int) -> int:
+        """Sum a per-rank count (target tokens, pairs) over dp (a scalar all-reduce)."""
+        n = torch.tensor([int(local_count)], dtype=torch.int64)
         self.control.all_reduce(n, "dp")
         return int(n)
 

@@ -46,9 +46,9 @@ class SingleProcess:
     def barrier(self) -> None:
         """Wait for every rank (nothing to wait for here)."""
 
-    def global_token_count(self, labels: torch.Tensor) -> int:
-        """Target tokens in the global batch (labels of -100 are not targets)."""
-        return int((labels != -100).sum())
+    def global_token_count(self, local_count: int) -> int:
+        """Sum a per-rank count (target tokens, pairs) over data-parallel ranks."""
+        return int(local_count)
 
     def sum_over_dp(self, value: torch.Tensor) -> float:
         """Sum a per-rank scalar over data-parallel ranks."""

@@ -22,11 +22,11 @@ weight, plus 12·H·Q·T for attention; the embedding lookup costs no FLOPs, the
 from __future__ import annotations
 
 import copy
+import dataclasses
 
-import torch
 from torch import nn
 
-from threefold.config import ConfigError
+from threefold.config import ConfigError, ModelConfig
 from threefold.model import LlamaForCausalLM
 
 BALANCES = ("params", "flops")
@@ -135,17 +135,29 @@ def partition(layer_costs: list[float], n_stages: int, first_extra: float = 0.0,
 def stage_layers(model: LlamaForCausalLM, n_stages: int, balance: str = "params",
                  seq_len: int | None = None) -> list[range]:
     """The blocks of each virtual stage, balanced by ``balance`` (see ``stage_costs``)."""
-    return partition(*stage_costs(model, balance, seq_len)[:1], n_stages,
-                     *stage_costs(model, balance, seq_len)[1:])
+    layers, first, last = stage_costs(model, balance, seq_len)
+    return partition(layers, n_stages, first, last)
+
+
+def _shell(cfg: ModelConfig) -> LlamaForCausalLM:
+    """A LlamaForCausalLM whose modules the caller replaces. Built for a minimal shape (one
+    block, few-element weights) and then given the real configuration: nothing of size is
+    allocated, and the constructor is the model's own. (Building it on the meta device would
+    do the same, but meta initialisation imports torch's compiler stack, seconds per process.)"""
+    tiny = dataclasses.replace(cfg, vocab_size=1, hidden_size=2, intermediate_size=1,
+                               num_hidden_layers=1, num_attention_heads=1,
+                               num_key_value_heads=1, tie_word_embeddings=False)
+    shell = LlamaForCausalLM(tiny)
+    shell.cfg = cfg
+    return shell
 
 
 def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
                 stage: int | None = None) -> LlamaForCausalLM:
     """A LlamaForCausalLM made of ``model``'s own modules: the blocks in ``layers``, the
-    embedding if ``first``, the final norm and head if ``last`` (None otherwise). The shell is
-    built on the meta device, so nothing is allocated; the RoPE buffer is copied."""
-    with torch.device("meta"):
-        chunk = LlamaForCausalLM(model.cfg)
+    embedding if ``first``, the final norm and head if ``last`` (None otherwise), and a copy
+    of the RoPE buffer; ``pipeline_stage`` records the virtual stage."""
+    chunk = _shell(model.cfg)
     chunk.model.embed_tokens = model.model.embed_tokens if first else None
     chunk.model.layers = StageLayers({i: model.model.layers[i] for i in layers})
     chunk.model.norm = model.model.norm if last else None
@@ -191,8 +203,7 @@ def rank_model(chunks: list[LlamaForCausalLM]) -> LlamaForCausalLM:
     chunks' blocks back to back, which is not the model."""
     if len(chunks) == 1:
         return chunks[0]
-    with torch.device("meta"):
-        merged = LlamaForCausalLM(chunks[0].cfg)
+    merged = _shell(chunks[0].cfg)
     merged.model.embed_tokens = chunks[0].model.embed_tokens
     merged.model.layers = StageLayers({i: layer for c in chunks
                                        for i, layer in zip(c.model.layers.layer_ids,

@@ -1,0 +1,69 @@
+"""What a run optimises: where its batches come from and what its loss is.
+
+The loop (threefold.train) is the same for pre-training, SFT and DPO; a ``Task`` supplies
+
+- ``samplers(cfg, data)``: (train, validation) samplers whose ``local_batch(step, dp_rank,
+  dp_size)`` returns this rank's slice of the global batch of ``step`` as a dict of tensors
+  (first dimension = sequences), a pure function of (seed, step), with ``state_dict`` /
+  ``load_state_dict`` for checkpoints;
+- ``count(batch)``: the units the loss is normalised by in this rank's slice (target tokens
+  for language modelling, pairs for DPO); the loop sums it over data-parallel ranks, so every
+  unit weighs the same whatever the accumulation and data-parallel degree;
+- ``loss(run, micro)``: the *summed* loss of a micro-batch and extra summed metrics
+  ({name: tensor}), logged as sums over the global batch divided by the global count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from threefold.data import BatchSampler
+
+
+class LMSampler:
+    """BatchSampler windows as {"input_ids", "labels"} dicts."""
+
+    def __init__(self, inner: BatchSampler):
+        self.inner = inner
+
+    def local_batch(self, step: int, dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
+        """This rank's slice of the global batch of ``step``."""
+        x, y = self.inner.local_batch(step, dp_rank, dp_size)
+        return {"input_ids": x, "labels": y}
+
+    def state_dict(self) -> dict:
+        """For checkpoints."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """From checkpoints."""
+        self.inner.load_state_dict(state)
+
+
+class PretrainTask:
+    """Next-token prediction on windows of the token stream."""
+
+    name = "pretrain"
+    metric_names: tuple[str, ...] = ()
+
+    def samplers(self, cfg, data) -> tuple[Any, Any]:
+        """Random windows of the training tokens; fixed windows of the validation tokens."""
+        t = cfg.train
+        return (LMSampler(BatchSampler(data.train, cfg.data.seq_len, t.global_batch_size,
+                                       t.seed)),
+                LMSampler(BatchSampler(data.val, cfg.data.seq_len, t.global_batch_size,
+                                       t.seed + 1)))
+
+    def setup(self, run) -> None:
+        """Called once the run (model, engine) exists; nothing to do here."""
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """Target tokens (labels of -100 are not targets)."""
+        return int((batch["labels"] != -100).sum())
+
+    def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """Summed token cross-entropy (vocab-parallel under tensor parallelism)."""
+        logits = run.forward(micro)
+        return run.loss(logits, micro["labels"]), {}
