@@ -30,15 +30,16 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def relaunch_with_torchrun(script: str, argv: list[str], nproc: int) -> int:
+def relaunch_with_torchrun(script: str, argv: list[str], nproc: int,
+                           env_extra: dict[str, str] | None = None) -> int:
     """Run ``script argv`` as ``nproc`` processes under ``python -m torch.distributed.run
-    --standalone`` (torch's own launcher) with one OpenMP thread each; returns its exit code.
-    One thread per rank because the ranks share the machine's cores: more threads than cores
-    would make every rank wait on the others' oversubscribed thread pools."""
+    --standalone`` (torch's own launcher) with one OpenMP thread each, plus ``env_extra``;
+    returns its exit code. One thread per rank because the ranks share the machine's cores:
+    more threads than cores would make every rank wait on the others' thread pools."""
     import os
     import subprocess
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(nproc), script, *argv]
     return subprocess.run(cmd, env=env).returncode

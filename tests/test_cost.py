@@ -42,6 +42,7 @@ from threefold.memory import (
     inflight_microbatches,
     layer_activation_bytes,
     memory_per_gpu,
+    microbatch_extra_bytes,
     model_state_bytes,
     zero3_working_bytes,
 )
@@ -137,13 +138,25 @@ def test_only_zero3_communicates_every_microbatch():
         assert four["dp_shard"] == pytest.approx(factor * one["dp_shard"])
 
 
-def test_zero2_keeps_full_gradients_while_accumulating():
+def test_zero_gradient_memory_as_the_engine_holds_it():
+    """threefold's ZeRO keeps each unit's full flat gradient (the reduce-scatter's input)
+    until finish_gradients: stages 1 and 2 hold Ψ(1 + 1/N) at the end of backward, stage 3
+    that much per microbatch. Accumulating stages 1/2 hold Ψ while the last backward starts."""
     cfg, work = preset("llama3-8b"), Workload(1024, 64)
     z1 = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=1, microbatch_size=2), work)
     z2 = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=2, microbatch_size=2), work)
+    z3 = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=3, microbatch_size=2), work)
     z2_one = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=2, microbatch_size=8), work)
-    assert z2.grads == pytest.approx(z1.grads * (1 + 1 / 8))
-    assert z2_one.grads == pytest.approx(z1.grads / 8)  # one microbatch: ZeRO's 2Ψ/N
+    psi = stage_parameters(cfg, Layout(), 0)
+    assert z2.grads == z1.grads == pytest.approx(psi * 2 * (1 + 1 / 8))
+    assert z2.grads_in_backward == pytest.approx(psi * 2) and z2_one.grads_in_backward == 0
+    assert z3.grads == pytest.approx(4 * psi * 2 * (1 + 1 / 8))
+    assert z3.params == pytest.approx(psi * 2 / 8) and z2.params == pytest.approx(psi * 2)
+    assert z2.optimizer == z3.optimizer == pytest.approx(psi * 12 / 8)
+    # total: what always exists plus the larger transient moment
+    assert z2_one.total == pytest.approx(z2_one.params + z2_one.optimizer + z2_one.overhead
+                                         + max(z2_one.activation_peak,
+                                               z2_one.grads + z2_one.optimizer_working))
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,9 +322,11 @@ def test_pipeline_memory_holds_p_microbatches_on_stage_0():
     work = Workload(seq_len=2048, global_batch=32)
     one = memory_per_gpu(cfg, Layout(pp=1, dp_shard=1, microbatch_size=1), work)
     pp4 = memory_per_gpu(cfg, Layout(pp=4, dp_shard=1, microbatch_size=1), work)
-    assert pp4.stage == 0 and one.activations == pytest.approx(pp4.activations)  # L layers' worth
+    extra = microbatch_extra_bytes(cfg, Layout(microbatch_size=1), work)  # RoPE tables
+    assert pp4.stage == 0  # L layers' worth, in 4 microbatches of L/4 layers
+    assert one.activations - extra == pytest.approx(pp4.activations - 4 * extra)
     gpipe = memory_per_gpu(cfg, Layout(pp=4, microbatch_size=1, schedule="gpipe"), work)
-    assert gpipe.activations == pytest.approx(one.activations * 32 / 4)
+    assert gpipe.activations - 32 * extra == pytest.approx((one.activations - extra) * 32 / 4)
 
 
 # --------------------------------------------------------------------------------------------

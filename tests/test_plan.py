@@ -34,7 +34,7 @@ def test_best_layout_keeps_tp_inside_a_node(llama70b_on_64):
     assert "tp" not in best.step.inter_node_axes
     assert not any("tp crosses nodes" in w for w in best.warnings)
     # layouts whose tp group spans nodes exist in the search and are flagged
-    wide = search(cfg, cluster, work, SearchSpace(tp=(16,), zero_stage=(3,)), keep=1)
+    wide = search(cfg, cluster, work, SearchSpace(tp=(16,), zero_stage=(1, 2, 3)), keep=1)
     assert wide.ranked and "tp crosses nodes" in " ".join(wide.ranked[0].warnings)
     assert wide.ranked[0].step.step_time_s > best.step.step_time_s
 

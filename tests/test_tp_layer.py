@@ -221,6 +221,8 @@ def launch(request):
 # --------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_block_equals_unsharded_block(launch):
+    """The sharded block computes what the unsharded one does: output, input gradient and the
+    gradients of weights whole on every rank."""
     t, _, ranks = launch
     for res in ranks:
         for name, r in res.items():
@@ -233,6 +235,8 @@ def test_block_equals_unsharded_block(launch):
 
 @pytest.mark.slow
 def test_block_collectives_are_megatrons(launch):
+    """2 all-reduces of b·s·h forward and 2 backward (SP: 2 all-gathers + 2 reduce-scatters
+    each way, + the norm weights' gradients): 8·b·s·h·(t−1)/t elements per rank."""
     t, _, ranks = launch
     bsh = B * S * H
     ring = (t - 1) / t
@@ -321,17 +325,14 @@ def _planner_check(name: str, kv: int, tp: int, sp: bool, got: int) -> None:
 
 @pytest.mark.slow
 def test_activation_memory_tensor_parallel(launch):
+    """Saved bytes under TP = ``block_saved_bytes`` and the planner (+ its known gap); TP takes
+    (t−1)/t of the split part off each rank."""
     t, res, ranks = launch
     _memory_checks(t, res, ranks, sp=False)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "tensor.py's _gather_seq returns a transposed, non-contiguous view, so q/k/v and gate/up "
-    "each reshape it into their own contiguous copy and save that: 5 copies of the gathered "
-    "(b, s, h) input instead of 2 (+3·d·s·b·h bytes per layer under SP). Making the gathered "
-    "tensor contiguous once fixes it (checked: then the bytes equal block_saved_bytes "
-    "exactly); remove this marker then."))
 def test_activation_memory_sequence_parallel(launch):
+    """Saved bytes under TP + SP = ``block_saved_bytes``; SP divides the norms' part by t."""
     t, res, ranks = launch
     _memory_checks(t, res, ranks, sp=True)

@@ -1,5 +1,13 @@
-"""Memory per rank: model states (ZeRO), activations (Korthikanti et al.), pipeline in-flight
-microbatches, and the per-GPU total the planner checks against the device.
+"""Memory per rank: model states (ZeRO), activations, pipeline in-flight microbatches, and the
+per-GPU peak the planner checks against the device.
+
+Two kinds of function live here. The published accountings, kept for the comparisons with
+the papers: ``model_state_bytes`` (ZeRO Table 1), ``layer_activation_bytes`` (Korthikanti et
+al.'s per-layer count, adapted term by term to a Llama block). And the model of threefold's
+own runtime, which the planner, the dry run and the benchmark use: ``block_activation_bytes``
+counts exactly the tensors threefold's block keeps for backward (checked against autograd's
+saved tensors in tests/test_dryrun.py), ``memory_per_gpu`` adds the engines' buffers and when
+each exists (see ``MemoryBreakdown.total``).
 
 Pure formulas, no torch. Bytes throughout; 1 GB = 1e9 bytes as in the papers.
 """
@@ -13,8 +21,9 @@ from threefold.cost import (
     Layout,
     Workload,
     largest_unit_parameters,
+    layer_parameters_per_rank,
     microbatches,
-    stage_parameters,
+    stage_units,
     tp_shard,
 )
 
@@ -31,6 +40,10 @@ class StateBytes:
     param: float
     grad: float
     optimizer: float
+    # True when the optimiser state holds the fp32 master weights (mixed precision); False when
+    # the optimiser updates the working weights themselves (fp32), so that a ZeRO shard the
+    # optimiser owns is a copy beside the full weights (threefold's stages 1 and 2).
+    master_in_optimizer: bool = True
 
     @property
     def total(self) -> float:
@@ -42,12 +55,19 @@ class StateBytes:
 # master weights, momentum and variance.
 MIXED_ADAM = StateBytes(param=2, grad=2, optimizer=12)
 # fp32 training: weights 4 + gradients 4 + Adam's momentum and variance 8 (no master copy).
-FP32_ADAM = StateBytes(param=4, grad=4, optimizer=8)
+FP32_ADAM = StateBytes(param=4, grad=4, optimizer=8, master_in_optimizer=False)
 # DeepSpeed's estimators additionally keep an fp32 gradient partition (4 bytes) with the
 # optimiser state: 2P + 18P/N for stage 2 (deepspeed/runtime/zero/stage_1_and_2.py).
 DEEPSPEED_MIXED_ADAM = StateBytes(param=2, grad=2, optimizer=16)
 
 STATE_BYTES = {"bf16": MIXED_ADAM, "fp32": FP32_ADAM}
+
+
+def state_bytes_for(work: Workload) -> StateBytes:
+    """The model-state bytes of ``work``: fp32 weights and gradients (threefold's runtime,
+    ``work.master_bytes == 4``, or fp32 training) hold 16 bytes/param as FP32_ADAM; 16-bit
+    weights hold MIXED_ADAM's."""
+    return FP32_ADAM if work.weight_bytes == 4 else STATE_BYTES[work.precision]
 
 
 def model_state_breakdown(num_params: float, dp_shard: int, zero_stage: int,
@@ -84,7 +104,9 @@ def layer_activation_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ff
                            recompute: str = "none", dtype_bytes: int = 2,
                            mlp_tensors: int = 4, dropout: bool = False,
                            flash_attention: bool = True, kv_replicas: int = 1) -> float:
-    """Activation bytes one transformer block keeps for backward, per rank, one microbatch.
+    """Activation bytes one transformer block keeps for backward, per rank, one microbatch, in
+    Korthikanti et al.'s accounting (for the published comparisons; threefold's own block,
+    which keeps more, is ``block_activation_bytes``).
 
     Korthikanti et al. (arXiv 2205.05198 §4) count, for a GPT block in 16-bit with 1-byte
     dropout masks, s·b·h·(34 + 5·a·s/h): attention 11·sbh + 5·a·s²·b, MLP 19·sbh, layer norms
@@ -127,15 +149,61 @@ def layer_activation_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ff
     return replicated / rep_div + (split + core) / tp
 
 
+def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_dim: int,
+                           ffn: int, tp: int = 1, sequence_parallel: bool = False,
+                           act_bytes: int = 2, residual_bytes: int = 0,
+                           flash_attention: bool = True, seq_len: int = 0) -> float:
+    """Bytes threefold's block (``threefold.model.LlamaDecoderLayer`` under
+    ``threefold.parallel.tensor``) keeps for backward on one rank for ``tokens`` = b·s tokens.
+    ``heads``, ``kv_heads`` and ``ffn`` are per rank; d = ``act_bytes`` (matmul dtype), r =
+    ``residual_bytes`` (0 = d). Per token, what autograd saves:
+
+    - each RMSNorm: its input in fp32 (the input itself when r = 4, else an fp32 copy), the
+      normalised input in the residual dtype, 1/rms (4 bytes): (4 + r)·h + 4, split over tp
+      under sequence parallelism (norms then see 1/t of the tokens);
+    - each sub-layer input as its linears keep it, at full size (all-gathered under SP, not
+      re-gathered in backward): r·h when r = d, else one autocast copy per linear, 3·d·h for
+      q/k/v and 2·d·h for gate/up (the fp32 input itself is then not kept);
+    - attention: q and k after RoPE, v, the output (which o_proj reuses), the log-sum-exp of
+      the flash kernel (4 bytes per head); materialised attention adds d·s per head;
+    - RoPE's cos/sin cast to d when d ≠ 4 (4 tables of head_dim, for q and for k);
+    - SwiGLU: gate, silu(gate), up and their product, 4·d·ffn.
+
+    This is more than Korthikanti's count (``layer_activation_bytes``: norms keep 2 bytes/h,
+    RoPE and flash attention did not exist there), and under SP the attention and MLP inputs
+    stay whole, which their 34/t does not assume."""
+    d, r = act_bytes, residual_bytes or act_bytes
+    norm_div = tp if sequence_parallel and tp > 1 else 1
+    norms = 2 * ((4 + r) * h + 4) / norm_div
+    inputs = (r * h if r == d else 3 * d * h) + (r * h if r == d else 2 * d * h)
+    attn = d * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 4 * heads
+    if not flash_attention:
+        attn += d * heads * seq_len
+    rope = 0 if d == 4 else 4 * d * head_dim
+    mlp = 4 * d * ffn
+    return tokens * (norms + inputs + attn + rope + mlp)
+
+
 def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
                                  recompute: str | None = None) -> float:
-    """``layer_activation_bytes`` for this project's block under ``layout``."""
-    sh = tp_shard(cfg, layout.tp)
-    return layer_activation_bytes(
-        work.seq_len, layout.microbatch_size, cfg.hidden_size, cfg.num_attention_heads,
-        cfg.num_key_value_heads, sh.ffn * layout.tp, layout.tp, layout.sp,
-        recompute or layout.recompute, work.act_bytes, flash_attention=work.flash_attention,
-        kv_replicas=sh.kv_replicas)
+    """Bytes one block keeps per rank per microbatch under ``layout``: ``block_activation_bytes``
+    without recompute; with full recompute only the checkpoint's input, r·b·s·h (/t under SP);
+    selective recompute drops the materialised attention probabilities (nothing under flash
+    attention, which recomputes them anyway)."""
+    sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
+    mode = recompute or layout.recompute
+    if mode == "full":
+        return work.resid_bytes * b * s * cfg.hidden_size / (layout.tp if layout.sp else 1)
+    flash = work.flash_attention or mode == "selective"
+    return block_activation_bytes(b * s, cfg.hidden_size, sh.heads, sh.kv_heads, cfg.head_dim,
+                                  sh.ffn, layout.tp, layout.sp, work.act_bytes,
+                                  work.resid_bytes, flash, s)
+
+
+def microbatch_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """What one microbatch keeps besides its blocks: RoPE's fp32 cos/sin tables for the whole
+    sequence (shared by every block)."""
+    return 2 * 4 * layout.microbatch_size * work.seq_len * cfg.head_dim
 
 
 def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
@@ -159,11 +227,32 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int =
 
 
 def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
-    """The last stage's loss working set for one microbatch: logits in the compute dtype, the
-    fp32 copy the loss reads, and the fp32 gradient of the logits, over the vocab shard."""
-    rows = layout.microbatch_size * work.seq_len * tp_shard(cfg, layout.tp).vocab
-    upcast = 4 if work.act_bytes < 4 else 0
-    return rows * (work.act_bytes + upcast + 4)
+    """The last stage's peak for one microbatch beyond its blocks, at the start of the loss's
+    backward: the final norm ((4 + r)·h, /t under SP), the LM head's input (r·h, or its
+    autocast copy d·h), the fp32 logits over the vocabulary shard (held by the loop) and the
+    loss's working set — without tp, F.cross_entropy's log-softmax output, its gradient and
+    the logits' gradient (3 × 4·V); with tp, the vocab-parallel loss's softmax and the
+    gradient made from it (2 × 4·V/t)."""
+    sh, h, d, r = tp_shard(cfg, layout.tp), cfg.hidden_size, work.act_bytes, work.resid_bytes
+    tokens = layout.microbatch_size * work.seq_len
+    norm = ((4 + r) * h + 4) / (layout.tp if layout.sp else 1)
+    head_in = (r if r == d else d) * h
+    loss = (2 if layout.tp > 1 else 3) * 4 * sh.vocab
+    return tokens * (norm + head_in + 4 * sh.vocab + loss)
+
+
+def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
+    """Under autocast with weights wider than the matmul dtype (threefold's fp32 weights under
+    bf16), every linear's weight is cast once per forward and the cast is kept for backward:
+    d bytes per matmul weight of the stage, per microbatch in flight. 0 otherwise."""
+    d = work.act_bytes
+    if work.weight_bytes <= d:
+        return 0.0
+    sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
+    n = sharded * cfg.num_hidden_layers // layout.pp
+    if stage == layout.pp - 1:
+        n += tp_shard(cfg, layout.tp).vocab * cfg.hidden_size
+    return d * n
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,17 +260,28 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Peak bytes on one GPU of the worst pipeline stage, by what holds them."""
+    """Peak bytes on one rank of the worst pipeline stage, by what holds them.
+
+    Not everything is alive at once: gradients are made while activations are freed. The
+    peak is the larger of two moments (``total``): the start of the last microbatch's
+    backward (activations, logits, gradients kept from earlier microbatches, ZeRO-3's gathered
+    units, autocast weight copies) and the end of the backward / the optimiser step (all
+    gradients and the optimiser's temporaries), over what always exists (weights, optimiser
+    state, the engine's buffers, the flat runtime overhead)."""
 
     stage: int
     params: float
-    grads: float
+    grads: float  # gradient bytes at the end of backward
     optimizer: float
     activations: float
     recompute_working: float  # one block's activations while it is recomputed
     logits: float
     zero3_working: float
     overhead: float
+    buffers: float = 0.0  # persistent engine buffers (data parallel's gradient buckets)
+    grads_in_backward: float = 0.0  # gradient bytes already held when the last backward starts
+    cast_weights: float = 0.0
+    optimizer_working: float = 0.0  # AdamW's per-tensor temporaries during the step
 
     @property
     def model_states(self) -> float:
@@ -189,20 +289,23 @@ class MemoryBreakdown:
         return self.params + self.grads + self.optimizer
 
     @property
+    def activation_peak(self) -> float:
+        """What is transient at the start of the last backward."""
+        return (self.grads_in_backward + self.activations + self.recompute_working
+                + self.logits + self.zero3_working + self.cast_weights)
+
+    @property
     def total(self) -> float:
-        """Everything."""
-        return (self.model_states + self.activations + self.recompute_working + self.logits
-                + self.zero3_working + self.overhead)
+        """The peak: what always exists plus the larger of the two transient moments."""
+        return (self.params + self.optimizer + self.buffers + self.overhead
+                + max(self.activation_peak, self.grads + self.optimizer_working))
 
 
 def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                  state: StateBytes | None = None,
                  overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
-    """Peak memory of one rank of pipeline ``stage``: its model states (ZeRO over dp_shard;
-    replication over dp_replicate costs nothing extra per rank; stage 2 with more than one
-    microbatch keeps full gradients while accumulating, as threefold's engine does), the
-    activations of the
-    microbatches its schedule keeps in flight, the logits on the last stage, ZeRO-3 buffers."""
+    """Peak memory of one rank of pipeline ``stage`` under threefold's engines (see
+    ``_stage_memories``)."""
     return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
 
 
@@ -219,31 +322,64 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
 
 def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: list[int],
                     state: StateBytes | None, overhead_bytes: float) -> list[MemoryBreakdown]:
-    state = state or STATE_BYTES[work.precision]
+    """Model states as threefold's engines hold them (Ψ = this rank's parameters, N =
+    dp_shard, m = microbatches, bytes per element from ``state``):
+
+    - plain / data parallel: Ψ weights, Ψ gradients (freed after every step), the optimiser
+      state; data parallel adds its flat gradient buckets, Ψ, for good;
+    - ZeRO 1/2 (``threefold.parallel.zero``): the full weights live in per-unit flat buffers
+      and the owned shard is a separate parameter (a copy of Ψ/N unless it is the fp32 master
+      the optimiser state already counts); the optimiser state is Ψ/N; at the end of backward
+      the full gradients (stage 1: .grad; stage 2: the flat copies each unit's reduce-scatter
+      reads, kept until ``finish_gradients``) plus the Ψ/N shard;
+    - ZeRO 3: Ψ/N weights, Ψ/N optimiser state; every microbatch's reduce-scatter input (a
+      full flat copy of each unit's gradient) and output stay until ``finish_gradients``:
+      m·Ψ·(1 + 1/N) at the end of the step's backward; two gathered units (the one in use and
+      the one prefetched) while computing.
+    While accumulating (m > 1), the gradients of earlier microbatches are held when the last
+    backward starts: Ψ, or (m-1)·Ψ·(1 + 1/N) under stage 3. ZeRO over one rank (N = 1) is
+    the same engine with nothing to shard."""
+    state = state or state_bytes_for(work)
     m = microbatches(layout, work)
-    zero = layout.zero_stage if layout.dp_shard > 1 else 0
+    z, n = layout.zero_stage, layout.dp_shard
     per_layer = model_layer_activation_bytes(cfg, layout, work)
     layers = cfg.num_hidden_layers // layout.pp
     working = 0.0
     if layout.recompute == "full":  # the block being recomputed holds everything at once
         working = model_layer_activation_bytes(cfg, layout, work, recompute="none")
-    zero3 = 0.0
-    if zero == 3:
-        zero3 = zero3_working_bytes(largest_unit_parameters(cfg, layout.tp), state)
+    extra = microbatch_extra_bytes(cfg, layout, work)
     out = []
     for stage in stages:
-        psi = stage_parameters(cfg, layout, stage)
-        states = model_state_breakdown(psi, layout.dp_shard, zero, state)
-        if zero == 2 and m > 1:
-            # threefold's stage 2 accumulates full gradients over the microbatches (FSDP's
-            # no-sync) and reduce-scatters on the last: stage 1's full gradients plus the shard
-            states["grads"] = psi * state.grad * (1 + 1 / layout.dp_shard)
+        units = stage_units(cfg, layout, stage)
+        psi = sum(sum(u) for u in units)
+        padded = sum(-(-sum(u) // n) * n for u in units) if z else psi
+        largest = max(sum(u) for u in units)
+        buffers, zero3, in_bwd = 0.0, 0.0, 0.0
+        if z == 0:
+            params, opt, grads = psi * state.param, psi * state.optimizer, psi * state.grad
+            buffers = psi * state.grad if layout.dp > 1 else 0.0
+            in_bwd = grads if m > 1 else 0.0
+            temp = 2 * largest * state.param
+        elif z in (1, 2):
+            shard_copy = 0 if state.master_in_optimizer else padded / n * state.param
+            params, opt = padded * state.param + shard_copy, padded / n * state.optimizer
+            grads = padded * state.grad * (1 + 1 / n)
+            in_bwd = psi * state.grad if m > 1 else 0.0
+            temp = 2 * -(-largest // n) * state.param
+        else:
+            params, opt = padded / n * state.param, padded / n * state.optimizer
+            grads = m * padded * state.grad * (1 + 1 / n)
+            in_bwd = (m - 1) * padded * state.grad * (1 + 1 / n)
+            zero3 = 2 * largest_unit_parameters(cfg, layout.tp) * state.param
+            temp = 2 * -(-largest // n) * state.param
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage)
         out.append(MemoryBreakdown(
-            stage=stage, params=states["params"], grads=states["grads"],
-            optimizer=states["optimizer"], activations=per_layer * layers * inflight,
-            recompute_working=working,
+            stage=stage, params=params, grads=grads, optimizer=opt,
+            activations=(per_layer * layers + extra) * inflight, recompute_working=working,
             logits=logits_bytes(cfg, layout, work) if stage == layout.pp - 1 else 0.0,
-            zero3_working=zero3, overhead=overhead_bytes))
+            zero3_working=zero3, overhead=overhead_bytes, buffers=buffers,
+            grads_in_backward=in_bwd,
+            cast_weights=cast_weight_bytes(cfg, layout, work, stage) * inflight,
+            optimizer_working=temp))
     return out

@@ -388,6 +388,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", help="only these: none,selective,full")
     p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
     p.add_argument("--explain", action="store_true", help="say why each loses to the best")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul FLOP/s, memory and gloo all-reduce "
+                   "bandwidth between local processes), print and save it, and exit")
+    p.add_argument("--calibrate-out", default=None,
+                   help="where --calibrate saves its JSON (default ~/.cache/threefold/"
+                   "calibration.json)")
+    p.add_argument("--calibrate-ranks", type=int, default=2,
+                   help="local processes the all-reduce is measured between")
+    p.add_argument("--hardware-file", default=None,
+                   help="plan for the machine measured by --calibrate (that JSON) instead of "
+                   "--gpu; every rank of a node shares its cores, memory and bandwidth")
     return p
 
 
@@ -409,7 +420,13 @@ def load_model(spec: str) -> ModelConfig:
 
 
 def _hardware(args) -> Hardware:
-    hw = get_hardware(args.gpu)
+    if args.hardware_file:
+        from threefold.calibrate import hardware_from_calibration, load
+
+        hw = hardware_from_calibration(load(args.hardware_file),
+                                       min(args.gpus, args.gpus_per_node))
+    else:
+        hw = get_hardware(args.gpu)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
     return hw.with_overrides(
         peak_flops_16bit=peak if args.precision == "bf16" else None,
@@ -451,9 +468,33 @@ def _setup(argv: list[str]):
     return args, cfg, cluster, work, space
 
 
+def _calibrate(args) -> int:
+    """``--calibrate``: measure, print, save."""
+    from threefold.calibrate import DEFAULT_PATH, calibrate, save
+
+    if args.calibrate_ranks < 2:
+        print("threefold plan: error: --calibrate-ranks: must be >= 2", file=sys.stderr)
+        return 2
+    record = calibrate(args.calibrate_ranks)
+    path = save(record, args.calibrate_out or DEFAULT_PATH)
+    print(f"saved {path}; use it with: threefold plan --hardware-file {path} --gpus N "
+          f"--gpus-per-node N (N processes on this machine)")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """``threefold plan ...``: print the top layouts (table or --json). Exit 0 on success,
-    1 when no layout fits, 2 on bad input (one line on stderr)."""
+    1 when no layout fits, 2 on bad input (one line on stderr). ``--calibrate`` measures this
+    machine instead (see ``threefold.calibrate``)."""
+    if "--calibrate" in argv:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:
+            return int(e.code or 0)
+        except _UsageError as e:
+            print(f"threefold plan: error: {e}", file=sys.stderr)
+            return 2
+        return _calibrate(args)
     try:
         args, cfg, cluster, work, space = _setup(argv)
     except SystemExit as e:  # --help

@@ -90,7 +90,9 @@ def _gather_seq(x: torch.Tensor, comm) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()  # (s/t, b, h): the sequence leads, chunks concatenate
     out = torch.empty((xs.shape[0] * t, *xs.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather(out, xs, AXIS)
-    return out.transpose(0, 1)
+    # contiguous: q/k/v (gate/up) then share one saved copy of the gathered input instead of
+    # each saving its own
+    return out.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, comm) -> torch.Tensor:
@@ -98,7 +100,7 @@ def _reduce_scatter_seq(x: torch.Tensor, comm) -> torch.Tensor:
     xs = x.transpose(0, 1).contiguous()
     out = torch.empty((xs.shape[0] // t, *xs.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter(out, xs, AXIS)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()
 
 
 class _GatherSeq(torch.autograd.Function):

@@ -1,0 +1,216 @@
+"""`threefold plan --calibrate`: measure what this machine really does, so the planner can
+predict for it instead of for a catalogue GPU.
+
+Three measurements, each a few seconds:
+- matmul FLOP/s, fp32 and bf16, at 1 thread and at every thread torch uses
+  (``threefold.metrics.cpu_matmul_flops``: best of many 1024² multiplies);
+- memory bandwidth: the best of several copies of a 64 MB tensor (read + write), which
+  bounds the elementwise kernels the cost model counts as memory traffic;
+- gloo all-reduce between local processes (started with ``torch.multiprocessing``, joined
+  through a TCPStore this process serves on a port the OS picks): the median time of a few
+  all-reduces per size, fitted to the α-β model the cost model uses (``Collective.time``):
+  t(S) = 2(n-1)·α + 2(n-1)/n · S/β.
+
+The result is a JSON file (``--calibrate-out``, default ``DEFAULT_PATH``) that ``threefold plan
+--hardware-file`` and ``threefold train --dry-run`` (``THREEFOLD_HARDWARE=FILE``) turn into a
+``Hardware.measured`` entry with ``hardware_from_calibration``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+DEFAULT_PATH = Path("~/.cache/threefold/calibration.json")
+ALLREDUCE_BYTES = (4, 64 * 1024, 1 << 20, 4 << 20, 16 << 20)
+REPEATS = 5
+
+
+# --------------------------------------------------------------------------------------------
+# Compute and memory
+# --------------------------------------------------------------------------------------------
+def matmul_flops(dtype_name: str, threads: int, seconds: float = 0.4) -> float:
+    """Measured matmul FLOP/s at ``dtype_name`` ('fp32' or 'bf16') on ``threads`` threads."""
+    import torch
+
+    from threefold.metrics import cpu_matmul_flops
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+        return cpu_matmul_flops(dtype, seconds=seconds)
+    finally:
+        torch.set_num_threads(before)
+
+
+def memory_bandwidth(nbytes: int = 64 << 20, repeats: int = 8) -> float:
+    """Bytes/s of the best of ``repeats`` copies of an ``nbytes`` fp32 tensor (each copy reads
+    and writes ``nbytes``: 2·nbytes moved)."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+# --------------------------------------------------------------------------------------------
+# gloo all-reduce between local processes
+# --------------------------------------------------------------------------------------------
+def _allreduce_worker(rank: int, world: int, port: int, sizes: tuple[int, ...], repeats: int,
+                      out) -> None:
+    """One rank: join the group through the launcher's store, time all-reduces per size."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        times = {}
+        for size in sizes:
+            t = torch.ones(max(1, size // 4))
+            dist.all_reduce(t)  # warm-up: connections, buffers
+            samples = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                samples.append(time.perf_counter() - t0)
+            times[size] = statistics.median(samples)
+        if rank == 0:
+            out.put(times)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def allreduce_times(world: int = 2, sizes: tuple[int, ...] = ALLREDUCE_BYTES,
+                    repeats: int = REPEATS, timeout_s: float = 120.0) -> dict[int, float]:
+    """{bytes: median seconds} of gloo all-reduces among ``world`` local processes."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, store.port, sizes, repeats,
+                                                          out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        result = out.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return {int(k): v for k, v in result.items()}
+
+
+def fit_alpha_beta(times: dict[int, float], world: int) -> tuple[float, float]:
+    """(latency α seconds per ring step, bandwidth β bytes/s) from all-reduce times, by
+    least squares on t = 2(n-1)·α + 2(n-1)/n·S/β (the cost model's ring all-reduce)."""
+    steps, frac = 2 * (world - 1), 2 * (world - 1) / world
+    xs = [frac * s for s in times]
+    ys = list(times.values())
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    # a noisy fit can put the intercept below zero: then the smallest message is all latency
+    latency = (intercept if intercept > 0 else times[min(times)]) / steps
+    bandwidth = 1.0 / slope if slope > 0 else float("inf")
+    return latency, bandwidth
+
+
+# --------------------------------------------------------------------------------------------
+# The whole calibration and its use
+# --------------------------------------------------------------------------------------------
+def calibrate(world: int = 2, log=print) -> dict:
+    """Run every measurement; return the record ``hardware_from_calibration`` reads."""
+    import torch
+
+    threads = torch.get_num_threads()
+    counts = sorted({1, threads})
+    t0 = time.perf_counter()
+    flops = {dt: {str(n): matmul_flops(dt, n) for n in counts} for dt in ("fp32", "bf16")}
+    for dt, per in flops.items():
+        log(f"matmul {dt}: " + ", ".join(f"{float(v) / 1e9:.1f} GFLOP/s on {n} thread(s)"
+                                        for n, v in per.items()))
+    mem_bw = memory_bandwidth()
+    log(f"memory bandwidth (copy): {mem_bw / 1e9:.2f} GB/s")
+    times = allreduce_times(world)
+    latency, bandwidth = fit_alpha_beta(times, world)
+    log(f"gloo all-reduce, {world} local processes: latency {latency * 1e6:.0f} us per ring "
+        f"step, bandwidth {bandwidth / 1e9:.2f} GB/s (" + ", ".join(
+            f"{s} B: {t * 1e3:.2f} ms" for s, t in times.items()) + ")")
+    log(f"calibration took {time.perf_counter() - t0:.1f} s")
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 0
+    return {"name": f"cpu-{platform.node() or 'local'}", "cores": os.cpu_count() or 1,
+            "threads": threads, "matmul_flops": flops, "memory_bandwidth": mem_bw,
+            "allreduce": {"ranks": world, "latency_s": latency, "bandwidth": bandwidth,
+                          "times": {str(k): v for k, v in times.items()}},
+            "memory_bytes": ram, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def save(record: dict, path: str | Path) -> Path:
+    """Write ``record`` as JSON to ``path`` (directories made); return the path."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
+def load(path: str | Path) -> dict:
+    """Read a calibration record; ValueError naming the file if it is not one."""
+    path = Path(path).expanduser()
+    try:
+        record = json.loads(path.read_text())
+        record["matmul_flops"]["fp32"], record["allreduce"]["bandwidth"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a calibration file from `threefold plan --calibrate` "
+                         f"({e})") from None
+    return record
+
+
+def hardware_from_calibration(record: dict, ranks_on_machine: int = 1):
+    """A ``Hardware`` for one rank of ``ranks_on_machine`` sharing this machine: the matmul
+    rate measured at the threads each rank gets (cores // ranks, the nearest measured count
+    not above it), the measured copy bandwidth shared among the ranks, the fitted all-reduce
+    latency and bandwidth for every link, and the machine's memory shared among the ranks."""
+    from threefold.hardware import Hardware
+
+    ranks = max(1, ranks_on_machine)
+    per_rank = max(1, record.get("threads", record.get("cores", 1)) // ranks)
+
+    def rate(dtype: str) -> float | None:
+        table = {int(k): v for k, v in record["matmul_flops"].get(dtype, {}).items()}
+        if not table:
+            return None
+        usable = [n for n in table if n <= per_rank] or [min(table)]
+        return table[max(usable)]
+
+    ar = record["allreduce"]
+    mem_bw = record.get("memory_bandwidth")
+    hw = Hardware.measured(record.get("name", "cpu"), peak_flops=rate("bf16") or 0.0,
+                           bandwidth=ar["bandwidth"], latency_s=ar["latency_s"],
+                           memory_bytes=record.get("memory_bytes", 0) / ranks,
+                           precision="bf16")
+    return hw.with_overrides(peak_flops_fp32=rate("fp32"),
+                             memory_bw=mem_bw / ranks if mem_bw else None)
