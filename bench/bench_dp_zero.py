@@ -1,18 +1,20 @@
 """threefold data parallel vs torch DDP, and threefold ZeRO-3 vs torch FSDP2, on 4 CPU ranks.
 
-    python3 bench/bench_dp_zero.py [--preset small] [--steps 3] [--warmup 1] [--rounds 2]
+    python3 bench/bench_dp_zero.py [--preset small] [--steps 6] [--warmup 1]
     python3 bench/bench_dp_zero.py --preset tiny --steps 3          # a quick run
 
 Started without torchrun's environment, the script re-launches itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node 4`` (gloo, one thread per rank)
-twice: a memory launch (``--phase memory``), then a speed launch (``--phase speed``) that runs
-every configuration in the one process group, alternating them round by round (A B A B, then
-B A B A) so that noise from the shared machine falls on both sides of each ratio.
+twice: a memory launch (``--phase memory``: one configuration at a time), then a speed launch
+(``--phase speed``) that builds all four configurations side by side and steps them in turn,
+step by step, the order flipped every step (A B C D, D C B A, ...): on a machine shared with
+other work, load bursts of a few seconds then fall on every configuration alike, which
+alternating whole runs did not achieve here (ratios swung 0.6-2.5 between identical runs).
 
-Every configuration is built fresh each round from the same seed, so all four start from the
-same weights and see the same batches; the first ``--warmup`` steps of each are not timed.
-Same model, data, loss normalisation, AdamW (single-tensor kernel) and gradient clipping on
-both sides; what differs is only the engine:
+Every configuration starts from the same weights (same seed) and sees the same batches; the
+first ``--warmup`` steps are not timed; each step starts at a barrier. Same model, data, loss
+normalisation, AdamW (single-tensor kernel) and gradient clipping on both sides; what differs
+is only the engine:
 
 - ``tf_dp``:  threefold ``DataParallelEngine`` (bucketed all-reduce from backward hooks);
 - ``ddp``:    ``torch.nn.parallel.DistributedDataParallel`` with its defaults;
@@ -21,8 +23,9 @@ both sides; what differs is only the engine:
 - ``fsdp2``:  ``torch.distributed.fsdp.fully_shard`` on each transformer block, then the root
   (which takes the embedding, norm and head as one group).
 
-Speed launch: tokens/s (the slowest rank's time over the timed steps) and the ratios
-tf_dp/ddp and tf_z3/fsdp2 (goal >= 1.0, issue 3 item 7); the loss of step 1 of every
+Speed launch: tokens/s per timed step (the slowest rank's time) and the ratios tf_dp/ddp and
+tf_z3/fsdp2 per step, their median in the JSON lines and the ratio over all timed steps
+(goal >= 1.0, issue 3 item 7); the loss of step 1 of every
 configuration (they must agree: same weights, same batch); the bytes threefold's ``Comm``
 counted per step, against ZeRO's formulas (2Ψ(N−1)/N and 3Ψ(N−1)/N elements per rank).
 
@@ -81,9 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (the same in the launcher and in every rank)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small", help="model preset (small; tiny to be quick)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration/round")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
-    ap.add_argument("--rounds", type=int, default=2, help="A/B rounds (order flips each round)")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=4)
@@ -129,6 +131,13 @@ def _micro(x, y, mb):
 
 def _opt_tensors(opt) -> list:
     return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+
+
+def build(name: str, cfg, mcfg, lay) -> Setup:
+    """Configuration ``name`` (one of CONFIGS) on a freshly built model."""
+    if name.startswith("tf_"):
+        return build_threefold(name, cfg, mcfg, lay)
+    return build_torch(name, cfg, mcfg, lay, dist.get_world_size())
 
 
 def build_threefold(name: str, cfg, mcfg, lay):
@@ -240,48 +249,60 @@ def held_bytes(tensors: list) -> int:
 # --------------------------------------------------------------------------------------------
 # Running one configuration
 # --------------------------------------------------------------------------------------------
-def run_config(name, cfg, mcfg, lay, batches, warmup: int, memory: bool) -> dict:
-    """Build ``name`` fresh, take ``len(batches)`` steps (the first ``warmup`` untimed), tear
-    down. With ``memory``, measure RSS windows and held bytes (kept out of timed runs: the
-    probe walks every tensor). Returns this rank's figures."""
-    world = dist.get_world_size()
+def measure_memory(name, cfg, mcfg, lay, batches) -> dict:
+    """Build ``name`` fresh, take ``len(batches)`` steps, tear down; this rank's RSS windows
+    and held-tensor bytes (see the module docstring)."""
     rss0 = start_peak_rss_window()  # also trims what the previous configuration freed
     torch.manual_seed(cfg.train.seed)
-    setup = (build_threefold(name, cfg, mcfg, lay) if name.startswith("tf_")
-             else build_torch(name, cfg, mcfg, lay, world))
+    setup = build(name, cfg, mcfg, lay)
     build_peak = peak_rss_bytes()
     # a second window for the steps: build-time transients (every rank builds the full model
     # before sharding it) are trimmed away, what the configuration keeps is not
     start_peak_rss_window()
-    state = {"bytes": None}
+    state = {}
 
-    def probe():
-        if memory:
-            state["bytes"] = held_bytes(setup.held())
+    def probe():  # the last step's value counts: by then the optimiser state exists
+        state["bytes"] = held_bytes(setup.held())
 
-    losses, comm_steps = [], []
-    dist.barrier()
-    t0 = time.perf_counter()
     for s, (x, y, n) in enumerate(batches):
-        if s == warmup:
-            dist.barrier()  # every rank starts the timed window together
-            t0 = time.perf_counter()
-        if setup.comm is not None:
-            setup.comm.step_counters()  # open this step's accounting window
-        losses.append(setup.step(x, y, n, lr_at(s, cfg), probe))
-        if setup.comm is not None and s >= warmup:
-            comm_steps.append(setup.comm.step_counters())
-    seconds = time.perf_counter() - t0
+        setup.step(x, y, n, lr_at(s, cfg), probe)
     peak = peak_rss_bytes()
-    known = memory and None not in (rss0, peak, build_peak)
-    out = {"seconds": seconds, "loss0": losses[0], "state_bytes": state["bytes"],
-           "peak_rss_bytes": (peak - rss0) if known else None,
-           "build_peak_rss_bytes": (build_peak - rss0) if known else None,
-           "comm": ({a: statistics.mean(c.get(a, 0) for c in comm_steps)
-                     for a in comm_steps[0]} if comm_steps else None)}
+    known = None not in (rss0, peak, build_peak)
+    out = {"state_bytes": state["bytes"], "peak_rss_bytes": (peak - rss0) if known else None,
+           "build_peak_rss_bytes": (build_peak - rss0) if known else None}
     del setup, state
     gc.collect()
     return out
+
+
+def measure_speed(cfg, mcfg, lay, batches, warmup: int) -> dict:
+    """All four configurations built side by side and stepped in turn, step by step (order
+    flipped every step: A B C D, D C B A, ...), so a burst of load from elsewhere on the
+    machine hits every configuration alike. Each step starts at a barrier. Returns this
+    rank's seconds per timed step, step-1 losses and threefold's bytes per step."""
+    setups = {}
+    for name in CONFIGS:
+        torch.manual_seed(cfg.train.seed)
+        setups[name] = build(name, cfg, mcfg, lay)
+    seconds = {n: [] for n in CONFIGS}
+    loss0, comm = {}, {n: [] for n in CONFIGS if setups[n].comm is not None}
+    for s, (x, y, n_tok) in enumerate(batches):
+        for name in (CONFIGS if s % 2 == 0 else tuple(reversed(CONFIGS))):
+            setup = setups[name]
+            if setup.comm is not None:
+                setup.comm.step_counters()  # open this step's accounting window
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = setup.step(x, y, n_tok, lr_at(s, cfg), lambda: None)
+            dt = time.perf_counter() - t0
+            loss0.setdefault(name, loss)
+            if s >= warmup:
+                seconds[name].append(dt)
+                if setup.comm is not None:
+                    comm[name].append(setup.comm.step_counters())
+    return {"seconds": seconds, "loss0": loss0,
+            "comm": {n: {a: statistics.mean(c.get(a, 0) for c in cs) for a in cs[0]}
+                     for n, cs in comm.items() if cs}}
 
 
 def prewarm(cfg, mcfg, batches) -> None:
@@ -304,6 +325,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     memory = args.phase == "memory"
     warmup = 0 if memory else args.warmup
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1")
     n_steps = args.memory_steps if memory else args.warmup + args.steps
     cfg = bench_config(args, n_steps)
     lay = Distributed(cfg)
@@ -318,43 +341,40 @@ def worker(args: argparse.Namespace) -> None:
         x, y = sampler.local_batch(s, lay.dp_rank, lay.dp_size)
         batches.append((x, y, int((labels != -100).sum())))
 
-    rounds = 1 if memory else args.rounds
     if memory:
         prewarm(cfg, mcfg, batches)
-    results = []  # (round, name, per-rank dicts)
-    for r in range(rounds):
-        order = CONFIGS if r % 2 == 0 else tuple(reversed(CONFIGS))
-        for name in order:
-            mine = run_config(name, cfg, mcfg, lay, batches, warmup, memory)
-            everyone = [None] * lay.world_size
-            dist.all_gather_object(everyone, mine)
-            results.append((r, name, everyone))
+        mine = {name: measure_memory(name, cfg, mcfg, lay, batches) for name in CONFIGS}
+    else:
+        mine = measure_speed(cfg, mcfg, lay, batches, warmup)
+    everyone = [None] * lay.world_size
+    dist.all_gather_object(everyone, mine)
     if lay.rank == 0:
         psi = cost.num_parameters(mcfg)
         print(f"\nbench_dp_zero [{args.phase}]: {psi / 1e6:.2f}M parameters ({args.preset}), "
               f"{lay.world_size} ranks gloo, batch {cfg.train.global_batch_size}x"
               f"{cfg.data.seq_len}, micro {args.micro_batch}, " +
-              (f"{n_steps} steps" if memory else
-               f"{warmup} warm-up + {args.steps} timed steps x {rounds} rounds"), flush=True)
+              (f"{n_steps} steps each" if memory else
+               f"{warmup} warm-up + {args.steps} timed steps each, interleaved"), flush=True)
         if memory:
-            memory_table(results)
+            memory_table(everyone)
         else:
-            speed_report(args, cfg, lay.world_size, psi, results)
+            speed_report(cfg, lay.world_size, psi, everyone)
     lay.close()
 
 
 # --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
-def memory_table(results) -> None:
+def memory_table(ranks: list[dict]) -> None:
     """Print memory per rank (largest over ranks) and one JSON line."""
     fmt = "{:>7} | {:>15} | {:>16} | {:>10}"
     print("memory per rank (largest over ranks), MiB:")
     print(fmt.format("config", "step_peak_rss", "build_peak_rss", "state"))
     out = {}
-    for _, name, ranks in results:
-        big = lambda key: (None if any(p[key] is None for p in ranks)  # noqa: E731
-                           else max(p[key] for p in ranks) / MIB)
+    for name in CONFIGS:
+        def big(key):
+            vals = [r[name][key] for r in ranks]
+            return None if None in vals else max(vals) / MIB
         out[name] = {"step_peak_rss_mib": big("peak_rss_bytes"),
                      "build_peak_rss_mib": big("build_peak_rss_bytes"),
                      "state_mib": big("state_bytes")}
@@ -365,10 +385,10 @@ def memory_table(results) -> None:
           flush=True)
 
 
-def speed_report(args, cfg, world: int, psi: int, results) -> None:
+def speed_report(cfg, world: int, psi: int, ranks: list[dict]) -> None:
     """Loss agreement, threefold's bytes per step against ZeRO's formulas, then the two ratio
-    reports (each a table and a JSON line)."""
-    loss0 = {name: sum(p["loss0"] for p in ranks) for r, name, ranks in results if r == 0}
+    reports (a row per timed step; each report a table and a JSON line)."""
+    loss0 = {name: sum(r["loss0"][name] for r in ranks) for name in CONFIGS}
     ref = loss0["tf_dp"]
     worst = max(abs(v - ref) / abs(ref) for v in loss0.values())
     print("step-1 loss (same weights, same batch): " +
@@ -377,28 +397,28 @@ def speed_report(args, cfg, world: int, psi: int, results) -> None:
 
     # ZeRO §7 (arXiv 1910.02054): DP 2Ψ(N−1)/N, stage 3 3Ψ(N−1)/N elements per rank, fp32.
     # threefold's count also holds each unit's padding to a multiple of N and the clip-norm
-    # scalar; FSDP2's root keeps embedding/norm/head gathered from forward to backward.
+    # scalar.
     n = world
     formula = {"tf_dp": 2 * psi * (n - 1) / n * 4, "tf_z3": 3 * psi * (n - 1) / n * 4}
     print("threefold Comm bytes sent per rank per step (largest over ranks) vs ZeRO formula:")
     comm_out = {}
     for name in formula:
-        ranks = [ps for _, nm, ps in results if nm == name][-1]
-        got = max(sum(p["comm"].values()) for p in ranks)
-        comm_out[name] = {"bytes": got, "formula": formula[name], "axes": ranks[0]["comm"]}
-        print(f"  {name}: {got:,.0f} B ({ranks[0]['comm']}); formula {formula[name]:,.0f} B")
+        got = max(sum(r["comm"][name].values()) for r in ranks)
+        comm_out[name] = {"bytes": got, "formula": formula[name], "axes": ranks[0]["comm"][name]}
+        print(f"  {name}: {got:,.0f} B {ranks[0]['comm'][name]}; formula {formula[name]:,.0f} B")
     print(json.dumps({"benchmark": "dp_zero_comm_bytes_per_step", "per_config": comm_out}))
 
-    tok = cfg.train.global_batch_size * cfg.data.seq_len * args.steps
+    tok = cfg.train.global_batch_size * cfg.data.seq_len
+    # a step ends for everyone with the slowest rank: its time is the largest over ranks
+    per_step = {name: [max(r["seconds"][name][i] for r in ranks)
+                       for i in range(len(ranks[0]["seconds"][name]))] for name in CONFIGS}
     for a, b in PAIRS:
-        rows = []
-        for r in range(args.rounds):
-            # a step ends for everyone with the slowest rank: time = the largest over ranks
-            ta = max(p["seconds"] for rr, nm, ps in results if (rr, nm) == (r, a) for p in ps)
-            tb = max(p["seconds"] for rr, nm, ps in results if (rr, nm) == (r, b) for p in ps)
-            rows.append({"round": r, f"{a}_tok_s": tok / ta, f"{b}_tok_s": tok / tb,
-                         "ratio": tb / ta})
-        print()
+        rows = [{"step": i + 1, f"{a}_tok_s": tok / ta, f"{b}_tok_s": tok / tb, "ratio": tb / ta}
+                for i, (ta, tb) in enumerate(zip(per_step[a], per_step[b]))]
+        ta, tb = sum(per_step[a]), sum(per_step[b])
+        print(f"\n{a} vs {b} over all timed steps: {tok * len(per_step[a]) / ta:,.0f} vs "
+              f"{tok * len(per_step[b]) / tb:,.0f} tokens/s, ratio {tb / ta:.3f}; per step "
+              "(the JSON line gives the median ratio):")
         report(f"{a}_vs_{b}", rows, "ratio", 1.0)
 
 

@@ -101,3 +101,22 @@ def test_bad_input_exits_2_and_writes_nothing(corpus, cache_dir, tmp_path, capsy
     assert rc == 2
     assert len(err.splitlines()) == 1 and needle in err
     assert not out.exists()
+
+
+def test_activation_checkpointing_same_losses(corpus, cache_dir, tmp_path):
+    _run(corpus, cache_dir, tmp_path / "a", train__steps=3)
+    _run(corpus, cache_dir, tmp_path / "b", train__steps=3,
+         train__activation_checkpointing="true")
+    la = [r["loss"] for r in _metrics(tmp_path / "a")]
+    lb = [r["loss"] for r in _metrics(tmp_path / "b")]
+    assert la == pytest.approx(lb, rel=1e-6)
+
+
+def test_bf16_autocast_trains_close_to_fp32(corpus, cache_dir, tmp_path):
+    _run(corpus, cache_dir, tmp_path / "fp32", train__steps=3)
+    s = _run(corpus, cache_dir, tmp_path / "bf16", train__steps=3, train__dtype="bfloat16")
+    a = [r["loss"] for r in _metrics(tmp_path / "fp32")]
+    b = [r["loss"] for r in _metrics(tmp_path / "bf16")]
+    assert b != a  # really ran in bf16
+    assert b == pytest.approx(a, rel=2e-2)  # but computes the same function
+    assert s["peak_flops_source"] == "cpu-matmul-probe"

@@ -1,0 +1,9 @@
+"""Post-training on the same engine: supervised fine-tuning (``SFTTask``) and direct preference
+optimisation (``DPOTask``) are Tasks (``threefold.task``) that the ordinary training loop runs
+under any layout; ``threefold.post.cli`` holds ``threefold sft`` and ``threefold dpo``.
+"""
+
+from threefold.post.dpo import DPOOptions, DPOTask, dpo_loss
+from threefold.post.sft import SFTOptions, SFTTask, example_path
+
+__all__ = ["DPOOptions", "DPOTask", "SFTOptions", "SFTTask", "dpo_loss", "example_path"]

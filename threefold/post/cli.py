@@ -1,0 +1,222 @@
+"""`threefold sft` and `threefold dpo`: the `train` command with a post-training Task.
+
+Both take what `train` takes, ``[CONFIG.toml] [--section.key value ...] [--nproc-per-node N]``,
+plus their own ``--sft.KEY VALUE`` / ``--dpo.KEY VALUE`` options (``SFTOptions``,
+``DPOOptions``). Their defaults differ from `train`'s where post-training needs it (start from
+``runs/default``, the output of a plain ``threefold train``; the built-in example data; a few
+dozen steps; output in ``runs/sft`` / ``runs/dpo``); a TOML file or an override still wins.
+Bad input is one line on stderr and exit code 2, before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import tomllib
+import typing
+from pathlib import Path
+
+from threefold.post.dpo import DPOOptions
+from threefold.post.sft import SFTOptions
+
+_COMMON = {"train.steps": "30", "optim.warmup_steps": "3", "optim.weight_decay": "0.0",
+           "train.eval_batches": "1", "train.log_interval": "5"}
+DEFAULTS = {
+    "sft": dict(_COMMON, **{"checkpoint.init_from": "runs/default",
+                            "train.output_dir": "runs/sft", "optim.lr": "3e-4"}),
+    "dpo": dict(_COMMON, **{"checkpoint.init_from": "runs/default",
+                            "train.output_dir": "runs/dpo", "optim.lr": "1e-4"}),
+}
+OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions}
+USAGE = """usage: threefold {cmd} [CONFIG.toml] [--section.key value ...] [--{cmd}.KEY VALUE ...]
+                     [--nproc-per-node N]
+
+{what}
+Defaults that differ from `threefold train`: {defaults}
+Options of this command:
+{options}
+Run `threefold options` for every --section.key."""
+WHAT = {"sft": "Supervised fine-tuning on chat conversations (assistant tokens only).",
+        "dpo": "Direct preference optimisation on prompt/chosen/rejected pairs."}
+DOCS = {
+    "data": "JSONL file; empty = the built-in examples",
+    "val_data": "validation JSONL; empty = the last data.val_fraction of --{cmd}.data",
+    "chat_template": "auto (the tokenizer's, else built-in), builtin, or a .jinja file",
+    "beta": "DPO beta: strength of the pull towards the reference",
+    "label_smoothing": "conservative-DPO epsilon in [0, 0.5): assumed share of flipped labels",
+}
+
+
+def _usage(cmd: str) -> str:
+    opts = "\n".join(f"  --{cmd}.{f.name:<16} {f.default!r:<8} {DOCS[f.name].format(cmd=cmd)}"
+                     for f in dataclasses.fields(OPTIONS[cmd]))
+    defaults = ", ".join(f"{k}={v}" for k, v in DEFAULTS[cmd].items())
+    return USAGE.format(cmd=cmd, what=WHAT[cmd], defaults=defaults, options=opts)
+
+
+def parse_task_options(cmd: str, argv: list[str]):
+    """(options dataclass, the remaining argv) with every ``--{cmd}.KEY VALUE`` (or
+    ``--{cmd}.KEY=VALUE``) taken out; ValueError for an unknown key or a bad value."""
+    cls = OPTIONS[cmd]
+    hints = typing.get_type_hints(cls)
+    values, rest, i = {}, [], 0
+    prefix = f"--{cmd}."
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith(prefix):
+            rest.append(a)
+            i += 1
+            continue
+        key = a[len(prefix):]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        else:
+            raise ValueError(f"{a}: missing value")
+        key = key.replace("-", "_")
+        if key not in hints:
+            raise ValueError(f"{cmd}.{key}: unknown option; options: "
+                             + ", ".join(f.name for f in dataclasses.fields(cls)))
+        try:
+            values[key] = hints[key](value)
+        except ValueError:
+            raise ValueError(f"{cmd}.{key}: '{value}' is not a valid "
+                             f"{hints[key].__name__}") from None
+    return cls(**values), rest
+
+
+def _user_keys(path: str | None, overrides: list[tuple[str, str]]) -> set[str]:
+    """The dotted keys the config file and the overrides set (so our defaults stay out)."""
+    keys = {k for k, _ in overrides}
+    if path and Path(path).is_file():
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError:
+            return keys  # load_config reports it
+        keys |= {f"{s}.{k}" for s, t in data.items() if isinstance(t, dict) for k in t}
+    return keys
+
+
+def build_config(cmd: str, path: str | None, rest: list[str]):
+    """The validated Config: `train`'s defaults <- this command's <- file <- overrides."""
+    from threefold.config import load_config, parse_overrides
+
+    overrides = parse_overrides(rest)
+    user = _user_keys(path, overrides)
+    # load_config applies the file before the overrides, so our defaults (which must lose to
+    # the file) go in as overrides only for keys the file does not set.
+    ours = [(k, v) for k, v in DEFAULTS[cmd].items() if k not in user]
+    return load_config(path, ours + overrides)
+
+
+def _check_inputs(cmd: str, cfg, opts) -> None:
+    """Refuse missing inputs before any process starts."""
+    from threefold.config import ConfigError
+
+    src = cfg.checkpoint.init_from
+    if src and not Path(src).exists():
+        hint = ("run `threefold train` first (it writes runs/default)"
+                if src == DEFAULTS[cmd]["checkpoint.init_from"] else "check the path")
+        raise ConfigError(f"checkpoint.init_from: '{src}' does not exist; {hint}, or pass "
+                          "--checkpoint.init_from RUN_DIR|HF_DIR (or '' to start from "
+                          "random weights)")
+    for key in ("data", "val_data"):
+        value = getattr(opts, key)
+        if value and not Path(value).expanduser().is_file():
+            raise ConfigError(f"{cmd}.{key}: '{value}' is not a file")
+    if cmd == "dpo":
+        from threefold.post.dpo import DPOTask
+
+        DPOTask(opts)  # checks beta and label smoothing
+
+
+def _launch(cmd: str, nproc: int, launcher: list[str], argv: list[str]) -> int:
+    """Re-run this command under torchrun with ``nproc`` local processes (launcher flags go to
+    torchrun, the rest to each process)."""
+    skip_next, args = False, []
+    for a in argv:
+        if skip_next:
+            skip_next = False
+            continue
+        if a in ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",
+                 "--rdzv-endpoint", "--max-restarts", "--rdzv-id"):
+            skip_next = True
+            continue
+        if a.startswith(("--nproc-per-node=", "--nproc_per_node=")):
+            continue
+        args.append(a)
+    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if "--nnodes" not in launcher:
+        run += ["--standalone"]
+    elif "--rdzv-endpoint" in launcher:
+        run += ["--rdzv-backend=c10d"]
+    return subprocess.call(run + launcher + ["-m", "threefold.post.cli", cmd] + args)
+
+
+def _main(cmd: str, argv: list[str]) -> int:
+    from threefold.checkpoint import CheckpointError
+    from threefold.cli import _check_layout, _fail, _layout_from_env, _split_train_args, \
+        _world_size_for
+    from threefold.config import ConfigError
+    from threefold.data import DataError
+
+    if argv and argv[0] in ("-h", "--help"):
+        print(_usage(cmd))
+        return 0
+    try:
+        opts, remaining = parse_task_options(cmd, argv)
+        path, rest, nproc, launcher = _split_train_args(remaining)
+        cfg = build_config(cmd, path, rest)
+        world = _world_size_for(nproc, launcher)
+        _check_layout(cfg, world)
+        _check_inputs(cmd, cfg, opts)
+    except (ConfigError, DataError, ValueError) as e:
+        return _fail(str(e))
+    if cfg.train.dry_run:
+        from threefold.dryrun import dry_run
+
+        try:
+            return dry_run(cfg, world)
+        except (ConfigError, ValueError) as e:
+            return _fail(str(e))
+    if nproc is not None and "LOCAL_RANK" not in os.environ:
+        return _launch(cmd, nproc, launcher, argv)
+    from threefold.post.dpo import DPOTask
+    from threefold.post.sft import SFTTask
+    from threefold.train import train
+
+    try:
+        task = SFTTask(opts) if cmd == "sft" else DPOTask(opts)
+        train(cfg, _layout_from_env(cfg), task=task)
+    except (ConfigError, DataError, CheckpointError) as e:
+        return _fail(str(e))
+    return 0
+
+
+def sft_main(argv: list[str]) -> int:
+    """`threefold sft [CONFIG.toml] [--section.key value ...] [--sft.KEY VALUE ...]
+    [--nproc-per-node N]`; returns the exit code."""
+    return _main("sft", list(argv))
+
+
+def dpo_main(argv: list[str]) -> int:
+    """`threefold dpo [CONFIG.toml] [--section.key value ...] [--dpo.KEY VALUE ...]
+    [--nproc-per-node N]`; returns the exit code."""
+    return _main("dpo", list(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m threefold.post.cli sft|dpo ...`` (what torchrun runs for these commands)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("sft", "dpo"):
+        print("usage: python -m threefold.post.cli sft|dpo [args]", file=sys.stderr)
+        return 2
+    return sft_main(argv[1:]) if argv[0] == "sft" else dpo_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

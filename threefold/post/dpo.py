@@ -1,0 +1,277 @@
+"""Direct preference optimisation: the ``DPOTask`` the training loop runs.
+
+Data: a JSONL file of preference pairs (the built-in ``examples/dpo.jsonl`` by default), in
+either of TRL's two formats:
+
+- standard: ``{"prompt": str, "chosen": str, "rejected": str}``; the end-of-text token is
+  appended to each response that lacks it;
+- conversational: ``{"prompt": [messages], "chosen": [assistant message(s)], "rejected":
+  [...]}``, rendered with the chat template (``threefold.post.chat``), the prompt with the
+  generation prompt.
+
+As TRL does, the prompt and each prompt+response are tokenized whole and the response starts
+where the prompt's tokens and both prompt+response token lists first differ. A sequence is cut
+to ``data.seq_len`` tokens (its start kept); a pair whose prompt alone fills it is dropped.
+
+Loss (Rafailov et al., "Direct Preference Optimization", arXiv 2305.18290, Eq. 7), with the
+label smoothing of conservative DPO (Mitchell, "A note on DPO with noisy preferences", 2023):
+
+    Δ = (log π(y_c|x) − log π(y_r|x)) − (log π_ref(y_c|x) − log π_ref(y_r|x))
+    loss = −(1−ε)·log σ(β·Δ) − ε·log σ(−β·Δ)
+
+where log π(y|x) is the summed log-probability of the response tokens. ``count`` is pairs, so
+the loop's loss is the mean over the pairs of the global batch. Metrics (TRL's names), means
+over pairs: ``rewards/chosen`` = β·(log π(y_c) − log π_ref(y_c)), ``rewards/rejected``
+likewise, ``rewards/margins`` their difference, ``rewards/accuracies`` the share of pairs whose
+chosen reward is strictly larger, and ``logps/chosen`` / ``logps/rejected``.
+
+Reference: this is the issue's "precomputed log-probs" option. The policy equals the reference
+at step 0, so ``setup`` scores every pair (training and validation) once with the initial
+policy, before any update, with no gradient, through ``run.forward`` / ``run.loss``: the same
+code as training, so it works under every layout (every rank scores every pair; under tensor
+parallelism or ZeRO-3 the ranks need each other's collectives anyway) and needs no second
+model in memory. On resume the reference is scored again from the same initial weights
+(``checkpoint.init_from``, or the seed's initialisation), before the checkpoint is loaded.
+At step 0, then, Δ = 0 and the loss is ln 2 for any β and ε.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from threefold.data import DataError
+from threefold.post.chat import check_messages, encode_text, eot_token, load_chat_template
+from threefold.post.sft import IGNORE, EpochSampler, pad_id, split_records
+
+
+@dataclass
+class DPOOptions:
+    """Options of ``threefold dpo`` beyond the run configuration (``--dpo.KEY VALUE``)."""
+
+    data: str = ""  # JSONL of prompt/chosen/rejected; "" = the built-in examples
+    val_data: str = ""  # validation JSONL; "" = the last data.val_fraction of ``data``
+    beta: float = 0.1  # β: strength of the pull towards the reference
+    label_smoothing: float = 0.0  # ε: assumed share of flipped preference labels, in [0, 0.5)
+    chat_template: str = "auto"  # auto (tokenizer's, else built-in), builtin, or a .jinja path
+
+
+def dpo_loss(chosen_logratio: torch.Tensor, rejected_logratio: torch.Tensor, beta: float,
+             label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-pair sigmoid DPO loss from log π − log π_ref of the chosen and rejected responses:
+    −(1−ε)·log σ(β·Δ) − ε·log σ(−β·Δ), Δ = chosen − rejected (Rafailov et al. 2023, Eq. 7;
+    ε as in conservative DPO, Mitchell 2023)."""
+    z = beta * (chosen_logratio - rejected_logratio)
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_pair(rec: dict, template, tok, eot: str, where: str) -> tuple[list, list, list]:
+    """(prompt ids, chosen ids, rejected ids) of a record, responses without the prompt."""
+    for key in ("prompt", "chosen", "rejected"):
+        if key not in rec:
+            raise DataError(f"{where}: record has no '{key}' (fields: {', '.join(rec)}); each "
+                            "line needs prompt, chosen and rejected")
+    p, c, r = rec["prompt"], rec["chosen"], rec["rejected"]
+    if all(isinstance(x, str) for x in (p, c, r)):
+        texts = (p, p + (c if c.endswith(eot) else c + eot), p + (r if r.endswith(eot) else r + eot))
+    elif all(isinstance(x, list) for x in (p, c, r)):
+        p = check_messages(p, where + " prompt", need_assistant=False)
+        c = check_messages(c, where + " chosen")
+        r = check_messages(r, where + " rejected")
+        texts = (template.render(p, add_generation_prompt=True), template.render(p + c),
+                 template.render(p + r))
+    else:
+        raise DataError(f"{where}: prompt, chosen and rejected must all be strings or all be "
+                        "lists of messages")
+    prompt, chosen, rejected = (list(encode_text(tok, t).ids) for t in texts)
+    # Where the response starts: the tokens of the prompt alone may merge differently at its
+    # end than inside prompt+response (TRL's rule: the shortest common prefix).
+    n = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
+    return prompt[:n], chosen[n:], rejected[n:]
+
+
+def sequence(prompt: list[int], response: list[int], seq_len: int,
+             pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, labels) of prompt+response cut and padded to ``seq_len``; labels[t] is
+    token t+1 where that token belongs to the response."""
+    ids = (prompt + response)[:seq_len]
+    x = np.full(seq_len, pad, dtype=np.int64)
+    y = np.full(seq_len, IGNORE, dtype=np.int64)
+    x[:len(ids)] = ids
+    first = max(len(prompt), 1)  # the first response token with a position predicting it
+    y[first - 1:len(ids) - 1] = ids[first:]
+    return x, y
+
+
+class PairSampler(EpochSampler):
+    """Preference pairs: chosen/rejected input ids and labels, reference log-probs, weight."""
+
+    def __init__(self, pairs: list[tuple[list, list, list]], seq_len: int,
+                 global_batch_size: int, seed: int, pad: int, shuffle: bool = True):
+        self.seq_len, self.pad = int(seq_len), int(pad)
+        self.arrays = [sequence(p, c, seq_len, pad) + sequence(p, r, seq_len, pad)
+                       for p, c, r in pairs]
+        self.ref: np.ndarray | None = None  # (n, 2) float64 from DPOTask.setup
+        h = hashlib.blake2b(digest_size=8)
+        for arrs in self.arrays:
+            for a in arrs:
+                h.update(a.tobytes())
+        super().__init__(len(pairs), global_batch_size, seed, shuffle,
+                         f"{h.hexdigest()}/{self.seq_len}")
+
+    def tensors(self, i: int) -> dict[str, np.ndarray]:
+        """Pair ``i``'s token arrays."""
+        xc, yc, xr, yr = self.arrays[i]
+        return {"chosen_input_ids": xc, "chosen_labels": yc,
+                "rejected_input_ids": xr, "rejected_labels": yr}
+
+    def item(self, i: int) -> dict[str, np.ndarray]:
+        """Pair ``i`` with its reference log-probs and weight 1."""
+        if self.ref is None:
+            raise RuntimeError("reference log-probs are computed in DPOTask.setup")
+        out = self.tensors(i)
+        out.update(ref_chosen_logps=np.float64(self.ref[i, 0]),
+                   ref_rejected_logps=np.float64(self.ref[i, 1]), weight=np.float32(1.0))
+        return out
+
+    def empty(self) -> dict[str, np.ndarray]:
+        """A pair of padding with weight 0."""
+        x = np.full(self.seq_len, self.pad, dtype=np.int64)
+        y = np.full(self.seq_len, IGNORE, dtype=np.int64)
+        return {"chosen_input_ids": x, "chosen_labels": y, "rejected_input_ids": x.copy(),
+                "rejected_labels": y.copy(), "ref_chosen_logps": np.float64(0.0),
+                "ref_rejected_logps": np.float64(0.0), "weight": np.float32(0.0)}
+
+
+def sequence_logps(run, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed log-probability of each row's labelled tokens, (rows,) fp32: minus the summed
+    cross-entropy, one ``run.loss`` call per row (vocab-parallel under tensor parallelism)."""
+    logits = run.forward({"input_ids": input_ids})
+    return torch.stack([-run.loss(logits[i:i + 1], labels[i:i + 1])
+                        for i in range(input_ids.shape[0])])
+
+
+def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy log-probs (chosen, rejected) of a micro-batch of pairs, in one forward over the
+    chosen rows followed by the rejected rows (as TRL's concatenated forward)."""
+    b = micro["chosen_input_ids"].shape[0]
+    ids = torch.cat([micro["chosen_input_ids"], micro["rejected_input_ids"]])
+    labels = torch.cat([micro["chosen_labels"], micro["rejected_labels"]])
+    logps = sequence_logps(run, ids, labels)
+    return logps[:b], logps[b:]
+
+
+class DPOTask:
+    """Sigmoid DPO with label smoothing against precomputed reference log-probs."""
+
+    name = "dpo"
+    metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                    "rewards/margins", "logps/chosen", "logps/rejected")
+
+    def __init__(self, options: DPOOptions | None = None):
+        self.options = options or DPOOptions()
+        o = self.options
+        if not o.beta > 0:
+            raise DataError(f"dpo.beta: must be positive, got {o.beta}")
+        if not 0 <= o.label_smoothing < 0.5:
+            raise DataError(f"dpo.label_smoothing: {o.label_smoothing} must be in [0, 0.5)")
+        self.stats: dict = {}
+
+    def _pairs(self, records, template, tok, eot: str, seq_len: int, path: str) -> list:
+        pairs = []
+        for no, rec in records:
+            p, c, r = tokenize_pair(rec, template, tok, eot, f"{path}:{no}")
+            if len(p) >= seq_len:
+                self.stats["dropped"] = self.stats.get("dropped", 0) + 1
+                continue
+            if not c or not r:
+                raise DataError(f"{path}:{no}: a response is empty after tokenization")
+            self.stats["truncated"] = self.stats.get("truncated", 0) + \
+                (len(p) + max(len(c), len(r)) > seq_len)
+            pairs.append((p, c, r))
+        if not pairs:
+            raise DataError(f"'{path}': every prompt fills data.seq_len={seq_len}; raise it")
+        return pairs
+
+    def samplers(self, cfg, data) -> tuple[PairSampler, PairSampler]:
+        """Training pairs (shuffled per epoch) and validation pairs (in order)."""
+        o, t, seq_len = self.options, cfg.train, cfg.data.seq_len
+        tok = data.tokenizer
+        template = load_chat_template(data.tokenizer_path, tok, o.chat_template)
+        eot = eot_token(tok, str(data.tokenizer_path))
+        train_recs, val_recs, path = split_records(cfg, o.data, o.val_data, "dpo.jsonl")
+        self.stats = {"template": template.source, "data": path}
+        train = self._pairs(train_recs, template, tok, eot, seq_len, path)
+        val = self._pairs(val_recs, template, tok, eot, seq_len, o.val_data or path)
+        pad = pad_id(tok, data.eot_id)
+        self.train = PairSampler(train, seq_len, t.global_batch_size, t.seed, pad, shuffle=True)
+        self.val = PairSampler(val, seq_len, t.global_batch_size, t.seed, pad, shuffle=False)
+        self.stats.update(pairs=len(train), val_pairs=len(val))
+        return self.train, self.val
+
+    @torch.no_grad()
+    def reference_logps(self, run, sampler: PairSampler) -> np.ndarray:
+        """(n, 2) summed log-probs of every pair's chosen and rejected response under the
+        model as it is now. Micro-batches have the training shape (the last one is filled up
+        with repeats), so a pair scores the same here as in the first training step."""
+        lay = run.layout
+        mb = min(run.cfg.train.micro_batch_size, run.cfg.train.global_batch_size // lay.dp_size)
+        out = np.zeros((sampler.n, 2), dtype=np.float64)
+        for start in range(0, sampler.n, mb):
+            idx = list(range(start, min(sampler.n, start + mb)))
+            items = [sampler.tensors(i) for i in idx + [idx[0]] * (mb - len(idx))]
+            micro = {k: torch.from_numpy(np.stack([it[k] for it in items])).to(run.device)
+                     for k in items[0]}
+            chosen, rejected = pair_logps(run, micro)
+            out[start:start + len(idx), 0] = chosen[:len(idx)].double().cpu().numpy()
+            out[start:start + len(idx), 1] = rejected[:len(idx)].double().cpu().numpy()
+        return out
+
+    def setup(self, run) -> None:
+        """Score every pair with the initial policy: the reference (see the module doc)."""
+        self.train.ref = self.reference_logps(run, self.train)
+        self.val.ref = self.reference_logps(run, self.val)
+        if run.layout.is_writer:
+            s = self.stats
+            print(f"dpo: {s['pairs']} pairs ({s['val_pairs']} held out) from {s['data']}, "
+                  f"template {s['template']}, beta {self.options.beta}, label smoothing "
+                  f"{self.options.label_smoothing}; reference log-probs precomputed"
+                  + (f", {s['truncated']} truncated" if s.get("truncated") else "")
+                  + (f", {s['dropped']} dropped (prompt fills data.seq_len)"
+                     if s.get("dropped") else ""), flush=True)
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """Pairs (empty validation fillers weigh 0)."""
+        return int(batch["weight"].sum())
+
+    def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """Summed DPO loss of the micro-batch's pairs and summed metrics."""
+        o = self.options
+        w = micro["weight"].double()
+        chosen, rejected = pair_logps(run, micro)
+        # log-ratios in fp64: at step 0 policy and reference scores are the same fp32 numbers,
+        # so Δ is exactly 0 and the loss exactly ln 2
+        lr_c = chosen.double() - micro["ref_chosen_logps"]
+        lr_r = rejected.double() - micro["ref_rejected_logps"]
+        total = (dpo_loss(lr_c, lr_r, o.beta, o.label_smoothing) * w).sum()
+        rc, rr = o.beta * lr_c.detach(), o.beta * lr_r.detach()
+        metrics = {"rewards/chosen": (rc * w).sum(), "rewards/rejected": (rr * w).sum(),
+                   "rewards/accuracies": ((rc > rr).double() * w).sum(),
+                   "rewards/margins": ((rc - rr) * w).sum(),
+                   "logps/chosen": (chosen.detach().double() * w).sum(),
+                   "logps/rejected": (rejected.detach().double() * w).sum()}
+        return total.float(), metrics
