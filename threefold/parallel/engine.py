@@ -47,6 +47,24 @@ def global_sq_norm(parts: torch.Tensor, comm, shard_axis: str | None = None) -> 
     return float(sharded[0] + parts[1])
 
 
+def clip_to(grads: list[torch.Tensor], total: float, max_norm: float) -> None:
+    """Scale ``grads`` so that a global norm of ``total`` becomes at most ``max_norm``
+    (0 = no clipping), as torch's clip_grad_norm_ does."""
+    if max_norm > 0:
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+
+
+def adamw_step(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate, step, release the gradients."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def make_adamw(params, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW as every engine uses it: same hyper-parameters, single-tensor kernel (the same
     elementwise arithmetic whether a tensor is a whole parameter or a flat shard)."""
@@ -85,20 +103,12 @@ class LocalEngine:
         """Global L2 norm of the gradient; scale gradients so it is at most ``max_norm``
         (0 = measure only)."""
         total = math.sqrt(global_sq_norm(self.sq_norm_parts(), self.comm))
-        if max_norm > 0:
-            coef = max_norm / (total + 1e-6)
-            if coef < 1.0:
-                for _, p in self.named_params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+        clip_to([p.grad for _, p in self.named_params if p.grad is not None], total, max_norm)
         return total
 
     def step(self, lr: float) -> None:
         """One optimiser step at learning rate ``lr``; gradients are released afterwards."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        adamw_step(self.optimizer, lr)
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -57,7 +57,8 @@ TP_PLAN: dict[str, str] = {
 # Conjugate operators (autograd functions through the communication layer)
 # --------------------------------------------------------------------------------------------
 class _CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce backward."""
+    """f: identity forward, all-reduce backward. Also wraps a replicated weight whose
+    gradient each tp rank sees only part of (SP norms, replicated k/v)."""
 
     @staticmethod
     def forward(ctx, x, comm):
@@ -142,21 +143,6 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_seq(grad, ctx.comm), None
-
-
-class _GradAllReduce(torch.autograd.Function):
-    """Identity on a replicated weight whose gradient each rank sees only part of."""
-
-    @staticmethod
-    def forward(ctx, w, comm):
-        ctx.comm = comm
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, AXIS)
-        return grad, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +234,7 @@ def _vocab_embedding_forward(comm, sp: bool, shard: int):
 
 def _replicated_kv_forward(comm, rows: slice):
     def forward(self, x):
-        return F.linear(x, _GradAllReduce.apply(self.weight, comm)[rows])
+        return F.linear(x, _CopyToTP.apply(self.weight, comm)[rows])
     return forward
 
 
@@ -257,7 +243,7 @@ def _sp_norm_forward(comm):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return _GradAllReduce.apply(self.weight, comm) * x.to(dtype)
+        return _CopyToTP.apply(self.weight, comm) * x.to(dtype)
     return forward
 
 

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
-from threefold.parallel.engine import (global_sq_norm, make_adamw, tp_shard_dim,
-                                       unique_named_parameters)
+from threefold.parallel.engine import (adamw_step, clip_to, global_sq_norm, make_adamw,
+                                       tp_shard_dim, unique_named_parameters)
 
 
 class FlatUnit:
@@ -261,19 +261,12 @@ class ZeroEngine:
         for unit in self.all_units:
             parts += unit.shard_sq_norm_parts()
         total = math.sqrt(global_sq_norm(parts, self.comm, self.shard_axis))
-        if max_norm > 0:
-            coef = max_norm / (total + 1e-6)
-            if coef < 1.0:
-                for unit in self.all_units:
-                    unit.shard.grad.mul_(coef)
+        clip_to([u.shard.grad for u in self.all_units], total, max_norm)
         return total
 
     def step(self, lr: float) -> None:
         """AdamW on the owned shards; stages 1-2 then all-gather the new parameters."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        adamw_step(self.optimizer, lr)
         if self.stage in (1, 2):
             for unit in self.all_units:
                 unit.gathered = False
