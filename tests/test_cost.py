@@ -139,18 +139,24 @@ def test_only_zero3_communicates_every_microbatch():
 
 
 def test_zero_gradient_memory_as_the_engine_holds_it():
-    """threefold's ZeRO keeps each unit's full flat gradient (the reduce-scatter's input)
-    until finish_gradients: stages 1 and 2 hold Ψ(1 + 1/N) at the end of backward, stage 3
-    that much per microbatch. Accumulating stages 1/2 hold Ψ while the last backward starts."""
+    """threefold's ZeRO: stage 1 keeps the full .grad until finish_gradients (Ψ plus one
+    unit's flat copy); stages 2 and 3 free each unit's gradient once its reduce-scatter is
+    done, a bounded number of them in flight, so only the Ψ/N shard and a few units remain.
+    Accumulating stages 1/2 hold Ψ while the last backward starts, stage 3 the shard."""
+    from threefold.cost import largest_unit_parameters
+    from threefold.memory import ZERO_REDUCES_IN_FLIGHT
+
     cfg, work = preset("llama3-8b"), Workload(1024, 64)
     z1 = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=1, microbatch_size=2), work)
     z2 = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=2, microbatch_size=2), work)
     z3 = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=3, microbatch_size=2), work)
     z2_one = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=2, microbatch_size=8), work)
-    psi = stage_parameters(cfg, Layout(), 0)
-    assert z2.grads == z1.grads == pytest.approx(psi * 2 * (1 + 1 / 8))
+    psi, unit = stage_parameters(cfg, Layout(), 0), largest_unit_parameters(cfg, 1)
+    assert z1.grads == pytest.approx((psi + unit) * 2)
+    assert z2.grads == z3.grads == pytest.approx((psi / 8 + (ZERO_REDUCES_IN_FLIGHT + 1) * unit)
+                                                 * 2)
     assert z2.grads_in_backward == pytest.approx(psi * 2) and z2_one.grads_in_backward == 0
-    assert z3.grads == pytest.approx(4 * psi * 2 * (1 + 1 / 8))
+    assert z3.grads_in_backward == pytest.approx(psi * 2 / 8)
     assert z3.params == pytest.approx(psi * 2 / 8) and z2.params == pytest.approx(psi * 2)
     assert z2.optimizer == z3.optimizer == pytest.approx(psi * 12 / 8)
     # total: what always exists plus the larger transient moment

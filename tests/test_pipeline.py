@@ -139,7 +139,11 @@ def test_chunks_keep_names_own_the_ends_and_compose_to_the_model():
     whole = _model(cfg)
     ids, _ = _batch(0)
     names = []
-    per_rank = [_materialise(split_model(_model(cfg), p, v, r)) for r in range(p)]
+    per_rank = []
+    for r in range(p):  # allocated and initialised chunk by chunk, or as one rank module
+        chunks = split_model(_model(cfg), p, v, r)
+        _materialise(chunks if r == 0 else [rank_model(chunks)])
+        per_rank.append(chunks)
     for r, chunks in enumerate(per_rank):
         for c, chunk in enumerate(chunks):
             s = c * p + r  # Megatron's interleaved assignment
@@ -219,6 +223,33 @@ def test_one_rank_pipeline_is_gradient_accumulation(schedule, v):
         torch.testing.assert_close(got[name].grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert len([r for r in records if r.category == "compute"]) == \
         sum(a.kind.is_compute for a in build_schedule(schedule, 1, 4, v)[0])
+    grads = {k: q.grad.clone() for k, q in got.items()}
+    ex = PipelineExecutor(chunks, schedule, 1, 4, v, 0, None, causal_lm_loss)
+    assert ex.evaluate(mbs) == pytest.approx(want * n, rel=1e-6)  # forward only: token sum
+    assert all(torch.equal(q.grad, grads[k]) for k, q in got.items())  # no gradient touched
+
+
+def test_dict_microbatches_carry_packed_documents():
+    """train.py's micro-batch dicts: document ids and restarting positions reach every chunk
+    (here two chunks on one rank), so packed sequences keep attention inside documents."""
+    from threefold.model import document_position_ids
+
+    cfg = _cfg(layers=4)
+    ids, labels = _batch(2)
+    docs = (torch.arange(SEQ) >= SEQ // 3).long().expand(BATCH, SEQ)  # two documents a row
+    pos = document_position_ids(docs)
+    n = int((labels != -100).sum())
+    ref = _model(cfg)
+    with torch.no_grad():
+        want = causal_lm_loss(ref(ids, position_ids=pos, document_ids=docs), labels).item()
+        plain = causal_lm_loss(ref(ids), labels).item()
+    assert abs(want - plain) > 1e-5 * abs(want)  # the documents change the loss (> rel 1e-6)
+    chunks = split_model(_model(cfg), 1, 2, 0)
+    mbs = [{"input_ids": ids[i:i + 4], "labels": labels[i:i + 4], "position_ids": pos[i:i + 4],
+            "document_ids": docs[i:i + 4]} for i in (0, 4)]
+    ex = PipelineExecutor(chunks, "interleaved-1f1b", 1, 2, 2, 0, None, causal_lm_loss)
+    assert ex.evaluate(mbs) == pytest.approx(want, rel=1e-6)
+    assert ex.run(mbs, n) == pytest.approx(want / n, rel=1e-6)
 
 
 def test_executor_refuses_mismatched_chunks_and_microbatches():
@@ -247,6 +278,9 @@ def _train_single(cfg: ModelConfig):
         loss.backward()
         engine.step(LR)
         losses.append(loss.item())
+    with torch.no_grad():  # evaluation: the summed token loss of a fresh batch
+        ids, labels = _batch(STEPS)
+        losses.append(causal_lm_loss(model(ids), labels).item())
     return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
@@ -276,23 +310,27 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0):
     ex = PipelineExecutor(chunks, schedule, p, m, v, pp_rank, comm, causal_lm_loss,
                           grad_sync=engine.micro_step)
     losses = []
-    for step in range(STEPS):
+    for step in range(STEPS + 1):  # the last one only evaluates
         ids, labels = _batch(step)
         n_tokens = int((labels != -100).sum())  # the global batch's, known to every rank
         rows = BATCH // dp
         ids, labels = ids[dp_rank * rows:(dp_rank + 1) * rows], \
             labels[dp_rank * rows:(dp_rank + 1) * rows]
         mb = rows // m
-        loss = ex.run([(ids[i:i + mb], labels[i:i + mb]) for i in range(0, rows, mb)], n_tokens)
-        total = torch.tensor([loss], dtype=torch.float64)
+        micro = [(ids[i:i + mb], labels[i:i + mb]) for i in range(0, rows, mb)]
+        if step == STEPS:
+            records = ex.records  # the last training step's
+            total = torch.tensor([ex.evaluate(micro)], dtype=torch.float64)
+        else:
+            total = torch.tensor([ex.run(micro, n_tokens)], dtype=torch.float64)
+            engine.finish_gradients()
+            engine.step(LR)
         comm.all_reduce(total, "dp")
-        engine.finish_gradients()
-        engine.step(LR)
         losses.append(float(total))
     weights = engine.state_dict()["model"]  # collective under ZeRO
     n_compute = sum(a.kind.is_compute for a in ex.actions)
     return {"losses": losses, "weights": weights if dp_rank == 0 else {},
-            "records": ex.records, "n_compute": n_compute}
+            "records": records, "n_compute": n_compute}
 
 
 def _runs(rank, world, runs):
@@ -318,9 +356,11 @@ RUNS_4 = [
 
 @pytest.fixture(scope="module")
 def single():
+    """One process, whole batch: the losses (and evaluation loss) and weights to match."""
     return _train_single(_cfg())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,runs", [(2, RUNS_2), (4, RUNS_4)], ids=["2ranks", "4ranks"])
 def test_every_schedule_equals_single_process(world, runs, single, tmp_path):
     ref_losses, ref_weights = single
@@ -328,7 +368,7 @@ def test_every_schedule_equals_single_process(world, runs, single, tmp_path):
     for run in runs:
         name = run["name"]
         per_rank = [r[name] for r in results]
-        for r in per_rank:
+        for r in per_rank:  # training losses, then the evaluation loss of the final weights
             assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), name
         weights = {}
         for r in per_rank:

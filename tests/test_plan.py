@@ -137,3 +137,64 @@ def test_thousand_gpu_search_is_fast(capsys):
     elapsed = time.process_time() - start
     assert rc == 0 and len(json.loads(out)) == 3
     assert elapsed < 8, f"search took {elapsed:.1f} s of CPU"
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration: a measured machine in place of a catalogue GPU
+# --------------------------------------------------------------------------------------------
+def _calibration(fp32_1=20e9, fp32_2=36e9, bw=1e9, lat=3e-4):
+    return {"name": "cpu-test", "cores": 2, "threads": 2,
+            "matmul_flops": {"fp32": {"1": fp32_1, "2": fp32_2}, "bf16": {"1": 1e9, "2": 2e9}},
+            "memory_bandwidth": 8e9, "memory_bytes": 16e9,
+            "allreduce": {"ranks": 2, "latency_s": lat, "bandwidth": bw, "times": {}}}
+
+
+def test_alpha_beta_fit_recovers_a_link():
+    from threefold.calibrate import fit_alpha_beta
+
+    for world, lat, bw in ((2, 3e-4, 1e9), (4, 8e-4, 4e8)):
+        steps, frac = 2 * (world - 1), 2 * (world - 1) / world
+        times = {s: steps * lat + frac * s / bw for s in (4, 65536, 1 << 20, 16 << 20)}
+        got_lat, got_bw = fit_alpha_beta(times, world)
+        assert got_lat == pytest.approx(lat, rel=1e-4) and got_bw == pytest.approx(bw, rel=1e-4)
+
+
+def test_hardware_from_calibration_shares_the_machine():
+    from threefold.calibrate import hardware_from_calibration
+
+    one = hardware_from_calibration(_calibration(), 1)
+    two = hardware_from_calibration(_calibration(), 2)
+    assert one.peak_flops("fp32") == 36e9 and two.peak_flops("fp32") == 20e9  # threads/rank
+    assert two.peak_flops("bf16") == 1e9 and two.matmul_efficiency == 1.0
+    assert two.memory_bytes == 8e9 and two.memory_bw == 4e9
+    assert two.link(False) == two.link(True) == (3e-4, 1e9)
+
+
+def test_plan_uses_a_hardware_file(tmp_path, capsys):
+    path = tmp_path / "cal.json"
+    argv = ["--model", "tiny", "--gpus", "2", "--gpus-per-node", "2", "--precision", "fp32",
+            "--seq-len", "256", "--global-batch-tokens", "4096", "--json", "--top", "1"]
+    path.write_text(json.dumps(_calibration()))
+    rc, out, err = run(capsys, *argv, "--hardware-file", str(path))
+    assert rc == 0, err
+    slow = json.loads(out)[0]
+    path.write_text(json.dumps(_calibration(fp32_1=80e9, fp32_2=144e9)))
+    fast = json.loads(run(capsys, *argv, "--hardware-file", str(path))[1])[0]
+    assert fast["step_time_s"] < 0.5 * slow["step_time_s"]
+    assert 0 < slow["mfu"] <= 1  # a measured peak is an achieved rate
+    path.write_text("{}")
+    rc, _, err = run(capsys, *argv, "--hardware-file", str(path))
+    assert rc == 2 and "calibration" in err
+    rc, _, err = run(capsys, "--calibrate", "--calibrate-ranks", "1")
+    assert rc == 2 and "calibrate-ranks" in err
+
+
+def test_calibration_measures_this_machine():
+    """The measurements themselves, small: matmul rate, copy bandwidth, and all-reduces
+    between two local processes (spawned, joined through this process's store)."""
+    from threefold.calibrate import allreduce_times, matmul_flops, memory_bandwidth
+
+    assert matmul_flops("fp32", 1, seconds=0.05) > 1e8
+    assert memory_bandwidth(8 << 20, repeats=2) > 1e8
+    times = allreduce_times(2, sizes=(4, 1 << 20), repeats=2, timeout_s=120)
+    assert set(times) == {4, 1 << 20} and all(t > 0 for t in times.values())

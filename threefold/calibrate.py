@@ -2,14 +2,15 @@
 predict for it instead of for a catalogue GPU.
 
 Three measurements, each a few seconds:
-- matmul FLOP/s, fp32 and bf16, at 1 thread and at every thread torch uses
-  (``threefold.metrics.cpu_matmul_flops``: best of many 1024² multiplies);
+- matmul FLOP/s, fp32 and bf16, at 1 thread and at every thread torch uses: the median rate
+  of back-to-back square products (1024², smaller where the dtype is slow), the sustained
+  rate a training step sees on a shared machine;
 - memory bandwidth: the best of several copies of a 64 MB tensor (read + write), which
   bounds the elementwise kernels the cost model counts as memory traffic;
 - gloo all-reduce between local processes (started with ``torch.multiprocessing``, joined
   through a TCPStore this process serves on a port the OS picks): the median time of a few
   all-reduces per size, fitted to the α-β model the cost model uses (``Collective.time``):
-  t(S) = 2(n-1)·α + 2(n-1)/n · S/β.
+  t(S) = 2(n-1)·α + 2(n-1)/n · S/β (``fit_alpha_beta``).
 
 The result is a JSON file (``--calibrate-out``, default ``DEFAULT_PATH``) that ``threefold plan
 --hardware-file`` and ``threefold train --dry-run`` (``THREEFOLD_HARDWARE=FILE``) turn into a
@@ -27,14 +28,20 @@ from pathlib import Path
 
 DEFAULT_PATH = Path("~/.cache/threefold/calibration.json")
 ALLREDUCE_BYTES = (4, 64 * 1024, 1 << 20, 4 << 20, 16 << 20)
-REPEATS = 5
+REPEATS = 3
 
 
 # --------------------------------------------------------------------------------------------
 # Compute and memory
 # --------------------------------------------------------------------------------------------
-def matmul_flops(dtype_name: str, threads: int, seconds: float = 0.4) -> float:
-    """Measured matmul FLOP/s at ``dtype_name`` ('fp32' or 'bf16') on ``threads`` threads."""
+def matmul_flops(dtype_name: str, threads: int, seconds: float = 0.3,
+                 statistic: str = "median") -> float:
+    """Measured matmul FLOP/s at ``dtype_name`` ('fp32' or 'bf16') on ``threads`` threads, over
+    ``seconds`` of back-to-back square products. ``statistic`` 'median' is the sustained rate a
+    training step sees on a shared machine (what the planner needs); 'best' is the peak
+    ``threefold.metrics.cpu_matmul_flops`` reports (what MFU divides by). The matrix size
+    adapts to the rate: CPUs without bf16 instructions multiply bf16 a hundred times slower
+    than fp32, and one 1024² product must not take seconds."""
     import torch
 
     from threefold.metrics import cpu_matmul_flops
@@ -43,7 +50,22 @@ def matmul_flops(dtype_name: str, threads: int, seconds: float = 0.4) -> float:
     torch.set_num_threads(threads)
     try:
         dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-        return cpu_matmul_flops(dtype, seconds=seconds)
+        a = torch.randn(256, 256, dtype=dtype)
+        torch.mm(a, a)
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        rough = 2 * 256**3 / max(time.perf_counter() - t0, 1e-9)
+        n = 1024 if rough * 0.05 >= 2 * 1024**3 else 512 if rough * 0.05 >= 2 * 512**3 else 256
+        if statistic == "best":
+            return cpu_matmul_flops(dtype, n=n, seconds=seconds)
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)
+        rates, end = [], time.perf_counter() + seconds
+        while not rates or time.perf_counter() < end:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            rates.append(2 * n**3 / (time.perf_counter() - t0))
+        return statistics.median(rates)
     finally:
         torch.set_num_threads(before)
 
@@ -120,18 +142,17 @@ def allreduce_times(world: int = 2, sizes: tuple[int, ...] = ALLREDUCE_BYTES,
 
 
 def fit_alpha_beta(times: dict[int, float], world: int) -> tuple[float, float]:
-    """(latency α seconds per ring step, bandwidth β bytes/s) from all-reduce times, by
-    least squares on t = 2(n-1)·α + 2(n-1)/n·S/β (the cost model's ring all-reduce)."""
+    """(latency α seconds per ring step, bandwidth β bytes/s) of the cost model's ring
+    all-reduce, t = 2(n-1)·α + 2(n-1)/n·S/β. α comes from the smallest message, which is all
+    latency; β from a least-squares line through the origin of the larger messages' remaining
+    time against the bytes each rank moves (a free intercept is at the mercy of one noisy
+    large message)."""
     steps, frac = 2 * (world - 1), 2 * (world - 1) / world
-    xs = [frac * s for s in times]
-    ys = list(times.values())
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    intercept = my - slope * mx
-    # a noisy fit can put the intercept below zero: then the smallest message is all latency
-    latency = (intercept if intercept > 0 else times[min(times)]) / steps
+    smallest = min(times)
+    latency = times[smallest] / steps
+    pts = [(frac * s, t - steps * latency) for s, t in times.items() if s != smallest]
+    sxx = sum(x * x for x, _ in pts)
+    slope = sum(x * y for x, y in pts) / sxx if sxx else 0.0
     bandwidth = 1.0 / slope if slope > 0 else float("inf")
     return latency, bandwidth
 
@@ -189,15 +210,17 @@ def load(path: str | Path) -> dict:
     return record
 
 
-def hardware_from_calibration(record: dict, ranks_on_machine: int = 1):
+def hardware_from_calibration(record: dict, ranks_on_machine: int = 1,
+                              threads_per_rank: int | None = None):
     """A ``Hardware`` for one rank of ``ranks_on_machine`` sharing this machine: the matmul
-    rate measured at the threads each rank gets (cores // ranks, the nearest measured count
-    not above it), the measured copy bandwidth shared among the ranks, the fitted all-reduce
-    latency and bandwidth for every link, and the machine's memory shared among the ranks."""
+    rate measured at the threads each rank gets (``threads_per_rank``, by default the
+    machine's threads // ranks; the nearest measured count not above it), the measured copy
+    bandwidth shared among the ranks, the fitted all-reduce latency and bandwidth for every
+    link, and the machine's memory shared among the ranks."""
     from threefold.hardware import Hardware
 
     ranks = max(1, ranks_on_machine)
-    per_rank = max(1, record.get("threads", record.get("cores", 1)) // ranks)
+    per_rank = threads_per_rank or max(1, record.get("threads", record.get("cores", 1)) // ranks)
 
     def rate(dtype: str) -> float | None:
         table = {int(k): v for k, v in record["matmul_flops"].get(dtype, {}).items()}

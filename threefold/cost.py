@@ -60,6 +60,11 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 # A measured Hardware (``Hardware.measured``) carries achieved FLOP/s and uses 1.0 instead.
 MATMUL_EFFICIENCY = 0.58
 DEFAULT_BUCKET_MB = 25.0  # = ParallelConfig.bucket_mb: data-parallel gradient buckets, MiB
+# The optimiser step as threefold's engines run it — torch's single-tensor AdamW (foreach=False)
+# and the gradient-norm clip — is memory-bound: fp32 elements read or written per parameter
+# it updates: weight decay 2, first moment 3, second moment 5, the denominator 6, the update 4,
+# the squared norm 3, the clipping scale 2.
+ADAMW_ACCESSES_PER_PARAM = 25
 
 
 class LayoutError(ValueError):
@@ -540,7 +545,9 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default), so the attention's
     closing collective is repeated and the MLP's is not: +1 all-reduce per layer, or under SP
     +2 all-gathers and +1 reduce-scatter. The gradient-norm all-reduces one fp32 scalar over tp.
-    pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary.
+    pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary, in
+    the residual dtype; the gradient norm all-reduces 2 fp32 scalars over the stages (these
+    pipeline figures are the planner's: not yet checked against the pipeline executor).
     dp (``threefold.parallel.data`` / ``zero``; ZeRO arXiv 1910.02054 §7): stage 0 all-reduces
     the gradient buckets over the flattened "dp" group once per step (no sync while
     accumulating), overlapped with the last backward; ZeRO works per unit (embedding, each
@@ -590,6 +597,7 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
         add("pp", "p2p", x // t if layout.sp else x, r, sends, p, True, "none")
         if cfg.tie_word_embeddings and stage in (0, p - 1):
             add("pp", "all_reduce", sh.vocab * h, g, 1, 2, False, "step")
+        add("pp", "all_reduce", 2, 4, 1, p, False, "step")  # gradient norm over stages
 
     ns, nr, z = layout.dp_shard, layout.dp_replicate, layout.zero_stage
     if z == 0:
@@ -743,6 +751,7 @@ class StepPrediction:
     hfu: float | None
     comm_bytes: dict[str, float] = field(default_factory=dict)
     inter_node_axes: tuple[str, ...] = ()
+    optimizer_s: float = 0.0  # the optimiser step's memory traffic, after the last backward
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
@@ -759,7 +768,9 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     all-reduce over dp_replicate and the ZeRO-1/2 parameter all-gathers after the step are
     exposed (with ``overlap_grad_reduce=False`` no data-parallel communication overlaps
     anything, as in Megatron-LM of 2021). The pipeline then takes m·T_slowest plus the bubble,
-    (bubble/ideal ratio of the schedule)·m·T_mean. Optimiser arithmetic is not modelled."""
+    (bubble/ideal ratio of the schedule)·m·T_mean. The optimiser step adds its memory traffic
+    (``ADAMW_ACCESSES_PER_PARAM`` fp32 accesses per parameter the rank updates: Ψ, or Ψ/N
+    under ZeRO) over the HBM bandwidth, when that is known."""
     hw = cluster.hardware
     bucket_bytes = layout.bucket_bytes if bucket_bytes is None else bucket_bytes
     peak = hw.peak_flops(work.precision)
@@ -792,7 +803,8 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     ideal = m * per_mb[slow]
     bubble = ratio * m * mean
     dp_step = max(per_step.values())
-    step = ideal + bubble + dp_step
+    opt_s = optimizer_seconds(cfg, layout, hbm)
+    step = ideal + bubble + dp_step + opt_s
     comp, exp, _ = parts[slow]
     n = layout.world
     mf = model_flops_per_step(cfg, work)
@@ -803,8 +815,17 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         bubble_fraction=bubble / (ideal + bubble), bubble_source=source, model_flops=mf,
         hardware_flops=hf, tokens_per_second_per_gpu=work.tokens / step / n,
         tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
-        hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m),
+        hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m), optimizer_s=opt_s,
         inter_node_axes=tuple(a for a in COMM_AXES if inter[a]))
+
+
+def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float) -> float:
+    """Time of the optimiser step on the busiest stage: its memory traffic over ``memory_bw``
+    (0 when the bandwidth is unknown, i.e. infinite)."""
+    n = layout.dp_shard if layout.zero_stage else 1
+    owned = max(sum(-(-sum(u) // n) for u in stage_units(cfg, layout, st))
+                for st in _distinct_stages(layout.pp))
+    return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
 
 
 def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cluster,

@@ -27,6 +27,12 @@ from threefold.cost import (
     tp_shard,
 )
 
+# threefold.parallel.zero (stages 2 and 3) starts each unit's reduce-scatter from a backward
+# hook; its input, a full flat copy of the unit's gradient, lives until the reduce-scatter is
+# finished, and the engine lets at most this many wait (ZeroEngine.MAX_INFLIGHT), so
+# MAX_INFLIGHT + 1 full unit gradients exist at once at most.
+ZERO_REDUCES_IN_FLIGHT = 2
+
 # CUDA context, NCCL buffers, allocator fragmentation and kernels' workspaces: a flat allowance
 # per GPU on top of what the formulas count (the planner's fit test includes it).
 RUNTIME_OVERHEAD_BYTES = 2e9
@@ -330,15 +336,15 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     - ZeRO 1/2 (``threefold.parallel.zero``): the full weights live in per-unit flat buffers
       and the owned shard is a separate parameter (a copy of Ψ/N unless it is the fp32 master
       the optimiser state already counts); the optimiser state is Ψ/N; at the end of backward
-      the full gradients (stage 1: .grad; stage 2: the flat copies each unit's reduce-scatter
-      reads, kept until ``finish_gradients``) plus the Ψ/N shard;
-    - ZeRO 3: Ψ/N weights, Ψ/N optimiser state; every microbatch's reduce-scatter input (a
-      full flat copy of each unit's gradient) and output stay until ``finish_gradients``:
-      m·Ψ·(1 + 1/N) at the end of the step's backward; two gathered units (the one in use and
-      the one prefetched) while computing.
+      stage 1 holds the full .grad (Ψ) and, in ``finish_gradients``, one unit's flat copy
+      while the .grad of the units not yet reduced give way to the Ψ/N shard;
+      stage 2 frees each unit's .grad once copied for its reduce-scatter, holding the shard
+      and ``ZERO_REDUCES_IN_FLIGHT`` + 1 units' full copies;
+    - ZeRO 3: Ψ/N weights, Ψ/N optimiser state, gradients as stage 2; two gathered units
+      (the one in use and the one prefetched) while computing.
     While accumulating (m > 1), the gradients of earlier microbatches are held when the last
-    backward starts: Ψ, or (m-1)·Ψ·(1 + 1/N) under stage 3. ZeRO over one rank (N = 1) is
-    the same engine with nothing to shard."""
+    backward starts: Ψ, or the Ψ/N shard under stage 3. ZeRO over one rank (N = 1) is the same
+    engine with nothing to shard."""
     state = state or state_bytes_for(work)
     m = microbatches(layout, work)
     z, n = layout.zero_stage, layout.dp_shard
@@ -363,13 +369,15 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
         elif z in (1, 2):
             shard_copy = 0 if state.master_in_optimizer else padded / n * state.param
             params, opt = padded * state.param + shard_copy, padded / n * state.optimizer
-            grads = padded * state.grad * (1 + 1 / n)
+            grads = (padded + largest) * state.grad
+            if z == 2:
+                grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
             in_bwd = psi * state.grad if m > 1 else 0.0
             temp = 2 * -(-largest // n) * state.param
         else:
             params, opt = padded / n * state.param, padded / n * state.optimizer
-            grads = m * padded * state.grad * (1 + 1 / n)
-            in_bwd = (m - 1) * padded * state.grad * (1 + 1 / n)
+            grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
+            in_bwd = padded / n * state.grad if m > 1 else 0.0
             zero3 = 2 * largest_unit_parameters(cfg, layout.tp) * state.param
             temp = 2 * -(-largest // n) * state.param
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,

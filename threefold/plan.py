@@ -9,7 +9,11 @@ that do not fit in memory (keeping the reason), scores the rest with ``threefold
 Conventions: tensor parallelism runs with sequence parallelism; zero_stage 0 means plain data
 parallelism over dp_shard (dp_replicate = 1); vpp > 1 means interleaved 1F1B; mesh axes are
 ordered pp, dp_replicate, dp_shard, tp (outermost first), so tp stays inside a node when it
-can, and a layout whose tp group crosses nodes is flagged.
+can, and a layout whose tp group crosses nodes is flagged. Memory is threefold's runtime's
+(``threefold.memory``), numerics the published mixed-precision ones (``Workload``).
+
+The hardware is a catalogue GPU (``--gpu``, overridable) or this machine as measured by
+``--calibrate`` (``threefold.calibrate``), read back with ``--hardware-file``.
 """
 
 from __future__ import annotations

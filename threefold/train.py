@@ -59,11 +59,16 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> LlamaForCausalLM:
+def build_model(mcfg: ModelConfig, device: torch.device, seed: int,
+                split=None) -> LlamaForCausalLM:
     """The plain model, built on the meta device then materialised and initialised from
-    ``seed`` (identical on every rank)."""
+    ``seed`` (identical on every rank). ``split`` (pipeline parallelism) keeps only this rank's
+    stages before anything is allocated; initialisation is by parameter name, so they equal
+    the same layers of the whole model."""
     with torch.device("meta"):
         model = LlamaForCausalLM(mcfg)
+    if split is not None:
+        model = split(model)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
@@ -133,9 +138,11 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
                           f"{data.vocab_size}; leave it unset (0) or raise it")
     layout.check(cfg, mcfg)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(mcfg, device, cfg.train.seed)
+    model = build_model(mcfg, device, cfg.train.seed, getattr(layout, "split_pipeline", None))
     if pretrained:
-        model.load_state_dict(pretrained[1], strict=True)
+        own = dict(model.named_parameters())
+        model.load_state_dict({k: v for k, v in pretrained[1].items() if k in own},
+                              strict=getattr(layout, "chunks", None) is None)
     model = layout.parallelize(model, cfg)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -146,6 +153,10 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
               Path(cfg.train.output_dir), task)
     task.setup(run)
+    if getattr(layout, "chunks", None) is not None:
+        if task.name not in ("pretrain", "sft"):
+            raise ConfigError(f"parallel.pp: the {task.name} task cannot run pipelined yet")
+        layout.build_pipeline(engine, run.loss, lambda: _autocast(run), mcfg.hidden_size)
     return run
 
 
@@ -191,6 +202,10 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, float]]:
     micro = list(_micro_batches(run, batch))
     loss_sum = torch.zeros((), dtype=torch.float32, device=run.device)
     extras: dict[str, torch.Tensor] = {}
+    pipe = getattr(lay, "pipeline", None)
+    if pipe is not None:  # the schedule runs every micro-batch's forward and backward
+        loss_sum += pipe.run(micro, n)
+        micro = []
     for i, mb in enumerate(micro):
         with eng.micro_step(last=i == len(micro) - 1):
             total, more = run.task.loss(run, mb)
@@ -202,6 +217,8 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, float]]:
     eng.finish_gradients()
     norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
     eng.step(lr_at(step, run.cfg))
+    if pipe is not None:  # already summed over pipeline stages: sum over dp only
+        return (lay.sum_over_dp(loss_sum), norm, {})
     return (lay.sum_over_dp(loss_sum), norm,
             {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras})
 
@@ -214,8 +231,12 @@ def evaluate(run: Run) -> float:
     count = 0
     for k in range(run.cfg.train.eval_batches):
         batch = run.val_sampler.local_batch(k, lay.dp_rank, lay.dp_size)
-        for mb in _micro_batches(run, batch):
-            total += run.task.loss(run, mb)[0].double()
+        pipe = getattr(lay, "pipeline", None)
+        if pipe is not None:
+            total += pipe.evaluate(list(_micro_batches(run, batch)))
+        else:
+            for mb in _micro_batches(run, batch):
+                total += run.task.loss(run, mb)[0].double()
         count += lay.global_token_count(run.task.count(batch))
     return lay.sum_over_dp(total) / count
 

@@ -9,6 +9,7 @@ the result is exactly the single-process gradient of the same global batch.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -60,7 +61,10 @@ class DataParallelEngine(LocalEngine):
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self._where[p] = (bucket, i)
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                # weakly: a hook holding the engine would keep it alive forever through the
+                # parameter's C++ hook table
+                me = weakref.WeakMethod(self._on_grad)
+                p.register_post_accumulate_grad_hook(lambda q, me=me: me() and me()(q))
         self._sync = True
         self._broadcast_parameters()
 

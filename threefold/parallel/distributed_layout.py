@@ -36,6 +36,8 @@ class Distributed:
         self.dp_size = self.dims.dp_replicate * self.dims.dp_shard
         self.dp_rank = c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
         self.is_writer = self.rank == 0
+        self.pp_rank = c["pp"]
+        self.chunks = self.pipeline = None
         self.cfg = cfg
         self._steps: list[dict[str, int]] = []
         # one id per run so several runs in one process group keep separate heartbeats
@@ -63,11 +65,59 @@ class Distributed:
         self.dims.validate_model(mcfg, vpp=cfg.parallel.vpp)
         check_batch(cfg, self.dp_size)
         if self.dims.pp > 1:
-            raise ConfigError("parallel.pp: pipeline parallel training is not available in this "
-                              "build yet (its schedules are: `threefold schedule`); use pp 1")
+            from threefold.parallel.pipeline.executor import checked_schedule
+
+            if mcfg.tie_word_embeddings:
+                raise ConfigError("model.tie_word_embeddings: not supported with parallel.pp > 1 "
+                                  "yet; set it false or use pp 1")
+            try:
+                checked_schedule(cfg.parallel.schedule, self.dims.pp, self.microbatches(cfg),
+                                 cfg.parallel.vpp)
+            except ConfigError:
+                raise
+            except ValueError as e:
+                raise ConfigError(f"parallel.schedule: {e}") from None
         if cfg.parallel.sequence_parallel and cfg.data.seq_len % self.dims.tp:
             raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by "
                               f"parallel.tp={self.dims.tp}, which sequence parallelism needs")
+
+    def microbatches(self, cfg: Config) -> int:
+        """Pipeline microbatches per step: this rank's sequences / train.micro_batch_size."""
+        from threefold.config import ConfigError
+
+        local = cfg.train.global_batch_size // self.dp_size
+        m = local // min(cfg.train.micro_batch_size, local)
+        if cfg.parallel.microbatches and cfg.parallel.microbatches != m:
+            raise ConfigError(f"parallel.microbatches: {cfg.parallel.microbatches}, but "
+                              f"train.micro_batch_size={cfg.train.micro_batch_size} makes {m} per "
+                              f"step; set train.micro_batch_size to "
+                              f"{max(1, local // cfg.parallel.microbatches)} or "
+                              "parallel.microbatches 0")
+        return m
+
+    def split_pipeline(self, model):
+        """This rank's pipeline chunks of the (meta) model, kept in ``self.chunks``; returns one
+        module over them (what TP, activation checkpointing, the engine and checkpoints see)."""
+        if self.dims.pp == 1:
+            return model
+        from threefold.parallel.pipeline.stage import rank_model, split_model
+
+        self.chunks = split_model(model, self.dims.pp, self.cfg.parallel.vpp, self.pp_rank)
+        return rank_model(self.chunks)
+
+    def build_pipeline(self, engine, loss_fn, micro_context, hidden: int) -> None:
+        """The executor of this rank's schedule (pp > 1), once the engine exists."""
+        if self.chunks is None:
+            return
+        from threefold.parallel.pipeline.executor import PipelineExecutor
+
+        p = self.cfg.parallel
+        split = self.dims.tp if p.sequence_parallel and self.dims.tp > 1 else 1
+        self.pipeline = PipelineExecutor(
+            self.chunks, p.schedule, self.dims.pp, self.microbatches(self.cfg), p.vpp,
+            self.pp_rank, self.comm, loss_fn, micro_context=micro_context,
+            grad_sync=engine.micro_step, loss_comm=self.control,
+            activation_shape=lambda ids: (ids.shape[0], ids.shape[1] // split, hidden))
 
     def parallelize(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         """Tensor parallelism (and sequence parallelism) over "tp", when tp > 1."""
@@ -126,7 +176,11 @@ class Distributed:
         self.control.barrier()
 
     def shard_state(self, sd: dict, engine) -> dict:
-        """This tp rank's slices of whole tensors."""
+        """This stage's tensors, and this tp rank's slices of them."""
+        own = {n for n, _ in engine.named_params}
+        sd = {"model": {n: t for n, t in sd["model"].items() if n in own},
+              "optim": {k: t for k, t in sd["optim"].items() if k.rsplit(".", 1)[0] in own},
+              "optim_step": sd["optim_step"]}
         if self.dims.tp == 1:
             return sd
         from threefold.parallel.tensor import take_shard
@@ -148,7 +202,8 @@ class Distributed:
             if self.dp_size == 1:
                 return LocalEngine(model, cfg.optim, self.comm)
             return DataParallelEngine(model, cfg.optim, self.comm, p.bucket_mb, axis="dp")
-        units = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+        m = model.model  # a pipeline stage holds only some of these
+        units = [u for u in (m.embed_tokens, *m.layers, m.norm, model.lm_head) if u is not None]
         return ZeroEngine(model, units, cfg.optim, self.comm, p.zero_stage)
 
     def global_token_count(self, local_count: int) -> int:

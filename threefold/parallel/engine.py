@@ -37,10 +37,13 @@ def tp_shard_dim(p: torch.Tensor) -> int | None:
 
 def global_sq_norm(parts: torch.Tensor, comm, shard_axis: str | None = None) -> float:
     """Squared global gradient norm from local [tp-sharded, tp-replicated] sums of squares:
-    both summed over ``shard_axis`` (ranks holding disjoint ZeRO shards), the sharded part
+    both summed over ``shard_axis`` (ranks holding disjoint ZeRO shards) and over pipeline
+    stages, the sharded part
     also over tp (each tp rank holds a different slice); replicated parts count once."""
     if comm is not None and shard_axis and comm.size(shard_axis) > 1:
         comm.all_reduce(parts, shard_axis)
+    if comm is not None and comm.size("pp") > 1:  # each stage holds different weights
+        comm.all_reduce(parts, "pp")
     sharded = parts[0:1].clone()
     if comm is not None and comm.size("tp") > 1:
         comm.all_reduce(sharded, "tp")

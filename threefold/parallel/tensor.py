@@ -301,17 +301,23 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
                 norm.forward = types.MethodType(_sp_norm_forward(comm), norm)
                 norm.weight._tp_grad_reduced = True
     if sp:
-        model.model.norm.forward = types.MethodType(_sp_norm_forward(comm), model.model.norm)
-        model.model.norm.weight._tp_grad_reduced = True
+        if model.model.norm is not None:  # a pipeline stage may not hold the final norm
+            model.model.norm.forward = types.MethodType(_sp_norm_forward(comm), model.model.norm)
+            model.model.norm.weight._tp_grad_reduced = True
 
         def positions(_m, args, kwargs):  # rotary tables for the whole sequence
-            if kwargs.get("position_ids") is None and (len(args) < 2 or args[1] is None):
-                ids = args[0]
-                kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(
-                    ids.shape[0], -1)
+            given = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+            if given is not None:
+                return None  # the caller's (the pipeline executor always passes them)
+            ids = args[0]
+            kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)
+                      .expand(ids.shape[0], -1)}
+            if len(args) > 2:
+                kwargs["document_ids"] = args[2]
             return args[:1], kwargs
         model.model.register_forward_pre_hook(positions, with_kwargs=True)
-    model.lm_head.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm),))
+    if model.lm_head is not None:
+        model.lm_head.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm),))
     for p in model.parameters():
         if not hasattr(p, "_tp_shard_dim"):
             p._tp_shard_dim = None

@@ -26,9 +26,11 @@ all-gather Ψ(N-1)/N = 2Ψ(N-1)/N; stage 3 adds the backward re-gather: 3Ψ(N-1)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import warnings
+import weakref
 from typing import Iterator
 
 import torch
@@ -172,9 +174,15 @@ class ZeroEngine:
         self.named_params = named
         self.optimizer = make_adamw([u.shard for u in self.all_units], cfg)
         self._sync = True
+        # reduce-scatters in flight: bounded, so that no more than a couple of units' full
+        # gradients exist at once during backward (the point of stages 2 and 3)
+        self._inflight: collections.deque = collections.deque()
         for unit in self.all_units:
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(lambda _p, u=unit: self._on_grad(u))
+                # a weak reference: a hook holding the engine would keep it (and every buffer)
+                # alive forever through the parameter's C++ hook table
+                p.register_post_accumulate_grad_hook(
+                    lambda _p, u=unit, me=weakref.ref(self): me() and me()._on_grad(u))
         if stage == 3:
             self._install_stage3_hooks()
             for unit in self.all_units:
@@ -235,16 +243,25 @@ class ZeroEngine:
             return
         unit.pending = len(unit.params)
         if self.stage == 3:
-            unit.start_reduce_scatter()
+            self._reduce(unit)
             unit.in_backward = False
             if unit is not self.root:
                 unit.release()
         elif self.stage == 2 and self._sync:
-            unit.start_reduce_scatter()
+            self._reduce(unit)
+
+    MAX_INFLIGHT = 2
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        unit.start_reduce_scatter()
+        self._inflight.append(unit)
+        while len(self._inflight) > self.MAX_INFLIGHT:
+            self._inflight.popleft().finish_reduce_scatter()
 
     def finish_gradients(self) -> None:
         """Complete every unit's reduce-scatter (stage 1 starts them here), then all-reduce
         shard gradients across replicas for hybrid sharding."""
+        self._inflight.clear()
         for unit in self.all_units:
             if self.stage == 1:
                 unit.start_reduce_scatter()

@@ -45,6 +45,7 @@ from threefold.parallel.pipeline.schedules import (
     num_stages,
     stage_rank,
 )
+from threefold.parallel.pipeline.simulate import replay
 from threefold.parallel.pipeline.timeline import TraceRecord
 
 F, B, W, BW = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
@@ -56,6 +57,17 @@ def checked_schedule(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, .
     """Every rank's action list, proven complete and deadlock-free first (check.py)."""
     check_schedule(name, p, m, v)
     return tuple(tuple(acts) for acts in build_schedule(name, p, m, v))
+
+
+@functools.lru_cache(maxsize=32)
+def forward_only_schedule(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    """The schedule's lists without backward computes and gradient messages (evaluation):
+    forwards keep their order and partners. Removing work can merge two message batches into
+    one, so the result is replayed once more to prove it free of deadlock."""
+    keep = (F, ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD)
+    lists = [[a for a in acts if a.kind in keep] for acts in checked_schedule(name, p, m, v)]
+    replay(lists, num_stages(name, p, v))  # DeadlockError if it could hang
+    return tuple(tuple(acts) for acts in lists)
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,6 +173,22 @@ def _null_context(*_args) -> ContextManager:
     return contextlib.nullcontext()
 
 
+def _unpack(mb) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(token ids, labels, forward keyword arguments) of a microbatch given as a pair or as a
+    dict with "input_ids", "labels" and optionally "position_ids", "document_ids". Positions
+    of the whole sequence are always given explicitly: a later stage sees only hidden states
+    (split on the sequence under sequence parallelism), from which it cannot tell them."""
+    if isinstance(mb, dict):
+        inputs, labels = mb["input_ids"], mb["labels"]
+        extra = {k: mb[k] for k in ("position_ids", "document_ids") if mb.get(k) is not None}
+    else:
+        (inputs, labels), extra = mb, {}
+    if "position_ids" not in extra:
+        b, t = inputs.shape[:2]
+        extra["position_ids"] = torch.arange(t, device=inputs.device).expand(b, t)
+    return inputs, labels, extra
+
+
 class PipelineExecutor:
     """Runs one rank's share of a pipeline schedule, step after step.
 
@@ -173,7 +201,9 @@ class PipelineExecutor:
     Comm to keep logging traffic out of the training counters). ``activation_shape(inputs)``
     is the shape of a stage-boundary activation for a microbatch of token ids ``inputs``
     (default (batch, seq, hidden); pass (batch, seq/tp, hidden) under sequence parallelism)
-    and ``activation_dtype`` its dtype (default: the chunks' parameter dtype).
+    and ``activation_dtype`` its dtype (default: the chunks' parameter dtype). On a GPU the
+    trace shows when work was queued unless ``sync_timing`` waits for the device after each
+    action (exact durations, at the cost of any overlap).
     """
 
     def __init__(self, chunks: Sequence[nn.Module], schedule: str, p: int, m: int, v: int,
@@ -181,7 +211,8 @@ class PipelineExecutor:
                  micro_context: Callable[[], ContextManager] | None = None,
                  grad_sync: Callable[[bool], ContextManager] | None = None,
                  loss_comm=None, activation_shape: Callable | None = None,
-                 activation_dtype: torch.dtype | None = None, trace_rank: int | None = None):
+                 activation_dtype: torch.dtype | None = None, trace_rank: int | None = None,
+                 sync_timing: bool = False):
         self.actions = checked_schedule(schedule, p, m, v)[pp_rank]
         self.n = num_stages(schedule, p, v)
         if len(chunks) != self.n // p:
@@ -205,39 +236,50 @@ class PipelineExecutor:
             (comm.global_rank if comm is not None else 0)
         self.pp_ranks = (comm.dims.axis_ranks(comm.global_rank, "pp")
                          if comm is not None else [0])
-        self.params = [{q for q in c.parameters() if q.requires_grad} for c in self.chunks]
         # The last action of each chunk that accumulates weight gradients: gradient sync on.
         self.last_weight_action = {}
         for i, a in enumerate(self.actions):
             if a.kind in (BW, W):
                 self.last_weight_action[a.chunk] = i
+        self.sync_timing = sync_timing
         self.records: list[TraceRecord] = []
 
     # ---------------------------------------------------------------- one step
-    def run(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-            n_tokens: int | float) -> float:
+    def run(self, microbatches: Sequence, n_tokens: int | float) -> float:
         """Forward and backward of all m microbatches of one step; gradients are left
-        accumulated in the chunks' parameters. Returns the step's summed loss (sum over
-        microbatches of loss / n_tokens), the same on every rank of the pipeline."""
+        accumulated in the chunks' parameters. A microbatch is (token ids, labels) or a dict
+        as train.py's micro-batches ("input_ids", "labels", optional "position_ids" and
+        "document_ids"), the same on every rank of the pipeline. Returns the step's summed loss
+        (sum over microbatches of loss / n_tokens), the same on every rank of the pipeline."""
+        return self._run(self.actions, microbatches, n_tokens, forward_only=False)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence, n_tokens: int | float = 1) -> float:
+        """Forward only (no graph kept): the summed loss over microbatches of
+        loss / n_tokens, the same on every rank of the pipeline (n_tokens 1: the token sum)."""
+        actions = forward_only_schedule(self.schedule, self.p, self.m, self.v)[self.pp_rank]
+        return self._run(actions, microbatches, n_tokens, forward_only=True)
+
+    def _run(self, actions, microbatches, n_tokens, forward_only: bool) -> float:
         if len(microbatches) != self.m:
             raise ValueError(f"pipeline: schedule is for {self.m} microbatches, got "
                              f"{len(microbatches)}")
-        self._mbs, self._n_tokens = microbatches, n_tokens
-        self._x, self._out, self._grad_out, self._grad_in, self._split = {}, {}, {}, {}, {}
-        self._handoff_f, self._handoff_b = {}, {}  # stage-to-stage on this rank
+        self._mbs = [_unpack(mb) for mb in microbatches]
+        self._n_tokens, self._forward_only = n_tokens, forward_only
+        self._x, self._out, self._grad_in, self._split = {}, {}, {}, {}
+        self._handoff_f, self._handoff_b = {}, {}  # stage to stage on this rank
         self._recv_f, self._recv_b = {}, {}  # received activations / output gradients
-        device = microbatches[0][0].device
-        self._loss = torch.zeros((), dtype=torch.float64, device=device)
+        self._loss = torch.zeros((), dtype=torch.float64, device=self._mbs[0][0].device)
         self.records = []
         i = 0
-        while i < len(self.actions):
+        while i < len(actions):
             j = i + 1
-            if self.actions[i].kind.is_compute:
-                self._compute(i, self.actions[i])
+            if actions[i].kind.is_compute:
+                self._compute(i, actions[i])
             else:
-                while j < len(self.actions) and not self.actions[j].kind.is_compute:
+                while j < len(actions) and not actions[j].kind.is_compute:
                     j += 1
-                self._communicate(self.actions[i:j])
+                self._communicate(actions[i:j])
             i = j
         if self._out or self._split:
             raise RuntimeError("pipeline: the schedule left microbatches without a backward")
@@ -263,26 +305,26 @@ class PipelineExecutor:
                     self._input_backward(a, key)
                 else:
                     self._split.pop(key).weight_backward()
-        self.records.append(TraceRecord(self.trace_rank, str(a), t0, time.perf_counter(),
-                                        "compute"))
+        self.records.append(TraceRecord(self.trace_rank, str(a), t0, self._now(), "compute"))
 
     def _forward(self, a: Action, key: tuple[int, int]) -> None:
-        inputs, labels = self._mbs[a.microbatch]
+        inputs, labels, extra = self._mbs[a.microbatch]
         if a.stage == 0:
             x = inputs
         else:
             x = self._handoff_f.pop(key) if key in self._handoff_f else self._recv_f.pop(key)
-            x = x.detach().requires_grad_(True)
-        b, t = inputs.shape[:2]
-        positions = torch.arange(t, device=inputs.device).expand(b, t)
+            x = x.detach().requires_grad_(not self._forward_only)
         with self.micro_context():
-            out = self.chunks[a.chunk](x, position_ids=positions)
+            out = self.chunks[a.chunk](x, **extra)
         if a.stage == self.n - 1:
             out = self.loss_fn(out, labels) / self._n_tokens
             self._loss += out.detach().double()
         elif stage_rank(a.stage + 1, self.p) == self.pp_rank:  # next stage here: hand over
             self._handoff_f[(a.microbatch, a.stage + 1)] = out.detach()
-        self._x[key], self._out[key] = x, out
+        if not self._forward_only:
+            self._x[key], self._out[key] = x, out
+        elif a.stage < self.n - 1 and stage_rank(a.stage + 1, self.p) != self.pp_rank:
+            self._out[key] = out  # until it is sent
 
     def _output_grad(self, a: Action, key: tuple[int, int]) -> torch.Tensor | None:
         if a.stage == self.n - 1:
@@ -307,7 +349,8 @@ class PipelineExecutor:
     def _input_backward(self, a: Action, key: tuple[int, int]) -> None:
         g = self._output_grad(a, key)
         x, out = self._x.pop(key), self._out.pop(key)
-        split = _SplitBackward(out, g, x, self.params[a.chunk])
+        params = {q for q in self.chunks[a.chunk].parameters() if q.requires_grad}
+        split = _SplitBackward(out, g, x, params)
         self._pass_input_grad(a, key, split.input_grad)
         split.input_grad = None
         self._split[key] = split
@@ -325,7 +368,8 @@ class PipelineExecutor:
         for a in batch:
             key, peer = (a.microbatch, a.stage), self.pp_ranks[a.peer]
             if a.kind is ActionKind.SEND_FORWARD:
-                t = self._out[key].detach().to(self.activation_dtype).contiguous()
+                out = self._out.pop(key) if self._forward_only else self._out[key]
+                t = out.detach().to(self.activation_dtype).contiguous()
             elif a.kind is ActionKind.SEND_BACKWARD:
                 t = self._grad_in.pop(key).to(self.activation_dtype).contiguous()
             else:
@@ -334,11 +378,16 @@ class PipelineExecutor:
             ops.append(("recv" if a.kind in RECEIVES else "send", t, peer))
         self.comm.batch_isend_irecv(ops)
         self.records.append(TraceRecord(self.trace_rank, " + ".join(map(str, batch)), t0,
-                                        time.perf_counter(), "comm"))
+                                        self._now(), "comm"))
+
+    def _now(self) -> float:
+        if self.sync_timing and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
 
 def pipeline_step(chunks: Sequence[nn.Module], schedule_name: str, p: int, m: int, v: int,
-                  pp_rank: int, comm, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  pp_rank: int, comm, microbatches: Sequence,
                   loss_fn: Callable, n_tokens: int | float,
                   micro_context: Callable[[], ContextManager] | None = None,
                   grad_sync: Callable[[bool], ContextManager] | None = None,

@@ -21,9 +21,9 @@ weight, plus 12·H·Q·T for attention; the embedding lookup costs no FLOPs, the
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
+import torch
 from torch import nn
 
 from threefold.config import ConfigError, ModelConfig
@@ -147,7 +147,8 @@ def _shell(cfg: ModelConfig) -> LlamaForCausalLM:
     tiny = dataclasses.replace(cfg, vocab_size=1, hidden_size=2, intermediate_size=1,
                                num_hidden_layers=1, num_attention_heads=1,
                                num_key_value_heads=1, tie_word_embeddings=False)
-    shell = LlamaForCausalLM(tiny)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's random stream as it was
+        shell = LlamaForCausalLM(tiny)
     shell.cfg = cfg
     return shell
 
@@ -155,14 +156,14 @@ def _shell(cfg: ModelConfig) -> LlamaForCausalLM:
 def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
                 stage: int | None = None) -> LlamaForCausalLM:
     """A LlamaForCausalLM made of ``model``'s own modules: the blocks in ``layers``, the
-    embedding if ``first``, the final norm and head if ``last`` (None otherwise), and a copy
-    of the RoPE buffer; ``pipeline_stage`` records the virtual stage."""
+    embedding if ``first``, the final norm and head if ``last`` (None otherwise), and the
+    RoPE module; ``pipeline_stage`` records the virtual stage."""
     chunk = _shell(model.cfg)
     chunk.model.embed_tokens = model.model.embed_tokens if first else None
     chunk.model.layers = StageLayers({i: model.model.layers[i] for i in layers})
     chunk.model.norm = model.model.norm if last else None
     chunk.lm_head = model.lm_head if last else None
-    chunk.model.rotary = copy.deepcopy(model.model.rotary)
+    chunk.model.rotary = model.model.rotary  # no weights; one buffer for all chunks
     chunk.pipeline_stage = stage
     return chunk
 

@@ -1,0 +1,196 @@
+"""DPO: the loss formula, pair tokenization, step-0 loss of ln 2 with TRL's metric names,
+step losses and log-probs equal to TRL's DPOTrainer, DP2 and ZeRO-3 equal to one process,
+HF export, and `threefold dpo` out of the box after `threefold train`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import tiny_overrides
+from tests.dist import run_distributed
+from tests.test_sft import OPTIM, final_weights, make_hf_chat_model, metrics, trl_args
+from threefold.config import load_config
+from threefold.data import DataError, prepare_data
+from threefold.post.chat import BuiltinTemplate
+from threefold.post.dpo import DPOOptions, DPOTask, dpo_loss, sequence, tokenize_pair
+from threefold.train import train
+
+KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+LN2 = math.log(2)
+
+
+@pytest.fixture(scope="module")
+def data(corpus, cache_dir):
+    """The tiny runs' tokenizer (BPE of 320, cached)."""
+    return prepare_data(load_config(None, tiny_overrides(corpus, cache_dir, "x")).data)
+
+
+def test_loss_is_sigmoid_dpo_with_conservative_label_smoothing():
+    g = torch.Generator().manual_seed(0)
+    c, r = torch.randn(64, generator=g, dtype=torch.float64), torch.randn(64, generator=g,
+                                                                           dtype=torch.float64)
+    for beta in (0.1, 0.5):
+        for eps in (0.0, 0.1, 0.3):
+            z = beta * (c - r)
+            # −(1−ε)·log σ(βΔ) − ε·log σ(−βΔ), σ written out
+            want = -(1 - eps) * torch.log(1 / (1 + torch.exp(-z))) \
+                - eps * torch.log(1 / (1 + torch.exp(z)))
+            torch.testing.assert_close(dpo_loss(c, r, beta, eps), want)
+            zero = dpo_loss(torch.zeros(3), torch.zeros(3), beta, eps)
+            torch.testing.assert_close(zero, torch.full((3,), LN2))
+    # gradient: raising the chosen log-ratio lowers the loss (ε < 0.5)
+    x = torch.zeros(1, requires_grad=True)
+    dpo_loss(x, torch.zeros(1), 0.1, 0.2).sum().backward()
+    assert x.grad.item() == pytest.approx(-0.1 * 0.5 * (1 - 2 * 0.2))
+    assert dpo_loss(c, r, 0.1)[0].item() == pytest.approx(-F.logsigmoid(0.1 * (c - r))[0].item())
+
+
+def test_pairs_tokenize_like_trl_and_label_only_the_response(data):
+    tok, eot = data.tokenizer, "<|endoftext|>"
+    tpl = BuiltinTemplate(eot)
+    p, c, r = tokenize_pair({"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5"},
+                            tpl, tok, eot, "t")
+    assert tok.decode(p + c, skip_special_tokens=False) == "Q: 2+2?\nA: 4<|endoftext|>"
+    assert tok.decode(r, skip_special_tokens=False).endswith("5<|endoftext|>")
+    msgs = {"prompt": [{"role": "user", "content": "Hi"}],
+            "chosen": [{"role": "assistant", "content": "Hello!"}],
+            "rejected": [{"role": "assistant", "content": "Go away."}]}
+    p, c, r = tokenize_pair(msgs, tpl, tok, eot, "t")
+    assert tok.decode(p, skip_special_tokens=False) == "<|user|>\nHi<|endoftext|><|assistant|>\n"
+    assert tok.decode(c, skip_special_tokens=False) == "Hello!<|endoftext|>"
+    x, y = sequence(p, c, 64, pad=1)
+    targets = y[y != -100].tolist()
+    assert targets == c and x[len(p) + len(c):].tolist() == [1] * (64 - len(p) - len(c))
+    assert (y[:len(p) - 1] == -100).all()  # no loss on the prompt
+    x, y = sequence(p, c, len(p) + 2, pad=1)  # cut: keep the start, 2 response tokens
+    assert y[y != -100].tolist() == c[:2]
+    with pytest.raises(DataError, match="no 'rejected'"):
+        tokenize_pair({"prompt": "a", "chosen": "b"}, tpl, tok, eot, "t")
+    with pytest.raises(DataError, match="all be strings"):
+        tokenize_pair({"prompt": "a", "chosen": "b", "rejected": msgs["rejected"]}, tpl, tok,
+                      eot, "t")
+
+
+DPO_STEPS = 3
+
+
+def dpo_overrides(corpus, cache, out, **extra):
+    """A short DPO of the tiny model on the built-in pairs."""
+    return tiny_overrides(corpus, cache, out, data__seq_len=128, train__steps=DPO_STEPS,
+                          train__eval_batches=1, **extra)
+
+
+def _dpo_layouts(rank, world, corpus, cache, root, runs):
+    from threefold.parallel.distributed_layout import Distributed
+
+    for name, extra in runs:
+        cfg = load_config(None, dpo_overrides(corpus, cache, root / name, **extra))
+        train(cfg, Distributed(cfg), task=DPOTask(DPOOptions(beta=0.5, label_smoothing=0.1)))
+    return True
+
+
+RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2})]
+
+
+@pytest.mark.slow
+def test_dpo_step0_is_ln2_learns_and_layouts_equal_single_process(corpus, cache_dir, tmp_path):
+    from threefold.hf import export_hf
+
+    summary = train(load_config(None, dpo_overrides(corpus, cache_dir, tmp_path / "single")),
+                    task=DPOTask(DPOOptions(beta=0.5, label_smoothing=0.1)))
+    ref = metrics(tmp_path / "single")
+    first = ref[0]
+    assert set(KEYS) <= set(first) and "logps/chosen" in first
+    # policy = reference at step 0: Δ = 0 exactly, loss ln 2 for any β and ε, rewards 0
+    assert first["loss"] == pytest.approx(LN2, abs=1e-6)
+    assert summary["initial_validation_loss"] == pytest.approx(LN2, abs=1e-6)
+    assert [first[k] for k in KEYS[1:]] == [0.0, 0.0, 0.0, 0.0]
+    assert first["logps/chosen"] < 0 and first["logps/rejected"] < 0
+    last = ref[-1]
+    assert last["loss"] < LN2 and last["rewards/margins"] > 0
+    assert last["rewards/margins"] == pytest.approx(last["rewards/chosen"]
+                                                    - last["rewards/rejected"], abs=1e-6)
+    run_distributed(_dpo_layouts, 2, corpus, cache_dir, tmp_path, RUNS, timeout=300)
+    ref_w = final_weights(tmp_path / "single")
+    for name, _ in RUNS:
+        got = metrics(tmp_path / name)
+        for k in KEYS + ("logps/chosen",):
+            # rewards are β × differences of summed fp32 log-probs (~100): compare them to
+            # 1e-4 absolute, i.e. the log-probs to ~1e-6 relative
+            tol = {"abs": 1e-4} if k.startswith("rewards/") else {"rel": 1e-5}
+            assert [r[k] for r in got] == pytest.approx([r[k] for r in ref], **tol), (name, k)
+        w = final_weights(tmp_path / name)
+        for k, v in ref_w.items():
+            torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+    export_hf(tmp_path / "dp2", tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+TRL_PAIRS = [
+    {"prompt": [{"role": "user", "content": "What is 2+2?"}],
+     "chosen": [{"role": "assistant", "content": "It is 4."}],
+     "rejected": [{"role": "assistant", "content": "It is 5, I think."}]},
+    {"prompt": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"}],
+     "chosen": [{"role": "assistant", "content": "Hello there!"}],
+     "rejected": [{"role": "assistant", "content": "What?"}]},
+    {"prompt": [{"role": "user", "content": "Colour of grass?"}],
+     "chosen": [{"role": "assistant", "content": "Green."}],
+     "rejected": [{"role": "assistant", "content": "Purple."}]},
+]
+
+
+def test_dpo_step_losses_and_logps_equal_trl(corpus, cache_dir, tmp_path):
+    """Same HF model, weights, template and pairs: TRL's DPOTrainer (reference = a frozen copy
+    of the model) and ours (precomputed reference) log the same loss and log-probs at the
+    first step and, after one AdamW update, the same loss and rewards at the second."""
+    pytest.importorskip("jinja2")
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    hf_dir = make_hf_chat_model(corpus, cache_dir, tmp_path)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in TRL_PAIRS))
+    n, seq_len, beta = len(TRL_PAIRS), 96, 0.5
+    cfg = load_config(None, tiny_overrides(
+        corpus, cache_dir, tmp_path / "ours", data__seq_len=seq_len, train__steps=2,
+        checkpoint__init_from=str(hf_dir), train__global_batch_size=n,
+        train__micro_batch_size=n, train__eval_batches=1, **OPTIM))
+    train(cfg, task=DPOTask(DPOOptions(data=str(path), val_data=str(path), beta=beta)))
+    ours = metrics(tmp_path / "ours")
+
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    args = trl_args(trl.DPOConfig, tmp_path / "trl", n, seq_len, beta=beta)
+    trainer = trl.DPOTrainer(model=model, args=args, processing_class=tok,
+                             train_dataset=datasets.Dataset.from_list(TRL_PAIRS))
+    trainer.train()
+    theirs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(theirs) == 2
+    assert ours[0]["loss"] == pytest.approx(LN2, abs=1e-6)
+    for k in ("loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected",
+              "rewards/margins", "rewards/accuracies"):
+        assert [r[k] for r in ours] == pytest.approx([h[k] for h in theirs], abs=1e-4), k
+    assert abs(ours[1]["loss"] - LN2) > 1e-3  # the second step really saw the update
+
+
+def test_dpo_cli_out_of_the_box_after_train(corpus, cache_dir, tmp_path, monkeypatch):
+    from threefold.post.cli import dpo_main
+
+    monkeypatch.chdir(tmp_path)
+    train(load_config(None, tiny_overrides(corpus, cache_dir, "runs/default", train__steps=1,
+                                           train__eval_batches=1)))
+    common = ["--data.corpus", str(corpus), "--data.cache_dir", str(cache_dir),
+              "--train.progress", "off"]
+    assert dpo_main(common + ["--train.steps", "2", "--dpo.beta", "0.2"]) == 0
+    recs = metrics(tmp_path / "runs/dpo")
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[0]["loss"] == pytest.approx(LN2, abs=1e-6)
+    assert all(set(KEYS) <= set(r) for r in recs)
+    assert (tmp_path / "runs/dpo/checkpoints/2").is_dir()
+    assert dpo_main(common + ["--dpo.label_smoothing", "0.5"]) == 2
+    assert dpo_main(common + ["--dpo.beta", "abc"]) == 2

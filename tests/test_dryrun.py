@@ -1,0 +1,237 @@
+"""`threefold train --dry-run` and the planner against the runtime: a 70B layout checked on the
+meta device without allocating it; bad layouts refused; the activation count against
+autograd's saved tensors; the planner's bytes per axis against what real runs report."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from tests.conftest import tiny_overrides
+from tests.dist import run_distributed
+from threefold.cli import main as cli_main
+from threefold.config import ConfigError, ModelConfig, load_config
+from threefold.cost import (
+    Layout,
+    Workload,
+    comm_bytes_per_step,
+    layer_parameters_per_rank,
+    num_parameters,
+    parameter_numels,
+    stage_parameters,
+    tp_shard,
+)
+from threefold.dryrun import dry_run, meta_parameter_counts, predict
+from threefold.memory import block_activation_bytes
+from threefold.model import LlamaForCausalLM
+
+LLAMA70B = [("model.preset", "llama3-70b"), ("data.seq_len", "4096"),
+            ("train.global_batch_size", "8"), ("train.micro_batch_size", "1"),
+            ("train.dtype", "bfloat16"), ("parallel.tp", "8"), ("parallel.zero_stage", "3"),
+            ("parallel.sequence_parallel", "true"), ("train.activation_checkpointing", "true")]
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@pytest.fixture(scope="module")
+def warm():
+    """Pay once for what torch imports the first time the meta device is used (seconds, not
+    related to the model's size), so the 70B check times the dry run itself."""
+    with torch.device("meta"):
+        LlamaForCausalLM(ModelConfig(preset="tiny", vocab_size=256).resolved())
+
+
+def test_llama70b_on_64_ranks_without_allocating(warm, monkeypatch):
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    cfg = load_config(None, LLAMA70B)
+    lines: list[str] = []
+    before, t0 = _rss(), time.perf_counter()
+    assert dry_run(cfg, 64, out=lines.append) == 0
+    elapsed, grown = time.perf_counter() - t0, _rss() - before
+    assert elapsed < 10, f"dry run took {elapsed:.1f} s"
+    assert grown < 1e9, f"RSS grew {grown / 1e9:.2f} GB"  # 70B fp32 would be 282 GB
+    text = lines[0]
+    assert "70.55B parameters" in text and "nothing allocated" in text
+    assert "dp_shard 8 × tp 8" in text and "zero 3" in text and "64 × h100" in text
+    r = predict(cfg, 64)
+    assert r.total_parameters == num_parameters(r.model) == 70_553_706_496
+    assert r.parameters_per_rank == stage_parameters(r.model, r.layout, 0)
+    assert r.owned_per_rank == pytest.approx(r.parameters_per_rank / 8, rel=1e-6)
+    assert r.memory.total < 80e9 and "fits" in text  # one microbatch, full recompute
+    assert r.step is not None and 0 < r.step.mfu < 1 and r.comm_bytes["tp"] > 0
+    assert f"tp {r.comm_bytes['tp']:,}" in text and f"dp_shard {r.comm_bytes['dp_shard']:,}" \
+        in text
+
+
+def test_cli_dry_run_prints_and_exits_0(warm, monkeypatch, capsys):
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    argv = ["train", "--dry-run", "--nproc-per-node", "64"]
+    for k, v in LLAMA70B:
+        argv += [f"--{k}", v]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank" in out and "tokens/s" in out and "MFU" in out
+
+
+def test_dry_run_on_this_cpu_measures_it(warm, monkeypatch):
+    monkeypatch.delenv("THREEFOLD_HARDWARE", raising=False)
+    cfg = load_config(None, [("train.device", "cpu"), ("data.seq_len", "128")])
+    lines: list[str] = []
+    assert dry_run(cfg, 2, out=lines.append) == 0
+    assert "this CPU" in lines[0] and "GFLOP/s measured" in lines[0]
+    r = predict(cfg, 2)
+    assert r.cluster.hardware.peak_flops("fp32") > 1e8 and r.memory.overhead == 0
+    assert r.comm_bytes["dp"] == comm_bytes_per_step(r.model, r.layout, r.work)["dp"] > 0
+
+
+@pytest.mark.parametrize("overrides,world,match", [
+    ([("parallel.tp", "3")], 6, "num_attention_heads"),  # 8 heads
+    ([("train.global_batch_size", "9"), ("train.micro_batch_size", "1")], 2, "global_batch"),
+    ([("parallel.tp", "2"), ("parallel.sequence_parallel", "true"), ("data.seq_len", "255")],
+     2, "seq_len"),
+    ([("parallel.dp_shard", "3")], 2, "dp_shard"),
+    ([("model.vocab_size", "100")], 1, "vocab_size"),
+])
+def test_bad_layouts_raise_config_error(warm, monkeypatch, overrides, world, match):
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=match):
+        dry_run(cfg, world, out=lambda s: None)
+
+
+def test_layout_the_planner_refuses_is_a_value_error(warm, monkeypatch):
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    cfg = load_config(None, [("parallel.pp", "3")])  # 4 layers
+    with pytest.raises(ValueError, match="pp"):
+        dry_run(cfg, 3, out=lambda s: None)
+
+
+# --------------------------------------------------------------------------------------------
+# The counts the planner makes, against the model itself
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tp,tied", [(1, False), (2, False), (8, False), (1, True), (4, True)])
+def test_meta_model_matches_planner_parameter_order(warm, tp, tied):
+    """Per-rank parameter sizes in registration order (the order gradient buckets are cut
+    in) equal the meta model's after tensor parallelism; tp 8 replicates the 4 kv heads."""
+    from threefold.dryrun import _MetaComm
+    from threefold.parallel.tensor import apply_tensor_parallel
+
+    cfg = ModelConfig(preset="tiny", vocab_size=1001, tie_word_embeddings=tied).resolved()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    if tp > 1:
+        apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel=True)
+    sizes = [p.numel() for p in model.parameters()]
+    assert sizes == parameter_numels(cfg, Layout(tp=tp))
+    assert meta_parameter_counts(cfg, tp, True) == (num_parameters(cfg), sum(sizes))
+
+
+class _Loopback:
+    """``t`` identical tp ranks: each collective returns what it would if every rank held
+    this rank's tensor, so one process runs a sharded block with the real autograd graph."""
+
+    def __init__(self, t: int):
+        self.t = t
+
+    def size(self, axis):
+        return self.t if axis == "tp" else 1
+
+    def rank(self, axis):
+        return 0
+
+    def all_reduce(self, x, axis, op="sum", async_op=False):
+        if op == "sum":
+            x.mul_(self.t)
+
+    def all_gather(self, out, x, axis, async_op=False):
+        out.copy_(x.reshape(-1).repeat(self.t).view_as(out))
+
+    def reduce_scatter(self, out, x, axis, op="sum", async_op=False):
+        out.copy_(x.reshape(self.t, -1)[0].view_as(out) * self.t)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (8, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, dtype):
+    """Every byte autograd saves in one block (distinct storages, weights excluded) is what
+    ``block_activation_bytes`` counts, plus the RoPE tables (fp32) or the autocast weight
+    copies (bf16). Under SP the sub-layer inputs are kept gathered, at full size."""
+    from threefold.parallel.tensor import apply_tensor_parallel
+
+    cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
+    model = LlamaForCausalLM(cfg)
+    if tp > 1:
+        apply_tensor_parallel(model, _Loopback(tp), sp)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    b, s, h = 2, 64, cfg.hidden_size
+    x = torch.randn(b, s // tp if sp else s, h, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in weights:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+        contextlib.nullcontext()
+    with saved_tensors_hooks(pack, lambda t: t), auto:
+        model.model.layers[0](x, cos, sin)
+    d = 2 if dtype == torch.bfloat16 else 4
+    sh = tp_shard(cfg, tp)
+    want = block_activation_bytes(b * s, h, sh.heads, sh.kv_heads, cfg.head_dim, sh.ffn, tp,
+                                  sp, act_bytes=d, residual_bytes=4)
+    want += 2 * 4 * b * s * cfg.head_dim if d == 4 else d * layer_parameters_per_rank(cfg, tp)[0]
+    assert sum(saved.values()) == want
+
+
+# --------------------------------------------------------------------------------------------
+# Bytes per axis: the planner against real runs
+# --------------------------------------------------------------------------------------------
+EXACT_RUNS = [
+    ("dp2_buckets", {"parallel__bucket_mb": "0.05"}),  # several gradient buckets
+    ("zero1", {"parallel__zero_stage": 1}),
+    ("zero2", {"parallel__zero_stage": 2}),
+    ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
+    ("tp2", {"parallel__tp": 2}),
+    ("tp2_sp_recompute_kv1", {"parallel__tp": 2, "parallel__sequence_parallel": "true",
+                              "train__activation_checkpointing": "true",
+                              "model__num_key_value_heads": 1}),
+]
+
+
+def _bytes_of_runs(rank, world, corpus, cache, root, runs):
+    """Each rank trains every run in this process group; returns rank 0's summaries."""
+    from threefold.parallel.distributed_layout import Distributed
+    from threefold.train import train
+
+    out = {}
+    for name, extra in runs:
+        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, train__steps=2,
+                                               checkpoint__save_final="false", **extra))
+        out[name] = train(cfg, Distributed(cfg))["comm_bytes_per_step"]
+    return out
+
+
+@pytest.mark.slow
+def test_planner_bytes_equal_runtime_exactly(corpus, cache_dir, tmp_path):
+    """summary.json's comm_bytes_per_step (rank 0, training traffic) equals the planner's
+    comm_bytes_per_step for DP (several buckets), ZeRO 1/2/3 (with accumulation), TP and TP
+    with sequence parallelism, recompute and replicated kv heads, on 2 ranks."""
+    got = run_distributed(_bytes_of_runs, 2, corpus, cache_dir, tmp_path, EXACT_RUNS,
+                          timeout=300)[0]
+    for name, extra in EXACT_RUNS:
+        cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / name, **extra))
+        mcfg = cfg.model.resolved(cfg.data.vocab_size)
+        want = comm_bytes_per_step(mcfg, Layout.from_config(cfg, 2), Workload.from_config(cfg))
+        measured = {a: got[name].get(a, 0) for a in want}
+        assert measured == {a: float(v) for a, v in want.items()}, name
+        assert sum(want.values()) > 0, name

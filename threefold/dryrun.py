@@ -1,0 +1,285 @@
+"""`threefold train --dry-run`: check a configuration without running it, and print the
+planner's prediction for exactly its layout.
+
+Nothing is allocated: the model is built on the meta device (shapes, no storage), tensor
+parallelism is applied to it there as the runtime would on rank 0, and the parameters each
+rank holds are counted from it (and checked against the planner's own count). The layout is
+checked as the launcher and the trainer check it (``ParallelDims.from_config``,
+``validate_model``, ``check_batch``, sequence-parallel divisibility); then ``threefold.cost``
+and ``threefold.memory`` predict memory per rank, step time, tokens/s, MFU and the bytes each
+mesh axis carries per step.
+
+The hardware it predicts for (no config field names it):
+- ``THREEFOLD_HARDWARE`` = a catalogue name (``h100``, ``a100``, ...) or a JSON file written by
+  ``threefold plan --calibrate``; ``THREEFOLD_GPUS_PER_NODE`` sets the ranks per node
+  (default: min(world, 8) for GPUs, the whole world for a calibrated machine);
+- otherwise, on a CUDA machine (``train.device`` not cpu), the catalogue entry of the local
+  GPU's name (unknown names give no step time: the peak is never guessed);
+- otherwise this CPU: every rank on this machine, its matmul rate measured now at the threads
+  each rank gets (``threefold.metrics.cpu_matmul_flops`` through
+  ``threefold.calibrate.matmul_flops``), ``LOOPBACK_BANDWIDTH`` / ``LOOPBACK_LATENCY_S`` for the
+  gloo links (CPU-NOTES.md: about 1 GB/s and 0.3 ms between two local processes), the
+  machine's memory shared by the ranks, memory bandwidth not modelled. Memory figures on a CPU
+  are what the model, its gradients, optimiser and activations need, over the process's own
+  footprint (interpreter, torch, data), which is not counted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from threefold.config import Config, ConfigError, ModelConfig
+from threefold.cost import (
+    COMM_AXES,
+    Layout,
+    StepPrediction,
+    Workload,
+    check_layout,
+    microbatches,
+    num_parameters,
+    predict_step,
+    stage_parameters,
+    stage_units,
+)
+from threefold.hardware import Cluster, Hardware, get_hardware, hardware_for_device_name
+from threefold.memory import RUNTIME_OVERHEAD_BYTES, MemoryBreakdown, memory_per_gpu
+
+ENV_HARDWARE = "THREEFOLD_HARDWARE"
+ENV_GPUS_PER_NODE = "THREEFOLD_GPUS_PER_NODE"
+LOOPBACK_BANDWIDTH = 1e9  # bytes/s, gloo all-reduce between two local processes
+LOOPBACK_LATENCY_S = 3e-4
+
+
+@dataclass
+class DryRunResult:
+    """Everything ``dry_run`` prints, for callers and tests."""
+
+    model: ModelConfig
+    layout: Layout
+    work: Workload
+    total_parameters: int  # counted on the meta model
+    parameters_per_rank: int  # this rank's tensors after tensor parallelism (meta model)
+    owned_per_rank: int  # what ZeRO leaves each rank owning (= parameters_per_rank without it)
+    cluster: Cluster | None
+    hardware_source: str
+    memory: MemoryBreakdown
+    step: StepPrediction | None
+    comm_bytes: dict[str, int]
+    notes: list[str]
+
+
+class _MetaComm:
+    """What ``apply_tensor_parallel`` asks of a communication layer while sharding (sizes and
+    this rank's index); it issues no collective until the model runs, which a dry run never
+    does."""
+
+    def __init__(self, tp: int):
+        self.tp = tp
+
+    def size(self, axis: str) -> int:
+        """Ranks on ``axis`` (only tp is split here)."""
+        return self.tp if axis == "tp" else 1
+
+    def rank(self, axis: str) -> int:
+        """Rank 0's index on every axis."""
+        return 0
+
+
+def resolved_model(cfg: Config) -> ModelConfig:
+    """The model config as the trainer resolves it, without preparing any data: the vocabulary
+    is ``model.vocab_size`` if set, else the tokenizer's — ``data.vocab_size`` for a BPE
+    trained on the corpus, the file's own size for a tokenizer.json."""
+    vocab = cfg.data.vocab_size
+    if cfg.data.tokenizer != "bpe":
+        from threefold.data import load_tokenizer
+
+        vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(with_added_tokens=True)
+    mcfg = cfg.model.resolved(vocab_size=vocab)
+    if mcfg.vocab_size < vocab:
+        raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
+                          f"{vocab}; leave it unset (0) or raise it")
+    return mcfg
+
+
+def check(cfg: Config, world_size: int, mcfg: ModelConfig):
+    """The layout checks the launcher and the trainer make; returns the ParallelDims.
+    Raises ConfigError naming the field and a value that works."""
+    from threefold.mesh import ParallelDims
+    from threefold.parallel.layout import check_batch
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dims.validate_model(mcfg, vpp=cfg.parallel.vpp)
+    check_batch(cfg, dims.dp)
+    if cfg.parallel.sequence_parallel and dims.tp > 1 and cfg.data.seq_len % dims.tp:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by "
+                          f"parallel.tp={dims.tp}, which sequence parallelism needs")
+    return dims
+
+
+def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool) -> tuple[int, int]:
+    """(whole model's parameters, rank 0's after tensor parallelism), counted on models built
+    on the meta device: no weight is allocated."""
+    import torch
+
+    from threefold.model import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(mcfg)
+    total = sum(p.numel() for p in model.parameters())  # tied weights once
+    if tp > 1:
+        from threefold.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel)
+    local = sum(p.numel() for p in model.parameters())
+    return total, local
+
+
+def _ranks_per_node(world: int, default: int) -> int:
+    text = os.environ.get(ENV_GPUS_PER_NODE)
+    if text is None:
+        return max(1, min(world, default))
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{ENV_GPUS_PER_NODE}: '{text}' is not a positive integer")
+    return min(int(text), world)
+
+
+def choose_hardware(cfg: Config, world: int) -> tuple[Cluster, str]:
+    """(cluster of ``world`` ranks, where the hardware figures come from); see the module
+    docstring for the order of the sources."""
+    spec = os.environ.get(ENV_HARDWARE)
+    if spec:
+        if Path(spec).expanduser().is_file():
+            from threefold.calibrate import hardware_from_calibration, load
+
+            per_node = _ranks_per_node(world, world)
+            hw = hardware_from_calibration(load(spec), per_node)
+            return Cluster(hw, world, per_node), f"calibration file {spec}"
+        try:
+            hw = get_hardware(spec)
+        except ValueError as e:
+            raise ConfigError(f"{ENV_HARDWARE}: {e} (or a --calibrate JSON file)") from None
+        return Cluster(hw, world, _ranks_per_node(world, 8)), f"catalogue ({ENV_HARDWARE})"
+    if cfg.train.device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0)
+            hw = hardware_for_device_name(name) or Hardware(
+                name=name, peak_flops_16bit=None, peak_flops_fp32=None,
+                memory_bytes=torch.cuda.get_device_properties(0).total_memory,
+                intra_node_bw=LOOPBACK_BANDWIDTH, inter_node_bw=LOOPBACK_BANDWIDTH)
+            return Cluster(hw, world, _ranks_per_node(world, 8)), f"local GPU: {name}"
+    return _this_cpu(cfg, world)
+
+
+def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
+    from threefold.calibrate import matmul_flops
+
+    per_node = _ranks_per_node(world, world)
+    threads = max(1, (os.cpu_count() or 1) // per_node)
+    precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
+    rate = matmul_flops(precision, threads, seconds=0.2, statistic="best")
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 0
+    hw = Hardware.measured("this cpu", peak_flops=rate, bandwidth=LOOPBACK_BANDWIDTH,
+                           latency_s=LOOPBACK_LATENCY_S, memory_bytes=ram / per_node,
+                           precision=precision)
+    return Cluster(hw, world, per_node), (f"this CPU, {threads} thread(s) per rank: matmul "
+                                          f"{rate / 1e9:.1f} GFLOP/s measured, loopback "
+                                          f"{LOOPBACK_BANDWIDTH / 1e9:.0f} GB/s assumed")
+
+
+def predict(cfg: Config, world_size: int) -> DryRunResult:
+    """Check ``cfg`` on ``world_size`` ranks and predict its step (no printing)."""
+    mcfg = resolved_model(cfg)
+    dims = check(cfg, world_size, mcfg)
+    notes = list(dims.notes)
+    layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)
+    check_layout(mcfg, layout, work)
+    total, local = meta_parameter_counts(mcfg, dims.tp, cfg.parallel.sequence_parallel)
+    if total != num_parameters(mcfg) or (dims.pp == 1 and local != stage_parameters(
+            mcfg, layout, 0)):
+        raise RuntimeError(f"the planner counts {stage_parameters(mcfg, layout, 0)} parameters "
+                           f"per rank but the meta model holds {local}: cost.py has drifted "
+                           "from threefold.model / parallel.tensor")
+    owned = local
+    if layout.zero_stage and dims.pp == 1:
+        owned = sum(-(-sum(u) // dims.dp_shard) for u in stage_units(mcfg, layout, 0))
+    cluster, source = choose_hardware(cfg, world_size)
+    on_cpu = source.startswith(("this CPU", "calibration"))
+    memory = memory_per_gpu(mcfg, layout, work,
+                            overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES)
+    step = None
+    if cluster.hardware.peak_flops(work.precision):
+        step = predict_step(mcfg, layout, work, cluster, simulate=True)
+    from threefold.cost import comm_bytes_per_step
+
+    return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
+                        comm_bytes_per_step(mcfg, layout, work), notes)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3f}" if x < 10e9 else f"{x / 1e9:.1f}"
+
+
+def format_report(r: DryRunResult, world: int) -> str:
+    """The text ``dry_run`` prints."""
+    lay, w, mem, m = r.layout, r.work, r.memory, r.model
+    hw = r.cluster.hardware
+    mb = microbatches(lay, w)
+    lines = [
+        f"threefold dry run: {_count(r.total_parameters)} parameters (h {m.hidden_size}, "
+        f"{m.num_hidden_layers} layers, vocab {m.vocab_size}), built on the meta device: "
+        "nothing allocated",
+        f"layout: {world} ranks = pp {lay.pp} × dp_replicate {lay.dp_replicate} × dp_shard "
+        f"{lay.dp_shard} × tp {lay.tp}; zero {lay.zero_stage}, sequence parallel "
+        f"{'on' if lay.sp else 'off'}, recompute {lay.recompute}; micro-batch "
+        f"{lay.microbatch_size} × {mb} per step, seq {w.seq_len}, {w.precision} matmuls",
+        f"parameters per rank: {_count(r.parameters_per_rank)} held"
+        + (f", {_count(r.owned_per_rank)} owned (ZeRO-{lay.zero_stage})"
+           if lay.zero_stage else ""),
+        f"hardware: {world} × {hw.name}, {r.cluster.gpus_per_node} per node ({r.hardware_source})",
+    ]
+    other = mem.total - mem.params - mem.optimizer - mem.buffers - mem.overhead
+    fits = mem.total <= hw.memory_bytes if hw.memory_bytes else True
+    lines.append(
+        f"memory per rank, GB: weights {_gb(mem.params)}, optimizer {_gb(mem.optimizer)}, "
+        f"gradients {_gb(mem.grads)}, activations {_gb(mem.activations)}, logits+loss "
+        f"{_gb(mem.logits)}, buffers {_gb(mem.buffers)}, overhead {_gb(mem.overhead)} -> peak "
+        f"{_gb(mem.total)} (transient part {_gb(other)})"
+        + (f" of {_gb(hw.memory_bytes)}: {'fits' if fits else 'DOES NOT FIT'}"
+           if hw.memory_bytes else ""))
+    s = r.step
+    if s is None:
+        lines.append(f"step time: unknown ({hw.name}: peak {w.precision} FLOP/s unknown; set "
+                     f"{ENV_HARDWARE})")
+    else:
+        mfu = f"{s.mfu:.1%}" if s.mfu is not None else "unknown"
+        lines.append(
+            f"step: {s.step_time_s:.4g} s (compute {s.compute_s:.3g}, tp {s.tp_exposed_s:.3g}, "
+            f"dp {s.dp_exposed_s:.3g}, pp {s.pp_exposed_s:.3g}, bubble {s.bubble_s:.3g}, "
+            f"optimizer {s.optimizer_s:.3g}); "
+            f"{s.tokens_per_second_per_gpu * world:,.0f} tokens/s "
+            f"({s.tokens_per_second_per_gpu:,.0f} per rank), MFU {mfu}")
+    sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes[a])
+    lines.append("bytes sent per step by rank 0: " + (sent or "none (one rank)"))
+    lines += [f"note: {n}" for n in r.notes]
+    if not fits:
+        lines.append(f"warning: predicted peak {_gb(mem.total)} GB exceeds the "
+                     f"{_gb(hw.memory_bytes)} GB of {hw.name}")
+    return "\n".join(lines)
+
+
+def dry_run(cfg: Config, world_size: int, out=print) -> int:
+    """Check ``cfg`` for ``world_size`` ranks on the meta device and print the prediction.
+    Returns 0; raises ConfigError (or ValueError) for a configuration that cannot run."""
+    out(format_report(predict(cfg, world_size), world_size))
+    return 0
