@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
-from tests.test_sft import OPTIM, final_weights, make_hf_chat_model, metrics, trl_args
+from tests.test_sft import OPTIM, base, final_weights, metrics, trl_args  # noqa: F401
 from threefold.config import load_config
 from threefold.data import DataError, prepare_data
 from threefold.post.chat import BuiltinTemplate
@@ -76,13 +76,28 @@ def test_pairs_tokenize_like_trl_and_label_only_the_response(data):
                       eot, "t")
 
 
-DPO_STEPS = 3
+DPO_STEPS = 2
 
 
 def dpo_overrides(corpus, cache, out, **extra):
-    """A short DPO of the tiny model on the built-in pairs."""
+    """A short DPO of the tiny model."""
     return tiny_overrides(corpus, cache, out, data__seq_len=128, train__steps=DPO_STEPS,
                           train__eval_batches=1, **extra)
+
+
+def write_pairs(root):
+    """12 of the built-in pairs for training and 2 for validation, to keep scoring short."""
+    from threefold.post import example_path
+
+    pairs = example_path("dpo.jsonl").read_text().splitlines()
+    (root / "train.jsonl").write_text("\n".join(pairs[:12]) + "\n")
+    (root / "val.jsonl").write_text("\n".join(pairs[-2:]) + "\n")
+
+
+def dpo_task(root):
+    """β 0.5, ε 0.1 on the pairs of ``write_pairs``."""
+    return DPOTask(DPOOptions(data=str(root / "train.jsonl"), val_data=str(root / "val.jsonl"),
+                              beta=0.5, label_smoothing=0.1))
 
 
 def _dpo_layouts(rank, world, corpus, cache, root, runs):
@@ -90,7 +105,7 @@ def _dpo_layouts(rank, world, corpus, cache, root, runs):
 
     for name, extra in runs:
         cfg = load_config(None, dpo_overrides(corpus, cache, root / name, **extra))
-        train(cfg, Distributed(cfg), task=DPOTask(DPOOptions(beta=0.5, label_smoothing=0.1)))
+        train(cfg, Distributed(cfg), task=dpo_task(root))
     return True
 
 
@@ -101,8 +116,9 @@ RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_b
 def test_dpo_step0_is_ln2_learns_and_layouts_equal_single_process(corpus, cache_dir, tmp_path):
     from threefold.hf import export_hf
 
+    write_pairs(tmp_path)
     summary = train(load_config(None, dpo_overrides(corpus, cache_dir, tmp_path / "single")),
-                    task=DPOTask(DPOOptions(beta=0.5, label_smoothing=0.1)))
+                    task=dpo_task(tmp_path))
     ref = metrics(tmp_path / "single")
     first = ref[0]
     assert set(KEYS) <= set(first) and "logps/chosen" in first
@@ -144,7 +160,7 @@ TRL_PAIRS = [
 ]
 
 
-def test_dpo_step_losses_and_logps_equal_trl(corpus, cache_dir, tmp_path):
+def test_dpo_step_losses_and_logps_equal_trl(corpus, cache_dir, base, tmp_path):
     """Same HF model, weights, template and pairs: TRL's DPOTrainer (reference = a frozen copy
     of the model) and ours (precomputed reference) log the same loss and log-probs at the
     first step and, after one AdamW update, the same loss and rewards at the second."""
@@ -152,7 +168,7 @@ def test_dpo_step_losses_and_logps_equal_trl(corpus, cache_dir, tmp_path):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     transformers = pytest.importorskip("transformers")
-    hf_dir = make_hf_chat_model(corpus, cache_dir, tmp_path)
+    hf_dir = base / "hf"
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in TRL_PAIRS))
     n, seq_len, beta = len(TRL_PAIRS), 96, 0.5
@@ -178,12 +194,15 @@ def test_dpo_step_losses_and_logps_equal_trl(corpus, cache_dir, tmp_path):
     assert abs(ours[1]["loss"] - LN2) > 1e-3  # the second step really saw the update
 
 
-def test_dpo_cli_out_of_the_box_after_train(corpus, cache_dir, tmp_path, monkeypatch):
+def test_dpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, monkeypatch):
+    """`threefold train` then `threefold dpo` with no data or init option: runs/default ->
+    runs/dpo on the built-in pairs; bad options fail in one line."""
+    import shutil
+
     from threefold.post.cli import dpo_main
 
     monkeypatch.chdir(tmp_path)
-    train(load_config(None, tiny_overrides(corpus, cache_dir, "runs/default", train__steps=1,
-                                           train__eval_batches=1)))
+    shutil.copytree(base / "run", "runs/default")  # what `threefold train` leaves
     common = ["--data.corpus", str(corpus), "--data.cache_dir", str(cache_dir),
               "--train.progress", "off"]
     assert dpo_main(common + ["--train.steps", "2", "--dpo.beta", "0.2"]) == 0

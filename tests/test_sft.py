@@ -48,19 +48,22 @@ def data(corpus, cache_dir):
     return prepare_data(load_config(None, tiny_overrides(corpus, cache_dir, "x")).data)
 
 
-def make_hf_chat_model(corpus, cache, root: Path) -> Path:
-    """A Hugging Face folder (threefold's tiny model after one step, exported) whose
-    tokenizer_config.json carries the built-in format as a Jinja chat template."""
+@pytest.fixture(scope="module")
+def base(corpus, cache_dir, tmp_path_factory) -> Path:
+    """A pretrained starting point: ``base/run``, a 1-step threefold run of the tiny model,
+    and ``base/hf``, its Hugging Face export whose tokenizer_config.json carries the built-in
+    format as a Jinja chat template."""
     from threefold.hf import export_hf
 
-    train(load_config(None, tiny_overrides(corpus, cache, root / "base", train__steps=1,
+    root = tmp_path_factory.mktemp("base")
+    train(load_config(None, tiny_overrides(corpus, cache_dir, root / "run", train__steps=1,
                                            train__eval_batches=1)))
-    export_hf(root / "base", root / "hf")
+    export_hf(root / "run", root / "hf")
     conf_path = root / "hf" / "tokenizer_config.json"
     conf = json.loads(conf_path.read_text())
     conf["chat_template"] = BUILTIN_TEMPLATE
     conf_path.write_text(json.dumps(conf))
-    return root / "hf"
+    return root
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,13 +159,13 @@ def test_packed_rows_compute_each_conversation_as_if_alone(data):
     sampler, _ = task.samplers(cfg, data)
     model = LlamaForCausalLM(cfg.model.resolved(data.vocab_size))
     model.init_weights(seed=0)
-    row = sampler.local_batch(0, 0, 1)
+    row = sampler.local_batch(0, 0, 4)  # 2 of the step's 8 rows
     with torch.no_grad():
         packed = causal_lm_loss(model(row["input_ids"], row["position_ids"],
                                       row["document_ids"]), row["labels"])
         alone = 0.0
         for r in range(row["input_ids"].shape[0]):
-            for c in sampler.rows[sampler.indices(0, r, r + 1)[0]]:
+            for c in sampler.rows[sampler.indices(0, r, r + 1)[0]]:  # rank 0's rows 0 and 1
                 conv = sampler.convs[c]
                 ids = torch.from_numpy(conv.ids)[None]
                 alone += causal_lm_loss(model(ids), torch.from_numpy(conv.labels)[None]).item()
@@ -198,14 +201,14 @@ def trl_args(cls, out: Path, batch: int, seq_len: int, **extra):
                gradient_checkpointing=False, **extra)
 
 
-def test_sft_step_losses_equal_trl(corpus, cache_dir, tmp_path):
+def test_sft_step_losses_equal_trl(corpus, cache_dir, base, tmp_path):
     """Same HF model, weights, chat template and conversations: the loss of the first step
     (before any update) and of the second (after one AdamW step) equal SFTTrainer's."""
     pytest.importorskip("jinja2")
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     transformers = pytest.importorskip("transformers")
-    hf_dir = make_hf_chat_model(corpus, cache_dir, tmp_path)
+    hf_dir = base / "hf"
     path = tmp_path / "convs.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in TRL_CONVS))
     seq_len = 160
@@ -239,11 +242,11 @@ def test_sft_step_losses_equal_trl(corpus, cache_dir, tmp_path):
 # --------------------------------------------------------------------------------------------
 # Layouts, export, CLI
 # --------------------------------------------------------------------------------------------
-SFT_STEPS = 3
+SFT_STEPS = 2
 
 
 def sft_overrides(corpus, cache, out, **extra):
-    """A 3-step SFT of the tiny model on the built-in examples."""
+    """A short SFT of the tiny model on the built-in examples."""
     return tiny_overrides(corpus, cache, out, data__seq_len=256, train__steps=SFT_STEPS,
                           train__eval_batches=1, **extra)
 
@@ -257,8 +260,7 @@ def _sft_layouts(rank, world, corpus, cache, root, runs):
     return True
 
 
-RUNS = [("dp2", {}), ("dp2_accum", {"train__micro_batch_size": 2}),
-        ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
+RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
         ("tp2", {"parallel__tp": 2})]
 
 
@@ -288,14 +290,13 @@ def test_sft_layouts_equal_single_process_and_export(corpus, cache_dir, tmp_path
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
 
 
-def test_sft_cli_out_of_the_box_after_train(corpus, cache_dir, tmp_path, monkeypatch):
+def test_sft_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, monkeypatch):
     """`threefold train` then `threefold sft` with no data or init option: runs/default ->
     runs/sft on the built-in examples; resuming continues; bad options fail in one line."""
     from threefold.post.cli import sft_main
 
     monkeypatch.chdir(tmp_path)
-    train(load_config(None, tiny_overrides(corpus, cache_dir, "runs/default", train__steps=1,
-                                           train__eval_batches=1)))
+    shutil.copytree(base / "run", "runs/default")  # what `threefold train` leaves
     common = ["--data.corpus", str(corpus), "--data.cache_dir", str(cache_dir),
               "--train.progress", "off"]
     assert sft_main(common + ["--train.steps", "2", "--checkpoint.interval", "1"]) == 0

@@ -223,6 +223,7 @@ def hardware_from_calibration(record: dict, ranks_on_machine: int = 1,
     per_rank = threads_per_rank or max(1, record.get("threads", record.get("cores", 1)) // ranks)
 
     def rate(dtype: str) -> float | None:
+        """The measured rate of ``dtype`` at the thread count nearest ``per_rank``."""
         table = {int(k): v for k, v in record["matmul_flops"].get(dtype, {}).items()}
         if not table:
             return None

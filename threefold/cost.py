@@ -429,8 +429,8 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     return float(fwd), float(bwd)
 
 
-def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload
-                                        ) -> tuple[float, float]:
+def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
+                                        stage: int | None = None) -> tuple[float, float]:
     """(forward, backward + recompute) HBM bytes that one rank's memory-bound kernels move per
     microbatch (matmuls and flash attention are counted as FLOPs instead). Per token per
     block, forward, d bytes per element: two RMSNorms read and write h (4d·h), two residual
@@ -438,8 +438,10 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
     parallelism, every tp rank repeats them otherwise —; RoPE reads and writes q and k, SwiGLU's
     silu(gate)·up reads two and writes one f-wide tensor (3d·f); materialised attention adds a
     fused softmax that reads and writes a·s scores. Backward moves about twice the forward;
-    recompute repeats the forward (or only the softmax, when selective). The loss is not
-    counted."""
+    recompute repeats the forward (or only the softmax, when selective). The last stage
+    (``stage`` None: the last) adds the loss over its vocabulary shard, in fp32: forward reads
+    the logits twice (max, sum of exponentials) and writes the (log-)softmax, backward fills
+    and reads the gradients and writes the logits' gradient, 8 passes of 4·V/t bytes."""
     sh, h, hd, d, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.act_bytes, \
         work.seq_len
     tokens = layout.microbatch_size * s
@@ -453,6 +455,9 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
         bwd += fwd
     elif layout.recompute == "selective":
         bwd += layers * tokens * softmax
+    if stage is None or stage == layout.pp - 1:
+        fwd += 3 * 4 * tokens * sh.vocab
+        bwd += 5 * 4 * tokens * sh.vocab
     return fwd, bwd
 
 
@@ -782,11 +787,11 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     inter = {a: axis_crosses_nodes(layout, a, cluster.gpus_per_node) for a in COMM_AXES}
     links = {a: hw.link(inter[a]) for a in COMM_AXES}
     stages = _distinct_stages(layout.pp)
-    mem_f, mem_b = stage_memory_traffic_per_microbatch(cfg, layout, work)
     hbm = hw.memory_bw or math.inf
     per_mb, per_step, parts, lists, hw_flops = {}, {}, {}, [], 0.0
     for st in stages:
         f, bwd = stage_flops_per_microbatch(cfg, layout, work, st)
+        mem_f, mem_b = stage_memory_traffic_per_microbatch(cfg, layout, work, st)
         hw_flops += (f + bwd) * _stage_multiplicity(layout.pp, st)
         t_f, t_b = f / rate + mem_f / hbm, bwd / rate + mem_b / hbm
         colls = collectives(cfg, layout, work, st)
@@ -837,8 +842,9 @@ def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cl
                                             (hw.matmul_efficiency or MATMUL_EFFICIENCY))
     m = microbatches(layout, work)
     stages = _distinct_stages(layout.pp)
-    mem = sum(stage_memory_traffic_per_microbatch(cfg, layout, work)) / (hw.memory_bw or math.inf)
-    times = {st: sum(stage_flops_per_microbatch(cfg, layout, work, st)) / rate + mem
+    bw = hw.memory_bw or math.inf
+    times = {st: sum(stage_flops_per_microbatch(cfg, layout, work, st)) / rate
+             + sum(stage_memory_traffic_per_microbatch(cfg, layout, work, st)) / bw
              for st in stages}
     mean = sum(times[s] * _stage_multiplicity(layout.pp, s) for s in stages) / layout.pp
     ratio, _ = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp)

@@ -87,7 +87,10 @@ def tokenize_pair(rec: dict, template, tok, eot: str, where: str) -> tuple[list,
                             "line needs prompt, chosen and rejected")
     p, c, r = rec["prompt"], rec["chosen"], rec["rejected"]
     if all(isinstance(x, str) for x in (p, c, r)):
-        texts = (p, p + (c if c.endswith(eot) else c + eot), p + (r if r.endswith(eot) else r + eot))
+        def closed(text: str) -> str:  # TRL appends the end token where it is missing
+            return text if text.endswith(eot) else text + eot
+
+        texts = (p, p + closed(c), p + closed(r))
     elif all(isinstance(x, list) for x in (p, c, r)):
         p = check_messages(p, where + " prompt", need_assistant=False)
         c = check_messages(c, where + " chosen")
