@@ -211,5 +211,6 @@ def test_dpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, m
     assert recs[0]["loss"] == pytest.approx(LN2, abs=1e-6)
     assert all(set(KEYS) <= set(r) for r in recs)
     assert (tmp_path / "runs/dpo/checkpoints/2").is_dir()
+    assert (tmp_path / "runs/dpo/chat_template.jinja").is_file()
     assert dpo_main(common + ["--dpo.label_smoothing", "0.5"]) == 2
     assert dpo_main(common + ["--dpo.beta", "abc"]) == 2

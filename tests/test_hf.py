@@ -203,7 +203,7 @@ def test_convert_from_hf_then_training_starts_from_it(trained, corpus, cache_dir
     assert evaluate(run) != pytest.approx(first["validation_loss"], abs=1e-3)
     hf.init_from_hf(run.engine.model, root / "exported")
     assert evaluate(run) == pytest.approx(first["validation_loss"], abs=1e-6)
-    loss, _ = train_step(run, 0)
+    loss, _, _ = train_step(run, 0)
     assert torch.isfinite(torch.tensor(loss))
     # init_from also takes a threefold run directory: its newest checkpoint (the resumed run's).
     hf.init_from_hf(run.engine.model, imp)

@@ -48,11 +48,15 @@ def data(corpus, cache_dir):
     return prepare_data(load_config(None, tiny_overrides(corpus, cache_dir, "x")).data)
 
 
+# The built-in format as an HF folder would ship it; the comment makes it another text, so the
+# folder's template is rendered by jinja2 (the built-in one is rendered in Python).
+HF_TEMPLATE = "{# threefold's built-in chat format #}" + BUILTIN_TEMPLATE
+
+
 @pytest.fixture(scope="module")
 def base(corpus, cache_dir, tmp_path_factory) -> Path:
     """A pretrained starting point: ``base/run``, a 1-step threefold run of the tiny model,
-    and ``base/hf``, its Hugging Face export whose tokenizer_config.json carries the built-in
-    format as a Jinja chat template."""
+    and ``base/hf``, its Hugging Face export whose tokenizer_config.json carries HF_TEMPLATE."""
     from threefold.hf import export_hf
 
     root = tmp_path_factory.mktemp("base")
@@ -61,7 +65,7 @@ def base(corpus, cache_dir, tmp_path_factory) -> Path:
     export_hf(root / "run", root / "hf")
     conf_path = root / "hf" / "tokenizer_config.json"
     conf = json.loads(conf_path.read_text())
-    conf["chat_template"] = BUILTIN_TEMPLATE
+    conf["chat_template"] = HF_TEMPLATE
     conf_path.write_text(json.dumps(conf))
     return root
 
@@ -69,7 +73,7 @@ def base(corpus, cache_dir, tmp_path_factory) -> Path:
 # --------------------------------------------------------------------------------------------
 # Template, mask, records
 # --------------------------------------------------------------------------------------------
-def test_builtin_template_format_mask_and_jinja_twin(data):
+def test_builtin_template_format_mask_and_jinja_twin(data, tmp_path):
     tpl = load_chat_template(data.tokenizer_path, data.tokenizer)  # no tokenizer_config.json
     assert isinstance(tpl, BuiltinTemplate)
     assert tpl.render(CONV[:2], add_generation_prompt=True) == \
@@ -86,6 +90,18 @@ def test_builtin_template_format_mask_and_jinja_twin(data):
     for n in range(len(CONV) + 1):
         for gen in (False, True):
             assert twin.render(CONV[:n], gen) == tpl.render(CONV[:n], gen)
+    # a folder's template: tokenizer_config.json (named templates too), else chat_template.jinja
+    shutil.copyfile(data.tokenizer_path, tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(BUILTIN_TEMPLATE)  # as an SFT run saves it
+    assert isinstance(load_chat_template(tmp_path / "tokenizer.json", tok), BuiltinTemplate)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "<|endoftext|>"},
+         "chat_template": [{"name": "default", "template": HF_TEMPLATE}]}))
+    hf = load_chat_template(tmp_path / "tokenizer.json", tok)
+    assert isinstance(hf, JinjaTemplate) and hf.source.endswith("tokenizer_config.json")
+    assert hf.render(CONV, True) == tpl.render(CONV, True)
+    assert isinstance(load_chat_template(tmp_path / "tokenizer.json", tok, "builtin"),
+                      BuiltinTemplate)
 
 
 def test_bad_templates_and_records_are_refused(data, tmp_path):
@@ -225,6 +241,7 @@ def test_sft_step_losses_equal_trl(corpus, cache_dir, base, tmp_path):
                                     ("train.micro_batch_size", str(rows))])
     train(cfg, task=SFTTask(SFTOptions(data=str(path), val_data=str(path))))
     ours = [r["loss"] for r in metrics(tmp_path / "ours")]
+    assert (tmp_path / "ours" / "chat_template.jinja").read_text() == HF_TEMPLATE
 
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -305,6 +322,7 @@ def test_sft_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, m
     cfg = json.loads((tmp_path / "runs/sft/config.json").read_text())
     assert cfg["checkpoint"]["init_from"] == "runs/default" and cfg["train"]["steps"] == 2
     assert (tmp_path / "runs/sft/checkpoints/2").is_dir()
+    assert (tmp_path / "runs/sft/chat_template.jinja").read_text() == BUILTIN_TEMPLATE
     # resume to step 3 from the step-2 checkpoint
     assert sft_main(common + ["--train.steps", "3", "--checkpoint.resume", "true"]) == 0
     assert [r["step"] for r in metrics(tmp_path / "runs/sft")] == [1, 2, 3]

@@ -18,7 +18,9 @@ Which template renders a conversation (``load_chat_template``):
   EOT_NAMES`` the tokenizer has). The generation prompt is ``<|assistant|>\\n``. ``<|user|>``
   and the other role markers are plain text (several ordinary tokens), not special tokens.
   ``BUILTIN_TEMPLATE`` is the same format as a Jinja template, with ``{% generation %}``
-  marks, for exporting next to a trained model.
+  marks; SFT and DPO runs save the template they used as ``chat_template.jinja`` in their
+  output directory, so a run started from them uses it again (a saved built-in template is
+  rendered in Python, without jinja2).
 
 Trained tokens are found without ``{% generation %}`` marks, so any template that renders a
 conversation prefix as a prefix of the whole works: an assistant message ``i`` spans the
@@ -67,6 +69,7 @@ class BuiltinTemplate:
     """The documented built-in format (see the module docstring), in plain Python."""
 
     source = "builtin"
+    text = BUILTIN_TEMPLATE  # the same format in Jinja, saved next to a trained model
 
     def __init__(self, eot: str):
         self.eot = eot
@@ -113,7 +116,7 @@ class JinjaTemplate:
             self.template = env.from_string(template)
         except Exception as e:  # jinja2.TemplateSyntaxError and friends
             raise DataError(f"{source}: chat template is not valid Jinja ({e})") from None
-        self.special, self.source = special, source
+        self.special, self.source, self.text = special, source, template
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The template's text for ``messages``."""
@@ -165,11 +168,22 @@ def load_chat_template(tokenizer_path: str | Path, tok: Tokenizer,
             raise DataError(f"chat template '{choice}' is neither 'auto', 'builtin' nor a file")
         return JinjaTemplate(path.read_text(encoding="utf-8"), {"eos_token": eot}, str(path))
     found = _hf_template(Path(tokenizer_path).expanduser().parent)
-    if found is None:
+    if found is None or found[0] == BUILTIN_TEMPLATE:  # the latter: saved by an earlier run
         return BuiltinTemplate(eot)
     template, special, where = found
     special.setdefault("eos_token", eot)
     return JinjaTemplate(template, special, where)
+
+
+def save_template(template: ChatTemplate, out_dir: str | Path) -> None:
+    """Write the template as ``chat_template.jinja`` into a run directory, next to the
+    tokenizer.json the loop copies there: a run started from this one (``checkpoint.init_from``)
+    then renders conversations the same way, and ``transformers`` reads the file from a
+    Hugging Face folder that holds it."""
+    from threefold.data.cache import atomic_open
+
+    with atomic_open(Path(out_dir) / "chat_template.jinja", "w") as fh:
+        fh.write(template.text)
 
 
 # --------------------------------------------------------------------------------------------

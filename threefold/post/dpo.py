@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from threefold.data import DataError
-from threefold.post.chat import check_messages, encode_text, eot_token, load_chat_template
+from threefold.post.chat import (check_messages, encode_text, eot_token, load_chat_template,
+                                 save_template)
 from threefold.post.sft import IGNORE, EpochSampler, pad_id, split_records
 
 
@@ -217,7 +218,7 @@ class DPOTask:
         template = load_chat_template(data.tokenizer_path, tok, o.chat_template)
         eot = eot_token(tok, str(data.tokenizer_path))
         train_recs, val_recs, path = split_records(cfg, o.data, o.val_data, "dpo.jsonl")
-        self.stats = {"template": template.source, "data": path}
+        self.template, self.stats = template, {"template": template.source, "data": path}
         train = self._pairs(train_recs, template, tok, eot, seq_len, path)
         val = self._pairs(val_recs, template, tok, eot, seq_len, o.val_data or path)
         pad = pad_id(tok, data.eot_id)
@@ -245,10 +246,12 @@ class DPOTask:
         return out
 
     def setup(self, run) -> None:
-        """Score every pair with the initial policy: the reference (see the module doc)."""
+        """Score every pair with the initial policy: the reference (see the module doc).
+        Save the chat template into the run directory (writer rank)."""
         self.train.ref = self.reference_logps(run, self.train)
         self.val.ref = self.reference_logps(run, self.val)
         if run.layout.is_writer:
+            save_template(self.template, run.out)
             s = self.stats
             print(f"dpo: {s['pairs']} pairs ({s['val_pairs']} held out) from {s['data']}, "
                   f"template {s['template']}, beta {self.options.beta}, label smoothing "

@@ -19,7 +19,10 @@ Sampling: rows are served epoch after epoch, each epoch in an order that is a pu
 (seed, step): nothing to replay on resume, and each data-parallel rank builds just its slice.
 Validation: the conversations of ``val_data``, or else the last ``data.val_fraction`` of the
 file (at least one); validation batches take rows in order and fill the end with empty rows
-(no trained tokens), so the validation loss is the exact mean over the validation set.
+(no trained tokens), so the validation loss is the exact mean over the validation rows (the
+first ``train.eval_batches × train.global_batch_size`` of them).
+
+The chat template used is saved as ``chat_template.jinja`` in the output directory.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import torch
 
 from threefold.data import DataError
 from threefold.data.tokenizer import PAD
-from threefold.post.chat import check_messages, encode_conversation, load_chat_template, read_jsonl
+from threefold.post.chat import (check_messages, encode_conversation, load_chat_template,
+                                 read_jsonl, save_template)
 from threefold.task import PretrainTask
 
 IGNORE = -100
@@ -283,7 +287,7 @@ class SFTTask(PretrainTask):
         o, t, seq_len = self.options, cfg.train, cfg.data.seq_len
         template = load_chat_template(data.tokenizer_path, data.tokenizer, o.chat_template)
         train_recs, val_recs, path = split_records(cfg, o.data, o.val_data, "sft.jsonl")
-        self.stats = {"template": template.source, "data": path}
+        self.template, self.stats = template, {"template": template.source, "data": path}
         train = self._encode(train_recs, template, data.tokenizer, seq_len, path)
         val = self._encode(val_recs, template, data.tokenizer, seq_len, o.val_data or path)
         pad = pad_id(data.tokenizer, data.eot_id)
@@ -294,8 +298,10 @@ class SFTTask(PretrainTask):
         return tr, va
 
     def setup(self, run) -> None:
-        """Say what is being trained on (writer rank only)."""
+        """Save the chat template into the run directory and say what is being trained on
+        (writer rank only)."""
         if run.layout.is_writer:
+            save_template(self.template, run.out)
             s = self.stats
             print(f"sft: {s['conversations']} conversations ({s['val_conversations']} held out) "
                   f"from {s['data']}, template {s['template']}, packed into {s['rows']} rows of "
