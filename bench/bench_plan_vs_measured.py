@@ -10,8 +10,9 @@ threefold.memory (the functions `threefold plan` and `threefold train --dry-run`
 hardware measured by `threefold.calibrate` (or read from --hardware-file): matmul FLOP/s at
 the threads each rank gets (cores // ranks), memory bandwidth, and the α-β fit of gloo
 all-reduces between two local processes. A shared machine's load changes from minute to
-minute, so the matmul rate and the memory bandwidth are measured again right before each run
-(`--no-remeasure` keeps the calibration's).
+minute, so right before each run the matmul rate is measured again with as many processes
+multiplying at once as the run has ranks, and the memory bandwidth too (`--no-remeasure`
+keeps the calibration's).
 
 Goals (issue 6): bytes exact; peak memory within ±10%; step time within ±25%.
 
@@ -48,6 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from threefold.calibrate import (  # noqa: E402
     calibrate,
+    concurrent_matmul_flops,
     hardware_from_calibration,
     load,
     matmul_flops,
@@ -134,14 +136,18 @@ def predicted(argv: list[str], nproc: int, record: dict) -> dict:
             "tokens_per_step": work.tokens}
 
 
-def remeasured(record: dict) -> dict:
-    """``record`` with the fp32 matmul rate and the copy bandwidth of one thread (what each
-    rank runs on) measured again now."""
+def remeasured(record: dict, nproc: int) -> dict:
+    """``record`` with, measured again now, the fp32 matmul rate each of ``nproc`` one-thread
+    ranks gets (``nproc`` processes multiplying at once) and one thread's copy bandwidth."""
     import torch
 
     out = json.loads(json.dumps(record))
-    out["matmul_flops"]["fp32"][str(THREADS_PER_RANK)] = matmul_flops("fp32", THREADS_PER_RANK,
-                                                                      seconds=1.0)
+    if nproc > 1:
+        out.setdefault("matmul_flops_concurrent", {}).setdefault("fp32", {})[str(nproc)] = \
+            concurrent_matmul_flops("fp32", nproc, THREADS_PER_RANK, seconds=1.0)
+    else:
+        out["matmul_flops"]["fp32"][str(THREADS_PER_RANK)] = matmul_flops(
+            "fp32", THREADS_PER_RANK, seconds=1.0)
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS_PER_RANK)
     try:
@@ -184,7 +190,7 @@ def main() -> None:
     for name in names:
         nproc, extra = RUNS[name]
         if not args.no_remeasure:
-            record = remeasured(record)
+            record = remeasured(record, nproc)
         argv = overrides(args, root / name, extra)
         wall = launch(argv, nproc, args.timeout)
         pred = predicted(argv, nproc, record)

@@ -205,7 +205,8 @@ def test_dpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, m
     shutil.copytree(base / "run", "runs/default")  # what `threefold train` leaves
     common = ["--data.corpus", str(corpus), "--data.cache_dir", str(cache_dir),
               "--train.progress", "off"]
-    assert dpo_main(common + ["--train.steps", "2", "--dpo.beta", "0.2"]) == 0
+    assert dpo_main(common + ["--train.steps", "2", "--dpo.beta", "0.2",
+                              "--data.seq_len", "128"]) == 0
     recs = metrics(tmp_path / "runs/dpo")
     assert [r["step"] for r in recs] == [1, 2]
     assert recs[0]["loss"] == pytest.approx(LN2, abs=1e-6)
@@ -214,3 +215,4 @@ def test_dpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, m
     assert (tmp_path / "runs/dpo/chat_template.jinja").is_file()
     assert dpo_main(common + ["--dpo.label_smoothing", "0.5"]) == 2
     assert dpo_main(common + ["--dpo.beta", "abc"]) == 2
+    assert dpo_main(common + ["--parallel.pp", "2", "--nproc-per-node", "2"]) == 2

@@ -168,6 +168,10 @@ def test_hardware_from_calibration_shares_the_machine():
     assert two.peak_flops("bf16") == 1e9 and two.matmul_efficiency == 1.0
     assert two.memory_bytes == 8e9 and two.memory_bw == 4e9
     assert two.link(False) == two.link(True) == (3e-4, 1e9)
+    # a rate measured with 2 processes multiplying at once is what each of 2 ranks gets
+    busy = dict(_calibration(), matmul_flops_concurrent={"fp32": {"2": 12e9}})
+    assert hardware_from_calibration(busy, 2).peak_flops("fp32") == 12e9
+    assert hardware_from_calibration(busy, 1).peak_flops("fp32") == 36e9
 
 
 def test_plan_uses_a_hardware_file(tmp_path, capsys):

@@ -104,13 +104,7 @@ def test_builtin_template_format_mask_and_jinja_twin(data, tmp_path):
                       BuiltinTemplate)
 
 
-def test_bad_templates_and_records_are_refused(data, tmp_path):
-    pytest.importorskip("jinja2")
-    # a template that renders the last message differently cannot be split into turns
-    unstable = JinjaTemplate("{% for m in messages %}{% if loop.last %}LAST:{% endif %}"
-                             "{{ m['content'] }}|{% endfor %}", {}, "t")
-    with pytest.raises(DataError, match="prefix"):
-        encode_conversation(unstable, data.tokenizer, CONV)
+def test_bad_records_and_templates_are_refused(data, tmp_path):
     bad = tmp_path / "bad.jsonl"
     cfg = load_config(None, [("data.seq_len", "64")])
     for line, msg in ((json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
@@ -122,6 +116,12 @@ def test_bad_templates_and_records_are_refused(data, tmp_path):
         with pytest.raises(DataError, match=msg) as e:
             task.samplers(cfg, data)
         assert "bad.jsonl:2" in str(e.value)
+    pytest.importorskip("jinja2")
+    # a template that renders the last message differently cannot be split into turns
+    unstable = JinjaTemplate("{% for m in messages %}{% if loop.last %}LAST:{% endif %}"
+                             "{{ m['content'] }}|{% endfor %}", {}, "t")
+    with pytest.raises(DataError, match="prefix"):
+        encode_conversation(unstable, data.tokenizer, CONV)
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ SFT_STEPS = 2
 
 def sft_overrides(corpus, cache, out, **extra):
     """A short SFT of the tiny model on the built-in examples."""
-    return tiny_overrides(corpus, cache, out, data__seq_len=256, train__steps=SFT_STEPS,
+    return tiny_overrides(corpus, cache, out, data__seq_len=128, train__steps=SFT_STEPS,
                           train__eval_batches=1, **extra)
 
 
@@ -277,8 +277,12 @@ def _sft_layouts(rank, world, corpus, cache, root, runs):
     return True
 
 
-RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
-        ("tp2", {"parallel__tp": 2})]
+# ZeRO-3 x 2 with accumulation runs in test_dpo; here what packing meets in each layout:
+# split rows (DP), vocab-parallel loss and sequence-sharded activations (TP + SP), document ids
+# and positions handed between stages (PP).
+RUNS = [("dp2_accum", {"train__micro_batch_size": 2}),
+        ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"}),
+        ("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 2})]
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ predict for it instead of for a catalogue GPU.
 Three measurements, each a few seconds:
 - matmul FLOP/s, fp32 and bf16, at 1 thread and at every thread torch uses: the median rate
   of back-to-back square products (1024², smaller where the dtype is slow), the sustained
-  rate a training step sees on a shared machine;
+  rate a training step sees on a shared machine; and fp32 again with as many processes
+  multiplying at once as the all-reduce uses ranks, each on its share of the threads (what
+  each rank gets when they all compute: less than one process alone where cores are busy);
 - memory bandwidth: the best of several copies of a 64 MB tensor (read + write), which
   bounds the elementwise kernels the cost model counts as memory traffic;
 - gloo all-reduce between local processes (started with ``torch.multiprocessing``, joined
@@ -86,6 +88,34 @@ def memory_bandwidth(nbytes: int = 64 << 20, repeats: int = 8) -> float:
     return 2 * nbytes / best
 
 
+def _matmul_worker(rank: int, dtype_name: str, threads: int, seconds: float, out) -> None:
+    """One of several concurrent probes: its sustained matmul rate."""
+    out.put(matmul_flops(dtype_name, threads, seconds))
+
+
+def concurrent_matmul_flops(dtype_name: str, processes: int, threads: int = 1,
+                            seconds: float = 1.0, timeout_s: float = 120.0) -> float:
+    """The matmul FLOP/s *each* of ``processes`` processes gets while all of them multiply at
+    once (the slowest one's median), as ``processes`` ranks on this machine would: on a
+    machine with fewer free cores than ranks, one process alone measures too much."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_matmul_worker, args=(r, dtype_name, threads, seconds, out),
+                         daemon=True) for r in range(processes)]
+    for p in procs:
+        p.start()
+    try:
+        rates = [out.get(timeout=timeout_s) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return min(rates)
+
+
 # --------------------------------------------------------------------------------------------
 # gloo all-reduce between local processes
 # --------------------------------------------------------------------------------------------
@@ -104,7 +134,9 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: tuple[int, ...], 
             t = torch.ones(max(1, size // 4))
             dist.all_reduce(t)  # warm-up: connections, buffers
             samples = []
-            for _ in range(repeats):
+            # small messages are cheap and their time is all scheduling noise and latency:
+            # take more of them
+            for _ in range(repeats if size >= 1 << 20 else 3 * repeats):
                 dist.barrier()
                 t0 = time.perf_counter()
                 dist.all_reduce(t)
@@ -171,6 +203,10 @@ def calibrate(world: int = 2, log=print) -> dict:
     for dt, per in flops.items():
         log(f"matmul {dt}: " + ", ".join(f"{float(v) / 1e9:.1f} GFLOP/s on {n} thread(s)"
                                         for n, v in per.items()))
+    per_rank = max(1, threads // world)
+    concurrent = concurrent_matmul_flops("fp32", world, per_rank, seconds=0.5)
+    log(f"matmul fp32, {world} processes at once: {concurrent / 1e9:.1f} GFLOP/s each on "
+        f"{per_rank} thread(s)")
     mem_bw = memory_bandwidth()
     log(f"memory bandwidth (copy): {mem_bw / 1e9:.2f} GB/s")
     times = allreduce_times(world)
@@ -184,7 +220,9 @@ def calibrate(world: int = 2, log=print) -> dict:
     except (ValueError, OSError, AttributeError):
         ram = 0
     return {"name": f"cpu-{platform.node() or 'local'}", "cores": os.cpu_count() or 1,
-            "threads": threads, "matmul_flops": flops, "memory_bandwidth": mem_bw,
+            "threads": threads, "matmul_flops": flops,
+            "matmul_flops_concurrent": {"fp32": {str(world): concurrent}},
+            "memory_bandwidth": mem_bw,
             "allreduce": {"ranks": world, "latency_s": latency, "bandwidth": bandwidth,
                           "times": {str(k): v for k, v in times.items()}},
             "memory_bytes": ram, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -223,7 +261,11 @@ def hardware_from_calibration(record: dict, ranks_on_machine: int = 1,
     per_rank = threads_per_rank or max(1, record.get("threads", record.get("cores", 1)) // ranks)
 
     def rate(dtype: str) -> float | None:
-        """The measured rate of ``dtype`` at the thread count nearest ``per_rank``."""
+        """The measured rate of ``dtype`` for one of ``ranks`` ranks: measured with that many
+        processes at once if it was, else at the thread count nearest ``per_rank``."""
+        both = record.get("matmul_flops_concurrent", {}).get(dtype, {})
+        if ranks > 1 and str(ranks) in both:
+            return both[str(ranks)]
         table = {int(k): v for k, v in record["matmul_flops"].get(dtype, {}).items()}
         if not table:
             return None

@@ -15,6 +15,10 @@ USAGE = """usage: threefold <command> [args]
 commands:
   train [CONFIG.toml] [--section.key value ...] [--nproc-per-node N]
                      train (N > 1 starts torchrun with N local processes)
+  sft [CONFIG.toml] [--section.key value ...] [--sft.KEY VALUE ...] [--nproc-per-node N]
+                     supervised fine-tuning on chat conversations (after `threefold train`)
+  dpo [CONFIG.toml] [--section.key value ...] [--dpo.KEY VALUE ...] [--nproc-per-node N]
+                     direct preference optimisation on prompt/chosen/rejected pairs
   plan ...           rank parallel layouts for a model and cluster (threefold plan --help)
   schedule ...       check and simulate a pipeline schedule (threefold schedule --help)
   convert --to hf CKPT OUT | --from hf HF_DIR OUT
@@ -173,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         from threefold.plan import main as plan_main
 
         return plan_main(rest)
+    if cmd in ("sft", "dpo"):
+        from threefold.post.cli import dpo_main, sft_main
+
+        return sft_main(rest) if cmd == "sft" else dpo_main(rest)
     if cmd == "convert":
         from threefold.hf import main as convert_main
 
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         from threefold.parallel.pipeline.simulate import main as schedule_main
 
         return schedule_main(rest)
-    return _fail(f"unknown command '{cmd}'; commands: train, plan, schedule, convert, options")
+    return _fail(f"unknown command '{cmd}'; commands: train, sft, dpo, plan, schedule, convert, options")
 
 
 if __name__ == "__main__":

@@ -186,7 +186,10 @@ class Workload:
     stored weights and gradients. The published figures (Megatron, ZeRO) keep all three in
     16 bits under bf16/fp16 and the fp32 master copy in the optimiser state, which is this
     class's default. threefold's runtime keeps fp32 weights, gradients and residual stream and
-    autocasts only the matmuls: ``Workload.from_config`` describes that."""
+    autocasts only the matmuls: ``Workload.from_config`` describes that. ``eager`` says the
+    elementwise work runs one kernel per operation, as PyTorch's eager mode does (threefold
+    without ``train.compile``), rather than fused (Megatron's kernels, torch.compile); it
+    changes the memory traffic ``stage_memory_traffic_per_microbatch`` counts."""
 
     seq_len: int
     global_batch: int
@@ -194,6 +197,7 @@ class Workload:
     flash_attention: bool = True
     residual_bytes: int = 0
     master_bytes: int = 0
+    eager: bool = False  # one kernel per elementwise op (threefold without compile), not fused
 
     @property
     def tokens(self) -> int:
@@ -222,10 +226,11 @@ class Workload:
         """The workload of a threefold training config, with the runtime's numerics: fp32
         weights, gradients and residual stream; matmuls in ``train.dtype`` (autocast);
         attention through ``scaled_dot_product_attention`` (a flash kernel: probabilities
-        not stored)."""
+        not stored); elementwise work eager unless ``train.compile``."""
         precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
         return cls(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch_size,
-                   precision=precision, flash_attention=True, residual_bytes=4, master_bytes=4)
+                   precision=precision, flash_attention=True, residual_bytes=4, master_bytes=4,
+                   eager=not cfg.train.compile)
 
 
 @dataclass(frozen=True)
@@ -431,26 +436,42 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
 
 def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
                                         stage: int | None = None) -> tuple[float, float]:
-    """(forward, backward + recompute) HBM bytes that one rank's memory-bound kernels move per
-    microbatch (matmuls and flash attention are counted as FLOPs instead). Per token per
-    block, forward, d bytes per element: two RMSNorms read and write h (4d·h), two residual
-    adds read two and write one (6d·h) — these are split over tp only under sequence
-    parallelism, every tp rank repeats them otherwise —; RoPE reads and writes q and k, SwiGLU's
-    silu(gate)·up reads two and writes one f-wide tensor (3d·f); materialised attention adds a
-    fused softmax that reads and writes a·s scores. Backward moves about twice the forward;
-    recompute repeats the forward (or only the softmax, when selective). The last stage
-    (``stage`` None: the last) adds the loss over its vocabulary shard, in fp32: forward reads
-    the logits twice (max, sum of exponentials) and writes the (log-)softmax, backward fills
-    and reads the gradients and writes the logits' gradient, 8 passes of 4·V/t bytes."""
+    """(forward, backward + recompute) bytes that one rank's memory-bound kernels move per
+    microbatch (matmuls and flash attention are counted as FLOPs instead), per token per
+    block, d bytes per element (r for the residual stream's):
+
+    - fused kernels (``work.eager`` False, as Megatron's): two RMSNorms read and write h
+      (4r·h), two residual adds read two and write one (6r·h) — split over tp only under
+      sequence parallelism, every tp rank repeats them otherwise —; RoPE reads and writes q
+      and k, SwiGLU's silu(gate)·up reads two and writes one f-wide tensor (3d·f);
+      backward about twice the forward;
+    - eager (one kernel per op, threefold's block as PyTorch runs it), counting each op's
+      reads and writes: an RMSNorm is pow, mean, mul, mul — 7h forward, about 21h backward;
+      RoPE's mul, neg, cat, mul, add — 12 per q/k element forward, 13 backward; SwiGLU's silu
+      and mul — 5f forward, 9f backward; the residual adds 3h each, and autograd's sums of the
+      gradients that reach a tensor along two paths (residual, q/k/v, gate/up) 9h backward.
+
+    Materialised attention adds a softmax that reads and writes a·s scores. Recompute repeats
+    the forward (or only the softmax, when selective). The last stage (``stage`` None: the
+    last) adds the loss over its vocabulary shard, in fp32: forward reads the logits twice
+    (max, sum of exponentials) and writes the (log-)softmax, backward fills and reads the
+    gradients and writes the logits' gradient, 8 passes of 4·V/t bytes."""
     sh, h, hd, d, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.act_bytes, \
         work.seq_len
+    r = work.resid_bytes
     tokens = layout.microbatch_size * s
     layers = cfg.num_hidden_layers // layout.pp
-    replicated = 10 * d * h / (layout.tp if layout.sp else 1)
+    split = layout.tp if layout.sp else 1
+    qk = (sh.heads + sh.kv_heads) * hd
     softmax = 0 if work.flash_attention else 2 * d * sh.heads * s
-    fwd = layers * tokens * (replicated + 2 * d * (sh.heads + sh.kv_heads) * hd + 3 * d * sh.ffn
-                             + softmax)
-    bwd = 2 * fwd
+    if work.eager:
+        fwd_tok = r * (2 * 7 + 2 * 3) * h / split + 12 * d * qk + 5 * d * sh.ffn + softmax
+        bwd_tok = r * (2 * 21 + 2 * 3) * h / split + 9 * r * h + 13 * d * qk + 9 * d * sh.ffn \
+            + 2 * softmax
+    else:
+        fwd_tok = 10 * r * h / split + 2 * d * qk + 3 * d * sh.ffn + softmax
+        bwd_tok = 2 * fwd_tok
+    fwd, bwd = layers * tokens * fwd_tok, layers * tokens * bwd_tok
     if layout.recompute == "full":
         bwd += fwd
     elif layout.recompute == "selective":

@@ -19,7 +19,9 @@ label smoothing of conservative DPO (Mitchell, "A note on DPO with noisy prefere
     Δ = (log π(y_c|x) − log π(y_r|x)) − (log π_ref(y_c|x) − log π_ref(y_r|x))
     loss = −(1−ε)·log σ(β·Δ) − ε·log σ(−β·Δ)
 
-where log π(y|x) is the summed log-probability of the response tokens. ``count`` is pairs, so
+where log π(y|x) is the summed log-probability of the response tokens. With ε = 0 this is
+TRL's ``loss_type="sigmoid"`` (TRL 1.16 applies its ``label_smoothing`` to other loss types
+only, so the TRL comparison runs with ε = 0). ``count`` is pairs, so
 the loop's loss is the mean over the pairs of the global batch. Metrics (TRL's names), means
 over pairs: ``rewards/chosen`` = β·(log π(y_c) − log π_ref(y_c)), ``rewards/rejected``
 likewise, ``rewards/margins`` their difference, ``rewards/accuracies`` the share of pairs whose
@@ -32,7 +34,9 @@ code as training, so it works under every layout (every rank scores every pair; 
 parallelism or ZeRO-3 the ranks need each other's collectives anyway) and needs no second
 model in memory. On resume the reference is scored again from the same initial weights
 (``checkpoint.init_from``, or the seed's initialisation), before the checkpoint is loaded.
-At step 0, then, Δ = 0 and the loss is ln 2 for any β and ε.
+At step 0, then, Δ = 0 and the loss is ln 2 for any β and ε. Scoring costs one forward per
+pair over the whole data set at start-up. Pipeline parallelism is refused for now (a stage
+cannot score a sequence alone).
 """
 
 from __future__ import annotations
@@ -248,6 +252,12 @@ class DPOTask:
     def setup(self, run) -> None:
         """Score every pair with the initial policy: the reference (see the module doc).
         Save the chat template into the run directory (writer rank)."""
+        if getattr(run.layout, "chunks", None) is not None:
+            from threefold.config import ConfigError
+
+            # scoring needs whole-model forwards (run.forward), which a pipeline stage lacks
+            raise ConfigError("parallel.pp: DPO cannot run pipelined yet; use pp 1 (tensor "
+                              "parallelism and ZeRO-3 shard the model too)")
         self.train.ref = self.reference_logps(run, self.train)
         self.val.ref = self.reference_logps(run, self.val)
         if run.layout.is_writer:
