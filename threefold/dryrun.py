@@ -37,6 +37,7 @@ from threefold.cost import (
     StepPrediction,
     Workload,
     check_layout,
+    comm_bytes_per_step,
     microbatches,
     num_parameters,
     predict_step,
@@ -216,8 +217,6 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
     step = None
     if cluster.hardware.peak_flops(work.precision):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
-    from threefold.cost import comm_bytes_per_step
-
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm_bytes_per_step(mcfg, layout, work), notes)
 
