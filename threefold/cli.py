@@ -82,16 +82,8 @@ def cmd_train(argv: list[str]) -> int:
         _check_layout(cfg, world)
     except (ConfigError, ValueError) as e:
         return _fail(str(e))
-    if cfg.train.dry_run:
-        from threefold.dryrun import dry_run
-
-        try:
-            return dry_run(cfg, world)
-        except (ConfigError, ValueError) as e:
-            return _fail(str(e))
-    if nproc is not None and "LOCAL_RANK" not in os.environ:
-        return _launch(nproc, launcher, argv)
-    return _run_training(cfg)
+    return dispatch(cfg, world, nproc, launcher, argv, ["threefold", "train"],
+                    lambda: _run_training(cfg))
 
 
 def _world_size_for(nproc: int | None, launcher: list[str]) -> int:
@@ -112,23 +104,45 @@ def _check_layout(cfg, world_size: int) -> None:
     check_batch(cfg, dims.dp_replicate * dims.dp_shard)
 
 
-def _launch(nproc: int, launcher: list[str], argv: list[str]) -> int:
-    """Re-run this command under torchrun (torch's own launcher, never a home-made one)."""
-    args = [a for i, a in enumerate(argv)
-            if a not in ("--nproc-per-node", "--nproc_per_node")
-            and not (i and argv[i - 1] in ("--nproc-per-node", "--nproc_per_node"))
-            and not a.startswith(("--nproc-per-node=", "--nproc_per_node="))]
-    for flag in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "--rdzv-id"):
-        while flag in args:
-            j = args.index(flag)
-            del args[j:j + 2]
+LAUNCHER_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",
+                  "--rdzv-endpoint", "--max-restarts", "--rdzv-id")
+
+
+def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str]) -> int:
+    """Re-run ``python -m TARGET argv`` under torchrun (torch's own launcher, never a
+    home-made one) with ``nproc`` local processes: launcher flags go to torchrun, the rest to
+    each process."""
+    skip_next, args = False, []
+    for a in argv:
+        if skip_next:
+            skip_next = False
+        elif a in LAUNCHER_FLAGS:
+            skip_next = True
+        elif not a.startswith(("--nproc-per-node=", "--nproc_per_node=")):
+            args.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if "--nnodes" not in launcher:
         cmd += ["--standalone"]
     elif "--rdzv-endpoint" in launcher:
         cmd += ["--rdzv-backend=c10d"]
-    cmd += launcher + ["-m", "threefold", "train"] + args
-    return subprocess.call(cmd)
+    return subprocess.call(cmd + launcher + ["-m", *target] + args)
+
+
+def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list[str],
+             target: list[str], run) -> int:
+    """After validation: a dry run, or a re-launch under torchrun, or ``run()`` here."""
+    from threefold.config import ConfigError
+
+    if cfg.train.dry_run:
+        from threefold.dryrun import dry_run
+
+        try:
+            return dry_run(cfg, world)
+        except (ConfigError, ValueError) as e:
+            return _fail(str(e))
+    if nproc is not None and "LOCAL_RANK" not in os.environ:
+        return launch(nproc, launcher, argv, target)
+    return run()
 
 
 def _run_training(cfg) -> int:

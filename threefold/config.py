@@ -288,19 +288,25 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
     """Turn ['--train.steps', '5', '--x.y=z'] into [('train.steps','5'), ('x.y','z')]."""
     out, i = [], 0
     while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}': options are --section.key value")
-        key = arg[2:]
-        if "=" in key:
-            key, value = key.split("=", 1)
-            i += 1
-        elif i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-        else:
-            raise ConfigError(f"--{key}: missing value")
-        out.append((key.replace("-", "_"), value))
+        if not argv[i].startswith("--"):
+            raise ConfigError(f"unexpected argument '{argv[i]}': options are --section.key value")
+        key, value, i = take_flag(argv, i)
+        out.append((key, value))
     return out
+
+
+def take_flag(argv: list[str], i: int) -> tuple[str, str, int]:
+    """``--a.b value`` or ``--a.b=value`` at ``argv[i]`` -> ('a.b', value, next index);
+    dashes in the key become underscores."""
+    key = argv[i][2:]
+    if "=" in key:
+        key, value = key.split("=", 1)
+        i += 1
+    elif i + 1 < len(argv):
+        value, i = argv[i + 1], i + 2
+    else:
+        raise ConfigError(f"--{key}: missing value")
+    return key.replace("-", "_"), value, i
 
 
 def load_config(path: str | None = None, overrides: list[tuple[str, str]] | None = None,

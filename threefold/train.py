@@ -152,10 +152,10 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     sampler, val_sampler = task.samplers(cfg, data)
     run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
               Path(cfg.train.output_dir), task)
+    if getattr(layout, "chunks", None) is not None and task.name not in ("pretrain", "sft"):
+        raise ConfigError(f"parallel.pp: the {task.name} task cannot run pipelined yet")
     task.setup(run)
     if getattr(layout, "chunks", None) is not None:
-        if task.name not in ("pretrain", "sft"):
-            raise ConfigError(f"parallel.pp: the {task.name} task cannot run pipelined yet")
         layout.build_pipeline(engine, run.loss, lambda: _autocast(run), mcfg.hidden_size)
     return run
 

@@ -11,8 +11,6 @@ Bad input is one line on stderr and exit code 2, before any process starts.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import sys
 import tomllib
 import typing
@@ -69,15 +67,10 @@ def parse_task_options(cmd: str, argv: list[str]):
             rest.append(a)
             i += 1
             continue
-        key = a[len(prefix):]
-        if "=" in key:
-            key, value = key.split("=", 1)
-            i += 1
-        elif i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-        else:
-            raise ValueError(f"{a}: missing value")
-        key = key.replace("-", "_")
+        from threefold.config import take_flag
+
+        key, value, i = take_flag(argv, i)
+        key = key[len(cmd) + 1:]
         if key not in hints:
             raise ValueError(f"{cmd}.{key}: unknown option; options: "
                              + ", ".join(f.name for f in dataclasses.fields(cls)))
@@ -137,33 +130,10 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
                               "parallelism and ZeRO-3 shard the model too)")
 
 
-def _launch(cmd: str, nproc: int, launcher: list[str], argv: list[str]) -> int:
-    """Re-run this command under torchrun with ``nproc`` local processes (launcher flags go to
-    torchrun, the rest to each process)."""
-    skip_next, args = False, []
-    for a in argv:
-        if skip_next:
-            skip_next = False
-            continue
-        if a in ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",
-                 "--rdzv-endpoint", "--max-restarts", "--rdzv-id"):
-            skip_next = True
-            continue
-        if a.startswith(("--nproc-per-node=", "--nproc_per_node=")):
-            continue
-        args.append(a)
-    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if "--nnodes" not in launcher:
-        run += ["--standalone"]
-    elif "--rdzv-endpoint" in launcher:
-        run += ["--rdzv-backend=c10d"]
-    return subprocess.call(run + launcher + ["-m", "threefold.post.cli", cmd] + args)
-
-
 def _main(cmd: str, argv: list[str]) -> int:
     from threefold.checkpoint import CheckpointError
-    from threefold.cli import _check_layout, _fail, _layout_from_env, _split_train_args, \
-        _world_size_for
+    from threefold.cli import (_check_layout, _fail, _layout_from_env, _split_train_args,
+                               _world_size_for, dispatch)
     from threefold.config import ConfigError
     from threefold.data import DataError
 
@@ -179,25 +149,19 @@ def _main(cmd: str, argv: list[str]) -> int:
         _check_inputs(cmd, cfg, opts)
     except (ConfigError, DataError, ValueError) as e:
         return _fail(str(e))
-    if cfg.train.dry_run:
-        from threefold.dryrun import dry_run
+
+    def run() -> int:
+        from threefold.post.dpo import DPOTask
+        from threefold.post.sft import SFTTask
+        from threefold.train import train
 
         try:
-            return dry_run(cfg, world)
-        except (ConfigError, ValueError) as e:
+            task = SFTTask(opts) if cmd == "sft" else DPOTask(opts)
+            train(cfg, _layout_from_env(cfg), task=task)
+        except (ConfigError, DataError, CheckpointError) as e:
             return _fail(str(e))
-    if nproc is not None and "LOCAL_RANK" not in os.environ:
-        return _launch(cmd, nproc, launcher, argv)
-    from threefold.post.dpo import DPOTask
-    from threefold.post.sft import SFTTask
-    from threefold.train import train
-
-    try:
-        task = SFTTask(opts) if cmd == "sft" else DPOTask(opts)
-        train(cfg, _layout_from_env(cfg), task=task)
-    except (ConfigError, DataError, CheckpointError) as e:
-        return _fail(str(e))
-    return 0
+        return 0
+    return dispatch(cfg, world, nproc, launcher, argv, ["threefold.post.cli", cmd], run)
 
 
 def sft_main(argv: list[str]) -> int:
