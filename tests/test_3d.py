@@ -3,6 +3,8 @@ equal to single-process training."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -44,7 +46,8 @@ def _check(reference, out, atol):
 
 @pytest.mark.slow
 def test_pipeline_through_trainer(reference, corpus, cache_dir, tmp_path):
-    runs = [("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 2}),
+    runs = [("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 2,
+                          "train__trace_step": 2}),
             ("pp2_zbh1_clip", {"parallel__pp": 2, "parallel__schedule": "zb-h1",
                                "train__micro_batch_size": 2, "optim__grad_clip": "0.5"}),
             ("pp2_interleaved", {"parallel__pp": 2, "parallel__vpp": 2,
@@ -53,12 +56,32 @@ def test_pipeline_through_trainer(reference, corpus, cache_dir, tmp_path):
     run_distributed(_runs, 2, corpus, cache_dir, tmp_path, runs, timeout=400)
     for name, _ in runs[:1] + runs[2:]:
         _check(reference, tmp_path / name, 2e-5)
+    _check_trace(tmp_path / "pp2_1f1b", micro=4)
     # clipping at 0.5 changes the run: it must still be the single-process clipped run
     out = tmp_path / "ref_clip"
     train(load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=STEPS, **DEEP,
                                            optim__grad_clip="0.5")))
     _check({"losses": [r["loss"] for r in _metrics(out)], "weights": _weights(out)},
            tmp_path / "pp2_zbh1_clip", 2e-5)
+
+
+def _check_trace(out, micro):
+    """train.trace_step wrote step 2's trace: on each of the 2 ranks one event per compute
+    action of its 1F1B list (an F and a BW per microbatch), its message batches, and the
+    step's gradient/optimiser phases; the summary carries the measured idle fraction."""
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trace"]["step"] == 2
+    assert 0.0 < summary["trace"]["pipeline_idle_fraction"] < 1.0
+    assert summary["trace"]["pipeline_unit_cost_bubble"] == pytest.approx(1 / (micro + 1))
+    events = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"]
+              if e["ph"] == "X"]
+    for rank in (0, 1):
+        names = [e["name"] for e in events if e["pid"] == rank]
+        kinds = [n.split()[0] for n in names]
+        assert kinds.count("F") == kinds.count("BW") == micro
+        assert "optimizer step" in names and "finish gradients" in names
+        assert any(k in ("SEND_F", "RECV_F") for k in kinds)
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events)
 
 
 @pytest.mark.slow

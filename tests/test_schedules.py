@@ -25,7 +25,7 @@ from threefold.parallel.pipeline import (
     simulate,
 )
 from threefold.parallel.pipeline.schedules import message_key
-from threefold.parallel.pipeline.simulate import main
+from threefold.parallel.pipeline.simulate import main, measured_costs
 from threefold.parallel.pipeline.timeline import TraceRecord, ascii_timeline, chrome_trace
 
 K = ActionKind
@@ -211,6 +211,44 @@ def test_message_time_lengthens_the_step_but_proves_nothing_new():
     slow = simulate("1f1b", 4, 8, 1, Costs(1.0, 1.0, 1.0, 0.25))
     assert slow.makespan > fast.makespan and slow.bubble_fraction > fast.bubble_fraction
     assert sum(slow.busy) == sum(fast.busy)
+
+
+def test_unequal_stages_gpipe_makespan():
+    # p=2, m=4, stage 1 twice as slow (a heavy head): stage 1 is the bottleneck, so the step is
+    # stage 0's first forward, stage 1's m forwards and m backwards, stage 0's last backward:
+    # 1 + 4·2 + 4·4 + 2 = 27; compute 12 + 24 of 2·27, a bubble of 1/3 (the formula says 1/5).
+    costs = Costs(per_stage={("F", 0): 1.0, ("B", 0): 1.0, ("W", 0): 1.0,
+                             ("F", 1): 2.0, ("BW", 1): 4.0})
+    assert costs.of(ActionKind.BACKWARD, 0) == 2.0 and costs.of(ActionKind.BACKWARD, 1) == 4.0
+    assert costs.of(ActionKind.FORWARD, 7) == 1.0  # stages not listed: the uniform times
+    r = simulate("gpipe", 2, 4, 1, costs)
+    assert r.makespan == pytest.approx(27.0)
+    assert r.busy == pytest.approx([12.0, 24.0])
+    assert r.bubble_fraction == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_measured_costs_round_trip(name, v):
+    # A replay's own trace, read back as measured costs, replays to the same timeline: what
+    # bench/bench_pipeline_idle.py does with a real run's trace.
+    import random
+
+    rng = random.Random(7)
+    p, m = 4, 8
+    n = p * v
+    per = {(k, s): rng.uniform(0.5, 2.0) for k in ("F", "B", "W") for s in range(n)}
+    if name != "zb-h1":
+        per.update({("BW", s): per[("B", s)] + per[("W", s)] for s in range(n)})
+    truth = simulate(name, p, m, v, Costs(t_comm=0.1, per_stage=per))
+    got = measured_costs([truth.records()])
+    assert got.t_comm == pytest.approx(0.1)
+    used = {k for k in per if name == "zb-h1" or k[0] in ("F", "BW")}
+    assert set(got.per_stage) == used
+    for k in used:
+        assert got.per_stage[k] == pytest.approx(per[k])
+    again = simulate(name, p, m, v, got)
+    assert again.makespan == pytest.approx(truth.makespan)
+    assert again.bubble_fraction == pytest.approx(truth.bubble_fraction)
 
 
 # ---- activations in flight -------------------------------------------------------------------

@@ -26,7 +26,7 @@ def _metrics(out):
 def test_run_writes_metrics_summary_and_checkpoints(corpus, cache_dir, tmp_path):
     out = tmp_path / "run"
     summary = _run(corpus, cache_dir, out, train__steps=8, checkpoint__interval=3,
-                   checkpoint__keep_last=2)
+                   checkpoint__keep_last=2, train__trace_step=3)
     recs = _metrics(out)
     assert [r["step"] for r in recs] == list(range(1, 9))
     for r in recs:
@@ -43,6 +43,13 @@ def test_run_writes_metrics_summary_and_checkpoints(corpus, cache_dir, tmp_path)
     # keep_last=2 of saves at 3, 6 and the final 8
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["6", "8"]
     assert (out / "tokenizer.json").is_file()
+    # train.trace_step=3: that step's phases in a Chrome trace, in order, on one rank
+    assert s["trace"] == {"path": str(out / "trace.json"), "step": 3}
+    events = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"]
+              if e["ph"] == "X"]
+    assert [e["name"] for e in events] == ["F mb0", "BW mb0", "finish gradients",
+                                           "clip gradients", "optimizer step"]
+    assert all(b["ts"] >= a["ts"] + a["dur"] for a, b in zip(events, events[1:]))
 
 
 def test_resume_is_bit_identical(corpus, cache_dir, tmp_path):
@@ -89,6 +96,7 @@ def test_lr_schedule_warmup_then_cosine():
     (["--data.corpus", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
     (["--data.tokenizer", "BADTOK"], "tokenizer"),
     (["--model.preset", "llama9"], "model.preset"),
+    (["--train.trace_step", "7"], "train.trace_step"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(corpus, cache_dir, tmp_path, capsys, extra, needle):
     bad_tok = tmp_path / "bad_tokenizer.json"

@@ -354,3 +354,19 @@ class Comm:
         if self.size(axis) == 1:
             return
         dist.barrier(group=self.group(axis))
+
+    def gather_object(self, obj, axis: str = "world") -> list | None:
+        """Every rank's picklable ``obj`` on rank 0 of ``axis`` (a list in axis-rank order);
+        None on the others. For small records (traces, reports), not tensors; counted as the
+        pickled bytes each non-root rank sends."""
+        if self.size(axis) == 1:
+            return [obj]
+        import pickle
+
+        sent = len(pickle.dumps(obj)) if self.rank(axis) else 0
+        self._count("gather_object", axis, sent)
+        group = self.group(axis)
+        root = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+        out = [None] * self.size(axis) if self.rank(axis) == 0 else None
+        dist.gather_object(obj, out, dst=root, group=group)
+        return out

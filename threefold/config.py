@@ -183,6 +183,8 @@ class TrainConfig:
     eval_batches: int = _f(8, "validation batches (of global_batch_size) per evaluation")
     dry_run: bool = _f(False, "check the configuration on the meta device and print a prediction")
     progress: str = _f("auto", "progress bar: auto (on a TTY), on or off")
+    trace_step: int = _f(0, "write OUTPUT_DIR/trace.json, a Chrome/Perfetto trace of what every "
+                         "rank did in this step (1-based; 0 = no trace)")
 
 
 @dataclass
@@ -396,6 +398,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(_unknown("train.progress", t.progress, ["auto", "on", "off"]))
     _need(t.log_interval >= 1, f"train.log_interval: must be >= 1, got {t.log_interval}")
     _need(t.eval_interval >= 0, f"train.eval_interval: must be >= 0, got {t.eval_interval}")
+    _need(0 <= t.trace_step <= max(t.steps, 0),
+          f"train.trace_step: must be between 0 (no trace) and train.steps={t.steps}, got "
+          f"{t.trace_step}")
     _need(t.eval_batches >= 1, f"train.eval_batches: must be >= 1, got {t.eval_batches}")
     _need(bool(t.output_dir), "train.output_dir: must not be empty")
     _need(c.interval >= 0, f"checkpoint.interval: must be >= 0, got {c.interval}")

@@ -25,6 +25,7 @@ from threefold.data import DataBundle, prepare_data
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
                                peak_memory_bytes, truncate_metrics)
 from threefold.model import LlamaForCausalLM, causal_lm_loss
+from threefold.parallel.pipeline.timeline import TraceRecord, write_chrome_trace
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -191,12 +192,37 @@ def _micro_batches(run: Run, batch: dict[str, torch.Tensor]):
         yield {k: v[i:i + mb].to(run.device) for k, v in batch.items()}
 
 
-def train_step(run: Run, step: int) -> tuple[float, float, dict[str, float]]:
+class _Tracer:
+    """Times the phases of one step as trace records of this rank (``trace`` a list), or does
+    nothing (``trace`` None). On a GPU it waits for the device at each phase's end, so the
+    trace shows execution, not queueing."""
+
+    def __init__(self, run: Run, trace: list | None):
+        self.trace, self.rank = trace, run.layout.rank
+        self.cuda = run.device.type == "cuda"
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, category: str = "compute"):
+        if self.trace is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.trace.append(TraceRecord(self.rank, name, t0, time.perf_counter(), category))
+
+
+def train_step(run: Run, step: int, trace: list | None = None
+               ) -> tuple[float, float, dict[str, float]]:
     """One optimiser step over the global batch of ``step``; returns (mean loss, grad norm,
     extra metrics). The loss is the sum over the global batch divided by the true number of
     units (target tokens, pairs) in it, so accumulation and data parallelism give the
-    single-process gradient."""
+    single-process gradient. With a ``trace`` list, this rank's timed phases are appended to
+    it (the pipeline's every action, or each micro-batch's forward and backward; gradient
+    synchronisation, clipping, the optimiser)."""
     lay, eng = run.layout, run.engine
+    timed = _Tracer(run, trace)
     batch = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
     n = lay.global_token_count(run.task.count(batch))
     micro = list(_micro_batches(run, batch))
@@ -205,18 +231,25 @@ def train_step(run: Run, step: int) -> tuple[float, float, dict[str, float]]:
     pipe = getattr(lay, "pipeline", None)
     if pipe is not None:  # the schedule runs every micro-batch's forward and backward
         loss_sum += pipe.run(micro, n)
+        if trace is not None:
+            trace.extend(pipe.records)
         micro = []
     for i, mb in enumerate(micro):
         with eng.micro_step(last=i == len(micro) - 1):
-            total, more = run.task.loss(run, mb)
-            loss = total / n
-            loss.backward()
+            with timed(f"F mb{i}"):
+                total, more = run.task.loss(run, mb)
+                loss = total / n
+            with timed(f"BW mb{i}"):  # with the gradient reductions it starts
+                loss.backward()
         loss_sum += loss.detach()
         for k, v in more.items():
             extras[k] = extras.get(k, 0) + v.detach().double()
-    eng.finish_gradients()
-    norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
-    eng.step(lr_at(step, run.cfg))
+    with timed("finish gradients", "comm"):
+        eng.finish_gradients()
+    with timed("clip gradients", "comm"):
+        norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
+    with timed("optimizer step"):
+        eng.step(lr_at(step, run.cfg))
     if pipe is not None:  # already summed over pipeline stages: sum over dp only
         return (lay.sum_over_dp(loss_sum), norm, {})
     return (lay.sum_over_dp(loss_sum), norm,
@@ -239,6 +272,37 @@ def evaluate(run: Run) -> float:
                 total += run.task.loss(run, mb)[0].double()
         count += lay.global_token_count(run.task.count(batch))
     return lay.sum_over_dp(total) / count
+
+
+def _write_trace(run: Run, step: int, records: list) -> dict | None:
+    """Collective: every rank's records of the step to the writer, which saves
+    OUTPUT_DIR/trace.json (one process per rank in Perfetto) and returns what the summary
+    keeps of it: the path, the step and, for a pipeline, the measured idle fraction next to
+    the simulator's figure for the schedule with unit costs."""
+    lay = run.layout
+    comm = getattr(lay, "control", None)
+    gathered = comm.gather_object(records) if comm is not None else [records]
+    if not lay.is_writer:
+        return None
+    allrec = [r for recs in gathered for r in recs]
+    t0 = min((r.start_s for r in allrec), default=0.0)
+    allrec = [r._replace(start_s=r.start_s - t0, end_s=r.end_s - t0) for r in allrec]
+    path = run.out / "trace.json"
+    run.out.mkdir(parents=True, exist_ok=True)
+    write_chrome_trace(allrec, path)
+    info: dict = {"path": str(path), "step": step + 1}
+    if getattr(lay, "pipeline", None) is not None:
+        from threefold.parallel.pipeline.executor import idle_fraction
+        from threefold.parallel.pipeline.simulate import simulate
+
+        ex, p = lay.pipeline, run.cfg.parallel
+        # one pipeline: the ranks of dp 0 and tp 0 (the others repeat its timeline)
+        first = [r for r in allrec if r.rank in set(lay.dims.axis_ranks(0, "pp"))
+                 and r.name.split()[0] in ("F", "B", "W", "BW", "SEND_F", "RECV_F", "SEND_B",
+                                           "RECV_B")]
+        info["pipeline_idle_fraction"] = idle_fraction(first)
+        info["pipeline_unit_cost_bubble"] = simulate(p.schedule, ex.p, ex.m, ex.v).bubble_fraction
+    return info
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,14 +389,23 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
     initial_val = evaluate(run) if start == 0 else None
     val_loss, loss, history = initial_val, float("nan"), []
     wall0 = time.perf_counter()
+    trace_info: dict | None = None
     for step in range(start, t.steps):
         lay.before_step(step)
         t0 = time.perf_counter()
+        trace = [] if step + 1 == t.trace_step else None
         try:
-            loss, norm, extras = train_step(run, step)
+            loss, norm, extras = train_step(run, step, trace)
         except Exception as e:  # a collective failed or timed out: say who and where
             lay.report_failure(e, step)
             raise
+        if trace is not None:
+            trace_info = _write_trace(run, step, trace)
+            if trace_info:
+                log(f"step {step + 1:>6} trace: {trace_info['path']} (open in "
+                    "https://ui.perfetto.dev)"
+                    + (f"; pipeline idle fraction {trace_info['pipeline_idle_fraction']:.1%}"
+                       if "pipeline_idle_fraction" in trace_info else ""))
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         dt = time.perf_counter() - t0
@@ -377,6 +450,8 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
         "flops_per_token": flops_tok, "world_size": lay.world_size, "layout": lay.describe(),
         "restarts": lay.restarts, "lost_steps": lost,
     }
+    if trace_info:
+        summary["trace"] = trace_info
     summary.update(lay.summary_metrics())
     if writer:
         writer.close()

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 from threefold.parallel.pipeline.schedules import (
     RECEIVES,
@@ -55,18 +57,62 @@ class DeadlockError(ScheduleError):
 @dataclass(frozen=True)
 class Costs:
     """Time of one action on one model chunk (any unit). BW costs t_b + t_w; t_comm is the
-    time from both sides posting a message to its arrival."""
+    time from both sides posting a message to its arrival.
+
+    ``per_stage`` overrides the uniform times for given (kind, virtual stage) pairs, kind as
+    in ``ActionKind.value`` ("F", "B", "W", "BW"): real stages are not equal (the first
+    holds the embedding, the last the head and the loss), and a replay with the times a run
+    measured (``measured_costs``) predicts that run's bubble, not the textbook one."""
 
     t_f: float = 1.0
     t_b: float = 1.0
     t_w: float = 1.0
     t_comm: float = 0.0
+    per_stage: dict = field(default_factory=dict, compare=False)
 
-    def of(self, kind: ActionKind) -> float:
-        """Duration of a compute action of this kind."""
+    def of(self, kind: ActionKind, stage: int | None = None) -> float:
+        """Duration of a compute action of this kind (on this virtual stage)."""
+        t = self.per_stage.get((kind.value, stage))
+        if t is not None:
+            return t
+        if kind is ActionKind.BACKWARD:
+            b, w = (self.per_stage.get((k, stage)) for k in ("B", "W"))
+            return (self.t_b if b is None else b) + (self.t_w if w is None else w)
         return {ActionKind.FORWARD: self.t_f, ActionKind.BACKWARD_INPUT: self.t_b,
-                ActionKind.BACKWARD_WEIGHT: self.t_w,
-                ActionKind.BACKWARD: self.t_b + self.t_w}[kind]
+                ActionKind.BACKWARD_WEIGHT: self.t_w}[kind]
+
+
+def measured_costs(steps, stat: Callable[[list[float]], float] = statistics.median) -> Costs:
+    """Per-(kind, stage) action times (seconds) from an executor's trace of one pipeline:
+    ``steps`` holds one list of records per step (all ranks of the pipeline together),
+    summarised by ``stat`` (the median by default, robust to a noisy neighbour).
+
+    ``t_comm`` is the transfer time of one message once both sides have posted it: for each
+    message, found in the sender's and in the receiver's batch by what it carries, the time
+    from the later of the two batches' posting to the earlier of their completions (a batch
+    record also holds the wait for the peer, which the replay makes itself). Time between
+    recorded actions (the executor's own Python) is not charged: the measured idle fraction
+    counts it as idle, the replay does not have it."""
+    times: dict[tuple[str, int], list[float]] = {}
+    transfers: list[float] = []
+    for records in steps:
+        sides: dict[tuple, list] = {}
+        for rec in records:
+            if rec.category == "comm":
+                for part in rec.name.split(" + "):
+                    kind, mb, stage = part.split()[:3]
+                    stage_n = int(stage[1:].replace("<", "-").split("-")[0])
+                    key = message_key(Action(ActionKind(kind), int(mb[2:]), 0, stage_n))
+                    sides.setdefault(key, []).append(rec)
+            else:
+                kind, _mb, stage = rec.name.split()[:3]
+                times.setdefault((kind, int(stage[1:])), []).append(rec.end_s - rec.start_s)
+        for pair in sides.values():
+            if len(pair) == 2:
+                transfers.append(max(0.0, min(r.end_s for r in pair)
+                                     - max(r.start_s for r in pair)))
+    t_comm = stat(transfers) if transfers else 0.0
+    return Costs(t_comm=t_comm, per_stage={k: stat(v) for k, v in times.items()})
 
 
 @dataclass(frozen=True)
@@ -195,7 +241,7 @@ def replay(lists: list[list[Action]], n_stages: int, costs: Costs = Costs()) -> 
             lo, hi = items[r][nxt[r]]
             if acts[lo].kind.is_compute:
                 _run_compute(r, lo, acts[lo], have[r], n_stages)
-                end = clock[r] + costs.of(acts[lo].kind)
+                end = clock[r] + costs.of(acts[lo].kind, acts[lo].stage)
                 spans[r].append(Span(r, clock[r], end, (acts[lo],)))
                 busy[r] += end - clock[r]
                 clock[r], nxt[r] = end, nxt[r] + 1
