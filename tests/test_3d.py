@@ -4,6 +4,7 @@ equal to single-process training."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
 from tests.test_dp_zero import STEPS, _metrics, _weights
+from threefold.checkpoint import load_checkpoint
 from threefold.config import load_config
 from threefold.train import train
 
@@ -94,3 +96,55 @@ def test_3d_pp2_tp2_dp2(reference, corpus, cache_dir, tmp_path):
     run_distributed(_runs, 8, corpus, cache_dir, tmp_path, runs, timeout=600)
     for name, _ in runs:
         _check(reference, tmp_path / name, 5e-5)
+
+
+TIED = {"model__tie_word_embeddings": "true", "optim__grad_clip": "0.5"}
+
+
+@pytest.mark.slow
+def test_tied_embeddings_across_pipeline_stages(corpus, cache_dir, tmp_path):
+    """A tied head on the last stage is a copy of the first stage's embedding whose gradient
+    is summed with it every step (counted once in the clipped norm, saved once): equal to the
+    tied single-process run, under ZeRO-1 and under tp2 + ZB-H1; and a tied single-process
+    checkpoint resumes pipelined (the head's copy loaded from the embedding)."""
+    ref = tmp_path / "ref"
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS, **DEEP,
+                                           **TIED)))
+    resumed = tmp_path / "tied_pp2_dp2_resumed"
+    shutil.copytree(ref / "checkpoints", resumed / "checkpoints")
+    runs = [("tied_pp2_zero1", {"parallel__pp": 2, "parallel__zero_stage": 1,
+                                "train__micro_batch_size": 2, **TIED}),
+            ("tied_pp2_tp2_zbh1", {"parallel__pp": 2, "parallel__tp": 2,
+                                   "parallel__schedule": "zb-h1", "train__micro_batch_size": 2,
+                                   **TIED}),
+            ("tied_pp2_dp2_resumed", {"parallel__pp": 2, "train__micro_batch_size": 2,
+                                      "train__steps": STEPS + 1, "checkpoint__resume": "true",
+                                      **TIED})]
+    run_distributed(_runs_keep_steps, 4, corpus, cache_dir, tmp_path, runs, timeout=500)
+    reference = {"losses": [r["loss"] for r in _metrics(ref)], "weights": _weights(ref)}
+    assert "lm_head.weight" not in reference["weights"]
+    for name, _ in runs[:2]:
+        _check(reference, tmp_path / name, 5e-5)
+        norms = [r["grad_norm"] for r in _metrics(tmp_path / name)]
+        assert norms == pytest.approx([r["grad_norm"] for r in _metrics(ref)], rel=1e-5)
+    # one more step from the tied checkpoint: single process and pipelined agree
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS + 1,
+                                           checkpoint__resume="true", **DEEP, **TIED)))
+    last = [r for r in _metrics(resumed) if r["step"] == STEPS + 1]
+    assert last and last[0]["loss"] == pytest.approx(_metrics(ref)[-1]["loss"], rel=1e-5)
+    got = load_checkpoint(resumed / "checkpoints" / str(STEPS + 1))[0]["model"]
+    want = load_checkpoint(ref / "checkpoints" / str(STEPS + 1))[0]["model"]
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5, msg=k)
+
+
+def _runs_keep_steps(rank, world, corpus, cache, root, runs):
+    """As ``_runs``, but a run's own train__steps wins over STEPS."""
+    from threefold.parallel.distributed_layout import Distributed
+
+    for name, extra in runs:
+        extra = {"train__steps": STEPS, **extra}
+        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, **DEEP, **extra))
+        train(cfg, Distributed(cfg))
+    return True

@@ -108,19 +108,38 @@ class Comm:
         self._recent: deque = deque(maxlen=history)
         self._step: int | None = None
         self._lock = threading.Lock()  # hooks may count from autograd's threads
+        self._extra: dict[str, tuple] = {}  # axis -> (group, size, rank) of add_axis
 
     # ---------------------------------------------------------------- axes and groups
+    def add_axis(self, axis: str, rank_lists: list[list[int]]) -> None:
+        """A group axis that is not a mesh dimension (e.g. Megatron's embedding group: the
+        first and last pipeline stages of each pipeline, for tied embeddings). Collective:
+        every rank of the world calls it with the same lists (c10d creates each group on
+        all ranks). A rank in none of the lists must not use the axis."""
+        if self.mesh is None or axis in self._extra:
+            raise ValueError(f"Comm.add_axis: '{axis}' needs a mesh and a new name")
+        for ranks in rank_lists:
+            group = dist.new_group(sorted(ranks))
+            if self.global_rank in ranks:
+                self._extra[axis] = (group, len(ranks), sorted(ranks).index(self.global_rank))
+
     def size(self, axis: str) -> int:
         """Ranks in this rank's group on ``axis``."""
+        if axis in self._extra:
+            return self._extra[axis][1]
         return self.dims.axis_size(axis)
 
     def rank(self, axis: str) -> int:
         """This rank's index on ``axis`` (its global rank for ``world``)."""
+        if axis in self._extra:
+            return self._extra[axis][2]
         self.dims.axis_size(axis)  # rejects unknown axes
         return self._coords[axis]
 
     def group(self, axis: str):
         """The process group of ``axis`` (None when there is no mesh)."""
+        if axis in self._extra:
+            return self._extra[axis][0]
         self.dims.axis_size(axis)
         if self.mesh is None:
             return None
@@ -131,7 +150,7 @@ class Comm:
 
     def groups(self) -> list:
         """Every process group this Comm can reach (for ``distributed.set_timeout``)."""
-        axes = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "world")
+        axes = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "world", *self._extra)
         return [] if self.mesh is None else [self.group(a) for a in axes]
 
     def set_timeout(self, seconds: float) -> int:

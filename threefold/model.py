@@ -284,6 +284,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
+        # a pipeline stage with a tied head but no embedding holds a copy of the embedding
+        # (parallel/pipeline/stage.py): it starts from the embedding's values
+        replica = self.cfg.tie_word_embeddings and self.model.embed_tokens is None
         for name, p in self.named_parameters():  # tied weights appear once
             if p.is_meta:
                 continue
@@ -293,7 +296,9 @@ class LlamaForCausalLM(nn.Module):
             gen = None
             if seed is not None:
                 gen = torch.Generator(device=p.device)
-                gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                key = "model.embed_tokens.weight" if replica and name == "lm_head.weight" \
+                    else name
+                gen.manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
             scaled = name.endswith(("o_proj.weight", "down_proj.weight"))
             nn.init.normal_(p, mean=0.0, std=out_std if scaled else std, generator=gen)
         if not self.model.rotary.inv_freq.is_meta:

@@ -141,8 +141,11 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     torch.manual_seed(cfg.train.seed)
     model = build_model(mcfg, device, cfg.train.seed, getattr(layout, "split_pipeline", None))
     if pretrained:
-        own = dict(model.named_parameters())
-        model.load_state_dict({k: v for k, v in pretrained[1].items() if k in own},
+        own, weights = dict(model.named_parameters()), dict(pretrained[1])
+        if mcfg.tie_word_embeddings and "model.embed_tokens.weight" in weights:
+            # a pipeline's last stage holds the tied head as a copy of the embedding
+            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+        model.load_state_dict({k: v for k, v in weights.items() if k in own},
                               strict=getattr(layout, "chunks", None) is None)
     model = layout.parallelize(model, cfg)
     if cfg.train.activation_checkpointing:
@@ -246,6 +249,7 @@ def train_step(run: Run, step: int, trace: list | None = None
             extras[k] = extras.get(k, 0) + v.detach().double()
     with timed("finish gradients", "comm"):
         eng.finish_gradients()
+        lay.reduce_tied_gradients(eng)
     with timed("clip gradients", "comm"):
         norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
     with timed("optimizer step"):

@@ -38,6 +38,7 @@ class Distributed:
         self.is_writer = self.rank == 0
         self.pp_rank = c["pp"]
         self.chunks = self.pipeline = None
+        self._tied = None  # (this rank's tied weight, is it the head's copy) at pipeline ends
         self.cfg = cfg
         self._steps: list[dict[str, int]] = []
         # one id per run so several runs in one process group keep separate heartbeats
@@ -67,9 +68,6 @@ class Distributed:
         if self.dims.pp > 1:
             from threefold.parallel.pipeline.executor import checked_schedule
 
-            if mcfg.tie_word_embeddings:
-                raise ConfigError("model.tie_word_embeddings: not supported with parallel.pp > 1 "
-                                  "yet; set it false or use pp 1")
             try:
                 checked_schedule(cfg.parallel.schedule, self.dims.pp, self.microbatches(cfg),
                                  cfg.parallel.vpp)
@@ -113,11 +111,35 @@ class Distributed:
 
         p = self.cfg.parallel
         split = self.dims.tp if p.sequence_parallel and self.dims.tp > 1 else 1
+        if self.chunks[0].cfg.tie_word_embeddings:
+            self._tie_pipeline_ends(engine.model)
         self.pipeline = PipelineExecutor(
             self.chunks, p.schedule, self.dims.pp, self.microbatches(self.cfg), p.vpp,
             self.pp_rank, self.comm, loss_fn, micro_context=micro_context,
             grad_sync=engine.micro_step, loss_comm=self.control,
             activation_shape=lambda ids: (ids.shape[0], ids.shape[1] // split, hidden))
+
+    def _tie_pipeline_ends(self, model) -> None:
+        """Tied embeddings under pipeline parallelism (Megatron's embedding group): the first
+        stage's embedding and the last stage's copy of it as LM head get their gradients summed
+        over the two ranks (axis "pp_ends"), for every (dp, tp) position. Collective."""
+        from threefold.parallel.pipeline.stage import tied_head_replica
+
+        firsts = [r for r in range(self.world_size) if self.dims.coords(r)["pp"] == 0]
+        pairs = [[r, self.dims.axis_ranks(r, "pp")[-1]] for r in firsts]
+        self.comm.add_axis("pp_ends", pairs)
+        replica = tied_head_replica(model)
+        if replica is not None:
+            replica._tied_replica = True  # counted in the norm and saved by the first stage
+            self._tied = (replica, True)
+        elif model.model.embed_tokens is not None:
+            self._tied = (model.model.embed_tokens.weight, False)
+
+    def reduce_tied_gradients(self, engine) -> None:
+        """Sum the tied embedding's gradient between the first and last pipeline stages
+        (after data-parallel/ZeRO reduction, before clipping); nothing elsewhere."""
+        if self._tied is not None:
+            self.comm.all_reduce(engine.gradient_of(self._tied[0]), "pp_ends")
 
     def parallelize(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         """Tensor parallelism (and sequence parallelism) over "tp", when tp > 1."""
@@ -159,6 +181,8 @@ class Distributed:
         t, out = self.dims.tp, []
         for piece in engine.local_pieces():
             p = params[piece.name]
+            if getattr(p, "_tied_replica", False):
+                continue  # a tied head's copy: the embedding, saved by the first stage
             dim = tp_shard_dim(p) if t > 1 else None
             if dim is None:
                 if c["tp"] == 0:
@@ -178,6 +202,8 @@ class Distributed:
     def shard_state(self, sd: dict, engine) -> dict:
         """This stage's tensors, and this tp rank's slices of them."""
         own = {n for n, _ in engine.named_params}
+        if self._tied is not None and self._tied[1]:  # the head's copy: load the embedding
+            sd = _alias_tied_head(sd)
         sd = {"model": {n: t for n, t in sd["model"].items() if n in own},
               "optim": {k: t for k, t in sd["optim"].items() if k.rsplit(".", 1)[0] in own},
               "optim_step": sd["optim_step"]}
@@ -301,6 +327,18 @@ class Distributed:
             shutdown()
         else:
             self.control.barrier()
+
+
+def _alias_tied_head(sd: dict) -> dict:
+    """``sd`` with the tied head's entries taken from the embedding's (checkpoints and HF
+    folders of tied models hold the embedding only)."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    model, optim = dict(sd["model"]), dict(sd["optim"])
+    model.setdefault(head, model[embed])
+    for key in ("exp_avg", "exp_avg_sq"):
+        if f"{embed}.{key}" in optim:
+            optim.setdefault(f"{head}.{key}", optim[f"{embed}.{key}"])
+    return {**sd, "model": model, "optim": optim}
 
 
 def _fault_injection(rank: int, step: int) -> None:

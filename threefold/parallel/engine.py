@@ -98,13 +98,22 @@ class LocalEngine:
         """[sum of squares of tp-sharded gradients, of tp-replicated ones] on this rank."""
         parts = torch.zeros(2, dtype=torch.float32)
         for _, p in self.named_params:
-            if p.grad is not None:
+            if p.grad is not None and not getattr(p, "_tied_replica", False):
                 parts[0 if tp_shard_dim(p) is not None else 1] += p.grad.detach().float().pow(2).sum().cpu()
         return parts
 
+    def gradient_of(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor holding ``p``'s (synchronised) gradient on this rank, to be reduced in
+        place with the same parameter's gradient elsewhere (tied weights on two pipeline
+        stages); zeros if it got none."""
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm of the gradient; scale gradients so it is at most ``max_norm``
-        (0 = measure only)."""
+        (0 = measure only). A parameter marked ``_tied_replica`` (a copy of a weight held by
+        another pipeline stage) is counted there, not here."""
         total = math.sqrt(global_sq_norm(self.sq_norm_parts(), self.comm))
         clip_to([p.grad for _, p in self.named_params if p.grad is not None], total, max_norm)
         return total

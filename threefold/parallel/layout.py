@@ -46,6 +46,9 @@ class SingleProcess:
     def barrier(self) -> None:
         """Wait for every rank (nothing to wait for here)."""
 
+    def reduce_tied_gradients(self, engine) -> None:
+        """Sum tied weights' gradients across pipeline stages (none in one process)."""
+
     def global_token_count(self, local_count: int) -> int:
         """Sum a per-rank count (target tokens, pairs) over data-parallel ranks."""
         return int(local_count)

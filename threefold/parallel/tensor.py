@@ -275,8 +275,8 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
             _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab)
             module.forward = types.MethodType(_vocab_embedding_forward(comm, sp, vshard), module)
         elif style == "vocab_column":
-            if model.cfg.tie_word_embeddings:
-                module.weight = model.model.embed_tokens.weight
+            if model.cfg.tie_word_embeddings and model.model.embed_tokens is not None:
+                module.weight = model.model.embed_tokens.weight  # already vocab-sharded
             else:
                 _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab)
         elif style == "column" and name.endswith(("k_proj", "v_proj")) and not split_kv:

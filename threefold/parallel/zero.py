@@ -126,7 +126,7 @@ class FlatUnit:
         lo = self.comm.rank(self.axis) * self.shard_numel
         for p, off in zip(self.params, self.offsets):
             a, b = max(off, lo), min(off + p.numel(), lo + self.shard_numel)
-            if b > a:
+            if b > a and not getattr(p, "_tied_replica", False):  # counted on its owner
                 parts[0 if tp_shard_dim(p) is not None else 1] += g[a - lo:b - lo].pow(2).sum().cpu()
         return parts
 
@@ -270,6 +270,20 @@ class ZeroEngine:
                 self.comm.all_reduce(unit.shard.grad, self.replicate_axis)
         if self.stage == 3 and self.root:
             self.root.release()
+
+    def gradient_of(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's shard of ``p``'s reduced gradient, for an in-place sum with the same
+        weight's gradient on another pipeline stage (tied embeddings). ``p`` must fill a unit
+        alone (the embedding and the LM head do), so that both stages shard it alike."""
+        for unit in self.all_units:
+            if any(q is p for q in unit.params):
+                if len(unit.params) != 1:
+                    raise ValueError("ZeroEngine.gradient_of: the parameter shares its unit "
+                                     f"with {len(unit.params) - 1} other(s)")
+                if unit.shard.grad is None:
+                    unit.shard.grad = torch.zeros_like(unit.shard)
+                return unit.shard.grad
+        raise KeyError("ZeroEngine.gradient_of: not a parameter of this engine")
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm from the shards (padding is zero), summed over the shard axis; tp

@@ -154,15 +154,24 @@ def _shell(cfg: ModelConfig) -> LlamaForCausalLM:
 
 
 def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
-                stage: int | None = None) -> LlamaForCausalLM:
+                stage: int | None = None, tied_replica: bool = False) -> LlamaForCausalLM:
     """A LlamaForCausalLM made of ``model``'s own modules: the blocks in ``layers``, the
     embedding if ``first``, the final norm and head if ``last`` (None otherwise), and the
-    RoPE module; ``pipeline_stage`` records the virtual stage."""
+    RoPE module; ``pipeline_stage`` records the virtual stage. ``tied_replica`` (a tied head
+    on another rank than the embedding) gives the head its own weight, a copy of the
+    embedding's (see ``tied_head_replica``)."""
     chunk = _shell(model.cfg)
     chunk.model.embed_tokens = model.model.embed_tokens if first else None
     chunk.model.layers = StageLayers({i: model.model.layers[i] for i in layers})
     chunk.model.norm = model.model.norm if last else None
     chunk.lm_head = model.lm_head if last else None
+    if last and tied_replica:
+        head = model.lm_head
+        chunk.lm_head = nn.Linear(head.in_features, head.out_features, bias=False,
+                                  device=head.weight.device, dtype=head.weight.dtype)
+        with torch.no_grad():
+            if not head.weight.is_meta:
+                chunk.lm_head.weight.copy_(head.weight)
     chunk.model.rotary = model.model.rotary  # no weights; one buffer for all chunks
     chunk.pipeline_stage = stage
     return chunk
@@ -176,7 +185,7 @@ def split_model(model: LlamaForCausalLM, p: int, v: int = 1, pp_rank: int = 0,
     ``init_weights(seed)`` each chunk). Modules of other ranks are not referenced, so they are
     freed once the caller drops ``model``.
 
-    Refuses (ConfigError) fewer blocks than ``p·v`` and tied embeddings across stages."""
+    Refuses (ConfigError) fewer blocks than ``p·v``."""
     for label, value in (("pp", p), ("vpp", v)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"split_model: {label} must be an integer >= 1, got {value!r}")
@@ -186,15 +195,26 @@ def split_model(model: LlamaForCausalLM, p: int, v: int = 1, pp_rank: int = 0,
         raise ValueError("split_model: this model is already a pipeline chunk; split the whole "
                          "model")
     n = p * v
-    if n > 1 and model.cfg.tie_word_embeddings:
-        # The first and last stage would each hold a copy, whose gradients must be summed
-        # (Megatron's embedding group); not built yet.
-        raise ConfigError("model.tie_word_embeddings: a tied LM head and embedding cannot be on "
-                          "different pipeline stages yet; set model.tie_word_embeddings false "
-                          "or parallel.pp 1")
+    # A tied head on another rank than the embedding (any p > 1: the first stage is on rank 0,
+    # the last on rank p-1) holds its own copy, as Megatron's embedding group does: both start
+    # equal, their gradients are summed between the two ranks each step (the training layout
+    # does it, see ``tied_head_replica``), so identical AdamW updates keep them equal.
+    replica = p > 1 and model.cfg.tie_word_embeddings
     runs = stage_layers(model, n, balance, seq_len)
-    return [build_chunk(model, runs[s], first=s == 0, last=s == n - 1, stage=s)
+    return [build_chunk(model, runs[s], first=s == 0, last=s == n - 1, stage=s,
+                        tied_replica=replica)
             for s in (c * p + pp_rank for c in range(v))]
+
+
+def tied_head_replica(model: LlamaForCausalLM) -> torch.nn.Parameter | None:
+    """The head weight of a pipeline rank that holds a tied LM head but not the embedding (a
+    copy of the embedding's weight, ``split_model``), else None. Its gradient is summed with
+    the embedding's on the first stage; it is counted once in the gradient norm and left out
+    of checkpoints (it is the embedding, which the first stage saves)."""
+    if (model.cfg.tie_word_embeddings and model.lm_head is not None
+            and model.model.embed_tokens is None):
+        return model.lm_head.weight
+    return None
 
 
 def rank_model(chunks: list[LlamaForCausalLM]) -> LlamaForCausalLM:
