@@ -335,6 +335,51 @@ def test_pipeline_memory_holds_p_microbatches_on_stage_0():
     assert gpipe.activations - 32 * extra == pytest.approx((one.activations - extra) * 32 / 4)
 
 
+def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
+    """The last pipeline stage keeps its final norm, head input, log-softmax and labels for
+    every microbatch in flight: measured with saved_tensors_hooks on a real last-stage chunk
+    (fp32), equal to block bytes x layers + RoPE tables + ``head_saved_bytes``; the planner
+    adds one of those per microbatch in flight beyond the one in backward (GPipe: m - 1)."""
+    import torch
+
+    from threefold.memory import block_activation_bytes, head_saved_bytes, logits_bytes, \
+        stage_memory
+    from threefold.model import LlamaForCausalLM, causal_lm_loss
+    from threefold.parallel.pipeline.stage import split_model
+
+    b, s = 2, 16
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2).resolved(96)
+    model = LlamaForCausalLM(cfg)
+    model.init_weights(0)
+    last = split_model(model, 2, 1, 1)[0]
+    skip = {q.untyped_storage().data_ptr() for q in last.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.randn(b, s, 32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pos = torch.arange(s).expand(b, s)
+        loss = causal_lm_loss(last(x, position_ids=pos), torch.randint(0, 96, (b, s)))
+    layout = Layout(pp=2, dp_shard=1, microbatch_size=b, schedule="gpipe")
+    work = Workload(seq_len=s, global_batch=8 * b, precision="fp32")
+    blocks = 2 * block_activation_bytes(b * s, 32, 4, 2, cfg.head_dim, 64, act_bytes=4,
+                                        residual_bytes=4)
+    assert sum(storages.values()) == blocks + microbatch_extra_bytes(cfg, layout, work) \
+        + head_saved_bytes(cfg, layout, work)
+    del loss
+    gpipe = stage_memory(cfg, layout, work, stage=1)
+    assert gpipe.logits == pytest.approx(logits_bytes(cfg, layout, work)
+                                         + 7 * head_saved_bytes(cfg, layout, work))
+    one_f_one_b = stage_memory(cfg, Layout(pp=2, dp_shard=1, microbatch_size=b), work, 1)
+    assert one_f_one_b.logits == pytest.approx(logits_bytes(cfg, layout, work))
+
+
 # --------------------------------------------------------------------------------------------
 # FLOPs and Narayanan et al. 2021 Table 1
 # --------------------------------------------------------------------------------------------

@@ -247,6 +247,22 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     return tokens * (norm + head_in + 4 * sh.vocab + loss)
 
 
+def head_saved_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """What the last stage keeps for backward per microbatch beyond its blocks, from its
+    forward until its backward: the final norm's saved tensors ((4 + r)·h + 4, /t under SP),
+    the LM head's input, the loss's saved log-softmax (or, under tp, softmax) over the
+    vocabulary shard (4·V/t), the int64 labels, and a 4-byte scalar of the loss's reduction
+    (its total weight). A pipeline's last stage holds this for
+    every microbatch in flight (GPipe: all m); ``logits_bytes`` is the larger working set of
+    the one whose backward is running. Measured to the byte by
+    bench/bench_pipeline_memory.py (fp32)."""
+    sh, h, d, r = tp_shard(cfg, layout.tp), cfg.hidden_size, work.act_bytes, work.resid_bytes
+    tokens = layout.microbatch_size * work.seq_len
+    norm = ((4 + r) * h + 4) / (layout.tp if layout.sp else 1)
+    head_in = (r if r == d else d) * h
+    return tokens * (norm + head_in + 4 * sh.vocab + 8) + 4
+
+
 def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
     """Under autocast with weights wider than the matmul dtype (threefold's fp32 weights under
     bf16), every linear's weight is cast once per forward and the cast is kept for backward:
@@ -385,7 +401,9 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
         out.append(MemoryBreakdown(
             stage=stage, params=params, grads=grads, optimizer=opt,
             activations=(per_layer * layers + extra) * inflight, recompute_working=working,
-            logits=logits_bytes(cfg, layout, work) if stage == layout.pp - 1 else 0.0,
+            logits=(logits_bytes(cfg, layout, work)
+                    + (inflight - 1) * head_saved_bytes(cfg, layout, work)
+                    if stage == layout.pp - 1 else 0.0),
             zero3_working=zero3, overhead=overhead_bytes, buffers=buffers,
             grads_in_backward=in_bwd,
             cast_weights=cast_weight_bytes(cfg, layout, work, stage) * inflight,
