@@ -205,6 +205,9 @@ EXACT_RUNS = [
     ("tp2_sp_recompute_kv1", {"parallel__tp": 2, "parallel__sequence_parallel": "true",
                               "train__activation_checkpointing": "true",
                               "model__num_key_value_heads": 1}),
+    ("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 2}),
+    ("pp2_interleaved", {"parallel__pp": 2, "parallel__vpp": 2, "model__num_hidden_layers": 4,
+                         "parallel__schedule": "interleaved-1f1b", "train__micro_batch_size": 2}),
 ]
 
 
@@ -225,7 +228,8 @@ def _bytes_of_runs(rank, world, corpus, cache, root, runs):
 def test_planner_bytes_equal_runtime_exactly(corpus, cache_dir, tmp_path):
     """summary.json's comm_bytes_per_step (rank 0, training traffic) equals the planner's
     comm_bytes_per_step for DP (several buckets), ZeRO 1/2/3 (with accumulation), TP and TP
-    with sequence parallelism, recompute and replicated kv heads, on 2 ranks."""
+    with sequence parallelism, recompute and replicated kv heads, and pipeline sends (1F1B,
+    interleaved), on 2 ranks."""
     got = run_distributed(_bytes_of_runs, 2, corpus, cache_dir, tmp_path, EXACT_RUNS,
                           timeout=300)[0]
     for name, extra in EXACT_RUNS:
