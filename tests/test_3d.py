@@ -75,6 +75,7 @@ def _check_trace(out, micro):
     assert summary["trace"]["step"] == 2
     assert 0.0 < summary["trace"]["pipeline_idle_fraction"] < 1.0
     assert summary["trace"]["pipeline_unit_cost_bubble"] == pytest.approx(1 / (micro + 1))
+    assert 0.0 < summary["trace"]["pipeline_simulated_bubble"] < 1.0
     events = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"]
               if e["ph"] == "X"]
     for rank in (0, 1):

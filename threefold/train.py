@@ -282,7 +282,7 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
     """Collective: every rank's records of the step to the writer, which saves
     OUTPUT_DIR/trace.json (one process per rank in Perfetto) and returns what the summary
     keeps of it: the path, the step and, for a pipeline, the measured idle fraction next to
-    the simulator's figure for the schedule with unit costs."""
+    the simulator's for the step's measured action times and for unit costs."""
     lay = run.layout
     comm = getattr(lay, "control", None)
     gathered = comm.gather_object(records) if comm is not None else [records]
@@ -297,7 +297,7 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
     info: dict = {"path": str(path), "step": step + 1}
     if getattr(lay, "pipeline", None) is not None:
         from threefold.parallel.pipeline.executor import idle_fraction
-        from threefold.parallel.pipeline.simulate import simulate
+        from threefold.parallel.pipeline.simulate import measured_costs, simulate
 
         ex, p = lay.pipeline, run.cfg.parallel
         # one pipeline: the ranks of dp 0 and tp 0 (the others repeat its timeline)
@@ -305,6 +305,9 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
                  and r.name.split()[0] in ("F", "B", "W", "BW", "SEND_F", "RECV_F", "SEND_B",
                                            "RECV_B")]
         info["pipeline_idle_fraction"] = idle_fraction(first)
+        # the simulator's figure for this step's own action times, and the textbook one
+        info["pipeline_simulated_bubble"] = simulate(
+            p.schedule, ex.p, ex.m, ex.v, measured_costs([first])).bubble_fraction
         info["pipeline_unit_cost_bubble"] = simulate(p.schedule, ex.p, ex.m, ex.v).bubble_fraction
     return info
 
@@ -408,8 +411,9 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
             if trace_info:
                 log(f"step {step + 1:>6} trace: {trace_info['path']} (open in "
                     "https://ui.perfetto.dev)"
-                    + (f"; pipeline idle fraction {trace_info['pipeline_idle_fraction']:.1%}"
-                       if "pipeline_idle_fraction" in trace_info else ""))
+                    + (f"; pipeline idle fraction {trace_info['pipeline_idle_fraction']:.1%}, "
+                       f"simulated {trace_info['pipeline_simulated_bubble']:.1%} with these "
+                       "action times" if "pipeline_idle_fraction" in trace_info else ""))
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         dt = time.perf_counter() - t0
