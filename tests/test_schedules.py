@@ -279,6 +279,27 @@ def test_cli_json(capsys):
     assert out["messages_per_step"] == 2 * 8 * 3
 
 
+def test_cli_costs_from_a_trace(tmp_path, capsys):
+    # a trace (here the simulator's own, in ms) read back as measured costs gives the same
+    # step; a trace of another split, or no trace at all, is refused in one line
+    trace = tmp_path / "t.json"
+    base = ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b", "--json"]
+    assert main(base + ["--t-f", "3", "--t-b", "2", "--t-w", "1", "--t-comm", "0.5",
+                        "--trace", str(trace)]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main(base + ["--costs-from", str(trace)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["makespan_ms"] == pytest.approx(want["makespan_ms"])
+    assert got["bubble_fraction"] == pytest.approx(want["bubble_fraction"])
+    assert got["costs_ms"]["t_comm"] == pytest.approx(0.5)
+    assert main(["--pp", "4", "--microbatches", "4", "--schedule", "1f1b",
+                 "--costs-from", str(trace)]) == 2
+    assert "2 pipeline stages" in capsys.readouterr().err
+    trace.write_text("{}")
+    assert main(base + ["--costs-from", str(trace)]) == 2
+    assert "not a readable Chrome trace" in capsys.readouterr().err
+
+
 def test_cli_text_shows_a_timeline(capsys):
     assert main(["--pp", "2", "--microbatches", "4", "--schedule", "zb-h1"]) == 0
     out = capsys.readouterr().out

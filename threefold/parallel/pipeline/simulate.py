@@ -325,6 +325,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     ap.add_argument("--png", metavar="FILE", help="draw the timeline (needs matplotlib)")
     ap.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
+    ap.add_argument("--costs-from", metavar="TRACE",
+                    help="action times measured by a run (its trace.json, from "
+                         "--train.trace_step) instead of --t-*: per stage, the same pp x vpp; "
+                         "a fused backward counts as B and W of half its time each")
     for flag, default, what in (("--t-f", 1.0, "forward of one model chunk"),
                                 ("--t-b", 1.0, "input-grad backward of one model chunk"),
                                 ("--t-w", 1.0, "weight-grad backward of one model chunk"),
@@ -345,8 +349,40 @@ def summary(name: str, p: int, m: int, v: int, costs: Costs, result: SimResult) 
         "compute_ms_per_rank": result.busy,
         "peak_in_flight_microbatches": [in_flight_chunks(acts) / v for acts in lists],
         "messages_per_step": sum(a.kind in SENDS for acts in lists for a in acts),
-        "costs_ms": {"t_f": costs.t_f, "t_b": costs.t_b, "t_w": costs.t_w, "t_comm": costs.t_comm},
+        "costs_ms": {"t_f": costs.t_f, "t_b": costs.t_b, "t_w": costs.t_w, "t_comm": costs.t_comm,
+                     **({"per_stage": {f"{k} s{st}": t for (k, st), t in
+                                       sorted(costs.per_stage.items(), key=lambda x: x[0][::-1])}}
+                        if costs.per_stage else {})},
     }
+
+
+_PIPELINE_KINDS = {k.value for k in ActionKind}
+
+
+def _costs_from_trace(path: str, n_stages: int) -> Costs:
+    """Measured per-stage costs (in ms, the command's unit) from a run's trace; the run must
+    have cut the model into the same number of stages."""
+    from threefold.parallel.pipeline.timeline import read_chrome_trace
+
+    records = [r for r in read_chrome_trace(path) if r.name.split()[0] in _PIPELINE_KINDS]
+    stages = {int(r.name.split()[2][1:].replace("<", "-").split("-")[0]) for r in records
+              if r.category == "compute"}
+    if not stages:
+        raise _UsageError(f"--costs-from: {path} holds no pipeline actions (was the run "
+                          "pipelined, parallel.pp > 1?)")
+    if len(stages) != n_stages:
+        raise _UsageError(f"--costs-from: {path} has {len(stages)} pipeline stages, but "
+                          f"--pp x --vpp makes {n_stages}; simulate the run's own split")
+    ms = [r._replace(start_s=r.start_s * 1e3, end_s=r.end_s * 1e3) for r in records]
+    costs = measured_costs([ms])
+    # a run with a fused backward (BW) did not time B and W apart: take them as halves, as
+    # Qi et al. (arXiv 2401.10241 §2) assume T_B ≈ T_W, for simulating a split schedule
+    per = dict(costs.per_stage)
+    for (kind, stage), t in costs.per_stage.items():
+        if kind == "BW":
+            per.setdefault(("B", stage), t / 2)
+            per.setdefault(("W", stage), t / 2)
+    return Costs(t_comm=costs.t_comm, per_stage=per)
 
 
 def main(argv: list[str]) -> int:
@@ -365,6 +401,9 @@ def main(argv: list[str]) -> int:
             except ImportError:
                 raise _UsageError("--png needs matplotlib: pip install matplotlib") from None
         check_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
+        if args.costs_from:
+            costs = _costs_from_trace(args.costs_from, num_stages(args.schedule, args.pp,
+                                                                  args.vpp))
         result = simulate(args.schedule, args.pp, args.microbatches, args.vpp, costs)
     except SystemExit as e:  # --help
         return int(e.code or 0)

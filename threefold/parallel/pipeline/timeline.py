@@ -49,6 +49,18 @@ def write_chrome_trace(records: Iterable[TraceRecord], path: str | Path) -> None
     Path(path).write_text(json.dumps(chrome_trace(records)))
 
 
+def read_chrome_trace(path: str | Path) -> list[TraceRecord]:
+    """The records of a trace written by ``write_chrome_trace`` (e.g. a run's trace.json
+    from ``train.trace_step``). Raises ValueError on a file that is not such a trace."""
+    try:
+        events = json.loads(Path(path).read_text())["traceEvents"]
+        return [TraceRecord(int(e["pid"]), str(e["name"]), e["ts"] / 1e6,
+                            (e["ts"] + e["dur"]) / 1e6, str(e.get("cat", "compute")))
+                for e in events if e.get("ph") == "X"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a readable Chrome trace ({e})") from None
+
+
 def ascii_timeline(records: Iterable[TraceRecord], width: int = 100) -> str:
     """A text picture, one row per rank: each cell shows the kind of compute running at its
     midpoint (F, B, W; a fused backward shows as B) or ``.`` when the rank is idle. One cell
