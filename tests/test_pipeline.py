@@ -128,10 +128,27 @@ def _split_sizes(costs, n_stages):
 def test_split_refuses_impossible_layouts():
     with pytest.raises(ConfigError, match="num_hidden_layers: 4 layers cannot fill 8"):
         split_model(_model(_cfg(layers=4)), p=4, v=2, pp_rank=0)
-    with pytest.raises(ConfigError, match="tie_word_embeddings"):
-        split_model(_model(_cfg(layers=4, tie_word_embeddings=True)), p=2)
     with pytest.raises(ValueError, match="pp_rank"):
         split_model(_model(_cfg()), p=2, pp_rank=2)
+
+
+def test_tied_head_on_another_rank_is_a_copy_of_the_embedding():
+    from threefold.parallel.pipeline.stage import tied_head_replica
+
+    cfg = _cfg(layers=4, tie_word_embeddings=True)
+    model = _model(cfg)
+    first, = split_model(model, p=2, pp_rank=0)
+    last, = split_model(model, p=2, pp_rank=1)
+    assert tied_head_replica(first) is None and tied_head_replica(last) is last.lm_head.weight
+    assert last.lm_head.weight is not model.model.embed_tokens.weight  # its own storage
+    assert torch.equal(last.lm_head.weight, model.model.embed_tokens.weight)
+    # built alone and initialised by name, the copy starts from the embedding's values
+    alone = _materialise(split_model(LlamaForCausalLM(cfg), p=2, pp_rank=1))[0]
+    assert torch.equal(alone.lm_head.weight, model.model.embed_tokens.weight)
+    # all stages on one rank (p = 1, v = 2): the head stays the embedding itself
+    chunks = split_model(model, p=1, v=2)
+    assert chunks[-1].lm_head.weight is chunks[0].model.embed_tokens.weight
+    assert tied_head_replica(rank_model(chunks)) is None
 
 
 def test_chunks_keep_names_own_the_ends_and_compose_to_the_model():
