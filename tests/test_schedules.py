@@ -213,6 +213,18 @@ def test_message_time_lengthens_the_step_but_proves_nothing_new():
     assert sum(slow.busy) == sum(fast.busy)
 
 
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 2, 4, 1), ("interleaved-1f1b", 4, 8, 2),
+                                         ("zb-h1", 4, 8, 1)])
+def test_action_names_parse_back(name, p, m, v):
+    # trace records are named str(action); the simulator reads measured traces back by name
+    for acts in build_schedule(name, p, m, v):
+        for a in acts:
+            assert Action.parse(str(a), p) == a
+    for bad in ("optimizer step", "F mb1", "X mb0 s0", "F mbx s0"):
+        with pytest.raises(ValueError, match="not a pipeline action"):
+            Action.parse(bad)
+
+
 def test_unequal_stages_gpipe_makespan():
     # p=2, m=4, stage 1 twice as slow (a heavy head): stage 1 is the bottleneck, so the step is
     # stage 0's first forward, stage 1's m forwards and m backwards, stage 0's last backward:

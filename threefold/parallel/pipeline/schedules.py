@@ -22,6 +22,7 @@ This module imports no torch: the planner uses it to predict bubbles cheaply.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import functools
 import math
@@ -72,6 +73,20 @@ class Action:
         peer = f"->r{self.peer}" if self.kind in SENDS else f"<-r{self.peer}"
         tail = "" if self.peer is None else peer
         return f"{self.kind.value} mb{self.microbatch} s{self.stage}{tail}"
+
+    @classmethod
+    def parse(cls, text: str, p: int | None = None) -> "Action":
+        """The action ``str(action)`` wrote (e.g. a trace record's name, "F mb3 s1" or
+        "SEND_F mb0 s0->r1"); ``chunk`` is ``stage // p`` when ``p`` is given, else 0.
+        Raises ValueError on anything else."""
+        try:
+            kind, mb, where = text.split()
+            stage, _, peer = where[1:].replace("<-", "->").partition("->")
+            a = cls(ActionKind(kind), int(mb[2:]), 0, int(stage),
+                     int(peer[1:]) if peer else None)
+        except (ValueError, IndexError):
+            raise ValueError(f"not a pipeline action: {text!r}") from None
+        return dataclasses.replace(a, chunk=a.stage // p) if p else a
 
 
 def stage_rank(stage: int, p: int) -> int:

@@ -100,13 +100,10 @@ def measured_costs(steps, stat: Callable[[list[float]], float] = statistics.medi
         for rec in records:
             if rec.category == "comm":
                 for part in rec.name.split(" + "):
-                    kind, mb, stage = part.split()[:3]
-                    stage_n = int(stage[1:].replace("<", "-").split("-")[0])
-                    key = message_key(Action(ActionKind(kind), int(mb[2:]), 0, stage_n))
-                    sides.setdefault(key, []).append(rec)
+                    sides.setdefault(message_key(Action.parse(part)), []).append(rec)
             else:
-                kind, _mb, stage = rec.name.split()[:3]
-                times.setdefault((kind, int(stage[1:])), []).append(rec.end_s - rec.start_s)
+                a = Action.parse(rec.name)
+                times.setdefault((a.kind.value, a.stage), []).append(rec.end_s - rec.start_s)
         for pair in sides.values():
             if len(pair) == 2:
                 transfers.append(max(0.0, min(r.end_s for r in pair)
@@ -356,7 +353,13 @@ def summary(name: str, p: int, m: int, v: int, costs: Costs, result: SimResult) 
     }
 
 
-_PIPELINE_KINDS = {k.value for k in ActionKind}
+def _is_action(name: str) -> bool:
+    try:
+        for part in name.split(" + "):
+            Action.parse(part)
+    except ValueError:
+        return False
+    return True
 
 
 def _costs_from_trace(path: str, n_stages: int) -> Costs:
@@ -364,9 +367,8 @@ def _costs_from_trace(path: str, n_stages: int) -> Costs:
     have cut the model into the same number of stages."""
     from threefold.parallel.pipeline.timeline import read_chrome_trace
 
-    records = [r for r in read_chrome_trace(path) if r.name.split()[0] in _PIPELINE_KINDS]
-    stages = {int(r.name.split()[2][1:].replace("<", "-").split("-")[0]) for r in records
-              if r.category == "compute"}
+    records = [r for r in read_chrome_trace(path) if _is_action(r.name)]
+    stages = {Action.parse(r.name).stage for r in records if r.category == "compute"}
     if not stages:
         raise _UsageError(f"--costs-from: {path} holds no pipeline actions (was the run "
                           "pipelined, parallel.pp > 1?)")
