@@ -10,6 +10,7 @@ import pytest
 
 from threefold.config import Config, ModelConfig
 from threefold.cost import (
+    rank_layers,
     MATMUL_EFFICIENCY,
     MESH_ORDER,
     Layout,
@@ -44,6 +45,7 @@ from threefold.memory import (
     memory_per_gpu,
     microbatch_extra_bytes,
     model_state_bytes,
+    stage_memory,
     zero3_working_bytes,
 )
 from threefold.plan import SearchSpace, search
@@ -177,7 +179,8 @@ def test_tensor_parallel_bytes_per_layer():
     SP, +3 (two all-gathers and a reduce-scatter) with it."""
     cfg = preset("llama3-8b")
     b, s, h, t, p = 2, 1024, cfg.hidden_size, 4, 4
-    layers = cfg.num_hidden_layers // p
+    layers = rank_layers(cfg, Layout(pp=p), 1)
+    assert layers == 9  # the runtime's split of 32 blocks: 7, 9, 9, 7 (the ends hold 0.5B each)
     work = Workload(seq_len=s, global_batch=b)
     unit = b * s * h * (t - 1) / t * 2 * layers  # bf16 bytes
     for sp, recompute, ops in ((False, "none", 8), (True, "none", 8), (False, "full", 10),
@@ -327,12 +330,22 @@ def test_pipeline_memory_holds_p_microbatches_on_stage_0():
     cfg = preset("llama3-8b")
     work = Workload(seq_len=2048, global_batch=32)
     one = memory_per_gpu(cfg, Layout(pp=1, dp_shard=1, microbatch_size=1), work)
-    pp4 = memory_per_gpu(cfg, Layout(pp=4, dp_shard=1, microbatch_size=1), work)
+    lay = Layout(pp=4, dp_shard=1, microbatch_size=1)
+    pp4 = memory_per_gpu(cfg, lay, work)
     extra = microbatch_extra_bytes(cfg, Layout(microbatch_size=1), work)  # RoPE tables
-    assert pp4.stage == 0  # L layers' worth, in 4 microbatches of L/4 layers
-    assert one.activations - extra == pytest.approx(pp4.activations - 4 * extra)
+    per_block = (one.activations - extra) / cfg.num_hidden_layers
+    # the runtime's split of 32 blocks is 7, 9, 9, 7: stage 0 keeps 4 microbatches of 7
+    # blocks, more than stage 1's 3 of 9
+    assert [rank_layers(cfg, lay, st) for st in range(4)] == [7, 9, 9, 7]
+    assert pp4.stage == 0
+    assert pp4.activations == pytest.approx(4 * (7 * per_block + extra))
     gpipe = memory_per_gpu(cfg, Layout(pp=4, microbatch_size=1, schedule="gpipe"), work)
-    assert gpipe.activations - 32 * extra == pytest.approx((one.activations - extra) * 32 / 4)
+    # all 32 microbatches in flight everywhere; the last stage is the largest: besides its 7
+    # blocks it keeps each microbatch's fp32 log-softmax over 128K tokens (1 GiB each)
+    assert gpipe.stage == 3
+    assert gpipe.activations == pytest.approx(32 * (7 * per_block + extra))
+    mid = stage_memory(cfg, Layout(pp=4, microbatch_size=1, schedule="gpipe"), work, 1)
+    assert mid.activations == pytest.approx(32 * (9 * per_block + extra))
 
 
 def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
@@ -495,7 +508,7 @@ def test_layout_from_config_and_checks():
     assert (lay.dp_shard, lay.recompute, lay.zero_stage) == (4, "full", 1)
     model = preset("llama3-8b")
     with pytest.raises(LayoutError):
-        check_layout(model, Layout(pp=3), Workload(1024, 8))  # 32 layers
+        check_layout(model, Layout(pp=33), Workload(1024, 8))  # 32 layers
     with pytest.raises(LayoutError):
         check_layout(model, Layout(dp_shard=3), Workload(1024, 8))  # batch
     assert math.isclose(stage_parameters(model, Layout(), 0), num_parameters(model),

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from threefold.config import Config, ModelConfig
+from threefold.parallel.pipeline.balance import partition
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first (= threefold.mesh.AXES)
 # Axes communication is counted on: the mesh axes plus "dp", the flattened dp_replicate ×
@@ -278,8 +279,9 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
         raise LayoutError(f"zero_stage {layout.zero_stage} is not 0-3")
     tp_shard(cfg, layout.tp)
     chunks = layout.pp * layout.vpp
-    if cfg.num_hidden_layers % chunks:
-        raise LayoutError(f"pp·vpp={chunks} does not divide the {cfg.num_hidden_layers} layers")
+    if cfg.num_hidden_layers < chunks:  # uneven splits are fine: see pipeline_layers
+        raise LayoutError(f"pp·vpp={chunks} is more than the {cfg.num_hidden_layers} layers "
+                          "(each pipeline chunk needs one)")
     if layout.vpp > 1 and layout.pipeline_schedule != "interleaved-1f1b":
         raise LayoutError("vpp > 1 needs the interleaved-1f1b schedule")
     m = microbatches(layout, work)
@@ -332,15 +334,43 @@ def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
     return _block_numels(h, a, kv, f, vocab, tp)
 
 
+@lru_cache(maxsize=4096)
+def _virtual_stage_layers(key: tuple, n_stages: int) -> tuple[int, ...]:
+    h, a, kv, f, vocab, n_layers, tied = key
+    layer = sum(_block_numels(h, a, kv, f, vocab, 1))
+    emb = vocab * h
+    runs = partition([float(layer)] * n_layers, n_stages, float(emb),
+                     float(h + (0 if tied else emb)))
+    return tuple(len(r) for r in runs)
+
+
+def pipeline_layers(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
+    """Blocks of each of the ``pp·vpp`` virtual stages, split as the runtime splits the model
+    (``threefold.parallel.pipeline.stage.split_model``: balanced by parameters, the embedding
+    counted on the first stage, the final norm and an untied head on the last), so that every
+    per-stage figure here is that of the stage a run builds. Megatron's uniform L/p split is
+    the special case where the ends' extras do not move a block."""
+    return _virtual_stage_layers(_shape_key(cfg), layout.pp * layout.vpp)
+
+
+def rank_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    """Blocks one rank of pipeline ``stage`` holds: its ``vpp`` chunks (virtual stages
+    ``c·pp + stage``) together."""
+    counts = pipeline_layers(cfg, layout)
+    return sum(counts[c * layout.pp + stage] for c in range(layout.vpp))
+
+
 @lru_cache(maxsize=65536)
-def _stage_units(key: tuple, tp: int, p: int, stage: int) -> tuple[tuple[int, ...], ...]:
+def _stage_units(key: tuple, tp: int, p: int, v: int, stage: int
+                 ) -> tuple[tuple[int, ...], ...]:
     h, a, kv, f, vocab, n_layers, tied = key
     emb = _tp_shard(h, a, kv, f, vocab, tp).vocab * h
     block = _block_numels(h, a, kv, f, vocab, tp)
+    counts = _virtual_stage_layers(key, p * v)
     units: list[tuple[int, ...]] = []
     if stage == 0 and not (tied and p == 1):
         units.append((emb,))
-    units += [block] * (n_layers // p)
+    units += [block] * sum(counts[c * p + stage] for c in range(v))
     if stage == p - 1:
         units.append((h,))
         if not (tied and p == 1):
@@ -356,7 +386,7 @@ def stage_units(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[tuple[int
     LM head (each a tuple of parameter sizes in registration order). With tied embeddings on
     one stage the shared weight is one *root* unit, listed last (``ZeroEngine`` does so); in
     registration order it comes first (``parameter_numels``)."""
-    return _stage_units(_shape_key(cfg), layout.tp, layout.pp, stage)
+    return _stage_units(_shape_key(cfg), layout.tp, layout.pp, layout.vpp, stage)
 
 
 def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[int]:
@@ -418,7 +448,7 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     (Korthikanti et al., arXiv 2205.05198 §5)."""
     sh, h, hd, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.seq_len
     tokens = layout.microbatch_size * s
-    layers = cfg.num_hidden_layers // layout.pp
+    layers = rank_layers(cfg, layout, stage)
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
     core = 4 * s * sh.heads * hd  # QK^T and AV per token, no causal halving (as PaLM)
     layer_fwd = tokens * (2 * sharded + core)
@@ -460,7 +490,7 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
         work.seq_len
     r = work.resid_bytes
     tokens = layout.microbatch_size * s
-    layers = cfg.num_hidden_layers // layout.pp
+    layers = rank_layers(cfg, layout, layout.pp - 1 if stage is None else stage)
     split = layout.tp if layout.sp else 1
     qk = (sh.heads + sh.kv_heads) * hd
     softmax = 0 if work.flash_attention else 2 * d * sh.heads * s
@@ -485,22 +515,31 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
 def hardware_flops_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """FLOPs all ranks execute in one step (the HFU numerator: recompute included)."""
     per_pipeline = 0.0
-    for st in _distinct_stages(layout.pp):
+    for st in _distinct_stages(cfg, layout):
         flops = sum(stage_flops_per_microbatch(cfg, layout, work, st))
-        per_pipeline += flops * _stage_multiplicity(layout.pp, st)
+        per_pipeline += flops * _stage_multiplicity(cfg, layout, st)
     return per_pipeline * microbatches(layout, work) * layout.tp * layout.dp
 
 
-def _distinct_stages(p: int) -> list[int]:
-    """Stage 0, one middle stage (all middle stages are alike) and stage p-1."""
-    return sorted({0, min(1, p - 1), p - 1})
+@lru_cache(maxsize=4096)
+def _stage_groups(key: tuple, p: int, v: int) -> tuple[tuple[int, int], ...]:
+    counts = _virtual_stage_layers(key, p * v)
+    groups: dict[tuple, list[int]] = {}
+    for st in range(p):
+        blocks = sum(counts[c * p + st] for c in range(v))
+        groups.setdefault((st == 0, st == p - 1, blocks), []).append(st)
+    return tuple((sts[0], len(sts)) for sts in groups.values())
 
 
-def _stage_multiplicity(p: int, stage: int) -> int:
+def _distinct_stages(cfg: ModelConfig, layout: Layout) -> list[int]:
+    """One stage for each kind of pipeline rank: the first, the last, and one per distinct
+    block count in between (all alike when the split is even)."""
+    return sorted(st for st, _ in _stage_groups(_shape_key(cfg), layout.pp, layout.vpp))
+
+
+def _stage_multiplicity(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """How many stages the representative ``stage`` stands for."""
-    if stage in (0, p - 1):
-        return 1
-    return p - 2
+    return dict(_stage_groups(_shape_key(cfg), layout.pp, layout.vpp))[stage]
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,7 +629,7 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     d, r = work.act_bytes, work.resid_bytes
     g = work.weight_bytes if grad_bytes is None else grad_bytes
     pb = work.weight_bytes if param_bytes is None else param_bytes
-    h, layers = cfg.hidden_size, cfg.num_hidden_layers // p
+    h, layers = cfg.hidden_size, rank_layers(cfg, layout, stage)
     x = b * s * h
     first, last = int(stage == 0), int(stage == p - 1)
     rec = layers if layout.recompute == "full" else 0
@@ -675,7 +714,7 @@ def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,
     (tests/test_dryrun.py checks it for DP, ZeRO 1/2/3 and TP). Gradients and gathered
     parameters move in ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say
     otherwise. See ``collectives`` for what each axis carries."""
-    stages = _distinct_stages(layout.pp) if stage is None else [stage]
+    stages = _distinct_stages(cfg, layout) if stage is None else [stage]
     lists = [collectives(cfg, layout, work, st, grad_bytes, param_bytes) for st in stages]
     return _bytes_per_axis(lists, microbatches(layout, work))
 
@@ -807,13 +846,13 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     m = microbatches(layout, work)
     inter = {a: axis_crosses_nodes(layout, a, cluster.gpus_per_node) for a in COMM_AXES}
     links = {a: hw.link(inter[a]) for a in COMM_AXES}
-    stages = _distinct_stages(layout.pp)
+    stages = _distinct_stages(cfg, layout)
     hbm = hw.memory_bw or math.inf
     per_mb, per_step, parts, lists, hw_flops = {}, {}, {}, [], 0.0
     for st in stages:
         f, bwd = stage_flops_per_microbatch(cfg, layout, work, st)
         mem_f, mem_b = stage_memory_traffic_per_microbatch(cfg, layout, work, st)
-        hw_flops += (f + bwd) * _stage_multiplicity(layout.pp, st)
+        hw_flops += (f + bwd) * _stage_multiplicity(cfg, layout, st)
         t_f, t_b = f / rate + mem_f / hbm, bwd / rate + mem_b / hbm
         colls = collectives(cfg, layout, work, st)
         lists.append(colls)
@@ -823,7 +862,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         per_step[st] = step_dp
         parts[st] = (t_f + t_b, exposed, t_b / t_f)
     slow = max(per_mb, key=per_mb.get)
-    mean = sum(per_mb[s] * _stage_multiplicity(layout.pp, s) for s in stages) / layout.pp
+    mean = sum(per_mb[s] * _stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
     ratio, source = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                       parts[stages[len(stages) // 2]][2], simulate)
     ideal = m * per_mb[slow]
@@ -850,7 +889,7 @@ def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float) -> flo
     (0 when the bandwidth is unknown, i.e. infinite)."""
     n = layout.dp_shard if layout.zero_stage else 1
     owned = max(sum(-(-sum(u) // n) for u in stage_units(cfg, layout, st))
-                for st in _distinct_stages(layout.pp))
+                for st in _distinct_stages(cfg, layout))
     return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
 
 
@@ -862,12 +901,12 @@ def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cl
     rate = hw.peak_flops(work.precision) * (efficiency if efficiency is not None else
                                             (hw.matmul_efficiency or MATMUL_EFFICIENCY))
     m = microbatches(layout, work)
-    stages = _distinct_stages(layout.pp)
+    stages = _distinct_stages(cfg, layout)
     bw = hw.memory_bw or math.inf
     times = {st: sum(stage_flops_per_microbatch(cfg, layout, work, st)) / rate
              + sum(stage_memory_traffic_per_microbatch(cfg, layout, work, st)) / bw
              for st in stages}
-    mean = sum(times[s] * _stage_multiplicity(layout.pp, s) for s in stages) / layout.pp
+    mean = sum(times[s] * _stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
     ratio, _ = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp)
     return m * max(times.values()) + ratio * m * mean
 

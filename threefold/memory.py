@@ -20,9 +20,11 @@ from threefold.config import ModelConfig
 from threefold.cost import (
     Layout,
     Workload,
+    _distinct_stages,
     largest_unit_parameters,
     layer_parameters_per_rank,
     microbatches,
+    rank_layers,
     stage_units,
     tp_shard,
 )
@@ -271,7 +273,7 @@ def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
     if work.weight_bytes <= d:
         return 0.0
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
-    n = sharded * cfg.num_hidden_layers // layout.pp
+    n = sharded * rank_layers(cfg, layout, stage)
     if stage == layout.pp - 1:
         n += tp_shard(cfg, layout.tp).vocab * cfg.hidden_size
     return d * n
@@ -336,8 +338,7 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """The breakdown of the pipeline stage with the largest peak (stage 0 holds the most
     activations, the last stage the logits and head)."""
-    p = layout.pp
-    stages = sorted({0, min(1, p - 1), p - 1})
+    stages = _distinct_stages(cfg, layout)
     return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes),
                key=lambda mb: mb.total)
 
@@ -365,7 +366,6 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     m = microbatches(layout, work)
     z, n = layout.zero_stage, layout.dp_shard
     per_layer = model_layer_activation_bytes(cfg, layout, work)
-    layers = cfg.num_hidden_layers // layout.pp
     working = 0.0
     if layout.recompute == "full":  # the block being recomputed holds everything at once
         working = model_layer_activation_bytes(cfg, layout, work, recompute="none")
@@ -398,6 +398,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
             temp = 2 * -(-largest // n) * state.param
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage)
+        layers = rank_layers(cfg, layout, stage)
         out.append(MemoryBreakdown(
             stage=stage, params=params, grads=grads, optimizer=opt,
             activations=(per_layer * layers + extra) * inflight, recompute_working=working,

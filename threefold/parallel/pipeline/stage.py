@@ -26,8 +26,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 from threefold.model import LlamaForCausalLM
+from threefold.parallel.pipeline.balance import partition
 
 BALANCES = ("params", "flops")
 
@@ -79,57 +80,6 @@ def stage_costs(model: LlamaForCausalLM, balance: str = "params",
     layers = [6.0 * _linear_weights(layer) + 12.0 * layer.self_attn.q_proj.out_features * t
               for layer in inner.layers]
     return layers, 0.0, 6.0 * model.lm_head.weight.numel()
-
-
-def partition(layer_costs: list[float], n_stages: int, first_extra: float = 0.0,
-              last_extra: float = 0.0) -> list[range]:
-    """Split the blocks, with the given costs, into ``n_stages`` contiguous runs of at least
-    one block that minimise the largest stage cost (blocks plus the first/last extras); among
-    those, the one with the smallest sum of squared stage costs, then the one whose later
-    stages are larger (the first stage holds the most activations under 1F1B)."""
-    n_layers = len(layer_costs)
-    if n_stages < 1:
-        raise ValueError(f"pipeline: need at least one stage, got {n_stages}")
-    if n_layers < n_stages:
-        raise ConfigError(f"model.num_hidden_layers: {n_layers} layers cannot fill {n_stages} "
-                          f"pipeline stages (pp·vpp) with at least one layer each; lower "
-                          f"parallel.pp or parallel.vpp, or use a deeper model")
-    prefix = [0.0]
-    for c in layer_costs:
-        prefix.append(prefix[-1] + c)
-
-    def cost(stage: int, a: int, b: int) -> float:
-        return (prefix[b] - prefix[a] + (first_extra if stage == 0 else 0.0)
-                + (last_extra if stage == n_stages - 1 else 0.0))
-
-    # 1) the smallest achievable bottleneck, by dynamic programming over prefixes
-    inf = float("inf")
-    best = [[inf] * (n_layers + 1) for _ in range(n_stages)]
-    for b in range(1, n_layers + 1):
-        best[0][b] = cost(0, 0, b)
-    for k in range(1, n_stages):
-        for b in range(k + 1, n_layers + 1):
-            best[k][b] = min(max(best[k - 1][a], cost(k, a, b)) for a in range(k, b))
-    bound = best[n_stages - 1][n_layers] * (1 + 1e-12)
-    # 2) under that bound, the most even split (smallest sum of squares)
-    sq = [[inf] * (n_layers + 1) for _ in range(n_stages)]
-    cut = [[0] * (n_layers + 1) for _ in range(n_stages)]
-    for b in range(1, n_layers + 1):
-        if cost(0, 0, b) <= bound:
-            sq[0][b] = cost(0, 0, b) ** 2
-    for k in range(1, n_stages):
-        for b in range(k + 1, n_layers + 1):
-            for a in range(k, b):  # ascending a: on ties the later stage gets more blocks
-                c = cost(k, a, b)
-                if c <= bound and sq[k - 1][a] + c * c < sq[k][b] * (1 - 1e-12):
-                    sq[k][b], cut[k][b] = sq[k - 1][a] + c * c, a
-    bounds, b = [n_layers], n_layers
-    for k in range(n_stages - 1, 0, -1):
-        b = cut[k][b]
-        bounds.append(b)
-    bounds.append(0)
-    bounds.reverse()
-    return [range(bounds[i], bounds[i + 1]) for i in range(n_stages)]
 
 
 def stage_layers(model: LlamaForCausalLM, n_stages: int, balance: str = "params",
