@@ -2,7 +2,8 @@
 step, peak memory, step time.
 
     python3 bench/bench_plan_vs_measured.py [--preset tiny] [--seq-len 128] [--steps 5]
-        [--runs single,dp2,zero1,zero3,tp2,tp2_sp] [--hardware-file CALIBRATION.json]
+        [--runs single,dp2,zero1,zero3,tp2,tp2_sp,pp2_1f1b,pp2_gpipe]
+        [--hardware-file CALIBRATION.json]
 
 Each run is a subprocess, `python -m threefold train [--nproc-per-node 2] ...`, exactly as a
 user would start it. The prediction for the same configuration comes from threefold.cost and
@@ -65,7 +66,7 @@ from threefold.cost import (  # noqa: E402
 )
 from threefold.dryrun import resolved_model  # noqa: E402
 from threefold.hardware import Cluster  # noqa: E402
-from threefold.memory import memory_per_gpu  # noqa: E402
+from threefold.memory import memory_per_gpu, stage_memory  # noqa: E402
 
 RUNS = {  # name: (processes, extra overrides)
     "single": (1, []),
@@ -75,6 +76,9 @@ RUNS = {  # name: (processes, extra overrides)
     "zero3": (2, ["--parallel.zero_stage", "3"]),
     "tp2": (2, ["--parallel.tp", "2"]),
     "tp2_sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    # pipelines run the batch as 4 microbatches (see ``overrides``)
+    "pp2_1f1b": (2, ["--parallel.pp", "2"]),
+    "pp2_gpipe": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
 }
 MINIMAL = ["--model.hidden_size", "32", "--model.intermediate_size", "64",
            "--model.num_hidden_layers", "1", "--model.num_attention_heads", "4",
@@ -88,10 +92,12 @@ MEMORY_GOAL, TIME_GOAL = 0.10, 0.25
 
 
 def overrides(args, out: Path, extra: list[str]) -> list[str]:
-    """The `threefold train` arguments of one run (without --nproc-per-node)."""
+    """The `threefold train` arguments of one run (without --nproc-per-node): the whole batch
+    in one micro-batch, except under a pipeline (4 microbatches)."""
+    micro = max(1, args.batch // 4) if "--parallel.pp" in extra else args.batch
     return ["--model.preset", args.preset, "--data.seq_len", str(args.seq_len),
             "--train.global_batch_size", str(args.batch), "--train.micro_batch_size",
-            str(args.batch), "--train.steps", str(args.steps), "--train.eval_batches", "1",
+            str(micro), "--train.steps", str(args.steps), "--train.eval_batches", "1",
             "--train.eval_interval", "0", "--train.log_interval", "1000",
             "--train.progress", "off", "--checkpoint.save_final", "false",
             "--train.output_dir", str(out), *extra]
@@ -129,7 +135,10 @@ def predicted(argv: list[str], nproc: int, record: dict) -> dict:
     hw = hw.with_overrides(memory_bw=record.get("rank_memory_bandwidth"))  # one thread's
     cluster = Cluster(hw, nproc, nproc)
     step = predict_step(mcfg, layout, work, cluster)
-    return {"memory": memory_per_gpu(mcfg, layout, work, overhead_bytes=0.0).total,
+    # rank 0's peak is measured: under a pipeline that is stage 0's, not the largest stage's
+    memory = (stage_memory(mcfg, layout, work, 0, overhead_bytes=0.0) if layout.pp > 1
+              else memory_per_gpu(mcfg, layout, work, overhead_bytes=0.0))
+    return {"memory": memory.total,
             "step_time_s": step.step_time_s, "compute_s": step.compute_s,
             "comm_s": step.tp_exposed_s + step.dp_exposed_s, "optimizer_s": step.optimizer_s,
             "comm_bytes": comm_bytes_per_step(mcfg, layout, work),
