@@ -35,6 +35,13 @@ def tp_shard_dim(p: torch.Tensor) -> int | None:
     return getattr(p, "_tp_shard_dim", None)
 
 
+def sq_norm(g: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of ``g`` in fp32, as a CPU scalar. A reduction kernel: ``g.pow(2)`` would
+    first allocate a temporary as large as the largest gradient (the embedding's) at the
+    moment memory peaks."""
+    return torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square().cpu()
+
+
 def global_sq_norm(parts: torch.Tensor, comm, shard_axis: str | None = None) -> float:
     """Squared global gradient norm from local [tp-sharded, tp-replicated] sums of squares:
     both summed over ``shard_axis`` (ranks holding disjoint ZeRO shards) and over pipeline
@@ -99,7 +106,7 @@ class LocalEngine:
         parts = torch.zeros(2, dtype=torch.float32)
         for _, p in self.named_params:
             if p.grad is not None and not getattr(p, "_tied_replica", False):
-                parts[0 if tp_shard_dim(p) is not None else 1] += p.grad.detach().float().pow(2).sum().cpu()
+                parts[0 if tp_shard_dim(p) is not None else 1] += sq_norm(p.grad)
         return parts
 
     def gradient_of(self, p: nn.Parameter) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
-from threefold.parallel.engine import (adamw_step, clip_to, global_sq_norm, make_adamw,
+from threefold.parallel.engine import (adamw_step, clip_to, global_sq_norm, make_adamw, sq_norm,
                                        tp_shard_dim, unique_named_parameters)
 
 
@@ -122,12 +122,12 @@ class FlatUnit:
     def shard_sq_norm_parts(self) -> torch.Tensor:
         """[tp-sharded, tp-replicated] sums of squares of this rank's gradient shard."""
         parts = torch.zeros(2, dtype=torch.float32)
-        g = self.shard.grad.detach().float()
+        g = self.shard.grad
         lo = self.comm.rank(self.axis) * self.shard_numel
         for p, off in zip(self.params, self.offsets):
             a, b = max(off, lo), min(off + p.numel(), lo + self.shard_numel)
             if b > a and not getattr(p, "_tied_replica", False):  # counted on its owner
-                parts[0 if tp_shard_dim(p) is not None else 1] += g[a - lo:b - lo].pow(2).sum().cpu()
+                parts[0 if tp_shard_dim(p) is not None else 1] += sq_norm(g[a - lo:b - lo])
         return parts
 
     def finish_reduce_scatter(self) -> None:
