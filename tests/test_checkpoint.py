@@ -46,7 +46,9 @@ def reference(corpus, cache_dir, tmp_path_factory):
     ((2, {"parallel__zero_stage": 2}), (4, {"parallel__tp": 2,
                                             "parallel__sequence_parallel": "true"})),
     ((4, {"parallel__dp_replicate": 2, "parallel__zero_stage": 3}), (1, {})),
-], ids=["tp2zero3-to-zero1", "zero2-to-tp2sp_dp2", "hybrid-to-single"])
+    ((4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__zero_stage": 1,
+          "train__micro_batch_size": 2}), (2, {"parallel__zero_stage": 3})),
+], ids=["tp2zero3-to-zero1", "zero2-to-tp2sp_dp2", "hybrid-to-single", "pp2tp2zero1-to-zero3"])
 def test_resume_under_another_layout(first, second, reference, corpus, cache_dir, tmp_path):
     out = tmp_path / "run"
     (w1, e1), (w2, e2) = first, second
