@@ -356,8 +356,13 @@ def pipeline_layers(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
 def rank_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """Blocks one rank of pipeline ``stage`` holds: its ``vpp`` chunks (virtual stages
     ``c·pp + stage``) together."""
-    counts = pipeline_layers(cfg, layout)
-    return sum(counts[c * layout.pp + stage] for c in range(layout.vpp))
+    return _rank_layers(_shape_key(cfg), layout.pp, layout.vpp, stage)
+
+
+@lru_cache(maxsize=65536)
+def _rank_layers(key: tuple, p: int, v: int, stage: int) -> int:
+    counts = _virtual_stage_layers(key, p * v)
+    return sum(counts[c * p + stage] for c in range(v))
 
 
 @lru_cache(maxsize=65536)

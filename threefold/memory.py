@@ -15,6 +15,7 @@ Pure formulas, no torch. Bytes throughout; 1 GB = 1e9 bytes as in the papers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from threefold.config import ModelConfig
 from threefold.cost import (
@@ -343,6 +344,14 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
                key=lambda mb: mb.total)
 
 
+@lru_cache(maxsize=65536)
+def _unit_totals(units: tuple, n: int) -> tuple[int, int, int]:
+    """(parameters, parameters with each unit padded to a multiple of ``n``, largest unit)
+    of a stage's units (cached: the planner asks for the same stages thousands of times)."""
+    sizes = [sum(u) for u in units]
+    return sum(sizes), sum(-(-x // n) * n for x in sizes), max(sizes)
+
+
 def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: list[int],
                     state: StateBytes | None, overhead_bytes: float) -> list[MemoryBreakdown]:
     """Model states as threefold's engines hold them (Ψ = this rank's parameters, N =
@@ -372,10 +381,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     extra = microbatch_extra_bytes(cfg, layout, work)
     out = []
     for stage in stages:
-        units = stage_units(cfg, layout, stage)
-        psi = sum(sum(u) for u in units)
-        padded = sum(-(-sum(u) // n) * n for u in units) if z else psi
-        largest = max(sum(u) for u in units)
+        psi, padded, largest = _unit_totals(stage_units(cfg, layout, stage), n if z else 1)
         buffers, zero3, in_bwd = 0.0, 0.0, 0.0
         if z == 0:
             params, opt, grads = psi * state.param, psi * state.optimizer, psi * state.grad
