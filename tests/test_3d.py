@@ -49,7 +49,7 @@ def _check(reference, out, atol):
 @pytest.mark.slow
 def test_pipeline_through_trainer(reference, corpus, cache_dir, tmp_path):
     runs = [("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 2,
-                          "train__trace_step": 2}),
+                          "train__trace_step": 2, "parallel__pipeline_split": "1,3"}),
             ("pp2_zbh1_clip", {"parallel__pp": 2, "parallel__schedule": "zb-h1",
                                "train__micro_batch_size": 2, "optim__grad_clip": "0.5",
                                "train__activation_checkpointing": "true"}),

@@ -133,31 +133,38 @@ def test_meta_model_matches_planner_parameter_order(warm, tp, tied):
     assert meta_parameter_counts(cfg, tp, True) == (num_parameters(cfg), sum(sizes))
 
 
-@pytest.mark.parametrize("preset,pp,vpp,tied", [
-    ("llama3-8b", 4, 1, False), ("llama3-8b", 8, 1, False), ("llama3-8b", 2, 2, False),
-    ("small", 3, 1, False), ("tiny", 2, 1, True), ("tiny", 2, 2, True)])
-def test_planner_splits_the_pipeline_as_the_runtime_does(warm, preset, pp, vpp, tied):
+@pytest.mark.parametrize("preset,pp,vpp,tied,split", [
+    ("llama3-8b", 4, 1, False, "params"), ("llama3-8b", 8, 1, False, "params"),
+    ("llama3-8b", 2, 2, False, "params"), ("small", 3, 1, False, "params"),
+    ("tiny", 2, 1, True, "params"), ("tiny", 2, 2, True, "params"),
+    ("llama3-8b", 4, 1, False, "uniform"), ("llama3-8b", 3, 1, False, "uniform"),
+    ("llama3-8b", 4, 1, False, "6,10,10,6")])
+def test_planner_splits_the_pipeline_as_the_runtime_does(warm, preset, pp, vpp, tied, split):
     """Blocks and parameters per pipeline rank in the planner (``pipeline_layers``,
     ``stage_parameters``) equal those of ``split_model``'s chunks on the meta device, uneven
-    splits included (llama3-8b at pp 4: 7, 9, 9, 7; a tied head's copy on the last rank)."""
+    splits included (llama3-8b at pp 4: 7, 9, 9, 7; a tied head's copy on the last rank), and
+    with ``parallel.pipeline_split`` uniform or given."""
     from threefold.cost import pipeline_layers
     from threefold.parallel.pipeline.stage import rank_model, split_model
 
     vocab = None if preset == "llama3-8b" else 4096  # the preset's 128,256, or 4096
     cfg = ModelConfig(preset=preset, vocab_size=vocab, tie_word_embeddings=tied).resolved()
-    lay = Layout(pp=pp, vpp=vpp, schedule="interleaved-1f1b" if vpp > 1 else "1f1b")
+    lay = Layout(pp=pp, vpp=vpp, schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
+                 pipeline_split=split)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     blocks = []
     for rank in range(pp):
-        chunks = split_model(model, pp, vpp, rank)
+        chunks = split_model(model, pp, vpp, rank, balance=split)
         blocks.append([len(c.model.layers) for c in chunks])
         held = sum(q.numel() for q in rank_model(chunks).parameters())
         assert held == stage_parameters(cfg, lay, rank), (rank, blocks)
     counts = pipeline_layers(cfg, lay)  # virtual stage c·pp + rank is chunk c of rank
     assert [[counts[c * pp + r] for c in range(vpp)] for r in range(pp)] == blocks
-    if (preset, pp) == ("llama3-8b", 4):
+    if (preset, pp, split) == ("llama3-8b", 4, "params"):
         assert counts == (7, 9, 9, 7)
+    if (preset, pp, split) == ("llama3-8b", 3, "uniform"):
+        assert counts == (10, 11, 11)
 
 
 class _Loopback:

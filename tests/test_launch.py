@@ -78,6 +78,8 @@ def test_two_agents_as_two_nodes(corpus, cache_dir, tmp_path):
       "--train.micro_batch_size", "2"], "train.global_batch_size"),
     (["--nproc-per-node", "2", "--train.micro_batch_size", "4", "--train.global_batch_size",
       "12"], "train.micro_batch_size"),
+    (["--nproc-per-node", "2", "--parallel.pp", "2", "--train.micro_batch_size", "2",
+      "--parallel.pipeline_split", "1,2"], "parallel.pipeline_split"),  # 2 layers, not 3
 ])
 def test_impossible_layout_refused_before_launch(corpus, cache_dir, tmp_path, extra, needle):
     out = tmp_path / "never"

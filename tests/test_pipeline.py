@@ -132,6 +132,27 @@ def test_split_refuses_impossible_layouts():
         split_model(_model(_cfg()), p=2, pp_rank=2)
 
 
+def test_uniform_and_explicit_splits():
+    from threefold.parallel.pipeline.balance import split_counts, uniform_counts
+
+    assert uniform_counts(8, 4) == (2, 2, 2, 2)
+    assert uniform_counts(10, 4) == (2, 3, 3, 2)  # the remainder to the middle, not the ends
+    assert uniform_counts(7, 3) == (2, 3, 2)
+    assert split_counts("1,3", [1.0] * 4, 2) == (1, 3)
+    for bad in ("1,2", "0,4", "1,1,2", "2,x"):
+        with pytest.raises(ConfigError, match="parallel.pipeline_split.*adding up to the "
+                                              "model's 4 layers, e.g. '2,2'"):
+            split_counts(bad, [1.0] * 4, 2)
+    for bad in ("balanced", "x,y"):
+        with pytest.raises(ConfigError, match="not params, uniform"):
+            split_counts(bad, [1.0] * 4, 2)
+    model = _model(_cfg(layers=4))
+    assert [list(c.model.layers.layer_ids) for i in range(2)
+            for c in split_model(model, 2, 1, i, balance="1,3")] == [[0], [1, 2, 3]]
+    assert [list(c.model.layers.layer_ids) for c in split_model(model, 2, 2, 1,
+                                                                balance="uniform")] == [[1], [3]]
+
+
 def test_tied_head_on_another_rank_is_a_copy_of_the_embedding():
     from threefold.parallel.pipeline.stage import tied_head_replica
 

@@ -102,6 +102,11 @@ def _check_layout(cfg, world_size: int) -> None:
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_batch(cfg, dims.dp_replicate * dims.dp_shard)
+    if dims.pp > 1 and not cfg.checkpoint.init_from:  # else the shape comes with the weights
+        from threefold.parallel.pipeline.balance import split_counts
+
+        layers = cfg.model.resolved(vocab_size=1).num_hidden_layers
+        split_counts(cfg.parallel.pipeline_split, [0.0] * layers, dims.pp * cfg.parallel.vpp)
 
 
 LAUNCHER_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",

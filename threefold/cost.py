@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from threefold.config import Config, ModelConfig
-from threefold.parallel.pipeline.balance import partition
+from threefold.parallel.pipeline.balance import split_counts
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first (= threefold.mesh.AXES)
 # Axes communication is counted on: the mesh axes plus "dp", the flattened dp_replicate ×
@@ -126,6 +126,7 @@ class Layout:
     schedule: str = ""
     sequence_parallel: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
+    pipeline_split: str = "params"
 
     @property
     def dp(self) -> int:
@@ -174,7 +175,7 @@ class Layout:
                    microbatch_size=min(cfg.train.micro_batch_size, local),
                    recompute="full" if cfg.train.activation_checkpointing else "none",
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
-                   bucket_mb=p.bucket_mb)
+                   bucket_mb=p.bucket_mb, pipeline_split=p.pipeline_split)
 
 
 @dataclass(frozen=True)
@@ -335,43 +336,42 @@ def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=4096)
-def _virtual_stage_layers(key: tuple, n_stages: int) -> tuple[int, ...]:
+def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> tuple[int, ...]:
     h, a, kv, f, vocab, n_layers, tied = key
     layer = sum(_block_numels(h, a, kv, f, vocab, 1))
     emb = vocab * h
-    runs = partition([float(layer)] * n_layers, n_stages, float(emb),
-                     float(h + (0 if tied else emb)))
-    return tuple(len(r) for r in runs)
+    return split_counts(split, [float(layer)] * n_layers, n_stages, float(emb),
+                        float(h + (0 if tied else emb)))
 
 
 def pipeline_layers(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
     """Blocks of each of the ``pp·vpp`` virtual stages, split as the runtime splits the model
-    (``threefold.parallel.pipeline.stage.split_model``: balanced by parameters, the embedding
-    counted on the first stage, the final norm and an untied head on the last), so that every
-    per-stage figure here is that of the stage a run builds. Megatron's uniform L/p split is
-    the special case where the ends' extras do not move a block."""
-    return _virtual_stage_layers(_shape_key(cfg), layout.pp * layout.vpp)
+    (``threefold.parallel.pipeline.stage.split_model`` with ``parallel.pipeline_split``: by
+    default balanced by parameters, the embedding counted on the first stage, the final norm
+    and an untied head on the last; or uniform, or given counts), so that every per-stage
+    figure here is that of the stage a run builds."""
+    return _virtual_stage_layers(_shape_key(cfg), layout.pp * layout.vpp, layout.pipeline_split)
 
 
 def rank_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """Blocks one rank of pipeline ``stage`` holds: its ``vpp`` chunks (virtual stages
     ``c·pp + stage``) together."""
-    return _rank_layers(_shape_key(cfg), layout.pp, layout.vpp, stage)
+    return _rank_layers(_shape_key(cfg), layout.pp, layout.vpp, layout.pipeline_split, stage)
 
 
 @lru_cache(maxsize=65536)
-def _rank_layers(key: tuple, p: int, v: int, stage: int) -> int:
-    counts = _virtual_stage_layers(key, p * v)
+def _rank_layers(key: tuple, p: int, v: int, split: str, stage: int) -> int:
+    counts = _virtual_stage_layers(key, p * v, split)
     return sum(counts[c * p + stage] for c in range(v))
 
 
 @lru_cache(maxsize=65536)
-def _stage_units(key: tuple, tp: int, p: int, v: int, stage: int
+def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int
                  ) -> tuple[tuple[int, ...], ...]:
     h, a, kv, f, vocab, n_layers, tied = key
     emb = _tp_shard(h, a, kv, f, vocab, tp).vocab * h
     block = _block_numels(h, a, kv, f, vocab, tp)
-    counts = _virtual_stage_layers(key, p * v)
+    counts = _virtual_stage_layers(key, p * v, split)
     units: list[tuple[int, ...]] = []
     if stage == 0 and not (tied and p == 1):
         units.append((emb,))
@@ -391,7 +391,8 @@ def stage_units(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[tuple[int
     LM head (each a tuple of parameter sizes in registration order). With tied embeddings on
     one stage the shared weight is one *root* unit, listed last (``ZeroEngine`` does so); in
     registration order it comes first (``parameter_numels``)."""
-    return _stage_units(_shape_key(cfg), layout.tp, layout.pp, layout.vpp, stage)
+    return _stage_units(_shape_key(cfg), layout.tp, layout.pp, layout.vpp,
+                        layout.pipeline_split, stage)
 
 
 def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[int]:
@@ -527,8 +528,8 @@ def hardware_flops_per_step(cfg: ModelConfig, layout: Layout, work: Workload) ->
 
 
 @lru_cache(maxsize=4096)
-def _stage_groups(key: tuple, p: int, v: int) -> tuple[tuple[int, int], ...]:
-    counts = _virtual_stage_layers(key, p * v)
+def _stage_groups(key: tuple, p: int, v: int, split: str) -> tuple[tuple[int, int], ...]:
+    counts = _virtual_stage_layers(key, p * v, split)
     groups: dict[tuple, list[int]] = {}
     for st in range(p):
         blocks = sum(counts[c * p + st] for c in range(v))
@@ -539,12 +540,14 @@ def _stage_groups(key: tuple, p: int, v: int) -> tuple[tuple[int, int], ...]:
 def _distinct_stages(cfg: ModelConfig, layout: Layout) -> list[int]:
     """One stage for each kind of pipeline rank: the first, the last, and one per distinct
     block count in between (all alike when the split is even)."""
-    return sorted(st for st, _ in _stage_groups(_shape_key(cfg), layout.pp, layout.vpp))
+    return sorted(st for st, _ in _stage_groups(_shape_key(cfg), layout.pp, layout.vpp,
+                                                layout.pipeline_split))
 
 
 def _stage_multiplicity(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """How many stages the representative ``stage`` stands for."""
-    return dict(_stage_groups(_shape_key(cfg), layout.pp, layout.vpp))[stage]
+    return dict(_stage_groups(_shape_key(cfg), layout.pp, layout.vpp,
+                              layout.pipeline_split))[stage]
 
 
 # --------------------------------------------------------------------------------------------

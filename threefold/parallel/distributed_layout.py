@@ -66,7 +66,11 @@ class Distributed:
         self.dims.validate_model(mcfg, vpp=cfg.parallel.vpp)
         check_batch(cfg, self.dp_size)
         if self.dims.pp > 1:
+            from threefold.parallel.pipeline.balance import split_counts
             from threefold.parallel.pipeline.executor import checked_schedule
+
+            split_counts(cfg.parallel.pipeline_split, [0.0] * mcfg.num_hidden_layers,
+                         self.dims.pp * cfg.parallel.vpp)  # ConfigError before any work
 
             try:
                 checked_schedule(cfg.parallel.schedule, self.dims.pp, self.microbatches(cfg),
@@ -100,7 +104,8 @@ class Distributed:
             return model
         from threefold.parallel.pipeline.stage import rank_model, split_model
 
-        self.chunks = split_model(model, self.dims.pp, self.cfg.parallel.vpp, self.pp_rank)
+        self.chunks = split_model(model, self.dims.pp, self.cfg.parallel.vpp, self.pp_rank,
+                                  balance=self.cfg.parallel.pipeline_split)
         return rank_model(self.chunks)
 
     def build_pipeline(self, engine, loss_fn, micro_context, hidden: int) -> None:

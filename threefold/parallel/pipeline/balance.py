@@ -62,3 +62,56 @@ def partition(layer_costs: list[float], n_stages: int, first_extra: float = 0.0,
     bounds.append(0)
     bounds.reverse()
     return [range(bounds[i], bounds[i + 1]) for i in range(n_stages)]
+
+
+def uniform_counts(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """``n_layers / n_stages`` blocks per stage (Megatron's split, which ignores the embedding
+    and the head); a remainder goes one block each to the stages nearest the middle, away
+    from the ends that already hold the embedding and the head, later ones first."""
+    if n_layers < n_stages:
+        partition([0.0] * n_layers, n_stages)  # the same refusal as a balanced split
+    base, extra = divmod(n_layers, n_stages)
+    # nearest the middle first; on a tie the later stage (the first keeps the most
+    # microbatches in flight under 1F1B)
+    middle = sorted(range(n_stages), key=lambda i: (abs(2 * i - (n_stages - 1)), -i))
+    more = set(middle[:extra])
+    return tuple(base + (i in more) for i in range(n_stages))
+
+
+def explicit_counts(text: str, n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """Blocks per virtual stage as written in ``parallel.pipeline_split`` ("7,9,9,7"):
+    ``n_stages`` positive counts that add up to ``n_layers``, or a ConfigError that says
+    what to write."""
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        counts = ()
+    if len(counts) != n_stages or min(counts, default=0) < 1 or sum(counts) != n_layers:
+        raise ConfigError(f"parallel.pipeline_split: '{text}' must be params, uniform or "
+                          f"{n_stages} positive block counts (one per pipeline stage, pp·vpp) "
+                          f"adding up to the model's {n_layers} layers, e.g. "
+                          f"'{','.join(map(str, uniform_counts(n_layers, n_stages)))}'")
+    return counts
+
+
+def split_counts(split: str, layer_costs: list[float], n_stages: int,
+                 first_extra: float = 0.0, last_extra: float = 0.0) -> tuple[int, ...]:
+    """Blocks per virtual stage for ``parallel.pipeline_split``: "params" (``partition`` of
+    the given costs, the runtime's default), "uniform" or explicit counts."""
+    if split == "uniform":
+        return uniform_counts(len(layer_costs), n_stages)
+    if split[:1].isdigit():
+        return explicit_counts(split, len(layer_costs), n_stages)
+    if split != "params":
+        raise ConfigError(f"parallel.pipeline_split: '{split}' is not params, uniform or a "
+                          "list of block counts such as '7,9,9,7'")
+    return tuple(len(r) for r in partition(layer_costs, n_stages, first_extra, last_extra))
+
+
+def runs_of(counts: tuple[int, ...]) -> list[range]:
+    """The contiguous block ranges of the given per-stage counts."""
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out

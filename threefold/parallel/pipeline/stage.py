@@ -28,7 +28,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.model import LlamaForCausalLM
-from threefold.parallel.pipeline.balance import partition
+from threefold.parallel.pipeline.balance import partition, runs_of, split_counts
 
 BALANCES = ("params", "flops")
 
@@ -84,7 +84,12 @@ def stage_costs(model: LlamaForCausalLM, balance: str = "params",
 
 def stage_layers(model: LlamaForCausalLM, n_stages: int, balance: str = "params",
                  seq_len: int | None = None) -> list[range]:
-    """The blocks of each virtual stage, balanced by ``balance`` (see ``stage_costs``)."""
+    """The blocks of each virtual stage: balanced by ``balance`` "params" or "flops" (see
+    ``stage_costs``), or split as ``parallel.pipeline_split`` says ("uniform", or explicit
+    counts such as "7,9,9,7"; see balance.py)."""
+    if balance not in BALANCES:
+        n = model.cfg.num_hidden_layers
+        return runs_of(split_counts(balance, [0.0] * n, n_stages))
     layers, first, last = stage_costs(model, balance, seq_len)
     return partition(layers, n_stages, first, last)
 
