@@ -77,15 +77,16 @@ def _check_trace(out, micro):
     assert 0.0 < summary["trace"]["pipeline_idle_fraction"] < 1.0
     assert summary["trace"]["pipeline_unit_cost_bubble"] == pytest.approx(1 / (micro + 1))
     assert 0.0 < summary["trace"]["pipeline_simulated_bubble"] < 1.0
-    events = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"]
-              if e["ph"] == "X"]
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace["otherData"] == {"pipelines": [[0, 1]]}
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events)
     for rank in (0, 1):
         names = [e["name"] for e in events if e["pid"] == rank]
         kinds = [n.split()[0] for n in names]
         assert kinds.count("F") == kinds.count("BW") == micro
         assert "optimizer step" in names and "finish gradients" in names
         assert any(k in ("SEND_F", "RECV_F") for k in kinds)
-        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events)
 
 
 @pytest.mark.slow

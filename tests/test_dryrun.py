@@ -227,6 +227,39 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, dtype):
     assert sum(saved.values()) == want
 
 
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, True)])
+def test_head_saved_bytes_equal_autograd_saved_tensors(tp, sp):
+    """What the final norm, the head and the (vocab-parallel) loss keep for backward, per
+    microbatch, is ``head_saved_bytes``: fp32, with and without tp and SP."""
+    from threefold.memory import head_saved_bytes
+    from threefold.model import causal_lm_loss
+    from threefold.parallel.tensor import apply_tensor_parallel
+
+    cfg = ModelConfig(preset="tiny", vocab_size=500, num_hidden_layers=1).resolved()
+    model = LlamaForCausalLM(cfg)
+    model.model.layers = torch.nn.ModuleList()  # only the norm, the head and the loss
+    if tp > 1:
+        apply_tensor_parallel(model, _Loopback(tp), sp)
+    loss_fn = getattr(model, "loss_function", None) or causal_lm_loss
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    b, s, h = 2, 16, cfg.hidden_size
+    x = torch.randn(b, s // tp if sp else s, h, requires_grad=True)
+    labels = torch.randint(0, cfg.vocab_size, (b, s))
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in weights:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(model.lm_head(model.model.norm(x)), labels)
+    work = Workload(seq_len=s, global_batch=b, precision="fp32")
+    lay = Layout(tp=tp, pp=2, microbatch_size=b, sequence_parallel=sp)
+    assert sum(saved.values()) == head_saved_bytes(cfg, lay, work)
+
+
 # --------------------------------------------------------------------------------------------
 # Bytes per axis: the planner against real runs
 # --------------------------------------------------------------------------------------------
@@ -242,6 +275,8 @@ EXACT_RUNS = [
     ("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 2}),
     ("pp2_interleaved", {"parallel__pp": 2, "parallel__vpp": 2, "model__num_hidden_layers": 4,
                          "parallel__schedule": "interleaved-1f1b", "train__micro_batch_size": 2}),
+    ("pp2_tied", {"parallel__pp": 2, "train__micro_batch_size": 4,
+                  "model__tie_word_embeddings": "true"}),
 ]
 
 

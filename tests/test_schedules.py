@@ -220,7 +220,7 @@ def test_action_names_parse_back(name, p, m, v):
     for acts in build_schedule(name, p, m, v):
         for a in acts:
             assert Action.parse(str(a), p) == a
-    for bad in ("optimizer step", "F mb1", "X mb0 s0", "F mbx s0"):
+    for bad in ("optimizer step", "F mb1", "X mb0 s0", "F mbx s0", "F xx3 q1", "F mb3 s1->x2"):
         with pytest.raises(ValueError, match="not a pipeline action"):
             Action.parse(bad)
 
@@ -307,6 +307,18 @@ def test_cli_costs_from_a_trace(tmp_path, capsys):
     assert main(["--pp", "4", "--microbatches", "4", "--schedule", "1f1b",
                  "--costs-from", str(trace)]) == 2
     assert "2 pipeline stages" in capsys.readouterr().err
+    # a run with dp 2 traces two pipelines: the trace names them, the first one is used
+    data = json.loads(trace.read_text())
+    copy = [dict(e, pid=e["pid"] + 2) for e in data["traceEvents"] if e["ph"] == "X"]
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps({"traceEvents": data["traceEvents"] + copy}))
+    assert main(base + ["--costs-from", str(two)]) == 2  # which messages pair up is unclear
+    assert "more than one pipeline" in capsys.readouterr().err
+    two.write_text(json.dumps({"traceEvents": data["traceEvents"] + copy,
+                               "otherData": {"pipelines": [[0, 1], [2, 3]]}}))
+    assert main(base + ["--costs-from", str(two)]) == 0
+    assert json.loads(capsys.readouterr().out)["makespan_ms"] == pytest.approx(
+        want["makespan_ms"])
     trace.write_text("{}")
     assert main(base + ["--costs-from", str(trace)]) == 2
     assert "not a readable Chrome trace" in capsys.readouterr().err

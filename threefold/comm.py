@@ -109,15 +109,20 @@ class Comm:
         self._step: int | None = None
         self._lock = threading.Lock()  # hooks may count from autograd's threads
         self._extra: dict[str, tuple] = {}  # axis -> (group, size, rank) of add_axis
+        self._counted_as: dict[str, str] = {}  # add_axis axis -> the axis its bytes count under
 
     # ---------------------------------------------------------------- axes and groups
-    def add_axis(self, axis: str, rank_lists: list[list[int]]) -> None:
+    def add_axis(self, axis: str, rank_lists: list[list[int]], counted_as: str | None = None
+                 ) -> None:
         """A group axis that is not a mesh dimension (e.g. Megatron's embedding group: the
-        first and last pipeline stages of each pipeline, for tied embeddings). Collective:
+        first and last pipeline stages of each pipeline, for tied embeddings), its traffic
+        counted under ``counted_as`` (a mesh axis it belongs to) or its own name. Collective:
         every rank of the world calls it with the same lists (c10d creates each group on
         all ranks). A rank in none of the lists must not use the axis."""
         if self.mesh is None or axis in self._extra:
             raise ValueError(f"Comm.add_axis: '{axis}' needs a mesh and a new name")
+        if counted_as:
+            self._counted_as[axis] = counted_as
         for ranks in rank_lists:
             group = dist.new_group(sorted(ranks))
             if self.global_rank in ranks:
@@ -165,6 +170,7 @@ class Comm:
         self._step = step
 
     def _count(self, op: str, axis: str, sent: int, received: int = 0) -> OpStats:
+        axis = self._counted_as.get(axis, axis)
         with self._lock:
             s = self._stats.setdefault(axis, {}).setdefault(op, OpStats())
             s.calls += 1

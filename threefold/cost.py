@@ -669,7 +669,12 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
         sends = _p2p_sends_per_microbatch(p, v, stage)
         add("pp", "p2p", x // t if layout.sp else x, r, sends, p, True, "none")
         if cfg.tie_word_embeddings and stage in (0, p - 1):
-            add("pp", "all_reduce", sh.vocab * h, g, 1, 2, False, "step")
+            # the embedding and the last stage's copy of it: their gradients (this rank's
+            # ZeRO shard of them) summed between the two ends (runtime axis "pp_ends")
+            tied = sh.vocab * h
+            if layout.zero_stage:
+                tied = -(-tied // layout.dp_shard)
+            add("pp", "all_reduce", tied, g, 1, 2, False, "step")
         add("pp", "all_reduce", 2, 4, 1, p, False, "step")  # gradient norm over stages
 
     ns, nr, z = layout.dp_shard, layout.dp_replicate, layout.zero_stage

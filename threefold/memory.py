@@ -235,9 +235,21 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int =
     return float(min(p - rank, m))
 
 
+def head_inflight_microbatches(schedule: str, p: int, m: int) -> int:
+    """Microbatches whose head and loss tensors the last virtual stage holds at its peak:
+    GPipe all m; ZB-H1 min(p, m) (each one's weight gradient, which frees them, waits); 1F1B
+    and interleaved 1F1B one (the last stage runs each backward right after its forward).
+    tests/test_cost.py checks these against the schedules' action lists."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "zb-h1":
+        return min(p, m)
+    return 1
+
+
 def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """The last stage's peak for one microbatch beyond its blocks, at the start of the loss's
-    backward: the final norm ((4 + r)·h, /t under SP), the LM head's input (r·h, or its
+    backward: the final norm ((4 + r)·h, /t under SP), the LM head's input (d·h: r·h, or its
     autocast copy d·h), the fp32 logits over the vocabulary shard (held by the loop) and the
     loss's working set — without tp, F.cross_entropy's log-softmax output, its gradient and
     the logits' gradient (3 × 4·V); with tp, the vocab-parallel loss's softmax and the
@@ -245,7 +257,7 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     sh, h, d, r = tp_shard(cfg, layout.tp), cfg.hidden_size, work.act_bytes, work.resid_bytes
     tokens = layout.microbatch_size * work.seq_len
     norm = ((4 + r) * h + 4) / (layout.tp if layout.sp else 1)
-    head_in = (r if r == d else d) * h
+    head_in = d * h  # the head's input as its matmul keeps it (an autocast copy if r != d)
     loss = (2 if layout.tp > 1 else 3) * 4 * sh.vocab
     return tokens * (norm + head_in + 4 * sh.vocab + loss)
 
@@ -253,16 +265,19 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
 def head_saved_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """What the last stage keeps for backward per microbatch beyond its blocks, from its
     forward until its backward: the final norm's saved tensors ((4 + r)·h + 4, /t under SP),
-    the LM head's input, the loss's saved log-softmax (or, under tp, softmax) over the
-    vocabulary shard (4·V/t), the int64 labels, and a 4-byte scalar of the loss's reduction
-    (its total weight). A pipeline's last stage holds this for
-    every microbatch in flight (GPipe: all m); ``logits_bytes`` is the larger working set of
-    the one whose backward is running. Measured to the byte by
-    bench/bench_pipeline_memory.py (fp32)."""
+    the LM head's input, and the loss's saved tensors: without tp F.cross_entropy's
+    log-softmax (4·V), the int64 labels and a 4-byte scalar (its total weight); with tp the
+    vocab-parallel loss's softmax over the shard (4·V/t), the labels' int64 shard-local ids
+    and two bool masks. A pipeline's last stage holds this for every microbatch in flight
+    (``head_inflight_microbatches``); ``logits_bytes`` is the larger working set of the one
+    whose backward is running. tests/test_cost.py measures a last-stage chunk (fp32, no tp)
+    to the byte; bench/bench_pipeline_memory.py the whole schedule."""
     sh, h, d, r = tp_shard(cfg, layout.tp), cfg.hidden_size, work.act_bytes, work.resid_bytes
     tokens = layout.microbatch_size * work.seq_len
     norm = ((4 + r) * h + 4) / (layout.tp if layout.sp else 1)
-    head_in = (r if r == d else d) * h
+    head_in = d * h  # as the head's matmul keeps it (an autocast copy when r != d)
+    if layout.tp > 1:
+        return tokens * (norm + head_in + 4 * sh.vocab + 8 + 2)
     return tokens * (norm + head_in + 4 * sh.vocab + 8) + 4
 
 
@@ -409,7 +424,8 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
             stage=stage, params=params, grads=grads, optimizer=opt,
             activations=(per_layer * layers + extra) * inflight, recompute_working=working,
             logits=(logits_bytes(cfg, layout, work)
-                    + (inflight - 1) * head_saved_bytes(cfg, layout, work)
+                    + (head_inflight_microbatches(layout.pipeline_schedule, layout.pp, m) - 1)
+                    * head_saved_bytes(cfg, layout, work)
                     if stage == layout.pp - 1 else 0.0),
             zero3_working=zero3, overhead=overhead_bytes, buffers=buffers,
             grads_in_backward=in_bwd,

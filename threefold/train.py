@@ -282,7 +282,10 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
     """Collective: every rank's records of the step to the writer, which saves
     OUTPUT_DIR/trace.json (one process per rank in Perfetto) and returns what the summary
     keeps of it: the path, the step and, for a pipeline, the measured idle fraction next to
-    the simulator's for the step's measured action times and for unit costs."""
+    the simulator's for the step's measured action times and for unit costs. Times are each
+    process's ``time.perf_counter``, one clock on one machine; ranks on several nodes have
+    unrelated clocks, so their rows are not aligned (and the pipeline figures, which compare
+    ranks, only hold within a node)."""
     lay = run.layout
     comm = getattr(lay, "control", None)
     gathered = comm.gather_object(records) if comm is not None else [records]
@@ -293,7 +296,11 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
     allrec = [r._replace(start_s=r.start_s - t0, end_s=r.end_s - t0) for r in allrec]
     path = run.out / "trace.json"
     run.out.mkdir(parents=True, exist_ok=True)
-    write_chrome_trace(allrec, path)
+    meta = None
+    if getattr(lay, "pipeline", None) is not None:  # which ranks make up each pipeline
+        firsts = [r for r in range(lay.world_size) if lay.dims.coords(r)["pp"] == 0]
+        meta = {"pipelines": [lay.dims.axis_ranks(r, "pp") for r in firsts]}
+    write_chrome_trace(allrec, path, meta)
     info: dict = {"path": str(path), "step": step + 1}
     if getattr(lay, "pipeline", None) is not None:
         from threefold.parallel.pipeline.executor import idle_fraction
@@ -407,7 +414,10 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
         except Exception as e:  # a collective failed or timed out: say who and where
             lay.report_failure(e, step)
             raise
-        if trace is not None:
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+        dt = time.perf_counter() - t0
+        if trace is not None:  # after the step's clock: writing it is not training
             trace_info = _write_trace(run, step, trace)
             if trace_info:
                 log(f"step {step + 1:>6} trace: {trace_info['path']} (open in "
@@ -415,9 +425,6 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
                     + (f"; pipeline idle fraction {trace_info['pipeline_idle_fraction']:.1%}, "
                        f"simulated {trace_info['pipeline_simulated_bubble']:.1%} with these "
                        "action times" if "pipeline_idle_fraction" in trace_info else ""))
-        if run.device.type == "cuda":
-            torch.cuda.synchronize(run.device)
-        dt = time.perf_counter() - t0
         tps = tokens_per_step / dt
         rec = {"step": step + 1, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": norm,
                "tokens_per_second": tps,

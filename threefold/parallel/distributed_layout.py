@@ -132,7 +132,7 @@ class Distributed:
 
         firsts = [r for r in range(self.world_size) if self.dims.coords(r)["pp"] == 0]
         pairs = [[r, self.dims.axis_ranks(r, "pp")[-1]] for r in firsts]
-        self.comm.add_axis("pp_ends", pairs)
+        self.comm.add_axis("pp_ends", pairs, counted_as="pp")  # as the planner counts it
         replica = tied_head_replica(model)
         if replica is not None:
             replica._tied_replica = True  # counted in the norm and saved by the first stage

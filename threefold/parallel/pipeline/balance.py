@@ -98,6 +98,7 @@ def split_counts(split: str, layer_costs: list[float], n_stages: int,
                  first_extra: float = 0.0, last_extra: float = 0.0) -> tuple[int, ...]:
     """Blocks per virtual stage for ``parallel.pipeline_split``: "params" (``partition`` of
     the given costs, the runtime's default), "uniform" or explicit counts."""
+    split = split.strip()
     if split == "uniform":
         return uniform_counts(len(layer_costs), n_stages)
     if split[:1].isdigit():

@@ -81,7 +81,11 @@ class Action:
         Raises ValueError on anything else."""
         try:
             kind, mb, where = text.split()
+            if not (mb.startswith("mb") and where.startswith("s")):
+                raise ValueError
             stage, _, peer = where[1:].replace("<-", "->").partition("->")
+            if peer and not peer.startswith("r"):
+                raise ValueError
             a = cls(ActionKind(kind), int(mb[2:]), 0, int(stage),
                      int(peer[1:]) if peer else None)
         except (ValueError, IndexError):

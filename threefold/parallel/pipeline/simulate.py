@@ -68,7 +68,7 @@ class Costs:
     t_b: float = 1.0
     t_w: float = 1.0
     t_comm: float = 0.0
-    per_stage: dict = field(default_factory=dict, compare=False)
+    per_stage: dict = field(default_factory=dict)
 
     def of(self, kind: ActionKind, stage: int | None = None) -> float:
         """Duration of a compute action of this kind (on this virtual stage)."""
@@ -104,7 +104,10 @@ def measured_costs(steps, stat: Callable[[list[float]], float] = statistics.medi
             else:
                 a = Action.parse(rec.name)
                 times.setdefault((a.kind.value, a.stage), []).append(rec.end_s - rec.start_s)
-        for pair in sides.values():
+        for key, pair in sides.items():
+            if len(pair) > 2:
+                raise ValueError(f"measured_costs: message {key} appears {len(pair)} times in "
+                                 "one step: the records hold more than one pipeline")
             if len(pair) == 2:
                 transfers.append(max(0.0, min(r.end_s for r in pair)
                                      - max(r.start_s for r in pair)))
@@ -365,9 +368,13 @@ def _is_action(name: str) -> bool:
 def _costs_from_trace(path: str, n_stages: int) -> Costs:
     """Measured per-stage costs (in ms, the command's unit) from a run's trace; the run must
     have cut the model into the same number of stages."""
-    from threefold.parallel.pipeline.timeline import read_chrome_trace
+    from threefold.parallel.pipeline.timeline import read_chrome_trace, read_trace_metadata
 
     records = [r for r in read_chrome_trace(path) if _is_action(r.name)]
+    pipelines = read_trace_metadata(path).get("pipelines")
+    if pipelines:  # a run with dp or tp > 1 traced every pipeline: take the first
+        first = set(pipelines[0])
+        records = [r for r in records if r.rank in first]
     stages = {Action.parse(r.name).stage for r in records if r.category == "compute"}
     if not stages:
         raise _UsageError(f"--costs-from: {path} holds no pipeline actions (was the run "
@@ -376,7 +383,10 @@ def _costs_from_trace(path: str, n_stages: int) -> Costs:
         raise _UsageError(f"--costs-from: {path} has {len(stages)} pipeline stages, but "
                           f"--pp x --vpp makes {n_stages}; simulate the run's own split")
     ms = [r._replace(start_s=r.start_s * 1e3, end_s=r.end_s * 1e3) for r in records]
-    costs = measured_costs([ms])
+    try:
+        costs = measured_costs([ms])
+    except ValueError as e:
+        raise _UsageError(f"--costs-from: {path}: {e}") from None
     # a run with a fused backward (BW) did not time B and W apart: take them as halves, as
     # Qi et al. (arXiv 2401.10241 §2) assume T_B ≈ T_W, for simulating a split schedule
     per = dict(costs.per_stage)

@@ -21,7 +21,7 @@ class TraceRecord(NamedTuple):
     category: str
 
 
-def chrome_trace(records: Iterable[TraceRecord]) -> dict:
+def chrome_trace(records: Iterable[TraceRecord], metadata: dict | None = None) -> dict:
     """The Chrome trace-event JSON object: one complete ("X") event per record, one process
     per rank (named "rank r") and one thread per category, so overlapping compute and
     communication of a rank sit on separate rows. Times are in microseconds."""
@@ -41,12 +41,24 @@ def chrome_trace(records: Iterable[TraceRecord]) -> dict:
         events.append({"name": rec.name, "cat": rec.category, "ph": "X",
                        "ts": rec.start_s * 1e6, "dur": (rec.end_s - rec.start_s) * 1e6,
                        "pid": rec.rank, "tid": tid[rec.category]})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    out = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if metadata:
+        out["otherData"] = metadata  # the format's place for anything else; viewers ignore it
+    return out
 
 
-def write_chrome_trace(records: Iterable[TraceRecord], path: str | Path) -> None:
-    """Write ``chrome_trace(records)`` to ``path``."""
-    Path(path).write_text(json.dumps(chrome_trace(records)))
+def write_chrome_trace(records: Iterable[TraceRecord], path: str | Path,
+                       metadata: dict | None = None) -> None:
+    """Write ``chrome_trace(records, metadata)`` to ``path``."""
+    Path(path).write_text(json.dumps(chrome_trace(records, metadata)))
+
+
+def read_trace_metadata(path: str | Path) -> dict:
+    """The ``metadata`` a trace was written with ({} if none)."""
+    try:
+        return dict(json.loads(Path(path).read_text()).get("otherData") or {})
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: not a readable Chrome trace ({e})") from None
 
 
 def read_chrome_trace(path: str | Path) -> list[TraceRecord]:
