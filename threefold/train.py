@@ -233,6 +233,8 @@ def train_step(run: Run, step: int, trace: list | None = None
     extras: dict[str, torch.Tensor] = {}
     pipe = getattr(lay, "pipeline", None)
     if pipe is not None:  # the schedule runs every micro-batch's forward and backward
+        # a traced step waits for the device after each action (execution, not queueing)
+        pipe.sync_timing = trace is not None and run.device.type == "cuda"
         loss_sum += pipe.run(micro, n)
         if trace is not None:
             trace.extend(pipe.records)
