@@ -277,6 +277,31 @@ def test_inflight_microbatches_match_schedule_action_lists():
     assert inflight_microbatches("interleaved-1f1b", 4, 16, 2) == pytest.approx(4 * (1 + 3 / 8))
 
 
+def test_one_layout_replays_its_own_stage_times():
+    """predict_step(simulate=True) (the dry run) replays the schedule with each stage's own
+    time: equal stages give the closed form, GPipe with a last stage twice as slow the
+    makespan worked out by hand (f0 + m·(f1 + b1) + b0)."""
+    from threefold.cost import _distinct_stages, _replayed_makespan
+
+    cfg = preset("llama3-8b")
+    for sched in ("gpipe", "1f1b"):
+        lay = Layout(pp=4, schedule=sched)
+        reps = _distinct_stages(cfg, lay)
+        span = _replayed_makespan(cfg, lay, 8, {st: 3.0 for st in reps}, {st: 1 / 3 for st in reps})
+        assert span == pytest.approx((8 + 4 - 1) * 3.0)
+    lay = Layout(pp=2, schedule="gpipe")
+    reps = _distinct_stages(cfg, lay)
+    assert reps == [0, 1]
+    span = _replayed_makespan(cfg, lay, 4, {0: 3.0, 1: 6.0}, {0: 1 / 3, 1: 1 / 3})
+    assert span == pytest.approx(1.0 + 4 * 6.0 + 2.0)
+    cluster = Cluster(get_hardware("h100"), 32, 8)
+    work = Workload(seq_len=4096, global_batch=64)
+    lay = Layout(pp=4, dp_shard=8, microbatch_size=1, schedule="1f1b", recompute="full")
+    assert predict_step(cfg, lay, work, cluster, simulate=True).bubble_source == \
+        "simulated (per-stage times)"
+    assert predict_step(cfg, lay, work, cluster).bubble_source == "closed-form"
+
+
 def test_head_inflight_matches_the_last_stage_in_the_action_lists():
     """Microbatches the last virtual stage holds (F until its BW or W), from the lists."""
     from threefold.memory import head_inflight_microbatches

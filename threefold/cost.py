@@ -880,6 +880,11 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
                                       parts[stages[len(stages) // 2]][2], simulate)
     ideal = m * per_mb[slow]
     bubble = ratio * m * mean
+    if simulate and layout.pp > 1 and layout.vpp == 1:  # one layout: replay its own stages
+        span = _replayed_makespan(cfg, layout, m, per_mb,
+                                  {st: 1 / (1 + parts[st][2]) for st in stages})
+        if span is not None:
+            bubble, source = max(0.0, span - ideal), "simulated (per-stage times)"
     dp_step = max(per_step.values())
     opt_s = optimizer_seconds(cfg, layout, hbm)
     step = ideal + bubble + dp_step + opt_s
@@ -895,6 +900,37 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
         hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m), optimizer_s=opt_s,
         inter_node_axes=tuple(a for a in COMM_AXES if inter[a]))
+
+
+def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
+                       forward_share: dict) -> float | None:
+    """The pipeline's compute span for ``m`` microbatches replayed by the schedule simulator
+    with every stage's own time per microbatch (``per_mb``, split into forward and backward
+    by ``forward_share``; ZB-H1's B and W halves of the backward): with uneven stages (the
+    head on the last, an uneven split) the bubble is not the equal-stage formula's. None when
+    the replay is too large or the simulator is unavailable."""
+    p = layout.pp
+    if p * m > SIMULATE_MAX_ACTIONS:
+        return None
+    try:
+        from threefold.parallel.pipeline.simulate import Costs
+        from threefold.parallel.pipeline.simulate import simulate as replay_schedule
+    except ImportError:
+        return None
+    key = _shape_key(cfg)
+    rep = {}  # stage -> the representative stage whose times it shares
+    groups = _stage_groups(key, p, 1, layout.pipeline_split)
+    kinds = {(st == 0, st == p - 1, rank_layers(cfg, layout, st)): st for st, _ in groups}
+    per: dict = {}
+    for st in range(p):
+        rep[st] = kinds[(st == 0, st == p - 1, rank_layers(cfg, layout, st))]
+        f = per_mb[rep[st]] * forward_share[rep[st]]
+        b = per_mb[rep[st]] - f
+        per.update({("F", st): f, ("BW", st): b, ("B", st): b / 2, ("W", st): b / 2})
+    try:
+        return replay_schedule(layout.pipeline_schedule, p, m, 1, Costs(per_stage=per)).makespan
+    except Exception:  # a schedule the simulator refuses (or a bug there): the closed form
+        return None
 
 
 def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float) -> float:
