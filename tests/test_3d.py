@@ -52,7 +52,8 @@ def test_pipeline_through_trainer(reference, corpus, cache_dir, tmp_path):
                           "train__trace_step": 2, "parallel__pipeline_split": "1,3"}),
             ("pp2_zbh1_clip", {"parallel__pp": 2, "parallel__schedule": "zb-h1",
                                "train__micro_batch_size": 2, "optim__grad_clip": "0.5",
-                               "train__activation_checkpointing": "true"}),
+                               "train__activation_checkpointing": "true",
+                               "parallel__pipeline_split": "flops"}),
             ("pp2_interleaved", {"parallel__pp": 2, "parallel__vpp": 2,
                                  "parallel__schedule": "interleaved-1f1b",
                                  "train__micro_batch_size": 4})]

@@ -138,7 +138,8 @@ def test_meta_model_matches_planner_parameter_order(warm, tp, tied):
     ("llama3-8b", 2, 2, False, "params"), ("small", 3, 1, False, "params"),
     ("tiny", 2, 1, True, "params"), ("tiny", 2, 2, True, "params"),
     ("llama3-8b", 4, 1, False, "uniform"), ("llama3-8b", 3, 1, False, "uniform"),
-    ("llama3-8b", 4, 1, False, "6,10,10,6")])
+    ("llama3-8b", 4, 1, False, "6,10,10,6"), ("llama3-8b", 4, 1, False, "flops"),
+    ("tiny", 4, 1, False, "flops")])
 def test_planner_splits_the_pipeline_as_the_runtime_does(warm, preset, pp, vpp, tied, split):
     """Blocks and parameters per pipeline rank in the planner (``pipeline_layers``,
     ``stage_parameters``) equal those of ``split_model``'s chunks on the meta device, uneven
@@ -149,13 +150,14 @@ def test_planner_splits_the_pipeline_as_the_runtime_does(warm, preset, pp, vpp, 
 
     vocab = None if preset == "llama3-8b" else 4096  # the preset's 128,256, or 4096
     cfg = ModelConfig(preset=preset, vocab_size=vocab, tie_word_embeddings=tied).resolved()
+    seq = 2048  # the flops balance weighs attention at this length
     lay = Layout(pp=pp, vpp=vpp, schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
-                 pipeline_split=split)
+                 pipeline_split=f"flops:{seq}" if split == "flops" else split)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     blocks = []
     for rank in range(pp):
-        chunks = split_model(model, pp, vpp, rank, balance=split)
+        chunks = split_model(model, pp, vpp, rank, balance=split, seq_len=seq)
         blocks.append([len(c.model.layers) for c in chunks])
         held = sum(q.numel() for q in rank_model(chunks).parameters())
         assert held == stage_parameters(cfg, lay, rank), (rank, blocks)
@@ -165,6 +167,8 @@ def test_planner_splits_the_pipeline_as_the_runtime_does(warm, preset, pp, vpp, 
         assert counts == (7, 9, 9, 7)
     if (preset, pp, split) == ("llama3-8b", 3, "uniform"):
         assert counts == (10, 11, 11)
+    if (preset, pp, split) == ("llama3-8b", 4, "flops"):
+        assert counts == (8, 9, 9, 6)  # the head costs ~2.4 blocks of FLOPs, the embedding 0
 
 
 class _Loopback:

@@ -144,7 +144,7 @@ def test_uniform_and_explicit_splits():
                                               "model's 4 layers, e.g. '2,2'"):
             split_counts(bad, [1.0] * 4, 2)
     for bad in ("balanced", "x,y"):
-        with pytest.raises(ConfigError, match="not params, uniform"):
+        with pytest.raises(ConfigError, match="not params, flops, uniform"):
             split_counts(bad, [1.0] * 4, 2)
     model = _model(_cfg(layers=4))
     assert [list(c.model.layers.layer_ids) for i in range(2)

@@ -161,8 +161,9 @@ class ParallelConfig:
     microbatches: int = _f(0, "pipeline microbatches per step; 0 = from the batch")
     vpp: int = _f(1, "model chunks per pipeline stage (interleaved 1F1B)")
     pipeline_split: str = _f("params", "blocks per pipeline stage: params (balance parameters, "
-                             "embedding and head included), uniform (L/(pp·vpp) each), or "
-                             "counts per virtual stage, e.g. 7,9,9,7")
+                             "embedding and head included), flops (balance training FLOPs at "
+                             "data.seq_len), uniform (L/(pp·vpp) each), or counts per virtual "
+                             "stage, e.g. 7,9,9,7")
     bucket_mb: float = _f(25.0, "gradient bucket size for data-parallel all-reduce, MB")
     timeout_s: float = _f(600.0, "collective timeout during start-up and the first step, s")
     step_timeout_s: float = _f(120.0, "collective timeout after the first step, s")
@@ -383,9 +384,9 @@ def validate(cfg: Config) -> None:
     if p.schedule not in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
         raise ConfigError(_unknown("parallel.schedule", p.schedule,
                                    ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]))
-    _need(p.pipeline_split in ("params", "uniform")
+    _need(p.pipeline_split in ("params", "flops", "uniform")
           or all(x.strip().isdigit() for x in p.pipeline_split.split(",")),
-          f"parallel.pipeline_split: '{p.pipeline_split}' is not params, uniform or block "
+          f"parallel.pipeline_split: '{p.pipeline_split}' is not params, flops, uniform or block "
           "counts per pipeline stage such as 7,9,9,7")
     _need(p.microbatches >= 0, f"parallel.microbatches: must be >= 0, got {p.microbatches}")
     _need(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")

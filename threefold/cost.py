@@ -175,7 +175,9 @@ class Layout:
                    microbatch_size=min(cfg.train.micro_batch_size, local),
                    recompute="full" if cfg.train.activation_checkpointing else "none",
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
-                   bucket_mb=p.bucket_mb, pipeline_split=p.pipeline_split)
+                   bucket_mb=p.bucket_mb,
+                   pipeline_split=(f"flops:{cfg.data.seq_len}" if p.pipeline_split == "flops"
+                                   else p.pipeline_split))
 
 
 @dataclass(frozen=True)
@@ -340,6 +342,14 @@ def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> t
     h, a, kv, f, vocab, n_layers, tied = key
     layer = sum(_block_numels(h, a, kv, f, vocab, 1))
     emb = vocab * h
+    if split.startswith("flops"):  # "flops:T", as stage.stage_costs counts them at length T
+        try:
+            t = int(split.split(":")[1])
+        except (IndexError, ValueError):
+            raise LayoutError(f"pipeline_split '{split}': the planner needs 'flops:SEQ_LEN'") \
+                from None
+        per_block = 6.0 * (layer - 2 * h) + 12.0 * a * (h // a) * t
+        return split_counts("flops", [per_block] * n_layers, n_stages, 0.0, 6.0 * emb)
     return split_counts(split, [float(layer)] * n_layers, n_stages, float(emb),
                         float(h + (0 if tied else emb)))
 
@@ -348,8 +358,9 @@ def pipeline_layers(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
     """Blocks of each of the ``pp·vpp`` virtual stages, split as the runtime splits the model
     (``threefold.parallel.pipeline.stage.split_model`` with ``parallel.pipeline_split``: by
     default balanced by parameters, the embedding counted on the first stage, the final norm
-    and an untied head on the last; or uniform, or given counts), so that every per-stage
-    figure here is that of the stage a run builds."""
+    and an untied head on the last; "flops:T" balanced by training FLOPs at sequence length
+    T; uniform; or given counts), so that every per-stage figure here is that of the stage a
+    run builds."""
     return _virtual_stage_layers(_shape_key(cfg), layout.pp * layout.vpp, layout.pipeline_split)
 
 

@@ -87,7 +87,7 @@ def explicit_counts(text: str, n_layers: int, n_stages: int) -> tuple[int, ...]:
     except ValueError:
         counts = ()
     if len(counts) != n_stages or min(counts, default=0) < 1 or sum(counts) != n_layers:
-        raise ConfigError(f"parallel.pipeline_split: '{text}' must be params, uniform or "
+        raise ConfigError(f"parallel.pipeline_split: '{text}' must be params, flops, uniform or "
                           f"{n_stages} positive block counts (one per pipeline stage, pp·vpp) "
                           f"adding up to the model's {n_layers} layers, e.g. "
                           f"'{','.join(map(str, uniform_counts(n_layers, n_stages)))}'")
@@ -96,16 +96,17 @@ def explicit_counts(text: str, n_layers: int, n_stages: int) -> tuple[int, ...]:
 
 def split_counts(split: str, layer_costs: list[float], n_stages: int,
                  first_extra: float = 0.0, last_extra: float = 0.0) -> tuple[int, ...]:
-    """Blocks per virtual stage for ``parallel.pipeline_split``: "params" (``partition`` of
-    the given costs, the runtime's default), "uniform" or explicit counts."""
+    """Blocks per virtual stage for ``parallel.pipeline_split``: "params" or "flops"
+    (``partition`` of the given costs: parameters, the runtime's default, or training FLOPs),
+    "uniform" or explicit counts."""
     split = split.strip()
     if split == "uniform":
         return uniform_counts(len(layer_costs), n_stages)
     if split[:1].isdigit():
         return explicit_counts(split, len(layer_costs), n_stages)
-    if split != "params":
-        raise ConfigError(f"parallel.pipeline_split: '{split}' is not params, uniform or a "
-                          "list of block counts such as '7,9,9,7'")
+    if split not in ("params", "flops"):
+        raise ConfigError(f"parallel.pipeline_split: '{split}' is not params, flops, uniform "
+                          "or a list of block counts such as '7,9,9,7'")
     return tuple(len(r) for r in partition(layer_costs, n_stages, first_extra, last_extra))
 
 

@@ -87,7 +87,7 @@ def stage_layers(model: LlamaForCausalLM, n_stages: int, balance: str = "params"
     """The blocks of each virtual stage: balanced by ``balance`` "params" or "flops" (see
     ``stage_costs``), or split as ``parallel.pipeline_split`` says ("uniform", or explicit
     counts such as "7,9,9,7"; see balance.py)."""
-    if balance not in BALANCES:
+    if balance not in BALANCES:  # uniform or explicit counts: no costs needed
         n = model.cfg.num_hidden_layers
         return runs_of(split_counts(balance, [0.0] * n, n_stages))
     layers, first, last = stage_costs(model, balance, seq_len)
