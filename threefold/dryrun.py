@@ -40,6 +40,7 @@ from threefold.cost import (
     comm_bytes_per_step,
     microbatches,
     num_parameters,
+    pipeline_layers,
     predict_step,
     stage_parameters,
     stage_units,
@@ -119,9 +120,11 @@ def check(cfg: Config, world_size: int, mcfg: ModelConfig):
     return dims
 
 
-def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool) -> tuple[int, int]:
-    """(whole model's parameters, rank 0's after tensor parallelism), counted on models built
-    on the meta device: no weight is allocated."""
+def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
+                          pp: int = 1, vpp: int = 1, split: str = "params",
+                          seq_len: int | None = None) -> tuple[int, int]:
+    """(whole model's parameters, rank 0's after the pipeline split and tensor parallelism),
+    counted on models built on the meta device: no weight is allocated."""
     import torch
 
     from threefold.model import LlamaForCausalLM
@@ -129,6 +132,10 @@ def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool) -
     with torch.device("meta"):
         model = LlamaForCausalLM(mcfg)
     total = sum(p.numel() for p in model.parameters())  # tied weights once
+    if pp > 1:  # rank 0's chunks, as Distributed.split_pipeline cuts them
+        from threefold.parallel.pipeline.stage import rank_model, split_model
+
+        model = rank_model(split_model(model, pp, vpp, 0, balance=split, seq_len=seq_len))
     if tp > 1:
         from threefold.parallel.tensor import apply_tensor_parallel
 
@@ -201,15 +208,22 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
     notes = list(dims.notes)
     layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)
     check_layout(mcfg, layout, work)
-    total, local = meta_parameter_counts(mcfg, dims.tp, cfg.parallel.sequence_parallel)
-    if total != num_parameters(mcfg) or (dims.pp == 1 and local != stage_parameters(
-            mcfg, layout, 0)):
+    p = cfg.parallel
+    total, local = meta_parameter_counts(mcfg, dims.tp, p.sequence_parallel, dims.pp, p.vpp,
+                                         p.pipeline_split.strip(), cfg.data.seq_len)
+    if total != num_parameters(mcfg) or local != stage_parameters(mcfg, layout, 0):
         raise RuntimeError(f"the planner counts {stage_parameters(mcfg, layout, 0)} parameters "
-                           f"per rank but the meta model holds {local}: cost.py has drifted "
-                           "from threefold.model / parallel.tensor")
+                           f"on rank 0 but the meta model holds {local}: cost.py has drifted "
+                           "from threefold.model / parallel.tensor / parallel.pipeline")
     owned = local
-    if layout.zero_stage and dims.pp == 1:
+    if layout.zero_stage:
         owned = sum(-(-sum(u) // dims.dp_shard) for u in stage_units(mcfg, layout, 0))
+    if dims.pp > 1:
+        counts = pipeline_layers(mcfg, layout)
+        notes.append("pipeline blocks per virtual stage: " + ", ".join(map(str, counts))
+                     + f" (parallel.pipeline_split {p.pipeline_split}); parameters per rank "
+                     + ", ".join(_count(stage_parameters(mcfg, layout, st))
+                                 for st in range(dims.pp)))
     cluster, source = choose_hardware(cfg, world_size)
     on_cpu = source.startswith(("this CPU", "calibration"))
     memory = memory_per_gpu(mcfg, layout, work,
@@ -242,7 +256,8 @@ def format_report(r: DryRunResult, world: int) -> str:
         f"{lay.dp_shard} × tp {lay.tp}; zero {lay.zero_stage}, sequence parallel "
         f"{'on' if lay.sp else 'off'}, recompute {lay.recompute}; micro-batch "
         f"{lay.microbatch_size} × {mb} per step, seq {w.seq_len}, {w.precision} matmuls",
-        f"parameters per rank: {_count(r.parameters_per_rank)} held"
+        f"parameters per rank{' (rank 0)' if lay.pp > 1 else ''}: "
+        f"{_count(r.parameters_per_rank)} held"
         + (f", {_count(r.owned_per_rank)} owned (ZeRO-{lay.zero_stage})"
            if lay.zero_stage else ""),
         f"hardware: {world} × {hw.name}, {r.cluster.gpus_per_node} per node ({r.hardware_source})",
