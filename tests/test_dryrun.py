@@ -24,6 +24,7 @@ from threefold.cost import (
     num_parameters,
     parameter_numels,
     stage_parameters,
+    stage_units,
     tp_shard,
 )
 from threefold.dryrun import dry_run, meta_parameter_counts, predict
@@ -68,6 +69,22 @@ def test_llama70b_on_64_ranks_without_allocating(warm, monkeypatch):
     assert r.step is not None and 0 < r.step.mfu < 1 and r.comm_bytes["tp"] > 0
     assert f"tp {r.comm_bytes['tp']:,}" in text and f"dp_shard {r.comm_bytes['dp_shard']:,}" \
         in text
+
+
+def test_pipelined_dry_run_reports_rank_0_after_the_split(warm, monkeypatch):
+    """With pp the dry run counts rank 0's chunk on the meta device (checked against the
+    planner inside ``predict``) and lists the blocks and parameters of every stage."""
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    cfg = load_config(None, [("model.preset", "llama3-8b"), ("parallel.pp", "4"),
+                             ("parallel.zero_stage", "1"), ("train.micro_batch_size", "1"),
+                             ("train.global_batch_size", "64"), ("data.seq_len", "1024")])
+    lines: list[str] = []
+    assert dry_run(cfg, 32, out=lines.append) == 0
+    r = predict(cfg, 32)
+    assert r.parameters_per_rank == stage_parameters(r.model, r.layout, 0) < 2.1e9  # not 8B
+    assert r.owned_per_rank == sum(-(-sum(u) // 8) for u in stage_units(r.model, r.layout, 0))
+    assert "pipeline blocks per virtual stage: 7, 9, 9, 7" in lines[0]
+    assert "parameters per rank (rank 0): 2.05B held" in lines[0]
 
 
 def test_cli_dry_run_prints_and_exits_0(warm, monkeypatch, capsys):
