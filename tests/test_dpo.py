@@ -109,7 +109,8 @@ def _dpo_layouts(rank, world, corpus, cache, root, runs):
     return True
 
 
-RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2})]
+RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
+        ("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 1})]
 
 
 @pytest.mark.slow
@@ -215,4 +216,3 @@ def test_dpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, m
     assert (tmp_path / "runs/dpo/chat_template.jinja").is_file()
     assert dpo_main(common + ["--dpo.label_smoothing", "0.5"]) == 2
     assert dpo_main(common + ["--dpo.beta", "abc"]) == 2
-    assert dpo_main(common + ["--parallel.pp", "2", "--nproc-per-node", "2"]) == 2

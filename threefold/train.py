@@ -156,11 +156,13 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     sampler, val_sampler = task.samplers(cfg, data)
     run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
               Path(cfg.train.output_dir), task)
-    if getattr(layout, "chunks", None) is not None and task.name not in ("pretrain", "sft"):
-        raise ConfigError(f"parallel.pp: the {task.name} task cannot run pipelined yet")
+    if getattr(layout, "chunks", None) is not None:  # before setup, which may use it
+        task_loss = getattr(task, "pipeline_loss", None)
+        layout.build_pipeline(engine, run.loss, lambda: _autocast(run), mcfg.hidden_size,
+                              task_loss=(lambda out, mb: task_loss(run, out, mb))
+                              if task_loss else None,
+                              metric_names=task.metric_names if task_loss else ())
     task.setup(run)
-    if getattr(layout, "chunks", None) is not None:
-        layout.build_pipeline(engine, run.loss, lambda: _autocast(run), mcfg.hidden_size)
     return run
 
 
@@ -216,6 +218,14 @@ class _Tracer:
         self.trace.append(TraceRecord(self.rank, name, t0, time.perf_counter(), category))
 
 
+def pipeline_micro_batches(run: Run, micro: list[dict]) -> list[dict]:
+    """Micro-batches as the pipeline executor takes them: the task's ``pipeline_micro``
+    (e.g. DPO's chosen and rejected rows as one "input_ids"/"labels" batch, its own fields
+    kept for its loss on the last stage) or as they are."""
+    convert = getattr(run.task, "pipeline_micro", None)
+    return [convert(mb) for mb in micro] if convert else micro
+
+
 def train_step(run: Run, step: int, trace: list | None = None
                ) -> tuple[float, float, dict[str, float]]:
     """One optimiser step over the global batch of ``step``; returns (mean loss, grad norm,
@@ -235,7 +245,8 @@ def train_step(run: Run, step: int, trace: list | None = None
     if pipe is not None:  # the schedule runs every micro-batch's forward and backward
         # a traced step waits for the device after each action (execution, not queueing)
         pipe.sync_timing = trace is not None and run.device.type == "cuda"
-        loss_sum += pipe.run(micro, n)
+        loss_sum += pipe.run(pipeline_micro_batches(run, micro), n)
+        extras = {k: torch.tensor(v, dtype=torch.float64) for k, v in pipe.metrics.items()}
         if trace is not None:
             trace.extend(pipe.records)
         micro = []
@@ -256,8 +267,6 @@ def train_step(run: Run, step: int, trace: list | None = None
         norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
     with timed("optimizer step"):
         eng.step(lr_at(step, run.cfg))
-    if pipe is not None:  # already summed over pipeline stages: sum over dp only
-        return (lay.sum_over_dp(loss_sum), norm, {})
     return (lay.sum_over_dp(loss_sum), norm,
             {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras})
 
@@ -272,7 +281,7 @@ def evaluate(run: Run) -> float:
         batch = run.val_sampler.local_batch(k, lay.dp_rank, lay.dp_size)
         pipe = getattr(lay, "pipeline", None)
         if pipe is not None:
-            total += pipe.evaluate(list(_micro_batches(run, batch)))
+            total += pipe.evaluate(pipeline_micro_batches(run, list(_micro_batches(run, batch))))
         else:
             for mb in _micro_batches(run, batch):
                 total += run.task.loss(run, mb)[0].double()

@@ -109,8 +109,11 @@ class Distributed:
                                   seq_len=self.cfg.data.seq_len)
         return rank_model(self.chunks)
 
-    def build_pipeline(self, engine, loss_fn, micro_context, hidden: int) -> None:
-        """The executor of this rank's schedule (pp > 1), once the engine exists."""
+    def build_pipeline(self, engine, loss_fn, micro_context, hidden: int,
+                       task_loss=None, metric_names=()) -> None:
+        """The executor of this rank's schedule (pp > 1), once the engine exists;
+        ``task_loss``/``metric_names`` as ``PipelineExecutor`` takes them (a task's own loss
+        on the last stage)."""
         if self.chunks is None:
             return
         from threefold.parallel.pipeline.executor import PipelineExecutor
@@ -123,7 +126,8 @@ class Distributed:
             self.chunks, p.schedule, self.dims.pp, self.microbatches(self.cfg), p.vpp,
             self.pp_rank, self.comm, loss_fn, micro_context=micro_context,
             grad_sync=engine.micro_step, loss_comm=self.control,
-            activation_shape=lambda ids: (ids.shape[0], ids.shape[1] // split, hidden))
+            activation_shape=lambda ids: (ids.shape[0], ids.shape[1] // split, hidden),
+            task_loss=task_loss, metric_names=metric_names)
 
     def _tie_pipeline_ends(self, model) -> None:
         """Tied embeddings under pipeline parallelism (Megatron's embedding group): the first

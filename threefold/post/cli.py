@@ -125,9 +125,6 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
         from threefold.post.dpo import DPOTask
 
         DPOTask(opts)  # checks beta and label smoothing
-        if cfg.parallel.pp > 1:
-            raise ConfigError("parallel.pp: DPO cannot run pipelined yet; use pp 1 (tensor "
-                              "parallelism and ZeRO-3 shard the model too)")
 
 
 def _main(cmd: str, argv: list[str]) -> int:

@@ -35,8 +35,12 @@ parallelism or ZeRO-3 the ranks need each other's collectives anyway) and needs 
 model in memory. On resume the reference is scored again from the same initial weights
 (``checkpoint.init_from``, or the seed's initialisation), before the checkpoint is loaded.
 At step 0, then, Δ = 0 and the loss is ln 2 for any β and ε. Scoring costs one forward per
-pair over the whole data set at start-up. Pipeline parallelism is refused for now (a stage
-cannot score a sequence alone).
+pair over the whole data set at start-up.
+
+Under pipeline parallelism the chosen and rejected rows of a micro-batch travel as one batch
+(``pipeline_micro``); the last stage computes the log-probs and the DPO loss from its logits
+(``pipeline_loss``, the executor's ``task_loss``), and the reference is scored by
+forward-only steps of the same executor, then sent to every stage.
 """
 
 from __future__ import annotations
@@ -166,20 +170,33 @@ class PairSampler(EpochSampler):
 
 
 def sequence_logps(run, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed log-probability of each row's labelled tokens, (rows,) fp32: minus the summed
-    cross-entropy, one ``run.loss`` call per row (vocab-parallel under tensor parallelism)."""
-    logits = run.forward({"input_ids": input_ids})
+    """Summed log-probability of each row's labelled tokens, (rows,) fp32, after one forward
+    of the whole model (``rows_logps``)."""
+    return rows_logps(run, run.forward({"input_ids": input_ids}), labels)
+
+
+def rows_logps(run, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed log-probability of each row's labelled tokens from its logits, (rows,) fp32:
+    minus the summed cross-entropy, one ``run.loss`` call per row (vocab-parallel under
+    tensor parallelism)."""
     return torch.stack([-run.loss(logits[i:i + 1], labels[i:i + 1])
-                        for i in range(input_ids.shape[0])])
+                        for i in range(logits.shape[0])])
+
+
+def concatenated(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``micro`` with "input_ids" and "labels": the chosen rows followed by the rejected rows
+    (as TRL's concatenated forward), the form a pipeline runs (``DPOTask.pipeline_micro``)."""
+    return {**micro,
+            "input_ids": torch.cat([micro["chosen_input_ids"], micro["rejected_input_ids"]]),
+            "labels": torch.cat([micro["chosen_labels"], micro["rejected_labels"]])}
 
 
 def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy log-probs (chosen, rejected) of a micro-batch of pairs, in one forward over the
     chosen rows followed by the rejected rows (as TRL's concatenated forward)."""
     b = micro["chosen_input_ids"].shape[0]
-    ids = torch.cat([micro["chosen_input_ids"], micro["rejected_input_ids"]])
-    labels = torch.cat([micro["chosen_labels"], micro["rejected_labels"]])
-    logps = sequence_logps(run, ids, labels)
+    both = concatenated(micro)
+    logps = sequence_logps(run, both["input_ids"], both["labels"])
     return logps[:b], logps[b:]
 
 
@@ -239,25 +256,58 @@ class DPOTask:
         lay = run.layout
         mb = min(run.cfg.train.micro_batch_size, run.cfg.train.global_batch_size // lay.dp_size)
         out = np.zeros((sampler.n, 2), dtype=np.float64)
+        micros = []
         for start in range(0, sampler.n, mb):
             idx = list(range(start, min(sampler.n, start + mb)))
             items = [sampler.tensors(i) for i in idx + [idx[0]] * (mb - len(idx))]
             micro = {k: torch.from_numpy(np.stack([it[k] for it in items])).to(run.device)
                      for k in items[0]}
+            micros.append((idx, micro))
+        pipe = getattr(lay, "pipeline", None)
+        if pipe is not None:
+            return self._pipelined_reference(run, pipe, micros, out)
+        for idx, micro in micros:
             chosen, rejected = pair_logps(run, micro)
-            out[start:start + len(idx), 0] = chosen[:len(idx)].double().cpu().numpy()
-            out[start:start + len(idx), 1] = rejected[:len(idx)].double().cpu().numpy()
+            out[idx[0]:idx[-1] + 1, 0] = chosen[:len(idx)].double().cpu().numpy()
+            out[idx[0]:idx[-1] + 1, 1] = rejected[:len(idx)].double().cpu().numpy()
         return out
+
+    def _pipelined_reference(self, run, pipe, micros: list, out: np.ndarray) -> np.ndarray:
+        """``reference_logps`` through the pipeline: forward-only steps of the executor's m
+        micro-batches (the last group filled up with repeats), the last stage recording each
+        row's log-prob, then sent to every stage of the pipeline (all ranks' samplers hold
+        the same reference)."""
+        kept: dict[int, tuple] = {}
+
+        def record(logits, micro):  # on the last stage, in place of the DPO loss
+            b = micro["chosen_input_ids"].shape[0]
+            logps = rows_logps(run, logits, micro["labels"]).double().cpu()
+            kept[int(micro["group_slot"])] = (logps[:b], logps[b:])
+            return logits.new_zeros(()), {}
+
+        loss = pipe.task_loss
+        pipe.task_loss = record
+        try:
+            for g in range(0, len(micros), pipe.m):
+                group = micros[g:g + pipe.m]
+                group += [group[0]] * (pipe.m - len(group))
+                kept.clear()
+                pipe.evaluate([{**concatenated(micro), "group_slot": torch.tensor(j)}
+                               for j, (_, micro) in enumerate(group)])
+                for j, (idx, _) in enumerate(micros[g:g + pipe.m]):
+                    if j in kept:  # the last stage only
+                        out[idx[0]:idx[-1] + 1, 0] = kept[j][0][:len(idx)].numpy()
+                        out[idx[0]:idx[-1] + 1, 1] = kept[j][1][:len(idx)].numpy()
+        finally:
+            pipe.task_loss = loss
+        lay = run.layout
+        ref = torch.from_numpy(out).to(run.device)
+        lay.control.broadcast(ref, lay.dims.pp - 1, "pp")
+        return ref.cpu().numpy()
 
     def setup(self, run) -> None:
         """Score every pair with the initial policy: the reference (see the module doc).
         Save the chat template into the run directory (writer rank)."""
-        if getattr(run.layout, "chunks", None) is not None:
-            from threefold.config import ConfigError
-
-            # scoring needs whole-model forwards (run.forward), which a pipeline stage lacks
-            raise ConfigError("parallel.pp: DPO cannot run pipelined yet; use pp 1 (tensor "
-                              "parallelism and ZeRO-3 shard the model too)")
         self.train.ref = self.reference_logps(run, self.train)
         self.val.ref = self.reference_logps(run, self.val)
         if run.layout.is_writer:
@@ -274,11 +324,26 @@ class DPOTask:
         """Pairs (empty validation fillers weigh 0)."""
         return int(batch["weight"].sum())
 
+    def pipeline_micro(self, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The micro-batch as a pipeline runs it: chosen then rejected rows as one batch."""
+        return concatenated(micro)
+
+    def pipeline_loss(self, run, logits: torch.Tensor, micro: dict[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor, dict]:
+        """``loss`` on a pipeline's last stage, from the logits of the concatenated rows."""
+        b = micro["chosen_input_ids"].shape[0]
+        logps = rows_logps(run, logits, micro["labels"])
+        return self._dpo(micro, logps[:b], logps[b:])
+
     def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         """Summed DPO loss of the micro-batch's pairs and summed metrics."""
+        chosen, rejected = pair_logps(run, micro)
+        return self._dpo(micro, chosen, rejected)
+
+    def _dpo(self, micro: dict[str, torch.Tensor], chosen: torch.Tensor,
+             rejected: torch.Tensor) -> tuple[torch.Tensor, dict]:
         o = self.options
         w = micro["weight"].double()
-        chosen, rejected = pair_logps(run, micro)
         # log-ratios in fp64: at step 0 policy and reference scores are the same fp32 numbers,
         # so Δ is exactly 0 and the loss exactly ln 2
         lr_c = chosen.double() - micro["ref_chosen_logps"]

@@ -198,7 +198,11 @@ class PipelineExecutor:
     every forward (e.g. autocast); ``grad_sync(last)`` around every backward that makes weight
     gradients (e.g. ``engine.micro_step``), with ``last`` True for each chunk's final one.
     ``loss_comm`` carries the loss all-reduce over "pp" (default ``comm``; pass a separate
-    Comm to keep logging traffic out of the training counters). ``activation_shape(inputs)``
+    Comm to keep logging traffic out of the training counters). ``task_loss(outputs,
+    microbatch)``, when given, replaces ``loss_fn`` on the last stage: it gets the microbatch
+    as passed to ``run`` (a dict: a task such as DPO puts its own fields there) and returns
+    (summed loss, {name: summed metric}); the metrics named in ``metric_names`` are summed
+    over microbatches and left in ``self.metrics`` after each step, on every rank. ``activation_shape(inputs)``
     is the shape of a stage-boundary activation for a microbatch of token ids ``inputs``
     (default (batch, seq, hidden); pass (batch, seq/tp, hidden) under sequence parallelism)
     and ``activation_dtype`` its dtype (default: the chunks' parameter dtype). On a GPU the
@@ -212,7 +216,8 @@ class PipelineExecutor:
                  grad_sync: Callable[[bool], ContextManager] | None = None,
                  loss_comm=None, activation_shape: Callable | None = None,
                  activation_dtype: torch.dtype | None = None, trace_rank: int | None = None,
-                 sync_timing: bool = False):
+                 sync_timing: bool = False, task_loss: Callable | None = None,
+                 metric_names: Sequence[str] = ()):
         self.actions = checked_schedule(schedule, p, m, v)[pp_rank]
         self.n = num_stages(schedule, p, v)
         if len(chunks) != self.n // p:
@@ -242,6 +247,8 @@ class PipelineExecutor:
             if a.kind in (BW, W):
                 self.last_weight_action[a.chunk] = i
         self.sync_timing = sync_timing
+        self.task_loss, self.metric_names = task_loss, tuple(metric_names)
+        self.metrics: dict[str, float] = {}
         self.records: list[TraceRecord] = []
 
     # ---------------------------------------------------------------- one step
@@ -264,12 +271,15 @@ class PipelineExecutor:
         if len(microbatches) != self.m:
             raise ValueError(f"pipeline: schedule is for {self.m} microbatches, got "
                              f"{len(microbatches)}")
+        self._raw = list(microbatches)
         self._mbs = [_unpack(mb) for mb in microbatches]
         self._n_tokens, self._forward_only = n_tokens, forward_only
         self._x, self._out, self._grad_in, self._split = {}, {}, {}, {}
         self._handoff_f, self._handoff_b = {}, {}  # stage to stage on this rank
         self._recv_f, self._recv_b = {}, {}  # received activations / output gradients
         self._loss = torch.zeros((), dtype=torch.float64, device=self._mbs[0][0].device)
+        self._metrics = torch.zeros(len(self.metric_names), dtype=torch.float64,
+                                    device=self._loss.device)
         self.records = []
         i = 0
         while i < len(actions):
@@ -283,10 +293,11 @@ class PipelineExecutor:
             i = j
         if self._out or self._split:
             raise RuntimeError("pipeline: the schedule left microbatches without a backward")
-        loss = self._loss.reshape(1).clone()
-        if self.p > 1:  # only the last stage has it; the others add zero
+        loss = torch.cat([self._loss.reshape(1), self._metrics])
+        if self.p > 1:  # only the last stage has them; the others add zero
             self.loss_comm.all_reduce(loss, "pp")
-        return float(loss)
+        self.metrics = dict(zip(self.metric_names, loss[1:].tolist()))
+        return float(loss[0])
 
     # ---------------------------------------------------------------- compute actions
     def _compute(self, index: int, a: Action) -> None:
@@ -317,7 +328,14 @@ class PipelineExecutor:
         with self.micro_context():
             out = self.chunks[a.chunk](x, **extra)
         if a.stage == self.n - 1:
-            out = self.loss_fn(out, labels) / self._n_tokens
+            if self.task_loss is not None:  # the task's own loss over the whole microbatch
+                total, more = self.task_loss(out, self._raw[a.microbatch])
+                for i, k in enumerate(self.metric_names):
+                    if k in more:
+                        self._metrics[i] += more[k].detach().double()
+                out = total / self._n_tokens
+            else:
+                out = self.loss_fn(out, labels) / self._n_tokens
             self._loss += out.detach().double()
         elif stage_rank(a.stage + 1, self.p) == self.pp_rank:  # next stage here: hand over
             self._handoff_f[(a.microbatch, a.stage + 1)] = out.detach()
