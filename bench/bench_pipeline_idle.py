@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import relaunch_with_torchrun, under_torchrun  # noqa: E402
+from bench.common import run_ranks  # noqa: E402
 from threefold.config import ModelConfig  # noqa: E402
 from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
 from threefold.parallel.pipeline.executor import (  # noqa: E402
@@ -160,10 +160,7 @@ def worker(args) -> None:
 def main() -> int:
     """Re-launch under torchrun with ``--pp`` ranks, or run as one rank."""
     args = parse_args()
-    if not under_torchrun():
-        return relaunch_with_torchrun(__file__, sys.argv[1:], args.pp)
-    worker(args)
-    return 0
+    return run_ranks(__file__, worker, args, [args.pp])
 
 
 if __name__ == "__main__":

@@ -86,8 +86,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (peak_rss_bytes, relaunch_with_torchrun, report,  # noqa: E402
-                          start_peak_rss_window, under_torchrun)
+from bench.common import (peak_rss_bytes, report, run_ranks,  # noqa: E402
+                          start_peak_rss_window)
 from threefold import memory  # noqa: E402
 from threefold.config import ModelConfig  # noqa: E402
 from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
@@ -425,15 +425,9 @@ def summarise(args, cfg: ModelConfig, p: int, ranks: list[dict]) -> None:
 def main() -> None:
     """Re-launch under torchrun once per p when started plainly; else be one rank."""
     args = parse_args()
-    if under_torchrun():
-        worker(args)
-        return
-    code = 0
-    for n in (int(x) for x in args.pp.split(",")):
-        # fixed mmap threshold: freed tensors go back to the OS, so RSS follows live memory
-        code = code or relaunch_with_torchrun(str(Path(__file__).resolve()), sys.argv[1:], n,
-                                              {"MALLOC_MMAP_THRESHOLD_": str(2**20)})
-    sys.exit(code)
+    # fixed mmap threshold: freed tensors go back to the OS, so RSS follows live memory
+    sys.exit(run_ranks(__file__, worker, args, [int(x) for x in args.pp.split(",")],
+                       {"MALLOC_MMAP_THRESHOLD_": str(2**20)}))
 
 
 if __name__ == "__main__":

@@ -62,8 +62,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (peak_rss_bytes, relaunch_with_torchrun, report,  # noqa: E402
-                          start_peak_rss_window, under_torchrun)
+from bench.common import (peak_rss_bytes, report, run_ranks,  # noqa: E402
+                          start_peak_rss_window)
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
 from threefold.cost import num_parameters  # noqa: E402
 from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
@@ -346,11 +346,7 @@ def summarise(args, results) -> None:
 
 def main() -> None:
     """Re-launch under torchrun with 4 ranks when started plainly; else be one rank."""
-    args = parse_args()
-    if under_torchrun():
-        worker(args)
-        return
-    sys.exit(relaunch_with_torchrun(str(Path(__file__).resolve()), sys.argv[1:], PP))
+    sys.exit(run_ranks(__file__, worker, parse_args(), [PP]))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import relaunch_with_torchrun, report, under_torchrun  # noqa: E402
+from bench.common import report, run_ranks  # noqa: E402
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
 from threefold.cost import num_parameters  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
@@ -245,13 +245,7 @@ def summarise(args, mcfg, world, results) -> None:
 def main() -> None:
     """Re-launch under torchrun (once per tp degree) when started plainly; else be one rank."""
     args = parse_args()
-    if under_torchrun():
-        worker(args)
-        return
-    code = 0
-    for n in (int(v) for v in args.tp.split(",")):
-        code = code or relaunch_with_torchrun(str(Path(__file__).resolve()), sys.argv[1:], n)
-    sys.exit(code)
+    sys.exit(run_ranks(__file__, worker, args, [int(v) for v in args.tp.split(",")]))
 
 
 if __name__ == "__main__":

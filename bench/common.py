@@ -45,6 +45,23 @@ def relaunch_with_torchrun(script: str, argv: list[str], nproc: int,
     return subprocess.run(cmd, env=env).returncode
 
 
+def run_ranks(script: str, worker, args, world_sizes, env_extra: dict[str, str] | None = None
+              ) -> int:
+    """The multi-process benchmarks' entry: inside torchrun be one rank (``worker(args)``);
+    started plainly, re-launch ``script`` with this command line once per size in
+    ``world_sizes``, stopping at the first failure. Returns the exit code."""
+    from pathlib import Path
+
+    if under_torchrun():
+        worker(args)
+        return 0
+    for n in world_sizes:
+        code = relaunch_with_torchrun(str(Path(script).resolve()), sys.argv[1:], n, env_extra)
+        if code:
+            return code
+    return 0
+
+
 def _proc_status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:

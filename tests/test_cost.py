@@ -405,6 +405,7 @@ def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
     from threefold.memory import block_activation_bytes, head_saved_bytes, logits_bytes, \
         stage_memory
     from threefold.model import LlamaForCausalLM, causal_lm_loss
+    from tests.test_tp_layer import SavedBytes
     from threefold.parallel.pipeline.stage import split_model
 
     b, s = 2, 16
@@ -413,24 +414,15 @@ def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
     model = LlamaForCausalLM(cfg)
     model.init_weights(0)
     last = split_model(model, 2, 1, 1)[0]
-    skip = {q.untyped_storage().data_ptr() for q in last.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            storages[st.data_ptr()] = st.nbytes()
-        return t
-
     x = torch.randn(b, s, 32, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(list(last.parameters())) as saved:
         pos = torch.arange(s).expand(b, s)
         loss = causal_lm_loss(last(x, position_ids=pos), torch.randint(0, 96, (b, s)))
     layout = Layout(pp=2, dp_shard=1, microbatch_size=b, schedule="gpipe")
     work = Workload(seq_len=s, global_batch=8 * b, precision="fp32")
     blocks = 2 * block_activation_bytes(b * s, 32, 4, 2, cfg.head_dim, 64, act_bytes=4,
                                         residual_bytes=4)
-    assert sum(storages.values()) == blocks + microbatch_extra_bytes(cfg, layout, work) \
+    assert saved.total == blocks + microbatch_extra_bytes(cfg, layout, work) \
         + head_saved_bytes(cfg, layout, work)
     del loss
     gpipe = stage_memory(cfg, layout, work, stage=1)

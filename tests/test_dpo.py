@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
-from tests.test_sft import OPTIM, base, final_weights, metrics, trl_args  # noqa: F401
+from tests.test_sft import (OPTIM, base, final_weights, metrics, trl_args,  # noqa: F401
+                             trl_stack)
 from threefold.config import load_config
 from threefold.data import DataError, prepare_data
 from threefold.post.chat import BuiltinTemplate
@@ -165,10 +166,7 @@ def test_dpo_step_losses_and_logps_equal_trl(corpus, cache_dir, base, tmp_path):
     """Same HF model, weights, template and pairs: TRL's DPOTrainer (reference = a frozen copy
     of the model) and ours (precomputed reference) log the same loss and log-probs at the
     first step and, after one AdamW update, the same loss and rewards at the second."""
-    pytest.importorskip("jinja2")
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    transformers = pytest.importorskip("transformers")
+    trl, datasets, transformers = trl_stack()
     hf_dir = base / "hf"
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in TRL_PAIRS))

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
+from tests.test_tp_layer import SavedBytes
 from threefold.cli import main as cli_main
 from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.cost import (
@@ -224,28 +224,19 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, dtype):
     model = LlamaForCausalLM(cfg)
     if tp > 1:
         apply_tensor_parallel(model, _Loopback(tp), sp)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     b, s, h = 2, 64, cfg.hidden_size
     x = torch.randn(b, s // tp if sp else s, h, requires_grad=True)
     cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in weights:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
     auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
         contextlib.nullcontext()
-    with saved_tensors_hooks(pack, lambda t: t), auto:
+    with SavedBytes(list(model.parameters())) as saved, auto:
         model.model.layers[0](x, cos, sin)
     d = 2 if dtype == torch.bfloat16 else 4
     sh = tp_shard(cfg, tp)
     want = block_activation_bytes(b * s, h, sh.heads, sh.kv_heads, cfg.head_dim, sh.ffn, tp,
                                   sp, act_bytes=d, residual_bytes=4)
     want += 2 * 4 * b * s * cfg.head_dim if d == 4 else d * layer_parameters_per_rank(cfg, tp)[0]
-    assert sum(saved.values()) == want
+    assert saved.total == want
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, True)])
@@ -262,23 +253,14 @@ def test_head_saved_bytes_equal_autograd_saved_tensors(tp, sp):
     if tp > 1:
         apply_tensor_parallel(model, _Loopback(tp), sp)
     loss_fn = getattr(model, "loss_function", None) or causal_lm_loss
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     b, s, h = 2, 16, cfg.hidden_size
     x = torch.randn(b, s // tp if sp else s, h, requires_grad=True)
     labels = torch.randint(0, cfg.vocab_size, (b, s))
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in weights:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(list(model.parameters())) as saved:
         loss_fn(model.lm_head(model.model.norm(x)), labels)
     work = Workload(seq_len=s, global_batch=b, precision="fp32")
     lay = Layout(tp=tp, pp=2, microbatch_size=b, sequence_parallel=sp)
-    assert sum(saved.values()) == head_saved_bytes(cfg, lay, work)
+    assert saved.total == head_saved_bytes(cfg, lay, work)
 
 
 # --------------------------------------------------------------------------------------------

@@ -205,6 +205,12 @@ OPTIM = {"optim__lr": "1e-3", "optim__warmup_steps": "0", "optim__min_lr_ratio":
          "optim__grad_clip": "1.0"}
 
 
+def trl_stack():
+    """(trl, datasets, transformers), skipping the test where TRL's stack is not installed."""
+    pytest.importorskip("jinja2")
+    return tuple(pytest.importorskip(m) for m in ("trl", "datasets", "transformers"))
+
+
 def trl_args(cls, out: Path, batch: int, seq_len: int, **extra):
     """TRL config matching OPTIM: constant lr, AdamW(0.9, 0.95, 1e-8), no decay, clip 1; fp32
     (TRL's configs default to bf16 autocast where the device has it, the CPU included)."""
@@ -220,10 +226,7 @@ def trl_args(cls, out: Path, batch: int, seq_len: int, **extra):
 def test_sft_step_losses_equal_trl(corpus, cache_dir, base, tmp_path):
     """Same HF model, weights, chat template and conversations: the loss of the first step
     (before any update) and of the second (after one AdamW step) equal SFTTrainer's."""
-    pytest.importorskip("jinja2")
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    transformers = pytest.importorskip("transformers")
+    trl, datasets, transformers = trl_stack()
     hf_dir = base / "hf"
     path = tmp_path / "convs.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in TRL_CONVS))

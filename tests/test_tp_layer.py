@@ -97,7 +97,7 @@ class SavedBytes:
     can share an address without sharing the storage. ``square`` lists saved 4-d tensors whose
     last two dimensions are ``s``: an attention matrix (b, heads, s, s) would show up there."""
 
-    def __init__(self, exclude: list[torch.Tensor], s: int):
+    def __init__(self, exclude: list[torch.Tensor], s: int = 0):
         self.skip = {t.untyped_storage().data_ptr() for t in exclude}
         self.s = s
         self.storages: dict[int, int] = {}

@@ -189,6 +189,17 @@ def save_template(template: ChatTemplate, out_dir: str | Path) -> None:
 # --------------------------------------------------------------------------------------------
 # Records and encoding
 # --------------------------------------------------------------------------------------------
+def announce(run, template: ChatTemplate, head: str, stats: dict, dropped_why: str) -> None:
+    """On the writer rank: save the chat template into the run directory and print ``head``
+    followed by how many examples were truncated or dropped (and why)."""
+    if not run.layout.is_writer:
+        return
+    save_template(template, run.out)
+    print(head + (f", {stats['truncated']} truncated" if stats.get("truncated") else "")
+          + (f", {stats['dropped']} dropped ({dropped_why})" if stats.get("dropped") else ""),
+          flush=True)
+
+
 def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     """(line number, record) for every non-blank line; DataError naming the line if one is
     not a JSON object."""

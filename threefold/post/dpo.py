@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 
 from threefold.data import DataError
-from threefold.post.chat import (check_messages, encode_text, eot_token, load_chat_template,
-                                 save_template)
+from threefold.post.chat import (announce, check_messages, encode_text, eot_token,
+                                 load_chat_template)
 from threefold.post.sft import IGNORE, EpochSampler, pad_id, split_records
 
 
@@ -310,15 +310,12 @@ class DPOTask:
         Save the chat template into the run directory (writer rank)."""
         self.train.ref = self.reference_logps(run, self.train)
         self.val.ref = self.reference_logps(run, self.val)
-        if run.layout.is_writer:
-            save_template(self.template, run.out)
-            s = self.stats
-            print(f"dpo: {s['pairs']} pairs ({s['val_pairs']} held out) from {s['data']}, "
-                  f"template {s['template']}, beta {self.options.beta}, label smoothing "
-                  f"{self.options.label_smoothing}; reference log-probs precomputed"
-                  + (f", {s['truncated']} truncated" if s.get("truncated") else "")
-                  + (f", {s['dropped']} dropped (prompt fills data.seq_len)"
-                     if s.get("dropped") else ""), flush=True)
+        s = self.stats
+        announce(run, self.template,
+                 f"dpo: {s['pairs']} pairs ({s['val_pairs']} held out) from {s['data']}, "
+                 f"template {s['template']}, beta {self.options.beta}, label smoothing "
+                 f"{self.options.label_smoothing}; reference log-probs precomputed", s,
+                 "prompt fills data.seq_len")
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """Pairs (empty validation fillers weigh 0)."""

@@ -38,8 +38,8 @@ import torch
 
 from threefold.data import DataError
 from threefold.data.tokenizer import PAD
-from threefold.post.chat import (check_messages, encode_conversation, load_chat_template,
-                                 read_jsonl, save_template)
+from threefold.post.chat import (announce, check_messages, encode_conversation,
+                                 load_chat_template, read_jsonl)
 from threefold.task import PretrainTask
 
 IGNORE = -100
@@ -300,12 +300,9 @@ class SFTTask(PretrainTask):
     def setup(self, run) -> None:
         """Save the chat template into the run directory and say what is being trained on
         (writer rank only)."""
-        if run.layout.is_writer:
-            save_template(self.template, run.out)
-            s = self.stats
-            print(f"sft: {s['conversations']} conversations ({s['val_conversations']} held out) "
-                  f"from {s['data']}, template {s['template']}, packed into {s['rows']} rows of "
-                  f"{run.cfg.data.seq_len} tokens ({s['fill']:.0%} filled)"
-                  + (f", {s['truncated']} truncated" if s.get("truncated") else "")
-                  + (f", {s['dropped']} dropped (no assistant token left)"
-                     if s.get("dropped") else ""), flush=True)
+        s = self.stats
+        announce(run, self.template,
+                 f"sft: {s['conversations']} conversations ({s['val_conversations']} held out) "
+                 f"from {s['data']}, template {s['template']}, packed into {s['rows']} rows of "
+                 f"{run.cfg.data.seq_len} tokens ({s['fill']:.0%} filled)", s,
+                 "no assistant token left")
