@@ -97,16 +97,11 @@ def _world_size_for(nproc: int | None, launcher: list[str]) -> int:
 
 def _check_layout(cfg, world_size: int) -> None:
     """Refuse an impossible layout before any process starts."""
-    from threefold.mesh import ParallelDims
-    from threefold.parallel.layout import check_batch
+    from threefold.parallel.layout import validate_layout
 
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    check_batch(cfg, dims.dp_replicate * dims.dp_shard)
-    if dims.pp > 1 and not cfg.checkpoint.init_from:  # else the shape comes with the weights
-        from threefold.parallel.pipeline.balance import split_counts
-
-        layers = cfg.model.resolved(vocab_size=1).num_hidden_layers
-        split_counts(cfg.parallel.pipeline_split, [0.0] * layers, dims.pp * cfg.parallel.vpp)
+    # the model's shape, but for the vocabulary (the tokenizer's), unless the weights bring it
+    mcfg = None if cfg.checkpoint.init_from else cfg.model.resolved(vocab_size=1)
+    validate_layout(cfg, world_size, mcfg)
 
 
 LAUNCHER_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",

@@ -47,6 +47,7 @@ from threefold.cost import (
 )
 from threefold.hardware import Cluster, Hardware, get_hardware, hardware_for_device_name
 from threefold.memory import RUNTIME_OVERHEAD_BYTES, MemoryBreakdown, memory_per_gpu
+from threefold.parallel.layout import validate_layout
 
 ENV_HARDWARE = "THREEFOLD_HARDWARE"
 ENV_GPUS_PER_NODE = "THREEFOLD_GPUS_PER_NODE"
@@ -103,21 +104,6 @@ def resolved_model(cfg: Config) -> ModelConfig:
         raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
                           f"{vocab}; leave it unset (0) or raise it")
     return mcfg
-
-
-def check(cfg: Config, world_size: int, mcfg: ModelConfig):
-    """The layout checks the launcher and the trainer make; returns the ParallelDims.
-    Raises ConfigError naming the field and a value that works."""
-    from threefold.mesh import ParallelDims
-    from threefold.parallel.layout import check_batch
-
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
-    dims.validate_model(mcfg, vpp=cfg.parallel.vpp)
-    check_batch(cfg, dims.dp)
-    if cfg.parallel.sequence_parallel and dims.tp > 1 and cfg.data.seq_len % dims.tp:
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by "
-                          f"parallel.tp={dims.tp}, which sequence parallelism needs")
-    return dims
 
 
 def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
@@ -204,7 +190,7 @@ def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
 def predict(cfg: Config, world_size: int) -> DryRunResult:
     """Check ``cfg`` on ``world_size`` ranks and predict its step (no printing)."""
     mcfg = resolved_model(cfg)
-    dims = check(cfg, world_size, mcfg)
+    dims = validate_layout(cfg, world_size, mcfg)
     notes = list(dims.notes)
     layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)
     check_layout(mcfg, layout, work)

@@ -233,6 +233,18 @@ class LlamaModel(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
 
+def fill_tied_head(weights: dict, prefix: str = "", suffixes: tuple[str, ...] = ("",)) -> dict:
+    """Give ``weights`` (in place; returned) the tied head's entries where only the
+    embedding's are present, as tied checkpoints (HF's, threefold's) store them: for each
+    suffix (e.g. ".exp_avg" for optimiser state), ``lm_head.weight<suffix>`` from
+    ``model.embed_tokens.weight<suffix>``."""
+    for sfx in suffixes:
+        embed = f"{prefix}model.embed_tokens.weight{sfx}"
+        if embed in weights:
+            weights.setdefault(f"{prefix}lm_head.weight{sfx}", weights[embed])
+    return weights
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head; ``forward`` returns fp32 logits.
 
@@ -261,9 +273,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _fill_tied_head(self, state_dict, prefix, *args) -> None:
         # HF omits lm_head.weight from tied checkpoints; take it from the embedding.
-        head, embed = prefix + "lm_head.weight", prefix + "model.embed_tokens.weight"
-        if self.cfg.tie_word_embeddings and head not in state_dict and embed in state_dict:
-            state_dict[head] = state_dict[embed]
+        if self.cfg.tie_word_embeddings:
+            fill_tied_head(state_dict, prefix)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

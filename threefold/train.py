@@ -24,7 +24,7 @@ from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import DataBundle, prepare_data
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
                                peak_memory_bytes, truncate_metrics)
-from threefold.model import LlamaForCausalLM, causal_lm_loss
+from threefold.model import LlamaForCausalLM, causal_lm_loss, fill_tied_head
 from threefold.parallel.pipeline.timeline import TraceRecord, write_chrome_trace
 
 
@@ -142,9 +142,8 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     model = build_model(mcfg, device, cfg.train.seed, getattr(layout, "split_pipeline", None))
     if pretrained:
         own, weights = dict(model.named_parameters()), dict(pretrained[1])
-        if mcfg.tie_word_embeddings and "model.embed_tokens.weight" in weights:
-            # a pipeline's last stage holds the tied head as a copy of the embedding
-            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+        if mcfg.tie_word_embeddings:  # a pipeline's last stage holds a copy of the embedding
+            fill_tied_head(weights)
         model.load_state_dict({k: v for k, v in weights.items() if k in own},
                               strict=getattr(layout, "chunks", None) is None)
     model = layout.parallelize(model, cfg)
@@ -309,8 +308,7 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
     run.out.mkdir(parents=True, exist_ok=True)
     meta = None
     if getattr(lay, "pipeline", None) is not None:  # which ranks make up each pipeline
-        firsts = [r for r in range(lay.world_size) if lay.dims.coords(r)["pp"] == 0]
-        meta = {"pipelines": [lay.dims.axis_ranks(r, "pp") for r in firsts]}
+        meta = {"pipelines": lay.dims.axis_groups("pp")}
     write_chrome_trace(allrec, path, meta)
     info: dict = {"path": str(path), "step": step + 1}
     if getattr(lay, "pipeline", None) is not None:
@@ -320,7 +318,7 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
 
         ex, p = lay.pipeline, run.cfg.parallel
         # one pipeline: the ranks of dp 0 and tp 0 (the others repeat its timeline)
-        pipeline_ranks = set(lay.dims.axis_ranks(0, "pp"))
+        pipeline_ranks = set(meta["pipelines"][0])
         first = [r for r in allrec if r.rank in pipeline_ranks and r.name.split()[0]
                  in {k.value for k in ActionKind}]
         info["pipeline_idle_fraction"] = idle_fraction(first)

@@ -58,44 +58,16 @@ class Distributed:
         return fn()
 
     def check(self, cfg: Config, mcfg: ModelConfig) -> None:
-        """Divisibility of the model by the layout, and what is not built yet."""
-        from threefold.parallel.layout import check_batch
+        """The layout's rules against the model (``parallel.layout.validate_layout``)."""
+        from threefold.parallel.layout import validate_layout
 
-        from threefold.config import ConfigError
-
-        self.dims.validate_model(mcfg, vpp=cfg.parallel.vpp)
-        check_batch(cfg, self.dp_size)
-        if self.dims.pp > 1:
-            from threefold.parallel.pipeline.balance import split_counts
-            from threefold.parallel.pipeline.executor import checked_schedule
-
-            split_counts(cfg.parallel.pipeline_split, [0.0] * mcfg.num_hidden_layers,
-                         self.dims.pp * cfg.parallel.vpp)  # ConfigError before any work
-
-            try:
-                checked_schedule(cfg.parallel.schedule, self.dims.pp, self.microbatches(cfg),
-                                 cfg.parallel.vpp)
-            except ConfigError:
-                raise
-            except ValueError as e:
-                raise ConfigError(f"parallel.schedule: {e}") from None
-        if cfg.parallel.sequence_parallel and cfg.data.seq_len % self.dims.tp:
-            raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by "
-                              f"parallel.tp={self.dims.tp}, which sequence parallelism needs")
+        validate_layout(cfg, self.world_size, mcfg)
 
     def microbatches(self, cfg: Config) -> int:
-        """Pipeline microbatches per step: this rank's sequences / train.micro_batch_size."""
-        from threefold.config import ConfigError
+        """Pipeline microbatches per step on this layout."""
+        from threefold.parallel.layout import pipeline_microbatches
 
-        local = cfg.train.global_batch_size // self.dp_size
-        m = local // min(cfg.train.micro_batch_size, local)
-        if cfg.parallel.microbatches and cfg.parallel.microbatches != m:
-            raise ConfigError(f"parallel.microbatches: {cfg.parallel.microbatches}, but "
-                              f"train.micro_batch_size={cfg.train.micro_batch_size} makes {m} per "
-                              f"step; set train.micro_batch_size to "
-                              f"{max(1, local // cfg.parallel.microbatches)} or "
-                              "parallel.microbatches 0")
-        return m
+        return pipeline_microbatches(cfg, self.dp_size)
 
     def split_pipeline(self, model):
         """This rank's pipeline chunks of the (meta) model, kept in ``self.chunks``; returns one
@@ -135,8 +107,7 @@ class Distributed:
         over the two ranks (axis "pp_ends"), for every (dp, tp) position. Collective."""
         from threefold.parallel.pipeline.stage import tied_head_replica
 
-        firsts = [r for r in range(self.world_size) if self.dims.coords(r)["pp"] == 0]
-        pairs = [[r, self.dims.axis_ranks(r, "pp")[-1]] for r in firsts]
+        pairs = [[g[0], g[-1]] for g in self.dims.axis_groups("pp")]
         self.comm.add_axis("pp_ends", pairs, counted_as="pp")  # as the planner counts it
         replica = tied_head_replica(model)
         if replica is not None:
@@ -213,7 +184,10 @@ class Distributed:
         """This stage's tensors, and this tp rank's slices of them."""
         own = {n for n, _ in engine.named_params}
         if self._tied is not None and self._tied[1]:  # the head's copy: load the embedding
-            sd = _alias_tied_head(sd)
+            from threefold.model import fill_tied_head
+
+            sd = {**sd, "model": fill_tied_head(dict(sd["model"])),
+                  "optim": fill_tied_head(dict(sd["optim"]), suffixes=(".exp_avg", ".exp_avg_sq"))}
         sd = {"model": {n: t for n, t in sd["model"].items() if n in own},
               "optim": {k: t for k, t in sd["optim"].items() if k.rsplit(".", 1)[0] in own},
               "optim_step": sd["optim_step"]}
@@ -337,18 +311,6 @@ class Distributed:
             shutdown()
         else:
             self.control.barrier()
-
-
-def _alias_tied_head(sd: dict) -> dict:
-    """``sd`` with the tied head's entries taken from the embedding's (checkpoints and HF
-    folders of tied models hold the embedding only)."""
-    embed, head = "model.embed_tokens.weight", "lm_head.weight"
-    model, optim = dict(sd["model"]), dict(sd["optim"])
-    model.setdefault(head, model[embed])
-    for key in ("exp_avg", "exp_avg_sq"):
-        if f"{embed}.{key}" in optim:
-            optim.setdefault(f"{head}.{key}", optim[f"{embed}.{key}"])
-    return {**sd, "model": model, "optim": optim}
 
 
 def _fault_injection(rank: int, step: int) -> None:

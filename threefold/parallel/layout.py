@@ -97,6 +97,56 @@ def check_batch(cfg: Config, dp: int) -> None:
                           f"each rank gets; use a divisor of {local}")
 
 
+def pipeline_microbatches(cfg: Config, dp: int) -> int:
+    """Pipeline microbatches per step: a rank's sequences / train.micro_batch_size (and
+    ``parallel.microbatches``, when set, must agree)."""
+    from threefold.config import ConfigError
+
+    local = cfg.train.global_batch_size // dp
+    m = local // min(cfg.train.micro_batch_size, local)
+    if cfg.parallel.microbatches and cfg.parallel.microbatches != m:
+        raise ConfigError(f"parallel.microbatches: {cfg.parallel.microbatches}, but "
+                          f"train.micro_batch_size={cfg.train.micro_batch_size} makes {m} per "
+                          f"step; set train.micro_batch_size to "
+                          f"{max(1, local // cfg.parallel.microbatches)} or "
+                          "parallel.microbatches 0")
+    return m
+
+
+def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = None):
+    """Every rule a layout must meet, in one place for the launcher (before any process
+    starts), the dry run and the trainer; returns the ParallelDims. The mesh must fill the
+    world; the batch split over data-parallel ranks and micro-batches; sequence parallelism
+    needs data.seq_len divisible by tp; with the model's shape (``mcfg``; the launcher has it
+    unless the weights bring it) heads and layers must split over tp and pp·vpp, and the
+    pipeline split fit the layers; the schedule must be complete and free of deadlock for
+    its microbatches. Raises ConfigError naming the field and a value that works."""
+    from threefold.config import ConfigError
+    from threefold.mesh import ParallelDims
+
+    p = cfg.parallel
+    dims = ParallelDims.from_config(p, world_size)
+    check_batch(cfg, dims.dp)
+    if p.sequence_parallel and dims.tp > 1 and cfg.data.seq_len % dims.tp:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by "
+                          f"parallel.tp={dims.tp}, which sequence parallelism needs")
+    if mcfg is not None:
+        dims.validate_model(mcfg, vpp=p.vpp)
+    if dims.pp > 1:
+        from threefold.parallel.pipeline.balance import split_counts
+        from threefold.parallel.pipeline.check import check_schedule
+
+        if mcfg is not None:
+            split_counts(p.pipeline_split, [0.0] * mcfg.num_hidden_layers, dims.pp * p.vpp)
+        try:
+            check_schedule(p.schedule, dims.pp, pipeline_microbatches(cfg, dims.dp), p.vpp)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"parallel.schedule: {e}") from None
+    return dims
+
+
 def build_engine(model: torch.nn.Module, cfg: Config, layout) -> Any:
     """The engine for ``layout``: plain AdamW for one process, data parallel or ZeRO else."""
     from threefold.parallel.engine import LocalEngine
