@@ -344,7 +344,8 @@ def _need(cond: bool, msg: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Check every field that can be checked without knowing the world size."""
+    """Check every field that can be checked without knowing the world size (and write
+    ``parallel.pipeline_split`` without spaces, the one form the rest reads)."""
     m, d, o, p, t, c = cfg.model, cfg.data, cfg.optim, cfg.parallel, cfg.train, cfg.checkpoint
     if m.preset not in MODEL_PRESETS:
         raise ConfigError(_unknown("model.preset", m.preset, MODEL_PRESETS))
@@ -384,8 +385,9 @@ def validate(cfg: Config) -> None:
     if p.schedule not in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
         raise ConfigError(_unknown("parallel.schedule", p.schedule,
                                    ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]))
+    p.pipeline_split = p.pipeline_split.replace(" ", "")  # "7, 9, 9, 7" as "7,9,9,7"
     _need(p.pipeline_split in ("params", "flops", "uniform")
-          or all(x.strip().isdigit() for x in p.pipeline_split.split(",")),
+          or all(x.isdigit() for x in p.pipeline_split.split(",")),
           f"parallel.pipeline_split: '{p.pipeline_split}' is not params, flops, uniform or block "
           "counts per pipeline stage such as 7,9,9,7")
     _need(p.microbatches >= 0, f"parallel.microbatches: must be >= 0, got {p.microbatches}")

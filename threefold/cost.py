@@ -382,11 +382,10 @@ def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int
     h, a, kv, f, vocab, n_layers, tied = key
     emb = _tp_shard(h, a, kv, f, vocab, tp).vocab * h
     block = _block_numels(h, a, kv, f, vocab, tp)
-    counts = _virtual_stage_layers(key, p * v, split)
     units: list[tuple[int, ...]] = []
     if stage == 0 and not (tied and p == 1):
         units.append((emb,))
-    units += [block] * sum(counts[c * p + stage] for c in range(v))
+    units += [block] * _rank_layers(key, p, v, split, stage)
     if stage == p - 1:
         units.append((h,))
         if not (tied and p == 1):
@@ -414,6 +413,13 @@ def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[i
     if cfg.tie_word_embeddings and layout.pp == 1:
         units = [units[-1]] + units[:-1]
     return [n for unit in units for n in unit]
+
+
+def owned_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    """Parameters one rank of ``stage`` updates: all it holds, or under ZeRO its shard of
+    each unit (padded to a multiple of dp_shard, as ``threefold.parallel.zero`` pads)."""
+    n = layout.dp_shard if layout.zero_stage else 1
+    return sum(-(-sum(u) // n) for u in stage_units(cfg, layout, stage))
 
 
 def stage_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
@@ -539,26 +545,25 @@ def hardware_flops_per_step(cfg: ModelConfig, layout: Layout, work: Workload) ->
 
 
 @lru_cache(maxsize=4096)
-def _stage_groups(key: tuple, p: int, v: int, split: str) -> tuple[tuple[int, int], ...]:
-    counts = _virtual_stage_layers(key, p * v, split)
-    groups: dict[tuple, list[int]] = {}
-    for st in range(p):
-        blocks = sum(counts[c * p + st] for c in range(v))
-        groups.setdefault((st == 0, st == p - 1, blocks), []).append(st)
-    return tuple((sts[0], len(sts)) for sts in groups.values())
+def _stage_representatives(key: tuple, p: int, v: int, split: str) -> tuple[int, ...]:
+    """For each pipeline stage, the first stage of its kind (first, last, or a middle one with
+    the same block count): stages of one kind have the same costs."""
+    first: dict[tuple, int] = {}
+    return tuple(first.setdefault((st == 0, st == p - 1, _rank_layers(key, p, v, split, st)), st)
+                 for st in range(p))
 
 
 def _distinct_stages(cfg: ModelConfig, layout: Layout) -> list[int]:
     """One stage for each kind of pipeline rank: the first, the last, and one per distinct
     block count in between (all alike when the split is even)."""
-    return sorted(st for st, _ in _stage_groups(_shape_key(cfg), layout.pp, layout.vpp,
-                                                layout.pipeline_split))
+    return sorted(set(_stage_representatives(_shape_key(cfg), layout.pp, layout.vpp,
+                                             layout.pipeline_split)))
 
 
 def _stage_multiplicity(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """How many stages the representative ``stage`` stands for."""
-    return dict(_stage_groups(_shape_key(cfg), layout.pp, layout.vpp,
-                              layout.pipeline_split))[stage]
+    return _stage_representatives(_shape_key(cfg), layout.pp, layout.vpp,
+                                  layout.pipeline_split).count(stage)
 
 
 # --------------------------------------------------------------------------------------------
@@ -928,15 +933,11 @@ def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
         from threefold.parallel.pipeline.simulate import simulate as replay_schedule
     except ImportError:
         return None
-    key = _shape_key(cfg)
-    rep = {}  # stage -> the representative stage whose times it shares
-    groups = _stage_groups(key, p, 1, layout.pipeline_split)
-    kinds = {(st == 0, st == p - 1, rank_layers(cfg, layout, st)): st for st, _ in groups}
     per: dict = {}
-    for st in range(p):
-        rep[st] = kinds[(st == 0, st == p - 1, rank_layers(cfg, layout, st))]
-        f = per_mb[rep[st]] * forward_share[rep[st]]
-        b = per_mb[rep[st]] - f
+    reps = _stage_representatives(_shape_key(cfg), p, 1, layout.pipeline_split)
+    for st, rep in enumerate(reps):  # a stage has its representative's times
+        f = per_mb[rep] * forward_share[rep]
+        b = per_mb[rep] - f
         per.update({("F", st): f, ("BW", st): b, ("B", st): b / 2, ("W", st): b / 2})
     try:
         return replay_schedule(layout.pipeline_schedule, p, m, 1, Costs(per_stage=per)).makespan
@@ -947,9 +948,7 @@ def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
 def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float) -> float:
     """Time of the optimiser step on the busiest stage: its memory traffic over ``memory_bw``
     (0 when the bandwidth is unknown, i.e. infinite)."""
-    n = layout.dp_shard if layout.zero_stage else 1
-    owned = max(sum(-(-sum(u) // n) for u in stage_units(cfg, layout, st))
-                for st in _distinct_stages(cfg, layout))
+    owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
     return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
 
 

@@ -40,10 +40,10 @@ from threefold.cost import (
     comm_bytes_per_step,
     microbatches,
     num_parameters,
+    owned_parameters,
     pipeline_layers,
     predict_step,
     stage_parameters,
-    stage_units,
 )
 from threefold.hardware import Cluster, Hardware, get_hardware, hardware_for_device_name
 from threefold.memory import RUNTIME_OVERHEAD_BYTES, MemoryBreakdown, memory_per_gpu
@@ -196,14 +196,12 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
     check_layout(mcfg, layout, work)
     p = cfg.parallel
     total, local = meta_parameter_counts(mcfg, dims.tp, p.sequence_parallel, dims.pp, p.vpp,
-                                         p.pipeline_split.strip(), cfg.data.seq_len)
+                                         p.pipeline_split, cfg.data.seq_len)
     if total != num_parameters(mcfg) or local != stage_parameters(mcfg, layout, 0):
         raise RuntimeError(f"the planner counts {stage_parameters(mcfg, layout, 0)} parameters "
                            f"on rank 0 but the meta model holds {local}: cost.py has drifted "
                            "from threefold.model / parallel.tensor / parallel.pipeline")
-    owned = local
-    if layout.zero_stage:
-        owned = sum(-(-sum(u) // dims.dp_shard) for u in stage_units(mcfg, layout, 0))
+    owned = owned_parameters(mcfg, layout, 0)
     if dims.pp > 1:
         counts = pipeline_layers(mcfg, layout)
         notes.append("pipeline blocks per virtual stage: " + ", ".join(map(str, counts))

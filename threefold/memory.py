@@ -22,7 +22,6 @@ from threefold.cost import (
     Layout,
     Workload,
     _distinct_stages,
-    largest_unit_parameters,
     layer_parameters_per_rank,
     microbatches,
     rank_layers,
@@ -254,12 +253,18 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     loss's working set — without tp, F.cross_entropy's log-softmax output, its gradient and
     the logits' gradient (3 × 4·V); with tp, the vocab-parallel loss's softmax and the
     gradient made from it (2 × 4·V/t)."""
-    sh, h, d, r = tp_shard(cfg, layout.tp), cfg.hidden_size, work.act_bytes, work.resid_bytes
-    tokens = layout.microbatch_size * work.seq_len
+    tokens, norm_and_head, vocab = _head_terms(cfg, layout, work)
+    loss = (2 if layout.tp > 1 else 3) * 4 * vocab
+    return tokens * (norm_and_head + 4 * vocab + loss)
+
+
+def _head_terms(cfg: ModelConfig, layout: Layout, work: Workload) -> tuple[int, float, int]:
+    """(tokens per microbatch, the final norm's saved bytes per token ((4 + r)·h + 4, /t
+    under SP) plus the head's input as its matmul keeps it (d·h: an autocast copy when
+    r != d), vocabulary rows per tp rank)."""
+    h, d, r = cfg.hidden_size, work.act_bytes, work.resid_bytes
     norm = ((4 + r) * h + 4) / (layout.tp if layout.sp else 1)
-    head_in = d * h  # the head's input as its matmul keeps it (an autocast copy if r != d)
-    loss = (2 if layout.tp > 1 else 3) * 4 * sh.vocab
-    return tokens * (norm + head_in + 4 * sh.vocab + loss)
+    return layout.microbatch_size * work.seq_len, norm + d * h, tp_shard(cfg, layout.tp).vocab
 
 
 def head_saved_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
@@ -272,13 +277,10 @@ def head_saved_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     (``head_inflight_microbatches``); ``logits_bytes`` is the larger working set of the one
     whose backward is running. tests/test_cost.py measures a last-stage chunk (fp32, no tp)
     to the byte; bench/bench_pipeline_memory.py the whole schedule."""
-    sh, h, d, r = tp_shard(cfg, layout.tp), cfg.hidden_size, work.act_bytes, work.resid_bytes
-    tokens = layout.microbatch_size * work.seq_len
-    norm = ((4 + r) * h + 4) / (layout.tp if layout.sp else 1)
-    head_in = d * h  # as the head's matmul keeps it (an autocast copy when r != d)
+    tokens, norm_and_head, vocab = _head_terms(cfg, layout, work)
     if layout.tp > 1:
-        return tokens * (norm + head_in + 4 * sh.vocab + 8 + 2)
-    return tokens * (norm + head_in + 4 * sh.vocab + 8) + 4
+        return tokens * (norm_and_head + 4 * vocab + 8 + 2)
+    return tokens * (norm_and_head + 4 * vocab + 8) + 4
 
 
 def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
@@ -415,7 +417,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
             params, opt = padded / n * state.param, padded / n * state.optimizer
             grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
             in_bwd = padded / n * state.grad if m > 1 else 0.0
-            zero3 = 2 * largest_unit_parameters(cfg, layout.tp) * state.param
+            zero3 = 2 * largest * state.param  # the unit in use and the one prefetched
             temp = 2 * -(-largest // n) * state.param
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage)

@@ -58,13 +58,14 @@ class DataParallelEngine(LocalEngine):
         params = [p for _, p in self.named_params]
         self.buckets = [_Bucket(b) for b in make_buckets(params, int(bucket_mb * 2**20))]
         self._where = {}
+        # weakly: a hook holding the engine would keep it alive forever through the
+        # parameter's C++ hook table
+        me = weakref.WeakMethod(self._on_grad)
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self._where[p] = (bucket, i)
-                # weakly: a hook holding the engine would keep it alive forever through the
-                # parameter's C++ hook table
-                me = weakref.WeakMethod(self._on_grad)
-                p.register_post_accumulate_grad_hook(lambda q, me=me: me() and me()(q))
+                p.register_post_accumulate_grad_hook(
+                    lambda q, me=me: (on_grad := me()) is not None and on_grad(q))
         self._sync = True
         self._broadcast_parameters()
 

@@ -77,7 +77,7 @@ class Distributed:
         from threefold.parallel.pipeline.stage import rank_model, split_model
 
         self.chunks = split_model(model, self.dims.pp, self.cfg.parallel.vpp, self.pp_rank,
-                                  balance=self.cfg.parallel.pipeline_split.strip(),
+                                  balance=self.cfg.parallel.pipeline_split,
                                   seq_len=self.cfg.data.seq_len)
         return rank_model(self.chunks)
 

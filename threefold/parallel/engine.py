@@ -36,10 +36,11 @@ def tp_shard_dim(p: torch.Tensor) -> int | None:
 
 
 def sq_norm(g: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of ``g`` in fp32, as a CPU scalar. A reduction kernel: ``g.pow(2)`` would
-    first allocate a temporary as large as the largest gradient (the embedding's) at the
-    moment memory peaks."""
-    return torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square().cpu()
+    """Sum of squares of ``g`` in fp32, a scalar on ``g``'s device (callers add them up there
+    and read the total once). A reduction kernel: ``g.pow(2)`` would first allocate a
+    temporary as large as the largest gradient (the embedding's) at the moment memory
+    peaks."""
+    return torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square()
 
 
 def global_sq_norm(parts: torch.Tensor, comm, shard_axis: str | None = None) -> float:
@@ -102,8 +103,9 @@ class LocalEngine:
         """Wait for outstanding gradient communication (none here)."""
 
     def sq_norm_parts(self) -> torch.Tensor:
-        """[sum of squares of tp-sharded gradients, of tp-replicated ones] on this rank."""
-        parts = torch.zeros(2, dtype=torch.float32)
+        """[sum of squares of tp-sharded gradients, of tp-replicated ones] on this rank, on
+        the parameters' device (the collectives that sum it run there)."""
+        parts = torch.zeros(2, dtype=torch.float32, device=self.named_params[0][1].device)
         for _, p in self.named_params:
             if p.grad is not None and not getattr(p, "_tied_replica", False):
                 parts[0 if tp_shard_dim(p) is not None else 1] += sq_norm(p.grad)

@@ -121,7 +121,7 @@ class FlatUnit:
 
     def shard_sq_norm_parts(self) -> torch.Tensor:
         """[tp-sharded, tp-replicated] sums of squares of this rank's gradient shard."""
-        parts = torch.zeros(2, dtype=torch.float32)
+        parts = torch.zeros(2, dtype=torch.float32, device=self.full.device)
         g = self.shard.grad
         lo = self.comm.rank(self.axis) * self.shard_numel
         for p, off in zip(self.params, self.offsets):
@@ -171,6 +171,7 @@ class ZeroEngine:
         self.units = [u for _, u in self.unit_modules]
         self.root = FlatUnit("root", root, comm, shard_axis, stage) if root else None
         self.all_units = self.units + ([self.root] if self.root else [])
+        self._unit_of = {q: unit for unit in self.all_units for q in unit.params}
         self.named_params = named
         self.optimizer = make_adamw([u.shard for u in self.all_units], cfg)
         self._sync = True
@@ -275,22 +276,20 @@ class ZeroEngine:
         """This rank's shard of ``p``'s reduced gradient, for an in-place sum with the same
         weight's gradient on another pipeline stage (tied embeddings). ``p`` must fill a unit
         alone (the embedding and the LM head do), so that both stages shard it alike."""
-        for unit in self.all_units:
-            if any(q is p for q in unit.params):
-                if len(unit.params) != 1:
-                    raise ValueError("ZeroEngine.gradient_of: the parameter shares its unit "
-                                     f"with {len(unit.params) - 1} other(s)")
-                if unit.shard.grad is None:
-                    unit.shard.grad = torch.zeros_like(unit.shard)
-                return unit.shard.grad
-        raise KeyError("ZeroEngine.gradient_of: not a parameter of this engine")
+        unit = self._unit_of.get(p)
+        if unit is None:
+            raise KeyError("ZeroEngine.gradient_of: not a parameter of this engine")
+        if len(unit.params) != 1:
+            raise ValueError("ZeroEngine.gradient_of: the parameter shares its unit "
+                             f"with {len(unit.params) - 1} other(s)")
+        if unit.shard.grad is None:
+            unit.shard.grad = torch.zeros_like(unit.shard)
+        return unit.shard.grad
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm from the shards (padding is zero), summed over the shard axis; tp
         slices summed over tp, tp-replicated parameters counted once."""
-        parts = torch.zeros(2, dtype=torch.float32)
-        for unit in self.all_units:
-            parts += unit.shard_sq_norm_parts()
+        parts = sum(unit.shard_sq_norm_parts() for unit in self.all_units)
         total = math.sqrt(global_sq_norm(parts, self.comm, self.shard_axis))
         clip_to([u.shard.grad for u in self.all_units], total, max_norm)
         return total

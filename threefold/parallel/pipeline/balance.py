@@ -99,7 +99,6 @@ def split_counts(split: str, layer_costs: list[float], n_stages: int,
     """Blocks per virtual stage for ``parallel.pipeline_split``: "params" or "flops"
     (``partition`` of the given costs: parameters, the runtime's default, or training FLOPs),
     "uniform" or explicit counts."""
-    split = split.strip()
     if split == "uniform":
         return uniform_counts(len(layer_costs), n_stages)
     if split[:1].isdigit():
