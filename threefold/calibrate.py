@@ -58,18 +58,17 @@ def matmul_flops(dtype_name: str, threads: int, seconds: float = 0.3,
         torch.mm(a, a)
         rough = 2 * 256**3 / max(time.perf_counter() - t0, 1e-9)
         n = 1024 if rough * 0.05 >= 2 * 1024**3 else 512 if rough * 0.05 >= 2 * 512**3 else 256
-        if statistic == "best":
-            return cpu_matmul_flops(dtype, n=n, seconds=seconds)
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        torch.mm(a, b)
-        rates, end = [], time.perf_counter() + seconds
-        while not rates or time.perf_counter() < end:
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            rates.append(2 * n**3 / (time.perf_counter() - t0))
-        return statistics.median(rates)
+        return cpu_matmul_flops(dtype, n=n, seconds=seconds, statistic=statistic)
     finally:
         torch.set_num_threads(before)
+
+
+def machine_ram() -> int:
+    """Physical memory of this machine in bytes (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def memory_bandwidth(nbytes: int = 64 << 20, repeats: int = 8) -> float:
@@ -93,27 +92,35 @@ def _matmul_worker(rank: int, dtype_name: str, threads: int, seconds: float, out
     out.put(matmul_flops(dtype_name, threads, seconds))
 
 
-def concurrent_matmul_flops(dtype_name: str, processes: int, threads: int = 1,
-                            seconds: float = 1.0, timeout_s: float = 120.0) -> float:
-    """The matmul FLOP/s *each* of ``processes`` processes gets while all of them multiply at
-    once (the slowest one's median), as ``processes`` ranks on this machine would: on a
-    machine with fewer free cores than ranks, one process alone measures too much."""
+def _run_processes(target, processes: int, args: tuple, results: int,
+                   timeout_s: float) -> list:
+    """Start ``processes`` spawned processes ``target(rank, *args, queue)`` and return the
+    first ``results`` items they put on the queue; every process is joined (killed if it
+    hangs) whatever happens."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_matmul_worker, args=(r, dtype_name, threads, seconds, out),
-                         daemon=True) for r in range(processes)]
+    procs = [ctx.Process(target=target, args=(r, *args, out), daemon=True)
+             for r in range(processes)]
     for p in procs:
         p.start()
     try:
-        rates = [out.get(timeout=timeout_s) for _ in procs]
+        return [out.get(timeout=timeout_s) for _ in range(results)]
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return min(rates)
+
+
+def concurrent_matmul_flops(dtype_name: str, processes: int, threads: int = 1,
+                            seconds: float = 1.0, timeout_s: float = 120.0) -> float:
+    """The matmul FLOP/s *each* of ``processes`` processes gets while all of them multiply at
+    once (the slowest one's median), as ``processes`` ranks on this machine would: on a
+    machine with fewer free cores than ranks, one process alone measures too much."""
+    return min(_run_processes(_matmul_worker, processes, (dtype_name, threads, seconds),
+                              processes, timeout_s))
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,23 +160,10 @@ def allreduce_times(world: int = 2, sizes: tuple[int, ...] = ALLREDUCE_BYTES,
                     repeats: int = REPEATS, timeout_s: float = 120.0) -> dict[int, float]:
     """{bytes: median seconds} of gloo all-reduces among ``world`` local processes."""
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, store.port, sizes, repeats,
-                                                          out), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        result = out.get(timeout=timeout_s)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    result, = _run_processes(_allreduce_worker, world, (world, store.port, sizes, repeats), 1,
+                             timeout_s)  # rank 0 reports
     return {int(k): v for k, v in result.items()}
 
 
@@ -215,17 +209,13 @@ def calibrate(world: int = 2, log=print) -> dict:
         f"step, bandwidth {bandwidth / 1e9:.2f} GB/s (" + ", ".join(
             f"{s} B: {t * 1e3:.2f} ms" for s, t in times.items()) + ")")
     log(f"calibration took {time.perf_counter() - t0:.1f} s")
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 0
     return {"name": f"cpu-{platform.node() or 'local'}", "cores": os.cpu_count() or 1,
             "threads": threads, "matmul_flops": flops,
             "matmul_flops_concurrent": {"fp32": {str(world): concurrent}},
             "memory_bandwidth": mem_bw,
             "allreduce": {"ranks": world, "latency_s": latency, "bandwidth": bandwidth,
                           "times": {str(k): v for k, v in times.items()}},
-            "memory_bytes": ram, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "memory_bytes": machine_ram(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def save(record: dict, path: str | Path) -> Path:

@@ -169,16 +169,13 @@ def choose_hardware(cfg: Config, world: int) -> tuple[Cluster, str]:
 
 
 def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
-    from threefold.calibrate import matmul_flops
+    from threefold.calibrate import machine_ram, matmul_flops
 
     per_node = _ranks_per_node(world, world)
     threads = max(1, (os.cpu_count() or 1) // per_node)
     precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
     rate = matmul_flops(precision, threads, seconds=0.2, statistic="best")
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 0
+    ram = machine_ram()
     hw = Hardware.measured("this cpu", peak_flops=rate, bandwidth=LOOPBACK_BANDWIDTH,
                            latency_s=LOOPBACK_LATENCY_S, memory_bytes=ram / per_node,
                            precision=precision)

@@ -440,8 +440,7 @@ def _hardware(args) -> Hardware:
         inter_node_bw=None if args.inter_bw_gbps is None else args.inter_bw_gbps / 8 * 1e9)
 
 
-def _setup(argv: list[str]):
-    args = build_parser().parse_args(argv)
+def _setup(args):
     cfg = load_model(args.model)
     for name in ("gpus", "gpus_per_node", "top", "global_batch_tokens"):
         if getattr(args, name) < 1:
@@ -469,7 +468,7 @@ def _setup(argv: list[str]):
     cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))
     space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None)
-    return args, cfg, cluster, work, space
+    return cfg, cluster, work, space
 
 
 def _calibrate(args) -> int:
@@ -490,17 +489,11 @@ def main(argv: list[str]) -> int:
     """``threefold plan ...``: print the top layouts (table or --json). Exit 0 on success,
     1 when no layout fits, 2 on bad input (one line on stderr). ``--calibrate`` measures this
     machine instead (see ``threefold.calibrate``)."""
-    if "--calibrate" in argv:
-        try:
-            args = build_parser().parse_args(argv)
-        except SystemExit as e:
-            return int(e.code or 0)
-        except _UsageError as e:
-            print(f"threefold plan: error: {e}", file=sys.stderr)
-            return 2
-        return _calibrate(args)
     try:
-        args, cfg, cluster, work, space = _setup(argv)
+        args = build_parser().parse_args(argv)
+        if args.calibrate:
+            return _calibrate(args)
+        cfg, cluster, work, space = _setup(args)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except (_UsageError, ConfigError, ValueError) as e:
