@@ -29,20 +29,20 @@ no model state), then one measured step of m microbatches. Per rank:
 3. the prediction: in-flight microbatches × this rank's activation bytes per microbatch. The
    in-flight count is the planner's ``memory.inflight_microbatches`` (checked equal to
    ``schedules.peak_in_flight``, computed from the action lists); the bytes per microbatch are
-   the planner's: ``memory.block_activation_bytes`` (fp32, act_bytes = residual_bytes = 4) ×
-   the rank's blocks + the RoPE tables 2·4·b·s·head_dim (``memory.microbatch_extra_bytes``).
-   ``ratio`` is measured / predicted.
+   the planner's: ``memory.model_layer_activation_bytes`` (fp32) × the rank's blocks + the
+   RoPE tables (``memory.microbatch_extra_bytes``), and on the last rank the head's and
+   loss's tensors per microbatch it holds. ``ratio`` is measured / predicted.
 
 Before the steps every chunk runs one microbatch alone under the same hooks: those measured
-bytes per microbatch are printed next to the planner's per stage, and the difference is
-reported as it is, with the bench's own account of it (``stage_extra_bytes``): the first
-stage's embedding keeps the token ids (int64, 8·b·s), the last stage keeps the final norm's
-input, normalised input and 1/rms, the head's input, the log-softmax of the loss (4·V per
-token) and the labels — the planner does not count these per microbatch (its ``logits_bytes``
-is a one-microbatch working set at the loss's backward, added once, not per microbatch in
-flight). Under interleaving every chunk makes its own RoPE tables (v per microbatch, the
-planner counts one). ``exact`` replays this rank's action list with the measured per-chunk
-bytes (+ at F, − at BW/W): measured / exact must be 1 if the in-flight accounting is right.
+bytes per microbatch are printed next to the planner's per stage, and the difference next to
+what accounts for it (``stage_extra_bytes``): the first stage's embedding keeps the token
+ids (int64, 8·b·s, which the planner leaves out), the last stage the final norm's, the head's
+and the loss's tensors (``memory.head_saved_bytes``, which the planner adds per microbatch
+the last stage holds, ``memory.head_inflight_microbatches``; the per-rank ``predicted``
+below includes them). Under interleaving every chunk makes its own RoPE tables (v per
+microbatch, the planner counts one). ``exact`` replays this rank's action list with the
+measured per-chunk bytes (``schedules.in_flight_chunks`` with weights: + at F, − at BW/W):
+measured / exact must be 1 if the in-flight accounting is right.
 
 Not in ``saved`` (but in ``rss``): each stage's output tensor, which the executor holds until
 the microbatch's backward (4·b·s·h per microbatch in flight, not a saved tensor: the last
@@ -52,8 +52,9 @@ weight-gradient joins, and kernels' transient workspace.
 Output, on rank 0: the one-microbatch table and its JSON line; the per-rank table through
 ``bench.common.report`` on ``exact_ratio`` (measured / exact, goal: median >= 0.99) and a JSON
 line with the largest deviations from the exact replay (``exact_within_1pct``) and from the
-planner; the last stage's measured peak against the planner's whole activation figure
-(``memory.stage_memory``: in-flight activations + ``logits_bytes``); and last, the headline:
+planner; the last stage's measured peak against the planner's whole figure
+(``memory.stage_memory``: in-flight activations + its logits term, which also holds the
+working set of the microbatch in backward, not a saved tensor); and last, the headline:
 the ratio GPipe / 1F1B of rank 0's measured peak, which Narayanan et al. (arXiv 2104.04473
 §2.2.1) put at m / min(p, m) (GPipe keeps all m microbatches in flight, 1F1B at most p on the
 first stage), goal >= 0.9·m/min(p, m) (1.8 at m = 8, p = 4). Rank 0 is the stage 1F1B is
@@ -62,15 +63,14 @@ in-flight counts alone.
 
 Measured on the 2-core development machine (defaults: p 4, m 8, microbatch 2×256, h 256,
 8 layers, vocab 2048; ~1.5 min): every rank of every schedule saved exactly the action-list
-replay (ratio 1.000000); the planner's per-microbatch block + RoPE bytes matched the middle
-stages to the byte; the first stage keeps 4 KiB more (token ids), the last 5.5 MiB more per
-microbatch (0.3 from the final norm and head input, 4 from the log-softmax), so the planner's
-figure is 1.275× low there, and under GPipe its whole last-stage figure (activations +
-logits_bytes once) is 1.15× low while under 1F1B it is 1.47× high. Rank 0: GPipe 160.2 MiB,
-1F1B 80.1 MiB, ratio 2.000 (RSS growth 207 vs 130 MiB: ~45-50 MiB of non-saved memory,
-the held stage outputs and backward's transients, on top of either). ZB-H1 holds 4 in flight
-on every rank, as the planner says, and its RSS grows most on the later ranks (the kept
-gradients at the weight-gradient joins). With ``--pp 2``: GPipe/1F1B 4.000 on rank 0.
+replay (ratio 1.000000); the planner's per-rank prediction is within 1.3% everywhere (exact
+but for the first stage's 4 KiB of token ids and interleaving's per-chunk RoPE tables); the
+last stage keeps 5.5 MiB more per microbatch than its blocks (0.3 from the final norm and
+head input, 4 from the log-softmax). Rank 0: GPipe 160.2 MiB, 1F1B 80.1 MiB, ratio 2.000
+(RSS growth 208 vs 119 MiB: ~40-50 MiB of non-saved memory, the held stage outputs and
+backward's transients, on top of either). ZB-H1 holds 4 in flight on every rank, as the
+planner says, and its RSS grows most on the later ranks (the kept gradients at the
+weight-gradient joins). With ``--pp 2``: GPipe/1F1B 4.000 on rank 0.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ from bench.common import (peak_rss_bytes, report, run_ranks,  # noqa: E402
 from threefold import memory  # noqa: E402
 from threefold.config import ModelConfig  # noqa: E402
 from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
-from threefold.parallel.pipeline.schedules import ActionKind, peak_in_flight  # noqa: E402
+from threefold.parallel.pipeline.schedules import in_flight_chunks, peak_in_flight  # noqa: E402
 
 MIB = 2**20
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -178,52 +178,41 @@ class SavedActivations:
 # --------------------------------------------------------------------------------------------
 # Predictions
 # --------------------------------------------------------------------------------------------
+def planner_shape(args, p: int, v: int = 1, name: str = "1f1b"):
+    """(Layout, Workload) of this bench's run as the planner sees it: fp32 throughout."""
+    from threefold.cost import Layout, Workload
+
+    return (Layout(pp=p, vpp=v, microbatch_size=args.micro_batch, schedule=name),
+            Workload(seq_len=args.seq_len, global_batch=args.microbatches * args.micro_batch,
+                     precision="fp32", residual_bytes=4, master_bytes=4))
+
+
 def planner_bytes(cfg: ModelConfig, args, blocks: int) -> float:
-    """The planner's activation bytes per microbatch for ``blocks`` blocks, fp32."""
-    tokens = args.micro_batch * args.seq_len
-    block = memory.block_activation_bytes(tokens, cfg.hidden_size, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, cfg.head_dim,
-                                          cfg.intermediate_size, act_bytes=4, residual_bytes=4)
-    rope = 2 * 4 * tokens * cfg.head_dim  # = memory.microbatch_extra_bytes
-    return blocks * block + rope
+    """The planner's activation bytes per microbatch for ``blocks`` blocks: its per-block
+    bytes and the RoPE tables (``memory.model_layer_activation_bytes``,
+    ``memory.microbatch_extra_bytes``)."""
+    layout, work = planner_shape(args, 1)
+    return (blocks * memory.model_layer_activation_bytes(cfg, layout, work)
+            + memory.microbatch_extra_bytes(cfg, layout, work))
 
 
-def stage_extra_bytes(cfg: ModelConfig, args, first: bool, last: bool) -> int:
-    """What a chunk saves per microbatch beyond the planner's blocks + RoPE, as this bench
-    accounts for it: the embedding's int64 token ids (first stage); the final RMSNorm's input,
-    normalised input (fp32, 4h each) and 1/rms (4), the head's input (4h), the loss's
-    log-softmax (4·V) and int64 labels per token, and nll_loss's total weight, one fp32
-    scalar (last stage)."""
-    tokens, h = args.micro_batch * args.seq_len, cfg.hidden_size
-    extra = 8 * tokens if first else 0
-    if last:
-        extra += tokens * (2 * 4 * h + 4 + 4 * h + 4 * cfg.vocab_size + 8) + 4
-    return extra
+def stage_extra_bytes(cfg: ModelConfig, args, first: bool, last: bool) -> float:
+    """What a chunk saves per microbatch beyond ``planner_bytes``: the embedding's int64 token
+    ids on the first stage (8 per token; the planner leaves them out), and on the last the
+    final norm, head and loss tensors the planner counts as ``memory.head_saved_bytes``."""
+    layout, work = planner_shape(args, 2)
+    return ((8 * args.micro_batch * args.seq_len if first else 0)
+            + (memory.head_saved_bytes(cfg, layout, work) if last else 0))
 
 
 def planner_last_stage(cfg: ModelConfig, args, name: str, p: int, v: int) -> tuple[float, float]:
     """The planner's own figures for the last stage (``memory.stage_memory``, fp32): its
-    activations (in-flight × per-microbatch bytes) and ``logits_bytes``, which it adds once."""
-    from threefold.cost import Layout, Workload
-
-    layout = Layout(pp=p, vpp=v, microbatch_size=args.micro_batch, schedule=name)
-    work = Workload(seq_len=args.seq_len, global_batch=args.microbatches * args.micro_batch,
-                    precision="fp32", residual_bytes=4, master_bytes=4)
+    activations (in-flight × per-microbatch bytes) and its logits term (``logits_bytes``,
+    the working set of the microbatch in backward, plus ``head_saved_bytes`` for each other
+    microbatch in flight)."""
+    layout, work = planner_shape(args, p, v, name)
     mb = memory.stage_memory(cfg, layout, work, p - 1)
     return mb.activations, mb.logits
-
-
-def replay_peak(actions, chunk_bytes: list[int]) -> int:
-    """Peak of held bytes walking one rank's action list: a forward of chunk c adds its
-    bytes per microbatch, the action that frees the graph (BW, or W after B) removes them."""
-    held = peak = 0
-    for a in actions:
-        if a.kind is ActionKind.FORWARD:
-            held += chunk_bytes[a.chunk]
-            peak = max(peak, held)
-        elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
-            held -= chunk_bytes[a.chunk]
-    return peak
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,10 +323,14 @@ def worker(args: argparse.Namespace) -> None:
         r = run_schedule(name, chunks[v], p, m, v, rank, comm, loss_fn, tracker, micro,
                          n_tokens, args)
         blocks = sum(c["blocks"] for c in per_chunk[v])
-        r["exact"] = replay_peak(r.pop("actions"), [c["measured"] for c in per_chunk[v]])
+        r["exact"] = in_flight_chunks(r.pop("actions"), [c["measured"] for c in per_chunk[v]])
         r["inflight_plan"] = memory.inflight_microbatches(name, p, m, v, rank)
         r["inflight_sched"] = peak_in_flight(name, p, m, v, rank)
         r["predicted"] = r["inflight_plan"] * planner_bytes(cfg, args, blocks)
+        if rank == p - 1:  # the head's and loss's tensors, for each microbatch they hold
+            layout, work = planner_shape(args, p, v, name)
+            r["predicted"] += (memory.head_inflight_microbatches(name, p, m)
+                               * memory.head_saved_bytes(cfg, layout, work))
         r["blocks"] = blocks
         results[name] = r
     everyone = [None] * p
@@ -399,8 +392,9 @@ def summarise(args, cfg: ModelConfig, p: int, ranks: list[dict]) -> None:
                       "max_abs_dev_planner": plan_dev,
                       "saved_left_after_step": leftovers}))
 
-    print("\nlast stage, measured saved peak vs the planner's activations + logits_bytes "
-          "(stage_memory; logits_bytes is a one-microbatch working set, added once):")
+    print("\nlast stage, measured saved peak vs the planner's activations + logits term "
+          "(stage_memory; the logits term also holds the working set of the microbatch in "
+          "backward, which autograd does not save):")
     last = {}
     for name, r in ranks[-1]["results"].items():
         act, logits = planner_last_stage(cfg, args, name, p, args.vpp if name ==

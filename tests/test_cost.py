@@ -305,7 +305,7 @@ def test_one_layout_replays_its_own_stage_times():
 def test_head_inflight_matches_the_last_stage_in_the_action_lists():
     """Microbatches the last virtual stage holds (F until its BW or W), from the lists."""
     from threefold.memory import head_inflight_microbatches
-    from threefold.parallel.pipeline.schedules import ActionKind, build_schedule, num_stages
+    from threefold.parallel.pipeline.schedules import build_schedule, in_flight_chunks, num_stages
 
     for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("zb-h1", [1]),
                      ("interleaved-1f1b", [2, 4])):
@@ -313,15 +313,10 @@ def test_head_inflight_matches_the_last_stage_in_the_action_lists():
             for m in ((p // 2 or 1), p, 4 * p) if not name.startswith("inter") else (p, 2 * p):
                 for v in vs:
                     n = num_stages(name, p, v)
-                    held = peak = 0
-                    for a in build_schedule(name, p, m, v)[(n - 1) % p]:
-                        if a.stage == n - 1 and a.kind is ActionKind.FORWARD:
-                            held += 1
-                            peak = max(peak, held)
-                        elif a.stage == n - 1 and a.kind in (ActionKind.BACKWARD,
-                                                             ActionKind.BACKWARD_WEIGHT):
-                            held -= 1
-                    assert head_inflight_microbatches(name, p, m) == peak, (name, p, m, v)
+                    last = [a for a in build_schedule(name, p, m, v)[(n - 1) % p]
+                            if a.stage == n - 1]
+                    assert head_inflight_microbatches(name, p, m) == in_flight_chunks(last), \
+                        (name, p, m, v)
 
 
 # --------------------------------------------------------------------------------------------

@@ -408,17 +408,19 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     return [get_schedule(name)(p, m, v, r) for r in range(p)]
 
 
-def in_flight_chunks(actions: list[Action]) -> int:
+def in_flight_chunks(actions: list[Action], weights: list | None = None):
     """Peak number of (microbatch, chunk) activations a rank holds at once: taken at F,
     released when the weight gradient is done (BW or W; after B the weight grad still needs
-    the layer inputs)."""
+    the layer inputs). With ``weights`` (one per chunk, e.g. its bytes per microbatch) the
+    peak of their sum instead."""
     held = peak = 0
     for a in actions:
+        w = 1 if weights is None else weights[a.chunk]
         if a.kind is ActionKind.FORWARD:
-            held += 1
+            held += w
             peak = max(peak, held)
         elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
-            held -= 1
+            held -= w
     return peak
 
 
