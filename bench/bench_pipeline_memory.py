@@ -381,7 +381,7 @@ def summarise(args, cfg: ModelConfig, p: int, ranks: list[dict]) -> None:
             if r["left"]:
                 leftovers.append((name, rank, r["left"]))
     secs = {n: max(rr["results"][n]["seconds"] for rr in ranks) for n in ranks[0]["results"]}
-    print(f"\nmeasured step per schedule (one step, slowest rank; s): "
+    print("\nmeasured step per schedule (one step, slowest rank; s): "
           + ", ".join(f"{n} {t:.2f}" for n, t in secs.items()))
     print("saved = peak bytes kept for backward over the step; predicted = planner in-flight x "
           "planner bytes/microbatch; exact = action-list replay of the measured per-chunk "

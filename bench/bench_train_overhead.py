@@ -9,7 +9,6 @@ Goal (issue 2): ratio threefold / plain >= 0.98.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time

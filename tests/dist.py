@@ -201,3 +201,19 @@ def run_checks(world_size: int, checks: list, timeout: float = 180.0) -> list[li
     norm = [(c, ()) if callable(c) else (c[0], tuple(c[1])) for c in checks]
     per_rank = run_distributed(_run_checks, world_size, norm, timeout=timeout)
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(norm))]
+
+
+def train_runs(rank: int, world: int, overrides: Callable, root: Path, runs: list,
+               task: Callable | None = None) -> bool:
+    """A ``run_distributed`` body: on this rank, train each ``(name, extra)`` of ``runs``
+    under torchrun-style ``Distributed`` in the shared group, into ``root / name``, with the
+    config overrides ``overrides(out, **extra)`` (e.g. a ``functools.partial`` of
+    ``conftest.tiny_overrides``) and the task ``task()`` (pre-training when None)."""
+    from threefold.config import load_config
+    from threefold.parallel.distributed_layout import Distributed
+    from threefold.train import train
+
+    for name, extra in runs:
+        cfg = load_config(None, overrides(Path(root) / name, **extra))
+        train(cfg, Distributed(cfg), task=task() if task else None)
+    return True

@@ -3,6 +3,7 @@ equal to single-process training."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from tests.dist import run_distributed
+from tests.dist import run_distributed, train_runs
 from tests.test_dp_zero import STEPS, _metrics, _weights
 from threefold.checkpoint import load_checkpoint
 from threefold.config import load_config
@@ -19,14 +20,9 @@ from threefold.train import train
 DEEP = {"model__num_hidden_layers": 4}
 
 
-def _runs(rank, world, corpus, cache, root, runs):
-    from threefold.parallel.distributed_layout import Distributed
-
-    for name, extra in runs:
-        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, train__steps=STEPS,
-                                               **DEEP, **extra))
-        train(cfg, Distributed(cfg))
-    return True
+def _overrides(corpus, cache):
+    """The tiny model, 4 blocks deep, STEPS steps unless a run says otherwise."""
+    return functools.partial(tiny_overrides, corpus, cache, train__steps=STEPS, **DEEP)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +53,7 @@ def test_pipeline_through_trainer(reference, corpus, cache_dir, tmp_path):
             ("pp2_interleaved", {"parallel__pp": 2, "parallel__vpp": 2,
                                  "parallel__schedule": "interleaved-1f1b",
                                  "train__micro_batch_size": 4})]
-    run_distributed(_runs, 2, corpus, cache_dir, tmp_path, runs, timeout=400)
+    run_distributed(train_runs, 2, _overrides(corpus, cache_dir), tmp_path, runs, timeout=400)
     for name, _ in runs[:1] + runs[2:]:
         _check(reference, tmp_path / name, 2e-5)
     _check_trace(tmp_path / "pp2_1f1b", micro=4)
@@ -97,7 +93,7 @@ def test_3d_pp2_tp2_dp2(reference, corpus, cache_dir, tmp_path):
             ("3d_zero3_sp_zbh1", {"parallel__pp": 2, "parallel__tp": 2, "parallel__zero_stage": 3,
                                   "parallel__sequence_parallel": "true",
                                   "parallel__schedule": "zb-h1", "train__micro_batch_size": 2})]
-    run_distributed(_runs, 8, corpus, cache_dir, tmp_path, runs, timeout=600)
+    run_distributed(train_runs, 8, _overrides(corpus, cache_dir), tmp_path, runs, timeout=600)
     for name, _ in runs:
         _check(reference, tmp_path / name, 5e-5)
 
@@ -124,7 +120,7 @@ def test_tied_embeddings_across_pipeline_stages(corpus, cache_dir, tmp_path):
             ("tied_pp2_dp2_resumed", {"parallel__pp": 2, "train__micro_batch_size": 2,
                                       "train__steps": STEPS + 1, "checkpoint__resume": "true",
                                       **TIED})]
-    run_distributed(_runs_keep_steps, 4, corpus, cache_dir, tmp_path, runs, timeout=500)
+    run_distributed(train_runs, 4, _overrides(corpus, cache_dir), tmp_path, runs, timeout=500)
     reference = {"losses": [r["loss"] for r in _metrics(ref)], "weights": _weights(ref)}
     assert "lm_head.weight" not in reference["weights"]
     for name, _ in runs[:2]:
@@ -141,14 +137,3 @@ def test_tied_embeddings_across_pipeline_stages(corpus, cache_dir, tmp_path):
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5, msg=k)
-
-
-def _runs_keep_steps(rank, world, corpus, cache, root, runs):
-    """As ``_runs``, but a run's own train__steps wins over STEPS."""
-    from threefold.parallel.distributed_layout import Distributed
-
-    for name, extra in runs:
-        extra = {"train__steps": STEPS, **extra}
-        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, **DEEP, **extra))
-        train(cfg, Distributed(cfg))
-    return True

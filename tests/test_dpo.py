@@ -4,6 +4,7 @@ HF export, and `threefold dpo` out of the box after `threefold train`."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -12,23 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import tiny_overrides
-from tests.dist import run_distributed
-from tests.test_sft import (OPTIM, base, final_weights, metrics, trl_args,  # noqa: F401
-                             trl_stack)
+from tests.dist import run_distributed, train_runs
+from tests.test_sft import (OPTIM, base, data, final_weights, metrics,  # noqa: F401
+                             post_overrides, trl_args, trl_stack)
 from threefold.config import load_config
-from threefold.data import DataError, prepare_data
+from threefold.data import DataError
 from threefold.post.chat import BuiltinTemplate
 from threefold.post.dpo import DPOOptions, DPOTask, dpo_loss, sequence, tokenize_pair
 from threefold.train import train
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 LN2 = math.log(2)
-
-
-@pytest.fixture(scope="module")
-def data(corpus, cache_dir):
-    """The tiny runs' tokenizer (BPE of 320, cached)."""
-    return prepare_data(load_config(None, tiny_overrides(corpus, cache_dir, "x")).data)
 
 
 def test_loss_is_sigmoid_dpo_with_conservative_label_smoothing():
@@ -77,15 +72,6 @@ def test_pairs_tokenize_like_trl_and_label_only_the_response(data):
                       eot, "t")
 
 
-DPO_STEPS = 2
-
-
-def dpo_overrides(corpus, cache, out, **extra):
-    """A short DPO of the tiny model."""
-    return tiny_overrides(corpus, cache, out, data__seq_len=128, train__steps=DPO_STEPS,
-                          train__eval_batches=1, **extra)
-
-
 def write_pairs(root):
     """12 of the built-in pairs for training and 2 for validation, to keep scoring short."""
     from threefold.post import example_path
@@ -101,15 +87,6 @@ def dpo_task(root):
                               beta=0.5, label_smoothing=0.1))
 
 
-def _dpo_layouts(rank, world, corpus, cache, root, runs):
-    from threefold.parallel.distributed_layout import Distributed
-
-    for name, extra in runs:
-        cfg = load_config(None, dpo_overrides(corpus, cache, root / name, **extra))
-        train(cfg, Distributed(cfg), task=dpo_task(root))
-    return True
-
-
 RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
         ("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 1})]
 
@@ -119,7 +96,7 @@ def test_dpo_step0_is_ln2_learns_and_layouts_equal_single_process(corpus, cache_
     from threefold.hf import export_hf
 
     write_pairs(tmp_path)
-    summary = train(load_config(None, dpo_overrides(corpus, cache_dir, tmp_path / "single")),
+    summary = train(load_config(None, post_overrides(corpus, cache_dir, tmp_path / "single")),
                     task=dpo_task(tmp_path))
     ref = metrics(tmp_path / "single")
     first = ref[0]
@@ -133,7 +110,8 @@ def test_dpo_step0_is_ln2_learns_and_layouts_equal_single_process(corpus, cache_
     assert last["loss"] < LN2 and last["rewards/margins"] > 0
     assert last["rewards/margins"] == pytest.approx(last["rewards/chosen"]
                                                     - last["rewards/rejected"], abs=1e-6)
-    run_distributed(_dpo_layouts, 2, corpus, cache_dir, tmp_path, RUNS, timeout=300)
+    run_distributed(train_runs, 2, functools.partial(post_overrides, corpus, cache_dir),
+                    tmp_path, RUNS, functools.partial(dpo_task, tmp_path), timeout=300)
     ref_w = final_weights(tmp_path / "single")
     for name, _ in RUNS:
         got = metrics(tmp_path / name)

@@ -4,6 +4,7 @@ process, HF export, and `threefold sft` out of the box after `threefold train`."
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from tests.dist import run_distributed
+from tests.dist import run_distributed, train_runs
 from threefold.config import load_config
 from threefold.data import DataError, prepare_data
 from threefold.post.chat import (BUILTIN_TEMPLATE, BuiltinTemplate, JinjaTemplate,
@@ -265,19 +266,10 @@ def test_sft_step_losses_equal_trl(corpus, cache_dir, base, tmp_path):
 SFT_STEPS = 2
 
 
-def sft_overrides(corpus, cache, out, **extra):
-    """A short SFT of the tiny model on the built-in examples."""
+def post_overrides(corpus, cache, out, **extra):
+    """A short post-training run (SFT here, DPO in test_dpo) of the tiny model."""
     return tiny_overrides(corpus, cache, out, data__seq_len=128, train__steps=SFT_STEPS,
                           train__eval_batches=1, **extra)
-
-
-def _sft_layouts(rank, world, corpus, cache, root, runs):
-    from threefold.parallel.distributed_layout import Distributed
-
-    for name, extra in runs:
-        cfg = load_config(None, sft_overrides(corpus, cache, root / name, **extra))
-        train(cfg, Distributed(cfg), task=SFTTask())
-    return True
 
 
 # ZeRO-3 x 2 with accumulation runs in test_dpo; here what packing meets in each layout:
@@ -292,12 +284,13 @@ RUNS = [("dp2_accum", {"train__micro_batch_size": 2}),
 def test_sft_layouts_equal_single_process_and_export(corpus, cache_dir, tmp_path):
     from threefold.hf import export_hf
 
-    train(load_config(None, sft_overrides(corpus, cache_dir, tmp_path / "single")),
+    train(load_config(None, post_overrides(corpus, cache_dir, tmp_path / "single")),
           task=SFTTask())
     ref = metrics(tmp_path / "single")
     assert [r["step"] for r in ref] == list(range(1, SFT_STEPS + 1))
     assert ref[-1]["loss"] < ref[0]["loss"]
-    run_distributed(_sft_layouts, 2, corpus, cache_dir, tmp_path, RUNS, timeout=300)
+    run_distributed(train_runs, 2, functools.partial(post_overrides, corpus, cache_dir),
+                    tmp_path, RUNS, SFTTask, timeout=300)
     ref_w = final_weights(tmp_path / "single")
     for name, _ in RUNS:
         assert [r["loss"] for r in metrics(tmp_path / name)] == \

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
 import sys
 import time

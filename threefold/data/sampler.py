@@ -36,7 +36,7 @@ def _gather(tokens: np.ndarray, offsets: list[int], seq_len: int):
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-def _rank_rows(rows: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
+def rank_rows(rows: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
     """The contiguous [lo, hi) share of ``rows`` owned by ``dp_rank``."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
@@ -83,7 +83,7 @@ class BatchSampler:
 
     def local_batch(self, step: int, dp_rank: int, dp_size: int):
         """Rows [rank·G/dp, (rank+1)·G/dp) of ``global_batch(step)``, computed alone."""
-        lo, hi = _rank_rows(self.global_batch_size, dp_rank, dp_size)
+        lo, hi = rank_rows(self.global_batch_size, dp_rank, dp_size)
         return self._rows(step, lo, hi)
 
     def next_batch(self, dp_rank: int = 0, dp_size: int = 1):
@@ -112,7 +112,7 @@ class BatchSampler:
         They ignore the seed and the step, so every evaluation scores the very same text; with
         ``dp_size`` > 1 each rank gets its contiguous share of every batch.
         """
-        lo, hi = _rank_rows(batch_size, dp_rank, dp_size)
+        lo, hi = rank_rows(batch_size, dp_rank, dp_size)
         count = n_batches * batch_size
         last = self.num_windows - 1  # the largest valid offset
         offsets = [k * last // max(count - 1, 1) for k in range(count)]

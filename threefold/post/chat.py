@@ -43,7 +43,7 @@ from typing import Any, Callable
 from tokenizers import Tokenizer
 
 from threefold.data import DataError
-from threefold.data.tokenizer import EOT_NAMES
+from threefold.data.tokenizer import eot_id
 
 GENERATION_PROMPT = "<|assistant|>\n"
 # The built-in format as a Jinja chat template (transformers' dialect): what
@@ -58,11 +58,7 @@ BUILTIN_TEMPLATE = (
 
 def eot_token(tok: Tokenizer, where: str = "tokenizer") -> str:
     """The end-of-text token's text (``<|endoftext|>`` for threefold's BPE)."""
-    for name in EOT_NAMES:
-        if tok.token_to_id(name) is not None:
-            return name
-    raise DataError(f"tokenizer '{where}' has no end-of-text token (looked for "
-                    f"{', '.join(EOT_NAMES)}); the chat template needs one")
+    return tok.id_to_token(eot_id(tok, where))
 
 
 class BuiltinTemplate:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from threefold.data import DataError
+from threefold.data.sampler import rank_rows
 from threefold.data.tokenizer import PAD
 from threefold.post.chat import (announce, check_messages, encode_conversation,
                                  load_chat_template, read_jsonl)
@@ -62,15 +63,6 @@ class SFTOptions:
 # --------------------------------------------------------------------------------------------
 # Sampling items (packed rows, preference pairs) epoch after epoch
 # --------------------------------------------------------------------------------------------
-def rank_slice(rows: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
-    """The contiguous [lo, hi) share of a global batch of ``rows`` owned by ``dp_rank``."""
-    if dp_size < 1 or not 0 <= dp_rank < dp_size or rows % dp_size:
-        raise DataError(f"a batch of {rows} does not split over data-parallel rank {dp_rank} "
-                        f"of {dp_size}; make the batch a multiple of the data-parallel degree")
-    per = rows // dp_size
-    return dp_rank * per, (dp_rank + 1) * per
-
-
 def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
     """A permutation of range(n), a pure function of (seed, epoch): items sorted by a hash
     (independent of numpy's or Python's RNG versions)."""
@@ -126,7 +118,7 @@ class EpochSampler:
 
     def local_batch(self, step: int, dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
         """This rank's slice of the global batch of ``step``, stacked into tensors."""
-        lo, hi = rank_slice(self.global_batch_size, dp_rank, dp_size)
+        lo, hi = rank_rows(self.global_batch_size, dp_rank, dp_size)
         if self.shuffle:
             self.step = int(step) + 1
         items = [self.item(i) if i is not None else self.empty()
