@@ -39,16 +39,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import run_ranks  # noqa: E402
+from bench.common import print_table, run_ranks  # noqa: E402
 from threefold.config import ModelConfig  # noqa: E402
 from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
-from threefold.parallel.pipeline.executor import (  # noqa: E402
-    PipelineExecutor,
-    checked_schedule,
-    idle_fraction,
-)
-from threefold.parallel.pipeline.schedules import num_stages  # noqa: E402
-from threefold.parallel.pipeline.simulate import measured_costs, replay, simulate  # noqa: E402
+from threefold.parallel.pipeline.executor import PipelineExecutor, idle_fraction  # noqa: E402
+from threefold.parallel.pipeline.simulate import measured_costs, simulate  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
 
@@ -105,8 +100,7 @@ def run_schedule(args, name: str, v: int, comm) -> dict:
         return None
     measured = [idle_fraction(recs) for recs in steps]
     costs = measured_costs(steps)
-    lists = [list(a) for a in checked_schedule(name, p, m, v)]
-    sim = replay(lists, num_stages(name, p, v), costs)
+    sim = simulate(name, p, m, v, costs)
     unit = simulate(name, p, m, v).bubble_fraction
     spans = [max(r.end_s for r in recs if r.category == "compute")
              - min(r.start_s for r in recs if r.category == "compute") for recs in steps]
@@ -140,14 +134,10 @@ def worker(args) -> None:
     wanted = args.schedules.split(",")
     rows = [run_schedule(args, name, v, comm) for name, v in SCHEDULES if name in wanted]
     if dist.get_rank() == 0:
-        keys = list(rows[0])
         print(f"pp={p} microbatches={args.microbatches} micro-batch {args.micro_batch_size}x"
               f"{args.seq_len} hidden {args.hidden} layers {args.layers}; idle fraction per "
               f"step, median of {args.steps} steps")
-        print(" | ".join(f"{k:>14}" for k in keys))
-        for r in rows:
-            print(" | ".join(f"{r[k]:>14.4g}" if isinstance(r[k], float) else f"{r[k]:>14}"
-                             for k in keys))
+        print_table(rows, width=14)
         worst = max(r["rel_error"] for r in rows)
         print(json.dumps({"benchmark": "pipeline_idle_vs_simulator", "pp": p,
                           "rel_error": {r["schedule"]: round(r["rel_error"], 4) for r in rows},

@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (peak_rss_bytes, report, run_ranks,  # noqa: E402
+from bench.common import (ab_rows, peak_rss_bytes, report, run_ranks,  # noqa: E402
                           start_peak_rss_window)
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
 from threefold.cost import num_parameters  # noqa: E402
@@ -104,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    """The benchmarked shape (untied head: a tied one cannot be split across stages)."""
+    """The benchmarked shape (untied head: torch's pipelining has no tied-weight sync across
+    stages, so both sides are compared without one)."""
     return ModelConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                        intermediate_size=args.ffn, max_position_embeddings=args.seq_len,
@@ -319,12 +320,7 @@ def print_agreement(args, mcfg, check) -> None:
 def summarise(args, results) -> None:
     """Throughput table and JSON line, then where each side's time goes, per rank."""
     tok = args.batch * args.seq_len * args.steps
-    rows = []
-    for r in range(args.rounds):
-        sec = {name: max(p["seconds"] for p in ranks) for rr, name, ranks in results if rr == r}
-        rows.append({"round": r, "threefold_tok_s": tok / sec["threefold"],
-                     "torch_tok_s": tok / sec["torch"],
-                     "ratio": sec["torch"] / sec["threefold"]})
+    rows = ab_rows(results, args.rounds, tok)
     last = {name: ranks[0]["loss"] for rr, name, ranks in results if rr == args.rounds - 1}
     print(f"loss of step {args.warmup + args.rounds * args.steps} (AdamW all along): threefold "
           f"{last['threefold']:.7f}, torch {last['torch']:.7f}")

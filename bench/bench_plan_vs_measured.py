@@ -2,7 +2,7 @@
 step, peak memory, step time.
 
     python3 bench/bench_plan_vs_measured.py [--preset tiny] [--seq-len 128] [--steps 5]
-        [--runs single,dp2,zero1,zero3,tp2,tp2_sp,pp2_1f1b,pp2_gpipe]
+        [--runs single,dp2,zero1,zero2,zero3,tp2,tp2_sp,pp2_1f1b,pp2_gpipe]
         [--hardware-file CALIBRATION.json]
 
 Each run is a subprocess, `python -m threefold train [--nproc-per-node 2] ...`, exactly as a

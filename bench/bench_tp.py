@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import report, run_ranks  # noqa: E402
+from bench.common import ab_rows, report, run_ranks  # noqa: E402
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
 from threefold.cost import num_parameters  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
@@ -232,12 +232,7 @@ def summarise(args, mcfg, world, results) -> None:
     print(json.dumps({"benchmark": f"tp{world}_agreement", "loss0": l0, "loss_last": last,
                       "loss0_rel_diff": rel, "agree": rel < 1e-5,
                       "collectives": {n: v["calls"] for n, v in first.items()}}))
-    rows = []
-    for r in range(args.rounds):
-        sec = {name: max(p["seconds"] for p in ranks) for rr, name, ranks in results if rr == r}
-        rows.append({"round": r, "tp": world, "threefold_tok_s": tok / sec["threefold"],
-                     "torch_tok_s": tok / sec["torch"],
-                     "ratio": sec["torch"] / sec["threefold"]})
+    rows = ab_rows(results, args.rounds, tok, tp=world)
     print()
     report(f"tp{world}_threefold_vs_torch_dtensor", rows, "ratio", 1.0)
 

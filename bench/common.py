@@ -7,17 +7,34 @@ import statistics
 import sys
 
 
+def print_table(rows: list[dict], width: int = 18) -> None:
+    """Rows (dicts with the same keys) as a text table, floats to 4 significant digits."""
+    keys = list(rows[0])
+    print(" | ".join(f"{k:>{width}}" for k in keys))
+    for r in rows:
+        print(" | ".join(f"{r[k]:>{width}.4g}" if isinstance(r[k], float)
+                         else f"{r[k]!s:>{width}}" for k in keys))
+
+
 def report(name: str, rows: list[dict], ratio_key: str, goal: float) -> None:
     """Print rows as a table and one JSON line (machine-readable) ending the output."""
-    keys = list(rows[0])
-    print(" | ".join(f"{k:>18}" for k in keys))
-    for r in rows:
-        print(" | ".join(f"{r[k]:>18.4g}" if isinstance(r[k], float) else f"{r[k]!s:>18}"
-                         for k in keys))
+    print_table(rows)
     ratios = [r[ratio_key] for r in rows if isinstance(r.get(ratio_key), float)]
     med = statistics.median(ratios) if ratios else float("nan")
     print(json.dumps({"benchmark": name, ratio_key + "_median": med, "goal": goal,
                       "meets_goal": med >= goal}), file=sys.stdout, flush=True)
+
+
+def ab_rows(results: list, rounds: int, tokens: float, **extra) -> list[dict]:
+    """One row per round of a threefold-vs-torch benchmark whose ``results`` are (round,
+    side, per-rank dicts with "seconds"): tokens/s of each side (``tokens`` over the slowest
+    rank's time), ``extra`` columns, and the ratio threefold/torch of throughput."""
+    rows = []
+    for r in range(rounds):
+        sec = {side: max(p["seconds"] for p in ranks) for rr, side, ranks in results if rr == r}
+        rows.append({"round": r, **extra, "threefold_tok_s": tokens / sec["threefold"],
+                     "torch_tok_s": tokens / sec["torch"], "ratio": sec["torch"] / sec["threefold"]})
+    return rows
 
 
 # --------------------------------------------------------------------------------------------

@@ -52,3 +52,18 @@ def tiny_overrides(corpus: Path, cache: Path, out: Path, **extra) -> list[tuple[
     }
     base.update({k.replace("__", "."): str(v) for k, v in extra.items()})
     return list(base.items())
+
+
+def metrics(out: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    import json
+
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(out: Path) -> dict:
+    """The model tensors of a run's newest checkpoint."""
+    from threefold.checkpoint import list_checkpoints, load_checkpoint
+
+    step = list_checkpoints(out / "checkpoints")[-1]
+    return load_checkpoint(out / "checkpoints" / str(step))[0]["model"]

@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
-from tests.test_dp_zero import STEPS, _metrics, _weights
+from tests.test_dp_zero import STEPS
 from threefold.checkpoint import load_checkpoint
 from threefold.config import load_config
 from threefold.train import train
@@ -29,13 +29,13 @@ def _overrides(corpus, cache):
 def reference(corpus, cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref3d") / "single"
     train(load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=STEPS, **DEEP)))
-    return {"losses": [r["loss"] for r in _metrics(out)], "weights": _weights(out)}
+    return {"losses": [r["loss"] for r in metrics(out)], "weights": final_weights(out)}
 
 
 def _check(reference, out, atol):
-    losses = [r["loss"] for r in _metrics(out)]
+    losses = [r["loss"] for r in metrics(out)]
     assert losses == pytest.approx(reference["losses"], rel=1e-5), out.name
-    w = _weights(out)
+    w = final_weights(out)
     assert set(w) == set(reference["weights"]), out.name
     for k, ref in reference["weights"].items():
         # Adam on near-zero gradients magnifies reordered sums (tp): atol 5e-5
@@ -61,7 +61,7 @@ def test_pipeline_through_trainer(reference, corpus, cache_dir, tmp_path):
     out = tmp_path / "ref_clip"
     train(load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=STEPS, **DEEP,
                                            optim__grad_clip="0.5")))
-    _check({"losses": [r["loss"] for r in _metrics(out)], "weights": _weights(out)},
+    _check({"losses": [r["loss"] for r in metrics(out)], "weights": final_weights(out)},
            tmp_path / "pp2_zbh1_clip", 2e-5)
 
 
@@ -121,17 +121,17 @@ def test_tied_embeddings_across_pipeline_stages(corpus, cache_dir, tmp_path):
                                       "train__steps": STEPS + 1, "checkpoint__resume": "true",
                                       **TIED})]
     run_distributed(train_runs, 4, _overrides(corpus, cache_dir), tmp_path, runs, timeout=500)
-    reference = {"losses": [r["loss"] for r in _metrics(ref)], "weights": _weights(ref)}
+    reference = {"losses": [r["loss"] for r in metrics(ref)], "weights": final_weights(ref)}
     assert "lm_head.weight" not in reference["weights"]
     for name, _ in runs[:2]:
         _check(reference, tmp_path / name, 5e-5)
-        norms = [r["grad_norm"] for r in _metrics(tmp_path / name)]
-        assert norms == pytest.approx([r["grad_norm"] for r in _metrics(ref)], rel=1e-5)
+        norms = [r["grad_norm"] for r in metrics(tmp_path / name)]
+        assert norms == pytest.approx([r["grad_norm"] for r in metrics(ref)], rel=1e-5)
     # one more step from the tied checkpoint: single process and pipelined agree
     train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS + 1,
                                            checkpoint__resume="true", **DEEP, **TIED)))
-    last = [r for r in _metrics(resumed) if r["step"] == STEPS + 1]
-    assert last and last[0]["loss"] == pytest.approx(_metrics(ref)[-1]["loss"], rel=1e-5)
+    last = [r for r in metrics(resumed) if r["step"] == STEPS + 1]
+    assert last and last[0]["loss"] == pytest.approx(metrics(ref)[-1]["loss"], rel=1e-5)
     got = load_checkpoint(resumed / "checkpoints" / str(STEPS + 1))[0]["model"]
     want = load_checkpoint(ref / "checkpoints" / str(STEPS + 1))[0]["model"]
     assert set(got) == set(want)

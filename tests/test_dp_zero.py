@@ -4,27 +4,17 @@ the model state ZeRO's formulas say."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
-from threefold.checkpoint import load_checkpoint
+from tests.test_comm import chunk
 from threefold.config import load_config
 from threefold.cost import num_parameters
 from threefold.train import train
 
 STEPS = 4
-
-
-def _metrics(out):
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(out):
-    return load_checkpoint(out / "checkpoints" / str(STEPS))[0]["model"]
 
 
 def _layouts(rank, world, corpus, cache, root, runs):
@@ -53,8 +43,7 @@ def _layouts(rank, world, corpus, cache, root, runs):
 
 def _all_reduce_bytes(numel: int, n: int, i: int) -> int:
     """fp32 bytes rank i sends in a ring all-reduce: 2·(numel − its own chunk)."""
-    own = numel // n + (1 if i < numel % n else 0)
-    return 2 * (numel - own) * 4
+    return 2 * (numel - chunk(numel, n, i)) * 4
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +52,14 @@ def reference(corpus, cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref") / "single"
     cfg = load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=STEPS))
     train(cfg)
-    return {"losses": [r["loss"] for r in _metrics(out)], "weights": _weights(out),
+    return {"losses": [r["loss"] for r in metrics(out)], "weights": final_weights(out),
             "psi": num_parameters(cfg.model.resolved(320))}
 
 
 def _check_equal(reference, out):
-    losses = [r["loss"] for r in _metrics(out)]
+    losses = [r["loss"] for r in metrics(out)]
     assert losses == pytest.approx(reference["losses"], rel=1e-5), out.name
-    w = _weights(out)
+    w = final_weights(out)
     assert set(w) == set(reference["weights"])
     for k, ref in reference["weights"].items():
         torch.testing.assert_close(w[k], ref, rtol=1e-4, atol=2e-5, msg=f"{out.name}: {k}")

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import tiny_overrides
+from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
-from tests.test_sft import (OPTIM, base, data, final_weights, metrics,  # noqa: F401
-                             post_overrides, trl_args, trl_stack)
+from tests.test_sft import (OPTIM, base, data, post_overrides, trl_args,  # noqa: F401
+                             trl_stack)
 from threefold.config import load_config
 from threefold.data import DataError
 from threefold.post.chat import BuiltinTemplate

@@ -27,7 +27,7 @@ from threefold.cost import (
     stage_units,
     tp_shard,
 )
-from threefold.dryrun import dry_run, meta_parameter_counts, predict
+from threefold.dryrun import _MetaComm, dry_run, meta_parameter_counts, predict
 from threefold.memory import block_activation_bytes
 from threefold.model import LlamaForCausalLM
 
@@ -123,11 +123,18 @@ def test_bad_layouts_raise_config_error(warm, monkeypatch, overrides, world, mat
         dry_run(cfg, world, out=lambda s: None)
 
 
-def test_layout_the_planner_refuses_is_a_value_error(warm, monkeypatch):
+def test_more_pipeline_stages_than_layers_is_refused(warm, monkeypatch):
+    """The dry run refuses it (the runtime's layout check, a ConfigError), and so does the
+    planner's own check on its Layout (a LayoutError)."""
+    from threefold.cost import LayoutError, check_layout
+
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, [("parallel.pp", "5")])  # 4 layers
     with pytest.raises(ValueError, match="pp"):
         dry_run(cfg, 5, out=lambda s: None)
+    with pytest.raises(LayoutError, match="pp·vpp=5"):
+        check_layout(ModelConfig(preset="tiny", vocab_size=320).resolved(), Layout(pp=5),
+                     Workload(seq_len=64, global_batch=8))
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +144,6 @@ def test_layout_the_planner_refuses_is_a_value_error(warm, monkeypatch):
 def test_meta_model_matches_planner_parameter_order(warm, tp, tied):
     """Per-rank parameter sizes in registration order (the order gradient buckets are cut
     in) equal the meta model's after tensor parallelism; tp 8 replicates the 4 kv heads."""
-    from threefold.dryrun import _MetaComm
     from threefold.parallel.tensor import apply_tensor_parallel
 
     cfg = ModelConfig(preset="tiny", vocab_size=1001, tie_word_embeddings=tied).resolved()
@@ -188,28 +194,19 @@ def test_planner_splits_the_pipeline_as_the_runtime_does(warm, preset, pp, vpp, 
         assert counts == (8, 9, 9, 6)  # the head costs ~2.4 blocks of FLOPs, the embedding 0
 
 
-class _Loopback:
-    """``t`` identical tp ranks: each collective returns what it would if every rank held
+class _Loopback(_MetaComm):
+    """``tp`` identical tp ranks: each collective returns what it would if every rank held
     this rank's tensor, so one process runs a sharded block with the real autograd graph."""
-
-    def __init__(self, t: int):
-        self.t = t
-
-    def size(self, axis):
-        return self.t if axis == "tp" else 1
-
-    def rank(self, axis):
-        return 0
 
     def all_reduce(self, x, axis, op="sum", async_op=False):
         if op == "sum":
-            x.mul_(self.t)
+            x.mul_(self.tp)
 
     def all_gather(self, out, x, axis, async_op=False):
-        out.copy_(x.reshape(-1).repeat(self.t).view_as(out))
+        out.copy_(x.reshape(-1).repeat(self.tp).view_as(out))
 
     def reduce_scatter(self, out, x, axis, op="sum", async_op=False):
-        out.copy_(x.reshape(self.t, -1)[0].view_as(out) * self.t)
+        out.copy_(x.reshape(self.tp, -1)[0].view_as(out) * self.tp)
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (8, True)])

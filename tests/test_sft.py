@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from threefold.config import load_config
 from threefold.data import DataError, prepare_data
@@ -28,19 +28,6 @@ CONV = [{"role": "system", "content": "Be brief."},
         {"role": "assistant", "content": "4."},
         {"role": "user", "content": "And 3+3?"},
         {"role": "assistant", "content": "It is 6."}]
-
-
-def metrics(out: Path) -> list[dict]:
-    """The records of a run's metrics.jsonl."""
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(out: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of a run's newest checkpoint."""
-    from threefold.checkpoint import list_checkpoints, load_checkpoint
-
-    step = list_checkpoints(out / "checkpoints")[-1]
-    return load_checkpoint(out / "checkpoints" / str(step))[0]["model"]
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +133,7 @@ def test_pack_and_sampler_are_deterministic_exact_and_resumable():
     assert (b["labels"][:-1][ok[:-1]] == b["input_ids"][1:][ok[:-1]]).all()
     assert (doc[:-1][ok[:-1]] == doc[1:][ok[:-1]]).all()
     # one epoch = every row once, in a (seed, epoch)-determined order
-    seen = torch.cat([s.local_batch(0, 0, 1)["input_ids"]])
+    seen = s.local_batch(0, 0, 1)["input_ids"]
     assert sorted(seen[:, 0].tolist()) == sorted(s.item(i)["input_ids"][0] for i in range(4))
     assert sorted(epoch_order(3, 1, 10)) == list(range(10)) != epoch_order(3, 1, 10)
     assert epoch_order(3, 0, 10) != epoch_order(3, 1, 10)

@@ -5,13 +5,11 @@ process; per-layer collectives match Megatron's counts."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.conftest import tiny_overrides
+from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
-from tests.test_dp_zero import STEPS, _check_equal, _metrics, _weights
+from tests.test_dp_zero import STEPS, _check_equal
 from threefold.config import load_config
-from threefold.cost import num_parameters
 from threefold.train import train
 
 
@@ -37,7 +35,7 @@ def references(corpus, cache_dir, tmp_path_factory):
         out = tmp_path_factory.mktemp("tpref") / key
         train(load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=STEPS,
                                                **extra)))
-        refs[key] = {"losses": [r["loss"] for r in _metrics(out)], "weights": _weights(out)}
+        refs[key] = {"losses": [r["loss"] for r in metrics(out)], "weights": final_weights(out)}
     return refs
 
 

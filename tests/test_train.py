@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from tests.conftest import tiny_overrides
+from tests.conftest import metrics, tiny_overrides
 from threefold.cli import main
 from threefold.cost import num_parameters
 from threefold.config import load_config
@@ -19,15 +19,11 @@ def _run(corpus, cache, out, **extra):
     return train(load_config(None, tiny_overrides(corpus, cache, out, **extra)))
 
 
-def _metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_run_writes_metrics_summary_and_checkpoints(corpus, cache_dir, tmp_path):
     out = tmp_path / "run"
     summary = _run(corpus, cache_dir, out, train__steps=8, checkpoint__interval=3,
                    checkpoint__keep_last=2, train__trace_step=3)
-    recs = _metrics(out)
+    recs = metrics(out)
     assert [r["step"] for r in recs] == list(range(1, 9))
     for r in recs:
         assert KEYS <= set(r)
@@ -63,17 +59,17 @@ def test_resume_is_bit_identical(corpus, cache_dir, tmp_path):
     shutil.rmtree(part / "checkpoints" / "6")
     _run(corpus, cache_dir, part, train__steps=6, checkpoint__resume="true",
          train__eval_batches=1)
-    a = [r["loss"] for r in _metrics(full)]
-    b = [r["loss"] for r in _metrics(part)]
+    a = [r["loss"] for r in metrics(full)]
+    b = [r["loss"] for r in metrics(part)]
     assert a == b  # bit-identical, not merely close
-    assert [r["grad_norm"] for r in _metrics(full)] == [r["grad_norm"] for r in _metrics(part)]
+    assert [r["grad_norm"] for r in metrics(full)] == [r["grad_norm"] for r in metrics(part)]
 
 
 def test_accumulation_matches_one_big_batch(corpus, cache_dir, tmp_path):
     a = _run(corpus, cache_dir, tmp_path / "a", train__steps=4)
     b = _run(corpus, cache_dir, tmp_path / "b", train__steps=4, train__micro_batch_size=2)
-    la = [r["loss"] for r in _metrics(tmp_path / "a")]
-    lb = [r["loss"] for r in _metrics(tmp_path / "b")]
+    la = [r["loss"] for r in metrics(tmp_path / "a")]
+    lb = [r["loss"] for r in metrics(tmp_path / "b")]
     assert la == pytest.approx(lb, rel=1e-5)
     assert a["validation_loss"] == pytest.approx(b["validation_loss"], rel=1e-5)
 
@@ -115,16 +111,16 @@ def test_activation_checkpointing_same_losses(corpus, cache_dir, tmp_path):
     _run(corpus, cache_dir, tmp_path / "a", train__steps=3)
     _run(corpus, cache_dir, tmp_path / "b", train__steps=3,
          train__activation_checkpointing="true")
-    la = [r["loss"] for r in _metrics(tmp_path / "a")]
-    lb = [r["loss"] for r in _metrics(tmp_path / "b")]
+    la = [r["loss"] for r in metrics(tmp_path / "a")]
+    lb = [r["loss"] for r in metrics(tmp_path / "b")]
     assert la == pytest.approx(lb, rel=1e-6)
 
 
 def test_bf16_autocast_trains_close_to_fp32(corpus, cache_dir, tmp_path):
     _run(corpus, cache_dir, tmp_path / "fp32", train__steps=3)
     s = _run(corpus, cache_dir, tmp_path / "bf16", train__steps=3, train__dtype="bfloat16")
-    a = [r["loss"] for r in _metrics(tmp_path / "fp32")]
-    b = [r["loss"] for r in _metrics(tmp_path / "bf16")]
+    a = [r["loss"] for r in metrics(tmp_path / "fp32")]
+    b = [r["loss"] for r in metrics(tmp_path / "bf16")]
     assert b != a  # really ran in bf16
     assert b == pytest.approx(a, rel=2e-2)  # but computes the same function
     assert s["peak_flops_source"] == "cpu-matmul-probe"

@@ -312,14 +312,11 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
     info: dict = {"path": str(path), "step": step + 1}
     if getattr(lay, "pipeline", None) is not None:
         from threefold.parallel.pipeline.executor import idle_fraction
-        from threefold.parallel.pipeline.schedules import ActionKind
-        from threefold.parallel.pipeline.simulate import measured_costs, simulate
+        from threefold.parallel.pipeline.simulate import measured_costs, pipeline_records, simulate
 
         ex, p = lay.pipeline, run.cfg.parallel
         # one pipeline: the ranks of dp 0 and tp 0 (the others repeat its timeline)
-        pipeline_ranks = set(meta["pipelines"][0])
-        first = [r for r in allrec if r.rank in pipeline_ranks and r.name.split()[0]
-                 in {k.value for k in ActionKind}]
+        first = pipeline_records(allrec, set(meta["pipelines"][0]))
         info["pipeline_idle_fraction"] = idle_fraction(first)
         # the simulator's figure for this step's own action times, and the textbook one
         info["pipeline_simulated_bubble"] = simulate(

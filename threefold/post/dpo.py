@@ -45,7 +45,6 @@ forward-only steps of the same executor, then sent to every stage.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +54,8 @@ import torch.nn.functional as F
 from threefold.data import DataError
 from threefold.post.chat import (announce, check_messages, encode_text, eot_token,
                                  load_chat_template)
-from threefold.post.sft import IGNORE, EpochSampler, pad_id, split_records
+from threefold.post.sft import (IGNORE, EpochSampler, fingerprint, pad_id, split_records,
+                                stack_items)
 
 
 @dataclass
@@ -138,12 +138,8 @@ class PairSampler(EpochSampler):
         self.arrays = [sequence(p, c, seq_len, pad) + sequence(p, r, seq_len, pad)
                        for p, c, r in pairs]
         self.ref: np.ndarray | None = None  # (n, 2) float64 from DPOTask.setup
-        h = hashlib.blake2b(digest_size=8)
-        for arrs in self.arrays:
-            for a in arrs:
-                h.update(a.tobytes())
         super().__init__(len(pairs), global_batch_size, seed, shuffle,
-                         f"{h.hexdigest()}/{self.seq_len}")
+                         fingerprint((a for arrs in self.arrays for a in arrs), seq_len))
 
     def tensors(self, i: int) -> dict[str, np.ndarray]:
         """Pair ``i``'s token arrays."""
@@ -169,12 +165,6 @@ class PairSampler(EpochSampler):
                 "ref_rejected_logps": np.float64(0.0), "weight": np.float32(0.0)}
 
 
-def sequence_logps(run, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed log-probability of each row's labelled tokens, (rows,) fp32, after one forward
-    of the whole model (``rows_logps``)."""
-    return rows_logps(run, run.forward({"input_ids": input_ids}), labels)
-
-
 def rows_logps(run, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed log-probability of each row's labelled tokens from its logits, (rows,) fp32:
     minus the summed cross-entropy, one ``run.loss`` call per row (vocab-parallel under
@@ -191,13 +181,18 @@ def concatenated(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "labels": torch.cat([micro["chosen_labels"], micro["rejected_labels"]])}
 
 
-def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Policy log-probs (chosen, rejected) of a micro-batch of pairs, in one forward over the
-    chosen rows followed by the rejected rows (as TRL's concatenated forward)."""
-    b = micro["chosen_input_ids"].shape[0]
-    both = concatenated(micro)
-    logps = sequence_logps(run, both["input_ids"], both["labels"])
+def halves(logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) of per-row log-probs over ``concatenated`` rows."""
+    b = logps.shape[0] // 2
     return logps[:b], logps[b:]
+
+
+def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy log-probs (chosen, rejected) of a micro-batch of pairs, in one forward of the
+    whole model over the ``concatenated`` rows."""
+    both = concatenated(micro)
+    return halves(rows_logps(run, run.forward({"input_ids": both["input_ids"]}),
+                             both["labels"]))
 
 
 class DPOTask:
@@ -260,16 +255,14 @@ class DPOTask:
         for start in range(0, sampler.n, mb):
             idx = list(range(start, min(sampler.n, start + mb)))
             items = [sampler.tensors(i) for i in idx + [idx[0]] * (mb - len(idx))]
-            micro = {k: torch.from_numpy(np.stack([it[k] for it in items])).to(run.device)
-                     for k in items[0]}
+            micro = {k: t.to(run.device) for k, t in stack_items(items).items()}
             micros.append((idx, micro))
         pipe = getattr(lay, "pipeline", None)
         if pipe is not None:
             return self._pipelined_reference(run, pipe, micros, out)
         for idx, micro in micros:
-            chosen, rejected = pair_logps(run, micro)
-            out[idx[0]:idx[-1] + 1, 0] = chosen[:len(idx)].double().cpu().numpy()
-            out[idx[0]:idx[-1] + 1, 1] = rejected[:len(idx)].double().cpu().numpy()
+            for col, logps in enumerate(pair_logps(run, micro)):
+                out[idx[0]:idx[-1] + 1, col] = logps[:len(idx)].double().cpu().numpy()
         return out
 
     def _pipelined_reference(self, run, pipe, micros: list, out: np.ndarray) -> np.ndarray:
@@ -277,29 +270,18 @@ class DPOTask:
         micro-batches (the last group filled up with repeats), the last stage recording each
         row's log-prob, then sent to every stage of the pipeline (all ranks' samplers hold
         the same reference)."""
-        kept: dict[int, tuple] = {}
 
-        def record(logits, micro):  # on the last stage, in place of the DPO loss
-            b = micro["chosen_input_ids"].shape[0]
-            logps = rows_logps(run, logits, micro["labels"]).double().cpu()
-            kept[int(micro["group_slot"])] = (logps[:b], logps[b:])
-            return logits.new_zeros(()), {}
+        def score(logits, micro):  # on the last stage, in place of the DPO loss
+            return logits.new_zeros(()), {"logps": rows_logps(run, logits, micro["labels"])}
 
-        loss = pipe.task_loss
-        pipe.task_loss = record
-        try:
-            for g in range(0, len(micros), pipe.m):
-                group = micros[g:g + pipe.m]
-                group += [group[0]] * (pipe.m - len(group))
-                kept.clear()
-                pipe.evaluate([{**concatenated(micro), "group_slot": torch.tensor(j)}
-                               for j, (_, micro) in enumerate(group)])
-                for j, (idx, _) in enumerate(micros[g:g + pipe.m]):
-                    if j in kept:  # the last stage only
-                        out[idx[0]:idx[-1] + 1, 0] = kept[j][0][:len(idx)].numpy()
-                        out[idx[0]:idx[-1] + 1, 1] = kept[j][1][:len(idx)].numpy()
-        finally:
-            pipe.task_loss = loss
+        for g in range(0, len(micros), pipe.m):
+            group = micros[g:g + pipe.m]
+            pipe.evaluate([concatenated(micro) for _, micro in group]
+                          + [concatenated(group[0][1])] * (pipe.m - len(group)), task_loss=score)
+            for j, (idx, _) in enumerate(group):
+                if j in pipe.task_outputs:  # the last stage only
+                    for col, logps in enumerate(halves(pipe.task_outputs[j]["logps"])):
+                        out[idx[0]:idx[-1] + 1, col] = logps[:len(idx)].double().cpu().numpy()
         lay = run.layout
         ref = torch.from_numpy(out).to(run.device)
         lay.control.broadcast(ref, lay.dims.pp - 1, "pp")
@@ -328,14 +310,11 @@ class DPOTask:
     def pipeline_loss(self, run, logits: torch.Tensor, micro: dict[str, torch.Tensor]
                       ) -> tuple[torch.Tensor, dict]:
         """``loss`` on a pipeline's last stage, from the logits of the concatenated rows."""
-        b = micro["chosen_input_ids"].shape[0]
-        logps = rows_logps(run, logits, micro["labels"])
-        return self._dpo(micro, logps[:b], logps[b:])
+        return self._dpo(micro, *halves(rows_logps(run, logits, micro["labels"])))
 
     def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         """Summed DPO loss of the micro-batch's pairs and summed metrics."""
-        chosen, rejected = pair_logps(run, micro)
-        return self._dpo(micro, chosen, rejected)
+        return self._dpo(micro, *pair_logps(run, micro))
 
     def _dpo(self, micro: dict[str, torch.Tensor], chosen: torch.Tensor,
              rejected: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -63,6 +63,20 @@ class SFTOptions:
 # --------------------------------------------------------------------------------------------
 # Sampling items (packed rows, preference pairs) epoch after epoch
 # --------------------------------------------------------------------------------------------
+def fingerprint(arrays, seq_len: int) -> str:
+    """A short hash of a data set's token arrays and row length: a sampler's state names it,
+    so a resume on other data is refused."""
+    h = hashlib.blake2b(digest_size=8)
+    for a in arrays:
+        h.update(a.tobytes())
+    return f"{h.hexdigest()}/{int(seq_len)}"
+
+
+def stack_items(items: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Items with the same fields stacked into one tensor per field (a batch)."""
+    return {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}
+
+
 def epoch_order(seed: int, epoch: int, n: int) -> list[int]:
     """A permutation of range(n), a pure function of (seed, epoch): items sorted by a hash
     (independent of numpy's or Python's RNG versions)."""
@@ -121,9 +135,8 @@ class EpochSampler:
         lo, hi = rank_rows(self.global_batch_size, dp_rank, dp_size)
         if self.shuffle:
             self.step = int(step) + 1
-        items = [self.item(i) if i is not None else self.empty()
-                 for i in self.indices(step, lo, hi)]
-        return {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}
+        return stack_items([self.item(i) if i is not None else self.empty()
+                            for i in self.indices(step, lo, hi)])
 
     def state_dict(self) -> dict:
         """Plain values that let the same data continue in the same order."""
@@ -187,11 +200,8 @@ class PackedSampler(EpochSampler):
                  seed: int, pad_id: int, shuffle: bool = True):
         self.convs, self.seq_len, self.pad_id = convs, int(seq_len), int(pad_id)
         self.rows = pack([len(c.ids) for c in convs], self.seq_len)
-        h = hashlib.blake2b(digest_size=8)
-        for c in convs:
-            h.update(c.ids.tobytes() + c.labels.tobytes())
         super().__init__(len(self.rows), global_batch_size, seed, shuffle,
-                         f"{h.hexdigest()}/{self.seq_len}")
+                         fingerprint((a for c in convs for a in (c.ids, c.labels)), seq_len))
 
     def empty(self) -> dict[str, np.ndarray]:
         """A row of padding: no targets."""

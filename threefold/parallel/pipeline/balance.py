@@ -13,6 +13,16 @@ from __future__ import annotations
 from threefold.config import ConfigError
 
 
+def _check_fill(n_layers: int, n_stages: int) -> None:
+    """Every stage needs at least one block."""
+    if n_stages < 1:
+        raise ValueError(f"pipeline: need at least one stage, got {n_stages}")
+    if n_layers < n_stages:
+        raise ConfigError(f"model.num_hidden_layers: {n_layers} layers cannot fill {n_stages} "
+                          f"pipeline stages (pp·vpp) with at least one layer each; lower "
+                          f"parallel.pp or parallel.vpp, or use a deeper model")
+
+
 def partition(layer_costs: list[float], n_stages: int, first_extra: float = 0.0,
               last_extra: float = 0.0) -> list[range]:
     """Split the blocks, with the given costs, into ``n_stages`` contiguous runs of at least
@@ -20,12 +30,7 @@ def partition(layer_costs: list[float], n_stages: int, first_extra: float = 0.0,
     those, the one with the smallest sum of squared stage costs, then the one whose later
     stages are larger (the first stage holds the most activations under 1F1B)."""
     n_layers = len(layer_costs)
-    if n_stages < 1:
-        raise ValueError(f"pipeline: need at least one stage, got {n_stages}")
-    if n_layers < n_stages:
-        raise ConfigError(f"model.num_hidden_layers: {n_layers} layers cannot fill {n_stages} "
-                          f"pipeline stages (pp·vpp) with at least one layer each; lower "
-                          f"parallel.pp or parallel.vpp, or use a deeper model")
+    _check_fill(n_layers, n_stages)
     prefix = [0.0]
     for c in layer_costs:
         prefix.append(prefix[-1] + c)
@@ -68,8 +73,7 @@ def uniform_counts(n_layers: int, n_stages: int) -> tuple[int, ...]:
     """``n_layers / n_stages`` blocks per stage (Megatron's split, which ignores the embedding
     and the head); a remainder goes one block each to the stages nearest the middle, away
     from the ends that already hold the embedding and the head, later ones first."""
-    if n_layers < n_stages:
-        partition([0.0] * n_layers, n_stages)  # the same refusal as a balanced split
+    _check_fill(n_layers, n_stages)
     base, extra = divmod(n_layers, n_stages)
     # nearest the middle first; on a tie the later stage (the first keeps the most
     # microbatches in flight under 1F1B)

@@ -201,13 +201,15 @@ class PipelineExecutor:
     Comm to keep logging traffic out of the training counters). ``task_loss(outputs,
     microbatch)``, when given, replaces ``loss_fn`` on the last stage: it gets the microbatch
     as passed to ``run`` (a dict: a task such as DPO puts its own fields there) and returns
-    (summed loss, {name: summed metric}); the metrics named in ``metric_names`` are summed
-    over microbatches and left in ``self.metrics`` after each step, on every rank. ``activation_shape(inputs)``
-    is the shape of a stage-boundary activation for a microbatch of token ids ``inputs``
-    (default (batch, seq, hidden); pass (batch, seq/tp, hidden) under sequence parallelism)
-    and ``activation_dtype`` its dtype (default: the chunks' parameter dtype). On a GPU the
-    trace shows when work was queued unless ``sync_timing`` waits for the device after each
-    action (exact durations, at the cost of any overlap).
+    (summed loss, {name: value}); the values named in ``metric_names`` are summed over
+    microbatches and left in ``self.metrics`` after each step, on every rank, and every
+    microbatch's dict stays in ``self.task_outputs[microbatch]`` on the last stage.
+    ``activation_shape(inputs)`` is the shape of a stage-boundary activation for a
+    microbatch of token ids ``inputs`` (default (batch, seq, hidden); pass (batch, seq/tp,
+    hidden) under sequence parallelism) and ``activation_dtype`` its dtype (default: the
+    chunks' parameter dtype). On a GPU the trace shows when work was queued unless the
+    attribute ``sync_timing`` is set: then it waits for the device after each action (exact
+    durations, at the cost of any overlap).
     """
 
     def __init__(self, chunks: Sequence[nn.Module], schedule: str, p: int, m: int, v: int,
@@ -216,8 +218,7 @@ class PipelineExecutor:
                  grad_sync: Callable[[bool], ContextManager] | None = None,
                  loss_comm=None, activation_shape: Callable | None = None,
                  activation_dtype: torch.dtype | None = None, trace_rank: int | None = None,
-                 sync_timing: bool = False, task_loss: Callable | None = None,
-                 metric_names: Sequence[str] = ()):
+                 task_loss: Callable | None = None, metric_names: Sequence[str] = ()):
         self.actions = checked_schedule(schedule, p, m, v)[pp_rank]
         self.n = num_stages(schedule, p, v)
         if len(chunks) != self.n // p:
@@ -246,9 +247,12 @@ class PipelineExecutor:
         for i, a in enumerate(self.actions):
             if a.kind in (BW, W):
                 self.last_weight_action[a.chunk] = i
-        self.sync_timing = sync_timing
+        # the weights of each chunk, for split backward (B/W) to tell them from activations
+        self.params = [{q for q in c.parameters() if q.requires_grad} for c in self.chunks]
+        self.sync_timing = False
         self.task_loss, self.metric_names = task_loss, tuple(metric_names)
         self.metrics: dict[str, float] = {}
+        self.task_outputs: dict[int, dict] = {}
         self.records: list[TraceRecord] = []
 
     # ---------------------------------------------------------------- one step
@@ -258,20 +262,25 @@ class PipelineExecutor:
         as train.py's micro-batches ("input_ids", "labels", optional "position_ids" and
         "document_ids"), the same on every rank of the pipeline. Returns the step's summed loss
         (sum over microbatches of loss / n_tokens), the same on every rank of the pipeline."""
-        return self._run(self.actions, microbatches, n_tokens, forward_only=False)
+        return self._run(self.actions, microbatches, n_tokens, forward_only=False,
+                         task_loss=self.task_loss)
 
     @torch.no_grad()
-    def evaluate(self, microbatches: Sequence, n_tokens: int | float = 1) -> float:
+    def evaluate(self, microbatches: Sequence, n_tokens: int | float = 1,
+                 task_loss: Callable | None = None) -> float:
         """Forward only (no graph kept): the summed loss over microbatches of
-        loss / n_tokens, the same on every rank of the pipeline (n_tokens 1: the token sum)."""
+        loss / n_tokens, the same on every rank of the pipeline (n_tokens 1: the token sum).
+        ``task_loss`` replaces the executor's for this call (e.g. to score sequences)."""
         actions = forward_only_schedule(self.schedule, self.p, self.m, self.v)[self.pp_rank]
-        return self._run(actions, microbatches, n_tokens, forward_only=True)
+        return self._run(actions, microbatches, n_tokens, forward_only=True,
+                         task_loss=task_loss or self.task_loss)
 
-    def _run(self, actions, microbatches, n_tokens, forward_only: bool) -> float:
+    def _run(self, actions, microbatches, n_tokens, forward_only: bool,
+             task_loss: Callable | None = None) -> float:
         if len(microbatches) != self.m:
             raise ValueError(f"pipeline: schedule is for {self.m} microbatches, got "
                              f"{len(microbatches)}")
-        self._raw = list(microbatches)
+        self._raw, self._task_loss, self.task_outputs = list(microbatches), task_loss, {}
         self._mbs = [_unpack(mb) for mb in microbatches]
         self._n_tokens, self._forward_only = n_tokens, forward_only
         self._x, self._out, self._grad_in, self._split = {}, {}, {}, {}
@@ -328,8 +337,9 @@ class PipelineExecutor:
         with self.micro_context():
             out = self.chunks[a.chunk](x, **extra)
         if a.stage == self.n - 1:
-            if self.task_loss is not None:  # the task's own loss over the whole microbatch
-                total, more = self.task_loss(out, self._raw[a.microbatch])
+            if self._task_loss is not None:  # the task's own loss over the whole microbatch
+                total, more = self._task_loss(out, self._raw[a.microbatch])
+                self.task_outputs[a.microbatch] = more
                 for i, k in enumerate(self.metric_names):
                     if k in more:
                         self._metrics[i] += more[k].detach().double()
@@ -367,8 +377,7 @@ class PipelineExecutor:
     def _input_backward(self, a: Action, key: tuple[int, int]) -> None:
         g = self._output_grad(a, key)
         x, out = self._x.pop(key), self._out.pop(key)
-        params = {q for q in self.chunks[a.chunk].parameters() if q.requires_grad}
-        split = _SplitBackward(out, g, x, params)
+        split = _SplitBackward(out, g, x, self.params[a.chunk])
         self._pass_input_grad(a, key, split.input_grad)
         split.input_grad = None
         self._split[key] = split

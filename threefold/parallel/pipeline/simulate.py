@@ -356,25 +356,23 @@ def summary(name: str, p: int, m: int, v: int, costs: Costs, result: SimResult) 
     }
 
 
-def _is_action(name: str) -> bool:
-    try:
-        for part in name.split(" + "):
-            Action.parse(part)
-    except ValueError:
-        return False
-    return True
+def pipeline_records(records, ranks=None) -> list:
+    """The records of pipeline actions (compute actions and message batches, named as
+    ``Action.__str__`` writes them; not a step's other phases), of ``ranks`` only if given
+    (one pipeline of a run with data or tensor parallelism)."""
+    kinds = {k.value for k in ActionKind}
+    return [r for r in records if r.name.split(" ", 1)[0] in kinds
+            and (ranks is None or r.rank in ranks)]
 
 
 def _costs_from_trace(path: str, n_stages: int) -> Costs:
     """Measured per-stage costs (in ms, the command's unit) from a run's trace; the run must
     have cut the model into the same number of stages."""
-    from threefold.parallel.pipeline.timeline import read_chrome_trace, read_trace_metadata
+    from threefold.parallel.pipeline.timeline import read_chrome_trace
 
-    records = [r for r in read_chrome_trace(path) if _is_action(r.name)]
-    pipelines = read_trace_metadata(path).get("pipelines")
-    if pipelines:  # a run with dp or tp > 1 traced every pipeline: take the first
-        first = set(pipelines[0])
-        records = [r for r in records if r.rank in first]
+    records, meta = read_chrome_trace(path)
+    pipelines = meta.get("pipelines")  # a run with dp or tp > 1 traced every pipeline
+    records = pipeline_records(records, set(pipelines[0]) if pipelines else None)
     stages = {Action.parse(r.name).stage for r in records if r.category == "compute"}
     if not stages:
         raise _UsageError(f"--costs-from: {path} holds no pipeline actions (was the run "

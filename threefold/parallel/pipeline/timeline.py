@@ -53,23 +53,17 @@ def write_chrome_trace(records: Iterable[TraceRecord], path: str | Path,
     Path(path).write_text(json.dumps(chrome_trace(records, metadata)))
 
 
-def read_trace_metadata(path: str | Path) -> dict:
-    """The ``metadata`` a trace was written with ({} if none)."""
+def read_chrome_trace(path: str | Path) -> tuple[list[TraceRecord], dict]:
+    """(records, metadata) of a trace written by ``write_chrome_trace`` (e.g. a run's
+    trace.json from ``train.trace_step``; metadata {} if none). Raises ValueError on a file
+    that is not such a trace."""
     try:
-        return dict(json.loads(Path(path).read_text()).get("otherData") or {})
-    except (OSError, ValueError, AttributeError) as e:
-        raise ValueError(f"{path}: not a readable Chrome trace ({e})") from None
-
-
-def read_chrome_trace(path: str | Path) -> list[TraceRecord]:
-    """The records of a trace written by ``write_chrome_trace`` (e.g. a run's trace.json
-    from ``train.trace_step``). Raises ValueError on a file that is not such a trace."""
-    try:
-        events = json.loads(Path(path).read_text())["traceEvents"]
-        return [TraceRecord(int(e["pid"]), str(e["name"]), e["ts"] / 1e6,
-                            (e["ts"] + e["dur"]) / 1e6, str(e.get("cat", "compute")))
-                for e in events if e.get("ph") == "X"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        data = json.loads(Path(path).read_text())
+        records = [TraceRecord(int(e["pid"]), str(e["name"]), e["ts"] / 1e6,
+                               (e["ts"] + e["dur"]) / 1e6, str(e.get("cat", "compute")))
+                   for e in data["traceEvents"] if e.get("ph") == "X"]
+        return records, dict(data.get("otherData") or {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a readable Chrome trace ({e})") from None
 
 
