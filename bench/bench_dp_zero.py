@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--corpus", default="stdlib")
-    ap.add_argument("--nproc", type=int, default=4, help="ranks (gloo CPU processes)")
+    ap.add_argument("--ranks", type=int, default=4,
+                    help="ranks (gloo CPU processes; not --nproc: torchrun would take it for its own)")
     ap.add_argument("--memory-steps", type=int, default=2,
                     help="steps per configuration in the memory launch (2: the second has "
                          "optimiser state, gradients and activations at once)")
@@ -443,10 +444,10 @@ def main() -> None:
         # A fixed mmap threshold (glibc's default is dynamic, rising to 32 MiB after the first
         # large free) returns freed tensors to the OS, so RSS follows live memory instead of
         # what malloc kept; it changes allocation cost, so the speed launch runs without it.
-        rc |= relaunch_with_torchrun(script, [*sys.argv[1:], "--phase", "memory"], args.nproc,
+        rc |= relaunch_with_torchrun(script, [*sys.argv[1:], "--phase", "memory"], args.ranks,
                                      {"MALLOC_MMAP_THRESHOLD_": str(2**20)})
     if args.phase in ("all", "speed"):
-        rc |= relaunch_with_torchrun(script, [*sys.argv[1:], "--phase", "speed"], args.nproc)
+        rc |= relaunch_with_torchrun(script, [*sys.argv[1:], "--phase", "speed"], args.ranks)
     sys.exit(rc)
 
 
