@@ -1,6 +1,7 @@
 """The communication layer: the only caller of c10d collectives in threefold.
 
-Every collective names a mesh axis ("tp", "dp_shard", "dp_replicate", "dp", "pp" or "world")
+Every collective names a mesh axis ("tp", "cp", "dp_shard", "dp_replicate", "pp", a flattened
+one such as "dp", or "world")
 instead of a process group, and is counted per axis and per op: calls, bytes this rank sends,
 and wall time of synchronous calls. A small ring buffer keeps the last collectives (op, axis,
 shape, step) so a hang can be reported by what each rank was doing.
@@ -155,7 +156,9 @@ class Comm:
 
     def groups(self) -> list:
         """Every process group this Comm can reach (for ``distributed.set_timeout``)."""
-        axes = ("pp", "dp_replicate", "dp_shard", "tp", "dp", "world", *self._extra)
+        from threefold.mesh import AXES, DERIVED_AXES
+
+        axes = (*AXES, *DERIVED_AXES, *self._extra)
         return [] if self.mesh is None else [self.group(a) for a in axes]
 
     def set_timeout(self, seconds: float) -> int:
@@ -344,24 +347,25 @@ class Comm:
             async_op)
 
     def batch_isend_irecv(self, ops: list[tuple[str, torch.Tensor, int]],
-                          async_op: bool = False):
-        """Point-to-point over the pp axis: ops are ("send"|"recv", tensor, peer global rank)."""
-        peers = set(self.dims.axis_ranks(self.global_rank, "pp")) - {self.global_rank}
+                          async_op: bool = False, axis: str = "pp"):
+        """Point-to-point over ``axis`` (pipeline stages; cp for ring attention): ops are
+        ("send"|"recv", tensor, peer global rank)."""
+        peers = set(self.dims.axis_ranks(self.global_rank, axis)) - {self.global_rank}
         p2p, sent, received = [], 0, 0
         for kind, t, peer in ops:
             if kind not in ("send", "recv") or peer not in peers:
                 raise ValueError(f"batch_isend_irecv: bad op ({kind!r}, peer {peer}); peers on "
-                                 f"pp from rank {self.global_rank}: {sorted(peers)}")
+                                 f"{axis} from rank {self.global_rank}: {sorted(peers)}")
             nbytes = t.numel() * t.element_size()
-            self._count(kind, "pp", nbytes if kind == "send" else 0,
+            self._count(kind, axis, nbytes if kind == "send" else 0,
                         nbytes if kind == "recv" else 0)
             sent += nbytes if kind == "send" else 0
             received += nbytes if kind == "recv" else 0
             fn = dist.isend if kind == "send" else dist.irecv
-            p2p.append(dist.P2POp(fn, t, peer=peer, group=self.group("pp")))
+            p2p.append(dist.P2POp(fn, t, peer=peer, group=self.group(axis)))
         if not p2p:
             return _done_handle() if async_op else None
-        rec = {"op": "p2p", "axis": "pp", "shape": [tuple(o.tensor.shape) for o in p2p],
+        rec = {"op": "p2p", "axis": axis, "shape": [tuple(o.tensor.shape) for o in p2p],
                "dtype": str(p2p[0].tensor.dtype), "step": self._step, "time": time.time(),
                "async": async_op, "seconds": None, "sent": sent, "received": received}
         with self._lock:

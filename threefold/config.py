@@ -149,11 +149,15 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the world is split. Product of pp·dp_replicate·dp_shard·tp = world size."""
+    """How the world is split. Product of pp·dp_replicate·dp_shard·cp·tp = world size."""
 
     dp_replicate: int = _f(1, "data-parallel replicas (full copies, gradients all-reduced)")
     dp_shard: int = _f(-1, "data-parallel ranks that shard state (ZeRO); -1 = the rest")
     tp: int = _f(1, "tensor-parallel degree (innermost mesh axis)")
+    cp: int = _f(1, "context-parallel degree: each sequence split over this many ranks "
+                 "(between tp and dp_shard in the mesh)")
+    cp_algorithm: str = _f("ring", "context-parallel attention: ring (K/V blocks passed "
+                           "around the cp ranks) or allgather (K/V all-gathered; suits GQA)")
     pp: int = _f(1, "pipeline stages")
     zero_stage: int = _f(0, "ZeRO stage over dp_shard: 0 none, 1 optimiser, 2 +grads, 3 +params")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence within tp")
@@ -377,7 +381,7 @@ def validate(cfg: Config) -> None:
     _need(o.weight_decay >= 0, f"optim.weight_decay: must be >= 0, got {o.weight_decay}")
     _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2: must be in [0, 1)")
     _need(o.grad_clip >= 0, f"optim.grad_clip: must be >= 0 (0 = off), got {o.grad_clip}")
-    for name in ("dp_replicate", "tp", "pp", "vpp"):
+    for name in ("dp_replicate", "tp", "pp", "vpp", "cp"):
         _need(getattr(p, name) >= 1, f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
     _need(p.dp_shard == -1 or p.dp_shard >= 1,
           f"parallel.dp_shard: must be >= 1 or -1 (the rest), got {p.dp_shard}")
@@ -385,6 +389,8 @@ def validate(cfg: Config) -> None:
     if p.schedule not in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
         raise ConfigError(_unknown("parallel.schedule", p.schedule,
                                    ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]))
+    if p.cp_algorithm not in ("ring", "allgather"):
+        raise ConfigError(_unknown("parallel.cp_algorithm", p.cp_algorithm, ["ring", "allgather"]))
     p.pipeline_split = p.pipeline_split.replace(" ", "")  # "7, 9, 9, 7" as "7,9,9,7"
     _need(p.pipeline_split in ("params", "flops", "uniform")
           or all(x.isdigit() for x in p.pipeline_split.split(",")),

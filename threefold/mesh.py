@@ -1,4 +1,5 @@
-"""The layout of the world: ``ParallelDims`` (pp × dp_replicate × dp_shard × tp) and its mesh.
+"""The layout of the world: ``ParallelDims`` (pp × dp_replicate × dp_shard × cp × tp) and its
+mesh.
 
 A rank's place in the layout is pure arithmetic on its global rank, so the coordinates, the
 groups of every axis and the node-spanning test work without any process group (the planner
@@ -6,9 +7,13 @@ and the CLI check a layout before a process starts). ``build_mesh`` turns the sa
 one ``torch.distributed`` DeviceMesh whose named axes are the only way to reach a process group.
 
 Axis order, outermost to innermost, is ``AXES``: tp innermost so that its ranks are neighbours
-(same node, NVLink), then dp_shard, then dp_replicate and pp outermost, where traffic is
+(same node, NVLink), then cp (context parallel: every sequence split over its ranks, K/V moved
+in each attention), then dp_shard, then dp_replicate and pp outermost, where traffic is
 lightest (DESIGN.md, topology rule). ``dp`` is the flattened dp_replicate × dp_shard axis: the
-ranks that see different data.
+ranks that see different data. Context-parallel ranks hold the same weights and see different
+tokens of the same sequences, so gradients are reduced over ``dp_cp`` (dp_replicate ×
+dp_shard × cp) and ZeRO shards over ``dp_shard_cp`` (dp_shard × cp), as torchtitan folds cp
+into its FSDP axis; with cp = 1 these are dp and dp_shard.
 
 Nothing here is global: every mesh and every rule lives on the objects, so one process can
 build many layouts (tests, DPO's two models).
@@ -22,11 +27,16 @@ from typing import Any
 
 from threefold.config import ConfigError, ParallelConfig
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh axes, outermost (largest rank stride) to innermost (stride 1)."""
 
-DERIVED_AXES = ("dp", "world")
-"""Axes made of other axes: dp = dp_replicate × dp_shard; world = every rank."""
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             "dp_shard_cp": ("dp_shard", "cp")}
+"""Axes made of mesh axes (outermost first): the data ranks, the data and context ranks
+(which hold the same weights: gradients are reduced over them), and the ZeRO shard group."""
+
+DERIVED_AXES = (*FLATTENED, "world")
+"""Axes made of other axes, plus ``world`` (every rank)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -66,12 +76,13 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        sizes = [self.pp, self.dp_replicate, self.dp_shard, self.tp]
+        sizes = [self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp]
         if any(s < 1 for s in sizes) or math.prod(sizes) != self.world_size:
-            raise ConfigError(f"parallel: pp·dp_replicate·dp_shard·tp = "
+            raise ConfigError(f"parallel: pp·dp_replicate·dp_shard·cp·tp = "
                               f"{'·'.join(map(str, sizes))} must equal world size "
                               f"{self.world_size} (use ParallelDims.from_config to resolve -1)")
 
@@ -85,7 +96,7 @@ class ParallelDims:
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {world_size}")
         valid = _fmt(_divisors(world_size))
-        for name in ("tp", "pp", "dp_replicate"):
+        for name in ("tp", "pp", "dp_replicate", "cp"):
             v = getattr(pcfg, name)
             if v < 1:
                 raise ConfigError(f"parallel.{name}: must be >= 1, got {v}")
@@ -95,8 +106,9 @@ class ParallelDims:
         if pcfg.dp_shard != -1 and pcfg.dp_shard < 1:
             raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (the rest), got "
                               f"{pcfg.dp_shard}")
-        fixed = pcfg.tp * pcfg.pp * pcfg.dp_replicate
-        named = f"pp·dp_replicate·tp = {pcfg.pp}·{pcfg.dp_replicate}·{pcfg.tp} = {fixed}"
+        fixed = pcfg.tp * pcfg.pp * pcfg.dp_replicate * pcfg.cp
+        named = (f"pp·dp_replicate·cp·tp = {pcfg.pp}·{pcfg.dp_replicate}·{pcfg.cp}·{pcfg.tp} "
+                 f"= {fixed}")
         if world_size % fixed:
             raise ConfigError(f"parallel: {named} does not divide world size {world_size}; "
                               f"lower one of them or launch a multiple of {fixed} ranks")
@@ -111,7 +123,8 @@ class ParallelDims:
         if pcfg.zero_stage > 0 and dp_shard == 1:
             notes.append(f"parallel.zero_stage={pcfg.zero_stage} with dp_shard=1 shards over "
                          "one rank: no memory saving (raise parallel.dp_shard to shard)")
-        return cls(pcfg.dp_replicate, dp_shard, pcfg.tp, pcfg.pp, world_size, tuple(notes))
+        return cls(pcfg.dp_replicate, dp_shard, pcfg.tp, pcfg.pp, world_size, pcfg.cp,
+                   tuple(notes))
 
     def validate_model(self, model_cfg: Any, vpp: int = 1) -> TPSplit:
         """Check the model's shapes against tp and pp (× ``vpp`` chunks); return the split.
@@ -161,9 +174,9 @@ class ParallelDims:
         return tuple(getattr(self, a) for a in AXES)
 
     def axis_size(self, axis: str) -> int:
-        """Number of ranks in one group of ``axis`` (an AXES name, ``dp`` or ``world``)."""
-        if axis == "dp":
-            return self.dp
+        """Number of ranks in one group of ``axis`` (an AXES or DERIVED_AXES name)."""
+        if axis in FLATTENED:
+            return math.prod(getattr(self, a) for a in FLATTENED[axis])
         if axis == "world":
             return self.world_size
         if axis not in AXES:
@@ -183,7 +196,11 @@ class ParallelDims:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
         out = {a: (rank // st) % getattr(self, a) for a, st in self._strides().items()}
         out = {a: out[a] for a in AXES}
-        out["dp"] = out["dp_replicate"] * self.dp_shard + out["dp_shard"]
+        for name, parts in FLATTENED.items():  # row-major over the parts, outermost first
+            idx = 0
+            for a in parts:
+                idx = idx * getattr(self, a) + out[a]
+            out[name] = idx
         out["world"] = rank
         return out
 
@@ -193,10 +210,17 @@ class ParallelDims:
         if axis == "world":
             return list(range(self.world_size))
         c, st = self.coords(rank), self._strides()
-        if axis == "dp":
-            base = rank - c["dp_replicate"] * st["dp_replicate"] - c["dp_shard"] * st["dp_shard"]
-            return [base + (i // self.dp_shard) * st["dp_replicate"]
-                    + (i % self.dp_shard) * st["dp_shard"] for i in range(n)]
+        if axis in FLATTENED:
+            parts = FLATTENED[axis]
+            base = rank - sum(c[a] * st[a] for a in parts)
+            out = []
+            for i in range(n):
+                r, rest = base, i
+                for a in reversed(parts):  # innermost part varies fastest
+                    rest, k = divmod(rest, getattr(self, a))
+                    r += k * st[a]
+                out.append(r)
+            return out
         base = rank - c[axis] * st[axis]
         return [base + i * st[axis] for i in range(n)]
 
@@ -217,12 +241,15 @@ class ParallelDims:
         return any(len({r // gpus_per_node for r in g}) > 1 for g in self.axis_groups(axis))
 
     def describe(self) -> str:
-        """One line for logs, e.g. 'pp 1 × dp_replicate 1 × dp_shard 4 × tp 2 = 8 ranks'."""
-        return " × ".join(f"{a} {getattr(self, a)}" for a in AXES) + f" = {self.world_size} ranks"
+        """One line for logs, e.g. 'pp 1 × dp_replicate 1 × dp_shard 4 × tp 2 = 8 ranks' (cp
+        named only when it is used)."""
+        return " × ".join(f"{a} {getattr(self, a)}" for a in AXES
+                          if a != "cp" or self.cp > 1) + f" = {self.world_size} ranks"
 
     # ---------------------------------------------------------------- the real mesh
     def build_mesh(self, device_type: str):
-        """The DeviceMesh of this layout (all four axes, size-1 ones too, plus flattened ``dp``).
+        """The DeviceMesh of this layout (all five axes, size-1 ones too, plus the flattened
+        axes of ``FLATTENED``).
 
         Returns None for a world of one with no process group: every caller (``Comm`` first)
         treats None as "one rank, nothing to communicate". The process group must already be
@@ -243,18 +270,19 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
         # torch keeps the flattened mesh on the root mesh; _flatten (torch's private API, the
         # one torchtitan uses) creates its groups once and returns the cached mesh afterwards.
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        for name, parts in FLATTENED.items():
+            mesh[parts]._flatten(name)
         return mesh
 
 
 def submesh(mesh, axis: str):
-    """The one-dimensional DeviceMesh of ``axis`` (``dp`` = the flattened data axes).
+    """The one-dimensional DeviceMesh of ``axis`` (an AXES name or a FLATTENED one).
 
-    Reaches the flattened ``dp`` mesh through ``_flatten`` rather than ``mesh["dp"]``, which
-    torch 2.13 warns is going away for flattened axes.
+    Reaches a flattened mesh through ``_flatten`` rather than ``mesh["dp"]``, which torch 2.13
+    warns is going away for flattened axes.
     """
-    if axis == "dp":
-        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if axis in FLATTENED:
+        return mesh[FLATTENED[axis]]._flatten(axis)
     if axis not in AXES:
-        raise KeyError(f"unknown mesh axis '{axis}'; axes: {', '.join(AXES)}, dp")
+        raise KeyError(f"unknown mesh axis '{axis}'; axes: {', '.join(AXES + tuple(FLATTENED))}")
     return mesh[axis]

@@ -159,18 +159,31 @@ class LlamaAttention(nn.Module):
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        groups = q.shape[1] // k.shape[1]
-        if attn_mask is None:
-            # SDPA's own GQA avoids materialising repeated keys/values.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=groups > 1)
-        else:
-            # With an explicit mask, not every fused kernel takes enable_gqa; repeating K/V
-            # keeps the memory-efficient kernels eligible.
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = self.attend(q, k, v, attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask=None) -> torch.Tensor:
+        """The attention core: q (B, heads, T, d), k/v (B, kv heads, T, d) after RoPE ->
+        (B, heads, T, d). Context parallelism replaces it on the instance (its queries and
+        keys are the rank's share of a longer sequence); ``attn_mask`` is what
+        ``LlamaModel.attention_mask`` made."""
+        return sdpa_attention(q, k, v, attn_mask)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal (``attn_mask`` None) or masked (boolean, True = attend) grouped-query attention
+    through ``scaled_dot_product_attention``."""
+    groups = q.shape[1] // k.shape[1]
+    if attn_mask is None:
+        # SDPA's own GQA avoids materialising repeated keys/values.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+    # With an explicit mask, not every fused kernel takes enable_gqa; repeating K/V keeps
+    # the memory-efficient kernels eligible.
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
 class LlamaMLP(nn.Module):
@@ -227,10 +240,16 @@ class LlamaModel(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(t, device=x.device).expand(b, t)
         cos, sin = self.rotary(position_ids)
-        mask = document_mask(document_ids) if document_ids is not None else None
+        mask = self.attention_mask(document_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x) if self.norm is not None else x
+
+    def attention_mask(self, document_ids: torch.Tensor | None):
+        """What every block's attention gets as ``attn_mask``: None (causal) or the packed
+        documents' mask. Context parallelism replaces it on the instance (its ranks need the
+        whole sequence's document ids, not a local square mask)."""
+        return document_mask(document_ids) if document_ids is not None else None
 
 
 def fill_tied_head(weights: dict, prefix: str = "", suffixes: tuple[str, ...] = ("",)) -> dict:

@@ -189,10 +189,13 @@ def _autocast(run: Run):
 
 
 def _micro_batches(run: Run, batch: dict[str, torch.Tensor]):
+    """Micro-batches of this rank's sequences, each cut to this rank's tokens (context
+    parallelism)."""
     n = next(iter(batch.values())).shape[0]
     mb = min(run.cfg.train.micro_batch_size, n)
     for i in range(0, n, mb):
-        yield {k: v[i:i + mb].to(run.device) for k, v in batch.items()}
+        yield run.layout.split_sequence({k: v[i:i + mb].to(run.device)
+                                         for k, v in batch.items()})
 
 
 class _Tracer:

@@ -11,7 +11,12 @@ from threefold.config import Config, ModelConfig
 
 
 class Distributed:
-    """Several processes on one DeviceMesh: pp × dp_replicate × dp_shard × tp."""
+    """Several processes on one DeviceMesh: pp × dp_replicate × dp_shard × cp × tp.
+
+    Context-parallel ranks see the same sequences (the same ``dp_rank``) and keep their share
+    of each (``split_sequence``); they hold the same weights, so gradients are reduced over
+    ``data_axis`` (dp, or dp_cp with cp > 1) and ZeRO shards over ``shard_axis`` (dp_shard,
+    or dp_shard_cp)."""
 
     def __init__(self, cfg: Config):
         from threefold.comm import Comm
@@ -35,6 +40,9 @@ class Distributed:
         c = self.dims.coords(self.rank)
         self.dp_size = self.dims.dp_replicate * self.dims.dp_shard
         self.dp_rank = c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
+        self.cp_size, self.cp_rank = self.dims.cp, c["cp"]
+        self.data_axis = "dp" if self.cp_size == 1 else "dp_cp"
+        self.shard_axis = "dp_shard" if self.cp_size == 1 else "dp_shard_cp"
         self.is_writer = self.rank == 0
         self.pp_rank = c["pp"]
         self.chunks = self.pipeline = None
@@ -123,12 +131,23 @@ class Distributed:
             self.comm.all_reduce(engine.gradient_of(self._tied[0]), "pp_ends")
 
     def parallelize(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-        """Tensor parallelism (and sequence parallelism) over "tp", when tp > 1."""
-        if self.dims.tp == 1:
-            return model
-        from threefold.parallel.tensor import apply_tensor_parallel
+        """Tensor parallelism (and sequence parallelism) over "tp", when tp > 1; context
+        parallelism over "cp", when cp > 1."""
+        if self.dims.tp > 1:
+            from threefold.parallel.tensor import apply_tensor_parallel
 
-        return apply_tensor_parallel(model, self.comm, cfg.parallel.sequence_parallel)
+            model = apply_tensor_parallel(model, self.comm, cfg.parallel.sequence_parallel)
+        if self.cp_size > 1:
+            from threefold.parallel.context import apply_context_parallel
+
+            model = apply_context_parallel(model, self.comm, cfg.parallel.cp_algorithm)
+        return model
+
+    def split_sequence(self, micro: dict) -> dict:
+        """This cp rank's tokens of a micro-batch of whole sequences (as they are for cp 1)."""
+        from threefold.parallel.context import shard_batch
+
+        return shard_batch(micro, self.cp_size, self.cp_rank)
 
     def _tp_info(self, engine) -> dict[str, tuple]:
         from threefold.parallel.engine import tp_shard_dim
@@ -151,12 +170,14 @@ class Distributed:
     def checkpoint_pieces(self, engine) -> list:
         """This rank's pieces, each replicated tensor written by one rank only: ZeRO shards by
         the first replica group, data-parallel copies by dp rank 0, tp-replicated tensors by
-        tp rank 0; tp slices get their place in the logical tensor."""
+        tp rank 0; tp slices get their place in the logical tensor. Context-parallel ranks
+        hold copies (or, under ZeRO, shards of the dp_shard × cp group) as data-parallel ones
+        do."""
         from threefold.parallel.engine import tp_shard_dim
         from threefold.parallel.zero import ZeroEngine
 
         c = self.dims.coords(self.rank)
-        if (c["dp_replicate"] if isinstance(engine, ZeroEngine) else c["dp"]) != 0:
+        if (c["dp_replicate"] if isinstance(engine, ZeroEngine) else c[self.data_axis]) != 0:
             return []
         params = dict(engine.named_params)
         t, out = self.dims.tp, []
@@ -202,19 +223,21 @@ class Distributed:
         return {"model": model, "optim": optim, "optim_step": sd["optim_step"]}
 
     def build_engine(self, model: torch.nn.Module, cfg: Config):
-        """Data parallel for ZeRO stage 0, the ZeRO engine for stages 1-3."""
+        """Data parallel for ZeRO stage 0, the ZeRO engine for stages 1-3 (over dp × cp)."""
         from threefold.parallel.data import DataParallelEngine
         from threefold.parallel.engine import LocalEngine
         from threefold.parallel.zero import ZeroEngine
 
         p = cfg.parallel
         if p.zero_stage == 0:
-            if self.dp_size == 1:
+            if self.dims.axis_size(self.data_axis) == 1:
                 return LocalEngine(model, cfg.optim, self.comm)
-            return DataParallelEngine(model, cfg.optim, self.comm, p.bucket_mb, axis="dp")
+            return DataParallelEngine(model, cfg.optim, self.comm, p.bucket_mb,
+                                      axis=self.data_axis)
         m = model.model  # a pipeline stage holds only some of these
         units = [u for u in (m.embed_tokens, *m.layers, m.norm, model.lm_head) if u is not None]
-        return ZeroEngine(model, units, cfg.optim, self.comm, p.zero_stage)
+        return ZeroEngine(model, units, cfg.optim, self.comm, p.zero_stage,
+                          shard_axis=self.shard_axis)
 
     def global_token_count(self, local_count: int) -> int:
         """Sum a per-rank count (target tokens, pairs) over dp (a scalar all-reduce)."""
@@ -223,10 +246,10 @@ class Distributed:
         return int(n)
 
     def sum_over_dp(self, value: torch.Tensor) -> float:
-        """Sum a scalar over data-parallel ranks (for logging; not counted as training
-        traffic)."""
+        """Sum a scalar over data-parallel ranks, and context-parallel ones (each holds the
+        loss of its share of the tokens); for logging, not counted as training traffic."""
         v = value.detach().double().reshape(1).cpu()
-        self.control.all_reduce(v, "dp")
+        self.control.all_reduce(v, self.data_axis)
         return float(v)
 
     # -- liveness: heartbeats in the rendezvous store, read back when a collective fails ------

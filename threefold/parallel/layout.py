@@ -31,6 +31,10 @@ class SingleProcess:
         """Apply the layout's model parallelism (none for one process)."""
         return model
 
+    def split_sequence(self, micro: dict) -> dict:
+        """This rank's tokens of a micro-batch (all of them: no context parallelism)."""
+        return micro
+
     def gather_state(self, sd: dict, engine) -> dict:
         """Whole logical tensors from an engine's state (already whole here)."""
         return sd
@@ -116,8 +120,8 @@ def pipeline_microbatches(cfg: Config, dp: int) -> int:
 def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = None):
     """Every rule a layout must meet, in one place for the launcher (before any process
     starts), the dry run and the trainer; returns the ParallelDims. The mesh must fill the
-    world; the batch split over data-parallel ranks and micro-batches; sequence parallelism
-    needs data.seq_len divisible by tp; with the model's shape (``mcfg``; the launcher has it
+    world; the batch split over data-parallel ranks and micro-batches; context parallelism
+    needs data.seq_len divisible by 2·cp, sequence parallelism each cp rank's tokens by tp; with the model's shape (``mcfg``; the launcher has it
     unless the weights bring it) heads and layers must split over tp and pp·vpp, and the
     pipeline split fit the layers; the schedule must be complete and free of deadlock for
     its microbatches. Raises ConfigError naming the field and a value that works."""
@@ -127,9 +131,18 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     p = cfg.parallel
     dims = ParallelDims.from_config(p, world_size)
     check_batch(cfg, dims.dp)
-    if p.sequence_parallel and dims.tp > 1 and cfg.data.seq_len % dims.tp:
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by "
-                          f"parallel.tp={dims.tp}, which sequence parallelism needs")
+    if dims.cp > 1 and cfg.data.seq_len % (2 * dims.cp):
+        step = 2 * dims.cp
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by 2·parallel.cp ="
+                          f" {step} (each cp rank holds two balanced chunks of every sequence);"
+                          f" use a multiple of {step}, e.g. {-(-cfg.data.seq_len // step) * step}")
+    local = cfg.data.seq_len // dims.cp
+    if p.sequence_parallel and dims.tp > 1 and local % dims.tp:
+        where = f"data.seq_len / parallel.cp = {local}" if dims.cp > 1 else \
+            f"data.seq_len: {cfg.data.seq_len}"
+        raise ConfigError(f"{where} is not divisible by parallel.tp={dims.tp}, which sequence "
+                          f"parallelism needs; use a data.seq_len that is a multiple of "
+                          f"{dims.tp * dims.cp * (2 if dims.cp > 1 else 1)}")
     if mcfg is not None:
         dims.validate_model(mcfg, vpp=p.vpp)
     if dims.pp > 1:

@@ -125,6 +125,10 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
         from threefold.post.dpo import DPOTask
 
         DPOTask(opts)  # checks beta and label smoothing
+        if cfg.parallel.cp > 1:  # its sequence log-probs would be partial sums per cp rank
+            raise ConfigError(f"parallel.cp: DPO does not run under context parallelism yet "
+                              f"(got cp={cfg.parallel.cp}); use parallel.cp 1 and shard over "
+                              "dp_shard or tp instead")
 
 
 def _main(cmd: str, argv: list[str]) -> int:
