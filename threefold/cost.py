@@ -734,6 +734,20 @@ def _p2p_sends_per_microbatch(p: int, v: int, rank: int) -> int:
     return sum(s < p * v - 1 for s in chunks) + sum(s > 0 for s in chunks)
 
 
+def cp_bytes_per_attention(kv_bytes: int, cp: int, algorithm: str,
+                           forwards: int = 1) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends on "cp" for one attention call, ``kv_bytes``
+    being its local K and V together; ``forwards`` 2 under activation checkpointing (the
+    forward runs again in backward, with its communication)."""
+    if cp == 1:
+        return 0, 0
+    if algorithm == "ring":
+        return forwards * (cp - 1) * kv_bytes, (cp - 1) * kv_bytes + cp * kv_bytes
+    if algorithm == "allgather":
+        return forwards * (cp - 1) * kv_bytes, (cp - 1) * kv_bytes
+    raise ValueError(f"unknown cp algorithm {algorithm!r}; use ring or allgather")
+
+
 def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,
                         stage: int | None = None, grad_bytes: int | None = None,
                         param_bytes: int | None = None) -> dict[str, int]:

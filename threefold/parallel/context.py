@@ -24,8 +24,9 @@ Attention needs every earlier key. Two algorithms (``parallel.cp_algorithm``):
 Bytes a rank sends per attention call, with kv = the bytes of its local K and V together
 (2 · B · kv_heads · T/N · head_dim · element size): ring forward (N−1)·kv, backward
 (N−1)·kv + N·kv (the dK/dV hops); allgather forward (N−1)·kv (all-gather), backward (N−1)·kv
-(reduce-scatter). Activation checkpointing runs the forward twice. ``cp_bytes_per_attention``
-is that closed form; the planner and the tests use it.
+(reduce-scatter). Activation checkpointing runs the forward twice.
+``threefold.cost.cp_bytes_per_attention`` is that closed form; the planner and the tests use
+it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import math
 from typing import NamedTuple
 
 import torch
+
+from threefold.cost import cp_bytes_per_attention  # noqa: F401 - the closed form lives there
 
 AXIS = "cp"
 ALGORITHMS = ("ring", "allgather")
@@ -277,20 +280,6 @@ def allgather_attention(q, k, v, docs, comm, seq_len):
 # --------------------------------------------------------------------------------------------
 # Applying it
 # --------------------------------------------------------------------------------------------
-def cp_bytes_per_attention(kv_bytes: int, cp: int, algorithm: str,
-                           forwards: int = 1) -> tuple[int, int]:
-    """(forward, backward) bytes one rank sends on "cp" for one attention call, ``kv_bytes``
-    being its local K and V together; ``forwards`` 2 under activation checkpointing (the
-    forward runs again in backward, with its communication)."""
-    if cp == 1:
-        return 0, 0
-    if algorithm == "ring":
-        return forwards * (cp - 1) * kv_bytes, (cp - 1) * kv_bytes + cp * kv_bytes
-    if algorithm == "allgather":
-        return forwards * (cp - 1) * kv_bytes, (cp - 1) * kv_bytes
-    raise ValueError(f"unknown cp algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
-
-
 def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring"
                            ) -> torch.nn.Module:
     """Make every attention of ``model`` (a whole model or a pipeline rank's chunks) attend
