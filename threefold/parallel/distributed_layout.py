@@ -145,6 +145,8 @@ class Distributed:
 
     def split_sequence(self, micro: dict) -> dict:
         """This cp rank's tokens of a micro-batch of whole sequences (as they are for cp 1)."""
+        if self.cp_size == 1:
+            return micro
         from threefold.parallel.context import shard_batch
 
         return shard_batch(micro, self.cp_size, self.cp_rank)
