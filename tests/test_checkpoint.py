@@ -48,7 +48,13 @@ def reference(corpus, cache_dir, tmp_path_factory):
     ((4, {"parallel__dp_replicate": 2, "parallel__zero_stage": 3}), (1, {})),
     ((4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__zero_stage": 1,
           "train__micro_batch_size": 2}), (2, {"parallel__zero_stage": 3})),
-], ids=["tp2zero3-to-zero1", "zero2-to-tp2sp_dp2", "hybrid-to-single", "pp2tp2zero1-to-zero3"])
+    # context parallelism holds no state of its own: ZeRO shards of dp_shard × cp, and the
+    # data order of the dp ranks, resume anywhere and back
+    ((4, {"parallel__cp": 2, "parallel__zero_stage": 3}), (1, {})),
+    ((2, {"parallel__zero_stage": 1}), (4, {"parallel__cp": 2, "parallel__tp": 2,
+                                            "parallel__cp_algorithm": "allgather"})),
+], ids=["tp2zero3-to-zero1", "zero2-to-tp2sp_dp2", "hybrid-to-single", "pp2tp2zero1-to-zero3",
+        "cp2zero3dp2-to-single", "zero1-to-cp2tp2allgather"])
 def test_resume_under_another_layout(first, second, reference, corpus, cache_dir, tmp_path):
     out = tmp_path / "run"
     (w1, e1), (w2, e2) = first, second
