@@ -236,6 +236,67 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, dtype):
     assert saved.total == want
 
 
+def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
+    """What autograd saves in one block of the tiny model on this cp rank (its share of 2
+    sequences of 64 tokens), weights excluded, with the block's attention under
+    ``algorithm``; run forward and backward on every rank (the ring needs all of them)."""
+    from threefold.comm import Comm
+    from threefold.mesh import ParallelDims
+    from threefold.parallel.context import apply_context_parallel, shard_batch
+
+    dims = ParallelDims(1, 1, 1, 1, world, cp=world)
+    comm = Comm(dims, dims.build_mesh("cpu"))
+    cfg = ModelConfig(preset="tiny", vocab_size=512, num_key_value_heads=kv_heads).resolved()
+    torch.manual_seed(0)
+    model = apply_context_parallel(LlamaForCausalLM(cfg), comm, algorithm)
+    b, s = 2, 64
+    whole = torch.zeros(b, s, dtype=torch.long)
+    micro = shard_batch({"input_ids": whole, "labels": whole}, world, comm.rank("cp"))
+    cos, sin = model.model.rotary(micro["position_ids"])
+    x = torch.randn(b, s // world, cfg.hidden_size, requires_grad=True)
+    dtype = getattr(torch, dtype_name)
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+        contextlib.nullcontext()
+    with SavedBytes(list(model.parameters())) as saved, auto:
+        y = model.model.layers[0](x, cos, sin, model.model.attention_mask(None))
+    y.float().sum().backward()
+    return saved.total
+
+
+@pytest.mark.slow
+def test_block_activation_bytes_under_cp_equal_autograd_saved_tensors():
+    """Under context parallelism (2 ranks, ring and allgather, fp32 and bf16 autocast, with
+    and without grouped-query attention) every byte autograd saves in one block is what
+    ``block_activation_bytes(cp=2, ...)`` counts for the rank's tokens, plus the RoPE tables
+    (fp32) or the autocast weight copies (bf16), as in the cp = 1 test above."""
+    from tests.dist import run_checks
+
+    cases = [(a, dt, kv) for a in ("ring", "allgather") for dt in ("float32", "bfloat16")
+             for kv in (4, 8)]
+    results = run_checks(2, [(_cp_block_saved_bytes, c) for c in cases], timeout=180)
+    b, s, cp = 2, 64, 2
+    for (algorithm, dt, kv), per_rank in zip(cases, results):
+        cfg = ModelConfig(preset="tiny", vocab_size=512, num_key_value_heads=kv).resolved()
+        d = 2 if dt == "bfloat16" else 4
+        want = block_activation_bytes(b * s // cp, cfg.hidden_size, cfg.num_attention_heads,
+                                      kv, cfg.head_dim, cfg.intermediate_size, act_bytes=d,
+                                      residual_bytes=4, seq_len=s, cp=cp,
+                                      cp_algorithm=algorithm)
+        want += 2 * 4 * b * s // cp * cfg.head_dim if d == 4 else \
+            d * layer_parameters_per_rank(cfg, 1)[0]
+        assert per_rank == [want] * cp, (algorithm, dt, kv)
+    # the planner's per-layer figure is the same count
+    from threefold.memory import model_layer_activation_bytes
+
+    cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
+    work = Workload(seq_len=s, global_batch=b, precision="fp32", residual_bytes=4)
+    for algorithm in ("ring", "allgather"):
+        lay = Layout(cp=cp, cp_algorithm=algorithm, microbatch_size=b)
+        assert model_layer_activation_bytes(cfg, lay, work) == block_activation_bytes(
+            b * s // cp, cfg.hidden_size, 8, 4, cfg.head_dim, cfg.intermediate_size,
+            act_bytes=4, residual_bytes=4, seq_len=s, cp=cp, cp_algorithm=algorithm)
+
+
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, True)])
 def test_head_saved_bytes_equal_autograd_saved_tensors(tp, sp):
     """What the final norm, the head and the (vocab-parallel) loss keep for backward, per
@@ -277,6 +338,24 @@ EXACT_RUNS = [
                          "parallel__schedule": "interleaved-1f1b", "train__micro_batch_size": 2}),
     ("pp2_tied", {"parallel__pp": 2, "train__micro_batch_size": 4,
                   "model__tie_word_embeddings": "true"}),
+    # context parallelism: K/V on "cp", gradients over dp_cp, ZeRO over dp_shard_cp
+    ("cp2_ring", {"parallel__cp": 2}),
+    ("cp2_ring_recompute_accum", {"parallel__cp": 2, "train__activation_checkpointing": "true",
+                                  "train__micro_batch_size": 4}),
+    ("cp2_allgather_zero3", {"parallel__cp": 2, "parallel__cp_algorithm": "allgather",
+                             "parallel__zero_stage": 3, "train__micro_batch_size": 4}),
+]
+EXACT_RUNS_4 = [
+    ("cp2_tp2_sp_ring", {"parallel__cp": 2, "parallel__tp": 2,
+                         "parallel__sequence_parallel": "true"}),
+    ("cp2_tp2_allgather", {"parallel__cp": 2, "parallel__tp": 2,
+                           "parallel__cp_algorithm": "allgather"}),
+    ("cp2_dp2_ring", {"parallel__cp": 2}),
+    ("cp2_dp2_zero1_allgather", {"parallel__cp": 2, "parallel__zero_stage": 1,
+                                 "parallel__cp_algorithm": "allgather"}),
+    ("cp2_hsdp_zero2", {"parallel__cp": 2, "parallel__dp_replicate": 2,
+                        "parallel__zero_stage": 2}),
+    ("cp2_pp2", {"parallel__cp": 2, "parallel__pp": 2, "train__micro_batch_size": 2}),
 ]
 
 
@@ -294,17 +373,26 @@ def _bytes_of_runs(rank, world, corpus, cache, root, runs):
 
 
 @pytest.mark.slow
-def test_planner_bytes_equal_runtime_exactly(corpus, cache_dir, tmp_path):
+@pytest.mark.parametrize("world,runs", [(2, EXACT_RUNS), (4, EXACT_RUNS_4)],
+                         ids=["2ranks", "4ranks"])
+def test_planner_bytes_equal_runtime_exactly(world, runs, corpus, cache_dir, tmp_path):
     """summary.json's comm_bytes_per_step (rank 0, training traffic) equals the planner's
     comm_bytes_per_step for DP (several buckets), ZeRO 1/2/3 (with accumulation), TP and TP
-    with sequence parallelism, recompute and replicated kv heads, and pipeline sends (1F1B,
-    interleaved), on 2 ranks."""
-    got = run_distributed(_bytes_of_runs, 2, corpus, cache_dir, tmp_path, EXACT_RUNS,
+    with sequence parallelism, recompute and replicated kv heads, pipeline sends (1F1B,
+    interleaved), and context parallelism (ring and allgather, with recompute, ZeRO 1/2/3,
+    HSDP, TP with and without SP, pp), on 2 and 4 ranks. Every axis the runtime reports is
+    one the planner knows."""
+    got = run_distributed(_bytes_of_runs, world, corpus, cache_dir, tmp_path, runs,
                           timeout=300)[0]
-    for name, extra in EXACT_RUNS:
+    for name, extra in runs:
         cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / name, **extra))
         mcfg = cfg.model.resolved(cfg.data.vocab_size)
-        want = comm_bytes_per_step(mcfg, Layout.from_config(cfg, 2), Workload.from_config(cfg))
+        # summary.json is rank 0's: pipeline stage 0 (the last one has the final norm too)
+        want = comm_bytes_per_step(mcfg, Layout.from_config(cfg, world),
+                                   Workload.from_config(cfg), stage=0)
+        assert set(got[name]) <= set(want), (name, got[name])
         measured = {a: got[name].get(a, 0) for a in want}
         assert measured == {a: float(v) for a, v in want.items()}, name
         assert sum(want.values()) > 0, name
+        if "parallel__cp" in extra:
+            assert want["cp"] > 0 and want["dp"] == want["dp_shard"] == 0, name

@@ -11,10 +11,16 @@ the communication times are derived); which link each mesh axis crosses; the pip
 ``predict_step`` (α-β times, overlap rules, MFU/HFU).
 
 Conventions (every function below follows them):
-- A *layout* splits the world into pp × dp_replicate × dp_shard × tp. Mesh axes are ordered
-  outermost first as ``MESH_ORDER``: tp innermost (NVLink), then dp_shard, then dp_replicate and
-  pp outermost (DESIGN.md, topology rule). A group that does not fit inside one aligned node
-  crosses the network.
+- A *layout* splits the world into pp × dp_replicate × dp_shard × cp × tp. Mesh axes are
+  ordered outermost first as ``MESH_ORDER``: tp innermost (NVLink), then cp, then dp_shard, then
+  dp_replicate and pp outermost (DESIGN.md, topology rule). A group that does not fit inside
+  one aligned node crosses the network.
+- Context parallelism is threefold's (``threefold.parallel.context``): each cp rank holds
+  seq_len/cp tokens of every sequence, so every per-token figure (FLOPs, memory traffic,
+  activations, tp and pp messages) is that of seq_len/cp tokens, while attention still looks
+  at all seq_len keys. Weights are replicated over cp: plain data parallelism all-reduces over
+  dp·cp ranks ("dp_cp"), ZeRO shards over dp_shard·cp ("dp_shard_cp"). Each attention moves
+  K/V on "cp" (``cp_bytes_per_attention``).
 - Tensor parallelism is threefold's (``threefold.parallel.tensor``, after Megatron, Shoeybi et
   al. 2019): q/k/v/gate/up column-parallel, o/down row-parallel, vocab-parallel embedding and
   head. RMSNorm weights are *replicated* over tp (under sequence parallelism their gradients
@@ -46,10 +52,15 @@ from functools import lru_cache
 from threefold.config import Config, ModelConfig
 from threefold.parallel.pipeline.balance import split_counts
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first (= threefold.mesh.AXES)
-# Axes communication is counted on: the mesh axes plus "dp", the flattened dp_replicate ×
-# dp_shard group plain data parallelism all-reduces over (as threefold.parallel.data does).
-COMM_AXES = MESH_ORDER + ("dp",)
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first (= mesh.AXES)
+# Axes communication is counted on: the mesh axes plus the flattened ones the runtime reports
+# (threefold.mesh.FLATTENED): "dp" (dp_replicate × dp_shard), where plain data parallelism
+# all-reduces with cp = 1; with cp > 1 it all-reduces over "dp_cp" (dp × cp) and ZeRO shards
+# over "dp_shard_cp" (dp_shard × cp) instead of "dp_shard".
+FLATTENED_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+                  "dp_shard_cp": ("dp_shard", "cp")}
+COMM_AXES = MESH_ORDER + tuple(FLATTENED_AXES)
+CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -127,16 +138,35 @@ class Layout:
     sequence_parallel: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
     pipeline_split: str = "params"
+    cp: int = 1
+    cp_algorithm: str = "ring"
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: replicas times shards."""
+        """Data-parallel degree: replicas times shards (the ranks that see different data;
+        context-parallel ranks see the same sequences)."""
         return self.dp_replicate * self.dp_shard
 
     @property
     def world(self) -> int:
         """Ranks this layout uses."""
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def data_axis(self) -> str:
+        """The axis plain data parallelism all-reduces gradients over: "dp", or "dp_cp" with
+        cp > 1 (context-parallel ranks hold the same weights)."""
+        return "dp" if self.cp == 1 else "dp_cp"
+
+    @property
+    def shard_axis(self) -> str:
+        """The axis ZeRO shards over: "dp_shard", or "dp_shard_cp" with cp > 1."""
+        return "dp_shard" if self.cp == 1 else "dp_shard_cp"
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a ZeRO shard group holds: dp_shard · cp."""
+        return self.dp_shard * self.cp
 
     @property
     def sp(self) -> bool:
@@ -154,8 +184,11 @@ class Layout:
         return int(self.bucket_mb * 2**20)
 
     def size(self, axis: str) -> int:
-        """Degree of the named mesh axis (or of "dp", dp_replicate·dp_shard)."""
-        return self.dp if axis == "dp" else getattr(self, axis)
+        """Degree of the named mesh axis (or of a flattened one, e.g. "dp" = dp_replicate ·
+        dp_shard, "dp_cp", "dp_shard_cp")."""
+        if axis in FLATTENED_AXES:
+            return math.prod(getattr(self, a) for a in FLATTENED_AXES[axis])
+        return getattr(self, axis)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "Layout":
@@ -164,10 +197,10 @@ class Layout:
         p = cfg.parallel
         dp_shard = p.dp_shard
         if dp_shard == -1:
-            rest = p.pp * p.dp_replicate * p.tp
+            rest = p.pp * p.dp_replicate * p.cp * p.tp
             if world_size % rest:
                 raise LayoutError(f"world size {world_size} is not a multiple of "
-                                  f"pp·dp_replicate·tp = {rest}")
+                                  f"pp·dp_replicate·cp·tp = {rest}")
             dp_shard = world_size // rest
         local = max(1, cfg.train.global_batch_size // (p.dp_replicate * dp_shard))
         return cls(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard,
@@ -175,7 +208,7 @@ class Layout:
                    microbatch_size=min(cfg.train.micro_batch_size, local),
                    recompute="full" if cfg.train.activation_checkpointing else "none",
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
-                   bucket_mb=p.bucket_mb,
+                   bucket_mb=p.bucket_mb, cp=p.cp, cp_algorithm=p.cp_algorithm,
                    pipeline_split=(f"flops:{cfg.data.seq_len}" if p.pipeline_split == "flops"
                                    else p.pipeline_split))
 
@@ -280,6 +313,12 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
         raise LayoutError(f"schedule '{layout.pipeline_schedule}' is not one of {SCHEDULES}")
     if layout.zero_stage not in (0, 1, 2, 3):
         raise LayoutError(f"zero_stage {layout.zero_stage} is not 0-3")
+    if layout.cp < 1 or layout.cp_algorithm not in CP_ALGORITHMS:
+        raise LayoutError(f"cp={layout.cp} with cp_algorithm '{layout.cp_algorithm}': cp must "
+                          f"be >= 1 and the algorithm one of {CP_ALGORITHMS}")
+    if layout.cp > 1 and work.seq_len % (2 * layout.cp):
+        raise LayoutError(f"cp={layout.cp}: seq_len {work.seq_len} is not divisible by 2·cp "
+                          "(each cp rank holds two balanced chunks)")
     tp_shard(cfg, layout.tp)
     chunks = layout.pp * layout.vpp
     if cfg.num_hidden_layers < chunks:  # uneven splits are fine: see pipeline_layers
@@ -291,6 +330,11 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if layout.pipeline_schedule == "interleaved-1f1b" and (layout.pp < 2 or m % layout.pp):
         raise LayoutError(f"interleaved 1F1B needs pp >= 2 and microbatches ({m}) a multiple "
                           f"of pp ({layout.pp})")
+
+
+def local_seq_len(layout: Layout, work: Workload) -> int:
+    """Tokens of each sequence one rank holds: seq_len / cp."""
+    return work.seq_len // layout.cp
 
 
 def microbatches(layout: Layout, work: Workload) -> int:
@@ -417,8 +461,8 @@ def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[i
 
 def owned_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """Parameters one rank of ``stage`` updates: all it holds, or under ZeRO its shard of
-    each unit (padded to a multiple of dp_shard, as ``threefold.parallel.zero`` pads)."""
-    n = layout.dp_shard if layout.zero_stage else 1
+    each unit (padded to a multiple of dp_shard·cp, as ``threefold.parallel.zero`` pads)."""
+    n = layout.shard_size if layout.zero_stage else 1
     return sum(-(-sum(u) // n) for u in stage_units(cfg, layout, stage))
 
 
@@ -468,9 +512,10 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     over all its chunks: what the hardware does, including redundant replicated-kv work, the
     padded vocabulary and recomputation. Backward is twice forward (input and weight grads);
     full recompute re-runs each block's forward, selective only the attention core
-    (Korthikanti et al., arXiv 2205.05198 §5)."""
+    (Korthikanti et al., arXiv 2205.05198 §5). Under cp a rank computes its seq_len/cp tokens,
+    each attending over all seq_len keys."""
     sh, h, hd, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.seq_len
-    tokens = layout.microbatch_size * s
+    tokens = layout.microbatch_size * local_seq_len(layout, work)
     layers = rank_layers(cfg, layout, stage)
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
     core = 4 * s * sh.heads * hd  # QK^T and AV per token, no causal halving (as PaLM)
@@ -512,7 +557,7 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
     sh, h, hd, d, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.act_bytes, \
         work.seq_len
     r = work.resid_bytes
-    tokens = layout.microbatch_size * s
+    tokens = layout.microbatch_size * local_seq_len(layout, work)  # this cp rank's tokens
     layers = rank_layers(cfg, layout, layout.pp - 1 if stage is None else stage)
     split = layout.tp if layout.sp else 1
     qk = (sh.heads + sh.kv_heads) * hd
@@ -541,7 +586,7 @@ def hardware_flops_per_step(cfg: ModelConfig, layout: Layout, work: Workload) ->
     for st in _distinct_stages(cfg, layout):
         flops = sum(stage_flops_per_microbatch(cfg, layout, work, st))
         per_pipeline += flops * _stage_multiplicity(cfg, layout, st)
-    return per_pipeline * microbatches(layout, work) * layout.tp * layout.dp
+    return per_pipeline * microbatches(layout, work) * layout.tp * layout.dp * layout.cp
 
 
 @lru_cache(maxsize=4096)
@@ -576,7 +621,8 @@ class Collective:
     ``per_microbatch``. ``overlap`` says what may hide it: 'none' (on the critical path),
     'hidden' (overlapped entirely), 'forward'/'backward' (that microbatch's compute, except one
     bucket), 'last' (the last microbatch's backward, except one bucket), 'step' (after the
-    step, exposed)."""
+    step, exposed), 'attention-forward'/'attention-backward' (each call behind the compute of
+    one ring-attention block, forward or backward)."""
 
     axis: str
     op: str  # all_reduce | all_gather | reduce_scatter | p2p
@@ -648,8 +694,17 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     dp_replicate > 1, every unit's gradient shard is all-reduced over dp_replicate, and the
     gradient norm all-reduces 2 fp32 scalars over dp_shard. Weights and gradients move in
     ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say otherwise.
+    cp (``threefold.parallel.context``), per microbatch and layer: the attention's K/V moves,
+    ``cp_bytes_per_attention`` of this rank's K and V (2·b·kv heads per tp rank·s/cp·head_dim
+    in the matmul dtype), its forward twice under recompute. Ring: point-to-point hops of the
+    K/V block, posted before the block in hand is computed (each hides behind one block's
+    attention), and in backward the dK/dV accumulator's hops, which wait right after their
+    block (exposed). Allgather: an all-gather forward and a reduce-scatter backward, exposed.
+    With cp > 1, s above is seq_len/cp, the data-parallel all-reduce runs over "dp_cp" (dp·cp
+    ranks) and ZeRO over "dp_shard_cp" (dp_shard·cp ranks, units padded to a multiple of it).
     """
-    t, p, v, b, s = layout.tp, layout.pp, layout.vpp, layout.microbatch_size, work.seq_len
+    t, p, v, b = layout.tp, layout.pp, layout.vpp, layout.microbatch_size
+    s = local_seq_len(layout, work)
     d, r = work.act_bytes, work.resid_bytes
     g = work.weight_bytes if grad_bytes is None else grad_bytes
     pb = work.weight_bytes if param_bytes is None else param_bytes
@@ -689,41 +744,65 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
             # ZeRO shard of them) summed between the two ends (runtime axis "pp_ends")
             tied = sh.vocab * h
             if layout.zero_stage:
-                tied = -(-tied // layout.dp_shard)
+                tied = -(-tied // layout.shard_size)
             add("pp", "all_reduce", tied, g, 1, 2, False, "step")
         add("pp", "all_reduce", 2, 4, 1, p, False, "step")  # gradient norm over stages
 
-    ns, nr, z = layout.dp_shard, layout.dp_replicate, layout.zero_stage
+    if layout.cp > 1:
+        _cp_attention(add, layout, sh.kv_heads * cfg.head_dim, b * s, d, layers)
+
+    ns, nr, z = layout.shard_size, layout.dp_replicate, layout.zero_stage
     if z == 0:
         for numel, count in Counter(gradient_buckets(cfg, layout, g, stage)).items():
-            add("dp", "all_reduce", numel, g, count, ns * nr, False, "last")
+            add(layout.data_axis, "all_reduce", numel, g, count, ns * nr, False, "last")
         return out
     units = list(stage_units(cfg, layout, stage))
     # a tied root unit (``ZeroEngine``'s last) stays gathered from the step's first forward
     # to its end under stage 3: one gather per step instead of two per microbatch
     root = units.pop() if cfg.tie_word_embeddings and p == 1 else None
+    ax = layout.shard_axis
     for unit, count in Counter(-(-sum(u) // ns) * ns for u in units).items():
-        _zero_unit(add, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
+        _zero_unit(add, ax, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
     if root is not None:
-        _zero_unit(add, z, -(-sum(root) // ns) * ns, 1, ns, nr, g, pb, per_step_gathers=True)
-    add("dp_shard", "all_reduce", 2, 4, 1, ns, False, "step")  # gradient norm
+        _zero_unit(add, ax, z, -(-sum(root) // ns) * ns, 1, ns, nr, g, pb,
+                   per_step_gathers=True)
+    add(ax, "all_reduce", 2, 4, 1, ns, False, "step")  # gradient norm
     return out
 
 
-def _zero_unit(add, z: int, padded: int, count: int, ns: int, nr: int, g: int, pb: int,
-               per_step_gathers: bool) -> None:
-    """The collectives of ``count`` ZeRO units of ``padded`` elements (see ``collectives``)."""
+def _cp_attention(add, layout: Layout, kv_width: int, tokens: int, d: int, layers: int) -> None:
+    """The cp collectives of ``layers`` attentions per microbatch (see ``collectives``):
+    ``kv_width`` = kv heads per tp rank · head_dim, ``tokens`` = b·s/cp, ``d`` the K/V
+    element size. Bytes per call from ``cp_bytes_per_attention``."""
+    cp, numel = layout.cp, 2 * tokens * kv_width  # this rank's K and V
+    forwards = 1 if layout.recompute == "none" else 2  # recompute repeats the attention
+    fwd, bwd = cp_bytes_per_attention(numel * d, cp, layout.cp_algorithm, forwards)
+    if layout.cp_algorithm == "ring":  # hops of one K/V block (or its dK/dV) each
+        hops_f = fwd // (numel * d)
+        kv_b = hops_f // forwards  # backward's K/V hops: as one forward's
+        add("cp", "p2p", numel, d, layers * hops_f, cp, True, "attention-forward")
+        add("cp", "p2p", numel, d, layers * kv_b, cp, True, "attention-backward")
+        add("cp", "p2p", numel, d, layers * (bwd // (numel * d) - kv_b), cp, True, "none")
+    else:  # one all-gather of every rank's K/V forward, one reduce-scatter backward
+        add("cp", "all_gather", cp * numel, d, layers * forwards, cp, True, "none")
+        add("cp", "reduce_scatter", cp * numel, d, layers, cp, True, "none")
+
+
+def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int, g: int,
+               pb: int, per_step_gathers: bool) -> None:
+    """The collectives of ``count`` ZeRO units of ``padded`` elements over ``axis`` (see
+    ``collectives``)."""
     if z in (1, 2):
-        add("dp_shard", "reduce_scatter", padded, g, count, ns, False,
+        add(axis, "reduce_scatter", padded, g, count, ns, False,
             "step" if z == 1 else "last")
-        add("dp_shard", "all_gather", padded, pb, count, ns, False, "step")
+        add(axis, "all_gather", padded, pb, count, ns, False, "step")
     elif per_step_gathers:
-        add("dp_shard", "reduce_scatter", padded, g, count, ns, True, "backward")
-        add("dp_shard", "all_gather", padded, pb, count, ns, False, "step")
+        add(axis, "reduce_scatter", padded, g, count, ns, True, "backward")
+        add(axis, "all_gather", padded, pb, count, ns, False, "step")
     else:
-        add("dp_shard", "reduce_scatter", padded, g, count, ns, True, "backward")
-        add("dp_shard", "all_gather", padded, pb, count, ns, True, "forward")
-        add("dp_shard", "all_gather", padded, pb, count, ns, True, "backward")
+        add(axis, "reduce_scatter", padded, g, count, ns, True, "backward")
+        add(axis, "all_gather", padded, pb, count, ns, True, "forward")
+        add(axis, "all_gather", padded, pb, count, ns, True, "backward")
     add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
 
 
@@ -778,9 +857,10 @@ def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, int]:
 # Topology: which link each mesh axis crosses
 # --------------------------------------------------------------------------------------------
 def axis_stride(layout: Layout, axis: str) -> int:
-    """Rank distance between neighbours of ``axis``: product of the inner axes' degrees."""
-    if axis == "dp":  # dp_replicate and dp_shard are adjacent: one contiguous block
-        axis = "dp_shard"
+    """Rank distance between neighbours of ``axis``: product of the inner axes' degrees (for a
+    flattened axis, whose parts are adjacent in the mesh, that of its innermost part)."""
+    if axis in FLATTENED_AXES:
+        axis = FLATTENED_AXES[axis][-1]
     i = MESH_ORDER.index(axis)
     return math.prod(layout.size(a) for a in MESH_ORDER[i + 1:])
 
@@ -860,6 +940,7 @@ class StepPrediction:
     comm_bytes: dict[str, float] = field(default_factory=dict)
     inter_node_axes: tuple[str, ...] = ()
     optimizer_s: float = 0.0  # the optimiser step's memory traffic, after the last backward
+    cp_exposed_s: float = 0.0  # context-parallel K/V traffic not hidden behind attention
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
@@ -875,7 +956,10 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     last microbatch's backward except one bucket; the ZeRO-1 reduce-scatter, the HSDP
     all-reduce over dp_replicate and the ZeRO-1/2 parameter all-gathers after the step are
     exposed (with ``overlap_grad_reduce=False`` no data-parallel communication overlaps
-    anything, as in Megatron-LM of 2021). The pipeline then takes m·T_slowest plus the bubble,
+    anything, as in Megatron-LM of 2021). Context parallelism's cp traffic runs on the link
+    the cp axis crosses: each ring hop of K/V hides behind the attention of one block (the
+    rank's queries against one rank's keys: 1/cp of the layer's attention FLOPs), the dK/dV
+    hops and the allgather algorithm's all-gather and reduce-scatter are exposed. The pipeline then takes m·T_slowest plus the bubble,
     (bubble/ideal ratio of the schedule)·m·T_mean. The optimiser step adds its memory traffic
     (``ADAMW_ACCESSES_PER_PARAM`` fp32 accesses per parameter the rank updates: Ψ, or Ψ/N
     under ZeRO) over the HBM bandwidth, when that is known."""
@@ -900,7 +984,8 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         colls = collectives(cfg, layout, work, st)
         lists.append(colls)
         windows = (t_f, t_b) if overlap_grad_reduce else (0.0, 0.0)
-        exposed, step_dp = _exposed_comm(colls, links, *windows, bucket_bytes)
+        exposed, step_dp = _exposed_comm(colls, links, *windows, bucket_bytes,
+                                         _attention_block_seconds(cfg, layout, work, rate))
         per_mb[st] = t_f + t_b + sum(exposed.values())
         per_step[st] = step_dp
         parts[st] = (t_f + t_b, exposed, t_b / t_f)
@@ -921,7 +1006,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     comp, exp, _ = parts[slow]
     n = layout.world
     mf = model_flops_per_step(cfg, work)
-    hf = hw_flops * m * layout.tp * layout.dp
+    hf = hw_flops * m * layout.tp * layout.dp * layout.cp
     return StepPrediction(
         step_time_s=step, compute_s=m * comp, tp_exposed_s=m * exp["tp"],
         pp_exposed_s=m * exp["pp"], dp_exposed_s=m * exp["dp"] + dp_step, bubble_s=bubble,
@@ -929,7 +1014,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         hardware_flops=hf, tokens_per_second_per_gpu=work.tokens / step / n,
         tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
         hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m), optimizer_s=opt_s,
-        inter_node_axes=tuple(a for a in COMM_AXES if inter[a]))
+        inter_node_axes=tuple(a for a in COMM_AXES if inter[a]), cp_exposed_s=m * exp["cp"])
 
 
 def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
@@ -984,11 +1069,27 @@ def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cl
     return m * max(times.values()) + ratio * m * mean
 
 
+def _attention_block_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
+                             rate: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one ring-attention block: this rank's queries (b·s/cp
+    tokens) against one cp rank's keys (s/cp), 4·head_dim FLOPs per query head and key pair
+    forward (QK^T and AV, no causal halving, as ``stage_flops_per_microbatch``), twice that
+    backward. (0, 0) without cp."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    s_local = local_seq_len(layout, work)
+    f = 4 * layout.microbatch_size * s_local * s_local * tp_shard(cfg, layout.tp).heads \
+        * cfg.head_dim
+    return f / rate, 2 * f / rate
+
+
 def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
-                  bucket_bytes: float) -> tuple[dict[str, float], float]:
-    """({tp, pp, dp}: exposed seconds per microbatch, exposed dp seconds once per step) for
-    one stage, applying the overlap rules of ``predict_step``."""
-    exposed = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+                  bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0)
+                  ) -> tuple[dict[str, float], float]:
+    """({tp, pp, cp, dp}: exposed seconds per microbatch, exposed dp seconds once per step)
+    for one stage, applying the overlap rules of ``predict_step``; ``attention_block`` is
+    the (forward, backward) time a ring hop may hide behind."""
+    exposed = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "dp": 0.0}
     step_dp = 0.0
     groups: dict[tuple[str, str], float] = {}
     tails: dict[tuple[str, str], float] = {}
@@ -997,8 +1098,11 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
             continue
         lat, bw = links[c.axis]
         one = c.time(lat, bw)
-        kind = c.axis if c.axis in ("tp", "pp") else "dp"
-        if c.overlap == "none":
+        kind = c.axis if c.axis in ("tp", "pp", "cp") else "dp"
+        if c.overlap.startswith("attention-"):  # each hop behind one block's attention
+            window = attention_block[0 if c.overlap == "attention-forward" else 1]
+            exposed[kind] += c.count * max(0.0, one - window)
+        elif c.overlap == "none":
             exposed[kind] += one * c.count
         elif c.overlap == "step":
             step_dp += one * c.count

@@ -23,6 +23,7 @@ from threefold.cost import (
     Workload,
     _distinct_stages,
     layer_parameters_per_rank,
+    local_seq_len,
     microbatches,
     rank_layers,
     stage_units,
@@ -160,9 +161,12 @@ def layer_activation_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ff
 def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_dim: int,
                            ffn: int, tp: int = 1, sequence_parallel: bool = False,
                            act_bytes: int = 2, residual_bytes: int = 0,
-                           flash_attention: bool = True, seq_len: int = 0) -> float:
+                           flash_attention: bool = True, seq_len: int = 0, cp: int = 1,
+                           cp_algorithm: str = "ring") -> float:
     """Bytes threefold's block (``threefold.model.LlamaDecoderLayer`` under
-    ``threefold.parallel.tensor``) keeps for backward on one rank for ``tokens`` = b·s tokens.
+    ``threefold.parallel.tensor`` and ``threefold.parallel.context``) keeps for backward on
+    one rank for ``tokens`` = b·s/cp tokens (this cp rank's share of b sequences of
+    ``seq_len``).
     ``heads``, ``kv_heads`` and ``ffn`` are per rank; d = ``act_bytes`` (matmul dtype), r =
     ``residual_bytes`` (0 = d). Per token, what autograd saves:
 
@@ -179,17 +183,51 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
 
     This is more than Korthikanti's count (``layer_activation_bytes``: norms keep 2 bytes/h,
     RoPE and flash attention did not exist there), and under SP the attention and MLP inputs
-    stay whole, which their 34/t does not assume."""
+    stay whole, which their 34/t does not assume.
+
+    Under context parallelism (cp > 1) everything above is per local token except the
+    attention core, which is ``cp_attention_bytes``'s."""
     d, r = act_bytes, residual_bytes or act_bytes
     norm_div = tp if sequence_parallel and tp > 1 else 1
     norms = 2 * ((4 + r) * h + 4) / norm_div
     inputs = (r * h if r == d else 3 * d * h) + (r * h if r == d else 2 * d * h)
+    rope = 0 if d == 4 else 4 * d * head_dim
+    mlp = 4 * d * ffn
+    if cp > 1:
+        return tokens * (norms + inputs + rope + mlp) + cp_attention_bytes(
+            tokens, heads, kv_heads, head_dim, seq_len, cp, cp_algorithm, d)
     attn = d * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 4 * heads
     if not flash_attention:
         attn += d * heads * seq_len
-    rope = 0 if d == 4 else 4 * d * head_dim
-    mlp = 4 * d * ffn
     return tokens * (norms + inputs + attn + rope + mlp)
+
+
+def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
+                       cp: int, algorithm: str, act_bytes: int) -> float:
+    """Bytes one block's attention keeps for backward under context parallelism, on one rank
+    for its ``tokens`` = b·seq_len/cp tokens (heads and kv heads per tp rank, d =
+    ``act_bytes``), as ``threefold.parallel.context`` runs it (measured to the byte in
+    tests/test_dryrun.py):
+
+    - ring (``RingAttention``): the local q (after RoPE), k and v in d, its fp32 output
+      (4·heads·head_dim per token) and fp32 log-sum-exp (4·heads), plus o_proj's input, the
+      output cast and laid out as (b, s/cp, heads·head_dim) in d — a separate copy;
+    - allgather: SDPA's saved tensors over the gathered sequence — the local q, K and V of the
+      whole sequence repeated to the query heads (2·d·heads·head_dim·b·seq_len; without
+      grouping, the gathered K/V themselves), the output (shared with o_proj's input) and the
+      fp32 log-sum-exp per local token — plus the visibility mask of (seq_len/cp × seq_len)
+      that SDPA keeps converted to d bytes. Without packed documents the mask is one per
+      layer; with them it is (b, 1, seq_len/cp, seq_len), b times more, which this count
+      (the planner's, for unpacked pre-training) leaves out."""
+    d = act_bytes
+    if algorithm == "ring":
+        return tokens * (d * (2 * heads * head_dim + 2 * kv_heads * head_dim)
+                         + 4 * heads * head_dim + 4 * heads)
+    if algorithm == "allgather":
+        b_seq = tokens * cp  # b · seq_len
+        return tokens * (2 * d * heads * head_dim + 4 * heads) \
+            + 2 * d * heads * head_dim * b_seq + d * (seq_len // cp) * seq_len
+    raise ValueError(f"unknown cp algorithm {algorithm!r}; use ring or allgather")
 
 
 def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
@@ -197,21 +235,22 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
     """Bytes one block keeps per rank per microbatch under ``layout``: ``block_activation_bytes``
     without recompute; with full recompute only the checkpoint's input, r·b·s·h (/t under SP);
     selective recompute drops the materialised attention probabilities (nothing under flash
-    attention, which recomputes them anyway)."""
+    attention, which recomputes them anyway). Under cp, of this rank's seq_len/cp tokens."""
     sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
+    local = local_seq_len(layout, work)
     mode = recompute or layout.recompute
     if mode == "full":
-        return work.resid_bytes * b * s * cfg.hidden_size / (layout.tp if layout.sp else 1)
+        return work.resid_bytes * b * local * cfg.hidden_size / (layout.tp if layout.sp else 1)
     flash = work.flash_attention or mode == "selective"
-    return block_activation_bytes(b * s, cfg.hidden_size, sh.heads, sh.kv_heads, cfg.head_dim,
-                                  sh.ffn, layout.tp, layout.sp, work.act_bytes,
-                                  work.resid_bytes, flash, s)
+    return block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
+                                  cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
+                                  work.resid_bytes, flash, s, layout.cp, layout.cp_algorithm)
 
 
 def microbatch_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """What one microbatch keeps besides its blocks: RoPE's fp32 cos/sin tables for the whole
-    sequence (shared by every block)."""
-    return 2 * 4 * layout.microbatch_size * work.seq_len * cfg.head_dim
+    sequence (shared by every block; this cp rank's tokens under cp)."""
+    return 2 * 4 * layout.microbatch_size * local_seq_len(layout, work) * cfg.head_dim
 
 
 def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
@@ -264,7 +303,8 @@ def _head_terms(cfg: ModelConfig, layout: Layout, work: Workload) -> tuple[int, 
     r != d), vocabulary rows per tp rank)."""
     h, d, r = cfg.hidden_size, work.act_bytes, work.resid_bytes
     norm = ((4 + r) * h + 4) / (layout.tp if layout.sp else 1)
-    return layout.microbatch_size * work.seq_len, norm + d * h, tp_shard(cfg, layout.tp).vocab
+    return (layout.microbatch_size * local_seq_len(layout, work), norm + d * h,
+            tp_shard(cfg, layout.tp).vocab)
 
 
 def head_saved_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
@@ -372,7 +412,7 @@ def _unit_totals(units: tuple, n: int) -> tuple[int, int, int]:
 def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: list[int],
                     state: StateBytes | None, overhead_bytes: float) -> list[MemoryBreakdown]:
     """Model states as threefold's engines hold them (Ψ = this rank's parameters, N =
-    dp_shard, m = microbatches, bytes per element from ``state``):
+    dp_shard·cp, the ZeRO group, m = microbatches, bytes per element from ``state``):
 
     - plain / data parallel: Ψ weights, Ψ gradients (freed after every step), the optimiser
       state; data parallel adds its flat gradient buckets, Ψ, for good;
@@ -390,7 +430,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     engine with nothing to shard."""
     state = state or state_bytes_for(work)
     m = microbatches(layout, work)
-    z, n = layout.zero_stage, layout.dp_shard
+    z, n = layout.zero_stage, layout.shard_size
     per_layer = model_layer_activation_bytes(cfg, layout, work)
     working = 0.0
     if layout.recompute == "full":  # the block being recomputed holds everything at once
@@ -402,7 +442,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
         buffers, zero3, in_bwd = 0.0, 0.0, 0.0
         if z == 0:
             params, opt, grads = psi * state.param, psi * state.optimizer, psi * state.grad
-            buffers = psi * state.grad if layout.dp > 1 else 0.0
+            buffers = psi * state.grad if layout.dp * layout.cp > 1 else 0.0
             in_bwd = grads if m > 1 else 0.0
             temp = 2 * largest * state.param
         elif z in (1, 2):
