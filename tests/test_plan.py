@@ -202,3 +202,61 @@ def test_calibration_measures_this_machine():
     assert memory_bandwidth(8 << 20, repeats=2) > 1e8
     times = allreduce_times(2, sizes=(4, 1 << 20), repeats=2, timeout_s=120)
     assert set(times) == {4, 1 << 20} and all(t > 0 for t in times.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism
+# --------------------------------------------------------------------------------------------
+def test_long_context_plan_picks_cp_and_says_why(capsys):
+    """llama3-70b at 131072 tokens on 64 H100s: the best layout splits each sequence over cp
+    ranks, the table shows it, and a note says why (the best layout without cp, and how much
+    slower it is, or that none fits)."""
+    rc, out, err = run(capsys, "--model", "llama3-70b", "--seq-len", "131072", "--gpus", "64",
+                       "--top", "3")
+    assert rc == 0, err
+    best = out.splitlines()[4]  # the first row under the header
+    assert best.split()[0] == "1" and best.split()[2] not in ("1",), best
+    assert "tp/cp/pp" in out
+    note = [line for line in out.splitlines() if line.startswith("note: cp=")]
+    assert note and "at seq_len 131072" in note[0]
+    assert "with cp = 1" in note[0] and ("slower" in note[0] or "fits" in note[0])
+    rows = json.loads(run(capsys, "--model", "llama3-70b", "--seq-len", "131072", "--gpus",
+                          "64", "--json", "--top", "2")[1])
+    for row in rows:
+        assert tuple(row) == JSON_KEYS and row["cp"] > 1
+        assert row["tp"] * row["pp"] * row["dp_replicate"] * row["dp_shard"] * row["cp"] == 64
+        assert 131072 % (2 * row["cp"]) == 0 and row["memory_bytes_per_gpu"] <= 80e9
+
+
+def test_cp_is_searched_only_for_long_sequences_or_when_nothing_fits():
+    """Below CP_MIN_SEQ_LEN the search keeps cp = 1 (the 1024-GPU search stays fast) unless
+    nothing fits without cp; an explicit SearchSpace.cp is always searched."""
+    from threefold.plan import CP_MIN_SEQ_LEN
+
+    cfg = load_model("llama3-8b")
+    cluster = Cluster(get_hardware("h100"), 16, 8)
+    short = search(cfg, cluster, Workload(seq_len=4096, global_batch=64), keep=5)
+    assert short.ranked and all(c.layout.cp == 1 for c in short.ranked) and not short.notes
+    asked = search(cfg, cluster, Workload(seq_len=4096, global_batch=64),
+                   SearchSpace(cp=(2,), cp_algorithm=("allgather",)), keep=3)
+    assert asked.ranked and all(c.layout.cp == 2 and c.layout.cp_algorithm == "allgather"
+                                for c in asked.ranked)
+    assert 16384 < CP_MIN_SEQ_LEN
+    # 16K tokens of an 8B model on 8 GPUs of 40 GB, no tp or pp: nothing fits without cp
+    # (the smallest cp = 1 layout needs ~60 GB, cp 8 ~25 GB)
+    tight = Cluster(get_hardware("h100").with_overrides(memory_bytes=40e9), 8, 8)
+    work = Workload(seq_len=16384, global_batch=8)
+    none = search(cfg, tight, work, SearchSpace(cp=(1,), tp=(1,), pp=(1,)), keep=3)
+    assert not none.fits
+    fallback = search(cfg, tight, work, SearchSpace(tp=(1,), pp=(1,)), keep=3)
+    assert fallback.fits and fallback.ranked[0].layout.cp > 1
+    assert "no layout without context parallelism fits" in fallback.notes[0]
+    assert any("no layout with cp = 1 fits" in n for n in fallback.notes)
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--cp", "3"], "--cp"), (["--cp", "0"], "--cp"), (["--cp-algorithm", "tree"],
+                                                         "--cp-algorithm")])
+def test_bad_cp_input_names_the_option(capsys, argv, field):
+    rc, _, err = run(capsys, "--model", "llama3-8b", "--gpus", "8", *argv)
+    assert rc == 2 and err.startswith(f"threefold plan: error: {field}:")

@@ -1,15 +1,24 @@
 """`threefold plan`: rank every parallel layout of a model on a cluster by predicted step time.
 
-The search enumerates (dp_replicate, dp_shard, tp, pp, vpp, zero_stage, microbatch_size,
-recompute) whose product is the world and which divide the model and the batch, drops those
+The search enumerates (dp_replicate, dp_shard, cp, cp_algorithm, tp, pp, vpp, zero_stage,
+microbatch_size, recompute) whose product is the world and which divide the model and the
+batch, drops those
 that do not fit in memory (keeping the reason), scores the rest with ``threefold.cost`` and
 ``threefold.memory``, and explains the ranking. Imports no torch: the 1024-GPU search for a
 70B model takes a second or two.
 
 Conventions: tensor parallelism runs with sequence parallelism; zero_stage 0 means plain data
 parallelism over dp_shard (dp_replicate = 1); vpp > 1 means interleaved 1F1B; mesh axes are
-ordered pp, dp_replicate, dp_shard, tp (outermost first), so tp stays inside a node when it
-can, and a layout whose tp group crosses nodes is flagged. Memory is threefold's runtime's
+ordered pp, dp_replicate, dp_shard, cp, tp (outermost first), so tp stays inside a node when it
+can, and a layout whose tp group crosses nodes is flagged.
+
+Context parallelism (cp > 1, each sequence split over cp ranks) multiplies the search by the
+cp degrees times the two algorithms, and only pays at long sequences, so it is searched only
+when ``seq_len >= CP_MIN_SEQ_LEN``, or when no layout without it fits in memory (the search
+then runs again with it), or when asked for (``SearchSpace.cp``, ``--cp``). cp takes the
+divisors of world/tp for which seq_len divides by 2·cp and each cp rank's tokens by tp. When
+the best layout uses cp, ``PlanResult.notes`` says why: no cp = 1 layout fits (and what the
+smallest needs), or how much slower the best one without cp is. Memory is threefold's runtime's
 (``threefold.memory``), numerics the published mixed-precision ones (``Workload``).
 
 The hardware is a catalogue GPU (``--gpu``, overridable) or this machine as measured by
@@ -19,6 +28,7 @@ The hardware is a catalogue GPU (``--gpu``, overridable) or this machine as meas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import itertools
 import json
@@ -43,12 +53,15 @@ from threefold.cost import (
 from threefold.hardware import GPUS, Cluster, Hardware, get_hardware
 from threefold.memory import MemoryBreakdown, memory_per_gpu
 
-JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "zero_stage", "vpp", "microbatch_size",
+JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "cp_algorithm", "zero_stage", "vpp",
+             "microbatch_size",
              "recompute", "memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
              "tflops_per_gpu", "mfu", "bubble_fraction", "warnings")
 BUBBLE_WARN = 0.20
 MEMORY_WARN = 0.95
 MAX_MICROBATCH = 16
+CP_MIN_SEQ_LEN = 32768  # shorter sequences: cp only when nothing fits without it
+CP_ALGORITHMS = ("ring", "allgather")
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,10 @@ class SearchSpace:
     zero_stage: tuple[int, ...] = (0, 1, 2, 3)
     microbatch_size: tuple[int, ...] | None = None
     recompute: tuple[str, ...] | None = None  # None: all, less selective under flash
+    # None: cp = 1, and every fitting cp degree when seq_len >= CP_MIN_SEQ_LEN (or when
+    # nothing fits without cp; see ``search``)
+    cp: tuple[int, ...] | None = None
+    cp_algorithm: tuple[str, ...] = CP_ALGORITHMS
 
 
 @dataclass(frozen=True)
@@ -86,6 +103,7 @@ class PlanResult:
     too_big: list[tuple[Layout, float, str]] = field(default_factory=list)
     invalid: dict[str, int] = field(default_factory=dict)
     fits: int = 0
+    notes: list[str] = field(default_factory=list)
 
 
 def _divisors(n: int) -> list[int]:
@@ -113,33 +131,57 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
         except LayoutError as e:
             reject(str(e))
             continue
-        for pp in space.pp or _divisors(world // tp):
-            if (world // tp) % pp:
-                reject(f"tp·pp={tp * pp} does not divide {world} GPUs")
-                continue
-            if cfg.num_hidden_layers % pp:
-                reject(f"pp={pp} does not divide the {cfg.num_hidden_layers} layers")
-                continue
-            dp = world // (tp * pp)
-            per_replica, rem = divmod(work.global_batch, dp)
-            if rem or not per_replica:
-                reject(f"dp={dp} does not divide the global batch of {work.global_batch}")
-                continue
-            vpps = space.vpp or ([1] if pp == 1 else _divisors(cfg.num_hidden_layers // pp))
-            splits = list(_dp_splits(dp, space))
-            sizes = space.microbatch_size or [b for b in _divisors(per_replica)
-                                              if b <= MAX_MICROBATCH]
-            if dropped:
-                reject(dropped, len(vpps) * len(splits) * len(sizes))
-            for vpp, (zero, dp_r), mbs, rc in itertools.product(vpps, splits, sizes, recompute):
-                lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
-                             zero_stage=zero, vpp=vpp, microbatch_size=mbs, recompute=rc)
-                try:
-                    check_layout(cfg, lay, work)
-                except LayoutError as e:
-                    reject(_generic(str(e)))
+        for cp in _cp_degrees(world // tp, tp, work, space, reject):
+            algorithms = ("ring",) if cp == 1 else space.cp_algorithm
+            for pp in space.pp or _divisors(world // (tp * cp)):
+                if (world // (tp * cp)) % pp:
+                    reject(f"tp·cp·pp={tp * cp * pp} does not divide {world} GPUs")
                     continue
-                yield lay
+                if cfg.num_hidden_layers % pp:
+                    reject(f"pp={pp} does not divide the {cfg.num_hidden_layers} layers")
+                    continue
+                dp = world // (tp * cp * pp)
+                per_replica, rem = divmod(work.global_batch, dp)
+                if rem or not per_replica:
+                    reject(f"dp={dp} does not divide the global batch of {work.global_batch}")
+                    continue
+                vpps = space.vpp or ([1] if pp == 1 else
+                                     _divisors(cfg.num_hidden_layers // pp))
+                splits = list(_dp_splits(dp, space, cp))
+                sizes = space.microbatch_size or [b for b in _divisors(per_replica)
+                                                  if b <= MAX_MICROBATCH]
+                if dropped:
+                    reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms))
+                for alg, vpp, (zero, dp_r), mbs, rc in itertools.product(
+                        algorithms, vpps, splits, sizes, recompute):
+                    lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
+                                 zero_stage=zero, vpp=vpp, microbatch_size=mbs, recompute=rc,
+                                 cp=cp, cp_algorithm=alg)
+                    try:
+                        check_layout(cfg, lay, work)
+                    except LayoutError as e:
+                        reject(_generic(str(e)))
+                        continue
+                    yield lay
+
+
+def _cp_degrees(rest: int, tp: int, work: Workload, space: SearchSpace, reject) -> list[int]:
+    """cp degrees to try with ``tp``: ``space.cp`` (None: 1, and with ``seq_len >=
+    CP_MIN_SEQ_LEN`` every divisor of ``rest`` = world/tp) less those the sequence does not
+    split into (seq_len a multiple of 2·cp, each cp rank's seq_len/cp of tp for sequence
+    parallelism)."""
+    wanted = space.cp or ([1] if work.seq_len < CP_MIN_SEQ_LEN else _divisors(rest))
+    out = []
+    for cp in wanted:
+        if rest % cp:
+            reject(f"tp·cp={tp * cp} does not divide the GPUs")
+        elif cp > 1 and work.seq_len % (2 * cp):
+            reject(f"cp={cp}: seq_len {work.seq_len} is not a multiple of 2·cp")
+        elif tp > 1 and (work.seq_len // cp) % tp:
+            reject(f"cp={cp}: seq_len/cp is not a multiple of tp={tp} (sequence parallel)")
+        else:
+            out.append(cp)
+    return out
 
 
 def _recompute_options(space: SearchSpace, work: Workload) -> tuple[tuple[str, ...], str]:
@@ -161,16 +203,16 @@ def _generic(reason: str) -> str:
     return reason
 
 
-def _dp_splits(dp: int, space: SearchSpace) -> Iterator[tuple[int, int]]:
+def _dp_splits(dp: int, space: SearchSpace, cp: int = 1) -> Iterator[tuple[int, int]]:
     """(zero_stage, dp_replicate): stage 0 is plain DP (dp_replicate 1); stages 1-3 shard over
-    dp_shard = dp / dp_replicate > 1, with any dp_replicate (hybrid sharding)."""
+    dp_shard·cp = dp / dp_replicate · cp > 1, with any dp_replicate (hybrid sharding)."""
     for zero in space.zero_stage:
         if zero == 0:
             if not space.dp_replicate or 1 in space.dp_replicate:
                 yield 0, 1
             continue
         for dp_r in space.dp_replicate or _divisors(dp):
-            if dp % dp_r == 0 and dp // dp_r > 1:
+            if dp % dp_r == 0 and dp // dp_r * cp > 1:
                 yield zero, dp_r
 
 
@@ -180,6 +222,9 @@ def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: S
     out = []
     if "tp" in step.inter_node_axes:
         out.append(f"tp crosses nodes (tp={lay.tp} > {cluster.gpus_per_node} GPUs per node)")
+    if "cp" in step.inter_node_axes:
+        out.append(f"cp crosses nodes (cp·tp={lay.cp * lay.tp} > {cluster.gpus_per_node} GPUs "
+                   "per node): K/V move over the network")
     if step.bubble_fraction > BUBBLE_WARN:
         out.append(f"pipeline bubble {step.bubble_fraction:.0%} > {BUBBLE_WARN:.0%}")
     if mem.total > MEMORY_WARN * cluster.hardware.memory_bytes:
@@ -198,8 +243,24 @@ def search(cfg: ModelConfig, cluster: Cluster, work: Workload,
     """Score every layout in ``space`` that fits in memory; best (shortest step) first. With
     ``keep``, layouts are scored in order of their communication-free step time and the search
     stops once that bound exceeds the ``keep``-th best full prediction (same top ``keep``).
-    ``predict_kw`` go to ``predict_step`` (e.g. ``overlap_grad_reduce=False``)."""
+    ``predict_kw`` go to ``predict_step`` (e.g. ``overlap_grad_reduce=False``). With
+    ``space.cp`` None and a sequence shorter than ``CP_MIN_SEQ_LEN``, cp > 1 is searched only
+    if nothing fits without it. When the best layout has cp > 1, ``notes`` says why."""
     limit = cluster.hardware.memory_bytes if memory_limit is None else memory_limit
+    result = _search(cfg, cluster, work, space, limit, keep, predict_kw)
+    if not result.fits and space.cp is None and work.seq_len < CP_MIN_SEQ_LEN:
+        wide = dataclasses.replace(space, cp=tuple(_divisors(cluster.num_gpus)))
+        retry = _search(cfg, cluster, work, wide, limit, keep, predict_kw)
+        if retry.fits:
+            retry.notes.insert(0, f"no layout without context parallelism fits at seq_len "
+                                  f"{work.seq_len}: searched cp > 1 too")
+            return retry
+    return result
+
+
+def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpace,
+            limit: float, keep: int | None, predict_kw: dict) -> PlanResult:
+    """One pass of ``search`` over ``space``."""
     result = PlanResult(ranked=[])
     fitting = []
     for lay in enumerate_layouts(cfg, cluster.num_gpus, work, space, result.invalid):
@@ -229,7 +290,39 @@ def search(cfg: ModelConfig, cluster: Cluster, work: Workload,
     result.ranked.sort(key=lambda c: (c.step.step_time_s, c.memory.total))
     if keep:
         del result.ranked[keep:]
+    if result.ranked and result.ranked[0].layout.cp > 1:
+        result.notes.append(_why_cp(cfg, cluster, work, result, fitting, limit, predict_kw))
     return result
+
+
+def _why_cp(cfg: ModelConfig, cluster: Cluster, work: Workload, result: PlanResult,
+            fitting: list, limit: float, predict_kw: dict) -> str:
+    """Why the best layout splits sequences over cp: no cp = 1 layout fits (what the
+    smallest needs), or the best cp = 1 layout (found with the same pruning) and how much
+    slower it is."""
+    best = result.ranked[0]
+    head = f"cp={best.layout.cp} ({best.layout.cp_algorithm}) at seq_len {work.seq_len}: "
+    plain = [(bound, lay, mem) for bound, lay, mem in fitting if lay.cp == 1]
+    if not plain:
+        big = [r for r in result.too_big if r[0].cp == 1]
+        if not big:
+            return head + "no layout with cp = 1 was searched"
+        lay, total, why = min(big, key=lambda r: r[1])
+        return head + (f"no layout with cp = 1 fits in {limit / 1e9:.0f} GB; the smallest "
+                       f"(tp={lay.tp} pp={lay.pp} zero={lay.zero_stage} "
+                       f"mbs={lay.microbatch_size} recompute={lay.recompute}) {why}")
+    top = None
+    for bound, lay, mem in sorted(plain, key=lambda x: x[0]):
+        if top is not None and bound >= top.step.step_time_s:
+            break
+        step = predict_step(cfg, lay, work, cluster, **predict_kw)
+        if top is None or step.step_time_s < top.step.step_time_s:
+            top = Candidate(lay, mem, step, ())
+    lay = top.layout
+    slower = top.step.step_time_s / best.step.step_time_s - 1
+    return head + (f"the best layout with cp = 1 (tp={lay.tp} pp={lay.pp} vpp={lay.vpp} "
+                   f"zero={lay.zero_stage} mbs={lay.microbatch_size} recompute="
+                   f"{lay.recompute}) is {slower:.0%} slower ({explain(best, top)})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,7 +331,7 @@ def search(cfg: ModelConfig, cluster: Cluster, work: Workload,
 def _terms(c: Candidate) -> dict[str, float]:
     s = c.step
     return {"compute": s.compute_s, "bubble": s.bubble_s, "tp comm": s.tp_exposed_s,
-            "pp comm": s.pp_exposed_s, "dp comm": s.dp_exposed_s}
+            "pp comm": s.pp_exposed_s, "cp comm": s.cp_exposed_s, "dp comm": s.dp_exposed_s}
 
 
 def explain(best: Candidate, other: Candidate) -> str:
@@ -276,8 +369,11 @@ def _cause(best: Candidate, other: Candidate, term: str) -> str:
         return f"tp={o.tp}" + (" across nodes" if crosses else "")
     if term == "pp comm":
         return f"pp={o.pp}, vpp={o.vpp}"
+    if term == "cp comm":
+        return f"cp={o.cp} {o.cp_algorithm}" + \
+            (" across nodes" if "cp" in other.step.inter_node_axes else "")
     if term == "dp comm":
-        axis = "dp" if o.zero_stage == 0 else "dp_shard"
+        axis = o.data_axis if o.zero_stage == 0 else o.shard_axis
         return f"zero_stage {o.zero_stage} over {axis}={o.size(axis)}" + \
                (" across nodes" if axis in other.step.inter_node_axes else "")
     return ""
@@ -289,7 +385,8 @@ def to_json_rows(cands: list[Candidate]) -> list[dict]:
     for c in cands:
         lay, s = c.layout, c.step
         rows.append({"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
-                     "dp_shard": lay.dp_shard, "zero_stage": lay.zero_stage, "vpp": lay.vpp,
+                     "dp_shard": lay.dp_shard, "cp": lay.cp, "cp_algorithm": lay.cp_algorithm,
+                     "zero_stage": lay.zero_stage, "vpp": lay.vpp,
                      "microbatch_size": lay.microbatch_size, "recompute": lay.recompute,
                      "memory_bytes_per_gpu": c.memory.total, "step_time_s": s.step_time_s,
                      "tokens_per_second_per_gpu": s.tokens_per_second_per_gpu,
@@ -304,20 +401,21 @@ def _gb(x: float) -> str:
 
 def format_table(cands: list[Candidate], explain_all: bool = False) -> str:
     """The text table of ``cands`` (best first), with warnings and explanations under rows."""
-    head = (f"{'#':>2} {'tp':>3} {'pp':>3} {'vpp':>3} {'dp_r':>4} {'dp_s':>4} {'zero':>4} "
-            f"{'mbs':>3} {'recomp':<9} {'mem GB (states+act+other)':<26} {'step s':>8} "
-            f"{'tok/s/GPU':>9} {'TF/s':>6} {'MFU':>5} {'bubble':>6}  "
-            f"{'GB sent per step: tp/pp/dp|dp_s/dp_r'}")
+    head = (f"{'#':>2} {'tp':>3} {'cp':>6} {'pp':>3} {'vpp':>3} {'dp_r':>4} {'dp_s':>4} "
+            f"{'zero':>4} {'mbs':>3} {'recomp':<9} {'mem GB (states+act+other)':<26} "
+            f"{'step s':>8} {'tok/s/GPU':>9} {'TF/s':>6} {'MFU':>5} {'bubble':>6}  "
+            f"{'GB sent per step: tp/cp/pp/dp|dp_s/dp_r'}")
     lines = [head]
     for i, c in enumerate(cands, 1):
         lay, s, m = c.layout, c.step, c.memory
         other = m.total - m.model_states - m.activations
         mem = f"{_gb(m.total)} ({_gb(m.model_states)}+{_gb(m.activations)}+{_gb(other)})"
         b = s.comm_bytes
-        comm = "/".join(_gb(x) for x in (b["tp"], b["pp"], b["dp"] + b["dp_shard"],
-                                         b["dp_replicate"]))
+        data = b["dp"] + b["dp_shard"] + b["dp_cp"] + b["dp_shard_cp"]
+        comm = "/".join(_gb(x) for x in (b["tp"], b["cp"], b["pp"], data, b["dp_replicate"]))
+        cp = f"{lay.cp}{'r' if lay.cp_algorithm == 'ring' else 'ag'}" if lay.cp > 1 else "1"
         lines.append(
-            f"{i:>2} {lay.tp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
+            f"{i:>2} {lay.tp:>3} {cp:>6} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
             f"{lay.dp_shard:>4} {lay.zero_stage:>4} {lay.microbatch_size:>3} "
             f"{lay.recompute:<9} {mem:<26} {s.step_time_s:>8.3f} "
             f"{s.tokens_per_second_per_gpu:>9.0f} {s.tflops_per_gpu:>6.0f} {s.mfu:>5.1%} "
@@ -334,8 +432,8 @@ def _summary(result: PlanResult) -> str:
     if result.too_big:
         lay, total, why = min(result.too_big, key=lambda r: r[1])
         lines.append(f"{len(result.too_big)} layouts do not fit in memory; the smallest "
-                     f"(tp={lay.tp} pp={lay.pp} zero={lay.zero_stage} mbs={lay.microbatch_size}"
-                     f" recompute={lay.recompute}) {why}")
+                     f"(tp={lay.tp} cp={lay.cp} pp={lay.pp} zero={lay.zero_stage} "
+                     f"mbs={lay.microbatch_size} recompute={lay.recompute}) {why}")
     for reason, n in sorted(result.invalid.items(), key=lambda kv: -kv[1])[:6]:
         lines.append(f"{n} skipped: {reason}")
     return "\n".join(lines)
@@ -389,6 +487,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_int_list, help="only these tp degrees (comma list)")
     p.add_argument("--pp", type=_int_list, help="only these pp degrees")
     p.add_argument("--zero-stage", type=_int_list, help="only these ZeRO stages")
+    p.add_argument("--cp", type=_int_list,
+                   help="only these context-parallel degrees (default: 1, and every one that "
+                   f"splits the sequence when --seq-len >= {CP_MIN_SEQ_LEN} or nothing fits "
+                   "without)")
+    p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather")
     p.add_argument("--recompute", help="only these: none,selective,full")
     p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
     p.add_argument("--explain", action="store_true", help="say why each loses to the best")
@@ -463,11 +566,23 @@ def _setup(args):
             raise ConfigError(f"--recompute: '{bad[0]}' is not one of {', '.join(RECOMPUTE)}")
     if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
         raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
+    for cp in args.cp or ():
+        if cp < 1 or args.gpus % cp or (cp > 1 and seq % (2 * cp)):
+            raise ConfigError(f"--cp: {cp} must be >= 1, divide --gpus {args.gpus} and (above 1)"
+                              f" split --seq-len {seq} into 2·cp equal chunks")
+    algorithms = CP_ALGORITHMS
+    if args.cp_algorithm:
+        algorithms = tuple(args.cp_algorithm.split(","))
+        bad = [a for a in algorithms if a not in CP_ALGORITHMS]
+        if bad:
+            raise ConfigError(f"--cp-algorithm: '{bad[0]}' is not one of "
+                              f"{', '.join(CP_ALGORITHMS)}")
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash")
     cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))
     space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
-                        recompute=recompute if args.recompute else None)
+                        recompute=recompute if args.recompute else None, cp=args.cp,
+                        cp_algorithm=algorithms)
     return cfg, cluster, work, space
 
 
@@ -518,6 +633,8 @@ def main(argv: list[str]) -> int:
         summary = _summary(result)
         if summary:
             print(summary)
+        for note in result.notes:
+            print(f"note: {note}")
     if not result.fits:
         print("threefold plan: no layout fits; " + (_summary(result).splitlines() or [""])[0],
               file=sys.stderr)
