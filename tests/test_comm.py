@@ -245,13 +245,14 @@ def test_world_of_one_needs_no_process_group(monkeypatch):
     assert comm.all_gather_uneven(t, "dp").tolist() == [0, 1, 2, 3]
     assert comm.group("dp") is None and comm.groups() == [] and comm.recent() == []
     assert comm.step_counters() == {"dp": 0, "world": 0, "dp_shard": 0, "tp": 0}
+    assert comm.size("cp") == 1 and comm.size("dp_cp") == 1
     assert comm.stats()["dp"]["all_reduce"]["calls"] == 1
     with pytest.raises(ValueError, match="bad op"):
         comm.batch_isend_irecv([("send", t, 1)])
     with pytest.raises(ValueError, match="expected 1 × 4"):
         comm.reduce_scatter(out, torch.ones(8), "dp")
     with pytest.raises(KeyError, match="unknown mesh axis"):
-        comm.size("cp")
+        comm.size("ep")
     with pytest.raises(ValueError, match="needs a mesh"):
         Comm(ParallelDims.from_config(ParallelConfig(), 2))
 

@@ -22,12 +22,16 @@ def dims(world: int, **kw) -> ParallelDims:
     ({"tp": 2, "dp_replicate": 2}, (2, 2, 2, 1)),
     ({"tp": 2, "pp": 2, "dp_shard": 2}, (1, 2, 2, 2)),
     ({"pp": 8}, (1, 1, 1, 8)),
+    ({"cp": 2, "tp": 2}, (1, 2, 2, 1, 2)),
+    ({"cp": 4, "pp": 2}, (1, 1, 1, 2, 4)),
 ])
 def test_from_config_resolves_the_rest(kw, expect):
     d = dims(8, **kw)
-    assert (d.dp_replicate, d.dp_shard, d.tp, d.pp) == expect
+    cp = expect[4] if len(expect) > 4 else 1
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.pp, d.cp) == (*expect[:4], cp)
     assert d.world_size == 8 and d.dp == expect[0] * expect[1]
-    assert d.shape == (expect[3], expect[0], expect[1], expect[2])  # AXES order
+    assert d.shape == (expect[3], expect[0], expect[1], cp, expect[2])  # AXES order
+    assert d.axis_size("dp_cp") == d.dp * cp and d.axis_size("dp_shard_cp") == d.dp_shard * cp
 
 
 @pytest.mark.parametrize("world, kw, message", [
@@ -36,11 +40,12 @@ def test_from_config_resolves_the_rest(kw, expect):
     (6, {"dp_replicate": 4},
      "parallel.dp_replicate: 4 does not divide world size 6; valid dp_replicate values: 1, 2, "
      "3, 6"),
-    (8, {"tp": 4, "pp": 4}, "parallel: pp·dp_replicate·tp = 4·1·4 = 16 does not divide world "
-                            "size 8; lower one of them or launch a multiple of 16 ranks"),
-    (8, {"tp": 2, "dp_shard": 2}, "parallel.dp_shard: pp·dp_replicate·tp = 1·1·2 = 2, times "
-                                  "dp_shard=2 is 4, not world size 8; set parallel.dp_shard to "
-                                  "4 or -1 (the rest)"),
+    (8, {"tp": 4, "pp": 4}, "parallel: pp·dp_replicate·cp·tp = 4·1·1·4 = 16 does not divide "
+                            "world size 8; lower one of them or launch a multiple of 16 ranks"),
+    (8, {"tp": 2, "dp_shard": 2}, "parallel.dp_shard: pp·dp_replicate·cp·tp = 1·1·1·2 = 2, "
+                                  "times dp_shard=2 is 4, not world size 8; set "
+                                  "parallel.dp_shard to 4 or -1 (the rest)"),
+    (8, {"cp": 3}, "parallel.cp: 3 does not divide world size 8; valid cp values: 1, 2, 4, 8"),
     (8, {"tp": 0}, "parallel.tp: must be >= 1, got 0"),
     (8, {"dp_shard": 0}, "parallel.dp_shard: must be >= 1 or -1 (the rest), got 0"),
     (0, {}, "world size must be >= 1, got 0"),
@@ -106,8 +111,8 @@ def test_validate_model_refuses_with_field_and_fix(world, kw, model, vpp, messag
 def test_coords_and_groups_of_a_2x2x2_layout():
     d = dims(8, dp_replicate=2, dp_shard=2, tp=2)
     # rank = dp_replicate·4 + dp_shard·2 + tp (tp innermost): rank 5 = (1, 0, 1)
-    assert d.coords(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "tp": 1, "dp": 2,
-                           "world": 5}
+    assert d.coords(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1, "dp": 2,
+                           "dp_cp": 2, "dp_shard_cp": 0, "world": 5}
     assert d.axis_ranks(5, "tp") == [4, 5]
     assert d.axis_ranks(5, "dp_shard") == [5, 7]
     assert d.axis_ranks(5, "dp_replicate") == [1, 5]
@@ -115,18 +120,29 @@ def test_coords_and_groups_of_a_2x2x2_layout():
     assert d.axis_ranks(5, "pp") == [5]
     assert d.axis_ranks(5, "world") == list(range(8))
     d = dims(8, pp=2, dp_shard=2, tp=2)
-    assert d.coords(6) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "tp": 0, "dp": 1,
-                           "world": 6}
+    assert d.coords(6) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0, "dp": 1,
+                           "dp_cp": 1, "dp_shard_cp": 1, "world": 6}
     assert d.axis_ranks(6, "pp") == [2, 6] and d.axis_ranks(6, "dp") == [4, 6]
+    # cp between dp_shard and tp: rank = dp_shard·4 + cp·2 + tp
+    d = dims(8, dp_shard=2, cp=2, tp=2)
+    assert d.coords(7) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 1, "tp": 1, "dp": 1,
+                           "dp_cp": 3, "dp_shard_cp": 3, "world": 7}
+    assert d.axis_ranks(7, "cp") == [5, 7] and d.axis_ranks(7, "dp") == [3, 7]
+    assert d.axis_ranks(7, "dp_cp") == [1, 3, 5, 7] == d.axis_ranks(7, "dp_shard_cp")
+    assert d.describe() == "pp 1 × dp_replicate 1 × dp_shard 2 × cp 2 × tp 2 = 8 ranks"
 
 
 @pytest.mark.parametrize("kw", [{"dp_replicate": 2, "dp_shard": 2, "tp": 2},
                                 {"pp": 2, "dp_shard": 2, "tp": 2},
                                 {"pp": 2, "dp_replicate": 2, "tp": 2},
-                                {"pp": 2, "dp_replicate": 2, "dp_shard": 2}])
+                                {"pp": 2, "dp_replicate": 2, "dp_shard": 2},
+                                {"dp_replicate": 2, "cp": 2, "tp": 2},
+                                {"pp": 2, "dp_shard": 2, "cp": 2}])
 def test_groups_partition_the_world_and_agree_with_coords(kw):
+    from threefold.mesh import DERIVED_AXES, FLATTENED
+
     d = dims(8, **kw)
-    for axis in AXES + ("dp",):
+    for axis in AXES + tuple(FLATTENED):
         groups = d.axis_groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(8))
         assert all(len(g) == d.axis_size(axis) for g in groups)
@@ -134,13 +150,14 @@ def test_groups_partition_the_world_and_agree_with_coords(kw):
             for i, r in enumerate(g):
                 assert d.coords(r)[axis] == i and d.axis_ranks(r, axis) == g
                 # ranks in one group differ only in this axis's coordinates
-                others = {a: v for a, v in d.coords(r).items() if a not in (axis, "world", "dp")
-                          and not (axis == "dp" and a in ("dp_replicate", "dp_shard"))}
+                others = {a: v for a, v in d.coords(r).items()
+                          if a in AXES and a not in FLATTENED.get(axis, (axis,))}
                 assert others == {a: v for a, v in d.coords(g[0]).items() if a in others}
+    assert set(DERIVED_AXES) == {*FLATTENED, "world"}
     with pytest.raises(ValueError, match="outside world size 8"):
         d.coords(8)
-    with pytest.raises(KeyError, match="unknown mesh axis 'cp'"):
-        d.axis_ranks(0, "cp")
+    with pytest.raises(KeyError, match="unknown mesh axis 'ep'"):
+        d.axis_ranks(0, "ep")
 
 
 def test_axis_spans_nodes_keeps_tp_inside_a_node():
@@ -160,7 +177,8 @@ def test_world_of_one_builds_no_mesh():
 
 
 # ------------------------------------------------------------------ against the real DeviceMesh
-LAYOUTS = [(2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2), (2, 2, 1, 2)]  # dp_rep, dp_shard, tp, pp
+LAYOUTS = [(2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2), (2, 2, 1, 2), (1, 2, 2, 1, 2),
+           (2, 1, 1, 2, 2)]  # dp_rep, dp_shard, tp, pp[, cp]
 
 
 def mesh_groups(rank: int, world: int, layouts: list) -> list[dict]:
@@ -169,12 +187,12 @@ def mesh_groups(rank: int, world: int, layouts: list) -> list[dict]:
 
     out = []
     for layout in layouts:
-        d = ParallelDims(*layout, world_size=world)
+        d = ParallelDims(*layout[:4], world_size=world, cp=(layout[4:] or (1,))[0])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             mesh = d.build_mesh("cpu")
             got = {}
-            for axis in AXES + ("dp",):
+            for axis in AXES + ("dp", "dp_cp", "dp_shard_cp"):
                 sub = submesh(mesh, axis)
                 got[axis] = (dist.get_process_group_ranks(sub.get_group()), sub.get_local_rank())
             same = submesh(mesh, "dp").get_group() is submesh(mesh, "dp").get_group()
@@ -187,7 +205,7 @@ def test_arithmetic_matches_device_mesh_on_8_ranks():
     results = run_distributed(mesh_groups, 8, LAYOUTS, timeout=120)
     for rank, per_layout in enumerate(results):
         for layout, got in zip(LAYOUTS, per_layout):
-            d = ParallelDims(*layout, world_size=8)
+            d = ParallelDims(*layout[:4], world_size=8, cp=(layout[4:] or (1,))[0])
             assert got["names"] == AXES and got["dp_cached"]
             assert got["warnings"] == []
             for axis, (ranks, local) in got["groups"].items():

@@ -184,6 +184,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, docs, comm, seq_len):
+        with torch.autocast(q.device.type, enabled=False):  # the softmax merge stays fp32
+            return RingAttention._forward(ctx, q, k, v, docs, comm, seq_len)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, docs, comm, seq_len):
         ring, kvh = _Ring(comm), k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         q5 = _grouped(q, kvh)
@@ -207,6 +212,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return RingAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, out5, lse = ctx.saved_tensors
         ring, kvh, scale = _Ring(ctx.comm), k.shape[1], ctx.scale
         q5 = _grouped(q, kvh)
