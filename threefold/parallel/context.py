@@ -102,59 +102,126 @@ def visibility(q_idx: torch.Tensor, k_idx: torch.Tensor, docs: torch.Tensor | No
 # --------------------------------------------------------------------------------------------
 # Attention of a query block against one key block, with its log-sum-exp
 # --------------------------------------------------------------------------------------------
-def _scores(q5: torch.Tensor, k: torch.Tensor, mask, scale: float) -> torch.Tensor:
-    """q5 (B, kvh, g, Tq, d) against k (B, kvh, Tk, d) -> (B, kvh, g, Tq, Tk), masked to
-    −inf."""
-    s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if mask is not None:
-        m = mask if mask.dim() == 2 else mask.unsqueeze(2)  # (B, 1, 1, Tq, Tk)
-        s = s.masked_fill(~m, float("-inf"))
-    return s
+class Piece(NamedTuple):
+    """One attention call of a ring step: query rows and key columns of the local blocks
+    (slices), causal (a square block of increasing positions) or not, and an additive float
+    mask (packed documents) or None, with the query rows that see any key under it."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+    mask: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
 
 
-class _OnlineSoftmax:
-    """Running max, denominator and weighted sum of values over key blocks (fp32)."""
-
-    def __init__(self, q5: torch.Tensor):
-        shape = q5.shape[:-1]
-        self.m = torch.full(shape, float("-inf"), dtype=torch.float32, device=q5.device)
-        self.l = torch.zeros(shape, dtype=torch.float32, device=q5.device)
-        self.acc = torch.zeros(q5.shape, dtype=torch.float32, device=q5.device)
-
-    def add(self, s: torch.Tensor, v: torch.Tensor) -> None:
-        """Fold in one block's scores ``s`` and values ``v`` (B, kvh, Tk, d)."""
-        m_new = torch.maximum(self.m, s.amax(-1))
-        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = torch.exp(self.m - safe)
-        p = torch.exp(s - safe.unsqueeze(-1))
-        self.l = self.l * alpha + p.sum(-1)
-        self.acc = self.acc * alpha.unsqueeze(-1) + torch.matmul(p, v.unsqueeze(2).float())
-        self.m = m_new
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output (B, kvh, g, Tq, d), log-sum-exp (B, kvh, g, Tq)); every query row has seen
-        at least itself, so the denominator is positive."""
-        return self.acc / self.l.unsqueeze(-1), self.m + torch.log(self.l)
-
-
-def _block_backward(q5, k, v, do5, lse, delta, mask, scale):
-    """Gradients of one (query block, key block) pair: (dq5, dk, dv) from the saved
-    log-sum-exp (FlashAttention-2's backward, arXiv 2307.08691, Alg. 2)."""
-    s = _scores(q5, k, mask, scale)
-    p = torch.exp(s - lse.unsqueeze(-1))  # masked entries: exp(−inf) = 0
-    dv = torch.matmul(p.transpose(-1, -2), do5).sum(2)
-    dp = torch.matmul(do5, v.unsqueeze(2).transpose(-1, -2).float())
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq5 = torch.matmul(ds, k.unsqueeze(2).float()) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * scale
-    return dq5, dk, dv
+def ring_pieces(n: int, r: int, src: int, tl: int, docs: torch.Tensor | None,
+                dtype: torch.dtype) -> list[Piece]:
+    """What rank ``r``'s queries compute against the K/V block of rank ``src`` (``tl`` local
+    tokens each: chunk c and chunk 2n−1−c of the sequence). The balanced split makes every
+    pair simple: its own block is plain causal (its positions increase); an earlier rank's
+    first chunk is wholly visible and its second wholly hidden; a later rank's block is
+    wholly visible to the second query chunk and hidden from the first. Packed documents
+    add a mask to each piece (pieces no query sees are dropped)."""
+    half = tl // 2
+    if src == r:
+        pieces = [Piece(slice(0, tl), slice(0, tl), True)]
+    elif src < r:
+        pieces = [Piece(slice(0, tl), slice(0, half), False)]
+    else:
+        pieces = [Piece(slice(half, tl), slice(0, tl), False)]
+    if docs is None:
+        return pieces
+    q_idx, k_idx = chunk_index(tl * n, n, r, docs.device), chunk_index(tl * n, n, src, docs.device)
+    out = []
+    for pc in pieces:
+        vis = visibility(q_idx[pc.rows], k_idx[pc.cols], docs)
+        if vis is False:
+            continue
+        if vis is None:
+            out.append(pc._replace(causal=False))
+            continue
+        mask = torch.zeros(vis.shape, dtype=dtype, device=docs.device)
+        mask.masked_fill_(~vis, float("-inf"))
+        out.append(Piece(pc.rows, pc.cols, False, mask, vis.any(-1)))  # (B, 1, Tq) rows seen
+    return out
 
 
-def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, H, T, d) -> (B, kv_heads, H/kv_heads, T, d) in fp32 (query heads grouped by the key
-    head they share, as repeat_interleave lays them out)."""
-    b, h, t, d = q.shape
-    return q.float().reshape(b, kv_heads, h // kv_heads, t, d)
+def _flash_forward():
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _fused(q: torch.Tensor, fused: bool | None) -> bool:
+    """Whether to use aten's CPU flash kernel (the one fused kernel whose log-sum-exp output is
+    public on every build); elsewhere the math path computes the same quantities."""
+    return q.device.type == "cpu" if fused is None else fused
+
+
+def _piece_forward(q, k, v, pc: Piece, scale: float, fused: bool | None = None):
+    """(output, log-sum-exp) of one piece through the fused attention kernel that returns its
+    log-sum-exp (on CPU aten's flash kernel; the math path elsewhere or with ``fused``
+    False). Rows that see no key get log-sum-exp −inf, so the merge ignores them."""
+    groups = q.shape[1] // k.shape[1]
+    qs = q[:, :, pc.rows].contiguous()
+    ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
+    if _fused(q, fused):
+        out, lse = _flash_forward()(qs, ks, vs, 0.0, pc.causal, attn_mask=pc.mask, scale=scale)
+    else:  # the same quantities by the math path (fp32), on any device
+        s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
+        if pc.causal:
+            s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+        if pc.mask is not None:
+            s = s + pc.mask.float()
+        lse = torch.logsumexp(s, -1)
+        out = torch.matmul(torch.softmax(s, -1).nan_to_num(0.0), vs.float()).to(q.dtype)
+    if pc.seen is not None:
+        lse = lse.masked_fill(~pc.seen, float("-inf"))
+    return out, lse
+
+
+def _piece_backward(do, q, k, v, out, lse, pc: Piece, scale: float, fused: bool | None = None):
+    """(dq rows, dk cols, dv cols) of one piece, from the whole attention's output and
+    log-sum-exp (the block's own softmax is exp(s − lse) over the full row, FlashAttention-2's
+    backward, arXiv 2307.08691 Alg. 2); dK/dV summed over the query heads sharing each."""
+    groups = q.shape[1] // k.shape[1]
+    qs, dos, outs = (x[:, :, pc.rows].contiguous() for x in (q, do, out))
+    lses = lse[:, :, pc.rows].contiguous()
+    ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
+    if _fused(q, fused):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dos, qs, ks, vs, outs, lses, 0.0, pc.causal, attn_mask=pc.mask, scale=scale)
+    else:
+        s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
+        if pc.causal:
+            s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+        if pc.mask is not None:
+            s = s + pc.mask.float()
+        p = torch.exp(s - lses.unsqueeze(-1))
+        dv = torch.matmul(p.transpose(-1, -2), dos.float())
+        dp = torch.matmul(dos.float(), vs.float().transpose(-1, -2))
+        ds = p * (dp - (dos.float() * outs.float()).sum(-1, keepdim=True))
+        dq = torch.matmul(ds, ks.float()) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), qs.float()) * scale
+    if groups > 1:
+        b, h, t, d = dk.shape
+        dk = dk.view(b, h // groups, groups, t, d).sum(2)
+        dv = dv.view(b, h // groups, groups, t, d).sum(2)
+    return dq, dk, dv
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_b: torch.Tensor,
+           lse_b: torch.Tensor) -> None:
+    """Fold one piece's (output, log-sum-exp) into the running fp32 ones, in place: the
+    online softmax's rescaling by exp(lse − new lse)."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, lse_b)
+    safe = new.masked_fill(torch.isinf(new), 0.0)  # rows nothing has reached yet
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - safe).unsqueeze(-1)
+                       + o_b.float() * torch.exp(lse_b - safe).unsqueeze(-1))
+    lse[:, :, rows] = new
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,26 +256,25 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, q, k, v, docs, comm, seq_len):
-        ring, kvh = _Ring(comm), k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        q5 = _grouped(q, kvh)
-        q_idx = chunk_index(seq_len, ring.n, ring.r, q.device)
+        ring = _Ring(comm)
+        b, h, tl, d = q.shape
+        scale = 1.0 / math.sqrt(d)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, tl), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
-        acc = _OnlineSoftmax(q5)
         for step in range(ring.n):
             src = (ring.r - step) % ring.n
             pending = ring.shift(kv) if step < ring.n - 1 else None  # overlap the next hop
-            mask = visibility(q_idx, chunk_index(seq_len, ring.n, src, q.device), docs)
-            if mask is not False:
-                acc.add(_scores(q5, kv[0].float(), mask, scale), kv[1])
+            for pc in ring_pieces(ring.n, ring.r, src, tl, docs, q.dtype):
+                o_b, lse_b = _piece_forward(q, kv[0], kv[1], pc, scale)
+                _merge(out, lse, pc.rows, o_b, lse_b)
             if pending is not None:
                 pending[0].wait()
                 kv = pending[1]
-        out5, lse = acc.result()
-        ctx.save_for_backward(q, k, v, out5, lse)
-        ctx.docs, ctx.comm, ctx.seq_len, ctx.scale = docs, comm, seq_len, scale
-        b, h, t, d = q.shape
-        return out5.reshape(b, h, t, d).to(q.dtype)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.docs, ctx.comm, ctx.scale = docs, comm, scale
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -217,35 +283,30 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out):
-        q, k, v, out5, lse = ctx.saved_tensors
-        ring, kvh, scale = _Ring(ctx.comm), k.shape[1], ctx.scale
-        q5 = _grouped(q, kvh)
-        do5 = _grouped(grad_out, kvh)
-        delta = (do5 * out5).sum(-1)
-        q_idx = chunk_index(ctx.seq_len, ring.n, ring.r, q.device)
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = _Ring(ctx.comm), ctx.scale
+        tl = q.shape[2]
+        grad_out = grad_out.contiguous()
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        dq5 = torch.zeros_like(q5)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         for step in range(ring.n):
             src = (ring.r - step) % ring.n
             pending = ring.shift(kv) if step < ring.n - 1 else None
-            mask = visibility(q_idx, chunk_index(ctx.seq_len, ring.n, src, q.device), ctx.docs)
-            if mask is not False:
-                dq_b, dk_b, dv_b = _block_backward(q5, kv[0].float(), kv[1], do5, lse, delta,
-                                                   mask, scale)
-                dq5 += dq_b
-                dkv[0] += dk_b
-                dkv[1] += dv_b
+            for pc in ring_pieces(ring.n, ring.r, src, tl, ctx.docs, q.dtype):
+                dq_b, dk_b, dv_b = _piece_backward(grad_out, q, kv[0], kv[1], out, lse, pc,
+                                                   scale)
+                dq[:, :, pc.rows] += dq_b
+                dkv[0][:, :, pc.cols] += dk_b
+                dkv[1][:, :, pc.cols] += dv_b
             # this block's dK/dV go on with it; after the last step, home to their owner
-            h, dkv = ring.shift(dkv.to(kv.dtype) if kv.dtype != torch.float32 else dkv)
+            h, dkv = ring.shift(dkv.to(kv.dtype))
             if pending is not None:
                 pending[0].wait()
                 kv = pending[1]
             h.wait()
             dkv = dkv.float()
-        b, hq, t, d = q.shape
-        return (dq5.reshape(b, hq, t, d).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 # --------------------------------------------------------------------------------------------
