@@ -396,3 +396,38 @@ def test_planner_bytes_equal_runtime_exactly(world, runs, corpus, cache_dir, tmp
         assert sum(want.values()) > 0, name
         if "parallel__cp" in extra:
             assert want["cp"] > 0 and want["dp"] == want["dp_shard"] == 0, name
+
+
+def test_dry_run_under_cp_reports_cp_bytes_and_memory(warm, monkeypatch, capsys):
+    """``threefold train --dry-run --parallel.cp 4``: the layout line names cp, the bytes on
+    "cp" are the closed form's (per layer and microbatch, the forward twice under activation
+    checkpointing), ZeRO shards over dp_shard_cp, and splitting the sequence over 4 ranks
+    cuts the activations and the logits by 4 against tp alone."""
+    from threefold.cost import cp_bytes_per_attention
+
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    base = [("model.preset", "llama3-8b"), ("data.seq_len", "32768"),
+            ("train.dtype", "bfloat16"), ("train.activation_checkpointing", "true"),
+            ("train.global_batch_size", "4"), ("train.micro_batch_size", "1"),
+            ("parallel.tp", "2"), ("parallel.sequence_parallel", "true"),
+            ("parallel.zero_stage", "1")]
+    argv = ["train", "--dry-run", "--nproc-per-node", "8", "--parallel.cp", "4"]
+    for k, v in base:
+        argv += [f"--{k}", v]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cp 4 (ring, 8192 tokens of each sequence per rank) × tp 2" in out
+    r = predict(load_config(None, base + [("parallel.cp", "4")]), 8)
+    kv = 2 * 1 * (8 // 2) * (32768 // 4) * 128 * 2  # K and V: b·kv heads/tp·s/cp·d, bf16
+    fwd, bwd = cp_bytes_per_attention(kv, 4, "ring", forwards=2)
+    assert r.comm_bytes["cp"] == 32 * 4 * (fwd + bwd) and f"cp {r.comm_bytes['cp']:,}" in out
+    assert r.comm_bytes["dp_shard_cp"] > 0 and r.comm_bytes["dp_shard"] == 0
+    assert "shards over dp_shard·cp = 4 ranks" in out and "shards over one rank" not in out
+    assert r.step is not None and r.step.cp_exposed_s > 0
+    alone = predict(load_config(None, base + [("parallel.dp_shard", "4")]), 8)  # no cp
+    assert r.memory.activations == pytest.approx(alone.memory.activations / 4, rel=0.02)
+    assert r.memory.logits == pytest.approx(alone.memory.logits / 4)
+    allgather = predict(load_config(None, base + [("parallel.cp", "4"),
+                                                  ("parallel.cp_algorithm", "allgather")]), 8)
+    fwd, bwd = cp_bytes_per_attention(kv, 4, "allgather", forwards=2)
+    assert allgather.comm_bytes["cp"] == 32 * 4 * (fwd + bwd)

@@ -189,6 +189,11 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
     mcfg = resolved_model(cfg)
     dims = validate_layout(cfg, world_size, mcfg)
     notes = list(dims.notes)
+    if dims.cp > 1 and cfg.parallel.zero_stage and dims.dp_shard * dims.cp > 1:
+        # ParallelDims warns about dp_shard = 1, but under cp ZeRO shards over dp_shard·cp
+        notes = [n for n in notes if not n.startswith("parallel.zero_stage=")]
+        notes.append(f"ZeRO-{cfg.parallel.zero_stage} shards over dp_shard·cp = "
+                     f"{dims.dp_shard * dims.cp} ranks (axis dp_shard_cp)")
     layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)
     check_layout(mcfg, layout, work)
     p = cfg.parallel
@@ -234,7 +239,10 @@ def format_report(r: DryRunResult, world: int) -> str:
         f"{m.num_hidden_layers} layers, vocab {m.vocab_size}), built on the meta device: "
         "nothing allocated",
         f"layout: {world} ranks = pp {lay.pp} × dp_replicate {lay.dp_replicate} × dp_shard "
-        f"{lay.dp_shard} × tp {lay.tp}; zero {lay.zero_stage}, sequence parallel "
+        f"{lay.dp_shard} × "
+        + (f"cp {lay.cp} ({lay.cp_algorithm}, {w.seq_len // lay.cp} tokens of each sequence "
+           "per rank) × " if lay.cp > 1 else "")
+        + f"tp {lay.tp}; zero {lay.zero_stage}, sequence parallel "
         f"{'on' if lay.sp else 'off'}, recompute {lay.recompute}; micro-batch "
         f"{lay.microbatch_size} × {mb} per step, seq {w.seq_len}, {w.precision} matmuls",
         f"parameters per rank{' (rank 0)' if lay.pp > 1 else ''}: "
@@ -260,7 +268,8 @@ def format_report(r: DryRunResult, world: int) -> str:
         mfu = f"{s.mfu:.1%}" if s.mfu is not None else "unknown"
         lines.append(
             f"step: {s.step_time_s:.4g} s (compute {s.compute_s:.3g}, tp {s.tp_exposed_s:.3g}, "
-            f"dp {s.dp_exposed_s:.3g}, pp {s.pp_exposed_s:.3g}, bubble {s.bubble_s:.3g}, "
+            + (f"cp {s.cp_exposed_s:.3g}, " if lay.cp > 1 else "")
+            + f"dp {s.dp_exposed_s:.3g}, pp {s.pp_exposed_s:.3g}, bubble {s.bubble_s:.3g}, "
             f"optimizer {s.optimizer_s:.3g}); "
             f"{s.tokens_per_second_per_gpu * world:,.0f} tokens/s "
             f"({s.tokens_per_second_per_gpu:,.0f} per rank), MFU {mfu}")

@@ -209,9 +209,10 @@ def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, se
     ``act_bytes``), as ``threefold.parallel.context`` runs it (measured to the byte in
     tests/test_dryrun.py):
 
-    - ring (``RingAttention``): the local q (after RoPE), k and v in d, its fp32 output
-      (4·heads·head_dim per token) and fp32 log-sum-exp (4·heads), plus o_proj's input, the
-      output cast and laid out as (b, s/cp, heads·head_dim) in d — a separate copy;
+    - ring (``RingAttention``): the local q (after RoPE), k and v, its output (cast to q's
+      dtype) and fp32 log-sum-exp (4·heads), plus o_proj's input, the output laid out as
+      (b, s/cp, heads·head_dim) — a separate copy: d·(3·heads + 2·kv_heads)·head_dim + 4·heads
+      per token;
     - allgather: SDPA's saved tensors over the gathered sequence — the local q, K and V of the
       whole sequence repeated to the query heads (2·d·heads·head_dim·b·seq_len; without
       grouping, the gathered K/V themselves), the output (shared with o_proj's input) and the
@@ -221,8 +222,7 @@ def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, se
       (the planner's, for unpacked pre-training) leaves out."""
     d = act_bytes
     if algorithm == "ring":
-        return tokens * (d * (2 * heads * head_dim + 2 * kv_heads * head_dim)
-                         + 4 * heads * head_dim + 4 * heads)
+        return tokens * (d * (3 * heads + 2 * kv_heads) * head_dim + 4 * heads)
     if algorithm == "allgather":
         b_seq = tokens * cp  # b · seq_len
         return tokens * (2 * d * heads * head_dim + 4 * heads) \
