@@ -19,8 +19,9 @@ cp group (the same helper on both sides: cp ranks hold the same weights and each
 of every sequence), AdamW (``make_adamw``). What differs is only how attention is spread:
 
 - ``threefold``: ``apply_context_parallel(model, comm, algorithm)`` and ``shard_batch``
-  (chunks r and 2N-1-r of 2N per rank; ring = K/V hops with an online softmax in plain
-  PyTorch matmuls, allgather = one all-gather of K/V then SDPA with a mask);
+  (chunks r and 2N-1-r of 2N per rank; ring = K/V hops, each step's causal or unmasked
+  block through aten's CPU flash kernel, merged by log-sum-exp; allgather = one all-gather of
+  K/V then SDPA with a mask);
 - ``torch``: ``torch.distributed.tensor.experimental.context_parallel(mesh, buffers=[input
   ids, labels, position ids], buffer_seq_dims=[1, 1, 1])`` around forward and backward: it
   shards the buffers in place with its head-tail load balancer (the same chunks r and
@@ -509,6 +510,7 @@ def summarise(args, mcfg, world, unmodified, single, results, searches) -> None:
           f"{world} (gloo, 1 thread per rank, {_cores()} cores), batch "
           f"{args.batch}x{args.seq_len}, {args.warmup} warm-up + {args.steps} timed steps, "
           f"{args.rounds} rounds")
+    print(f"threefold at {_revision()}")
     print(f"unmodified torch context_parallel on CPU: "
           f"{'works' if unmodified is None else 'fails: ' + unmodified}")
     if unmodified is not None:
@@ -586,6 +588,21 @@ def summarise(args, mcfg, world, unmodified, single, results, searches) -> None:
     for a in sorted(results, key=lambda a: a == "ring"):
         print()
         report(f"cp{world}_{a}_threefold_vs_torch_context_parallel", results[a], "ratio", 1.0)
+
+
+def _revision() -> str:
+    """The checkout's commit, and whether threefold/ has uncommitted changes (what ran)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                             capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "threefold"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown revision"
+    return f"{rev}{' + uncommitted changes in threefold/' if dirty else ''}"
 
 
 def _cores() -> int:
