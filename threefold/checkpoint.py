@@ -34,6 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from threefold import faults
+
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
@@ -125,6 +127,7 @@ def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piec
                                                       "rank_tensors": extra}))
     for name in (f"rank{rank}.safetensors", f"rank{rank}.json"):
         _fsync(tmp / name)
+    faults.during_save(rank, step)
     barrier()
     if rank == 0:
         (tmp / "state.json").write_text(json.dumps(state or {}, indent=1, sort_keys=True))

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from threefold import faults
 from threefold.config import Config, ModelConfig
 
 
@@ -267,7 +268,7 @@ class Distributed:
         """Open a new accounting window; after step 1 switch to the short collective timeout;
         leave a heartbeat (this rank reached ``step``)."""
         self._store().set(self._key("step", self.rank), str(step))
-        _fault_injection(self.rank, step)
+        faults.at_step(self.rank, step)
         self.comm.set_step(step)
         self.comm.step_counters()  # discard traffic between steps (evaluation, checkpoints)
         if step > 0 and not self._step_timeout_set:
@@ -336,23 +337,3 @@ class Distributed:
             shutdown()
         else:
             self.control.barrier()
-
-
-def _fault_injection(rank: int, step: int) -> None:
-    """For failure tests only: THREEFOLD_FAULT="stall:RANK:STEP:SECONDS" makes that rank sleep
-    before that (1-based) step; "kill:RANK:STEP" sends that rank SIGKILL there (first attempt
-    only, so a restarted run goes on)."""
-    import os
-    import signal
-    import time
-
-    spec = os.environ.get("THREEFOLD_FAULT")
-    if not spec:
-        return
-    kind, *args = spec.split(":")
-    if int(args[0]) != rank or int(args[1]) != step + 1:
-        return
-    if kind == "stall":
-        time.sleep(float(args[2]))
-    elif kind == "kill" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,58 @@
+"""Fault injection for the failure tests and the fault benchmark, driven by one environment
+variable so that no test-only code path changes what a normal run does.
+
+``THREEFOLD_FAULT`` holds one fault, or several separated by commas:
+
+- ``kill:RANK:STEP`` — that rank sends itself SIGKILL just before (1-based) step STEP;
+- ``stall:RANK:STEP:SECONDS`` — that rank sleeps SECONDS before step STEP;
+- ``killsave:RANK:STEP`` — that rank sends itself SIGKILL in the middle of writing the
+  checkpoint of step STEP (its own files written, the checkpoint not yet renamed into place);
+- ``term:RANK:STEP`` — that rank's process gets SIGTERM (a preemption notice) before step STEP.
+
+Kills and terms fire on the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a run
+restarted by torchrun goes on; stalls fire on every attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+ENV = "THREEFOLD_FAULT"
+
+
+def _faults() -> list[tuple[str, list[str]]]:
+    spec = os.environ.get(ENV, "")
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, *args = item.split(":")
+        out.append((kind, args))
+    return out
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def at_step(rank: int, step: int) -> None:
+    """Called by every rank before 0-based ``step``: fire the faults named for it."""
+    for kind, args in _faults():
+        if kind not in ("kill", "stall", "term") or int(args[0]) != rank \
+                or int(args[1]) != step + 1:
+            continue
+        if kind == "stall":
+            time.sleep(float(args[2]))
+        elif kind == "kill" and _first_attempt():
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "term" and _first_attempt():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def during_save(rank: int, step: int) -> None:
+    """Called by every rank once its files of checkpoint ``step`` are written, before the
+    checkpoint is committed: fire ``killsave`` faults."""
+    for kind, args in _faults():
+        if kind == "killsave" and int(args[0]) == rank and int(args[1]) == step \
+                and _first_attempt():
+            os.kill(os.getpid(), signal.SIGKILL)
