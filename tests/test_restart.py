@@ -81,3 +81,75 @@ def test_dead_rank_without_restarts_fails_naming_it(corpus, cache_dir, tmp_path)
     assert p.returncode != 0 and wall < 100
     text = p.stdout + p.stderr
     assert "rank 1" in text or "rank: 1" in text, text[-3000:]
+
+
+def _verified_steps(out):
+    from threefold.checkpoint import list_checkpoints, verify_checkpoint
+
+    steps = list_checkpoints(out / "checkpoints")
+    for s in steps:
+        verify_checkpoint(out / "checkpoints" / str(s))
+    assert not list((out / "checkpoints").glob(".tmp-*"))  # nothing half-written left
+    return steps
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint(uninterrupted, corpus,
+                                                                 cache_dir, tmp_path):
+    """A preemption notice to rank 1 before step 3: both ranks finish step 3, save checkpoint 3
+    (off the interval of 2) and exit 0; resuming continues to the uninterrupted run's losses
+    and weights."""
+    out = tmp_path / "term"
+    p, _ = _run(_cmd(corpus, cache_dir, out, "--parallel.zero_stage", "2"), fault="term:1:3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "SIGTERM received" in p.stderr and "preempted (SIGTERM)" in p.stdout
+    s = json.loads((out / "summary.json").read_text())
+    assert s["preempted"] == {"step": 3}
+    assert _verified_steps(out) == [2, 3]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] \
+        == [1, 2, 3]
+    p, _ = _run(_cmd(corpus, cache_dir, out, "--parallel.zero_stage", "2",
+                     "--checkpoint.resume", "true"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in a] == list(range(1, 7))
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
+    wa, _ = load_checkpoint(out / "checkpoints" / "6")
+    wb, _ = load_checkpoint(uninterrupted / "checkpoints" / "6")
+    for k, v in wb["model"].items():
+        torch.testing.assert_close(wa["model"][k], v, rtol=1e-6, atol=1e-7, msg=k)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_and_exits_0_within_the_grace(corpus, cache_dir,
+                                                                    tmp_path):
+    """SIGTERM to `threefold train --nproc-per-node 2` (as a scheduler sends it): torchrun
+    forwards it, every rank saves after the same step, the command exits 0 within the grace
+    period; a grace too short for the save ends the ranks with 143 and leaves only complete
+    checkpoints."""
+    import signal
+
+    out = tmp_path / "launcher"
+    cmd = _cmd(corpus, cache_dir, out, "--train.preemption_grace_s", "30", steps=500)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("THREEFOLD_FAULT", None)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics_file = out / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be signalled"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert time.monotonic() - t0 < 30
+    s = json.loads((out / "summary.json").read_text())
+    stopped = s["preempted"]["step"]
+    assert 3 <= stopped < 500
+    assert stopped in _verified_steps(out)
+    assert "preempted (SIGTERM)" in stdout

@@ -6,9 +6,13 @@ anything is written to the output directory.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 USAGE = """usage: threefold <command> [args]
 
@@ -108,10 +112,17 @@ LAUNCHER_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-ra
                   "--rdzv-endpoint", "--max-restarts", "--rdzv-id")
 
 
-def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str]) -> int:
+def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str],
+           grace_s: float = 0.0, output_dir: str | None = None) -> int:
     """Re-run ``python -m TARGET argv`` under torchrun (torch's own launcher, never a
     home-made one) with ``nproc`` local processes: launcher flags go to torchrun, the rest to
-    each process."""
+    each process.
+
+    Preemption (``grace_s`` > 0): torchrun's shutdown timeout is set above the grace period,
+    so the workers it forwards SIGTERM to have the time to save; a SIGTERM sent to this
+    process goes on to torchrun; when the run then recorded a clean preemption (summary.json
+    in ``output_dir`` written after the signal, with ``preempted``) the exit code is 0 — torchrun
+    itself always fails after a signal."""
     skip_next, args = False, []
     for a in argv:
         if skip_next:
@@ -125,7 +136,32 @@ def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str]) 
         cmd += ["--standalone"]
     elif "--rdzv-endpoint" in launcher:
         cmd += ["--rdzv-backend=c10d"]
-    return subprocess.call(cmd + launcher + ["-m", *target] + args)
+    if grace_s > 0 and not any(a.startswith("--shutdown") for a in launcher):
+        cmd += [f"--shutdown-timeout={int(grace_s) + 15}"]
+    proc = subprocess.Popen(cmd + launcher + ["-m", *target] + args)
+    signalled: list[float] = []
+
+    def forward(signum, _frame):
+        signalled.append(time.time())
+        proc.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        rc = proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if rc and signalled and output_dir and _preempted_since(Path(output_dir), signalled[0]):
+        return 0
+    return rc
+
+
+def _preempted_since(out: Path, t0: float) -> bool:
+    """Whether the run in ``out`` stopped cleanly on a preemption notice after time ``t0``."""
+    path = out / "summary.json"
+    try:
+        return path.stat().st_mtime >= t0 - 1 and "preempted" in json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list[str],
@@ -141,7 +177,8 @@ def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list
         except (ConfigError, ValueError) as e:
             return _fail(str(e))
     if nproc is not None and "LOCAL_RANK" not in os.environ:
-        return launch(nproc, launcher, argv, target)
+        return launch(nproc, launcher, argv, target, cfg.train.preemption_grace_s,
+                      cfg.train.output_dir)
     return run()
 
 

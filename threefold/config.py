@@ -193,6 +193,9 @@ class TrainConfig:
     progress: str = _f("auto", "progress bar: auto (on a TTY), on or off")
     trace_step: int = _f(0, "write OUTPUT_DIR/trace.json, a Chrome/Perfetto trace of what every "
                          "rank did in this step (1-based; 0 = no trace)")
+    preemption_grace_s: float = _f(60.0, "on SIGTERM (a preemption notice) every rank finishes "
+                                   "the step, saves a checkpoint and exits 0 within this many "
+                                   "seconds; 0 = SIGTERM ends the run at once")
 
 
 @dataclass
@@ -399,6 +402,8 @@ def validate(cfg: Config) -> None:
     _need(p.microbatches >= 0, f"parallel.microbatches: must be >= 0, got {p.microbatches}")
     _need(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
     _need(t.steps >= 0, f"train.steps: must be >= 0, got {t.steps}")
+    _need(t.preemption_grace_s >= 0,
+          f"train.preemption_grace_s: must be >= 0 (0 = off), got {t.preemption_grace_s}")
     _need(t.global_batch_size >= 1, f"train.global_batch_size: must be >= 1, got "
           f"{t.global_batch_size}")
     _need(t.micro_batch_size >= 1, f"train.micro_batch_size: must be >= 1, got "

@@ -387,8 +387,21 @@ def _progress(run: Run, start: int):
 
 def train(cfg: Config, layout=None, return_run: bool = False, task=None):
     """Run training as configured; returns the summary (also written to summary.json), and
-    the ``Run`` (engine, layout) too when ``return_run``."""
+    the ``Run`` (engine, layout) too when ``return_run``. On SIGTERM (``train.preemption_grace_s``
+    > 0) every rank stops after the same step, saves a checkpoint and returns; the summary
+    then says ``preempted``."""
+    from threefold.preempt import Preemption
+
     run = build_run(cfg, layout, task)
+    preempt = Preemption(cfg.train.preemption_grace_s, run.layout.rank)
+    try:
+        return _loop(run, preempt, return_run)
+    finally:
+        preempt.close()
+
+
+def _loop(run: Run, preempt, return_run: bool):
+    cfg = run.cfg
     t, lay = cfg.train, run.layout
     start = _resume(run)
     writer, lost = None, 0
@@ -413,6 +426,7 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
     val_loss, loss, history = initial_val, float("nan"), []
     wall0 = time.perf_counter()
     trace_info: dict | None = None
+    preempted: dict | None = None
     for step in range(start, t.steps):
         lay.before_step(step)
         t0 = time.perf_counter()
@@ -452,10 +466,20 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
         if t.eval_interval and (step + 1) % t.eval_interval == 0 and step + 1 < t.steps:
             val_loss = evaluate(run)
             log(f"step {step + 1:>6} validation loss {val_loss:.4f}")
-        if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
+        saved = bool(cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0)
+        if saved:
             _save(run, step + 1)
+        if preempt.requested(lay) and step + 1 < t.steps:  # same answer on every rank
+            if not saved:
+                _save(run, step + 1)
+            preempted = {"step": step + 1}
+            log(f"step {step + 1:>6} preempted (SIGTERM): checkpoint {step + 1} saved; "
+                "resume with --checkpoint.resume true")
+            break
     wall = time.perf_counter() - wall0
-    if t.steps > start:
+    if preempted:
+        pass  # no validation: the grace period is for the checkpoint
+    elif t.steps > start:
         val_loss = evaluate(run)
         if cfg.checkpoint.save_final and not (cfg.checkpoint.interval and
                                                t.steps % cfg.checkpoint.interval == 0):
@@ -476,6 +500,8 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
     }
     if trace_info:
         summary["trace"] = trace_info
+    if preempted:
+        summary["preempted"] = preempted
     summary.update(lay.summary_metrics())
     if writer:
         writer.close()

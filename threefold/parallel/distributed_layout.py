@@ -248,6 +248,13 @@ class Distributed:
         self.control.all_reduce(n, "dp")
         return int(n)
 
+    def any_rank(self, flag: bool) -> bool:
+        """Collective: whether ``flag`` is set on any rank of the world (a 1-element max
+        all-reduce on the logging channel, not counted as training traffic)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self.control.all_reduce(t, "world", op="max")
+        return bool(t.item())
+
     def sum_over_dp(self, value: torch.Tensor) -> float:
         """Sum a scalar over data-parallel ranks, and context-parallel ones (each holds the
         loss of its share of the tokens); for logging, not counted as training traffic."""

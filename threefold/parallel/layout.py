@@ -57,6 +57,10 @@ class SingleProcess:
         """Sum a per-rank count (target tokens, pairs) over data-parallel ranks."""
         return int(local_count)
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (here: this one)."""
+        return bool(flag)
+
     def sum_over_dp(self, value: torch.Tensor) -> float:
         """Sum a per-rank scalar over data-parallel ranks."""
         return float(value)
