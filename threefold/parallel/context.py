@@ -166,10 +166,11 @@ def _piece_forward(q, k, v, pc: Piece, scale: float, fused: bool | None = None):
     False). Rows that see no key get log-sum-exp −inf, so the merge ignores them."""
     groups = q.shape[1] // k.shape[1]
     qs = q[:, :, pc.rows].contiguous()
-    ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
-    if _fused(q, fused):
+    if _fused(q, fused):  # the CPU kernel takes grouped K/V as they are
+        ks, vs = (x[:, :, pc.cols].contiguous() for x in (k, v))
         out, lse = _flash_forward()(qs, ks, vs, 0.0, pc.causal, attn_mask=pc.mask, scale=scale)
     else:  # the same quantities by the math path (fp32), on any device
+        ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
         s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
         if pc.causal:
             s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
@@ -189,22 +190,22 @@ def _piece_backward(do, q, k, v, out, lse, pc: Piece, scale: float, fused: bool 
     groups = q.shape[1] // k.shape[1]
     qs, dos, outs = (x[:, :, pc.rows].contiguous() for x in (q, do, out))
     lses = lse[:, :, pc.rows].contiguous()
-    ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
-    if _fused(q, fused):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    if _fused(q, fused):  # grouped K/V in, their gradients out (summed over each group)
+        ks, vs = (x[:, :, pc.cols].contiguous() for x in (k, v))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dos, qs, ks, vs, outs, lses, 0.0, pc.causal, attn_mask=pc.mask, scale=scale)
-    else:
-        s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
-        if pc.causal:
-            s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-        if pc.mask is not None:
-            s = s + pc.mask.float()
-        p = torch.exp(s - lses.unsqueeze(-1))
-        dv = torch.matmul(p.transpose(-1, -2), dos.float())
-        dp = torch.matmul(dos.float(), vs.float().transpose(-1, -2))
-        ds = p * (dp - (dos.float() * outs.float()).sum(-1, keepdim=True))
-        dq = torch.matmul(ds, ks.float()) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), qs.float()) * scale
+    ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
+    s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
+    if pc.causal:
+        s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+    if pc.mask is not None:
+        s = s + pc.mask.float()
+    p = torch.exp(s - lses.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dos.float())
+    dp = torch.matmul(dos.float(), vs.float().transpose(-1, -2))
+    ds = p * (dp - (dos.float() * outs.float()).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, ks.float()) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qs.float()) * scale
     if groups > 1:
         b, h, t, d = dk.shape
         dk = dk.view(b, h // groups, groups, t, d).sum(2)
@@ -257,17 +258,19 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, docs, comm, seq_len):
         ring = _Ring(comm)
-        b, h, tl, d = q.shape
+        tl, d = q.shape[2:]
         scale = 1.0 / math.sqrt(d)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, h, tl), float("-inf"), dtype=torch.float32, device=q.device)
+        out = lse = None
         kv = torch.stack([k, v]).contiguous()
         for step in range(ring.n):
             src = (ring.r - step) % ring.n
             pending = ring.shift(kv) if step < ring.n - 1 else None  # overlap the next hop
             for pc in ring_pieces(ring.n, ring.r, src, tl, docs, q.dtype):
                 o_b, lse_b = _piece_forward(q, kv[0], kv[1], pc, scale)
-                _merge(out, lse, pc.rows, o_b, lse_b)
+                if step == 0:  # its own block: every row, nothing to merge with yet
+                    out, lse = o_b.float(), lse_b
+                else:
+                    _merge(out, lse, pc.rows, o_b, lse_b)
             if pending is not None:
                 pending[0].wait()
                 kv = pending[1]
