@@ -189,11 +189,6 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
     mcfg = resolved_model(cfg)
     dims = validate_layout(cfg, world_size, mcfg)
     notes = list(dims.notes)
-    if dims.cp > 1 and cfg.parallel.zero_stage and dims.dp_shard * dims.cp > 1:
-        # ParallelDims warns about dp_shard = 1, but under cp ZeRO shards over dp_shard·cp
-        notes = [n for n in notes if not n.startswith("parallel.zero_stage=")]
-        notes.append(f"ZeRO-{cfg.parallel.zero_stage} shards over dp_shard·cp = "
-                     f"{dims.dp_shard * dims.cp} ranks (axis dp_shard_cp)")
     layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)
     check_layout(mcfg, layout, work)
     p = cfg.parallel

@@ -120,9 +120,13 @@ class ParallelDims:
                               f"parallel.dp_shard to {rest} or -1 (the rest)")
         notes = []
         # ZeRO over a one-rank shard group is legal and changes nothing: allow it, but say so.
-        if pcfg.zero_stage > 0 and dp_shard == 1:
+        if pcfg.zero_stage > 0 and dp_shard * pcfg.cp == 1:
             notes.append(f"parallel.zero_stage={pcfg.zero_stage} with dp_shard=1 shards over "
                          "one rank: no memory saving (raise parallel.dp_shard to shard)")
+        elif pcfg.zero_stage > 0 and pcfg.cp > 1:
+            notes.append(f"ZeRO-{pcfg.zero_stage} shards over dp_shard·cp = {dp_shard * pcfg.cp}"
+                         " ranks (axis dp_shard_cp): context-parallel ranks hold the same "
+                         "weights")
         return cls(pcfg.dp_replicate, dp_shard, pcfg.tp, pcfg.pp, world_size, pcfg.cp,
                    tuple(notes))
 
