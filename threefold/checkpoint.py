@@ -20,13 +20,14 @@ first and names the damaged file (and tensor) before any tensor is used.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import shutil
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +37,8 @@ from safetensors.torch import save_file
 
 from threefold import faults
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)  # version 2: one manifest listing every file, no parts
 MANIFEST = "manifest.json"
 
 
@@ -98,19 +100,109 @@ def _slice_shape(shape: tuple, dim: int | None, index: int, count: int) -> tuple
 
 
 # --------------------------------------------------------------------------------------------
+# Nodes: who writes where
+# --------------------------------------------------------------------------------------------
+@dataclass
+class NodeGroup:
+    """How the ranks of a collective save or load talk, and which node each sits on.
+
+    ``node_of[r]`` is rank r's node (torchrun's GROUP_RANK); a node's first rank is its
+    *leader*, which hashes the node's files and writes its manifest part. ``barrier``,
+    ``gather`` (to rank 0; None elsewhere), ``all_gather`` and ``broadcast`` (from rank 0) are
+    the control channel's. The default is one process on one node."""
+
+    node_of: list = field(default_factory=lambda: [0])
+    barrier: Callable[[], None] = lambda: None
+    gather: Callable[[Any], Any] = lambda obj: [obj]
+    all_gather: Callable[[Any], list] = lambda obj: [obj]
+    broadcast: Callable[[Any], Any] = lambda obj: obj
+
+    @property
+    def nodes(self) -> list[int]:
+        """The nodes, ascending."""
+        return sorted(set(self.node_of))
+
+    def ranks_of(self, node: int) -> list[int]:
+        """The ranks on ``node``, ascending."""
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def is_leader(self, rank: int) -> bool:
+        """Whether ``rank`` is its node's first rank."""
+        return self.ranks_of(self.node_of[rank])[0] == rank
+
+
+def part_name(node: int) -> str:
+    """File name of node ``node``'s manifest part."""
+    return f"manifest.node{node}.json"
+
+
+def resolve_root(spec: str, output_dir: str | Path, node: int) -> Path:
+    """The checkpoint root of ``node``: ``spec`` (``checkpoint.dir``) with ``{node}`` replaced
+    by the node rank, or OUTPUT_DIR/checkpoints when ``spec`` is empty."""
+    return Path(spec.replace("{node}", str(node))) if spec else Path(output_dir) / "checkpoints"
+
+
+def unwritable(root: Path) -> str | None:
+    """Why checkpoints cannot be written under ``root`` (None when they can): the nearest
+    existing ancestor must be a directory this process may write into."""
+    p = root
+    while not p.exists():
+        if p.parent == p:
+            break
+        p = p.parent
+    if not p.is_dir():
+        return f"'{p}' is not a directory"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"'{p}' is not writable"
+    return None
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` to ``path`` atomically (a sibling temp file, fsynced, renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
 def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piece],
                  rank_tensors: dict[str, torch.Tensor], state: dict[str, Any] | None,
-                 keep_last: int, barrier: Callable[[], None] = lambda: None) -> Path:
+                 keep_last: int, barrier: Callable[[], None] = lambda: None,
+                 group: NodeGroup | None = None) -> Path:
     """Collective save of checkpoint ``step``: every rank calls it with its pieces (and
-    per-rank tensors such as RNG state); rank 0 passes the JSON ``state``."""
-    root.mkdir(parents=True, exist_ok=True)
+    per-rank tensors such as RNG state); rank 0 passes the JSON ``state``. ``root`` is this
+    node's checkpoint root (its local disk, or a shared one); ``group`` says which node every
+    rank is on (default: all on one, talking through ``barrier``).
+
+    Every rank writes its files into ``root/.tmp-<step>``; each node's leader hashes its
+    node's files into ``manifest.node<k>.json`` and sends the part's digest to rank 0; the
+    temporary directories are renamed into place (once per distinct directory: nodes that
+    share a filesystem are detected by probe files); then rank 0 writes the global index
+    ``manifest.json`` — the commit point — and old checkpoints are pruned on every node."""
+    g = group or NodeGroup(node_of=[0] * world, barrier=barrier)
+    node, leader = g.node_of[rank], g.is_leader(rank)
     tmp, final = root / f".tmp-{step}", root / str(step)
-    if rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    barrier()
-    tmp.mkdir(exist_ok=True)
+    # 1. which nodes share this directory: each leader drops a probe, then looks for others'
+    token = g.broadcast(os.urandom(8).hex() if rank == 0 else None)
+    probe = root / f".probe-{token}.node{node}"
+    if leader:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+    g.barrier()
+    owner = leader and min(k for k in g.nodes
+                           if (root / f".probe-{token}.node{k}").exists()) == node
+    g.barrier()
+    if leader:
+        probe.unlink()
+    if owner:  # the one node that prepares, renames and prunes this directory
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    g.barrier()
+    # 2. every rank writes its own files
     tensors, meta = {}, []
     for i, p in enumerate(pieces):
         key = f"{p.kind}/{p.name}/{i}"
@@ -127,18 +219,28 @@ def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piec
                                                       "rank_tensors": extra}))
     for name in (f"rank{rank}.safetensors", f"rank{rank}.json"):
         _fsync(tmp / name)
-    faults.during_save(rank, step)
-    barrier()
     if rank == 0:
         (tmp / "state.json").write_text(json.dumps(state or {}, indent=1, sort_keys=True))
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            _fsync(f)
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-        manifest = {"format_version": FORMAT_VERSION, "step": step, "world_size": world,
-                    "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _fsync(tmp / MANIFEST)
+        _fsync(tmp / "state.json")
+    faults.during_save(rank, step)
+    g.barrier()
+    # 3. each node's leader describes its node's files; rank 0 collects the parts' digests
+    record = None
+    if leader:
+        names = [f"rank{r}{ext}" for r in g.ranks_of(node) for ext in (".json", ".safetensors")]
+        names += ["state.json"] if 0 in g.ranks_of(node) else []
+        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
+                 for n in sorted(names)}
+        _write_json(tmp / part_name(node), {"format_version": FORMAT_VERSION, "step": step,
+                                            "node": node, "ranks": g.ranks_of(node),
+                                            "files": files})
+        pf = tmp / part_name(node)
+        record = {"node": node, "bytes": pf.stat().st_size, "sha256": _sha256(pf),
+                  "ranks": g.ranks_of(node), "files": sorted(files)}
+    records = g.gather(record)
+    g.barrier()
+    # 4. every directory renamed into place; then the index, the commit point
+    if owner:
         _fsync(tmp)
         if final.exists():  # the same step saved again: swap, then drop the old one
             old = root / f".old-{step}"
@@ -149,9 +251,24 @@ def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piec
         else:
             tmp.rename(final)
         _fsync(root)
-        for old_step in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(root / str(old_step), ignore_errors=True)
-    barrier()
+    g.barrier()
+    keep = None
+    if rank == 0:
+        parts = {part_name(r["node"]): r for r in records if r is not None}
+        index = {"format_version": FORMAT_VERSION, "step": step, "world_size": world,
+                 "nodes": len(parts), "parts": parts,
+                 "files": {f: {"node": r["node"]} for r in parts.values() for f in r["files"]}}
+        _write_json(final / MANIFEST, index)
+        _fsync(final)
+        keep = list_checkpoints(root)[-keep_last:]
+    # 5. prune: whatever is not among the newest committed checkpoints, up to the newest
+    keep = g.broadcast(keep)
+    if owner:
+        for p in root.iterdir():
+            if p.is_dir() and p.name.isdigit() and int(p.name) not in keep \
+                    and int(p.name) < max(keep):
+                shutil.rmtree(p, ignore_errors=True)
+    g.barrier()
     return final
 
 
@@ -183,9 +300,7 @@ def _inside(path: Path, name: str) -> Path:
     return f
 
 
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check the manifest, every file's size and SHA-256; return the manifest or raise
-    CheckpointError naming the damaged file (and tensor, where one can be found)."""
+def _read_index(path: Path) -> dict[str, Any]:
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST}; not a complete checkpoint")
@@ -193,19 +308,66 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         manifest = json.loads(mpath.read_text())
     except ValueError as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READ_VERSIONS:
         raise CheckpointError(f"{mpath}: format version {manifest.get('format_version')} "
-                              f"is not {FORMAT_VERSION}")
-    for name, meta in manifest.get("files", {}).items():
-        f = _inside(path, name)
-        if not f.is_file():
-            raise CheckpointError(f"{path}: missing file {name}")
-        if f.stat().st_size != meta["bytes"]:
-            raise CheckpointError(f"{f}: {f.stat().st_size} bytes, {meta['bytes']} recorded "
-                                  "(truncated?)")
-        if _sha256(f) != meta["sha256"]:
-            raise CheckpointError(f"{f}: checksum mismatch (corrupted){_bad_tensor(path, f)}")
+                              f"is not one of {', '.join(map(str, READ_VERSIONS))}")
+    for name in [*manifest.get("files", {}), *manifest.get("parts", {})]:
+        _inside(path, name)
     return manifest
+
+
+def _check_file(path: Path, name: str, meta: dict) -> None:
+    f = _inside(path, name)
+    if not f.is_file():
+        raise CheckpointError(f"{path}: missing file {name}")
+    if f.stat().st_size != meta["bytes"]:
+        raise CheckpointError(f"{f}: {f.stat().st_size} bytes, {meta['bytes']} recorded "
+                              "(truncated?)")
+    if _sha256(f) != meta["sha256"]:
+        raise CheckpointError(f"{f}: checksum mismatch (corrupted){_bad_tensor(path, f)}")
+
+
+def _missing_part(path: Path, name: str, rec: dict, where: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: node {rec['node']}'s part {name} is missing {where} (ranks "
+        f"{', '.join(map(str, rec['ranks']))}: {', '.join(rec['files'])}); node {rec['node']} "
+        "wrote it to its own checkpoint directory: restore that node, or copy its files here")
+
+
+def _check_part(path: Path, name: str, rec: dict) -> dict[str, dict]:
+    """Check node part ``name`` against its index record and its files against the part;
+    return the part's files. A part that is absent raises naming its node and files."""
+    f = _inside(path, name)
+    if not f.is_file():
+        raise _missing_part(path, name, rec, "here")
+    if f.stat().st_size != rec["bytes"] or _sha256(f) != rec["sha256"]:
+        raise CheckpointError(f"{f}: does not match the digest in {MANIFEST} (damaged, or from "
+                              "another save of this step)")
+    part = json.loads(f.read_text())
+    files = part.get("files", {})
+    absent = [n for n in files if not _inside(path, n).is_file()]
+    if absent:
+        raise _missing_part(path, name, {**rec, "files": absent}, "in part")
+    for n, meta in files.items():
+        _check_file(path, n, meta)
+    return files
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Check the index, every node part and every file's size and SHA-256 in one directory
+    (all parts present: a shared filesystem, or the nodes' parts copied together); return
+    the index, with ``files`` holding every file's size and digest, or raise CheckpointError
+    naming the missing node's part and files, or the damaged file (and tensor)."""
+    manifest = _read_index(path)
+    if manifest["format_version"] == 2:
+        for name, meta in manifest.get("files", {}).items():
+            _check_file(path, name, meta)
+        return manifest
+    files: dict[str, dict] = {}
+    for name, rec in sorted(manifest.get("parts", {}).items()):
+        for n, meta in _check_part(path, name, rec).items():
+            files[n] = {**meta, "node": rec["node"]}
+    return {**manifest, "files": files}
 
 
 def _bad_tensor(path: Path, f: Path) -> str:
@@ -229,17 +391,112 @@ def _bad_tensor(path: Path, f: Path) -> str:
 def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, dict[str, torch.Tensor]],
                                                         dict[str, Any]]:
     """Verify, then reassemble whole logical tensors: {"model": {name: t}, "optim":
-    {name.exp_avg: t, ...}, "rng": this rank's per-rank tensors (rank 0's if absent)}."""
+    {name.exp_avg: t, ...}, "rng": this rank's per-rank tensors (rank 0's if absent)}. Every
+    node part must be in ``path``."""
     manifest = verify_checkpoint(path)
-    state = json.loads((path / "state.json").read_text())
+    return _assemble(path, list(manifest["files"]), lambda n: _inside(path, n), rank)
+
+
+def committed_steps(root: Path, rank: int, group: NodeGroup) -> list[int]:
+    """Collective: the committed checkpoints, as rank 0 sees them (its directory holds the
+    global index of each; another node's directory alone holds no commit)."""
+    return group.broadcast(list_checkpoints(root) if rank == 0 else None)
+
+
+def load_sharded(root: Path, step: int, rank: int, group: NodeGroup
+                 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Collective load of checkpoint ``step`` when each node may see only its own directory
+    ``root/<step>`` (a node's local disk; a shared one works the same).
+
+    Rank 0 sends its index to every rank; each node's leader verifies the parts it holds
+    (part digest, every file's size and SHA-256); if a part is on no node, every rank raises
+    CheckpointError naming that node's part and files, before any tensor is read. A part
+    some nodes lack is sent to them over the control channel (once, checked against its
+    digests on arrival); then every rank reassembles whole tensors as ``load_checkpoint``
+    does, so resuming under the same or another layout both work."""
+    path = root / str(step)
+    index, err = None, None
+    if rank == 0:
+        try:
+            index = _read_index(path)
+        except CheckpointError as e:
+            err = str(e)
+    index, err = group.broadcast((index, err))
+    if err:
+        raise CheckpointError(err)
+    if index["format_version"] == 2:  # written before node parts: one shared directory
+        return load_checkpoint(path, rank)
+    parts = index["parts"]
+    report = None
+    if group.is_leader(rank):
+        report = {}
+        for name, rec in parts.items():
+            try:
+                _check_part(path, name, rec)
+                report[name] = "ok"
+            except CheckpointError as e:
+                report[name] = None if not _inside(path, name).is_file() else str(e)
+    reports = group.all_gather(report)
+    for rep in reports:
+        for msg in (rep or {}).values():
+            if msg not in (None, "ok"):
+                raise CheckpointError(msg)
+    holders = {name: sorted({group.node_of[r] for r, rep in enumerate(reports)
+                             if rep and rep[name] == "ok"}) for name in parts}
+    for name, rec in sorted(parts.items()):
+        if not holders[name]:
+            raise _missing_part(path, name, rec, "on every node")
+    mine, all_nodes = group.node_of[rank], group.nodes
+    received: dict[str, bytes] = {}
+    if any(holders[n] != all_nodes for n in parts):
+        send = {}
+        if group.is_leader(rank):
+            for name, hs in holders.items():
+                if hs != all_nodes and hs[0] == mine:
+                    for f in (name, *parts[name]["files"]):
+                        send[f] = _inside(path, f).read_bytes()
+        for got in group.all_gather(send):
+            received.update(got)
+        for name, rec in parts.items():
+            if mine in holders[name]:
+                continue
+            if hashlib.sha256(received[name]).hexdigest() != rec["sha256"]:
+                raise CheckpointError(f"{path}: {name} from node {holders[name][0]} does not "
+                                      f"match the digest in {MANIFEST}")
+            for f, meta in json.loads(received[name])["files"].items():
+                if hashlib.sha256(received[f]).hexdigest() != meta["sha256"]:
+                    raise CheckpointError(f"{path}: {f} from node {holders[name][0]} does "
+                                          "not match its part's digest")
+    local = {f for name, rec in parts.items() if mine in holders[name] for f in rec["files"]}
+    names = sorted(index["files"])
+    return _assemble(path, names, lambda n: _inside(path, n) if n in local else received[n],
+                     rank)
+
+
+def _assemble(path: Path, names: list[str], source: Callable[[str], Path | bytes], rank: int
+              ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Whole tensors from the rank files among ``names``; ``source(name)`` is a verified
+    file's path, or its bytes (received from the node that holds it)."""
+    from safetensors.torch import load as load_bytes
+
+    def text(name: str) -> str:
+        src = source(name)
+        return src.decode() if isinstance(src, bytes) else src.read_text()
+
+    state = json.loads(text("state.json"))
     slices: dict[tuple, dict] = {}
     rng: dict[str, torch.Tensor] = {}
-    for name in manifest["files"]:
+    for name in names:
         if not (name.startswith("rank") and name.endswith(".json")):
             continue
-        meta = json.loads(_inside(path, name).read_text())
-        tfile = _inside(path, name.replace(".json", ".safetensors"))
-        with safe_open(str(tfile), "pt") as sf:
+        meta = json.loads(text(name))
+        tname = name.replace(".json", ".safetensors")
+        tfile, src = path / tname, source(tname)
+        if isinstance(src, bytes):
+            sf_ctx = contextlib.nullcontext(_Loaded(load_bytes(src)))
+        else:
+            sf_ctx = safe_open(str(src), "pt")
+        with sf_ctx as sf:
             for p in meta["pieces"]:
                 key = (p["kind"], p["name"])
                 entry = slices.setdefault(key, {"shape": tuple(p["shape"]), "dim": p["tp_dim"],
@@ -273,3 +530,18 @@ def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, dict[str, torc
         else:
             out["optim"][f"{name}.{kind}"] = whole
     return out, state
+
+
+class _Loaded:
+    """A dict of tensors that reads like ``safe_open``'s handle."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._t = tensors
+
+    def keys(self):
+        """The tensor names."""
+        return self._t.keys()
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        """One tensor."""
+        return self._t[key]

@@ -399,3 +399,31 @@ class Comm:
         out = [None] * self.size(axis) if self.rank(axis) == 0 else None
         dist.gather_object(obj, out, dst=root, group=group)
         return out
+
+    def all_gather_object(self, obj, axis: str = "world") -> list:
+        """Every rank's picklable ``obj`` on every rank of ``axis`` (a list in axis-rank
+        order). For records and, at a checkpoint resume, the files a node lacks; counted as
+        the pickled bytes this rank sends."""
+        if self.size(axis) == 1:
+            return [obj]
+        import pickle
+
+        self._count("all_gather_object", axis, len(pickle.dumps(obj)))
+        out = [None] * self.size(axis)
+        dist.all_gather_object(out, obj, group=self.group(axis))
+        return out
+
+    def broadcast_object(self, obj, axis: str = "world"):
+        """Rank 0 of ``axis``'s picklable ``obj`` on every rank of it (the others pass
+        anything); counted as the pickled bytes rank 0 sends."""
+        if self.size(axis) == 1:
+            return obj
+        import pickle
+
+        sent = len(pickle.dumps(obj)) if self.rank(axis) == 0 else 0
+        self._count("broadcast_object", axis, sent)
+        group = self.group(axis)
+        root = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+        box = [obj]
+        dist.broadcast_object_list(box, src=root, group=group)
+        return box[0]

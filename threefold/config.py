@@ -208,6 +208,10 @@ class CheckpointConfig:
     save_final: bool = _f(True, "save a checkpoint after the last step")
     init_from: str = _f("", "start from these weights (a Hugging Face folder, or a threefold run "
                         "or checkpoint directory); model shape and tokenizer come with them")
+    dir: str = _f("", "checkpoint root of each node; empty = OUTPUT_DIR/checkpoints. '{node}' "
+                  "is replaced by the node rank (torchrun's GROUP_RANK). Nodes need not share "
+                  "it: each writes its own ranks' files and manifest part, rank 0's root gets "
+                  "the index (the commit); a resume sends nodes the parts they lack")
 
 
 @dataclass
@@ -426,6 +430,8 @@ def validate(cfg: Config) -> None:
     _need(bool(t.output_dir), "train.output_dir: must not be empty")
     _need(c.interval >= 0, f"checkpoint.interval: must be >= 0, got {c.interval}")
     _need(c.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {c.keep_last}")
+    _need("{" not in c.dir.replace("{node}", "") and "}" not in c.dir.replace("{node}", ""),
+          f"checkpoint.dir: '{c.dir}' has a placeholder other than {{node}}")
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:

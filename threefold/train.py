@@ -332,39 +332,56 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
 # Checkpoint glue: what a step's state is made of
 # --------------------------------------------------------------------------------------------
 def _save(run: Run, step: int) -> None:
-    """Collective: every rank writes what it holds; rank 0 adds the run's state."""
+    """Collective: every rank writes what it holds into its node's checkpoint root; rank 0
+    adds the run's state and, once every node's part is in place, the global index."""
+    from threefold.checkpoint import resolve_root
+
     lay = run.layout
+    group = lay.checkpoint_group()
+    ckroot = resolve_root(run.cfg.checkpoint.dir, run.out, group.node_of[lay.rank])
     state = None
     if lay.is_writer:
         state = {"step": step, "optim_step": run.engine.optim_step(),
                  "sampler": run.sampler.state_dict(), "config": run.cfg.to_dict(),
                  "model_config": vars(run.model_cfg), "layout": lay.describe(),
                  "scheduler": {"last_step": step, "lr": lr_at(step - 1, run.cfg) if step else 0.0}}
-    save_sharded(run.out / "checkpoints", step, lay.rank, lay.world_size,
+    save_sharded(ckroot, step, lay.rank, lay.world_size,
                  lay.checkpoint_pieces(run.engine), {"cpu_rng": torch.get_rng_state()}, state,
-                 run.cfg.checkpoint.keep_last, lay.barrier)
+                 run.cfg.checkpoint.keep_last, lay.barrier, group)
 
 
 def _resume(run: Run) -> int:
-    """Load the newest checkpoint if asked; return the step to start from."""
-    ckroot = run.out / "checkpoints"
-    steps = list_checkpoints(ckroot)
+    """Load the newest committed checkpoint if asked; return the step to start from.
+    Collective: every node's checkpoint root is checked (writable, when the run will save),
+    rank 0's index decides the step, and each node's part must be on some node."""
+    from threefold.checkpoint import committed_steps, load_sharded, resolve_root, unwritable
+
+    lay, c = run.layout, run.cfg.checkpoint
+    group = lay.checkpoint_group()
+    ckroot = resolve_root(c.dir, run.out, group.node_of[lay.rank])
+    field = "checkpoint.dir" if c.dir else "train.output_dir"
+    why = unwritable(ckroot) if (c.interval or c.save_final) and group.is_leader(lay.rank) \
+        else None
+    for node, bad in zip(group.node_of, group.all_gather(why)):
+        if bad:
+            raise ConfigError(f"{field}: checkpoints of node {node} cannot be written: {bad}")
+    steps = committed_steps(ckroot, lay.rank, group)
     # after a restart by torchrun (--max-restarts) the run always continues from its checkpoint
-    if not (run.cfg.checkpoint.resume or run.layout.restarts):
+    if not (c.resume or lay.restarts):
         if steps:
-            raise ConfigError(f"train.output_dir: '{run.out}' already holds checkpoints "
-                              f"(step {steps[-1]}); pass --checkpoint.resume true to continue, "
-                              "or choose another --train.output_dir")
+            raise ConfigError(f"{field}: '{ckroot if c.dir else run.out}' already holds "
+                              f"checkpoints (step {steps[-1]}); pass --checkpoint.resume true "
+                              "to continue, or choose another --train.output_dir")
         return 0
     if not steps:
         return 0
-    tensors, state = load_checkpoint(ckroot / str(steps[-1]), run.layout.rank)
+    tensors, state = load_sharded(ckroot, steps[-1], lay.rank, group)
     saved = state["model_config"]
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
         if saved[key] != getattr(run.model_cfg, key):
             raise CheckpointError(f"checkpoint {steps[-1]}: model.{key}={saved[key]} but this "
                                   f"run has {getattr(run.model_cfg, key)}")
-    run.engine.load_state_dict(run.layout.shard_state(
+    run.engine.load_state_dict(lay.shard_state(
         {"model": tensors["model"], "optim": tensors["optim"], "optim_step": state["optim_step"]},
         run.engine))
     run.sampler.load_state_dict(state["sampler"])

@@ -336,6 +336,21 @@ class Distributed:
         """One line for the log."""
         return f"{self.world_size} ranks ({self.dims.describe()}, zero {self.cfg.parallel.zero_stage})"
 
+    def checkpoint_group(self):
+        """Which node every rank is on (torchrun's GROUP_RANK; 0 without it) and the control
+        channel's collectives, for checkpoints on nodes that may share no filesystem
+        (``threefold.checkpoint.NodeGroup``). Collective the first time (an all-gather)."""
+        if getattr(self, "_ckpt_group", None) is None:
+            import os
+
+            from threefold.checkpoint import NodeGroup
+
+            node = int(os.environ.get("GROUP_RANK") or 0)
+            c = self.control
+            self._ckpt_group = NodeGroup(c.all_gather_object(node), c.barrier, c.gather_object,
+                                         c.all_gather_object, c.broadcast_object)
+        return self._ckpt_group
+
     def close(self) -> None:
         """Barrier and destroy the process group (avoids aborts at exit on CPU)."""
         from threefold.distributed import shutdown

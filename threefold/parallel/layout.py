@@ -86,6 +86,12 @@ class SingleProcess:
         """One line for the log."""
         return "single process"
 
+    def checkpoint_group(self):
+        """One node, one rank (``threefold.checkpoint.NodeGroup``)."""
+        from threefold.checkpoint import NodeGroup
+
+        return NodeGroup()
+
     def close(self) -> None:
         """Release process groups."""
 

@@ -1,0 +1,461 @@
+"""Fault tolerance of `threefold train` under torchrun: N trials of a 4-process run in which a
+random rank is SIGKILLed before a random step, or in the middle of writing a checkpoint, or
+stalled; torchrun (``--max-restarts``) restarts the group, which resumes from its newest
+checkpoint. Every trial must end with the same weights as an uninterrupted run of the same
+layout and with no half-written checkpoint left behind.
+
+    python3 bench/bench_faults.py                          # 10 trials, seed 0 (~15 min, 2 cores)
+    python3 bench/bench_faults.py --trials 4 --seed 3
+    python3 bench/bench_faults.py --layouts zero2 --kinds kill,killsave
+    python3 bench/bench_faults.py --stall-mode every       # stalls as threefold.faults has them
+
+How: a tiny model (2 layers, 64 wide, seq 32, vocab 320; the tests' ``tiny_overrides``) on a
+small corpus, ``--steps`` steps (16), a checkpoint every ``--interval`` steps (4), one OpenMP
+thread per rank. First one uninterrupted run per layout in ``--layouts`` (``zero2`` = dp_shard 4
+ZeRO-2, ``zero3`` = dp_shard 4 ZeRO-3, ``tp2`` = tp 2 × dp_shard 2 ZeRO-1), then the trials,
+each a fresh output directory, with one fault from a seeded RNG (``--seed``) through
+``THREEFOLD_FAULT`` (threefold/faults.py):
+
+- ``kill:R:S``      rank R SIGKILLs itself just before step S (S uniform in 1..steps);
+- ``killsave:R:S``  rank R SIGKILLs itself while writing checkpoint S (its files written, the
+  checkpoint not committed; S one of the checkpoint steps);
+- ``stall:R:S:T``   rank R sleeps T s (``--stall-s``, 60) before step S (3..steps), far longer
+  than ``--parallel.step_timeout_s`` (``--step-timeout-s``, 5): the other ranks' collectives
+  time out, they report the stuck rank and exit, torchrun tears the group down and restarts it.
+
+threefold.faults fires kills on the first attempt only but stalls on *every* attempt, so a
+restarted run would stall again at the same step and no number of restarts could recover it.
+By default (``--stall-mode first``) a stall trial therefore runs under torchrun with this
+script as the entry point (``--worker``: drops ``stall`` from ``THREEFOLD_FAULT`` when
+``TORCHELASTIC_RESTART_COUNT`` > 0, then runs ``threefold.cli.main(["train", ...])``, the same
+code a rank of `threefold train` runs); the trial's fault column says ``stall1``.
+``--stall-mode every`` launches stall trials through `threefold train` like the others, with
+the fault as threefold.faults defines it (those trials are expected to fail: "stalled again").
+Kill and killsave trials always run `threefold train --nproc-per-node 4 --max-restarts K`.
+
+A trial passes when: the command exits 0; summary.json says at least one restart;
+metrics.jsonl has exactly one record per step 1..steps with the uninterrupted run's losses
+(rel 1e-6); the final checkpoint's model tensors equal the uninterrupted run's
+(``torch.testing.assert_close``, rtol 1e-6, atol 1e-7; the table also says whether they are
+bit-identical); every listed checkpoint passes ``verify_checkpoint`` (sizes and SHA-256); and
+no ``.tmp-*`` / ``.old-*`` directory is left in checkpoints/.
+
+The numbers:
+
+- ``restarts``, ``lost_steps``: from the trial's summary.json (lost steps = steps done before
+  the fault and redone after resuming, i.e. beyond the checkpoint resumed from);
+- ``restart_s``: wall time from the last step the first attempt logged (rank 0 logs every
+  step; the fault fires right after it: before the next step, or in that step's checkpoint
+  save) to the first step the final attempt logged, both timestamped by this script as the
+  lines arrive. It covers failure detection, torchrun's teardown and restart, process start
+  (Python + torch import, rendezvous, data, model build), checkpoint load, and one step;
+- ``lost_s``: the trial's wall time minus the uninterrupted run's (same layout);
+- ``goodput``: useful step time ÷ the trial's wall time, where useful step time = the
+  uninterrupted run's steps' time (sum over its metrics.jsonl of tokens_per_step ÷
+  tokens_per_second). ``clean_goodput`` is the same ratio for the uninterrupted run itself:
+  the ceiling, far below 1 here because process start-up dwarfs the steps of a 0.1M-parameter
+  model; ``rel_goodput`` = uninterrupted wall ÷ trial wall (1.0 = the fault cost nothing).
+
+Totals: trials passed, mean lost steps, mean restart time, aggregate goodput (sum of useful
+time ÷ sum of trial wall) and relative goodput; then one JSON line (``goal``: every trial
+passes). Each trial's combined output is kept in ``--workdir`` (a temporary directory unless
+given) as trialN.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import print_table  # noqa: E402
+
+NPROC = 4
+LAYOUTS = {
+    "zero2": ["--parallel.zero_stage", "2"],
+    "zero3": ["--parallel.zero_stage", "3"],
+    "tp2": ["--parallel.tp", "2", "--parallel.zero_stage", "1"],
+}
+STEP_LINE = re.compile(r"^step\s+(\d+) loss ")
+HEADER = "threefold: "  # rank 0's first line of every attempt
+
+
+# --------------------------------------------------------------------------------------------
+# Worker mode: a rank under torchrun whose stall fires on the first attempt only
+# --------------------------------------------------------------------------------------------
+def worker(train_args: list[str]) -> int:
+    """One rank: drop ``stall`` faults after a restart, then run `threefold train` in-process
+    (under torchrun's environment ``threefold.cli`` trains here instead of re-launching)."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        spec = os.environ.get("THREEFOLD_FAULT", "")
+        os.environ["THREEFOLD_FAULT"] = ",".join(
+            s for s in spec.split(",") if s.strip() and not s.strip().startswith("stall:"))
+    from threefold.cli import main as cli_main
+
+    return cli_main(["train", *train_args])
+
+
+# --------------------------------------------------------------------------------------------
+# Running one configuration and reading what it left
+# --------------------------------------------------------------------------------------------
+def write_corpus(path: Path, kb: int = 160) -> Path:
+    """The tests' deterministic corpus (tests/conftest.py write_corpus)."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for name in ("argparse.py", "difflib.py", "textwrap.py", "fractions.py", "heapq.py"):
+        text = (stdlib / name).read_text(encoding="utf-8")
+        parts.append(text)
+        size += len(text)
+        if size > kb * 1024:
+            break
+    path.write_text("\n\n".join(parts)[: kb * 1024], encoding="utf-8")
+    return path
+
+
+def train_args(args, corpus: Path, cache: Path, out: Path, layout: str) -> list[str]:
+    """The per-rank `threefold train` options of one run (the tests' tiny model)."""
+    o = {
+        "data.corpus": corpus, "data.cache_dir": cache, "data.vocab_size": 320,
+        "data.seq_len": 32, "model.hidden_size": 64, "model.intermediate_size": 128,
+        "model.num_hidden_layers": 2, "model.num_attention_heads": 4,
+        "model.num_key_value_heads": 2, "train.global_batch_size": 8,
+        "train.micro_batch_size": 2, "train.steps": args.steps, "train.output_dir": out,
+        "train.eval_batches": 1, "train.eval_interval": 0, "train.log_interval": 1,
+        "train.progress": "off", "optim.warmup_steps": 2, "optim.lr": "3e-3",
+        "checkpoint.interval": args.interval, "checkpoint.keep_last": args.keep_last,
+        "parallel.step_timeout_s": args.step_timeout_s,
+    }
+    return [a for k, v in o.items() for a in (f"--{k}", str(v))] + LAYOUTS[layout]
+
+
+def run_logged(cmd: list[str], fault: str | None, log: Path, timeout: float) -> dict:
+    """Run ``cmd`` (its own process group), timestamping every output line as it arrives;
+    kill the group after ``timeout`` s. Returns rc, wall time, and the timestamped events
+    (attempt headers and step lines)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("THREEFOLD_FAULT", None)
+    if fault:
+        env["THREEFOLD_FAULT"] = fault
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, errors="replace", start_new_session=True)
+    timed_out = threading.Event()
+
+    def _kill():
+        timed_out.set()
+        try:
+            os.killpg(p.pid, 9)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(timeout, _kill)
+    timer.start()
+    events, lines = [], []
+    with open(log, "w") as f:
+        for line in p.stdout:
+            t = time.perf_counter() - t0
+            f.write(f"[{t:8.3f}] {line}")
+            lines.append(line)
+            if line.startswith(HEADER):
+                events.append((t, "attempt", None))
+            elif m := STEP_LINE.match(line):
+                events.append((t, "step", int(m.group(1))))
+    rc = p.wait()
+    timer.cancel()
+    wall = time.perf_counter() - t0
+    return {"rc": rc, "wall": wall, "events": events, "timed_out": timed_out.is_set(),
+            "tail": "".join(lines[-40:])}
+
+
+def restart_seconds(events: list) -> float | None:
+    """Last step logged by the first attempt (or its start, if it logged none) to the first
+    step logged by the last attempt; None without a second attempt that logged a step."""
+    starts = [i for i, (_, kind, _) in enumerate(events) if kind == "attempt"]
+    if len(starts) < 2:
+        return None
+    first = events[starts[0]:starts[1]]
+    t_fault = max(t for t, _, _ in first)
+    after = [t for t, kind, _ in events[starts[-1]:] if kind == "step"]
+    return (after[0] - t_fault) if after else None
+
+
+def read_metrics(out: Path) -> list[dict]:
+    p = out / "metrics.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def step_seconds(metrics: list[dict], tokens_per_step: int) -> float:
+    """Sum of the steps' own time (tokens per step ÷ tokens/s of each record)."""
+    return sum(tokens_per_step / r["tokens_per_second"] for r in metrics)
+
+
+def check_checkpoints(root: Path) -> list[str]:
+    """Problems with the checkpoint directory: a listed checkpoint that does not verify, a
+    temporary directory left behind."""
+    from threefold.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+
+    problems = []
+    for step in list_checkpoints(root):
+        try:
+            verify_checkpoint(root / str(step))
+        except CheckpointError as e:
+            problems.append(f"checkpoint {step} does not verify: {e}")
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if p.name.startswith((".tmp-", ".old-")):
+                problems.append(f"left behind: {p.name}/ ({', '.join(sorted(x.name for x in p.iterdir()))})")
+    return problems
+
+
+def compare_weights(out: Path, ref: dict, steps: int) -> tuple[bool, bool, str]:
+    """(equal within tolerance, bit-identical, message) of the step-``steps`` checkpoint's
+    model tensors against ``ref``."""
+    import torch
+
+    from threefold.checkpoint import load_checkpoint
+
+    try:
+        got = load_checkpoint(out / "checkpoints" / str(steps))[0]["model"]
+    except Exception as e:  # noqa: BLE001 - any failure to load is the finding
+        return False, False, f"final checkpoint {steps}: {type(e).__name__}: {e}"
+    if set(got) != set(ref):
+        return False, False, f"tensor names differ: {sorted(set(got) ^ set(ref))[:4]}"
+    identical, worst = True, 0.0
+    for k, v in ref.items():
+        try:
+            torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7)
+        except AssertionError:
+            d = (got[k] - v).abs().max().item()
+            return False, False, f"weights differ: {k} max |diff| {d:.3g}"
+        identical = identical and torch.equal(got[k], v)
+        worst = max(worst, (got[k] - v).abs().max().item())
+    return True, identical, "" if identical else f"max |diff| {worst:.3g}"
+
+
+# --------------------------------------------------------------------------------------------
+# Trials
+# --------------------------------------------------------------------------------------------
+def plan_trials(args) -> list[dict]:
+    """The trials' faults from the seeded RNG: kinds in the proportions of ``--kinds``
+    weights (kill most), shuffled; random rank, step and layout."""
+    rng = random.Random(args.seed)
+    kinds = args.kinds.split(",")
+    weight = {"kill": 6, "killsave": 2, "stall": 2}
+    total = sum(weight[k] for k in kinds)
+    # every kind at least once (when there are enough trials), the first kind takes the rest
+    counts = {k: max(1, round(args.trials * weight[k] / total)) for k in kinds[1:]}
+    counts[kinds[0]] = max(0, args.trials - sum(counts.values()))
+    seq = [k for k in kinds for _ in range(counts[k])][:args.trials]
+    rng.shuffle(seq)
+    layouts = args.layouts.split(",")
+    ckpt_steps = list(range(args.interval, args.steps + 1, args.interval))
+    trials = []
+    for i, kind in enumerate(seq):
+        rank = rng.randrange(NPROC)
+        if kind == "kill":
+            step = rng.randint(1, args.steps)
+        elif kind == "killsave":
+            step = rng.choice(ckpt_steps)
+        else:  # the step timeout is armed after step 1
+            step = rng.randint(3, args.steps)
+        trials.append({"trial": i, "kind": kind, "rank": rank, "step": step,
+                       "layout": layouts[i % len(layouts)]})
+    return trials
+
+
+def fault_spec(t: dict, stall_s: float) -> str:
+    if t["kind"] == "stall":
+        return f"stall:{t['rank']}:{t['step']}:{stall_s:g}"
+    return f"{t['kind']}:{t['rank']}:{t['step']}"
+
+
+def launch_cmd(args, targs: list[str], kind: str) -> list[str]:
+    launcher = ["--nproc-per-node", str(NPROC), "--max-restarts", str(args.max_restarts)]
+    if kind == "stall" and args.stall_mode == "first":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={NPROC}", f"--max-restarts={args.max_restarts}",
+                str(Path(__file__).resolve()), "--worker", *targs]
+    return [sys.executable, "-m", "threefold", "train", *launcher, *targs]
+
+
+def failure_reason(res: dict) -> str:
+    """A short reason for a failed command, from its output."""
+    if res["timed_out"]:
+        return "timed out (killed by the benchmark)"
+    tail = res["tail"]
+    for pat in ("did not report (dead or stuck)[^\n]*", "[A-Za-z]*Error: [^\n]*",
+                "exitcode *: *-?\\d+[^\n]*"):
+        m = re.findall(pat, tail)
+        if m:
+            return f"rc {res['rc']}: {m[-1].strip()[:160]}"
+    return f"rc {res['rc']}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--interval", type=int, default=4, help="checkpoint interval, steps")
+    ap.add_argument("--keep-last", type=int, default=3)
+    ap.add_argument("--layouts", default="zero2,zero3,tp2",
+                    help=f"comma-separated, of {','.join(LAYOUTS)}; trials cycle through them")
+    ap.add_argument("--kinds", default="kill,killsave,stall",
+                    help="fault kinds to draw (weights kill 6, killsave 2, stall 2)")
+    ap.add_argument("--max-restarts", type=int, default=2)
+    ap.add_argument("--step-timeout-s", type=float, default=5.0)
+    ap.add_argument("--stall-s", type=float, default=60.0)
+    ap.add_argument("--stall-mode", choices=("first", "every"), default="first",
+                    help="stall on the first attempt only (worker wrapper) or on every "
+                         "attempt (threefold.faults as is)")
+    ap.add_argument("--trial-timeout-s", type=float, default=400.0)
+    ap.add_argument("--workdir", type=Path, default=None, help="keep runs here")
+    args = ap.parse_args()
+    for name in args.layouts.split(","):
+        if name not in LAYOUTS:
+            ap.error(f"unknown layout {name!r}")
+
+    import torch
+
+    from threefold.checkpoint import load_checkpoint
+
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_faults_")
+        work = Path(tmp.name)
+    else:
+        work = args.workdir
+        work.mkdir(parents=True, exist_ok=True)
+    print(f"threefold at {_revision()}; torch {torch.__version__}; {os.cpu_count()} cores; "
+          f"work dir {work}", flush=True)
+    corpus, cache = write_corpus(work / "corpus.txt"), work / "cache"
+    tokens_per_step = 8 * 32
+
+    # the uninterrupted runs, one per layout used
+    clean = {}
+    for layout in dict.fromkeys(args.layouts.split(",")):
+        out = work / f"clean_{layout}"
+        shutil.rmtree(out, ignore_errors=True)
+        res = run_logged([sys.executable, "-m", "threefold", "train", "--nproc-per-node",
+                          str(NPROC), *train_args(args, corpus, cache, out, layout)],
+                         None, work / f"clean_{layout}.log", args.trial_timeout_s)
+        if res["rc"] != 0:
+            print(f"uninterrupted {layout} run failed ({failure_reason(res)}):\n{res['tail']}")
+            return 1
+        m = read_metrics(out)
+        clean[layout] = {
+            "wall": res["wall"], "losses": [r["loss"] for r in m],
+            "useful": step_seconds(m, tokens_per_step),
+            "model": load_checkpoint(out / "checkpoints" / str(args.steps))[0]["model"]}
+        print(f"uninterrupted {layout}: wall {res['wall']:.1f} s, steps {clean[layout]['useful']:.2f} s, "
+              f"first step logged at {next(t for t, k, _ in res['events'] if k == 'step'):.1f} s",
+              flush=True)
+
+    rows, details = [], []
+    for t in plan_trials(args):
+        out = work / f"trial{t['trial']}"
+        shutil.rmtree(out, ignore_errors=True)
+        fault = fault_spec(t, args.stall_s)
+        cmd = launch_cmd(args, train_args(args, corpus, cache, out, t["layout"]), t["kind"])
+        res = run_logged(cmd, fault, work / f"trial{t['trial']}.log", args.trial_timeout_s)
+        ref = clean[t["layout"]]
+        problems = []
+        summary = {}
+        if res["rc"] != 0:
+            problems.append(failure_reason(res))
+        if (out / "summary.json").exists():
+            summary = json.loads((out / "summary.json").read_text())
+        if res["rc"] == 0:
+            if summary.get("restarts", 0) < 1:
+                problems.append("no restart recorded (did the fault fire?)")
+            m = read_metrics(out)
+            if [r["step"] for r in m] != list(range(1, args.steps + 1)):
+                problems.append(f"metrics steps {[r['step'] for r in m]}")
+            elif any(abs(r["loss"] - x) > 1e-6 * abs(x) for r, x in zip(m, ref["losses"])):
+                problems.append("losses differ from the uninterrupted run")
+        ok_w, identical, msg = (compare_weights(out, ref["model"], args.steps)
+                                if res["rc"] == 0 else (False, False, ""))
+        if res["rc"] == 0 and not ok_w:
+            problems.append(msg)
+        problems += check_checkpoints(out / "checkpoints")
+        passed = not problems
+        rs = restart_seconds(res["events"])
+        kind = t["kind"] + ("1" if t["kind"] == "stall" and args.stall_mode == "first" else "")
+        row = {"trial": t["trial"], "layout": t["layout"], "fault": kind, "rank": t["rank"],
+               "step": t["step"], "passed": "yes" if passed else "NO",
+               "bitwise": ("yes" if identical else "no") if ok_w else "-",
+               "restarts": summary.get("restarts", "-"),
+               "lost_steps": summary.get("lost_steps", "-"),
+               "restart_s": rs if rs is not None else "-",
+               "lost_s": res["wall"] - ref["wall"], "wall_s": res["wall"],
+               "goodput": ref["useful"] / res["wall"],
+               "rel_goodput": ref["wall"] / res["wall"]}
+        rows.append(row)
+        details.append((t["trial"], fault, problems, msg if ok_w else ""))
+        print(f"trial {t['trial']}: {t['layout']} {fault}: "
+              f"{'passed' if passed else 'FAILED: ' + '; '.join(problems)}"
+              f" (wall {res['wall']:.1f} s, restart {rs if rs is None else round(rs, 1)} s)",
+              flush=True)
+
+    print()
+    print_table(rows, width=11)
+    for trial, fault, problems, note in details:
+        if problems:
+            print(f"trial {trial} ({fault}) failed: {'; '.join(problems)}")
+        elif note:
+            print(f"trial {trial} ({fault}): equal within tolerance, not bit-identical: {note}")
+    passed = [r for r in rows if r["passed"] == "yes"]
+    lost = [r["lost_steps"] for r in passed if isinstance(r["lost_steps"], int)]
+    rst = [r["restart_s"] for r in rows if isinstance(r["restart_s"], float)]
+    useful = sum(clean[r["layout"]]["useful"] for r in rows)
+    wall = sum(r["wall_s"] for r in rows)
+    clean_wall = sum(clean[r["layout"]]["wall"] for r in rows)
+    totals = {
+        "trials": len(rows), "passed": len(passed),
+        "mean_lost_steps": sum(lost) / len(lost) if lost else None,
+        "mean_restart_s": sum(rst) / len(rst) if rst else None,
+        "max_restart_s": max(rst) if rst else None,
+        "goodput": useful / wall, "clean_goodput": useful / clean_wall,
+        "rel_goodput": clean_wall / wall,
+    }
+    print()
+    print_table([{k: (v if v is not None else "-") for k, v in totals.items()}], width=15)
+    print(json.dumps({"benchmark": "faults", **totals, "seed": args.seed,
+                      "stall_mode": args.stall_mode, "goal": "every trial passes",
+                      "meets_goal": len(passed) == len(rows)}), flush=True)
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+def _revision() -> str:
+    """The checkout's commit, and whether threefold/ has uncommitted changes (what ran)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                             capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "threefold"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown revision"
+    if not rev:
+        return "unknown revision"
+    return f"{rev}{' + uncommitted changes in threefold/' if dirty else ''}"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        sys.exit(worker(sys.argv[2:]))
+    sys.exit(main())
