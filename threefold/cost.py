@@ -140,6 +140,9 @@ class Layout:
     pipeline_split: str = "params"
     cp: int = 1
     cp_algorithm: str = "ring"
+    # AdamW's state and the fp32 master in host memory, the step run there
+    # (``parallel.offload_optimizer``, threefold.parallel.offload)
+    offload_optimizer: bool = False
 
     @property
     def dp(self) -> int:
@@ -209,6 +212,7 @@ class Layout:
                    recompute="full" if cfg.train.activation_checkpointing else "none",
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
                    bucket_mb=p.bucket_mb, cp=p.cp, cp_algorithm=p.cp_algorithm,
+                   offload_optimizer=p.offload_optimizer,
                    pipeline_split=(f"flops:{cfg.data.seq_len}" if p.pipeline_split == "flops"
                                    else p.pipeline_split))
 
@@ -327,6 +331,8 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if layout.vpp > 1 and layout.pipeline_schedule != "interleaved-1f1b":
         raise LayoutError("vpp > 1 needs the interleaved-1f1b schedule")
     m = microbatches(layout, work)
+    if layout.pp == 1:
+        return  # no pipeline: the schedule is not used (as the runtime ignores it)
     if layout.pipeline_schedule == "interleaved-1f1b" and (layout.pp < 2 or m % layout.pp):
         raise LayoutError(f"interleaved 1F1B needs pp >= 2 and microbatches ({m}) a multiple "
                           f"of pp ({layout.pp})")
@@ -940,6 +946,7 @@ class StepPrediction:
     comm_bytes: dict[str, float] = field(default_factory=dict)
     inter_node_axes: tuple[str, ...] = ()
     optimizer_s: float = 0.0  # the optimiser step's memory traffic, after the last backward
+    offload_s: float = 0.0  # optimiser offload: gradients down and parameters up over PCIe
     cp_exposed_s: float = 0.0  # context-parallel K/V traffic not hidden behind attention
 
 
@@ -962,7 +969,9 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     hops and the allgather algorithm's all-gather and reduce-scatter are exposed. The pipeline then takes m·T_slowest plus the bubble,
     (bubble/ideal ratio of the schedule)·m·T_mean. The optimiser step adds its memory traffic
     (``ADAMW_ACCESSES_PER_PARAM`` fp32 accesses per parameter the rank updates: Ψ, or Ψ/N
-    under ZeRO) over the HBM bandwidth, when that is known."""
+    under ZeRO) over the HBM bandwidth, when that is known. With ``layout.offload_optimizer``
+    that traffic is over the host's memory bandwidth instead (``offload_step_seconds``), and
+    the gradients going down and the parameters coming up over PCIe add ``offload_s``."""
     hw = cluster.hardware
     bucket_bytes = layout.bucket_bytes if bucket_bytes is None else bucket_bytes
     peak = hw.peak_flops(work.precision)
@@ -1001,8 +1010,10 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         if span is not None:
             bubble, source = max(0.0, span - ideal), "simulated (per-stage times)"
     dp_step = max(per_step.values())
-    opt_s = optimizer_seconds(cfg, layout, hbm)
-    step = ideal + bubble + dp_step + opt_s
+    opt_s, off_s = optimizer_seconds(cfg, layout, hbm), 0.0
+    if layout.offload_optimizer:
+        opt_s, off_s = offload_step_seconds(cfg, layout, work, cluster)
+    step = ideal + bubble + dp_step + opt_s + off_s
     comp, exp, _ = parts[slow]
     n = layout.world
     mf = model_flops_per_step(cfg, work)
@@ -1014,6 +1025,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         hardware_flops=hf, tokens_per_second_per_gpu=work.tokens / step / n,
         tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
         hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m), optimizer_s=opt_s,
+        offload_s=off_s,
         inter_node_axes=tuple(a for a in COMM_AXES if inter[a]), cp_exposed_s=m * exp["cp"])
 
 
@@ -1049,6 +1061,36 @@ def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float) -> flo
     (0 when the bandwidth is unknown, i.e. infinite)."""
     owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
     return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
+
+
+def offload_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> dict[str, int]:
+    """Bytes one rank of the busiest stage moves between device and host per step under
+    optimiser offload (threefold.parallel.offload): its owned parameters' gradients down and
+    their updated values up, each ``work.weight_bytes`` per element (fp32 in threefold's
+    runtime: 4 + 4 bytes per owned parameter; 2 + 2 with 16-bit weights, ZeRO-Offload's
+    2Ψ + 2Ψ, Ren et al. arXiv 2101.06840). Owned = Ψ of the stage, Ψ/N under ZeRO (padded
+    shards). {"down": 0, "up": 0} without offload."""
+    if not layout.offload_optimizer:
+        return {"down": 0, "up": 0}
+    owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
+    return {"down": owned * work.weight_bytes, "up": owned * work.weight_bytes}
+
+
+def offload_step_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
+                         cluster) -> tuple[float, float]:
+    """(host AdamW seconds, PCIe seconds) of one step under optimiser offload: the step's
+    ``ADAMW_ACCESSES_PER_PARAM`` fp32 accesses per owned parameter over this rank's share of
+    the host memory bandwidth (``Hardware.host_memory_bw`` / GPUs per node; a measured machine,
+    whose host is its device, uses ``memory_bw``), and ``offload_bytes_per_step`` over the
+    device-host link per direction (``Hardware.host_link_bw``; gradients down, then after the
+    step parameters up: the runtime does not overlap them). Unknown bandwidths count 0."""
+    hw = cluster.hardware
+    owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
+    host_bw = (hw.host_memory_bw / cluster.gpus_per_node if hw.host_memory_bw
+               else hw.memory_bw) or math.inf
+    link = hw.host_link_bw or hw.memory_bw or math.inf
+    moved = sum(offload_bytes_per_step(cfg, layout, work).values())
+    return ADAMW_ACCESSES_PER_PARAM * 4 * owned / host_bw, moved / link
 
 
 def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cluster,

@@ -153,6 +153,12 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
         raise ConfigError(f"{where} is not divisible by parallel.tp={dims.tp}, which sequence "
                           f"parallelism needs; use a data.seq_len that is a multiple of "
                           f"{dims.tp * dims.cp * (2 if dims.cp > 1 else 1)}")
+    if dims.pp == 1 and p.vpp > 1:
+        raise ConfigError(f"parallel.vpp: {p.vpp} model chunks per stage need pipeline stages; "
+                          "set parallel.pp > 1 or parallel.vpp 1")
+    if dims.pp == 1 and p.pipeline_split not in ("params", "flops", "uniform"):
+        raise ConfigError(f"parallel.pipeline_split: block counts '{p.pipeline_split}' need "
+                          "pipeline stages; set parallel.pp > 1 or leave pipeline_split params")
     if mcfg is not None:
         dims.validate_model(mcfg, vpp=p.vpp)
     if dims.pp > 1:
@@ -171,9 +177,10 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
 
 
 def build_engine(model: torch.nn.Module, cfg: Config, layout) -> Any:
-    """The engine for ``layout``: plain AdamW for one process, data parallel or ZeRO else."""
+    """The engine for ``layout``: plain AdamW for one process, data parallel or ZeRO else
+    (the optimiser in host memory with ``parallel.offload_optimizer``)."""
     from threefold.parallel.engine import LocalEngine
 
     if isinstance(layout, SingleProcess):
-        return LocalEngine(model, cfg.optim)
+        return LocalEngine(model, cfg.optim, offload=cfg.parallel.offload_optimizer)
     return layout.build_engine(model, cfg)
