@@ -123,3 +123,92 @@ def test_single_process_with_checkpoint_dir(corpus, cache_dir, tmp_path):
                                                **{**over, "train__steps": 3},
                                                checkpoint__resume="true")))
     assert s["resumed_from_step"] == 2 and list_checkpoints(root) == [2, 3]
+
+
+# ---- the save/load protocol with two "nodes" as threads (fast; no process group) ----------
+def _thread_groups(n):
+    import threading
+
+    from threefold.checkpoint import NodeGroup
+
+    bar, slots = threading.Barrier(n), [None] * n
+
+    def all_gather(rank, obj):
+        bar.wait()
+        slots[rank] = obj
+        bar.wait()
+        out = list(slots)
+        bar.wait()
+        return out
+
+    return [NodeGroup(list(range(n)), bar.wait,
+                      lambda o, r=r: all_gather(r, o) if r == 0 else (all_gather(r, o), None)[1],
+                      lambda o, r=r: all_gather(r, o), lambda o, r=r: all_gather(r, o)[0])
+            for r in range(n)]
+
+
+def _in_threads(fn, n=2):
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(n) as ex:
+        futs = [ex.submit(fn, r, g) for r, g in enumerate(_thread_groups(n))]
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result(timeout=60))
+            except Exception as e:  # noqa: BLE001 - returned for the test to check
+                out.append(e)
+        return out
+
+
+W = torch.arange(12.0)
+
+
+def _save_two(roots, step):
+    from threefold.checkpoint import Piece, save_sharded
+
+    def one(rank, g):
+        piece = Piece("w", "model", W[rank * 6:(rank + 1) * 6], rank * 6, rank * 6 + 6, (3, 4))
+        save_sharded(roots[rank], step, rank, 2, [piece], {"cpu_rng": torch.ones(2) * rank},
+                     {"step": step} if rank == 0 else None, 1, group=g)
+    assert _in_threads(one) == [None, None]
+
+
+def test_nodes_protocol_in_threads(tmp_path):
+    from threefold.checkpoint import load_sharded
+
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    _save_two(roots, 1)
+    _save_two(roots, 2)  # keep_last 1: step 1 pruned on both nodes
+    assert _names(roots[0]) == ["2"] and _names(roots[1]) == ["2"]
+    assert _names(roots[1] / "2") == ["manifest.node1.json", "rank1.json", "rank1.safetensors"]
+    got = _in_threads(lambda r, g: load_sharded(roots[r], 2, r, g))
+    for rank, (t, state) in enumerate(got):  # node 1's half came over the "network"
+        assert torch.equal(t["model"]["w"], W.view(3, 4)) and state == {"step": 2}
+        assert torch.equal(t["rng"]["cpu_rng"], torch.ones(2) * rank)
+    (roots[1] / "2" / "rank1.safetensors").unlink()
+    errs = _in_threads(lambda r, g: load_sharded(roots[r], 2, r, g))
+    assert all(isinstance(e, CheckpointError) and "node 1's part" in str(e)
+               and "rank1.safetensors" in str(e) for e in errs), errs
+
+
+def test_nodes_sharing_one_directory(tmp_path):
+    root = tmp_path / "shared"
+    _save_two([root, root], 3)
+    assert _names(root) == ["3"]
+    t, _ = load_checkpoint(root / "3")
+    assert torch.equal(t["model"]["w"], W.view(3, 4))
+
+
+def test_version_2_still_loads(tmp_path):
+    from threefold.checkpoint import _sha256, save_checkpoint
+
+    path = save_checkpoint(tmp_path / "ck", 1, {"model": {"w": W.view(3, 4)}, "optim": {},
+                                               "rng": {}}, {"step": 1}, 1)
+    (path / "manifest.node0.json").unlink()
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+             for f in path.iterdir() if f.name != "manifest.json"}
+    (path / "manifest.json").write_text(json.dumps({"format_version": 2, "step": 1,
+                                                    "world_size": 1, "files": files}))
+    t, state = load_checkpoint(path)
+    assert torch.equal(t["model"]["w"], W.view(3, 4)) and state == {"step": 1}

@@ -1,21 +1,35 @@
-"""Sharded checkpoints in OUTPUT_DIR/checkpoints/<step>/: safetensors for tensors, JSON for
-the rest, no pickle anywhere.
+"""Sharded checkpoints in <root>/<step>/ (root: ``checkpoint.dir``, default
+OUTPUT_DIR/checkpoints): safetensors for tensors, JSON for the rest, no pickle anywhere.
 
 Each rank writes only what it holds — its *pieces* — to ``rank<r>.safetensors``, and describes
 them in ``rank<r>.json``: for each piece the logical tensor (HF parameter name, and ``model``,
 ``exp_avg`` or ``exp_avg_sq``), its logical shape, where it sits — the tensor-parallel slice
 (dimension, index, count) and the flat element range of that slice (a ZeRO shard covers a range)
 — and a CRC-32 of its bytes. Replicated tensors are written once. Rank 0 adds ``state.json``
-(step, sampler, scheduler, configs) and the ``manifest.json`` listing every file with its size
-and SHA-256.
+(step, sampler, scheduler, configs).
+
+Nodes need not share a filesystem (format 3). Each node writes into its own root (its local
+disk, or one shared by all); the node's first rank hashes the node's files into its *part*
+``manifest.node<k>.json`` (each file's size and SHA-256) and sends the part's digest and file
+list to rank 0 over the control channel; rank 0 writes the global index ``manifest.json``
+(parts with their digests, every file with its node) into its own root. Nodes that share a
+directory are found by probe files, so each directory is prepared and renamed once.
+
+Writes are atomic: every node writes into a temporary sibling directory; after a barrier each
+directory is renamed into place, then rank 0 writes the index: that is the commit point. A
+step directory without an index (on rank 0's root) is not a checkpoint, and another node's
+root alone never holds one (``list_checkpoints`` counts indexed steps only). A crash during a
+save leaves the previous checkpoint untouched on every node; old checkpoints are pruned after
+the commit.
 
 Loading reassembles whole logical tensors from the pieces, whatever layout wrote them, so a
-run resumes under any other layout (each layout then takes its own slices).
-
-Writes are atomic: every rank writes into one temporary sibling directory; after a barrier rank
-0 writes the manifest, fsyncs and renames the directory into place. A crash during a save
-leaves the previous checkpoint untouched. Loading verifies the manifest, sizes and checksums
-first and names the damaged file (and tensor) before any tensor is used.
+run resumes under any other layout (each layout then takes its own slices). ``load_checkpoint``
+reads one directory holding every part (a shared filesystem, or the parts copied together);
+``load_sharded`` is the collective form for a run whose nodes each see their own root: every
+part is verified where it lies, a part on no node is an error naming that node and its files
+(before any tensor is read), and parts a node lacks travel to it over the control channel.
+Loading always verifies the index, the parts, sizes and checksums first and names the damaged
+file (and tensor). Version-2 checkpoints (one manifest listing every file) still load.
 """
 
 from __future__ import annotations
