@@ -16,6 +16,10 @@ Attention needs every earlier key. Two algorithms (``parallel.cp_algorithm``):
   current block is computed, so it overlaps. Backward runs the ring again: K/V travel as in
   forward and each block's dK/dV accumulator travels with it, picking up every rank's
   contribution, and one last hop brings it home. No rank ever holds more than two K/V blocks.
+  Thanks to the balanced split, each step is one call of a fused attention kernel that
+  returns its log-sum-exp (aten's CPU flash kernel; a math path elsewhere) on a block that is
+  plainly causal, wholly visible, or half wholly visible (``ring_pieces``); packed documents
+  add a mask. No T × T score matrix is ever formed.
 - ``allgather`` (Llama 3's choice for long context, arXiv 2407.21783 §3.3.2): K and V are
   all-gathered over cp, each rank attends its queries to the whole sequence; backward
   reduce-scatters dK/dV. With grouped-query attention K/V are small (8 heads of 128 against 64
