@@ -167,6 +167,62 @@ def test_zero_gradient_memory_as_the_engine_holds_it():
                                                z2_one.grads + z2_one.optimizer_working))
 
 
+@pytest.mark.parametrize("zero,n", [(0, 1), (0, 8), (1, 8), (2, 8), (3, 8)])
+@pytest.mark.parametrize("numerics", ["published", "runtime"])
+def test_offload_moves_optimizer_state_to_host(zero, n, numerics):
+    """Optimiser offload (ZeRO-Offload, arXiv 2101.06840): the device loses the optimiser
+    state — 12 bytes per owned parameter with 16-bit weights (fp32 master + 2 moments), 8 with
+    threefold's fp32 weights (the 2 moments) — and its step temporaries; ZeRO 1/2 keep the
+    owned shard on the device as a tensor of its own. The host holds 16 bytes per owned
+    parameter (master, moments, fp32 gradient buffer) either way; PCIe carries the owned
+    gradients down and parameters up each step."""
+    import dataclasses
+
+    from threefold.cost import offload_bytes_per_step, owned_parameters
+    from threefold.hardware import DEFAULT_HOST_MEMORY_BW
+
+    cfg = preset("llama3-8b")
+    work = Workload(1024, 64) if numerics == "published" else \
+        Workload(1024, 64, residual_bytes=4, master_bytes=4)
+    base = Layout(dp_shard=n, zero_stage=zero, microbatch_size=2)
+    off_lay = dataclasses.replace(base, offload_optimizer=True)
+    on, off = memory_per_gpu(cfg, base, work), memory_per_gpu(cfg, off_lay, work)
+    owned = owned_parameters(cfg, base, 0)
+    opt_bytes, w = (12, 2) if numerics == "published" else (8, 4)
+    assert on.optimizer == pytest.approx(owned * opt_bytes) and on.host == 0
+    assert off.optimizer == 0 and off.optimizer_working == 0
+    assert off.host == pytest.approx(owned * 16) and off.host_working > 0
+    shard = owned * w if zero in (1, 2) and numerics == "published" else 0
+    assert off.params == pytest.approx(on.params + shard)
+    assert off.total == pytest.approx(off.params + off.buffers + off.overhead
+                                      + max(off.activation_peak, off.grads))
+    assert on.total - off.total >= on.optimizer - shard - 1  # rounding
+    moved = offload_bytes_per_step(cfg, off_lay, work)
+    assert moved == {"down": owned * w, "up": owned * w}
+    assert offload_bytes_per_step(cfg, base, work) == {"down": 0, "up": 0}
+    # the step: host AdamW at the node's host bandwidth shared by 8 GPUs, PCIe Gen5 both ways
+    cluster = Cluster(get_hardware("h100"), 8 * n, 8)
+    s_on, s_off = predict_step(cfg, base, work, cluster), predict_step(cfg, off_lay, work,
+                                                                       cluster)
+    assert s_off.offload_s == pytest.approx(2 * owned * w / 64e9) and s_on.offload_s == 0
+    assert s_off.optimizer_s == pytest.approx(25 * 4 * owned / (DEFAULT_HOST_MEMORY_BW / 8))
+    assert s_off.step_time_s == pytest.approx(s_on.step_time_s - s_on.optimizer_s
+                                              + s_off.optimizer_s + s_off.offload_s)
+
+
+def test_plan_with_offload_fits_where_nothing_else_does():
+    """llama3-8b on one 80 GB GPU: without offload no layout fits (16 bytes per parameter of
+    model state alone are 128 GB); offloading the optimiser state (12 bytes) still leaves
+    the 16-bit weights and gradients, 32 GB, which fit."""
+    cfg, work = preset("llama3-8b"), Workload(1024, 8)
+    cluster = Cluster(get_hardware("h100"), 1, 1)
+    assert search(cfg, cluster, work, SearchSpace()).fits == 0
+    got = search(cfg, cluster, work, SearchSpace(offload_optimizer=(False, True)), keep=3)
+    assert got.ranked and all(c.layout.offload_optimizer for c in got.ranked)
+    best = got.ranked[0]
+    assert best.memory.total <= 80e9 and best.memory.host_total > 16 * 8e9
+
+
 # --------------------------------------------------------------------------------------------
 # Tensor and pipeline parallel bytes (Megatron; Narayanan et al. 2021 §3.2)
 # --------------------------------------------------------------------------------------------

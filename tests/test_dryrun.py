@@ -97,6 +97,31 @@ def test_cli_dry_run_prints_and_exits_0(warm, monkeypatch, capsys):
     assert "memory per rank" in out and "tokens/s" in out and "MFU" in out
 
 
+def test_dry_run_with_optimizer_offload_reports_host_memory(warm, monkeypatch):
+    """``parallel.offload_optimizer``: the device figure loses the optimiser state, the host
+    line shows 16 bytes per owned parameter (fp32 master, moments, gradient buffer) per rank
+    and per node, and the PCIe bytes per step (fp32 gradients down, parameters up)."""
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    base = [("model.preset", "llama3-8b"), ("parallel.zero_stage", "3"),
+            ("train.micro_batch_size", "1"), ("train.global_batch_size", "8"),
+            ("data.seq_len", "1024"), ("train.dtype", "bfloat16")]
+    on = predict(load_config(None, base), 8)
+    cfg = load_config(None, base + [("parallel.offload_optimizer", "true")])
+    lines: list[str] = []
+    assert dry_run(cfg, 8, out=lines.append) == 0
+    r = predict(cfg, 8)
+    owned = r.owned_per_rank
+    assert r.memory.host == 16 * owned and on.memory.host == 0
+    assert r.memory.optimizer == 0 and on.memory.optimizer == 8 * owned
+    assert on.memory.total - r.memory.total >= 8 * owned
+    assert r.offload_bytes == {"down": 4 * owned, "up": 4 * owned}
+    text = lines[0]
+    assert "with the optimizer offloaded to the host" in text
+    assert "host memory per rank (optimizer offload)" in text
+    assert f"gradients down {4 * owned:,} bytes" in text and "for the 8 rank(s) of a node" in text
+    assert r.step.offload_s == pytest.approx(8 * owned / 64e9)
+
+
 def test_dry_run_on_this_cpu_measures_it(warm, monkeypatch):
     monkeypatch.delenv("THREEFOLD_HARDWARE", raising=False)
     cfg = load_config(None, [("train.device", "cpu"), ("data.seq_len", "128")])

@@ -169,6 +169,9 @@ class ParallelConfig:
                              "data.seq_len), uniform (L/(pp·vpp) each), or counts per virtual "
                              "stage, e.g. 7,9,9,7")
     bucket_mb: float = _f(25.0, "gradient bucket size for data-parallel all-reduce, MB")
+    offload_optimizer: bool = _f(False, "keep AdamW's state and the fp32 master weights in host "
+                                 "memory and run the step there (ZeRO-Offload); only "
+                                 "gradients go down and parameters come back each step")
     timeout_s: float = _f(600.0, "collective timeout during start-up and the first step, s")
     step_timeout_s: float = _f(120.0, "collective timeout after the first step, s")
 

@@ -22,6 +22,10 @@ The hardware it predicts for (no config field names it):
   machine's memory shared by the ranks, memory bandwidth not modelled. Memory figures on a CPU
   are what the model, its gradients, optimiser and activations need, over the process's own
   footprint (interpreter, torch, data), which is not counted.
+
+With ``parallel.offload_optimizer`` the report adds host memory per rank (and per node, the
+ranks of a node sharing it) apart from the device's, and the bytes each rank moves between
+device and host per step.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from threefold.cost import (
     check_layout,
     comm_bytes_per_step,
     microbatches,
+    offload_bytes_per_step,
     num_parameters,
     owned_parameters,
     pipeline_layers,
@@ -71,6 +76,7 @@ class DryRunResult:
     step: StepPrediction | None
     comm_bytes: dict[str, int]
     notes: list[str]
+    offload_bytes: dict[str, int] | None = None  # {"down", "up"} per rank per step, offload
 
 
 class _MetaComm:
@@ -213,7 +219,8 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
     if cluster.hardware.peak_flops(work.precision):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
-                        comm_bytes_per_step(mcfg, layout, work), notes)
+                        comm_bytes_per_step(mcfg, layout, work), notes,
+                        offload_bytes_per_step(mcfg, layout, work))
 
 
 def _count(n: float) -> str:
@@ -237,7 +244,9 @@ def format_report(r: DryRunResult, world: int) -> str:
         f"{lay.dp_shard} × "
         + (f"cp {lay.cp} ({lay.cp_algorithm}, {w.seq_len // lay.cp} tokens of each sequence "
            "per rank) × " if lay.cp > 1 else "")
-        + f"tp {lay.tp}; zero {lay.zero_stage}, sequence parallel "
+        + f"tp {lay.tp}; zero {lay.zero_stage}"
+        + (" with the optimizer offloaded to the host" if lay.offload_optimizer else "")
+        + ", sequence parallel "
         f"{'on' if lay.sp else 'off'}, recompute {lay.recompute}; micro-batch "
         f"{lay.microbatch_size} × {mb} per step, seq {w.seq_len}, {w.precision} matmuls",
         f"parameters per rank{' (rank 0)' if lay.pp > 1 else ''}: "
@@ -255,6 +264,15 @@ def format_report(r: DryRunResult, world: int) -> str:
         f"{_gb(mem.total)} (transient part {_gb(other)})"
         + (f" of {_gb(hw.memory_bytes)}: {'fits' if fits else 'DOES NOT FIT'}"
            if hw.memory_bytes else ""))
+    if lay.offload_optimizer:
+        per_node = r.cluster.gpus_per_node
+        moved = r.offload_bytes or {"down": 0, "up": 0}
+        lines.append(
+            f"host memory per rank (optimizer offload), GB: fp32 master + AdamW state + "
+            f"gradient buffer {_gb(mem.host)}, step temporaries {_gb(mem.host_working)} -> "
+            f"{_gb(mem.host_total)} ({_gb(mem.host_total * per_node)} for the {per_node} "
+            f"rank(s) of a node); device <-> host per step: gradients down "
+            f"{moved['down']:,} bytes, parameters up {moved['up']:,} bytes")
     s = r.step
     if s is None:
         lines.append(f"step time: unknown ({hw.name}: peak {w.precision} FLOP/s unknown; set "
@@ -265,7 +283,8 @@ def format_report(r: DryRunResult, world: int) -> str:
             f"step: {s.step_time_s:.4g} s (compute {s.compute_s:.3g}, tp {s.tp_exposed_s:.3g}, "
             + (f"cp {s.cp_exposed_s:.3g}, " if lay.cp > 1 else "")
             + f"dp {s.dp_exposed_s:.3g}, pp {s.pp_exposed_s:.3g}, bubble {s.bubble_s:.3g}, "
-            f"optimizer {s.optimizer_s:.3g}); "
+            f"optimizer {s.optimizer_s:.3g}"
+            + (f", offload copies {s.offload_s:.3g}" if lay.offload_optimizer else "") + "); "
             f"{s.tokens_per_second_per_gpu * world:,.0f} tokens/s "
             f"({s.tokens_per_second_per_gpu:,.0f} per rank), MFU {mfu}")
     sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes[a])

@@ -24,6 +24,11 @@ GB = 1e9  # datasheets use decimal gigabytes
 NVLINK_LATENCY_S = 2e-6
 NETWORK_LATENCY_S = 6e-6
 DEFAULT_INTER_NODE_GBITS = 400.0  # per GPU, InfiniBand NDR / RoCE (REFERENCE.md)
+# Host memory bandwidth of one node, for an optimiser step run on the host
+# (``parallel.offload_optimizer``). Not a GPU datasheet figure but an assumed host: two
+# sockets of 8 DDR5-4800 channels, 4800 MT/s × 8 bytes = 38.4 GB/s per channel (JEDEC
+# DDR5), 614 GB/s per node in theory, shared by the node's GPUs. Overridable per Hardware.
+DEFAULT_HOST_MEMORY_BW = 2 * 8 * 38.4 * 1e9
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,10 @@ class Hardware:
     intra_node_bw: float  # bytes/s per direction per GPU inside a node (NVLink)
     inter_node_bw: float  # bytes/s per direction per GPU across nodes (network card)
     memory_bw: float | None = None  # HBM bytes/s (memory-bound kernels); None = not modelled
+    # device <-> host link (PCIe) bytes/s per direction per GPU, what optimiser offload moves
+    # gradients and parameters over; None = host and device are one memory (a CPU machine)
+    host_link_bw: float | None = None
+    host_memory_bw: float | None = None  # host memory bytes/s per node; None = not modelled
     intra_node_latency_s: float = NVLINK_LATENCY_S
     inter_node_latency_s: float = NETWORK_LATENCY_S
     # Achieved fraction of the peak for large matmuls; None = the cost model's calibrated
@@ -74,25 +83,29 @@ class Hardware:
 
 
 def _gpu(name: str, tflops16: float, tflops32: float, memory_gb: float, hbm_gb_s: float,
-         nvlink_gb_both_ways: float) -> Hardware:
+         nvlink_gb_both_ways: float, pcie_gb_both_ways: float) -> Hardware:
     return Hardware(name=name, peak_flops_16bit=tflops16 * 1e12, peak_flops_fp32=tflops32 * 1e12,
                     memory_bytes=memory_gb * GB, intra_node_bw=nvlink_gb_both_ways / 2 * GB,
-                    inter_node_bw=DEFAULT_INTER_NODE_GBITS / 8 * GB, memory_bw=hbm_gb_s * GB)
+                    inter_node_bw=DEFAULT_INTER_NODE_GBITS / 8 * GB, memory_bw=hbm_gb_s * GB,
+                    host_link_bw=pcie_gb_both_ways / 2 * GB,
+                    host_memory_bw=DEFAULT_HOST_MEMORY_BW)
 
 
 # NVIDIA datasheets (SXM parts, dense). V100 has no bf16: its 16-bit figure is fp16 tensor cores.
 # HBM bandwidth: V100 900 GB/s, A100 80GB 2039, A100 40GB 1555, H100 SXM 3350, H200 4800.
+# PCIe to the host, both directions summed as the datasheets quote it: V100 Gen3 32 GB/s,
+# A100 Gen4 64 GB/s, H100/H200 SXM Gen5 128 GB/s (16 / 32 / 64 GB/s each way).
 GPUS: dict[str, Hardware] = {
     "v100": _gpu("v100", tflops16=125, tflops32=15.7, memory_gb=32, hbm_gb_s=900,
-                 nvlink_gb_both_ways=300),
+                 nvlink_gb_both_ways=300, pcie_gb_both_ways=32),
     "a100": _gpu("a100", tflops16=312, tflops32=19.5, memory_gb=80, hbm_gb_s=2039,
-                 nvlink_gb_both_ways=600),
+                 nvlink_gb_both_ways=600, pcie_gb_both_ways=64),
     "a100-40gb": _gpu("a100-40gb", tflops16=312, tflops32=19.5, memory_gb=40, hbm_gb_s=1555,
-                      nvlink_gb_both_ways=600),
+                      nvlink_gb_both_ways=600, pcie_gb_both_ways=64),
     "h100": _gpu("h100", tflops16=989, tflops32=67, memory_gb=80, hbm_gb_s=3350,
-                 nvlink_gb_both_ways=900),
+                 nvlink_gb_both_ways=900, pcie_gb_both_ways=128),
     "h200": _gpu("h200", tflops16=989, tflops32=67, memory_gb=141, hbm_gb_s=4800,
-                 nvlink_gb_both_ways=900),
+                 nvlink_gb_both_ways=900, pcie_gb_both_ways=128),
 }
 
 

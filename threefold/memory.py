@@ -36,6 +36,11 @@ from threefold.cost import (
 # MAX_INFLIGHT + 1 full unit gradients exist at once at most.
 ZERO_REDUCES_IN_FLIGHT = 2
 
+# Optimiser offload (threefold.parallel.offload) keeps, per parameter the rank updates, an fp32
+# master copy and an fp32 gradient buffer in host memory beside AdamW's state.
+HOST_MASTER_BYTES = 4
+HOST_GRAD_BYTES = 4
+
 # CUDA context, NCCL buffers, allocator fragmentation and kernels' workspaces: a flat allowance
 # per GPU on top of what the formulas count (the planner's fit test includes it).
 RUNTIME_OVERHEAD_BYTES = 2e9
@@ -364,6 +369,15 @@ class MemoryBreakdown:
     grads_in_backward: float = 0.0  # gradient bytes already held when the last backward starts
     cast_weights: float = 0.0
     optimizer_working: float = 0.0  # AdamW's per-tensor temporaries during the step
+    # host memory of this rank under optimiser offload (``Layout.offload_optimizer``): fp32
+    # master, AdamW state and the gradient buffer; not part of ``total`` (the device's peak)
+    host: float = 0.0
+    host_working: float = 0.0  # AdamW's temporaries, on the host
+
+    @property
+    def host_total(self) -> float:
+        """Host bytes this rank needs at the optimiser step (0 without offload)."""
+        return self.host + self.host_working
 
     @property
     def model_states(self) -> float:
@@ -427,7 +441,15 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
       (the one in use and the one prefetched) while computing.
     While accumulating (m > 1), the gradients of earlier microbatches are held when the last
     backward starts: Ψ, or the Ψ/N shard under stage 3. ZeRO over one rank (N = 1) is the same
-    engine with nothing to shard."""
+    engine with nothing to shard.
+
+    With ``layout.offload_optimizer`` (threefold.parallel.offload) the optimiser state and the
+    step's temporaries leave the device: ``optimizer`` and ``optimizer_working`` are 0 and
+    ``host`` holds, per owned parameter (Ψ, or Ψ/N under ZeRO), the optimiser state plus an
+    fp32 master when the state did not include it, plus the fp32 gradient buffer: 16 bytes
+    either way. Under ZeRO 1/2 the device keeps the owned shard as a tensor of its own (it
+    receives the host's update and is all-gathered), ``state.param`` bytes per owned element.
+    Gradients stay on the device until the step copies them down."""
     state = state or state_bytes_for(work)
     m = microbatches(layout, work)
     z, n = layout.zero_stage, layout.shard_size
@@ -459,6 +481,15 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
             in_bwd = padded / n * state.grad if m > 1 else 0.0
             zero3 = 2 * largest * state.param  # the unit in use and the one prefetched
             temp = 2 * -(-largest // n) * state.param
+        host = host_temp = 0.0
+        if layout.offload_optimizer:
+            owned = psi if z == 0 else padded / n
+            if z in (1, 2) and state.master_in_optimizer:
+                params += owned * state.param  # the device shard, no longer the master
+            host = owned * (state.optimizer + HOST_GRAD_BYTES
+                            + (0 if state.master_in_optimizer else HOST_MASTER_BYTES))
+            host_temp = temp / state.param * HOST_MASTER_BYTES
+            opt, temp = 0.0, 0.0
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage)
         layers = rank_layers(cfg, layout, stage)
@@ -472,5 +503,5 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
             zero3_working=zero3, overhead=overhead_bytes, buffers=buffers,
             grads_in_backward=in_bwd,
             cast_weights=cast_weight_bytes(cfg, layout, work, stage) * inflight,
-            optimizer_working=temp))
+            optimizer_working=temp, host=host, host_working=host_temp))
     return out

@@ -55,7 +55,8 @@ from threefold.memory import MemoryBreakdown, memory_per_gpu
 
 JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "cp_algorithm", "zero_stage", "vpp",
              "microbatch_size",
-             "recompute", "memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
+             "recompute", "offload_optimizer", "memory_bytes_per_gpu",
+             "host_memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
              "tflops_per_gpu", "mfu", "bubble_fraction", "warnings")
 BUBBLE_WARN = 0.20
 MEMORY_WARN = 0.95
@@ -80,6 +81,9 @@ class SearchSpace:
     # nothing fits without cp; see ``search``)
     cp: tuple[int, ...] | None = None
     cp_algorithm: tuple[str, ...] = CP_ALGORITHMS
+    # optimiser state in host memory (threefold.parallel.offload): (False,) = never, (True,)
+    # = every layout offloads, (False, True) = search both
+    offload_optimizer: tuple[bool, ...] = (False,)
 
 
 @dataclass(frozen=True)
@@ -152,11 +156,11 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                                                   if b <= MAX_MICROBATCH]
                 if dropped:
                     reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms))
-                for alg, vpp, (zero, dp_r), mbs, rc in itertools.product(
-                        algorithms, vpps, splits, sizes, recompute):
+                for alg, vpp, (zero, dp_r), mbs, rc, off in itertools.product(
+                        algorithms, vpps, splits, sizes, recompute, space.offload_optimizer):
                     lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
                                  zero_stage=zero, vpp=vpp, microbatch_size=mbs, recompute=rc,
-                                 cp=cp, cp_algorithm=alg)
+                                 cp=cp, cp_algorithm=alg, offload_optimizer=off)
                     try:
                         check_layout(cfg, lay, work)
                     except LayoutError as e:
@@ -388,7 +392,10 @@ def to_json_rows(cands: list[Candidate]) -> list[dict]:
                      "dp_shard": lay.dp_shard, "cp": lay.cp, "cp_algorithm": lay.cp_algorithm,
                      "zero_stage": lay.zero_stage, "vpp": lay.vpp,
                      "microbatch_size": lay.microbatch_size, "recompute": lay.recompute,
-                     "memory_bytes_per_gpu": c.memory.total, "step_time_s": s.step_time_s,
+                     "offload_optimizer": lay.offload_optimizer,
+                     "memory_bytes_per_gpu": c.memory.total,
+                     "host_memory_bytes_per_gpu": c.memory.host_total,
+                     "step_time_s": s.step_time_s,
                      "tokens_per_second_per_gpu": s.tokens_per_second_per_gpu,
                      "tflops_per_gpu": s.tflops_per_gpu, "mfu": s.mfu,
                      "bubble_fraction": s.bubble_fraction, "warnings": list(c.warnings)})
@@ -416,7 +423,8 @@ def format_table(cands: list[Candidate], explain_all: bool = False) -> str:
         cp = f"{lay.cp}{'r' if lay.cp_algorithm == 'ring' else 'ag'}" if lay.cp > 1 else "1"
         lines.append(
             f"{i:>2} {lay.tp:>3} {cp:>6} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
-            f"{lay.dp_shard:>4} {lay.zero_stage:>4} {lay.microbatch_size:>3} "
+            f"{lay.dp_shard:>4} {str(lay.zero_stage) + ('o' if lay.offload_optimizer else ''):>4} "
+            f"{lay.microbatch_size:>3} "
             f"{lay.recompute:<9} {mem:<26} {s.step_time_s:>8.3f} "
             f"{s.tokens_per_second_per_gpu:>9.0f} {s.tflops_per_gpu:>6.0f} {s.mfu:>5.1%} "
             f"{s.bubble_fraction:>6.1%}  {comm}")
@@ -493,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "without)")
     p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather")
     p.add_argument("--recompute", help="only these: none,selective,full")
+    p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
+                   help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
+                        "on for every layout, or search both (zero column marked 'o')")
     p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
     p.add_argument("--explain", action="store_true", help="say why each loses to the best")
     p.add_argument("--calibrate", action="store_true",
@@ -582,7 +593,9 @@ def _setup(args):
     cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))
     space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
-                        cp_algorithm=algorithms)
+                        cp_algorithm=algorithms,
+                        offload_optimizer={"off": (False,), "on": (True,),
+                                           "search": (False, True)}[args.offload_optimizer])
     return cfg, cluster, work, space
 
 

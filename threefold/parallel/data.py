@@ -49,11 +49,12 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
 
 
 class DataParallelEngine(LocalEngine):
-    """Full replicas on every rank of ``axis``; gradient all-reduce overlapped with backward."""
+    """Full replicas on every rank of ``axis``; gradient all-reduce overlapped with backward.
+    With ``offload`` the optimiser runs on the host (``LocalEngine``)."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, comm, bucket_mb: float,
-                 axis: str = "dp"):
-        super().__init__(model, cfg, comm)
+                 axis: str = "dp", offload: bool = False):
+        super().__init__(model, cfg, comm, offload)
         self.axis = axis
         params = [p for _, p in self.named_params]
         self.buckets = [_Bucket(b) for b in make_buckets(params, int(bucket_mb * 2**20))]

@@ -226,21 +226,23 @@ class Distributed:
         return {"model": model, "optim": optim, "optim_step": sd["optim_step"]}
 
     def build_engine(self, model: torch.nn.Module, cfg: Config):
-        """Data parallel for ZeRO stage 0, the ZeRO engine for stages 1-3 (over dp × cp)."""
+        """Data parallel for ZeRO stage 0, the ZeRO engine for stages 1-3 (over dp × cp); the
+        optimiser in host memory with ``parallel.offload_optimizer``."""
         from threefold.parallel.data import DataParallelEngine
         from threefold.parallel.engine import LocalEngine
         from threefold.parallel.zero import ZeroEngine
 
         p = cfg.parallel
+        off = p.offload_optimizer
         if p.zero_stage == 0:
             if self.dims.axis_size(self.data_axis) == 1:
-                return LocalEngine(model, cfg.optim, self.comm)
+                return LocalEngine(model, cfg.optim, self.comm, offload=off)
             return DataParallelEngine(model, cfg.optim, self.comm, p.bucket_mb,
-                                      axis=self.data_axis)
+                                      axis=self.data_axis, offload=off)
         m = model.model  # a pipeline stage holds only some of these
         units = [u for u in (m.embed_tokens, *m.layers, m.norm, model.lm_head) if u is not None]
         return ZeroEngine(model, units, cfg.optim, self.comm, p.zero_stage,
-                          shard_axis=self.shard_axis)
+                          shard_axis=self.shard_axis, offload=off)
 
     def global_token_count(self, local_count: int) -> int:
         """Sum a per-rank count (target tokens, pairs) over dp (a scalar all-reduce)."""

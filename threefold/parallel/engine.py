@@ -83,15 +83,62 @@ def make_adamw(params, cfg: OptimConfig) -> torch.optim.AdamW:
                              weight_decay=cfg.weight_decay, foreach=False, fused=False)
 
 
-class LocalEngine:
-    """One process holds everything: plain AdamW over the model's parameters."""
+class OptimizerSlot:
+    """Where an engine's AdamW lives: beside the parameters (``offload`` False), or in host
+    memory (``threefold.parallel.offload.HostOptimizer``: fp32 masters, moments and the step
+    on the host). Engines reach the optimiser state of a tensor they update through
+    ``state_of``/``set_state`` so that checkpoints see the same logical tensors either way."""
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig, comm=None):
+    def __init__(self, params: list[torch.Tensor], cfg: OptimConfig, offload: bool = False):
+        self.offload = None
+        if offload:
+            from threefold.parallel.offload import HostOptimizer
+
+            self.offload = HostOptimizer(params, cfg)
+            self.optimizer = self.offload.optimizer
+        else:
+            self.optimizer = make_adamw(params, cfg)
+
+    def key(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimiser keys ``p``'s state by (its host master under offload)."""
+        return self.offload.master_of(p) if self.offload else p
+
+    def state_of(self, p: torch.Tensor) -> dict:
+        """AdamW's state of ``p`` ({} before the first step)."""
+        return self.optimizer.state.get(self.key(p), {})
+
+    def set_state(self, p: torch.Tensor, step: int, exp_avg: torch.Tensor,
+                  exp_avg_sq: torch.Tensor) -> None:
+        """Install ``p``'s state (a checkpoint's), placed where the optimiser keeps it."""
+        k = self.key(p)
+        self.optimizer.state[k] = {"step": torch.tensor(float(step)),
+                                   "exp_avg": exp_avg.clone().to(k.device),
+                                   "exp_avg_sq": exp_avg_sq.clone().to(k.device)}
+
+    def loaded_params(self) -> None:
+        """The device tensors were overwritten (a checkpoint): refresh the host masters."""
+        if self.offload:
+            self.offload.pull()
+
+    def step(self, lr: float) -> None:
+        """One AdamW step at ``lr``; gradients are released afterwards."""
+        if self.offload:
+            self.offload.step(lr)
+        else:
+            adamw_step(self.optimizer, lr)
+
+
+class LocalEngine:
+    """One process holds everything: plain AdamW over the model's parameters (its state in
+    host memory with ``offload``, ``threefold.parallel.offload``)."""
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, comm=None, offload: bool = False):
         self.model = model
         self.cfg = cfg
         self.comm = comm
         self.named_params = unique_named_parameters(model)
-        self.optimizer = make_adamw([p for _, p in self.named_params], cfg)
+        self.slot = OptimizerSlot([p for _, p in self.named_params], cfg, offload)
+        self.optimizer = self.slot.optimizer
 
     # -- the step ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -129,7 +176,7 @@ class LocalEngine:
 
     def step(self, lr: float) -> None:
         """One optimiser step at learning rate ``lr``; gradients are released afterwards."""
-        adamw_step(self.optimizer, lr)
+        self.slot.step(lr)
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -138,7 +185,7 @@ class LocalEngine:
         model = {n: p.detach().clone() for n, p in self.named_params}
         optim, step = {}, 0
         for n, p in self.named_params:
-            st = self.optimizer.state.get(p)
+            st = self.slot.state_of(p)
             if st:
                 optim[f"{n}.exp_avg"] = st["exp_avg"].detach().clone()
                 optim[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
@@ -152,7 +199,7 @@ class LocalEngine:
         out = []
         for n, p in self.named_params:
             out.append(Piece(n, "model", p.detach().reshape(-1), 0, p.numel(), tuple(p.shape)))
-            st = self.optimizer.state.get(p)
+            st = self.slot.state_of(p)
             for kind in ("exp_avg", "exp_avg_sq"):
                 if st:
                     out.append(Piece(n, kind, st[kind].reshape(-1), 0, p.numel(),
@@ -170,10 +217,8 @@ class LocalEngine:
         with torch.no_grad():
             for n, p in self.named_params:
                 p.copy_(sd["model"][n])
+        self.slot.loaded_params()
         for n, p in self.named_params:
             if f"{n}.exp_avg" in sd["optim"]:
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(float(sd["optim_step"])),
-                    "exp_avg": sd["optim"][f"{n}.exp_avg"].clone().to(p.device),
-                    "exp_avg_sq": sd["optim"][f"{n}.exp_avg_sq"].clone().to(p.device),
-                }
+                self.slot.set_state(p, sd["optim_step"], sd["optim"][f"{n}.exp_avg"],
+                                    sd["optim"][f"{n}.exp_avg_sq"])

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
-from threefold.parallel.engine import (adamw_step, clip_to, global_sq_norm, make_adamw, sq_norm,
+from threefold.parallel.engine import (OptimizerSlot, clip_to, global_sq_norm, sq_norm,
                                        tp_shard_dim, unique_named_parameters)
 
 
@@ -148,10 +148,15 @@ class ZeroEngine:
     the embedding, each block, the final norm, the LM head). A parameter used by two of them
     (tied embeddings) and any parameter in none of them go to the *root* unit, which stays
     gathered from the model's forward until the gradients are reduced.
+
+    With ``offload`` (ZeRO-Offload, ``threefold.parallel.offload``) the fp32 master of each
+    owned shard and its AdamW state live in host memory: the shard gradient goes down, the
+    host steps, the new shard comes back up and is all-gathered as without offload.
     """
 
     def __init__(self, model: nn.Module, modules: list[nn.Module], cfg: OptimConfig, comm,
-                 stage: int, shard_axis: str = "dp_shard", replicate_axis: str = "dp_replicate"):
+                 stage: int, shard_axis: str = "dp_shard", replicate_axis: str = "dp_replicate",
+                 offload: bool = False):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.model, self.cfg, self.comm, self.stage = model, cfg, comm, stage
@@ -173,7 +178,8 @@ class ZeroEngine:
         self.all_units = self.units + ([self.root] if self.root else [])
         self._unit_of = {q: unit for unit in self.all_units for q in unit.params}
         self.named_params = named
-        self.optimizer = make_adamw([u.shard for u in self.all_units], cfg)
+        self.slot = OptimizerSlot([u.shard for u in self.all_units], cfg, offload)
+        self.optimizer = self.slot.optimizer
         self._sync = True
         # reduce-scatters in flight: bounded, so that no more than a couple of units' full
         # gradients exist at once during backward (the point of stages 2 and 3)
@@ -295,8 +301,9 @@ class ZeroEngine:
         return total
 
     def step(self, lr: float) -> None:
-        """AdamW on the owned shards; stages 1-2 then all-gather the new parameters."""
-        adamw_step(self.optimizer, lr)
+        """AdamW on the owned shards (on the host under offload, the new shards copied back
+        up); stages 1-2 then all-gather the new parameters."""
+        self.slot.step(lr)
         if self.stage in (1, 2):
             for unit in self.all_units:
                 unit.gathered = False
@@ -317,11 +324,13 @@ class ZeroEngine:
         model, optim, step = {}, {}, 0
         for unit in self.all_units:
             model.update(self._split(unit, self._gather_flat(unit, unit.shard.data)))
-            st = self.optimizer.state.get(unit.shard)
+            st = self.slot.state_of(unit.shard)
             if st:
                 step = int(st["step"])
                 for key in ("exp_avg", "exp_avg_sq"):
-                    parts = self._split(unit, self._gather_flat(unit, st[key]))
+                    # (under offload the state is on the host: collectives run on the device)
+                    parts = self._split(unit, self._gather_flat(unit,
+                                                                st[key].to(unit.shard.device)))
                     optim.update({f"{n}.{key}": t for n, t in parts.items()})
         return {"model": model, "optim": optim, "optim_step": step}
 
@@ -332,7 +341,7 @@ class ZeroEngine:
         out = []
         for unit in self.all_units:
             lo = self.comm.rank(self.shard_axis) * unit.shard_numel
-            st = self.optimizer.state.get(unit.shard, {})
+            st = self.slot.state_of(unit.shard)
             sources = [("model", unit.shard.detach())] + [(k, st[k]) for k in ("exp_avg",
                                                                                "exp_avg_sq")
                                                           if k in st]
@@ -364,13 +373,12 @@ class ZeroEngine:
             with torch.no_grad():
                 unit.shard.copy_(self._my_shard(unit, sd["model"]))
             if f"{unit.names[0]}.exp_avg" in sd["optim"]:
-                st = {"step": torch.tensor(float(sd["optim_step"]))}
-                for key in ("exp_avg", "exp_avg_sq"):
-                    st[key] = self._my_shard(unit, {n: sd["optim"][f"{n}.{key}"]
-                                                    for n in unit.names})
-                self.optimizer.state[unit.shard] = st
+                self.slot.set_state(unit.shard, sd["optim_step"], *(
+                    self._my_shard(unit, {n: sd["optim"][f"{n}.{key}"] for n in unit.names})
+                    for key in ("exp_avg", "exp_avg_sq")))
             if self.stage in (1, 2) or unit.gathered:
                 unit.gathered = False
                 unit.wait_gather()
             if self.stage == 3:
                 unit.release()
+        self.slot.loaded_params()
