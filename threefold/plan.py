@@ -233,6 +233,10 @@ def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: S
         out.append(f"pipeline bubble {step.bubble_fraction:.0%} > {BUBBLE_WARN:.0%}")
     if mem.total > MEMORY_WARN * cluster.hardware.memory_bytes:
         out.append(f"within {1 - MEMORY_WARN:.0%} of the memory limit")
+    if lay.offload_optimizer:
+        out.append(f"optimizer offload: {mem.host_total * cluster.gpus_per_node / 1e9:.0f} GB "
+                   f"of host memory per node ({mem.host_total / 1e9:.1f} per GPU), "
+                   f"{step.offload_s:.2f} s of PCIe copies per step")
     sh = tp_shard(cfg, lay.tp)
     if sh.kv_replicas > 1:
         out.append(f"{cfg.num_key_value_heads} kv heads replicated {sh.kv_replicas}x over tp")
