@@ -48,7 +48,12 @@ The numbers:
   step; the fault fires right after it: before the next step, or in that step's checkpoint
   save) to the first step the final attempt logged, both timestamped by this script as the
   lines arrive. It covers failure detection, torchrun's teardown and restart, process start
-  (Python + torch import, rendezvous, data, model build), checkpoint load, and one step;
+  (Python + torch import, rendezvous, data, model build), checkpoint load, and one step.
+  Split: ``down_s`` = fault to torchrun's "failed (exitcode ...)" line (every worker of the
+  group stopped: the survivors notice the dead or stuck rank, or are SIGTERMed, then
+  SIGKILLed after torchrun's shutdown timeout), ``up_s`` = from there to the new attempt's
+  first line (rank 0's model summary: process start to the model built and the checkpoint
+  found); the rest is resuming and the first step;
 - ``lost_s``: the trial's wall time minus the uninterrupted run's (same layout);
 - ``goodput``: useful step time ÷ the trial's wall time, where useful step time = the
   uninterrupted run's steps' time (sum over its metrics.jsonl of tokens_per_step ÷
@@ -170,6 +175,8 @@ def run_logged(cmd: list[str], fault: str | None, log: Path, timeout: float) -> 
             lines.append(line)
             if line.startswith(HEADER):
                 events.append((t, "attempt", None))
+            elif "failed (exitcode" in line:  # torchrun: the group has been stopped
+                events.append((t, "stopped", None))
             elif m := STEP_LINE.match(line):
                 events.append((t, "step", int(m.group(1))))
     rc = p.wait()
@@ -179,16 +186,22 @@ def run_logged(cmd: list[str], fault: str | None, log: Path, timeout: float) -> 
             "tail": "".join(lines[-40:])}
 
 
-def restart_seconds(events: list) -> float | None:
-    """Last step logged by the first attempt (or its start, if it logged none) to the first
-    step logged by the last attempt; None without a second attempt that logged a step."""
+def restart_seconds(events: list) -> tuple[float | None, float | None, float | None]:
+    """(restart, down, up) seconds: last step logged by the first attempt (or its start, if
+    it logged none) to the first step logged by the last attempt; of which ``down`` = to
+    torchrun's first "failed (exitcode ...)" line (the group stopped) and ``up`` = from there
+    to the last attempt's first line. None where there is no such event."""
     starts = [i for i, (_, kind, _) in enumerate(events) if kind == "attempt"]
     if len(starts) < 2:
-        return None
-    first = events[starts[0]:starts[1]]
-    t_fault = max(t for t, _, _ in first)
+        return None, None, None
+    first = [(t, k) for t, k, _ in events[starts[0]:starts[1]]]
+    t_fault = max(t for t, k in first if k != "stopped")
+    stopped = [t for t, k in first if k == "stopped"]
+    t_last = events[starts[-1]][0]
     after = [t for t, kind, _ in events[starts[-1]:] if kind == "step"]
-    return (after[0] - t_fault) if after else None
+    down = (stopped[0] - t_fault) if stopped else None
+    up = (t_last - stopped[0]) if stopped else None
+    return ((after[0] - t_fault) if after else None), down, up
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -284,8 +297,13 @@ def fault_spec(t: dict, stall_s: float) -> str:
 def launch_cmd(args, targs: list[str], kind: str) -> list[str]:
     launcher = ["--nproc-per-node", str(NPROC), "--max-restarts", str(args.max_restarts)]
     if kind == "stall" and args.stall_mode == "first":
+        # the torchrun command `threefold train` builds (cli.launch), this script as the entry
+        from threefold.config import TrainConfig
+
+        grace = TrainConfig().preemption_grace_s
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={NPROC}", f"--max-restarts={args.max_restarts}",
+                *([f"--shutdown-timeout={int(grace) + 15}"] if grace > 0 else []),
                 str(Path(__file__).resolve()), "--worker", *targs]
     return [sys.executable, "-m", "threefold", "train", *launcher, *targs]
 
@@ -391,7 +409,7 @@ def main() -> int:
             problems.append(msg)
         problems += check_checkpoints(out / "checkpoints")
         passed = not problems
-        rs = restart_seconds(res["events"])
+        rs, down, up = restart_seconds(res["events"])
         kind = t["kind"] + ("1" if t["kind"] == "stall" and args.stall_mode == "first" else "")
         row = {"trial": t["trial"], "layout": t["layout"], "fault": kind, "rank": t["rank"],
                "step": t["step"], "passed": "yes" if passed else "NO",
@@ -399,6 +417,8 @@ def main() -> int:
                "restarts": summary.get("restarts", "-"),
                "lost_steps": summary.get("lost_steps", "-"),
                "restart_s": rs if rs is not None else "-",
+               "down_s": down if down is not None else "-",
+               "up_s": up if up is not None else "-",
                "lost_s": res["wall"] - ref["wall"], "wall_s": res["wall"],
                "goodput": ref["useful"] / res["wall"],
                "rel_goodput": ref["wall"] / res["wall"]}
@@ -419,6 +439,8 @@ def main() -> int:
     passed = [r for r in rows if r["passed"] == "yes"]
     lost = [r["lost_steps"] for r in passed if isinstance(r["lost_steps"], int)]
     rst = [r["restart_s"] for r in rows if isinstance(r["restart_s"], float)]
+    downs = [r["down_s"] for r in rows if isinstance(r["down_s"], float)]
+    ups = [r["up_s"] for r in rows if isinstance(r["up_s"], float)]
     useful = sum(clean[r["layout"]]["useful"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
     clean_wall = sum(clean[r["layout"]]["wall"] for r in rows)
@@ -427,6 +449,8 @@ def main() -> int:
         "mean_lost_steps": sum(lost) / len(lost) if lost else None,
         "mean_restart_s": sum(rst) / len(rst) if rst else None,
         "max_restart_s": max(rst) if rst else None,
+        "mean_down_s": sum(downs) / len(downs) if downs else None,
+        "mean_up_s": sum(ups) / len(ups) if ups else None,
         "goodput": useful / wall, "clean_goodput": useful / clean_wall,
         "rel_goodput": clean_wall / wall,
     }
