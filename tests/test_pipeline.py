@@ -322,9 +322,10 @@ def _train_single(cfg: ModelConfig):
     return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
-def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0):
+def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False):
     """One layout on this rank: pp = p, the rest data parallel (dp_shard), engine by ``zero``
-    (0: plain AdamW or bucketed all-reduce; 1-3: ZeRO). Returns losses, this rank's final
+    (0: plain AdamW or bucketed all-reduce; 1-3: ZeRO), blocks recomputed in backward with
+    ``ac``. Returns losses, this rank's final
     whole weights (dp rank 0 only) and the last step's measured trace."""
     from threefold.comm import Comm
     from threefold.mesh import ParallelDims
@@ -337,6 +338,10 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0):
     pp_rank, dp_rank, dp = comm.rank("pp"), comm.rank("dp"), comm.size("dp")
     chunks = split_model(_model(_cfg()), p, v, pp_rank)
     model = rank_model(chunks)
+    if ac:
+        from threefold.train import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
     if zero:
         units = [u for u in (model.model.embed_tokens, *model.model.layers, model.model.norm,
                              model.lm_head) if u is not None]
@@ -389,6 +394,8 @@ RUNS_4 = [
     dict(name="pp2_dp2_1f1b", schedule="1f1b", p=2, m=2),
     dict(name="pp2_zero1_interleaved", schedule="interleaved-1f1b", p=2, m=2, v=2, zero=1),
     dict(name="pp2_zero3_zb-h1", schedule="zb-h1", p=2, m=4, zero=3),
+    # W recomputes a checkpointed block after ZeRO-3 released it (found by the layout fuzzer)
+    dict(name="pp2_zero3_zb-h1_ac", schedule="zb-h1", p=2, m=4, zero=3, ac=True),
 ]
 
 

@@ -223,6 +223,17 @@ class ZeroEngine:
                     units[i - 1].start_gather()  # prefetch the unit whose backward is next
             return hook
 
+        def on_demand(i):
+            # A zero-bubble W (the weight half of a split backward, run after the unit has
+            # been released) recomputes a checkpointed block's forward without its hooks:
+            # the block's inner modules re-gather the unit there. Anywhere else they find
+            # it gathered already, and this costs a flag test.
+            def hook(_m, _args):
+                if not units[i].gathered:
+                    units[i].in_backward = True
+                    units[i].wait_gather()
+            return hook
+
         # The embedding's input (token ids) needs no gradient; its backward pre-hook still
         # fires on the output gradient, which is what we want. Silence torch's note about it.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
@@ -230,6 +241,9 @@ class ZeroEngine:
             module.register_forward_pre_hook(pre_forward(i))
             module.register_forward_hook(post_forward(i))
             module.register_full_backward_pre_hook(pre_backward(i))
+            for inner in module.modules():
+                if inner is not module:
+                    inner.register_forward_pre_hook(on_demand(i))
         if self.root:
             self.model.register_forward_pre_hook(lambda _m, _a: self.root.wait_gather())
 
