@@ -92,7 +92,7 @@ LAYOUTS = {
     "tp2": ["--parallel.tp", "2", "--parallel.zero_stage", "1"],
 }
 STEP_LINE = re.compile(r"^step\s+(\d+) loss ")
-HEADER = "threefold: "  # rank 0's first line of every attempt
+HEADER = re.compile(r"^threefold: \S+ parameters, ")  # rank 0's first line of an attempt
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def run_logged(cmd: list[str], fault: str | None, log: Path, timeout: float) -> 
             t = time.perf_counter() - t0
             f.write(f"[{t:8.3f}] {line}")
             lines.append(line)
-            if line.startswith(HEADER):
+            if HEADER.match(line):
                 events.append((t, "attempt", None))
             elif "failed (exitcode" in line:  # torchrun: the group has been stopped
                 events.append((t, "stopped", None))

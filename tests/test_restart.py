@@ -153,3 +153,35 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_within_the_grace(corpus, cach
     assert 3 <= stopped < 500
     assert stopped in _verified_steps(out)
     assert "preempted (SIGTERM)" in stdout
+
+
+_PREEMPT_SCRIPT = """
+import os, signal, sys, time
+from threefold.preempt import Preemption
+p = Preemption(30.0)
+for _ in range(3):  # three healthy steps of ~0.05 s: the stuck limit is ~5.15 s
+    p.step_started(); time.sleep(0.05); p.step_finished()
+p.step_started()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(float(sys.argv[1]))  # the step in progress: stuck (60 s) or ordinary (0.1 s)
+p.step_finished()
+p.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("step_s,rc", [(60.0, 143), (0.1, 0)], ids=["stuck", "healthy"])
+def test_sigterm_in_a_stuck_step_exits_before_the_grace(step_s, rc):
+    """A rank whose step is still running 3 × its slowest step + 5 s after SIGTERM (waiting on
+    a dead or hung peer while torchrun tears the group down) exits 143 then, not after the
+    whole grace period (30 s here); a step that finishes in time goes on to the checkpoint."""
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", _PREEMPT_SCRIPT, str(step_s)],
+                       capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == rc, p.stderr
+    if rc:
+        assert "a peer is dead or stuck" in p.stderr and "closed" not in p.stdout
+        assert 5.0 < took < 20.0
+    else:
+        assert "closed" in p.stdout and "stuck" not in p.stderr

@@ -7,7 +7,11 @@ channel) whether any rank was signalled, so all of them stop after the same step
 checkpoint together and return normally — the process exits 0 and ``--checkpoint.resume
 true`` continues exactly where it stopped. A watchdog thread ends the process with exit code
 143 (128 + SIGTERM) if that has not happened within the grace period: the save is atomic, so
-the previous checkpoint is then still the newest complete one.
+the previous checkpoint is then still the newest complete one. It ends it sooner when the
+training step in progress is plainly stuck — still running ``3 × the slowest step so far + 5
+s`` after the notice (or after the step began, if later): torchrun also sends SIGTERM when it
+tears a group down after a peer died or hung, and a rank waiting on that peer would otherwise
+hold the restart back for the whole grace period.
 
 torchrun forwards SIGTERM to its workers and SIGKILLs them after its ``--shutdown-timeout``;
 ``threefold train --nproc-per-node`` sets that timeout above the grace period (cli.launch).
@@ -26,9 +30,13 @@ class Preemption:
     """The SIGTERM handler of one training run (installed from the main thread only: signal
     handlers can be set nowhere else; elsewhere, e.g. a test's worker thread, it is inert)."""
 
+    STUCK_FACTOR, STUCK_EXTRA_S = 3.0, 5.0
+
     def __init__(self, grace_s: float, rank: int = 0):
         self.grace_s, self.rank = grace_s, rank
         self.received_at: float | None = None
+        self._step_began: float | None = None  # a training step is running since then
+        self._slowest: float | None = None  # the slowest finished step, s
         self._done = threading.Event()
         self._previous = None
         self.active = grace_s > 0 and threading.current_thread() is threading.main_thread()
@@ -43,12 +51,39 @@ class Preemption:
               f"checkpoint (grace {self.grace_s:g} s)", file=sys.stderr, flush=True)
         threading.Thread(target=self._watchdog, daemon=True).start()
 
+    def step_started(self) -> None:
+        """A training step begins (before its first collective)."""
+        self._step_began = time.monotonic()
+
+    def step_finished(self) -> None:
+        """The training step has finished (its time counts towards the stuck limit)."""
+        if self._step_began is not None:
+            dt = time.monotonic() - self._step_began
+            self._slowest = dt if self._slowest is None else max(self._slowest, dt)
+        self._step_began = None
+
+    def stuck_limit_s(self) -> float | None:
+        """How long a step may run past the notice before the rank counts as stuck; None
+        before any step has finished (nothing to go by: the grace period alone applies)."""
+        if self._slowest is None:
+            return None
+        return self.STUCK_FACTOR * self._slowest + self.STUCK_EXTRA_S
+
+    def _exit(self, why: str) -> None:
+        print(f"threefold: rank {self.rank}: {why}; exiting (the last complete checkpoint "
+              "stays the newest)", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+
     def _watchdog(self) -> None:
-        if not self._done.wait(self.grace_s):
-            print(f"threefold: rank {self.rank}: not done {self.grace_s:g} s after SIGTERM; "
-                  "exiting (the last complete checkpoint stays the newest)", file=sys.stderr,
-                  flush=True)
-            os._exit(128 + signal.SIGTERM)
+        deadline = self.received_at + self.grace_s
+        while not self._done.wait(0.05):
+            now, began, limit = time.monotonic(), self._step_began, self.stuck_limit_s()
+            if now >= deadline:
+                self._exit(f"not done {self.grace_s:g} s after SIGTERM")
+            if began is not None and limit is not None and \
+                    now - max(began, self.received_at) > limit:
+                self._exit(f"the step in progress has not finished {limit:.3g} s after SIGTERM "
+                           "(3 × the slowest step + 5 s): a peer is dead or stuck")
 
     def requested(self, layout) -> bool:
         """Collective (when active): whether any rank has been signalled. Every rank gets the

@@ -445,6 +445,7 @@ def _loop(run: Run, preempt, return_run: bool):
     trace_info: dict | None = None
     preempted: dict | None = None
     for step in range(start, t.steps):
+        preempt.step_started()
         lay.before_step(step)
         t0 = time.perf_counter()
         trace = [] if step + 1 == t.trace_step else None
@@ -455,6 +456,7 @@ def _loop(run: Run, preempt, return_run: bool):
             raise
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
+        preempt.step_finished()
         dt = time.perf_counter() - t0
         if trace is not None:  # after the step's clock: writing it is not training
             trace_info = _write_trace(run, step, trace)
