@@ -38,9 +38,14 @@ def cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds:
             return max(rates) if statistic == "best" else statistics.median(rates)
 
 
+_CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
+
+
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
     """(peak FLOP/s, where the figure came from). CUDA devices come from the hardware
-    catalogue by name; CPUs are probed; anything else is unknown."""
+    catalogue by name; CPUs are probed, once per process for each dtype and thread count
+    (half a second each: runs after the first in a process reuse it); anything else is
+    unknown."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         try:
@@ -50,7 +55,10 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float |
         peak = peak_flops_for_device_name(name, "bf16" if dtype == torch.bfloat16 else "fp32")
         return (peak, f"catalogue:{name}") if peak else (None, "unknown")
     if device.type == "cpu":
-        return cpu_matmul_flops(dtype), "cpu-matmul-probe"
+        key = (dtype, torch.get_num_threads())
+        if key not in _CPU_PEAKS:
+            _CPU_PEAKS[key] = cpu_matmul_flops(dtype)
+        return _CPU_PEAKS[key], "cpu-matmul-probe"
     return None, "unknown"
 
 
