@@ -112,7 +112,10 @@ def test_checkpoint_dir_is_validated(corpus, cache_dir, tmp_path):
 
 def test_single_process_with_checkpoint_dir(corpus, cache_dir, tmp_path):
     """One node: the checkpoint root holds rank files, node 0's part and the index; resume
-    reads it back from there."""
+    reads it back from there, and the run directory still names its checkpoints for a
+    Hugging Face export and ``checkpoint.init_from`` (through its config.json)."""
+    from threefold.hf import export_hf, load_pretrained
+
     disk = tmp_path / "disk{node}"
     over = dict(train__steps=2, checkpoint__dir=str(disk))
     train(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "o", **over)))
@@ -123,6 +126,15 @@ def test_single_process_with_checkpoint_dir(corpus, cache_dir, tmp_path):
                                                **{**over, "train__steps": 3},
                                                checkpoint__resume="true")))
     assert s["resumed_from_step"] == 2 and list_checkpoints(root) == [2, 3]
+    weights = load_checkpoint(root / "3")[0]["model"]
+    _, loaded = load_pretrained(tmp_path / "o")
+    assert loaded.keys() == weights.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+    export_hf(tmp_path / "o", tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    _, exported = load_pretrained(tmp_path / "hf")
+    assert all(torch.equal(exported[k], v) for k, v in weights.items())
 
 
 # ---- the save/load protocol with two "nodes" as threads (fast; no process group) ----------

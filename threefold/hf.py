@@ -190,22 +190,38 @@ def _model_config_from_state(state: dict, where: Path) -> ModelConfig:
 # --------------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------------
+def run_checkpoint_root(path: Path) -> Path:
+    """Where the run directory ``path`` keeps its checkpoints: ``checkpoints/``, or node 0's
+    ``checkpoint.dir`` (the one with the index) when its config.json sets one."""
+    path = Path(path)
+    try:
+        saved = json.loads((path / "config.json").read_text())
+        spec = saved["checkpoint"]["dir"] if isinstance(saved, dict) and "train" in saved else ""
+    except (OSError, ValueError, KeyError, TypeError):
+        spec = ""
+    from threefold.checkpoint import resolve_root
+
+    return resolve_root(spec, path, 0)
+
+
 def find_checkpoint(path: Path) -> Path:
     """``path`` itself if it is a checkpoint directory, else the newest checkpoint of the run
     directory ``path``; HFError if neither."""
     path = Path(path)
     if (path / "manifest.json").is_file():
         return path
-    steps = list_checkpoints(path / "checkpoints")
+    root = run_checkpoint_root(path)
+    steps = list_checkpoints(root)
     if steps:
-        return path / "checkpoints" / str(steps[-1])
+        return root / str(steps[-1])
     raise HFError(f"{path}: neither a checkpoint (no manifest.json) nor a run directory with "
-                  "checkpoints/<step>/")
+                  f"checkpoints ({root}/<step>/)")
 
 
-def _run_tokenizer(ckpt: Path) -> Path | None:
-    """tokenizer.json of the run that wrote ``ckpt`` (run/checkpoints/<step>), if any."""
-    for d in (ckpt, ckpt.parent.parent):
+def _run_tokenizer(ckpt: Path, run: Path | None = None) -> Path | None:
+    """tokenizer.json of the run that wrote ``ckpt`` (run/checkpoints/<step>, or the run
+    directory ``run`` given), if any."""
+    for d in (ckpt, *([run] if run is not None else []), ckpt.parent.parent):
         if (d / "tokenizer.json").is_file():
             return d / "tokenizer.json"
     return None
@@ -250,7 +266,7 @@ def export_hf(ckpt_dir: Path, out_dir: Path) -> None:
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # HF stores a tied head once, as the embedding
     _check_shapes(cfg, weights, str(ckpt))
-    tok_path = _run_tokenizer(ckpt)
+    tok_path = _run_tokenizer(ckpt, Path(ckpt_dir))
     tokens = _token_ids(tok_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -389,7 +405,7 @@ def load_pretrained(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, weights) from a Hugging Face folder (it has config.json) or a threefold
     checkpoint / run directory (its newest checkpoint)."""
     path = Path(path)
-    if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
+    if (path / "config.json").is_file() and not run_checkpoint_root(path).is_dir():
         cfg, weights, _ = import_hf(path)
         return cfg, weights
     ckpt = find_checkpoint(path)
