@@ -381,6 +381,8 @@ EXACT_RUNS_4 = [
     ("cp2_hsdp_zero2", {"parallel__cp": 2, "parallel__dp_replicate": 2,
                         "parallel__zero_stage": 2}),
     ("cp2_pp2", {"parallel__cp": 2, "parallel__pp": 2, "train__micro_batch_size": 2}),
+    ("pp2_dp2_zero3", {"parallel__pp": 2, "parallel__zero_stage": 3,
+                       "train__micro_batch_size": 2}),
 ]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from threefold import cost
-from threefold.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_sharded
+from threefold.checkpoint import CheckpointError, save_sharded
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import DataBundle, prepare_data
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
