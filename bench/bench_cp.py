@@ -78,8 +78,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (ab_rows, peak_rss_bytes, print_table, report, run_ranks,  # noqa: E402
-                          start_peak_rss_window)
+from bench.common import (ab_rows, peak_rss_bytes, print_table, report,  # noqa: E402
+                          revision, run_ranks, start_peak_rss_window)
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
 from threefold.cost import num_parameters  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
@@ -510,7 +510,7 @@ def summarise(args, mcfg, world, unmodified, single, results, searches) -> None:
           f"{world} (gloo, 1 thread per rank, {_cores()} cores), batch "
           f"{args.batch}x{args.seq_len}, {args.warmup} warm-up + {args.steps} timed steps, "
           f"{args.rounds} rounds")
-    print(f"threefold at {_revision()}")
+    print(f"threefold at {revision()}")
     print(f"unmodified torch context_parallel on CPU: "
           f"{'works' if unmodified is None else 'fails: ' + unmodified}")
     if unmodified is not None:
@@ -588,21 +588,6 @@ def summarise(args, mcfg, world, unmodified, single, results, searches) -> None:
     for a in sorted(results, key=lambda a: a == "ring"):
         print()
         report(f"cp{world}_{a}_threefold_vs_torch_context_parallel", results[a], "ratio", 1.0)
-
-
-def _revision() -> str:
-    """The checkout's commit, and whether threefold/ has uncommitted changes (what ran)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
-                             capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "threefold"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown revision"
-    return f"{rev}{' + uncommitted changes in threefold/' if dirty else ''}"
 
 
 def _cores() -> int:

@@ -83,7 +83,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import print_table  # noqa: E402
+from bench.common import print_table, revision  # noqa: E402
+from threefold.data.corpus import sample_corpus  # noqa: E402
 
 NPROC = 4
 LAYOUTS = {
@@ -113,22 +114,6 @@ def worker(train_args: list[str]) -> int:
 # --------------------------------------------------------------------------------------------
 # Running one configuration and reading what it left
 # --------------------------------------------------------------------------------------------
-def write_corpus(path: Path, kb: int = 160) -> Path:
-    """The tests' deterministic corpus (tests/conftest.py write_corpus)."""
-    import sysconfig
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    parts, size = [], 0
-    for name in ("argparse.py", "difflib.py", "textwrap.py", "fractions.py", "heapq.py"):
-        text = (stdlib / name).read_text(encoding="utf-8")
-        parts.append(text)
-        size += len(text)
-        if size > kb * 1024:
-            break
-    path.write_text("\n\n".join(parts)[: kb * 1024], encoding="utf-8")
-    return path
-
-
 def train_args(args, corpus: Path, cache: Path, out: Path, layout: str) -> list[str]:
     """The per-rank `threefold train` options of one run (the tests' tiny model)."""
     o = {
@@ -356,9 +341,9 @@ def main() -> int:
     else:
         work = args.workdir
         work.mkdir(parents=True, exist_ok=True)
-    print(f"threefold at {_revision()}; torch {torch.__version__}; {os.cpu_count()} cores; "
+    print(f"threefold at {revision()}; torch {torch.__version__}; {os.cpu_count()} cores; "
           f"work dir {work}", flush=True)
-    corpus, cache = write_corpus(work / "corpus.txt"), work / "cache"
+    corpus, cache = sample_corpus(work / "corpus.txt"), work / "cache"
     tokens_per_step = 8 * 32
 
     # the uninterrupted runs, one per layout used
@@ -462,21 +447,6 @@ def main() -> int:
     if tmp is not None:
         tmp.cleanup()
     return 0
-
-
-def _revision() -> str:
-    """The checkout's commit, and whether threefold/ has uncommitted changes (what ran)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
-                             capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "threefold"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown revision"
-    if not rev:
-        return "unknown revision"
-    return f"{rev}{' + uncommitted changes in threefold/' if dirty else ''}"
 
 
 if __name__ == "__main__":

@@ -119,3 +119,21 @@ def peak_rss_bytes() -> int | None:
     """Peak RSS (``VmHWM``) since the last ``start_peak_rss_window``, in bytes."""
     hwm = _proc_status_kib("VmHWM")
     return None if hwm is None else hwm * 1024
+
+
+def revision() -> str:
+    """The checkout's commit, and whether threefold/ has uncommitted changes (what ran)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                             capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "threefold"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown revision"
+    if not rev:
+        return "unknown revision"
+    return f"{rev}{' + uncommitted changes in threefold/' if dirty else ''}"

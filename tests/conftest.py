@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import faulthandler
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,9 @@ faulthandler.enable(file=sys.stderr)
 
 def write_corpus(path: Path, kb: int = 160) -> Path:
     """A deterministic text corpus: the first ``kb`` KB of a few standard-library modules."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    parts, size = [], 0
-    for name in ("argparse.py", "difflib.py", "textwrap.py", "fractions.py", "heapq.py"):
-        text = (stdlib / name).read_text(encoding="utf-8")
-        parts.append(text)
-        size += len(text)
-        if size > kb * 1024:
-            break
-    path.write_text("\n\n".join(parts)[: kb * 1024], encoding="utf-8")
-    return path
+    from threefold.data.corpus import sample_corpus
+
+    return sample_corpus(path, kb)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,19 @@ def _run(cmd, fault=None, timeout=300):
     return p, time.perf_counter() - t0
 
 
+def _assert_same_run(out, uninterrupted) -> None:
+    """``out`` logged steps 1..6 with the uninterrupted run's losses and ended with its
+    weights."""
+    a = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in a] == list(range(1, 7))
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
+    wa, _ = load_checkpoint(out / "checkpoints" / "6")
+    wb, _ = load_checkpoint(uninterrupted / "checkpoints" / "6")
+    for k, v in wb["model"].items():
+        torch.testing.assert_close(wa["model"][k], v, rtol=1e-6, atol=1e-7, msg=k)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(corpus, cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("restart") / "clean"
@@ -54,14 +67,7 @@ def test_killed_rank_is_restarted_and_resumes(kill_step, uninterrupted, corpus, 
     assert s["restarts"] == 1
     last_ckpt = ((kill_step - 1) // 2) * 2
     assert 0 <= s["lost_steps"] <= kill_step - 1 - last_ckpt
-    a = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    b = [json.loads(x) for x in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in a] == list(range(1, 7))
-    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
-    wa, _ = load_checkpoint(out / "checkpoints" / "6")
-    wb, _ = load_checkpoint(uninterrupted / "checkpoints" / "6")
-    for k, v in wb["model"].items():
-        torch.testing.assert_close(wa["model"][k], v, rtol=1e-6, atol=1e-7, msg=k)
+    _assert_same_run(out, uninterrupted)
 
 
 @pytest.mark.slow
@@ -111,14 +117,7 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint(uninterrupted, c
     p, _ = _run(_cmd(corpus, cache_dir, out, "--parallel.zero_stage", "2",
                      "--checkpoint.resume", "true"))
     assert p.returncode == 0, p.stderr[-3000:]
-    a = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    b = [json.loads(x) for x in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in a] == list(range(1, 7))
-    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
-    wa, _ = load_checkpoint(out / "checkpoints" / "6")
-    wb, _ = load_checkpoint(uninterrupted / "checkpoints" / "6")
-    for k, v in wb["model"].items():
-        torch.testing.assert_close(wa["model"][k], v, rtol=1e-6, atol=1e-7, msg=k)
+    _assert_same_run(out, uninterrupted)
 
 
 @pytest.mark.slow

@@ -471,6 +471,18 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers")
 
 
+def _choices(flag: str, text: str | None, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated subset of ``allowed`` (all of them when ``text`` is empty);
+    ConfigError naming ``flag`` for anything else."""
+    if not text:
+        return allowed
+    chosen = tuple(text.split(","))
+    bad = [c for c in chosen if c not in allowed]
+    if bad:
+        raise ConfigError(f"{flag}: '{bad[0]}' is not one of {', '.join(allowed)}")
+    return chosen
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``threefold plan`` options."""
     p = _Parser(prog="threefold plan", description="Rank parallel layouts by predicted step "
@@ -573,25 +585,14 @@ def _setup(args):
     if args.global_batch_tokens % seq:
         raise ConfigError(f"--global-batch-tokens: {args.global_batch_tokens} is not a multiple "
                           f"of --seq-len {seq}")
-    recompute = RECOMPUTE
-    if args.recompute:
-        recompute = tuple(args.recompute.split(","))
-        bad = [r for r in recompute if r not in RECOMPUTE]
-        if bad:
-            raise ConfigError(f"--recompute: '{bad[0]}' is not one of {', '.join(RECOMPUTE)}")
+    recompute = _choices("--recompute", args.recompute, RECOMPUTE)
     if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
         raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
     for cp in args.cp or ():
         if cp < 1 or args.gpus % cp or (cp > 1 and seq % (2 * cp)):
             raise ConfigError(f"--cp: {cp} must be >= 1, divide --gpus {args.gpus} and (above 1)"
                               f" split --seq-len {seq} into 2·cp equal chunks")
-    algorithms = CP_ALGORITHMS
-    if args.cp_algorithm:
-        algorithms = tuple(args.cp_algorithm.split(","))
-        bad = [a for a in algorithms if a not in CP_ALGORITHMS]
-        if bad:
-            raise ConfigError(f"--cp-algorithm: '{bad[0]}' is not one of "
-                              f"{', '.join(CP_ALGORITHMS)}")
+    algorithms = _choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash")
     cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))

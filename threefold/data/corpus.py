@@ -133,6 +133,21 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def sample_corpus(path: Path, kb: int = 160) -> Path:
+    """Write a small deterministic corpus to ``path``: the first ``kb`` KB of a few standard
+    library modules (the tests' and benchmarks' data: the same text on every machine with the
+    same Python). Returns ``path``."""
+    parts, size = [], 0
+    for name in ("argparse.py", "difflib.py", "textwrap.py", "fractions.py", "heapq.py"):
+        text = (stdlib_root() / name).read_text(encoding="utf-8")
+        parts.append(text)
+        size += len(text)
+        if size > kb * 1024:
+            break
+    path.write_text("\n\n".join(parts)[: kb * 1024], encoding="utf-8")
+    return path
+
+
 def read_corpus(cfg: DataConfig) -> Corpus:
     """Read the documents named by ``cfg.corpus``, at most ``cfg.max_corpus_mb`` MB of text."""
     if cfg.max_corpus_mb <= 0:

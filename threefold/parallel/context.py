@@ -174,17 +174,24 @@ def _piece_forward(q, k, v, pc: Piece, scale: float, fused: bool | None = None):
         ks, vs = (x[:, :, pc.cols].contiguous() for x in (k, v))
         out, lse = _flash_forward()(qs, ks, vs, 0.0, pc.causal, attn_mask=pc.mask, scale=scale)
     else:  # the same quantities by the math path (fp32), on any device
-        ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
-        s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
-        if pc.causal:
-            s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-        if pc.mask is not None:
-            s = s + pc.mask.float()
+        s, _, vs = _math_scores(qs, k, v, pc, groups, scale)
         lse = torch.logsumexp(s, -1)
         out = torch.matmul(torch.softmax(s, -1).nan_to_num(0.0), vs.float()).to(q.dtype)
     if pc.seen is not None:
         lse = lse.masked_fill(~pc.seen, float("-inf"))
     return out, lse
+
+
+def _math_scores(qs, k, v, pc: Piece, groups: int, scale: float):
+    """The math path's fp32 scores of one piece (causal and document masks applied) and its
+    K and V blocks with each K/V head repeated for the query heads that share it."""
+    ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
+    s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
+    if pc.causal:
+        s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+    if pc.mask is not None:
+        s = s + pc.mask.float()
+    return s, ks, vs
 
 
 def _piece_backward(do, q, k, v, out, lse, pc: Piece, scale: float, fused: bool | None = None):
@@ -198,12 +205,7 @@ def _piece_backward(do, q, k, v, out, lse, pc: Piece, scale: float, fused: bool 
         ks, vs = (x[:, :, pc.cols].contiguous() for x in (k, v))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dos, qs, ks, vs, outs, lses, 0.0, pc.causal, attn_mask=pc.mask, scale=scale)
-    ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
-    s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
-    if pc.causal:
-        s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-    if pc.mask is not None:
-        s = s + pc.mask.float()
+    s, ks, vs = _math_scores(qs, k, v, pc, groups, scale)
     p = torch.exp(s - lses.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dos.float())
     dp = torch.matmul(dos.float(), vs.float().transpose(-1, -2))
