@@ -15,7 +15,8 @@ Attention needs every earlier key. Two algorithms (``parallel.cp_algorithm``):
   FlashAttention, Dao et al. arXiv 2205.14135). The next block's transfer is posted before the
   current block is computed, so it overlaps. Backward runs the ring again: K/V travel as in
   forward and each block's dK/dV accumulator travels with it, picking up every rank's
-  contribution, and one last hop brings it home. No rank ever holds more than two K/V blocks.
+  contribution, and one last hop brings it home; each hop of dK/dV travels while the next
+  rank computes its own share for that block. No rank ever holds more than two K/V blocks.
   Thanks to the balanced split, each step is one call of a fused attention kernel that
   returns its log-sum-exp (aten's CPU flash kernel; a math path elsewhere) on a block that is
   plainly causal, wholly visible, or half wholly visible (``ring_pieces``); packed documents
@@ -297,24 +298,29 @@ class RingAttention(torch.autograd.Function):
         tl = q.shape[2]
         grad_out = grad_out.contiguous()
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        incoming = None  # (handle, buffer): the held block's dK/dV summed by earlier ranks
         for step in range(ring.n):
             src = (ring.r - step) % ring.n
             pending = ring.shift(kv) if step < ring.n - 1 else None
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for pc in ring_pieces(ring.n, ring.r, src, tl, ctx.docs, q.dtype):
                 dq_b, dk_b, dv_b = _piece_backward(grad_out, q, kv[0], kv[1], out, lse, pc,
                                                    scale)
                 dq[:, :, pc.rows] += dq_b
                 dkv[0][:, :, pc.cols] += dk_b
                 dkv[1][:, :, pc.cols] += dv_b
-            # this block's dK/dV go on with it; after the last step, home to their owner
-            h, dkv = ring.shift(dkv.to(kv.dtype))
+            # the block's dK/dV from the ranks before arrived while this rank computed its
+            # own share; the sum goes on with the block (after the last step, home)
+            if incoming is not None:
+                incoming[0].wait()
+                dkv += incoming[1].float()
+            incoming = ring.shift(dkv.to(kv.dtype))
             if pending is not None:
                 pending[0].wait()
                 kv = pending[1]
-            h.wait()
-            dkv = dkv.float()
+        incoming[0].wait()  # this rank's own block, summed over every rank
+        dkv = incoming[1]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
