@@ -407,8 +407,8 @@ def test_planner_bytes_equal_runtime_exactly(world, runs, corpus, cache_dir, tmp
     comm_bytes_per_step for DP (several buckets), ZeRO 1/2/3 (with accumulation), TP and TP
     with sequence parallelism, recompute and replicated kv heads, pipeline sends (1F1B,
     interleaved), and context parallelism (ring and allgather, with recompute, ZeRO 1/2/3,
-    HSDP, TP with and without SP, pp), on 2 and 4 ranks. Every axis the runtime reports is
-    one the planner knows."""
+    HSDP, TP with and without SP, pp), on 2 and 4 ranks; the dry run prints the same. Every
+    axis the runtime reports is one the planner knows."""
     got = run_distributed(_bytes_of_runs, world, corpus, cache_dir, tmp_path, runs,
                           timeout=300)[0]
     for name, extra in runs:
@@ -420,6 +420,7 @@ def test_planner_bytes_equal_runtime_exactly(world, runs, corpus, cache_dir, tmp
         assert set(got[name]) <= set(want), (name, got[name])
         measured = {a: got[name].get(a, 0) for a in want}
         assert measured == {a: float(v) for a, v in want.items()}, name
+        assert predict(cfg, world).comm_bytes == want, name  # what the dry run prints
         assert sum(want.values()) > 0, name
         if "parallel__cp" in extra:
             assert want["cp"] > 0 and want["dp"] == want["dp_shard"] == 0, name

@@ -219,7 +219,7 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
     if cluster.hardware.peak_flops(work.precision):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
-                        comm_bytes_per_step(mcfg, layout, work), notes,
+                        comm_bytes_per_step(mcfg, layout, work, stage=0), notes,  # rank 0's
                         offload_bytes_per_step(mcfg, layout, work))
 
 
