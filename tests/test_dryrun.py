@@ -122,6 +122,19 @@ def test_dry_run_with_optimizer_offload_reports_host_memory(warm, monkeypatch):
     assert r.step.offload_s == pytest.approx(8 * owned / 64e9)
 
 
+def test_dry_run_says_zero_bubble_recomputes_per_weight_under_checkpointing(warm):
+    """zb-h1's W passes under activation checkpointing recompute a block per split weight
+    (one autograd call each): the dry run says so; 1f1b with recompute gets no such note."""
+    def notes(schedule):
+        cfg = load_config(None, [("parallel.pp", "2"), ("parallel.schedule", schedule),
+                                 ("train.activation_checkpointing", "true"),
+                                 ("train.micro_batch_size", "2")])
+        return " ".join(predict(cfg, 2).notes)
+
+    assert "zb-h1 with activation checkpointing" in notes("zb-h1")
+    assert "zb-h1" not in notes("1f1b")
+
+
 def test_dry_run_on_this_cpu_measures_it(warm, monkeypatch):
     monkeypatch.delenv("THREEFOLD_HARDWARE", raising=False)
     cfg = load_config(None, [("train.device", "cpu"), ("data.seq_len", "128")])

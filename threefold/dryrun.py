@@ -211,6 +211,11 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
                      + f" (parallel.pipeline_split {p.pipeline_split}); parameters per rank "
                      + ", ".join(_count(stage_parameters(mcfg, layout, st))
                                  for st in range(dims.pp)))
+        if p.schedule == "zb-h1" and cfg.train.activation_checkpointing:
+            notes.append("zb-h1 with activation checkpointing: each W (weight gradients) "
+                         "recomputes its blocks once per weight it splits off (up to 9 per Llama "
+                         "block: a separate autograd call each), not counted in the step time "
+                         "below; 1f1b recomputes each block once")
     cluster, source = choose_hardware(cfg, world_size)
     on_cpu = source.startswith(("this CPU", "calibration"))
     memory = memory_per_gpu(mcfg, layout, work,
