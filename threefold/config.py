@@ -58,6 +58,28 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                        num_attention_heads=64, num_key_value_heads=8, **_LLAMA3_ROPE),
     "llama3-405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                         num_attention_heads=128, num_key_value_heads=8, **_LLAMA3_ROPE),
+    # Mixture of experts (threefold.moe). tiny-moe: the CPU MoE (8 experts of half tiny's MLP
+    # width, top-2, so a token's MLP work is tiny's). mixtral-8x7b: mistralai/Mixtral-8x7B-v0.1
+    # config.json (46,702,792,704 parameters, 12,879,925,248 active per token).
+    # olmoe-shape-1b-7b: OLMoE-1B-7B's shape (Muennighoff et al., arXiv 2409.02060: 64 experts,
+    # top-8) as a Mixtral block: OLMoE's q/k RMSNorms (2·2048 weights per layer) are not
+    # modelled, so it has 6,919,096,320 parameters (OLMoE: 6,919,161,856) and
+    # 1,281,951,744 active; it cannot load OLMoE's weights.
+    "tiny-moe": dict(vocab_size=0, hidden_size=256, intermediate_size=344, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, rope_scaling="none", max_position_embeddings=1024,
+                     tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2),
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         rms_norm_eps=1e-5, rope_theta=1e6, rope_scaling="none",
+                         max_position_embeddings=32768, tie_word_embeddings=False,
+                         num_local_experts=8, num_experts_per_tok=2),
+    "olmoe-shape-1b-7b": dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                              num_hidden_layers=16, num_attention_heads=16,
+                              num_key_value_heads=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                              rope_scaling="none", max_position_embeddings=4096,
+                              tie_word_embeddings=False, num_local_experts=64,
+                              num_experts_per_tok=8),
 }
 
 # (params in billions as published, heads, hidden, layers) — Narayanan et al. 2021, Table 1.
@@ -96,13 +118,21 @@ class ModelConfig:
     max_position_embeddings: int | None = _f(None, "longest supported sequence")
     tie_word_embeddings: bool | None = _f(None, "share embedding and LM-head weights")
     init_std: float = _f(0.02, "std of the normal init of weights")
+    num_local_experts: int | None = _f(None, "experts per MoE layer (Mixtral-style, every "
+                                       "block's MLP routed); 0 = dense MLPs")
+    num_experts_per_tok: int | None = _f(None, "experts each token is routed to (top-k)")
+    router_aux_loss_coef: float = _f(0.02, "weight of the load-balancing loss E·Σ f_i·P_i "
+                                     "(Switch/Mixtral; 0.02 as Mixtral-8x7B's config.json)")
+    router_z_loss_coef: float = _f(0.0, "weight of the router z-loss mean(logsumexp(logits)²) "
+                                   "(ST-MoE suggests 0.001; 0 = off, as Mixtral)")
 
     def resolved(self, vocab_size: int | None = None) -> "ModelConfig":
         """A copy with every None filled from the preset (and vocab from the tokenizer)."""
         if self.preset not in MODEL_PRESETS:
             raise ConfigError(_unknown("model.preset", self.preset, MODEL_PRESETS))
         base = dict(rope_scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=8192)
+                    original_max_position_embeddings=8192, num_local_experts=0,
+                    num_experts_per_tok=2)
         base.update(MODEL_PRESETS[self.preset])
         out = dataclasses.replace(self)
         for f in dataclasses.fields(self):
@@ -377,6 +407,14 @@ def validate(cfg: Config) -> None:
     if r.rope_scaling not in ("none", "llama3"):
         raise ConfigError(_unknown("model.rope_scaling", r.rope_scaling, ["none", "llama3"]))
     _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
+    _need(r.num_local_experts >= 0,
+          f"model.num_local_experts: must be >= 0 (0 = dense), got {r.num_local_experts}")
+    if r.num_local_experts:
+        _need(1 <= r.num_experts_per_tok <= r.num_local_experts,
+              f"model.num_experts_per_tok: {r.num_experts_per_tok} must be between 1 and "
+              f"model.num_local_experts={r.num_local_experts}")
+    _need(m.router_aux_loss_coef >= 0 and m.router_z_loss_coef >= 0,
+          "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
     _need(d.vocab_size >= 260, f"data.vocab_size: {d.vocab_size} is too small; use at least 260 "
           "(256 bytes + special tokens)")
     _need(d.seq_len >= 2, f"data.seq_len: must be at least 2, got {d.seq_len}")

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from threefold.config import Config, ModelConfig
+from threefold.moe import inactive_parameters, moe_layer_parameters
 from threefold.parallel.pipeline.balance import split_counts
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first (= mesh.AXES)
@@ -87,12 +88,14 @@ class LayoutError(ValueError):
 # Parameters of the model (exact; unchanged API)
 # --------------------------------------------------------------------------------------------
 def layer_parameters(cfg: ModelConfig) -> int:
-    """Weights of one transformer block: attention, SwiGLU MLP and its two RMSNorms."""
+    """Weights of one transformer block: attention, SwiGLU MLP (or, with
+    ``num_local_experts``, the router and every expert) and its two RMSNorms."""
     h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q = h * cfg.num_attention_heads * hd
     kv = 2 * h * cfg.num_key_value_heads * hd
     o = cfg.num_attention_heads * hd * h
-    return q + kv + o + 3 * h * f + 2 * h
+    mlp = moe_layer_parameters(cfg) if cfg.num_local_experts else 3 * h * f
+    return q + kv + o + mlp + 2 * h
 
 
 def num_parameters(cfg: ModelConfig) -> int:
@@ -102,11 +105,20 @@ def num_parameters(cfg: ModelConfig) -> int:
     return v * h + cfg.num_hidden_layers * layer_parameters(cfg) + h + head
 
 
+def active_parameters(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all of them but, in a mixture of experts, the E − k experts
+    per layer it is not routed to (the router counts: every token uses all of it). Equal to
+    ``num_parameters`` for a dense model."""
+    return num_parameters(cfg) - inactive_parameters(cfg)
+
+
 def matmul_parameters(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matrix multiply per token: every Linear weight,
-    the LM head included (tied or not); the embedding lookup and the norms excluded."""
+    """Parameters that take part in a matrix multiply per token: every Linear weight (of a
+    mixture of experts, the router and the token's k experts), the LM head included (tied or
+    not); the embedding lookup and the norms excluded."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    return cfg.num_hidden_layers * (layer_parameters(cfg) - 2 * h) + v * h
+    return cfg.num_hidden_layers * (layer_parameters(cfg) - 2 * h) + v * h \
+        - inactive_parameters(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

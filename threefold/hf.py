@@ -1,4 +1,9 @@
-"""Hugging Face Llama folders <-> threefold checkpoints, with nothing unpickled on the way.
+"""Hugging Face Llama and Mixtral folders <-> threefold checkpoints, with nothing unpickled on
+the way. A mixture of experts (``model.num_local_experts``) is a ``MixtralForCausalLM``: in
+memory threefold's names are transformers 5's (fused ``mlp.experts.gate_up_proj`` /
+``down_proj``, router ``mlp.gate.weight``); files hold the published checkpoints' per-expert
+layout (``block_sparse_moe.experts.N.w1/w2/w3``), which transformers 5 itself writes and
+every version reads (``to_hub_experts``); import takes either.
 
 threefold's parameter names are exactly those of ``transformers.LlamaForCausalLM`` (see
 ``threefold.model``), so no tensor is renamed, split or permuted: export writes the checkpoint's
@@ -44,7 +49,8 @@ PAD_NAMES = ("<|pad|>", "<pad>", "<|finetune_right_pad_id|>")
 # The fields that decide the model's function: a mismatch in any of them changes the logits.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "tie_word_embeddings",
-                "rms_norm_eps", "rope_theta", "rope_scaling")
+                "rms_norm_eps", "rope_theta", "rope_scaling", "num_local_experts",
+                "num_experts_per_tok")
 LLAMA3_FIELDS = ("rope_scaling_factor", "low_freq_factor", "high_freq_factor",
                  "original_max_position_embeddings")
 
@@ -64,9 +70,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                     p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                    p + "mlp.down_proj.weight": (h, f)})
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        if cfg.num_local_experts:  # transformers 5's Mixtral layout (threefold.moe)
+            e = cfg.num_local_experts
+            out.update({p + "mlp.gate.weight": (e, h),
+                        p + "mlp.experts.gate_up_proj": (e, 2 * f, h),
+                        p + "mlp.experts.down_proj": (e, h, f)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                        p + "mlp.down_proj.weight": (h, f)})
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (v, h)
     return out
@@ -110,7 +122,7 @@ def hf_config(cfg: ModelConfig, tokens: dict | None = None) -> dict:
         rope.update(scaling)
     ids = {role: (tokens.get(role) or (None, None))[1] for role in ("bos", "eos", "pad")}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **_family(cfg),
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
@@ -125,6 +137,18 @@ def hf_config(cfg: ModelConfig, tokens: dict | None = None) -> dict:
     }
 
 
+def _family(cfg: ModelConfig) -> dict:
+    """The architecture fields of config.json: Llama, or Mixtral for a mixture of experts
+    (no sliding window, no router jitter: what threefold.moe computes)."""
+    if not cfg.num_local_experts:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": cfg.num_local_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "router_jitter_noise": 0.0,
+            "output_router_logits": False, "sliding_window": None}
+
+
 def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     """A resolved ModelConfig from a Hugging Face Llama config.json, or HFError naming the first
     field this model cannot express (biases, another head width, another activation, another
@@ -133,7 +157,20 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         if not ok:
             raise HFError(f"{where}: {field}={c.get(field)!r} is not supported ({why})")
 
-    need(c.get("model_type") == "llama", "model_type", "only Llama-architecture models import")
+    need(c.get("model_type") in ("llama", "mixtral"), "model_type",
+         "only Llama- and Mixtral-architecture models import")
+    moe = {}
+    if c["model_type"] == "mixtral":
+        e, k = c.get("num_local_experts", 8), c.get("num_experts_per_tok", 2)
+        need(isinstance(e, int) and e > 0, "num_local_experts", "a positive integer is needed")
+        need(isinstance(k, int) and 0 < k <= e, "num_experts_per_tok",
+             "must be between 1 and num_local_experts")
+        need(c.get("sliding_window") is None, "sliding_window",
+             "this model attends to the whole causal context")
+        need(not c.get("router_jitter_noise", 0.0), "router_jitter_noise",
+             "the router has no jitter")
+        moe = dict(num_local_experts=e, num_experts_per_tok=k,
+                   router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.02)))
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "vocab_size"):
         need(isinstance(c.get(field), int) and c[field] > 0, field, "a positive integer is needed")
@@ -166,7 +203,7 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   rope_theta=float(rope.get("rope_theta", 10000.0)),
                   max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                  rope_scaling="none")
+                  rope_scaling="none", **({"num_local_experts": 0} | moe))
     if kind == "llama3":
         try:
             fields.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
@@ -185,6 +222,68 @@ def _model_config_from_state(state: dict, where: Path) -> ModelConfig:
         raise HFError(f"{where}/state.json: no model_config; not a threefold checkpoint")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in saved.items() if k in known}).resolved()
+
+
+# --------------------------------------------------------------------------------------------
+# Mixtral experts: threefold's (= transformers 5's in-memory) fused tensors <-> the files' layout
+# --------------------------------------------------------------------------------------------
+def _hub_names(i: int, e: int) -> tuple[str, str, str]:
+    p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+    return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+
+
+def to_hub_experts(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
+    """Fused experts (``mlp.experts.gate_up_proj`` (E, 2f, h), ``down_proj`` (E, h, f), router
+    ``mlp.gate.weight``) as Mixtral checkpoints store them, and as transformers 5's
+    ``save_pretrained`` writes them: per expert ``block_sparse_moe.experts.N.w1`` (gate, (f, h)),
+    ``w3`` (up) and ``w2`` (down, (h, f)), router ``block_sparse_moe.gate.weight``. Every
+    transformers version and the published checkpoints read this layout."""
+    out = dict(weights)
+    f = cfg.intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out[p + "block_sparse_moe.gate.weight"] = out.pop(p + "mlp.gate.weight")
+        gate_up = out.pop(p + "mlp.experts.gate_up_proj")
+        down = out.pop(p + "mlp.experts.down_proj")
+        for e in range(cfg.num_local_experts):
+            w1, w3, w2 = _hub_names(i, e)
+            out[w1], out[w3] = gate_up[e, :f].contiguous(), gate_up[e, f:].contiguous()
+            out[w2] = down[e].contiguous()
+    return out
+
+
+def from_hub_experts(weights: dict[str, torch.Tensor], cfg: ModelConfig,
+                     source: dict[str, Path]) -> dict:
+    """The inverse of ``to_hub_experts`` for each layer stored per expert (a layer already in
+    the fused layout is kept as it is); HFError names a missing or misshapen expert tensor and
+    its file. ``source`` (name -> file) gains the fused names."""
+    out = dict(weights)
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        router = p + "block_sparse_moe.gate.weight"
+        if router not in out:
+            continue
+        out[p + "mlp.gate.weight"] = out.pop(router)
+        source[p + "mlp.gate.weight"] = source[router]
+        gate_up, down = [], []
+        for e in range(cfg.num_local_experts):
+            names = _hub_names(i, e)
+            for name, shape in zip(names, ((f, h), (f, h), (h, f))):
+                if name not in out:
+                    raise HFError(f"tensor {name} is missing (config.json has "
+                                  f"num_local_experts={cfg.num_local_experts})")
+                if tuple(out[name].shape) != shape:
+                    raise HFError(f"{source[name]}: tensor {name} has shape "
+                                  f"{tuple(out[name].shape)}, config.json needs {shape}")
+            w1, w3, w2 = (out.pop(n) for n in names)
+            gate_up.append(torch.cat((w1, w3)))
+            down.append(w2)
+        out[p + "mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+        out[p + "mlp.experts.down_proj"] = torch.stack(down)
+        source[p + "mlp.experts.gate_up_proj"] = source[p + "mlp.experts.down_proj"] = \
+            source[router]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,6 +365,8 @@ def export_hf(ckpt_dir: Path, out_dir: Path) -> None:
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # HF stores a tied head once, as the embedding
     _check_shapes(cfg, weights, str(ckpt))
+    if cfg.num_local_experts:
+        weights = to_hub_experts(weights, cfg)
     tok_path = _run_tokenizer(ckpt, Path(ckpt_dir))
     tokens = _token_ids(tok_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -391,6 +492,8 @@ def import_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path 
             weights[name], source[name] = t.float(), path
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if cfg.num_local_experts:
+        weights = from_hub_experts(weights, cfg, source)
     want = expected_shapes(cfg)
     for name, t in weights.items():  # name the file holding a bad tensor
         if name in want and tuple(t.shape) != want[name]:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.moe import SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -202,14 +203,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(·))."""
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(·)); the MLP is a routed
+    mixture of experts (``threefold.moe.SparseMoeBlock``) when ``cfg.num_local_experts``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.num_local_experts else LlamaMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,10 +301,11 @@ class LlamaForCausalLM(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every weight in place, and recompute the RoPE buffer.
 
-        Matrices (embedding, projections, head): normal(0, init_std). The residual-output
-        projections ``o_proj`` and ``down_proj`` use init_std / sqrt(2·layers), the GPT-2
-        scaled init (Radford et al. 2019, §2.3), so the residual stream's variance does not
-        grow with depth (two residual additions per block). Norm weights: 1.
+        Matrices (embedding, projections, router, experts, head): normal(0, init_std). The
+        residual-output projections ``o_proj`` and ``down_proj`` (the experts' too) use
+        init_std / sqrt(2·layers), the GPT-2 scaled init (Radford et al. 2019, §2.3), so the
+        residual stream's variance does not grow with depth (two residual additions per
+        block). Norm weights: 1.
 
         With ``seed`` each weight draws from its own generator seeded by (seed, its name), so
         the result does not depend on the order of initialisation or on which other weights
@@ -329,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
                 key = "model.embed_tokens.weight" if replica and name == "lm_head.weight" \
                     else name
                 gen.manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-            scaled = name.endswith(("o_proj.weight", "down_proj.weight"))
+            scaled = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
             nn.init.normal_(p, mean=0.0, std=out_std if scaled else std, generator=gen)
         if not self.model.rotary.inv_freq.is_meta:
             self.model.rotary.reset_parameters()

@@ -24,6 +24,7 @@ from threefold.data import DataBundle, prepare_data
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
                                peak_memory_bytes, truncate_metrics)
 from threefold.model import LlamaForCausalLM, causal_lm_loss, fill_tied_head
+from threefold.moe import RouterLog
 from threefold.parallel.pipeline.timeline import TraceRecord, write_chrome_trace
 
 
@@ -232,7 +233,9 @@ def train_step(run: Run, step: int, trace: list | None = None
     """One optimiser step over the global batch of ``step``; returns (mean loss, grad norm,
     extra metrics). The loss is the sum over the global batch divided by the true number of
     units (target tokens, pairs) in it, so accumulation and data parallelism give the
-    single-process gradient. With a ``trace`` list, this rank's timed phases are appended to
+    single-process gradient. A mixture of experts also optimises its router losses (added
+    per micro-batch, see ``threefold.moe.RouterLog``); they are reported among the extra
+    metrics, not in the loss. With a ``trace`` list, this rank's timed phases are appended to
     it (the pipeline's every action, or each micro-batch's forward and backward; gradient
     synchronisation, clipping, the optimiser)."""
     lay, eng = run.layout, run.engine
@@ -251,13 +254,18 @@ def train_step(run: Run, step: int, trace: list | None = None
         if trace is not None:
             trace.extend(pipe.records)
         micro = []
+    # a mixture of experts adds its router losses (threefold.moe.RouterLog: per micro-batch,
+    # weighted by its loss units); the logged loss stays the task's own
+    router = RouterLog(run.model_cfg) if run.model_cfg.num_local_experts else None
     for i, mb in enumerate(micro):
         with eng.micro_step(last=i == len(micro) - 1):
             with timed(f"F mb{i}"):
                 total, more = run.task.loss(run, mb)
                 loss = total / n
+                if router is not None:
+                    objective = (total + router.add(eng.model, run.task.count(mb))) / n
             with timed(f"BW mb{i}"):  # with the gradient reductions it starts
-                loss.backward()
+                (loss if router is None else objective).backward()
         loss_sum += loss.detach()
         for k, v in more.items():
             extras[k] = extras.get(k, 0) + v.detach().double()
@@ -268,8 +276,10 @@ def train_step(run: Run, step: int, trace: list | None = None
         norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
     with timed("optimizer step"):
         eng.step(lr_at(step, run.cfg))
-    return (lay.sum_over_dp(loss_sum), norm,
-            {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras})
+    metrics = {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras}
+    if router is not None:  # one process only (parallel.layout refuses MoE on more)
+        metrics.update(router.metrics(n))
+    return lay.sum_over_dp(loss_sum), norm, metrics
 
 
 @torch.no_grad()

@@ -1,0 +1,220 @@
+"""Sparse mixture-of-experts feed-forward (Mixtral-style), its router losses and their log.
+
+A block's MLP becomes ``SparseMoeBlock``: a router ``gate`` (a bias-free linear map to one
+logit per expert), softmax over the experts in fp32, the top-k probabilities renormalised to
+sum to one, and each token's output the weighted sum of its k experts' SwiGLU outputs
+(Jiang et al., "Mixtral of Experts", arXiv 2401.04088; Shazeer et al., arXiv 1701.06538).
+
+Parameter names and layouts are those of transformers' ``MixtralForCausalLM`` (5.x), so a
+state dict moves between the two unchanged: ``mlp.gate.weight`` (E, h);
+``mlp.experts.gate_up_proj`` (E, 2f, h), each expert's gate rows then its up rows;
+``mlp.experts.down_proj`` (E, h, f). Storing the experts as two 3-D tensors also means an
+expert that no token picked still gets a (zero) gradient slice, so every engine sees the
+same set of gradients every step.
+
+Routing is dropless (no capacity factor: every token reaches its k experts). The k·N
+(token, expert) assignments are sorted by expert (a stable argsort), ``torch.bincount`` gives
+each expert's contiguous slice, each expert runs one matmul pair on its own tokens, and the
+weighted rows are added back to their tokens (``index_add_``): compute is k/E of the dense
+all-experts product.
+
+Router losses, from per-layer statistics each block records in its forward
+(``SparseMoeBlock.router_stats``, taken with ``take_router_stats``):
+
+- load balancing (Fedus et al., Switch Transformer, arXiv 2101.03961, eqs. 4-6; Mixtral's
+  ``router_aux_loss_coef``): E · Σ_i f_i · P_i, where f_i is the number of top-k assignments to
+  expert i over all layers and tokens divided by (layers × tokens) and P_i the mean router
+  probability of expert i over the same rows. Layers are pooled before the product, as
+  transformers' ``load_balancing_loss_func`` does; perfectly balanced routing gives k.
+- router z-loss (Zoph et al., ST-MoE, arXiv 2202.08906, eq. 5): the mean over layers and
+  tokens of logsumexp(router logits)², which keeps the logits small (bf16-safe).
+
+This module imports torch and the config only (it sits beside ``threefold.model``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ModelConfig
+
+
+@dataclass
+class RouterStats:
+    """One block's routing in one forward: per-expert probability sums (fp32, differentiable),
+    per-expert assignment counts (int64), the sum of logsumexp(logits)² over tokens
+    (differentiable) and the number of tokens routed."""
+
+    prob_sum: torch.Tensor
+    counts: torch.Tensor
+    z_sum: torch.Tensor
+    tokens: int
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits (N, E) -> (probabilities (N, E) fp32, top-k weights (N, k) fp32 renormalised
+    to sum to one, top-k expert ids (N, k)): softmax first, then top-k, then renormalise (the
+    Mixtral order; softmax over only the k chosen logits is the same numbers)."""
+    probs = F.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+class TopKRouter(nn.Module):
+    """The router: logits = x · weightᵀ, one per expert (HF's ``mlp.gate``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_local_experts, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, h) -> logits (N, E)."""
+        return F.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs stored as two 3-D tensors (HF's ``mlp.experts``): expert e computes
+    down_e(silu(gate_e x) · up_e x), with [gate_e; up_e] = gate_up_proj[e]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, f))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        """x (N, h), each token's k expert ids and weights (N, k), assignments per expert (E,)
+        -> (N, h): Σ_j weights[:, j] · expert_{experts[:, j]}(x)."""
+        k = experts.shape[-1]
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        token = order // k                          # the token of each grouped assignment
+        grouped = x[token]
+        outs = []
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # one host sync per block, for the slices
+            if n:
+                rows = grouped[start:start + n]
+                gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                start += n
+        y = torch.cat(outs) * weights.reshape(-1)[order, None]  # fp32 weights, as HF
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routed experts in place of a block's MLP (HF's ``MixtralSparseMoeBlock``).
+
+    Each forward leaves its ``RouterStats`` in ``router_stats`` for the trainer's router
+    losses (``take_router_stats``); a later forward replaces them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
+        self.gate = TopKRouter(cfg)
+        self.experts = Experts(cfg)
+        self.router_stats: RouterStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, h) -> (B, T, h)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        probs, weights, experts = route(logits, self.top_k)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+        self.router_stats = RouterStats(probs.sum(0), counts,
+                                        torch.logsumexp(logits.float(), -1).pow(2).sum(),
+                                        x.shape[0])
+        return self.experts(x, experts, weights, counts).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Router losses
+# --------------------------------------------------------------------------------------------
+def take_router_stats(model: nn.Module) -> list[RouterStats]:
+    """The ``RouterStats`` every MoE block of ``model`` recorded in its last forward, in layer
+    order; each block's slot is cleared (so a stale forward is never counted twice)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, SparseMoeBlock) and m.router_stats is not None:
+            out.append(m.router_stats)
+            m.router_stats = None
+    return out
+
+
+def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+    """E · Σ_i f_i · P_i with f and P pooled over the layers' rows (see the module doc);
+    gradients reach the router through P only (f is a count)."""
+    rows = sum(s.tokens for s in stats)
+    f = torch.stack([s.counts for s in stats]).sum(0).float() / rows
+    p = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
+    return num_experts * (f * p).sum()
+
+
+def router_z_loss(stats: list[RouterStats]) -> torch.Tensor:
+    """Mean over layers and tokens of logsumexp(router logits)²."""
+    return torch.stack([s.z_sum for s in stats]).sum() / sum(s.tokens for s in stats)
+
+
+class RouterLog:
+    """The router terms of one optimiser step, micro-batch by micro-batch.
+
+    Gradient accumulation: the aux and z losses are statistics of the tokens one forward
+    routes, so each micro-batch's are computed on its own (as Megatron and transformers do per
+    forward) and weighted by its share of the step's loss units: ``add`` returns
+    coef · loss · count, which the loop divides by the global count like the summed token
+    loss. One micro-batch therefore adds exactly coef · loss of its batch; several add the
+    count-weighted mean of theirs (not the loss of the pooled batch, whose f_i would need every
+    micro-batch's routing before the first backward)."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.aux = self.z = 0.0
+        self.counts = torch.zeros(cfg.num_local_experts, dtype=torch.int64)
+
+    def add(self, model: nn.Module, count: int) -> torch.Tensor:
+        """Take the blocks' statistics of the forward just run; return the router term to add
+        to that micro-batch's summed loss (count = its loss units, e.g. target tokens)."""
+        stats = take_router_stats(model)
+        aux = load_balancing_loss(stats, self.cfg.num_local_experts)
+        z = router_z_loss(stats)
+        self.aux += float(aux.detach()) * count
+        self.z += float(z.detach()) * count
+        self.counts += torch.stack([s.counts for s in stats]).sum(0).cpu()
+        return (self.cfg.router_aux_loss_coef * aux + self.cfg.router_z_loss_coef * z) * count
+
+    def metrics(self, n: int) -> dict:
+        """For metrics.jsonl: the count-weighted mean aux and z losses (unscaled by their
+        coefficients), the step's assignments per expert summed over layers and micro-batches
+        (they sum to tokens × k × layers), and their imbalance max / mean (1 = even)."""
+        counts = self.counts.tolist()
+        mean = sum(counts) / len(counts)
+        return {"router_aux_loss": self.aux / n, "router_z_loss": self.z / n,
+                "expert_counts": counts, "expert_imbalance": max(counts) / mean if mean else None}
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter counts
+# --------------------------------------------------------------------------------------------
+def expert_parameters(cfg: ModelConfig) -> int:
+    """Weights of one expert (a SwiGLU MLP of width ``intermediate_size``)."""
+    return 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def moe_layer_parameters(cfg: ModelConfig) -> int:
+    """Weights of one MoE feed-forward: the router and all experts."""
+    return cfg.num_local_experts * (cfg.hidden_size + expert_parameters(cfg))
+
+
+def inactive_parameters(cfg: ModelConfig) -> int:
+    """Weights a token does not use: the E − k experts it was not routed to, in every layer
+    (0 for a dense model)."""
+    if not cfg.num_local_experts:
+        return 0
+    idle = cfg.num_local_experts - cfg.num_experts_per_tok
+    return cfg.num_hidden_layers * idle * expert_parameters(cfg)
