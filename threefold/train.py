@@ -277,9 +277,18 @@ def train_step(run: Run, step: int, trace: list | None = None
     with timed("optimizer step"):
         eng.step(lr_at(step, run.cfg))
     metrics = {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras}
-    if router is not None:  # one process only (parallel.layout refuses MoE on more)
-        metrics.update(router.metrics(n))
+    if router is not None:  # data-parallel ranks' sums (parallel.layout allows no other axis)
+        metrics.update(router.metrics(n, lay.sum_over_dp, lambda v: _sum_over_dp(lay, v)))
     return lay.sum_over_dp(loss_sum), norm, metrics
+
+
+def _sum_over_dp(lay, v: torch.Tensor) -> torch.Tensor:
+    """A small tensor summed over data-parallel ranks on the logging channel (as
+    ``sum_over_dp`` does for a scalar); unchanged in one process."""
+    comm = getattr(lay, "control", None)
+    if comm is not None:
+        comm.all_reduce(v, lay.data_axis)
+    return v
 
 
 @torch.no_grad()
@@ -462,7 +471,9 @@ def _loop(run: Run, preempt, return_run: bool):
         try:
             loss, norm, extras = train_step(run, step, trace)
         except Exception as e:  # a collective failed or timed out: say who and where
-            lay.report_failure(e, step)
+            # after SIGTERM (torchrun stopping the group, or a preemption) without the wait
+            # for the others' reports, which would only hold the restart back
+            lay.report_failure(e, step, **({"grace_s": 0.0} if preempt.received_at else {}))
             raise
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)

@@ -289,7 +289,8 @@ class Distributed:
     def report_failure(self, exc: BaseException, step: int, grace_s: float = 3.0) -> str:
         """After a failed or timed-out collective: say which ranks did not report the failure
         (dead or stuck), where every rank's heartbeat stands, and this rank's last collectives.
-        Printed to stderr and returned."""
+        Printed to stderr and returned. ``grace_s``: how long to give the other live ranks to
+        report first (0 when torchrun is already tearing the group down)."""
         import sys
         import time
 

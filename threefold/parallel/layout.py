@@ -70,7 +70,7 @@ class SingleProcess:
 
     restarts = 0
 
-    def report_failure(self, exc: BaseException, step: int) -> str:
+    def report_failure(self, exc: BaseException, step: int, grace_s: float = 0.0) -> str:
         """Nothing to diagnose across ranks in one process."""
         return ""
 
@@ -134,21 +134,24 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     needs data.seq_len divisible by 2·cp, sequence parallelism each cp rank's tokens by tp; with the model's shape (``mcfg``; the launcher has it
     unless the weights bring it) heads and layers must split over tp and pp·vpp, and the
     pipeline split fit the layers; the schedule must be complete and free of deadlock for
-    its microbatches. A mixture of experts (``model.num_local_experts``) needs one process
-    (no expert or data parallelism for it yet). Raises ConfigError naming the field and a
-    value that works."""
+    its microbatches. A mixture of experts (``model.num_local_experts``) takes data
+    parallelism and ZeRO only (no expert, tensor, pipeline or context parallelism for it yet).
+    Raises ConfigError naming the field and a value that works."""
     from threefold.config import ConfigError
     from threefold.mesh import ParallelDims
 
     p = cfg.parallel
+    dims = ParallelDims.from_config(p, world_size)
     experts = (mcfg.num_local_experts if mcfg is not None
                else cfg.model.resolved(vocab_size=1).num_local_experts)
-    if experts and world_size > 1:
+    model_axes = [f"parallel.{a}={getattr(dims, a)}" for a in ("tp", "pp", "cp")
+                  if getattr(dims, a) > 1]
+    if experts and model_axes:
         raise ConfigError(f"model.num_local_experts: {experts} experts (a mixture of experts) "
-                          f"train in one process only for now; expert and data parallelism for "
-                          f"MoE are not built yet: run with one process, or set "
-                          f"model.num_local_experts 0 for a dense model")
-    dims = ParallelDims.from_config(p, world_size)
+                          f"train under data parallelism and ZeRO only for now, not with "
+                          f"{', '.join(model_axes)}; expert parallelism (and tp/pp/cp for MoE) "
+                          "is not built yet: set those to 1, or model.num_local_experts 0 for "
+                          "a dense model")
     check_batch(cfg, dims.dp)
     if dims.cp > 1 and cfg.data.seq_len % (2 * dims.cp):
         step = 2 * dims.cp
