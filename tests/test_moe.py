@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from conftest import metrics, tiny_overrides
+from tests.conftest import final_weights, metrics, tiny_overrides
+from tests.dist import run_distributed
 from threefold import hf
 from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.cost import active_parameters, flops_per_token, num_parameters
@@ -325,15 +326,61 @@ def test_dense_presets_are_unchanged():
         ModelConfig(preset="tiny").resolved(320)).modules())
 
 
-def test_moe_is_refused_on_more_than_one_process_and_bad_shapes_are_named():
+def test_moe_is_refused_with_model_parallelism_and_bad_shapes_are_named(capsys):
+    from threefold.cli import main
     from threefold.parallel.layout import validate_layout
 
     cfg = load_config(None, [("model.preset", "tiny-moe")])
     validate_layout(cfg, 1, cfg.model.resolved(320))
-    for mcfg in (cfg.model.resolved(320), None):
-        with pytest.raises(ConfigError, match=r"model\.num_local_experts.*not built yet"):
-            validate_layout(cfg, 2, mcfg)
+    validate_layout(cfg, 4, cfg.model.resolved(320))  # data parallel / ZeRO
+    for axis in ("tp", "pp", "cp"):
+        bad = load_config(None, [("model.preset", "tiny-moe"), (f"parallel.{axis}", "2")])
+        for mcfg in (bad.model.resolved(320), None):
+            with pytest.raises(ConfigError, match=rf"model\.num_local_experts.*parallel\.{axis}=2"
+                               r".*not built yet"):
+                validate_layout(bad, 2, mcfg)
+    # the planner and the dry run say they do not model experts, by name, before anything
+    for argv in (["train", "--dry-run", "--model.preset", "mixtral-8x7b"],
+                 ["plan", "--model", "mixtral-8x7b", "--gpus", "8", "--gpu", "h100"]):
+        capsys.readouterr()
+        assert main(argv) == 2
+        assert "num_local_experts" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="model.num_experts_per_tok"):
         load_config(None, [("model.preset", "tiny-moe"), ("model.num_experts_per_tok", "9")])
     with pytest.raises(ConfigError, match="model.num_local_experts"):
         load_config(None, [("model.num_local_experts", "-1")])
+
+
+# --------------------------------------------------------------------------------------------
+# Data parallel and ZeRO
+# --------------------------------------------------------------------------------------------
+def _dp_runs(rank, world, corpus, cache, root, runs):
+    """Each rank: train every run of ``runs`` in this process group."""
+    from threefold.parallel.distributed_layout import Distributed
+    from threefold.train import train
+
+    for name, extra in runs:
+        cfg = load_config(None, tiny_overrides(corpus, cache, root / name,
+                                               **{**MOE_RUN, "train__steps": 3, **extra}))
+        train(cfg, Distributed(cfg))
+
+
+def test_data_parallel_and_zero_train_as_one_process(corpus, cache_dir, tmp_path):
+    """Two ranks of 4 sequences each route what one process routes with micro-batches of 4
+    (the router losses are per micro-batch), so every ZeRO stage equals that run."""
+    from threefold.train import train
+
+    ref = tmp_path / "single"
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, **{
+        **MOE_RUN, "train__steps": 3, "train__micro_batch_size": 4})))
+    want, weights = metrics(ref), final_weights(ref)
+    runs = [(f"zero{z}", {"parallel__zero_stage": z}) for z in (0, 1, 2, 3)]
+    run_distributed(_dp_runs, 2, corpus, cache_dir, tmp_path, runs)
+    for name, _ in runs:
+        got = metrics(tmp_path / name)
+        for key in ("loss", "router_aux_loss", "router_z_loss"):
+            assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), \
+                (name, key)
+        assert [r["expert_counts"] for r in got] == [r["expert_counts"] for r in want], name
+        for k, w in final_weights(tmp_path / name).items():
+            torch.testing.assert_close(w, weights[k], rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")

@@ -193,6 +193,10 @@ def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
 def predict(cfg: Config, world_size: int) -> DryRunResult:
     """Check ``cfg`` on ``world_size`` ranks and predict its step (no printing)."""
     mcfg = resolved_model(cfg)
+    if mcfg.num_local_experts:
+        raise ConfigError(f"model.num_local_experts: {mcfg.num_local_experts} experts; the dry "
+                          "run's cost and memory model does not cover a mixture of experts yet "
+                          "(threefold.cost.num_parameters and active_parameters count them)")
     dims = validate_layout(cfg, world_size, mcfg)
     notes = list(dims.notes)
     layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)

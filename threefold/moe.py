@@ -188,13 +188,16 @@ class RouterLog:
         self.counts += torch.stack([s.counts for s in stats]).sum(0).cpu()
         return (self.cfg.router_aux_loss_coef * aux + self.cfg.router_z_loss_coef * z) * count
 
-    def metrics(self, n: int) -> dict:
+    def metrics(self, n: int, sum_scalar=float, sum_vector=lambda v: v) -> dict:
         """For metrics.jsonl: the count-weighted mean aux and z losses (unscaled by their
         coefficients), the step's assignments per expert summed over layers and micro-batches
-        (they sum to tokens × k × layers), and their imbalance max / mean (1 = even)."""
-        counts = self.counts.tolist()
+        (they sum to tokens × k × layers), and their imbalance max / mean (1 = even). ``n`` is
+        the global count; ``sum_scalar`` / ``sum_vector`` sum a rank's figures over the
+        data-parallel ranks (identity in one process)."""
+        counts = sum_vector(self.counts.clone()).tolist()
         mean = sum(counts) / len(counts)
-        return {"router_aux_loss": self.aux / n, "router_z_loss": self.z / n,
+        aux, z = (torch.tensor(x, dtype=torch.float64) for x in (self.aux, self.z))
+        return {"router_aux_loss": sum_scalar(aux) / n, "router_z_loss": sum_scalar(z) / n,
                 "expert_counts": counts, "expert_imbalance": max(counts) / mean if mean else None}
 
 

@@ -547,6 +547,10 @@ def load_model(spec: str) -> ModelConfig:
     else:
         raise ConfigError(f"--model: '{spec}' is neither a preset ({', '.join(MODEL_PRESETS)})"
                           " nor a TOML file")
+    if cfg.num_local_experts:
+        raise ConfigError(f"--model: '{spec}' is a mixture of experts (model.num_local_experts="
+                          f"{cfg.num_local_experts}); the planner does not model experts yet "
+                          "(threefold.cost.num_parameters and active_parameters count them)")
     if not cfg.vocab_size:
         # presets without a vocabulary use the tokenizer's; plan with the default BPE size
         cfg.vocab_size = vocab or 4096
