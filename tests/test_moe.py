@@ -197,6 +197,22 @@ def test_training_decreases_loss_and_logs_expert_counts(moe_run):
         assert r["router_aux_loss"] >= 2 - 1e-6 and r["router_z_loss"] > 0  # k when balanced
 
 
+def test_resume_is_bit_identical(moe_run, corpus, cache_dir, tmp_path):
+    import shutil
+
+    from threefold.train import train
+
+    root, _ = moe_run
+    part = tmp_path / "part"
+    for extra in ({"checkpoint__interval": 3, "checkpoint__save_final": "false"},
+                  {"checkpoint__resume": "true"}):
+        train(load_config(None, tiny_overrides(corpus, cache_dir, part, **MOE_RUN, **extra)))
+        shutil.rmtree(part / "checkpoints" / "6", ignore_errors=True)  # stopped after step 3
+    assert metrics(part)[3:] and [{k: r[k] for k in ("loss", "expert_counts")}
+                                  for r in metrics(part)] == \
+        [{k: r[k] for k in ("loss", "expert_counts")} for r in metrics(root / "run")]
+
+
 def test_router_losses_reach_the_gradient_and_recompute_changes_nothing(corpus, cache_dir,
                                                                         tmp_path):
     from threefold.train import train

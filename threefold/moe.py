@@ -103,8 +103,11 @@ class Experts(nn.Module):
                 gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
                 outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
                 start += n
+        out = torch.zeros_like(x)
+        if not outs:  # no tokens at all
+            return out
         y = torch.cat(outs) * weights.reshape(-1)[order, None]  # fp32 weights, as HF
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        return out.index_add_(0, token, y.to(x.dtype))
 
 
 class SparseMoeBlock(nn.Module):
