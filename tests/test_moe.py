@@ -191,6 +191,8 @@ def test_training_decreases_loss_and_logs_expert_counts(moe_run):
     assert summary["validation_loss"] < summary["initial_validation_loss"]
     mcfg = ModelConfig(**json.loads((root / "run" / "config.json").read_text())["model"])
     assert summary["parameters"] == num_parameters(mcfg.resolved(320))
+    assert summary["active_parameters"] == active_parameters(mcfg.resolved(320)) \
+        == summary["parameters"] - 2 * 2 * 3 * 64 * 64  # 2 idle experts of 3·h·f, 2 layers
     for r in recs:  # 8 sequences × 32 tokens, top-2, 2 layers
         assert len(r["expert_counts"]) == 4 and sum(r["expert_counts"]) == 8 * 32 * 2 * 2
         assert r["expert_imbalance"] == pytest.approx(max(r["expert_counts"]) / 256)
@@ -296,6 +298,28 @@ def test_hf_made_mixtral_round_trips(tmp_path):
     other = LlamaForCausalLM(dataclasses.replace(got, num_local_experts=8))
     with pytest.raises(hf.HFError, match="num_local_experts"):
         hf.init_from_hf(other, tmp_path / "src")
+
+
+# mistralai/Mixtral-8x7B-v0.1's config.json (transformers 4.x fields: rope_theta, no
+# rope_parameters)
+MIXTRAL_8X7B_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 32000}
+
+
+def test_published_mixtral_config_imports_as_the_preset():
+    got = hf.model_config_from_hf(MIXTRAL_8X7B_CONFIG)
+    want = ModelConfig(preset="mixtral-8x7b").resolved()
+    for name in hf.SHAPE_FIELDS + ("max_position_embeddings", "router_aux_loss_coef"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert num_parameters(got) == 46_702_792_704
+    assert hf.model_config_from_hf(hf.hf_config(got)) == got  # and back
 
 
 @pytest.mark.parametrize("change,field", [({"sliding_window": 4096}, "sliding_window"),

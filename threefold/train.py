@@ -455,9 +455,10 @@ def _loop(run: Run, preempt, return_run: bool):
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
     bar = _progress(run, start)
     log = (lambda s: bar.write(s)) if bar else (lambda s: print(s, flush=True) if lay.is_writer else None)
-    n_params = cost.num_parameters(run.model_cfg)
-    log(f"threefold: {n_params / 1e6:.2f}M parameters, {lay.describe()}, device {run.device}, "
-        f"dtype {t.dtype}, steps {start}->{t.steps}")
+    n_params, n_active = cost.num_parameters(run.model_cfg), cost.active_parameters(run.model_cfg)
+    active = f" ({n_active / 1e6:.2f}M active per token)" if n_active != n_params else ""
+    log(f"threefold: {n_params / 1e6:.2f}M parameters{active}, {lay.describe()}, "
+        f"device {run.device}, dtype {t.dtype}, steps {start}->{t.steps}")
     initial_val = evaluate(run) if start == 0 else None
     val_loss, loss, history = initial_val, float("nan"), []
     wall0 = time.perf_counter()
@@ -529,7 +530,8 @@ def _loop(run: Run, preempt, return_run: bool):
     timed = history[1:] or history  # the first step pays for warm-up
     summary = {
         "final_loss": loss, "validation_loss": val_loss, "initial_validation_loss": initial_val,
-        "parameters": n_params, "steps": t.steps, "resumed_from_step": start,
+        "parameters": n_params, "active_parameters": n_active, "steps": t.steps,
+        "resumed_from_step": start,
         "tokens_per_step": tokens_per_step, "wall_time_s": wall,
         "tokens_per_second": (sum(r["tokens_per_second"] for r in timed) / len(timed)
                               if timed else None),
