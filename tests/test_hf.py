@@ -41,6 +41,17 @@ def _ours_from_checkpoint(run: Path) -> LlamaForCausalLM:
     return model.eval()
 
 
+
+def assert_round_trip(tmp_path, ids, want) -> None:
+    """``threefold convert --from hf`` of tmp_path/src, then ``--to hf`` again: transformers
+    loads the result with the logits ``want`` for ``ids``."""
+    import transformers
+
+    assert hf.main(["--from", "hf", str(tmp_path / "src"), str(tmp_path / "tf")]) == 0
+    assert hf.main(["--to", "hf", str(tmp_path / "tf"), str(tmp_path / "back")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert (back(ids).logits - want).abs().max().item() <= 1e-5
+
 def test_export_loads_in_transformers_with_equal_logits_and_tokens(trained):
     root, _ = trained
     out = root / "exported"
@@ -100,10 +111,7 @@ def test_tied_llama3_model_round_trips(tmp_path):
         want = theirs(ids).logits
         assert (ours(ids) - want).abs().max().item() <= 1e-5
         # HF -> threefold checkpoint -> HF again gives the same model to transformers.
-        assert hf.main(["--from", "hf", str(tmp_path / "src"), str(tmp_path / "tf")]) == 0
-        assert hf.main(["--to", "hf", str(tmp_path / "tf"), str(tmp_path / "back")]) == 0
-        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-        assert (back(ids).logits - want).abs().max().item() <= 1e-5
+        assert_round_trip(tmp_path, ids, want)
     # A wrong RoPE base is named, not loaded into a model that would silently differ.
     other = LlamaForCausalLM(ModelConfig(**{**vars(cfg), "rope_theta": 1e4}))
     with pytest.raises(hf.HFError, match="rope_theta"):

@@ -16,6 +16,7 @@ from torch import nn
 
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
+from tests.test_hf import assert_round_trip
 from threefold import hf
 from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.cost import active_parameters, flops_per_token, num_parameters
@@ -290,10 +291,7 @@ def test_hf_made_mixtral_round_trips(tmp_path):
     with torch.no_grad():
         want = theirs(ids).logits
         assert (ours(ids) - want).abs().max().item() <= 1e-5
-        assert hf.main(["--from", "hf", str(tmp_path / "src"), str(tmp_path / "tf")]) == 0
-        assert hf.main(["--to", "hf", str(tmp_path / "tf"), str(tmp_path / "back")]) == 0
-        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-        assert (back(ids).logits - want).abs().max().item() <= 1e-5
+        assert_round_trip(tmp_path, ids, want)
     # another expert count is named, not loaded
     other = LlamaForCausalLM(dataclasses.replace(got, num_local_experts=8))
     with pytest.raises(hf.HFError, match="num_local_experts"):
