@@ -93,7 +93,7 @@ LAYOUTS = {
     "tp2": ["--parallel.tp", "2", "--parallel.zero_stage", "1"],
 }
 STEP_LINE = re.compile(r"^step\s+(\d+) loss ")
-HEADER = re.compile(r"^threefold: \S+ parameters, ")  # rank 0's first line of an attempt
+HEADER = re.compile(r"^threefold: \S+ parameters[ ,]")  # rank 0's first line of an attempt
 
 
 # --------------------------------------------------------------------------------------------
