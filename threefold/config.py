@@ -189,6 +189,9 @@ class ParallelConfig:
     cp_algorithm: str = _f("ring", "context-parallel attention: ring (K/V blocks passed "
                            "around the cp ranks) or allgather (K/V all-gathered; suits GQA)")
     pp: int = _f(1, "pipeline stages")
+    ep: int = _f(1, "expert-parallel degree (mixture of experts): each expert lives on one of "
+                 "this many data-parallel ranks (the innermost part of dp_shard), tokens reach "
+                 "it by all-to-all")
     zero_stage: int = _f(0, "ZeRO stage over dp_shard: 0 none, 1 optimiser, 2 +grads, 3 +params")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence within tp")
     schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1")

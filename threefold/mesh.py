@@ -35,7 +35,14 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_s
 """Axes made of mesh axes (outermost first): the data ranks, the data and context ranks
 (which hold the same weights: gradients are reduced over them), and the ZeRO shard group."""
 
-DERIVED_AXES = (*FLATTENED, "world")
+EXPERT_AXES = ("ep", "edp", "edp_shard")
+"""Axes of a mixture of experts, carved out of dp_shard (which is edp_shard × ep, ep
+innermost): ``ep`` the ranks whose experts together make a layer's E experts (tokens travel
+between them by all-to-all), ``edp_shard`` the ranks of one shard group that hold the same
+experts (ZeRO shards the experts over them), ``edp`` those with dp_replicate too (the experts'
+gradients are summed over them). With ep = 1, edp is dp and edp_shard is dp_shard."""
+
+DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, "world")
 """Axes made of other axes, plus ``world`` (every rank)."""
 
 
@@ -77,6 +84,7 @@ class ParallelDims:
     pp: int
     world_size: int
     cp: int = 1
+    ep: int = 1
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +93,11 @@ class ParallelDims:
             raise ConfigError(f"parallel: pp·dp_replicate·dp_shard·cp·tp = "
                               f"{'·'.join(map(str, sizes))} must equal world size "
                               f"{self.world_size} (use ParallelDims.from_config to resolve -1)")
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ConfigError(f"parallel.ep: {self.ep} must divide parallel.dp_shard="
+                              f"{self.dp_shard} (expert-parallel ranks are data-parallel ranks "
+                              f"of one shard group); valid ep values: "
+                              f"{_fmt(_divisors(self.dp_shard))}")
 
     # ---------------------------------------------------------------- construction and checks
     @classmethod
@@ -118,6 +131,16 @@ class ParallelDims:
             raise ConfigError(f"parallel.dp_shard: {named}, times dp_shard={dp_shard} is "
                               f"{fixed * dp_shard}, not world size {world_size}; set "
                               f"parallel.dp_shard to {rest} or -1 (the rest)")
+        if pcfg.ep < 1:
+            raise ConfigError(f"parallel.ep: must be >= 1, got {pcfg.ep}")
+        if dp_shard % pcfg.ep:
+            raise ConfigError(f"parallel.ep: {pcfg.ep} does not divide parallel.dp_shard="
+                              f"{dp_shard} (expert-parallel ranks are data-parallel ranks of "
+                              f"one shard group); valid ep values: {_fmt(_divisors(dp_shard))}")
+        if pcfg.ep > 1 and pcfg.cp > 1:
+            raise ConfigError(f"parallel.ep: {pcfg.ep} with parallel.cp={pcfg.cp}: expert "
+                              "parallelism with context parallelism is not built (a mixture of "
+                              "experts routes whole sequences per rank); set one of them to 1")
         notes = []
         # ZeRO over a one-rank shard group is legal and changes nothing: allow it, but say so.
         if pcfg.zero_stage > 0 and dp_shard * pcfg.cp == 1:
@@ -128,7 +151,7 @@ class ParallelDims:
                          " ranks (axis dp_shard_cp): context-parallel ranks hold the same "
                          "weights")
         return cls(pcfg.dp_replicate, dp_shard, pcfg.tp, pcfg.pp, world_size, pcfg.cp,
-                   tuple(notes))
+                   pcfg.ep, tuple(notes))
 
     def validate_model(self, model_cfg: Any, vpp: int = 1) -> TPSplit:
         """Check the model's shapes against tp and pp (× ``vpp`` chunks); return the split.
@@ -183,6 +206,9 @@ class ParallelDims:
             return math.prod(getattr(self, a) for a in FLATTENED[axis])
         if axis == "world":
             return self.world_size
+        if axis in EXPERT_AXES:
+            return {"ep": self.ep, "edp_shard": self.dp_shard // self.ep,
+                    "edp": self.dp_replicate * self.dp_shard // self.ep}[axis]
         if axis not in AXES:
             raise KeyError(f"unknown mesh axis '{axis}'; axes: {', '.join(AXES + DERIVED_AXES)}")
         return getattr(self, axis)
@@ -205,6 +231,8 @@ class ParallelDims:
             for a in parts:
                 idx = idx * getattr(self, a) + out[a]
             out[name] = idx
+        out["edp_shard"], out["ep"] = divmod(out["dp_shard"], self.ep)
+        out["edp"] = out["dp_replicate"] * (self.dp_shard // self.ep) + out["edp_shard"]
         out["world"] = rank
         return out
 
@@ -214,6 +242,15 @@ class ParallelDims:
         if axis == "world":
             return list(range(self.world_size))
         c, st = self.coords(rank), self._strides()
+        if axis in EXPERT_AXES:  # dp_shard index = edp_shard · ep + ep index
+            base = rank - c["dp_shard"] * st["dp_shard"]
+            if axis == "ep":
+                return [base + (c["edp_shard"] * self.ep + i) * st["dp_shard"] for i in range(n)]
+            outer = self.dp_shard // self.ep
+            reps = range(self.dp_replicate) if axis == "edp" else [c["dp_replicate"]]
+            base -= c["dp_replicate"] * st["dp_replicate"]
+            return [base + r * st["dp_replicate"] + (o * self.ep + c["ep"]) * st["dp_shard"]
+                    for r in reps for o in range(outer)]
         if axis in FLATTENED:
             parts = FLATTENED[axis]
             base = rank - sum(c[a] * st[a] for a in parts)
@@ -247,8 +284,9 @@ class ParallelDims:
     def describe(self) -> str:
         """One line for logs, e.g. 'pp 1 × dp_replicate 1 × dp_shard 4 × tp 2 = 8 ranks' (cp
         named only when it is used)."""
-        return " × ".join(f"{a} {getattr(self, a)}" for a in AXES
-                          if a != "cp" or self.cp > 1) + f" = {self.world_size} ranks"
+        ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        return " × ".join(f"{a} {getattr(self, a)}" + (ep if a == "dp_shard" else "")
+                          for a in AXES if a != "cp" or self.cp > 1) + f" = {self.world_size} ranks"
 
     # ---------------------------------------------------------------- the real mesh
     def build_mesh(self, device_type: str):
