@@ -85,6 +85,26 @@ class Experts(nn.Module):
         e, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, f))
+        # expert parallelism (threefold.parallel.expert) sets this: then the tensors hold
+        # only this rank's experts and ``dispatch`` moves rows to and from their owners
+        self.dispatch = None
+
+    def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by this module's experts (``counts[e]`` rows for expert e, in order)
+        -> each row through its expert's SwiGLU. Every expert tensor gets a gradient, zero
+        where no row went (also when no row went anywhere), so every engine sees the same
+        gradients each step."""
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                r = rows[start:start + n]
+                gate, up = F.linear(r, self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                start += n
+        if not outs:  # no rows at all: a zero that still reaches both tensors
+            return rows.new_zeros(rows.shape) + 0.0 * (self.gate_up_proj.sum()
+                                                       + self.down_proj.sum())
+        return torch.cat(outs)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:
@@ -95,19 +115,12 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token = order // k                          # the token of each grouped assignment
         grouped = x[token]
-        outs = []
-        start = 0
-        for e, n in enumerate(counts.tolist()):  # one host sync per block, for the slices
-            if n:
-                rows = grouped[start:start + n]
-                gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-                start += n
-        out = torch.zeros_like(x)
-        if not outs:  # no tokens at all
-            return out
-        y = torch.cat(outs) * weights.reshape(-1)[order, None]  # fp32 weights, as HF
-        return out.index_add_(0, token, y.to(x.dtype))
+        if self.dispatch is None:  # one host sync per block, for the slices
+            y = self.compute(grouped, counts.tolist())
+        else:
+            y = self.dispatch(grouped, counts, self.compute)
+        y = y * weights.reshape(-1)[order, None]  # fp32 weights, as HF
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
 class SparseMoeBlock(nn.Module):

@@ -20,10 +20,11 @@ from threefold.parallel.engine import LocalEngine
 
 
 class _Bucket:
-    """A flat gradient buffer for a few parameters, all-reduced as one message."""
+    """A flat gradient buffer for a few parameters, all-reduced over ``axis`` as one
+    message."""
 
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], axis: str):
+        self.params, self.axis = params, axis
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
@@ -50,14 +51,20 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
 
 class DataParallelEngine(LocalEngine):
     """Full replicas on every rank of ``axis``; gradient all-reduce overlapped with backward.
-    With ``offload`` the optimiser runs on the host (``LocalEngine``)."""
+    With ``offload`` the optimiser runs on the host (``LocalEngine``). Under expert
+    parallelism (``expert_axis``, "edp") a rank's experts are replicated over that axis only:
+    their gradients go in buckets of their own, all-reduced there."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, comm, bucket_mb: float,
-                 axis: str = "dp", offload: bool = False):
+                 axis: str = "dp", offload: bool = False, expert_axis: str | None = None):
         super().__init__(model, cfg, comm, offload)
-        self.axis = axis
+        self.axis, self.expert_axis = axis, expert_axis
         params = [p for _, p in self.named_params]
-        self.buckets = [_Bucket(b) for b in make_buckets(params, int(bucket_mb * 2**20))]
+        experts = [p for p in params if expert_axis and getattr(p, "_ep_sharded", False)]
+        dense = [p for p in params if not any(p is q for q in experts)]
+        size = int(bucket_mb * 2**20)
+        self.buckets = [_Bucket(b, axis) for b in make_buckets(dense, size)] + \
+            [_Bucket(b, expert_axis) for b in make_buckets(experts, size)]
         self._where = {}
         # weakly: a hook holding the engine would keep it alive forever through the
         # parameter's C++ hook table
@@ -73,13 +80,15 @@ class DataParallelEngine(LocalEngine):
     def _broadcast_parameters(self) -> None:
         """Replicas start equal because every rank initialises from the same seed; check it
         cheaply rather than trust it (a sum per parameter, all-reduced as max - min)."""
-        sums = torch.stack([p.detach().double().sum() for p in (q for _, q in self.named_params)])
-        hi, lo = sums.clone(), -sums.clone()
-        self.comm.all_reduce(hi, self.axis, op="max")
-        self.comm.all_reduce(lo, self.axis, op="max")
-        if not torch.equal(hi, -lo):
-            raise RuntimeError("data-parallel replicas differ at start-up (non-deterministic "
-                               "initialisation?)")
+        for axis in {b.axis for b in self.buckets}:
+            sums = torch.stack([p.detach().double().sum() for b in self.buckets
+                                if b.axis == axis for p in b.params])
+            hi, lo = sums.clone(), -sums.clone()
+            self.comm.all_reduce(hi, axis, op="max")
+            self.comm.all_reduce(lo, axis, op="max")
+            if not torch.equal(hi, -lo):
+                raise RuntimeError(f"data-parallel replicas differ at start-up over '{axis}' "
+                                   "(non-deterministic initialisation?)")
 
     @contextlib.contextmanager
     def micro_step(self, last: bool) -> Iterator[None]:
@@ -98,7 +107,7 @@ class DataParallelEngine(LocalEngine):
         bucket.flat[bucket.offsets[i]:bucket.offsets[i] + n].copy_(p.grad.reshape(-1))
         bucket.pending -= 1
         if bucket.pending == 0:  # the whole bucket is ready: send it while backward goes on
-            bucket.handle = self.comm.all_reduce(bucket.flat, self.axis, async_op=True)
+            bucket.handle = self.comm.all_reduce(bucket.flat, bucket.axis, async_op=True)
 
     def finish_gradients(self) -> None:
         """Wait for every bucket and put the summed gradients back into ``.grad``."""

@@ -38,6 +38,11 @@ class Distributed:
         # Logging traffic (loss sums, token counts) goes through its own counter so that
         # `comm` holds exactly what training itself moves.
         self.control = Comm(self.dims, self.mesh)
+        if self.dims.ep > 1:  # expert parallelism: groups carved out of dp_shard
+            from threefold.mesh import EXPERT_AXES
+
+            for axis in EXPERT_AXES:
+                self.comm.add_axis(axis, self.dims.axis_groups(axis))
         c = self.dims.coords(self.rank)
         self.dp_size = self.dims.dp_replicate * self.dims.dp_shard
         self.dp_rank = c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
@@ -142,6 +147,10 @@ class Distributed:
             from threefold.parallel.context import apply_context_parallel
 
             model = apply_context_parallel(model, self.comm, cfg.parallel.cp_algorithm)
+        if self.dims.ep > 1:
+            from threefold.parallel.expert import apply_expert_parallel
+
+            model = apply_expert_parallel(model, self.comm)
         return model
 
     def split_sequence(self, micro: dict) -> dict:
@@ -159,7 +168,11 @@ class Distributed:
                 for n, p in engine.named_params}
 
     def gather_state(self, sd: dict, engine) -> dict:
-        """Whole tensors: tp slices all-gathered (vocabulary padding dropped)."""
+        """Whole tensors: tp slices all-gathered (vocabulary padding dropped), every ep
+        rank's experts gathered."""
+        from threefold.parallel.expert import gather_experts
+
+        sd = self._expert_slices(sd, engine, gather_experts)
         if self.dims.tp == 1:
             return sd
         from threefold.parallel.tensor import gather_full
@@ -169,6 +182,16 @@ class Distributed:
         optim = {k: gather_full(t, *info[k.rsplit(".", 1)[0]], self.comm)
                  for k, t in sd["optim"].items()}
         return {"model": model, "optim": optim, "optim_step": sd["optim_step"]}
+
+    def _expert_slices(self, sd: dict, engine, fn) -> dict:
+        """``fn`` (gather or take over ep) applied to the expert tensors of ``sd``."""
+        experts = {n for n, p in engine.named_params if getattr(p, "_ep_sharded", False)}
+        if not experts:
+            return sd
+        pick = lambda name, t: fn(t, self.comm) if name in experts else t  # noqa: E731
+        return {"model": {n: pick(n, t) for n, t in sd["model"].items()},
+                "optim": {k: pick(k.rsplit(".", 1)[0], t) for k, t in sd["optim"].items()},
+                "optim_step": sd["optim_step"]}
 
     def checkpoint_pieces(self, engine) -> list:
         """This rank's pieces, each replicated tensor written by one rank only: ZeRO shards by
@@ -180,7 +203,8 @@ class Distributed:
         from threefold.parallel.zero import ZeroEngine
 
         c = self.dims.coords(self.rank)
-        if (c["dp_replicate"] if isinstance(engine, ZeroEngine) else c[self.data_axis]) != 0:
+        zero = isinstance(engine, ZeroEngine)
+        if zero and c["dp_replicate"] != 0:
             return []
         params = dict(engine.named_params)
         t, out = self.dims.tp, []
@@ -188,6 +212,13 @@ class Distributed:
             p = params[piece.name]
             if getattr(p, "_tied_replica", False):
                 continue  # a tied head's copy: the embedding, saved by the first stage
+            expert = getattr(p, "_ep_sharded", False)
+            if not zero and c["edp" if expert else self.data_axis] != 0:
+                continue  # a data-parallel copy (of this rank's experts: over edp)
+            if expert:  # this ep rank's experts: a contiguous run of the whole tensor
+                off = p._ep_index * p.numel()
+                piece.start, piece.end = piece.start + off, piece.end + off
+                piece.shape = (p.shape[0] * p._ep_count, *p.shape[1:])
             dim = tp_shard_dim(p) if t > 1 else None
             if dim is None:
                 if c["tp"] == 0:
@@ -205,7 +236,7 @@ class Distributed:
         self.control.barrier()
 
     def shard_state(self, sd: dict, engine) -> dict:
-        """This stage's tensors, and this tp rank's slices of them."""
+        """This stage's tensors, this tp rank's slices of them, this ep rank's experts."""
         own = {n for n, _ in engine.named_params}
         if self._tied is not None and self._tied[1]:  # the head's copy: load the embedding
             from threefold.model import fill_tied_head
@@ -215,6 +246,9 @@ class Distributed:
         sd = {"model": {n: t for n, t in sd["model"].items() if n in own},
               "optim": {k: t for k, t in sd["optim"].items() if k.rsplit(".", 1)[0] in own},
               "optim_step": sd["optim_step"]}
+        from threefold.parallel.expert import take_experts
+
+        sd = self._expert_slices(sd, engine, take_experts)
         if self.dims.tp == 1:
             return sd
         from threefold.parallel.tensor import take_shard
@@ -238,11 +272,20 @@ class Distributed:
             if self.dims.axis_size(self.data_axis) == 1:
                 return LocalEngine(model, cfg.optim, self.comm, offload=off)
             return DataParallelEngine(model, cfg.optim, self.comm, p.bucket_mb,
-                                      axis=self.data_axis, offload=off)
+                                      axis=self.data_axis, offload=off,
+                                      expert_axis="edp" if self.dims.ep > 1 else None)
         m = model.model  # a pipeline stage holds only some of these
-        units = [u for u in (m.embed_tokens, *m.layers, m.norm, model.lm_head) if u is not None]
+        units, axes = [], {}
+        for u in (m.embed_tokens, *m.layers, m.norm, model.lm_head):
+            if u is None:
+                continue
+            units.append(u)
+            experts = getattr(getattr(u, "mlp", None), "experts", None)
+            if self.dims.ep > 1 and experts is not None:  # the layer's experts: own unit
+                units.append(experts)
+                axes[len(units) - 1] = "edp_shard"
         return ZeroEngine(model, units, cfg.optim, self.comm, p.zero_stage,
-                          shard_axis=self.shard_axis, offload=off)
+                          shard_axis=self.shard_axis, offload=off, unit_axes=axes)
 
     def global_token_count(self, local_count: int) -> int:
         """Sum a per-rank count (target tokens, pairs) over dp (a scalar all-reduce)."""

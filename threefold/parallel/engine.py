@@ -153,9 +153,16 @@ class LocalEngine:
         """[sum of squares of tp-sharded gradients, of tp-replicated ones] on this rank, on
         the parameters' device (the collectives that sum it run there)."""
         parts = torch.zeros(2, dtype=torch.float32, device=self.named_params[0][1].device)
+        experts = torch.zeros(1, dtype=torch.float32, device=parts.device)
         for _, p in self.named_params:
             if p.grad is not None and not getattr(p, "_tied_replica", False):
-                parts[0 if tp_shard_dim(p) is not None else 1] += sq_norm(p.grad)
+                if getattr(p, "_ep_sharded", False):  # this rank's experts only
+                    experts += sq_norm(p.grad)
+                else:
+                    parts[0 if tp_shard_dim(p) is not None else 1] += sq_norm(p.grad)
+        if self.comm is not None and self.comm.size("ep") > 1:
+            self.comm.all_reduce(experts, "ep")  # every rank's experts (whole on each tp rank)
+        parts[1] += experts[0]
         return parts
 
     def gradient_of(self, p: nn.Parameter) -> torch.Tensor:

@@ -135,8 +135,9 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     unless the weights bring it) heads and layers must split over tp and pp·vpp, and the
     pipeline split fit the layers; the schedule must be complete and free of deadlock for
     its microbatches. A mixture of experts (``model.num_local_experts``) takes data
-    parallelism and ZeRO only (no expert, tensor, pipeline or context parallelism for it yet).
-    Raises ConfigError naming the field and a value that works."""
+    parallelism, ZeRO, expert parallelism (``parallel.ep`` dividing the experts; ep needs
+    experts) and tensor parallelism without sequence parallelism; not pipeline or context
+    parallelism yet. Raises ConfigError naming the field and a value that works."""
     from threefold.config import ConfigError
     from threefold.mesh import ParallelDims
 
@@ -144,14 +145,23 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     dims = ParallelDims.from_config(p, world_size)
     experts = (mcfg.num_local_experts if mcfg is not None
                else cfg.model.resolved(vocab_size=1).num_local_experts)
-    model_axes = [f"parallel.{a}={getattr(dims, a)}" for a in ("tp", "pp", "cp")
+    model_axes = [f"parallel.{a}={getattr(dims, a)}" for a in ("pp", "cp")
                   if getattr(dims, a) > 1]
+    if p.sequence_parallel and dims.tp > 1:
+        model_axes.append("parallel.sequence_parallel=true")
     if experts and model_axes:
         raise ConfigError(f"model.num_local_experts: {experts} experts (a mixture of experts) "
-                          f"train under data parallelism and ZeRO only for now, not with "
-                          f"{', '.join(model_axes)}; expert parallelism (and tp/pp/cp for MoE) "
-                          "is not built yet: set those to 1, or model.num_local_experts 0 for "
-                          "a dense model")
+                          f"train under data, expert and tensor parallelism and ZeRO, not with "
+                          f"{', '.join(model_axes)} yet: set those to 1 (false), or "
+                          "model.num_local_experts 0 for a dense model")
+    if dims.ep > 1 and not experts:
+        raise ConfigError(f"parallel.ep: {dims.ep} needs a mixture of experts "
+                          "(model.num_local_experts > 0, e.g. --model.preset tiny-moe); set "
+                          "parallel.ep 1 for a dense model")
+    if experts and experts % dims.ep:
+        raise ConfigError(f"parallel.ep: {dims.ep} does not divide model.num_local_experts="
+                          f"{experts}; use an ep in "
+                          f"{', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0 and dims.dp_shard % d == 0)}")
     check_batch(cfg, dims.dp)
     if dims.cp > 1 and cfg.data.seq_len % (2 * dims.cp):
         step = 2 * dims.cp

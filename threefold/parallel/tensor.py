@@ -292,8 +292,11 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
     enter = _GatherSeq.apply if sp else _CopyToTP.apply
     leave = _ReduceScatterSeq.apply if sp else _ReduceFromTP.apply
     for layer in model.model.layers:
+        # a mixture of experts stays whole on every tp rank: its input and output are the
+        # replicated residual stream, so it needs no operator (threefold.parallel.expert)
+        dense_mlp = getattr(layer.mlp, "down_proj", None)
         for sub, out_proj in ((layer.self_attn, layer.self_attn.o_proj),
-                              (layer.mlp, layer.mlp.down_proj)):
+                              *(((layer.mlp, dense_mlp),) if dense_mlp is not None else ())):
             sub.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm), *a[1:]))
             out_proj.register_forward_hook(lambda _m, _a, out: leave(out, comm))
         if sp:

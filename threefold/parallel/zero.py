@@ -156,7 +156,7 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, modules: list[nn.Module], cfg: OptimConfig, comm,
                  stage: int, shard_axis: str = "dp_shard", replicate_axis: str = "dp_replicate",
-                 offload: bool = False):
+                 offload: bool = False, unit_axes: dict[int, str] | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.model, self.cfg, self.comm, self.stage = model, cfg, comm, stage
@@ -166,12 +166,16 @@ class ZeroEngine:
         for i, module in enumerate(modules):
             for p in module.parameters():
                 users.setdefault(p, []).append(i)
+        inside = {i: {id(m) for m in module.modules()} for i, module in enumerate(modules)}
         groups: list[list] = [[] for _ in modules]
         root: list = []
         for n, p in named:
             u = users.get(p, [])
-            (groups[u[0]] if len(u) == 1 else root).append((n, p))
-        self.unit_modules = [(m, FlatUnit(f"unit{i}", g, comm, shard_axis, stage))
+            # a unit inside another (a layer's experts in the layer) takes its own weights
+            inner = [i for i in u if all(id(modules[i]) in inside[j] for j in u)]
+            (groups[inner[0]] if len(inner) == 1 else root).append((n, p))
+        axes = unit_axes or {}
+        self.unit_modules = [(m, FlatUnit(f"unit{i}", g, comm, axes.get(i, shard_axis), stage))
                              for i, (m, g) in enumerate(zip(modules, groups)) if g]
         self.units = [u for _, u in self.unit_modules]
         self.root = FlatUnit("root", root, comm, shard_axis, stage) if root else None
@@ -326,7 +330,7 @@ class ZeroEngine:
     # -- checkpoints: whole, HF-named tensors whatever the sharding -------------------------
     def _gather_flat(self, unit: FlatUnit, shard: torch.Tensor) -> torch.Tensor:
         full = torch.empty(unit.padded, dtype=shard.dtype, device=shard.device)
-        self.comm.all_gather(full, shard.contiguous(), self.shard_axis)
+        self.comm.all_gather(full, shard.contiguous(), unit.axis)
         return full
 
     def _split(self, unit: FlatUnit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -354,7 +358,7 @@ class ZeroEngine:
 
         out = []
         for unit in self.all_units:
-            lo = self.comm.rank(self.shard_axis) * unit.shard_numel
+            lo = self.comm.rank(unit.axis) * unit.shard_numel
             st = self.slot.state_of(unit.shard)
             sources = [("model", unit.shard.detach())] + [(k, st[k]) for k in ("exp_avg",
                                                                                "exp_avg_sq")
@@ -378,7 +382,7 @@ class ZeroEngine:
         flat = torch.zeros(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
         for n, o, s in zip(unit.names, unit.offsets, unit.shapes):
             flat[o:o + math.prod(s)].copy_(tensors[n].reshape(-1))
-        lo = self.comm.rank(self.shard_axis) * unit.shard_numel
+        lo = self.comm.rank(unit.axis) * unit.shard_numel
         return flat[lo:lo + unit.shard_numel].clone()
 
     def load_state_dict(self, sd: dict) -> None:

@@ -1,0 +1,209 @@
+"""Expert parallelism (threefold.parallel.expert): the mesh's expert axes, the all-to-all MoE
+layer equal to the single-process layer (forward, backward, bytes to the closed form for the
+measured routing), training runs on ep layouts equal to one process, checkpoints that move
+between ep layouts, and the layout refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import final_weights, metrics, tiny_overrides
+from tests.dist import run_distributed
+from threefold.config import ConfigError, ModelConfig, load_config
+from threefold.mesh import ParallelDims
+
+MOE = dict(model__num_local_experts=4, model__num_experts_per_tok=2,
+           model__intermediate_size=64, model__router_z_loss_coef=0.001)
+
+
+# --------------------------------------------------------------------------------------------
+# The mesh
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", [(1, 4, 1, 1, 2), (2, 4, 2, 1, 2), (1, 8, 1, 2, 4),
+                                    (2, 2, 2, 1, 2)])
+def test_expert_axes_partition_dp_shard(layout):
+    """ep × edp_shard is dp_shard; every rank's groups on ep, edp_shard and edp are the
+    ranks that share all other coordinates; edp holds the ranks with the same experts."""
+    rep, shard, tp, pp, ep = layout
+    world = rep * shard * tp * pp
+    d = ParallelDims(rep, shard, tp, pp, world, 1, ep)
+    for r in range(world):
+        c = d.coords(r)
+        assert c["dp_shard"] == c["edp_shard"] * ep + c["ep"]
+        for axis, varies in (("ep", {"ep"}), ("edp_shard", {"edp_shard"}),
+                             ("edp", {"edp_shard", "dp_replicate"})):
+            g = d.axis_ranks(r, axis)
+            assert len(g) == d.axis_size(axis) and g[c[axis]] == r
+            fixed = {"pp", "tp", "cp", "dp_replicate", "edp_shard", "ep"} - varies
+            for q in g:
+                cq = d.coords(q)
+                assert all(cq[a] == c[a] for a in fixed), (axis, r, q)
+        # the ep group and the edp group meet in this rank only
+        assert set(d.axis_ranks(r, "ep")) & set(d.axis_ranks(r, "edp")) == {r}
+    assert sorted(sum(d.axis_groups("ep"), [])) == list(range(world))
+
+
+def test_ep_layouts_are_checked_before_launch():
+    base = [("model.preset", "tiny-moe")]
+    with pytest.raises(ConfigError, match="parallel.ep: 3 does not divide parallel.dp_shard"):
+        ParallelDims.from_config(load_config(None, base + [("parallel.ep", "3")]).parallel, 4)
+    with pytest.raises(ConfigError, match="parallel.ep: 2 with parallel.cp=2"):
+        ParallelDims.from_config(load_config(None, base + [("parallel.ep", "2"),
+                                                           ("parallel.cp", "2")]).parallel, 4)
+    from threefold.parallel.layout import validate_layout
+
+    def check(*kv, world=4, mcfg=None):
+        validate_layout(load_config(None, base + list(kv)), world, mcfg)
+
+    check(("parallel.ep", "4"))  # 4 experts over 4 ranks
+    with pytest.raises(ConfigError, match="parallel.ep: 2 needs a mixture of experts"):
+        check(("model.preset", "tiny"), ("parallel.ep", "2"))
+    mcfg = ModelConfig(preset="tiny-moe", num_local_experts=6).resolved(320)
+    with pytest.raises(ConfigError, match="parallel.ep: 4 does not divide "
+                                          "model.num_local_experts=6; use an ep in 1, 2"):
+        check(("parallel.ep", "4"), ("model.num_local_experts", "6"), mcfg=mcfg)
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
+        check(("parallel.tp", "2"), ("parallel.sequence_parallel", "true"))
+    with pytest.raises(ConfigError, match="parallel.pp=2"):
+        check(("parallel.pp", "2"))
+
+
+# --------------------------------------------------------------------------------------------
+# The layer
+# --------------------------------------------------------------------------------------------
+def _layer(rank, world, tokens):
+    """Each rank: its tokens through the ep layer and through the whole single-process
+    layer; outputs, input gradients and expert gradients, and the bytes counted on ep."""
+    from threefold.comm import Comm
+    from threefold.mesh import EXPERT_AXES
+    from threefold.moe import SparseMoeBlock
+    from threefold.parallel.expert import apply_expert_parallel
+
+    cfg = ModelConfig(preset="tiny", hidden_size=16, intermediate_size=24,
+                      num_local_experts=8, num_experts_per_tok=2).resolved(64)
+    dims = ParallelDims(1, world, 1, 1, world, 1, world)
+    comm = Comm(dims, dims.build_mesh("cpu"))
+    for axis in EXPERT_AXES:
+        comm.add_axis(axis, dims.axis_groups(axis))
+    torch.manual_seed(0)
+    whole = SparseMoeBlock(cfg)
+    for p in whole.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    local = SparseMoeBlock(cfg)
+    local.load_state_dict(whole.state_dict())
+    apply_expert_parallel(local, comm)
+    g = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(1, tokens[rank], 16, generator=g)
+    dy = torch.randn(1, tokens[rank], 16, generator=g)
+    out = []
+    for block in (whole, local):
+        xi = x.clone().requires_grad_()
+        y = block(xi)
+        (y * dy).sum().backward()
+        out.append((y.detach(), xi.grad, block.experts.gate_up_proj.grad.clone(),
+                    block.experts.down_proj.grad.clone(), block.router_stats.counts))
+    sent = comm.totals().get("ep", {})
+    return out, sent
+
+
+@pytest.mark.parametrize("world,tokens", [(2, (40, 17)), (4, (9, 30, 1, 22))])
+def test_dispatch_equals_the_single_process_layer_and_counts_its_bytes(world, tokens):
+    """Uneven token counts per rank: outputs and input gradients equal the whole layer's on
+    the same tokens; each rank's expert gradients, summed over ranks, equal the whole
+    layer's summed over ranks (every rank's tokens), for its slice of the experts; bytes on
+    ep equal the count exchange plus the rows the routing sends, both ways, twice."""
+    res = run_distributed(_layer, world, tokens)
+    h, e, k, ep = 16, 8, 2, world
+    n = e // ep
+    whole_gu = sum(r[0][0][2] for r in res)
+    whole_dn = sum(r[0][0][3] for r in res)
+    ep_gu = torch.cat([r[0][1][2] for r in res])
+    ep_dn = torch.cat([r[0][1][3] for r in res])
+    torch.testing.assert_close(ep_gu, whole_gu, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ep_dn, whole_dn, rtol=1e-5, atol=1e-6)
+    counts = [r[0][0][4] for r in res]  # (E,) per rank, of its own tokens
+    for rank, ((want, got), sent) in enumerate(res):
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[4], want[4])
+        out_rows = int(counts[rank].sum() - counts[rank][rank * n:(rank + 1) * n].sum())
+        in_rows = int(sum(c[rank * n:(rank + 1) * n].sum() for i, c in enumerate(counts)
+                          if i != rank))
+        want_bytes = e * 8 * (ep - 1) // ep + 2 * (out_rows + in_rows) * h * 4
+        assert sent == {"all_to_all": want_bytes}, (rank, sent)
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+def _runs(rank, world, corpus, cache, root, runs):
+    from threefold.parallel.distributed_layout import Distributed
+    from threefold.train import train
+
+    for name, extra in runs:
+        cfg = load_config(None, tiny_overrides(corpus, cache, root / name,
+                                               **{**MOE, "train__steps": 3, **extra}))
+        train(cfg, Distributed(cfg))
+
+
+def _single(corpus, cache, out, micro):
+    from threefold.train import train
+
+    train(load_config(None, tiny_overrides(corpus, cache, out, **{
+        **MOE, "train__steps": 3, "train__micro_batch_size": micro})))
+    return metrics(out), final_weights(out)
+
+
+def _assert_equal(got_dir, want, weights, name):
+    got = metrics(got_dir)
+    for key in ("loss", "router_aux_loss", "router_z_loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), \
+            (name, key)
+    assert [r["expert_counts"] for r in got] == [r["expert_counts"] for r in want], name
+    summary = json.loads((got_dir / "summary.json").read_text())
+    assert summary["comm_bytes_per_step"]["ep"] > 0, name  # the experts did move tokens
+    final = final_weights(got_dir)
+    assert final.keys() == weights.keys()
+    for k, w in final.items():
+        torch.testing.assert_close(w, weights[k], rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+
+
+def test_ep2_trains_as_one_process(corpus, cache_dir, tmp_path):
+    """2 ranks, 2 experts each (ZeRO 0 and 1): each rank's 4 sequences are one micro-batch
+    of the single-process run."""
+    want, weights = _single(corpus, cache_dir, tmp_path / "single", 4)
+    runs = [("ep2", {"parallel__ep": 2}),
+            ("ep2_zero1", {"parallel__ep": 2, "parallel__zero_stage": 1})]
+    run_distributed(_runs, 2, corpus, cache_dir, tmp_path, runs)
+    for name, _ in runs:
+        _assert_equal(tmp_path / name, want, weights, name)
+
+
+def test_ep_layouts_on_four_ranks_train_as_one_process(corpus, cache_dir, tmp_path):
+    """ep4 (one expert per rank), ep2 × dp2 (expert gradients summed over the two ranks that
+    hold them), ep2 × ZeRO-3 (experts sharded over those two), hybrid ZeRO-2 over
+    dp_replicate 2 × ep 2: each rank's 2 sequences are one micro-batch of the reference."""
+    want, weights = _single(corpus, cache_dir, tmp_path / "single", 2)
+    runs = [("ep4", {"parallel__ep": 4}),
+            ("ep2_dp2", {"parallel__ep": 2}),
+            ("ep2_zero3", {"parallel__ep": 2, "parallel__zero_stage": 3}),
+            ("ep2_hsdp_zero2", {"parallel__ep": 2, "parallel__dp_replicate": 2,
+                                "parallel__zero_stage": 2})]
+    run_distributed(_runs, 4, corpus, cache_dir, tmp_path, runs)
+    for name, _ in runs:
+        _assert_equal(tmp_path / name, want, weights, name)
+
+
+def test_ep2_with_tp2_trains_as_one_process(corpus, cache_dir, tmp_path):
+    """ep2 × tp2 (and with ZeRO-1): experts whole on both tp ranks, all-to-all between ranks
+    of the same tp index; dp 2 of 4 sequences each."""
+    want, weights = _single(corpus, cache_dir, tmp_path / "single", 4)
+    runs = [("ep2_tp2", {"parallel__ep": 2, "parallel__tp": 2}),
+            ("ep2_tp2_zero1", {"parallel__ep": 2, "parallel__tp": 2,
+                               "parallel__zero_stage": 1})]
+    run_distributed(_runs, 4, corpus, cache_dir, tmp_path, runs)
+    for name, _ in runs:
+        _assert_equal(tmp_path / name, want, weights, name)

@@ -1,0 +1,127 @@
+"""Expert parallelism: each MoE layer's E experts split over the "ep" ranks, tokens moved to
+their experts and back by all-to-all (GShard, Lepikhin et al., arXiv 2006.16668; Switch
+Transformer, Fedus et al., arXiv 2101.03961).
+
+The ep ranks are data-parallel ranks (the innermost part of dp_shard, ``threefold.mesh``):
+each routes its own tokens, so an all-to-all carries every (token, expert) assignment to the
+rank that holds the expert. Rank r of ep holds experts [r·E/ep, (r+1)·E/ep).
+
+One layer's forward on one rank (dropless, as the single-process layer in ``threefold.moe``):
+
+1. the assignments are already sorted by expert (``Experts.forward``), so the rows for each
+   destination rank are one contiguous run: ``counts`` (E,) cut into ep runs of E/ep;
+2. the counts are exchanged first (an all-to-all of E int64 per rank), so every rank knows how
+   many rows it gets from each source for each of its experts (uneven splits);
+3. dispatch: all-to-all of the rows (sizes from 2); what arrives is grouped by source, then
+   by expert; it is permuted to expert-major order, each local expert runs one matmul pair
+   on its rows, and the results are permuted back;
+4. combine: the reverse all-to-all returns every row to the rank (and position) it came from,
+   where the router weights multiply it and it is added to its token.
+
+Backward runs the two all-to-alls the other way (the gradient of a dispatch is a combine).
+Bytes per layer per forward, rank r: the count exchange E·8·(ep−1)/ep, the rows r sends to
+other ranks in dispatch plus those it returns in combine, times h · element size; backward
+the same rows again. Under uniform routing the expectation is N·k·(ep−1)/ep rows each way.
+
+Gradients: the router and every dense weight are the same on all data ranks, reduced over
+"dp" as always; an expert is held by the ranks of "edp" (same ep index), so its gradient is
+summed over those only (``_ep_sharded`` on the parameter tells the engines). Tensor
+parallelism leaves the experts whole on every tp rank (each computes them: redundant, not
+split), and the all-to-alls run between ranks of the same tp index.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+AXIS = "ep"
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` cut by ``send`` go to the ep ranks in order; ``recv`` rows come back
+    from each. The gradient takes the reverse trip."""
+
+    @staticmethod
+    def forward(ctx, x, comm, recv: list[int], send: list[int]):
+        ctx.comm, ctx.recv, ctx.send = comm, recv, send
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        comm.all_to_all_single(out, x.contiguous(), AXIS, recv, send)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out = g.new_empty((sum(ctx.send), *g.shape[1:]))
+        ctx.comm.all_to_all_single(out, g.contiguous(), AXIS, ctx.send, ctx.recv)
+        return out, None, None, None
+
+
+class Dispatcher:
+    """``Experts.dispatch`` under expert parallelism (see the module doc): rows grouped by
+    global expert in, each row through its expert (on whichever rank holds it) out, in the
+    same order."""
+
+    def __init__(self, comm, num_experts: int):
+        self.comm, self.ep = comm, comm.size(AXIS)
+        self.local = num_experts // self.ep
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
+        ep, local = self.ep, self.local
+        send_counts = counts.reshape(ep, local).contiguous()
+        recv_counts = torch.empty_like(send_counts)
+        self.comm.all_to_all_single(recv_counts, send_counts, AXIS)  # (source, local expert)
+        send = send_counts.sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        got = _AllToAll.apply(rows, self.comm, recv, send)  # grouped by source, then expert
+        # source-major -> expert-major: segment (s, e) starts at starts[s, e] in `got`; in
+        # expert-major order the segments are (e, s), position i of segment j taking row
+        # starts[j] + (i - where segment j begins there)
+        flat = recv_counts.reshape(-1)
+        starts = (torch.cumsum(flat, 0) - flat).reshape(ep, local).t().reshape(-1)
+        lengths = recv_counts.t().reshape(-1)
+        begins = torch.cumsum(lengths, 0) - lengths
+        total = int(flat.sum())
+        perm = (torch.arange(total, device=rows.device)
+                + torch.repeat_interleave(starts - begins, lengths).to(rows.device))
+        y = compute(got[perm], recv_counts.sum(0).tolist())
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(total, device=rows.device)
+        return _AllToAll.apply(y[back], self.comm, send, recv)
+
+
+def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
+    """Keep this rank's E/ep experts of every MoE layer of ``model`` (whole weights in, as
+    initialised or loaded) and route through ``Dispatcher``. Marks each expert tensor
+    ``_ep_sharded`` (with ``_ep_index``, ``_ep_count``: its slice of dim 0)."""
+    from threefold.moe import Experts
+
+    ep, r = comm.size(AXIS), comm.rank(AXIS)
+    for m in model.modules():
+        if isinstance(m, Experts):
+            e = m.gate_up_proj.shape[0]
+            n = e // ep
+            for p in (m.gate_up_proj, m.down_proj):
+                p.data = p.data[r * n:(r + 1) * n].clone()
+                p._ep_sharded, p._ep_index, p._ep_count = True, r, ep
+            m.dispatch = Dispatcher(comm, e)
+    return model
+
+
+def ep_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds only this rank's experts (its gradient is reduced over "edp")."""
+    return getattr(p, "_ep_sharded", False)
+
+
+def gather_experts(local: torch.Tensor, comm) -> torch.Tensor:
+    """The whole (E, ...) expert tensor from every ep rank's slice (collective over ep)."""
+    ep = comm.size(AXIS)
+    out = local.new_empty((local.shape[0] * ep, *local.shape[1:]))
+    comm.all_gather(out, local.contiguous(), AXIS)
+    return out
+
+
+def take_experts(whole: torch.Tensor, comm) -> torch.Tensor:
+    """This ep rank's slice of a whole (E, ...) expert tensor."""
+    ep, r = comm.size(AXIS), comm.rank(AXIS)
+    n = whole.shape[0] // ep
+    return whole[r * n:(r + 1) * n].clone()
