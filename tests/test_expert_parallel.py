@@ -207,3 +207,55 @@ def test_ep2_with_tp2_trains_as_one_process(corpus, cache_dir, tmp_path):
     run_distributed(_runs, 4, corpus, cache_dir, tmp_path, runs)
     for name, _ in runs:
         _assert_equal(tmp_path / name, want, weights, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------
+def _segment(rank, world, corpus, cache, out, extra, steps):
+    from threefold.parallel.distributed_layout import Distributed
+    from threefold.train import train
+
+    cfg = load_config(None, _ck_overrides(corpus, cache, out, steps, extra))
+    train(cfg, Distributed(cfg))
+
+
+def _ck_overrides(corpus, cache, out, steps, extra):
+    return tiny_overrides(corpus, cache, out, **{
+        **MOE, "train__steps": steps, "train__micro_batch_size": 2, "checkpoint__interval": 3,
+        "checkpoint__resume": "true", **extra})
+
+
+@pytest.mark.parametrize("first,second", [
+    ((4, {"parallel__ep": 2, "parallel__zero_stage": 3}), (4, {"parallel__ep": 4})),
+    ((4, {"parallel__ep": 4, "parallel__zero_stage": 1}), (1, {})),
+    ((1, {}), (4, {"parallel__ep": 2, "parallel__dp_replicate": 2,
+                   "parallel__zero_stage": 2})),
+], ids=["ep2zero3-to-ep4", "ep4zero1-to-single", "single-to-ep2hsdp"])
+def test_checkpoints_reshard_across_ep_layouts(first, second, corpus, cache_dir, tmp_path):
+    """Three steps on one layout, three more on another from its checkpoint: the losses and
+    the final weights and optimiser state equal six single-process steps (experts saved by
+    their ep ranks into whole tensors, read back as any other layout's slices)."""
+    from threefold.checkpoint import list_checkpoints, load_checkpoint
+    from threefold.train import train
+
+    ref = tmp_path / "single"
+    train(load_config(None, _ck_overrides(corpus, cache_dir, ref, 6, {})))
+    out = tmp_path / "run"
+    for (world, extra), steps in ((first, 3), (second, 6)):
+        if world == 1:
+            train(load_config(None, _ck_overrides(corpus, cache_dir, out, steps, extra)))
+        else:
+            run_distributed(_segment, world, corpus, cache_dir, out, extra, steps, timeout=300)
+        if steps == 3:
+            assert list_checkpoints(out / "checkpoints") == [3]
+    got, want = metrics(out), metrics(ref)
+    for key in ("loss", "router_aux_loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
+    assert [r["expert_counts"] for r in got] == [r["expert_counts"] for r in want]
+    a, _ = load_checkpoint(out / "checkpoints" / "6")
+    b, _ = load_checkpoint(ref / "checkpoints" / "6")
+    for kind in ("model", "optim"):
+        assert set(a[kind]) == set(b[kind])
+        for k in a[kind]:
+            torch.testing.assert_close(a[kind][k], b[kind][k], rtol=1e-4, atol=2e-5, msg=k)
