@@ -171,15 +171,54 @@ def _assert_equal(got_dir, want, weights, name):
         torch.testing.assert_close(w, weights[k], rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
 
 
+def _assert_exact_bytes(run_dir, world, ep, micro_steps, recompute):
+    """Rank 0's bytes of every step (zero stage 0) equal the closed form with its measured
+    routing (``ep_rows_sent``): on ep, per layer and forward the count exchange
+    E·8·(ep−1)/ep, the rows sent forward (recomputed forwards included) and again in
+    backward, × h × 4, and the norm's scalar all-reduce; on edp the all-reduce of its
+    experts' gradients, on dp of the dense ones (one bucket each)."""
+    from threefold.cost import num_parameters
+
+    layers, e, h, f = 2, 4, 64, 64
+    mcfg = ModelConfig(preset="tiny", hidden_size=h, intermediate_size=f, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=e,
+                       num_experts_per_tok=2).resolved(320)
+    experts = layers * e * 3 * h * f
+    dense, local = num_parameters(mcfg) - experts, experts // ep
+
+    def all_reduce(numel, n):  # rank 0's share of a ring all-reduce, fp32 (comm.Comm)
+        return 0 if n == 1 else 2 * (numel - -(-numel // n)) * 4
+
+    forwards = 2 if recompute else 1
+    for rec in metrics(run_dir):
+        rows = rec["ep_rows_sent"]
+        assert rows % forwards == 0 and rows > 0
+        want_ep = (layers * micro_steps * forwards * e * 8 * (ep - 1) // ep
+                   + (rows + rows // forwards) * h * 4 + all_reduce(1, ep))
+        assert rec["comm_bytes"]["ep"] == want_ep, rec
+        assert rec["comm_bytes"].get("edp", 0) == all_reduce(local, world // ep)
+        assert rec["comm_bytes"]["dp"] == all_reduce(dense, world)
+
+
 def test_ep2_trains_as_one_process(corpus, cache_dir, tmp_path):
     """2 ranks, 2 experts each (ZeRO 0 and 1): each rank's 4 sequences are one micro-batch
-    of the single-process run."""
+    of the single-process run; with gradient accumulation and activation checkpointing (the
+    recomputed forward repeats the all-to-alls; ZeRO-3 re-gathers the experts' unit), two
+    micro-batches of 2."""
     want, weights = _single(corpus, cache_dir, tmp_path / "single", 4)
+    want2, weights2 = _single(corpus, cache_dir, tmp_path / "single2", 2)
+    accum = {"parallel__ep": 2, "train__micro_batch_size": 2,
+             "train__activation_checkpointing": "true"}
     runs = [("ep2", {"parallel__ep": 2}),
-            ("ep2_zero1", {"parallel__ep": 2, "parallel__zero_stage": 1})]
+            ("ep2_zero1", {"parallel__ep": 2, "parallel__zero_stage": 1}),
+            ("ep2_accum_ac", accum),
+            ("ep2_accum_ac_zero3", {**accum, "parallel__zero_stage": 3})]
     run_distributed(_runs, 2, corpus, cache_dir, tmp_path, runs)
     for name, _ in runs:
-        _assert_equal(tmp_path / name, want, weights, name)
+        ref = (want2, weights2) if "accum" in name else (want, weights)
+        _assert_equal(tmp_path / name, *ref, name)
+    _assert_exact_bytes(tmp_path / "ep2", 2, 2, 1, False)
+    _assert_exact_bytes(tmp_path / "ep2_accum_ac", 2, 2, 2, True)
 
 
 def test_ep_layouts_on_four_ranks_train_as_one_process(corpus, cache_dir, tmp_path):
@@ -195,6 +234,8 @@ def test_ep_layouts_on_four_ranks_train_as_one_process(corpus, cache_dir, tmp_pa
     run_distributed(_runs, 4, corpus, cache_dir, tmp_path, runs)
     for name, _ in runs:
         _assert_equal(tmp_path / name, want, weights, name)
+    _assert_exact_bytes(tmp_path / "ep4", 4, 4, 1, False)
+    _assert_exact_bytes(tmp_path / "ep2_dp2", 4, 2, 1, False)
 
 
 def test_ep2_with_tp2_trains_as_one_process(corpus, cache_dir, tmp_path):

@@ -257,6 +257,11 @@ def train_step(run: Run, step: int, trace: list | None = None
     # a mixture of experts adds its router losses (threefold.moe.RouterLog: per micro-batch,
     # weighted by its loss units); the logged loss stays the task's own
     router = RouterLog(run.model_cfg) if run.model_cfg.num_local_experts else None
+    ep = getattr(getattr(lay, "dims", None), "ep", 1) > 1
+    if ep:  # count this step's rows only (not evaluation's)
+        from threefold.parallel.expert import take_rows_sent
+
+        take_rows_sent(eng.model)
     for i, mb in enumerate(micro):
         with eng.micro_step(last=i == len(micro) - 1):
             with timed(f"F mb{i}"):
@@ -279,6 +284,8 @@ def train_step(run: Run, step: int, trace: list | None = None
     metrics = {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras}
     if router is not None:  # data-parallel ranks' sums (parallel.layout allows no other axis)
         metrics.update(router.metrics(n, lay.sum_over_dp, lambda v: _sum_over_dp(lay, v)))
+        if ep:  # this rank's (the log's: rank 0's)
+            metrics["ep_rows_sent"] = take_rows_sent(eng.model)
     return lay.sum_over_dp(loss_sum), norm, metrics
 
 

@@ -64,6 +64,7 @@ class Dispatcher:
     def __init__(self, comm, num_experts: int):
         self.comm, self.ep = comm, comm.size(AXIS)
         self.local = num_experts // self.ep
+        self.rows_sent = 0  # rows this rank sent to other ranks, dispatch and combine
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
         ep, local = self.ep, self.local
@@ -72,6 +73,8 @@ class Dispatcher:
         self.comm.all_to_all_single(recv_counts, send_counts, AXIS)  # (source, local expert)
         send = send_counts.sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
+        me = self.comm.rank(AXIS)
+        self.rows_sent += sum(send) - send[me] + sum(recv) - recv[me]
         got = _AllToAll.apply(rows, self.comm, recv, send)  # grouped by source, then expert
         # source-major -> expert-major: segment (s, e) starts at starts[s, e] in `got`; in
         # expert-major order the segments are (e, s), position i of segment j taking row
@@ -105,6 +108,19 @@ def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
                 p._ep_sharded, p._ep_index, p._ep_count = True, r, ep
             m.dispatch = Dispatcher(comm, e)
     return model
+
+
+def take_rows_sent(model: nn.Module) -> int:
+    """Rows this rank's MoE layers sent to other ep ranks (dispatch and combine, forwards
+    only, recomputed ones included) since the last call; the counters restart at 0. Each
+    backward sends the same rows again, so the step's all-to-all bytes on ep are
+    (forward rows + backward rows) · h · element size + the count exchanges."""
+    total = 0
+    for m in model.modules():
+        d = getattr(m, "dispatch", None)
+        if isinstance(d, Dispatcher):
+            total, d.rows_sent = total + d.rows_sent, 0
+    return total
 
 
 def ep_sharded(p: torch.Tensor) -> bool:
