@@ -67,8 +67,10 @@ def test_ep_layouts_are_checked_before_launch():
         check(("parallel.ep", "4"), ("model.num_local_experts", "6"), mcfg=mcfg)
     with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
         check(("parallel.tp", "2"), ("parallel.sequence_parallel", "true"))
-    with pytest.raises(ConfigError, match="parallel.pp=2"):
+    with pytest.raises(ConfigError, match="model.router_aux_loss_per_layer: parallel.pp=2"):
         check(("parallel.pp", "2"))
+    check(("parallel.pp", "2"), ("model.router_aux_loss_per_layer", "true"))
+    check(("parallel.pp", "2"), ("model.router_aux_loss_coef", "0"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,6 +238,25 @@ def test_ep_layouts_on_four_ranks_train_as_one_process(corpus, cache_dir, tmp_pa
         _assert_equal(tmp_path / name, want, weights, name)
     _assert_exact_bytes(tmp_path / "ep4", 4, 4, 1, False)
     _assert_exact_bytes(tmp_path / "ep2_dp2", 4, 2, 1, False)
+
+
+def test_ep2_with_pp2_trains_as_one_process(corpus, cache_dir, tmp_path):
+    """ep2 × pp2 (1F1B; and zero-bubble with ZeRO-1), the load-balancing loss per layer:
+    each stage adds its layers' router terms in its own backward; the logged router losses
+    and counts are summed over the stages. dp 2, two micro-batches of 2 per rank."""
+    from threefold.train import train
+
+    per_layer = {"model__router_aux_loss_per_layer": "true", "train__micro_batch_size": 2}
+    ref = tmp_path / "single"
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, **{
+        **MOE, "train__steps": 3, **per_layer})))
+    want, weights = metrics(ref), final_weights(ref)
+    runs = [("ep2_pp2", {"parallel__ep": 2, "parallel__pp": 2, **per_layer}),
+            ("ep2_pp2_zb_zero1", {"parallel__ep": 2, "parallel__pp": 2, **per_layer,
+                                  "parallel__schedule": "zb-h1", "parallel__zero_stage": 1})]
+    run_distributed(_runs, 4, corpus, cache_dir, tmp_path, runs)
+    for name, _ in runs:
+        _assert_equal(tmp_path / name, want, weights, name)
 
 
 def test_ep2_with_tp2_trains_as_one_process(corpus, cache_dir, tmp_path):

@@ -125,6 +125,10 @@ class ModelConfig:
                                      "(Switch/Mixtral; 0.02 as Mixtral-8x7B's config.json)")
     router_z_loss_coef: float = _f(0.0, "weight of the router z-loss mean(logsumexp(logits)²) "
                                    "(ST-MoE suggests 0.001; 0 = off, as Mixtral)")
+    router_aux_loss_per_layer: bool = _f(False, "load-balancing loss per layer, averaged over "
+                                         "layers (Megatron/DeepSeek style; what pipeline "
+                                         "parallelism needs), instead of f and P pooled over "
+                                         "all layers first (transformers' Mixtral)")
 
     def resolved(self, vocab_size: int | None = None) -> "ModelConfig":
         """A copy with every None filled from the preset (and vocab from the tokenizer)."""

@@ -163,18 +163,29 @@ def take_router_stats(model: nn.Module) -> list[RouterStats]:
     return out
 
 
-def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+def load_balancing_loss(stats: list[RouterStats], num_experts: int,
+                        per_layer: bool = False, layers: int | None = None) -> torch.Tensor:
     """E · Σ_i f_i · P_i with f and P pooled over the layers' rows (see the module doc);
-    gradients reach the router through P only (f is a count)."""
+    gradients reach the router through P only (f is a count). ``per_layer``: each layer's
+    E · Σ_i f_li · P_li, summed and divided by ``layers`` (default: those in ``stats``; a
+    pipeline stage passes the model's, so the stages' terms add up to the mean)."""
+    if per_layer:
+        each = [num_experts * (s.counts.float() / s.tokens * s.prob_sum / s.tokens).sum()
+                for s in stats]
+        return torch.stack(each).sum() / (layers or len(stats))
     rows = sum(s.tokens for s in stats)
     f = torch.stack([s.counts for s in stats]).sum(0).float() / rows
     p = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
     return num_experts * (f * p).sum()
 
 
-def router_z_loss(stats: list[RouterStats]) -> torch.Tensor:
-    """Mean over layers and tokens of logsumexp(router logits)²."""
-    return torch.stack([s.z_sum for s in stats]).sum() / sum(s.tokens for s in stats)
+def router_z_loss(stats: list[RouterStats], layers: int | None = None) -> torch.Tensor:
+    """Mean over layers and tokens of logsumexp(router logits)² (over ``layers`` layers
+    when ``stats`` holds only some of them: a pipeline stage's)."""
+    z = torch.stack([s.z_sum for s in stats]).sum()
+    if layers is None:
+        return z / sum(s.tokens for s in stats)
+    return z / (layers * stats[0].tokens)
 
 
 class RouterLog:
@@ -193,12 +204,19 @@ class RouterLog:
         self.aux = self.z = 0.0
         self.counts = torch.zeros(cfg.num_local_experts, dtype=torch.int64)
 
-    def add(self, model: nn.Module, count: int) -> torch.Tensor:
+    def add(self, model: nn.Module, count: int, part: bool = False) -> torch.Tensor:
         """Take the blocks' statistics of the forward just run; return the router term to add
-        to that micro-batch's summed loss (count = its loss units, e.g. target tokens)."""
+        to that micro-batch's summed loss (count = its loss units, e.g. target tokens).
+        ``part``: ``model`` holds only some of the layers (a pipeline chunk, which needs the
+        per-layer loss); its terms are shares of the whole model's, to be summed over the
+        chunks."""
         stats = take_router_stats(model)
-        aux = load_balancing_loss(stats, self.cfg.num_local_experts)
-        z = router_z_loss(stats)
+        if not stats:  # a chunk without MoE layers
+            return None
+        layers = self.cfg.num_hidden_layers if part else None
+        aux = load_balancing_loss(stats, self.cfg.num_local_experts,
+                                  self.cfg.router_aux_loss_per_layer, layers)
+        z = router_z_loss(stats, layers)
         self.aux += float(aux.detach()) * count
         self.z += float(z.detach()) * count
         self.counts += torch.stack([s.counts for s in stats]).sum(0).cpu()

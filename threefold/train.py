@@ -106,6 +106,7 @@ class Run:
     layout: Any
     out: Path
     task: Any = None
+    router_log: Any = None  # the step's RouterLog of a mixture of experts (train_step)
 
     def forward(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model on a micro-batch dict (positions and document ids when it has them)."""
@@ -160,9 +161,20 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         layout.build_pipeline(engine, run.loss, lambda: _autocast(run), mcfg.hidden_size,
                               task_loss=(lambda out, mb: task_loss(run, out, mb))
                               if task_loss else None,
-                              metric_names=task.metric_names if task_loss else ())
+                              metric_names=task.metric_names if task_loss else (),
+                              extra_loss=_pipeline_router_term(run)
+                              if mcfg.num_local_experts else None)
     task.setup(run)
     return run
+
+
+def _pipeline_router_term(run: Run):
+    """A pipeline stage's router losses: after each forward of a chunk, the router term of
+    that chunk's MoE layers for the micro-batch (``RouterLog.add`` with ``part``), into the
+    step's ``run.router_log``."""
+    def term(chunk, mb):
+        return run.router_log.add(chunk, run.task.count(mb), part=True)
+    return term
 
 
 def _pretrained(cfg: Config):
@@ -246,6 +258,16 @@ def train_step(run: Run, step: int, trace: list | None = None
     loss_sum = torch.zeros((), dtype=torch.float32, device=run.device)
     extras: dict[str, torch.Tensor] = {}
     pipe = getattr(lay, "pipeline", None)
+    # a mixture of experts adds its router losses (threefold.moe.RouterLog: per micro-batch,
+    # weighted by its loss units; in a pipeline per chunk, _pipeline_router_term); the
+    # logged loss stays the task's own
+    router = RouterLog(run.model_cfg) if run.model_cfg.num_local_experts else None
+    run.router_log = router
+    ep = getattr(getattr(lay, "dims", None), "ep", 1) > 1
+    if ep:  # count this step's rows only (not evaluation's)
+        from threefold.parallel.expert import take_rows_sent
+
+        take_rows_sent(eng.model)
     if pipe is not None:  # the schedule runs every micro-batch's forward and backward
         # a traced step waits for the device after each action (execution, not queueing)
         pipe.sync_timing = trace is not None and run.device.type == "cuda"
@@ -254,14 +276,6 @@ def train_step(run: Run, step: int, trace: list | None = None
         if trace is not None:
             trace.extend(pipe.records)
         micro = []
-    # a mixture of experts adds its router losses (threefold.moe.RouterLog: per micro-batch,
-    # weighted by its loss units); the logged loss stays the task's own
-    router = RouterLog(run.model_cfg) if run.model_cfg.num_local_experts else None
-    ep = getattr(getattr(lay, "dims", None), "ep", 1) > 1
-    if ep:  # count this step's rows only (not evaluation's)
-        from threefold.parallel.expert import take_rows_sent
-
-        take_rows_sent(eng.model)
     for i, mb in enumerate(micro):
         with eng.micro_step(last=i == len(micro) - 1):
             with timed(f"F mb{i}"):
@@ -282,11 +296,21 @@ def train_step(run: Run, step: int, trace: list | None = None
     with timed("optimizer step"):
         eng.step(lr_at(step, run.cfg))
     metrics = {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras}
-    if router is not None:  # data-parallel ranks' sums (parallel.layout allows no other axis)
-        metrics.update(router.metrics(n, lay.sum_over_dp, lambda v: _sum_over_dp(lay, v)))
+    if router is not None:  # sums over the data-parallel ranks (and pipeline stages)
+        metrics.update(router.metrics(n, lambda v: _sum_router(lay, v, scalar=True),
+                                      lambda v: _sum_router(lay, v)))
         if ep:  # this rank's (the log's: rank 0's)
             metrics["ep_rows_sent"] = take_rows_sent(eng.model)
     return lay.sum_over_dp(loss_sum), norm, metrics
+
+
+def _sum_router(lay, v: torch.Tensor, scalar: bool = False):
+    """A router figure summed over data-parallel ranks and, in a pipeline, over the stages
+    (each holds the terms of its layers); a float for ``scalar``."""
+    v = _sum_over_dp(lay, v.detach().double().reshape(-1) if scalar else v)
+    if getattr(lay, "pipeline", None) is not None:
+        lay.control.all_reduce(v, "pp")
+    return float(v) if scalar else v
 
 
 def _sum_over_dp(lay, v: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,7 @@ class Distributed:
         return rank_model(self.chunks)
 
     def build_pipeline(self, engine, loss_fn, micro_context, hidden: int,
-                       task_loss=None, metric_names=()) -> None:
+                       task_loss=None, metric_names=(), extra_loss=None) -> None:
         """The executor of this rank's schedule (pp > 1), once the engine exists;
         ``task_loss``/``metric_names`` as ``PipelineExecutor`` takes them (a task's own loss
         on the last stage)."""
@@ -113,7 +113,7 @@ class Distributed:
             self.pp_rank, self.comm, loss_fn, micro_context=micro_context,
             grad_sync=engine.micro_step, loss_comm=self.control,
             activation_shape=lambda ids: (ids.shape[0], ids.shape[1] // split, hidden),
-            task_loss=task_loss, metric_names=metric_names)
+            task_loss=task_loss, metric_names=metric_names, extra_loss=extra_loss)
 
     def _tie_pipeline_ends(self, model) -> None:
         """Tied embeddings under pipeline parallelism (Megatron's embedding group): the first

@@ -136,8 +136,8 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     pipeline split fit the layers; the schedule must be complete and free of deadlock for
     its microbatches. A mixture of experts (``model.num_local_experts``) takes data
     parallelism, ZeRO, expert parallelism (``parallel.ep`` dividing the experts; ep needs
-    experts) and tensor parallelism without sequence parallelism; not pipeline or context
-    parallelism yet. Raises ConfigError naming the field and a value that works."""
+    experts), tensor parallelism without sequence parallelism and pipeline parallelism with
+    the per-layer load-balancing loss; not context parallelism yet. Raises ConfigError naming the field and a value that works."""
     from threefold.config import ConfigError
     from threefold.mesh import ParallelDims
 
@@ -145,8 +145,15 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     dims = ParallelDims.from_config(p, world_size)
     experts = (mcfg.num_local_experts if mcfg is not None
                else cfg.model.resolved(vocab_size=1).num_local_experts)
-    model_axes = [f"parallel.{a}={getattr(dims, a)}" for a in ("pp", "cp")
-                  if getattr(dims, a) > 1]
+    model_axes = [f"parallel.cp={dims.cp}"] if dims.cp > 1 else []
+    m = mcfg if mcfg is not None else cfg.model
+    if experts and dims.pp > 1 and m.router_aux_loss_coef > 0 \
+            and not m.router_aux_loss_per_layer:
+        raise ConfigError(f"model.router_aux_loss_per_layer: parallel.pp={dims.pp} with a "
+                          "mixture of experts needs the load-balancing loss per layer (a stage "
+                          "cannot pool f and P over the other stages' layers): set "
+                          "model.router_aux_loss_per_layer true, or model.router_aux_loss_coef "
+                          "0")
     if p.sequence_parallel and dims.tp > 1:
         model_axes.append("parallel.sequence_parallel=true")
     if experts and model_axes:

@@ -189,6 +189,20 @@ def _unpack(mb) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return inputs, labels, extra
 
 
+class _AddInBackward(torch.autograd.Function):
+    """Identity on ``x``; in backward, also the gradient 1 for the scalar ``term``: the term
+    joins the objective at this stage although the loss is computed on another."""
+
+    @staticmethod
+    def forward(ctx, x, term):
+        ctx.term_shape, ctx.term_dtype = term.shape, term.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.ones(ctx.term_shape, dtype=ctx.term_dtype, device=g.device)
+
+
 class PipelineExecutor:
     """Runs one rank's share of a pipeline schedule, step after step.
 
@@ -210,6 +224,12 @@ class PipelineExecutor:
     chunks' parameter dtype). On a GPU the trace shows when work was queued unless the
     attribute ``sync_timing`` is set: then it waits for the device after each action (exact
     durations, at the cost of any overlap).
+    ``extra_loss(chunk, microbatch)``, when given, is called after every training forward of
+    a chunk and returns None or a scalar to add to the objective there (a mixture of
+    experts' router losses of that chunk's layers, ``threefold.moe.RouterLog``), divided by
+    the step's count like the loss: on the last stage it joins the loss, elsewhere it
+    enters the backward through the chunk's output (``_AddInBackward``); the logged loss
+    leaves it out.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], schedule: str, p: int, m: int, v: int,
@@ -218,7 +238,9 @@ class PipelineExecutor:
                  grad_sync: Callable[[bool], ContextManager] | None = None,
                  loss_comm=None, activation_shape: Callable | None = None,
                  activation_dtype: torch.dtype | None = None, trace_rank: int | None = None,
-                 task_loss: Callable | None = None, metric_names: Sequence[str] = ()):
+                 task_loss: Callable | None = None, metric_names: Sequence[str] = (),
+                 extra_loss: Callable | None = None):
+        self.extra_loss = extra_loss
         self.actions = checked_schedule(schedule, p, m, v)[pp_rank]
         self.n = num_stages(schedule, p, v)
         if len(chunks) != self.n // p:
@@ -336,6 +358,13 @@ class PipelineExecutor:
             x = x.detach().requires_grad_(not self._forward_only)
         with self.micro_context():
             out = self.chunks[a.chunk](x, **extra)
+        term = None
+        if self.extra_loss is not None and not self._forward_only:
+            term = self.extra_loss(self.chunks[a.chunk], self._raw[a.microbatch])
+            if term is not None:
+                term = term / self._n_tokens
+                if a.stage < self.n - 1:
+                    out = _AddInBackward.apply(out, term)
         if a.stage == self.n - 1:
             if self._task_loss is not None:  # the task's own loss over the whole microbatch
                 total, more = self._task_loss(out, self._raw[a.microbatch])
@@ -347,6 +376,8 @@ class PipelineExecutor:
             else:
                 out = self.loss_fn(out, labels) / self._n_tokens
             self._loss += out.detach().double()
+            if term is not None:
+                out = out + term
         elif stage_rank(a.stage + 1, self.p) == self.pp_rank:  # next stage here: hand over
             self._handoff_f[(a.microbatch, a.stage + 1)] = out.detach()
         if not self._forward_only:
