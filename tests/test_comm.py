@@ -251,8 +251,9 @@ def test_world_of_one_needs_no_process_group(monkeypatch):
         comm.batch_isend_irecv([("send", t, 1)])
     with pytest.raises(ValueError, match="expected 1 × 4"):
         comm.reduce_scatter(out, torch.ones(8), "dp")
+    assert comm.size("ep") == comm.size("edp") == 1  # expert axes exist, of one rank here
     with pytest.raises(KeyError, match="unknown mesh axis"):
-        comm.size("ep")
+        comm.size("xp")
     with pytest.raises(ValueError, match="needs a mesh"):
         Comm(ParallelDims.from_config(ParallelConfig(), 2))
 

@@ -321,3 +321,26 @@ def test_checkpoints_reshard_across_ep_layouts(first, second, corpus, cache_dir,
         assert set(a[kind]) == set(b[kind])
         for k in a[kind]:
             torch.testing.assert_close(a[kind][k], b[kind][k], rtol=1e-4, atol=2e-5, msg=k)
+
+
+def test_per_layer_load_balancing_splits_over_stages():
+    """The per-layer loss is the mean of each layer's E·Σ f·P (each layer alone pooled);
+    computed on two halves of the layers with the model's layer count, the halves add up
+    to it (what each pipeline stage contributes); the z-loss likewise."""
+    from threefold.moe import RouterStats, load_balancing_loss, router_z_loss
+
+    g = torch.Generator().manual_seed(0)
+    stats = []
+    for _ in range(4):
+        probs = torch.softmax(torch.randn(10, 6, generator=g), -1)
+        counts = torch.bincount(torch.topk(probs, 2).indices.reshape(-1), minlength=6)
+        stats.append(RouterStats(probs.sum(0), counts, torch.rand((), generator=g), 10))
+    whole = load_balancing_loss(stats, 6, per_layer=True)
+    each = torch.stack([load_balancing_loss([s], 6) for s in stats])
+    torch.testing.assert_close(whole, each.mean())
+    assert not torch.allclose(whole, load_balancing_loss(stats, 6))  # not the pooled one
+    halves = [load_balancing_loss(part, 6, per_layer=True, layers=4)
+              for part in (stats[:1], stats[1:])]
+    torch.testing.assert_close(sum(halves), whole)
+    z = [router_z_loss(part, layers=4) for part in (stats[:1], stats[1:])]
+    torch.testing.assert_close(sum(z), router_z_loss(stats))
