@@ -344,3 +344,22 @@ def test_per_layer_load_balancing_splits_over_stages():
     torch.testing.assert_close(sum(halves), whole)
     z = [router_z_loss(part, layers=4) for part in (stats[:1], stats[1:])]
     torch.testing.assert_close(sum(z), router_z_loss(stats))
+
+
+def test_shared_expert_under_ep_trains_as_one_process(corpus, cache_dir, tmp_path):
+    """A Qwen2-MoE-style block (shared expert, top-k weights not renormalised) under ep2,
+    with ZeRO 0 and 3: the shared expert is a dense weight (reduced over dp, in the
+    layer's ZeRO unit), the routed experts are split."""
+    qwen = {"model__shared_expert_intermediate_size": 48, "model__norm_topk_prob": "false"}
+    ref = tmp_path / "single"
+    from threefold.train import train
+
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, **{
+        **MOE, **qwen, "train__steps": 3, "train__micro_batch_size": 4})))
+    want, weights = metrics(ref), final_weights(ref)
+    assert any("shared_expert_gate" in k for k in weights)
+    runs = [(f"ep2_shared_zero{z}", {**qwen, "parallel__ep": 2, "parallel__zero_stage": z})
+            for z in (0, 3)]
+    run_distributed(_runs, 2, corpus, cache_dir, tmp_path, runs)
+    for name, _ in runs:
+        _assert_equal(tmp_path / name, want, weights, name)

@@ -422,3 +422,46 @@ def test_data_parallel_and_zero_train_as_one_process(corpus, cache_dir, tmp_path
         assert [r["expert_counts"] for r in got] == [r["expert_counts"] for r in want], name
         for k, w in final_weights(tmp_path / name).items():
             torch.testing.assert_close(w, weights[k], rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen2-MoE-style options: a shared expert, no renormalisation of the top-k weights
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("normalise", [False, True])
+def test_shared_expert_block_equals_qwen2_moe(normalise):
+    """With ``shared_expert_intermediate_size`` and ``norm_topk_prob`` our block holds the
+    parameters of transformers' Qwen2MoeSparseMoeBlock under the same names and computes
+    the same output and input gradient (≤ 1e-5); the parameter count includes the shared
+    expert and its gate, always active."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    cfg = moe_cfg(shared_expert_intermediate_size=40, norm_topk_prob=normalise)
+    ours = SparseMoeBlock(cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    hcfg = transformers.Qwen2MoeConfig(
+        hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.intermediate_size,
+        shared_expert_intermediate_size=40, num_experts=cfg.num_local_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=normalise)
+    theirs = Qwen2MoeSparseMoeBlock(hcfg)
+    theirs.load_state_dict(ours.state_dict(), strict=True)  # the same names and shapes
+    x = torch.randn(3, 7, cfg.hidden_size, generator=g)
+    dy = torch.randn(3, 7, cfg.hidden_size, generator=g)
+    outs = []
+    for block in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        y = block(xi)
+        (y * dy).sum().backward()
+        outs.append((y.detach(), xi.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+    full = moe_cfg(shared_expert_intermediate_size=40)
+    shared = 3 * 64 * 40 + 64
+    assert num_parameters(full) == num_parameters(moe_cfg()) + 2 * shared
+    assert active_parameters(full) == active_parameters(moe_cfg()) + 2 * shared
+    with torch.device("meta"):
+        assert sum(p.numel() for p in LlamaForCausalLM(full).parameters()) == num_parameters(full)
+    with pytest.raises(ConfigError, match="model.shared_expert_intermediate_size"):
+        hf.config_json(full) if hasattr(hf, "config_json") else hf._family(full)

@@ -125,6 +125,13 @@ class ModelConfig:
                                      "(Switch/Mixtral; 0.02 as Mixtral-8x7B's config.json)")
     router_z_loss_coef: float = _f(0.0, "weight of the router z-loss mean(logsumexp(logits)²) "
                                    "(ST-MoE suggests 0.001; 0 = off, as Mixtral)")
+    shared_expert_intermediate_size: int = _f(0, "width of a shared expert beside the routed "
+                                              "ones, every token through it, its output "
+                                              "scaled by sigmoid(x · shared_expert_gate) "
+                                              "(Qwen2-MoE); 0 = none (Mixtral)")
+    norm_topk_prob: bool = _f(True, "renormalise the k chosen router probabilities to sum to "
+                              "one (Mixtral; false: the softmax values as they are, as "
+                              "Qwen1.5-MoE's norm_topk_prob false)")
     router_aux_loss_per_layer: bool = _f(False, "load-balancing loss per layer, averaged over "
                                          "layers (Megatron/DeepSeek style; what pipeline "
                                          "parallelism needs), instead of f and P pooled over "
@@ -420,6 +427,8 @@ def validate(cfg: Config) -> None:
         _need(1 <= r.num_experts_per_tok <= r.num_local_experts,
               f"model.num_experts_per_tok: {r.num_experts_per_tok} must be between 1 and "
               f"model.num_local_experts={r.num_local_experts}")
+    _need(m.shared_expert_intermediate_size >= 0,
+          "model.shared_expert_intermediate_size: must be >= 0 (0 = no shared expert)")
     _need(m.router_aux_loss_coef >= 0 and m.router_z_loss_coef >= 0,
           "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
     _need(d.vocab_size >= 260, f"data.vocab_size: {d.vocab_size} is too small; use at least 260 "

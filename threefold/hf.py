@@ -76,6 +76,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out.update({p + "mlp.gate.weight": (e, h),
                         p + "mlp.experts.gate_up_proj": (e, 2 * f, h),
                         p + "mlp.experts.down_proj": (e, h, f)})
+            fs = cfg.shared_expert_intermediate_size
+            if fs:  # Qwen2-MoE's shared expert and its gate
+                out.update({p + "mlp.shared_expert.gate_proj.weight": (fs, h),
+                            p + "mlp.shared_expert.up_proj.weight": (fs, h),
+                            p + "mlp.shared_expert.down_proj.weight": (h, fs),
+                            p + "mlp.shared_expert_gate.weight": (1, h)})
         else:
             out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
                         p + "mlp.down_proj.weight": (h, f)})
@@ -142,6 +148,13 @@ def _family(cfg: ModelConfig) -> dict:
     (no sliding window, no router jitter: what threefold.moe computes)."""
     if not cfg.num_local_experts:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    if cfg.shared_expert_intermediate_size or not cfg.norm_topk_prob:
+        from threefold.config import ConfigError
+
+        raise ConfigError("model.shared_expert_intermediate_size / model.norm_topk_prob: "
+                          "Mixtral has no shared expert and always renormalises; exporting "
+                          "these Qwen2-MoE-style options to Hugging Face is not built (the "
+                          "Qwen2-MoE family also has attention biases threefold lacks)")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "num_local_experts": cfg.num_local_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok,

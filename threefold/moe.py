@@ -55,13 +55,18 @@ class RouterStats:
     tokens: int
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, normalise: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits (N, E) -> (probabilities (N, E) fp32, top-k weights (N, k) fp32 renormalised
     to sum to one, top-k expert ids (N, k)): softmax first, then top-k, then renormalise (the
-    Mixtral order; softmax over only the k chosen logits is the same numbers)."""
+    Mixtral order; softmax over only the k chosen logits is the same numbers). Without
+    ``normalise`` the k weights are the softmax values themselves (Qwen2-MoE's
+    ``norm_topk_prob`` false)."""
     probs = F.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
-    return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+    if normalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights, experts
 
 
 class TopKRouter(nn.Module):
@@ -123,8 +128,23 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token goes through (Qwen2-MoE's ``mlp.shared_expert``)."""
+
+    def __init__(self, h: int, f: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class SparseMoeBlock(nn.Module):
-    """Top-k routed experts in place of a block's MLP (HF's ``MixtralSparseMoeBlock``).
+    """Top-k routed experts in place of a block's MLP (HF's ``MixtralSparseMoeBlock``), with
+    ``shared_expert_intermediate_size`` also a shared expert whose output, scaled by
+    sigmoid(x · ``shared_expert_gate``), is added (HF's ``Qwen2MoeSparseMoeBlock``).
 
     Each forward leaves its ``RouterStats`` in ``router_stats`` for the trainer's router
     losses (``take_router_stats``); a later forward replaces them."""
@@ -132,8 +152,14 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
+        self.normalise = cfg.norm_topk_prob
         self.gate = TopKRouter(cfg)
         self.experts = Experts(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         self.router_stats: RouterStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,12 +167,15 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
-        probs, weights, experts = route(logits, self.top_k)
+        probs, weights, experts = route(logits, self.top_k, self.normalise)
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         self.router_stats = RouterStats(probs.sum(0), counts,
                                         torch.logsumexp(logits.float(), -1).pow(2).sum(),
                                         x.shape[0])
-        return self.experts(x, experts, weights, counts).reshape(shape)
+        y = self.experts(x, experts, weights, counts)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.reshape(shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,8 +273,11 @@ def expert_parameters(cfg: ModelConfig) -> int:
 
 
 def moe_layer_parameters(cfg: ModelConfig) -> int:
-    """Weights of one MoE feed-forward: the router and all experts."""
-    return cfg.num_local_experts * (cfg.hidden_size + expert_parameters(cfg))
+    """Weights of one MoE feed-forward: the router and all experts (and a shared expert with
+    its gate)."""
+    h, fs = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    shared = 3 * h * fs + h if fs else 0
+    return cfg.num_local_experts * (h + expert_parameters(cfg)) + shared
 
 
 def inactive_parameters(cfg: ModelConfig) -> int:
