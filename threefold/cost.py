@@ -60,7 +60,13 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first (
 # over "dp_shard_cp" (dp_shard × cp) instead of "dp_shard".
 FLATTENED_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
                   "dp_shard_cp": ("dp_shard", "cp")}
-COMM_AXES = MESH_ORDER + tuple(FLATTENED_AXES)
+# Expert parallelism (threefold.parallel.expert, threefold.mesh.EXPERT_AXES): "ep" (the ranks
+# that split one layer's experts: the innermost ep of dp_shard), "edp_shard" (dp_shard/ep: the
+# ranks holding the same experts within dp_shard, over which ZeRO shards the expert units) and
+# "edp" (dp/ep: every rank holding the same experts, over which plain data parallelism
+# all-reduces their gradients).
+EXPERT_AXES = ("ep", "edp_shard", "edp")
+COMM_AXES = MESH_ORDER + tuple(FLATTENED_AXES) + EXPERT_AXES
 CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -155,6 +161,9 @@ class Layout:
     # AdamW's state and the fp32 master in host memory, the step run there
     # (``parallel.offload_optimizer``, threefold.parallel.offload)
     offload_optimizer: bool = False
+    # expert parallelism (``parallel.ep``, a mixture of experts only): each MoE layer's experts
+    # split over ep ranks, the innermost ep of dp_shard
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -198,9 +207,21 @@ class Layout:
         """Gradient bucket size in bytes, as ``threefold.parallel.data`` computes it."""
         return int(self.bucket_mb * 2**20)
 
+    @property
+    def edp_shard(self) -> int:
+        """Ranks of dp_shard holding the same experts: dp_shard / ep (ZeRO shards the expert
+        units over them)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel ranks holding the same experts: dp / ep (plain data parallelism
+        all-reduces the expert gradients over them)."""
+        return self.dp // self.ep
+
     def size(self, axis: str) -> int:
         """Degree of the named mesh axis (or of a flattened one, e.g. "dp" = dp_replicate ·
-        dp_shard, "dp_cp", "dp_shard_cp")."""
+        dp_shard, "dp_cp", "dp_shard_cp"; or of an expert axis, "ep", "edp_shard", "edp")."""
         if axis in FLATTENED_AXES:
             return math.prod(getattr(self, a) for a in FLATTENED_AXES[axis])
         return getattr(self, axis)
@@ -224,7 +245,7 @@ class Layout:
                    recompute="full" if cfg.train.activation_checkpointing else "none",
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
                    bucket_mb=p.bucket_mb, cp=p.cp, cp_algorithm=p.cp_algorithm,
-                   offload_optimizer=p.offload_optimizer,
+                   offload_optimizer=p.offload_optimizer, ep=p.ep,
                    pipeline_split=(f"flops:{cfg.data.seq_len}" if p.pipeline_split == "flops"
                                    else p.pipeline_split))
 
@@ -336,6 +357,7 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
         raise LayoutError(f"cp={layout.cp}: seq_len {work.seq_len} is not divisible by 2·cp "
                           "(each cp rank holds two balanced chunks)")
     tp_shard(cfg, layout.tp)
+    check_experts(cfg, layout)
     chunks = layout.pp * layout.vpp
     if cfg.num_hidden_layers < chunks:  # uneven splits are fine: see pipeline_layers
         raise LayoutError(f"pp·vpp={chunks} is more than the {cfg.num_hidden_layers} layers "
@@ -348,6 +370,33 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if layout.pipeline_schedule == "interleaved-1f1b" and (layout.pp < 2 or m % layout.pp):
         raise LayoutError(f"interleaved 1F1B needs pp >= 2 and microbatches ({m}) a multiple "
                           f"of pp ({layout.pp})")
+
+
+def check_experts(cfg: ModelConfig, layout: Layout) -> None:
+    """LayoutError naming the field for a layout the runtime's mixture of experts does not
+    take (``threefold.parallel.layout.validate_layout``): ep must divide the experts and
+    dp_shard, ep needs experts; experts train under data, expert, tensor (without sequence
+    parallelism) and pipeline parallelism and ZeRO, not under context parallelism."""
+    e, ep = cfg.num_local_experts or 0, layout.ep
+    if ep < 1:
+        raise LayoutError(f"parallel.ep: must be >= 1, got {ep}")
+    if not e:
+        if ep > 1:
+            raise LayoutError(f"parallel.ep: {ep} needs a mixture of experts "
+                              "(model.num_local_experts > 0); set parallel.ep 1")
+        return
+    if e % ep:
+        raise LayoutError(f"parallel.ep: {ep} does not divide model.num_local_experts={e}")
+    if layout.dp_shard % ep:
+        raise LayoutError(f"parallel.ep: {ep} does not divide parallel.dp_shard="
+                          f"{layout.dp_shard} (expert-parallel ranks are part of dp_shard)")
+    if layout.cp > 1:
+        raise LayoutError(f"parallel.cp: {layout.cp} with a mixture of experts "
+                          f"(model.num_local_experts={e}): not supported yet; set parallel.cp 1")
+    if layout.sp:
+        raise LayoutError(f"parallel.sequence_parallel: tp={layout.tp} with a mixture of "
+                          f"experts (model.num_local_experts={e}) runs without sequence "
+                          "parallelism; set parallel.sequence_parallel false")
 
 
 def local_seq_len(layout: Layout, work: Workload) -> int:
@@ -370,16 +419,37 @@ def microbatches(layout: Layout, work: Workload) -> int:
 def layer_parameters_per_rank(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     """(tp-sharded, tp-replicated) weights of one block on one rank, as the FLOPs see them: the
     replicated ones are the two RMSNorm weights; a replicated kv projection counts as the one
-    kv head the rank computes with."""
+    kv head the rank computes with. A mixture of experts' feed-forward is in neither (it is
+    whole on every tp rank and a token uses k of its experts: ``moe_matmul_parameters``)."""
     sh, h, hd = tp_shard(cfg, tp), cfg.hidden_size, cfg.head_dim
-    sharded = 2 * h * sh.heads * hd + 2 * h * sh.kv_heads * hd + 3 * h * sh.ffn
+    mlp = 0 if cfg.num_local_experts else 3 * h * sh.ffn
+    sharded = 2 * h * sh.heads * hd + 2 * h * sh.kv_heads * hd + mlp
     return sharded, 2 * h
+
+
+def _moe_key(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(experts E, experts per token k, shared expert width), (0, 0, 0) for a dense model."""
+    if not cfg.num_local_experts:
+        return (0, 0, 0)
+    return (cfg.num_local_experts, cfg.num_experts_per_tok,
+            getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+
+
+def moe_matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights of one MoE feed-forward that take part in a matmul per token: the router
+    (E·h), the token's k experts (3·h·f each) and a shared expert with its gate. 0 for a
+    dense model. Not split by tp (the runtime keeps the MoE whole on every tp rank)."""
+    e, k, fs = _moe_key(cfg)
+    if not e:
+        return 0
+    h = cfg.hidden_size
+    return e * h + k * 3 * h * cfg.intermediate_size + (3 * h * fs + h if fs else 0)
 
 
 def _shape_key(cfg: ModelConfig) -> tuple:
     return (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers,
-            bool(cfg.tie_word_embeddings))
+            bool(cfg.tie_word_embeddings), _moe_key(cfg))
 
 
 @lru_cache(maxsize=4096)
@@ -392,17 +462,40 @@ def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> tuple
             sh.ffn * h, sh.ffn * h, h * sh.ffn)
 
 
+@lru_cache(maxsize=4096)
+def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tuple, ep: int
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the block's parameters, its expert tensors held apart) on one tp and ep rank, in
+    registration order. Dense: (``_block_numels``, ()). A mixture of experts (HF Mixtral
+    names, threefold.moe): the norms and attention, then ``mlp.gate`` (E·h),
+    ``mlp.experts.gate_up_proj`` (E/ep·2f·h), ``mlp.experts.down_proj`` (E/ep·h·f), a shared
+    expert (gate/up/down, then its 1×h gate); the MoE is whole on every tp rank. With ep > 1
+    the two expert tensors are held apart (the runtime's engines treat them apart: their own
+    ZeRO unit, their own gradient buckets), else they are in the block."""
+    dense = _block_numels(h, a, kv, f, vocab, tp)
+    e, _, fs = moe
+    if not e:
+        return dense, ()
+    router = (e * h,)
+    experts = ((e // ep) * 2 * f * h, (e // ep) * h * f)
+    shared = (fs * h, fs * h, h * fs, h) if fs else ()
+    if ep == 1:
+        return dense[:6] + router + experts + shared, ()
+    return dense[:6] + router + shared, experts
+
+
 def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
     """Elements of each parameter of one block held by one tp rank, in the order the model
-    registers them (a replicated k/v projection is held whole)."""
-    h, a, kv, f, vocab, _, _ = _shape_key(cfg)
-    return _block_numels(h, a, kv, f, vocab, tp)
+    registers them (a replicated k/v projection is held whole; a mixture of experts' every
+    expert, as without expert parallelism)."""
+    h, a, kv, f, vocab, _, _, moe = _shape_key(cfg)
+    return _layer_numels(h, a, kv, f, vocab, tp, moe, 1)[0]
 
 
 @lru_cache(maxsize=4096)
 def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> tuple[int, ...]:
-    h, a, kv, f, vocab, n_layers, tied = key
-    layer = sum(_block_numels(h, a, kv, f, vocab, 1))
+    h, a, kv, f, vocab, n_layers, tied, moe = key
+    layer = sum(_layer_numels(h, a, kv, f, vocab, 1, moe, 1)[0])  # every expert
     emb = vocab * h
     if split.startswith("flops"):  # "flops:T", as stage.stage_costs counts them at length T
         try:
@@ -410,7 +503,11 @@ def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> t
         except (IndexError, ValueError):
             raise LayoutError(f"pipeline_split '{split}': the planner needs 'flops:SEQ_LEN'") \
                 from None
-        per_block = 6.0 * (layer - 2 * h) + 12.0 * a * (h // a) * t
+        # stage_costs counts the nn.Linear weights: of a mixture of experts, the attention's
+        # and a shared expert's (the router and the 3-D expert tensors are not Linears)
+        linear = layer - 2 * h if not moe[0] else \
+            sum(_block_numels(h, a, kv, f, vocab, 1)[1:5]) + (3 * h * moe[2] + h if moe[2] else 0)
+        per_block = 6.0 * linear + 12.0 * a * (h // a) * t
         return split_counts("flops", [per_block] * n_layers, n_stages, 0.0, 6.0 * emb)
     return split_counts(split, [float(layer)] * n_layers, n_stages, float(emb),
                         float(h + (0 if tied else emb)))
@@ -439,11 +536,11 @@ def _rank_layers(key: tuple, p: int, v: int, split: str, stage: int) -> int:
 
 
 @lru_cache(maxsize=65536)
-def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int
+def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep: int = 1
                  ) -> tuple[tuple[int, ...], ...]:
-    h, a, kv, f, vocab, n_layers, tied = key
+    h, a, kv, f, vocab, n_layers, tied, moe = key
     emb = _tp_shard(h, a, kv, f, vocab, tp).vocab * h
-    block = _block_numels(h, a, kv, f, vocab, tp)
+    block = _layer_numels(h, a, kv, f, vocab, tp, moe, ep)[0]
     units: list[tuple[int, ...]] = []
     if stage == 0 and not (tied and p == 1):
         units.append((emb,))
@@ -462,9 +559,24 @@ def stage_units(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[tuple[int
     groups them into units, in forward order: the embedding, each block, the final norm, the
     LM head (each a tuple of parameter sizes in registration order). With tied embeddings on
     one stage the shared weight is one *root* unit, listed last (``ZeroEngine`` does so); in
-    registration order it comes first (``parameter_numels``)."""
+    registration order it comes first (``parameter_numels``). Under expert parallelism
+    (ep > 1) a block's expert tensors are not in its unit: ``stage_expert_units``."""
     return _stage_units(_shape_key(cfg), layout.tp, layout.pp, layout.vpp,
-                        layout.pipeline_split, stage)
+                        layout.pipeline_split, stage, layout.ep)
+
+
+def stage_expert_units(cfg: ModelConfig, layout: Layout, stage: int
+                       ) -> tuple[tuple[int, ...], ...]:
+    """Under expert parallelism (ep > 1), the expert tensors one rank of ``stage`` holds,
+    one unit per block (gate_up_proj, down_proj of its E/ep experts): the runtime's ZeRO
+    shards each over "edp_shard" (padded to a multiple of dp_shard/ep), its data parallelism
+    all-reduces them over "edp" in buckets of their own. () without ep (the experts are then
+    in their blocks' units) or for a dense model."""
+    h, a, kv, f, vocab, _, _, moe = _shape_key(cfg)
+    experts = _layer_numels(h, a, kv, f, vocab, layout.tp, moe, layout.ep)[1]
+    if not experts:
+        return ()
+    return (experts,) * rank_layers(cfg, layout, stage)
 
 
 def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[int]:
@@ -479,19 +591,24 @@ def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[i
 
 def owned_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """Parameters one rank of ``stage`` updates: all it holds, or under ZeRO its shard of
-    each unit (padded to a multiple of dp_shard·cp, as ``threefold.parallel.zero`` pads)."""
+    each unit (padded to a multiple of dp_shard·cp, as ``threefold.parallel.zero`` pads; an
+    expert unit to a multiple of dp_shard/ep, its shard group)."""
     n = layout.shard_size if layout.zero_stage else 1
-    return sum(-(-sum(u) // n) for u in stage_units(cfg, layout, stage))
+    ne = layout.edp_shard if layout.zero_stage else 1
+    return sum(-(-sum(u) // n) for u in stage_units(cfg, layout, stage)) \
+        + sum(-(-sum(u) // ne) for u in stage_expert_units(cfg, layout, stage))
 
 
 def stage_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
-    """Parameters held by one rank of pipeline stage ``stage`` (tp-sharded, vocabulary padded)."""
-    return sum(sum(u) for u in stage_units(cfg, layout, stage))
+    """Parameters held by one rank of pipeline stage ``stage`` (tp-sharded, vocabulary padded;
+    of a mixture of experts, the rank's E/ep experts per block)."""
+    return sum(sum(u) for u in stage_units(cfg, layout, stage)) \
+        + sum(sum(u) for u in stage_expert_units(cfg, layout, stage))
 
 
 def largest_unit_parameters(cfg: ModelConfig, tp: int) -> int:
     """Largest unit of weights ZeRO-3 gathers at once on one rank: a transformer block or the
-    embedding/head shard (DeepSpeed's 'largest layer')."""
+    embedding/head shard (DeepSpeed's 'largest layer'); without expert parallelism."""
     return max(sum(block_parameter_numels(cfg, tp)), tp_shard(cfg, tp).vocab * cfg.hidden_size)
 
 
@@ -531,13 +648,16 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     padded vocabulary and recomputation. Backward is twice forward (input and weight grads);
     full recompute re-runs each block's forward, selective only the attention core
     (Korthikanti et al., arXiv 2205.05198 §5). Under cp a rank computes its seq_len/cp tokens,
-    each attending over all seq_len keys."""
+    each attending over all seq_len keys. A mixture of experts' feed-forward costs its
+    router and k experts per token (``moe_matmul_parameters``) on every tp rank (it is not
+    split by tp); under expert parallelism a rank computes the rows routed to its experts,
+    N·k in expectation under uniform routing, the same FLOPs."""
     sh, h, hd, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.seq_len
     tokens = layout.microbatch_size * local_seq_len(layout, work)
     layers = rank_layers(cfg, layout, stage)
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
     core = 4 * s * sh.heads * hd  # QK^T and AV per token, no causal halving (as PaLM)
-    layer_fwd = tokens * (2 * sharded + core)
+    layer_fwd = tokens * (2 * sharded + 2 * moe_matmul_parameters(cfg) + core)
     fwd = layers * layer_fwd
     bwd = 2 * fwd
     if layout.recompute == "full":
@@ -571,7 +691,14 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
     the forward (or only the softmax, when selective). The last stage (``stage`` None: the
     last) adds the loss over its vocabulary shard, in fp32: forward reads the logits twice
     (max, sum of exponentials) and writes the (log-)softmax, backward fills and reads the
-    gradients and writes the logits' gradient, 8 passes of 4·V/t bytes."""
+    gradients and writes the logits' gradient, 8 passes of 4·V/t bytes.
+
+    A mixture of experts (whole on every tp rank): SwiGLU's traffic is that of its k
+    experts' rows (and a shared expert), k·f + f_shared wide per token; moving each of the
+    k rows per token (gather by expert, the router weight's product, the add back) reads
+    and writes about 4r + 3d bytes per element forward, twice that backward; the router's
+    softmax and top-k read and write 4·E·4 bytes per token. An approximation: the dense
+    terms are counted op by op, these are not."""
     sh, h, hd, d, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.act_bytes, \
         work.seq_len
     r = work.resid_bytes
@@ -580,12 +707,18 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
     split = layout.tp if layout.sp else 1
     qk = (sh.heads + sh.kv_heads) * hd
     softmax = 0 if work.flash_attention else 2 * d * sh.heads * s
+    e, k, fs = _moe_key(cfg)
+    ffn, moe_tok = sh.ffn, 0.0
+    if e:
+        ffn = k * cfg.intermediate_size + fs
+        moe_tok = k * (4 * r + 3 * d) * h + 16 * e
     if work.eager:
-        fwd_tok = r * (2 * 7 + 2 * 3) * h / split + 12 * d * qk + 5 * d * sh.ffn + softmax
-        bwd_tok = r * (2 * 21 + 2 * 3) * h / split + 9 * r * h + 13 * d * qk + 9 * d * sh.ffn \
-            + 2 * softmax
+        fwd_tok = r * (2 * 7 + 2 * 3) * h / split + 12 * d * qk + 5 * d * ffn + softmax \
+            + moe_tok
+        bwd_tok = r * (2 * 21 + 2 * 3) * h / split + 9 * r * h + 13 * d * qk + 9 * d * ffn \
+            + 2 * softmax + 2 * moe_tok
     else:
-        fwd_tok = 10 * r * h / split + 2 * d * qk + 3 * d * sh.ffn + softmax
+        fwd_tok = 10 * r * h / split + 2 * d * qk + 3 * d * ffn + softmax + moe_tok
         bwd_tok = 2 * fwd_tok
     fwd, bwd = layers * tokens * fwd_tok, layers * tokens * bwd_tok
     if layout.recompute == "full":
@@ -643,7 +776,7 @@ class Collective:
     one ring-attention block, forward or backward)."""
 
     axis: str
-    op: str  # all_reduce | all_gather | reduce_scatter | p2p
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
     numel: int
     elem: int
     count: int
@@ -663,7 +796,7 @@ class Collective:
         if self.op == "all_reduce":  # every chunk but its own, twice (tensor_split chunks)
             q, r = divmod(numel, n)
             return 2 * (numel - q - (1 if index < r else 0)) * self.elem
-        if self.op in ("all_gather", "reduce_scatter"):
+        if self.op in ("all_gather", "reduce_scatter", "all_to_all"):  # all_to_all: even split
             return (n - 1) * numel // n * self.elem
         return numel * self.elem  # p2p
 
@@ -712,6 +845,23 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     dp_replicate > 1, every unit's gradient shard is all-reduced over dp_replicate, and the
     gradient norm all-reduces 2 fp32 scalars over dp_shard. Weights and gradients move in
     ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say otherwise.
+    Mixture of experts (``threefold.moe``, ``threefold.parallel.expert``): the MoE is whole on
+    every tp rank, so only the attention has tp collectives (one all-reduce per layer each
+    way, and the recomputed attention's). With ep > 1, per MoE layer and microbatch, on "ep"
+    (all-to-alls, on the critical path): the count exchange, E int64 split evenly over the ep
+    ranks; dispatch, the rank's N·k (token, expert) rows (N = b·s tokens) of h elements in the
+    residual dtype (the MLP's input) to the experts' ranks, and combine, the rows back in the
+    matmul dtype (the experts' output); backward, their gradients, the same sizes. Bytes sent
+    are the uniform-routing expectation, (ep−1)/ep of the rows leaving the rank each way:
+    4·N·k·(ep−1)/ep·h elements + E·8·(ep−1)/ep bytes per layer, or under full recompute (the
+    forward's three all-to-alls again) 6·N·k·(ep−1)/ep·h + 2·E·8·(ep−1)/ep; real routing
+    varies around it. The expert tensors' gradients: ZeRO-0 all-reduces them over "edp"
+    (dp/ep) in buckets of their own (the dense ones over "dp" as always) and the gradient
+    norm all-reduces one fp32 over "ep"; ZeRO 1-3 makes each block's experts a unit of its
+    own over "edp_shard" (dp_shard/ep), padded to a multiple of it, with the dense units'
+    collectives (stage 3 under full recompute gathers it a third time: the recomputed forward
+    runs before the unit's backward hook) and, with dp_replicate > 1, its shard gradient
+    all-reduced over dp_replicate.
     cp (``threefold.parallel.context``), per microbatch and layer: the attention's K/V moves,
     ``cp_bytes_per_attention`` of this rank's K and V (2·b·kv heads per tp rank·s/cp·head_dim
     in the matmul dtype), its forward twice under recompute. Ring: point-to-point hops of the
@@ -730,6 +880,8 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     x = b * s * h
     first, last = int(stage == 0), int(stage == p - 1)
     rec = layers if layout.recompute == "full" else 0
+    e, k, _ = _moe_key(cfg)
+    subs = 1 if e else 2  # sub-layers with tp collectives: attention (and a dense MLP)
     out: list[Collective] = []
 
     def add(axis, op, numel, elem, count, group, per_mb, overlap):
@@ -745,8 +897,8 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
         add("tp", "all_gather", x, d, 2 * layers, t, True, "none")
         add("tp", "all_reduce", h, g, 2 * layers + last, t, True, "none")
     else:
-        add("tp", "all_reduce", x, r, 2 * layers + first + last, t, True, "none")
-        add("tp", "all_reduce", x, d, 2 * layers + rec, t, True, "none")
+        add("tp", "all_reduce", x, r, subs * layers + first + last, t, True, "none")
+        add("tp", "all_reduce", x, d, subs * layers + rec, t, True, "none")
     add("tp", "all_reduce", b * s, 4, 3 * last, t, True, "none")
     sh = tp_shard(cfg, t)
     if sh.kv_replicas > 1:
@@ -769,10 +921,24 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     if layout.cp > 1:
         _cp_attention(add, layout, sh.kv_heads * cfg.head_dim, b * s, d, layers)
 
+    ep = layout.ep if e else 1
+    if ep > 1:
+        forwards = 2 if layout.recompute == "full" else 1
+        rows = b * s * k  # (token, expert) assignments of this rank's tokens
+        add("ep", "all_to_all", e, 8, layers * forwards, ep, True, "none")  # counts
+        add("ep", "all_to_all", rows * h, r, layers * (forwards + 1), ep, True, "none")
+        add("ep", "all_to_all", rows * h, d, layers * (forwards + 1), ep, True, "none")
+    experts = stage_expert_units(cfg, layout, stage)
+
     ns, nr, z = layout.shard_size, layout.dp_replicate, layout.zero_stage
     if z == 0:
         for numel, count in Counter(gradient_buckets(cfg, layout, g, stage)).items():
             add(layout.data_axis, "all_reduce", numel, g, count, ns * nr, False, "last")
+        flat = tuple(n for unit in experts for n in unit)
+        for numel, count in Counter(_buckets(flat, g, layout.bucket_bytes)).items():
+            add("edp", "all_reduce", numel, g, count, layout.edp, False, "last")
+        if experts:
+            add("ep", "all_reduce", 1, 4, 1, ep, False, "step")  # experts' share of the norm
         return out
     units = list(stage_units(cfg, layout, stage))
     # a tied root unit (``ZeroEngine``'s last) stays gathered from the step's first forward
@@ -784,6 +950,10 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     if root is not None:
         _zero_unit(add, ax, z, -(-sum(root) // ns) * ns, 1, ns, nr, g, pb,
                    per_step_gathers=True)
+    ne = layout.edp_shard
+    for unit, count in Counter(-(-sum(u) // ne) * ne for u in experts).items():
+        _zero_unit(add, "edp_shard", z, unit, count, ne, nr, g, pb, per_step_gathers=False,
+                   extra_gathers=int(layout.recompute == "full"))
     add(ax, "all_reduce", 2, 4, 1, ns, False, "step")  # gradient norm
     return out
 
@@ -807,9 +977,10 @@ def _cp_attention(add, layout: Layout, kv_width: int, tokens: int, d: int, layer
 
 
 def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int, g: int,
-               pb: int, per_step_gathers: bool) -> None:
+               pb: int, per_step_gathers: bool, extra_gathers: int = 0) -> None:
     """The collectives of ``count`` ZeRO units of ``padded`` elements over ``axis`` (see
-    ``collectives``)."""
+    ``collectives``); ``extra_gathers`` more stage-3 gathers per microbatch (an expert unit's
+    in a recomputed forward)."""
     if z in (1, 2):
         add(axis, "reduce_scatter", padded, g, count, ns, False,
             "step" if z == 1 else "last")
@@ -820,7 +991,7 @@ def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int
     else:
         add(axis, "reduce_scatter", padded, g, count, ns, True, "backward")
         add(axis, "all_gather", padded, pb, count, ns, True, "forward")
-        add(axis, "all_gather", padded, pb, count, ns, True, "backward")
+        add(axis, "all_gather", padded, pb, count * (1 + extra_gathers), ns, True, "backward")
     add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
 
 
@@ -876,7 +1047,12 @@ def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------
 def axis_stride(layout: Layout, axis: str) -> int:
     """Rank distance between neighbours of ``axis``: product of the inner axes' degrees (for a
-    flattened axis, whose parts are adjacent in the mesh, that of its innermost part)."""
+    flattened axis, whose parts are adjacent in the mesh, that of its innermost part). The
+    expert axes (threefold.mesh): "ep" is the innermost ep of dp_shard (dp_shard's stride),
+    "edp_shard" the rest of dp_shard (ep times that), "edp" edp_shard then dp_replicate."""
+    if axis in EXPERT_AXES:
+        inner = axis_stride(layout, "dp_shard")
+        return inner if axis == "ep" else inner * layout.ep
     if axis in FLATTENED_AXES:
         axis = FLATTENED_AXES[axis][-1]
     i = MESH_ORDER.index(axis)
@@ -960,6 +1136,8 @@ class StepPrediction:
     optimizer_s: float = 0.0  # the optimiser step's memory traffic, after the last backward
     offload_s: float = 0.0  # optimiser offload: gradients down and parameters up over PCIe
     cp_exposed_s: float = 0.0  # context-parallel K/V traffic not hidden behind attention
+    # expert-parallel all-to-alls (uniform-routing expectation), on the critical path
+    ep_exposed_s: float = 0.0
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
@@ -978,7 +1156,9 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     anything, as in Megatron-LM of 2021). Context parallelism's cp traffic runs on the link
     the cp axis crosses: each ring hop of K/V hides behind the attention of one block (the
     rank's queries against one rank's keys: 1/cp of the layer's attention FLOPs), the dK/dV
-    hops and the allgather algorithm's all-gather and reduce-scatter are exposed. The pipeline then takes m·T_slowest plus the bubble,
+    hops and the allgather algorithm's all-gather and reduce-scatter are exposed. Expert
+    parallelism's all-to-alls (their uniform-routing expectation) run on the link the ep axis
+    crosses and are exposed: each MoE layer waits for its tokens. The pipeline then takes m·T_slowest plus the bubble,
     (bubble/ideal ratio of the schedule)·m·T_mean. The optimiser step adds its memory traffic
     (``ADAMW_ACCESSES_PER_PARAM`` fp32 accesses per parameter the rank updates: Ψ, or Ψ/N
     under ZeRO) over the HBM bandwidth, when that is known. With ``layout.offload_optimizer``
@@ -1038,7 +1218,8 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
         hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m), optimizer_s=opt_s,
         offload_s=off_s,
-        inter_node_axes=tuple(a for a in COMM_AXES if inter[a]), cp_exposed_s=m * exp["cp"])
+        inter_node_axes=tuple(a for a in COMM_AXES if inter[a]), cp_exposed_s=m * exp["cp"],
+        ep_exposed_s=m * exp["ep"])
 
 
 def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
@@ -1140,10 +1321,10 @@ def _attention_block_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
 def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
                   bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0)
                   ) -> tuple[dict[str, float], float]:
-    """({tp, pp, cp, dp}: exposed seconds per microbatch, exposed dp seconds once per step)
+    """({tp, pp, cp, ep, dp}: exposed seconds per microbatch, exposed dp seconds once per step)
     for one stage, applying the overlap rules of ``predict_step``; ``attention_block`` is
     the (forward, backward) time a ring hop may hide behind."""
-    exposed = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "dp": 0.0}
+    exposed = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": 0.0}
     step_dp = 0.0
     groups: dict[tuple[str, str], float] = {}
     tails: dict[tuple[str, str], float] = {}
@@ -1152,7 +1333,7 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
             continue
         lat, bw = links[c.axis]
         one = c.time(lat, bw)
-        kind = c.axis if c.axis in ("tp", "pp", "cp") else "dp"
+        kind = c.axis if c.axis in ("tp", "pp", "cp", "ep") else "dp"
         if c.overlap.startswith("attention-"):  # each hop behind one block's attention
             window = attention_block[0 if c.overlap == "attention-forward" else 1]
             exposed[kind] += c.count * max(0.0, one - window)
