@@ -122,7 +122,8 @@ def test_coords_and_groups_of_a_2x2x2_layout():
     assert d.axis_ranks(5, "world") == list(range(8))
     d = dims(8, pp=2, dp_shard=2, tp=2)
     assert d.coords(6) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0, "dp": 1,
-                           "dp_cp": 1, "dp_shard_cp": 1, "world": 6}
+                           "dp_cp": 1, "dp_shard_cp": 1, "world": 6,
+                           "ep": 0, "edp_shard": 1, "edp": 1}
     assert d.axis_ranks(6, "pp") == [2, 6] and d.axis_ranks(6, "dp") == [4, 6]
     # cp between dp_shard and tp: rank = dp_shard·4 + cp·2 + tp
     d = dims(8, dp_shard=2, cp=2, tp=2)
