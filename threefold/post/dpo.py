@@ -30,9 +30,9 @@ chosen reward is strictly larger, and ``logps/chosen`` / ``logps/rejected``.
 Reference: this is the issue's "precomputed log-probs" option. The policy equals the reference
 at step 0, so ``setup`` scores every pair (training and validation) once with the initial
 policy, before any update, with no gradient, through ``run.forward`` / ``run.loss``: the same
-code as training, so it works under every layout (every rank scores every pair; under tensor
-parallelism or ZeRO-3 the ranks need each other's collectives anyway) and needs no second
-model in memory. On resume the reference is scored again from the same initial weights
+code as training, so it works under every layout (the data-parallel ranks share the pairs
+out and sum their scores: each pair is scored by one dp rank, with its tp / pipeline peers)
+and needs no second model in memory. On resume the reference is scored again from the same initial weights
 (``checkpoint.init_from``, or the seed's initialisation), before the checkpoint is loaded.
 At step 0, then, Δ = 0 and the loss is ln 2 for any β and ε. Scoring costs one forward per
 pair over the whole data set at start-up.
@@ -247,7 +247,12 @@ class DPOTask:
     def reference_logps(self, run, sampler: PairSampler) -> np.ndarray:
         """(n, 2) summed log-probs of every pair's chosen and rejected response under the
         model as it is now. Micro-batches have the training shape (the last one is filled up
-        with repeats), so a pair scores the same here as in the first training step."""
+        with repeats), so a pair scores the same here as in the first training step.
+
+        The micro-batches are shared out over the data-parallel ranks (micro-batch i to dp
+        rank i mod dp; every rank runs the same number of forwards, the last ones repeats,
+        so ZeRO-3's gathers stay in step) and the scores summed over dp (a rank's rows are
+        zero elsewhere): the data set is scored once, not once per rank."""
         lay = run.layout
         mb = min(run.cfg.train.micro_batch_size, run.cfg.train.global_batch_size // lay.dp_size)
         out = np.zeros((sampler.n, 2), dtype=np.float64)
@@ -257,12 +262,22 @@ class DPOTask:
             items = [sampler.tensors(i) for i in idx + [idx[0]] * (mb - len(idx))]
             micro = {k: t.to(run.device) for k, t in stack_items(items).items()}
             micros.append((idx, micro))
+        dp, rank = lay.dp_size, lay.dp_rank
+        mine = micros[rank::dp]
+        rounds = -(-len(micros) // dp)
+        mine += [([], micros[0][1])] * (rounds - len(mine))  # repeats, not recorded
         pipe = getattr(lay, "pipeline", None)
         if pipe is not None:
-            return self._pipelined_reference(run, pipe, micros, out)
-        for idx, micro in micros:
-            for col, logps in enumerate(pair_logps(run, micro)):
-                out[idx[0]:idx[-1] + 1, col] = logps[:len(idx)].double().cpu().numpy()
+            out = self._pipelined_reference(run, pipe, mine, out)
+        else:
+            for idx, micro in mine:
+                for col, logps in enumerate(pair_logps(run, micro)):
+                    if idx:
+                        out[idx[0]:idx[-1] + 1, col] = logps[:len(idx)].double().cpu().numpy()
+        if dp > 1:
+            ref = torch.from_numpy(out).to(run.device)
+            lay.control.all_reduce(ref, "dp")
+            out = ref.cpu().numpy()
         return out
 
     def _pipelined_reference(self, run, pipe, micros: list, out: np.ndarray) -> np.ndarray:
@@ -279,7 +294,7 @@ class DPOTask:
             pipe.evaluate([concatenated(micro) for _, micro in group]
                           + [concatenated(group[0][1])] * (pipe.m - len(group)), task_loss=score)
             for j, (idx, _) in enumerate(group):
-                if j in pipe.task_outputs:  # the last stage only
+                if idx and j in pipe.task_outputs:  # the last stage only
                     for col, logps in enumerate(halves(pipe.task_outputs[j]["logps"])):
                         out[idx[0]:idx[-1] + 1, col] = logps[:len(idx)].double().cpu().numpy()
         lay = run.layout
