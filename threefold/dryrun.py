@@ -23,6 +23,13 @@ The hardware it predicts for (no config field names it):
   are what the model, its gradients, optimiser and activations need, over the process's own
   footprint (interpreter, torch, data), which is not counted.
 
+A mixture of experts (``model.num_local_experts``) is predicted as the runtime runs it
+(``threefold.parallel.expert``): rank 0 holds its E/ep experts per block (the meta model is
+cut by ``apply_expert_parallel`` too), memory counts them and the MoE activations
+(``threefold.plan.memory_per_rank``), FLOPs and MFU the active parameters, and the bytes on
+"ep" are the uniform-routing expectation of the all-to-alls (the runtime's measured figure,
+``ep_rows_sent`` in metrics.jsonl, varies with the routing).
+
 With ``parallel.offload_optimizer`` the report adds host memory per rank (and per node, the
 ranks of a node sharing it) apart from the device's, and the bytes each rank moves between
 device and host per step.
@@ -38,6 +45,7 @@ from threefold.config import Config, ConfigError, ModelConfig
 from threefold.cost import (
     COMM_AXES,
     Layout,
+    active_parameters,
     StepPrediction,
     Workload,
     check_layout,
@@ -51,8 +59,9 @@ from threefold.cost import (
     stage_parameters,
 )
 from threefold.hardware import Cluster, Hardware, get_hardware, hardware_for_device_name
-from threefold.memory import RUNTIME_OVERHEAD_BYTES, MemoryBreakdown, memory_per_gpu
+from threefold.memory import RUNTIME_OVERHEAD_BYTES, MemoryBreakdown
 from threefold.parallel.layout import validate_layout
+from threefold.plan import memory_per_rank
 
 ENV_HARDWARE = "THREEFOLD_HARDWARE"
 ENV_GPUS_PER_NODE = "THREEFOLD_GPUS_PER_NODE"
@@ -84,12 +93,12 @@ class _MetaComm:
     this rank's index); it issues no collective until the model runs, which a dry run never
     does."""
 
-    def __init__(self, tp: int):
-        self.tp = tp
+    def __init__(self, tp: int, ep: int = 1):
+        self.tp, self.ep = tp, ep
 
     def size(self, axis: str) -> int:
-        """Ranks on ``axis`` (only tp is split here)."""
-        return self.tp if axis == "tp" else 1
+        """Ranks on ``axis`` (only tp and ep split the model here)."""
+        return {"tp": self.tp, "ep": self.ep}.get(axis, 1)
 
     def rank(self, axis: str) -> int:
         """Rank 0's index on every axis."""
@@ -114,9 +123,9 @@ def resolved_model(cfg: Config) -> ModelConfig:
 
 def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
                           pp: int = 1, vpp: int = 1, split: str = "params",
-                          seq_len: int | None = None) -> tuple[int, int]:
-    """(whole model's parameters, rank 0's after the pipeline split and tensor parallelism),
-    counted on models built on the meta device: no weight is allocated."""
+                          seq_len: int | None = None, ep: int = 1) -> tuple[int, int]:
+    """(whole model's parameters, rank 0's after the pipeline split, tensor and expert
+    parallelism), counted on models built on the meta device: no weight is allocated."""
     import torch
 
     from threefold.model import LlamaForCausalLM
@@ -132,6 +141,10 @@ def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
         from threefold.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel)
+    if ep > 1:  # rank 0's E/ep experts of every MoE block
+        from threefold.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, _MetaComm(tp, ep))
     local = sum(p.numel() for p in model.parameters())
     return total, local
 
@@ -193,17 +206,13 @@ def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
 def predict(cfg: Config, world_size: int) -> DryRunResult:
     """Check ``cfg`` on ``world_size`` ranks and predict its step (no printing)."""
     mcfg = resolved_model(cfg)
-    if mcfg.num_local_experts:
-        raise ConfigError(f"model.num_local_experts: {mcfg.num_local_experts} experts; the dry "
-                          "run's cost and memory model does not cover a mixture of experts yet "
-                          "(threefold.cost.num_parameters and active_parameters count them)")
     dims = validate_layout(cfg, world_size, mcfg)
     notes = list(dims.notes)
     layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)
     check_layout(mcfg, layout, work)
     p = cfg.parallel
     total, local = meta_parameter_counts(mcfg, dims.tp, p.sequence_parallel, dims.pp, p.vpp,
-                                         p.pipeline_split, cfg.data.seq_len)
+                                         p.pipeline_split, cfg.data.seq_len, dims.ep)
     if total != num_parameters(mcfg) or local != stage_parameters(mcfg, layout, 0):
         raise RuntimeError(f"the planner counts {stage_parameters(mcfg, layout, 0)} parameters "
                            f"on rank 0 but the meta model holds {local}: cost.py has drifted "
@@ -222,8 +231,20 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
                          "below; 1f1b recomputes each block once")
     cluster, source = choose_hardware(cfg, world_size)
     on_cpu = source.startswith(("this CPU", "calibration"))
-    memory = memory_per_gpu(mcfg, layout, work,
-                            overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES)
+    memory = memory_per_rank(mcfg, layout, work,
+                             overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES)
+    if mcfg.num_local_experts:
+        e, ep = mcfg.num_local_experts, dims.ep
+        notes.append(f"mixture of experts: {e} experts per block, top-{mcfg.num_experts_per_tok}"
+                     f", {_count(active_parameters(mcfg))} of {_count(total)} parameters active "
+                     f"per token (FLOPs and MFU count these); ep {ep}: {e // ep} experts per "
+                     "rank" + (", expert gradients over edp (dp/ep)"
+                               if ep > 1 and not p.zero_stage else
+                               ", each block's experts a ZeRO unit over edp_shard (dp_shard/ep)"
+                               if ep > 1 else "")
+                     + ("; bytes on ep are the uniform-routing expectation (each rank sends "
+                        "(ep-1)/ep of its token-expert rows each way; real routing varies)"
+                        if ep > 1 else ""))
     step = None
     if cluster.hardware.peak_flops(work.precision):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
@@ -253,7 +274,8 @@ def format_report(r: DryRunResult, world: int) -> str:
         f"{lay.dp_shard} × "
         + (f"cp {lay.cp} ({lay.cp_algorithm}, {w.seq_len // lay.cp} tokens of each sequence "
            "per rank) × " if lay.cp > 1 else "")
-        + f"tp {lay.tp}; zero {lay.zero_stage}"
+        + f"tp {lay.tp}" + (f" (ep {lay.ep} inside dp_shard)" if lay.ep > 1 else "")
+        + f"; zero {lay.zero_stage}"
         + (" with the optimizer offloaded to the host" if lay.offload_optimizer else "")
         + ", sequence parallel "
         f"{'on' if lay.sp else 'off'}, recompute {lay.recompute}; micro-batch "
@@ -291,6 +313,7 @@ def format_report(r: DryRunResult, world: int) -> str:
         lines.append(
             f"step: {s.step_time_s:.4g} s (compute {s.compute_s:.3g}, tp {s.tp_exposed_s:.3g}, "
             + (f"cp {s.cp_exposed_s:.3g}, " if lay.cp > 1 else "")
+            + (f"ep {s.ep_exposed_s:.3g}, " if lay.ep > 1 else "")
             + f"dp {s.dp_exposed_s:.3g}, pp {s.pp_exposed_s:.3g}, bubble {s.bubble_s:.3g}, "
             f"optimizer {s.optimizer_s:.3g}"
             + (f", offload copies {s.offload_s:.3g}" if lay.offload_optimizer else "") + "); "

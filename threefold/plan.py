@@ -23,6 +23,15 @@ smallest needs), or how much slower the best one without cp is. Memory is threef
 
 The hardware is a catalogue GPU (``--gpu``, overridable) or this machine as measured by
 ``--calibrate`` (``threefold.calibrate``), read back with ``--hardware-file``.
+
+A mixture of experts (``model.num_local_experts``, threefold.moe) is planned as the runtime
+runs it (threefold.parallel.expert): the search adds the expert-parallel degree ep (every
+divisor of the experts that divides dp_shard, ``SearchSpace.ep``, ``--ep``); tp runs without
+sequence parallelism (the MoE is whole on every tp rank) and cp is not searched (the runtime
+refuses MoE with cp). Memory counts every expert a rank holds (E/ep per block, sharded by
+ZeRO over dp_shard/ep: ``memory_per_rank``); FLOPs and MFU the active parameters (the router
+and k experts per token); the ep all-to-alls are the uniform-routing expectation, exposed on
+the link the ep axis crosses (an ep group that leaves the node is flagged).
 """
 
 from __future__ import annotations
@@ -44,16 +53,33 @@ from threefold.cost import (
     LayoutError,
     StepPrediction,
     Workload,
+    _distinct_stages,
+    active_parameters,
     check_layout,
     compute_bound_step_time,
+    local_seq_len,
+    microbatches,
     num_parameters,
     predict_step,
+    rank_layers,
+    stage_expert_units,
+    stage_units,
     tp_shard,
 )
 from threefold.hardware import GPUS, Cluster, Hardware, get_hardware
-from threefold.memory import MemoryBreakdown, memory_per_gpu
+from threefold.memory import (
+    HOST_GRAD_BYTES,
+    HOST_MASTER_BYTES,
+    RUNTIME_OVERHEAD_BYTES,
+    MemoryBreakdown,
+    StateBytes,
+    inflight_microbatches,
+    memory_per_gpu,
+    stage_memory,
+    state_bytes_for,
+)
 
-JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "cp", "cp_algorithm", "zero_stage", "vpp",
+JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "ep", "cp", "cp_algorithm", "zero_stage", "vpp",
              "microbatch_size",
              "recompute", "offload_optimizer", "memory_bytes_per_gpu",
              "host_memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
@@ -84,6 +110,9 @@ class SearchSpace:
     # optimiser state in host memory (threefold.parallel.offload): (False,) = never, (True,)
     # = every layout offloads, (False, True) = search both
     offload_optimizer: tuple[bool, ...] = (False,)
+    # expert-parallel degrees (a mixture of experts only); None: every divisor of the experts
+    # that divides dp_shard
+    ep: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +155,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
         invalid[reason] = invalid.get(reason, 0) + n
 
     recompute, dropped = _recompute_options(space, work)
+    experts = cfg.num_local_experts or 0
     for tp in space.tp or _divisors(world):
         if world % tp:
             reject(f"tp={tp} does not divide {world} GPUs")
@@ -135,7 +165,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
         except LayoutError as e:
             reject(str(e))
             continue
-        for cp in _cp_degrees(world // tp, tp, work, space, reject):
+        for cp in _cp_degrees(world // tp, tp, work, space, reject, bool(experts)):
             algorithms = ("ring",) if cp == 1 else space.cp_algorithm
             for pp in space.pp or _divisors(world // (tp * cp)):
                 if (world // (tp * cp)) % pp:
@@ -158,30 +188,51 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                     reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms))
                 for alg, vpp, (zero, dp_r), mbs, rc, off in itertools.product(
                         algorithms, vpps, splits, sizes, recompute, space.offload_optimizer):
-                    lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
-                                 zero_stage=zero, vpp=vpp, microbatch_size=mbs, recompute=rc,
-                                 cp=cp, cp_algorithm=alg, offload_optimizer=off)
-                    try:
-                        check_layout(cfg, lay, work)
-                    except LayoutError as e:
-                        reject(_generic(str(e)))
-                        continue
-                    yield lay
+                    for ep in _ep_degrees(experts, dp // dp_r, space, reject):
+                        lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
+                                     zero_stage=zero, vpp=vpp, microbatch_size=mbs,
+                                     recompute=rc, cp=cp, cp_algorithm=alg,
+                                     offload_optimizer=off, ep=ep,
+                                     sequence_parallel=not experts)
+                        try:
+                            check_layout(cfg, lay, work)
+                        except LayoutError as e:
+                            reject(_generic(str(e)))
+                            continue
+                        yield lay
 
 
-def _cp_degrees(rest: int, tp: int, work: Workload, space: SearchSpace, reject) -> list[int]:
+def _ep_degrees(experts: int, dp_shard: int, space: SearchSpace, reject) -> list[int]:
+    """Expert-parallel degrees to try: 1 for a dense model; else ``space.ep`` (None: every
+    divisor of the experts) less those that do not divide dp_shard (ep ranks are part of
+    it; counted as skipped only when asked for)."""
+    if not experts:
+        return [1]
+    out = []
+    for ep in space.ep or _divisors(experts):
+        if experts % ep == 0 and dp_shard % ep == 0:
+            out.append(ep)
+        elif space.ep:
+            reject(f"ep={ep} does not divide both the {experts} experts and dp_shard")
+    return out
+
+
+def _cp_degrees(rest: int, tp: int, work: Workload, space: SearchSpace, reject,
+                moe: bool = False) -> list[int]:
     """cp degrees to try with ``tp``: ``space.cp`` (None: 1, and with ``seq_len >=
     CP_MIN_SEQ_LEN`` every divisor of ``rest`` = world/tp) less those the sequence does not
     split into (seq_len a multiple of 2·cp, each cp rank's seq_len/cp of tp for sequence
-    parallelism)."""
-    wanted = space.cp or ([1] if work.seq_len < CP_MIN_SEQ_LEN else _divisors(rest))
+    parallelism). A mixture of experts takes no cp (the runtime refuses it)."""
+    wanted = space.cp or ([1] if work.seq_len < CP_MIN_SEQ_LEN or moe else _divisors(rest))
     out = []
     for cp in wanted:
-        if rest % cp:
+        if moe and cp > 1:
+            reject(f"parallel.cp: cp > 1 with a mixture of experts (not supported yet)")
+        elif rest % cp:
             reject(f"tp·cp={tp * cp} does not divide the GPUs")
         elif cp > 1 and work.seq_len % (2 * cp):
             reject(f"cp={cp}: seq_len {work.seq_len} is not a multiple of 2·cp")
-        elif tp > 1 and (work.seq_len // cp) % tp:
+        elif tp > 1 and not moe and (work.seq_len // cp) % tp:
             reject(f"cp={cp}: seq_len/cp is not a multiple of tp={tp} (sequence parallel)")
         else:
             out.append(cp)
@@ -220,6 +271,141 @@ def _dp_splits(dp: int, space: SearchSpace, cp: int = 1) -> Iterator[tuple[int, 
                 yield zero, dp_r
 
 
+# --------------------------------------------------------------------------------------------
+# Memory of a mixture of experts (what threefold.memory does not count yet)
+# --------------------------------------------------------------------------------------------
+def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """Bytes one MoE block keeps for backward per microbatch on one rank beyond what
+    ``threefold.memory.block_activation_bytes`` counts for a dense block (whose SwiGLU term
+    4·d·f and MLP-input casts it replaces). Measured on ``threefold.moe.SparseMoeBlock``
+    (autograd's saved tensors, fp32 and bf16 autocast; tests/test_plan_moe.py), per token:
+    k rows of 4·d·f (its experts' SwiGLU) + (4 + 2d)·h (the rows as the experts' matmul
+    keeps them, their output, the fp32 product with the router weight) + 32 (indices and
+    weights); the router's fp32 probabilities and logits 8·E + 8; under autocast the
+    router's cast input d·h. A shared expert adds a dense SwiGLU's 4·d·f_s + 3·d·h (not
+    measured). Under ep a rank computes the rows routed to its experts: N·k in expectation
+    (uniform routing). 0 for a dense model. The MoE is whole on every tp rank."""
+    e, k = cfg.num_local_experts or 0, cfg.num_experts_per_tok or 0
+    if not e:
+        return 0.0
+    h, f, d, r = cfg.hidden_size, cfg.intermediate_size, work.act_bytes, work.resid_bytes
+    fs = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    tokens = layout.microbatch_size * local_seq_len(layout, work)
+    moe = k * (4 * d * f + (4 + 2 * d) * h + 32) + 8 * e + 8 + (0 if r == d else d * h)
+    if fs:
+        moe += 4 * d * fs + 3 * d * h
+    dense = 4 * d * tp_shard(cfg, layout.tp).ffn + (0 if r == d else 2 * d * h)
+    return float(tokens * (moe - dense))
+
+
+def moe_cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
+    """Under autocast with weights wider than the matmul dtype, the MoE weights cast for one
+    microbatch and kept for backward (``threefold.memory.cast_weight_bytes`` counts the dense
+    ones): every local expert that gets a row (all E/ep of them, in expectation), the router,
+    a shared expert; d bytes each."""
+    e = cfg.num_local_experts or 0
+    d = work.act_bytes
+    if not e or work.weight_bytes <= d:
+        return 0.0
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    fs = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    per_layer = e // layout.ep * 3 * h * f + e * h + (3 * h * fs + h if fs else 0)
+    return float(d * per_layer * rank_layers(cfg, layout, stage))
+
+
+def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
+                    state: StateBytes | None = None,
+                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
+    """``threefold.memory.memory_per_gpu``, and for a mixture of experts what it does not
+    count: the MoE blocks' activations and cast weights (``moe_block_extra_bytes``,
+    ``moe_cast_weight_bytes``) and, under expert parallelism, the expert tensors, which
+    ``cost.stage_units`` leaves out of the dense units: each rank holds E/ep experts per
+    block, plain data parallelism keeps them whole (weights, gradients, their own gradient
+    buckets, optimiser state), ZeRO shards each block's experts as one unit over
+    dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
+    (see ``threefold.memory._stage_memories``). A dense model's figure is unchanged."""
+    if not cfg.num_local_experts:
+        return memory_per_gpu(cfg, layout, work, state, overhead_bytes)
+    state = state or state_bytes_for(work)
+    return max((_moe_stage_memory(cfg, layout, work, st, state, overhead_bytes)
+                for st in _distinct_stages(cfg, layout)), key=lambda mb: mb.total)
+
+
+def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
+                      state: StateBytes, overhead_bytes: float) -> MemoryBreakdown:
+    mem = stage_memory(cfg, layout, work, stage, state, overhead_bytes)
+    m = microbatches(layout, work)
+    inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage)
+    extra = moe_block_extra_bytes(cfg, layout, work)
+    ch: dict[str, float] = {}
+    if layout.recompute == "full":  # blocks keep their input; the recomputed one all of it
+        ch["recompute_working"] = mem.recompute_working + extra
+    else:
+        ch["activations"] = mem.activations + extra * rank_layers(cfg, layout, stage) * inflight
+    ch["cast_weights"] = mem.cast_weights + moe_cast_weight_bytes(cfg, layout, work,
+                                                                  stage) * inflight
+    units = stage_expert_units(cfg, layout, stage)
+    if units:  # ep > 1: the expert units, sharded over edp_shard = dp_shard/ep under ZeRO
+        p, g, o = state.param, state.grad, state.optimizer
+        z, n, ne = layout.zero_stage, layout.shard_size, layout.edp_shard
+        psi = sum(sum(u) for u in units)
+        unit = sum(units[0])
+        padded = -(-unit // ne) * ne * len(units)
+        largest = max(sum(u) for u in stage_units(cfg, layout, stage))
+        bigger = max(0, unit - largest)  # the largest unit, if an expert unit is larger
+        bigger_shard = max(0, -(-unit // ne) - -(-largest // n))
+        owned = psi if z == 0 else padded / ne
+        params, opt = mem.params, mem.optimizer
+        grads, in_bwd, zero3 = mem.grads, mem.grads_in_backward, mem.zero3_working
+        buffers, temp = mem.buffers, mem.optimizer_working
+        opt_e = owned * o
+        if z == 0:
+            params += psi * p
+            grads += psi * g
+            buffers += psi * g  # the experts' gradient buckets (over edp)
+            in_bwd += psi * g if m > 1 else 0.0
+            temp_e = 2 * bigger * p
+        elif z in (1, 2):
+            params += padded * p + (0 if state.master_in_optimizer else owned * p)
+            grads += (padded + bigger) * g if z == 1 else \
+                (owned + (3 * bigger if z == 2 else 0)) * g
+            in_bwd += psi * g if m > 1 else 0.0
+            temp_e = 2 * bigger_shard * p
+        else:
+            params += owned * p
+            grads += (owned + 3 * bigger) * g
+            in_bwd += owned * g if m > 1 else 0.0
+            zero3 += unit * p  # the block's experts, gathered beside its dense unit
+            temp_e = 2 * bigger_shard * p
+        host, host_temp = mem.host, mem.host_working
+        if layout.offload_optimizer:
+            if z in (1, 2) and state.master_in_optimizer:
+                params += owned * p  # the device shard, no longer the master
+            host += owned * (o + HOST_GRAD_BYTES
+                             + (0 if state.master_in_optimizer else HOST_MASTER_BYTES))
+            host_temp += temp_e / p * HOST_MASTER_BYTES
+            opt_e = temp_e = 0.0
+        ch.update(params=params, optimizer=opt + opt_e, grads=grads, grads_in_backward=in_bwd,
+                  zero3_working=zero3, buffers=buffers, optimizer_working=temp + temp_e,
+                  host=host, host_working=host_temp)
+    return dataclasses.replace(mem, **ch)
+
+
+def moe_notes(cfg: ModelConfig, top: list[Candidate]) -> list[str]:
+    """What a user of a mixture of experts should know about the planned figures."""
+    if not cfg.num_local_experts:
+        return []
+    notes = ["mixture of experts: ep all-to-all bytes and time are the uniform-routing "
+             "expectation (each rank sends (ep-1)/ep of its N·k token-expert rows each way); "
+             "real routing is uneven; tp runs without sequence parallelism (the MoE is whole "
+             "on every tp rank)"]
+    if any(c.layout.pp > 1 for c in top) and cfg.router_aux_loss_coef > 0 \
+            and not cfg.router_aux_loss_per_layer:
+        notes.append("pp > 1 with a mixture of experts: set model.router_aux_loss_per_layer "
+                     "true (the runtime needs the load-balancing loss per layer)")
+    return notes
+
+
 def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: StepPrediction,
                     cluster: Cluster) -> tuple[str, ...]:
     """What a user should know before launching ``lay``."""
@@ -229,6 +415,9 @@ def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: S
     if "cp" in step.inter_node_axes:
         out.append(f"cp crosses nodes (cp·tp={lay.cp * lay.tp} > {cluster.gpus_per_node} GPUs "
                    "per node): K/V move over the network")
+    if "ep" in step.inter_node_axes:
+        out.append(f"ep crosses nodes (ep·tp={lay.ep * lay.tp} > {cluster.gpus_per_node} GPUs "
+                   "per node): the all-to-alls of every MoE layer go over the network")
     if step.bubble_fraction > BUBBLE_WARN:
         out.append(f"pipeline bubble {step.bubble_fraction:.0%} > {BUBBLE_WARN:.0%}")
     if mem.total > MEMORY_WARN * cluster.hardware.memory_bytes:
@@ -256,7 +445,8 @@ def search(cfg: ModelConfig, cluster: Cluster, work: Workload,
     if nothing fits without it. When the best layout has cp > 1, ``notes`` says why."""
     limit = cluster.hardware.memory_bytes if memory_limit is None else memory_limit
     result = _search(cfg, cluster, work, space, limit, keep, predict_kw)
-    if not result.fits and space.cp is None and work.seq_len < CP_MIN_SEQ_LEN:
+    if not result.fits and space.cp is None and work.seq_len < CP_MIN_SEQ_LEN \
+            and not cfg.num_local_experts:
         wide = dataclasses.replace(space, cp=tuple(_divisors(cluster.num_gpus)))
         retry = _search(cfg, cluster, work, wide, limit, keep, predict_kw)
         if retry.fits:
@@ -272,7 +462,7 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
     result = PlanResult(ranked=[])
     fitting = []
     for lay in enumerate_layouts(cfg, cluster.num_gpus, work, space, result.invalid):
-        mem = memory_per_gpu(cfg, lay, work)
+        mem = memory_per_rank(cfg, lay, work)
         if mem.total > limit:
             why = (f"needs {mem.total / 1e9:.1f} GB > {limit / 1e9:.0f} GB on stage {mem.stage}"
                    f" (states {mem.model_states / 1e9:.1f}, activations "
@@ -339,7 +529,8 @@ def _why_cp(cfg: ModelConfig, cluster: Cluster, work: Workload, result: PlanResu
 def _terms(c: Candidate) -> dict[str, float]:
     s = c.step
     return {"compute": s.compute_s, "bubble": s.bubble_s, "tp comm": s.tp_exposed_s,
-            "pp comm": s.pp_exposed_s, "cp comm": s.cp_exposed_s, "dp comm": s.dp_exposed_s}
+            "pp comm": s.pp_exposed_s, "cp comm": s.cp_exposed_s, "ep comm": s.ep_exposed_s,
+            "dp comm": s.dp_exposed_s}
 
 
 def explain(best: Candidate, other: Candidate) -> str:
@@ -380,6 +571,9 @@ def _cause(best: Candidate, other: Candidate, term: str) -> str:
     if term == "cp comm":
         return f"cp={o.cp} {o.cp_algorithm}" + \
             (" across nodes" if "cp" in other.step.inter_node_axes else "")
+    if term == "ep comm":
+        return f"ep={o.ep} all-to-alls" + \
+            (" across nodes" if "ep" in other.step.inter_node_axes else "")
     if term == "dp comm":
         axis = o.data_axis if o.zero_stage == 0 else o.shard_axis
         return f"zero_stage {o.zero_stage} over {axis}={o.size(axis)}" + \
@@ -393,7 +587,7 @@ def to_json_rows(cands: list[Candidate]) -> list[dict]:
     for c in cands:
         lay, s = c.layout, c.step
         rows.append({"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
-                     "dp_shard": lay.dp_shard, "cp": lay.cp, "cp_algorithm": lay.cp_algorithm,
+                     "dp_shard": lay.dp_shard, "ep": lay.ep, "cp": lay.cp, "cp_algorithm": lay.cp_algorithm,
                      "zero_stage": lay.zero_stage, "vpp": lay.vpp,
                      "microbatch_size": lay.microbatch_size, "recompute": lay.recompute,
                      "offload_optimizer": lay.offload_optimizer,
@@ -410,24 +604,33 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
 
-def format_table(cands: list[Candidate], explain_all: bool = False) -> str:
-    """The text table of ``cands`` (best first), with warnings and explanations under rows."""
+def format_table(cands: list[Candidate], explain_all: bool = False,
+                 moe: bool | None = None) -> str:
+    """The text table of ``cands`` (best first), with warnings and explanations under rows;
+    ``moe`` adds the ep column and bytes (None: when some layout has ep > 1)."""
+    if moe is None:
+        moe = any(c.layout.ep > 1 for c in cands)
     head = (f"{'#':>2} {'tp':>3} {'cp':>6} {'pp':>3} {'vpp':>3} {'dp_r':>4} {'dp_s':>4} "
-            f"{'zero':>4} {'mbs':>3} {'recomp':<9} {'mem GB (states+act+other)':<26} "
+            + (f"{'ep':>3} " if moe else "")
+            + f"{'zero':>4} {'mbs':>3} {'recomp':<9} {'mem GB (states+act+other)':<26} "
             f"{'step s':>8} {'tok/s/GPU':>9} {'TF/s':>6} {'MFU':>5} {'bubble':>6}  "
-            f"{'GB sent per step: tp/cp/pp/dp|dp_s/dp_r'}")
+            + ("GB sent per step: tp/cp/pp/ep/dp|dp_s/dp_r (ep: uniform routing)" if moe else
+               "GB sent per step: tp/cp/pp/dp|dp_s/dp_r"))
     lines = [head]
     for i, c in enumerate(cands, 1):
         lay, s, m = c.layout, c.step, c.memory
         other = m.total - m.model_states - m.activations
         mem = f"{_gb(m.total)} ({_gb(m.model_states)}+{_gb(m.activations)}+{_gb(other)})"
         b = s.comm_bytes
-        data = b["dp"] + b["dp_shard"] + b["dp_cp"] + b["dp_shard_cp"]
-        comm = "/".join(_gb(x) for x in (b["tp"], b["cp"], b["pp"], data, b["dp_replicate"]))
+        data = b["dp"] + b["dp_shard"] + b["dp_cp"] + b["dp_shard_cp"] + b["edp"] \
+            + b["edp_shard"]
+        sent = (b["tp"], b["cp"], b["pp"]) + ((b["ep"],) if moe else ()) + \
+            (data, b["dp_replicate"])
+        comm = "/".join(_gb(x) for x in sent)
         cp = f"{lay.cp}{'r' if lay.cp_algorithm == 'ring' else 'ag'}" if lay.cp > 1 else "1"
         lines.append(
             f"{i:>2} {lay.tp:>3} {cp:>6} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
-            f"{lay.dp_shard:>4} {str(lay.zero_stage) + ('o' if lay.offload_optimizer else ''):>4} "
+            f"{lay.dp_shard:>4} " + (f"{lay.ep:>3} " if moe else "") + f"{str(lay.zero_stage) + ('o' if lay.offload_optimizer else ''):>4} "
             f"{lay.microbatch_size:>3} "
             f"{lay.recompute:<9} {mem:<26} {s.step_time_s:>8.3f} "
             f"{s.tokens_per_second_per_gpu:>9.0f} {s.tflops_per_gpu:>6.0f} {s.mfu:>5.1%} "
@@ -444,7 +647,7 @@ def _summary(result: PlanResult) -> str:
     if result.too_big:
         lay, total, why = min(result.too_big, key=lambda r: r[1])
         lines.append(f"{len(result.too_big)} layouts do not fit in memory; the smallest "
-                     f"(tp={lay.tp} cp={lay.cp} pp={lay.pp} zero={lay.zero_stage} "
+                     f"(tp={lay.tp} cp={lay.cp} pp={lay.pp} ep={lay.ep} zero={lay.zero_stage} "
                      f"mbs={lay.microbatch_size} recompute={lay.recompute}) {why}")
     for reason, n in sorted(result.invalid.items(), key=lambda kv: -kv[1])[:6]:
         lines.append(f"{n} skipped: {reason}")
@@ -516,6 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"splits the sequence when --seq-len >= {CP_MIN_SEQ_LEN} or nothing fits "
                    "without)")
     p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather")
+    p.add_argument("--ep", type=_int_list,
+                   help="only these expert-parallel degrees (a mixture of experts; default: "
+                   "every divisor of the experts that divides dp_shard)")
     p.add_argument("--recompute", help="only these: none,selective,full")
     p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
                    help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
@@ -547,10 +753,6 @@ def load_model(spec: str) -> ModelConfig:
     else:
         raise ConfigError(f"--model: '{spec}' is neither a preset ({', '.join(MODEL_PRESETS)})"
                           " nor a TOML file")
-    if cfg.num_local_experts:
-        raise ConfigError(f"--model: '{spec}' is a mixture of experts (model.num_local_experts="
-                          f"{cfg.num_local_experts}); the planner does not model experts yet "
-                          "(threefold.cost.num_parameters and active_parameters count them)")
     if not cfg.vocab_size:
         # presets without a vocabulary use the tokenizer's; plan with the default BPE size
         cfg.vocab_size = vocab or 4096
@@ -597,12 +799,20 @@ def _setup(args):
             raise ConfigError(f"--cp: {cp} must be >= 1, divide --gpus {args.gpus} and (above 1)"
                               f" split --seq-len {seq} into 2·cp equal chunks")
     algorithms = _choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
+    experts = cfg.num_local_experts or 0
+    for ep in args.ep or ():
+        if ep < 1 or (ep > 1 and (not experts or experts % ep)):
+            raise ConfigError(f"--ep: {ep} must be >= 1 and divide model.num_local_experts="
+                              f"{experts}" + ("" if experts else " (a dense model: ep 1 only)"))
+    if experts and any(cp > 1 for cp in args.cp or ()):
+        raise ConfigError(f"--cp: a mixture of experts (model.num_local_experts={experts}) "
+                          "does not train with context parallelism yet; use --cp 1")
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash")
     cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))
     space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
-                        cp_algorithm=algorithms,
+                        cp_algorithm=algorithms, ep=args.ep,
                         offload_optimizer={"off": (False,), "on": (True,),
                                            "search": (False, True)}[args.offload_optimizer])
     return cfg, cluster, work, space
@@ -642,7 +852,9 @@ def main(argv: list[str]) -> int:
         print(json.dumps(to_json_rows(top), indent=1))
     else:
         hw = cluster.hardware
-        print(f"{args.model}: {num_parameters(cfg) / 1e9:.2f}B parameters, vocab "
+        moe = (f" ({active_parameters(cfg) / 1e9:.2f}B active: {cfg.num_local_experts} experts,"
+               f" top-{cfg.num_experts_per_tok})" if cfg.num_local_experts else "")
+        print(f"{args.model}: {num_parameters(cfg) / 1e9:.2f}B parameters{moe}, vocab "
               f"{cfg.vocab_size} (padded to a multiple of tp), "
               f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
         print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
@@ -651,11 +863,11 @@ def main(argv: list[str]) -> int:
               f"network {hw.inter_node_bw * 8 / 1e9:.0f} Gb/s per GPU")
         print(f"{result.fits} layouts fit; top {len(top)} by predicted step time:")
         if top:
-            print(format_table(top, explain_all=args.explain))
+            print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts)))
         summary = _summary(result)
         if summary:
             print(summary)
-        for note in result.notes:
+        for note in result.notes + moe_notes(cfg, top):
             print(f"note: {note}")
     if not result.fits:
         print("threefold plan: no layout fits; " + (_summary(result).splitlines() or [""])[0],
