@@ -152,7 +152,8 @@ class _VocabParallelCE(torch.autograd.Function):
     """Summed token cross-entropy over logits split by vocabulary across tp."""
 
     @staticmethod
-    def forward(ctx, logits, labels, comm, offset, vocab, ignore_index):
+    def forward(ctx, logits, labels, comm, offset, vocab, ignore_index, per_token=False):
+        ctx.per_token = per_token
         logits = logits.float()
         n_local = logits.shape[-1]
         if offset + n_local > vocab:  # padded rows of the last shard: never a valid class
@@ -172,7 +173,7 @@ class _VocabParallelCE(torch.autograd.Function):
         comm.all_reduce(target, AXIS)
         loss = torch.where(valid, sumexp.log() - target, torch.zeros_like(target))
         ctx.save_for_backward(exp / sumexp[:, None], idx, mine, valid)
-        return loss.sum()
+        return loss if per_token else loss.sum()
 
     @staticmethod
     def backward(ctx, grad):
@@ -180,23 +181,25 @@ class _VocabParallelCE(torch.autograd.Function):
         g = softmax.clone()
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows[mine], idx[mine]] -= 1.0
-        g *= valid[:, None].to(g.dtype) * grad
-        return g, None, None, None, None, None
+        g *= valid[:, None].to(g.dtype) * (grad[:, None] if ctx.per_token else grad)
+        return g, None, None, None, None, None, None
 
 
 class VocabParallelLoss:
     """``loss(logits_local, labels, reduction="sum")`` with the same contract as
-    ``threefold.model.causal_lm_loss`` (summed fp32 token loss)."""
+    ``threefold.model.causal_lm_loss`` (summed fp32 token loss; ``reduction="none"``: one
+    loss per token, 0 where the label is ``ignore_index``, for per-token log-probs)."""
 
     def __init__(self, comm, vocab_size: int, shard: int):
         self.comm, self.vocab, self.shard = comm, vocab_size, shard
         self.offset = comm.rank(AXIS) * shard
 
     def __call__(self, logits, labels, ignore_index: int = -100, reduction: str = "sum"):
-        if reduction != "sum":
-            raise ValueError("the vocab-parallel loss returns sums only")
+        if reduction not in ("sum", "none"):
+            raise ValueError("the vocab-parallel loss returns sums or per-token losses only")
         return _VocabParallelCE.apply(logits.flatten(0, -2), labels.flatten(), self.comm,
-                                      self.offset, self.vocab, ignore_index)
+                                      self.offset, self.vocab, ignore_index,
+                                      reduction == "none")
 
 
 # --------------------------------------------------------------------------------------------
