@@ -23,6 +23,8 @@ commands:
                      supervised fine-tuning on chat conversations (after `threefold train`)
   dpo [CONFIG.toml] [--section.key value ...] [--dpo.KEY VALUE ...] [--nproc-per-node N]
                      direct preference optimisation on prompt/chosen/rejected pairs
+  reward [CONFIG.toml] [--section.key value ...] [--reward.KEY VALUE ...] [--nproc-per-node N]
+                     a reward model (score head, Bradley-Terry loss) on the same pairs
   plan ...           rank parallel layouts for a model and cluster (threefold plan --help)
   schedule ...       check and simulate a pipeline schedule (threefold schedule --help)
   convert --to hf CKPT OUT | --from hf HF_DIR OUT
@@ -232,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         from threefold.post.cli import dpo_main, sft_main
 
         return sft_main(rest) if cmd == "sft" else dpo_main(rest)
+    if cmd == "reward":
+        from threefold.post.cli import reward_main
+
+        return reward_main(rest)
     if cmd == "convert":
         from threefold.hf import main as convert_main
 
@@ -240,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         from threefold.parallel.pipeline.simulate import main as schedule_main
 
         return schedule_main(rest)
-    return _fail(f"unknown command '{cmd}'; commands: train, sft, dpo, plan, schedule, convert, options")
+    return _fail(f"unknown command '{cmd}'; commands: train, sft, dpo, reward, plan, schedule, convert, options")
 
 
 if __name__ == "__main__":

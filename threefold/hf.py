@@ -14,7 +14,10 @@ refused with the field's name, and shapes are checked against the config before 
 
 - ``export_hf(ckpt, out)``: a checkpoint (or a run directory: its newest checkpoint) to a folder
   that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load (config.json, model.safetensors,
-  generation_config.json, tokenizer.json, tokenizer_config.json). Written atomically.
+  generation_config.json, tokenizer.json, tokenizer_config.json). Written atomically. A reward
+  model's checkpoint (``score.weight``, no LM head: ``threefold reward``) becomes a
+  ``LlamaForSequenceClassification`` with one label that ``AutoModelForSequenceClassification``
+  loads.
 - ``import_hf(folder)``: (ModelConfig, {name: fp32 tensor}, tokenizer.json or None) from a local
   folder with ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Pickle
   weights (``*.bin``, ``*.pt``...) are refused, never opened; paths in an index must stay inside
@@ -339,10 +342,14 @@ def _run_tokenizer(ckpt: Path, run: Path | None = None) -> Path | None:
     return None
 
 
-def _check_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
+def _check_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str,
+                  score: bool = False) -> None:
     """HFError naming ``where`` and the tensor if any expected weight is missing, extra or of
-    another shape."""
+    another shape; ``score``: a reward model's (``score.weight`` in place of the LM head)."""
     want = expected_shapes(cfg)
+    if score:
+        want.pop("lm_head.weight", None)
+        want["score.weight"] = (1, cfg.hidden_size)
     for name, shape in want.items():
         if name not in tensors:
             raise HFError(f"{where}: tensor {name} is missing")
@@ -377,7 +384,8 @@ def export_hf(ckpt_dir: Path, out_dir: Path) -> None:
     weights = {k: v.float().contiguous() for k, v in tensors["model"].items()}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # HF stores a tied head once, as the embedding
-    _check_shapes(cfg, weights, str(ckpt))
+    reward = "score.weight" in weights  # a reward model (threefold.post.reward)
+    _check_shapes(cfg, weights, str(ckpt), score=reward)
     if cfg.num_local_experts:
         weights = to_hub_experts(weights, cfg)
     tok_path = _run_tokenizer(ckpt, Path(ckpt_dir))
@@ -389,7 +397,10 @@ def export_hf(ckpt_dir: Path, out_dir: Path) -> None:
     try:
         # "format": "pt" is the metadata transformers checks before it loads a safetensors file.
         save_file(weights, str(tmp / SINGLE), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, tokens), indent=2))
+        conf = hf_config(cfg, tokens)
+        if reward:
+            conf = reward_hf_config(conf, tokens)
+        (tmp / "config.json").write_text(json.dumps(conf, indent=2))
         gen = {k + "_token_id": v[1] for k, v in tokens.items() if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if tok_path is not None:
@@ -403,6 +414,19 @@ def export_hf(ckpt_dir: Path, out_dir: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def reward_hf_config(conf: dict, tokens: dict) -> dict:
+    """``conf`` (a causal LM's config.json) as that of the reward model on the same decoder:
+    ``*ForSequenceClassification`` with one label, and a padding id, without which
+    transformers cannot find each row's last token. threefold pads with the tokenizer's
+    padding token, else end-of-text (``threefold.post.sft.pad_id``), and scores the rightmost
+    token that is not padding, as transformers does."""
+    pad = tokens.get("pad") or tokens.get("eos")
+    arch = [a.replace("ForCausalLM", "ForSequenceClassification") for a in conf["architectures"]]
+    return {**conf, "architectures": arch, "id2label": {"0": "LABEL_0"},
+            "label2id": {"LABEL_0": 0}, "pad_token_id": pad[1] if pad else None,
+            "use_cache": False}
 
 
 def _tokenizer_config(tokens: dict, max_len: int) -> dict:

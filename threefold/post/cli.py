@@ -1,4 +1,5 @@
-"""`threefold sft` and `threefold dpo`: the `train` command with a post-training Task.
+"""`threefold sft`, `threefold dpo` and `threefold reward`: the `train` command with a
+post-training Task.
 
 Both take what `train` takes, ``[CONFIG.toml] [--section.key value ...] [--nproc-per-node N]``,
 plus their own ``--sft.KEY VALUE`` / ``--dpo.KEY VALUE`` options (``SFTOptions``,
@@ -17,6 +18,7 @@ import typing
 from pathlib import Path
 
 from threefold.post.dpo import DPOOptions
+from threefold.post.reward import RewardOptions
 from threefold.post.sft import SFTOptions
 
 _COMMON = {"train.steps": "30", "optim.warmup_steps": "3", "optim.weight_decay": "0.0",
@@ -26,8 +28,10 @@ DEFAULTS = {
                             "train.output_dir": "runs/sft", "optim.lr": "3e-4"}),
     "dpo": dict(_COMMON, **{"checkpoint.init_from": "runs/default",
                             "train.output_dir": "runs/dpo", "optim.lr": "1e-4"}),
+    "reward": dict(_COMMON, **{"checkpoint.init_from": "runs/default",
+                               "train.output_dir": "runs/reward", "optim.lr": "1e-4"}),
 }
-OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions}
+OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions, "reward": RewardOptions}
 USAGE = """usage: threefold {cmd} [CONFIG.toml] [--section.key value ...] [--{cmd}.KEY VALUE ...]
                      [--nproc-per-node N]
 
@@ -37,13 +41,16 @@ Options of this command:
 {options}
 Run `threefold options` for every --section.key."""
 WHAT = {"sft": "Supervised fine-tuning on chat conversations (assistant tokens only).",
-        "dpo": "Direct preference optimisation on prompt/chosen/rejected pairs."}
+        "dpo": "Direct preference optimisation on prompt/chosen/rejected pairs.",
+        "reward": "A reward model (score head, Bradley-Terry loss) on prompt/chosen/rejected "
+                  "pairs."}
 DOCS = {
     "data": "JSONL file; empty = the built-in examples",
     "val_data": "validation JSONL; empty = the last data.val_fraction of --{cmd}.data",
     "chat_template": "auto (the tokenizer's, else built-in), builtin, or a .jinja file",
     "beta": "DPO beta: strength of the pull towards the reference",
     "label_smoothing": "conservative-DPO epsilon in [0, 0.5): assumed share of flipped labels",
+    "center_rewards_coefficient": "weight of (r_chosen + r_rejected)^2 in the loss (TRL's)",
 }
 
 
@@ -129,6 +136,13 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
             raise ConfigError(f"parallel.cp: DPO does not run under context parallelism yet "
                               f"(got cp={cfg.parallel.cp}); use parallel.cp 1 and shard over "
                               "dp_shard or tp instead")
+    if cmd == "reward":
+        from threefold.post.reward import RewardTask, check_pairs_file
+
+        RewardTask(opts).check_layout(cfg)  # and the options
+        for key in ("data", "val_data"):  # every rank would fail on it after launch
+            if getattr(opts, key):
+                check_pairs_file(str(Path(getattr(opts, key)).expanduser()))
 
 
 def _main(cmd: str, argv: list[str]) -> int:
@@ -153,11 +167,12 @@ def _main(cmd: str, argv: list[str]) -> int:
 
     def run() -> int:
         from threefold.post.dpo import DPOTask
+        from threefold.post.reward import RewardTask
         from threefold.post.sft import SFTTask
         from threefold.train import train
 
         try:
-            task = SFTTask(opts) if cmd == "sft" else DPOTask(opts)
+            task = {"sft": SFTTask, "dpo": DPOTask, "reward": RewardTask}[cmd](opts)
             train(cfg, _layout_from_env(cfg), task=task)
         except (ConfigError, DataError, CheckpointError) as e:
             return _fail(str(e))
@@ -177,13 +192,20 @@ def dpo_main(argv: list[str]) -> int:
     return _main("dpo", list(argv))
 
 
+def reward_main(argv: list[str]) -> int:
+    """`threefold reward [CONFIG.toml] [--section.key value ...] [--reward.KEY VALUE ...]
+    [--nproc-per-node N]`; returns the exit code."""
+    return _main("reward", list(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m threefold.post.cli sft|dpo ...`` (what torchrun runs for these commands)."""
+    """``python -m threefold.post.cli sft|dpo|reward ...`` (what torchrun runs for these
+    commands)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("sft", "dpo"):
-        print("usage: python -m threefold.post.cli sft|dpo [args]", file=sys.stderr)
+    if not argv or argv[0] not in OPTIONS:
+        print("usage: python -m threefold.post.cli sft|dpo|reward [args]", file=sys.stderr)
         return 2
-    return sft_main(argv[1:]) if argv[0] == "sft" else dpo_main(argv[1:])
+    return _main(argv[0], argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,272 @@
+"""Reward modelling: the ``RewardTask`` the training loop runs (``threefold reward``).
+
+A reward model is the decoder with its LM head replaced by a *score head*: one linear map of
+the final normed hidden state to a scalar, no bias (transformers' ``score.weight`` of
+``LlamaForSequenceClassification`` with ``num_labels=1``), read at the last non-padding token
+of each sequence. "Last non-padding" is transformers' rule exactly: the rightmost position
+whose id is not the padding id, so an exported model scores a right-padded row as we do.
+
+Data: the preference pairs of DPO (``threefold.post.dpo``; prompt/chosen/rejected, TRL's
+standard or conversational format, the built-in ``examples/reward.jsonl`` by default); each
+of prompt+chosen and prompt+rejected is scored whole.
+
+Loss (Bradley–Terry, as in Ouyang et al., "Training language models to follow instructions
+with human feedback", arXiv 2203.02155, Eq. 1), per pair, with TRL's optional centring term
+(Eisenstein et al., arXiv 2312.09244):
+
+    loss = −log σ(r_c − r_r) + c·(r_c + r_r)²
+
+``count`` is pairs, so the loop's loss is the mean over the pairs of the global batch, under
+any accumulation and data-parallel degree. Metrics (TRL's RewardTrainer names), means over
+pairs: ``accuracy`` (share of pairs with r_c > r_r), ``margin`` (r_c − r_r), ``mean_reward``
+(the mean of r_c and r_r).
+
+Model: ``build_run`` builds the causal LM (from ``checkpoint.init_from`` as SFT and DPO do);
+``setup`` drops it and builds the reward model in its place the same way (same weights, no
+LM head, a ``score`` head initialised from the seed), then parallelises it and builds its
+engine through the layout. Under tensor parallelism the score head is replicated: without
+sequence parallelism its input is the replicated residual stream; with it, each rank scores
+its own positions and the (B, T) scores are all-gathered (the weight's gradient summed over
+tp, as for sequence-parallel norms). Pipeline and context parallelism are refused.
+"""
+
+from __future__ import annotations
+
+import gc
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ConfigError
+from threefold.data import DataError
+from threefold.post.chat import announce, eot_token, load_chat_template, read_jsonl
+from threefold.post.dpo import PairSampler, tokenize_pair
+from threefold.post.sft import pad_id, split_records
+
+
+@dataclass
+class RewardOptions:
+    """Options of ``threefold reward`` beyond the run configuration (``--reward.KEY VALUE``)."""
+
+    data: str = ""  # JSONL of prompt/chosen/rejected; "" = the built-in examples
+    val_data: str = ""  # validation JSONL; "" = the last data.val_fraction of ``data``
+    center_rewards_coefficient: float = 0.0  # c: weight of (r_c + r_r)² (TRL's option)
+    chat_template: str = "auto"  # auto (tokenizer's, else built-in), builtin, or a .jinja path
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor,
+                       center: float = 0.0) -> torch.Tensor:
+    """Per-pair −log σ(r_c − r_r) + center·(r_c + r_r)²."""
+    loss = -F.logsigmoid(chosen - rejected)
+    return loss + center * (chosen + rejected) ** 2 if center else loss
+
+
+def last_token_index(input_ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """(B,) index of each row's rightmost token that is not ``pad`` (0 for a row of padding):
+    transformers' rule for sequence classification."""
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    return (positions * (input_ids != pad)).argmax(-1)
+
+
+def check_pairs_file(path: str) -> None:
+    """DataError naming ``path`` and the line of the first record that is not a preference
+    pair (not JSON, a field missing, or fields of mixed kinds); checked before launch, so a
+    bad file stops every rank before anything is written."""
+    for no, rec in read_jsonl(path):
+        where = f"{path}:{no}"
+        missing = [k for k in ("prompt", "chosen", "rejected") if k not in rec]
+        if missing:
+            raise DataError(f"{where}: record has no '{missing[0]}' (fields: "
+                            f"{', '.join(rec) or 'none'}); each line needs prompt, chosen and "
+                            "rejected")
+        kinds = {type(rec[k]) for k in ("prompt", "chosen", "rejected")}
+        if kinds not in ({str}, {list}):
+            raise DataError(f"{where}: prompt, chosen and rejected must all be strings or all "
+                            "be lists of messages")
+
+
+class RewardSampler(PairSampler):
+    """Preference pairs as chosen/rejected input ids (right-padded) and a weight."""
+
+    def item(self, i: int) -> dict[str, np.ndarray]:
+        """Pair ``i`` with weight 1."""
+        xc, _, xr, _ = self.arrays[i]
+        return {"chosen_input_ids": xc, "rejected_input_ids": xr, "weight": np.float32(1.0)}
+
+    def empty(self) -> dict[str, np.ndarray]:
+        """A pair of padding with weight 0."""
+        x = np.full(self.seq_len, self.pad, dtype=np.int64)
+        return {"chosen_input_ids": x, "rejected_input_ids": x.copy(),
+                "weight": np.float32(0.0)}
+
+
+class _GatherScores(torch.autograd.Function):
+    """(B, T/t) per-position scores of this tp rank's sequence chunk -> (B, T) on every rank;
+    backward keeps this rank's slice (every rank's loss is the same function of the whole)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        from threefold.parallel.tensor import _gather_seq
+
+        ctx.r, ctx.n = comm.rank("tp"), x.shape[1]
+        return _gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.r * ctx.n:(ctx.r + 1) * ctx.n].contiguous(), None
+
+
+def add_score_head(model: nn.Module, seed: int) -> nn.Module:
+    """``model`` (a not yet parallelised ``LlamaForCausalLM``) as a reward model in place: no
+    LM head (its forward returns the final hidden states) and ``score``, a hidden -> 1 linear
+    without bias, drawn from normal(0, init_std) by a generator seeded by (seed, its name) as
+    ``init_weights`` draws every weight."""
+    ref = model.model.norm.weight
+    model.lm_head = None
+    model.score = nn.Linear(model.cfg.hidden_size, 1, bias=False, device=ref.device,
+                            dtype=ref.dtype)
+    gen = torch.Generator(device=ref.device)
+    gen.manual_seed(seed * 1_000_003 + zlib.crc32(b"score.weight"))
+    with torch.no_grad():
+        nn.init.normal_(model.score.weight, mean=0.0, std=model.cfg.init_std, generator=gen)
+    return model
+
+
+def build_reward_model(run) -> nn.Module:
+    """The plain reward model of ``run``: built and loaded as ``build_run`` builds the causal
+    LM (``checkpoint.init_from``'s weights, else the seed's), then ``add_score_head``."""
+    from threefold.model import fill_tied_head
+    from threefold.train import _pretrained, build_model
+
+    cfg = run.cfg
+    model = build_model(run.model_cfg, run.device, cfg.train.seed)
+    if cfg.checkpoint.init_from:
+        weights = dict(_pretrained(cfg)[1])
+        if run.model_cfg.tie_word_embeddings:
+            fill_tied_head(weights)
+        own = dict(model.named_parameters())
+        model.load_state_dict({k: v for k, v in weights.items() if k in own})
+    return add_score_head(model, cfg.train.seed)
+
+
+class RewardTask:
+    """A sequence-scoring head trained with the Bradley–Terry loss on preference pairs."""
+
+    name = "reward"
+    metric_names = ("accuracy", "margin", "mean_reward")
+
+    def __init__(self, options: RewardOptions | None = None):
+        self.options = options or RewardOptions()
+        if not self.options.center_rewards_coefficient >= 0:
+            raise DataError("reward.center_rewards_coefficient: must be >= 0, got "
+                            f"{self.options.center_rewards_coefficient}")
+        self.stats: dict = {}
+
+    @staticmethod
+    def check_layout(cfg) -> None:
+        """ConfigError for the layouts reward training does not run under."""
+        p = cfg.parallel
+        if p.pp > 1:
+            raise ConfigError(f"parallel.pp: reward training does not run under pipeline "
+                              f"parallelism yet (got pp={p.pp}); use parallel.pp 1 and shard "
+                              "over dp_shard (ZeRO) or tp instead")
+        if p.cp > 1:
+            raise ConfigError(f"parallel.cp: reward training does not run under context "
+                              f"parallelism yet (got cp={p.cp}); use parallel.cp 1")
+
+    def _pairs(self, records, template, tok, eot: str, seq_len: int, path: str) -> list:
+        pairs = []
+        for no, rec in records:
+            p, c, r = tokenize_pair(rec, template, tok, eot, f"{path}:{no}")
+            if len(p) >= seq_len:  # no response token would be scored
+                self.stats["dropped"] = self.stats.get("dropped", 0) + 1
+                continue
+            if not c or not r:
+                raise DataError(f"{path}:{no}: a response is empty after tokenization")
+            self.stats["truncated"] = self.stats.get("truncated", 0) + \
+                (len(p) + max(len(c), len(r)) > seq_len)
+            pairs.append((p, c, r))
+        if not pairs:
+            raise DataError(f"'{path}': every prompt fills data.seq_len={seq_len}; raise it")
+        return pairs
+
+    def samplers(self, cfg, data) -> tuple[RewardSampler, RewardSampler]:
+        """Training pairs (shuffled per epoch) and validation pairs (in order)."""
+        self.check_layout(cfg)
+        o, t, seq_len = self.options, cfg.train, cfg.data.seq_len
+        tok = data.tokenizer
+        template = load_chat_template(data.tokenizer_path, tok, o.chat_template)
+        eot = eot_token(tok, str(data.tokenizer_path))
+        train_recs, val_recs, path = split_records(cfg, o.data, o.val_data, "reward.jsonl")
+        self.template, self.stats = template, {"template": template.source, "data": path}
+        train = self._pairs(train_recs, template, tok, eot, seq_len, path)
+        val = self._pairs(val_recs, template, tok, eot, seq_len, o.val_data or path)
+        self.pad = pad_id(tok, data.eot_id)
+        self.train = RewardSampler(train, seq_len, t.global_batch_size, t.seed, self.pad)
+        self.val = RewardSampler(val, seq_len, t.global_batch_size, t.seed, self.pad,
+                                 shuffle=False)
+        self.stats.update(pairs=len(train), val_pairs=len(val))
+        return self.train, self.val
+
+    def setup(self, run) -> None:
+        """Replace the run's causal LM by the reward model (see the module doc), parallelised
+        and with its engine built by the run's layout; announce the data."""
+        from threefold.parallel.layout import build_engine
+        from threefold.train import apply_activation_checkpointing, apply_compile
+
+        cfg = run.cfg
+        run.engine = None  # the LM and its engine go before the reward model is built
+        gc.collect()
+        model = run.layout.parallelize(build_reward_model(run), cfg)
+        if cfg.train.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if cfg.train.compile:
+            apply_compile(model)
+        run.engine = build_engine(model, cfg, run.layout)
+        self.sequence_parallel = (getattr(model, "tp_size", 1) > 1
+                                  and cfg.parallel.sequence_parallel)
+        s = self.stats
+        announce(run, self.template,
+                 f"reward: {s['pairs']} pairs ({s['val_pairs']} held out) from {s['data']}, "
+                 f"template {s['template']}, score head {run.model_cfg.hidden_size} -> 1",
+                 s, "prompt fills data.seq_len")
+
+    def scores(self, run, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B,) fp32 score of each row: the score head at its last non-padding token."""
+        from threefold.train import _autocast
+
+        model = run.engine.model
+        hidden = run.forward({"input_ids": input_ids})  # (B, T, h): the model has no LM head
+        last = last_token_index(input_ids, self.pad)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        with _autocast(run):
+            if self.sequence_parallel:  # this rank holds positions [r·T/t, (r+1)·T/t)
+                from threefold.parallel.tensor import _CopyToTP
+
+                comm = run.layout.comm
+                per_pos = F.linear(hidden, _CopyToTP.apply(model.score.weight, comm))
+                return _GatherScores.apply(per_pos[..., 0].float(), comm)[rows, last]
+            return model.score(hidden[rows, last])[:, 0].float()
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """Pairs (empty validation fillers weigh 0)."""
+        return int(batch["weight"].sum())
+
+    def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """Summed Bradley–Terry loss of the micro-batch's pairs and summed metrics; chosen and
+        rejected rows go through the model as one batch."""
+        b = micro["chosen_input_ids"].shape[0]
+        both = self.scores(run, torch.cat([micro["chosen_input_ids"],
+                                           micro["rejected_input_ids"]]))
+        rc, rr = both[:b], both[b:]
+        w = micro["weight"].to(both.dtype)
+        total = (bradley_terry_loss(rc, rr, self.options.center_rewards_coefficient) * w).sum()
+        rc, rr, w = rc.detach().double(), rr.detach().double(), w.double()
+        metrics = {"accuracy": ((rc > rr).double() * w).sum(),
+                   "margin": ((rc - rr) * w).sum(),
+                   "mean_reward": ((rc + rr) / 2 * w).sum()}
+        return total, metrics
