@@ -153,6 +153,14 @@ def test_reward_cli_out_of_the_box_after_train_and_bad_input(corpus, cache_dir, 
     assert (tmp_path / "runs/reward/checkpoints/2").is_dir()
     w = final_weights(tmp_path / "runs/reward")
     assert tuple(w["score.weight"].shape) == (1, 64) and "lm_head.weight" not in w
+    # resume: 2 more steps from the checkpoint equal an uninterrupted 4-step run
+    assert cli_main(["reward", *common, "--train.steps", "4", "--checkpoint.resume", "true"]) == 0
+    assert cli_main(["reward", *common, "--train.steps", "4",
+                     "--train.output_dir", "runs/reward4"]) == 0
+    resumed, whole = metrics(tmp_path / "runs/reward"), metrics(tmp_path / "runs/reward4")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for k in KEYS:
+        assert [r[k] for r in resumed] == [r[k] for r in whole], k
 
     bad = tmp_path / "bad.jsonl"
     good = json.dumps({"prompt": "Q", "chosen": "A", "rejected": "B"})
