@@ -95,7 +95,8 @@ def test_reward_learns_layouts_equal_single_process_and_export_scores_equal(
     # lr·g/(|g|+eps) turns that noise into weight differences of ~lr/10.)
     overrides = functools.partial(reward_overrides, corpus, cache_dir,
                                   checkpoint__init_from=str(base / "run"))
-    summary = train(load_config(None, overrides(tmp_path / "single")), task=reward_task(tmp_path))
+    summary = train(load_config(None, overrides(tmp_path / "single")),
+                    task=reward_task(tmp_path))
     ref = metrics(tmp_path / "single")
     assert all(set(KEYS) <= set(r) for r in ref) and len(ref) == 6
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in ref)
