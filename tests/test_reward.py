@@ -102,7 +102,8 @@ def test_reward_learns_layouts_equal_single_process_and_export_scores_equal(
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in ref)
     assert ref[-1]["loss"] < ref[0]["loss"] and ref[-1]["margin"] > ref[0]["margin"]
     assert summary["validation_loss"] == summary["validation_loss"]  # a number
-    run_distributed(train_runs, 2, overrides, tmp_path, RUNS, functools.partial(reward_task, tmp_path), timeout=300)
+    run_distributed(train_runs, 2, overrides, tmp_path, RUNS,
+                    functools.partial(reward_task, tmp_path), timeout=300)
     ref_w = final_weights(tmp_path / "single")
     assert "score.weight" in ref_w and "lm_head.weight" not in ref_w
     for name, _ in RUNS:
