@@ -4,11 +4,20 @@ overlaps the backward of early ones (the DDP idea, Li et al., VLDB 2020).
 
 The loss is already divided by the global token count, so the all-reduce is a SUM, not a mean:
 the result is exactly the single-process gradient of the same global batch.
+
+Gradients live in the buckets (DDP's ``gradient_as_bucket_view``): each parameter's ``.grad``
+is a view into its bucket's flat buffer, so autograd accumulates straight into the message
+that is all-reduced, and there is no second copy of the gradients (nor a copy in before the
+all-reduce and back after it). The buffers are kept for the whole run and zeroed after each
+optimiser step; whoever releases or replaces a ``.grad`` meanwhile (the optimiser's
+``zero_grad``, the host-offload step) is undone by ``_attach``, and a gradient that arrives in
+a tensor of its own is copied into the bucket by the hook.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import Iterator
 
@@ -21,17 +30,19 @@ from threefold.parallel.engine import LocalEngine
 
 class _Bucket:
     """A flat gradient buffer for a few parameters, all-reduced over ``axis`` as one
-    message."""
+    message; ``views[i]`` is parameter i's gradient inside it."""
 
     def __init__(self, params: list[nn.Parameter], axis: str):
         self.params, self.axis = params, axis
-        self.offsets, n = [], 0
-        for p in params:
-            self.offsets.append(n)
-            n += p.numel()
+        n = sum(p.numel() for p in params)
         self.flat = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
+        self.views, off = [], 0
+        for p in params:
+            self.views.append(self.flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
         self.pending = len(params)
         self.handle = None
+        self.launched = 0.0  # perf_counter at the all-reduce's launch (traced steps)
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -53,7 +64,11 @@ class DataParallelEngine(LocalEngine):
     """Full replicas on every rank of ``axis``; gradient all-reduce overlapped with backward.
     With ``offload`` the optimiser runs on the host (``LocalEngine``). Under expert
     parallelism (``expert_axis``, "edp") a rank's experts are replicated over that axis only:
-    their gradients go in buckets of their own, all-reduced there."""
+    their gradients go in buckets of their own, all-reduced there.
+
+    ``comm_trace``: a list to append ``TraceRecord``s of each bucket's all-reduce to (launch →
+    the wait in ``finish_gradients`` returned), or None; ``threefold.train`` sets it for the
+    traced step."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, comm, bucket_mb: float,
                  axis: str = "dp", offload: bool = False, expert_axis: str | None = None):
@@ -75,7 +90,18 @@ class DataParallelEngine(LocalEngine):
                 p.register_post_accumulate_grad_hook(
                     lambda q, me=me: (on_grad := me()) is not None and on_grad(q))
         self._sync = True
+        self.comm_trace: list | None = None
+        self._attach()
         self._broadcast_parameters()
+
+    def _attach(self) -> None:
+        """Point every ``.grad`` at its (zeroed) bucket view: backward then accumulates in
+        place into the buckets, allocating nothing."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.flat.zero_()
+                for p, view in zip(bucket.params, bucket.views):
+                    p.grad = view
 
     def _broadcast_parameters(self) -> None:
         """Replicas start equal because every rank initialises from the same seed; check it
@@ -92,7 +118,8 @@ class DataParallelEngine(LocalEngine):
 
     @contextlib.contextmanager
     def micro_step(self, last: bool) -> Iterator[None]:
-        """Gradients are communicated only on the last micro-step of an accumulation."""
+        """Gradients are communicated only on the last micro-step of an accumulation (the
+        others accumulate into the buckets)."""
         self._sync = last
         try:
             yield
@@ -100,22 +127,39 @@ class DataParallelEngine(LocalEngine):
             self._sync = True
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        bucket, i = self._where[p]
+        view = bucket.views[i]
+        if p.grad is not view:  # a gradient in a tensor of its own (.grad was released)
+            # the bucket's stale contents may be there: this gradient is the whole of it
+            with torch.no_grad():
+                view.copy_(p.grad)
+            p.grad = view
         if not self._sync:
             return
-        bucket, i = self._where[p]
-        n = p.numel()
-        bucket.flat[bucket.offsets[i]:bucket.offsets[i] + n].copy_(p.grad.reshape(-1))
         bucket.pending -= 1
         if bucket.pending == 0:  # the whole bucket is ready: send it while backward goes on
+            bucket.launched = time.perf_counter()
             bucket.handle = self.comm.all_reduce(bucket.flat, bucket.axis, async_op=True)
 
     def finish_gradients(self) -> None:
-        """Wait for every bucket and put the summed gradients back into ``.grad``."""
-        for bucket in self.buckets:
+        """Wait for every bucket's all-reduce; the summed gradients are then in ``.grad``
+        (views of the buckets)."""
+        from threefold.parallel.pipeline.timeline import TraceRecord
+
+        for k, bucket in enumerate(self.buckets):
             if bucket.handle is None:
                 raise RuntimeError("a gradient bucket was never reduced: some parameter got no "
                                    "gradient this step (unused parameter?)")
             bucket.handle.wait()
-            for p, off in zip(bucket.params, bucket.offsets):
-                p.grad.copy_(bucket.flat[off:off + p.numel()].view_as(p))
+            if self.comm_trace is not None:
+                mib = bucket.flat.numel() * bucket.flat.element_size() / 2**20
+                self.comm_trace.append(TraceRecord(
+                    self.comm.rank("world"), f"all-reduce bucket {k} ({bucket.axis}, {mib:.1f} MiB)",
+                    bucket.launched, time.perf_counter(), "comm"))
             bucket.handle, bucket.pending = None, len(bucket.params)
+
+    def step(self, lr: float) -> None:
+        """AdamW at ``lr`` (it releases the ``.grad`` tensors), then the zeroed buckets become
+        the next step's gradients."""
+        super().step(lr)
+        self._attach()
