@@ -252,6 +252,8 @@ def train_step(run: Run, step: int, trace: list | None = None
     synchronisation, clipping, the optimiser)."""
     lay, eng = run.layout, run.engine
     timed = _Tracer(run, trace)
+    if hasattr(eng, "comm_trace"):  # data parallel: each bucket's all-reduce, launch to wait
+        eng.comm_trace = trace
     batch = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
     n = lay.global_token_count(run.task.count(batch))
     micro = list(_micro_batches(run, batch))
