@@ -136,6 +136,76 @@ def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return idx - start_idx
 
 
+class KVCache:
+    """Keys and values of the positions seen so far, per layer, for incremental decoding.
+
+    ``LlamaForCausalLM.forward(ids, cache=cache)`` attends the new tokens to every cached
+    position and to themselves (causally), then appends their keys and values; without a cache
+    the model is the training model, untouched. Buffers are allocated on first use with the
+    shape the projections return (so a tensor-parallel shard caches its own heads) and
+    ``max_len`` slots, so appending never copies what is cached.
+
+    Rows may be left-padded: the first ``pad[b]`` slots of row b hold padding, which no query
+    attends to and which do not count as positions (every row's first real token is at
+    position 0), so a padded row computes what it would alone."""
+
+    def __init__(self, batch: int, max_len: int, pad: torch.Tensor | None = None,
+                 device: torch.device | str | None = None):
+        self.max_len, self.length = max_len, 0
+        self.pad = (torch.zeros(batch, dtype=torch.long, device=device) if pad is None
+                    else torch.as_tensor(pad, dtype=torch.long, device=device))
+        self.layers: list[LayerKV] = []
+
+    def layer(self, i: int) -> "LayerKV":
+        """Layer ``i``'s keys and values (created on first use)."""
+        while len(self.layers) <= i:
+            self.layers.append(LayerKV(self))
+        return self.layers[i]
+
+    def positions(self, t: int) -> torch.Tensor:
+        """(B, t) RoPE positions of the next ``t`` tokens: slot index minus the row's padding
+        (padding slots get 0; nothing attends to them)."""
+        slots = torch.arange(self.length, self.length + t, device=self.pad.device)
+        return (slots[None] - self.pad[:, None]).clamp_min(0)
+
+    def attention_mask(self, t: int) -> torch.Tensor:
+        """(B, 1, t, length + t) boolean mask of the next ``t`` queries: causal over slots,
+        padding slots hidden. Each query also sees itself, so a padding query has one key
+        (its output is never used, but a row of -inf would make NaNs that 0-weights cannot
+        cancel in the value product)."""
+        keys = torch.arange(self.length + t, device=self.pad.device)
+        queries = keys[self.length:, None]
+        visible = (keys[None] <= queries)[None] & (keys[None, None] >= self.pad[:, None, None])
+        return (visible | (keys[None] == queries)[None])[:, None]
+
+    def advance(self, t: int) -> None:
+        """Count ``t`` more positions as cached (after every layer appended them)."""
+        self.length += t
+
+
+class LayerKV:
+    """One layer's slice of a ``KVCache``: (B, kv heads, max_len, d) key and value buffers."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.k = self.v = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values (B, kv heads, t, d) after the cached ones and return
+        all of them (B, kv heads, length + t, d)."""
+        start = self.cache.length
+        end = start + k.shape[2]
+        if end > self.cache.max_len:
+            raise ValueError(f"KVCache: {end} positions exceed max_len={self.cache.max_len}")
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.cache.max_len, k.shape[3])
+            self.k = k.new_zeros(shape)
+            self.v = v.new_zeros(shape)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention (Ainslie et al., arXiv 2305.13245) with RoPE."""
 
@@ -149,9 +219,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, cache: LayerKV | None = None
+                ) -> torch.Tensor:
         """x (B, T, h) -> (B, T, h). ``attn_mask`` None means plain causal attention, else a
-        boolean (B, 1, T, T) mask (True = attend), e.g. from ``document_mask``."""
+        boolean (B, 1, T, T) mask (True = attend), e.g. from ``document_mask``. With
+        ``cache`` (generation) the keys/values are appended to it and the queries attend to
+        all of them under ``attn_mask`` (B, 1, T, cached + T) from ``KVCache.attention_mask``."""
         # Head counts come from what the projections return, so a tensor-parallel shard with
         # fewer local heads (or a replaced Linear) needs no change here.
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -160,7 +233,11 @@ class LlamaAttention(nn.Module):
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v, attn_mask)
+        if cache is None:
+            out = self.attend(q, k, v, attn_mask)
+        else:
+            k, v = cache.append(k, v)
+            out = sdpa_attention(q, k, v, attn_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -214,9 +291,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(cfg) if cfg.num_local_experts else LlamaMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, h) -> (B, T, h); cos/sin from ``RotaryEmbedding``."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
+                attn_mask: torch.Tensor | None = None, cache: LayerKV | None = None
+                ) -> torch.Tensor:
+        """x (B, T, h) -> (B, T, h); cos/sin from ``RotaryEmbedding``; ``cache`` this
+        layer's part of a ``KVCache`` (generation)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache=cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -231,20 +310,31 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+                ) -> torch.Tensor:
         """Token ids (B, T) -> final normed hidden states (B, T, h).
 
         On a pipeline stage without the embedding (``embed_tokens is None``) ``input_ids`` is
         taken to be the hidden states from the previous stage; without ``norm`` the output is
-        the un-normed residual stream."""
+        the un-normed residual stream. With ``cache`` (generation) the tokens follow the
+        cached ones: positions and mask come from the cache, which then holds them too."""
         x = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         b, t = x.shape[:2]
         if position_ids is None:
-            position_ids = torch.arange(t, device=x.device).expand(b, t)
+            position_ids = (torch.arange(t, device=x.device).expand(b, t) if cache is None
+                            else cache.positions(t))
         cos, sin = self.rotary(position_ids)
-        mask = self.attention_mask(document_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+        if cache is None:
+            mask = self.attention_mask(document_ids)
+            for layer in self.layers:
+                x = layer(x, cos, sin, mask)
+        else:
+            if document_ids is not None:
+                raise ValueError("LlamaModel: document_ids and a KV cache do not combine")
+            mask = cache.attention_mask(t)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, mask, cache=cache.layer(i))
+            cache.advance(t)
         return self.norm(x) if self.norm is not None else x
 
     def attention_mask(self, document_ids: torch.Tensor | None):
@@ -338,17 +428,22 @@ class LlamaForCausalLM(nn.Module):
             self.model.rotary.reset_parameters()
 
     def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                       document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                       document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+                       ) -> torch.Tensor:
         """Final normed hidden states (B, T, h), before the head (for chunked or
-        vocab-parallel loss)."""
-        return self.model(input_ids, position_ids, document_ids)
+        vocab-parallel loss, or generation's last-position logits)."""
+        if cache is None:
+            return self.model(input_ids, position_ids, document_ids)
+        return self.model(input_ids, position_ids, document_ids, cache=cache)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+                ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V) in fp32. ``position_ids`` default to 0..T-1;
         with ``document_ids`` (B, T) attention stays within each packed document (pass
-        positions that restart per document, e.g. from ``document_position_ids``)."""
-        h = self.forward_hidden(input_ids, position_ids, document_ids)
+        positions that restart per document, e.g. from ``document_position_ids``). With a
+        ``KVCache`` the tokens continue the cached sequence (see ``threefold.generate``)."""
+        h = self.forward_hidden(input_ids, position_ids, document_ids, cache)
         return self.lm_head(h).float() if self.lm_head is not None else h
 
 

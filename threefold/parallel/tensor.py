@@ -330,6 +330,7 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
             p._tp_full_size = p.shape[0] if p.dim() else 1
     model.loss_function = VocabParallelLoss(comm, vocab, vshard)
     model.tp_size = t
+    model.sequence_parallel = sp  # generation refuses it (its steps are 1 token)
     return model
 
 
