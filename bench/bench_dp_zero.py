@@ -2,6 +2,7 @@
 
     python3 bench/bench_dp_zero.py [--preset small] [--steps 4] [--warmup 1]
     python3 bench/bench_dp_zero.py --preset tiny --steps 3          # a quick run (~3 min)
+    python3 bench/bench_dp_zero.py --pairs dp --ranks 2 --steps 6   # data parallel vs DDP only
 
 The default (small preset) takes about 7 minutes on 2 cores shared with other work: a step of
 4 ranks on 2 cores is ~8 s whatever the engine.
@@ -19,8 +20,10 @@ first ``--warmup`` steps are not timed; each step starts at a barrier. Same mode
 normalisation, AdamW (single-tensor kernel) and gradient clipping on both sides; what differs
 is only the engine:
 
-- ``tf_dp``:  threefold ``DataParallelEngine`` (bucketed all-reduce from backward hooks);
-- ``ddp``:    ``torch.nn.parallel.DistributedDataParallel`` with its defaults;
+- ``tf_dp``:  threefold ``DataParallelEngine`` (bucketed all-reduce from backward hooks, the
+  gradients views of the buckets);
+- ``ddp``:    ``torch.nn.parallel.DistributedDataParallel`` with its defaults (its gradients
+  a copy of its buckets: ``gradient_as_bucket_view`` is off by default);
 - ``tf_z3``:  threefold ``ZeroEngine`` stage 3, units = embedding, each block, norm, head
   (as ``threefold train --parallel.zero_stage 3`` builds it);
 - ``fsdp2``:  ``torch.distributed.fsdp.fully_shard`` on each transformer block, then the root
@@ -28,7 +31,8 @@ is only the engine:
 
 Speed launch: tokens/s per timed step (the slowest rank's time) and the ratios tf_dp/ddp and
 tf_z3/fsdp2 per step, their median in the JSON lines and the ratio over all timed steps
-(goal >= 1.0, issue 3 item 7); the loss of step 1 of every
+(goal >= 1.0, issue 3 item 7; issue 16 item 1 at 2 and 4 ranks), with their spread over the
+timed steps (quartiles, min, max); the loss of step 1 of every
 configuration (they must agree: same weights, same batch); the bytes threefold's ``Comm``
 counted per step, against ZeRO's formulas (2Ψ(N−1)/N and 3Ψ(N−1)/N elements per rank).
 
@@ -46,6 +50,7 @@ inside that one launch, largest over ranks:
   memory: with glibc's dynamic threshold the sharded runs' RSS peaks were ~200 MiB higher
   (small preset), memory malloc kept, not memory in use. One warm-up model is built first so
   one-time process set-up is charged to no configuration. Allocator noise: a few MiB.
+- ``step_peak ... - ...``: each pair's difference of step peaks (goal for tf_dp: <= DDP).
 - ``kept_after_teardown``: RSS still held once the configuration is deleted and garbage
   collected (a leak check; 0 expected).
 - ``state``: model-state bytes read from the tensors the configuration holds once the step's
@@ -82,6 +87,7 @@ from threefold.train import build_model, lr_at  # noqa: E402
 
 CONFIGS = ("tf_dp", "ddp", "tf_z3", "fsdp2")
 PAIRS = (("tf_dp", "ddp"), ("tf_z3", "fsdp2"))
+PAIR_OF = {"dp": PAIRS[0], "zero3": PAIRS[1]}
 MIB = 2**20
 
 
@@ -97,11 +103,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--corpus", default="stdlib")
     ap.add_argument("--ranks", type=int, default=4,
                     help="ranks (gloo CPU processes; not --nproc: torchrun would take it for its own)")
-    ap.add_argument("--memory-steps", type=int, default=2,
-                    help="steps per configuration in the memory launch (2: the second has "
-                         "optimiser state, gradients and activations at once)")
+    ap.add_argument("--memory-steps", type=int, default=3,
+                    help="steps per configuration in the memory launch (3: from the second on "
+                         "optimiser state, gradients and activations coexist; DDP rebuilds its "
+                         "buckets after its first step, and only from the third on are the new "
+                         "ones resident throughout: at 2 DDP's peak read ~Ψ low)")
+    ap.add_argument("--pairs", default="dp,zero3",
+                    help="which comparisons to run: dp (tf_dp vs ddp), zero3 (tf_z3 vs fsdp2) "
+                         "or both (the default); one pair takes half the time")
     ap.add_argument("--phase", choices=("all", "memory", "speed"), default="all")
     return ap.parse_args(argv)
+
+
+def chosen(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The configurations and pairs ``--pairs`` selects, in CONFIGS order."""
+    names = [x.strip() for x in args.pairs.split(",") if x.strip()]
+    bad = [x for x in names if x not in PAIR_OF]
+    if bad or not names:
+        raise SystemExit(f"--pairs: choose from {', '.join(PAIR_OF)}, got {args.pairs!r}")
+    pairs = tuple(PAIR_OF[x] for x in PAIR_OF if x in names)
+    return tuple(c for c in CONFIGS if any(c in pr for pr in pairs)), pairs
 
 
 def bench_config(args: argparse.Namespace, steps: int):
@@ -283,19 +304,19 @@ def measure_memory(name, cfg, mcfg, lay, batches) -> dict:
             "kept_rss_bytes": (after - rss0) if known else None}
 
 
-def measure_speed(cfg, mcfg, lay, batches, warmup: int) -> dict:
+def measure_speed(cfg, mcfg, lay, batches, warmup: int, configs=CONFIGS) -> dict:
     """All four configurations built side by side and stepped in turn, step by step (order
     flipped every step: A B C D, D C B A, ...), so a burst of load from elsewhere on the
     machine hits every configuration alike. Each step starts at a barrier. Returns this
     rank's seconds per timed step, step-1 losses and threefold's bytes per step."""
     setups = {}
-    for name in CONFIGS:
+    for name in configs:
         torch.manual_seed(cfg.train.seed)
         setups[name] = build(name, cfg, mcfg, lay)
-    seconds = {n: [] for n in CONFIGS}
-    loss0, comm = {}, {n: [] for n in CONFIGS if setups[n].comm is not None}
+    seconds = {n: [] for n in configs}
+    loss0, comm = {}, {n: [] for n in configs if setups[n].comm is not None}
     for s, (x, y, n_tok) in enumerate(batches):
-        for name in (CONFIGS if s % 2 == 0 else tuple(reversed(CONFIGS))):
+        for name in (configs if s % 2 == 0 else tuple(reversed(configs))):
             setup = setups[name]
             if setup.comm is not None:
                 setup.comm.step_counters()  # open this step's accounting window
@@ -332,6 +353,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     memory = args.phase == "memory"
+    configs, pairs = chosen(args)
     warmup = 0 if memory else args.warmup
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
@@ -351,9 +373,9 @@ def worker(args: argparse.Namespace) -> None:
 
     if memory:
         prewarm(cfg, mcfg, batches)
-        mine = {name: measure_memory(name, cfg, mcfg, lay, batches) for name in CONFIGS}
+        mine = {name: measure_memory(name, cfg, mcfg, lay, batches) for name in configs}
     else:
-        mine = measure_speed(cfg, mcfg, lay, batches, warmup)
+        mine = measure_speed(cfg, mcfg, lay, batches, warmup, configs)
     everyone = [None] * lay.world_size
     dist.all_gather_object(everyone, mine)
     if lay.rank == 0:
@@ -364,23 +386,24 @@ def worker(args: argparse.Namespace) -> None:
               (f"{n_steps} steps each" if memory else
                f"{warmup} warm-up + {args.steps} timed steps each, interleaved"), flush=True)
         if memory:
-            memory_table(everyone)
+            memory_table(everyone, configs, pairs)
         else:
-            speed_report(cfg, lay.world_size, psi, everyone)
+            speed_report(cfg, lay.world_size, psi, everyone, configs, pairs)
     lay.close()
 
 
 # --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
-def memory_table(ranks: list[dict]) -> None:
-    """Print memory per rank (largest over ranks) and one JSON line."""
+def memory_table(ranks: list[dict], configs=CONFIGS, pairs=PAIRS) -> None:
+    """Print memory per rank (largest over ranks), each pair's difference, and one JSON
+    line."""
     fmt = "{:>7} | {:>15} | {:>16} | {:>10} | {:>20}"
     print("memory per rank (largest over ranks), MiB:")
     print(fmt.format("config", "step_peak_rss", "build_peak_rss", "state",
                      "kept_after_teardown"))
     out = {}
-    for name in CONFIGS:
+    for name in configs:
         def big(key):
             vals = [r[name][key] for r in ranks]
             return None if None in vals else max(vals) / MIB
@@ -389,17 +412,26 @@ def memory_table(ranks: list[dict]) -> None:
                      "state_mib": big("state_bytes"),
                      "kept_after_teardown_mib": big("kept_rss_bytes")}
         print(fmt.format(name, *("n/a" if v is None else f"{v:.1f}" for v in out[name].values())))
+    diff = {}
+    for a, b in pairs:
+        pa, pb = out[a]["step_peak_rss_mib"], out[b]["step_peak_rss_mib"]
+        if pa is not None and pb is not None:
+            diff[f"{a}_minus_{b}"] = pa - pb
+            print(f"step peak {a} - {b}: {pa - pb:+.1f} MiB per rank "
+                  f"({'<=' if pa <= pb else '>'} {b}; goal <=)")
     print(json.dumps({"benchmark": "dp_zero_memory", "per_rank_mib": out,
+                      "step_peak_difference_mib": diff,
                       "method": "RSS windows (malloc_trim + /proc/self/clear_refs) in one "
                                 "launch, fixed mmap threshold; state = held tensor bytes"}),
           flush=True)
 
 
-def speed_report(cfg, world: int, psi: int, ranks: list[dict]) -> None:
+def speed_report(cfg, world: int, psi: int, ranks: list[dict], configs=CONFIGS,
+                 pairs=PAIRS) -> None:
     """Loss agreement, threefold's bytes per step against ZeRO's formulas, then the two ratio
     reports (a row per timed step; each report a table and a JSON line)."""
-    loss0 = {name: sum(r["loss0"][name] for r in ranks) for name in CONFIGS}
-    ref = loss0["tf_dp"]
+    loss0 = {name: sum(r["loss0"][name] for r in ranks) for name in configs}
+    ref = loss0[configs[0]]
     worst = max(abs(v - ref) / abs(ref) for v in loss0.values())
     print("step-1 loss (same weights, same batch): " +
           ", ".join(f"{n} {v:.6f}" for n, v in loss0.items()) +
@@ -409,7 +441,8 @@ def speed_report(cfg, world: int, psi: int, ranks: list[dict]) -> None:
     # threefold's count also holds each unit's padding to a multiple of N and the clip-norm
     # scalar.
     n = world
-    formula = {"tf_dp": 2 * psi * (n - 1) / n * 4, "tf_z3": 3 * psi * (n - 1) / n * 4}
+    formula = {k: v for k, v in (("tf_dp", 2 * psi * (n - 1) / n * 4),
+                                 ("tf_z3", 3 * psi * (n - 1) / n * 4)) if k in configs}
     print("threefold Comm bytes sent per rank per step (largest over ranks) vs ZeRO formula:")
     comm_out = {}
     for name in formula:
@@ -421,8 +454,8 @@ def speed_report(cfg, world: int, psi: int, ranks: list[dict]) -> None:
     tok = cfg.train.global_batch_size * cfg.data.seq_len
     # a step ends for everyone with the slowest rank: its time is the largest over ranks
     per_step = {name: [max(r["seconds"][name][i] for r in ranks)
-                       for i in range(len(ranks[0]["seconds"][name]))] for name in CONFIGS}
-    for a, b in PAIRS:
+                       for i in range(len(ranks[0]["seconds"][name]))] for name in configs}
+    for a, b in pairs:
         rows = [{"step": i + 1, f"{a}_tok_s": tok / ta, f"{b}_tok_s": tok / tb, "ratio": tb / ta}
                 for i, (ta, tb) in enumerate(zip(per_step[a], per_step[b]))]
         ta, tb = sum(per_step[a]), sum(per_step[b])
@@ -430,6 +463,20 @@ def speed_report(cfg, world: int, psi: int, ranks: list[dict]) -> None:
               f"{tok * len(per_step[b]) / tb:,.0f} tokens/s, ratio {tb / ta:.3f}; per step "
               "(the JSON line gives the median ratio):")
         report(f"{a}_vs_{b}", rows, "ratio", 1.0)
+        print_spread(f"{a}_vs_{b}", [r["ratio"] for r in rows], tb / ta)
+
+
+def print_spread(name: str, ratios: list[float], overall: float) -> None:
+    """The ratio's spread over the timed steps (each step one round of every
+    configuration): median, quartiles, min and max, one line and one JSON line."""
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    print(f"{name} ratio: median {statistics.median(ratios):.3f}, over all steps "
+          f"{overall:.3f}; spread over {len(ratios)} steps: quartiles {q[0]:.3f}-{q[2]:.3f}, "
+          f"min {min(ratios):.3f}, max {max(ratios):.3f}")
+    print(json.dumps({"benchmark": f"{name}_spread", "overall": overall,
+                      "median": statistics.median(ratios), "q1": q[0], "q3": q[2],
+                      "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}),
+          flush=True)
 
 
 def main() -> None:

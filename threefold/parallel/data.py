@@ -154,7 +154,8 @@ class DataParallelEngine(LocalEngine):
             if self.comm_trace is not None:
                 mib = bucket.flat.numel() * bucket.flat.element_size() / 2**20
                 self.comm_trace.append(TraceRecord(
-                    self.comm.rank("world"), f"all-reduce bucket {k} ({bucket.axis}, {mib:.1f} MiB)",
+                    self.comm.rank("world"),
+                    f"all-reduce bucket {k} ({bucket.axis}, {mib:.1f} MiB)",
                     bucket.launched, time.perf_counter(), "comm"))
             bucket.handle, bucket.pending = None, len(bucket.params)
 
