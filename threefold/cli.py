@@ -29,6 +29,8 @@ commands:
   schedule ...       check and simulate a pipeline schedule (threefold schedule --help)
   convert --to hf CKPT OUT | --from hf HF_DIR OUT
                      Hugging Face export / import
+  generate --from RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
+                     complete prompts with a run's model (KV cache); prints tokens/s
   options            list every configuration option with its default and meaning
 """
 
@@ -238,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         from threefold.post.cli import reward_main
 
         return reward_main(rest)
+    if cmd == "generate":
+        from threefold.generate import main as generate_main
+
+        return generate_main(rest)
     if cmd == "convert":
         from threefold.hf import main as convert_main
 
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         from threefold.parallel.pipeline.simulate import main as schedule_main
 
         return schedule_main(rest)
-    return _fail(f"unknown command '{cmd}'; commands: train, sft, dpo, reward, plan, schedule, convert, options")
+    return _fail(f"unknown command '{cmd}'; commands: train, sft, dpo, reward, plan, schedule, convert, generate, options")
 
 
 if __name__ == "__main__":
