@@ -7,10 +7,12 @@ the single-process tokens."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
+from tests.conftest import tiny_overrides
 from tests.dist import run_checks
 from tests.test_model import hf_model, perturb_norms, tiny
 from threefold.generate import dp_share, filter_logits, generate
@@ -20,6 +22,16 @@ VOCAB = 300
 NEW = 10
 LENGTHS = (5, 11, 1, 8)  # different lengths: rows 0, 2, 3 are left-padded
 SAMPLING = dict(temperature=1.0, top_p=0.9, top_k=40, seed=7)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: one-token decoding steps of a tiny model are dominated by per-op
+    overhead, which extra threads on a shared 2-core machine only make worse."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _model(cfg, seed: int = 3) -> LlamaForCausalLM:
@@ -128,6 +140,24 @@ def test_sampling_filters_seeds_and_eos():
     for row, full in zip(stopped.tokens, greedy.tokens):
         assert row == (full[:full.index(eos) + 1] if eos in full else full)
     assert dp_share(5, 0, 2) == [0, 1] and dp_share(5, 1, 2) == [2, 3, 4]
+
+
+def test_cli_generates_from_a_training_run(corpus, cache_dir, tmp_path, capsys):
+    from threefold.cli import main
+    from threefold.config import load_config
+    from threefold.train import train
+
+    run = tmp_path / "run"
+    train(load_config(None, tiny_overrides(corpus, cache_dir, run, train__steps=2)))
+    capsys.readouterr()
+    argv = ["generate", "--from", str(run), "--prompt", "def ", "--prompt", "import os",
+            "--max-new-tokens", "6", "--no-eos", "--compare-no-cache", "--json", "--threads", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    report = json.loads(out[-1])
+    assert report["lengths"] == [6, 6] and set(report["tokens_per_s"]) == {"cache", "no_cache"}
+    assert sum("tokens/s (KV cache" in line for line in out) == 1
+    assert main(["generate", "--from", str(tmp_path / "missing")]) == 2
 
 
 # --------------------------------------------------------------------------------------------
