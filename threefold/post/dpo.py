@@ -116,6 +116,26 @@ def tokenize_pair(rec: dict, template, tok, eot: str, where: str) -> tuple[list,
     return prompt[:n], chosen[n:], rejected[n:]
 
 
+def tokenize_pairs(records, template, tok, eot: str, seq_len: int, path: str,
+                   stats: dict) -> list[tuple[list, list, list]]:
+    """``tokenize_pair`` of every (line number, record); a pair whose prompt fills
+    ``seq_len`` is dropped (no response token would count), ``stats`` counts the dropped and
+    truncated ones; DataError for an empty response or when nothing is left."""
+    pairs = []
+    for no, rec in records:
+        p, c, r = tokenize_pair(rec, template, tok, eot, f"{path}:{no}")
+        if len(p) >= seq_len:
+            stats["dropped"] = stats.get("dropped", 0) + 1
+            continue
+        if not c or not r:
+            raise DataError(f"{path}:{no}: a response is empty after tokenization")
+        stats["truncated"] = stats.get("truncated", 0) + (len(p) + max(len(c), len(r)) > seq_len)
+        pairs.append((p, c, r))
+    if not pairs:
+        raise DataError(f"'{path}': every prompt fills data.seq_len={seq_len}; raise it")
+    return pairs
+
+
 def sequence(prompt: list[int], response: list[int], seq_len: int,
              pad: int) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, labels) of prompt+response cut and padded to ``seq_len``; labels[t] is
@@ -211,22 +231,6 @@ class DPOTask:
             raise DataError(f"dpo.label_smoothing: {o.label_smoothing} must be in [0, 0.5)")
         self.stats: dict = {}
 
-    def _pairs(self, records, template, tok, eot: str, seq_len: int, path: str) -> list:
-        pairs = []
-        for no, rec in records:
-            p, c, r = tokenize_pair(rec, template, tok, eot, f"{path}:{no}")
-            if len(p) >= seq_len:
-                self.stats["dropped"] = self.stats.get("dropped", 0) + 1
-                continue
-            if not c or not r:
-                raise DataError(f"{path}:{no}: a response is empty after tokenization")
-            self.stats["truncated"] = self.stats.get("truncated", 0) + \
-                (len(p) + max(len(c), len(r)) > seq_len)
-            pairs.append((p, c, r))
-        if not pairs:
-            raise DataError(f"'{path}': every prompt fills data.seq_len={seq_len}; raise it")
-        return pairs
-
     def samplers(self, cfg, data) -> tuple[PairSampler, PairSampler]:
         """Training pairs (shuffled per epoch) and validation pairs (in order)."""
         o, t, seq_len = self.options, cfg.train, cfg.data.seq_len
@@ -235,8 +239,9 @@ class DPOTask:
         eot = eot_token(tok, str(data.tokenizer_path))
         train_recs, val_recs, path = split_records(cfg, o.data, o.val_data, "dpo.jsonl")
         self.template, self.stats = template, {"template": template.source, "data": path}
-        train = self._pairs(train_recs, template, tok, eot, seq_len, path)
-        val = self._pairs(val_recs, template, tok, eot, seq_len, o.val_data or path)
+        train = tokenize_pairs(train_recs, template, tok, eot, seq_len, path, self.stats)
+        val = tokenize_pairs(val_recs, template, tok, eot, seq_len, o.val_data or path,
+                             self.stats)
         pad = pad_id(tok, data.eot_id)
         self.train = PairSampler(train, seq_len, t.global_batch_size, t.seed, pad, shuffle=True)
         self.val = PairSampler(val, seq_len, t.global_batch_size, t.seed, pad, shuffle=False)

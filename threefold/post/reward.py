@@ -44,7 +44,7 @@ from torch import nn
 from threefold.config import ConfigError
 from threefold.data import DataError
 from threefold.post.chat import announce, eot_token, load_chat_template, read_jsonl
-from threefold.post.dpo import PairSampler, tokenize_pair
+from threefold.post.dpo import PairSampler, tokenize_pairs
 from threefold.post.sft import pad_id, split_records
 
 
@@ -178,22 +178,6 @@ class RewardTask:
             raise ConfigError(f"parallel.cp: reward training does not run under context "
                               f"parallelism yet (got cp={p.cp}); use parallel.cp 1")
 
-    def _pairs(self, records, template, tok, eot: str, seq_len: int, path: str) -> list:
-        pairs = []
-        for no, rec in records:
-            p, c, r = tokenize_pair(rec, template, tok, eot, f"{path}:{no}")
-            if len(p) >= seq_len:  # no response token would be scored
-                self.stats["dropped"] = self.stats.get("dropped", 0) + 1
-                continue
-            if not c or not r:
-                raise DataError(f"{path}:{no}: a response is empty after tokenization")
-            self.stats["truncated"] = self.stats.get("truncated", 0) + \
-                (len(p) + max(len(c), len(r)) > seq_len)
-            pairs.append((p, c, r))
-        if not pairs:
-            raise DataError(f"'{path}': every prompt fills data.seq_len={seq_len}; raise it")
-        return pairs
-
     def samplers(self, cfg, data) -> tuple[RewardSampler, RewardSampler]:
         """Training pairs (shuffled per epoch) and validation pairs (in order)."""
         self.check_layout(cfg)
@@ -203,8 +187,9 @@ class RewardTask:
         eot = eot_token(tok, str(data.tokenizer_path))
         train_recs, val_recs, path = split_records(cfg, o.data, o.val_data, "reward.jsonl")
         self.template, self.stats = template, {"template": template.source, "data": path}
-        train = self._pairs(train_recs, template, tok, eot, seq_len, path)
-        val = self._pairs(val_recs, template, tok, eot, seq_len, o.val_data or path)
+        train = tokenize_pairs(train_recs, template, tok, eot, seq_len, path, self.stats)
+        val = tokenize_pairs(val_recs, template, tok, eot, seq_len, o.val_data or path,
+                             self.stats)
         self.pad = pad_id(tok, data.eot_id)
         self.train = RewardSampler(train, seq_len, t.global_batch_size, t.seed, self.pad)
         self.val = RewardSampler(val, seq_len, t.global_batch_size, t.seed, self.pad,
