@@ -298,9 +298,6 @@ def train_step(run: Run, step: int, trace: list | None = None
     with timed("optimizer step"):
         eng.step(lr_at(step, run.cfg))
     metrics = {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras}
-    batch_metrics = getattr(run.task, "batch_metrics", None)
-    if batch_metrics is not None:  # figures of the step's batch as a whole (GRPO's rewards)
-        metrics.update(batch_metrics())
     if router is not None:  # sums over the data-parallel ranks (and pipeline stages)
         metrics.update(router.metrics(n, lambda v: _sum_router(lay, v, scalar=True),
                                       lambda v: _sum_router(lay, v)))

@@ -75,8 +75,9 @@ class DataParallelEngine(LocalEngine):
         super().__init__(model, cfg, comm, offload)
         self.axis, self.expert_axis = axis, expert_axis
         params = [p for _, p in self.named_params]
-        experts = [p for p in params if expert_axis and getattr(p, "_ep_sharded", False)]
-        dense = [p for p in params if not any(p is q for q in experts)]
+        is_expert = [bool(expert_axis) and getattr(p, "_ep_sharded", False) for p in params]
+        experts = [p for p, e in zip(params, is_expert) if e]
+        dense = [p for p, e in zip(params, is_expert) if not e]
         size = int(bucket_mb * 2**20)
         self.buckets = [_Bucket(b, axis) for b in make_buckets(dense, size)] + \
             [_Bucket(b, expert_axis) for b in make_buckets(experts, size)]
