@@ -94,7 +94,7 @@ class ParallelDims:
                               f"{'·'.join(map(str, sizes))} must equal world size "
                               f"{self.world_size} (use ParallelDims.from_config to resolve -1)")
         if self.ep < 1 or self.dp_shard % self.ep:
-            raise ConfigError(f"parallel.ep: {self.ep} must divide parallel.dp_shard="
+            raise ConfigError(f"parallel.ep: {self.ep} does not divide parallel.dp_shard="
                               f"{self.dp_shard} (expert-parallel ranks are data-parallel ranks "
                               f"of one shard group); valid ep values: "
                               f"{_fmt(_divisors(self.dp_shard))}")
@@ -133,10 +133,6 @@ class ParallelDims:
                               f"parallel.dp_shard to {rest} or -1 (the rest)")
         if pcfg.ep < 1:
             raise ConfigError(f"parallel.ep: must be >= 1, got {pcfg.ep}")
-        if dp_shard % pcfg.ep:
-            raise ConfigError(f"parallel.ep: {pcfg.ep} does not divide parallel.dp_shard="
-                              f"{dp_shard} (expert-parallel ranks are data-parallel ranks of "
-                              f"one shard group); valid ep values: {_fmt(_divisors(dp_shard))}")
         if pcfg.ep > 1 and pcfg.cp > 1:
             raise ConfigError(f"parallel.ep: {pcfg.ep} with parallel.cp={pcfg.cp}: expert "
                               "parallelism with context parallelism is not built (a mixture of "
