@@ -25,7 +25,8 @@ from threefold.parallel.pipeline import (
     simulate,
 )
 from threefold.parallel.pipeline.schedules import message_key
-from threefold.parallel.pipeline.simulate import main, measured_costs
+from threefold.parallel.pipeline.command import main
+from threefold.parallel.pipeline.simulate import measured_costs
 from threefold.parallel.pipeline.timeline import TraceRecord, ascii_timeline, chrome_trace
 
 K = ActionKind

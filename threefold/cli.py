@@ -6,13 +6,10 @@ anything is written to the output directory.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
+
+from threefold.launch import (_check_layout, _fail, _run_training, _split_train_args,
+                              _world_size_for, dispatch)
 
 USAGE = """usage: threefold <command> [args]
 
@@ -35,46 +32,6 @@ commands:
 """
 
 
-def _fail(msg: str) -> int:
-    print(f"threefold: error: {msg}", file=sys.stderr)
-    return 2
-
-
-def _split_train_args(argv: list[str]) -> tuple[str | None, list[str], int | None, list[str]]:
-    """(config path, override args, nproc, extra torchrun args) from train's argv."""
-    path, rest, nproc, launcher = None, [], None, []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("--nproc-per-node", "--nproc_per_node"):
-            if i + 1 >= len(argv):
-                raise ValueError(f"{a}: missing value")
-            nproc, i = argv[i + 1], i + 2
-            continue
-        if a.startswith("--nproc-per-node=") or a.startswith("--nproc_per_node="):
-            nproc, i = a.split("=", 1)[1], i + 1
-            continue
-        if a in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "--rdzv-id"):
-            if i + 1 >= len(argv):
-                raise ValueError(f"{a}: missing value")
-            launcher += [a, argv[i + 1]]
-            i += 2
-            continue
-        if a == "--dry-run":
-            rest += ["--train.dry_run", "true"]
-            i += 1
-            continue
-        if i == 0 and not a.startswith("--"):
-            path, i = a, i + 1
-            continue
-        rest.append(a)
-        i += 1
-    if nproc is not None:
-        if not str(nproc).isdigit() or int(nproc) < 1:
-            raise ValueError(f"--nproc-per-node: '{nproc}' is not a positive integer")
-        nproc = int(nproc)
-    return path, rest, nproc, launcher
-
 
 def cmd_train(argv: list[str]) -> int:
     """`threefold train`: validate everything, then train here or under torchrun."""
@@ -93,119 +50,6 @@ def cmd_train(argv: list[str]) -> int:
     return dispatch(cfg, world, nproc, launcher, argv, ["threefold", "train"],
                     lambda: _run_training(cfg))
 
-
-def _world_size_for(nproc: int | None, launcher: list[str]) -> int:
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    nnodes = 1
-    if "--nnodes" in launcher:
-        nnodes = int(launcher[launcher.index("--nnodes") + 1].split(":")[-1])
-    return (nproc or 1) * nnodes
-
-
-def _check_layout(cfg, world_size: int) -> None:
-    """Refuse an impossible layout before any process starts."""
-    from threefold.parallel.layout import validate_layout
-
-    # the model's shape, but for the vocabulary (the tokenizer's), unless the weights bring it
-    mcfg = None if cfg.checkpoint.init_from else cfg.model.resolved(vocab_size=1)
-    validate_layout(cfg, world_size, mcfg)
-
-
-LAUNCHER_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",
-                  "--rdzv-endpoint", "--max-restarts", "--rdzv-id")
-
-
-def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str],
-           grace_s: float = 0.0, output_dir: str | None = None) -> int:
-    """Re-run ``python -m TARGET argv`` under torchrun (torch's own launcher, never a
-    home-made one) with ``nproc`` local processes: launcher flags go to torchrun, the rest to
-    each process.
-
-    Preemption (``grace_s`` > 0): torchrun's shutdown timeout is set above the grace period,
-    so the workers it forwards SIGTERM to have the time to save; a SIGTERM sent to this
-    process goes on to torchrun; when the run then recorded a clean preemption (summary.json
-    in ``output_dir`` written after the signal, with ``preempted``) the exit code is 0 — torchrun
-    itself always fails after a signal."""
-    skip_next, args = False, []
-    for a in argv:
-        if skip_next:
-            skip_next = False
-        elif a in LAUNCHER_FLAGS:
-            skip_next = True
-        elif not a.startswith(("--nproc-per-node=", "--nproc_per_node=")):
-            args.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if "--nnodes" not in launcher:
-        cmd += ["--standalone"]
-    elif "--rdzv-endpoint" in launcher:
-        cmd += ["--rdzv-backend=c10d"]
-    if grace_s > 0 and not any(a.startswith("--shutdown") for a in launcher):
-        cmd += [f"--shutdown-timeout={int(grace_s) + 15}"]
-    proc = subprocess.Popen(cmd + launcher + ["-m", *target] + args)
-    signalled: list[float] = []
-
-    def forward(signum, _frame):
-        signalled.append(time.time())
-        proc.send_signal(signum)
-
-    previous = signal.signal(signal.SIGTERM, forward)
-    try:
-        rc = proc.wait()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if rc and signalled and output_dir and _preempted_since(Path(output_dir), signalled[0]):
-        return 0
-    return rc
-
-
-def _preempted_since(out: Path, t0: float) -> bool:
-    """Whether the run in ``out`` stopped cleanly on a preemption notice after time ``t0``."""
-    path = out / "summary.json"
-    try:
-        return path.stat().st_mtime >= t0 - 1 and "preempted" in json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-
-
-def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list[str],
-             target: list[str], run) -> int:
-    """After validation: a dry run, or a re-launch under torchrun, or ``run()`` here."""
-    from threefold.config import ConfigError
-
-    if cfg.train.dry_run:
-        from threefold.dryrun import dry_run
-
-        try:
-            return dry_run(cfg, world)
-        except (ConfigError, ValueError) as e:
-            return _fail(str(e))
-    if nproc is not None and "LOCAL_RANK" not in os.environ:
-        return launch(nproc, launcher, argv, target, cfg.train.preemption_grace_s,
-                      cfg.train.output_dir)
-    return run()
-
-
-def _run_training(cfg) -> int:
-    from threefold.checkpoint import CheckpointError
-    from threefold.config import ConfigError
-    from threefold.data import DataError
-
-    try:
-        from threefold.train import train
-
-        train(cfg, _layout_from_env(cfg))
-    except (ConfigError, DataError, CheckpointError) as e:
-        return _fail(str(e))
-    return 0
-
-
-def _layout_from_env(cfg):
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    from threefold.parallel.distributed_layout import Distributed
-
-    return Distributed(cfg)
 
 
 def cmd_options(argv: list[str]) -> int:
@@ -229,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "options":
         return cmd_options(rest)
     if cmd == "plan":
-        from threefold.plan import main as plan_main
+        from threefold.plan.cli import main as plan_main
 
         return plan_main(rest)
     if cmd in ("sft", "dpo"):
@@ -249,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return convert_main(rest)
     if cmd == "schedule":
-        from threefold.parallel.pipeline.simulate import main as schedule_main
+        from threefold.parallel.pipeline.command import main as schedule_main
 
         return schedule_main(rest)
     return _fail(f"unknown command '{cmd}'; commands: train, sft, dpo, reward, plan, schedule, convert, generate, options")

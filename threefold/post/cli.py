@@ -147,7 +147,7 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
 
 def _main(cmd: str, argv: list[str]) -> int:
     from threefold.checkpoint import CheckpointError
-    from threefold.cli import (_check_layout, _fail, _layout_from_env, _split_train_args,
+    from threefold.launch import (_check_layout, _fail, _layout_from_env, _split_train_args,
                                _world_size_for, dispatch)
     from threefold.config import ConfigError
     from threefold.data import DataError
