@@ -303,6 +303,9 @@ def train_step(run: Run, step: int, trace: list | None = None
                                       lambda v: _sum_router(lay, v)))
         if ep:  # this rank's (the log's: rank 0's)
             metrics["ep_rows_sent"] = take_rows_sent(eng.model)
+    step_metrics = getattr(run.task, "step_metrics", None)
+    if step_metrics is not None:  # figures of the step as a whole (GRPO's rewards)
+        metrics.update(step_metrics())
     return lay.sum_over_dp(loss_sum), norm, metrics
 
 
