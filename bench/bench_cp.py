@@ -80,8 +80,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (ab_rows, peak_rss_bytes, print_table, report,  # noqa: E402
                           revision, run_ranks, start_peak_rss_window)
+from threefold.accounting import num_parameters  # noqa: E402
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
-from threefold.cost import num_parameters  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
 from threefold.train import build_model  # noqa: E402
 

@@ -78,7 +78,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (peak_rss_bytes, relaunch_with_torchrun, report,  # noqa: E402
                           start_peak_rss_window, under_torchrun)
-from threefold import cost  # noqa: E402
+from threefold import accounting as cost  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 from threefold.data import BatchSampler, prepare_data  # noqa: E402
 from threefold.model import causal_lm_loss  # noqa: E402

@@ -53,7 +53,7 @@ trainer adds them), backward, gradient clipping, AdamW (``make_adamw``), zero_gr
 preset (``--model-preset``, default tiny-moe: 8 experts of width 344, top-2) against the
 dense model with the same active parameters per token: the same shape with no experts and
 an MLP of width k·f (tiny-moe -> intermediate 688 = the preset ``tiny``). Their parameter
-counts (``threefold.cost.num_parameters`` / ``active_parameters``) differ only by the routers
+counts (``threefold.accounting.num_parameters`` / ``active_parameters``) differ only by the routers
 (E·h per layer). Reported: tokens/s of MoE over dense per round (goal >= 0.8: the same matmul
 FLOPs per token plus routing, sorting and the per-expert loop should cost at most a fifth;
 again the benchmark's own goal), and beside it the same ratio of forward+backward time alone
@@ -80,8 +80,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, report, revision, run_ranks  # noqa: E402
+from threefold.accounting import active_parameters, num_parameters  # noqa: E402
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
-from threefold.cost import active_parameters, num_parameters  # noqa: E402
 
 LAYER_SIDES = ("ep", "noep", "single")
 MODEL_SIDES = ("moe", "dense")

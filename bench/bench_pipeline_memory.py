@@ -27,18 +27,18 @@ no model state), then one measured step of m microbatches. Per rank:
    ``peak_rss_bytes`` after): the real figure, which also holds what is not a saved tensor
    (below) and allocator noise of a few MiB.
 3. the prediction: in-flight microbatches × this rank's activation bytes per microbatch. The
-   in-flight count is the planner's ``memory.inflight_microbatches`` (checked equal to
+   in-flight count is the planner's ``activations.inflight_microbatches`` (checked equal to
    ``schedules.peak_in_flight``, computed from the action lists); the bytes per microbatch are
-   the planner's: ``memory.model_layer_activation_bytes`` (fp32) × the rank's blocks + the
-   RoPE tables (``memory.microbatch_extra_bytes``), and on the last rank the head's and
+   the planner's: ``activations.model_layer_activation_bytes`` (fp32) × the rank's blocks + the
+   RoPE tables (``activations.microbatch_extra_bytes``), and on the last rank the head's and
    loss's tensors per microbatch it holds. ``ratio`` is measured / predicted.
 
 Before the steps every chunk runs one microbatch alone under the same hooks: those measured
 bytes per microbatch are printed next to the planner's per stage, and the difference next to
 what accounts for it (``stage_extra_bytes``): the first stage's embedding keeps the token
 ids (int64, 8·b·s, which the planner leaves out), the last stage the final norm's, the head's
-and the loss's tensors (``memory.head_saved_bytes``, which the planner adds per microbatch
-the last stage holds, ``memory.head_inflight_microbatches``; the per-rank ``predicted``
+and the loss's tensors (``activations.head_saved_bytes``, which the planner adds per microbatch
+the last stage holds, ``activations.head_inflight_microbatches``; the per-rank ``predicted``
 below includes them). Under interleaving every chunk makes its own RoPE tables (v per
 microbatch, the planner counts one). ``exact`` replays this rank's action list with the
 measured per-chunk bytes (``schedules.in_flight_chunks`` with weights: + at F, − at BW/W):
@@ -88,10 +88,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (peak_rss_bytes, report, run_ranks,  # noqa: E402
                           start_peak_rss_window)
-from threefold import memory  # noqa: E402
 from threefold.config import ModelConfig  # noqa: E402
 from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
 from threefold.parallel.pipeline.schedules import in_flight_chunks, peak_in_flight  # noqa: E402
+from threefold.plan import activations, memory  # noqa: E402
 
 MIB = 2**20
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -180,7 +180,7 @@ class SavedActivations:
 # --------------------------------------------------------------------------------------------
 def planner_shape(args, p: int, v: int = 1, name: str = "1f1b"):
     """(Layout, Workload) of this bench's run as the planner sees it: fp32 throughout."""
-    from threefold.cost import Layout, Workload
+    from threefold.accounting import Layout, Workload
 
     return (Layout(pp=p, vpp=v, microbatch_size=args.micro_batch, schedule=name),
             Workload(seq_len=args.seq_len, global_batch=args.microbatches * args.micro_batch,
@@ -189,20 +189,20 @@ def planner_shape(args, p: int, v: int = 1, name: str = "1f1b"):
 
 def planner_bytes(cfg: ModelConfig, args, blocks: int) -> float:
     """The planner's activation bytes per microbatch for ``blocks`` blocks: its per-block
-    bytes and the RoPE tables (``memory.model_layer_activation_bytes``,
-    ``memory.microbatch_extra_bytes``)."""
+    bytes and the RoPE tables (``activations.model_layer_activation_bytes``,
+    ``activations.microbatch_extra_bytes``)."""
     layout, work = planner_shape(args, 1)
-    return (blocks * memory.model_layer_activation_bytes(cfg, layout, work)
-            + memory.microbatch_extra_bytes(cfg, layout, work))
+    return (blocks * activations.model_layer_activation_bytes(cfg, layout, work)
+            + activations.microbatch_extra_bytes(cfg, layout, work))
 
 
 def stage_extra_bytes(cfg: ModelConfig, args, first: bool, last: bool) -> float:
     """What a chunk saves per microbatch beyond ``planner_bytes``: the embedding's int64 token
     ids on the first stage (8 per token; the planner leaves them out), and on the last the
-    final norm, head and loss tensors the planner counts as ``memory.head_saved_bytes``."""
+    final norm, head and loss tensors the planner counts as ``activations.head_saved_bytes``."""
     layout, work = planner_shape(args, 2)
     return ((8 * args.micro_batch * args.seq_len if first else 0)
-            + (memory.head_saved_bytes(cfg, layout, work) if last else 0))
+            + (activations.head_saved_bytes(cfg, layout, work) if last else 0))
 
 
 def planner_last_stage(cfg: ModelConfig, args, name: str, p: int, v: int) -> tuple[float, float]:
@@ -324,13 +324,13 @@ def worker(args: argparse.Namespace) -> None:
                          n_tokens, args)
         blocks = sum(c["blocks"] for c in per_chunk[v])
         r["exact"] = in_flight_chunks(r.pop("actions"), [c["measured"] for c in per_chunk[v]])
-        r["inflight_plan"] = memory.inflight_microbatches(name, p, m, v, rank)
+        r["inflight_plan"] = activations.inflight_microbatches(name, p, m, v, rank)
         r["inflight_sched"] = peak_in_flight(name, p, m, v, rank)
         r["predicted"] = r["inflight_plan"] * planner_bytes(cfg, args, blocks)
         if rank == p - 1:  # the head's and loss's tensors, for each microbatch they hold
             layout, work = planner_shape(args, p, v, name)
-            r["predicted"] += (memory.head_inflight_microbatches(name, p, m)
-                               * memory.head_saved_bytes(cfg, layout, work))
+            r["predicted"] += (activations.head_inflight_microbatches(name, p, m)
+                               * activations.head_saved_bytes(cfg, layout, work))
         r["blocks"] = blocks
         results[name] = r
     everyone = [None] * p

@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (ab_rows, peak_rss_bytes, report, run_ranks,  # noqa: E402
                           start_peak_rss_window)
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
-from threefold.cost import num_parameters  # noqa: E402
+from threefold.accounting import num_parameters  # noqa: E402
 from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
 from threefold.parallel.pipeline.stage import split_model  # noqa: E402

@@ -6,9 +6,9 @@ step, peak memory, step time.
         [--hardware-file CALIBRATION.json]
 
 Each run is a subprocess, `python -m threefold train [--nproc-per-node 2] ...`, exactly as a
-user would start it. The prediction for the same configuration comes from threefold.cost and
-threefold.memory (the functions `threefold plan` and `threefold train --dry-run` use), on the
-hardware measured by `threefold.calibrate` (or read from --hardware-file): matmul FLOP/s at
+user would start it. The prediction for the same configuration comes from threefold.accounting and
+threefold.plan.memory (the functions `threefold plan` and `threefold train --dry-run` use), on the
+hardware measured by `threefold.plan.calibrate` (or read from --hardware-file): matmul FLOP/s at
 the threads each rank gets (cores // ranks), memory bandwidth, and the α-β fit of gloo
 all-reduces between two local processes. A shared machine's load changes from minute to
 minute, so right before each run the matmul rate is measured again with as many processes
@@ -48,7 +48,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from threefold.calibrate import (  # noqa: E402
+from threefold.accounting import COMM_AXES, Layout, Workload, comm_bytes_per_step
+from threefold.config import load_config, parse_overrides  # noqa: E402
+from threefold.plan.calibrate import (
     calibrate,
     concurrent_matmul_flops,
     hardware_from_calibration,
@@ -56,17 +58,10 @@ from threefold.calibrate import (  # noqa: E402
     matmul_flops,
     memory_bandwidth,
 )
-from threefold.config import load_config, parse_overrides  # noqa: E402
-from threefold.cost import (  # noqa: E402
-    COMM_AXES,
-    Layout,
-    Workload,
-    comm_bytes_per_step,
-    predict_step,
-)
-from threefold.dryrun import resolved_model  # noqa: E402
-from threefold.hardware import Cluster  # noqa: E402
-from threefold.memory import memory_per_gpu, stage_memory  # noqa: E402
+from threefold.plan.dryrun import resolved_model  # noqa: E402
+from threefold.plan.hardware import Cluster  # noqa: E402
+from threefold.plan.memory import memory_per_gpu, stage_memory  # noqa: E402
+from threefold.plan.step import predict_step
 
 RUNS = {  # name: (processes, extra overrides)
     "single": (1, []),

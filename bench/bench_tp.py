@@ -46,8 +46,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import ab_rows, report, run_ranks  # noqa: E402
+from threefold.accounting import num_parameters  # noqa: E402
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
-from threefold.cost import num_parameters  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
 from threefold.train import build_model  # noqa: E402
 

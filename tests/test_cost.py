@@ -8,47 +8,45 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 
-from threefold.config import Config, ModelConfig
-from threefold.cost import (
-    rank_layers,
-    MATMUL_EFFICIENCY,
+from threefold.accounting import (
     MESH_ORDER,
     Layout,
     LayoutError,
     Workload,
     axis_crosses_nodes,
-    bubble_over_ideal,
     check_layout,
     comm_bytes_per_step,
-    compute_bound_step_time,
     flops_per_token,
-    hardware_flops_per_step,
-    model_flops_per_step,
     num_parameters,
-    predict_step,
+    rank_layers,
     stage_parameters,
     tp_shard,
 )
-from threefold.hardware import (
+from threefold.config import Config, ModelConfig
+from threefold.plan.activations import (
+    inflight_microbatches,
+    layer_activation_bytes,
+    microbatch_extra_bytes,
+)
+from threefold.plan.candidates import SearchSpace
+from threefold.plan.compute import MATMUL_EFFICIENCY, hardware_flops_per_step, model_flops_per_step
+from threefold.plan.hardware import (
     GPUS,
     Cluster,
     Hardware,
     get_hardware,
     peak_flops_for_device_name,
 )
-from threefold.memory import (
+from threefold.plan.memory import memory_per_gpu, stage_memory
+from threefold.plan.search import search
+from threefold.plan.states import (
     DEEPSPEED_MIXED_ADAM,
     FP32_ADAM,
     MIXED_ADAM,
-    inflight_microbatches,
-    layer_activation_bytes,
-    memory_per_gpu,
-    microbatch_extra_bytes,
     model_state_bytes,
-    stage_memory,
     zero3_working_bytes,
 )
-from threefold.plan import SearchSpace, search
+from threefold.plan.step import bubble_over_ideal, compute_bound_step_time, predict_step
 
 
 def preset(name: str) -> ModelConfig:
@@ -145,8 +143,8 @@ def test_zero_gradient_memory_as_the_engine_holds_it():
     unit's flat copy); stages 2 and 3 free each unit's gradient once its reduce-scatter is
     done, a bounded number of them in flight, so only the Ψ/N shard and a few units remain.
     Accumulating stages 1/2 hold Ψ while the last backward starts, stage 3 the shard."""
-    from threefold.cost import largest_unit_parameters
-    from threefold.memory import ZERO_REDUCES_IN_FLIGHT
+    from threefold.accounting import largest_unit_parameters
+    from threefold.plan.states import ZERO_REDUCES_IN_FLIGHT
 
     cfg, work = preset("llama3-8b"), Workload(1024, 64)
     z1 = memory_per_gpu(cfg, Layout(dp_shard=8, zero_stage=1, microbatch_size=2), work)
@@ -178,8 +176,8 @@ def test_offload_moves_optimizer_state_to_host(zero, n, numerics):
     gradients down and parameters up each step."""
     import dataclasses
 
-    from threefold.cost import offload_bytes_per_step, owned_parameters
-    from threefold.hardware import DEFAULT_HOST_MEMORY_BW
+    from threefold.accounting import offload_bytes_per_step, owned_parameters
+    from threefold.plan.hardware import DEFAULT_HOST_MEMORY_BW
 
     cfg = preset("llama3-8b")
     work = Workload(1024, 64) if numerics == "published" else \
@@ -337,7 +335,8 @@ def test_one_layout_replays_its_own_stage_times():
     """predict_step(simulate=True) (the dry run) replays the schedule with each stage's own
     time: equal stages give the closed form, GPipe with a last stage twice as slow the
     makespan worked out by hand (f0 + m·(f1 + b1) + b0)."""
-    from threefold.cost import _distinct_stages, _replayed_makespan
+    from threefold.accounting.stages import _distinct_stages
+    from threefold.plan.step import _replayed_makespan
 
     cfg = preset("llama3-8b")
     for sched in ("gpipe", "1f1b"):
@@ -360,8 +359,8 @@ def test_one_layout_replays_its_own_stage_times():
 
 def test_head_inflight_matches_the_last_stage_in_the_action_lists():
     """Microbatches the last virtual stage holds (F until its BW or W), from the lists."""
-    from threefold.memory import head_inflight_microbatches
     from threefold.parallel.pipeline.schedules import build_schedule, in_flight_chunks, num_stages
+    from threefold.plan.activations import head_inflight_microbatches
 
     for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("zb-h1", [1]),
                      ("interleaved-1f1b", [2, 4])):
@@ -453,9 +452,9 @@ def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
     adds one of those per microbatch in flight beyond the one in backward (GPipe: m - 1)."""
     import torch
 
-    from threefold.memory import block_activation_bytes, head_saved_bytes, logits_bytes, \
-        stage_memory
     from threefold.model import LlamaForCausalLM, causal_lm_loss
+    from threefold.plan.activations import block_activation_bytes, head_saved_bytes, logits_bytes
+    from threefold.plan.memory import stage_memory
     from tests.test_tp_layer import SavedBytes
     from threefold.parallel.pipeline.stage import split_model
 

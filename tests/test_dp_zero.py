@@ -11,7 +11,7 @@ from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
 from tests.test_comm import chunk
 from threefold.config import load_config
-from threefold.cost import num_parameters
+from threefold.accounting import num_parameters
 from threefold.train import train
 
 STEPS = 4

@@ -14,9 +14,7 @@ import torch
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
 from tests.test_tp_layer import SavedBytes
-from threefold.cli import main as cli_main
-from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.cost import (
+from threefold.accounting import (
     Layout,
     Workload,
     comm_bytes_per_step,
@@ -27,9 +25,11 @@ from threefold.cost import (
     stage_units,
     tp_shard,
 )
-from threefold.dryrun import _MetaComm, dry_run, meta_parameter_counts, predict
-from threefold.memory import block_activation_bytes
+from threefold.cli import main as cli_main
+from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.model import LlamaForCausalLM
+from threefold.plan.activations import block_activation_bytes
+from threefold.plan.dryrun import _MetaComm, dry_run, meta_parameter_counts, predict
 
 LLAMA70B = [("model.preset", "llama3-70b"), ("data.seq_len", "4096"),
             ("train.global_batch_size", "8"), ("train.micro_batch_size", "1"),
@@ -164,7 +164,7 @@ def test_bad_layouts_raise_config_error(warm, monkeypatch, overrides, world, mat
 def test_more_pipeline_stages_than_layers_is_refused(warm, monkeypatch):
     """The dry run refuses it (the runtime's layout check, a ConfigError), and so does the
     planner's own check on its Layout (a LayoutError)."""
-    from threefold.cost import LayoutError, check_layout
+    from threefold.accounting import LayoutError, check_layout
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, [("parallel.pp", "5")])  # 4 layers
@@ -206,7 +206,7 @@ def test_planner_splits_the_pipeline_as_the_runtime_does(warm, preset, pp, vpp, 
     ``stage_parameters``) equal those of ``split_model``'s chunks on the meta device, uneven
     splits included (llama3-8b at pp 4: 7, 9, 9, 7; a tied head's copy on the last rank), and
     with ``parallel.pipeline_split`` uniform or given."""
-    from threefold.cost import pipeline_layers
+    from threefold.accounting import pipeline_layers
     from threefold.parallel.pipeline.stage import rank_model, split_model
 
     vocab = None if preset == "llama3-8b" else 4096  # the preset's 128,256, or 4096
@@ -324,7 +324,7 @@ def test_block_activation_bytes_under_cp_equal_autograd_saved_tensors():
             d * layer_parameters_per_rank(cfg, 1)[0]
         assert per_rank == [want] * cp, (algorithm, dt, kv)
     # the planner's per-layer figure is the same count
-    from threefold.memory import model_layer_activation_bytes
+    from threefold.plan.activations import model_layer_activation_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
     work = Workload(seq_len=s, global_batch=b, precision="fp32", residual_bytes=4)
@@ -339,9 +339,9 @@ def test_block_activation_bytes_under_cp_equal_autograd_saved_tensors():
 def test_head_saved_bytes_equal_autograd_saved_tensors(tp, sp):
     """What the final norm, the head and the (vocab-parallel) loss keep for backward, per
     microbatch, is ``head_saved_bytes``: fp32, with and without tp and SP."""
-    from threefold.memory import head_saved_bytes
     from threefold.model import causal_lm_loss
     from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.plan.activations import head_saved_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=500, num_hidden_layers=1).resolved()
     model = LlamaForCausalLM(cfg)
@@ -444,7 +444,7 @@ def test_dry_run_under_cp_reports_cp_bytes_and_memory(warm, monkeypatch, capsys)
     "cp" are the closed form's (per layer and microbatch, the forward twice under activation
     checkpointing), ZeRO shards over dp_shard_cp, and splitting the sequence over 4 ranks
     cuts the activations and the logits by 4 against tp alone."""
-    from threefold.cost import cp_bytes_per_attention
+    from threefold.accounting import cp_bytes_per_attention
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     base = [("model.preset", "llama3-8b"), ("data.seq_len", "32768"),

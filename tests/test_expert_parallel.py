@@ -179,7 +179,7 @@ def _assert_exact_bytes(run_dir, world, ep, micro_steps, recompute):
     E·8·(ep−1)/ep, the rows sent forward (recomputed forwards included) and again in
     backward, × h × 4, and the norm's scalar all-reduce; on edp the all-reduce of its
     experts' gradients, on dp of the dense ones (one bucket each)."""
-    from threefold.cost import num_parameters
+    from threefold.accounting import num_parameters
 
     layers, e, h, f = 2, 4, 64, 64
     mcfg = ModelConfig(preset="tiny", hidden_size=h, intermediate_size=f, num_hidden_layers=2,

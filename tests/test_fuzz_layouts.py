@@ -147,9 +147,9 @@ def _try_all(rank, world, corpus, cache, root, configs):
     import torch.distributed as dist
 
     from threefold.config import ConfigError, load_config
-    from threefold.dryrun import predict
     from threefold.parallel.distributed_layout import Distributed
     from threefold.parallel.layout import validate_layout
+    from threefold.plan.dryrun import predict
     from threefold.train import train
 
     _local_object_collectives(dist)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from threefold.accounting import num_parameters
 from threefold.config import MODEL_PRESETS, ModelConfig
-from threefold.cost import num_parameters
 from threefold.model import (LlamaForCausalLM, causal_lm_loss, count_target_tokens,
                              document_position_ids, rope_inverse_frequencies)
 

@@ -18,8 +18,8 @@ from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
 from tests.test_hf import assert_round_trip
 from threefold import hf
+from threefold.accounting import active_parameters, flops_per_token, num_parameters
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.cost import active_parameters, flops_per_token, num_parameters
 from threefold.model import LlamaForCausalLM
 from threefold.moe import (RouterLog, SparseMoeBlock, load_balancing_loss, route,
                            router_z_loss, take_router_stats)

@@ -89,8 +89,8 @@ def _pairs(rank, world, corpus, cache, root, runs):
 
 def _planned(cfg, mcfg, world, stage=0):
     """The planner's memory breakdown of this run's layout, for a rank of pipeline ``stage``."""
-    from threefold.cost import Layout, Workload
-    from threefold.memory import stage_memory
+    from threefold.accounting import Layout, Workload
+    from threefold.plan.memory import stage_memory
 
     return stage_memory(mcfg, Layout.from_config(cfg, world), Workload.from_config(cfg), stage)
 

@@ -112,7 +112,7 @@ def test_balance_by_params_and_by_flops():
     by_flops = _split_sizes(stage_costs(big, "flops", seq_len=SEQ), 4)
     assert by_params[0] < by_params[1] and by_params[-1] < by_params[1]
     assert by_flops[-1] < min(by_flops[:-1]) and by_flops[0] > by_params[0]
-    from threefold.cost import flops_per_token  # the same PaLM count as the cost model
+    from threefold.accounting import flops_per_token  # the same PaLM count as the cost model
 
     layers, first, last = stage_costs(big, "flops", seq_len=SEQ)
     assert sum(layers) + first + last == flops_per_token(big.cfg, SEQ)

@@ -7,10 +7,13 @@ import time
 
 import pytest
 
+from threefold.accounting import Workload
 from threefold.config import ModelConfig
-from threefold.cost import Workload
-from threefold.hardware import Cluster, get_hardware
-from threefold.plan import JSON_KEYS, SearchSpace, explain, load_model, main, search
+from threefold.plan.candidates import SearchSpace
+from threefold.plan.cli import load_model, main
+from threefold.plan.hardware import Cluster, get_hardware
+from threefold.plan.report import explain
+from threefold.plan.search import JSON_KEYS, search
 
 
 def run(capsys, *argv):
@@ -150,7 +153,7 @@ def _calibration(fp32_1=20e9, fp32_2=36e9, bw=1e9, lat=3e-4):
 
 
 def test_alpha_beta_fit_recovers_a_link():
-    from threefold.calibrate import fit_alpha_beta
+    from threefold.plan.calibrate import fit_alpha_beta
 
     for world, lat, bw in ((2, 3e-4, 1e9), (4, 8e-4, 4e8)):
         steps, frac = 2 * (world - 1), 2 * (world - 1) / world
@@ -160,7 +163,7 @@ def test_alpha_beta_fit_recovers_a_link():
 
 
 def test_hardware_from_calibration_shares_the_machine():
-    from threefold.calibrate import hardware_from_calibration
+    from threefold.plan.calibrate import hardware_from_calibration
 
     one = hardware_from_calibration(_calibration(), 1)
     two = hardware_from_calibration(_calibration(), 2)
@@ -196,7 +199,7 @@ def test_plan_uses_a_hardware_file(tmp_path, capsys):
 def test_calibration_measures_this_machine():
     """The measurements themselves, small: matmul rate, copy bandwidth, and all-reduces
     between two local processes (spawned, joined through this process's store)."""
-    from threefold.calibrate import allreduce_times, matmul_flops, memory_bandwidth
+    from threefold.plan.calibrate import allreduce_times, matmul_flops, memory_bandwidth
 
     assert matmul_flops("fp32", 1, seconds=0.05) > 1e8
     assert memory_bandwidth(8 << 20, repeats=2) > 1e8
@@ -231,7 +234,7 @@ def test_long_context_plan_picks_cp_and_says_why(capsys):
 def test_cp_is_searched_only_for_long_sequences_or_when_nothing_fits():
     """Below CP_MIN_SEQ_LEN the search keeps cp = 1 (the 1024-GPU search stays fast) unless
     nothing fits without cp; an explicit SearchSpace.cp is always searched."""
-    from threefold.plan import CP_MIN_SEQ_LEN
+    from threefold.plan.search import CP_MIN_SEQ_LEN
 
     cfg = load_model("llama3-8b")
     cluster = Cluster(get_hardware("h100"), 16, 8)

@@ -7,8 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.cost import (
+from threefold.accounting import (
     Layout,
     LayoutError,
     Workload,
@@ -20,22 +19,23 @@ from threefold.cost import (
     matmul_parameters,
     num_parameters,
     owned_parameters,
-    predict_step,
     stage_parameters,
     tp_shard,
 )
-from threefold.hardware import Cluster, get_hardware
-from threefold.memory import block_activation_bytes, memory_per_gpu
+from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.model import LlamaForCausalLM
-from threefold.plan import (
-    SearchSpace,
-    layout_warnings,
-    main,
+from threefold.plan.activations import block_activation_bytes
+from threefold.plan.candidates import SearchSpace
+from threefold.plan.cli import main
+from threefold.plan.hardware import Cluster, get_hardware
+from threefold.plan.memory import (
+    memory_per_gpu,
     memory_per_rank,
     moe_block_extra_bytes,
     moe_cast_weight_bytes,
-    search,
 )
+from threefold.plan.search import layout_warnings, search
+from threefold.plan.step import predict_step
 from tests.test_tp_layer import SavedBytes
 
 MIXTRAL = ModelConfig(preset="mixtral-8x7b").resolved()
@@ -244,7 +244,7 @@ def test_dry_run_of_mixtral_with_ep(monkeypatch, tmp_path):
     """The dry run of Mixtral on 64 ranks with ep 8: rank 0's parameters counted on the meta
     model cut by apply_expert_parallel equal the planner's, the bytes on ep are the closed
     form, MFU counts active parameters."""
-    from threefold.dryrun import format_report, predict
+    from threefold.plan.dryrun import format_report, predict
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, _pairs(["--model.preset", "mixtral-8x7b", "--parallel.ep", "8",
@@ -266,7 +266,7 @@ def test_dry_run_of_mixtral_with_ep(monkeypatch, tmp_path):
 
 
 def test_dry_run_refuses_moe_with_cp_by_name(monkeypatch, tmp_path):
-    from threefold.dryrun import predict
+    from threefold.plan.dryrun import predict
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, _pairs(["--model.preset", "mixtral-8x7b", "--parallel.cp", "2",

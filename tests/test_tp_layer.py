@@ -77,7 +77,7 @@ def block_saved_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ffn: in
 
 
 def planner_gap_bytes(s: int, b: int, h: int, t: int, sp: bool, d: int = 4) -> int:
-    """What ``threefold.memory.layer_activation_bytes`` does not count and this block keeps
+    """What ``plan.activations.layer_activation_bytes`` does not count and this block keeps
     (see ``test_memory_planner_formula``): the normalised input and 1/rms of both RMSNorms,
     and under SP the whole all-gathered inputs of the linears instead of their 1/t shards."""
     sbh, sb = s * b * h, s * b
@@ -303,7 +303,7 @@ def _memory_checks(t: int, res: dict, ranks: list, sp: bool) -> None:
 
 
 def _planner_check(name: str, kv: int, tp: int, sp: bool, got: int) -> None:
-    """``threefold.memory.layer_activation_bytes`` plus the known gap equals the measurement.
+    """``plan.activations.layer_activation_bytes`` plus the known gap equals the measurement.
 
     The planner's formula is Korthikanti's, adapted the same way for attention and SwiGLU, and
     agrees with the measurement except for what this block keeps that it does not count
@@ -312,9 +312,9 @@ def _planner_check(name: str, kv: int, tp: int, sp: bool, got: int) -> None:
     input, not the 1/t shard (+2·d·sbh·(t−1)/t). If the planner or the block changes (e.g.
     tensor.py re-gathers the input in backward as Korthikanti §4.2.2 do), this says by how
     much, and ``planner_gap_bytes`` must change with it."""
-    from threefold import memory  # here: the planner is being changed, the rest need not wait
+    from threefold.plan import activations  # here: the planner changes, the rest need not wait
 
-    planner = memory.layer_activation_bytes(
+    planner = activations.layer_activation_bytes(
         S, B, H, HEADS, kv, FFN, tp=tp, sequence_parallel=sp, dtype_bytes=D, mlp_tensors=4,
         flash_attention=True, kv_replicas=1 if kv % tp == 0 else tp // kv)
     gap = planner_gap_bytes(S, B, H, tp, sp, D)

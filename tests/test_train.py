@@ -7,8 +7,8 @@ import math
 
 import pytest
 from tests.conftest import metrics, tiny_overrides
+from threefold.accounting import num_parameters
 from threefold.cli import main
-from threefold.cost import num_parameters
 from threefold.config import load_config
 from threefold.train import lr_at, train
 

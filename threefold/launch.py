@@ -135,7 +135,7 @@ def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list
     from threefold.config import ConfigError
 
     if cfg.train.dry_run:
-        from threefold.dryrun import dry_run
+        from threefold.plan.dryrun import dry_run
 
         try:
             return dry_run(cfg, world)

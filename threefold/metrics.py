@@ -49,7 +49,7 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float |
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         try:
-            from threefold.hardware import peak_flops_for_device_name
+            from threefold.plan.hardware import peak_flops_for_device_name
         except ImportError:  # pragma: no cover - catalogue always ships
             return None, "unknown"
         peak = peak_flops_for_device_name(name, "bf16" if dtype == torch.bfloat16 else "fp32")

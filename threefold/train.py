@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from threefold import cost
+from threefold import accounting
 from threefold.checkpoint import CheckpointError, save_sharded
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import DataBundle, prepare_data
@@ -487,11 +487,12 @@ def _loop(run: Run, preempt, return_run: bool):
             shutil.copyfile(run.data.tokenizer_path, run.out / "tokenizer.json")
         (run.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     peak, peak_src = device_peak_flops(run.device, run.dtype)
-    flops_tok = cost.flops_per_token(run.model_cfg, cfg.data.seq_len)
+    flops_tok = accounting.flops_per_token(run.model_cfg, cfg.data.seq_len)
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
     bar = _progress(run, start)
     log = (lambda s: bar.write(s)) if bar else (lambda s: print(s, flush=True) if lay.is_writer else None)
-    n_params, n_active = cost.num_parameters(run.model_cfg), cost.active_parameters(run.model_cfg)
+    n_params = accounting.num_parameters(run.model_cfg)
+    n_active = accounting.active_parameters(run.model_cfg)
     active = f" ({n_active / 1e6:.2f}M active per token)" if n_active != n_params else ""
     log(f"threefold: {n_params / 1e6:.2f}M parameters{active}, {lay.describe()}, "
         f"device {run.device}, dtype {t.dtype}, steps {start}->{t.steps}")

@@ -30,7 +30,7 @@ Bytes a rank sends per attention call, with kv = the bytes of its local K and V 
 (2 · B · kv_heads · T/N · head_dim · element size): ring forward (N−1)·kv, backward
 (N−1)·kv + N·kv (the dK/dV hops); allgather forward (N−1)·kv (all-gather), backward (N−1)·kv
 (reduce-scatter). Activation checkpointing runs the forward twice.
-``threefold.cost.cp_bytes_per_attention`` is that closed form; the planner and the tests use
+``threefold.accounting.cp_bytes_per_attention`` is that closed form; the planner and the tests use
 it.
 """
 
@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from threefold.cost import cp_bytes_per_attention  # noqa: F401 - the closed form lives there
+from threefold.accounting import cp_bytes_per_attention  # noqa: F401 - the closed form lives there
 
 AXIS = "cp"
 ALGORITHMS = ("ring", "allgather")

@@ -27,8 +27,8 @@ holds master + moments + the gradient buffer (16 bytes per owned parameter), eve
 the gradients down and the parameters up over PCIe (8 bytes per owned parameter in fp32; 4 in
 16-bit, ZeRO-Offload's 2Ψ + 2Ψ), and AdamW runs at host-memory speed, after the backward
 (this engine does not overlap the step with the next forward: ZeRO-Offload's one-step
-delayed update is not implemented). ``threefold.memory`` counts the host bytes separately
-(``MemoryBreakdown.host``) and ``threefold.cost.offload_bytes_per_step`` the PCIe traffic.
+delayed update is not implemented). ``threefold.plan.memory`` counts the host bytes separately
+(``MemoryBreakdown.host``) and ``threefold.accounting.offload_bytes_per_step`` the PCIe traffic.
 ZeRO-Offload's own figures (abstract): models of over 13B parameters on one V100, 10× what
 PyTorch alone trains there, at 40 TFLOPS for a 10B model.
 

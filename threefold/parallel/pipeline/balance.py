@@ -1,5 +1,5 @@
 """Which blocks each pipeline stage holds: the balanced split of the layers, in pure Python so
-that the planner (threefold.cost) splits a model exactly as the runtime (stage.py) does,
+that the planner (threefold.accounting) splits a model exactly as the runtime (stage.py) does,
 without building it.
 
 The L transformer blocks go to ``S = p·v`` virtual stages in contiguous runs of at least one

@@ -245,7 +245,7 @@ def hardware_from_calibration(record: dict, ranks_on_machine: int = 1,
     machine's threads // ranks; the nearest measured count not above it), the measured copy
     bandwidth shared among the ranks, the fitted all-reduce latency and bandwidth for every
     link, and the machine's memory shared among the ranks."""
-    from threefold.hardware import Hardware
+    from threefold.plan.hardware import Hardware
 
     ranks = max(1, ranks_on_machine)
     per_rank = threads_per_rank or max(1, record.get("threads", record.get("cores", 1)) // ranks)

@@ -5,8 +5,8 @@ Nothing is allocated: the model is built on the meta device (shapes, no storage)
 parallelism is applied to it there as the runtime would on rank 0, and the parameters each
 rank holds are counted from it (and checked against the planner's own count). The layout is
 checked as the launcher and the trainer check it (``ParallelDims.from_config``,
-``validate_model``, ``check_batch``, sequence-parallel divisibility); then ``threefold.cost``
-and ``threefold.memory`` predict memory per rank, step time, tokens/s, MFU and the bytes each
+``validate_model``, ``check_batch``, sequence-parallel divisibility); then ``threefold.accounting``
+and ``threefold.plan.memory`` predict memory per rank, step time, tokens/s, MFU and the bytes each
 mesh axis carries per step.
 
 The hardware it predicts for (no config field names it):
@@ -17,7 +17,7 @@ The hardware it predicts for (no config field names it):
   GPU's name (unknown names give no step time: the peak is never guessed);
 - otherwise this CPU: every rank on this machine, its matmul rate measured now at the threads
   each rank gets (``threefold.metrics.cpu_matmul_flops`` through
-  ``threefold.calibrate.matmul_flops``), ``LOOPBACK_BANDWIDTH`` / ``LOOPBACK_LATENCY_S`` for the
+  ``plan.calibrate.matmul_flops``), ``LOOPBACK_BANDWIDTH`` / ``LOOPBACK_LATENCY_S`` for the
   gloo links (CPU-NOTES.md: about 1 GB/s and 0.3 ms between two local processes), the
   machine's memory shared by the ranks, memory bandwidth not modelled. Memory figures on a CPU
   are what the model, its gradients, optimiser and activations need, over the process's own
@@ -41,27 +41,26 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from threefold.config import Config, ConfigError, ModelConfig
-from threefold.cost import (
+from threefold.accounting import (
     COMM_AXES,
     Layout,
-    active_parameters,
-    StepPrediction,
     Workload,
+    active_parameters,
     check_layout,
     comm_bytes_per_step,
     microbatches,
-    offload_bytes_per_step,
     num_parameters,
+    offload_bytes_per_step,
     owned_parameters,
     pipeline_layers,
-    predict_step,
     stage_parameters,
 )
-from threefold.hardware import Cluster, Hardware, get_hardware, hardware_for_device_name
-from threefold.memory import RUNTIME_OVERHEAD_BYTES, MemoryBreakdown
+from threefold.config import Config, ConfigError, ModelConfig
 from threefold.parallel.layout import validate_layout
-from threefold.plan import memory_per_rank
+from threefold.plan.hardware import Cluster, Hardware, get_hardware, hardware_for_device_name
+from threefold.plan.memory import MemoryBreakdown, memory_per_rank
+from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
+from threefold.plan.step import StepPrediction, predict_step
 
 ENV_HARDWARE = "THREEFOLD_HARDWARE"
 ENV_GPUS_PER_NODE = "THREEFOLD_GPUS_PER_NODE"
@@ -164,7 +163,7 @@ def choose_hardware(cfg: Config, world: int) -> tuple[Cluster, str]:
     spec = os.environ.get(ENV_HARDWARE)
     if spec:
         if Path(spec).expanduser().is_file():
-            from threefold.calibrate import hardware_from_calibration, load
+            from threefold.plan.calibrate import hardware_from_calibration, load
 
             per_node = _ranks_per_node(world, world)
             hw = hardware_from_calibration(load(spec), per_node)
@@ -188,7 +187,7 @@ def choose_hardware(cfg: Config, world: int) -> tuple[Cluster, str]:
 
 
 def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
-    from threefold.calibrate import machine_ram, matmul_flops
+    from threefold.plan.calibrate import machine_ram, matmul_flops
 
     per_node = _ranks_per_node(world, world)
     threads = max(1, (os.cpu_count() or 1) // per_node)

@@ -1,0 +1,102 @@
+"""The accounting: closed forms that the runtime logs and the planner predicts, one definition
+each. Parameters and FLOPs (``shapes``), the layout and workload and their checks (``layout``),
+parameters per rank, ZeRO units and gradient buckets (``stages``), and every collective a rank
+issues with its bytes per mesh axis (``traffic``). Pure functions of the configuration; no
+torch, so the planner evaluates a 1T-parameter layout in microseconds. The runtime, the
+benchmarks and the tests import these names from here.
+
+Conventions (every function below follows them):
+- A *layout* splits the world into pp × dp_replicate × dp_shard × cp × tp. Mesh axes are
+  ordered outermost first as ``MESH_ORDER``: tp innermost (NVLink), then cp, then dp_shard, then
+  dp_replicate and pp outermost (DESIGN.md, topology rule). A group that does not fit inside
+  one aligned node crosses the network.
+- Context parallelism is threefold's (``threefold.parallel.context``): each cp rank holds
+  seq_len/cp tokens of every sequence, so every per-token figure (FLOPs, memory traffic,
+  activations, tp and pp messages) is that of seq_len/cp tokens, while attention still looks
+  at all seq_len keys. Weights are replicated over cp: plain data parallelism all-reduces over
+  dp·cp ranks ("dp_cp"), ZeRO shards over dp_shard·cp ("dp_shard_cp"). Each attention moves
+  K/V on "cp" (``cp_bytes_per_attention``).
+- Tensor parallelism is threefold's (``threefold.parallel.tensor``, after Megatron, Shoeybi et
+  al. 2019): q/k/v/gate/up column-parallel, o/down row-parallel, vocab-parallel embedding and
+  head. RMSNorm weights are *replicated* over tp (under sequence parallelism their gradients
+  are all-reduced over tp in every backward). When kv heads < tp, k/v projections stay whole
+  on every tp rank, each rank computing the one kv head its query heads use, and their weight
+  gradients are all-reduced over tp in every backward. The vocabulary is padded to a multiple
+  of tp, as the runtime pads it (Megatron pads further, to 128·t); an intermediate size that
+  tp does not divide is padded to ceil(f/tp) per rank (the runtime refuses it; the planner
+  allows it, with a warning).
+- Pipeline (planned, not yet run by the runtime): virtual stage s of v·p lives on rank s % p
+  (Megatron's interleaved layout); rank 0 also holds the embedding, rank p-1 the final norm
+  and LM head; with tied embeddings and pp > 1 both ends hold a copy, whose gradients are
+  all-reduced between them once per step.
+- Bytes are those one rank *sends*, counted exactly as ``threefold.comm.Comm`` counts them (ring
+  algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
+  elements, point-to-point all of it. For the rank with coordinate 0 on every axis (global
+  rank 0, the one that writes summary.json); other ranks differ by at most 2 elements per
+  all-reduce whose size the group does not divide. With n dividing every size these are the
+  published 2(n−1)/n·S and (n−1)/n·S.
+"""
+
+from threefold.accounting.layout import (
+    Layout,
+    Workload,
+    check_experts,
+    check_layout,
+    local_seq_len,
+    microbatches,
+)
+from threefold.accounting.shapes import (
+    COMM_AXES,
+    CP_ALGORITHMS,
+    DEFAULT_BUCKET_MB,
+    DTYPE_BYTES,
+    EXPERT_AXES,
+    FLATTENED_AXES,
+    MESH_ORDER,
+    RECOMPUTE,
+    SCHEDULES,
+    LayoutError,
+    TPShard,
+    active_parameters,
+    flops_per_token,
+    layer_parameters,
+    layer_parameters_per_rank,
+    matmul_parameters,
+    moe_matmul_parameters,
+    num_parameters,
+    padded_vocab,
+    tp_shard,
+)
+from threefold.accounting.stages import (
+    block_parameter_numels,
+    gradient_buckets,
+    largest_unit_parameters,
+    owned_parameters,
+    parameter_numels,
+    pipeline_layers,
+    rank_layers,
+    stage_expert_units,
+    stage_parameters,
+    stage_units,
+)
+from threefold.accounting.traffic import (
+    Collective,
+    axis_crosses_nodes,
+    axis_stride,
+    collectives,
+    comm_bytes_per_step,
+    cp_bytes_per_attention,
+    offload_bytes_per_step,
+)
+
+__all__ = [
+    "active_parameters", "axis_crosses_nodes", "axis_stride", "block_parameter_numels",
+    "check_experts", "check_layout", "Collective", "collectives", "COMM_AXES",
+    "comm_bytes_per_step", "CP_ALGORITHMS", "cp_bytes_per_attention", "DEFAULT_BUCKET_MB",
+    "DTYPE_BYTES", "EXPERT_AXES", "FLATTENED_AXES", "flops_per_token", "gradient_buckets",
+    "largest_unit_parameters", "layer_parameters", "layer_parameters_per_rank", "Layout",
+    "LayoutError", "local_seq_len", "matmul_parameters", "MESH_ORDER", "microbatches",
+    "moe_matmul_parameters", "num_parameters", "offload_bytes_per_step", "owned_parameters",
+    "padded_vocab", "parameter_numels", "pipeline_layers", "rank_layers", "RECOMPUTE", "SCHEDULES",
+    "stage_expert_units", "stage_parameters", "stage_units", "tp_shard", "TPShard", "Workload",
+]

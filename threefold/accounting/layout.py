@@ -1,0 +1,263 @@
+"""``Layout`` (the degrees of every parallel axis, the ZeRO stage, the schedule) and ``Workload``
+(the batch, the sequence, the numerics), and the checks that a layout divides the world, the
+model and the batch (``check_layout``), as the runtime requires.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from threefold.accounting.shapes import (
+    CP_ALGORITHMS,
+    DEFAULT_BUCKET_MB,
+    DTYPE_BYTES,
+    FLATTENED_AXES,
+    RECOMPUTE,
+    SCHEDULES,
+    LayoutError,
+    tp_shard,
+)
+from threefold.config import Config, ModelConfig
+
+# --------------------------------------------------------------------------------------------
+# Layout and workload
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """How one step is split over the world. ``schedule`` '' means 1f1b, or interleaved-1f1b
+    when vpp > 1; sequence parallelism only matters when tp > 1. ``bucket_mb`` is the
+    data-parallel gradient bucket (``parallel.bucket_mb``), which sets how the all-reduce is cut."""
+
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero_stage: int = 0
+    vpp: int = 1
+    microbatch_size: int = 1
+    recompute: str = "none"
+    schedule: str = ""
+    sequence_parallel: bool = True
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    pipeline_split: str = "params"
+    cp: int = 1
+    cp_algorithm: str = "ring"
+    # AdamW's state and the fp32 master in host memory, the step run there
+    # (``parallel.offload_optimizer``, threefold.parallel.offload)
+    offload_optimizer: bool = False
+    # expert parallelism (``parallel.ep``, a mixture of experts only): each MoE layer's experts
+    # split over ep ranks, the innermost ep of dp_shard
+    ep: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: replicas times shards (the ranks that see different data;
+        context-parallel ranks see the same sequences)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        """Ranks this layout uses."""
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def data_axis(self) -> str:
+        """The axis plain data parallelism all-reduces gradients over: "dp", or "dp_cp" with
+        cp > 1 (context-parallel ranks hold the same weights)."""
+        return "dp" if self.cp == 1 else "dp_cp"
+
+    @property
+    def shard_axis(self) -> str:
+        """The axis ZeRO shards over: "dp_shard", or "dp_shard_cp" with cp > 1."""
+        return "dp_shard" if self.cp == 1 else "dp_shard_cp"
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a ZeRO shard group holds: dp_shard · cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (needs tp > 1)."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule name, with the default filled in."""
+        return self.schedule or ("interleaved-1f1b" if self.vpp > 1 else "1f1b")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Gradient bucket size in bytes, as ``threefold.parallel.data`` computes it."""
+        return int(self.bucket_mb * 2**20)
+
+    @property
+    def edp_shard(self) -> int:
+        """Ranks of dp_shard holding the same experts: dp_shard / ep (ZeRO shards the expert
+        units over them)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel ranks holding the same experts: dp / ep (plain data parallelism
+        all-reduces the expert gradients over them)."""
+        return self.dp // self.ep
+
+    def size(self, axis: str) -> int:
+        """Degree of the named mesh axis (or of a flattened one, e.g. "dp" = dp_replicate ·
+        dp_shard, "dp_cp", "dp_shard_cp"; or of an expert axis, "ep", "edp_shard", "edp")."""
+        if axis in FLATTENED_AXES:
+            return math.prod(getattr(self, a) for a in FLATTENED_AXES[axis])
+        return getattr(self, axis)
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> "Layout":
+        """The layout a training config describes on ``world_size`` ranks (dp_shard -1 = rest).
+        A micro-batch larger than a rank's share of the batch is that share, as in the loop."""
+        p = cfg.parallel
+        dp_shard = p.dp_shard
+        if dp_shard == -1:
+            rest = p.pp * p.dp_replicate * p.cp * p.tp
+            if world_size % rest:
+                raise LayoutError(f"world size {world_size} is not a multiple of "
+                                  f"pp·dp_replicate·cp·tp = {rest}")
+            dp_shard = world_size // rest
+        local = max(1, cfg.train.global_batch_size // (p.dp_replicate * dp_shard))
+        return cls(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard,
+                   zero_stage=p.zero_stage, vpp=p.vpp,
+                   microbatch_size=min(cfg.train.micro_batch_size, local),
+                   recompute="full" if cfg.train.activation_checkpointing else "none",
+                   schedule=p.schedule, sequence_parallel=p.sequence_parallel,
+                   bucket_mb=p.bucket_mb, cp=p.cp, cp_algorithm=p.cp_algorithm,
+                   offload_optimizer=p.offload_optimizer, ep=p.ep,
+                   pipeline_split=(f"flops:{cfg.data.seq_len}" if p.pipeline_split == "flops"
+                                   else p.pipeline_split))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimiser step trains: ``global_batch`` sequences of ``seq_len`` tokens.
+    ``flash_attention`` False means the attention probabilities are materialised.
+
+    ``precision`` is the matmul (activation) dtype. ``residual_bytes`` and ``master_bytes``
+    (0 = the same as the activations) are the element sizes of the residual stream and of the
+    stored weights and gradients. The published figures (Megatron, ZeRO) keep all three in
+    16 bits under bf16/fp16 and the fp32 master copy in the optimiser state, which is this
+    class's default. threefold's runtime keeps fp32 weights, gradients and residual stream and
+    autocasts only the matmuls: ``Workload.from_config`` describes that. ``eager`` says the
+    elementwise work runs one kernel per operation, as PyTorch's eager mode does (threefold
+    without ``train.compile``), rather than fused (Megatron's kernels, torch.compile); it
+    changes the memory traffic ``stage_memory_traffic_per_microbatch`` counts."""
+
+    seq_len: int
+    global_batch: int
+    precision: str = "bf16"
+    flash_attention: bool = True
+    residual_bytes: int = 0
+    master_bytes: int = 0
+    eager: bool = False  # one kernel per elementwise op (threefold without compile), not fused
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per step."""
+        return self.seq_len * self.global_batch
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one matmul activation element."""
+        return DTYPE_BYTES[self.precision]
+
+    @property
+    def resid_bytes(self) -> int:
+        """Bytes of one element of the residual stream (what norms read, what the tp
+        "enter" collectives and pipeline sends move)."""
+        return self.residual_bytes or self.act_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one stored weight or gradient element (what ZeRO gathers and data
+        parallelism reduces)."""
+        return self.master_bytes or self.act_bytes
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Workload":
+        """The workload of a threefold training config, with the runtime's numerics: fp32
+        weights, gradients and residual stream; matmuls in ``train.dtype`` (autocast);
+        attention through ``scaled_dot_product_attention`` (a flash kernel: probabilities
+        not stored); elementwise work eager unless ``train.compile``."""
+        precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
+        return cls(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch_size,
+                   precision=precision, flash_attention=True, residual_bytes=4, master_bytes=4,
+                   eager=not cfg.train.compile)
+
+
+def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
+    """Raise LayoutError naming the first rule ``layout`` breaks for this model and batch."""
+    if layout.recompute not in RECOMPUTE:
+        raise LayoutError(f"recompute '{layout.recompute}' is not one of {RECOMPUTE}")
+    if layout.pipeline_schedule not in SCHEDULES:
+        raise LayoutError(f"schedule '{layout.pipeline_schedule}' is not one of {SCHEDULES}")
+    if layout.zero_stage not in (0, 1, 2, 3):
+        raise LayoutError(f"zero_stage {layout.zero_stage} is not 0-3")
+    if layout.cp < 1 or layout.cp_algorithm not in CP_ALGORITHMS:
+        raise LayoutError(f"cp={layout.cp} with cp_algorithm '{layout.cp_algorithm}': cp must "
+                          f"be >= 1 and the algorithm one of {CP_ALGORITHMS}")
+    if layout.cp > 1 and work.seq_len % (2 * layout.cp):
+        raise LayoutError(f"cp={layout.cp}: seq_len {work.seq_len} is not divisible by 2·cp "
+                          "(each cp rank holds two balanced chunks)")
+    tp_shard(cfg, layout.tp)
+    check_experts(cfg, layout)
+    chunks = layout.pp * layout.vpp
+    if cfg.num_hidden_layers < chunks:  # uneven splits are fine: see pipeline_layers
+        raise LayoutError(f"pp·vpp={chunks} is more than the {cfg.num_hidden_layers} layers "
+                          "(each pipeline chunk needs one)")
+    if layout.vpp > 1 and layout.pipeline_schedule != "interleaved-1f1b":
+        raise LayoutError("vpp > 1 needs the interleaved-1f1b schedule")
+    m = microbatches(layout, work)
+    if layout.pp == 1:
+        return  # no pipeline: the schedule is not used (as the runtime ignores it)
+    if layout.pipeline_schedule == "interleaved-1f1b" and (layout.pp < 2 or m % layout.pp):
+        raise LayoutError(f"interleaved 1F1B needs pp >= 2 and microbatches ({m}) a multiple "
+                          f"of pp ({layout.pp})")
+
+
+def check_experts(cfg: ModelConfig, layout: Layout) -> None:
+    """LayoutError naming the field for a layout the runtime's mixture of experts does not
+    take (``threefold.parallel.layout.validate_layout``): ep must divide the experts and
+    dp_shard, ep needs experts; experts train under data, expert, tensor (without sequence
+    parallelism) and pipeline parallelism and ZeRO, not under context parallelism."""
+    e, ep = cfg.num_local_experts or 0, layout.ep
+    if ep < 1:
+        raise LayoutError(f"parallel.ep: must be >= 1, got {ep}")
+    if not e:
+        if ep > 1:
+            raise LayoutError(f"parallel.ep: {ep} needs a mixture of experts "
+                              "(model.num_local_experts > 0); set parallel.ep 1")
+        return
+    if e % ep:
+        raise LayoutError(f"parallel.ep: {ep} does not divide model.num_local_experts={e}")
+    if layout.dp_shard % ep:
+        raise LayoutError(f"parallel.ep: {ep} does not divide parallel.dp_shard="
+                          f"{layout.dp_shard} (expert-parallel ranks are part of dp_shard)")
+    if layout.cp > 1:
+        raise LayoutError(f"parallel.cp: {layout.cp} with a mixture of experts "
+                          f"(model.num_local_experts={e}): not supported yet; set parallel.cp 1")
+    if layout.sp:
+        raise LayoutError(f"parallel.sequence_parallel: tp={layout.tp} with a mixture of "
+                          f"experts (model.num_local_experts={e}) runs without sequence "
+                          "parallelism; set parallel.sequence_parallel false")
+
+
+def local_seq_len(layout: Layout, work: Workload) -> int:
+    """Tokens of each sequence one rank holds: seq_len / cp."""
+    return work.seq_len // layout.cp
+
+
+def microbatches(layout: Layout, work: Workload) -> int:
+    """Microbatches per step on each pipeline (gradient-accumulation steps without pp)."""
+    per_replica, rem = divmod(work.global_batch, layout.dp * layout.microbatch_size)
+    if rem or not per_replica:
+        raise LayoutError(f"global batch {work.global_batch} is not a multiple of "
+                          f"dp·microbatch = {layout.dp}·{layout.microbatch_size}")
+    return per_replica

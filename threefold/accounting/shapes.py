@@ -1,0 +1,149 @@
+"""Parameters and FLOPs of a model: exact counts of the weights threefold's model builds, the
+PaLM FLOPs per token, and how tensor parallelism shards each weight. Also the axis names and
+the constants every accounting module shares. Pure functions of the configuration, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from threefold.config import ModelConfig
+from threefold.moe import inactive_parameters, moe_layer_parameters
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first (= mesh.AXES)
+# Axes communication is counted on: the mesh axes plus the flattened ones the runtime reports
+# (threefold.mesh.FLATTENED): "dp" (dp_replicate × dp_shard), where plain data parallelism
+# all-reduces with cp = 1; with cp > 1 it all-reduces over "dp_cp" (dp × cp) and ZeRO shards
+# over "dp_shard_cp" (dp_shard × cp) instead of "dp_shard".
+FLATTENED_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+                  "dp_shard_cp": ("dp_shard", "cp")}
+# Expert parallelism (threefold.parallel.expert, threefold.mesh.EXPERT_AXES): "ep" (the ranks
+# that split one layer's experts: the innermost ep of dp_shard), "edp_shard" (dp_shard/ep: the
+# ranks holding the same experts within dp_shard, over which ZeRO shards the expert units) and
+# "edp" (dp/ep: every rank holding the same experts, over which plain data parallelism
+# all-reduces their gradients).
+EXPERT_AXES = ("ep", "edp_shard", "edp")
+COMM_AXES = MESH_ORDER + tuple(FLATTENED_AXES) + EXPERT_AXES
+CP_ALGORITHMS = ("ring", "allgather")
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+DEFAULT_BUCKET_MB = 25.0  # = ParallelConfig.bucket_mb: data-parallel gradient buckets, MiB
+
+
+class LayoutError(ValueError):
+    """A layout that does not divide the world, the model or the batch."""
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters of the model (exact; unchanged API)
+# --------------------------------------------------------------------------------------------
+def layer_parameters(cfg: ModelConfig) -> int:
+    """Weights of one transformer block: attention, SwiGLU MLP (or, with
+    ``num_local_experts``, the router and every expert) and its two RMSNorms."""
+    h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q = h * cfg.num_attention_heads * hd
+    kv = 2 * h * cfg.num_key_value_heads * hd
+    o = cfg.num_attention_heads * hd * h
+    mlp = moe_layer_parameters(cfg) if cfg.num_local_experts else 3 * h * f
+    return q + kv + o + mlp + 2 * h
+
+
+def num_parameters(cfg: ModelConfig) -> int:
+    """Exact parameter count of the model built from ``cfg`` (a resolved config)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    head = 0 if cfg.tie_word_embeddings else v * h
+    return v * h + cfg.num_hidden_layers * layer_parameters(cfg) + h + head
+
+
+def active_parameters(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all of them but, in a mixture of experts, the E − k experts
+    per layer it is not routed to (the router counts: every token uses all of it). Equal to
+    ``num_parameters`` for a dense model."""
+    return num_parameters(cfg) - inactive_parameters(cfg)
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matrix multiply per token: every Linear weight (of a
+    mixture of experts, the router and the token's k experts), the LM head included (tied or
+    not); the embedding lookup and the norms excluded."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    return cfg.num_hidden_layers * (layer_parameters(cfg) - 2 * h) + v * h \
+        - inactive_parameters(cfg)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM (arXiv 2204.02311, App. B): 6N + 12·L·H·Q·T, with N the
+    matmul parameters, H heads, Q head dim, T the sequence length. Recomputation excluded, so
+    this is the model-FLOPs (MFU) numerator, not the hardware-FLOPs one."""
+    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    return 6.0 * matmul_parameters(cfg) + attn
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Per-rank widths of one block under tensor parallelism."""
+
+    heads: int  # query heads per rank
+    kv_heads: int  # kv heads per rank (1 when replicated)
+    kv_replicas: int  # ranks that hold a copy of each kv head (1 = sharded)
+    ffn: int  # intermediate width per rank (ceil(f/tp))
+    vocab: int  # padded vocabulary rows per rank
+
+
+def padded_vocab(cfg: ModelConfig, tp: int) -> int:
+    """Vocabulary padded to a multiple of tp, as ``threefold.parallel.tensor`` pads it."""
+    return -(-cfg.vocab_size // tp) * tp
+
+
+@lru_cache(maxsize=4096)
+def _tp_shard(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> TPShard:
+    if a % tp:
+        raise LayoutError(f"tp={tp} does not divide the {a} attention heads")
+    if kv % tp == 0:
+        kv_r, reps = kv // tp, 1
+    elif tp % kv == 0:
+        kv_r, reps = 1, tp // kv  # each kv head replicated on tp/kv ranks
+    else:
+        raise LayoutError(f"tp={tp} neither divides nor is a multiple of the {kv} kv heads")
+    return TPShard(a // tp, kv_r, reps, -(-f // tp), -(-vocab // tp))
+
+
+def tp_shard(cfg: ModelConfig, tp: int) -> TPShard:
+    """Per-rank head counts and widths under ``tp``; LayoutError if tp does not fit."""
+    return _tp_shard(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                     cfg.intermediate_size, cfg.vocab_size, tp)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters per rank, as the runtime groups them
+# --------------------------------------------------------------------------------------------
+def layer_parameters_per_rank(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    """(tp-sharded, tp-replicated) weights of one block on one rank, as the FLOPs see them: the
+    replicated ones are the two RMSNorm weights; a replicated kv projection counts as the one
+    kv head the rank computes with. A mixture of experts' feed-forward is in neither (it is
+    whole on every tp rank and a token uses k of its experts: ``moe_matmul_parameters``)."""
+    sh, h, hd = tp_shard(cfg, tp), cfg.hidden_size, cfg.head_dim
+    mlp = 0 if cfg.num_local_experts else 3 * h * sh.ffn
+    sharded = 2 * h * sh.heads * hd + 2 * h * sh.kv_heads * hd + mlp
+    return sharded, 2 * h
+
+
+def _moe_key(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(experts E, experts per token k, shared expert width), (0, 0, 0) for a dense model."""
+    if not cfg.num_local_experts:
+        return (0, 0, 0)
+    return (cfg.num_local_experts, cfg.num_experts_per_tok,
+            getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+
+
+def moe_matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights of one MoE feed-forward that take part in a matmul per token: the router
+    (E·h), the token's k experts (3·h·f each) and a shared expert with its gate. 0 for a
+    dense model. Not split by tp (the runtime keeps the MoE whole on every tp rank)."""
+    e, k, fs = _moe_key(cfg)
+    if not e:
+        return 0
+    h = cfg.hidden_size
+    return e * h + k * 3 * h * cfg.intermediate_size + (3 * h * fs + h if fs else 0)

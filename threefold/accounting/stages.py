@@ -1,0 +1,221 @@
+"""Parameters per rank: the pipeline split (the runtime's own, threefold.parallel.pipeline.balance),
+the units ZeRO shards, the gradient buckets data parallelism all-reduces, and which pipeline
+stages differ. Exactly what the runtime builds, so the bytes it moves follow from these.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from threefold.accounting.layout import Layout
+from threefold.accounting.shapes import LayoutError, _moe_key, _tp_shard, tp_shard
+from threefold.config import ModelConfig
+from threefold.parallel.pipeline.balance import split_counts
+
+def _shape_key(cfg: ModelConfig) -> tuple:
+    return (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers,
+            bool(cfg.tie_word_embeddings), _moe_key(cfg))
+
+
+@lru_cache(maxsize=4096)
+def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> tuple[int, ...]:
+    sh, hd = _tp_shard(h, a, kv, f, vocab, tp), h // a
+    kv_rows = (kv * hd) if sh.kv_replicas > 1 else sh.kv_heads * hd  # replicated: whole
+    # registration order of threefold.model.LlamaDecoderLayer: input_layernorm,
+    # q/k/v/o_proj, post_attention_layernorm, gate/up/down_proj
+    return (h, sh.heads * hd * h, kv_rows * h, kv_rows * h, h * sh.heads * hd, h,
+            sh.ffn * h, sh.ffn * h, h * sh.ffn)
+
+
+@lru_cache(maxsize=4096)
+def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tuple, ep: int
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the block's parameters, its expert tensors held apart) on one tp and ep rank, in
+    registration order. Dense: (``_block_numels``, ()). A mixture of experts (HF Mixtral
+    names, threefold.moe): the norms and attention, then ``mlp.gate`` (E·h),
+    ``mlp.experts.gate_up_proj`` (E/ep·2f·h), ``mlp.experts.down_proj`` (E/ep·h·f), a shared
+    expert (gate/up/down, then its 1×h gate); the MoE is whole on every tp rank. With ep > 1
+    the two expert tensors are held apart (the runtime's engines treat them apart: their own
+    ZeRO unit, their own gradient buckets), else they are in the block."""
+    dense = _block_numels(h, a, kv, f, vocab, tp)
+    e, _, fs = moe
+    if not e:
+        return dense, ()
+    router = (e * h,)
+    experts = ((e // ep) * 2 * f * h, (e // ep) * h * f)
+    shared = (fs * h, fs * h, h * fs, h) if fs else ()
+    if ep == 1:
+        return dense[:6] + router + experts + shared, ()
+    return dense[:6] + router + shared, experts
+
+
+def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
+    """Elements of each parameter of one block held by one tp rank, in the order the model
+    registers them (a replicated k/v projection is held whole; a mixture of experts' every
+    expert, as without expert parallelism)."""
+    h, a, kv, f, vocab, _, _, moe = _shape_key(cfg)
+    return _layer_numels(h, a, kv, f, vocab, tp, moe, 1)[0]
+
+
+@lru_cache(maxsize=4096)
+def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> tuple[int, ...]:
+    h, a, kv, f, vocab, n_layers, tied, moe = key
+    layer = sum(_layer_numels(h, a, kv, f, vocab, 1, moe, 1)[0])  # every expert
+    emb = vocab * h
+    if split.startswith("flops"):  # "flops:T", as stage.stage_costs counts them at length T
+        try:
+            t = int(split.split(":")[1])
+        except (IndexError, ValueError):
+            raise LayoutError(f"pipeline_split '{split}': the planner needs 'flops:SEQ_LEN'") \
+                from None
+        # stage_costs counts the nn.Linear weights: of a mixture of experts, the attention's
+        # and a shared expert's (the router and the 3-D expert tensors are not Linears)
+        linear = layer - 2 * h if not moe[0] else \
+            sum(_block_numels(h, a, kv, f, vocab, 1)[1:5]) + (3 * h * moe[2] + h if moe[2] else 0)
+        per_block = 6.0 * linear + 12.0 * a * (h // a) * t
+        return split_counts("flops", [per_block] * n_layers, n_stages, 0.0, 6.0 * emb)
+    return split_counts(split, [float(layer)] * n_layers, n_stages, float(emb),
+                        float(h + (0 if tied else emb)))
+
+
+def pipeline_layers(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
+    """Blocks of each of the ``pp·vpp`` virtual stages, split as the runtime splits the model
+    (``threefold.parallel.pipeline.stage.split_model`` with ``parallel.pipeline_split``: by
+    default balanced by parameters, the embedding counted on the first stage, the final norm
+    and an untied head on the last; "flops:T" balanced by training FLOPs at sequence length
+    T; uniform; or given counts), so that every per-stage figure here is that of the stage a
+    run builds."""
+    return _virtual_stage_layers(_shape_key(cfg), layout.pp * layout.vpp, layout.pipeline_split)
+
+
+def rank_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    """Blocks one rank of pipeline ``stage`` holds: its ``vpp`` chunks (virtual stages
+    ``c·pp + stage``) together."""
+    return _rank_layers(_shape_key(cfg), layout.pp, layout.vpp, layout.pipeline_split, stage)
+
+
+@lru_cache(maxsize=65536)
+def _rank_layers(key: tuple, p: int, v: int, split: str, stage: int) -> int:
+    counts = _virtual_stage_layers(key, p * v, split)
+    return sum(counts[c * p + stage] for c in range(v))
+
+
+@lru_cache(maxsize=65536)
+def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep: int = 1
+                 ) -> tuple[tuple[int, ...], ...]:
+    h, a, kv, f, vocab, n_layers, tied, moe = key
+    emb = _tp_shard(h, a, kv, f, vocab, tp).vocab * h
+    block = _layer_numels(h, a, kv, f, vocab, tp, moe, ep)[0]
+    units: list[tuple[int, ...]] = []
+    if stage == 0 and not (tied and p == 1):
+        units.append((emb,))
+    units += [block] * _rank_layers(key, p, v, split, stage)
+    if stage == p - 1:
+        units.append((h,))
+        if not (tied and p == 1):
+            units.append((emb,))
+    if tied and p == 1:
+        units.append((emb,))  # the shared weight: ZeRO's root unit, registered first
+    return tuple(units)
+
+
+def stage_units(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[tuple[int, ...], ...]:
+    """The parameters one rank of pipeline ``stage`` holds, grouped as threefold's ZeRO engine
+    groups them into units, in forward order: the embedding, each block, the final norm, the
+    LM head (each a tuple of parameter sizes in registration order). With tied embeddings on
+    one stage the shared weight is one *root* unit, listed last (``ZeroEngine`` does so); in
+    registration order it comes first (``parameter_numels``). Under expert parallelism
+    (ep > 1) a block's expert tensors are not in its unit: ``stage_expert_units``."""
+    return _stage_units(_shape_key(cfg), layout.tp, layout.pp, layout.vpp,
+                        layout.pipeline_split, stage, layout.ep)
+
+
+def stage_expert_units(cfg: ModelConfig, layout: Layout, stage: int
+                       ) -> tuple[tuple[int, ...], ...]:
+    """Under expert parallelism (ep > 1), the expert tensors one rank of ``stage`` holds,
+    one unit per block (gate_up_proj, down_proj of its E/ep experts): the runtime's ZeRO
+    shards each over "edp_shard" (padded to a multiple of dp_shard/ep), its data parallelism
+    all-reduces them over "edp" in buckets of their own. () without ep (the experts are then
+    in their blocks' units) or for a dense model."""
+    h, a, kv, f, vocab, _, _, moe = _shape_key(cfg)
+    experts = _layer_numels(h, a, kv, f, vocab, layout.tp, moe, layout.ep)[1]
+    if not experts:
+        return ()
+    return (experts,) * rank_layers(cfg, layout, stage)
+
+
+def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[int]:
+    """Sizes of the parameters one rank of ``stage`` holds, in the model's registration order
+    (embedding, blocks, final norm, LM head; a tied weight once, first): the order
+    ``threefold.parallel.data`` cuts gradient buckets in."""
+    units = list(stage_units(cfg, layout, stage))
+    if cfg.tie_word_embeddings and layout.pp == 1:
+        units = [units[-1]] + units[:-1]
+    return [n for unit in units for n in unit]
+
+
+def owned_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    """Parameters one rank of ``stage`` updates: all it holds, or under ZeRO its shard of
+    each unit (padded to a multiple of dp_shard·cp, as ``threefold.parallel.zero`` pads; an
+    expert unit to a multiple of dp_shard/ep, its shard group)."""
+    n = layout.shard_size if layout.zero_stage else 1
+    ne = layout.edp_shard if layout.zero_stage else 1
+    return sum(-(-sum(u) // n) for u in stage_units(cfg, layout, stage)) \
+        + sum(-(-sum(u) // ne) for u in stage_expert_units(cfg, layout, stage))
+
+
+def stage_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    """Parameters held by one rank of pipeline stage ``stage`` (tp-sharded, vocabulary padded;
+    of a mixture of experts, the rank's E/ep experts per block)."""
+    return sum(sum(u) for u in stage_units(cfg, layout, stage)) \
+        + sum(sum(u) for u in stage_expert_units(cfg, layout, stage))
+
+
+def largest_unit_parameters(cfg: ModelConfig, tp: int) -> int:
+    """Largest unit of weights ZeRO-3 gathers at once on one rank: a transformer block or the
+    embedding/head shard (DeepSpeed's 'largest layer'); without expert parallelism."""
+    return max(sum(block_parameter_numels(cfg, tp)), tp_shard(cfg, tp).vocab * cfg.hidden_size)
+
+
+@lru_cache(maxsize=4096)
+def _buckets(numels: tuple[int, ...], elem: int, bucket_bytes: int) -> tuple[int, ...]:
+    out, cur = [], 0
+    for n in reversed(numels):
+        cur += n
+        if cur * elem >= bucket_bytes:
+            out.append(cur)
+            cur = 0
+    if cur:
+        out.append(cur)
+    return tuple(out)
+
+
+def gradient_buckets(cfg: ModelConfig, layout: Layout, elem_bytes: int, stage: int = 0
+                     ) -> tuple[int, ...]:
+    """Elements of each data-parallel gradient bucket, cut as ``threefold.parallel.data``
+    cuts them: parameters in reverse registration order, a bucket closed once it reaches
+    ``layout.bucket_bytes``."""
+    return _buckets(tuple(parameter_numels(cfg, layout, stage)), elem_bytes, layout.bucket_bytes)
+
+
+@lru_cache(maxsize=4096)
+def _stage_representatives(key: tuple, p: int, v: int, split: str) -> tuple[int, ...]:
+    """For each pipeline stage, the first stage of its kind (first, last, or a middle one with
+    the same block count): stages of one kind have the same costs."""
+    first: dict[tuple, int] = {}
+    return tuple(first.setdefault((st == 0, st == p - 1, _rank_layers(key, p, v, split, st)), st)
+                 for st in range(p))
+
+
+def _distinct_stages(cfg: ModelConfig, layout: Layout) -> list[int]:
+    """One stage for each kind of pipeline rank: the first, the last, and one per distinct
+    block count in between (all alike when the split is even)."""
+    return sorted(set(_stage_representatives(_shape_key(cfg), layout.pp, layout.vpp,
+                                             layout.pipeline_split)))
+
+
+def _stage_multiplicity(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    """How many stages the representative ``stage`` stands for."""
+    return _stage_representatives(_shape_key(cfg), layout.pp, layout.vpp,
+                                  layout.pipeline_split).count(stage)

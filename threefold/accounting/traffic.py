@@ -1,0 +1,353 @@
+"""Every collective one rank issues in a step, as the runtime issues it (``collectives``): its
+axis, operation, message size and count per microbatch or per step. The bytes per mesh axis
+(``comm_bytes_per_step``, which the runtime's counted communication layer must equal), the
+K/V traffic of context parallelism, the optimiser-offload traffic, and which link an axis
+crosses (mesh order, tp innermost).
+
+Bytes are those one rank *sends*, counted exactly as ``threefold.comm.Comm`` counts them (ring
+algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
+elements, point-to-point all of it; for global rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
+from threefold.accounting.shapes import (
+    COMM_AXES,
+    EXPERT_AXES,
+    FLATTENED_AXES,
+    MESH_ORDER,
+    _moe_key,
+    tp_shard,
+)
+from threefold.accounting.stages import (
+    _buckets,
+    _distinct_stages,
+    gradient_buckets,
+    owned_parameters,
+    rank_layers,
+    stage_expert_units,
+    stage_units,
+)
+from threefold.config import ModelConfig
+
+# --------------------------------------------------------------------------------------------
+# Collectives per step
+# --------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Collective:
+    """One kind of collective a rank issues: ``count`` calls of ``op`` on a buffer of ``numel``
+    elements of ``elem`` bytes over ``group`` ranks of mesh axis ``axis``; per microbatch when
+    ``per_microbatch``. ``overlap`` says what may hide it: 'none' (on the critical path),
+    'hidden' (overlapped entirely), 'forward'/'backward' (that microbatch's compute, except one
+    bucket), 'last' (the last microbatch's backward, except one bucket), 'step' (after the
+    step, exposed), 'attention-forward'/'attention-backward' (each call behind the compute of
+    one ring-attention block, forward or backward)."""
+
+    axis: str
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
+    numel: int
+    elem: int
+    count: int
+    group: int
+    per_microbatch: bool
+    overlap: str
+
+    @property
+    def size(self) -> int:
+        """Bytes of the buffer (all_gather: the gathered output, reduce_scatter: the input)."""
+        return self.numel * self.elem
+
+    def bytes_sent(self, index: int = 0) -> int:
+        """Bytes the rank with coordinate ``index`` on the axis sends per call, exactly as
+        ``threefold.comm.Comm`` counts them."""
+        n, numel = self.group, self.numel
+        if self.op == "all_reduce":  # every chunk but its own, twice (tensor_split chunks)
+            q, r = divmod(numel, n)
+            return 2 * (numel - q - (1 if index < r else 0)) * self.elem
+        if self.op in ("all_gather", "reduce_scatter", "all_to_all"):  # all_to_all: even split
+            return (n - 1) * numel // n * self.elem
+        return numel * self.elem  # p2p
+
+    def time(self, latency_s: float, bw: float, size: float | None = None) -> float:
+        """α-β time of one call (on a buffer of ``size`` bytes if given)."""
+        n, size = self.group, self.size if size is None else size
+        if self.op == "p2p":
+            return latency_s + size / bw
+        steps = 2 * (n - 1) if self.op == "all_reduce" else n - 1
+        frac = (2 if self.op == "all_reduce" else 1) * (n - 1) / n
+        return steps * latency_s + frac * size / bw
+
+
+def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
+                grad_bytes: int | None = None, param_bytes: int | None = None
+                ) -> list[Collective]:
+    """Every collective one rank of ``stage`` issues in a step, as threefold's runtime issues
+    them (x = b·s·h elements of one microbatch's activation, L = layers on the stage).
+
+    tp (``threefold.parallel.tensor``; Megatron §3, Korthikanti et al. §4.2.2), per microbatch:
+    without SP each layer all-reduces its two sub-layer outputs forward (matmul dtype) and its
+    two sub-layer input gradients backward (residual dtype): 8·x·(t-1)/t elements per layer.
+    With SP each "all-reduce" becomes an all-gather plus a reduce-scatter — the same bytes;
+    the q/k/v and gate/up linears keep the gathered input for backward, so there is no
+    re-gather — plus an all-reduce of each RMSNorm weight gradient (h elements, 2 per layer
+    and the final norm) in every backward. The vocab-parallel embedding all-reduces (SP:
+    reduce-scatters, all-gathers back) x forward; the LM head input's gather costs x backward
+    (SP: forward and backward); the vocab-parallel loss all-reduces 3 vectors of b·s fp32.
+    Replicated k/v projections (kv heads < tp) all-reduce their whole weight gradient over tp
+    in every backward. Full recompute (torch's non-reentrant checkpoint) re-runs each block's
+    forward but stops as soon as the last tensor saved for backward is rebuilt
+    (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default), so the attention's
+    closing collective is repeated and the MLP's is not: +1 all-reduce per layer, or under SP
+    +2 all-gathers and +1 reduce-scatter. The gradient-norm all-reduces one fp32 scalar over tp.
+    pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary, in
+    the residual dtype; the gradient norm all-reduces 2 fp32 scalars over the stages (these
+    pipeline figures are the planner's: not yet checked against the pipeline executor).
+    dp (``threefold.parallel.data`` / ``zero``; ZeRO arXiv 1910.02054 §7): stage 0 all-reduces
+    the gradient buckets over the flattened "dp" group once per step (no sync while
+    accumulating), overlapped with the last backward; ZeRO works per unit (embedding, each
+    block, final norm, head; each padded to a multiple of dp_shard): stages 1 and 2
+    reduce-scatter every unit once per step (stage 2 from backward hooks) and all-gather it
+    after the optimiser step; stage 3 all-gathers each unit before its forward and again before
+    its backward and reduce-scatters it, every microbatch (a tied root unit stays gathered
+    from the first forward to the end of the step: one gather per step). Then, with
+    dp_replicate > 1, every unit's gradient shard is all-reduced over dp_replicate, and the
+    gradient norm all-reduces 2 fp32 scalars over dp_shard. Weights and gradients move in
+    ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say otherwise.
+    Mixture of experts (``threefold.moe``, ``threefold.parallel.expert``): the MoE is whole on
+    every tp rank, so only the attention has tp collectives (one all-reduce per layer each
+    way, and the recomputed attention's). With ep > 1, per MoE layer and microbatch, on "ep"
+    (all-to-alls, on the critical path): the count exchange, E int64 split evenly over the ep
+    ranks; dispatch, the rank's N·k (token, expert) rows (N = b·s tokens) of h elements in the
+    residual dtype (the MLP's input) to the experts' ranks, and combine, the rows back in the
+    matmul dtype (the experts' output); backward, their gradients, the same sizes. Bytes sent
+    are the uniform-routing expectation, (ep−1)/ep of the rows leaving the rank each way:
+    4·N·k·(ep−1)/ep·h elements + E·8·(ep−1)/ep bytes per layer, or under full recompute (the
+    forward's three all-to-alls again) 6·N·k·(ep−1)/ep·h + 2·E·8·(ep−1)/ep; real routing
+    varies around it. The expert tensors' gradients: ZeRO-0 all-reduces them over "edp"
+    (dp/ep) in buckets of their own (the dense ones over "dp" as always) and the gradient
+    norm all-reduces one fp32 over "ep"; ZeRO 1-3 makes each block's experts a unit of its
+    own over "edp_shard" (dp_shard/ep), padded to a multiple of it, with the dense units'
+    collectives (stage 3 under full recompute gathers it a third time: the recomputed forward
+    runs before the unit's backward hook) and, with dp_replicate > 1, its shard gradient
+    all-reduced over dp_replicate.
+    cp (``threefold.parallel.context``), per microbatch and layer: the attention's K/V moves,
+    ``cp_bytes_per_attention`` of this rank's K and V (2·b·kv heads per tp rank·s/cp·head_dim
+    in the matmul dtype), its forward twice under recompute. Ring: point-to-point hops of the
+    K/V block, posted before the block in hand is computed (each hides behind one block's
+    attention), and in backward the dK/dV accumulator's hops, which wait right after their
+    block (exposed). Allgather: an all-gather forward and a reduce-scatter backward, exposed.
+    With cp > 1, s above is seq_len/cp, the data-parallel all-reduce runs over "dp_cp" (dp·cp
+    ranks) and ZeRO over "dp_shard_cp" (dp_shard·cp ranks, units padded to a multiple of it).
+    """
+    t, p, v, b = layout.tp, layout.pp, layout.vpp, layout.microbatch_size
+    s = local_seq_len(layout, work)
+    d, r = work.act_bytes, work.resid_bytes
+    g = work.weight_bytes if grad_bytes is None else grad_bytes
+    pb = work.weight_bytes if param_bytes is None else param_bytes
+    h, layers = cfg.hidden_size, rank_layers(cfg, layout, stage)
+    x = b * s * h
+    first, last = int(stage == 0), int(stage == p - 1)
+    rec = layers if layout.recompute == "full" else 0
+    e, k, _ = _moe_key(cfg)
+    subs = 1 if e else 2  # sub-layers with tp collectives: attention (and a dense MLP)
+    out: list[Collective] = []
+
+    def add(axis, op, numel, elem, count, group, per_mb, overlap):
+        """Record a collective unless it is a no-op (group of one or no calls)."""
+        if group > 1 and count > 0:
+            out.append(Collective(axis, op, int(numel), int(elem), int(count), group, per_mb,
+                                  overlap))
+
+    if layout.sp:
+        add("tp", "all_gather", x, r, 2 * layers + 2 * rec + first + last, t, True, "none")
+        add("tp", "reduce_scatter", x, r, 2 * layers + first + last, t, True, "none")
+        add("tp", "reduce_scatter", x, d, 2 * layers + rec, t, True, "none")
+        add("tp", "all_gather", x, d, 2 * layers, t, True, "none")
+        add("tp", "all_reduce", h, g, 2 * layers + last, t, True, "none")
+    else:
+        add("tp", "all_reduce", x, r, subs * layers + first + last, t, True, "none")
+        add("tp", "all_reduce", x, d, subs * layers + rec, t, True, "none")
+    add("tp", "all_reduce", b * s, 4, 3 * last, t, True, "none")
+    sh = tp_shard(cfg, t)
+    if sh.kv_replicas > 1:
+        add("tp", "all_reduce", cfg.num_key_value_heads * cfg.head_dim * h, g, 2 * layers, t,
+            True, "none")
+    add("tp", "all_reduce", 1, 4, 1, t, False, "step")  # gradient norm
+
+    if p > 1:
+        sends = _p2p_sends_per_microbatch(p, v, stage)
+        add("pp", "p2p", x // t if layout.sp else x, r, sends, p, True, "none")
+        if cfg.tie_word_embeddings and stage in (0, p - 1):
+            # the embedding and the last stage's copy of it: their gradients (this rank's
+            # ZeRO shard of them) summed between the two ends (runtime axis "pp_ends")
+            tied = sh.vocab * h
+            if layout.zero_stage:
+                tied = -(-tied // layout.shard_size)
+            add("pp", "all_reduce", tied, g, 1, 2, False, "step")
+        add("pp", "all_reduce", 2, 4, 1, p, False, "step")  # gradient norm over stages
+
+    if layout.cp > 1:
+        _cp_attention(add, layout, sh.kv_heads * cfg.head_dim, b * s, d, layers)
+
+    ep = layout.ep if e else 1
+    if ep > 1:
+        forwards = 2 if layout.recompute == "full" else 1
+        rows = b * s * k  # (token, expert) assignments of this rank's tokens
+        add("ep", "all_to_all", e, 8, layers * forwards, ep, True, "none")  # counts
+        add("ep", "all_to_all", rows * h, r, layers * (forwards + 1), ep, True, "none")
+        add("ep", "all_to_all", rows * h, d, layers * (forwards + 1), ep, True, "none")
+    experts = stage_expert_units(cfg, layout, stage)
+
+    ns, nr, z = layout.shard_size, layout.dp_replicate, layout.zero_stage
+    if z == 0:
+        for numel, count in Counter(gradient_buckets(cfg, layout, g, stage)).items():
+            add(layout.data_axis, "all_reduce", numel, g, count, ns * nr, False, "last")
+        flat = tuple(n for unit in experts for n in unit)
+        for numel, count in Counter(_buckets(flat, g, layout.bucket_bytes)).items():
+            add("edp", "all_reduce", numel, g, count, layout.edp, False, "last")
+        if experts:
+            add("ep", "all_reduce", 1, 4, 1, ep, False, "step")  # experts' share of the norm
+        return out
+    units = list(stage_units(cfg, layout, stage))
+    # a tied root unit (``ZeroEngine``'s last) stays gathered from the step's first forward
+    # to its end under stage 3: one gather per step instead of two per microbatch
+    root = units.pop() if cfg.tie_word_embeddings and p == 1 else None
+    ax = layout.shard_axis
+    for unit, count in Counter(-(-sum(u) // ns) * ns for u in units).items():
+        _zero_unit(add, ax, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
+    if root is not None:
+        _zero_unit(add, ax, z, -(-sum(root) // ns) * ns, 1, ns, nr, g, pb,
+                   per_step_gathers=True)
+    ne = layout.edp_shard
+    for unit, count in Counter(-(-sum(u) // ne) * ne for u in experts).items():
+        _zero_unit(add, "edp_shard", z, unit, count, ne, nr, g, pb, per_step_gathers=False,
+                   extra_gathers=int(layout.recompute == "full"))
+    add(ax, "all_reduce", 2, 4, 1, ns, False, "step")  # gradient norm
+    return out
+
+
+def _cp_attention(add, layout: Layout, kv_width: int, tokens: int, d: int, layers: int) -> None:
+    """The cp collectives of ``layers`` attentions per microbatch (see ``collectives``):
+    ``kv_width`` = kv heads per tp rank · head_dim, ``tokens`` = b·s/cp, ``d`` the K/V
+    element size. Bytes per call from ``cp_bytes_per_attention``."""
+    cp, numel = layout.cp, 2 * tokens * kv_width  # this rank's K and V
+    forwards = 1 if layout.recompute == "none" else 2  # recompute repeats the attention
+    fwd, bwd = cp_bytes_per_attention(numel * d, cp, layout.cp_algorithm, forwards)
+    if layout.cp_algorithm == "ring":  # hops of one K/V block (or its dK/dV) each
+        hops_f = fwd // (numel * d)
+        kv_b = hops_f // forwards  # backward's K/V hops: as one forward's
+        add("cp", "p2p", numel, d, layers * hops_f, cp, True, "attention-forward")
+        add("cp", "p2p", numel, d, layers * kv_b, cp, True, "attention-backward")
+        add("cp", "p2p", numel, d, layers * (bwd // (numel * d) - kv_b), cp, True, "none")
+    else:  # one all-gather of every rank's K/V forward, one reduce-scatter backward
+        add("cp", "all_gather", cp * numel, d, layers * forwards, cp, True, "none")
+        add("cp", "reduce_scatter", cp * numel, d, layers, cp, True, "none")
+
+
+def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int, g: int,
+               pb: int, per_step_gathers: bool, extra_gathers: int = 0) -> None:
+    """The collectives of ``count`` ZeRO units of ``padded`` elements over ``axis`` (see
+    ``collectives``); ``extra_gathers`` more stage-3 gathers per microbatch (an expert unit's
+    in a recomputed forward)."""
+    if z in (1, 2):
+        add(axis, "reduce_scatter", padded, g, count, ns, False,
+            "step" if z == 1 else "last")
+        add(axis, "all_gather", padded, pb, count, ns, False, "step")
+    elif per_step_gathers:
+        add(axis, "reduce_scatter", padded, g, count, ns, True, "backward")
+        add(axis, "all_gather", padded, pb, count, ns, False, "step")
+    else:
+        add(axis, "reduce_scatter", padded, g, count, ns, True, "backward")
+        add(axis, "all_gather", padded, pb, count, ns, True, "forward")
+        add(axis, "all_gather", padded, pb, count * (1 + extra_gathers), ns, True, "backward")
+    add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
+
+
+def _p2p_sends_per_microbatch(p: int, v: int, rank: int) -> int:
+    """Point-to-point sends per microbatch on ``rank``: forward out of every chunk but the
+    model's last, backward out of every chunk but the model's first."""
+    chunks = [c * p + rank for c in range(v)]
+    return sum(s < p * v - 1 for s in chunks) + sum(s > 0 for s in chunks)
+
+
+def cp_bytes_per_attention(kv_bytes: int, cp: int, algorithm: str,
+                           forwards: int = 1) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends on "cp" for one attention call, ``kv_bytes``
+    being its local K and V together; ``forwards`` 2 under activation checkpointing (the
+    forward runs again in backward, with its communication)."""
+    if cp == 1:
+        return 0, 0
+    if algorithm == "ring":
+        return forwards * (cp - 1) * kv_bytes, (cp - 1) * kv_bytes + cp * kv_bytes
+    if algorithm == "allgather":
+        return forwards * (cp - 1) * kv_bytes, (cp - 1) * kv_bytes
+    raise ValueError(f"unknown cp algorithm {algorithm!r}; use ring or allgather")
+
+
+def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,
+                        stage: int | None = None, grad_bytes: int | None = None,
+                        param_bytes: int | None = None) -> dict[str, int]:
+    """Bytes global rank 0 (of pipeline stage ``stage``; when None, the largest over stages
+    per axis) sends per step on each axis (keys ``COMM_AXES``): with ``Workload.from_config``
+    exactly what threefold's runtime reports as ``comm_bytes_per_step`` in summary.json
+    (tests/test_dryrun.py checks it for DP, ZeRO 1/2/3 and TP). Gradients and gathered
+    parameters move in ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say
+    otherwise. See ``collectives`` for what each axis carries."""
+    stages = _distinct_stages(cfg, layout) if stage is None else [stage]
+    lists = [collectives(cfg, layout, work, st, grad_bytes, param_bytes) for st in stages]
+    return _bytes_per_axis(lists, microbatches(layout, work))
+
+
+def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, int]:
+    """Per axis, the largest over the given stages' collective lists of bytes sent per step."""
+    out = {axis: 0 for axis in COMM_AXES}
+    for colls in lists:
+        per = {axis: 0 for axis in COMM_AXES}
+        for c in colls:
+            per[c.axis] += c.bytes_sent() * c.count * (m if c.per_microbatch else 1)
+        for axis in COMM_AXES:
+            out[axis] = max(out[axis], per[axis])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Topology: which link each mesh axis crosses
+# --------------------------------------------------------------------------------------------
+def axis_stride(layout: Layout, axis: str) -> int:
+    """Rank distance between neighbours of ``axis``: product of the inner axes' degrees (for a
+    flattened axis, whose parts are adjacent in the mesh, that of its innermost part). The
+    expert axes (threefold.mesh): "ep" is the innermost ep of dp_shard (dp_shard's stride),
+    "edp_shard" the rest of dp_shard (ep times that), "edp" edp_shard then dp_replicate."""
+    if axis in EXPERT_AXES:
+        inner = axis_stride(layout, "dp_shard")
+        return inner if axis == "ep" else inner * layout.ep
+    if axis in FLATTENED_AXES:
+        axis = FLATTENED_AXES[axis][-1]
+    i = MESH_ORDER.index(axis)
+    return math.prod(layout.size(a) for a in MESH_ORDER[i + 1:])
+
+
+def axis_crosses_nodes(layout: Layout, axis: str, gpus_per_node: int) -> bool:
+    """True when a group of ``axis`` is not contained in one node (it then runs at the
+    network's bandwidth): its ranks span stride·size consecutive ranks, which must fit in and
+    tile a node."""
+    span = axis_stride(layout, axis) * layout.size(axis)
+    return layout.size(axis) > 1 and (span > gpus_per_node or gpus_per_node % span != 0)
+
+
+def offload_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> dict[str, int]:
+    """Bytes one rank of the busiest stage moves between device and host per step under
+    optimiser offload (threefold.parallel.offload): its owned parameters' gradients down and
+    their updated values up, each ``work.weight_bytes`` per element (fp32 in threefold's
+    runtime: 4 + 4 bytes per owned parameter; 2 + 2 with 16-bit weights, ZeRO-Offload's
+    2Ψ + 2Ψ, Ren et al. arXiv 2101.06840). Owned = Ψ of the stage, Ψ/N under ZeRO (padded
+    shards). {"down": 0, "up": 0} without offload."""
+    if not layout.offload_optimizer:
+        return {"down": 0, "up": 0}
+    owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
+    return {"down": owned * work.weight_bytes, "up": owned * work.weight_bytes}

@@ -1,0 +1,228 @@
+"""Activation memory: Korthikanti et al.'s per-layer count (arXiv 2205.05198) adapted to a Llama
+block (``layer_activation_bytes``), and the tensors threefold's own block keeps for backward
+(``block_activation_bytes``, checked against autograd's saved tensors in tests/test_dryrun.py),
+context parallelism's K/V, the head's logits, and the microbatches a schedule keeps in flight.
+"""
+
+from __future__ import annotations
+
+from threefold.accounting.layout import Layout, Workload, local_seq_len
+from threefold.accounting.shapes import tp_shard
+from threefold.config import ModelConfig
+
+# --------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------
+def layer_activation_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ffn: int,
+                           tp: int = 1, sequence_parallel: bool = False,
+                           recompute: str = "none", dtype_bytes: int = 2,
+                           mlp_tensors: int = 4, dropout: bool = False,
+                           flash_attention: bool = True, kv_replicas: int = 1) -> float:
+    """Activation bytes one transformer block keeps for backward, per rank, one microbatch, in
+    Korthikanti et al.'s accounting (for the published comparisons; threefold's own block,
+    which keeps more, is ``block_activation_bytes``).
+
+    Korthikanti et al. (arXiv 2205.05198 §4) count, for a GPT block in 16-bit with 1-byte
+    dropout masks, s·b·h·(34 + 5·a·s/h): attention 11·sbh + 5·a·s²·b, MLP 19·sbh, layer norms
+    4·sbh. The same count, term by term, for this project's block (d = bytes per element,
+    k = kv heads, f = SwiGLU width, no dropout, RMSNorm):
+
+        replicated over tp unless sequence parallel, per s·b·h:
+            2 norm inputs 2d  +  attention input d  +  MLP input d         (GPT: 4+2+2, +2 masks)
+        split over tp:
+            Q d·sbh  +  K and V 2d·sbh·k/a  +  attention output d·sbh      (GPT: 2+4+2)
+            MLP: 4 tensors d·sbf (gate, silu(gate), up, their product)    (GPT: 2 tensors of 4h)
+            attention core: flash attention keeps only the log-sum-exp, 4 bytes·a·s·b;
+            materialised attention keeps the probabilities, d·a·s²·b     (GPT: 5·a·s²·b)
+
+    i.e.  sbh·(4d)/(t if SP) + [sbh·(3d + 2d·k/a) + 4d·sbf + core]/t  bytes.
+    With ``mlp_tensors=2, ffn=4h, kv_heads=heads, dropout=True, flash_attention=False`` this
+    is Korthikanti's formula exactly: 34 + 5as/h; tp: 10 + 24/t + 5as/(ht); +SP: 34/t + ...
+    Selective recompute drops the materialised attention core (no change under flash
+    attention, which already recomputes it); full recompute keeps only the block input,
+    d·sbh (/t with SP). When kv heads are replicated (k < t), K and V are not split.
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute '{recompute}' is not none, selective or full")
+    sbh = s * b * h
+    rep_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return dtype_bytes * sbh / rep_div
+    mask = 1 if dropout else 0
+    replicated = sbh * (4 * dtype_bytes + 2 * mask)
+    kv_share = kv_heads / heads * kv_replicas  # a replicated kv head is not split by tp
+    split = sbh * (2 * dtype_bytes + 2 * dtype_bytes * kv_share)
+    split += mlp_tensors * dtype_bytes * s * b * ffn
+    if flash_attention:
+        core = 4 * heads * s * b
+    else:
+        core = (2 * dtype_bytes + mask) * heads * s * s * b if dropout else \
+            dtype_bytes * heads * s * s * b
+        if recompute == "selective":
+            core = 0
+    return replicated / rep_div + (split + core) / tp
+
+
+def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_dim: int,
+                           ffn: int, tp: int = 1, sequence_parallel: bool = False,
+                           act_bytes: int = 2, residual_bytes: int = 0,
+                           flash_attention: bool = True, seq_len: int = 0, cp: int = 1,
+                           cp_algorithm: str = "ring") -> float:
+    """Bytes threefold's block (``threefold.model.LlamaDecoderLayer`` under
+    ``threefold.parallel.tensor`` and ``threefold.parallel.context``) keeps for backward on
+    one rank for ``tokens`` = b·s/cp tokens (this cp rank's share of b sequences of
+    ``seq_len``).
+    ``heads``, ``kv_heads`` and ``ffn`` are per rank; d = ``act_bytes`` (matmul dtype), r =
+    ``residual_bytes`` (0 = d). Per token, what autograd saves:
+
+    - each RMSNorm: its input in fp32 (the input itself when r = 4, else an fp32 copy), the
+      normalised input in the residual dtype, 1/rms (4 bytes): (4 + r)·h + 4, split over tp
+      under sequence parallelism (norms then see 1/t of the tokens);
+    - each sub-layer input as its linears keep it, at full size (all-gathered under SP, not
+      re-gathered in backward): r·h when r = d, else one autocast copy per linear, 3·d·h for
+      q/k/v and 2·d·h for gate/up (the fp32 input itself is then not kept);
+    - attention: q and k after RoPE, v, the output (which o_proj reuses), the log-sum-exp of
+      the flash kernel (4 bytes per head); materialised attention adds d·s per head;
+    - RoPE's cos/sin cast to d when d ≠ 4 (4 tables of head_dim, for q and for k);
+    - SwiGLU: gate, silu(gate), up and their product, 4·d·ffn.
+
+    This is more than Korthikanti's count (``layer_activation_bytes``: norms keep 2 bytes/h,
+    RoPE and flash attention did not exist there), and under SP the attention and MLP inputs
+    stay whole, which their 34/t does not assume.
+
+    Under context parallelism (cp > 1) everything above is per local token except the
+    attention core, which is ``cp_attention_bytes``'s."""
+    d, r = act_bytes, residual_bytes or act_bytes
+    norm_div = tp if sequence_parallel and tp > 1 else 1
+    norms = 2 * ((4 + r) * h + 4) / norm_div
+    inputs = (r * h if r == d else 3 * d * h) + (r * h if r == d else 2 * d * h)
+    rope = 0 if d == 4 else 4 * d * head_dim
+    mlp = 4 * d * ffn
+    if cp > 1:
+        return tokens * (norms + inputs + rope + mlp) + cp_attention_bytes(
+            tokens, heads, kv_heads, head_dim, seq_len, cp, cp_algorithm, d)
+    attn = d * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 4 * heads
+    if not flash_attention:
+        attn += d * heads * seq_len
+    return tokens * (norms + inputs + attn + rope + mlp)
+
+
+def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
+                       cp: int, algorithm: str, act_bytes: int) -> float:
+    """Bytes one block's attention keeps for backward under context parallelism, on one rank
+    for its ``tokens`` = b·seq_len/cp tokens (heads and kv heads per tp rank, d =
+    ``act_bytes``), as ``threefold.parallel.context`` runs it (measured to the byte in
+    tests/test_dryrun.py):
+
+    - ring (``RingAttention``): the local q (after RoPE), k and v, its output (cast to q's
+      dtype) and fp32 log-sum-exp (4·heads), plus o_proj's input, the output laid out as
+      (b, s/cp, heads·head_dim) — a separate copy: d·(3·heads + 2·kv_heads)·head_dim + 4·heads
+      per token;
+    - allgather: SDPA's saved tensors over the gathered sequence — the local q, K and V of the
+      whole sequence repeated to the query heads (2·d·heads·head_dim·b·seq_len; without
+      grouping, the gathered K/V themselves), the output (shared with o_proj's input) and the
+      fp32 log-sum-exp per local token — plus the visibility mask of (seq_len/cp × seq_len)
+      that SDPA keeps converted to d bytes. Without packed documents the mask is one per
+      layer; with them it is (b, 1, seq_len/cp, seq_len), b times more, which this count
+      (the planner's, for unpacked pre-training) leaves out."""
+    d = act_bytes
+    if algorithm == "ring":
+        return tokens * (d * (3 * heads + 2 * kv_heads) * head_dim + 4 * heads)
+    if algorithm == "allgather":
+        b_seq = tokens * cp  # b · seq_len
+        return tokens * (2 * d * heads * head_dim + 4 * heads) \
+            + 2 * d * heads * head_dim * b_seq + d * (seq_len // cp) * seq_len
+    raise ValueError(f"unknown cp algorithm {algorithm!r}; use ring or allgather")
+
+
+def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
+                                 recompute: str | None = None) -> float:
+    """Bytes one block keeps per rank per microbatch under ``layout``: ``block_activation_bytes``
+    without recompute; with full recompute only the checkpoint's input, r·b·s·h (/t under SP);
+    selective recompute drops the materialised attention probabilities (nothing under flash
+    attention, which recomputes them anyway). Under cp, of this rank's seq_len/cp tokens."""
+    sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
+    local = local_seq_len(layout, work)
+    mode = recompute or layout.recompute
+    if mode == "full":
+        return work.resid_bytes * b * local * cfg.hidden_size / (layout.tp if layout.sp else 1)
+    flash = work.flash_attention or mode == "selective"
+    return block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
+                                  cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
+                                  work.resid_bytes, flash, s, layout.cp, layout.cp_algorithm)
+
+
+def microbatch_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """What one microbatch keeps besides its blocks: RoPE's fp32 cos/sin tables for the whole
+    sequence (shared by every block; this cp rank's tokens under cp)."""
+    return 2 * 4 * layout.microbatch_size * local_seq_len(layout, work) * cfg.head_dim
+
+
+def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
+    """Microbatches whose activations ``rank`` holds at its peak, in units of the rank's whole
+    share of layers (v chunks). GPipe m; 1F1B min(p - rank, m) (Narayanan et al. §2.2.1);
+    ZB-H1 min(p, m) on every rank (its weight gradients, which free the activations, run up to
+    `rank` steps late; Qi et al. §3). Interleaved 1F1B: rank r runs 2(p-r-1) + (v-1)·p
+    warm-up chunk-forwards (as Megatron schedules them) plus one, each 1/v of its layers
+    (at most m·v in all); for rank 0 with m >= p that is
+    p·(1 + (p-1)/(p·v)) — Korthikanti's interleaving factor, whose 'm' is the number of
+    interleaved stages (our v). tests/test_cost.py checks all of these against the schedules'
+    action lists."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "zb-h1":
+        return float(min(p, m))
+    if schedule == "interleaved-1f1b":
+        chunk_mbs = min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v)
+        return chunk_mbs / v
+    return float(min(p - rank, m))
+
+
+def head_inflight_microbatches(schedule: str, p: int, m: int) -> int:
+    """Microbatches whose head and loss tensors the last virtual stage holds at its peak:
+    GPipe all m; ZB-H1 min(p, m) (each one's weight gradient, which frees them, waits); 1F1B
+    and interleaved 1F1B one (the last stage runs each backward right after its forward).
+    tests/test_cost.py checks these against the schedules' action lists."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "zb-h1":
+        return min(p, m)
+    return 1
+
+
+def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """The last stage's peak for one microbatch beyond its blocks, at the start of the loss's
+    backward: the final norm ((4 + r)·h, /t under SP), the LM head's input (d·h: r·h, or its
+    autocast copy d·h), the fp32 logits over the vocabulary shard (held by the loop) and the
+    loss's working set — without tp, F.cross_entropy's log-softmax output, its gradient and
+    the logits' gradient (3 × 4·V); with tp, the vocab-parallel loss's softmax and the
+    gradient made from it (2 × 4·V/t)."""
+    tokens, norm_and_head, vocab = _head_terms(cfg, layout, work)
+    loss = (2 if layout.tp > 1 else 3) * 4 * vocab
+    return tokens * (norm_and_head + 4 * vocab + loss)
+
+
+def _head_terms(cfg: ModelConfig, layout: Layout, work: Workload) -> tuple[int, float, int]:
+    """(tokens per microbatch, the final norm's saved bytes per token ((4 + r)·h + 4, /t
+    under SP) plus the head's input as its matmul keeps it (d·h: an autocast copy when
+    r != d), vocabulary rows per tp rank)."""
+    h, d, r = cfg.hidden_size, work.act_bytes, work.resid_bytes
+    norm = ((4 + r) * h + 4) / (layout.tp if layout.sp else 1)
+    return (layout.microbatch_size * local_seq_len(layout, work), norm + d * h,
+            tp_shard(cfg, layout.tp).vocab)
+
+
+def head_saved_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """What the last stage keeps for backward per microbatch beyond its blocks, from its
+    forward until its backward: the final norm's saved tensors ((4 + r)·h + 4, /t under SP),
+    the LM head's input, and the loss's saved tensors: without tp F.cross_entropy's
+    log-softmax (4·V), the int64 labels and a 4-byte scalar (its total weight); with tp the
+    vocab-parallel loss's softmax over the shard (4·V/t), the labels' int64 shard-local ids
+    and two bool masks. A pipeline's last stage holds this for every microbatch in flight
+    (``head_inflight_microbatches``); ``logits_bytes`` is the larger working set of the one
+    whose backward is running. tests/test_cost.py measures a last-stage chunk (fp32, no tp)
+    to the byte; bench/bench_pipeline_memory.py the whole schedule."""
+    tokens, norm_and_head, vocab = _head_terms(cfg, layout, work)
+    if layout.tp > 1:
+        return tokens * (norm_and_head + 4 * vocab + 8 + 2)
+    return tokens * (norm_and_head + 4 * vocab + 8) + 4

@@ -1,0 +1,60 @@
+"""What the search works with: the space it searches (``SearchSpace``), one scored layout
+(``Candidate``) and the result (``PlanResult``: the ranked layouts, the rejected ones with
+their reasons, and notes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from threefold.accounting.layout import Layout
+from threefold.accounting.shapes import CP_ALGORITHMS
+from threefold.plan.memory import MemoryBreakdown
+from threefold.plan.step import StepPrediction
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Values each knob may take; None = every value that divides the world and the model
+    (microbatch sizes: the divisors of each replica's batch up to ``MAX_MICROBATCH``)."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    vpp: tuple[int, ...] | None = None
+    dp_replicate: tuple[int, ...] | None = None
+    zero_stage: tuple[int, ...] = (0, 1, 2, 3)
+    microbatch_size: tuple[int, ...] | None = None
+    recompute: tuple[str, ...] | None = None  # None: all, less selective under flash
+    # None: cp = 1, and every fitting cp degree when seq_len >= CP_MIN_SEQ_LEN (or when
+    # nothing fits without cp; see ``search``)
+    cp: tuple[int, ...] | None = None
+    cp_algorithm: tuple[str, ...] = CP_ALGORITHMS
+    # optimiser state in host memory (threefold.parallel.offload): (False,) = never, (True,)
+    # = every layout offloads, (False, True) = search both
+    offload_optimizer: tuple[bool, ...] = (False,)
+    # expert-parallel degrees (a mixture of experts only); None: every divisor of the experts
+    # that divides dp_shard
+    ep: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout that fits, with its prediction and warnings."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    step: StepPrediction
+    warnings: tuple[str, ...]
+
+
+@dataclass
+class PlanResult:
+    """Ranked candidates (best first), the layouts that do not fit (with why), and counts of
+    layouts the model or batch does not divide, by reason. ``fits`` counts every layout that
+    fits; with ``search(keep=k)`` only the best k are scored in full (``ranked``), the others
+    being provably slower (their communication-free time already exceeds the k-th best)."""
+
+    ranked: list[Candidate]
+    too_big: list[tuple[Layout, float, str]] = field(default_factory=list)
+    invalid: dict[str, int] = field(default_factory=dict)
+    fits: int = 0
+    notes: list[str] = field(default_factory=list)

@@ -1,0 +1,271 @@
+"""`threefold plan`: rank every parallel layout of a model on a cluster by predicted step time.
+
+The search enumerates (dp_replicate, dp_shard, cp, cp_algorithm, tp, pp, vpp, zero_stage,
+microbatch_size, recompute) whose product is the world and which divide the model and the
+batch, drops those
+that do not fit in memory (keeping the reason), scores the rest with ``threefold.accounting`` and
+``threefold.plan.memory``, and explains the ranking. Imports no torch: the 1024-GPU search for a
+70B model takes a second or two.
+
+Conventions: tensor parallelism runs with sequence parallelism; zero_stage 0 means plain data
+parallelism over dp_shard (dp_replicate = 1); vpp > 1 means interleaved 1F1B; mesh axes are
+ordered pp, dp_replicate, dp_shard, cp, tp (outermost first), so tp stays inside a node when it
+can, and a layout whose tp group crosses nodes is flagged.
+
+Context parallelism (cp > 1, each sequence split over cp ranks) multiplies the search by the
+cp degrees times the two algorithms, and only pays at long sequences, so it is searched only
+when ``seq_len >= CP_MIN_SEQ_LEN``, or when no layout without it fits in memory (the search
+then runs again with it), or when asked for (``SearchSpace.cp``, ``--cp``). cp takes the
+divisors of world/tp for which seq_len divides by 2·cp and each cp rank's tokens by tp. When
+the best layout uses cp, ``PlanResult.notes`` says why: no cp = 1 layout fits (and what the
+smallest needs), or how much slower the best one without cp is. Memory is threefold's runtime's
+(``threefold.plan.memory``), numerics the published mixed-precision ones (``Workload``).
+
+The hardware is a catalogue GPU (``--gpu``, overridable) or this machine as measured by
+``--calibrate`` (``threefold.plan.calibrate``), read back with ``--hardware-file``.
+
+A mixture of experts (``model.num_local_experts``, threefold.moe) is planned as the runtime
+runs it (threefold.parallel.expert): the search adds the expert-parallel degree ep (every
+divisor of the experts that divides dp_shard, ``SearchSpace.ep``, ``--ep``); tp runs without
+sequence parallelism (the MoE is whole on every tp rank) and cp is not searched (the runtime
+refuses MoE with cp). Memory counts every expert a rank holds (E/ep per block, sharded by
+ZeRO over dp_shard/ep: ``memory_per_rank``); FLOPs and MFU the active parameters (the router
+and k experts per token); the ep all-to-alls are the uniform-routing expectation, exposed on
+the link the ep axis crosses (an ep group that leaves the node is flagged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from threefold.accounting.layout import Workload
+from threefold.accounting.shapes import CP_ALGORITHMS, RECOMPUTE, active_parameters, num_parameters
+from threefold.config import MODEL_PRESETS, ConfigError, ModelConfig, load_config
+from threefold.plan.candidates import SearchSpace
+from threefold.plan.hardware import GPUS, Cluster, Hardware, get_hardware
+from threefold.plan.report import _summary, format_table, to_json_rows
+from threefold.plan.search import CP_MIN_SEQ_LEN, moe_notes, search
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line and exit 2 (through main) instead of argparse's usage + message."""
+        raise _UsageError(message)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers")
+
+
+def _choices(flag: str, text: str | None, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated subset of ``allowed`` (all of them when ``text`` is empty);
+    ConfigError naming ``flag`` for anything else."""
+    if not text:
+        return allowed
+    chosen = tuple(text.split(","))
+    bad = [c for c in chosen if c not in allowed]
+    if bad:
+        raise ConfigError(f"{flag}: '{bad[0]}' is not one of {', '.join(allowed)}")
+    return chosen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``threefold plan`` options."""
+    p = _Parser(prog="threefold plan", description="Rank parallel layouts by predicted step "
+                "time. Throughput counts recomputation (hardware TF/s, as Narayanan et al. "
+                "report); MFU does not (PaLM's definition).")
+    p.add_argument("--model", default="llama3-8b",
+                   help=f"preset ({', '.join(MODEL_PRESETS)}) or a TOML file with [model]")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in total")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink")
+    p.add_argument("--gpu", default="h100", help=f"catalogue entry: {', '.join(GPUS)}")
+    p.add_argument("--peak-tflops", type=float, help="override: dense peak TF/s at --precision")
+    p.add_argument("--memory-gb", type=float, help="override: GPU memory, GB (1e9 bytes)")
+    p.add_argument("--intra-bw-gbps", type=float,
+                   help="override: NVLink GB/s per GPU as datasheets state it (both directions"
+                   " summed, e.g. 900 for H100)")
+    p.add_argument("--inter-bw-gbps", type=float,
+                   help="override: network Gb/s (bits) per GPU per direction, e.g. 400")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default min(4096, model))")
+    p.add_argument("--global-batch-tokens", type=int, default=4 * 1024 * 1024,
+                   help="tokens per optimiser step (a multiple of --seq-len)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 mixed precision with fp32 Adam (16 bytes/param), or fp32")
+    p.add_argument("--attention", choices=("flash", "eager"), default="flash",
+                   help="flash: attention probabilities not stored; eager: stored")
+    p.add_argument("--top", type=int, default=5, help="layouts to show")
+    p.add_argument("--tp", type=_int_list, help="only these tp degrees (comma list)")
+    p.add_argument("--pp", type=_int_list, help="only these pp degrees")
+    p.add_argument("--zero-stage", type=_int_list, help="only these ZeRO stages")
+    p.add_argument("--cp", type=_int_list,
+                   help="only these context-parallel degrees (default: 1, and every one that "
+                   f"splits the sequence when --seq-len >= {CP_MIN_SEQ_LEN} or nothing fits "
+                   "without)")
+    p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather")
+    p.add_argument("--ep", type=_int_list,
+                   help="only these expert-parallel degrees (a mixture of experts; default: "
+                   "every divisor of the experts that divides dp_shard)")
+    p.add_argument("--recompute", help="only these: none,selective,full")
+    p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
+                   help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
+                        "on for every layout, or search both (zero column marked 'o')")
+    p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
+    p.add_argument("--explain", action="store_true", help="say why each loses to the best")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul FLOP/s, memory and gloo all-reduce "
+                   "bandwidth between local processes), print and save it, and exit")
+    p.add_argument("--calibrate-out", default=None,
+                   help="where --calibrate saves its JSON (default ~/.cache/threefold/"
+                   "calibration.json)")
+    p.add_argument("--calibrate-ranks", type=int, default=2,
+                   help="local processes the all-reduce is measured between")
+    p.add_argument("--hardware-file", default=None,
+                   help="plan for the machine measured by --calibrate (that JSON) instead of "
+                   "--gpu; every rank of a node shares its cores, memory and bandwidth")
+    return p
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A resolved ModelConfig from a preset name or a TOML file's [model] (and [data]) tables."""
+    if spec in MODEL_PRESETS:
+        cfg = ModelConfig(preset=spec).resolved()
+        vocab = 0
+    elif Path(spec).suffix == ".toml" or Path(spec).is_file():
+        full = load_config(spec, validate_now=False)
+        cfg, vocab = full.model.resolved(full.data.vocab_size), full.data.vocab_size
+    else:
+        raise ConfigError(f"--model: '{spec}' is neither a preset ({', '.join(MODEL_PRESETS)})"
+                          " nor a TOML file")
+    if not cfg.vocab_size:
+        # presets without a vocabulary use the tokenizer's; plan with the default BPE size
+        cfg.vocab_size = vocab or 4096
+    return cfg
+
+
+def _hardware(args) -> Hardware:
+    if args.hardware_file:
+        from threefold.plan.calibrate import hardware_from_calibration, load
+
+        hw = hardware_from_calibration(load(args.hardware_file),
+                                       min(args.gpus, args.gpus_per_node))
+    else:
+        hw = get_hardware(args.gpu)
+    peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
+    return hw.with_overrides(
+        peak_flops_16bit=peak if args.precision == "bf16" else None,
+        peak_flops_fp32=peak if args.precision == "fp32" else None,
+        memory_bytes=None if args.memory_gb is None else args.memory_gb * 1e9,
+        intra_node_bw=None if args.intra_bw_gbps is None else args.intra_bw_gbps / 2 * 1e9,
+        inter_node_bw=None if args.inter_bw_gbps is None else args.inter_bw_gbps / 8 * 1e9)
+
+
+def _setup(args):
+    cfg = load_model(args.model)
+    for name in ("gpus", "gpus_per_node", "top", "global_batch_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
+    for name in ("peak_tflops", "memory_gb", "intra_bw_gbps", "inter_bw_gbps"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be positive")
+    seq = args.seq_len or min(4096, cfg.max_position_embeddings)
+    if seq < 1 or seq > cfg.max_position_embeddings:
+        raise ConfigError(f"--seq-len: {seq} is outside 1..{cfg.max_position_embeddings} "
+                          f"(the model's max_position_embeddings)")
+    if args.global_batch_tokens % seq:
+        raise ConfigError(f"--global-batch-tokens: {args.global_batch_tokens} is not a multiple "
+                          f"of --seq-len {seq}")
+    recompute = _choices("--recompute", args.recompute, RECOMPUTE)
+    if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
+        raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
+    for cp in args.cp or ():
+        if cp < 1 or args.gpus % cp or (cp > 1 and seq % (2 * cp)):
+            raise ConfigError(f"--cp: {cp} must be >= 1, divide --gpus {args.gpus} and (above 1)"
+                              f" split --seq-len {seq} into 2·cp equal chunks")
+    algorithms = _choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
+    experts = cfg.num_local_experts or 0
+    for ep in args.ep or ():
+        if ep < 1 or (ep > 1 and (not experts or experts % ep)):
+            raise ConfigError(f"--ep: {ep} must be >= 1 and divide model.num_local_experts="
+                              f"{experts}" + ("" if experts else " (a dense model: ep 1 only)"))
+    if experts and any(cp > 1 for cp in args.cp or ()):
+        raise ConfigError(f"--cp: a mixture of experts (model.num_local_experts={experts}) "
+                          "does not train with context parallelism yet; use --cp 1")
+    work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
+                    precision=args.precision, flash_attention=args.attention == "flash")
+    cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))
+    space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
+                        recompute=recompute if args.recompute else None, cp=args.cp,
+                        cp_algorithm=algorithms, ep=args.ep,
+                        offload_optimizer={"off": (False,), "on": (True,),
+                                           "search": (False, True)}[args.offload_optimizer])
+    return cfg, cluster, work, space
+
+
+def _calibrate(args) -> int:
+    """``--calibrate``: measure, print, save."""
+    from threefold.plan.calibrate import DEFAULT_PATH, calibrate, save
+
+    if args.calibrate_ranks < 2:
+        print("threefold plan: error: --calibrate-ranks: must be >= 2", file=sys.stderr)
+        return 2
+    record = calibrate(args.calibrate_ranks)
+    path = save(record, args.calibrate_out or DEFAULT_PATH)
+    print(f"saved {path}; use it with: threefold plan --hardware-file {path} --gpus N "
+          f"--gpus-per-node N (N processes on this machine)")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``threefold plan ...``: print the top layouts (table or --json). Exit 0 on success,
+    1 when no layout fits, 2 on bad input (one line on stderr). ``--calibrate`` measures this
+    machine instead (see ``threefold.plan.calibrate``)."""
+    try:
+        args = build_parser().parse_args(argv)
+        if args.calibrate:
+            return _calibrate(args)
+        cfg, cluster, work, space = _setup(args)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except (_UsageError, ConfigError, ValueError) as e:
+        print(f"threefold plan: error: {e}", file=sys.stderr)
+        return 2
+    result = search(cfg, cluster, work, space, keep=args.top)
+    top = result.ranked[:args.top]
+    if args.json:
+        print(json.dumps(to_json_rows(top), indent=1))
+    else:
+        hw = cluster.hardware
+        moe = (f" ({active_parameters(cfg) / 1e9:.2f}B active: {cfg.num_local_experts} experts,"
+               f" top-{cfg.num_experts_per_tok})" if cfg.num_local_experts else "")
+        print(f"{args.model}: {num_parameters(cfg) / 1e9:.2f}B parameters{moe}, vocab "
+              f"{cfg.vocab_size} (padded to a multiple of tp), "
+              f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
+        print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
+              f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "
+              f"{hw.memory_bytes / 1e9:.0f} GB, NVLink {hw.intra_node_bw * 2 / 1e9:.0f} GB/s, "
+              f"network {hw.inter_node_bw * 8 / 1e9:.0f} Gb/s per GPU")
+        print(f"{result.fits} layouts fit; top {len(top)} by predicted step time:")
+        if top:
+            print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts)))
+        summary = _summary(result)
+        if summary:
+            print(summary)
+        for note in result.notes + moe_notes(cfg, top):
+            print(f"note: {note}")
+    if not result.fits:
+        print("threefold plan: no layout fits; " + (_summary(result).splitlines() or [""])[0],
+              file=sys.stderr)
+        return 1
+    return 0

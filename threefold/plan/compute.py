@@ -1,0 +1,183 @@
+"""Compute time of a layout: FLOPs per step and per pipeline stage (model and hardware FLOPs,
+recomputation included), the memory-bound traffic of the elementwise work, the optimiser step,
+offload's PCIe time, and the compute-bound step time. ``MATMUL_EFFICIENCY`` is the one fitted
+constant (Narayanan et al. 2021 Table 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
+from threefold.accounting.shapes import (
+    _moe_key,
+    flops_per_token,
+    layer_parameters_per_rank,
+    moe_matmul_parameters,
+    tp_shard,
+)
+from threefold.accounting.stages import (
+    _distinct_stages,
+    _stage_multiplicity,
+    owned_parameters,
+    rank_layers,
+)
+from threefold.accounting.traffic import offload_bytes_per_step
+from threefold.config import ModelConfig
+
+# The one calibration constant: achieved matmul FLOP/s as a fraction of the datasheet peak.
+# Fitted once to Narayanan et al. 2021 Table 1 (ten GPT runs, 1.7B-1T on up to 3072 A100s;
+# tests/test_cost.py): predicted/published TF/s per GPU then spans 0.93-1.06 over all rows.
+# Everything else in the time model is a datasheet figure or a count (FLOPs, bytes).
+# A measured Hardware (``Hardware.measured``) carries achieved FLOP/s and uses 1.0 instead.
+MATMUL_EFFICIENCY = 0.58
+# The optimiser step as threefold's engines run it — torch's single-tensor AdamW (foreach=False)
+# and the gradient-norm clip — is memory-bound: fp32 elements read or written per parameter
+# it updates: weight decay 2, first moment 3, second moment 5, the denominator 6, the update 4,
+# the squared norm 3, the clipping scale 2.
+ADAMW_ACCESSES_PER_PARAM = 25
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------
+def model_flops_per_step(cfg: ModelConfig, work: Workload) -> float:
+    """Model FLOPs of one step (the MFU numerator, PaLM's definition: no recompute)."""
+    return flops_per_token(cfg, work.seq_len) * work.tokens
+
+
+def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
+                               stage: int) -> tuple[float, float]:
+    """(forward, backward + recompute) FLOPs one rank of ``stage`` executes per microbatch,
+    over all its chunks: what the hardware does, including redundant replicated-kv work, the
+    padded vocabulary and recomputation. Backward is twice forward (input and weight grads);
+    full recompute re-runs each block's forward, selective only the attention core
+    (Korthikanti et al., arXiv 2205.05198 §5). Under cp a rank computes its seq_len/cp tokens,
+    each attending over all seq_len keys. A mixture of experts' feed-forward costs its
+    router and k experts per token (``moe_matmul_parameters``) on every tp rank (it is not
+    split by tp); under expert parallelism a rank computes the rows routed to its experts,
+    N·k in expectation under uniform routing, the same FLOPs."""
+    sh, h, hd, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.seq_len
+    tokens = layout.microbatch_size * local_seq_len(layout, work)
+    layers = rank_layers(cfg, layout, stage)
+    sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
+    core = 4 * s * sh.heads * hd  # QK^T and AV per token, no causal halving (as PaLM)
+    layer_fwd = tokens * (2 * sharded + 2 * moe_matmul_parameters(cfg) + core)
+    fwd = layers * layer_fwd
+    bwd = 2 * fwd
+    if layout.recompute == "full":
+        bwd += fwd
+    elif layout.recompute == "selective":
+        bwd += layers * tokens * core
+    if stage == layout.pp - 1:  # LM head: never recomputed
+        head = 2 * tokens * sh.vocab * h
+        fwd, bwd = fwd + head, bwd + 2 * head
+    return float(fwd), float(bwd)
+
+
+def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
+                                        stage: int | None = None) -> tuple[float, float]:
+    """(forward, backward + recompute) bytes that one rank's memory-bound kernels move per
+    microbatch (matmuls and flash attention are counted as FLOPs instead), per token per
+    block, d bytes per element (r for the residual stream's):
+
+    - fused kernels (``work.eager`` False, as Megatron's): two RMSNorms read and write h
+      (4r·h), two residual adds read two and write one (6r·h) — split over tp only under
+      sequence parallelism, every tp rank repeats them otherwise —; RoPE reads and writes q
+      and k, SwiGLU's silu(gate)·up reads two and writes one f-wide tensor (3d·f);
+      backward about twice the forward;
+    - eager (one kernel per op, threefold's block as PyTorch runs it), counting each op's
+      reads and writes: an RMSNorm is pow, mean, mul, mul — 7h forward, about 21h backward;
+      RoPE's mul, neg, cat, mul, add — 12 per q/k element forward, 13 backward; SwiGLU's silu
+      and mul — 5f forward, 9f backward; the residual adds 3h each, and autograd's sums of the
+      gradients that reach a tensor along two paths (residual, q/k/v, gate/up) 9h backward.
+
+    Materialised attention adds a softmax that reads and writes a·s scores. Recompute repeats
+    the forward (or only the softmax, when selective). The last stage (``stage`` None: the
+    last) adds the loss over its vocabulary shard, in fp32: forward reads the logits twice
+    (max, sum of exponentials) and writes the (log-)softmax, backward fills and reads the
+    gradients and writes the logits' gradient, 8 passes of 4·V/t bytes.
+
+    A mixture of experts (whole on every tp rank): SwiGLU's traffic is that of its k
+    experts' rows (and a shared expert), k·f + f_shared wide per token; moving each of the
+    k rows per token (gather by expert, the router weight's product, the add back) reads
+    and writes about 4r + 3d bytes per element forward, twice that backward; the router's
+    softmax and top-k read and write 4·E·4 bytes per token. An approximation: the dense
+    terms are counted op by op, these are not."""
+    sh, h, hd, d, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.act_bytes, \
+        work.seq_len
+    r = work.resid_bytes
+    tokens = layout.microbatch_size * local_seq_len(layout, work)  # this cp rank's tokens
+    layers = rank_layers(cfg, layout, layout.pp - 1 if stage is None else stage)
+    split = layout.tp if layout.sp else 1
+    qk = (sh.heads + sh.kv_heads) * hd
+    softmax = 0 if work.flash_attention else 2 * d * sh.heads * s
+    e, k, fs = _moe_key(cfg)
+    ffn, moe_tok = sh.ffn, 0.0
+    if e:
+        ffn = k * cfg.intermediate_size + fs
+        moe_tok = k * (4 * r + 3 * d) * h + 16 * e
+    if work.eager:
+        fwd_tok = r * (2 * 7 + 2 * 3) * h / split + 12 * d * qk + 5 * d * ffn + softmax \
+            + moe_tok
+        bwd_tok = r * (2 * 21 + 2 * 3) * h / split + 9 * r * h + 13 * d * qk + 9 * d * ffn \
+            + 2 * softmax + 2 * moe_tok
+    else:
+        fwd_tok = 10 * r * h / split + 2 * d * qk + 3 * d * ffn + softmax + moe_tok
+        bwd_tok = 2 * fwd_tok
+    fwd, bwd = layers * tokens * fwd_tok, layers * tokens * bwd_tok
+    if layout.recompute == "full":
+        bwd += fwd
+    elif layout.recompute == "selective":
+        bwd += layers * tokens * softmax
+    if stage is None or stage == layout.pp - 1:
+        fwd += 3 * 4 * tokens * sh.vocab
+        bwd += 5 * 4 * tokens * sh.vocab
+    return fwd, bwd
+
+
+def hardware_flops_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """FLOPs all ranks execute in one step (the HFU numerator: recompute included)."""
+    per_pipeline = 0.0
+    for st in _distinct_stages(cfg, layout):
+        flops = sum(stage_flops_per_microbatch(cfg, layout, work, st))
+        per_pipeline += flops * _stage_multiplicity(cfg, layout, st)
+    return per_pipeline * microbatches(layout, work) * layout.tp * layout.dp * layout.cp
+
+
+def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float) -> float:
+    """Time of the optimiser step on the busiest stage: its memory traffic over ``memory_bw``
+    (0 when the bandwidth is unknown, i.e. infinite)."""
+    owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
+    return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
+
+
+def offload_step_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
+                         cluster) -> tuple[float, float]:
+    """(host AdamW seconds, PCIe seconds) of one step under optimiser offload: the step's
+    ``ADAMW_ACCESSES_PER_PARAM`` fp32 accesses per owned parameter over this rank's share of
+    the host memory bandwidth (``Hardware.host_memory_bw`` / GPUs per node; a measured machine,
+    whose host is its device, uses ``memory_bw``), and ``offload_bytes_per_step`` over the
+    device-host link per direction (``Hardware.host_link_bw``; gradients down, then after the
+    step parameters up: the runtime does not overlap them). Unknown bandwidths count 0."""
+    hw = cluster.hardware
+    owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
+    host_bw = (hw.host_memory_bw / cluster.gpus_per_node if hw.host_memory_bw
+               else hw.memory_bw) or math.inf
+    link = hw.host_link_bw or hw.memory_bw or math.inf
+    moved = sum(offload_bytes_per_step(cfg, layout, work).values())
+    return ADAMW_ACCESSES_PER_PARAM * 4 * owned / host_bw, moved / link
+
+
+def _attention_block_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
+                             rate: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one ring-attention block: this rank's queries (b·s/cp
+    tokens) against one cp rank's keys (s/cp), 4·head_dim FLOPs per query head and key pair
+    forward (QK^T and AV, no causal halving, as ``stage_flops_per_microbatch``), twice that
+    backward. (0, 0) without cp."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    s_local = local_seq_len(layout, work)
+    f = 4 * layout.microbatch_size * s_local * s_local * tp_shard(cfg, layout.tp).heads \
+        * cfg.head_dim
+    return f / rate, 2 * f / rate

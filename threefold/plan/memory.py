@@ -1,0 +1,335 @@
+"""Memory per rank: model states, activations and the engines' buffers, when each exists
+(``MemoryBreakdown.total``), per pipeline stage and the per-GPU peak the planner checks
+against the device; for a mixture of experts, the experts each rank holds
+(``memory_per_rank``). Pure formulas, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
+from threefold.accounting.shapes import layer_parameters_per_rank, tp_shard
+from threefold.accounting.stages import (
+    _distinct_stages,
+    rank_layers,
+    stage_expert_units,
+    stage_units,
+)
+from threefold.config import ModelConfig
+from threefold.plan.activations import (
+    head_inflight_microbatches,
+    head_saved_bytes,
+    inflight_microbatches,
+    logits_bytes,
+    microbatch_extra_bytes,
+    model_layer_activation_bytes,
+)
+from threefold.plan.states import (
+    HOST_GRAD_BYTES,
+    HOST_MASTER_BYTES,
+    RUNTIME_OVERHEAD_BYTES,
+    ZERO_REDUCES_IN_FLIGHT,
+    StateBytes,
+    state_bytes_for,
+)
+
+def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
+    """Under autocast with weights wider than the matmul dtype (threefold's fp32 weights under
+    bf16), every linear's weight is cast once per forward and the cast is kept for backward:
+    d bytes per matmul weight of the stage, per microbatch in flight. 0 otherwise."""
+    d = work.act_bytes
+    if work.weight_bytes <= d:
+        return 0.0
+    sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
+    n = sharded * rank_layers(cfg, layout, stage)
+    if stage == layout.pp - 1:
+        n += tp_shard(cfg, layout.tp).vocab * cfg.hidden_size
+    return d * n
+
+
+# --------------------------------------------------------------------------------------------
+# Per GPU
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes on one rank of the worst pipeline stage, by what holds them.
+
+    Not everything is alive at once: gradients are made while activations are freed. The
+    peak is the larger of two moments (``total``): the start of the last microbatch's
+    backward (activations, logits, gradients kept from earlier microbatches, ZeRO-3's gathered
+    units, autocast weight copies) and the end of the backward / the optimiser step (all
+    gradients and the optimiser's temporaries), over what always exists (weights, optimiser
+    state, the engine's buffers, the flat runtime overhead)."""
+
+    stage: int
+    params: float
+    grads: float  # gradient bytes at the end of backward
+    optimizer: float
+    activations: float
+    recompute_working: float  # one block's activations while it is recomputed
+    logits: float
+    zero3_working: float
+    overhead: float
+    buffers: float = 0.0  # persistent engine buffers (data parallel's gradient buckets)
+    grads_in_backward: float = 0.0  # gradient bytes already held when the last backward starts
+    cast_weights: float = 0.0
+    optimizer_working: float = 0.0  # AdamW's per-tensor temporaries during the step
+    # host memory of this rank under optimiser offload (``Layout.offload_optimizer``): fp32
+    # master, AdamW state and the gradient buffer; not part of ``total`` (the device's peak)
+    host: float = 0.0
+    host_working: float = 0.0  # AdamW's temporaries, on the host
+
+    @property
+    def host_total(self) -> float:
+        """Host bytes this rank needs at the optimiser step (0 without offload)."""
+        return self.host + self.host_working
+
+    @property
+    def model_states(self) -> float:
+        """Weights, gradients and optimiser state."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def activation_peak(self) -> float:
+        """What is transient at the start of the last backward."""
+        return (self.grads_in_backward + self.activations + self.recompute_working
+                + self.logits + self.zero3_working + self.cast_weights)
+
+    @property
+    def total(self) -> float:
+        """The peak: what always exists plus the larger of the two transient moments."""
+        return (self.params + self.optimizer + self.buffers + self.overhead
+                + max(self.activation_peak, self.grads + self.optimizer_working))
+
+
+def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
+                 state: StateBytes | None = None,
+                 overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
+    """Peak memory of one rank of pipeline ``stage`` under threefold's engines (see
+    ``_stage_memories``)."""
+    return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
+
+
+def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
+                   state: StateBytes | None = None,
+                   overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
+    """The breakdown of the pipeline stage with the largest peak (stage 0 holds the most
+    activations, the last stage the logits and head)."""
+    stages = _distinct_stages(cfg, layout)
+    return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes),
+               key=lambda mb: mb.total)
+
+
+@lru_cache(maxsize=65536)
+def _unit_totals(units: tuple, n: int) -> tuple[int, int, int]:
+    """(parameters, parameters with each unit padded to a multiple of ``n``, largest unit)
+    of a stage's units (cached: the planner asks for the same stages thousands of times)."""
+    sizes = [sum(u) for u in units]
+    return sum(sizes), sum(-(-x // n) * n for x in sizes), max(sizes)
+
+
+def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: list[int],
+                    state: StateBytes | None, overhead_bytes: float) -> list[MemoryBreakdown]:
+    """Model states as threefold's engines hold them (Ψ = this rank's parameters, N =
+    dp_shard·cp, the ZeRO group, m = microbatches, bytes per element from ``state``):
+
+    - plain / data parallel: Ψ weights, Ψ gradients (freed after every step), the optimiser
+      state; data parallel adds its flat gradient buckets, Ψ, for good;
+    - ZeRO 1/2 (``threefold.parallel.zero``): the full weights live in per-unit flat buffers
+      and the owned shard is a separate parameter (a copy of Ψ/N unless it is the fp32 master
+      the optimiser state already counts); the optimiser state is Ψ/N; at the end of backward
+      stage 1 holds the full .grad (Ψ) and, in ``finish_gradients``, one unit's flat copy
+      while the .grad of the units not yet reduced give way to the Ψ/N shard;
+      stage 2 frees each unit's .grad once copied for its reduce-scatter, holding the shard
+      and ``ZERO_REDUCES_IN_FLIGHT`` + 1 units' full copies;
+    - ZeRO 3: Ψ/N weights, Ψ/N optimiser state, gradients as stage 2; two gathered units
+      (the one in use and the one prefetched) while computing.
+    While accumulating (m > 1), the gradients of earlier microbatches are held when the last
+    backward starts: Ψ, or the Ψ/N shard under stage 3. ZeRO over one rank (N = 1) is the same
+    engine with nothing to shard.
+
+    With ``layout.offload_optimizer`` (threefold.parallel.offload) the optimiser state and the
+    step's temporaries leave the device: ``optimizer`` and ``optimizer_working`` are 0 and
+    ``host`` holds, per owned parameter (Ψ, or Ψ/N under ZeRO), the optimiser state plus an
+    fp32 master when the state did not include it, plus the fp32 gradient buffer: 16 bytes
+    either way. Under ZeRO 1/2 the device keeps the owned shard as a tensor of its own (it
+    receives the host's update and is all-gathered), ``state.param`` bytes per owned element.
+    Gradients stay on the device until the step copies them down."""
+    state = state or state_bytes_for(work)
+    m = microbatches(layout, work)
+    z, n = layout.zero_stage, layout.shard_size
+    per_layer = model_layer_activation_bytes(cfg, layout, work)
+    working = 0.0
+    if layout.recompute == "full":  # the block being recomputed holds everything at once
+        working = model_layer_activation_bytes(cfg, layout, work, recompute="none")
+    extra = microbatch_extra_bytes(cfg, layout, work)
+    out = []
+    for stage in stages:
+        psi, padded, largest = _unit_totals(stage_units(cfg, layout, stage), n if z else 1)
+        buffers, zero3, in_bwd = 0.0, 0.0, 0.0
+        if z == 0:
+            params, opt, grads = psi * state.param, psi * state.optimizer, psi * state.grad
+            buffers = psi * state.grad if layout.dp * layout.cp > 1 else 0.0
+            in_bwd = grads if m > 1 else 0.0
+            temp = 2 * largest * state.param
+        elif z in (1, 2):
+            shard_copy = 0 if state.master_in_optimizer else padded / n * state.param
+            params, opt = padded * state.param + shard_copy, padded / n * state.optimizer
+            grads = (padded + largest) * state.grad
+            if z == 2:
+                grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
+            in_bwd = psi * state.grad if m > 1 else 0.0
+            temp = 2 * -(-largest // n) * state.param
+        else:
+            params, opt = padded / n * state.param, padded / n * state.optimizer
+            grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
+            in_bwd = padded / n * state.grad if m > 1 else 0.0
+            zero3 = 2 * largest * state.param  # the unit in use and the one prefetched
+            temp = 2 * -(-largest // n) * state.param
+        host = host_temp = 0.0
+        if layout.offload_optimizer:
+            owned = psi if z == 0 else padded / n
+            if z in (1, 2) and state.master_in_optimizer:
+                params += owned * state.param  # the device shard, no longer the master
+            host = owned * (state.optimizer + HOST_GRAD_BYTES
+                            + (0 if state.master_in_optimizer else HOST_MASTER_BYTES))
+            host_temp = temp / state.param * HOST_MASTER_BYTES
+            opt, temp = 0.0, 0.0
+        inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
+                                         stage)
+        layers = rank_layers(cfg, layout, stage)
+        out.append(MemoryBreakdown(
+            stage=stage, params=params, grads=grads, optimizer=opt,
+            activations=(per_layer * layers + extra) * inflight, recompute_working=working,
+            logits=(logits_bytes(cfg, layout, work)
+                    + (head_inflight_microbatches(layout.pipeline_schedule, layout.pp, m) - 1)
+                    * head_saved_bytes(cfg, layout, work)
+                    if stage == layout.pp - 1 else 0.0),
+            zero3_working=zero3, overhead=overhead_bytes, buffers=buffers,
+            grads_in_backward=in_bwd,
+            cast_weights=cast_weight_bytes(cfg, layout, work, stage) * inflight,
+            optimizer_working=temp, host=host, host_working=host_temp))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Memory of a mixture of experts (what the dense accounting above does not count)
+# --------------------------------------------------------------------------------------------
+def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """Bytes one MoE block keeps for backward per microbatch on one rank beyond what
+    ``activations.block_activation_bytes`` counts for a dense block (whose SwiGLU term
+    4·d·f and MLP-input casts it replaces). Measured on ``threefold.moe.SparseMoeBlock``
+    (autograd's saved tensors, fp32 and bf16 autocast; tests/test_plan_moe.py), per token:
+    k rows of 4·d·f (its experts' SwiGLU) + (4 + 2d)·h (the rows as the experts' matmul
+    keeps them, their output, the fp32 product with the router weight) + 32 (indices and
+    weights); the router's fp32 probabilities and logits 8·E + 8; under autocast the
+    router's cast input d·h. A shared expert adds a dense SwiGLU's 4·d·f_s + 3·d·h (not
+    measured). Under ep a rank computes the rows routed to its experts: N·k in expectation
+    (uniform routing). 0 for a dense model. The MoE is whole on every tp rank."""
+    e, k = cfg.num_local_experts or 0, cfg.num_experts_per_tok or 0
+    if not e:
+        return 0.0
+    h, f, d, r = cfg.hidden_size, cfg.intermediate_size, work.act_bytes, work.resid_bytes
+    fs = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    tokens = layout.microbatch_size * local_seq_len(layout, work)
+    moe = k * (4 * d * f + (4 + 2 * d) * h + 32) + 8 * e + 8 + (0 if r == d else d * h)
+    if fs:
+        moe += 4 * d * fs + 3 * d * h
+    dense = 4 * d * tp_shard(cfg, layout.tp).ffn + (0 if r == d else 2 * d * h)
+    return float(tokens * (moe - dense))
+
+
+def moe_cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
+    """Under autocast with weights wider than the matmul dtype, the MoE weights cast for one
+    microbatch and kept for backward (``threefold.plan.memory.cast_weight_bytes`` counts the dense
+    ones): every local expert that gets a row (all E/ep of them, in expectation), the router,
+    a shared expert; d bytes each."""
+    e = cfg.num_local_experts or 0
+    d = work.act_bytes
+    if not e or work.weight_bytes <= d:
+        return 0.0
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    fs = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    per_layer = e // layout.ep * 3 * h * f + e * h + (3 * h * fs + h if fs else 0)
+    return float(d * per_layer * rank_layers(cfg, layout, stage))
+
+
+def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
+                    state: StateBytes | None = None,
+                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
+    """``threefold.plan.memory.memory_per_gpu``, and for a mixture of experts what it does not
+    count: the MoE blocks' activations and cast weights (``moe_block_extra_bytes``,
+    ``moe_cast_weight_bytes``) and, under expert parallelism, the expert tensors, which
+    ``cost.stage_units`` leaves out of the dense units: each rank holds E/ep experts per
+    block, plain data parallelism keeps them whole (weights, gradients, their own gradient
+    buckets, optimiser state), ZeRO shards each block's experts as one unit over
+    dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
+    (see ``threefold.plan.memory._stage_memories``). A dense model's figure is unchanged."""
+    if not cfg.num_local_experts:
+        return memory_per_gpu(cfg, layout, work, state, overhead_bytes)
+    state = state or state_bytes_for(work)
+    return max((_moe_stage_memory(cfg, layout, work, st, state, overhead_bytes)
+                for st in _distinct_stages(cfg, layout)), key=lambda mb: mb.total)
+
+
+def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
+                      state: StateBytes, overhead_bytes: float) -> MemoryBreakdown:
+    mem = stage_memory(cfg, layout, work, stage, state, overhead_bytes)
+    m = microbatches(layout, work)
+    inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage)
+    extra = moe_block_extra_bytes(cfg, layout, work)
+    ch: dict[str, float] = {}
+    if layout.recompute == "full":  # blocks keep their input; the recomputed one all of it
+        ch["recompute_working"] = mem.recompute_working + extra
+    else:
+        ch["activations"] = mem.activations + extra * rank_layers(cfg, layout, stage) * inflight
+    ch["cast_weights"] = mem.cast_weights + moe_cast_weight_bytes(cfg, layout, work,
+                                                                  stage) * inflight
+    units = stage_expert_units(cfg, layout, stage)
+    if units:  # ep > 1: the expert units, sharded over edp_shard = dp_shard/ep under ZeRO
+        p, g, o = state.param, state.grad, state.optimizer
+        z, n, ne = layout.zero_stage, layout.shard_size, layout.edp_shard
+        psi = sum(sum(u) for u in units)
+        unit = sum(units[0])
+        padded = -(-unit // ne) * ne * len(units)
+        largest = max(sum(u) for u in stage_units(cfg, layout, stage))
+        bigger = max(0, unit - largest)  # the largest unit, if an expert unit is larger
+        bigger_shard = max(0, -(-unit // ne) - -(-largest // n))
+        owned = psi if z == 0 else padded / ne
+        params, opt = mem.params, mem.optimizer
+        grads, in_bwd, zero3 = mem.grads, mem.grads_in_backward, mem.zero3_working
+        buffers, temp = mem.buffers, mem.optimizer_working
+        opt_e = owned * o
+        if z == 0:
+            params += psi * p
+            grads += psi * g
+            buffers += psi * g  # the experts' gradient buckets (over edp)
+            in_bwd += psi * g if m > 1 else 0.0
+            temp_e = 2 * bigger * p
+        elif z in (1, 2):
+            params += padded * p + (0 if state.master_in_optimizer else owned * p)
+            grads += (padded + bigger) * g if z == 1 else \
+                (owned + (3 * bigger if z == 2 else 0)) * g
+            in_bwd += psi * g if m > 1 else 0.0
+            temp_e = 2 * bigger_shard * p
+        else:
+            params += owned * p
+            grads += (owned + 3 * bigger) * g
+            in_bwd += owned * g if m > 1 else 0.0
+            zero3 += unit * p  # the block's experts, gathered beside its dense unit
+            temp_e = 2 * bigger_shard * p
+        host, host_temp = mem.host, mem.host_working
+        if layout.offload_optimizer:
+            if z in (1, 2) and state.master_in_optimizer:
+                params += owned * p  # the device shard, no longer the master
+            host += owned * (o + HOST_GRAD_BYTES
+                             + (0 if state.master_in_optimizer else HOST_MASTER_BYTES))
+            host_temp += temp_e / p * HOST_MASTER_BYTES
+            opt_e = temp_e = 0.0
+        ch.update(params=params, optimizer=opt + opt_e, grads=grads, grads_in_backward=in_bwd,
+                  zero3_working=zero3, buffers=buffers, optimizer_working=temp + temp_e,
+                  host=host, host_working=host_temp)
+    return dataclasses.replace(mem, **ch)

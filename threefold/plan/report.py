@@ -1,0 +1,137 @@
+"""What ``threefold plan`` prints: the table of the best layouts, JSON rows, and why each runner-up
+loses to the best (``explain``).
+"""
+
+from __future__ import annotations
+
+from threefold.plan.candidates import Candidate, PlanResult
+
+# --------------------------------------------------------------------------------------------
+# Explaining and printing
+# --------------------------------------------------------------------------------------------
+def _terms(c: Candidate) -> dict[str, float]:
+    s = c.step
+    return {"compute": s.compute_s, "bubble": s.bubble_s, "tp comm": s.tp_exposed_s,
+            "pp comm": s.pp_exposed_s, "cp comm": s.cp_exposed_s, "ep comm": s.ep_exposed_s,
+            "dp comm": s.dp_exposed_s}
+
+
+def explain(best: Candidate, other: Candidate) -> str:
+    """Why ``other`` is slower than ``best``: the terms of its step time that are larger,
+    biggest first, with what in the layout makes them so."""
+    if other is best:
+        return "best: shortest predicted step"
+    tb, to = _terms(best), _terms(other)
+    deltas = sorted(((to[k] - tb[k], k) for k in tb), reverse=True)
+    lost = other.step.step_time_s - best.step.step_time_s
+    if lost <= 1e-4 * best.step.step_time_s:
+        return "ties with the best (predicted step within 0.01%)"
+    parts = [f"{k} +{d * 1e3:.1f} ms" for d, k in deltas if d > 0.1 * max(lost, 1e-9)]
+    gains = [f"{k} -{-d * 1e3:.1f} ms" for d, k in sorted(deltas) if d < -0.1 * max(lost, 1e-9)]
+    head = f"{lost * 1e3:.1f} ms slower: " + ", ".join(parts[:3])
+    if gains:
+        head += " (saves " + ", ".join(gains[:2]) + ")"
+    why = _cause(best, other, deltas[0][1])
+    saved = best.memory.total - other.memory.total
+    tail = f"; uses {saved / 1e9:.1f} GB less per GPU" if saved > 1e9 else ""
+    return head + (f" ({why})" if why else "") + tail
+
+
+def _cause(best: Candidate, other: Candidate, term: str) -> str:
+    """A short reason for the largest term difference."""
+    b, o = best.layout, other.layout
+    if term == "compute":
+        if o.recompute != b.recompute:
+            return f"recompute {o.recompute} vs {b.recompute}"
+        return "more FLOPs on the slowest stage (padding, replicated kv, head imbalance)"
+    if term == "bubble":
+        return f"pp={o.pp}, vpp={o.vpp}, {other.step.bubble_fraction:.0%} bubble"
+    if term == "tp comm":
+        crosses = "tp" in other.step.inter_node_axes
+        return f"tp={o.tp}" + (" across nodes" if crosses else "")
+    if term == "pp comm":
+        return f"pp={o.pp}, vpp={o.vpp}"
+    if term == "cp comm":
+        return f"cp={o.cp} {o.cp_algorithm}" + \
+            (" across nodes" if "cp" in other.step.inter_node_axes else "")
+    if term == "ep comm":
+        return f"ep={o.ep} all-to-alls" + \
+            (" across nodes" if "ep" in other.step.inter_node_axes else "")
+    if term == "dp comm":
+        axis = o.data_axis if o.zero_stage == 0 else o.shard_axis
+        return f"zero_stage {o.zero_stage} over {axis}={o.size(axis)}" + \
+               (" across nodes" if axis in other.step.inter_node_axes else "")
+    return ""
+
+
+def to_json_rows(cands: list[Candidate]) -> list[dict]:
+    """The ``--json`` records, keys exactly ``JSON_KEYS``."""
+    rows = []
+    for c in cands:
+        lay, s = c.layout, c.step
+        rows.append({"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
+                     "dp_shard": lay.dp_shard, "ep": lay.ep, "cp": lay.cp, "cp_algorithm": lay.cp_algorithm,
+                     "zero_stage": lay.zero_stage, "vpp": lay.vpp,
+                     "microbatch_size": lay.microbatch_size, "recompute": lay.recompute,
+                     "offload_optimizer": lay.offload_optimizer,
+                     "memory_bytes_per_gpu": c.memory.total,
+                     "host_memory_bytes_per_gpu": c.memory.host_total,
+                     "step_time_s": s.step_time_s,
+                     "tokens_per_second_per_gpu": s.tokens_per_second_per_gpu,
+                     "tflops_per_gpu": s.tflops_per_gpu, "mfu": s.mfu,
+                     "bubble_fraction": s.bubble_fraction, "warnings": list(c.warnings)})
+    return rows
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def format_table(cands: list[Candidate], explain_all: bool = False,
+                 moe: bool | None = None) -> str:
+    """The text table of ``cands`` (best first), with warnings and explanations under rows;
+    ``moe`` adds the ep column and bytes (None: when some layout has ep > 1)."""
+    if moe is None:
+        moe = any(c.layout.ep > 1 for c in cands)
+    head = (f"{'#':>2} {'tp':>3} {'cp':>6} {'pp':>3} {'vpp':>3} {'dp_r':>4} {'dp_s':>4} "
+            + (f"{'ep':>3} " if moe else "")
+            + f"{'zero':>4} {'mbs':>3} {'recomp':<9} {'mem GB (states+act+other)':<26} "
+            f"{'step s':>8} {'tok/s/GPU':>9} {'TF/s':>6} {'MFU':>5} {'bubble':>6}  "
+            + ("GB sent per step: tp/cp/pp/ep/dp|dp_s/dp_r (ep: uniform routing)" if moe else
+               "GB sent per step: tp/cp/pp/dp|dp_s/dp_r"))
+    lines = [head]
+    for i, c in enumerate(cands, 1):
+        lay, s, m = c.layout, c.step, c.memory
+        other = m.total - m.model_states - m.activations
+        mem = f"{_gb(m.total)} ({_gb(m.model_states)}+{_gb(m.activations)}+{_gb(other)})"
+        b = s.comm_bytes
+        data = b["dp"] + b["dp_shard"] + b["dp_cp"] + b["dp_shard_cp"] + b["edp"] \
+            + b["edp_shard"]
+        sent = (b["tp"], b["cp"], b["pp"]) + ((b["ep"],) if moe else ()) + \
+            (data, b["dp_replicate"])
+        comm = "/".join(_gb(x) for x in sent)
+        cp = f"{lay.cp}{'r' if lay.cp_algorithm == 'ring' else 'ag'}" if lay.cp > 1 else "1"
+        lines.append(
+            f"{i:>2} {lay.tp:>3} {cp:>6} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
+            f"{lay.dp_shard:>4} " + (f"{lay.ep:>3} " if moe else "") + f"{str(lay.zero_stage) + ('o' if lay.offload_optimizer else ''):>4} "
+            f"{lay.microbatch_size:>3} "
+            f"{lay.recompute:<9} {mem:<26} {s.step_time_s:>8.3f} "
+            f"{s.tokens_per_second_per_gpu:>9.0f} {s.tflops_per_gpu:>6.0f} {s.mfu:>5.1%} "
+            f"{s.bubble_fraction:>6.1%}  {comm}")
+        for w in c.warnings:
+            lines.append(f"{'':>6}! {w}")
+        if explain_all and i > 1:
+            lines.append(f"{'':>6}why not best: {explain(cands[0], c)}")
+    return "\n".join(lines)
+
+
+def _summary(result: PlanResult) -> str:
+    lines = []
+    if result.too_big:
+        lay, total, why = min(result.too_big, key=lambda r: r[1])
+        lines.append(f"{len(result.too_big)} layouts do not fit in memory; the smallest "
+                     f"(tp={lay.tp} cp={lay.cp} pp={lay.pp} ep={lay.ep} zero={lay.zero_stage} "
+                     f"mbs={lay.microbatch_size} recompute={lay.recompute}) {why}")
+    for reason, n in sorted(result.invalid.items(), key=lambda kv: -kv[1])[:6]:
+        lines.append(f"{n} skipped: {reason}")
+    return "\n".join(lines)

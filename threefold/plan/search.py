@@ -1,0 +1,294 @@
+"""The search: every layout (dp_replicate, dp_shard, ep, cp, cp_algorithm, tp, pp, vpp,
+zero_stage, microbatch size, recompute) whose product is the world and which the runtime
+accepts, dropped when it does not fit in memory (with the reason), scored by ``predict_step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from typing import Iterator
+
+from threefold.accounting.layout import Layout, Workload, check_layout
+from threefold.accounting.shapes import RECOMPUTE, LayoutError, tp_shard
+from threefold.config import ModelConfig
+from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
+from threefold.plan.hardware import Cluster
+from threefold.plan.memory import MemoryBreakdown, memory_per_rank
+from threefold.plan.report import explain
+from threefold.plan.step import StepPrediction, compute_bound_step_time, predict_step
+
+JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "ep", "cp", "cp_algorithm", "zero_stage", "vpp",
+             "microbatch_size",
+             "recompute", "offload_optimizer", "memory_bytes_per_gpu",
+             "host_memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
+             "tflops_per_gpu", "mfu", "bubble_fraction", "warnings")
+BUBBLE_WARN = 0.20
+MEMORY_WARN = 0.95
+MAX_MICROBATCH = 16
+CP_MIN_SEQ_LEN = 32768  # shorter sequences: cp only when nothing fits without it
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
+                      space: SearchSpace = SearchSpace(),
+                      invalid: dict[str, int] | None = None) -> Iterator[Layout]:
+    """Every layout in ``space`` that uses exactly ``world`` ranks and passes
+    ``check_layout``; the reasons others fail are counted into ``invalid``."""
+    invalid = {} if invalid is None else invalid
+
+    def reject(reason: str, n: int = 1) -> None:
+        """Count ``n`` layouts skipped for ``reason``."""
+        invalid[reason] = invalid.get(reason, 0) + n
+
+    recompute, dropped = _recompute_options(space, work)
+    experts = cfg.num_local_experts or 0
+    for tp in space.tp or _divisors(world):
+        if world % tp:
+            reject(f"tp={tp} does not divide {world} GPUs")
+            continue
+        try:
+            tp_shard(cfg, tp)
+        except LayoutError as e:
+            reject(str(e))
+            continue
+        for cp in _cp_degrees(world // tp, tp, work, space, reject, bool(experts)):
+            algorithms = ("ring",) if cp == 1 else space.cp_algorithm
+            for pp in space.pp or _divisors(world // (tp * cp)):
+                if (world // (tp * cp)) % pp:
+                    reject(f"tp·cp·pp={tp * cp * pp} does not divide {world} GPUs")
+                    continue
+                if cfg.num_hidden_layers % pp:
+                    reject(f"pp={pp} does not divide the {cfg.num_hidden_layers} layers")
+                    continue
+                dp = world // (tp * cp * pp)
+                per_replica, rem = divmod(work.global_batch, dp)
+                if rem or not per_replica:
+                    reject(f"dp={dp} does not divide the global batch of {work.global_batch}")
+                    continue
+                vpps = space.vpp or ([1] if pp == 1 else
+                                     _divisors(cfg.num_hidden_layers // pp))
+                splits = list(_dp_splits(dp, space, cp))
+                sizes = space.microbatch_size or [b for b in _divisors(per_replica)
+                                                  if b <= MAX_MICROBATCH]
+                if dropped:
+                    reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms))
+                for alg, vpp, (zero, dp_r), mbs, rc, off in itertools.product(
+                        algorithms, vpps, splits, sizes, recompute, space.offload_optimizer):
+                    for ep in _ep_degrees(experts, dp // dp_r, space, reject):
+                        lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
+                                     zero_stage=zero, vpp=vpp, microbatch_size=mbs,
+                                     recompute=rc, cp=cp, cp_algorithm=alg,
+                                     offload_optimizer=off, ep=ep,
+                                     sequence_parallel=not experts)
+                        try:
+                            check_layout(cfg, lay, work)
+                        except LayoutError as e:
+                            reject(_generic(str(e)))
+                            continue
+                        yield lay
+
+
+def _ep_degrees(experts: int, dp_shard: int, space: SearchSpace, reject) -> list[int]:
+    """Expert-parallel degrees to try: 1 for a dense model; else ``space.ep`` (None: every
+    divisor of the experts) less those that do not divide dp_shard (ep ranks are part of
+    it; counted as skipped only when asked for)."""
+    if not experts:
+        return [1]
+    out = []
+    for ep in space.ep or _divisors(experts):
+        if experts % ep == 0 and dp_shard % ep == 0:
+            out.append(ep)
+        elif space.ep:
+            reject(f"ep={ep} does not divide both the {experts} experts and dp_shard")
+    return out
+
+
+def _cp_degrees(rest: int, tp: int, work: Workload, space: SearchSpace, reject,
+                moe: bool = False) -> list[int]:
+    """cp degrees to try with ``tp``: ``space.cp`` (None: 1, and with ``seq_len >=
+    CP_MIN_SEQ_LEN`` every divisor of ``rest`` = world/tp) less those the sequence does not
+    split into (seq_len a multiple of 2·cp, each cp rank's seq_len/cp of tp for sequence
+    parallelism). A mixture of experts takes no cp (the runtime refuses it)."""
+    wanted = space.cp or ([1] if work.seq_len < CP_MIN_SEQ_LEN or moe else _divisors(rest))
+    out = []
+    for cp in wanted:
+        if moe and cp > 1:
+            reject(f"parallel.cp: cp > 1 with a mixture of experts (not supported yet)")
+        elif rest % cp:
+            reject(f"tp·cp={tp * cp} does not divide the GPUs")
+        elif cp > 1 and work.seq_len % (2 * cp):
+            reject(f"cp={cp}: seq_len {work.seq_len} is not a multiple of 2·cp")
+        elif tp > 1 and not moe and (work.seq_len // cp) % tp:
+            reject(f"cp={cp}: seq_len/cp is not a multiple of tp={tp} (sequence parallel)")
+        else:
+            out.append(cp)
+    return out
+
+
+def _recompute_options(space: SearchSpace, work: Workload) -> tuple[tuple[str, ...], str]:
+    """(recompute modes to try, why one was dropped or ''). Under flash attention selective
+    recompute keeps exactly what no recompute keeps (the attention core is already
+    recomputed) at more FLOPs, so it can never win; it is skipped unless asked for."""
+    if space.recompute:
+        return space.recompute, ""
+    if work.flash_attention:
+        return tuple(r for r in RECOMPUTE if r != "selective"), \
+            "selective recompute: no memory saved under flash attention (never better than none)"
+    return RECOMPUTE, ""
+
+
+def _generic(reason: str) -> str:
+    """Group reasons that differ only in their numbers (for the summary)."""
+    if reason.startswith("interleaved"):
+        return "interleaved 1F1B needs microbatches a multiple of pp"
+    return reason
+
+
+def _dp_splits(dp: int, space: SearchSpace, cp: int = 1) -> Iterator[tuple[int, int]]:
+    """(zero_stage, dp_replicate): stage 0 is plain DP (dp_replicate 1); stages 1-3 shard over
+    dp_shard·cp = dp / dp_replicate · cp > 1, with any dp_replicate (hybrid sharding)."""
+    for zero in space.zero_stage:
+        if zero == 0:
+            if not space.dp_replicate or 1 in space.dp_replicate:
+                yield 0, 1
+            continue
+        for dp_r in space.dp_replicate or _divisors(dp):
+            if dp % dp_r == 0 and dp // dp_r * cp > 1:
+                yield zero, dp_r
+
+
+def moe_notes(cfg: ModelConfig, top: list[Candidate]) -> list[str]:
+    """What a user of a mixture of experts should know about the planned figures."""
+    if not cfg.num_local_experts:
+        return []
+    notes = ["mixture of experts: ep all-to-all bytes and time are the uniform-routing "
+             "expectation (each rank sends (ep-1)/ep of its N·k token-expert rows each way); "
+             "real routing is uneven; tp runs without sequence parallelism (the MoE is whole "
+             "on every tp rank)"]
+    if any(c.layout.pp > 1 for c in top) and cfg.router_aux_loss_coef > 0 \
+            and not cfg.router_aux_loss_per_layer:
+        notes.append("pp > 1 with a mixture of experts: set model.router_aux_loss_per_layer "
+                     "true (the runtime needs the load-balancing loss per layer)")
+    return notes
+
+
+def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: StepPrediction,
+                    cluster: Cluster) -> tuple[str, ...]:
+    """What a user should know before launching ``lay``."""
+    out = []
+    if "tp" in step.inter_node_axes:
+        out.append(f"tp crosses nodes (tp={lay.tp} > {cluster.gpus_per_node} GPUs per node)")
+    if "cp" in step.inter_node_axes:
+        out.append(f"cp crosses nodes (cp·tp={lay.cp * lay.tp} > {cluster.gpus_per_node} GPUs "
+                   "per node): K/V move over the network")
+    if "ep" in step.inter_node_axes:
+        out.append(f"ep crosses nodes (ep·tp={lay.ep * lay.tp} > {cluster.gpus_per_node} GPUs "
+                   "per node): the all-to-alls of every MoE layer go over the network")
+    if step.bubble_fraction > BUBBLE_WARN:
+        out.append(f"pipeline bubble {step.bubble_fraction:.0%} > {BUBBLE_WARN:.0%}")
+    if mem.total > MEMORY_WARN * cluster.hardware.memory_bytes:
+        out.append(f"within {1 - MEMORY_WARN:.0%} of the memory limit")
+    if lay.offload_optimizer:
+        out.append(f"optimizer offload: {mem.host_total * cluster.gpus_per_node / 1e9:.0f} GB "
+                   f"of host memory per node ({mem.host_total / 1e9:.1f} per GPU), "
+                   f"{step.offload_s:.2f} s of PCIe copies per step")
+    sh = tp_shard(cfg, lay.tp)
+    if sh.kv_replicas > 1:
+        out.append(f"{cfg.num_key_value_heads} kv heads replicated {sh.kv_replicas}x over tp")
+    if cfg.intermediate_size % lay.tp:
+        out.append(f"intermediate size {cfg.intermediate_size} padded to {sh.ffn}·tp")
+    return tuple(out)
+
+
+def search(cfg: ModelConfig, cluster: Cluster, work: Workload,
+           space: SearchSpace = SearchSpace(), memory_limit: float | None = None,
+           keep: int | None = None, **predict_kw) -> PlanResult:
+    """Score every layout in ``space`` that fits in memory; best (shortest step) first. With
+    ``keep``, layouts are scored in order of their communication-free step time and the search
+    stops once that bound exceeds the ``keep``-th best full prediction (same top ``keep``).
+    ``predict_kw`` go to ``predict_step`` (e.g. ``overlap_grad_reduce=False``). With
+    ``space.cp`` None and a sequence shorter than ``CP_MIN_SEQ_LEN``, cp > 1 is searched only
+    if nothing fits without it. When the best layout has cp > 1, ``notes`` says why."""
+    limit = cluster.hardware.memory_bytes if memory_limit is None else memory_limit
+    result = _search(cfg, cluster, work, space, limit, keep, predict_kw)
+    if not result.fits and space.cp is None and work.seq_len < CP_MIN_SEQ_LEN \
+            and not cfg.num_local_experts:
+        wide = dataclasses.replace(space, cp=tuple(_divisors(cluster.num_gpus)))
+        retry = _search(cfg, cluster, work, wide, limit, keep, predict_kw)
+        if retry.fits:
+            retry.notes.insert(0, f"no layout without context parallelism fits at seq_len "
+                                  f"{work.seq_len}: searched cp > 1 too")
+            return retry
+    return result
+
+
+def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpace,
+            limit: float, keep: int | None, predict_kw: dict) -> PlanResult:
+    """One pass of ``search`` over ``space``."""
+    result = PlanResult(ranked=[])
+    fitting = []
+    for lay in enumerate_layouts(cfg, cluster.num_gpus, work, space, result.invalid):
+        mem = memory_per_rank(cfg, lay, work)
+        if mem.total > limit:
+            why = (f"needs {mem.total / 1e9:.1f} GB > {limit / 1e9:.0f} GB on stage {mem.stage}"
+                   f" (states {mem.model_states / 1e9:.1f}, activations "
+                   f"{(mem.activations + mem.recompute_working) / 1e9:.1f}, logits "
+                   f"{mem.logits / 1e9:.1f})")
+            result.too_big.append((lay, mem.total, why))
+            continue
+        bound = compute_bound_step_time(cfg, lay, work, cluster) if keep else 0.0
+        fitting.append((bound, lay, mem))
+    result.fits = len(fitting)
+    fitting.sort(key=lambda x: x[0])
+    best: list[float] = []  # the keep smallest step times so far, as a max-heap
+    for bound, lay, mem in fitting:
+        if keep and len(best) >= keep and bound >= -best[0]:
+            break
+        step = predict_step(cfg, lay, work, cluster, **predict_kw)
+        result.ranked.append(Candidate(lay, mem, step, layout_warnings(cfg, lay, mem, step,
+                                                                       cluster)))
+        if keep:
+            heapq.heappush(best, -step.step_time_s)
+            if len(best) > keep:
+                heapq.heappop(best)
+    result.ranked.sort(key=lambda c: (c.step.step_time_s, c.memory.total))
+    if keep:
+        del result.ranked[keep:]
+    if result.ranked and result.ranked[0].layout.cp > 1:
+        result.notes.append(_why_cp(cfg, cluster, work, result, fitting, limit, predict_kw))
+    return result
+
+
+def _why_cp(cfg: ModelConfig, cluster: Cluster, work: Workload, result: PlanResult,
+            fitting: list, limit: float, predict_kw: dict) -> str:
+    """Why the best layout splits sequences over cp: no cp = 1 layout fits (what the
+    smallest needs), or the best cp = 1 layout (found with the same pruning) and how much
+    slower it is."""
+    best = result.ranked[0]
+    head = f"cp={best.layout.cp} ({best.layout.cp_algorithm}) at seq_len {work.seq_len}: "
+    plain = [(bound, lay, mem) for bound, lay, mem in fitting if lay.cp == 1]
+    if not plain:
+        big = [r for r in result.too_big if r[0].cp == 1]
+        if not big:
+            return head + "no layout with cp = 1 was searched"
+        lay, total, why = min(big, key=lambda r: r[1])
+        return head + (f"no layout with cp = 1 fits in {limit / 1e9:.0f} GB; the smallest "
+                       f"(tp={lay.tp} pp={lay.pp} zero={lay.zero_stage} "
+                       f"mbs={lay.microbatch_size} recompute={lay.recompute}) {why}")
+    top = None
+    for bound, lay, mem in sorted(plain, key=lambda x: x[0]):
+        if top is not None and bound >= top.step.step_time_s:
+            break
+        step = predict_step(cfg, lay, work, cluster, **predict_kw)
+        if top is None or step.step_time_s < top.step.step_time_s:
+            top = Candidate(lay, mem, step, ())
+    lay = top.layout
+    slower = top.step.step_time_s / best.step.step_time_s - 1
+    return head + (f"the best layout with cp = 1 (tp={lay.tp} pp={lay.pp} vpp={lay.vpp} "
+                   f"zero={lay.zero_stage} mbs={lay.microbatch_size} recompute="
+                   f"{lay.recompute}) is {slower:.0%} slower ({explain(best, top)})")

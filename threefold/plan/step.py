@@ -1,0 +1,270 @@
+"""The predicted step time: compute per stage, the pipeline bubble (closed forms, or the runtime's
+schedule replayed by threefold.parallel.pipeline.simulate), and each axis's communication with
+what of it hides behind compute (``predict_step``, ``StepPrediction``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from threefold.accounting.layout import Layout, Workload, microbatches
+from threefold.accounting.shapes import COMM_AXES
+from threefold.accounting.stages import (
+    _distinct_stages,
+    _shape_key,
+    _stage_multiplicity,
+    _stage_representatives,
+)
+from threefold.accounting.traffic import (
+    Collective,
+    _bytes_per_axis,
+    axis_crosses_nodes,
+    collectives,
+)
+from threefold.config import ModelConfig
+from threefold.plan.compute import (
+    MATMUL_EFFICIENCY,
+    _attention_block_seconds,
+    model_flops_per_step,
+    offload_step_seconds,
+    optimizer_seconds,
+    stage_flops_per_microbatch,
+    stage_memory_traffic_per_microbatch,
+)
+
+# --------------------------------------------------------------------------------------------
+# Pipeline bubble
+# --------------------------------------------------------------------------------------------
+SIMULATE_MAX_ACTIONS = 4096  # p·m·v above this uses the closed form (the replay is Python)
+
+
+def bubble_over_ideal(schedule: str, p: int, m: int, v: int = 1,
+                      backward_over_forward: float = 2.0,
+                      simulate: bool = False) -> tuple[float, str]:
+    """(bubble time / ideal time, source) with equal stages.
+
+    Closed forms: GPipe and 1F1B (p-1)/m, interleaved 1F1B (p-1)/(v·m) (Narayanan et al. 2021
+    §2.2); the schedule simulator (threefold.parallel.pipeline.simulate) replays the same
+    action lists the executor runs and gives exactly these values (tests/test_cost.py checks
+    it), so they are used directly — the replay is far too slow for a search of thousands.
+    ZB-H1's bubble depends on how backward splits into B and W, so it is simulated (B = W =
+    half of backward) when the simulator is importable and the run small, else (p-1)/(3m)
+    (Qi et al., arXiv 2401.10241, T_F = T_B = T_W). ``simulate`` forces the replay for any
+    schedule (a single layout, e.g. a dry run)."""
+    if p == 1:
+        return 0.0, "none"
+    if (simulate or schedule == "zb-h1") and p * m * v <= SIMULATE_MAX_ACTIONS:
+        sim = _simulated(schedule, p, m, v, round(backward_over_forward, 2))
+        if sim is not None:
+            return sim, "simulated"
+    div = {"interleaved-1f1b": v, "zb-h1": 3}.get(schedule, 1)
+    return (p - 1) / (div * m), "closed-form"
+
+
+@lru_cache(maxsize=4096)
+def _simulated(schedule: str, p: int, m: int, v: int, ratio: float) -> float | None:
+    try:
+        from threefold.parallel.pipeline.simulate import Costs, simulate
+    except ImportError:
+        return None
+    # zb-h1 splits backward into B and W; the fused schedules run B+W as one action.
+    costs = Costs(1.0, ratio / 2, ratio / 2, 0.0)
+    try:
+        return simulate(schedule, p, m, v, costs).bubble_over_ideal
+    except Exception:  # a schedule the simulator refuses (or a bug there): fall back
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Step time
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted time and throughput of one optimiser step; times in seconds, per rank."""
+
+    step_time_s: float
+    compute_s: float  # m microbatches on the slowest stage, compute only
+    tp_exposed_s: float
+    pp_exposed_s: float
+    dp_exposed_s: float  # data-parallel/ZeRO communication not hidden behind compute
+    bubble_s: float
+    bubble_fraction: float  # idle share of the pipeline's time (GPipe's form)
+    bubble_source: str
+    model_flops: float
+    hardware_flops: float
+    tokens_per_second_per_gpu: float
+    tflops_per_gpu: float  # hardware (achieved) TF/s per GPU, recompute included
+    mfu: float | None  # None when the peak is unknown
+    hfu: float | None
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+    inter_node_axes: tuple[str, ...] = ()
+    optimizer_s: float = 0.0  # the optimiser step's memory traffic, after the last backward
+    offload_s: float = 0.0  # optimiser offload: gradients down and parameters up over PCIe
+    cp_exposed_s: float = 0.0  # context-parallel K/V traffic not hidden behind attention
+    # expert-parallel all-to-alls (uniform-routing expectation), on the critical path
+    ep_exposed_s: float = 0.0
+
+
+def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
+                 efficiency: float | None = None, bucket_bytes: float | None = None,
+                 simulate: bool = False, overlap_grad_reduce: bool = True) -> StepPrediction:
+    """Predicted step of ``layout`` on ``cluster`` (a ``threefold.plan.hardware.Cluster``).
+
+    Time model, per pipeline stage and microbatch: compute = FLOPs / (peak · efficiency) +
+    memory-bound bytes / HBM bandwidth (``stage_memory_traffic_per_microbatch``); tp
+    collectives and pipeline sends are *not* overlapped (they sit between dependent matmuls);
+    ZeRO-3 gathers and reduce-scatters overlap the forward/backward of their microbatch, except
+    one bucket each; the data-parallel all-reduce and the ZeRO-2 reduce-scatter overlap the
+    last microbatch's backward except one bucket; the ZeRO-1 reduce-scatter, the HSDP
+    all-reduce over dp_replicate and the ZeRO-1/2 parameter all-gathers after the step are
+    exposed (with ``overlap_grad_reduce=False`` no data-parallel communication overlaps
+    anything, as in Megatron-LM of 2021). Context parallelism's cp traffic runs on the link
+    the cp axis crosses: each ring hop of K/V hides behind the attention of one block (the
+    rank's queries against one rank's keys: 1/cp of the layer's attention FLOPs), the dK/dV
+    hops and the allgather algorithm's all-gather and reduce-scatter are exposed. Expert
+    parallelism's all-to-alls (their uniform-routing expectation) run on the link the ep axis
+    crosses and are exposed: each MoE layer waits for its tokens. The pipeline then takes m·T_slowest plus the bubble,
+    (bubble/ideal ratio of the schedule)·m·T_mean. The optimiser step adds its memory traffic
+    (``ADAMW_ACCESSES_PER_PARAM`` fp32 accesses per parameter the rank updates: Ψ, or Ψ/N
+    under ZeRO) over the HBM bandwidth, when that is known. With ``layout.offload_optimizer``
+    that traffic is over the host's memory bandwidth instead (``offload_step_seconds``), and
+    the gradients going down and the parameters coming up over PCIe add ``offload_s``."""
+    hw = cluster.hardware
+    bucket_bytes = layout.bucket_bytes if bucket_bytes is None else bucket_bytes
+    peak = hw.peak_flops(work.precision)
+    if not peak:
+        raise ValueError(f"{hw.name}: peak {work.precision} FLOP/s unknown; give --peak-tflops")
+    eff = efficiency if efficiency is not None else (hw.matmul_efficiency or MATMUL_EFFICIENCY)
+    rate = peak * eff
+    m = microbatches(layout, work)
+    inter = {a: axis_crosses_nodes(layout, a, cluster.gpus_per_node) for a in COMM_AXES}
+    links = {a: hw.link(inter[a]) for a in COMM_AXES}
+    stages = _distinct_stages(cfg, layout)
+    hbm = hw.memory_bw or math.inf
+    per_mb, per_step, parts, lists, hw_flops = {}, {}, {}, [], 0.0
+    for st in stages:
+        f, bwd = stage_flops_per_microbatch(cfg, layout, work, st)
+        mem_f, mem_b = stage_memory_traffic_per_microbatch(cfg, layout, work, st)
+        hw_flops += (f + bwd) * _stage_multiplicity(cfg, layout, st)
+        t_f, t_b = f / rate + mem_f / hbm, bwd / rate + mem_b / hbm
+        colls = collectives(cfg, layout, work, st)
+        lists.append(colls)
+        windows = (t_f, t_b) if overlap_grad_reduce else (0.0, 0.0)
+        exposed, step_dp = _exposed_comm(colls, links, *windows, bucket_bytes,
+                                         _attention_block_seconds(cfg, layout, work, rate))
+        per_mb[st] = t_f + t_b + sum(exposed.values())
+        per_step[st] = step_dp
+        parts[st] = (t_f + t_b, exposed, t_b / t_f)
+    slow = max(per_mb, key=per_mb.get)
+    mean = sum(per_mb[s] * _stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
+    ratio, source = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
+                                      parts[stages[len(stages) // 2]][2], simulate)
+    ideal = m * per_mb[slow]
+    bubble = ratio * m * mean
+    if simulate and layout.pp > 1 and layout.vpp == 1:  # one layout: replay its own stages
+        span = _replayed_makespan(cfg, layout, m, per_mb,
+                                  {st: 1 / (1 + parts[st][2]) for st in stages})
+        if span is not None:
+            bubble, source = max(0.0, span - ideal), "simulated (per-stage times)"
+    dp_step = max(per_step.values())
+    opt_s, off_s = optimizer_seconds(cfg, layout, hbm), 0.0
+    if layout.offload_optimizer:
+        opt_s, off_s = offload_step_seconds(cfg, layout, work, cluster)
+    step = ideal + bubble + dp_step + opt_s + off_s
+    comp, exp, _ = parts[slow]
+    n = layout.world
+    mf = model_flops_per_step(cfg, work)
+    hf = hw_flops * m * layout.tp * layout.dp * layout.cp
+    return StepPrediction(
+        step_time_s=step, compute_s=m * comp, tp_exposed_s=m * exp["tp"],
+        pp_exposed_s=m * exp["pp"], dp_exposed_s=m * exp["dp"] + dp_step, bubble_s=bubble,
+        bubble_fraction=bubble / (ideal + bubble), bubble_source=source, model_flops=mf,
+        hardware_flops=hf, tokens_per_second_per_gpu=work.tokens / step / n,
+        tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
+        hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m), optimizer_s=opt_s,
+        offload_s=off_s,
+        inter_node_axes=tuple(a for a in COMM_AXES if inter[a]), cp_exposed_s=m * exp["cp"],
+        ep_exposed_s=m * exp["ep"])
+
+
+def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
+                       forward_share: dict) -> float | None:
+    """The pipeline's compute span for ``m`` microbatches replayed by the schedule simulator
+    with every stage's own time per microbatch (``per_mb``, split into forward and backward
+    by ``forward_share``; ZB-H1's B and W halves of the backward): with uneven stages (the
+    head on the last, an uneven split) the bubble is not the equal-stage formula's. None when
+    the replay is too large or the simulator is unavailable."""
+    p = layout.pp
+    if p * m > SIMULATE_MAX_ACTIONS:
+        return None
+    try:
+        from threefold.parallel.pipeline.simulate import Costs, simulate as replay_schedule
+    except ImportError:
+        return None
+    per: dict = {}
+    reps = _stage_representatives(_shape_key(cfg), p, 1, layout.pipeline_split)
+    for st, rep in enumerate(reps):  # a stage has its representative's times
+        f = per_mb[rep] * forward_share[rep]
+        b = per_mb[rep] - f
+        per.update({("F", st): f, ("BW", st): b, ("B", st): b / 2, ("W", st): b / 2})
+    try:
+        return replay_schedule(layout.pipeline_schedule, p, m, 1, Costs(per_stage=per)).makespan
+    except Exception:  # a schedule the simulator refuses (or a bug there): the closed form
+        return None
+
+
+def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
+                  bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0)
+                  ) -> tuple[dict[str, float], float]:
+    """({tp, pp, cp, ep, dp}: exposed seconds per microbatch, exposed dp seconds once per step)
+    for one stage, applying the overlap rules of ``predict_step``; ``attention_block`` is
+    the (forward, backward) time a ring hop may hide behind."""
+    exposed = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": 0.0}
+    step_dp = 0.0
+    groups: dict[tuple[str, str], float] = {}
+    tails: dict[tuple[str, str], float] = {}
+    for c in colls:
+        if c.overlap == "hidden":
+            continue
+        lat, bw = links[c.axis]
+        one = c.time(lat, bw)
+        kind = c.axis if c.axis in ("tp", "pp", "cp", "ep") else "dp"
+        if c.overlap.startswith("attention-"):  # each hop behind one block's attention
+            window = attention_block[0 if c.overlap == "attention-forward" else 1]
+            exposed[kind] += c.count * max(0.0, one - window)
+        elif c.overlap == "none":
+            exposed[kind] += one * c.count
+        elif c.overlap == "step":
+            step_dp += one * c.count
+        else:
+            key = (kind, c.overlap)
+            groups[key] = groups.get(key, 0.0) + one * c.count
+            tails[key] = max(tails.get(key, 0.0), c.time(lat, bw, min(c.size, bucket_bytes)))
+    for (kind, overlap), total in groups.items():
+        window = t_f if overlap == "forward" else t_b
+        left = max(tails[(kind, overlap)], total - window)
+        if overlap == "last":
+            step_dp += left
+        else:
+            exposed[kind] += left
+    return exposed, step_dp
+
+
+def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
+                            efficiency: float | None = None) -> float:
+    """``predict_step``'s step time with every collective free: a lower bound on it, cheap
+    enough to order and prune a search."""
+    hw = cluster.hardware
+    rate = hw.peak_flops(work.precision) * (efficiency if efficiency is not None else
+                                            (hw.matmul_efficiency or MATMUL_EFFICIENCY))
+    m = microbatches(layout, work)
+    stages = _distinct_stages(cfg, layout)
+    bw = hw.memory_bw or math.inf
+    times = {st: sum(stage_flops_per_microbatch(cfg, layout, work, st)) / rate
+             + sum(stage_memory_traffic_per_microbatch(cfg, layout, work, st)) / bw
+             for st in stages}
+    mean = sum(times[s] * _stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
+    ratio, _ = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp)
+    return m * max(times.values()) + ratio * m * mean
