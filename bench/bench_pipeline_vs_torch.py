@@ -1,4 +1,6 @@
-"""threefold pipeline executor vs torch.distributed.pipelining, 1F1B on 4 CPU ranks (pp=4).
+"""threefold pipeline executor vs torch.distributed.pipelining, 1F1B on --pp CPU ranks (default 4).
+
+    python3 bench/bench_pipeline_vs_torch.py --pp 2               # 2 stages
 
     python3 bench/bench_pipeline_vs_torch.py                      # the defaults below
     python3 bench/bench_pipeline_vs_torch.py --rounds 2 --steps 2  # a quick run
@@ -71,7 +73,6 @@ from threefold.parallel.engine import make_adamw  # noqa: E402
 from threefold.parallel.pipeline.stage import split_model  # noqa: E402
 
 CONFIGS = ("threefold", "torch")
-PP = 4
 TOLERANCE = 1e-5  # fp32, same kernels in the same order: differences are rounding only
 
 
@@ -79,8 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (the same in the launcher and in every rank)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    ap.add_argument("--pp", type=int, default=4, help="pipeline stages = ranks (2 or more)")
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8, help="blocks (at least 4)")
+    ap.add_argument("--layers", type=int, default=8, help="blocks (at least --pp)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=688, help="SwiGLU inner width")
@@ -98,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.batch % args.microbatches:
         ap.error(f"--batch {args.batch} is not a multiple of --microbatches "
                  f"{args.microbatches}")
-    if args.layers < PP:
-        ap.error(f"--layers must be at least {PP} (one block per stage)")
+    if args.pp < 2 or args.layers < args.pp:
+        ap.error(f"--pp must be at least 2 and --layers at least --pp (one block per stage)")
     return args
 
 
@@ -112,13 +114,13 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
                        tie_word_embeddings=False).resolved(args.vocab)
 
 
-def build_stage(mcfg: ModelConfig, seed: int, pp_rank: int,
+def build_stage(mcfg: ModelConfig, seed: int, pp_rank: int, pp: int,
                 balance: str = "params") -> LlamaForCausalLM:
     """This rank's chunk of the whole model initialised from ``seed`` (the same on both
     sides: initialisation is by parameter name)."""
     model = LlamaForCausalLM(mcfg)
     model.init_weights(seed)
-    (chunk,) = split_model(model, PP, 1, pp_rank, balance, mcfg.max_position_embeddings)
+    (chunk,) = split_model(model, pp, 1, pp_rank, balance, mcfg.max_position_embeddings)
     return chunk
 
 
@@ -146,7 +148,7 @@ def build_threefold(chunk, args, batch, comm, pp_rank):
     ids, labels, n_tokens = batch
     mb = args.batch // args.microbatches
     micro = [(ids[i:i + mb], labels[i:i + mb]) for i in range(0, args.batch, mb)]
-    ex = PipelineExecutor([chunk], args.schedule, PP, args.microbatches, 1, pp_rank, comm,
+    ex = PipelineExecutor([chunk], args.schedule, args.pp, args.microbatches, 1, pp_rank, comm,
                           causal_lm_loss)
     opt = make_adamw(chunk.parameters(), OptimConfig())
     busy = [0.0]
@@ -178,11 +180,11 @@ class _WithPositions(nn.Module):
 
 def build_torch(chunk, args, batch, comm, pp_rank):
     """torch's ``PipelineStage`` + ``Schedule1F1B`` (or ``ScheduleGPipe``) over the same chunk,
-    on the default process group (the 4 ranks)."""
+    on the default process group (the --pp ranks)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     ids, labels, n_tokens = batch
-    stage = PipelineStage(_WithPositions(chunk), pp_rank, PP, torch.device("cpu"))
+    stage = PipelineStage(_WithPositions(chunk), pp_rank, args.pp, torch.device("cpu"))
     # Per microbatch: summed CE / the whole batch's token count, as threefold's executor
     # computes it; scale_grads=False, or torch would divide the gradients by m once more.
     loss_fn = lambda out, y: causal_lm_loss(out, y) / n_tokens  # noqa: E731
@@ -221,7 +223,7 @@ def check_agreement(mcfg, args, batch, comm, pp_rank) -> dict:
     """One step of each side from the same weights, no optimiser: losses and gradients."""
     out, grads = {}, {}
     for name in CONFIGS:
-        chunk = build_stage(mcfg, args.seed, pp_rank, args.balance)
+        chunk = build_stage(mcfg, args.seed, pp_rank, args.pp, args.balance)
         step, _ = BUILDERS[name](chunk, args, batch, comm, pp_rank)
         out[name] = step(optimise=False)
         grads[name] = [q.grad for q in chunk.parameters()]
@@ -230,7 +232,7 @@ def check_agreement(mcfg, args, batch, comm, pp_rank) -> dict:
     norm = {n: float(torch.stack([g.norm() for g in gs]).norm()) for n, gs in grads.items()}
     mine = torch.tensor([diff / scale], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    norms = [None] * PP
+    norms = [None] * args.pp
     dist.all_gather_object(norms, norm)
     rel_loss = abs(out["threefold"] - out["torch"]) / abs(out["torch"])
     return {"loss": out, "loss_rel_diff": rel_loss, "grad_rel_diff": float(mine),
@@ -260,6 +262,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")
+    PP = args.pp
     if env.world_size != PP:
         raise SystemExit(f"bench_pipeline_vs_torch: needs {PP} ranks, got {env.world_size}")
     dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=PP, world_size=PP)
@@ -282,8 +285,8 @@ def worker(args: argparse.Namespace) -> None:
     # steps, so they stay equal, and a round needs no rebuild (more, shorter rounds).
     sides = {}
     for name in CONFIGS:
-        sides[name] = BUILDERS[name](build_stage(mcfg, args.seed, pp_rank, args.balance), args,
-                                     batch, comm, pp_rank)
+        chunk = build_stage(mcfg, args.seed, pp_rank, args.pp, args.balance)
+        sides[name] = BUILDERS[name](chunk, args, batch, comm, pp_rank)
         for _ in range(args.warmup):
             sides[name][0]()
     results = []  # (round, name, per-rank dicts)
@@ -303,7 +306,7 @@ def print_agreement(args, mcfg, check) -> None:
     print(f"\nbench_pipeline_vs_torch: {num_parameters(mcfg) / 1e6:.2f}M parameters (h "
           f"{mcfg.hidden_size}, {mcfg.num_hidden_layers} layers, {mcfg.num_attention_heads}/"
           f"{mcfg.num_key_value_heads} heads, ffn {mcfg.intermediate_size}, vocab "
-          f"{mcfg.vocab_size}), pp {PP} (gloo, 1 thread per rank), schedule {args.schedule}, "
+          f"{mcfg.vocab_size}), pp {args.pp} (gloo, 1 thread per rank), schedule {args.schedule}, "
           f"batch {args.batch}x{args.seq_len} in {args.microbatches} microbatches, AdamW, "
           f"{args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds", flush=True)
     lo = check["loss"]
@@ -314,7 +317,7 @@ def print_agreement(args, mcfg, check) -> None:
     print("gradient norm per stage: " + ", ".join(
         f"r{r} {n['threefold']:.6g}/{n['torch']:.6g}"
         for r, n in enumerate(check["grad_norm_per_rank"])))
-    print(json.dumps({"benchmark": f"pp{PP}_{args.schedule}_agreement", **check}), flush=True)
+    print(json.dumps({"benchmark": f"pp{args.pp}_{args.schedule}_agreement", **check}), flush=True)
 
 
 def summarise(args, results) -> None:
@@ -329,7 +332,7 @@ def summarise(args, results) -> None:
     for name in CONFIGS:
         runs = [ranks for _, n, ranks in results if n == name]
         cells = []
-        for rank in range(PP):
+        for rank in range(args.pp):
             step = statistics.median(rs[rank]["seconds"] for rs in runs) / args.steps
             busy = statistics.median(rs[rank]["compute_s"] for rs in runs) / args.steps
             rss = [rs[rank]["rss_growth"] for rs in runs if rs[rank]["rss_growth"] is not None]
@@ -337,12 +340,13 @@ def summarise(args, results) -> None:
             cells.append(f"r{rank} {step:.3f}/{busy:.3f}/{mib}")
         print(f"  {name:>9}: " + "  ".join(cells))
     print()
-    report(f"pp{PP}_{args.schedule}_threefold_vs_torch_pipelining", rows, "ratio", 1.0)
+    report(f"pp{args.pp}_{args.schedule}_threefold_vs_torch_pipelining", rows, "ratio", 1.0)
 
 
 def main() -> None:
-    """Re-launch under torchrun with 4 ranks when started plainly; else be one rank."""
-    sys.exit(run_ranks(__file__, worker, parse_args(), [PP]))
+    """Re-launch under torchrun with --pp ranks when started plainly; else be one rank."""
+    args = parse_args()
+    sys.exit(run_ranks(__file__, worker, args, [args.pp]))
 
 
 if __name__ == "__main__":

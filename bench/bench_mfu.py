@@ -1,0 +1,117 @@
+"""Model FLOP/s of the default run's training step as a share of the CPU matmul probe (the
+MFU that ``threefold train`` reports on a CPU), and a torch.profiler table of one step.
+
+    python3 bench/bench_mfu.py [--steps 12] [--rounds 3] [--profile]
+    python3 bench/bench_mfu.py --src /path/to/older/checkout --src .   # A/B two trees
+
+Each round runs one fresh process per source tree (``--src``; default this checkout), the
+order flipped every round so that load on a shared machine falls on both alike. A process
+builds the default run (``tiny`` preset, data.seq_len 256, batch 8, AdamW; no evaluation),
+runs two untimed steps, then ``--steps`` timed calls of ``threefold.train.train_step`` (the
+loop's step: forward, backward, clipping, optimiser, the logged metrics). MFU = tokens/s ×
+``cost.flops_per_token`` ÷ the probe's FLOP/s, the probe (``metrics.cpu_matmul_flops``, best of
+0.5 s of 1024² fp32 matmuls, as train.py uses) run in the same process right after the steps.
+Printed: MFU per round and tree, its spread over rounds, and with two trees the ratio
+(last / first) per round with its spread. ``--profile``: the top ops of one step (self CPU time)
+of each tree, after the timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys, time, tempfile
+sys.path.insert(0, sys.argv[1])
+import torch
+from threefold import accounting as cost
+from threefold.config import load_config
+from threefold.metrics import cpu_matmul_flops
+from threefold.train import build_run, train_step
+steps, profile = int(sys.argv[2]), sys.argv[3] == "1"
+with tempfile.TemporaryDirectory() as out:
+    cfg = load_config(None, [("train.steps", "1000"), ("train.output_dir", out),
+                             ("train.eval_interval", "0"), ("train.progress", "off")])
+    run = build_run(cfg)
+    for s in range(2):
+        train_step(run, s)
+    t0 = time.perf_counter()
+    for s in range(2, 2 + steps):
+        train_step(run, s)
+    dt = (time.perf_counter() - t0) / steps
+    peak = cpu_matmul_flops(torch.float32)
+    tps = cfg.train.global_batch_size * cfg.data.seq_len / dt
+    flops = tps * cost.flops_per_token(run.model_cfg, cfg.data.seq_len)
+    table = None
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof
+        with prof(activities=[ProfilerActivity.CPU]) as p:
+            train_step(run, 2 + steps)
+        table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+    print("RESULT " + json.dumps({"step_s": dt, "tok_s": tps, "model_flops": flops,
+                                  "probe_flops": peak, "mfu": flops / peak, "table": table,
+                                  "threads": torch.get_num_threads()}))
+"""
+
+
+def one(src: str, steps: int, profile: bool) -> dict:
+    """One process on tree ``src``: its result dict."""
+    env = dict(os.environ, PYTHONPATH=src)
+    out = subprocess.run([sys.executable, "-c", CHILD, src, str(steps), "1" if profile else "0"],
+                         capture_output=True, text=True, env=env, cwd=src)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise SystemExit(f"{src}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per process")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--src", action="append", help="source tree (repeat to A/B; default: here)")
+    ap.add_argument("--profile", action="store_true", help="print one step's top ops per tree")
+    args = ap.parse_args()
+    srcs = [str(Path(s).resolve()) for s in (args.src or [str(ROOT)])]
+    rows, tables = [], {}
+    for r in range(args.rounds):
+        got = {}
+        for i in (range(len(srcs)) if r % 2 == 0 else reversed(range(len(srcs)))):
+            res = one(srcs[i], args.steps, args.profile and r == args.rounds - 1)
+            got[i] = res
+            if res["table"]:
+                tables[srcs[i]] = res["table"]
+        row = {"round": r}
+        for i, s in enumerate(srcs):
+            row[f"mfu_{i}"] = got[i]["mfu"]
+            row[f"tok_s_{i}"] = got[i]["tok_s"]
+            row[f"probe_gflops_{i}"] = got[i]["probe_flops"] / 1e9
+        if len(srcs) > 1:
+            row["ratio"] = got[len(srcs) - 1]["mfu"] / got[0]["mfu"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for i, s in enumerate(srcs):
+        v = [row[f"mfu_{i}"] for row in rows]
+        print(f"tree {i} {s}: MFU (model FLOP/s / probe) median {statistics.median(v):.1%}, "
+              f"spread over {len(v)} rounds {min(v):.1%}-{max(v):.1%}")
+    if len(srcs) > 1:
+        v = [row["ratio"] for row in rows]
+        print(f"MFU ratio tree {len(srcs) - 1} / tree 0: median {statistics.median(v):.3f}, "
+              f"spread {min(v):.3f}-{max(v):.3f}")
+    print(json.dumps({"benchmark": "mfu", "median": {i: statistics.median(
+        row[f"mfu_{i}"] for row in rows) for i in range(len(srcs))}}), flush=True)
+    for s, t in tables.items():
+        print(f"\nprofile of one step, {s}:\n{t}")
+
+
+if __name__ == "__main__":
+    main()
