@@ -1,15 +1,26 @@
-"""GRPO's pure parts (threefold.post.grpo; the trainer is not wired yet): advantages as TRL
-computes them, the per-token loss and its gradient, reward functions checked by name."""
+"""GRPO (threefold.post.grpo): advantages as TRL computes them, the per-token loss and its
+gradient, reward functions checked by name; the trainer's step losses and weights equal TRL's
+GRPOTrainer fed the same completions; DP2, ZeRO-3×2 and TP2 equal one process (their own
+generation included); resume is exact; the CLI runs out of the box after `threefold train`."""
 
 from __future__ import annotations
+
+import functools
+import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import final_weights, metrics, tiny_overrides
+from tests.dist import run_distributed, train_runs
+from tests.test_sft import OPTIM, base, trl_stack  # noqa: F401 (fixture)
+from threefold.config import ConfigError, load_config
 from threefold.data import DataError
-from threefold.post.grpo import (advantages, arithmetic_reward, builtin_prompts, call_reward,
-                                 grpo_token_loss, load_reward)
+from threefold.post.grpo import (GRPOOptions, GRPOTask, advantages, arithmetic_reward,
+                                 builtin_prompts, call_reward, grpo_token_loss, load_reward)
+from threefold.train import train
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -35,13 +46,15 @@ def test_token_loss_one_update_per_generation():
     advantage's direction is clipped (no gradient) and counted."""
     logps = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
     adv = torch.tensor([1.5, -0.5])
-    loss, kl, region = grpo_token_loss(logps, adv, logps.detach(), 0.1, 0.2)
+    loss, kl, low, high = grpo_token_loss(logps, adv, logps.detach(), 0.1, 0.2)
+    region = low | high
     torch.testing.assert_close(loss, -adv[:, None].expand(2, 2))
     assert torch.equal(kl, torch.zeros(2, 2)) and not region.any()
     loss.sum().backward()
     torch.testing.assert_close(logps.grad, -adv[:, None].expand(2, 2))
     old = logps.detach() - torch.tensor([[0.5, 0.0], [0.0, -0.5]])  # ratios e^0.5, e^-0.5
-    loss, _, region = grpo_token_loss(logps.detach(), adv, None, 0.0, 0.2, old_logps=old)
+    loss, _, low, high = grpo_token_loss(logps.detach(), adv, None, 0.0, 0.2, old_logps=old)
+    region = low | high
     assert region.tolist() == [[True, False], [False, True]]
     torch.testing.assert_close(loss[0, 0], torch.tensor(-1.2 * 1.5))
     torch.testing.assert_close(loss[1, 1], torch.tensor(-0.8 * -0.5))
@@ -50,7 +63,7 @@ def test_token_loss_one_update_per_generation():
 def test_k3_kl_matches_its_formula():
     logps = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]])
-    _, kl, _ = grpo_token_loss(logps, torch.zeros(1), ref, 0.04, 0.2)
+    _, kl, _, _ = grpo_token_loss(logps, torch.zeros(1), ref, 0.04, 0.2)
     d = ref - logps
     torch.testing.assert_close(kl, torch.exp(d) - d - 1)
     assert (kl > 0).all()
@@ -84,3 +97,203 @@ def test_bad_reward_functions_are_named(tmp_path):
         load_reward(f"{f}:missing")
     with pytest.raises(DataError, match="neither a built-in reward"):
         load_reward("nonsense")
+
+
+def test_kl_bias_correction_same_value_gradient_adds_kl():
+    """TRL's use_bias_correction_kl: KL·ratio has the KL's value at ratio 1 and the gradient
+    ∇KL + KL·∇log π."""
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    plain, kl, _, _ = grpo_token_loss(logps, torch.zeros(1), ref, 0.5, 0.2)
+    corrected, _, _, _ = grpo_token_loss(logps, torch.zeros(1), ref, 0.5, 0.2,
+                                         kl_bias_correction=True)
+    torch.testing.assert_close(plain, corrected)
+    g_plain, = torch.autograd.grad(plain.sum(), logps)
+    g_corr, = torch.autograd.grad(corrected.sum(), logps)
+    torch.testing.assert_close(g_corr, g_plain + 0.5 * kl)
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------
+REWARD = ("def shape(prompts, completions, answer, **kw):\n"
+          "    # a reward with spread for an untrained model: distinct characters, and the\n"
+          "    # right answer first\n"
+          "    return [len(set(c)) / 8 + (c.strip().startswith(a)) for c, a in\n"
+          "            zip(completions, answer)]\n")
+
+
+def reward_spec(root) -> str:
+    f = root / "shape_reward.py"
+    if not f.is_file():
+        f.write_text(REWARD)
+    return f"{f}:shape"
+
+
+def grpo_overrides(corpus, cache, init, out, **extra):
+    """A tiny GRPO run: 2 prompts x 4 completions per step from the 1-step base model."""
+    return tiny_overrides(corpus, cache, out, **{
+        "checkpoint__init_from": str(init), "train__steps": 3, "train__eval_batches": 1,
+        "train__global_batch_size": 8, "train__micro_batch_size": 4, **OPTIM, **extra})
+
+
+def grpo_task(root, **kw):
+    return GRPOTask(GRPOOptions(reward=reward_spec(root), max_completion_length=6, beta=0.1,
+                                **kw))
+
+
+KEYS = ("loss", "kl", "reward", "reward_std", "completions/mean_length",
+        "clip_ratio/region_mean", "frac_reward_zero_std")
+LAYOUTS = [("dp2", {}), ("zero3", {"parallel__zero_stage": "3"}),
+           ("tp2", {"parallel__tp": "2"})]
+
+
+@pytest.mark.slow
+def test_grpo_layouts_equal_single_process_and_resume_is_exact(corpus, cache_dir, base,
+                                                                tmp_path):
+    over = functools.partial(grpo_overrides, corpus, cache_dir, base / "run")
+    train(load_config(None, over(tmp_path / "single")), task=grpo_task(tmp_path))
+    ref = metrics(tmp_path / "single")
+    assert [r["step"] for r in ref] == [1, 2, 3]
+    assert all(set(KEYS) <= set(r) for r in ref)
+    assert ref[0]["kl"] == 0.0  # the policy is the reference at step 1
+    assert ref[1]["kl"] > 0 and ref[0]["reward_std"] > 0
+    assert ref[0]["rewards/shape/mean"] == pytest.approx(ref[0]["reward"])
+    assert 0 < ref[0]["completions/mean_length"] <= 6
+    run_distributed(train_runs, 2, over, tmp_path, LAYOUTS,
+                    functools.partial(grpo_task, tmp_path), timeout=300)
+    ref_w = final_weights(tmp_path / "single")
+    for name, _ in LAYOUTS:
+        got = metrics(tmp_path / name)
+        for k in KEYS:
+            assert [r[k] for r in got] == pytest.approx([r[k] for r in ref], rel=1e-5,
+                                                        abs=1e-7), (name, k)
+        w = final_weights(tmp_path / name)
+        for k, v in ref_w.items():
+            torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+    # resume: 2 steps with a checkpoint, then on to 3 = the uninterrupted run
+    cut = over(tmp_path / "cut", train__steps=2)
+    train(load_config(None, cut), task=grpo_task(tmp_path))
+    train(load_config(None, over(tmp_path / "cut", checkpoint__resume="true")),
+          task=grpo_task(tmp_path))
+    got = metrics(tmp_path / "cut")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for k in KEYS:
+        assert [r[k] for r in got] == [r[k] for r in ref], k
+    for k, v in ref_w.items():
+        assert torch.equal(final_weights(tmp_path / "cut")[k], v), k
+
+
+def test_grpo_step_losses_and_weights_equal_trl(corpus, cache_dir, base, tmp_path):
+    """Same HF model, prompts and sampled completions (ours, fed to both through TRL's
+    rollout_func): TRL's GRPOTrainer and ours log the same loss, reward and KL at the first
+    step and, after one AdamW update, at the second, and end with the same weights."""
+    trl, datasets, transformers = trl_stack()
+    from threefold.generate import generate, load_for_generation
+
+    hf_dir, g, n_prompts, new = base / "hf", 4, 2, 6
+    records = builtin_prompts(200)[:8]
+    model, tok, _ = load_for_generation(base / "run")
+    eos = tok.token_to_id("<|endoftext|>")
+    comps = {}
+    for step in range(2):  # the completions of each step: sampled from the base model
+        ids = [tok.encode(r["prompt"]).ids for r in records[step * n_prompts:
+                                                            (step + 1) * n_prompts]
+               for _ in range(g)]
+        tokens = generate(model, ids, new, temperature=1.0, eos_id=eos, seed=7,
+                          prompt_indices=range(step * 8, step * 8 + 8)).tokens
+        # the 1-step model never ends a completion: end every other one early with EOS, so
+        # lengths differ and the loss at step 1 is not zero
+        tokens = [t if i % 2 else t[:1 + i % 4] + [eos] for i, t in enumerate(tokens)]
+        comps[step] = (ids, tokens)
+    assert any(len(set(c)) > 1 for c in comps[0][1])
+
+    def fixed(step, prompt_ids, indices):
+        assert prompt_ids == comps[step][0]
+        return comps[step][1]
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    spec = reward_spec(tmp_path)
+    opts = GRPOOptions(prompts=str(prompts), val_prompts=str(prompts), reward=spec, beta=0.1,
+                       max_completion_length=new, num_generations=g, shuffle=False)
+    cfg = load_config(None, grpo_overrides(corpus, cache_dir, hf_dir, tmp_path / "ours",
+                                           train__steps=2, train__micro_batch_size=8))
+    train(cfg, task=GRPOTask(opts, rollout=fixed))
+    ours = metrics(tmp_path / "ours")
+
+    def rollout_func(prompts, trainer):
+        ids, tokens = comps[trainer.state.global_step]
+        assert [tok.encode(p).ids for p in prompts] == ids
+        return {"prompt_ids": ids, "completion_ids": tokens, "logprobs": None}
+
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=g * n_prompts,
+        num_generations=g, max_completion_length=new, max_steps=2, learning_rate=1e-3,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+        adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1,
+        report_to="none", save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+        bf16=False, fp16=False, beta=0.1, epsilon=0.2, loss_type="dapo",
+        scale_rewards="group", temperature=1.0, shuffle_dataset=False)
+    reward = load_reward(spec)
+    trainer = trl.GRPOTrainer(model=str(hf_dir), reward_funcs=reward, args=args,
+                              processing_class=transformers.AutoTokenizer.from_pretrained(hf_dir),
+                              train_dataset=datasets.Dataset.from_list(records),
+                              rollout_func=rollout_func)
+    trainer.train()
+    theirs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(theirs) == 2
+    for k in ("loss", "reward", "reward_std", "kl", "completions/mean_length",
+              "clip_ratio/region_mean", "frac_reward_zero_std", "rewards/shape/mean"):
+        assert [r[k] for r in ours] == pytest.approx([h[k] for h in theirs], rel=1e-4,
+                                                     abs=1e-7), k
+    assert ours[1]["kl"] > 0 and abs(ours[0]["loss"]) > 1e-3
+    assert ours[0]["completions/clipped_ratio"] == 0.5
+    w = final_weights(tmp_path / "ours")
+    for name, p in trainer.model.named_parameters():
+        name = name.removeprefix("module.")
+        if name in w:
+            torch.testing.assert_close(w[name], p.detach(), rtol=1e-4, atol=2e-5, msg=name)
+
+
+def test_grpo_refuses_bad_input_before_launch(corpus, cache_dir, base, tmp_path, monkeypatch):
+    """A reward function that raises, returns the wrong number of values or NaN, an
+    impossible batch or layout: one line naming it, exit code 2, nothing written."""
+    from threefold.post.cli import grpo_main
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(base / "run", "runs/default")
+    f = tmp_path / "bad.py"
+    f.write_text("def boom(prompts, completions, **kw):\n    raise ValueError('no')\n"
+                 "def short(prompts, completions, **kw):\n    return [0.0]\n"
+                 "def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n")
+    common = ["--data.corpus", str(corpus), "--data.cache_dir", str(cache_dir),
+              "--train.progress", "off"]
+    for args in (["--grpo.reward", f"{f}:boom"], ["--grpo.reward", f"{f}:short"],
+                 ["--grpo.reward", f"{f}:nan"], ["--grpo.num_generations", "3"],
+                 ["--parallel.pp", "2", "--nproc-per-node", "2"],
+                 ["--grpo.prompts", "missing.jsonl"], ["--grpo.shuffle", "maybe"]):
+        assert grpo_main(common + args) == 2, args
+    assert not (tmp_path / "runs/grpo").exists()
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        GRPOTask(GRPOOptions()).check(load_config(None, [("train.global_batch_size", "6")]))
+    with pytest.raises(DataError, match="num_generations"):
+        GRPOTask(GRPOOptions(num_generations=1))
+
+
+@pytest.mark.slow
+def test_grpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, monkeypatch):
+    """`threefold grpo` with no data or init option: runs/default -> runs/grpo on the
+    built-in sums, with the TRL metric names and a checkpoint."""
+    from threefold.post.cli import grpo_main
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(base / "run", "runs/default")
+    assert grpo_main(["--data.corpus", str(corpus), "--data.cache_dir", str(cache_dir),
+                      "--train.progress", "off", "--train.steps", "2",
+                      "--train.global_batch_size", "8", "--train.micro_batch_size", "8"]) == 0
+    recs = metrics(tmp_path / "runs/grpo")
+    assert [r["step"] for r in recs] == [1, 2]
+    assert {"reward", "reward_std", "kl", "completions/clipped_ratio",
+            "rewards/arithmetic_reward/mean"} <= set(recs[0])
+    assert (tmp_path / "runs/grpo/checkpoints/2").is_dir()

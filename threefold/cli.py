@@ -22,6 +22,8 @@ commands:
                      direct preference optimisation on prompt/chosen/rejected pairs
   reward [CONFIG.toml] [--section.key value ...] [--reward.KEY VALUE ...] [--nproc-per-node N]
                      a reward model (score head, Bradley-Terry loss) on the same pairs
+  grpo [CONFIG.toml] [--section.key value ...] [--grpo.KEY VALUE ...] [--nproc-per-node N]
+                     GRPO: sample, reward, update (built-in task: sums of two digits)
   plan ...           rank parallel layouts for a model and cluster (threefold plan --help)
   schedule ...       check and simulate a pipeline schedule (threefold schedule --help)
   convert --to hf CKPT OUT | --from hf HF_DIR OUT
@@ -80,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from threefold.post.cli import dpo_main, sft_main
 
         return sft_main(rest) if cmd == "sft" else dpo_main(rest)
-    if cmd == "reward":
-        from threefold.post.cli import reward_main
+    if cmd in ("reward", "grpo"):
+        from threefold.post.cli import grpo_main, reward_main
 
-        return reward_main(rest)
+        return reward_main(rest) if cmd == "reward" else grpo_main(rest)
     if cmd == "generate":
         from threefold.generate import main as generate_main
 
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         from threefold.parallel.pipeline.command import main as schedule_main
 
         return schedule_main(rest)
-    return _fail(f"unknown command '{cmd}'; commands: train, sft, dpo, reward, plan, schedule, convert, generate, options")
+    return _fail(f"unknown command '{cmd}'; commands: train, sft, dpo, reward, grpo, plan, schedule, convert, generate, options")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ class FlatUnit:
         self.gather_handle = None
         self.reduce_jobs: list[tuple] = []
         self.in_backward = False
+        self.held = False  # ZeroEngine.full_parameters: stay gathered until it ends
 
     # -- parameters as views of the flat buffer -------------------------------------------
     def _point_params_at_full(self) -> None:
@@ -81,7 +82,7 @@ class FlatUnit:
 
     def release(self) -> None:
         """Free the full parameters' memory (stage 3); views stay, pointing at no bytes."""
-        if self.gathered:
+        if self.gathered and not self.held:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 
@@ -250,6 +251,27 @@ class ZeroEngine:
                     inner.register_forward_pre_hook(on_demand(i))
         if self.root:
             self.model.register_forward_pre_hook(lambda _m, _a: self.root.wait_gather())
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Every parameter whole for the duration (stage 3: each unit all-gathered once and
+        held, so forwards inside run no collective and may be as many as a rank likes, as
+        generation needs; released at the end). Other stages hold whole parameters always.
+        No gradient may be taken inside."""
+        if self.stage != 3:
+            yield
+            return
+        for unit in self.all_units:
+            unit.start_gather()
+        for unit in self.all_units:
+            unit.wait_gather()
+            unit.held = True
+        try:
+            yield
+        finally:
+            for unit in self.all_units:
+                unit.held = False
+                unit.release()
 
     # -- the step -----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""`threefold sft`, `threefold dpo` and `threefold reward`: the `train` command with a
-post-training Task.
+"""`threefold sft`, `threefold dpo`, `threefold reward` and `threefold grpo`: the `train`
+command with a post-training Task.
 
 Both take what `train` takes, ``[CONFIG.toml] [--section.key value ...] [--nproc-per-node N]``,
 plus their own ``--sft.KEY VALUE`` / ``--dpo.KEY VALUE`` options (``SFTOptions``,
@@ -18,6 +18,7 @@ import typing
 from pathlib import Path
 
 from threefold.post.dpo import DPOOptions
+from threefold.post.grpo import GRPOOptions
 from threefold.post.reward import RewardOptions
 from threefold.post.sft import SFTOptions
 
@@ -30,8 +31,14 @@ DEFAULTS = {
                             "train.output_dir": "runs/dpo", "optim.lr": "1e-4"}),
     "reward": dict(_COMMON, **{"checkpoint.init_from": "runs/default",
                                "train.output_dir": "runs/reward", "optim.lr": "1e-4"}),
+    "grpo": dict(_COMMON, **{"checkpoint.init_from": "runs/default",
+                             "train.output_dir": "runs/grpo", "optim.lr": "3e-4",
+                             "train.steps": "50", "train.global_batch_size": "32",
+                             "train.micro_batch_size": "32", "data.seq_len": "64",
+                             "optim.warmup_steps": "0", "checkpoint.interval": "25"}),
 }
-OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions, "reward": RewardOptions}
+OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions, "reward": RewardOptions,
+           "grpo": GRPOOptions}
 USAGE = """usage: threefold {cmd} [CONFIG.toml] [--section.key value ...] [--{cmd}.KEY VALUE ...]
                      [--nproc-per-node N]
 
@@ -43,14 +50,29 @@ Run `threefold options` for every --section.key."""
 WHAT = {"sft": "Supervised fine-tuning on chat conversations (assistant tokens only).",
         "dpo": "Direct preference optimisation on prompt/chosen/rejected pairs.",
         "reward": "A reward model (score head, Bradley-Terry loss) on prompt/chosen/rejected "
-                  "pairs."}
+                  "pairs.",
+        "grpo": "Group relative policy optimisation: G sampled completions per prompt, "
+                "rewarded, group-normalised advantages, clipped ratio, KL to the initial "
+                "policy."}
 DOCS = {
     "data": "JSONL file; empty = the built-in examples",
     "val_data": "validation JSONL; empty = the last data.val_fraction of --{cmd}.data",
     "chat_template": "auto (the tokenizer's, else built-in), builtin, or a .jinja file",
-    "beta": "DPO beta: strength of the pull towards the reference",
+    "beta": "strength of the pull towards the reference (GRPO: weight of the KL)",
     "label_smoothing": "conservative-DPO epsilon in [0, 0.5): assumed share of flipped labels",
     "center_rewards_coefficient": "weight of (r_chosen + r_rejected)^2 in the loss (TRL's)",
+    "prompts": "JSONL of {{\"prompt\": ..., other columns}}; empty = built-in sums (a+b=)",
+    "val_prompts": "validation JSONL; empty = the last data.val_fraction of the prompts",
+    "reward": "arithmetic (built-in), file.py:function or module:function; empty = none",
+    "reward_model": "a `threefold reward` run whose score is added to the reward",
+    "num_generations": "G: completions per prompt (global_batch_size counts completions)",
+    "max_completion_length": "new tokens per completion at most",
+    "temperature": "sampling temperature (log-probs are of logits / temperature)",
+    "top_p": "nucleus sampling mass", "top_k": "top-k sampling (0 = no limit)",
+    "kl_bias_correction": "weigh the KL term by the policy ratio (TRL's default)",
+    "epsilon": "clipping range of the policy ratio",
+    "scale_rewards": "group, batch or none: what the advantages are divided by",
+    "shuffle": "prompts in a new order each epoch (false: file order)",
 }
 
 
@@ -82,7 +104,12 @@ def parse_task_options(cmd: str, argv: list[str]):
             raise ValueError(f"{cmd}.{key}: unknown option; options: "
                              + ", ".join(f.name for f in dataclasses.fields(cls)))
         try:
-            values[key] = hints[key](value)
+            if hints[key] is bool:
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                values[key] = value.lower() in ("true", "1")
+            else:
+                values[key] = hints[key](value)
         except ValueError:
             raise ValueError(f"{cmd}.{key}: '{value}' is not a valid "
                              f"{hints[key].__name__}") from None
@@ -136,6 +163,14 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
             raise ConfigError(f"parallel.cp: DPO does not run under context parallelism yet "
                               f"(got cp={cfg.parallel.cp}); use parallel.cp 1 and shard over "
                               "dp_shard or tp instead")
+    if cmd == "grpo":
+        from threefold.post.grpo import GRPOTask
+
+        for key in ("prompts", "val_prompts", "reward_model"):
+            value = getattr(opts, key)
+            if value and not Path(value).expanduser().exists():
+                raise ConfigError(f"grpo.{key}: '{value}' does not exist")
+        GRPOTask(opts).check(cfg)  # options, reward function (loaded), layout and batch
     if cmd == "reward":
         from threefold.post.reward import RewardTask, check_pairs_file
 
@@ -167,12 +202,14 @@ def _main(cmd: str, argv: list[str]) -> int:
 
     def run() -> int:
         from threefold.post.dpo import DPOTask
+        from threefold.post.grpo import GRPOTask
         from threefold.post.reward import RewardTask
         from threefold.post.sft import SFTTask
         from threefold.train import train
 
         try:
-            task = {"sft": SFTTask, "dpo": DPOTask, "reward": RewardTask}[cmd](opts)
+            task = {"sft": SFTTask, "dpo": DPOTask, "reward": RewardTask,
+                    "grpo": GRPOTask}[cmd](opts)
             train(cfg, _layout_from_env(cfg), task=task)
         except (ConfigError, DataError, CheckpointError) as e:
             return _fail(str(e))
@@ -198,12 +235,18 @@ def reward_main(argv: list[str]) -> int:
     return _main("reward", list(argv))
 
 
+def grpo_main(argv: list[str]) -> int:
+    """`threefold grpo [CONFIG.toml] [--section.key value ...] [--grpo.KEY VALUE ...]
+    [--nproc-per-node N]`; returns the exit code."""
+    return _main("grpo", list(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m threefold.post.cli sft|dpo|reward ...`` (what torchrun runs for these
     commands)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in OPTIONS:
-        print("usage: python -m threefold.post.cli sft|dpo|reward [args]", file=sys.stderr)
+        print("usage: python -m threefold.post.cli sft|dpo|reward|grpo [args]", file=sys.stderr)
         return 2
     return _main(argv[0], argv[1:])
 

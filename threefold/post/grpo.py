@@ -1,5 +1,5 @@
 """Group relative policy optimisation (Shao et al., DeepSeekMath, arXiv 2402.03300, §4.1):
-the parts of ``threefold grpo`` that do not need the trainer (which is not wired yet).
+``threefold grpo``, the ``GRPOTask`` the training loop runs.
 
 For each prompt the policy samples G completions; a reward function scores each; the
 advantage of completion i of a prompt is its reward minus the mean of its group, divided by
@@ -19,20 +19,68 @@ reward-function signature; ``columns`` are the prompt records' other fields, one
 each), named ``path/to/file.py:name`` or ``module:name`` (``load_reward``), or the built-in
 ``arithmetic`` (``arithmetic_reward`` on ``builtin_prompts``: sums of small numbers,
 verifiable). ``call_reward`` refuses, naming the function, one that raises, returns another
-number of values, or a value that is not finite.
+number of values, or a value that is not finite. ``grpo.reward_model`` adds the score of a
+``threefold reward`` run (its score head on prompt + completion).
+
+A step (``RolloutSampler.local_batch``): the global batch is ``train.global_batch_size``
+completions, ``G = grpo.num_generations`` for each of ``global_batch_size / G`` prompts; each
+data-parallel rank generates the completions of its own prompts (whole groups, so the group
+advantages need no communication) with ``threefold.generate`` from the policy as it is, one
+generator per completion seeded by (``train.seed``, the completion's place in the run), so the
+completions do not depend on the layout. Under ZeRO-3 the parameters are gathered once for the
+whole generation (``ZeroEngine.full_parameters``); tensor-parallel ranks generate together.
+The reference model (the initial policy, as TRL's) is a frozen copy parallelised like the
+policy's tensor-parallel layout, whole on each data-parallel rank (not ZeRO-sharded): each rank
+scores only its own completions. Rewards, advantages, the reference's log-probs and the rows
+(prompt + completion, right-padded to one width) are made there; ``loss`` is the summed token
+loss over completion tokens, ``count`` the completion tokens, so the loop's loss is TRL's
+``dapo`` normalisation over the global batch. Log-probs are of logits / temperature (TRL's).
+
+Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
+``frac_reward_zero_std``, ``completions/mean_length`` (and min, max), ``completions/
+clipped_ratio`` (share not ended by EOS) from the rollout; ``kl``, ``clip_ratio/low_mean``,
+``clip_ratio/high_mean``, ``clip_ratio/region_mean`` per completion token from the loss.
+The first step's rollout is made in ``setup`` (before anything is written), so a reward
+function that fails on real completions stops the run there.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from threefold.config import ConfigError
 from threefold.data import DataError
+from threefold.data.sampler import rank_rows
+from threefold.post.sft import IGNORE, EpochSampler, fingerprint, pad_id, stack_items
+
+
+@dataclass
+class GRPOOptions:
+    """Options of ``threefold grpo`` beyond the run configuration (``--grpo.KEY VALUE``)."""
+
+    prompts: str = ""  # JSONL of {"prompt": ..., other columns}; "" = the built-in sums
+    val_prompts: str = ""  # validation JSONL; "" = the last data.val_fraction of the prompts
+    reward: str = "arithmetic"  # built-in name, file.py:function or module:function; "" = none
+    reward_model: str = ""  # a `threefold reward` run (or checkpoint) whose score is added
+    num_generations: int = 4  # G: completions per prompt
+    max_completion_length: int = 8  # new tokens per completion at most
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    beta: float = 0.04  # weight of the KL to the reference (0: no reference model)
+    epsilon: float = 0.2  # clipping range of the policy ratio
+    scale_rewards: str = "group"  # group, batch or none
+    kl_bias_correction: bool = True  # TRL's use_bias_correction_kl
+    shuffle: bool = True  # prompts in a new order each epoch (false: in file order)
+    chat_template: str = "auto"  # for conversational prompts: auto, builtin or a .jinja path
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,10 +170,13 @@ def advantages(rewards: np.ndarray, group: int, scale: str) -> np.ndarray:
 
 
 def grpo_token_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps, beta: float,
-                    epsilon: float, old_logps: torch.Tensor | None = None):
+                    epsilon: float, old_logps: torch.Tensor | None = None,
+                    kl_bias_correction: bool = False):
     """Per-token GRPO loss (module doc) and, per token, the KL and whether the ratio was
-    clipped; ``advantages`` broadcast over the tokens of each row. ``old_logps`` defaults to
-    ``logps`` detached (one update per generation)."""
+    clipped below (low) or above (high); ``advantages`` broadcast over the tokens of each
+    row. ``old_logps`` defaults to ``logps`` detached (one update per generation).
+    ``kl_bias_correction`` weighs the KL term by the ratio (TRL's ``use_bias_correction_kl``:
+    the same value at one update per generation, a gradient with KL·∇log π added)."""
     old = logps.detach() if old_logps is None else old_logps
     ratio = torch.exp(logps - old)
     a = advantages[:, None]
@@ -135,9 +186,9 @@ def grpo_token_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps, be
     if beta:
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1
-        loss = loss + beta * kl
-    region = ((ratio < 1 - epsilon) & (a < 0)) | ((ratio > 1 + epsilon) & (a > 0))
-    return loss, kl.detach(), region
+        loss = loss + beta * (kl * ratio if kl_bias_correction else kl)
+    low, high = (ratio < 1 - epsilon) & (a < 0), (ratio > 1 + epsilon) & (a > 0)
+    return loss, kl.detach(), low, high
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,3 +202,403 @@ def builtin_prompts(n: int = 200, seed: int = 0) -> list[dict]:
         a, b = (int(x) for x in g.integers(0, 10, size=2))
         out.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
     return out
+
+
+def prompt_records(path: str | None, n_builtin: int = 200) -> tuple[list[dict], str]:
+    """(records, where they came from): the JSONL file's (each needs "prompt": a string or
+    a list of messages), else ``builtin_prompts``."""
+    if not path:
+        return builtin_prompts(n_builtin), "built-in sums"
+    from threefold.post.chat import read_jsonl
+
+    recs = []
+    for no, rec in read_jsonl(path):
+        if "prompt" not in rec:
+            raise DataError(f"{path}:{no}: record has no 'prompt' (fields: {', '.join(rec)})")
+        recs.append(rec)
+    return recs, path
+
+
+def check_reward_function(fn, spec: str, records: list[dict]) -> None:
+    """Call ``fn`` on the first records with two probe completions each (an empty one and the
+    first record's text): a function that raises, returns the wrong number of values or a
+    value that is not finite is refused here, before a run starts."""
+    recs = records[:2]
+    prompts = [r["prompt"] for r in recs for _ in range(2)]
+    completions = [c for _ in recs for c in ("", " 1")]
+    call_reward(fn, spec, prompts, completions, columns_of([r for r in recs for _ in range(2)]))
+
+
+def columns_of(records: list[dict]) -> dict[str, list]:
+    """The records' fields other than "prompt", one list each (TRL passes them so)."""
+    keys = [k for k in records[0] if k != "prompt"] if records else []
+    return {k: [r.get(k) for r in records] for k in keys}
+
+
+# --------------------------------------------------------------------------------------------
+# Log-probs of completion tokens
+# --------------------------------------------------------------------------------------------
+def token_logps(model, logits: torch.Tensor, labels: torch.Tensor,
+                temperature: float) -> torch.Tensor:
+    """(B, T) fp32 log-probability of each label under softmax(logits / temperature), 0 where
+    the label is IGNORE; vocab-parallel when ``model`` is tensor parallel."""
+    from threefold.model import causal_lm_loss
+
+    fn = getattr(model, "loss_function", None) or causal_lm_loss
+    return -fn(logits / temperature, labels, reduction="none").reshape(labels.shape)
+
+
+def reward_model_scorer(path: str, device):
+    """A function (list of token id lists) -> (n,) float64 scores of a ``threefold reward``
+    run's model (its score head at each sequence's last token), whole on this rank."""
+    from threefold.hf import load_pretrained
+    from threefold.model import LlamaForCausalLM
+    from threefold.post.reward import add_score_head
+
+    cfg, weights = load_pretrained(Path(path))
+    if "score.weight" not in weights:
+        raise DataError(f"grpo.reward_model: '{path}' has no score head (score.weight); give "
+                        "the output of `threefold reward`")
+    model = add_score_head(LlamaForCausalLM(cfg), 0)
+    own = dict(model.named_parameters())
+    model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=True)
+    model.to(device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def score(seqs: list[list[int]]) -> np.ndarray:
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+        hidden = model(ids)  # no LM head: the final hidden states
+        last = torch.tensor([len(s) - 1 for s in seqs], device=device)
+        return model.score(hidden[torch.arange(len(seqs)), last])[:, 0].double().cpu().numpy()
+    return score
+
+
+# --------------------------------------------------------------------------------------------
+# Rollouts
+# --------------------------------------------------------------------------------------------
+class RolloutSampler(EpochSampler):
+    """Prompts, ``prompts_per_step`` per step (``EpochSampler`` order; evaluation wraps
+    around), each rank's turned into G completions and their training rows by the task."""
+
+    def __init__(self, task: "GRPOTask", prompts: list[list[int]], records: list[dict],
+                 prompts_per_step: int, seed: int, shuffle: bool, evaluation: bool):
+        self.task, self.prompts, self.records = task, prompts, records
+        self.evaluation = evaluation
+        self.figures: dict[str, float] = {}
+        self.cached: tuple | None = None  # (step, dp_rank, batch, figures) made in setup
+        super().__init__(len(prompts), prompts_per_step, seed, shuffle,
+                         fingerprint((np.asarray(p, dtype=np.int64) for p in prompts), 0))
+
+    def indices(self, step: int, lo: int, hi: int) -> list[int]:
+        """Prompts of rows [lo, hi) of ``step``'s prompts (evaluation: in order, wrapping)."""
+        if self.shuffle:
+            return super().indices(step, lo, hi)
+        return [(step * self.global_batch_size + r) % self.n for r in range(lo, hi)]
+
+    def local_batch(self, step: int, dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
+        """This rank's completions of ``step`` as training rows (see ``GRPOTask.rollout``)."""
+        if self.shuffle:
+            self.step = int(step) + 1
+        if self.cached is not None:
+            cached, self.cached = self.cached, None
+            if cached[:2] == (step, dp_rank):
+                self.figures = cached[3]
+                return cached[2]
+        lo, hi = rank_rows(self.global_batch_size, dp_rank, dp_size)
+        batch, self.figures = self.task.rollout(self, step, lo, self.indices(step, lo, hi))
+        return batch
+
+
+class GRPOTask:
+    """GRPO with one policy update per generation (module doc)."""
+
+    name = "grpo"
+    metric_names = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                    "clip_ratio/region_mean")
+
+    def __init__(self, options: GRPOOptions | None = None, rollout=None):
+        """``rollout``: a function (step, prompt token lists, completion indices) -> completion
+        token lists, used instead of generating (to feed given completions, as a test does)."""
+        self.options = o = options or GRPOOptions()
+        if o.num_generations < 2:
+            raise DataError(f"grpo.num_generations: need at least 2 completions per prompt "
+                            f"(a group of one has no relative advantage), got {o.num_generations}")
+        if o.max_completion_length < 1:
+            raise DataError("grpo.max_completion_length: must be at least 1")
+        if not (o.temperature > 0 and 0 < o.top_p <= 1 and o.top_k >= 0):
+            raise DataError("grpo.temperature must be > 0, grpo.top_p in (0, 1], grpo.top_k "
+                            ">= 0")
+        if o.beta < 0 or not 0 < o.epsilon < 1:
+            raise DataError("grpo.beta must be >= 0 and grpo.epsilon in (0, 1)")
+        if o.scale_rewards not in ("group", "batch", "none"):
+            raise DataError(f"grpo.scale_rewards: '{o.scale_rewards}' is not group, batch or "
+                            "none")
+        if not o.reward and not o.reward_model:
+            raise DataError("grpo.reward: give a reward function or grpo.reward_model")
+        self.reward_fn = load_reward(o.reward) if o.reward else None
+        self.fixed_rollout = rollout
+        self.reference = None
+        self.score = None
+
+    # -- checks before launch ----------------------------------------------------------------
+    def check(self, cfg) -> None:
+        """ConfigError for a layout or batch GRPO does not run with."""
+        p, t, g = cfg.parallel, cfg.train, self.options.num_generations
+        for name, value, why in (("pp", p.pp, "generation runs the whole model on each rank"),
+                                 ("cp", p.cp, "generation decodes whole sequences"),
+                                 ("ep", p.ep, "a rank decodes as many steps as its prompts "
+                                              "need, so the ep all-to-alls would not match")):
+            if value > 1:
+                raise ConfigError(f"parallel.{name}: GRPO does not run with {name}={value} "
+                                  f"({why}); use parallel.{name} 1")
+        if p.tp > 1 and p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel: GRPO's generation decodes one token "
+                              "a step, which cannot be split over tp ranks; set it false")
+        if t.global_batch_size % g:
+            raise ConfigError(f"train.global_batch_size: {t.global_batch_size} completions is "
+                              f"not a multiple of grpo.num_generations={g}; use a multiple")
+        dp = p.dp_replicate * p.dp_shard
+        prompts = t.global_batch_size // g
+        if prompts % dp:
+            raise ConfigError(f"train.global_batch_size: its {prompts} prompts per step "
+                              f"({t.global_batch_size} / {g} completions) do not divide over "
+                              f"{dp} data-parallel ranks; make global_batch_size a multiple "
+                              f"of {g * dp}")
+
+    # -- data ------------------------------------------------------------------------------
+    def samplers(self, cfg, data) -> tuple[RolloutSampler, RolloutSampler]:
+        """Training prompts (shuffled per epoch unless grpo.shuffle is false) and validation
+        prompts (in order)."""
+        from threefold.post.chat import eot_token, load_chat_template
+
+        self.check(cfg)
+        o, t = self.options, cfg.train
+        tok = data.tokenizer
+        self.tok, self.eos = tok, data.eot_id
+        self.pad = pad_id(tok, data.eot_id)
+        records, where = prompt_records(o.prompts)
+        if o.val_prompts:
+            val_records, _ = prompt_records(o.val_prompts)
+        else:
+            if len(records) < 2:
+                raise DataError(f"grpo.prompts: '{where}' has one prompt; at least 2 are needed "
+                                "to hold one out (or give grpo.val_prompts)")
+            n_val = min(len(records) - 1, max(1, round(len(records) * cfg.data.val_fraction)))
+            records, val_records = records[:-n_val], records[-n_val:]
+        if self.reward_fn is not None:
+            check_reward_function(self.reward_fn, o.reward, records)
+        self.template = None
+        if any(isinstance(r["prompt"], list) for r in records + val_records):
+            self.template = load_chat_template(data.tokenizer_path, tok, o.chat_template)
+        eot_token(tok, str(data.tokenizer_path))  # the tokenizer must have one
+        train_ids = [self._encode(r, where) for r in records]
+        val_ids = [self._encode(r, o.val_prompts or where) for r in val_records]
+        longest = max(len(p) for p in train_ids + val_ids)
+        self.width = longest + o.max_completion_length
+        if self.width > cfg.data.seq_len:
+            raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is shorter than the longest "
+                              f"prompt ({longest} tokens) + grpo.max_completion_length "
+                              f"({o.max_completion_length}); raise data.seq_len to at least "
+                              f"{self.width}")
+        self.where = where
+        per_step = t.global_batch_size // o.num_generations
+        self.train = RolloutSampler(self, train_ids, records, per_step, t.seed, o.shuffle,
+                                    evaluation=False)
+        self.val = RolloutSampler(self, val_ids, val_records, per_step, t.seed + 1, False,
+                                  evaluation=True)
+        return self.train, self.val
+
+    def _encode(self, rec: dict, where: str) -> list[int]:
+        from threefold.post.chat import check_messages, encode_text
+
+        p = rec["prompt"]
+        if isinstance(p, list):
+            text = self.template.render(check_messages(p, where + " prompt",
+                                                       need_assistant=False),
+                                        add_generation_prompt=True)
+        elif isinstance(p, str):
+            text = p
+        else:
+            raise DataError(f"{where}: a prompt must be a string or a list of messages")
+        ids = list(encode_text(self.tok, text).ids)
+        if not ids:
+            raise DataError(f"{where}: the prompt {p!r} encodes to no tokens")
+        return ids
+
+    def setup(self, run) -> None:
+        """The reference model (when beta > 0), the reward model, and the first step's
+        rollout (before anything is written: a reward function failing on real completions
+        stops the run here)."""
+        from threefold.post.reward import initial_model
+
+        o = self.options
+        self.run = run
+        if o.beta:
+            ref = run.layout.parallelize(initial_model(run), run.cfg)
+            self.reference = ref.eval().requires_grad_(False)
+        if o.reward_model:
+            self.score = reward_model_scorer(o.reward_model, run.device)
+        lay = run.layout
+        batch = self.train.local_batch(0, lay.dp_rank, lay.dp_size)
+        self.train.cached = (0, lay.dp_rank, batch, self.train.figures)
+        self.train.step = 0
+        if lay.is_writer:
+            g = o.num_generations
+            print(f"grpo: {self.train.n} prompts ({self.val.n} held out) from {self.where}, "
+                  f"{run.cfg.train.global_batch_size // g} prompts x {g} completions per step, "
+                  f"up to {o.max_completion_length} new tokens, reward "
+                  f"{' + '.join(x for x in (o.reward, o.reward_model) if x)}, beta {o.beta}",
+                  flush=True)
+
+    # -- one step's completions --------------------------------------------------------------
+    def _completions(self, sampler: RolloutSampler, step: int, lo: int,
+                     prompt_ids: list[list[int]]) -> list[list[int]]:
+        """G completions per prompt, prompt-major; completion j of the step's global rows
+        draws from the generator seeded by its place in the run."""
+        from threefold.generate import generate
+
+        o, run = self.options, self.run
+        g = o.num_generations
+        first = (step * sampler.global_batch_size + lo) * g
+        indices = list(range(first, first + len(prompt_ids)))
+        if self.fixed_rollout is not None:
+            return [list(c) for c in self.fixed_rollout(step, prompt_ids, indices)]
+        model = run.engine.model
+        tp = getattr(model, "tp_size", 1)
+        hold = getattr(run.engine, "full_parameters", None)
+        import contextlib
+
+        with (hold() if hold else contextlib.nullcontext()):
+            res = generate(model, prompt_ids, o.max_completion_length,
+                           temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                           eos_id=self.eos, seed=sampler.seed, prompt_indices=indices,
+                           comm=run.layout.comm if tp > 1 else None, pad_id=self.pad)
+        return res.tokens
+
+    def rollout(self, sampler: RolloutSampler, step: int, lo: int,
+                prompts: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """(this rank's training rows, the step's figures) for its prompts (indices)."""
+        o, run = self.options, self.run
+        g = o.num_generations
+        ids = [sampler.prompts[i] for i in prompts for _ in range(g)]
+        recs = [sampler.records[i] for i in prompts for _ in range(g)]
+        comps = self._completions(sampler, step, lo, ids)
+        if len(comps) != len(ids) or any(len(c) > o.max_completion_length for c in comps):
+            raise DataError("grpo: the rollout returned the wrong number or length of "
+                            "completions")
+        texts = [self.tok.decode(c, skip_special_tokens=True) for c in comps]
+        per_func: dict[str, np.ndarray] = {}
+        if self.reward_fn is not None:
+            name = getattr(self.reward_fn, "__name__", o.reward)
+            per_func[name] = call_reward(self.reward_fn, o.reward, [r["prompt"] for r in recs],
+                                         texts, columns_of(recs))
+        if self.score is not None:
+            per_func["reward_model"] = self.score([p + c for p, c in zip(ids, comps)])
+        rewards = sum(per_func.values())
+        adv = advantages(rewards, g, "none" if o.scale_rewards == "batch" else o.scale_rewards)
+        figures, batch_std = self._figures(rewards, per_func, comps, g)
+        if o.scale_rewards == "batch":
+            adv = adv / (batch_std + 1e-4)
+        batch = self._rows(ids, comps, adv)
+        return batch, figures
+
+    def _figures(self, rewards: np.ndarray, per_func: dict, comps: list[list[int]],
+                 g: int) -> tuple[dict[str, float], float]:
+        """The step's rollout figures over every data-parallel rank (TRL's names) and the
+        global reward standard deviation."""
+        lay = self.run.layout
+        lens = np.array([len(c) for c in comps], dtype=np.float64)
+        ended = np.array([bool(c) and c[-1] == self.eos for c in comps])
+        zero_std = (rewards.reshape(-1, g).std(1, ddof=1) < 1e-8).sum()
+        sums = [len(rewards), rewards.sum(), (rewards ** 2).sum(), zero_std, len(rewards) / g,
+                lens.sum(), (~ended).sum()]
+        for v in per_func.values():
+            sums += [v.sum(), (v ** 2).sum()]
+        sums = self._dp_reduce(np.array(sums), "sum")
+        lo_hi = self._dp_reduce(np.array([-lens.min(), lens.max()]), "max")
+        n = sums[0]
+
+        def std(total, sq):
+            return math.sqrt(max(0.0, (sq - total * total / n) / (n - 1))) if n > 1 else 0.0
+        out = {"reward": sums[1] / n, "reward_std": std(sums[1], sums[2]),
+               "frac_reward_zero_std": sums[3] / sums[4],
+               "completions/mean_length": sums[5] / n, "completions/min_length": -lo_hi[0],
+               "completions/max_length": lo_hi[1], "completions/clipped_ratio": sums[6] / n}
+        for k, name in enumerate(per_func):
+            total, sq = sums[7 + 2 * k], sums[8 + 2 * k]
+            out[f"rewards/{name}/mean"] = total / n
+            out[f"rewards/{name}/std"] = std(total, sq)
+        return out, out["reward_std"]
+
+    def _dp_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
+        """``values`` reduced over the data-parallel ranks (logging channel; as is in one
+        process)."""
+        comm = getattr(self.run.layout, "control", None)
+        if comm is None or self.run.layout.dp_size == 1:
+            return values
+        t = torch.from_numpy(values.astype(np.float64))
+        comm.all_reduce(t, "dp", op=op)
+        return t.numpy()
+
+    def _rows(self, prompts: list[list[int]], comps: list[list[int]],
+              adv: np.ndarray) -> dict[str, torch.Tensor]:
+        """Training rows: prompt + completion right-padded to the task's width, labels on the
+        completion tokens, advantages, and the reference's token log-probs."""
+        n, w = len(prompts), self.width
+        x = np.full((n, w), self.pad, dtype=np.int64)
+        y = np.full((n, w), IGNORE, dtype=np.int64)
+        for i, (p, c) in enumerate(zip(prompts, comps)):
+            x[i, :len(p) + len(c)] = p + c
+            y[i, len(p) - 1:len(p) + len(c) - 1] = c
+        batch = {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y),
+                 "advantages": torch.from_numpy(adv.astype(np.float32))}
+        batch["ref_logps"] = self._reference_logps(batch)
+        return batch
+
+    @torch.no_grad()
+    def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(rows, width) token log-probs under the reference, in micro-batches (zeros when
+        beta is 0: no reference)."""
+        labels = batch["labels"]
+        if self.reference is None:
+            return torch.zeros(labels.shape, dtype=torch.float32)
+        from threefold.train import _autocast
+
+        run, out = self.run, []
+        mb = run.cfg.train.micro_batch_size
+        for i in range(0, labels.shape[0], mb):
+            ids = batch["input_ids"][i:i + mb].to(run.device)
+            with _autocast(run):
+                logits = self.reference(ids)
+            out.append(token_logps(self.reference, logits, labels[i:i + mb].to(run.device),
+                                   self.options.temperature).float().cpu())
+        return torch.cat(out)
+
+    # -- the loss ------------------------------------------------------------------------------
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """Completion tokens."""
+        return int((batch["labels"] != IGNORE).sum())
+
+    def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """Summed GRPO token loss over the micro-batch's completion tokens, summed metrics."""
+        o = self.options
+        labels = micro["labels"]
+        logits = run.forward({"input_ids": micro["input_ids"]})
+        logps = token_logps(run.engine.model, logits, labels, o.temperature)
+        mask = (labels != IGNORE).float()
+        loss, kl, low, high = grpo_token_loss(logps, micro["advantages"], micro["ref_logps"],
+                                              o.beta, o.epsilon,
+                                              kl_bias_correction=o.kl_bias_correction)
+        metrics = {"clip_ratio/low_mean": (low.double() * mask).sum(),
+                   "clip_ratio/high_mean": (high.double() * mask).sum(),
+                   "clip_ratio/region_mean": ((low | high).double() * mask).sum()}
+        if o.beta:
+            metrics["kl"] = (kl.double() * mask).sum()
+        return (loss * mask).sum(), metrics
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last training rollout's figures (``train_step`` adds them to the step's)."""
+        return dict(self.train.figures)

@@ -136,9 +136,9 @@ def add_score_head(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
-def build_reward_model(run) -> nn.Module:
-    """The plain reward model of ``run``: built and loaded as ``build_run`` builds the causal
-    LM (``checkpoint.init_from``'s weights, else the seed's), then ``add_score_head``."""
+def initial_model(run) -> nn.Module:
+    """``run``'s causal LM as ``build_run`` starts it, plain (not parallelised):
+    ``checkpoint.init_from``'s weights, else the seed's initialisation."""
     from threefold.model import fill_tied_head
     from threefold.train import _pretrained, build_model
 
@@ -150,7 +150,12 @@ def build_reward_model(run) -> nn.Module:
             fill_tied_head(weights)
         own = dict(model.named_parameters())
         model.load_state_dict({k: v for k, v in weights.items() if k in own})
-    return add_score_head(model, cfg.train.seed)
+    return model
+
+
+def build_reward_model(run) -> nn.Module:
+    """The plain reward model of ``run``: ``initial_model`` with ``add_score_head``."""
+    return add_score_head(initial_model(run), run.cfg.train.seed)
 
 
 class RewardTask:
