@@ -152,7 +152,7 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
                           "--checkpoint.init_from RUN_DIR|HF_DIR (or '' to start from "
                           "random weights)")
     for key in ("data", "val_data"):
-        value = getattr(opts, key)
+        value = getattr(opts, key, "")
         if value and not Path(value).expanduser().is_file():
             raise ConfigError(f"{cmd}.{key}: '{value}' is not a file")
     if cmd == "dpo":
@@ -170,7 +170,12 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
             value = getattr(opts, key)
             if value and not Path(value).expanduser().exists():
                 raise ConfigError(f"grpo.{key}: '{value}' does not exist")
-        GRPOTask(opts).check(cfg)  # options, reward function (loaded), layout and batch
+        from threefold.post.grpo import check_reward_function, prompt_records
+
+        task = GRPOTask(opts)  # the options, the reward function loaded
+        task.check(cfg)  # layout and batch
+        if task.reward_fn is not None:  # called on probes: raises, wrong count, NaN
+            check_reward_function(task.reward_fn, opts.reward, prompt_records(opts.prompts)[0])
     if cmd == "reward":
         from threefold.post.reward import RewardTask, check_pairs_file
 
