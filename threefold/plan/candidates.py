@@ -12,6 +12,7 @@ from threefold.accounting.shapes import CP_ALGORITHMS
 from threefold.plan.memory import MemoryBreakdown
 from threefold.plan.step import StepPrediction
 
+
 @dataclass(frozen=True)
 class SearchSpace:
     """Values each knob may take; None = every value that divides the world and the model
@@ -34,6 +35,10 @@ class SearchSpace:
     # expert-parallel degrees (a mixture of experts only); None: every divisor of the experts
     # that divides dp_shard
     ep: tuple[int, ...] | None = None
+    # the runtime's parallel.pipeline_split values to search (pp > 1): "params" balances the
+    # parameters, the embedding and head included (so the first and last stages take fewer
+    # blocks), "flops:SEQ" the training FLOPs at SEQ, "uniform" Megatron's even split
+    pipeline_split: tuple[str, ...] = ("params",)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Candidate:
     memory: MemoryBreakdown
     step: StepPrediction
     warnings: tuple[str, ...]
+    stage_layers: tuple[int, ...] = ()  # blocks per virtual stage (pp·vpp), the runtime's split
 
 
 @dataclass

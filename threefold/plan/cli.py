@@ -42,7 +42,14 @@ import sys
 from pathlib import Path
 
 from threefold.accounting.layout import Workload
-from threefold.accounting.shapes import CP_ALGORITHMS, RECOMPUTE, active_parameters, num_parameters
+from threefold.accounting.shapes import (
+    CP_ALGORITHMS,
+    RECOMPUTE,
+    LayoutError,
+    active_parameters,
+    num_parameters,
+    tp_shard,
+)
 from threefold.config import MODEL_PRESETS, ConfigError, ModelConfig, load_config
 from threefold.plan.candidates import SearchSpace
 from threefold.plan.hardware import GPUS, Cluster, Hardware, get_hardware
@@ -108,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="layouts to show")
     p.add_argument("--tp", type=_int_list, help="only these tp degrees (comma list)")
     p.add_argument("--pp", type=_int_list, help="only these pp degrees")
+    p.add_argument("--pipeline-split", default="params",
+                   help="the runtime's parallel.pipeline_split values to search with pp > 1 "
+                   "(comma list): params (default; the first and last stages take fewer "
+                   "blocks, for the embedding and head), flops, uniform")
     p.add_argument("--zero-stage", type=_int_list, help="only these ZeRO stages")
     p.add_argument("--cp", type=_int_list,
                    help="only these context-parallel degrees (default: 1, and every one that "
@@ -202,15 +213,42 @@ def _setup(args):
     if experts and any(cp > 1 for cp in args.cp or ()):
         raise ConfigError(f"--cp: a mixture of experts (model.num_local_experts={experts}) "
                           "does not train with context parallelism yet; use --cp 1")
+    splits = _choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform"))
+    _refuse_degrees(cfg, args)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash")
     cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))
     space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
                         cp_algorithm=algorithms, ep=args.ep,
+                        pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
+                                             for x in splits),
                         offload_optimizer={"off": (False,), "on": (True,),
                                            "search": (False, True)}[args.offload_optimizer])
     return cfg, cluster, work, space
+
+
+def _refuse_degrees(cfg: ModelConfig, args) -> None:
+    """Explicit --tp and --pp are taken as given, or refused here with the reason the runtime
+    would give (threefold.mesh.ParallelDims.validate_model), rather than silently searched
+    away: tp must divide the GPUs and the attention heads (kv heads may replicate); pp the
+    GPUs left by some tp, with at least one block per stage (any split of the layers that
+    pp does not divide is the runtime's own, threefold.parallel.pipeline.balance)."""
+    tps = args.tp or [t for t in range(1, args.gpus + 1) if args.gpus % t == 0]
+    for tp in args.tp or ():
+        if tp < 1 or args.gpus % tp:
+            raise ConfigError(f"--tp: {tp} does not divide --gpus {args.gpus}")
+        try:
+            tp_shard(cfg, tp)
+        except LayoutError as e:
+            raise ConfigError(f"--tp: {e}") from None
+    for pp in args.pp or ():
+        if pp < 1 or not any((args.gpus // tp) % pp == 0 for tp in tps):
+            raise ConfigError(f"--pp: {pp} does not divide the GPUs left by tp "
+                              f"({', '.join(str(args.gpus // t) for t in tps)})")
+        if pp > cfg.num_hidden_layers:
+            raise ConfigError(f"--pp: {pp} stages need at least one of the model's "
+                              f"{cfg.num_hidden_layers} layers each")
 
 
 def _calibrate(args) -> int:

@@ -72,6 +72,8 @@ def to_json_rows(cands: list[Candidate]) -> list[dict]:
         rows.append({"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
                      "dp_shard": lay.dp_shard, "ep": lay.ep, "cp": lay.cp, "cp_algorithm": lay.cp_algorithm,
                      "zero_stage": lay.zero_stage, "vpp": lay.vpp,
+                     "pipeline_split": lay.pipeline_split,
+                     "stage_layers": list(c.stage_layers),
                      "microbatch_size": lay.microbatch_size, "recompute": lay.recompute,
                      "offload_optimizer": lay.offload_optimizer,
                      "memory_bytes_per_gpu": c.memory.total,

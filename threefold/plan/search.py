@@ -12,6 +12,7 @@ from typing import Iterator
 
 from threefold.accounting.layout import Layout, Workload, check_layout
 from threefold.accounting.shapes import RECOMPUTE, LayoutError, tp_shard
+from threefold.accounting.stages import pipeline_layers
 from threefold.config import ModelConfig
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.hardware import Cluster
@@ -19,14 +20,15 @@ from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.report import explain
 from threefold.plan.step import StepPrediction, compute_bound_step_time, predict_step
 
-JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "ep", "cp", "cp_algorithm", "zero_stage", "vpp",
-             "microbatch_size",
-             "recompute", "offload_optimizer", "memory_bytes_per_gpu",
+JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "ep", "cp", "cp_algorithm", "zero_stage",
+             "vpp", "pipeline_split", "stage_layers", "microbatch_size", "recompute",
+             "offload_optimizer", "memory_bytes_per_gpu",
              "host_memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
              "tflops_per_gpu", "mfu", "bubble_fraction", "warnings")
 BUBBLE_WARN = 0.20
 MEMORY_WARN = 0.95
 MAX_MICROBATCH = 16
+MAX_VPP = 4  # and every divisor of layers // pp above it
 CP_MIN_SEQ_LEN = 32768  # shorter sequences: cp only when nothing fits without it
 
 
@@ -62,28 +64,30 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                 if (world // (tp * cp)) % pp:
                     reject(f"tp·cp·pp={tp * cp * pp} does not divide {world} GPUs")
                     continue
-                if cfg.num_hidden_layers % pp:
-                    reject(f"pp={pp} does not divide the {cfg.num_hidden_layers} layers")
+                if pp > cfg.num_hidden_layers:  # the runtime's rule: a block per stage
+                    reject(f"pp={pp} is more than the {cfg.num_hidden_layers} layers")
                     continue
                 dp = world // (tp * cp * pp)
                 per_replica, rem = divmod(work.global_batch, dp)
                 if rem or not per_replica:
                     reject(f"dp={dp} does not divide the global batch of {work.global_batch}")
                     continue
-                vpps = space.vpp or ([1] if pp == 1 else
-                                     _divisors(cfg.num_hidden_layers // pp))
+                vpps = _vpp_degrees(cfg.num_hidden_layers, pp, space, reject)
                 splits = list(_dp_splits(dp, space, cp))
                 sizes = space.microbatch_size or [b for b in _divisors(per_replica)
                                                   if b <= MAX_MICROBATCH]
+                pipe_splits = space.pipeline_split if pp > 1 else ("params",)
                 if dropped:
-                    reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms))
-                for alg, vpp, (zero, dp_r), mbs, rc, off in itertools.product(
-                        algorithms, vpps, splits, sizes, recompute, space.offload_optimizer):
+                    reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms)
+                           * len(pipe_splits))
+                for alg, vpp, (zero, dp_r), mbs, rc, off, psplit in itertools.product(
+                        algorithms, vpps, splits, sizes, recompute, space.offload_optimizer,
+                        pipe_splits):
                     for ep in _ep_degrees(experts, dp // dp_r, space, reject):
                         lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
                                      zero_stage=zero, vpp=vpp, microbatch_size=mbs,
                                      recompute=rc, cp=cp, cp_algorithm=alg,
-                                     offload_optimizer=off, ep=ep,
+                                     offload_optimizer=off, ep=ep, pipeline_split=psplit,
                                      sequence_parallel=not experts)
                         try:
                             check_layout(cfg, lay, work)
@@ -91,6 +95,27 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                             reject(_generic(str(e)))
                             continue
                         yield lay
+
+
+def _vpp_degrees(layers: int, pp: int, space: SearchSpace, reject) -> list[int]:
+    """Model chunks per pipeline rank to try: ``space.vpp`` (None: 1 without a pipeline; with
+    one, every v up to ``MAX_VPP`` and every divisor of layers // pp, as long as pp·v chunks
+    get a block each). The runtime splits layers that pp·v does not divide
+    (threefold.parallel.pipeline.balance), and so does the accounting, so they are searched."""
+    if space.vpp is None:
+        if pp == 1:
+            return [1]
+        fit = layers // pp
+        return sorted({v for v in range(1, fit + 1) if v <= MAX_VPP or fit % v == 0})
+    out = []
+    for v in space.vpp:
+        if v > 1 and pp == 1:
+            reject(f"vpp={v} needs pp > 1")
+        elif pp * v > layers:
+            reject(f"pp·vpp={pp * v} is more than the {layers} layers (each chunk needs one)")
+        else:
+            out.append(v)
+    return out
 
 
 def _ep_degrees(experts: int, dp_shard: int, space: SearchSpace, reject) -> list[int]:
@@ -250,8 +275,9 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
         if keep and len(best) >= keep and bound >= -best[0]:
             break
         step = predict_step(cfg, lay, work, cluster, **predict_kw)
-        result.ranked.append(Candidate(lay, mem, step, layout_warnings(cfg, lay, mem, step,
-                                                                       cluster)))
+        result.ranked.append(Candidate(lay, mem, step,
+                                       layout_warnings(cfg, lay, mem, step, cluster),
+                                       pipeline_layers(cfg, lay)))
         if keep:
             heapq.heappush(best, -step.step_time_s)
             if len(best) > keep:
