@@ -297,3 +297,32 @@ def test_grpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, 
     assert {"reward", "reward_std", "kl", "completions/clipped_ratio",
             "rewards/arithmetic_reward/mean"} <= set(recs[0])
     assert (tmp_path / "runs/grpo/checkpoints/2").is_dir()
+
+
+def test_grpo_rewards_from_a_reward_model(corpus, cache_dir, base, tmp_path):
+    """grpo.reward_model: the logged reward is the mean score the reward run's model gives
+    prompt + completion (computed here by a fresh copy of that model)."""
+    from tests.test_reward import our_scores, reward_overrides
+    from threefold.hf import load_pretrained
+    from threefold.post.reward import RewardOptions, RewardTask
+
+    train(load_config(None, reward_overrides(corpus, cache_dir, tmp_path / "rm", train__steps=2,
+                                             checkpoint__init_from=str(base / "run"))),
+          task=RewardTask(RewardOptions()))
+    seen = {}
+
+    def fixed(step, prompt_ids, indices):
+        rows = [p + [40 + i % 7, 50 + i % 3] for i, p in enumerate(prompt_ids)]
+        seen.setdefault(step, rows)  # the first call of a step is training's (setup's)
+        return [s[len(p):] for s, p in zip(rows, prompt_ids)]
+
+    task = GRPOTask(GRPOOptions(reward="", reward_model=str(tmp_path / "rm"),
+                                max_completion_length=4), rollout=fixed)
+    train(load_config(None, grpo_overrides(corpus, cache_dir, base / "run", tmp_path / "g",
+                                           train__steps=1)), task=task)
+    got = metrics(tmp_path / "g")[0]
+    mcfg, weights = load_pretrained(tmp_path / "rm")
+    scores = our_scores(weights, mcfg, torch.tensor(seen[0]), -1)
+    assert scores.std() > 0
+    assert got["reward"] == pytest.approx(scores.double().mean().item(), rel=1e-5)
+    assert got["rewards/reward_model/mean"] == got["reward"]
