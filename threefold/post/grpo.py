@@ -38,7 +38,8 @@ loss over completion tokens, ``count`` the completion tokens, so the loop's loss
 
 Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
 ``frac_reward_zero_std``, ``completions/mean_length`` (and min, max), ``completions/
-clipped_ratio`` (share not ended by EOS) from the rollout; ``kl``, ``clip_ratio/low_mean``,
+clipped_ratio`` (share not ended by EOS) from the rollout, and this rank's
+``generation_seconds`` and ``generation_tokens_per_s``; ``kl``, ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` per completion token from the loss.
 The first step's rollout is made in ``setup`` (before anything is written), so a reward
 function that fails on real completions stops the run there.
@@ -464,6 +465,7 @@ class GRPOTask:
         g = o.num_generations
         first = (step * sampler.global_batch_size + lo) * g
         indices = list(range(first, first + len(prompt_ids)))
+        self.generation = (0.0, 0)
         if self.fixed_rollout is not None:
             return [list(c) for c in self.fixed_rollout(step, prompt_ids, indices)]
         model = run.engine.model
@@ -476,6 +478,7 @@ class GRPOTask:
                            temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
                            eos_id=self.eos, seed=sampler.seed, prompt_indices=indices,
                            comm=run.layout.comm if tp > 1 else None, pad_id=self.pad)
+        self.generation = (res.seconds, sum(res.lengths))
         return res.tokens
 
     def rollout(self, sampler: RolloutSampler, step: int, lo: int,
@@ -531,6 +534,9 @@ class GRPOTask:
             total, sq = sums[7 + 2 * k], sums[8 + 2 * k]
             out[f"rewards/{name}/mean"] = total / n
             out[f"rewards/{name}/std"] = std(total, sq)
+        seconds, made = self.generation  # this rank's
+        out["generation_seconds"] = seconds
+        out["generation_tokens_per_s"] = made / seconds if seconds else 0.0
         return out, out["reward_std"]
 
     def _dp_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
