@@ -73,15 +73,6 @@ class Collective:
             return (n - 1) * numel // n * self.elem
         return numel * self.elem  # p2p
 
-    def time(self, latency_s: float, bw: float, size: float | None = None) -> float:
-        """α-β time of one call (on a buffer of ``size`` bytes if given)."""
-        n, size = self.group, self.size if size is None else size
-        if self.op == "p2p":
-            return latency_s + size / bw
-        steps = 2 * (n - 1) if self.op == "all_reduce" else n - 1
-        frac = (2 if self.op == "all_reduce" else 1) * (n - 1) / n
-        return steps * latency_s + frac * size / bw
-
 
 def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                 grad_bytes: int | None = None, param_bytes: int | None = None

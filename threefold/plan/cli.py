@@ -52,9 +52,10 @@ from threefold.accounting.shapes import (
 )
 from threefold.config import MODEL_PRESETS, ConfigError, ModelConfig, load_config
 from threefold.plan.candidates import SearchSpace
-from threefold.plan.hardware import GPUS, Cluster, Hardware, get_hardware
+from threefold.plan.hardware import GPUS, Cluster, Hardware, Level, get_hardware
 from threefold.plan.report import _summary, format_table, to_json_rows
 from threefold.plan.search import CP_MIN_SEQ_LEN, moe_notes, search
+from threefold.plan.topology import CLUSTERS, levels_from_record
 
 # --------------------------------------------------------------------------------------------
 # Command line
@@ -144,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local processes the all-reduce is measured between")
     p.add_argument("--hardware-file", default=None,
                    help="plan for the machine measured by --calibrate (that JSON) instead of "
-                   "--gpu; every rank of a node shares its cores, memory and bandwidth")
+                   "--gpu (every rank of a node shares its cores, memory and bandwidth); or a "
+                   'cluster: {"gpu": "h100", "levels": [{"name": "nvlink", "gpus": 8, '
+                   '"gb_s_per_gpu": 450, "latency_us": 2}, {"name": "spine", "gpus": 0, '
+                   '"gbits_per_gpu": 400, "latency_us": 8, "oversubscription": 7}]}')
+    p.add_argument("--cluster", default=None,
+                   help="a published cluster's network levels: " + ", ".join(CLUSTERS))
     return p
 
 
@@ -165,12 +171,41 @@ def load_model(spec: str) -> ModelConfig:
     return cfg
 
 
-def _hardware(args) -> Hardware:
-    if args.hardware_file:
-        from threefold.plan.calibrate import hardware_from_calibration, load
+def _hardware_record(args) -> dict | None:
+    """The --hardware-file JSON: a --calibrate record, or a cluster description
+    ({"gpu": catalogue name, "levels": [...]}, see ``plan.topology.levels_from_record``)."""
+    if not args.hardware_file:
+        return None
+    from threefold.plan.calibrate import load
 
-        hw = hardware_from_calibration(load(args.hardware_file),
-                                       min(args.gpus, args.gpus_per_node))
+    try:
+        record = json.loads(Path(args.hardware_file).expanduser().read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--hardware-file: cannot read {args.hardware_file}: {e}") from None
+    if isinstance(record, dict) and "levels" in record:
+        return record
+    return load(args.hardware_file)
+
+
+def _levels(args, record: dict | None) -> tuple[Level, ...]:
+    """Topology levels: the hardware file's ``levels``, or --cluster's, or none (one network)."""
+    if record and "levels" in record:
+        return levels_from_record(record["levels"], args.gpus_per_node)
+    if args.cluster:
+        if args.cluster not in CLUSTERS:
+            raise ConfigError(f"--cluster: unknown '{args.cluster}'; known: "
+                              f"{', '.join(CLUSTERS)}")
+        return levels_from_record(CLUSTERS[args.cluster], args.gpus_per_node)
+    return ()
+
+
+def _hardware(args, record: dict | None = None) -> Hardware:
+    if record and "levels" in record:
+        hw = get_hardware(record.get("gpu", args.gpu))
+    elif record:
+        from threefold.plan.calibrate import hardware_from_calibration
+
+        hw = hardware_from_calibration(record, min(args.gpus, args.gpus_per_node))
     else:
         hw = get_hardware(args.gpu)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
@@ -217,7 +252,9 @@ def _setup(args):
     _refuse_degrees(cfg, args)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash")
-    cluster = Cluster(_hardware(args), args.gpus, min(args.gpus_per_node, args.gpus))
+    record = _hardware_record(args)
+    cluster = Cluster(_hardware(args, record), args.gpus, min(args.gpus_per_node, args.gpus),
+                      _levels(args, record))
     space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
                         cp_algorithm=algorithms, ep=args.ep,
@@ -294,6 +331,12 @@ def main(argv: list[str]) -> int:
               f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "
               f"{hw.memory_bytes / 1e9:.0f} GB, NVLink {hw.intra_node_bw * 2 / 1e9:.0f} GB/s, "
               f"network {hw.inter_node_bw * 8 / 1e9:.0f} Gb/s per GPU")
+        if cluster.levels:
+            print("network levels: " + "; ".join(
+                f"{lv.name} {lv.gpus or cluster.num_gpus} GPUs, "
+                f"{lv.bandwidth * 8 / 1e9:.0f} Gb/s per GPU"
+                + (f" 1:{lv.oversubscription:g}" if lv.oversubscription > 1 else "")
+                for lv in cluster.levels))
         print(f"{result.fits} layouts fit; top {len(top)} by predicted step time:")
         if top:
             print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts)))

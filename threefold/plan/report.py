@@ -120,6 +120,8 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
             f"{lay.recompute:<9} {mem:<26} {s.step_time_s:>8.3f} "
             f"{s.tokens_per_second_per_gpu:>9.0f} {s.tflops_per_gpu:>6.0f} {s.mfu:>5.1%} "
             f"{s.bubble_fraction:>6.1%}  {comm}")
+        if s.axis_levels:
+            lines.append(f"{'':>6}on: " + ", ".join(f"{a} {lvl}" for a, lvl in s.axis_levels))
         for w in c.warnings:
             lines.append(f"{'':>6}! {w}")
         if explain_all and i > 1:

@@ -214,6 +214,11 @@ def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: S
     if "ep" in step.inter_node_axes:
         out.append(f"ep crosses nodes (ep·tp={lay.ep * lay.tp} > {cluster.gpus_per_node} GPUs "
                    "per node): the all-to-alls of every MoE layer go over the network")
+    over = {lv.name: lv.oversubscription for lv in cluster.topology()}
+    for axis, level in step.axis_levels:
+        if axis in ("dp_replicate", "dp_shard") and over.get(level, 1.0) > 1:
+            out.append(f"{axis}={lay.size(axis)} collectives cross the {level} level, "
+                       f"oversubscribed 1:{over[level]:g}")
     if step.bubble_fraction > BUBBLE_WARN:
         out.append(f"pipeline bubble {step.bubble_fraction:.0%} > {BUBBLE_WARN:.0%}")
     if mem.total > MEMORY_WARN * cluster.hardware.memory_bytes:

@@ -10,20 +10,16 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from threefold.accounting.layout import Layout, Workload, microbatches
-from threefold.accounting.shapes import COMM_AXES
+from threefold.accounting.shapes import COMM_AXES, MESH_ORDER
 from threefold.accounting.stages import (
     _distinct_stages,
     _shape_key,
     _stage_multiplicity,
     _stage_representatives,
 )
-from threefold.accounting.traffic import (
-    Collective,
-    _bytes_per_axis,
-    axis_crosses_nodes,
-    collectives,
-)
+from threefold.accounting.traffic import Collective, _bytes_per_axis, collectives
 from threefold.config import ModelConfig
+from threefold.plan.collectives import collective_time
 from threefold.plan.compute import (
     MATMUL_EFFICIENCY,
     _attention_block_seconds,
@@ -33,6 +29,7 @@ from threefold.plan.compute import (
     stage_flops_per_microbatch,
     stage_memory_traffic_per_microbatch,
 )
+from threefold.plan.topology import Placement, place
 
 # --------------------------------------------------------------------------------------------
 # Pipeline bubble
@@ -105,6 +102,8 @@ class StepPrediction:
     cp_exposed_s: float = 0.0  # context-parallel K/V traffic not hidden behind attention
     # expert-parallel all-to-alls (uniform-routing expectation), on the critical path
     ep_exposed_s: float = 0.0
+    # (axis, topology level its groups stay inside) for each axis of size > 1
+    axis_levels: tuple[tuple[str, str], ...] = ()
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
@@ -139,8 +138,8 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     eff = efficiency if efficiency is not None else (hw.matmul_efficiency or MATMUL_EFFICIENCY)
     rate = peak * eff
     m = microbatches(layout, work)
-    inter = {a: axis_crosses_nodes(layout, a, cluster.gpus_per_node) for a in COMM_AXES}
-    links = {a: hw.link(inter[a]) for a in COMM_AXES}
+    links = {a: place(layout, a, cluster) for a in COMM_AXES}
+    inter = {a: links[a].index > 0 for a in COMM_AXES}
     stages = _distinct_stages(cfg, layout)
     hbm = hw.memory_bw or math.inf
     per_mb, per_step, parts, lists, hw_flops = {}, {}, {}, [], 0.0
@@ -186,7 +185,9 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m), optimizer_s=opt_s,
         offload_s=off_s,
         inter_node_axes=tuple(a for a in COMM_AXES if inter[a]), cp_exposed_s=m * exp["cp"],
-        ep_exposed_s=m * exp["ep"])
+        ep_exposed_s=m * exp["ep"],
+        axis_levels=tuple((a, links[a].level) for a in MESH_ORDER + ("ep",)
+                          if layout.size(a) > 1))
 
 
 def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
@@ -215,6 +216,13 @@ def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
         return None
 
 
+def call_time(c: Collective, where: Placement, size: float | None = None) -> float:
+    """α–β time of one call of ``c`` (on ``size`` bytes if given) where its axis runs: the
+    fastest algorithm of ``plan.collectives`` on the level the group spans."""
+    return collective_time(c.op, c.group, c.size if size is None else size, where.link,
+                           where.per_node, where.intra)
+
+
 def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
                   bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0)
                   ) -> tuple[dict[str, float], float]:
@@ -228,8 +236,8 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
     for c in colls:
         if c.overlap == "hidden":
             continue
-        lat, bw = links[c.axis]
-        one = c.time(lat, bw)
+        where = links[c.axis]
+        one = call_time(c, where)
         kind = c.axis if c.axis in ("tp", "pp", "cp", "ep") else "dp"
         if c.overlap.startswith("attention-"):  # each hop behind one block's attention
             window = attention_block[0 if c.overlap == "attention-forward" else 1]
@@ -241,7 +249,8 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
         else:
             key = (kind, c.overlap)
             groups[key] = groups.get(key, 0.0) + one * c.count
-            tails[key] = max(tails.get(key, 0.0), c.time(lat, bw, min(c.size, bucket_bytes)))
+            tails[key] = max(tails.get(key, 0.0),
+                             call_time(c, where, min(c.size, bucket_bytes)))
     for (kind, overlap), total in groups.items():
         window = t_f if overlap == "forward" else t_b
         left = max(tails[(kind, overlap)], total - window)

@@ -1,0 +1,92 @@
+"""α–β times of collectives, per algorithm, on the link (topology level) a group spans.
+
+A collective over n ranks on a link of per-hop latency α and per-GPU bandwidth β (bytes/s per
+direction) costs, for a buffer of S bytes (all-gather: the gathered output, reduce-scatter:
+the input):
+
+- ring (Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in
+  MPICH", IJHPCA 2005, §4): all-gather and reduce-scatter (n−1)·α + (n−1)/n·S/β; all-reduce,
+  a reduce-scatter then an all-gather, 2(n−1)·α + 2(n−1)/n·S/β. Latency grows linearly in n.
+- tree all-reduce (the double binary tree NCCL 2.4 introduced, after Sanders, Speck & Träff,
+  "Two-tree algorithms for full bandwidth broadcast, reduction and scan", Parallel Computing
+  2009): a pipelined reduce up and broadcast down two complementary trees, each carrying half
+  the data, so the bandwidth term stays that of the ring while the latency is 2·⌈log2 n⌉·α.
+  NCCL picks the faster algorithm per call; so does ``all_reduce_time``.
+- hierarchical (two levels): when a group has g > 1 ranks in each node and spans k = n/g
+  nodes, the intra-node part runs over NVLink and only the inter-node part pays the network's
+  α: all-reduce = reduce-scatter inside the node + all-reduce of S/g across nodes (ring or
+  tree) + all-gather inside the node; all-gather and reduce-scatter likewise with one
+  inter-node stage of S/g. The network term is that of S/g over k nodes per GPU, as every
+  GPU drives its own network card (rail-optimised clusters).
+- point-to-point: α + S/β.
+
+The planner takes, per call, the fastest of the algorithms that apply (``collective_time``):
+flat ring and tree over the slowest link the group crosses, and the hierarchical form when
+the group has several ranks per node. These are the closed forms only; the constants (α, β
+per level) are in ``threefold.plan.hardware`` and may be measured (``--calibrate``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link a group's traffic crosses: per-hop latency (s) and per-GPU bandwidth (bytes/s,
+    per direction, after oversubscription)."""
+
+    latency_s: float
+    bandwidth: float
+
+
+def ring_time(op: str, n: int, size: float, link: Link) -> float:
+    """Ring all-reduce, all-gather or reduce-scatter (Thakur et al. 2005) over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    hops = 2 * (n - 1) if op == "all_reduce" else n - 1
+    frac = (2 if op == "all_reduce" else 1) * (n - 1) / n
+    return hops * link.latency_s + frac * size / link.bandwidth
+
+
+def tree_all_reduce_time(n: int, size: float, link: Link) -> float:
+    """Double-binary-tree all-reduce: 2·⌈log2 n⌉ hops of latency, the ring's bandwidth term."""
+    if n <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * link.latency_s + 2 * (n - 1) / n * size / link.bandwidth
+
+
+def all_reduce_time(n: int, size: float, link: Link) -> float:
+    """The faster of ring and tree, as NCCL chooses."""
+    return min(ring_time("all_reduce", n, size, link), tree_all_reduce_time(n, size, link))
+
+
+def hierarchical_time(op: str, n: int, size: float, per_node: int, intra: Link,
+                      inter: Link) -> float:
+    """Two-level collective: ``per_node`` ranks of the group in each node (over ``intra``),
+    n/per_node nodes (over ``inter``)."""
+    g = max(1, min(per_node, n))
+    k = n // g
+    inner = ring_time("reduce_scatter", g, size, intra)  # = the all-gather's time
+    if op == "all_reduce":
+        return 2 * inner + all_reduce_time(k, size / g, inter)
+    return inner + ring_time(op, k, size / g, inter)
+
+
+def collective_time(op: str, n: int, size: float, link: Link, per_node: int = 1,
+                    intra: Link | None = None) -> float:
+    """Time of one call of ``op`` (all_reduce, all_gather, reduce_scatter, all_to_all, p2p)
+    on ``size`` bytes over ``n`` ranks whose slowest link is ``link``; with ``per_node`` > 1
+    ranks of the group per node and the node's link ``intra``, the hierarchical algorithm is
+    a candidate too. all_to_all: (n−1) messages of S/n each way, pairwise exchange."""
+    if op == "p2p":
+        return link.latency_s + size / link.bandwidth
+    if n <= 1:
+        return 0.0
+    if op == "all_to_all":
+        return (n - 1) * link.latency_s + (n - 1) / n * size / link.bandwidth
+    best = all_reduce_time(n, size, link) if op == "all_reduce" else ring_time(op, n, size, link)
+    if per_node > 1 and intra is not None and n > per_node and n % per_node == 0:
+        best = min(best, hierarchical_time(op, n, size, per_node, intra, link))
+    return best
