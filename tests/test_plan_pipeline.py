@@ -82,3 +82,31 @@ def test_explicit_pp_is_honoured(capsys):
     # 32 layers over 3 or 6 stages: uneven, and the split is reported
     assert all(sum(r["stage_layers"]) == 32 and len(r["stage_layers"]) == r["pp"] * r["vpp"]
                for r in rows)
+
+
+def test_explain_breaks_each_step_into_exposed_terms_that_add_up(capsys):
+    rc = main(["--model", "llama3-8b", "--gpus", "64", "--gpu", "h100", "--top", "4",
+               "--explain", "--pp", "1,2,4"])
+    out = capsys.readouterr().out
+    rows = [line.strip() for line in out.splitlines() if line.strip().startswith("step ")]
+    assert rc == 0 and len(rows) == 4
+    for row in rows:
+        total = float(row.split()[1])
+        terms = row.split("=", 1)[1].split(" (exposed")[0].split(" + ")
+        parts = [float(t.split()[-1]) if "(" not in t else float(t.split("(")[0].split()[-1])
+                 for t in terms]
+        assert sum(parts) == pytest.approx(total, abs=2e-3 * len(parts)), row
+    assert "why not best" in out
+
+
+def test_batch_size_effects_are_warned():
+    cfg = load_model("llama3-8b")
+    cluster = Cluster(get_hardware("h100"), 64, 8)
+    work = Workload(seq_len=4096, global_batch=32)  # dp 16 at pp 4: 2 sequences per replica
+    r = search(cfg, cluster, work, SearchSpace(tp=(1,), pp=(4,), zero_stage=(1,),
+                                                microbatch_size=(1,), vpp=(1,)), keep=1)
+    assert r.ranked
+    assert any("2 microbatches for pp=4 stages" in w for w in r.ranked[0].warnings)
+    one = search(cfg, cluster, Workload(seq_len=4096, global_batch=16),
+                 SearchSpace(tp=(4,), pp=(1,), zero_stage=(3,)), keep=1)
+    assert any("one sequence per replica" in w for w in one.ranked[0].warnings)

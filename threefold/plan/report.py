@@ -16,6 +16,24 @@ def _terms(c: Candidate) -> dict[str, float]:
             "dp comm": s.dp_exposed_s}
 
 
+def exposed_breakdown(c: Candidate) -> str:
+    """Where the step of ``c`` goes: compute, the bubble and the communication each axis
+    leaves exposed (seconds per step), each axis with the level its groups run on."""
+    s, t = c.step, _terms(c)
+    where = dict(s.axis_levels)
+    axis_of = {"tp comm": "tp", "pp comm": "pp", "cp comm": "cp", "ep comm": "ep"}
+    parts = [f"compute {t['compute']:.3f}", f"bubble {t['bubble']:.3f}"]
+    for k, a in axis_of.items():
+        if c.layout.size(a) > 1:
+            parts.append(f"{k} {t[k]:.3f} ({where.get(a, '?')})")
+    dp_axes = [f"{a} {lvl}" for a, lvl in s.axis_levels if a in ("dp_replicate", "dp_shard")]
+    if dp_axes:
+        parts.append(f"dp comm {t['dp comm']:.3f} ({', '.join(dp_axes)})")
+    if s.optimizer_s or s.offload_s:
+        parts.append(f"optimizer {s.optimizer_s + s.offload_s:.3f}")
+    return f"step {s.step_time_s:.3f} s = " + " + ".join(parts) + " (exposed, s per step)"
+
+
 def explain(best: Candidate, other: Candidate) -> str:
     """Why ``other`` is slower than ``best``: the terms of its step time that are larger,
     biggest first, with what in the layout makes them so."""
@@ -124,6 +142,8 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
             lines.append(f"{'':>6}on: " + ", ".join(f"{a} {lvl}" for a, lvl in s.axis_levels))
         for w in c.warnings:
             lines.append(f"{'':>6}! {w}")
+        if explain_all:
+            lines.append(f"{'':>6}{exposed_breakdown(c)}")
         if explain_all and i > 1:
             lines.append(f"{'':>6}why not best: {explain(cands[0], c)}")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ import heapq
 import itertools
 from typing import Iterator
 
-from threefold.accounting.layout import Layout, Workload, check_layout
+from threefold.accounting.layout import Layout, Workload, check_layout, microbatches
 from threefold.accounting.shapes import RECOMPUTE, LayoutError, tp_shard
 from threefold.accounting.stages import pipeline_layers
 from threefold.config import ModelConfig
@@ -203,9 +203,17 @@ def moe_notes(cfg: ModelConfig, top: list[Candidate]) -> list[str]:
 
 
 def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: StepPrediction,
-                    cluster: Cluster) -> tuple[str, ...]:
-    """What a user should know before launching ``lay``."""
+                    cluster: Cluster, work: Workload | None = None) -> tuple[str, ...]:
+    """What a user should know before launching ``lay`` (with ``work``: batch-size effects)."""
     out = []
+    if work is not None:
+        m = microbatches(lay, work)
+        if lay.pp > 1 and m < lay.pp:
+            out.append(f"{m} microbatches for pp={lay.pp} stages: the pipeline never fills "
+                       f"(1F1B wants >= {lay.pp}, the bubble is small from about {4 * lay.pp})")
+        if work.global_batch // lay.dp == 1:
+            out.append(f"dp={lay.dp} leaves one sequence per replica: no accumulation to hide "
+                       "the gradient reduction behind, and a larger dp cannot be used")
     if "tp" in step.inter_node_axes:
         out.append(f"tp crosses nodes (tp={lay.tp} > {cluster.gpus_per_node} GPUs per node)")
     if "cp" in step.inter_node_axes:
@@ -281,7 +289,7 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
             break
         step = predict_step(cfg, lay, work, cluster, **predict_kw)
         result.ranked.append(Candidate(lay, mem, step,
-                                       layout_warnings(cfg, lay, mem, step, cluster),
+                                       layout_warnings(cfg, lay, mem, step, cluster, work),
                                        pipeline_layers(cfg, lay)))
         if keep:
             heapq.heappush(best, -step.step_time_s)
