@@ -12,8 +12,10 @@ Per optimiser step the executor walks this rank's actions in order:
 - ``B`` / ``W`` (zero bubble, Qi et al., arXiv 2401.10241 §2): B computes only the input
   gradient, which the previous stage is waiting for; W computes the weight gradients later.
   See ``_split_backward`` for how the graph is cut.
-- sends and receives: each maximal run of them is one ``comm.batch_isend_irecv`` over "pp",
-  waited on before the next compute action (the contract check.py proves deadlock-free).
+- sends and receives: each maximal run of them is posted with ``comm.batch_isend_irecv`` over
+  "pp"; its receives are waited on before the next compute action (the contract check.py
+  proves deadlock-free), its sends only when the next run is posted or the step ends, so a
+  send overlaps the compute after it (the trace shows each send in flight on its own track).
   Messages are matched by posting order between each pair of ranks.
 
 Gradient synchronisation of data parallelism/ZeRO (``grad_sync``, e.g. ``engine.micro_step``)
@@ -308,6 +310,7 @@ class PipelineExecutor:
         self._x, self._out, self._grad_in, self._split = {}, {}, {}, {}
         self._handoff_f, self._handoff_b = {}, {}  # stage to stage on this rank
         self._recv_f, self._recv_b = {}, {}  # received activations / output gradients
+        self._sends = []  # (handle, tensors, posted at, names): sends in flight
         self._loss = torch.zeros((), dtype=torch.float64, device=self._mbs[0][0].device)
         self._metrics = torch.zeros(len(self.metric_names), dtype=torch.float64,
                                     device=self._loss.device)
@@ -322,6 +325,7 @@ class PipelineExecutor:
                     j += 1
                 self._communicate(actions[i:j])
             i = j
+        self._wait_sends()
         if self._out or self._split:
             raise RuntimeError("pipeline: the schedule left microbatches without a backward")
         loss = torch.cat([self._loss.reshape(1), self._metrics])
@@ -421,22 +425,45 @@ class PipelineExecutor:
         return torch.empty(shape, dtype=self.activation_dtype, device=inputs.device)
 
     def _communicate(self, batch: Sequence[Action]) -> None:
+        """Post a run of sends and receives. The receives are waited on here (the next
+        compute action may need them); the sends are not: they stay in flight during the
+        compute that follows and are waited on when the next run is posted (``_wait_sends``)
+        or at the end of the step. Deferring a send's wait cannot deadlock a schedule that
+        check.py proved free of deadlock with every wait immediate: a peer's progress
+        towards that send's receive depends only on messages posted before it."""
+        self._wait_sends()
         t0 = time.perf_counter()
-        ops = []
+        sends, recvs = [], []
         for a in batch:
             key, peer = (a.microbatch, a.stage), self.pp_ranks[a.peer]
             if a.kind is ActionKind.SEND_FORWARD:
                 out = self._out.pop(key) if self._forward_only else self._out[key]
-                t = out.detach().to(self.activation_dtype).contiguous()
+                sends.append(("send", out.detach().to(self.activation_dtype).contiguous(), peer))
             elif a.kind is ActionKind.SEND_BACKWARD:
-                t = self._grad_in.pop(key).to(self.activation_dtype).contiguous()
+                sends.append(("send", self._grad_in.pop(key).to(self.activation_dtype)
+                              .contiguous(), peer))
             else:
                 t = self._buffer(a)
                 (self._recv_f if a.kind is ActionKind.RECV_FORWARD else self._recv_b)[key] = t
-            ops.append(("recv" if a.kind in RECEIVES else "send", t, peer))
-        self.comm.batch_isend_irecv(ops)
-        self.records.append(TraceRecord(self.trace_rank, " + ".join(map(str, batch)), t0,
-                                        self._now(), "comm"))
+                recvs.append(("recv", t, peer))
+        names = " + ".join(map(str, batch))
+        if sends:  # each direction keeps its posting order, so messages still match
+            handle = self.comm.batch_isend_irecv(sends, async_op=True)
+            self._sends.append((handle, [t for _, t, _ in sends], t0,
+                                " + ".join(str(a) for a in batch if a.kind not in RECEIVES)))
+        if recvs:
+            self.comm.batch_isend_irecv(recvs)
+        self.records.append(TraceRecord(self.trace_rank, names, t0, self._now(), "comm"))
+
+    def _wait_sends(self) -> None:
+        """Wait for the sends in flight; each appears in the trace (category "send", a
+        track of its own) from its posting to the moment its completion was seen, so the
+        compute it overlapped shows beside it."""
+        for handle, _tensors, t0, names in self._sends:
+            handle.wait()
+            self.records.append(TraceRecord(self.trace_rank, f"in flight: {names}", t0,
+                                            self._now(), "send"))
+        self._sends = []
 
     def _now(self) -> float:
         if self.sync_timing and torch.cuda.is_available() and torch.cuda.is_initialized():
