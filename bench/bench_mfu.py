@@ -13,7 +13,9 @@ loop's step: forward, backward, clipping, optimiser, the logged metrics). MFU = 
 0.5 s of 1024² fp32 matmuls, as train.py uses) run in the same process right after the steps.
 Printed: MFU per round and tree, its spread over rounds, and with two trees the ratio
 (last / first) per round with its spread. ``--profile``: the top ops of one step (self CPU time)
-of each tree, after the timed steps.
+of each tree, after the timed steps. ``--cpu-time``: one thread, and the steps and the probe
+(best single 1024² matmul) timed by the process's CPU time rather than the wall clock, so
+that other work on a shared machine, which takes cores away, does not enter the figure.
 """
 
 from __future__ import annotations
@@ -37,18 +39,29 @@ from threefold import accounting as cost
 from threefold.config import load_config
 from threefold.metrics import cpu_matmul_flops
 from threefold.train import build_run, train_step
-steps, profile = int(sys.argv[2]), sys.argv[3] == "1"
+steps, profile, cpu = int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+clock = time.process_time if cpu else time.perf_counter
+if cpu:
+    torch.set_num_threads(1)
 with tempfile.TemporaryDirectory() as out:
     cfg = load_config(None, [("train.steps", "1000"), ("train.output_dir", out),
                              ("train.eval_interval", "0"), ("train.progress", "off")])
     run = build_run(cfg)
     for s in range(2):
         train_step(run, s)
-    t0 = time.perf_counter()
+    t0 = clock()
     for s in range(2, 2 + steps):
         train_step(run, s)
-    dt = (time.perf_counter() - t0) / steps
-    peak = cpu_matmul_flops(torch.float32)
+    dt = (clock() - t0) / steps
+    if cpu:  # the probe's matmul on the same clock: best of 0.5 s of CPU time
+        a, b, rates = torch.randn(1024, 1024), torch.randn(1024, 1024), []
+        while sum(rates) < 0.5 or len(rates) < 5:
+            c0 = clock()
+            torch.mm(a, b)
+            rates.append(clock() - c0)
+        peak = 2.0 * 1024**3 / min(rates)
+    else:
+        peak = cpu_matmul_flops(torch.float32)
     tps = cfg.train.global_batch_size * cfg.data.seq_len / dt
     flops = tps * cost.flops_per_token(run.model_cfg, cfg.data.seq_len)
     table = None
@@ -63,10 +76,11 @@ with tempfile.TemporaryDirectory() as out:
 """
 
 
-def one(src: str, steps: int, profile: bool) -> dict:
+def one(src: str, steps: int, profile: bool, cpu: bool = False) -> dict:
     """One process on tree ``src``: its result dict."""
     env = dict(os.environ, PYTHONPATH=src)
-    out = subprocess.run([sys.executable, "-c", CHILD, src, str(steps), "1" if profile else "0"],
+    out = subprocess.run([sys.executable, "-c", CHILD, src, str(steps), "1" if profile else "0",
+                          "1" if cpu else "0"],
                          capture_output=True, text=True, env=env, cwd=src)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -80,13 +94,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--src", action="append", help="source tree (repeat to A/B; default: here)")
     ap.add_argument("--profile", action="store_true", help="print one step's top ops per tree")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="one thread, steps and probe timed in process CPU time (robust to "
+                         "other work on a shared machine)")
     args = ap.parse_args()
     srcs = [str(Path(s).resolve()) for s in (args.src or [str(ROOT)])]
     rows, tables = [], {}
     for r in range(args.rounds):
         got = {}
         for i in (range(len(srcs)) if r % 2 == 0 else reversed(range(len(srcs)))):
-            res = one(srcs[i], args.steps, args.profile and r == args.rounds - 1)
+            res = one(srcs[i], args.steps, args.profile and r == args.rounds - 1, args.cpu_time)
             got[i] = res
             if res["table"]:
                 tables[srcs[i]] = res["table"]

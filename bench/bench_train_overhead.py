@@ -66,16 +66,6 @@ def plain_loop(cfg, steps: int) -> float:
     return sum(rates[1:]) / len(rates[1:])
 
 
-def print_spread(name: str, rows: list[dict], key: str = "ratio") -> None:
-    """The ratio's spread over the rounds: median, min and max, one line and a JSON line."""
-    vals = [r[key] for r in rows]
-    med = statistics.median(vals)
-    print(f"{name} {key}: median {med:.3f}, spread over {len(vals)} rounds "
-          f"{min(vals):.3f}-{max(vals):.3f}")
-    print(json.dumps({"benchmark": f"{name}_spread", "median": med, "min": min(vals),
-                      "max": max(vals), "rounds": len(vals)}), flush=True)
-
-
 def config(out: Path, steps: int, compile_: bool = False):
     """The benchmark's run: the default model and data, ``steps`` steps, no checkpoint."""
     return load_config(None, [("train.steps", str(steps)), ("train.output_dir", str(out)),
@@ -114,8 +104,7 @@ def compare_compile(args: argparse.Namespace, tmp: str) -> None:
     print(f"threefold eager vs train.compile true ({torch.__version__}, inductor), "
           f"{args.steps} steps per run, tokens/s after {args.warmup} warm-up steps; "
           "compile_s = compiled wall time - eager wall time:")
-    report("train_compile", rows, "ratio", 1.0)
-    print_spread("train_compile", rows)
+    report("train_compile", rows, "ratio", 1.0)  # with the spread over rounds
     print(f"compile time: {rows[0]['compile_s']:.1f} s with a cold inductor cache"
           + (f", median {statistics.median(r['compile_s'] for r in rows[1:]):.1f} s warm"
              if len(rows) > 1 else ""))
@@ -142,8 +131,7 @@ def main() -> None:
             ours = train(cfg)["tokens_per_second"]
             rows.append({"round": r, "threefold_tok_s": ours, "plain_tok_s": plain,
                          "ratio": ours / plain})
-    report("train_overhead", rows, "ratio", 0.98)
-    print_spread("train_overhead", rows)
+    report("train_overhead", rows, "ratio", 0.98)  # with the spread over rounds
 
 
 if __name__ == "__main__":

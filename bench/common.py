@@ -16,13 +16,29 @@ def print_table(rows: list[dict], width: int = 18) -> None:
                          else f"{r[k]!s:>{width}}" for k in keys))
 
 
+def spread(values: list[float]) -> dict:
+    """Median, quartiles, min and max of ``values`` (a ratio over rounds)."""
+    v = sorted(values)
+    q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+    return {"median": statistics.median(v), "q1": q[0], "q3": q[2], "min": v[0], "max": v[-1],
+            "rounds": len(v)}
+
+
 def report(name: str, rows: list[dict], ratio_key: str, goal: float) -> None:
-    """Print rows as a table and one JSON line (machine-readable) ending the output."""
+    """Print rows as a table, the ratio's spread over the rows (rounds), and one JSON line
+    (machine-readable, the spread included) ending the output."""
     print_table(rows)
     ratios = [r[ratio_key] for r in rows if isinstance(r.get(ratio_key), float)]
     med = statistics.median(ratios) if ratios else float("nan")
+    extra = {}
+    if ratios:
+        sp = spread(ratios)
+        print(f"{name} {ratio_key}: median {med:.3f}, spread over {sp['rounds']} rounds: "
+              f"quartiles {sp['q1']:.3f}-{sp['q3']:.3f}, min {sp['min']:.3f}, "
+              f"max {sp['max']:.3f}")
+        extra = {ratio_key + "_spread": sp}
     print(json.dumps({"benchmark": name, ratio_key + "_median": med, "goal": goal,
-                      "meets_goal": med >= goal}), file=sys.stdout, flush=True)
+                      "meets_goal": med >= goal, **extra}), file=sys.stdout, flush=True)
 
 
 def ab_rows(results: list, rounds: int, tokens: float, **extra) -> list[dict]:
