@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
+# make_adamw is imported from here by the benchmarks too
+from threefold.parallel.adamw import adamw_step, make_adamw  # noqa: F401
 
 
 def unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -66,21 +68,6 @@ def clip_to(grads: list[torch.Tensor], total: float, max_norm: float) -> None:
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
-
-
-def adamw_step(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set the learning rate, step, release the gradients."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def make_adamw(params, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW as every engine uses it: same hyper-parameters, single-tensor kernel (the same
-    elementwise arithmetic whether a tensor is a whole parameter or a flat shard)."""
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, foreach=False, fused=False)
 
 
 class OptimizerSlot:

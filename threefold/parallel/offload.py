@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
+from threefold.parallel.adamw import adamw_step, make_adamw
 
 HOST = torch.device("cpu")
 
@@ -60,8 +61,6 @@ class HostOptimizer:
     offload."""
 
     def __init__(self, params: list[torch.Tensor], cfg: OptimConfig):
-        from threefold.parallel.engine import make_adamw
-
         self.params = list(params)
         self.pin = torch.cuda.is_available() and any(p.device.type == "cuda"
                                                      for p in self.params)
@@ -89,8 +88,6 @@ class HostOptimizer:
     def step(self, lr: float) -> None:
         """Gradients down, AdamW on the host at learning rate ``lr``, parameters up; device
         gradients are released. A tensor without a gradient is left alone, as AdamW does."""
-        from threefold.parallel.engine import adamw_step
-
         with torch.no_grad():
             for p, m, g in zip(self.params, self.masters, self.host_grads):
                 if p.grad is None:
