@@ -84,6 +84,13 @@ def _check_trace(out, micro):
         assert kinds.count("F") == kinds.count("BW") == micro
         assert "optimizer step" in names and "finish gradients" in names
         assert any(k in ("SEND_F", "RECV_F") for k in kinds)
+        # sends stay in flight, on a track of their own, over the compute that follows them
+        flights = [e for e in events if e["pid"] == rank and e["cat"] == "send"]
+        computes = [e for e in events if e["pid"] == rank and e["cat"] == "compute"
+                    and e["name"].split()[0] in ("F", "BW")]
+        assert flights and all(e["name"].startswith("in flight: SEND_") for e in flights)
+        assert any(f["ts"] <= c["ts"] and c["ts"] + c["dur"] <= f["ts"] + f["dur"]
+                   for f in flights for c in computes)
 
 
 @pytest.mark.slow
