@@ -487,8 +487,10 @@ def _loop(run: Run, preempt, return_run: bool):
             shutil.copyfile(run.data.tokenizer_path, run.out / "tokenizer.json")
         (run.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     peak, peak_src = device_peak_flops(run.device, run.dtype)
-    flops_tok = accounting.flops_per_token(run.model_cfg, cfg.data.seq_len)
-    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    # a row's positions: data.seq_len, or fewer where the task makes shorter rows (GRPO)
+    row = getattr(run.task, "row_length", None) or cfg.data.seq_len
+    flops_tok = accounting.flops_per_token(run.model_cfg, row)
+    tokens_per_step = t.global_batch_size * row
     bar = _progress(run, start)
     log = (lambda s: bar.write(s)) if bar else (lambda s: print(s, flush=True) if lay.is_writer else None)
     n_params = accounting.num_parameters(run.model_cfg)

@@ -39,7 +39,8 @@ loss over completion tokens, ``count`` the completion tokens, so the loop's loss
 Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
 ``frac_reward_zero_std``, ``completions/mean_length`` (and min, max), ``completions/
 clipped_ratio`` (share not ended by EOS) from the rollout, and this rank's
-``generation_seconds`` and ``generation_tokens_per_s``; ``kl``, ``clip_ratio/low_mean``,
+``generation_seconds`` and ``generation_tokens_per_s`` (the loop's tokens/s and MFU count
+the training rows' positions, ``row_length`` each; generation's FLOPs are not counted); ``kl``, ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` per completion token from the loss.
 The first step's rollout is made in ``setup`` (before anything is written), so a reward
 function that fails on real completions stops the run there.
@@ -405,6 +406,7 @@ class GRPOTask:
                               f"({o.max_completion_length}); raise data.seq_len to at least "
                               f"{self.width}")
         self.where = where
+        self.row_length = self.width  # the loop's tokens/s and MFU count these positions
         per_step = t.global_batch_size // o.num_generations
         self.train = RolloutSampler(self, train_ids, records, per_step, t.seed, o.shuffle,
                                     evaluation=False)
