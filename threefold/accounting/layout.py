@@ -148,7 +148,11 @@ class Workload:
     autocasts only the matmuls: ``Workload.from_config`` describes that. ``eager`` says the
     elementwise work runs one kernel per operation, as PyTorch's eager mode does (threefold
     without ``train.compile``), rather than fused (Megatron's kernels, torch.compile); it
-    changes the memory traffic ``stage_memory_traffic_per_microbatch`` counts."""
+    changes the memory traffic ``stage_memory_traffic_per_microbatch`` counts. ``block`` says
+    whose transformer block keeps the activations: "threefold" (threefold's own block, as
+    autograd saves its tensors: ``plan.activations.block_activation_bytes``) or "megatron" (a
+    fused block as Megatron-Core runs it, Korthikanti et al.'s count adapted to a Llama block:
+    ``plan.activations.layer_activation_bytes``), for planning or checking published runs."""
 
     seq_len: int
     global_batch: int
@@ -157,6 +161,7 @@ class Workload:
     residual_bytes: int = 0
     master_bytes: int = 0
     eager: bool = False  # one kernel per elementwise op (threefold without compile), not fused
+    block: str = "threefold"  # whose block keeps the activations: "threefold" or "megatron"
 
     @property
     def tokens(self) -> int:

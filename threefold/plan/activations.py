@@ -144,12 +144,32 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
     sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
     local = local_seq_len(layout, work)
     mode = recompute or layout.recompute
+    if work.block == "megatron":
+        return megatron_layer_activation_bytes(cfg, layout, work, mode)
     if mode == "full":
         return work.resid_bytes * b * local * cfg.hidden_size / (layout.tp if layout.sp else 1)
     flash = work.flash_attention or mode == "selective"
     return block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, flash, s, layout.cp, layout.cp_algorithm)
+
+
+def megatron_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
+                                    recompute: str) -> float:
+    """Bytes one block keeps per rank per microbatch when it runs as Megatron-Core's fused
+    Llama block (``Workload.block == "megatron"``): ``layer_activation_bytes`` — Korthikanti
+    et al.'s count, term by term for RMSNorm, GQA and SwiGLU — with the fused SwiGLU's three
+    f-wide tensors (its saved input, gate and up, and the down projection's input, their
+    product; silu(gate) is recomputed inside the kernel), 16-bit norm inputs (the fused
+    RMSNorm keeps its input and 1/rms), no dropout, and under sequence parallelism the
+    sub-layers' sharded inputs, all-gathered again in backward. Under cp, of this rank's
+    seq_len/cp tokens (the flash kernel's log-sum-exp per local query)."""
+    sh = tp_shard(cfg, layout.tp)
+    return layer_activation_bytes(
+        local_seq_len(layout, work), layout.microbatch_size, cfg.hidden_size,
+        sh.heads * layout.tp, cfg.num_key_value_heads, sh.ffn * layout.tp, layout.tp,
+        layout.sp, recompute, work.act_bytes, mlp_tensors=3, dropout=False,
+        flash_attention=work.flash_attention, kv_replicas=sh.kv_replicas)
 
 
 def microbatch_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:

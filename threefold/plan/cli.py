@@ -113,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16 mixed precision with fp32 Adam (16 bytes/param), or fp32")
     p.add_argument("--attention", choices=("flash", "eager"), default="flash",
                    help="flash: attention probabilities not stored; eager: stored")
+    p.add_argument("--block", choices=("threefold", "megatron"), default="threefold",
+                   help="whose transformer block keeps the activations: threefold's own (as "
+                   "its autograd saves them) or a fused Megatron-Core block (Korthikanti et "
+                   "al.'s count for RMSNorm, GQA, SwiGLU: sharded inputs under sequence "
+                   "parallelism, fused norms and SwiGLU), to plan or check published runs")
+    p.add_argument("--mesh-order", choices=("threefold", "dp-outer"), default="threefold",
+                   help="how ranks are laid out on the network: threefold's mesh (pp "
+                   "outermost, tp innermost) or dp-outer (Llama 3's [TP, CP, PP, DP]: "
+                   "pipelines inside a pod, data parallelism across), for published runs")
     p.add_argument("--top", type=int, default=5, help="layouts to show")
     p.add_argument("--tp", type=_int_list, help="only these tp degrees (comma list)")
     p.add_argument("--pp", type=_int_list, help="only these pp degrees")
@@ -251,10 +260,11 @@ def _setup(args):
     splits = _choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform"))
     _refuse_degrees(cfg, args)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
-                    precision=args.precision, flash_attention=args.attention == "flash")
+                    precision=args.precision, flash_attention=args.attention == "flash",
+                    block=args.block)
     record = _hardware_record(args)
     cluster = Cluster(_hardware(args, record), args.gpus, min(args.gpus_per_node, args.gpus),
-                      _levels(args, record))
+                      _levels(args, record), mesh_order=args.mesh_order)
     space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
                         cp_algorithm=algorithms, ep=args.ep,
@@ -343,7 +353,16 @@ def main(argv: list[str]) -> int:
         summary = _summary(result)
         if summary:
             print(summary)
-        for note in result.notes + moe_notes(cfg, top):
+        notes = result.notes + moe_notes(cfg, top)
+        if cluster.mesh_order != "threefold":
+            notes.append(f"mesh order {cluster.mesh_order}: not threefold's runtime's (pp, "
+                         "dp_replicate, dp_shard, cp, tp outermost first); for comparing "
+                         "with a published run")
+        if work.block != "threefold":
+            notes.append(f"activations of a {work.block} block, not threefold's own "
+                         "(which keeps more: fp32 norm copies, whole inputs under sequence "
+                         "parallelism, four SwiGLU tensors)")
+        for note in notes:
             print(f"note: {note}")
     if not result.fits:
         print("threefold plan: no layout fits; " + (_summary(result).splitlines() or [""])[0],

@@ -167,6 +167,9 @@ class Cluster:
     num_gpus: int
     gpus_per_node: int
     levels: tuple[Level, ...] = ()
+    # how ranks are laid out on the GPUs, one of ``plan.topology.MESH_ORDERS``: "threefold"
+    # (the runtime's mesh, pp outermost) or "dp-outer" (Llama 3's [TP, CP, PP, DP])
+    mesh_order: str = "threefold"
 
     def topology(self) -> tuple[Level, ...]:
         """The levels, innermost first: ``levels`` or (NVLink node, network)."""

@@ -5,6 +5,7 @@ loses to the best (``explain``).
 from __future__ import annotations
 
 from threefold.plan.candidates import Candidate, PlanResult
+from threefold.plan.step import OVERLAP_RULES
 
 # --------------------------------------------------------------------------------------------
 # Explaining and printing
@@ -13,7 +14,7 @@ def _terms(c: Candidate) -> dict[str, float]:
     s = c.step
     return {"compute": s.compute_s, "bubble": s.bubble_s, "tp comm": s.tp_exposed_s,
             "pp comm": s.pp_exposed_s, "cp comm": s.cp_exposed_s, "ep comm": s.ep_exposed_s,
-            "dp comm": s.dp_exposed_s}
+            "dp comm": s.dp_exposed_s, "optimizer": s.optimizer_s + s.offload_s}
 
 
 def exposed_breakdown(c: Candidate) -> str:
@@ -32,6 +33,15 @@ def exposed_breakdown(c: Candidate) -> str:
     if s.optimizer_s or s.offload_s:
         parts.append(f"optimizer {s.optimizer_s + s.offload_s:.3f}")
     return f"step {s.step_time_s:.3f} s = " + " + ".join(parts) + " (exposed, s per step)"
+
+
+def overlap_lines(c: Candidate) -> list[str]:
+    """The overlap model of ``c``'s slowest stage, stated: per axis and collective, what it
+    hides behind (``plan.step.OVERLAP_RULES``), its seconds per step and how many of them are
+    exposed (biggest first; those under 0.5 ms left out)."""
+    rows = sorted(c.step.overlap, key=lambda r: -r[3])
+    return [f"{axis} {op}: {total:.3f} s behind {OVERLAP_RULES.get(rule, rule)}"
+            f" -> {left:.3f} exposed" for axis, op, rule, total, left in rows if total >= 5e-4]
 
 
 def explain(best: Candidate, other: Candidate) -> str:
@@ -144,6 +154,7 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
             lines.append(f"{'':>6}! {w}")
         if explain_all:
             lines.append(f"{'':>6}{exposed_breakdown(c)}")
+            lines.extend(f"{'':>8}{x}" for x in overlap_lines(c))
         if explain_all and i > 1:
             lines.append(f"{'':>6}why not best: {explain(cands[0], c)}")
     return "\n".join(lines)

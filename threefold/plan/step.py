@@ -104,6 +104,21 @@ class StepPrediction:
     ep_exposed_s: float = 0.0
     # (axis, topology level its groups stay inside) for each axis of size > 1
     axis_levels: tuple[tuple[str, str], ...] = ()
+    # the overlap model, stated: (axis, op, what hides it, seconds per step in all, seconds
+    # of it exposed) for each kind of collective of the slowest stage (``OVERLAP_RULES``)
+    overlap: tuple[tuple[str, str, str, float, float], ...] = ()
+
+
+# What each collective's ``overlap`` tag (threefold.accounting.traffic) hides behind.
+OVERLAP_RULES = {
+    "none": "nothing: on the critical path",
+    "forward": "its microbatch's forward, but for the first bucket",
+    "backward": "its microbatch's backward, but for the last bucket",
+    "last": "the last microbatch's backward, but for the last bucket",
+    "step": "nothing: after the last backward",
+    "attention-forward": "one block's attention per hop",
+    "attention-backward": "one block's attention per hop (dK/dV hops wait)",
+}
 
 
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
@@ -151,11 +166,13 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         colls = collectives(cfg, layout, work, st)
         lists.append(colls)
         windows = (t_f, t_b) if overlap_grad_reduce else (0.0, 0.0)
+        ledger: dict = {}
         exposed, step_dp = _exposed_comm(colls, links, *windows, bucket_bytes,
-                                         _attention_block_seconds(cfg, layout, work, rate))
+                                         _attention_block_seconds(cfg, layout, work, rate),
+                                         ledger)
         per_mb[st] = t_f + t_b + sum(exposed.values())
         per_step[st] = step_dp
-        parts[st] = (t_f + t_b, exposed, t_b / t_f)
+        parts[st] = (t_f + t_b, exposed, t_b / t_f, ledger)
     slow = max(per_mb, key=per_mb.get)
     mean = sum(per_mb[s] * _stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
     ratio, source = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
@@ -172,7 +189,10 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     if layout.offload_optimizer:
         opt_s, off_s = offload_step_seconds(cfg, layout, work, cluster)
     step = ideal + bubble + dp_step + opt_s + off_s
-    comp, exp, _ = parts[slow]
+    comp, exp, _, ledger = parts[slow]
+    stated = tuple((axis, op, rule, tot * (1 if rule in ("last", "step") else m),
+                    left * (1 if rule in ("last", "step") else m))
+                   for (axis, op, rule), (tot, left) in ledger.items())
     n = layout.world
     mf = model_flops_per_step(cfg, work)
     hf = hw_flops * m * layout.tp * layout.dp * layout.cp
@@ -187,7 +207,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         inter_node_axes=tuple(a for a in COMM_AXES if inter[a]), cp_exposed_s=m * exp["cp"],
         ep_exposed_s=m * exp["ep"],
         axis_levels=tuple((a, links[a].level) for a in MESH_ORDER + ("ep",)
-                          if layout.size(a) > 1))
+                          if layout.size(a) > 1), overlap=stated)
 
 
 def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
@@ -224,15 +244,27 @@ def call_time(c: Collective, where: Placement, size: float | None = None) -> flo
 
 
 def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
-                  bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0)
-                  ) -> tuple[dict[str, float], float]:
+                  bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0),
+                  ledger: dict | None = None) -> tuple[dict[str, float], float]:
     """({tp, pp, cp, ep, dp}: exposed seconds per microbatch, exposed dp seconds once per step)
     for one stage, applying the overlap rules of ``predict_step``; ``attention_block`` is
-    the (forward, backward) time a ring hop may hide behind."""
+    the (forward, backward) time a ring hop may hide behind. ``ledger`` (if given) receives
+    {(axis, op, overlap tag): [seconds, exposed seconds]}, per microbatch for the tags that
+    repeat each microbatch, per step for "last" and "step"; a window's exposure is shared
+    among the collectives behind it in proportion to their time."""
+    ledger = {} if ledger is None else ledger
+
+    def note(c: Collective, total: float, left: float) -> None:
+        """Add to ``ledger``."""
+        rec = ledger.setdefault((c.axis, c.op, c.overlap), [0.0, 0.0])
+        rec[0] += total
+        rec[1] += left
+
     exposed = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0, "dp": 0.0}
     step_dp = 0.0
     groups: dict[tuple[str, str], float] = {}
     tails: dict[tuple[str, str], float] = {}
+    members: dict[tuple[str, str], list[tuple[Collective, float]]] = {}
     for c in colls:
         if c.overlap == "hidden":
             continue
@@ -242,13 +274,17 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
         if c.overlap.startswith("attention-"):  # each hop behind one block's attention
             window = attention_block[0 if c.overlap == "attention-forward" else 1]
             exposed[kind] += c.count * max(0.0, one - window)
+            note(c, one * c.count, c.count * max(0.0, one - window))
         elif c.overlap == "none":
             exposed[kind] += one * c.count
+            note(c, one * c.count, one * c.count)
         elif c.overlap == "step":
             step_dp += one * c.count
+            note(c, one * c.count, one * c.count)
         else:
             key = (kind, c.overlap)
             groups[key] = groups.get(key, 0.0) + one * c.count
+            members.setdefault(key, []).append((c, one * c.count))
             tails[key] = max(tails.get(key, 0.0),
                              call_time(c, where, min(c.size, bucket_bytes)))
     for (kind, overlap), total in groups.items():
@@ -258,6 +294,8 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
             step_dp += left
         else:
             exposed[kind] += left
+        for c, t in members[(kind, overlap)]:
+            note(c, t, left * t / total if total else 0.0)
     return exposed, step_dp
 
 

@@ -1,12 +1,23 @@
-"""Where each mesh axis runs: the topology level its groups span, by mesh order.
+"""Where each mesh axis runs: the topology level its groups span, by mesh order, and the
+bandwidth its collectives get there.
 
-Ranks are laid out as the mesh orders its axes (pp, dp_replicate, dp_shard, cp, tp; tp
-innermost, ``threefold.accounting.MESH_ORDER``), and a cluster's levels hold consecutive rank
-ranges: the NVLink domain (a node), then e.g. a rack or leaf, a pod, the spine. A group of an
-axis covers ``stride · size`` consecutive ranks (``axis_stride``); it stays inside the
-innermost level whose size that span fits in and tiles. Its collectives then run at that
-level's per-GPU bandwidth (divided by its oversubscription) and latency, and with ``per_node``
-of its ranks in each node (> 1: the hierarchical algorithm applies, ``plan.collectives``).
+Ranks are laid out as the mesh orders its axes: threefold's runtime (pp, dp_replicate,
+dp_shard, cp, tp, outermost first; tp innermost, ``threefold.accounting.MESH_ORDER``), or for
+a published system another order (``MESH_ORDERS``: "dp-outer" is Llama 3's [TP, CP, PP, DP],
+innermost first, arXiv 2407.21783 §3.3.2). A cluster's levels hold consecutive rank ranges:
+the NVLink domain (a node), then e.g. a rack or leaf, a pod, the spine. A group of an axis
+covers ``span`` consecutive ranks (its outermost part's stride times its size); it stays
+inside the innermost level whose size that span fits in and tiles. Its collectives then run
+at that level's per-GPU bandwidth and latency, and with ``per_node`` of its ranks in each
+node (> 1: the hierarchical algorithm applies, ``plan.collectives``).
+
+Oversubscription is a property of the uplinks, not of every flow: at 1:o the links leaving
+each block of the level below (a pod of C GPUs) carry C/o GPUs' worth of line rate. A group
+with neighbours ``stride`` ranks apart has, in a ring (or a pipeline send), one flow per
+group leaving each block, and min(stride, C) groups pass through a block, so the flows out
+of a block ask for min(stride, C) GPUs' line rate: each gets the line rate divided by
+max(1, o·min(stride, C)/C) — 1:o only when every GPU's traffic leaves the block (stride ≥
+C), nothing when few groups cross (dp outermost over 128-GPU pipelines: 128·7 < 3072).
 
 Levels come from ``Cluster.levels``: from a ``--hardware-file`` with a ``levels`` list, or
 from a catalogue cluster (``CLUSTERS``).
@@ -14,12 +25,19 @@ from a catalogue cluster (``CLUSTERS``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout
-from threefold.accounting.traffic import axis_stride
+from threefold.accounting.shapes import EXPERT_AXES, FLATTENED_AXES, MESH_ORDER
 from threefold.plan.collectives import Link
 from threefold.plan.hardware import GB, Cluster, Level
+
+
+MESH_ORDERS: dict[str, tuple[str, ...]] = {
+    "threefold": MESH_ORDER,  # pp, dp_replicate, dp_shard, cp, tp (outermost first)
+    "dp-outer": ("dp_replicate", "dp_shard", "pp", "cp", "tp"),  # Llama 3's [TP, CP, PP, DP]
+}
 
 
 @dataclass(frozen=True)
@@ -31,14 +49,36 @@ class Placement:
     link: Link
     intra: Link  # the node's link (for the hierarchical algorithm)
     per_node: int
+    contention: float = 1.0  # the level's oversubscription as this axis's flows feel it
+
+
+def stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = MESH_ORDER
+                    ) -> tuple[int, int]:
+    """(rank distance between neighbours of ``axis``, consecutive ranks one group covers) when
+    ranks are laid out in ``order`` (outermost first). A flattened axis ("dp", "dp_cp",
+    "dp_shard_cp") takes its innermost part's stride and its outermost part's reach; the
+    expert axes divide dp_shard as ``threefold.mesh`` does (ep its innermost ranks)."""
+    def stride(a: str) -> int:
+        return math.prod(layout.size(x) for x in order[order.index(a) + 1:])
+
+    if axis in EXPERT_AXES:
+        base = stride("dp_shard")
+        if axis == "ep":
+            return base, base * layout.ep
+        if axis == "edp_shard":
+            return base * layout.ep, base * layout.dp_shard
+        return base * layout.ep, max(base * layout.dp_shard,
+                                     stride("dp_replicate") * layout.dp_replicate)
+    parts = [a for a in FLATTENED_AXES.get(axis, (axis,)) if layout.size(a) > 1] \
+        or [FLATTENED_AXES.get(axis, (axis,))[-1]]
+    return min(stride(a) for a in parts), max(stride(a) * layout.size(a) for a in parts)
 
 
 def place(layout: Layout, axis: str, cluster: Cluster) -> Placement:
     """Where ``axis``'s groups run on ``cluster`` (see the module docstring)."""
     levels = cluster.topology()
     size = layout.size(axis)
-    stride = axis_stride(layout, axis)
-    span = stride * size
+    stride, span = stride_and_span(layout, axis, MESH_ORDERS[cluster.mesh_order])
     node = levels[0]
     intra = Link(node.latency_s, node.effective_bandwidth)
     index = len(levels) - 1
@@ -51,9 +91,14 @@ def place(layout: Layout, axis: str, cluster: Cluster) -> Placement:
                 index = i
                 break
     lvl = levels[index]
+    contention = 1.0
+    if index > 0 and lvl.oversubscription > 1:
+        block = levels[index - 1].gpus or cluster.num_gpus
+        contention = min(lvl.oversubscription,
+                         max(1.0, lvl.oversubscription * min(stride, block) / block))
     per_node = max(1, min(size, node.gpus // stride)) if stride < node.gpus else 1
-    return Placement(lvl.name, index, Link(lvl.latency_s, lvl.effective_bandwidth), intra,
-                     per_node)
+    return Placement(lvl.name, index, Link(lvl.latency_s, lvl.bandwidth / contention), intra,
+                     per_node, contention)
 
 
 def levels_from_record(record: list[dict], gpus_per_node: int) -> tuple[Level, ...]:
