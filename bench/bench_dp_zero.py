@@ -77,7 +77,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (peak_rss_bytes, relaunch_with_torchrun, report,  # noqa: E402
-                          start_peak_rss_window, under_torchrun)
+                          spread, start_peak_rss_window, under_torchrun)
 from threefold import accounting as cost  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 from threefold.data import BatchSampler, prepare_data  # noqa: E402
@@ -467,16 +467,11 @@ def speed_report(cfg, world: int, psi: int, ranks: list[dict], configs=CONFIGS,
 
 
 def print_spread(name: str, ratios: list[float], overall: float) -> None:
-    """The ratio's spread over the timed steps (each step one round of every
-    configuration): median, quartiles, min and max, one line and one JSON line."""
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    print(f"{name} ratio: median {statistics.median(ratios):.3f}, over all steps "
-          f"{overall:.3f}; spread over {len(ratios)} steps: quartiles {q[0]:.3f}-{q[2]:.3f}, "
-          f"min {min(ratios):.3f}, max {max(ratios):.3f}")
-    print(json.dumps({"benchmark": f"{name}_spread", "overall": overall,
-                      "median": statistics.median(ratios), "q1": q[0], "q3": q[2],
-                      "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}),
-          flush=True)
+    """The ratio over all timed steps next to its per-step spread (``bench.common.spread``,
+    the quartiles ``report`` printed), one line and one JSON line."""
+    sp = spread(ratios)
+    print(f"{name} ratio: median {sp['median']:.3f}, over all steps {overall:.3f}")
+    print(json.dumps({"benchmark": f"{name}_spread", "overall": overall, **sp}), flush=True)
 
 
 def main() -> None:

@@ -124,3 +124,55 @@ def test_bf16_autocast_trains_close_to_fp32(corpus, cache_dir, tmp_path):
     assert b != a  # really ran in bf16
     assert b == pytest.approx(a, rel=2e-2)  # but computes the same function
     assert s["peak_flops_source"] == "cpu-matmul-probe"
+
+
+def _host_reads_in_step(run, step: int) -> list[tuple[int, str]]:
+    """(op index, phase) of every read of a tensor's value by the host (``.item()``,
+    ``float()``, ``int()``, ``bool()`` all dispatch ``aten._local_scalar_dense``) during one
+    ``train_step``, AdamW's step counters excepted (torch keeps them on the host by design,
+    so reading them never waits for a device). The phase says whether the read came before
+    the step's first forward matmul, between it and the optimiser's last update, or after."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from threefold.train import train_step
+
+    counters = {id(st["step"]) for st in run.engine.optimizer.state.values()}
+    ops: list[tuple[str, bool]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            counter = any(id(a) in counters for a in args if isinstance(a, torch.Tensor))
+            ops.append((name, counter))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        train_step(run, step)
+    first_mm = next(i for i, (n, _) in enumerate(ops) if n in ("mm", "bmm", "addmm"))
+    # the optimiser's last in-place update of a parameter: AdamW ends with addcdiv_
+    last_update = max(i for i, (n, _) in enumerate(ops) if n == "addcdiv_")
+    reads = [i for i, (n, c) in enumerate(ops) if n == "_local_scalar_dense" and not c]
+    return [(i, "before" if i < first_mm else "after" if i > last_update else "during")
+            for i in reads]
+
+
+@pytest.mark.parametrize("clip", [1.0, 1e-4, 0.0])
+def test_one_host_read_per_step_after_the_optimizer(corpus, cache_dir, tmp_path, clip):
+    """Nothing in forward, backward, clipping or the optimiser waits for the device: the
+    token count is read from the host batch before the forward, and the loss, the gradient
+    norm and the task's metrics come back in one read after the optimiser step, whether
+    clipping scales the gradients (1e-4), may leave them (1.0) or is off (0)."""
+    from threefold.train import build_run, train_step
+
+    cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "r",
+                                           optim__grad_clip=clip))
+    run = build_run(cfg)
+    for s in range(2):  # AdamW's state exists after the first step
+        train_step(run, s)
+    reads = _host_reads_in_step(run, 2)
+    assert [p for _, p in reads if p == "during"] == []
+    assert len([p for _, p in reads if p == "before"]) <= 1  # the batch's token count
+    assert 1 <= len([p for _, p in reads if p == "after"]) <= 3  # loss, norm (one copy)
+    # and the step still logs what it did: the norm is the gradient's, clipped or not
+    loss, norm, _ = train_step(run, 3)
+    assert math.isfinite(loss) and norm > 0

@@ -297,7 +297,17 @@ def train_step(run: Run, step: int, trace: list | None = None
         norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
     with timed("optimizer step"):
         eng.step(lr_at(step, run.cfg))
-    metrics = {k: lay.sum_over_dp(extras[k]) / n for k in run.task.metric_names if k in extras}
+    # one read from the device for what the step logs: the loss, the norm and the task's
+    # metrics come back together (a single host sync per step; clipping kept the norm on
+    # the device), then the sums over data-parallel ranks are one all-reduce on the host
+    names = [k for k in run.task.metric_names if k in extras]
+    logged = torch.stack([loss_sum.detach().double().reshape(()),
+                          torch.as_tensor(norm).detach().double().reshape(()).to(loss_sum.device)]
+                         + [extras[k].double().reshape(()).to(loss_sum.device) for k in names])
+    logged = logged.cpu()
+    norm = float(logged[1])
+    summed = _sum_over_dp(lay, torch.cat([logged[:1], logged[2:]]))
+    metrics = {k: float(v) / n for k, v in zip(names, summed[1:].tolist())}
     if router is not None:  # sums over the data-parallel ranks (and pipeline stages)
         metrics.update(router.metrics(n, lambda v: _sum_router(lay, v, scalar=True),
                                       lambda v: _sum_router(lay, v)))
@@ -306,7 +316,7 @@ def train_step(run: Run, step: int, trace: list | None = None
     step_metrics = getattr(run.task, "step_metrics", None)
     if step_metrics is not None:  # figures of the step as a whole (GRPO's rewards)
         metrics.update(step_metrics())
-    return lay.sum_over_dp(loss_sum), norm, metrics
+    return float(summed[0]), norm, metrics
 
 
 def _sum_router(lay, v: torch.Tensor, scalar: bool = False):

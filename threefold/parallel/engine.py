@@ -16,7 +16,6 @@ training loop drives every layout with the same five calls:
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Iterator
 
 import torch
@@ -45,11 +44,12 @@ def sq_norm(g: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square()
 
 
-def global_sq_norm(parts: torch.Tensor, comm, shard_axis: str | None = None) -> float:
+def global_sq_norm(parts: torch.Tensor, comm, shard_axis: str | None = None) -> torch.Tensor:
     """Squared global gradient norm from local [tp-sharded, tp-replicated] sums of squares:
     both summed over ``shard_axis`` (ranks holding disjoint ZeRO shards) and over pipeline
     stages, the sharded part
-    also over tp (each tp rank holds a different slice); replicated parts count once."""
+    also over tp (each tp rank holds a different slice); replicated parts count once. A
+    0-dim tensor on the gradients' device: nothing is read back to the host here."""
     if comm is not None and shard_axis and comm.size(shard_axis) > 1:
         comm.all_reduce(parts, shard_axis)
     if comm is not None and comm.size("pp") > 1:  # each stage holds different weights
@@ -57,17 +57,17 @@ def global_sq_norm(parts: torch.Tensor, comm, shard_axis: str | None = None) -> 
     sharded = parts[0:1].clone()
     if comm is not None and comm.size("tp") > 1:
         comm.all_reduce(sharded, "tp")
-    return float(sharded[0] + parts[1])
+    return sharded[0] + parts[1]
 
 
-def clip_to(grads: list[torch.Tensor], total: float, max_norm: float) -> None:
-    """Scale ``grads`` so that a global norm of ``total`` becomes at most ``max_norm``
-    (0 = no clipping), as torch's clip_grad_norm_ does."""
-    if max_norm > 0:
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+def clip_to(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` so that a global norm of ``total`` (a 0-dim tensor) becomes at most
+    ``max_norm`` (0 = no clipping), as torch's clip_grad_norm_ does: by the clamped
+    coefficient min(1, max_norm / (total + 1e-6)) kept on the device, so clipping needs no
+    host read (multiplying by exactly 1 changes nothing)."""
+    if max_norm > 0 and grads:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].dtype)
+        torch._foreach_mul_(grads, coef)
 
 
 class OptimizerSlot:
@@ -160,11 +160,12 @@ class LocalEngine:
             p.grad = torch.zeros_like(p)
         return p.grad
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 norm of the gradient; scale gradients so it is at most ``max_norm``
-        (0 = measure only). A parameter marked ``_tied_replica`` (a copy of a weight held by
-        another pipeline stage) is counted there, not here."""
-        total = math.sqrt(global_sq_norm(self.sq_norm_parts(), self.comm))
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the gradient (a 0-dim tensor on the device: the trainer reads
+        it with the loss, one host sync per step); scale gradients so it is at most
+        ``max_norm`` (0 = measure only). A parameter marked ``_tied_replica`` (a copy of a
+        weight held by another pipeline stage) is counted there, not here."""
+        total = global_sq_norm(self.sq_norm_parts(), self.comm).sqrt()
         clip_to([p.grad for _, p in self.named_params if p.grad is not None], total, max_norm)
         return total
 

@@ -332,11 +332,11 @@ class ZeroEngine:
             unit.shard.grad = torch.zeros_like(unit.shard)
         return unit.shard.grad
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global norm from the shards (padding is zero), summed over the shard axis; tp
         slices summed over tp, tp-replicated parameters counted once."""
         parts = sum(unit.shard_sq_norm_parts() for unit in self.all_units)
-        total = math.sqrt(global_sq_norm(parts, self.comm, self.shard_axis))
+        total = global_sq_norm(parts, self.comm, self.shard_axis).sqrt()
         clip_to([u.shard.grad for u in self.all_units], total, max_norm)
         return total
 
