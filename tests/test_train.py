@@ -176,3 +176,27 @@ def test_one_host_read_per_step_after_the_optimizer(corpus, cache_dir, tmp_path,
     # and the step still logs what it did: the norm is the gradient's, clipped or not
     loss, norm, _ = train_step(run, 3)
     assert math.isfinite(loss) and norm > 0
+
+
+def test_host_allocator_setting(monkeypatch):
+    """CPU runs ask glibc to keep freed blocks below the threshold for reuse; 0 leaves glibc
+    alone, a user's MALLOC_MMAP_THRESHOLD_ wins, and a negative value is refused by name."""
+    import sys
+
+    from threefold.config import ConfigError
+    from threefold.hostmem import reuse_freed_host_memory
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert reuse_freed_host_memory(0) is False
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6").mallopt
+        except (OSError, AttributeError):
+            pytest.skip("not glibc")
+        assert reuse_freed_host_memory(256) is True
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
+    assert reuse_freed_host_memory(256) is False
+    with pytest.raises(ConfigError, match="train.host_mmap_threshold_mb"):
+        load_config(None, [("train.host_mmap_threshold_mb", "-1")])

@@ -231,6 +231,9 @@ class TrainConfig:
     dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (autocast; fp32 master)")
     activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
     compile: bool = _f(False, "torch.compile each block")
+    host_mmap_threshold_mb: float = _f(256.0, "CPU runs: glibc keeps freed blocks below this "
+                                       "many MiB for reuse instead of mapping fresh pages "
+                                       "each step (threefold/hostmem.py); 0 = glibc's default")
     device: str = _f("auto", "auto, cpu or cuda")
     output_dir: str = _f("runs/default", "where metrics, summary and checkpoints go")
     log_interval: int = _f(10, "print a line every this many steps")
@@ -463,6 +466,8 @@ def validate(cfg: Config) -> None:
     _need(p.microbatches >= 0, f"parallel.microbatches: must be >= 0, got {p.microbatches}")
     _need(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
     _need(t.steps >= 0, f"train.steps: must be >= 0, got {t.steps}")
+    _need(t.host_mmap_threshold_mb >= 0, "train.host_mmap_threshold_mb: must be >= 0 (0 = "
+          f"glibc's default), got {t.host_mmap_threshold_mb}")
     _need(t.preemption_grace_s >= 0,
           f"train.preemption_grace_s: must be >= 0 (0 = off), got {t.preemption_grace_s}")
     _need(t.global_batch_size >= 1, f"train.global_batch_size: must be >= 1, got "

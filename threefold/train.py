@@ -131,6 +131,10 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     if cfg.train.eval_batches * cfg.train.global_batch_size == 0:
         raise ConfigError("train.eval_batches: must be positive")
     device = pick_device(cfg, layout.local_rank)
+    if device.type == "cpu":  # reuse the step's large blocks instead of faulting in new pages
+        from threefold.hostmem import reuse_freed_host_memory
+
+        reuse_freed_host_memory(cfg.train.host_mmap_threshold_mb)
     dtype = compute_dtype(cfg, device)
     pretrained = _pretrained(cfg) if cfg.checkpoint.init_from else None
     data = layout.first_rank_first(lambda: prepare_data(cfg.data))
