@@ -117,6 +117,26 @@ def test_llama3_405b_published_tp_pp_in_the_top_5(row):
     assert (8, 16) in distinct[:5], distinct[:5]
 
 
+def test_llama3_405b_default_search_ranks_pp16_in_the_top_5():
+    """The motivating command as a new user types it (threefold's own block and mesh order,
+    every feature searched): pipelines whose degree does not divide the 126 layers are
+    evaluated, and Meta's (tp 8, pp 16) is among the 5 best distinct (tp, pp), each of them
+    with tp inside the node."""
+    from threefold.plan.topology import CLUSTERS, levels_from_record
+
+    cluster = Cluster(get_hardware("h100"), 16384, 8,
+                      levels_from_record(CLUSTERS["llama3-24k"], 8))
+    work = Workload(seq_len=8192, global_batch=2048)
+    ranked = search(load_model("llama3-405b"), cluster, work, SearchSpace(), keep=80).ranked
+    distinct: list[tuple[int, int]] = []
+    for c in ranked:
+        if (c.layout.tp, c.layout.pp) not in distinct:
+            distinct.append((c.layout.tp, c.layout.pp))
+    assert (8, 16) in distinct[:5], distinct[:5]
+    assert all(tp <= 8 for tp, _ in distinct[:5])
+    assert any(126 % (c.layout.pp * c.layout.vpp) for c in ranked if c.layout.pp > 1)
+
+
 def test_megatron_block_is_korthikantis_count_adapted_to_llama():
     """Per token per layer for Llama 3 405B at tp 8 with sequence parallelism, bf16, flash
     attention: 16-bit norm inputs and sharded sub-layer inputs 4·2·h/t, Q and the attention

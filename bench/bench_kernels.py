@@ -1,0 +1,170 @@
+"""The kernel-level choices of the default run's step, each against its alternative at the
+default run's shapes (tiny preset: 8 x 256 tokens, hidden 256, SwiGLU 688, 8 query / 4 key-value
+heads of 32, vocabulary 4096), forward and backward, fp32, on this machine's CPU threads.
+
+    python3 bench/bench_kernels.py [--rounds 5] [--reps 10] [--threads 2]
+    python3 bench/bench_kernels.py --reuse-host-memory   # with threefold's glibc setting
+
+Issue 16 item 2 named fused projections, SDPA paths and fewer copies in the loss as levers;
+this is what each of them measures here, so that what the model does is a measured choice:
+
+- ``gate_up``: SwiGLU's gate and up projections as two matmuls (threefold, HF's layout) vs
+  one matmul of the concatenated weights (the fused kernel layout, split after);
+- ``qkv``: q, k and v projections as three matmuls vs one of the concatenated weights;
+- ``attention``: SDPA's flash kernel for CPU with grouped-query attention (threefold) vs
+  SDPA's math path (K/V repeated to every query head);
+- ``loss``: the head's matmul and ``F.cross_entropy`` (threefold) vs a fused summed
+  cross-entropy whose backward turns the saved log-softmax into the gradient in place (no
+  zero-filled buffer, no second pass).
+
+Each round times ``--reps`` forward+backward calls of both sides of every pair, alternating
+which goes first; the table gives each pair's ratio (alternative time / threefold time: above
+1 means threefold's choice is faster) per round, with its median and spread
+(``bench.common.report``). ``--reuse-host-memory`` first applies ``threefold.hostmem`` (the
+setting ``threefold train`` makes on a CPU), under which the 32 MiB logits buffers are reused
+rather than faulted in afresh every call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import report  # noqa: E402
+
+B, T, H, FF, HEADS, KV, D, V = 8, 256, 256, 688, 8, 4, 32, 4096
+
+
+class _FusedSumCrossEntropy(torch.autograd.Function):
+    """Summed token cross-entropy whose backward reuses the saved log-softmax in place."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        lsm = torch.log_softmax(logits, dim=-1)
+        loss = -lsm.gather(-1, labels[:, None]).sum()
+        ctx.save_for_backward(lsm, labels)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        lsm, labels = ctx.saved_tensors
+        grad = lsm.exp_()  # softmax, in the saved buffer
+        grad.scatter_add_(-1, labels[:, None], torch.full_like(labels[:, None], -1,
+                                                               dtype=grad.dtype))
+        return grad.mul_(g), None
+
+
+def _pairs():
+    """{name: (threefold's callable, the alternative's callable)}, each returning a scalar
+    to backpropagate from, on fixed random tensors (which accumulate gradients)."""
+    g = torch.Generator().manual_seed(0)
+
+    def param(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=g) * scale).requires_grad_()
+
+    x = torch.randn(B, T, H, generator=g).requires_grad_()
+    wg, wu, wd = param(FF, H), param(FF, H), param(H, FF)
+    wq, wk, wv = param(HEADS * D, H), param(KV * D, H), param(KV * D, H)
+    q = torch.randn(B, HEADS, T, D, generator=g).requires_grad_()
+    k = torch.randn(B, KV, T, D, generator=g).requires_grad_()
+    v = torch.randn(B, KV, T, D, generator=g).requires_grad_()
+    hid = torch.randn(B * T, H, generator=g).requires_grad_()
+    head = param(V, H)
+    labels = torch.randint(0, V, (B * T,), generator=g)
+
+    def mlp_sep():
+        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd).sum()
+
+    def mlp_fused():
+        gate, up = F.linear(x, torch.cat([wg, wu])).split(FF, dim=-1)
+        return F.linear(F.silu(gate) * up, wd).sum()
+
+    def qkv_sep():
+        return F.linear(x, wq).sum() + F.linear(x, wk).mean() + F.linear(x, wv).std()
+
+    def qkv_fused():
+        a, b, c = F.linear(x, torch.cat([wq, wk, wv])).split([HEADS * D, KV * D, KV * D], -1)
+        return a.sum() + b.mean() + c.std()
+
+    def attn_flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=True).sum()
+
+    def attn_math():
+        rep = HEADS // KV
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                                  v.repeat_interleave(rep, 1),
+                                                  is_causal=True).sum()
+
+    def loss_plain():
+        return F.cross_entropy(F.linear(hid, head).float(), labels, reduction="sum")
+
+    def loss_fused():
+        return _FusedSumCrossEntropy.apply(F.linear(hid, head).float(), labels)
+
+    # the two sides compute the same numbers: check once before timing
+    for a, b in ((mlp_sep, mlp_fused), (qkv_sep, qkv_fused), (attn_flash, attn_math),
+                 (loss_plain, loss_fused)):
+        va, vb = a().item(), b().item()
+        assert abs(va - vb) <= 1e-4 * max(1.0, abs(va)), (a.__name__, va, vb)
+    return {"gate_up": (mlp_sep, mlp_fused), "qkv": (qkv_sep, qkv_fused),
+            "attention": (attn_flash, attn_math), "loss": (loss_plain, loss_fused)}
+
+
+def _time(fn, reps: int) -> float:
+    """Median seconds of one forward+backward of ``fn`` over ``reps`` calls."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn().backward()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    """Time every pair over the rounds and print one table (and JSON line) per pair."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per side and round")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--reuse-host-memory", action="store_true",
+                    help="apply threefold.hostmem first, as threefold train does on a CPU")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.reuse_host_memory:
+        from threefold.hostmem import reuse_freed_host_memory
+
+        print("host memory reuse:", reuse_freed_host_memory(256.0))
+    pairs = _pairs()
+    for ours, alt in pairs.values():  # warm-up
+        _time(ours, 2), _time(alt, 2)
+    rows: dict[str, list[dict]] = {name: [] for name in pairs}
+    for r in range(args.rounds):
+        for name, (ours, alt) in pairs.items():
+            first, second = (ours, alt) if r % 2 == 0 else (alt, ours)
+            t = {first: _time(first, args.reps), second: _time(second, args.reps)}
+            rows[name].append({"round": r, "threefold_ms": 1e3 * t[ours],
+                               "alternative_ms": 1e3 * t[alt], "ratio": t[alt] / t[ours]})
+    print(f"bench_kernels: {args.threads} threads, {args.rounds} rounds of {args.reps} calls; "
+          "ratio = alternative / threefold (above 1: threefold's choice is faster)")
+    for name in pairs:
+        print(f"\n{name}: threefold = {pairs[name][0].__name__}, alternative = "
+              f"{pairs[name][1].__name__}")
+        report(f"kernels_{name}", rows[name], "ratio", 1.0)
+    print(json.dumps({"benchmark": "kernels", "threads": args.threads,
+                      "reuse_host_memory": args.reuse_host_memory}))
+
+
+if __name__ == "__main__":
+    main()
