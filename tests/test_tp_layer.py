@@ -50,9 +50,9 @@ def block_saved_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ffn: in
     term to this block (RMSNorm, RoPE, GQA with k kv heads, SwiGLU of width f, no dropout), as
     measured:
 
-    - each RMSNorm keeps its input x, the normalised x·rsqrt(mean x²) (plain-PyTorch RMSNorm:
-      the weight's gradient needs it; a fused kernel would not keep it) and 1/rms (fp32, s·b):
-      2·(2d·sbh + 4·sb), split over the sequence under SP;
+    - each RMSNorm (``threefold.kernels.rms_norm``) keeps its input x and 1/rms (fp32, s·b),
+      recomputing the normalised x in backward: 2·(d·sbh + 4·sb), split over the sequence
+      under SP;
     - the column-parallel linears keep their input, the norm's output: 2·d·sbh. Under SP this is
       the all-gathered (b, s, h) tensor, so it stays whole (Korthikanti instead keep the shard
       and all-gather again in backward, §4.2.2; threefold does not);
@@ -62,26 +62,27 @@ def block_saved_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ffn: in
     - the a·s/h term: torch's CPU SDPA with ``is_causal`` is the flash kernel, which keeps the
       fp32 log-sum-exp per head and query, 4·a·s·b bytes, never the s×s scores: 5as/h per
       sbh becomes 4a/h (independent of s);
-    - SwiGLU keeps gate(x), silu(gate(x)), up(x) and their product: 4·d·s·b·f (GPT: 2 tensors
-      of 4h, 16·sbh);
+    - SwiGLU (``threefold.kernels.swiglu``) keeps gate(x), up(x) and their product (the down
+      projection's input), recomputing silu(gate(x)): 3·d·s·b·f (GPT: 2 tensors of 4h,
+      16·sbh);
     - all of attention and MLP is split over tp; with kv heads replicated (k < t) each rank
       keeps kv_replicas·k/t of K and V.
     """
     sbh, sb = s * b * h, s * b
-    norms = 2 * (2 * d * sbh + 4 * sb)
+    norms = 2 * (d * sbh + 4 * sb)
     linear_inputs = 2 * d * sbh
     attention = d * sbh * 2 + 2 * d * sb * (h // heads) * kv_heads * kv_replicas
     attention += 4 * heads * sb  # log-sum-exp
-    mlp = 4 * d * sb * ffn
+    mlp = 3 * d * sb * ffn
     return norms // (t if sp else 1) + linear_inputs + (attention + mlp) // t
 
 
 def planner_gap_bytes(s: int, b: int, h: int, t: int, sp: bool, d: int = 4) -> int:
     """What ``plan.activations.layer_activation_bytes`` does not count and this block keeps
-    (see ``test_memory_planner_formula``): the normalised input and 1/rms of both RMSNorms,
-    and under SP the whole all-gathered inputs of the linears instead of their 1/t shards."""
+    (see ``test_memory_planner_formula``): the 1/rms of both RMSNorms, and under SP the whole
+    all-gathered inputs of the linears instead of their 1/t shards."""
     sbh, sb = s * b * h, s * b
-    norm_extra = 2 * (d * sbh + 4 * sb) // (t if sp else 1)
+    norm_extra = 2 * 4 * sb // (t if sp else 1)
     gathered_extra = 2 * d * sbh - 2 * d * sbh // t if sp else 0
     return norm_extra + gathered_extra
 
@@ -285,17 +286,17 @@ def _memory_checks(t: int, res: dict, ranks: list, sp: bool) -> None:
         _planner_check(name, r["kv"], t, sp, r["saved"])
     none = res["tp"]["saved_unsharded"]
     # split over tp: attention (Q, K, V, output, log-sum-exp) and the SwiGLU tensors
-    split = D * sbh * (2 + 2 * KV / HEADS) + 4 * HEADS * sb + 4 * D * sb * FFN
-    norms = 2 * (2 * D * sbh + 4 * sb)
+    split = D * sbh * (2 + 2 * KV / HEADS) + 4 * HEADS * sb + 3 * D * sb * FFN
+    norms = 2 * (D * sbh + 4 * sb)
     tp = res["tp"]["saved"]
     if not sp:
         # TP keeps (t−1)/t of the split part off each rank and nothing else: at this shape
-        # (h = 64, f = 2h, k = a/2) 0.68 (t = 2) / 0.51 (t = 4) of the unsharded block's bytes
+        # (h = 64, f = 2h, k = a/2) 0.65 (t = 2) / 0.48 (t = 4) of the unsharded block's bytes
         assert none - tp == pytest.approx(split * (t - 1) / t, rel=REL_TOL)
         assert tp / none == pytest.approx(1 - split * (t - 1) / t / none, rel=REL_TOL)
     else:
         # SP then divides the norms' part by t; the linears' gathered inputs stay whole
-        # (Korthikanti's 34/t would divide them too): 0.56 (t = 2) / 0.34 (t = 4)
+        # (Korthikanti's 34/t would divide them too): 0.58 (t = 2) / 0.36 (t = 4)
         sp_bytes = res["tp_sp"]["saved"]
         assert tp - sp_bytes == pytest.approx(norms * (t - 1) / t, rel=REL_TOL)
         assert sp_bytes / none == pytest.approx((norms / t + 2 * D * sbh + split / t) / none,
@@ -307,15 +308,14 @@ def _planner_check(name: str, kv: int, tp: int, sp: bool, got: int) -> None:
 
     The planner's formula is Korthikanti's, adapted the same way for attention and SwiGLU, and
     agrees with the measurement except for what this block keeps that it does not count
-    (``planner_gap_bytes``): (1) each RMSNorm also keeps its normalised input and 1/rms
-    (+2·(d·sbh + 4·sb), /t under SP); (2) under SP the linears keep the whole all-gathered
+    (``planner_gap_bytes``): (1) each RMSNorm also keeps 1/rms (+2·4·sb, /t under SP); (2) under SP the linears keep the whole all-gathered
     input, not the 1/t shard (+2·d·sbh·(t−1)/t). If the planner or the block changes (e.g.
     tensor.py re-gathers the input in backward as Korthikanti §4.2.2 do), this says by how
     much, and ``planner_gap_bytes`` must change with it."""
     from threefold.plan import activations  # here: the planner changes, the rest need not wait
 
     planner = activations.layer_activation_bytes(
-        S, B, H, HEADS, kv, FFN, tp=tp, sequence_parallel=sp, dtype_bytes=D, mlp_tensors=4,
+        S, B, H, HEADS, kv, FFN, tp=tp, sequence_parallel=sp, dtype_bytes=D, mlp_tensors=3,
         flash_attention=True, kv_replicas=1 if kv % tp == 0 else tp // kv)
     gap = planner_gap_bytes(S, B, H, tp, sp, D)
     assert got == pytest.approx(planner + gap, rel=REL_TOL), (

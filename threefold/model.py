@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.kernels import rms_norm, swiglu
 from threefold.moe import SparseMoeBlock
 
 
@@ -35,7 +36,8 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich, arXiv 1910.07467): x / rms(x) · weight.
 
     Computed in fp32 and cast back before the weight is applied, as Hugging Face does, so bf16
-    activations lose no precision in the reduction."""
+    activations lose no precision in the reduction. Backward keeps the input and 1/rms only
+    (``threefold.kernels.rms_norm``), not autograd's fp32 copy and normalised input."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -44,10 +46,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension of ``x``."""
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         """Weight to ones."""
@@ -206,6 +205,19 @@ class LayerKV:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+def matmul_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` cast once to the autocast dtype when autocast is on and ``x`` is wider (the fp32
+    residual stream under bf16 autocast), else ``x``: the projections that read it (q, k, v;
+    gate, up) then share one saved copy for backward, where autocast would cast, and keep, a
+    copy per projection. The same values reach the matmuls either way."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        if x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+    return x
+
+
 class LlamaAttention(nn.Module):
     """Causal grouped-query self-attention (Ainslie et al., arXiv 2305.13245) with RoPE."""
 
@@ -227,6 +239,7 @@ class LlamaAttention(nn.Module):
         all of them under ``attn_mask`` (B, 1, T, cached + T) from ``KVCache.attention_mask``."""
         # Head counts come from what the projections return, so a tensor-parallel shard with
         # fewer local heads (or a replaced Linear) needs no change here.
+        x = matmul_input(x)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         b, t = q.shape[:2]
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -276,7 +289,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, h) -> (B, T, h)."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        x = matmul_input(x)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.kernels import swiglu
 
 
 @dataclass
@@ -104,7 +105,7 @@ class Experts(nn.Module):
             if n:
                 r = rows[start:start + n]
                 gate, up = F.linear(r, self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                outs.append(F.linear(swiglu(gate, up), self.down_proj[e]))
                 start += n
         if not outs:  # no rows at all: a zero that still reaches both tensors
             return rows.new_zeros(rows.shape) + 0.0 * (self.gate_up_proj.sum()
@@ -138,7 +139,7 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(f, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):

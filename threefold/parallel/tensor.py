@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from threefold.kernels import rms_norm
 from threefold.model import LlamaForCausalLM
 
 AXIS = "tp"
@@ -243,10 +244,7 @@ def _replicated_kv_forward(comm, rows: slice):
 
 def _sp_norm_forward(comm):
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return _CopyToTP.apply(self.weight, comm) * x.to(dtype)
+        return rms_norm(x, _CopyToTP.apply(self.weight, comm), self.eps)
     return forward
 
 

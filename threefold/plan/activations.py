@@ -75,29 +75,33 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
     ``heads``, ``kv_heads`` and ``ffn`` are per rank; d = ``act_bytes`` (matmul dtype), r =
     ``residual_bytes`` (0 = d). Per token, what autograd saves:
 
-    - each RMSNorm: its input in fp32 (the input itself when r = 4, else an fp32 copy), the
-      normalised input in the residual dtype, 1/rms (4 bytes): (4 + r)·h + 4, split over tp
-      under sequence parallelism (norms then see 1/t of the tokens);
+    - each RMSNorm (``threefold.kernels.rms_norm``): its input and 1/rms (4 bytes): r·h + 4,
+      split over tp under sequence parallelism (norms then see 1/t of the tokens);
     - each sub-layer input as its linears keep it, at full size (all-gathered under SP, not
-      re-gathered in backward): r·h when r = d, else one autocast copy per linear, 3·d·h for
-      q/k/v and 2·d·h for gate/up (the fp32 input itself is then not kept);
+      re-gathered in backward): d·h, the input itself when r = d, else the one autocast copy
+      ``threefold.model.matmul_input`` makes for the sub-layer's linears (the wider input
+      itself is then not kept);
     - attention: q and k after RoPE, v, the output (which o_proj reuses), the log-sum-exp of
       the flash kernel (4 bytes per head); materialised attention adds d·s per head;
     - RoPE's cos/sin cast to d when d ≠ 4 (4 tables of head_dim, for q and for k);
-    - SwiGLU: gate, silu(gate), up and their product, 4·d·ffn.
+    - SwiGLU (``threefold.kernels.swiglu``): gate, up and their product (the down
+      projection's input), 3·d·ffn; silu(gate) is recomputed in backward.
 
     This is more than Korthikanti's count (``layer_activation_bytes``: norms keep 2 bytes/h,
     RoPE and flash attention did not exist there), and under SP the attention and MLP inputs
-    stay whole, which their 34/t does not assume.
+    stay whole, which their 34/t does not assume. (Before ``threefold.kernels``, autograd
+    also kept each norm's fp32 input copy and normalised input, 4·h more per norm, and
+    silu(gate), d·ffn more; autocast's own casts, one per linear, kept 3·d·h for q/k/v and
+    2·d·h for gate/up where ``matmul_input``'s single copies keep 2·d·h in all.)
 
     Under context parallelism (cp > 1) everything above is per local token except the
     attention core, which is ``cp_attention_bytes``'s."""
     d, r = act_bytes, residual_bytes or act_bytes
     norm_div = tp if sequence_parallel and tp > 1 else 1
-    norms = 2 * ((4 + r) * h + 4) / norm_div
-    inputs = (r * h if r == d else 3 * d * h) + (r * h if r == d else 2 * d * h)
+    norms = 2 * (r * h + 4) / norm_div
+    inputs = 2 * d * h
     rope = 0 if d == 4 else 4 * d * head_dim
-    mlp = 4 * d * ffn
+    mlp = 3 * d * ffn
     if cp > 1:
         return tokens * (norms + inputs + rope + mlp) + cp_attention_bytes(
             tokens, heads, kv_heads, head_dim, seq_len, cp, cp_algorithm, d)
@@ -212,7 +216,7 @@ def head_inflight_microbatches(schedule: str, p: int, m: int) -> int:
 
 def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """The last stage's peak for one microbatch beyond its blocks, at the start of the loss's
-    backward: the final norm ((4 + r)·h, /t under SP), the LM head's input (d·h: r·h, or its
+    backward: the final norm (r·h, /t under SP), the LM head's input (d·h: r·h, or its
     autocast copy d·h), the fp32 logits over the vocabulary shard (held by the loop) and the
     loss's working set — without tp, F.cross_entropy's log-softmax output, its gradient and
     the logits' gradient (3 × 4·V); with tp, the vocab-parallel loss's softmax and the
@@ -223,18 +227,18 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
 
 
 def _head_terms(cfg: ModelConfig, layout: Layout, work: Workload) -> tuple[int, float, int]:
-    """(tokens per microbatch, the final norm's saved bytes per token ((4 + r)·h + 4, /t
-    under SP) plus the head's input as its matmul keeps it (d·h: an autocast copy when
+    """(tokens per microbatch, the final norm's saved bytes per token (r·h + 4, /t under
+    SP: its input and 1/rms) plus the head's input as its matmul keeps it (d·h: an autocast copy when
     r != d), vocabulary rows per tp rank)."""
     h, d, r = cfg.hidden_size, work.act_bytes, work.resid_bytes
-    norm = ((4 + r) * h + 4) / (layout.tp if layout.sp else 1)
+    norm = (r * h + 4) / (layout.tp if layout.sp else 1)
     return (layout.microbatch_size * local_seq_len(layout, work), norm + d * h,
             tp_shard(cfg, layout.tp).vocab)
 
 
 def head_saved_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """What the last stage keeps for backward per microbatch beyond its blocks, from its
-    forward until its backward: the final norm's saved tensors ((4 + r)·h + 4, /t under SP),
+    forward until its backward: the final norm's saved tensors (r·h + 4, /t under SP),
     the LM head's input, and the loss's saved tensors: without tp F.cross_entropy's
     log-softmax (4·V), the int64 labels and a 4-byte scalar (its total weight); with tp the
     vocab-parallel loss's softmax over the shard (4·V/t), the labels' int64 shard-local ids

@@ -221,12 +221,12 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
 def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """Bytes one MoE block keeps for backward per microbatch on one rank beyond what
     ``activations.block_activation_bytes`` counts for a dense block (whose SwiGLU term
-    4·d·f and MLP-input casts it replaces). Measured on ``threefold.moe.SparseMoeBlock``
+    3·d·f and MLP-input casts it replaces). Measured on ``threefold.moe.SparseMoeBlock``
     (autograd's saved tensors, fp32 and bf16 autocast; tests/test_plan_moe.py), per token:
-    k rows of 4·d·f (its experts' SwiGLU) + (4 + 2d)·h (the rows as the experts' matmul
+    k rows of 3·d·f (its experts' SwiGLU, ``threefold.kernels.swiglu``) + (4 + 2d)·h (the rows as the experts' matmul
     keeps them, their output, the fp32 product with the router weight) + 32 (indices and
     weights); the router's fp32 probabilities and logits 8·E + 8; under autocast the
-    router's cast input d·h. A shared expert adds a dense SwiGLU's 4·d·f_s + 3·d·h (not
+    router's cast input d·h. A shared expert adds a dense SwiGLU's 3·d·f_s + 3·d·h (not
     measured). Under ep a rank computes the rows routed to its experts: N·k in expectation
     (uniform routing). 0 for a dense model. The MoE is whole on every tp rank."""
     e, k = cfg.num_local_experts or 0, cfg.num_experts_per_tok or 0
@@ -235,10 +235,10 @@ def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> f
     h, f, d, r = cfg.hidden_size, cfg.intermediate_size, work.act_bytes, work.resid_bytes
     fs = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
     tokens = layout.microbatch_size * local_seq_len(layout, work)
-    moe = k * (4 * d * f + (4 + 2 * d) * h + 32) + 8 * e + 8 + (0 if r == d else d * h)
+    moe = k * (3 * d * f + (4 + 2 * d) * h + 32) + 8 * e + 8 + (0 if r == d else d * h)
     if fs:
-        moe += 4 * d * fs + 3 * d * h
-    dense = 4 * d * tp_shard(cfg, layout.tp).ffn + (0 if r == d else 2 * d * h)
+        moe += 3 * d * fs + 3 * d * h
+    dense = 3 * d * tp_shard(cfg, layout.tp).ffn + (0 if r == d else d * h)
     return float(tokens * (moe - dense))
 
 

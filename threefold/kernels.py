@@ -1,0 +1,70 @@
+"""Memory-lean autograd functions for the decoder's elementwise pieces: the same forward
+arithmetic as the plain ops, op for op, and autograd's own backward formulas, but fewer
+tensors kept between forward and backward (what ``threefold.plan.activations`` counts and
+tests/test_dryrun.py measures).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm whose backward keeps only the input and 1/rms (4 bytes a row): autograd alone
+    would keep an fp32 copy of the input, 1/rms and the normalised input besides. The
+    forward is the module's arithmetic, op for op; the backward is autograd's own formulas
+    for those ops (mul, rsqrt, mean, pow, the casts), recomputing the normalised input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xf = x.float()
+        normed = (xf * rstd).to(x.dtype)
+        gw = (grad * normed).sum_to_size(weight.shape) if ctx.needs_input_grad[1] else None
+        if weight.untyped_storage().nbytes() == 0:
+            # the weight was released (ZeRO-3, after its unit's backward): this call is a
+            # zero-bubble W asking for the weight's gradient alone (the executor's
+            # _SplitBackward), where autograd's own nodes skip the input's gradient too
+            return None, gw, None
+        gn = (grad * weight).to(x.dtype).float()  # through weight * n, then the cast
+        # n = xf * rstd; rstd = rsqrt(mean(xf²) + eps): the two paths into xf
+        gr = (gn * xf).sum(-1, keepdim=True)
+        gsq = ((-0.5 * gr) * rstd.pow(3)).expand_as(xf) / xf.shape[-1]
+        gx = gn * rstd + gsq * (2 * xf)
+        return gx.to(x.dtype), gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight · (x / rms(x)) computed in fp32 and cast back to x's dtype before the weight,
+    keeping x and 1/rms for backward."""
+    return _RMSNormFunction.apply(x, weight, eps)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) · up keeping only gate and up for backward (silu(gate) is recomputed
+    there, one elementwise op): three ffn-wide tensors per token with the down projection's
+    input, where autograd alone keeps four. Same numbers: the backward is autograd's own
+    products and ``silu_backward``."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up (Shazeer's SwiGLU without its projections), saving gate and up only."""
+    return _SwiGLU.apply(gate, up)
