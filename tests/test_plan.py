@@ -263,3 +263,27 @@ def test_cp_is_searched_only_for_long_sequences_or_when_nothing_fits():
 def test_bad_cp_input_names_the_option(capsys, argv, field):
     rc, _, err = run(capsys, "--model", "llama3-8b", "--gpus", "8", *argv)
     assert rc == 2 and err.startswith(f"threefold plan: error: {field}:")
+
+
+def test_table_memory_parts_add_up_to_the_peak_and_are_never_negative():
+    """The table's 'mem GB (states+act+other)' splits the peak at the moment it happens, so
+    its three parts are non-negative and sum to it, whichever moment (the last backward's
+    start, or the optimiser step) is the peak."""
+    from threefold.accounting import Workload
+    from threefold.plan.cli import load_model
+    from threefold.plan.hardware import Cluster, get_hardware
+    from threefold.plan.report import peak_parts
+    from threefold.plan.search import search
+    from threefold.plan.candidates import SearchSpace
+
+    cluster = Cluster(get_hardware("h100"), 8, 8)
+    ranked = search(load_model("llama3-8b"), cluster, Workload(seq_len=1024, global_batch=8),
+                    SearchSpace(), keep=1000).ranked
+    moments = set()
+    for c in ranked:
+        m = c.memory
+        parts = peak_parts(m)
+        assert min(parts) >= 0, (c.layout, parts)
+        assert sum(parts) == pytest.approx(m.total)
+        moments.add(m.activation_peak >= m.grads + m.optimizer_working)
+    assert moments == {True, False}  # both moments occur among these layouts

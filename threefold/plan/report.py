@@ -44,6 +44,17 @@ def overlap_lines(c: Candidate) -> list[str]:
             f" -> {left:.3f} exposed" for axis, op, rule, total, left in rows if total >= 5e-4]
 
 
+def peak_parts(m) -> tuple[float, float, float]:
+    """The peak (``MemoryBreakdown.total``) split at the moment it happens: model states then
+    alive (weights, optimiser state, the gradients held at that moment), activations, and the
+    rest (buffers, runtime overhead, logits, gathered ZeRO-3 units, autocast copies,
+    recomputation or the optimiser's temporaries); the three add up to the peak."""
+    at_backward = m.activation_peak >= m.grads + m.optimizer_working
+    states = m.params + m.optimizer + (m.grads_in_backward if at_backward else m.grads)
+    act = m.activations if at_backward else 0.0
+    return states, act, m.total - states - act
+
+
 def explain(best: Candidate, other: Candidate) -> str:
     """Why ``other`` is slower than ``best``: the terms of its step time that are larger,
     biggest first, with what in the layout makes them so."""
@@ -132,8 +143,8 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
     lines = [head]
     for i, c in enumerate(cands, 1):
         lay, s, m = c.layout, c.step, c.memory
-        other = m.total - m.model_states - m.activations
-        mem = f"{_gb(m.total)} ({_gb(m.model_states)}+{_gb(m.activations)}+{_gb(other)})"
+        states, act, other = peak_parts(m)
+        mem = f"{_gb(m.total)} ({_gb(states)}+{_gb(act)}+{_gb(other)})"
         b = s.comm_bytes
         data = b["dp"] + b["dp_shard"] + b["dp_cp"] + b["dp_shard_cp"] + b["edp"] \
             + b["edp_shard"]
