@@ -83,6 +83,7 @@ from threefold.accounting.traffic import (
     Collective,
     axis_crosses_nodes,
     axis_stride,
+    axis_stride_and_span,
     collectives,
     comm_bytes_per_step,
     cp_bytes_per_attention,
@@ -90,7 +91,8 @@ from threefold.accounting.traffic import (
 )
 
 __all__ = [
-    "active_parameters", "axis_crosses_nodes", "axis_stride", "block_parameter_numels",
+    "active_parameters", "axis_crosses_nodes", "axis_stride", "axis_stride_and_span",
+    "block_parameter_numels",
     "check_experts", "check_layout", "Collective", "collectives", "COMM_AXES",
     "comm_bytes_per_step", "CP_ALGORITHMS", "cp_bytes_per_attention", "DEFAULT_BUCKET_MB",
     "DTYPE_BYTES", "EXPERT_AXES", "FLATTENED_AXES", "flops_per_token", "gradient_buckets",

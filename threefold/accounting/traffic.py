@@ -309,18 +309,33 @@ def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------
 # Topology: which link each mesh axis crosses
 # --------------------------------------------------------------------------------------------
-def axis_stride(layout: Layout, axis: str) -> int:
-    """Rank distance between neighbours of ``axis``: product of the inner axes' degrees (for a
-    flattened axis, whose parts are adjacent in the mesh, that of its innermost part). The
-    expert axes (threefold.mesh): "ep" is the innermost ep of dp_shard (dp_shard's stride),
-    "edp_shard" the rest of dp_shard (ep times that), "edp" edp_shard then dp_replicate."""
+def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = MESH_ORDER
+                         ) -> tuple[int, int]:
+    """(rank distance between neighbours of ``axis``, consecutive ranks one of its groups
+    covers) when ranks are laid out in ``order`` (outermost first; the runtime's is
+    ``MESH_ORDER``, a planner may compare with a published system's). A flattened axis ("dp",
+    "dp_cp", "dp_shard_cp") takes its innermost part's stride and its outermost part's reach;
+    the expert axes divide dp_shard as ``threefold.mesh`` does: "ep" is its innermost ep ranks
+    (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate."""
+    def stride(a: str) -> int:
+        return math.prod(layout.size(x) for x in order[order.index(a) + 1:])
+
     if axis in EXPERT_AXES:
-        inner = axis_stride(layout, "dp_shard")
-        return inner if axis == "ep" else inner * layout.ep
-    if axis in FLATTENED_AXES:
-        axis = FLATTENED_AXES[axis][-1]
-    i = MESH_ORDER.index(axis)
-    return math.prod(layout.size(a) for a in MESH_ORDER[i + 1:])
+        base = stride("dp_shard")
+        if axis == "ep":
+            return base, base * layout.ep
+        if axis == "edp_shard":
+            return base * layout.ep, base * layout.dp_shard
+        return base * layout.ep, max(base * layout.dp_shard,
+                                     stride("dp_replicate") * layout.dp_replicate)
+    parts = [a for a in FLATTENED_AXES.get(axis, (axis,)) if layout.size(a) > 1] \
+        or [FLATTENED_AXES.get(axis, (axis,))[-1]]
+    return min(stride(a) for a in parts), max(stride(a) * layout.size(a) for a in parts)
+
+
+def axis_stride(layout: Layout, axis: str, order: tuple[str, ...] = MESH_ORDER) -> int:
+    """Rank distance between neighbours of ``axis`` (``axis_stride_and_span``'s first)."""
+    return axis_stride_and_span(layout, axis, order)[0]
 
 
 def axis_crosses_nodes(layout: Layout, axis: str, gpus_per_node: int) -> bool:

@@ -25,11 +25,11 @@ from a catalogue cluster (``CLUSTERS``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout
-from threefold.accounting.shapes import EXPERT_AXES, FLATTENED_AXES, MESH_ORDER
+from threefold.accounting.shapes import MESH_ORDER
+from threefold.accounting import axis_stride_and_span
 from threefold.plan.collectives import Link
 from threefold.plan.hardware import GB, Cluster, Level
 
@@ -52,33 +52,11 @@ class Placement:
     contention: float = 1.0  # the level's oversubscription as this axis's flows feel it
 
 
-def stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = MESH_ORDER
-                    ) -> tuple[int, int]:
-    """(rank distance between neighbours of ``axis``, consecutive ranks one group covers) when
-    ranks are laid out in ``order`` (outermost first). A flattened axis ("dp", "dp_cp",
-    "dp_shard_cp") takes its innermost part's stride and its outermost part's reach; the
-    expert axes divide dp_shard as ``threefold.mesh`` does (ep its innermost ranks)."""
-    def stride(a: str) -> int:
-        return math.prod(layout.size(x) for x in order[order.index(a) + 1:])
-
-    if axis in EXPERT_AXES:
-        base = stride("dp_shard")
-        if axis == "ep":
-            return base, base * layout.ep
-        if axis == "edp_shard":
-            return base * layout.ep, base * layout.dp_shard
-        return base * layout.ep, max(base * layout.dp_shard,
-                                     stride("dp_replicate") * layout.dp_replicate)
-    parts = [a for a in FLATTENED_AXES.get(axis, (axis,)) if layout.size(a) > 1] \
-        or [FLATTENED_AXES.get(axis, (axis,))[-1]]
-    return min(stride(a) for a in parts), max(stride(a) * layout.size(a) for a in parts)
-
-
 def place(layout: Layout, axis: str, cluster: Cluster) -> Placement:
     """Where ``axis``'s groups run on ``cluster`` (see the module docstring)."""
     levels = cluster.topology()
     size = layout.size(axis)
-    stride, span = stride_and_span(layout, axis, MESH_ORDERS[cluster.mesh_order])
+    stride, span = axis_stride_and_span(layout, axis, MESH_ORDERS[cluster.mesh_order])
     node = levels[0]
     intra = Link(node.latency_s, node.effective_bandwidth)
     index = len(levels) - 1
