@@ -360,8 +360,8 @@ def main(argv: list[str]) -> int:
                          "with a published run")
         if work.block != "threefold":
             notes.append(f"activations of a {work.block} block, not threefold's own "
-                         "(which keeps more: fp32 norm copies, whole inputs under sequence "
-                         "parallelism, four SwiGLU tensors)")
+                         "(which keeps more: its sub-layer inputs whole under sequence "
+                         "parallelism, the RoPE tables)")
         for note in notes:
             print(f"note: {note}")
     if not result.fits:
