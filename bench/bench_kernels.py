@@ -9,7 +9,8 @@ Issue 16 item 2 named fused projections, SDPA paths and fewer copies in the loss
 this is what each of them measures here, so that what the model does is a measured choice:
 
 - ``gate_up``: SwiGLU's gate and up projections as two matmuls (threefold, HF's layout) vs
-  one matmul of the concatenated weights (the fused kernel layout, split after);
+  one matmul of the concatenated weights (the fused kernel layout, split after), both then
+  through ``threefold.kernels.swiglu``;
 - ``qkv``: q, k and v projections as three matmuls vs one of the concatenated weights;
 - ``attention``: SDPA's flash kernel for CPU with grouped-query attention (threefold) vs
   SDPA's math path (K/V repeated to every query head);
@@ -23,6 +24,10 @@ which goes first; the table gives each pair's ratio (alternative time / threefol
 (``bench.common.report``). ``--reuse-host-memory`` first applies ``threefold.hostmem`` (the
 setting ``threefold train`` makes on a CPU), under which the 32 MiB logits buffers are reused
 rather than faulted in afresh every call.
+
+Last, the memory side of the same choices (``threefold.kernels``, ``model.matmul_input``): the
+bytes one tiny block keeps for backward per token, measured from autograd's saved tensors,
+fp32 and under bf16 autocast, next to what ``plan.activations.block_activation_bytes`` counts.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import report  # noqa: E402
+from threefold.kernels import swiglu  # noqa: E402
 
 B, T, H, FF, HEADS, KV, D, V = 8, 256, 256, 688, 8, 4, 32, 4096
 
@@ -81,11 +87,11 @@ def _pairs():
     labels = torch.randint(0, V, (B * T,), generator=g)
 
     def mlp_sep():
-        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd).sum()
+        return F.linear(swiglu(F.linear(x, wg), F.linear(x, wu)), wd).sum()
 
     def mlp_fused():
         gate, up = F.linear(x, torch.cat([wg, wu])).split(FF, dim=-1)
-        return F.linear(F.silu(gate) * up, wd).sum()
+        return F.linear(swiglu(gate, up), wd).sum()
 
     def qkv_sep():
         return F.linear(x, wq).sum() + F.linear(x, wk).mean() + F.linear(x, wv).std()
@@ -119,6 +125,44 @@ def _pairs():
         assert abs(va - vb) <= 1e-4 * max(1.0, abs(va)), (a.__name__, va, vb)
     return {"gate_up": (mlp_sep, mlp_fused), "qkv": (qkv_sep, qkv_fused),
             "attention": (attn_flash, attn_math), "loss": (loss_plain, loss_fused)}
+
+
+def _saved_bytes_per_token(dtype: torch.dtype) -> tuple[float, float]:
+    """(bytes one tiny-preset block keeps for backward per token, measured from autograd's
+    saved tensors (distinct storages; weights, their autocast copies and the fp32 RoPE tables
+    excluded); what
+    ``block_activation_bytes`` counts for it), fp32 or under bf16 autocast with the fp32
+    residual stream."""
+    import contextlib
+
+    from threefold.accounting import layer_parameters_per_rank
+    from threefold.config import ModelConfig
+    from threefold.model import LlamaForCausalLM
+    from threefold.plan.activations import block_activation_bytes
+
+    cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
+    model = LlamaForCausalLM(cfg)
+    x = torch.randn(B, T, H, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(T).expand(B, T))
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), cos, sin)}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 \
+        else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), auto:
+        model.model.layers[0](x, cos, sin)
+    d = 2 if dtype == torch.bfloat16 else 4
+    counted = block_activation_bytes(1, H, HEADS, KV, D, FF, act_bytes=d, residual_bytes=4)
+    # under autocast the block's weights cast to bf16 are saved too: once per microbatch, not
+    # per token (the planner counts them apart, plan.memory.cast_weight_bytes)
+    cast = 0 if d == 4 else d * layer_parameters_per_rank(cfg, 1)[0]
+    return (sum(storages.values()) - cast) / (B * T), counted
 
 
 def _time(fn, reps: int) -> float:
@@ -162,6 +206,14 @@ def main() -> None:
         print(f"\n{name}: threefold = {pairs[name][0].__name__}, alternative = "
               f"{pairs[name][1].__name__}")
         report(f"kernels_{name}", rows[name], "ratio", 1.0)
+    saved = {}
+    for name, dt in (("fp32", torch.float32), ("bf16 autocast", torch.bfloat16)):
+        measured, counted = _saved_bytes_per_token(dt)
+        saved[name] = {"measured": measured, "counted": counted}
+        print(f"\nactivations one tiny block keeps per token, {name}: {measured:,.0f} bytes "
+              f"measured (autograd's saved tensors), {counted:,.0f} counted "
+              "(plan.activations.block_activation_bytes)")
+    print(json.dumps({"benchmark": "kernels_saved_bytes_per_token", **saved}))
     print(json.dumps({"benchmark": "kernels", "threads": args.threads,
                       "reuse_host_memory": args.reuse_host_memory}))
 
