@@ -125,13 +125,13 @@ def main() -> None:
         if args.compile:
             compare_compile(args, tmp)
             return
-        # the plain loop gets the host-memory setting `threefold train` makes on a CPU
-        # (threefold.hostmem), which is process-wide once made: both sides run with it
         from threefold.hostmem import reuse_freed_host_memory
 
-        reuse_freed_host_memory(config(Path(tmp) / "probe", 1).train.host_mmap_threshold_mb)
         for r in range(args.rounds):
             cfg = config(Path(tmp) / f"run{r}", args.steps)
+            # the plain loop gets the host-memory setting `threefold train` makes on a CPU
+            # (process-wide once made: from round 0 on, both sides run with it)
+            reuse_freed_host_memory(cfg.train.host_mmap_threshold_mb)
             if r % 2 == 0:  # A/B, the order flipped every round
                 plain = plain_loop(cfg, args.steps)
                 ours = train(cfg)["tokens_per_second"]

@@ -305,9 +305,8 @@ def train_step(run: Run, step: int, trace: list | None = None
     # metrics come back together (a single host sync per step; clipping kept the norm on
     # the device), then the sums over data-parallel ranks are one all-reduce on the host
     names = [k for k in run.task.metric_names if k in extras]
-    logged = torch.stack([loss_sum.detach().double().reshape(()),
-                          torch.as_tensor(norm).detach().double().reshape(()).to(loss_sum.device)]
-                         + [extras[k].double().reshape(()).to(loss_sum.device) for k in names])
+    logged = torch.stack([loss_sum.double(), norm.detach().double().to(loss_sum.device)]
+                         + [extras[k].reshape(()).to(loss_sum.device) for k in names])
     logged = logged.cpu()
     norm = float(logged[1])
     summed = _sum_over_dp(lay, torch.cat([logged[:1], logged[2:]]))
