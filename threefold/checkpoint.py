@@ -22,19 +22,21 @@ root alone never holds one (``list_checkpoints`` counts indexed steps only). A c
 save leaves the previous checkpoint untouched on every node; old checkpoints are pruned after
 the commit.
 
-Loading reassembles whole logical tensors from the pieces, whatever layout wrote them, so a
-run resumes under any other layout (each layout then takes its own slices). ``load_checkpoint``
-reads one directory holding every part (a shared filesystem, or the parts copied together);
-``load_sharded`` is the collective form for a run whose nodes each see their own root: every
-part is verified where it lies, a part on no node is an error naming that node and its files
-(before any tensor is read), and parts a node lacks travel to it over the control channel.
+Loading reads logical tensors from the pieces by name, whatever layout wrote them, so a run
+resumes under any other layout: ``threefold.weights.CheckpointSource`` reads any region of a
+logical tensor from only the pieces (and the parts of pieces) that hold it, so each rank reads
+just the slices it owns. ``load_checkpoint`` reads one directory holding every part (a shared
+filesystem, or the parts copied together) as whole tensors; ``load_sharded`` is the collective
+form for a run whose nodes each see their own root (``fetch_parts``: every part is verified
+where it lies, a part on no node is an error naming that node and its files, before any
+tensor is read, and parts a node lacks travel to it over the control channel).
+``save_streamed`` writes a checkpoint from one process batch by batch (``threefold convert``).
 Loading always verifies the index, the parts, sizes and checksums first and names the damaged
 file (and tensor). Version-2 checkpoints (one manifest listing every file) still load.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -43,7 +45,7 @@ import shutil
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -197,9 +199,53 @@ def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piec
     share a filesystem are detected by probe files); then rank 0 writes the global index
     ``manifest.json`` — the commit point — and old checkpoints are pruned on every node."""
     g = group or NodeGroup(node_of=[0] * world, barrier=barrier)
+    node = g.node_of[rank]
+    tmp, owner = _prepare(root, step, rank, g)
+    # 2. every rank writes its own files
+    _write_rank(tmp, rank, pieces, rank_tensors, state)
+    faults.during_save(rank, step)
+    g.barrier()
+    # 3. each node's leader describes its node's files; rank 0 collects the parts' digests
+    record = _describe_node(tmp, step, node, g.ranks_of(node)) if g.is_leader(rank) else None
+    records = g.gather(record)
+    g.barrier()
+    return _commit(root, step, rank, world, owner, records, keep_last, g)
+
+
+def save_streamed(root: Path, step: int, batches: Iterable[list[Piece]],
+                  rank_tensors: dict[str, torch.Tensor], state: dict[str, Any],
+                  keep_last: int) -> Path:
+    """One process writes checkpoint ``step`` batch by batch, as if one rank per batch had
+    saved it: batch r becomes ``rank<r>.safetensors`` (every rank file also gets
+    ``rank_tensors``, so a run resumed on any number of ranks finds its RNG state), so only
+    one batch's tensors are in memory at a time (``batches`` may be a generator that reads
+    the next batch only when asked). A checkpoint's world size is just its number of rank
+    files: loading reassembles tensors by name, so this loads, and resumes, under any layout.
+    Atomic and checksummed like ``save_sharded``."""
+    g = NodeGroup()
+    tmp, _ = _prepare(root, step, 0, g)
+    try:
+        world = 0
+        for r, pieces in enumerate(batches):
+            _write_rank(tmp, r, pieces, rank_tensors, state if r == 0 else None)
+            world = r + 1
+            del pieces  # before the generator reads the next batch
+        if world == 0:  # no batch at all: still a checkpoint (state and RNG only)
+            _write_rank(tmp, 0, [], rank_tensors, state)
+            world = 1
+        record = _describe_node(tmp, step, 0, list(range(world)))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never listed anyway: it has no index
+        raise
+    return _commit(root, step, 0, world, True, [record], keep_last, g)
+
+
+def _prepare(root: Path, step: int, rank: int, g: NodeGroup) -> tuple[Path, bool]:
+    """Step 1 of a save: find which nodes share ``root`` (each leader drops a probe, then
+    looks for the others'), and let the first of them empty ``root/.tmp-<step>``. Returns
+    (the temporary directory, whether this rank owns it: prepares, renames and prunes)."""
     node, leader = g.node_of[rank], g.is_leader(rank)
-    tmp, final = root / f".tmp-{step}", root / str(step)
-    # 1. which nodes share this directory: each leader drops a probe, then looks for others'
+    tmp = root / f".tmp-{step}"
     token = g.broadcast(os.urandom(8).hex() if rank == 0 else None)
     probe = root / f".probe-{token}.node{node}"
     if leader:
@@ -216,7 +262,13 @@ def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piec
             shutil.rmtree(tmp)
         tmp.mkdir()
     g.barrier()
-    # 2. every rank writes its own files
+    return tmp, owner
+
+
+def _write_rank(tmp: Path, rank: int, pieces: list[Piece], rank_tensors: dict[str, torch.Tensor],
+                state: dict[str, Any] | None) -> None:
+    """Write ``rank<r>.safetensors`` and ``rank<r>.json`` (and, for rank 0, ``state.json``)
+    into ``tmp``, each fsynced."""
     tensors, meta = {}, []
     for i, p in enumerate(pieces):
         key = f"{p.kind}/{p.name}/{i}"
@@ -236,24 +288,27 @@ def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piec
     if rank == 0:
         (tmp / "state.json").write_text(json.dumps(state or {}, indent=1, sort_keys=True))
         _fsync(tmp / "state.json")
-    faults.during_save(rank, step)
-    g.barrier()
-    # 3. each node's leader describes its node's files; rank 0 collects the parts' digests
-    record = None
-    if leader:
-        names = [f"rank{r}{ext}" for r in g.ranks_of(node) for ext in (".json", ".safetensors")]
-        names += ["state.json"] if 0 in g.ranks_of(node) else []
-        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
-                 for n in sorted(names)}
-        _write_json(tmp / part_name(node), {"format_version": FORMAT_VERSION, "step": step,
-                                            "node": node, "ranks": g.ranks_of(node),
-                                            "files": files})
-        pf = tmp / part_name(node)
-        record = {"node": node, "bytes": pf.stat().st_size, "sha256": _sha256(pf),
-                  "ranks": g.ranks_of(node), "files": sorted(files)}
-    records = g.gather(record)
-    g.barrier()
-    # 4. every directory renamed into place; then the index, the commit point
+
+
+def _describe_node(tmp: Path, step: int, node: int, ranks: list[int]) -> dict:
+    """Step 3, on a node's leader: hash the files of ``ranks`` into the node's manifest part;
+    return the part's record for the index."""
+    names = [f"rank{r}{ext}" for r in ranks for ext in (".json", ".safetensors")]
+    names += ["state.json"] if 0 in ranks else []
+    files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
+             for n in sorted(names)}
+    _write_json(tmp / part_name(node), {"format_version": FORMAT_VERSION, "step": step,
+                                        "node": node, "ranks": ranks, "files": files})
+    pf = tmp / part_name(node)
+    return {"node": node, "bytes": pf.stat().st_size, "sha256": _sha256(pf),
+            "ranks": ranks, "files": sorted(files)}
+
+
+def _commit(root: Path, step: int, rank: int, world: int, owner: bool, records: list | None,
+            keep_last: int, g: NodeGroup) -> Path:
+    """Steps 4 and 5: every directory renamed into place; then rank 0 writes the index (the
+    commit point); then whatever is not among the newest committed checkpoints is pruned."""
+    tmp, final = root / f".tmp-{step}", root / str(step)
     if owner:
         _fsync(tmp)
         if final.exists():  # the same step saved again: swap, then drop the old one
@@ -275,7 +330,6 @@ def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piec
         _write_json(final / MANIFEST, index)
         _fsync(final)
         keep = list_checkpoints(root)[-keep_last:]
-    # 5. prune: whatever is not among the newest committed checkpoints, up to the newest
     keep = g.broadcast(keep)
     if owner:
         for p in root.iterdir():
@@ -406,9 +460,19 @@ def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, dict[str, torc
                                                         dict[str, Any]]:
     """Verify, then reassemble whole logical tensors: {"model": {name: t}, "optim":
     {name.exp_avg: t, ...}, "rng": this rank's per-rank tensors (rank 0's if absent)}. Every
-    node part must be in ``path``."""
-    manifest = verify_checkpoint(path)
-    return _assemble(path, list(manifest["files"]), lambda n: _inside(path, n), rank)
+    node part must be in ``path``. Whole tensors on every rank: to read only a region, open
+    the checkpoint as a ``threefold.weights.CheckpointSource``."""
+    from threefold.weights import open_checkpoint  # weights builds on this module's format
+
+    source, state, rng = open_checkpoint(path, rank)
+    return _whole(source, rng), state
+
+
+def _whole(source, rng: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor of a checkpoint source, whole, in the dtype it was saved in."""
+    optim = {f"{name}.{kind}": source.read(name, kind=kind, dtype=None)
+             for kind in ("exp_avg", "exp_avg_sq") for name in source.names(kind)}
+    return {"model": source.tensors("model", dtype=None), "optim": optim, "rng": rng}
 
 
 def committed_steps(root: Path, rank: int, group: NodeGroup) -> list[int]:
@@ -419,15 +483,29 @@ def committed_steps(root: Path, rank: int, group: NodeGroup) -> list[int]:
 
 def load_sharded(root: Path, step: int, rank: int, group: NodeGroup
                  ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-    """Collective load of checkpoint ``step`` when each node may see only its own directory
-    ``root/<step>`` (a node's local disk; a shared one works the same).
+    """Collective load of checkpoint ``step`` as whole tensors on every rank (see
+    ``load_checkpoint``), when each node may see only its own directory ``root/<step>``: the
+    parts are verified and exchanged by ``fetch_parts``. To read only the slices a rank owns,
+    use ``threefold.weights.open_sharded``."""
+    from threefold.weights import open_sharded  # weights builds on this module's format
+
+    source, state, rng = open_sharded(root, step, rank, group)
+    return _whole(source, rng), state
+
+
+def fetch_parts(root: Path, step: int, rank: int, group: NodeGroup
+                ) -> tuple[Path, dict[str, Path | bytes]]:
+    """Collective: verify checkpoint ``step`` when each node may see only its own directory
+    ``root/<step>`` (a node's local disk; a shared one works the same), and return its
+    directory and every file of it, as a verified path or, for a file this node lacks, its
+    bytes received from a node that holds it.
 
     Rank 0 sends its index to every rank; each node's leader verifies the parts it holds
     (part digest, every file's size and SHA-256); if a part is on no node, every rank raises
     CheckpointError naming that node's part and files, before any tensor is read. A part
     some nodes lack is sent to them over the control channel (once, checked against its
-    digests on arrival); then every rank reassembles whole tensors as ``load_checkpoint``
-    does, so resuming under the same or another layout both work."""
+    digests on arrival). Version-2 checkpoints (one shared directory) are verified whole.
+    ``threefold.weights.open_sharded`` reads the result by region."""
     path = root / str(step)
     index, err = None, None
     if rank == 0:
@@ -439,7 +517,7 @@ def load_sharded(root: Path, step: int, rank: int, group: NodeGroup
     if err:
         raise CheckpointError(err)
     if index["format_version"] == 2:  # written before node parts: one shared directory
-        return load_checkpoint(path, rank)
+        return path, {n: path / n for n in verify_checkpoint(path)["files"]}
     parts = index["parts"]
     report = None
     if group.is_leader(rank):
@@ -482,80 +560,5 @@ def load_sharded(root: Path, step: int, rank: int, group: NodeGroup
                     raise CheckpointError(f"{path}: {f} from node {holders[name][0]} does "
                                           "not match its part's digest")
     local = {f for name, rec in parts.items() if mine in holders[name] for f in rec["files"]}
-    names = sorted(index["files"])
-    return _assemble(path, names, lambda n: _inside(path, n) if n in local else received[n],
-                     rank)
-
-
-def _assemble(path: Path, names: list[str], source: Callable[[str], Path | bytes], rank: int
-              ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-    """Whole tensors from the rank files among ``names``; ``source(name)`` is a verified
-    file's path, or its bytes (received from the node that holds it)."""
-    from safetensors.torch import load as load_bytes
-
-    def text(name: str) -> str:
-        src = source(name)
-        return src.decode() if isinstance(src, bytes) else src.read_text()
-
-    state = json.loads(text("state.json"))
-    slices: dict[tuple, dict] = {}
-    rng: dict[str, torch.Tensor] = {}
-    for name in names:
-        if not (name.startswith("rank") and name.endswith(".json")):
-            continue
-        meta = json.loads(text(name))
-        tname = name.replace(".json", ".safetensors")
-        tfile, src = path / tname, source(tname)
-        if isinstance(src, bytes):
-            sf_ctx = contextlib.nullcontext(_Loaded(load_bytes(src)))
-        else:
-            sf_ctx = safe_open(str(src), "pt")
-        with sf_ctx as sf:
-            for p in meta["pieces"]:
-                key = (p["kind"], p["name"])
-                entry = slices.setdefault(key, {"shape": tuple(p["shape"]), "dim": p["tp_dim"],
-                                                "count": p["tp_count"], "parts": {}})
-                if (entry["dim"], entry["count"]) != (p["tp_dim"], p["tp_count"]):
-                    raise CheckpointError(f"{tfile}: tensor {p['name']} is split two ways")
-                sl = _slice_shape(entry["shape"], p["tp_dim"], p["tp_index"], p["tp_count"])
-                buf, filled = entry["parts"].setdefault(
-                    p["tp_index"], (None, 0))
-                t = sf.get_tensor(p["key"])
-                if buf is None:
-                    buf = torch.zeros(math.prod(sl), dtype=t.dtype)
-                buf[p["start"]:p["end"]] = t
-                entry["parts"][p["tp_index"]] = (buf, filled + (p["end"] - p["start"]))
-            if meta["rank"] == rank or (meta["rank"] == 0 and not rng):
-                rng = {k[5:]: sf.get_tensor(k) for k in sf.keys() if k.startswith("rank/")}
-    out: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}, "rng": rng}
-    for (kind, name), e in slices.items():
-        sl = _slice_shape(e["shape"], e["dim"], 0, e["count"])
-        parts = []
-        for i in range(e["count"]):
-            if i not in e["parts"] or e["parts"][i][1] != math.prod(sl):
-                raise CheckpointError(f"{path}: tensor {kind} {name} is incomplete "
-                                      f"(slice {i} of {e['count']})")
-            parts.append(e["parts"][i][0].view(sl))
-        whole = parts[0] if e["dim"] is None else torch.cat(parts, e["dim"])
-        if e["dim"] is not None:
-            whole = whole.narrow(e["dim"], 0, e["shape"][e["dim"]]).contiguous()
-        if kind == "model":
-            out["model"][name] = whole
-        else:
-            out["optim"][f"{name}.{kind}"] = whole
-    return out, state
-
-
-class _Loaded:
-    """A dict of tensors that reads like ``safe_open``'s handle."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self._t = tensors
-
-    def keys(self):
-        """The tensor names."""
-        return self._t.keys()
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        """One tensor."""
-        return self._t[key]
+    return path, {n: _inside(path, n) if n in local else received[n]
+                  for n in sorted(index["files"])}

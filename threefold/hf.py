@@ -3,7 +3,7 @@ the way. A mixture of experts (``model.num_local_experts``) is a ``MixtralForCau
 memory threefold's names are transformers 5's (fused ``mlp.experts.gate_up_proj`` /
 ``down_proj``, router ``mlp.gate.weight``); files hold the published checkpoints' per-expert
 layout (``block_sparse_moe.experts.N.w1/w2/w3``), which transformers 5 itself writes and
-every version reads (``to_hub_experts``); import takes either.
+every version reads (``hub_tensors``); import takes either (``threefold.weights.HFSource``).
 
 threefold's parameter names are exactly those of ``transformers.LlamaForCausalLM`` (see
 ``threefold.model``), so no tensor is renamed, split or permuted: export writes the checkpoint's
@@ -13,37 +13,43 @@ kind of mismatch), so every field is mapped explicitly, anything this model cann
 refused with the field's name, and shapes are checked against the config before a tensor is used.
 
 - ``export_hf(ckpt, out)``: a checkpoint (or a run directory: its newest checkpoint) to a folder
-  that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load (config.json, model.safetensors,
-  generation_config.json, tokenizer.json, tokenizer_config.json). Written atomically. A reward
-  model's checkpoint (``score.weight``, no LM head: ``threefold reward``) becomes a
-  ``LlamaForSequenceClassification`` with one label that ``AutoModelForSequenceClassification``
-  loads.
+  that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load (config.json, model.safetensors or
+  shards ``model-0000K-of-0000N.safetensors`` with ``model.safetensors.index.json``,
+  generation_config.json, tokenizer.json, tokenizer_config.json). Written atomically, one shard
+  in memory at a time. A reward model's checkpoint (``score.weight``, no LM head: ``threefold
+  reward``) becomes a ``LlamaForSequenceClassification`` with one label that
+  ``AutoModelForSequenceClassification`` loads.
 - ``import_hf(folder)``: (ModelConfig, {name: fp32 tensor}, tokenizer.json or None) from a local
-  folder with ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Pickle
-  weights (``*.bin``, ``*.pt``...) are refused, never opened; paths in an index must stay inside
-  the folder (symlinks inside it, as in the HF hub cache, are followed as the filesystem says).
+  folder with ``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (the
+  checks, and reading by region, are ``threefold.weights.HFSource``'s). Pickle weights
+  (``*.bin``, ``*.pt``...) are refused, never opened; paths in an index must stay inside the
+  folder (symlinks inside it, as in the HF hub cache, are followed as the filesystem says).
 - ``init_from_hf(model, path)``: load such weights into a freshly built model, strictly.
-- ``main(argv)``: ``threefold convert --to hf CKPT OUT`` / ``--from hf HF_DIR OUT``.
+- ``main(argv)``: ``threefold convert --to hf CKPT OUT`` / ``--from hf HF_DIR OUT``; both
+  directions stream tensor by tensor (at most one output file's tensors in memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Callable
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from threefold.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from threefold.checkpoint import CheckpointError, Piece, list_checkpoints, save_streamed
 from threefold.config import Config, ModelConfig
+from threefold.weights import CheckpointSource, HFSource, WeightSource, open_pretrained
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MAX_SHARD_BYTES = 2 << 30  # the most one written file holds (and so memory holds), as HF's 2 GiB
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Names our tokenizers use (threefold.data.tokenizer), plus common published ones.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -248,57 +254,37 @@ def _hub_names(i: int, e: int) -> tuple[str, str, str]:
     return p + "w1.weight", p + "w3.weight", p + "w2.weight"
 
 
-def to_hub_experts(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
-    """Fused experts (``mlp.experts.gate_up_proj`` (E, 2f, h), ``down_proj`` (E, h, f), router
-    ``mlp.gate.weight``) as Mixtral checkpoints store them, and as transformers 5's
-    ``save_pretrained`` writes them: per expert ``block_sparse_moe.experts.N.w1`` (gate, (f, h)),
-    ``w3`` (up) and ``w2`` (down, (h, f)), router ``block_sparse_moe.gate.weight``. Every
+def hub_tensors(source: WeightSource, cfg: ModelConfig, names: list[str]
+                ) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """The tensors a Hugging Face file holds for the logical tensors ``names`` of ``source``:
+    (file name, shape, a function that reads it as fp32), in order. A mixture of experts'
+    fused tensors (``mlp.experts.gate_up_proj`` (E, 2f, h), ``down_proj`` (E, h, f), router
+    ``mlp.gate.weight``) become what Mixtral checkpoints store, and transformers 5's
+    ``save_pretrained`` writes: per expert ``block_sparse_moe.experts.N.w1`` (gate, (f, h)),
+    ``w3`` (up) and ``w2`` (down, (h, f)), router ``block_sparse_moe.gate.weight``; each is
+    read from the fused tensor's region, so no fused tensor is ever whole in memory. Every
     transformers version and the published checkpoints read this layout."""
-    out = dict(weights)
-    f = cfg.intermediate_size
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        out[p + "block_sparse_moe.gate.weight"] = out.pop(p + "mlp.gate.weight")
-        gate_up = out.pop(p + "mlp.experts.gate_up_proj")
-        down = out.pop(p + "mlp.experts.down_proj")
-        for e in range(cfg.num_local_experts):
-            w1, w3, w2 = _hub_names(i, e)
-            out[w1], out[w3] = gate_up[e, :f].contiguous(), gate_up[e, f:].contiguous()
-            out[w2] = down[e].contiguous()
-    return out
+    def reader(name, box=(), shape=None):
+        return lambda: source.read(name, box).reshape(shape or source.shape(name))
 
-
-def from_hub_experts(weights: dict[str, torch.Tensor], cfg: ModelConfig,
-                     source: dict[str, Path]) -> dict:
-    """The inverse of ``to_hub_experts`` for each layer stored per expert (a layer already in
-    the fused layout is kept as it is); HFError names a missing or misshapen expert tensor and
-    its file. ``source`` (name -> file) gains the fused names."""
-    out = dict(weights)
     h, f = cfg.hidden_size, cfg.intermediate_size
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        router = p + "block_sparse_moe.gate.weight"
-        if router not in out:
-            continue
-        out[p + "mlp.gate.weight"] = out.pop(router)
-        source[p + "mlp.gate.weight"] = source[router]
-        gate_up, down = [], []
-        for e in range(cfg.num_local_experts):
-            names = _hub_names(i, e)
-            for name, shape in zip(names, ((f, h), (f, h), (h, f))):
-                if name not in out:
-                    raise HFError(f"tensor {name} is missing (config.json has "
-                                  f"num_local_experts={cfg.num_local_experts})")
-                if tuple(out[name].shape) != shape:
-                    raise HFError(f"{source[name]}: tensor {name} has shape "
-                                  f"{tuple(out[name].shape)}, config.json needs {shape}")
-            w1, w3, w2 = (out.pop(n) for n in names)
-            gate_up.append(torch.cat((w1, w3)))
-            down.append(w2)
-        out[p + "mlp.experts.gate_up_proj"] = torch.stack(gate_up)
-        out[p + "mlp.experts.down_proj"] = torch.stack(down)
-        source[p + "mlp.experts.gate_up_proj"] = source[p + "mlp.experts.down_proj"] = \
-            source[router]
+    fused = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    out = []
+    for name in names:
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        if not cfg.num_local_experts or rest not in fused:
+            out.append((name, source.shape(name), reader(name)))
+        elif rest == "mlp.gate.weight":
+            out.append((f"model.layers.{layer}.block_sparse_moe.gate.weight",
+                        source.shape(name), reader(name)))
+        else:  # an expert at a time: the rows of its w1 (gate), w3 (up); its w2 (down)
+            for e in range(cfg.num_local_experts):
+                w1, w3, w2 = _hub_names(int(layer), e)
+                if rest == "mlp.experts.down_proj":
+                    out.append((w2, (h, f), reader(name, ((e, e + 1),), (h, f))))
+                else:
+                    out += [(w1, (f, h), reader(name, ((e, e + 1), (0, f)), (f, h))),
+                            (w3, (f, h), reader(name, ((e, e + 1), (f, 2 * f)), (f, h)))]
     return out
 
 
@@ -342,7 +328,7 @@ def _run_tokenizer(ckpt: Path, run: Path | None = None) -> Path | None:
     return None
 
 
-def _check_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str,
+def _check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str,
                   score: bool = False) -> None:
     """HFError naming ``where`` and the tensor if any expected weight is missing, extra or of
     another shape; ``score``: a reward model's (``score.weight`` in place of the LM head)."""
@@ -351,12 +337,12 @@ def _check_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str
         want.pop("lm_head.weight", None)
         want["score.weight"] = (1, cfg.hidden_size)
     for name, shape in want.items():
-        if name not in tensors:
+        if name not in shapes:
             raise HFError(f"{where}: tensor {name} is missing")
-        if tuple(tensors[name].shape) != shape:
-            raise HFError(f"{where}: tensor {name} has shape {tuple(tensors[name].shape)}, the "
+        if tuple(shapes[name]) != shape:
+            raise HFError(f"{where}: tensor {name} has shape {tuple(shapes[name])}, the "
                           f"config needs {shape}")
-    extra = sorted(set(tensors) - set(want))
+    extra = sorted(set(shapes) - set(want))
     if extra:
         raise HFError(f"{where}: unexpected tensor {extra[0]} (not part of this model)")
 
@@ -372,22 +358,27 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def export_hf(ckpt_dir: Path, out_dir: Path) -> None:
+def export_hf(ckpt_dir: Path, out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Write checkpoint ``ckpt_dir`` (or a run directory's newest) as a Hugging Face Llama
     folder ``out_dir``; the checkpoint is verified first. ``out_dir`` must not exist or be
-    empty; it appears complete or not at all (temporary sibling, fsync, rename)."""
+    empty; it appears complete or not at all (temporary sibling, fsync, rename).
+
+    Tensors are read one at a time (a Mixtral expert at a time) and written in fp32 to files of
+    at most ``max_shard_bytes`` (a tensor larger than that gets a file of its own): one
+    ``model.safetensors``, or shards ``model-0000K-of-0000N.safetensors`` and
+    ``model.safetensors.index.json`` as ``save_pretrained`` writes them. At most one file's
+    tensors are in memory."""
     ckpt, out = find_checkpoint(Path(ckpt_dir)), Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFError(f"{out}: already exists and is not empty; choose a new output folder")
-    tensors, state = load_checkpoint(ckpt)
-    cfg = _model_config_from_state(state, ckpt)
-    weights = {k: v.float().contiguous() for k, v in tensors["model"].items()}
-    if cfg.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)  # HF stores a tied head once, as the embedding
-    reward = "score.weight" in weights  # a reward model (threefold.post.reward)
-    _check_shapes(cfg, weights, str(ckpt), score=reward)
-    if cfg.num_local_experts:
-        weights = to_hub_experts(weights, cfg)
+    source = CheckpointSource(ckpt)
+    cfg = _model_config_from_state(source.state, ckpt)
+    names = source.names()
+    if cfg.tie_word_embeddings and "lm_head.weight" in names:
+        names.remove("lm_head.weight")  # HF stores a tied head once, as the embedding
+    reward = "score.weight" in names  # a reward model (threefold.post.reward)
+    _check_shapes(cfg, {n: source.shape(n) for n in names}, str(ckpt), score=reward)
+    shards = _shards(hub_tensors(source, cfg, names), max_shard_bytes)
     tok_path = _run_tokenizer(ckpt, Path(ckpt_dir))
     tokens = _token_ids(tok_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -395,8 +386,19 @@ def export_hf(ckpt_dir: Path, out_dir: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        # "format": "pt" is the metadata transformers checks before it loads a safetensors file.
-        save_file(weights, str(tmp / SINGLE), metadata={"format": "pt"})
+        weight_map, total = {}, 0
+        for k, shard in enumerate(shards):
+            file = SINGLE if len(shards) == 1 else \
+                f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {name: read().contiguous() for name, _, read in shard}
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update(dict.fromkeys(tensors, file))
+            # "format": "pt" is the metadata transformers checks before it loads a file.
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            del tensors  # before the next shard is read
+        if len(shards) > 1:
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                 "weight_map": weight_map}, indent=2))
         conf = hf_config(cfg, tokens)
         if reward:
             conf = reward_hf_config(conf, tokens)
@@ -414,6 +416,23 @@ def export_hf(ckpt_dir: Path, out_dir: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _shards(tensors: list[tuple[str, tuple[int, ...], Any]], max_bytes: int,
+            itemsize: int = 4) -> list[list]:
+    """``tensors`` (name, shape, ...) cut, in order, into groups of at most ``max_bytes``
+    (of ``itemsize``-byte elements); a tensor larger than that forms a group of its own.
+    Decided from shapes alone, so a shard's file name can say how many there are."""
+    groups: list[list] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = math.prod(t[1]) * itemsize
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += nbytes
+    return groups
 
 
 def reward_hf_config(conf: dict, tokens: dict) -> dict:
@@ -484,73 +503,22 @@ def _weight_files(folder: Path) -> dict[Path, list[str] | None]:
     raise HFError(f"{folder}: no {SINGLE} or {INDEX}")
 
 
-def _read_safetensors(path: Path, names: list[str] | None) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise HFError(f"{path}: missing (listed in {INDEX})")
-    out = {}
-    try:
-        with safe_open(str(path), "pt") as f:
-            keys = set(f.keys())
-            for name in names if names is not None else sorted(keys):
-                if name not in keys:
-                    raise HFError(f"{path}: tensor {name} is missing (the index lists it here)")
-                t = f.get_tensor(name)
-                if not t.is_floating_point():
-                    raise HFError(f"{path}: tensor {name} has dtype {t.dtype}, not floating "
-                                  "point")
-                out[name] = t
-    except SafetensorError as e:
-        raise HFError(f"{path}: not a readable safetensors file, truncated or damaged ({e})") \
-            from None
-    return out
-
-
 def import_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path | None]:
     """Read a local Hugging Face Llama folder: its resolved ModelConfig, its weights as whole
     fp32 tensors under threefold's (= HF's) names, checked against the config (a tied model's
     ``lm_head.weight`` is left out: the model takes it from the embedding), and the path of its
-    tokenizer.json if it has one. HFError names the file, field or tensor at fault."""
-    folder = Path(hf_dir)
-    cpath = folder / "config.json"
-    if not cpath.is_file():
-        raise HFError(f"{folder}: no config.json; not a Hugging Face model folder")
-    try:
-        raw = json.loads(cpath.read_text())
-    except ValueError as e:
-        raise HFError(f"{cpath}: not valid JSON ({e})") from None
-    cfg = model_config_from_hf(raw, str(cpath))
-    weights: dict[str, torch.Tensor] = {}
-    source: dict[str, Path] = {}
-    for path, names in _weight_files(folder).items():
-        for name, t in _read_safetensors(path, names).items():
-            # Older checkpoints stored the RoPE buffer; it is recomputed, never loaded.
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            weights[name], source[name] = t.float(), path
-    if cfg.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    if cfg.num_local_experts:
-        weights = from_hub_experts(weights, cfg, source)
-    want = expected_shapes(cfg)
-    for name, t in weights.items():  # name the file holding a bad tensor
-        if name in want and tuple(t.shape) != want[name]:
-            raise HFError(f"{source[name]}: tensor {name} has shape {tuple(t.shape)}, "
-                          f"config.json needs {want[name]}")
-    _check_shapes(cfg, weights, str(folder))
-    tok = folder / "tokenizer.json"
-    return cfg, weights, tok if tok.is_file() else None
+    tokenizer.json if it has one. HFError names the file, field or tensor at fault. Every
+    tensor is whole in memory: ``threefold.weights.HFSource`` reads by region."""
+    source = HFSource(Path(hf_dir))
+    return source.config, source.tensors(), source.tokenizer
 
 
 def load_pretrained(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, weights) from a Hugging Face folder (it has config.json) or a threefold
-    checkpoint / run directory (its newest checkpoint)."""
-    path = Path(path)
-    if (path / "config.json").is_file() and not run_checkpoint_root(path).is_dir():
-        cfg, weights, _ = import_hf(path)
-        return cfg, weights
-    ckpt = find_checkpoint(path)
-    tensors, state = load_checkpoint(ckpt)
-    return _model_config_from_state(state, ckpt), tensors["model"]
+    """(config, whole fp32 weights) from a Hugging Face folder (it has config.json) or a
+    threefold checkpoint / run directory (its newest checkpoint): ``open_pretrained``'s
+    tensors, all read."""
+    cfg, source = open_pretrained(path)
+    return cfg, source.tensors()
 
 
 def init_from_hf(model: torch.nn.Module, path: Path) -> None:
@@ -572,16 +540,24 @@ def init_from_hf(model: torch.nn.Module, path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # threefold convert
 # --------------------------------------------------------------------------------------------
-def convert_from_hf(hf_dir: Path, out: Path, seed: int = 0) -> Path:
+def convert_from_hf(hf_dir: Path, out: Path, seed: int = 0,
+                    max_file_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Import an HF folder as threefold run directory ``out``: ``out/checkpoints/0/`` (model
-    weights, no optimiser state, a fresh RNG and sampler seeded by ``seed``), ``out/config.json``
-    and ``out/tokenizer.json`` if the folder has one. The checkpoint is resumable: train with
-    ``--train.output_dir OUT --checkpoint.resume true`` and the model shape of config.json to
-    fine-tune from it (optimiser moments start at zero); or point ``init_from_hf`` at it."""
+    weights in fp32, no optimiser state, a fresh RNG and sampler seeded by ``seed``),
+    ``out/config.json`` and ``out/tokenizer.json`` if the folder has one. The checkpoint is
+    resumable: train with ``--train.output_dir OUT --checkpoint.resume true`` and the model
+    shape of config.json to fine-tune from it (optimiser moments start at zero); or point
+    ``init_from_hf`` at it.
+
+    The folder is checked from its headers first; then tensors are read one at a time into
+    rank files of at most ``max_file_bytes`` each (whole tensors; a larger one gets a file of
+    its own), so at most one file's tensors are in memory. A checkpoint's world size is only
+    its number of rank files: it loads, by name, under any layout."""
     out = Path(out)
     if list_checkpoints(out / "checkpoints"):
         raise HFError(f"{out}: already holds checkpoints; choose a new output folder")
-    cfg, weights, tok = import_hf(Path(hf_dir))
+    source = HFSource(Path(hf_dir))
+    cfg, tok = source.config, source.tokenizer
     out.mkdir(parents=True, exist_ok=True)
     if tok is not None:
         shutil.copyfile(tok, out / "tokenizer.json")
@@ -593,8 +569,14 @@ def convert_from_hf(hf_dir: Path, out: Path, seed: int = 0) -> Path:
              "config": run_cfg.to_dict(), "model_config": dataclasses.asdict(cfg),
              "scheduler": {"last_step": 0, "lr": 0.0},
              "imported_from": str(Path(hf_dir).resolve())}
-    return save_checkpoint(out / "checkpoints", 0, {"model": weights, "optim": {},
-                                                    "rng": {"cpu_rng": rng}}, state, keep_last=1)
+
+    def batches():  # a generator: the next file's tensors are read once the last is written
+        for group in _shards([(n, source.shape(n)) for n in source.names()], max_file_bytes):
+            yield [Piece(n, "model", source.read(n).reshape(-1), 0, math.prod(shape), shape)
+                   for n, shape in group]
+
+    return save_streamed(out / "checkpoints", 0, batches(), {"cpu_rng": rng}, state,
+                         keep_last=1)
 
 
 USAGE = """usage: threefold convert --to hf CKPT OUT      checkpoint (or run dir) -> HF folder
