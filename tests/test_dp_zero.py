@@ -53,7 +53,8 @@ def reference(corpus, cache_dir, tmp_path_factory):
     cfg = load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=STEPS))
     train(cfg)
     return {"losses": [r["loss"] for r in metrics(out)], "weights": final_weights(out),
-            "psi": num_parameters(cfg.model.resolved(320))}
+            "psi": num_parameters(cfg.model.resolved(320)),
+            "embedding": 320 * cfg.model.resolved(320).hidden_size}
 
 
 def _check_equal(reference, out):
@@ -108,13 +109,14 @@ def test_layouts_equal_single_process(world, runs, reference, corpus, cache_dir,
             continue
         n = shard
         # ZeRO §7: reduce-scatter Ψ + all-gather Ψ per step (stage 3 re-gathers for backward,
-        # and reduces every micro-step); (N-1)/N of it leaves each rank
+        # all but the embedding, whose backward reads no weight, and reduces every
+        # micro-step); (N-1)/N of it leaves each rank
         scatters = accum if zero == 3 else 1
-        gathers = 2 * accum if zero == 3 else 1
+        gathered = (2 * psi - reference["embedding"]) * accum if zero == 3 else psi
         for rank, r in enumerate(per_rank):
             # the grad-norm all-reduce: 2 fp32 sums of squares (tp-sharded, replicated parts)
             norm_bytes = _all_reduce_bytes(2, n, rank % n)
-            expect = (scatters + gathers) * psi * (n - 1) // n * 4 + norm_bytes
+            expect = (scatters * psi + gathered) * (n - 1) // n * 4 + norm_bytes
             assert [s["dp_shard"] for s in r["steps"]] == [expect] * STEPS, name
             # model state per rank: Ψ/N parameters owned, 2Ψ/N optimiser elements
             assert r["owned_param_elems"] == psi // n, name

@@ -216,6 +216,12 @@ class ParallelConfig:
     offload_optimizer: bool = _f(False, "keep AdamW's state and the fp32 master weights in host "
                                  "memory and run the step there (ZeRO-Offload); only "
                                  "gradients go down and parameters come back each step")
+    param_dtype: str = _f("auto", "dtype parameters are held and ZeRO-gathered in for compute "
+                          "(FSDP2-style mixed precision; the float32 master shards stay with "
+                          "their owners): auto (bfloat16 under ZeRO-3 with train.dtype "
+                          "bfloat16, else float32), float32 or bfloat16")
+    reduce_dtype: str = _f("float32", "dtype ZeRO reduce-scatters gradients in: float32 or "
+                           "bfloat16 (half the bytes, a looser sum)")
     timeout_s: float = _f(600.0, "collective timeout during start-up and the first step, s")
     step_timeout_s: float = _f(120.0, "collective timeout after the first step, s")
 
@@ -233,7 +239,9 @@ class TrainConfig:
     compile: bool = _f(False, "torch.compile each block")
     host_mmap_threshold_mb: float = _f(256.0, "CPU runs: glibc keeps freed blocks below this "
                                        "many MiB for reuse instead of mapping fresh pages "
-                                       "each step (threefold/hostmem.py); 0 = glibc's default")
+                                       "each step (threefold/hostmem.py; 1 MiB at most under "
+                                       "ZeRO-3, whose gathers would fragment the heap); 0 = "
+                                       "glibc's default")
     device: str = _f("auto", "auto, cpu or cuda")
     output_dir: str = _f("runs/default", "where metrics, summary and checkpoints go")
     log_interval: int = _f(10, "print a line every this many steps")
@@ -456,6 +464,15 @@ def validate(cfg: Config) -> None:
     if p.schedule not in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
         raise ConfigError(_unknown("parallel.schedule", p.schedule,
                                    ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]))
+    if p.param_dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(_unknown("parallel.param_dtype", p.param_dtype,
+                                   ["auto", "float32", "bfloat16"]))
+    if p.reduce_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(_unknown("parallel.reduce_dtype", p.reduce_dtype,
+                                   ["float32", "bfloat16"]))
+    _need(p.param_dtype != "bfloat16" or t.dtype == "bfloat16",
+          "parallel.param_dtype: bfloat16 parameters need bfloat16 compute; set train.dtype "
+          "bfloat16 or parallel.param_dtype auto")
     if p.cp_algorithm not in ("ring", "allgather"):
         raise ConfigError(_unknown("parallel.cp_algorithm", p.cp_algorithm, ["ring", "allgather"]))
     p.pipeline_split = p.pipeline_split.replace(" ", "")  # "7, 9, 9, 7" as "7,9,9,7"
@@ -494,6 +511,15 @@ def validate(cfg: Config) -> None:
     _need(c.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {c.keep_last}")
     _need("{" not in c.dir.replace("{node}", "") and "}" not in c.dir.replace("{node}", ""),
           f"checkpoint.dir: '{c.dir}' has a placeholder other than {{node}}")
+
+
+def param_dtype(cfg: Config) -> str:
+    """The dtype parameters are held and gathered in for compute (``parallel.param_dtype``
+    resolved): "bfloat16" or "float32"."""
+    p = cfg.parallel
+    if p.param_dtype == "auto":
+        return "bfloat16" if cfg.train.dtype == "bfloat16" and p.zero_stage == 3 else "float32"
+    return p.param_dtype
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -62,12 +62,49 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float |
     return None, "unknown"
 
 
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank: allocator peak on CUDA, peak resident set size on a CPU."""
+    """Peak memory of this rank since the last ``reset_peak_memory``: allocator peak on CUDA,
+    peak resident set size on a CPU (Linux's VmHWM, which can be reset; ru_maxrss elsewhere)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    hwm = _proc_status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    """Memory this rank holds now: allocated on CUDA, the resident set on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    rss = _proc_status_kib("VmRSS")
+    return rss * 1024 if rss is not None else peak_memory_bytes(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak from what is held now (between the phases of a run: start-up,
+    loading, steps). On Linux the resident high-water mark is reset through
+    /proc/self/clear_refs; where that is not possible the peak stays the process's."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 class MetricsWriter:

@@ -370,6 +370,33 @@ def fill_tied_head(weights: dict, prefix: str = "", suffixes: tuple[str, ...] = 
     return weights
 
 
+def _init_in_place(p: torch.Tensor, name: str, cfg: ModelConfig,
+                   gen: torch.Generator | None) -> None:
+    """The initialisation rule (see ``LlamaForCausalLM.init_weights``) applied to ``p``."""
+    if p.ndim == 1:
+        nn.init.ones_(p)
+        return
+    std = cfg.init_std
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+        std = std / math.sqrt(2 * cfg.num_hidden_layers)  # GPT-2's scaled residual init
+    nn.init.normal_(p, mean=0.0, std=std, generator=gen)
+
+
+@torch.no_grad()
+def initial_weight(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """The initial value of the whole tensor ``name`` (of ``shape``), drawn from its own
+    generator seeded by (``seed``, ``name``): what ``init_weights(seed)`` puts there, so any
+    slice of it can be made on its own (``threefold.parallel.materialize``)."""
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    gen = None
+    if out.ndim > 1:
+        gen = torch.Generator(device=out.device)
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    _init_in_place(out, name, cfg, gen)
+    return out
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head; ``forward`` returns fp32 logits.
 
@@ -419,25 +446,17 @@ class LlamaForCausalLM(nn.Module):
         this works after ``LlamaForCausalLM(cfg)`` under ``torch.device("meta")`` followed by
         ``to_empty(device=...)``."""
         self.tie_weights()
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
         # a pipeline stage with a tied head but no embedding holds a copy of the embedding
         # (parallel/pipeline/stage.py): it starts from the embedding's values
         replica = self.cfg.tie_word_embeddings and self.model.embed_tokens is None
         for name, p in self.named_parameters():  # tied weights appear once
             if p.is_meta:
                 continue
-            if p.ndim == 1:
-                nn.init.ones_(p)
+            if seed is None or p.ndim == 1:
+                _init_in_place(p, name, self.cfg, None)
                 continue
-            gen = None
-            if seed is not None:
-                gen = torch.Generator(device=p.device)
-                key = "model.embed_tokens.weight" if replica and name == "lm_head.weight" \
-                    else name
-                gen.manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-            scaled = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
-            nn.init.normal_(p, mean=0.0, std=out_std if scaled else std, generator=gen)
+            key = "model.embed_tokens.weight" if replica and name == "lm_head.weight" else name
+            p.copy_(initial_weight(key, tuple(p.shape), self.cfg, seed, p.device))
         if not self.model.rotary.inv_freq.is_meta:
             self.model.rotary.reset_parameters()
 

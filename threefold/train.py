@@ -11,6 +11,7 @@ import math
 import shutil
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,12 @@ from threefold import accounting
 from threefold.checkpoint import CheckpointError, save_sharded
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import DataBundle, prepare_data
-from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
-                               peak_memory_bytes, truncate_metrics)
+from threefold.metrics import (MetricsWriter, current_memory_bytes, device_peak_flops,
+                               last_logged_step, peak_memory_bytes, reset_peak_memory,
+                               truncate_metrics)
 from threefold.model import LlamaForCausalLM, causal_lm_loss, fill_tied_head
 from threefold.moe import RouterLog
+from threefold.parallel.parallelize import apply_activation_checkpointing, apply_compile  # noqa: F401
 from threefold.parallel.pipeline.timeline import TraceRecord, write_chrome_trace
 
 
@@ -62,10 +65,11 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 def build_model(mcfg: ModelConfig, device: torch.device, seed: int,
                 split=None) -> LlamaForCausalLM:
-    """The plain model, built on the meta device then materialised and initialised from
-    ``seed`` (identical on every rank). ``split`` (pipeline parallelism) keeps only this rank's
-    stages before anything is allocated; initialisation is by parameter name, so they equal
-    the same layers of the whole model."""
+    """The whole plain model, built on the meta device then materialised and initialised from
+    ``seed`` (for references and benchmarks; a run never builds the whole model, see
+    ``threefold.parallel.parallelize``). ``split`` (pipeline parallelism) keeps only some
+    stages; initialisation is by parameter name, so they equal the same layers of the whole
+    model."""
     with torch.device("meta"):
         model = LlamaForCausalLM(mcfg)
     if split is not None:
@@ -73,22 +77,6 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int,
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
-
-
-def apply_activation_checkpointing(model: LlamaForCausalLM) -> None:
-    """Recompute each transformer block in backward. The block's forward is wrapped in place,
-    so parameter names (and checkpoints) do not change."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in model.model.layers:
-        inner = block.forward
-        block.forward = lambda *a, _f=inner, **k: checkpoint(_f, *a, use_reentrant=False, **k)
-
-
-def apply_compile(model: LlamaForCausalLM) -> None:
-    """torch.compile each block in place (names unchanged)."""
-    for block in model.model.layers:
-        block.compile()
 
 
 @dataclass
@@ -107,6 +95,8 @@ class Run:
     out: Path
     task: Any = None
     router_log: Any = None  # the step's RouterLog of a mixture of experts (train_step)
+    # bytes held before the model, and the peaks of start-up, loading and the steps
+    memory: dict = dataclasses.field(default_factory=dict)
 
     def forward(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model on a micro-batch dict (positions and document ids when it has them)."""
@@ -122,8 +112,12 @@ class Run:
 
 def build_run(cfg: Config, layout=None, task=None) -> Run:
     """Check and build a run. Nothing is written to the output directory here, so bad input
-    leaves no half-made run behind."""
-    from threefold.parallel.layout import SingleProcess, build_engine
+    leaves no half-made run behind. The model is never whole on a rank: ``parallelize``
+    slices it on the meta device and the engine fills only what the rank keeps, from the
+    seed's initial values or from ``checkpoint.init_from`` (only the rank's regions read)."""
+    from threefold.parallel.layout import SingleProcess
+    from threefold.parallel.materialize import ChainSource, InitSource
+    from threefold.parallel.parallelize import parallelize
     from threefold.task import PretrainTask
 
     layout = layout or SingleProcess()
@@ -132,9 +126,10 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         raise ConfigError("train.eval_batches: must be positive")
     device = pick_device(cfg, layout.local_rank)
     if device.type == "cpu":  # reuse the step's large blocks instead of faulting in new pages
-        from threefold.hostmem import reuse_freed_host_memory
+        from threefold.hostmem import reuse_freed_host_memory, threshold_for
 
-        reuse_freed_host_memory(cfg.train.host_mmap_threshold_mb)
+        reuse_freed_host_memory(threshold_for(cfg.train.host_mmap_threshold_mb,
+                                              cfg.parallel.zero_stage))
     dtype = compute_dtype(cfg, device)
     pretrained = _pretrained(cfg) if cfg.checkpoint.init_from else None
     data = layout.first_rank_first(lambda: prepare_data(cfg.data))
@@ -144,22 +139,22 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
                           f"{data.vocab_size}; leave it unset (0) or raise it")
     layout.check(cfg, mcfg)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(mcfg, device, cfg.train.seed, getattr(layout, "split_pipeline", None))
-    if pretrained:
-        own, weights = dict(model.named_parameters()), dict(pretrained[1])
-        if mcfg.tie_word_embeddings:  # a pipeline's last stage holds a copy of the embedding
-            fill_tied_head(weights)
-        model.load_state_dict({k: v for k, v in weights.items() if k in own},
-                              strict=getattr(layout, "chunks", None) is None)
-    model = layout.parallelize(model, cfg)
-    if cfg.train.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if cfg.train.compile:
-        apply_compile(model)
-    engine = build_engine(model, cfg, layout)
+    # what the process holds before the model (interpreter, torch, data), then the build's peak
+    memory = {"baseline_bytes": current_memory_bytes(device)}
+    reset_peak_memory(device)
+    source = InitSource(mcfg, cfg.train.seed, device)
+    if pretrained:  # a task's new weights (a reward model's score head) start from the seed
+        source = ChainSource(pretrained[1], source, getattr(task, "new_weights", ()))
+    try:
+        engine = parallelize(mcfg, cfg, layout, source, device,
+                             adapt=getattr(task, "adapt_model", None))
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint.init_from: '{cfg.checkpoint.init_from}' lacks "
+                              f"{e.args[0]}") from None
+    memory["startup_peak_bytes"] = peak_memory_bytes(device)
     sampler, val_sampler = task.samplers(cfg, data)
     run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
-              Path(cfg.train.output_dir), task)
+              Path(cfg.train.output_dir), task, memory=memory)
     if getattr(layout, "chunks", None) is not None:  # before setup, which may use it
         task_loss = getattr(task, "pipeline_loss", None)
         layout.build_pipeline(engine, run.loss, lambda: _autocast(run), mcfg.hidden_size,
@@ -182,21 +177,28 @@ def _pipeline_router_term(run: Run):
 
 
 def _pretrained(cfg: Config):
-    """(model config, weights) of ``checkpoint.init_from``; its tokenizer replaces the default
-    BPE (the weights only make sense with the vocabulary they were trained on)."""
-    from threefold.hf import load_pretrained
+    """(model config, weight source) of ``checkpoint.init_from`` (a Hugging Face folder, a
+    threefold run or checkpoint: ``threefold.weights``; tensors are read by region later, as
+    each rank needs them); its tokenizer replaces the default BPE (the weights only make
+    sense with the vocabulary they were trained on)."""
+    from threefold.weights import open_pretrained
 
     src = Path(cfg.checkpoint.init_from)
     if not src.exists():
         raise ConfigError(f"checkpoint.init_from: '{src}' does not exist")
-    pcfg, weights = load_pretrained(src)
+    pcfg, source = open_pretrained(src)
     pcfg.init_std = cfg.model.init_std
     if cfg.data.tokenizer == "bpe":
         for cand in (src / "tokenizer.json", src.parent.parent / "tokenizer.json"):
             if cand.is_file():
                 cfg.data.tokenizer = str(cand)
                 break
-    return pcfg, {k: v.to(torch.float32) for k, v in weights.items()}
+    return pcfg, source
+
+
+def pretrained_source(cfg: Config):
+    """A source of ``checkpoint.init_from``'s weights (``threefold.weights``)."""
+    return _pretrained(cfg)[1]
 
 
 def _autocast(run: Run):
@@ -422,7 +424,7 @@ def _resume(run: Run) -> int:
     """Load the newest committed checkpoint if asked; return the step to start from.
     Collective: every node's checkpoint root is checked (writable, when the run will save),
     rank 0's index decides the step, and each node's part must be on some node."""
-    from threefold.checkpoint import committed_steps, load_sharded, resolve_root, unwritable
+    from threefold.checkpoint import committed_steps, resolve_root, unwritable
 
     lay, c = run.layout, run.cfg.checkpoint
     group = lay.checkpoint_group()
@@ -443,17 +445,18 @@ def _resume(run: Run) -> int:
         return 0
     if not steps:
         return 0
-    tensors, state = load_sharded(ckroot, steps[-1], lay.rank, group)
+    from threefold.weights import open_sharded
+
+    source, state, rng = open_sharded(ckroot, steps[-1], lay.rank, group)
     saved = state["model_config"]
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
         if saved[key] != getattr(run.model_cfg, key):
             raise CheckpointError(f"checkpoint {steps[-1]}: model.{key}={saved[key]} but this "
                                   f"run has {getattr(run.model_cfg, key)}")
-    run.engine.load_state_dict(lay.shard_state(
-        {"model": tensors["model"], "optim": tensors["optim"], "optim_step": state["optim_step"]},
-        run.engine))
+    # each rank reads the regions it holds, whatever layout wrote them
+    run.engine.load_from(source, state["optim_step"])
     run.sampler.load_state_dict(state["sampler"])
-    torch.set_rng_state(tensors["rng"]["cpu_rng"])
+    torch.set_rng_state(rng["cpu_rng"])
     return int(state["step"])
 
 
@@ -488,7 +491,11 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
 def _loop(run: Run, preempt, return_run: bool):
     cfg = run.cfg
     t, lay = cfg.train, run.layout
+    reset_peak_memory(run.device)
     start = _resume(run)
+    if start:
+        run.memory["loading_peak_bytes"] = peak_memory_bytes(run.device)
+    reset_peak_memory(run.device)  # metrics.jsonl's peaks are the steps' own
     writer, lost = None, 0
     if lay.is_writer:
         run.out.mkdir(parents=True, exist_ok=True)
@@ -591,6 +598,8 @@ def _loop(run: Run, preempt, return_run: bool):
         "peak_flops_per_device": peak, "peak_flops_source": peak_src,
         "flops_per_token": flops_tok, "world_size": lay.world_size, "layout": lay.describe(),
         "restarts": lay.restarts, "lost_steps": lost,
+        "memory": {**run.memory, "step_peak_bytes": max((r["peak_memory_bytes"]
+                                                         for r in history), default=None)},
     }
     if trace_info:
         summary["trace"] = trace_info

@@ -104,8 +104,9 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     block, final norm, head; each padded to a multiple of dp_shard): stages 1 and 2
     reduce-scatter every unit once per step (stage 2 from backward hooks) and all-gather it
     after the optimiser step; stage 3 all-gathers each unit before its forward and again before
-    its backward and reduce-scatters it, every microbatch (a tied root unit stays gathered
-    from the first forward to the end of the step: one gather per step). Then, with
+    its backward (not the embedding, whose backward reads only the token ids) and
+    reduce-scatters it, every microbatch (a tied root unit stays gathered from the first
+    forward to the end of the step: one gather per step). Then, with
     dp_replicate > 1, every unit's gradient shard is all-reduced over dp_replicate, and the
     gradient norm all-reduces 2 fp32 scalars over dp_shard. Weights and gradients move in
     ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say otherwise.
@@ -208,9 +209,15 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     # a tied root unit (``ZeroEngine``'s last) stays gathered from the step's first forward
     # to its end under stage 3: one gather per step instead of two per microbatch
     root = units.pop() if cfg.tie_word_embeddings and p == 1 else None
+    # the embedding's backward reads token ids, not its weight: stage 3 gathers it for the
+    # forward only (``ZeroEngine``)
+    embedding = units.pop(0) if first and root is None else None
     ax = layout.shard_axis
     for unit, count in Counter(-(-sum(u) // ns) * ns for u in units).items():
         _zero_unit(add, ax, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
+    if embedding is not None:
+        _zero_unit(add, ax, z, -(-sum(embedding) // ns) * ns, 1, ns, nr, g, pb,
+                   per_step_gathers=False, backward_gathers=0)
     if root is not None:
         _zero_unit(add, ax, z, -(-sum(root) // ns) * ns, 1, ns, nr, g, pb,
                    per_step_gathers=True)
@@ -241,10 +248,12 @@ def _cp_attention(add, layout: Layout, kv_width: int, tokens: int, d: int, layer
 
 
 def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int, g: int,
-               pb: int, per_step_gathers: bool, extra_gathers: int = 0) -> None:
+               pb: int, per_step_gathers: bool, extra_gathers: int = 0,
+               backward_gathers: int = 1) -> None:
     """The collectives of ``count`` ZeRO units of ``padded`` elements over ``axis`` (see
     ``collectives``); ``extra_gathers`` more stage-3 gathers per microbatch (an expert unit's
-    in a recomputed forward)."""
+    in a recomputed forward); ``backward_gathers`` 0 for a unit whose backward does not read
+    its weights (the embedding)."""
     if z in (1, 2):
         add(axis, "reduce_scatter", padded, g, count, ns, False,
             "step" if z == 1 else "last")
@@ -255,7 +264,8 @@ def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int
     else:
         add(axis, "reduce_scatter", padded, g, count, ns, True, "backward")
         add(axis, "all_gather", padded, pb, count, ns, True, "forward")
-        add(axis, "all_gather", padded, pb, count * (1 + extra_gathers), ns, True, "backward")
+        add(axis, "all_gather", padded, pb, count * (backward_gathers + extra_gathers), ns,
+            True, "backward")
     add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from threefold.config import OptimConfig
 from threefold.parallel.engine import LocalEngine
+from threefold.parallel.placement import ep_sharded
 
 
 class _Bucket:
@@ -75,7 +76,7 @@ class DataParallelEngine(LocalEngine):
         super().__init__(model, cfg, comm, offload)
         self.axis, self.expert_axis = axis, expert_axis
         params = [p for _, p in self.named_params]
-        is_expert = [bool(expert_axis) and getattr(p, "_ep_sharded", False) for p in params]
+        is_expert = [bool(expert_axis) and ep_sharded(p) for p in params]
         experts = [p for p, e in zip(params, is_expert) if e]
         dense = [p for p, e in zip(params, is_expert) if not e]
         size = int(bucket_mb * 2**20)

@@ -9,6 +9,7 @@ import torch
 
 from threefold import faults
 from threefold.config import Config, ModelConfig
+from threefold.parallel.placement import placement
 
 
 class Distributed:
@@ -124,8 +125,7 @@ class Distributed:
         pairs = [[g[0], g[-1]] for g in self.dims.axis_groups("pp")]
         self.comm.add_axis("pp_ends", pairs, counted_as="pp")  # as the planner counts it
         replica = tied_head_replica(model)
-        if replica is not None:
-            replica._tied_replica = True  # counted in the norm and saved by the first stage
+        if replica is not None:  # placed as such by split_model: counted and saved elsewhere
             self._tied = (replica, True)
         elif model.model.embed_tokens is not None:
             self._tied = (model.model.embed_tokens.weight, False)
@@ -161,45 +161,12 @@ class Distributed:
 
         return shard_batch(micro, self.cp_size, self.cp_rank)
 
-    def _tp_info(self, engine) -> dict[str, tuple]:
-        from threefold.parallel.engine import tp_shard_dim
-
-        return {n: (tp_shard_dim(p), getattr(p, "_tp_full_size", None))
-                for n, p in engine.named_params}
-
-    def gather_state(self, sd: dict, engine) -> dict:
-        """Whole tensors: tp slices all-gathered (vocabulary padding dropped), every ep
-        rank's experts gathered."""
-        from threefold.parallel.expert import gather_experts
-
-        sd = self._expert_slices(sd, engine, gather_experts)
-        if self.dims.tp == 1:
-            return sd
-        from threefold.parallel.tensor import gather_full
-
-        info = self._tp_info(engine)
-        model = {n: gather_full(t, *info[n], self.comm) for n, t in sd["model"].items()}
-        optim = {k: gather_full(t, *info[k.rsplit(".", 1)[0]], self.comm)
-                 for k, t in sd["optim"].items()}
-        return {"model": model, "optim": optim, "optim_step": sd["optim_step"]}
-
-    def _expert_slices(self, sd: dict, engine, fn) -> dict:
-        """``fn`` (gather or take over ep) applied to the expert tensors of ``sd``."""
-        experts = {n for n, p in engine.named_params if getattr(p, "_ep_sharded", False)}
-        if not experts:
-            return sd
-        pick = lambda name, t: fn(t, self.comm) if name in experts else t  # noqa: E731
-        return {"model": {n: pick(n, t) for n, t in sd["model"].items()},
-                "optim": {k: pick(k.rsplit(".", 1)[0], t) for k, t in sd["optim"].items()},
-                "optim_step": sd["optim_step"]}
-
     def checkpoint_pieces(self, engine) -> list:
         """This rank's pieces, each replicated tensor written by one rank only: ZeRO shards by
         the first replica group, data-parallel copies by dp rank 0, tp-replicated tensors by
         tp rank 0; tp slices get their place in the logical tensor. Context-parallel ranks
         hold copies (or, under ZeRO, shards of the dp_shard × cp group) as data-parallel ones
         do."""
-        from threefold.parallel.engine import tp_shard_dim
         from threefold.parallel.zero import ZeroEngine
 
         c = self.dims.coords(self.rank)
@@ -210,22 +177,23 @@ class Distributed:
         t, out = self.dims.tp, []
         for piece in engine.local_pieces():
             p = params[piece.name]
-            if getattr(p, "_tied_replica", False):
+            rec = placement(p)
+            if rec.tied_replica:
                 continue  # a tied head's copy: the embedding, saved by the first stage
-            expert = getattr(p, "_ep_sharded", False)
+            expert = rec.ep_sharded
             if not zero and c["edp" if expert else self.data_axis] != 0:
                 continue  # a data-parallel copy (of this rank's experts: over edp)
             if expert:  # this ep rank's experts: a contiguous run of the whole tensor
-                off = p._ep_index * p.numel()
+                off = rec.ep_index * p.numel()
                 piece.start, piece.end = piece.start + off, piece.end + off
-                piece.shape = (p.shape[0] * p._ep_count, *p.shape[1:])
-            dim = tp_shard_dim(p) if t > 1 else None
+                piece.shape = (p.shape[0] * rec.ep_count, *p.shape[1:])
+            dim = rec.tp_dim if t > 1 else None
             if dim is None:
                 if c["tp"] == 0:
                     out.append(piece)
                 continue
             shape = list(piece.shape)
-            shape[dim] = p._tp_full_size
+            shape[dim] = rec.tp_full
             piece.shape, piece.tp_dim, piece.tp_index, piece.tp_count = (tuple(shape), dim,
                                                                          c["tp"], t)
             out.append(piece)
@@ -235,42 +203,27 @@ class Distributed:
         """Wait for every rank."""
         self.control.barrier()
 
-    def shard_state(self, sd: dict, engine) -> dict:
-        """This stage's tensors, this tp rank's slices of them, this ep rank's experts."""
-        own = {n for n, _ in engine.named_params}
-        if self._tied is not None and self._tied[1]:  # the head's copy: load the embedding
-            from threefold.model import fill_tied_head
-
-            sd = {**sd, "model": fill_tied_head(dict(sd["model"])),
-                  "optim": fill_tied_head(dict(sd["optim"]), suffixes=(".exp_avg", ".exp_avg_sq"))}
-        sd = {"model": {n: t for n, t in sd["model"].items() if n in own},
-              "optim": {k: t for k, t in sd["optim"].items() if k.rsplit(".", 1)[0] in own},
-              "optim_step": sd["optim_step"]}
-        from threefold.parallel.expert import take_experts
-
-        sd = self._expert_slices(sd, engine, take_experts)
-        if self.dims.tp == 1:
-            return sd
-        from threefold.parallel.tensor import take_shard
-
-        info = self._tp_info(engine)
-        model = {n: take_shard(t, info[n][0], self.comm) for n, t in sd["model"].items()}
-        optim = {k: take_shard(t, info[k.rsplit(".", 1)[0]][0], self.comm)
-                 for k, t in sd["optim"].items()}
-        return {"model": model, "optim": optim, "optim_step": sd["optim_step"]}
-
-    def build_engine(self, model: torch.nn.Module, cfg: Config):
+    def build_engine(self, model: torch.nn.Module, cfg: Config, source=None,
+                     device: torch.device | None = None):
         """Data parallel for ZeRO stage 0, the ZeRO engine for stages 1-3 (over dp × cp); the
-        optimiser in host memory with ``parallel.offload_optimizer``."""
+        optimiser in host memory with ``parallel.offload_optimizer``. With a ``source`` the
+        parameters are still on the meta device (see ``layout.build_engine``)."""
         from threefold.parallel.data import DataParallelEngine
         from threefold.parallel.engine import LocalEngine
+        from threefold.parallel.materialize import materialize_parameters
         from threefold.parallel.zero import ZeroEngine
+
+        from threefold.parallel.layout import dtypes
 
         p = cfg.parallel
         off = p.offload_optimizer
+        param_dtype, reduce_dtype = dtypes(cfg)
         if p.zero_stage == 0:
+            if source is not None:
+                materialize_parameters(model, source, device or self.env.device)
             if self.dims.axis_size(self.data_axis) == 1:
-                return LocalEngine(model, cfg.optim, self.comm, offload=off)
+                return LocalEngine(model, cfg.optim, self.comm, offload=off,
+                                   param_dtype=param_dtype)
             return DataParallelEngine(model, cfg.optim, self.comm, p.bucket_mb,
                                       axis=self.data_axis, offload=off,
                                       expert_axis="edp" if self.dims.ep > 1 else None)
@@ -285,7 +238,9 @@ class Distributed:
                 units.append(experts)
                 axes[len(units) - 1] = "edp_shard"
         return ZeroEngine(model, units, cfg.optim, self.comm, p.zero_stage,
-                          shard_axis=self.shard_axis, offload=off, unit_axes=axes)
+                          shard_axis=self.shard_axis, offload=off, unit_axes=axes,
+                          source=source, device=device or self.env.device,
+                          param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     def global_token_count(self, local_count: int) -> int:
         """Sum a per-rank count (target tokens, pairs) over dp (a scalar all-reduce)."""

@@ -24,16 +24,12 @@ from torch import nn
 from threefold.config import OptimConfig
 # make_adamw is imported from here by the benchmarks too
 from threefold.parallel.adamw import adamw_step, make_adamw  # noqa: F401
+from threefold.parallel.placement import ep_sharded, tied_replica, tp_shard_dim
 
 
 def unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Named parameters with tied weights listed once (under their first name)."""
     return list(model.named_parameters(remove_duplicate=True))
-
-
-def tp_shard_dim(p: torch.Tensor) -> int | None:
-    """Which dimension of ``p`` tensor parallelism split (None: whole on every tp rank)."""
-    return getattr(p, "_tp_shard_dim", None)
 
 
 def sq_norm(g: torch.Tensor) -> torch.Tensor:
@@ -115,17 +111,59 @@ class OptimizerSlot:
             adamw_step(self.optimizer, lr)
 
 
+def _fold_grad(p: nn.Parameter, master: nn.Parameter | None) -> None:
+    """Add ``p``'s (16-bit) gradient into its float32 master's and release it."""
+    if master is None or p.grad is None:
+        return
+    if master.grad is None:
+        master.grad = p.grad.to(master.dtype)
+    else:
+        master.grad.add_(p.grad)
+    p.grad = None
+
+
 class LocalEngine:
     """One process holds everything: plain AdamW over the model's parameters (its state in
-    host memory with ``offload``, ``threefold.parallel.offload``)."""
+    host memory with ``offload``, ``threefold.parallel.offload``).
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig, comm=None, offload: bool = False):
+    With ``param_dtype`` narrower than the parameters (bfloat16: the single-process form of
+    ZeRO's 16-bit gathers, FSDP2's mixed-precision policy) the model computes with 16-bit
+    copies and AdamW updates float32 masters: each micro-batch's 16-bit gradient is added
+    into the master's float32 gradient as soon as it is complete, as ZeRO-3 reduces each
+    micro-batch's gradient in float32, and the new masters are cast back after the step."""
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, comm=None, offload: bool = False,
+                 param_dtype: torch.dtype | None = None):
         self.model = model
         self.cfg = cfg
         self.comm = comm
         self.named_params = unique_named_parameters(model)
-        self.slot = OptimizerSlot([p for _, p in self.named_params], cfg, offload)
+        self._master: dict[nn.Parameter, nn.Parameter] = {}
+        if param_dtype is not None and any(p.dtype != param_dtype for _, p in self.named_params):
+            self._use_compute_copies(param_dtype)
+        self.slot = OptimizerSlot([self._trained(p) for _, p in self.named_params], cfg,
+                                  offload)
         self.optimizer = self.slot.optimizer
+
+    def _use_compute_copies(self, dtype: torch.dtype) -> None:
+        """float32 masters for the optimiser; the model's parameters become ``dtype`` copies."""
+        import weakref
+
+        for _, p in self.named_params:
+            master = nn.Parameter(p.detach().clone())
+            self._master[p] = master
+            p.data = p.data.to(dtype)
+            p.register_post_accumulate_grad_hook(
+                lambda q, m=weakref.ref(master): _fold_grad(q, m()))
+
+    def _trained(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor AdamW updates for parameter ``p`` (its float32 master, or itself)."""
+        return self._master.get(p, p)
+
+    def _refresh_compute_copies(self) -> None:
+        with torch.no_grad():
+            for p, m in self._master.items():
+                p.copy_(m)
 
     # -- the step ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -142,11 +180,12 @@ class LocalEngine:
         parts = torch.zeros(2, dtype=torch.float32, device=self.named_params[0][1].device)
         experts = torch.zeros(1, dtype=torch.float32, device=parts.device)
         for _, p in self.named_params:
-            if p.grad is not None and not getattr(p, "_tied_replica", False):
-                if getattr(p, "_ep_sharded", False):  # this rank's experts only
-                    experts += sq_norm(p.grad)
+            g = self._trained(p).grad
+            if g is not None and not tied_replica(p):
+                if ep_sharded(p):  # this rank's experts only
+                    experts += sq_norm(g)
                 else:
-                    parts[0 if tp_shard_dim(p) is not None else 1] += sq_norm(p.grad)
+                    parts[0 if tp_shard_dim(p) is not None else 1] += sq_norm(g)
         if self.comm is not None and self.comm.size("ep") > 1:
             self.comm.all_reduce(experts, "ep")  # every rank's experts (whole on each tp rank)
         parts[1] += experts[0]
@@ -156,31 +195,34 @@ class LocalEngine:
         """The tensor holding ``p``'s (synchronised) gradient on this rank, to be reduced in
         place with the same parameter's gradient elsewhere (tied weights on two pipeline
         stages); zeros if it got none."""
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        return p.grad
+        t = self._trained(p)
+        if t.grad is None:
+            t.grad = torch.zeros_like(t)
+        return t.grad
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradient (a 0-dim tensor on the device: the trainer reads
         it with the loss, one host sync per step); scale gradients so it is at most
-        ``max_norm`` (0 = measure only). A parameter marked ``_tied_replica`` (a copy of a
+        ``max_norm`` (0 = measure only). A parameter placed as a ``tied_replica`` (a copy of a
         weight held by another pipeline stage) is counted there, not here."""
         total = global_sq_norm(self.sq_norm_parts(), self.comm).sqrt()
-        clip_to([p.grad for _, p in self.named_params if p.grad is not None], total, max_norm)
+        grads = [self._trained(p).grad for _, p in self.named_params]
+        clip_to([g for g in grads if g is not None], total, max_norm)
         return total
 
     def step(self, lr: float) -> None:
         """One optimiser step at learning rate ``lr``; gradients are released afterwards."""
         self.slot.step(lr)
+        self._refresh_compute_copies()
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """{"model": {name: tensor}, "optim": {name.exp_avg / name.exp_avg_sq: tensor}} plus
         the step count in ``optim_step``; every tensor whole and HF-named."""
-        model = {n: p.detach().clone() for n, p in self.named_params}
+        model = {n: self._trained(p).detach().clone() for n, p in self.named_params}
         optim, step = {}, 0
         for n, p in self.named_params:
-            st = self.slot.state_of(p)
+            st = self.slot.state_of(self._trained(p))
             if st:
                 optim[f"{n}.exp_avg"] = st["exp_avg"].detach().clone()
                 optim[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().clone()
@@ -193,8 +235,9 @@ class LocalEngine:
 
         out = []
         for n, p in self.named_params:
-            out.append(Piece(n, "model", p.detach().reshape(-1), 0, p.numel(), tuple(p.shape)))
-            st = self.slot.state_of(p)
+            t = self._trained(p)
+            out.append(Piece(n, "model", t.detach().reshape(-1), 0, p.numel(), tuple(p.shape)))
+            st = self.slot.state_of(t)
             for kind in ("exp_avg", "exp_avg_sq"):
                 if st:
                     out.append(Piece(n, kind, st[kind].reshape(-1), 0, p.numel(),
@@ -207,13 +250,20 @@ class LocalEngine:
             return int(st["step"])
         return 0
 
-    def load_state_dict(self, sd: dict) -> None:
-        """Load what ``state_dict`` produced (possibly written by another layout)."""
-        with torch.no_grad():
-            for n, p in self.named_params:
-                p.copy_(sd["model"][n])
+    @torch.no_grad()
+    def load_from(self, source, optim_step: int = 0) -> None:
+        """Take this rank's part of every logical tensor in ``source`` (a checkpoint written
+        by any layout, ``threefold.weights``: only the slice this rank holds is read), and
+        AdamW's moments where the source has them (``optim_step`` steps taken)."""
+        from threefold.parallel.materialize import fill_local
+
+        for n, p in self.named_params:
+            fill_local(source, n, p, self._trained(p).data)
+        self._refresh_compute_copies()
         self.slot.loaded_params()
         for n, p in self.named_params:
-            if f"{n}.exp_avg" in sd["optim"]:
-                self.slot.set_state(p, sd["optim_step"], sd["optim"][f"{n}.exp_avg"],
-                                    sd["optim"][f"{n}.exp_avg_sq"])
+            t = self._trained(p)
+            moments = [torch.zeros_like(t.data) for _ in range(2)]
+            if all(fill_local(source, n, p, buf, kind)
+                   for buf, kind in zip(moments, ("exp_avg", "exp_avg_sq"))):
+                self.slot.set_state(t, optim_step, *moments)

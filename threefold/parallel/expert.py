@@ -25,7 +25,7 @@ the same rows again. Under uniform routing the expectation is N·k·(ep−1)/ep 
 
 Gradients: the router and every dense weight are the same on all data ranks, reduced over
 "dp" as always; an expert is held by the ranks of "edp" (same ep index), so its gradient is
-summed over those only (``_ep_sharded`` on the parameter tells the engines). Tensor
+summed over those only (the parameter's placement tells the engines). Tensor
 parallelism leaves the experts whole on every tp rank (each computes them: redundant, not
 split), and the all-to-alls run between ranks of the same tp index.
 """
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from threefold.parallel.placement import ep_sharded, place  # noqa: F401 (re-exported)
 
 AXIS = "ep"
 
@@ -95,7 +97,7 @@ class Dispatcher:
 def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
     """Keep this rank's E/ep experts of every MoE layer of ``model`` (whole weights in, as
     initialised or loaded) and route through ``Dispatcher``. Marks each expert tensor
-    ``_ep_sharded`` (with ``_ep_index``, ``_ep_count``: its slice of dim 0)."""
+    with its slice of dim 0 in its placement (``threefold.parallel.placement``)."""
     from threefold.moe import Experts
 
     ep, r = comm.size(AXIS), comm.rank(AXIS)
@@ -105,7 +107,7 @@ def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
             n = e // ep
             for p in (m.gate_up_proj, m.down_proj):
                 p.data = p.data[r * n:(r + 1) * n].clone()
-                p._ep_sharded, p._ep_index, p._ep_count = True, r, ep
+                place(p, ep_index=r, ep_count=ep)
             m.dispatch = Dispatcher(comm, e)
     return model
 
@@ -121,11 +123,6 @@ def take_rows_sent(model: nn.Module) -> int:
         if isinstance(d, Dispatcher):
             total, d.rows_sent = total + d.rows_sent, 0
     return total
-
-
-def ep_sharded(p: torch.Tensor) -> bool:
-    """Whether ``p`` holds only this rank's experts (its gradient is reduced over "edp")."""
-    return getattr(p, "_ep_sharded", False)
 
 
 def gather_experts(local: torch.Tensor, comm) -> torch.Tensor:

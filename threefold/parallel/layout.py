@@ -27,6 +27,10 @@ class SingleProcess:
     def check(self, cfg: Config, mcfg: ModelConfig) -> None:
         """Layout rules against the model (nothing to check for one process)."""
 
+    def split_pipeline(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This rank's pipeline stages (the whole model: one process has no pipeline)."""
+        return model
+
     def parallelize(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         """Apply the layout's model parallelism (none for one process)."""
         return model
@@ -34,14 +38,6 @@ class SingleProcess:
     def split_sequence(self, micro: dict) -> dict:
         """This rank's tokens of a micro-batch (all of them: no context parallelism)."""
         return micro
-
-    def gather_state(self, sd: dict, engine) -> dict:
-        """Whole logical tensors from an engine's state (already whole here)."""
-        return sd
-
-    def shard_state(self, sd: dict, engine) -> dict:
-        """This rank's part of whole logical tensors (all of it here)."""
-        return sd
 
     def checkpoint_pieces(self, engine) -> list:
         """The pieces this rank writes (everything, for one process)."""
@@ -169,6 +165,12 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
         raise ConfigError(f"parallel.ep: {dims.ep} does not divide model.num_local_experts="
                           f"{experts}; use an ep in "
                           f"{', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0 and dims.dp_shard % d == 0)}")
+    from threefold.config import param_dtype
+
+    if param_dtype(cfg) == "bfloat16" and p.zero_stage == 0 and dims.dp * dims.cp > 1:
+        raise ConfigError("parallel.param_dtype: bfloat16 parameters under data parallelism "
+                          "need ZeRO (the 16-bit copies are what ZeRO gathers); set "
+                          "parallel.zero_stage 1, 2 or 3, or parallel.param_dtype float32")
     check_batch(cfg, dims.dp)
     if dims.cp > 1 and cfg.data.seq_len % (2 * dims.cp):
         step = 2 * dims.cp
@@ -205,11 +207,28 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     return dims
 
 
-def build_engine(model: torch.nn.Module, cfg: Config, layout) -> Any:
+def dtypes(cfg: Config) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(parameter compute dtype, gradient reduction dtype) of ``cfg`` for the engines; the
+    first None where it is the parameters' own float32."""
+    from threefold.config import param_dtype
+
+    pd = torch.bfloat16 if param_dtype(cfg) == "bfloat16" else None
+    return pd, getattr(torch, cfg.parallel.reduce_dtype)
+
+
+def build_engine(model: torch.nn.Module, cfg: Config, layout, source=None,
+                 device: torch.device | None = None) -> Any:
     """The engine for ``layout``: plain AdamW for one process, data parallel or ZeRO else
-    (the optimiser in host memory with ``parallel.offload_optimizer``)."""
+    (the optimiser in host memory with ``parallel.offload_optimizer``). With a ``source``
+    (``threefold.parallel.materialize``) the model's parameters are still on the meta device
+    and the engine gives them storage on ``device``, filled from it: ZeRO only this rank's
+    shards, the others every local tensor, one at a time."""
     from threefold.parallel.engine import LocalEngine
+    from threefold.parallel.materialize import materialize_parameters
 
     if isinstance(layout, SingleProcess):
-        return LocalEngine(model, cfg.optim, offload=cfg.parallel.offload_optimizer)
-    return layout.build_engine(model, cfg)
+        if source is not None:
+            materialize_parameters(model, source, device)
+        return LocalEngine(model, cfg.optim, offload=cfg.parallel.offload_optimizer,
+                           param_dtype=dtypes(cfg)[0])
+    return layout.build_engine(model, cfg, source, device)

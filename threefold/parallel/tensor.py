@@ -40,6 +40,7 @@ from torch import nn
 
 from threefold.kernels import rms_norm
 from threefold.model import LlamaForCausalLM
+from threefold.parallel.placement import place, tp_shard_dim  # noqa: F401 (re-exported)
 
 AXIS = "tp"
 
@@ -217,11 +218,12 @@ def _shard_rows(weight: torch.Tensor, rank: int, t: int, pad_to: int | None = No
     return out
 
 
-def _set_weight(module: nn.Module, new: torch.Tensor, shard_dim: int | None, full: int) -> None:
+def _set_weight(module: nn.Module, new: torch.Tensor, shard_dim: int | None, full: int,
+                rank: int = 0, t: int = 1) -> None:
     p = module.weight
     p.data = new.contiguous()
-    p._tp_shard_dim = shard_dim  # None: replicated over tp
-    p._tp_full_size = full  # logical size along shard_dim (vocabulary before padding)
+    if shard_dim is not None:  # None: replicated over tp (the default placement)
+        place(p, tp_dim=shard_dim, tp_full=full, tp_index=rank, tp_count=t)
 
 
 def _vocab_embedding_forward(comm, sp: bool, shard: int):
@@ -273,23 +275,23 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
             continue
         w = module.weight.detach()
         if style == "vocab_embedding":
-            _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab)
+            _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab, r, t)
             module.forward = types.MethodType(_vocab_embedding_forward(comm, sp, vshard), module)
         elif style == "vocab_column":
             if model.cfg.tie_word_embeddings and model.model.embed_tokens is not None:
                 module.weight = model.model.embed_tokens.weight  # already vocab-sharded
             else:
-                _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab)
+                _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab, r, t)
         elif style == "column" and name.endswith(("k_proj", "v_proj")) and not split_kv:
             kv_head = (r * (heads // t)) // (heads // kv)
             _set_weight(module, w.clone(), None, w.shape[0])
-            module.weight._tp_grad_reduced = True
+            place(module.weight, tp_grad_reduced=True)
             module.forward = types.MethodType(
                 _replicated_kv_forward(comm, slice(kv_head * hd, (kv_head + 1) * hd)), module)
         elif style == "column":
-            _set_weight(module, _shard_rows(w, r, t), 0, w.shape[0])
+            _set_weight(module, _shard_rows(w, r, t), 0, w.shape[0], r, t)
         elif style == "row":
-            _set_weight(module, _shard_rows(w.t(), r, t).t(), 1, w.shape[1])
+            _set_weight(module, _shard_rows(w.t(), r, t).t(), 1, w.shape[1], r, t)
     enter = _GatherSeq.apply if sp else _CopyToTP.apply
     leave = _ReduceScatterSeq.apply if sp else _ReduceFromTP.apply
     for layer in model.model.layers:
@@ -303,11 +305,11 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
         if sp:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.forward = types.MethodType(_sp_norm_forward(comm), norm)
-                norm.weight._tp_grad_reduced = True
+                place(norm.weight, tp_grad_reduced=True)
     if sp:
         if model.model.norm is not None:  # a pipeline stage may not hold the final norm
             model.model.norm.forward = types.MethodType(_sp_norm_forward(comm), model.model.norm)
-            model.model.norm.weight._tp_grad_reduced = True
+            place(model.model.norm.weight, tp_grad_reduced=True)
 
         def positions(_m, args, kwargs):  # rotary tables for the whole sequence
             given = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
@@ -322,19 +324,10 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
         model.model.register_forward_pre_hook(positions, with_kwargs=True)
     if model.lm_head is not None:
         model.lm_head.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm),))
-    for p in model.parameters():
-        if not hasattr(p, "_tp_shard_dim"):
-            p._tp_shard_dim = None
-            p._tp_full_size = p.shape[0] if p.dim() else 1
     model.loss_function = VocabParallelLoss(comm, vocab, vshard)
     model.tp_size = t
     model.sequence_parallel = sp  # generation refuses it (its steps are 1 token)
     return model
-
-
-def tp_shard_dim(p: torch.Tensor) -> int | None:
-    """Which dimension of ``p`` is split over tp (None: the same on every tp rank)."""
-    return getattr(p, "_tp_shard_dim", None)
 
 
 def gather_full(local: torch.Tensor, dim: int | None, full: int, comm) -> torch.Tensor:

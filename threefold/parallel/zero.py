@@ -38,14 +38,26 @@ from torch import nn
 
 from threefold.config import OptimConfig
 from threefold.parallel.engine import (OptimizerSlot, clip_to, global_sq_norm, sq_norm,
-                                       tp_shard_dim, unique_named_parameters)
+                                       unique_named_parameters)
+from threefold.parallel.materialize import fill_flat, hollow_parameters
+from threefold.parallel.placement import tied_replica, tp_shard_dim
 
 
 class FlatUnit:
-    """One unit's parameters as a padded flat buffer, sharded over the shard axis."""
+    """One unit's parameters as a padded flat buffer, sharded over the shard axis.
+
+    ``shard`` (this rank's slice of the flat buffer, a float32 master) is filled first, from
+    ``source`` (``threefold.parallel.materialize``: the initial values or a checkpoint's
+    region, never the whole unit) or from the parameters' own values; ``full`` (the gathered
+    buffer, in ``param_dtype``) exists only while gathered: for good under stages 1-2 (after
+    one all-gather at start-up), around use under stage 3. The parameters become views of
+    ``full``. Gradients are views of one flat buffer too (``attach_grads``), which the
+    reduce-scatter reads directly."""
 
     def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], comm, axis: str,
-                 stage: int):
+                 stage: int, source=None, device: torch.device | None = None,
+                 param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.name, self.comm, self.axis, self.stage = name, comm, axis, stage
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -58,25 +70,39 @@ class FlatUnit:
         world, rank = comm.size(axis), comm.rank(axis)
         self.shard_numel = math.ceil(n / world)
         self.padded = self.shard_numel * world
-        dev, dtype = self.params[0].device, self.params[0].dtype
-        self.full = torch.zeros(self.padded, dtype=dtype, device=dev)
-        with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
-                self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
+        first = self.params[0]
+        dev = device or (first.device if not first.is_meta else torch.device("cpu"))
+        master = first.dtype  # the logical dtype (float32): the optimiser's shard
+        self.param_dtype = param_dtype or master
+        self.reduce_dtype = reduce_dtype
         lo = rank * self.shard_numel
-        self.shard = nn.Parameter(self.full[lo:lo + self.shard_numel].clone())
+        shard = torch.zeros(self.shard_numel, dtype=master, device=dev)
+        if source is not None:
+            fill_flat(source, named, self.offsets, shard, lo)
+        else:  # the parameters' own values (a model materialised by its caller)
+            with torch.no_grad():
+                for p, off in zip(self.params, self.offsets):
+                    a, b = max(off, lo), min(off + p.numel(), lo + self.shard_numel)
+                    if b > a:
+                        shard[a - lo:b - lo].copy_(p.detach().reshape(-1)[a - off:b - off])
+        self.shard = nn.Parameter(shard)
+        # (views need storage when made; untouched pages of an empty buffer cost nothing)
+        self.full = torch.empty(self.padded, dtype=self.param_dtype, device=dev)
         self._point_params_at_full()
-        self.gathered = True
+        self.full.untyped_storage().resize_(0)  # nothing gathered yet
+        self.gathered = False
         self.pending = len(self.params)
         self.gather_handle = None
+        self.grad_flat: torch.Tensor | None = None
         self.reduce_jobs: list[tuple] = []
         self.in_backward = False
         self.held = False  # ZeroEngine.full_parameters: stay gathered until it ends
+        self.reads_weights_in_backward = True  # False for the embedding (see ZeroEngine)
 
     # -- parameters as views of the flat buffer -------------------------------------------
     def _point_params_at_full(self) -> None:
-        # `.data` assignment keeps each Parameter's identity (optimiser hooks, autograd leaf)
-        # while its storage becomes a view of the unit's flat buffer.
+        # `.data` assignment keeps each Parameter's identity (optimiser hooks, autograd leaf,
+        # placement) while its storage becomes a view of the unit's flat buffer.
         for p, off, shape in zip(self.params, self.offsets, self.shapes):
             p.data = self.full.data[off:off + math.prod(shape)].view(shape)
 
@@ -87,12 +113,15 @@ class FlatUnit:
             self.gathered = False
 
     def start_gather(self) -> None:
-        """Begin re-materialising the full parameters from all shards (asynchronous)."""
+        """Begin re-materialising the full parameters from all shards (asynchronous), in
+        ``param_dtype`` (a 16-bit copy of the float32 shard travels: half the bytes)."""
         if self.gathered or self.gather_handle is not None:
             return
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        self.gather_handle = self.comm.all_gather(self.full.data, self.shard.data, self.axis,
-                                                  async_op=True)
+        src = self.shard.data
+        if src.dtype != self.full.dtype:
+            src = src.to(self.full.dtype)
+        self.gather_handle = self.comm.all_gather(self.full.data, src, self.axis, async_op=True)
 
     def wait_gather(self) -> None:
         """Make sure the full parameters are present."""
@@ -104,18 +133,29 @@ class FlatUnit:
         self.gathered = True
 
     # -- gradients --------------------------------------------------------------------------
-    def flat_grad(self) -> torch.Tensor:
-        """This unit's full gradient as one padded flat tensor (parameter grads released)."""
-        g = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
-        for p, off in zip(self.params, self.offsets):
-            if p.grad is not None:
-                g[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
-        return g
+    def attach_grads(self) -> None:
+        """Give the parameters' gradients a home before autograd writes them: views of one
+        zeroed flat buffer (autograd then adds into them in place), so the unit's gradient
+        exists once and the reduce-scatter reads it as it is. Called from each parameter's
+        gradient hook; the first call of a backward allocates."""
+        if self.grad_flat is not None:
+            return
+        self.grad_flat = torch.zeros(self.padded, dtype=self.param_dtype,
+                                     device=self.shard.device)
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            p.grad = self.grad_flat[off:off + math.prod(shape)].view(shape)
 
     def start_reduce_scatter(self) -> None:
-        """Sum the unit's gradient over the shard axis, keeping only this rank's shard."""
-        g = self.flat_grad()
+        """Sum the unit's gradient over the shard axis, keeping only this rank's shard (in
+        ``reduce_dtype``); the parameters' gradient views are released."""
+        g = self.grad_flat
+        if g is None:  # no gradient reached this unit
+            g = torch.zeros(self.padded, dtype=self.param_dtype, device=self.shard.device)
+        for p in self.params:
+            p.grad = None
+        self.grad_flat = None
+        if self.reduce_dtype is not None and g.dtype != self.reduce_dtype:
+            g = g.to(self.reduce_dtype)
         out = torch.empty(self.shard_numel, dtype=g.dtype, device=g.device)
         handle = self.comm.reduce_scatter(out, g, self.axis, async_op=True)
         self.reduce_jobs.append((handle, out, g))
@@ -127,7 +167,7 @@ class FlatUnit:
         lo = self.comm.rank(self.axis) * self.shard_numel
         for p, off in zip(self.params, self.offsets):
             a, b = max(off, lo), min(off + p.numel(), lo + self.shard_numel)
-            if b > a and not getattr(p, "_tied_replica", False):  # counted on its owner
+            if b > a and not tied_replica(p):  # counted on its owner
                 parts[0 if tp_shard_dim(p) is not None else 1] += sq_norm(g[a - lo:b - lo])
         return parts
 
@@ -136,10 +176,20 @@ class FlatUnit:
         for handle, out, _ in self.reduce_jobs:
             handle.wait()
             if self.shard.grad is None:
-                self.shard.grad = out
+                self.shard.grad = out if out.dtype == self.shard.dtype else \
+                    out.to(self.shard.dtype)
             else:
                 self.shard.grad.add_(out)
         self.reduce_jobs = []
+
+
+def _attach(unit_ref, grad: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient hook: its unit's flat gradient buffer exists before autograd
+    accumulates into the parameter's view of it."""
+    unit = unit_ref()
+    if unit is not None:
+        unit.attach_grads()
+    return grad
 
 
 class ZeroEngine:
@@ -157,11 +207,16 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, modules: list[nn.Module], cfg: OptimConfig, comm,
                  stage: int, shard_axis: str = "dp_shard", replicate_axis: str = "dp_replicate",
-                 offload: bool = False, unit_axes: dict[int, str] | None = None):
+                 offload: bool = False, unit_axes: dict[int, str] | None = None,
+                 source=None, device: torch.device | None = None,
+                 param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.model, self.cfg, self.comm, self.stage = model, cfg, comm, stage
         self.shard_axis, self.replicate_axis = shard_axis, replicate_axis
+        if source is not None:  # meta parameters: shapes only, until the shards are filled
+            hollow_parameters(model, device or torch.device("cpu"))
         named = unique_named_parameters(model)
         users: dict[nn.Parameter, list[int]] = {}
         for i, module in enumerate(modules):
@@ -176,10 +231,17 @@ class ZeroEngine:
             inner = [i for i in u if all(id(modules[i]) in inside[j] for j in u)]
             (groups[inner[0]] if len(inner) == 1 else root).append((n, p))
         axes = unit_axes or {}
-        self.unit_modules = [(m, FlatUnit(f"unit{i}", g, comm, axes.get(i, shard_axis), stage))
+        kw = dict(source=source, device=device, param_dtype=param_dtype,
+                  reduce_dtype=reduce_dtype)
+        self.unit_modules = [(m, FlatUnit(f"unit{i}", g, comm, axes.get(i, shard_axis), stage,
+                                          **kw))
                              for i, (m, g) in enumerate(zip(modules, groups)) if g]
+        getattr(source, "release", lambda: None)()  # the last tensor drawn, if kept
         self.units = [u for _, u in self.unit_modules]
-        self.root = FlatUnit("root", root, comm, shard_axis, stage) if root else None
+        for module, unit in self.unit_modules:
+            # an embedding's backward reads its indices, not its weight: no gather for it
+            unit.reads_weights_in_backward = not isinstance(module, nn.Embedding)
+        self.root = FlatUnit("root", root, comm, shard_axis, stage, **kw) if root else None
         self.all_units = self.units + ([self.root] if self.root else [])
         self._unit_of = {q: unit for unit in self.all_units for q in unit.params}
         self.named_params = named
@@ -191,14 +253,16 @@ class ZeroEngine:
         self._inflight: collections.deque = collections.deque()
         for unit in self.all_units:
             for p in unit.params:
-                # a weak reference: a hook holding the engine would keep it (and every buffer)
-                # alive forever through the parameter's C++ hook table
+                # weak references: a hook holding the engine (or a unit) would keep it, and
+                # every buffer, alive forever through the parameter's C++ hook table
+                p.register_hook(lambda g, u=weakref.ref(unit): _attach(u, g))
                 p.register_post_accumulate_grad_hook(
                     lambda _p, u=unit, me=weakref.ref(self): me() and me()._on_grad(u))
         if stage == 3:
             self._install_stage3_hooks()
+        else:  # stages 1-2 keep whole parameters: one all-gather of the shards at start-up
             for unit in self.all_units:
-                unit.release()
+                unit.wait_gather()
 
     # -- stage 3: gather around use -------------------------------------------------------
     def _install_stage3_hooks(self) -> None:
@@ -223,8 +287,9 @@ class ZeroEngine:
         def pre_backward(i):
             def hook(_m, _grad_out):
                 units[i].in_backward = True
-                units[i].wait_gather()
-                if i > 0:
+                if units[i].reads_weights_in_backward:
+                    units[i].wait_gather()
+                if i > 0 and units[i - 1].reads_weights_in_backward:
                     units[i - 1].start_gather()  # prefetch the unit whose backward is next
             return hook
 
@@ -283,6 +348,8 @@ class ZeroEngine:
             yield
         finally:
             self._sync = True
+            if self.stage == 3:  # a micro-batch's reductions end with its backward: their
+                self._drain()    # buffers do not wait through the next micro-batch's forward
 
     def _on_grad(self, unit: FlatUnit) -> None:
         unit.pending -= 1
@@ -303,6 +370,10 @@ class ZeroEngine:
         unit.start_reduce_scatter()
         self._inflight.append(unit)
         while len(self._inflight) > self.MAX_INFLIGHT:
+            self._inflight.popleft().finish_reduce_scatter()
+
+    def _drain(self) -> None:
+        while self._inflight:
             self._inflight.popleft().finish_reduce_scatter()
 
     def finish_gradients(self) -> None:
@@ -400,22 +471,20 @@ class ZeroEngine:
             return int(st["step"])
         return 0
 
-    def _my_shard(self, unit: FlatUnit, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        flat = torch.zeros(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
-        for n, o, s in zip(unit.names, unit.offsets, unit.shapes):
-            flat[o:o + math.prod(s)].copy_(tensors[n].reshape(-1))
-        lo = self.comm.rank(unit.axis) * unit.shard_numel
-        return flat[lo:lo + unit.shard_numel].clone()
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Take this rank's shards of logical tensors written by any layout."""
+    @torch.no_grad()
+    def load_from(self, source, optim_step: int = 0) -> None:
+        """Take this rank's shards of the logical tensors in ``source`` (a checkpoint of any
+        layout, ``threefold.weights``), reading only the rows each shard covers; AdamW's
+        moments too when the source has them (``optim_step`` steps taken)."""
         for unit in self.all_units:
-            with torch.no_grad():
-                unit.shard.copy_(self._my_shard(unit, sd["model"]))
-            if f"{unit.names[0]}.exp_avg" in sd["optim"]:
-                self.slot.set_state(unit.shard, sd["optim_step"], *(
-                    self._my_shard(unit, {n: sd["optim"][f"{n}.{key}"] for n in unit.names})
-                    for key in ("exp_avg", "exp_avg_sq")))
+            named = list(zip(unit.names, unit.params))
+            lo = self.comm.rank(unit.axis) * unit.shard_numel
+            fill_flat(source, named, unit.offsets, unit.shard.data, lo)
+            moments = [torch.zeros_like(unit.shard.data) for _ in range(2)]
+            if all(fill_flat(source, named, unit.offsets, buf, lo, kind)
+                   for buf, kind in zip(moments, ("exp_avg", "exp_avg_sq"))):
+                self.slot.set_state(unit.shard, optim_step, *moments)
+            del moments
             if self.stage in (1, 2) or unit.gathered:
                 unit.gathered = False
                 unit.wait_gather()

@@ -27,11 +27,11 @@ completions, ``G = grpo.num_generations`` for each of ``global_batch_size / G`` 
 data-parallel rank generates the completions of its own prompts (whole groups, so the group
 advantages need no communication) with ``threefold.generate`` from the policy as it is, one
 generator per completion seeded by (``train.seed``, the completion's place in the run), so the
-completions do not depend on the layout. Under ZeRO-3 the parameters are gathered once for the
-whole generation (``ZeroEngine.full_parameters``); tensor-parallel ranks generate together.
-The reference model (the initial policy, as TRL's) is a frozen copy parallelised like the
-policy's tensor-parallel layout, whole on each data-parallel rank (not ZeRO-sharded): each rank
-scores only its own completions. Rewards, advantages, the reference's log-probs and the rows
+completions do not depend on the layout. Under ZeRO-3 generation gathers one unit at a time
+per forward, as training does (the whole model is never on a rank); tensor-parallel ranks
+generate together. The reference model (the initial policy, as TRL's) is a frozen engine of
+its own, parallelised and sharded like the policy (``reward.initial_engine``: under ZeRO-3
+each rank keeps its shards): each rank scores only its own completions. Rewards, advantages, the reference's log-probs and the rows
 (prompt + completion, right-padded to one width) are made there; ``loss`` is the summed token
 loss over completion tokens, ``count`` the completion tokens, so the loop's loss is TRL's
 ``dapo`` normalisation over the global batch. Log-probs are of logits / temperature (TRL's).
@@ -435,13 +435,14 @@ class GRPOTask:
         """The reference model (when beta > 0), the reward model, and the first step's
         rollout (before anything is written: a reward function failing on real completions
         stops the run here)."""
-        from threefold.post.reward import initial_model
+        from threefold.post.reward import initial_engine
 
         o = self.options
         self.run = run
         if o.beta:
-            ref = run.layout.parallelize(initial_model(run), run.cfg)
-            self.reference = ref.eval().requires_grad_(False)
+            # sharded like the policy (its own engine, which never steps)
+            self.reference_engine = initial_engine(run)
+            self.reference = self.reference_engine.model.eval().requires_grad_(False)
         if o.reward_model:
             self.score = reward_model_scorer(o.reward_model, run.device)
         lay = run.layout
@@ -472,14 +473,12 @@ class GRPOTask:
             return [list(c) for c in self.fixed_rollout(step, prompt_ids, indices)]
         model = run.engine.model
         tp = getattr(model, "tp_size", 1)
-        hold = getattr(run.engine, "full_parameters", None)
-        import contextlib
-
-        with (hold() if hold else contextlib.nullcontext()):
-            res = generate(model, prompt_ids, o.max_completion_length,
-                           temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                           eos_id=self.eos, seed=sampler.seed, prompt_indices=indices,
-                           comm=run.layout.comm if tp > 1 else None, pad_id=self.pad)
+        # under ZeRO-3 each forward gathers one unit at a time, as training does: the whole
+        # model is never on the rank (more gathers per token, the memory the planner promised)
+        res = generate(model, prompt_ids, o.max_completion_length,
+                       temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                       eos_id=self.eos, seed=sampler.seed, prompt_indices=indices,
+                       comm=run.layout.comm if tp > 1 else None, pad_id=self.pad)
         self.generation = (res.seconds, sum(res.lengths))
         return res.tokens
 

@@ -32,7 +32,6 @@ tp, as for sequence-parallel norms). Pipeline and context parallelism are refuse
 
 from __future__ import annotations
 
-import gc
 import zlib
 from dataclasses import dataclass
 
@@ -129,6 +128,8 @@ def add_score_head(model: nn.Module, seed: int) -> nn.Module:
     model.lm_head = None
     model.score = nn.Linear(model.cfg.hidden_size, 1, bias=False, device=ref.device,
                             dtype=ref.dtype)
+    if ref.is_meta:  # filled later by name (threefold.model.initial_weight draws the same)
+        return model
     gen = torch.Generator(device=ref.device)
     gen.manual_seed(seed * 1_000_003 + zlib.crc32(b"score.weight"))
     with torch.no_grad():
@@ -136,26 +137,20 @@ def add_score_head(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
-def initial_model(run) -> nn.Module:
-    """``run``'s causal LM as ``build_run`` starts it, plain (not parallelised):
-    ``checkpoint.init_from``'s weights, else the seed's initialisation."""
-    from threefold.model import fill_tied_head
-    from threefold.train import _pretrained, build_model
+def initial_engine(run):
+    """A second engine holding ``run``'s causal LM as ``build_run`` starts it
+    (``checkpoint.init_from``'s weights, else the seed's initialisation), parallelised and
+    sharded like the run's own (under ZeRO-3 each rank keeps its shards and gathers one unit
+    at a time), for a frozen reference; its optimiser never steps, so it holds no state."""
+    from threefold.parallel.materialize import InitSource
+    from threefold.parallel.parallelize import parallelize
+    from threefold.train import pretrained_source
 
     cfg = run.cfg
-    model = build_model(run.model_cfg, run.device, cfg.train.seed)
+    source = InitSource(run.model_cfg, cfg.train.seed, run.device)
     if cfg.checkpoint.init_from:
-        weights = dict(_pretrained(cfg)[1])
-        if run.model_cfg.tie_word_embeddings:
-            fill_tied_head(weights)
-        own = dict(model.named_parameters())
-        model.load_state_dict({k: v for k, v in weights.items() if k in own})
-    return model
-
-
-def build_reward_model(run) -> nn.Module:
-    """The plain reward model of ``run``: ``initial_model`` with ``add_score_head``."""
-    return add_score_head(initial_model(run), run.cfg.train.seed)
+        source = pretrained_source(cfg)
+    return parallelize(run.model_cfg, cfg, run.layout, source, run.device)
 
 
 class RewardTask:
@@ -202,21 +197,16 @@ class RewardTask:
         self.stats.update(pairs=len(train), val_pairs=len(val))
         return self.train, self.val
 
-    def setup(self, run) -> None:
-        """Replace the run's causal LM by the reward model (see the module doc), parallelised
-        and with its engine built by the run's layout; announce the data."""
-        from threefold.parallel.layout import build_engine
-        from threefold.train import apply_activation_checkpointing, apply_compile
+    new_weights = ("score.weight",)  # drawn from the seed even on a pretrained decoder
 
-        cfg = run.cfg
-        run.engine = None  # the LM and its engine go before the reward model is built
-        gc.collect()
-        model = run.layout.parallelize(build_reward_model(run), cfg)
-        if cfg.train.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        if cfg.train.compile:
-            apply_compile(model)
-        run.engine = build_engine(model, cfg, run.layout)
+    def adapt_model(self, model: nn.Module) -> nn.Module:
+        """The reward model on the (meta) causal LM, before it is parallelised: the score
+        head in place of the LM head (see the module doc)."""
+        return add_score_head(model, 0)
+
+    def setup(self, run) -> None:
+        """Note whether scores are sequence-parallel; announce the data."""
+        cfg, model = run.cfg, run.engine.model  # built with the score head (adapt_model)
         self.sequence_parallel = (getattr(model, "tp_size", 1) > 1
                                   and cfg.parallel.sequence_parallel)
         s = self.stats

@@ -29,6 +29,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.model import LlamaForCausalLM
 from threefold.parallel.pipeline.balance import partition, runs_of, split_counts
+from threefold.parallel.placement import place
 
 BALANCES = ("params", "flops")
 
@@ -127,6 +128,8 @@ def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
         with torch.no_grad():
             if not head.weight.is_meta:
                 chunk.lm_head.weight.copy_(head.weight)
+        # counted in the norm and saved by the first stage; its values are the embedding's
+        place(chunk.lm_head.weight, tied_replica=True, source="model.embed_tokens.weight")
     chunk.model.rotary = model.model.rotary  # no weights; one buffer for all chunks
     chunk.pipeline_stage = stage
     return chunk

@@ -1,0 +1,207 @@
+"""Sharded start-up: fill a rank's own tensors, one logical tensor at a time.
+
+The model is built on the meta device and parallelised there (pipeline split, tensor and
+expert slicing only change shapes and placements, ``threefold.parallel.placement``); the
+engine then allocates what the rank keeps — whole local tensors, or only its ZeRO shards —
+and fills it from a *source* of logical tensors:
+
+- ``InitSource``: the initial values, drawn per logical tensor by name exactly as
+  ``LlamaForCausalLM.init_weights`` draws them (``threefold.model.initial_weight``), so a
+  rank's slice equals the same slice of a model initialised whole, on every layout;
+- a checkpoint or a Hugging Face folder (``threefold.weights``): only the region the rank
+  owns is read from the file.
+
+At any moment a rank holds what it owns plus one logical tensor (the one being drawn; a file
+read holds only the region). ``fill_local`` fills a whole local tensor, ``fill_flat`` the
+part of a ZeRO unit's flat buffer that a shard covers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.parallel.placement import logical_box, logical_shape, row_span, source_name
+
+
+class InitSource:
+    """The initial value of every logical tensor (``threefold.model.initial_weight``: seeded
+    by (seed, name)), read by region like a file. The last tensor drawn is kept, so the
+    regions of one tensor that several calls ask for cost one draw."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, device: torch.device | str = "cpu"):
+        self.cfg, self.seed, self.device = cfg, seed, torch.device(device)
+        self.bytes_read = 0
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def shape(self, name: str, kind: str = "model") -> tuple[int, ...] | None:
+        """Unknown here: the model's own shapes are asked for."""
+        return None
+
+    def read(self, name: str, box: Sequence[tuple[int, int]] = (), kind: str = "model",
+             dtype: torch.dtype = torch.float32, shape: tuple[int, ...] | None = None
+             ) -> torch.Tensor | None:
+        """Region ``box`` of the initial ``name`` (of logical ``shape``); None for optimiser
+        state (a fresh run has none)."""
+        from threefold.model import initial_weight
+
+        if kind != "model":
+            return None
+        if self._last is None or self._last[0] != name:
+            self._last = None  # drop the previous tensor before drawing the next
+            self._last = (name, initial_weight(name, shape, self.cfg, self.seed, self.device))
+        whole = self._last[1]
+        return whole[tuple(slice(a, b) for a, b in box)].to(dtype, copy=True)
+
+    def release(self) -> None:
+        """Forget the kept tensor."""
+        self._last = None
+
+
+class ChainSource:
+    """``primary`` for every tensor it holds; ``fallback`` for ``extra`` names (a task's new
+    weights, such as a reward model's score head on a pretrained decoder)."""
+
+    def __init__(self, primary, fallback, extra: Sequence[str] = ()):
+        self.primary, self.fallback, self.extra = primary, fallback, set(extra)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes the primary source read from files."""
+        return getattr(self.primary, "bytes_read", 0)
+
+    def read(self, name, box=(), kind="model", dtype=torch.float32, shape=None):
+        """From the fallback for the extra names, else from the primary."""
+        if name in self.extra:
+            return self.fallback.read(name, box, kind, dtype, shape=shape)
+        return _read(self.primary, name, box, kind, dtype, shape)
+
+    def release(self) -> None:
+        """Forget what either keeps."""
+        for s in (self.primary, self.fallback):
+            getattr(s, "release", lambda: None)()
+
+
+def _read(source, name: str, box, kind: str, dtype: torch.dtype, shape):
+    if isinstance(source, (InitSource, ChainSource)):
+        return source.read(name, box, kind, dtype, shape=shape)
+    if source.shape(name, kind) is None:
+        return None
+    return source.read(name, box, kind, dtype)
+
+
+def read_rows(source, name: str, p: torch.Tensor, rows: tuple[int, int], kind: str = "model",
+              dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """Rows ``rows`` (dim-0 positions) of ``p``'s local tensor as the source holds them: the
+    region of the logical tensor ``p`` is cut from, zero where ``p`` is padding (the last
+    vocabulary slice). None if the source has no such tensor (optimiser state of a fresh run)."""
+    dtype = dtype or p.dtype
+    src, dst = logical_box(p, rows)
+    region = _read(source, source_name(name, p), src, kind, dtype, logical_shape(p))
+    if region is None:
+        return None
+    shape = (rows[1] - rows[0], *p.shape[1:]) if p.dim() else ()
+    if not p.dim():
+        return region.reshape(())
+    if region.shape == shape:
+        return region
+    out = torch.zeros(shape, dtype=dtype)
+    idx = tuple(slice(a - rows[0], b - rows[0]) if d == 0 else slice(a, b)
+                for d, (a, b) in enumerate(dst))
+    out[idx] = region
+    return out
+
+
+@torch.no_grad()
+def fill_local(source, name: str, p: torch.Tensor, out: torch.Tensor, kind: str = "model"
+               ) -> bool:
+    """``out`` (``p``'s shape) ← this rank's tensor of ``name`` from ``source``; whether the
+    source had it."""
+    rows = (0, p.shape[0] if p.dim() else 1)
+    local = read_rows(source, name, p, rows, kind, out.dtype)
+    if local is None:
+        return False
+    out.copy_(local.reshape(out.shape))
+    return True
+
+
+@torch.no_grad()
+def fill_flat(source, named: list[tuple[str, nn.Parameter]], offsets: list[int],
+              out: torch.Tensor, lo: int, kind: str = "model") -> bool:
+    """``out`` ← elements [lo, lo + len(out)) of the flat buffer that concatenates ``named``
+    (each parameter at its offset; padding past the last stays as it is). Reads, per
+    parameter, only the rows the range covers. Whether the source had every tensor needed."""
+    hi = lo + out.numel()
+    found = True
+    for (name, p), off in zip(named, offsets):
+        a, b = max(lo, off), min(hi, off + p.numel())
+        if b <= a:
+            continue
+        r0, r1 = row_span(tuple(p.shape), a - off, b - off)
+        rows = read_rows(source, name, p, (r0, r1), kind, out.dtype)
+        if rows is None:
+            found = False
+            continue
+        first = r0 * (math.prod(p.shape[1:]) if p.dim() else 1)
+        flat = rows.reshape(-1)
+        out[a - lo:b - lo].copy_(flat[a - off - first:b - off - first])
+    return found
+
+
+def hollow_parameters(model: nn.Module, device: torch.device) -> None:
+    """Replace every meta parameter of ``model`` by a parameter on ``device`` of the same
+    shape that holds no storage yet (a one-element tensor expanded to the shape), keeping its
+    placement and its ties (a weight shared by two modules stays one parameter). The engines
+    then give each the storage the layout keeps (``p.data = ...``), which a meta parameter
+    cannot take."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                q = nn.Parameter(torch.empty(1, dtype=p.dtype, device=device).expand(p.shape),
+                                 requires_grad=p.requires_grad)
+                q.__dict__.update(p.__dict__)  # the placement record and any other marks
+                new[id(p)] = q
+            module._parameters[key] = new[id(p)]
+
+
+def is_hollow(p: torch.Tensor) -> bool:
+    """Whether ``p`` was made by ``hollow_parameters`` and has no values yet."""
+    return p.dim() > 0 and p.numel() > 1 and all(s == 0 for s in p.stride())
+
+
+@torch.no_grad()
+def materialize_parameters(model: nn.Module, source, device: torch.device,
+                           skip: set | None = None) -> None:
+    """Give every hollow parameter of ``model`` (``hollow_parameters``; except those in
+    ``skip``) storage on ``device`` and its values from ``source``, one tensor at a time; then
+    the buffers (RoPE frequencies, recomputed). A tied weight is filled once."""
+    skip = skip or set()
+    hollow_parameters(model, device)
+    for name, p in model.named_parameters():  # tied weights appear once
+        if p in skip or not is_hollow(p):
+            continue
+        p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+        if not fill_local(source, name, p, p.data):
+            raise KeyError(f"{name}: not in the weights")
+    materialize_buffers(model, device)
+    getattr(source, "release", lambda: None)()
+
+
+def materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers still on the meta device get storage, and modules that can recompute them do
+    (the RoPE frequencies)."""
+    for module in model.modules():
+        bufs = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        for n in bufs:
+            b = getattr(module, n)
+            setattr(module, n, torch.empty(b.shape, dtype=b.dtype, device=device))
+        if bufs and hasattr(module, "reset_parameters") and not any(
+                True for _ in module.parameters(recurse=False)):
+            module.reset_parameters()
