@@ -152,6 +152,8 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         raise CheckpointError(f"checkpoint.init_from: '{cfg.checkpoint.init_from}' lacks "
                               f"{e.args[0]}") from None
     memory["startup_peak_bytes"] = peak_memory_bytes(device)
+    if pretrained:  # what this rank read of the pretrained files: its regions only
+        memory["init_from_bytes_read"] = source.bytes_read
     sampler, val_sampler = task.samplers(cfg, data)
     run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
               Path(cfg.train.output_dir), task, memory=memory)
@@ -360,6 +362,16 @@ def evaluate(run: Run) -> float:
     return lay.sum_over_dp(total) / count
 
 
+def _memory_summary(run: Run, history: list[dict]) -> dict:
+    """Collective: this rank's memory phases (bytes held before the model; peaks of start-up,
+    loading and the steps), and every rank's (``per_rank``, on the writer)."""
+    mine = {**run.memory, "step_peak_bytes": max((r["peak_memory_bytes"] for r in history),
+                                                 default=None)}
+    comm = getattr(run.layout, "control", None)
+    ranks = comm.gather_object(mine) if comm is not None else [mine]
+    return {**mine, "per_rank": ranks} if ranks else mine
+
+
 def _write_trace(run: Run, step: int, records: list) -> dict | None:
     """Collective: every rank's records of the step to the writer, which saves
     OUTPUT_DIR/trace.json (one process per rank in Perfetto) and returns what the summary
@@ -455,6 +467,7 @@ def _resume(run: Run) -> int:
                                   f"run has {getattr(run.model_cfg, key)}")
     # each rank reads the regions it holds, whatever layout wrote them
     run.engine.load_from(source, state["optim_step"])
+    run.memory["resume_bytes_read"] = source.bytes_read
     run.sampler.load_state_dict(state["sampler"])
     torch.set_rng_state(rng["cpu_rng"])
     return int(state["step"])
@@ -598,8 +611,7 @@ def _loop(run: Run, preempt, return_run: bool):
         "peak_flops_per_device": peak, "peak_flops_source": peak_src,
         "flops_per_token": flops_tok, "world_size": lay.world_size, "layout": lay.describe(),
         "restarts": lay.restarts, "lost_steps": lost,
-        "memory": {**run.memory, "step_peak_bytes": max((r["peak_memory_bytes"]
-                                                         for r in history), default=None)},
+        "memory": _memory_summary(run, history),
     }
     if trace_info:
         summary["trace"] = trace_info

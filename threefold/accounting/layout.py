@@ -162,6 +162,7 @@ class Workload:
     master_bytes: int = 0
     eager: bool = False  # one kernel per elementwise op (threefold without compile), not fused
     block: str = "threefold"  # whose block keeps the activations: "threefold" or "megatron"
+    reduce_bytes: int = 0  # element size ZeRO reduce-scatters gradients in (0 = weight_bytes)
 
     @property
     def tokens(self) -> int:
@@ -185,16 +186,29 @@ class Workload:
         parallelism reduces)."""
         return self.master_bytes or self.act_bytes
 
+    @property
+    def grad_reduce_bytes(self) -> int:
+        """Bytes of one gradient element as ZeRO reduce-scatters it."""
+        return self.reduce_bytes or self.weight_bytes
+
     @classmethod
     def from_config(cls, cfg: Config) -> "Workload":
         """The workload of a threefold training config, with the runtime's numerics: fp32
-        weights, gradients and residual stream; matmuls in ``train.dtype`` (autocast);
-        attention through ``scaled_dot_product_attention`` (a flash kernel: probabilities
-        not stored); elementwise work eager unless ``train.compile``."""
+        weights, gradients and residual stream (bf16 ones with ``parallel.param_dtype``
+        bfloat16, the default under ZeRO-3 with bf16 compute: the embedding then outputs
+        bf16); matmuls in ``train.dtype`` (autocast); ZeRO's gradients reduced in
+        ``parallel.reduce_dtype``; attention through ``scaled_dot_product_attention`` (a
+        flash kernel: probabilities not stored); elementwise work eager unless
+        ``train.compile``."""
+        from threefold.config import param_dtype
+
         precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
+        weights = 2 if param_dtype(cfg) == "bfloat16" else 4
+        reduce = 2 if cfg.parallel.reduce_dtype == "bfloat16" else 4
         return cls(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch_size,
-                   precision=precision, flash_attention=True, residual_bytes=4, master_bytes=4,
-                   eager=not cfg.train.compile)
+                   precision=precision, flash_attention=True, residual_bytes=weights,
+                   master_bytes=weights, eager=not cfg.train.compile,
+                   reduce_bytes=reduce if cfg.parallel.zero_stage else 0)
 
 
 def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:

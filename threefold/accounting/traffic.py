@@ -139,7 +139,8 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     t, p, v, b = layout.tp, layout.pp, layout.vpp, layout.microbatch_size
     s = local_seq_len(layout, work)
     d, r = work.act_bytes, work.resid_bytes
-    g = work.weight_bytes if grad_bytes is None else grad_bytes
+    g = (work.grad_reduce_bytes if layout.zero_stage else work.weight_bytes) \
+        if grad_bytes is None else grad_bytes
     pb = work.weight_bytes if param_bytes is None else param_bytes
     h, layers = cfg.hidden_size, rank_layers(cfg, layout, stage)
     x = b * s * h

@@ -59,6 +59,7 @@ from threefold.config import Config, ConfigError, ModelConfig
 from threefold.parallel.layout import validate_layout
 from threefold.plan.hardware import Cluster, Hardware, get_hardware, hardware_for_device_name
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
+from threefold.plan.startup import StartupMemory, cpu_baseline_bytes, startup_memory
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
 from threefold.plan.step import StepPrediction, predict_step
 
@@ -85,6 +86,17 @@ class DryRunResult:
     comm_bytes: dict[str, int]
     notes: list[str]
     offload_bytes: dict[str, int] | None = None  # {"down", "up"} per rank per step, offload
+    startup: StartupMemory | None = None  # before the first step: building and loading
+    baseline: int = 0  # a CPU process's own resident bytes (interpreter, torch), else 0
+
+    @property
+    def peaks(self) -> dict[str, float]:
+        """Predicted peak bytes of one rank in each phase, the baseline included: start-up
+        (building the model), loading (a resumed checkpoint) and the step."""
+        s = self.startup
+        return {"startup": self.baseline + (s.startup if s else 0.0),
+                "loading": self.baseline + (s.loading if s else 0.0),
+                "step": self.baseline + self.memory.total}
 
 
 class _MetaComm:
@@ -186,6 +198,12 @@ def choose_hardware(cfg: Config, world: int) -> tuple[Cluster, str]:
     return _this_cpu(cfg, world)
 
 
+def _cpu_threads(world: int) -> int:
+    """Threads each rank computes on: torchrun gives each of several ranks one
+    (OMP_NUM_THREADS=1); one process takes the machine's cores."""
+    return 1 if world > 1 else max(1, os.cpu_count() or 1)
+
+
 def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
     from threefold.plan.calibrate import machine_ram, matmul_flops
 
@@ -202,8 +220,10 @@ def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
                                           f"{LOOPBACK_BANDWIDTH / 1e9:.0f} GB/s assumed")
 
 
-def predict(cfg: Config, world_size: int) -> DryRunResult:
-    """Check ``cfg`` on ``world_size`` ranks and predict its step (no printing)."""
+def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) -> DryRunResult:
+    """Check ``cfg`` on ``world_size`` ranks and predict its step (no printing).
+    ``backend_copies``: whether collectives copy through whole-size temporaries (default: on
+    a CPU, as gloo does; a test's fake process group does not)."""
     mcfg = resolved_model(cfg)
     dims = validate_layout(cfg, world_size, mcfg)
     notes = list(dims.notes)
@@ -230,8 +250,12 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
                          "below; 1f1b recomputes each block once")
     cluster, source = choose_hardware(cfg, world_size)
     on_cpu = source.startswith(("this CPU", "calibration"))
+    copies = on_cpu if backend_copies is None else backend_copies
     memory = memory_per_rank(mcfg, layout, work,
-                             overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES)
+                             overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES,
+                             backend_copies=copies)
+    startup = max((startup_memory(mcfg, layout, work, st, work.weight_bytes, copies)
+                   for st in range(dims.pp)), key=lambda m: m.startup)
     if mcfg.num_local_experts:
         e, ep = mcfg.num_local_experts, dims.ep
         notes.append(f"mixture of experts: {e} experts per block, top-{mcfg.num_experts_per_tok}"
@@ -249,7 +273,8 @@ def predict(cfg: Config, world_size: int) -> DryRunResult:
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm_bytes_per_step(mcfg, layout, work, stage=0), notes,  # rank 0's
-                        offload_bytes_per_step(mcfg, layout, work))
+                        offload_bytes_per_step(mcfg, layout, work), startup,
+                        cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0)
 
 
 def _count(n: float) -> str:
@@ -294,6 +319,14 @@ def format_report(r: DryRunResult, world: int) -> str:
         f"{_gb(mem.total)} (transient part {_gb(other)})"
         + (f" of {_gb(hw.memory_bytes)}: {'fits' if fits else 'DOES NOT FIT'}"
            if hw.memory_bytes else ""))
+    if r.startup is not None:
+        pk = r.peaks
+        lines.append(
+            f"peak per rank by phase, GB: start-up {_gb(pk['startup'])} (building: kept "
+            f"{_gb(r.startup.kept)}, filling {_gb(r.startup.filling)}), loading a checkpoint "
+            f"{_gb(pk['loading'])}, step {_gb(pk['step'])}"
+            + (f"; each includes this CPU process's own {_gb(r.baseline)} (Python, torch)"
+               if r.baseline else ""))
     if lay.offload_optimizer:
         per_node = r.cluster.gpus_per_node
         moved = r.offload_bytes or {"down": 0, "up": 0}

@@ -81,6 +81,9 @@ class MemoryBreakdown:
     # master, AdamW state and the gradient buffer; not part of ``total`` (the device's peak)
     host: float = 0.0
     host_working: float = 0.0  # AdamW's temporaries, on the host
+    # ZeRO-3: the gradient of the unit whose backward runs (its flat buffer, the cast to
+    # parallel.reduce_dtype, the reduce-scatter's output and a CPU backend's copy)
+    zero3_grad_working: float = 0.0
 
     @property
     def host_total(self) -> float:
@@ -96,7 +99,8 @@ class MemoryBreakdown:
     def activation_peak(self) -> float:
         """What is transient at the start of the last backward."""
         return (self.grads_in_backward + self.activations + self.recompute_working
-                + self.logits + self.zero3_working + self.cast_weights)
+                + self.logits + self.zero3_working + self.cast_weights
+                + self.zero3_grad_working)
 
     @property
     def total(self) -> float:
@@ -107,20 +111,23 @@ class MemoryBreakdown:
 
 def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                  state: StateBytes | None = None,
-                 overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
+                 overhead_bytes: float = RUNTIME_OVERHEAD_BYTES,
+                 backend_copies: bool = False) -> MemoryBreakdown:
     """Peak memory of one rank of pipeline ``stage`` under threefold's engines (see
     ``_stage_memories``)."""
-    return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
+    return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes,
+                           backend_copies)[0]
 
 
 def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
                    state: StateBytes | None = None,
-                   overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
+                   overhead_bytes: float = RUNTIME_OVERHEAD_BYTES,
+                   backend_copies: bool = False) -> MemoryBreakdown:
     """The breakdown of the pipeline stage with the largest peak (stage 0 holds the most
     activations, the last stage the logits and head)."""
     stages = _distinct_stages(cfg, layout)
-    return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes),
-               key=lambda mb: mb.total)
+    return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes,
+                               backend_copies), key=lambda mb: mb.total)
 
 
 @lru_cache(maxsize=65536)
@@ -132,7 +139,8 @@ def _unit_totals(units: tuple, n: int) -> tuple[int, int, int]:
 
 
 def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: list[int],
-                    state: StateBytes | None, overhead_bytes: float) -> list[MemoryBreakdown]:
+                    state: StateBytes | None, overhead_bytes: float,
+                    backend_copies: bool = False) -> list[MemoryBreakdown]:
     """Model states as threefold's engines hold them (Ψ = this rank's parameters, N =
     dp_shard·cp, the ZeRO group, m = microbatches, bytes per element from ``state``):
 
@@ -157,7 +165,12 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     fp32 master when the state did not include it, plus the fp32 gradient buffer: 16 bytes
     either way. Under ZeRO 1/2 the device keeps the owned shard as a tensor of its own (it
     receives the host's update and is all-gathered), ``state.param`` bytes per owned element.
-    Gradients stay on the device until the step copies them down."""
+    Gradients stay on the device until the step copies them down.
+
+    ``backend_copies``: the collective backend copies an all-gather or reduce-scatter through
+    a temporary as large as the whole unit (gloo on a CPU; NCCL does not): one more unit at
+    ZeRO's gathers and reductions. With bf16 parameters (``work.weight_bytes`` 2) gradients
+    are reduced in ``work.grad_reduce_bytes``: ZeRO-3 casts the unit's gradient first."""
     state = state or state_bytes_for(work)
     m = microbatches(layout, work)
     z, n = layout.zero_stage, layout.shard_size
@@ -169,7 +182,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     out = []
     for stage in stages:
         psi, padded, largest = _unit_totals(stage_units(cfg, layout, stage), n if z else 1)
-        buffers, zero3, in_bwd = 0.0, 0.0, 0.0
+        buffers, zero3, in_bwd, unit_grad = 0.0, 0.0, 0.0, 0.0
         if z == 0:
             params, opt, grads = psi * state.param, psi * state.optimizer, psi * state.grad
             buffers = psi * state.grad if layout.dp * layout.cp > 1 else 0.0
@@ -181,6 +194,8 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
             grads = (padded + largest) * state.grad
             if z == 2:
                 grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
+            if backend_copies:  # the reduce-scatter's whole-unit copy
+                grads += largest * state.grad
             in_bwd = psi * state.grad if m > 1 else 0.0
             temp = 2 * -(-largest // n) * state.param
         else:
@@ -189,6 +204,11 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
             in_bwd = padded / n * state.grad if m > 1 else 0.0
             zero3 = 2 * largest * state.param  # the unit in use and the one prefetched
             temp = 2 * -(-largest // n) * state.param
+            rb = work.grad_reduce_bytes
+            unit_grad = largest * state.grad + (largest * rb if rb != state.grad else 0) \
+                + -(-largest // n) * rb
+            if backend_copies:  # the reduce-scatter's copy, the prefetch's gather copy
+                unit_grad += largest * rb + largest * state.param
         host = host_temp = 0.0
         if layout.offload_optimizer:
             owned = psi if z == 0 else padded / n
@@ -211,7 +231,8 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
             zero3_working=zero3, overhead=overhead_bytes, buffers=buffers,
             grads_in_backward=in_bwd,
             cast_weights=cast_weight_bytes(cfg, layout, work, stage) * inflight,
-            optimizer_working=temp, host=host, host_working=host_temp))
+            optimizer_working=temp, host=host, host_working=host_temp,
+            zero3_grad_working=unit_grad))
     return out
 
 
@@ -259,7 +280,8 @@ def moe_cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stag
 
 def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
                     state: StateBytes | None = None,
-                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
+                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES,
+                    backend_copies: bool = False) -> MemoryBreakdown:
     """``threefold.plan.memory.memory_per_gpu``, and for a mixture of experts what it does not
     count: the MoE blocks' activations and cast weights (``moe_block_extra_bytes``,
     ``moe_cast_weight_bytes``) and, under expert parallelism, the expert tensors, which
@@ -269,15 +291,17 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
     dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
     (see ``threefold.plan.memory._stage_memories``). A dense model's figure is unchanged."""
     if not cfg.num_local_experts:
-        return memory_per_gpu(cfg, layout, work, state, overhead_bytes)
+        return memory_per_gpu(cfg, layout, work, state, overhead_bytes, backend_copies)
     state = state or state_bytes_for(work)
-    return max((_moe_stage_memory(cfg, layout, work, st, state, overhead_bytes)
+    return max((_moe_stage_memory(cfg, layout, work, st, state, overhead_bytes,
+                                  backend_copies)
                 for st in _distinct_stages(cfg, layout)), key=lambda mb: mb.total)
 
 
 def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
-                      state: StateBytes, overhead_bytes: float) -> MemoryBreakdown:
-    mem = stage_memory(cfg, layout, work, stage, state, overhead_bytes)
+                      state: StateBytes, overhead_bytes: float,
+                      backend_copies: bool = False) -> MemoryBreakdown:
+    mem = stage_memory(cfg, layout, work, stage, state, overhead_bytes, backend_copies)
     m = microbatches(layout, work)
     inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage)
     extra = moe_block_extra_bytes(cfg, layout, work)

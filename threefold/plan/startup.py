@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -100,18 +101,22 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     return StartupMemory(kept=kept, filling=filling, loading=kept + moments + read)
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_baseline_bytes() -> int:
+@functools.lru_cache(maxsize=4)
+def cpu_baseline_bytes(threads: int = 1) -> int:
     """Resident bytes of a fresh Python process that has imported torch and threefold's
-    training modules and used the meta device (what every rank holds before its model),
-    measured once in a subprocess; 0 where it cannot be measured (no /proc)."""
+    training modules, used the meta device and run a matmul on ``threads`` threads (what
+    every rank holds before its model: torchrun gives each of several ranks one), measured
+    once in a subprocess; 0 where it cannot be measured (no /proc)."""
     code = ("import torch, threefold.train, threefold.parallel.distributed_layout\n"
             "from threefold.metrics import current_memory_bytes\n"
+            f"torch.set_num_threads({int(threads)})\n"
             "torch.empty(1, device='meta') + 1\n"
+            "torch.ones(64, 64) @ torch.ones(64, 64)\n"
             "print(current_memory_bytes(torch.device('cpu')))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": str(int(threads))}
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
+                             timeout=120, check=True, env=env).stdout
         return int(json.loads(out.strip().splitlines()[-1]))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return 0

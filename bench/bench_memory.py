@@ -1,0 +1,110 @@
+"""Memory per rank, measured against predicted: start-up (building the model) and the step.
+
+    python3 bench/bench_memory.py [--ranks 4,8] [--rows zero3,zero3_bf16,tp2_zero3,pp2_zero1,
+        ep2_moe] [--steps 2] [--keep DIR]
+
+A ~256M-parameter Llama (vocabulary 32768, hidden 1024, FFN 2816, 16 layers, 8 heads / 4 KV
+heads; seq 128, micro-batch 1, two micro-batches per data-parallel rank) trains for a few
+steps under each layout, every rank a process of ``threefold train --nproc-per-node N``, as a
+user starts it. The mixture-of-experts row keeps the width (4 experts of FFN 1408, top 2).
+
+Measured: each rank's peaks from summary.json (``memory.per_rank``: the resident set's
+high-water mark, reset between phases through /proc/self/clear_refs): ``startup_peak_bytes``
+while the engine builds and fills the rank's tensors, ``step_peak_bytes`` over the steps (the
+first validation included), the largest over ranks. Predicted: ``threefold.plan.dryrun.predict``
+for the same configuration and world size — the worst rank's start-up and step peaks, each
+with the baseline (a fresh process's own resident bytes with torch and threefold imported,
+measured once) — what ``threefold train --dry-run`` prints. Goal: every ratio within ±10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import report  # noqa: E402
+from threefold.config import load_config, parse_overrides  # noqa: E402
+
+MODEL = ["--model.vocab_size", "32768", "--model.hidden_size", "1024",
+         "--model.intermediate_size", "2816", "--model.num_hidden_layers", "16",
+         "--model.num_attention_heads", "8", "--model.num_key_value_heads", "4",
+         "--data.seq_len", "128", "--train.micro_batch_size", "1"]
+MOE = ["--model.num_local_experts", "4", "--model.num_experts_per_tok", "2",
+       "--model.intermediate_size", "1408"]
+ROWS = {
+    "zero3": ["--parallel.zero_stage", "3"],
+    "zero3_bf16": ["--parallel.zero_stage", "3", "--train.dtype", "bfloat16"],
+    "tp2_zero3": ["--parallel.tp", "2", "--parallel.zero_stage", "3"],
+    "pp2_zero1": ["--parallel.pp", "2", "--parallel.zero_stage", "1"],
+    "ep2_moe": MOE + ["--parallel.ep", "2", "--parallel.zero_stage", "3"],
+}
+GIB = 2**30
+
+
+def _args(row: str, ranks: int, steps: int, out: Path) -> list[str]:
+    extra = ROWS[row]
+    tp = int(extra[extra.index("--parallel.tp") + 1]) if "--parallel.tp" in extra else 1
+    pp = int(extra[extra.index("--parallel.pp") + 1]) if "--parallel.pp" in extra else 1
+    dp = ranks // (tp * pp)
+    return MODEL + extra + ["--train.global_batch_size", str(2 * dp), "--train.steps",
+                            str(steps), "--train.eval_batches", "1",
+                            "--checkpoint.save_final", "false", "--train.progress", "off",
+                            "--train.log_interval", "1000", "--train.output_dir", str(out)]
+
+
+def measure(row: str, ranks: int, steps: int, root: Path) -> dict:
+    """Run the row's training on ``ranks`` processes; each phase's peak, largest over ranks."""
+    out = root / f"{row}_{ranks}"
+    cmd = [sys.executable, "-m", "threefold", "train", "--nproc-per-node", str(ranks),
+           *_args(row, ranks, steps, out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    if proc.returncode:
+        raise RuntimeError(f"{row} on {ranks} ranks failed:\n{proc.stderr[-3000:]}")
+    per_rank = json.loads((out / "summary.json").read_text())["memory"]["per_rank"]
+    return {k: max(r[k] for r in per_rank) for k in ("startup_peak_bytes", "step_peak_bytes")}
+
+
+def predicted(row: str, ranks: int, steps: int, root: Path) -> dict:
+    """The dry run's prediction for the row on ``ranks`` ranks."""
+    from threefold.plan.dryrun import predict
+
+    argv = _args(row, ranks, steps, root / "dry")
+    cfg = load_config(None, parse_overrides(argv))
+    return predict(cfg, ranks).peaks
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the rows, print the table and a JSON line."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="4,8")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--keep", default="", help="directory for the runs (default: temporary)")
+    a = ap.parse_args(argv)
+    root = Path(a.keep or tempfile.mkdtemp(prefix="bench_memory_"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for ranks in map(int, a.ranks.split(",")):
+        for row in a.rows.split(","):
+            pred = predicted(row, ranks, a.steps, root)
+            got = measure(row, ranks, a.steps, root)
+            for phase, key in (("startup", "startup_peak_bytes"), ("step", "step_peak_bytes")):
+                rows.append({"layout": row, "ranks": ranks, "phase": phase,
+                             "predicted_GiB": pred[phase] / GIB,
+                             "measured_GiB": got[key] / GIB,
+                             "measured/predicted": got[key] / pred[phase]})
+            print(json.dumps(rows[-2:]), flush=True)
+    report("memory_per_rank", rows, "measured/predicted", goal=1.0)
+    worst = max(abs(r["measured/predicted"] - 1) for r in rows)
+    print(f"largest deviation: {worst:.1%} (goal: within 10%)")
+
+
+if __name__ == "__main__":
+    main()
