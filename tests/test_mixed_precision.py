@@ -15,7 +15,7 @@ import torch
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
 from tests.test_comm import chunk
-from threefold.accounting import num_parameters
+from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
 from threefold.config import load_config
 
 STEPS = 4
@@ -92,3 +92,10 @@ def test_zero3_bf16_gathers_equal_one_process_with_the_same_policy(corpus, cache
         # ZeRO-2 with bf16 parameters: one fp32 reduce-scatter, one bf16 gather per step
         assert [s["dp_shard"] for s in r["z2_bf16_params"]["steps"]] == \
             [(psi * 4 + psi * 2) // 2 + norm] * STEPS
+    # the planner's and dry run's closed form counts the same bytes (rank 0)
+    for name, extra in runs:
+        c = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "x",
+                                             **{k: v for k, v in extra.items()}))
+        want = comm_bytes_per_step(c.model.resolved(320), Layout.from_config(c, 2),
+                                   Workload.from_config(c), stage=0)["dp_shard"]
+        assert results[0][name]["steps"][-1]["dp_shard"] == want, name

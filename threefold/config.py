@@ -239,8 +239,8 @@ class TrainConfig:
     compile: bool = _f(False, "torch.compile each block")
     host_mmap_threshold_mb: float = _f(256.0, "CPU runs: glibc keeps freed blocks below this "
                                        "many MiB for reuse instead of mapping fresh pages "
-                                       "each step (threefold/hostmem.py; 1 MiB at most under "
-                                       "ZeRO-3, whose gathers would fragment the heap); 0 = "
+                                       "each step (threefold/hostmem.py; 1 MiB at most with "
+                                       "several ranks, whose heaps would fragment); 0 = "
                                        "glibc's default")
     device: str = _f("auto", "auto, cpu or cuda")
     output_dir: str = _f("runs/default", "where metrics, summary and checkpoints go")

@@ -129,7 +129,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         from threefold.hostmem import reuse_freed_host_memory, threshold_for
 
         reuse_freed_host_memory(threshold_for(cfg.train.host_mmap_threshold_mb,
-                                              cfg.parallel.zero_stage))
+                                              layout.world_size))
     dtype = compute_dtype(cfg, device)
     pretrained = _pretrained(cfg) if cfg.checkpoint.init_from else None
     data = layout.first_rank_first(lambda: prepare_data(cfg.data))

@@ -363,8 +363,12 @@ def offload_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> 
     their updated values up, each ``work.weight_bytes`` per element (fp32 in threefold's
     runtime: 4 + 4 bytes per owned parameter; 2 + 2 with 16-bit weights, ZeRO-Offload's
     2Ψ + 2Ψ, Ren et al. arXiv 2101.06840). Owned = Ψ of the stage, Ψ/N under ZeRO (padded
-    shards). {"down": 0, "up": 0} without offload."""
+    shards). threefold's ZeRO with 16-bit parameters (a runtime workload, ``reduce_bytes``
+    set) keeps float32 shards: gradients go down as reduced, the fp32 shard comes up.
+    {"down": 0, "up": 0} without offload."""
     if not layout.offload_optimizer:
         return {"down": 0, "up": 0}
     owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
+    if layout.zero_stage and work.reduce_bytes:
+        return {"down": owned * work.reduce_bytes, "up": owned * 4}
     return {"down": owned * work.weight_bytes, "up": owned * work.weight_bytes}

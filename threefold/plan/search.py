@@ -17,6 +17,7 @@ from threefold.config import ModelConfig
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.hardware import Cluster
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
+from threefold.plan.startup import startup_peak
 from threefold.plan.report import explain
 from threefold.plan.step import StepPrediction, compute_bound_step_time, predict_step
 
@@ -278,6 +279,12 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
                    f"{(mem.activations + mem.recompute_working) / 1e9:.1f}, logits "
                    f"{mem.logits / 1e9:.1f})")
             result.too_big.append((lay, mem.total, why))
+            continue
+        start = startup_peak(cfg, lay, work)
+        if start > limit:  # building the model needs more than its step
+            result.too_big.append((lay, start, f"start-up needs {start / 1e9:.1f} GB > "
+                                   f"{limit / 1e9:.0f} GB (the largest tensor is drawn whole "
+                                   "while the rank's shards fill)"))
             continue
         bound = compute_bound_step_time(cfg, lay, work, cluster) if keep else 0.0
         fitting.append((bound, lay, mem))

@@ -29,7 +29,8 @@ import sys
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout, Workload
-from threefold.accounting.stages import rank_layers, stage_expert_units, stage_units
+from threefold.accounting.stages import (_distinct_stages, rank_layers, stage_expert_units,
+                                         stage_units)
 from threefold.config import ModelConfig
 
 READ_BLOCK_BYTES = 64 << 20  # threefold.weights.BLOCK_BYTES: a file read's temporary, twice
@@ -67,7 +68,9 @@ def largest_logical(cfg: ModelConfig, layout: Layout, stage: int) -> int:
 def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                    param_bytes: int = 4, backend_copies: bool = False) -> StartupMemory:
     """Start-up and loading peaks of one rank of pipeline ``stage`` (see the module doc);
-    ``param_bytes``: the compute copies' element size (2 with bf16 parameters)."""
+    ``param_bytes``: the compute copies' element size (2 with bf16 parameters);
+    ``backend_copies``: a CPU run (gloo's copies; the host is the device, so offload's host
+    buffers count too)."""
     z, n, ne = layout.zero_stage, layout.shard_size, layout.edp_shard
     dense = [sum(u) for u in stage_units(cfg, layout, stage)]
     experts = [sum(u) for u in stage_expert_units(cfg, layout, stage)]
@@ -95,10 +98,17 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
         if layout.dp * layout.cp > 1:  # data parallelism's gradient buckets
             kept += 4 * local
         moments = 8 * local + 8 * biggest_local
-    if layout.offload_optimizer:  # host masters and gradient buffers of what the rank owns
+    if layout.offload_optimizer and backend_copies:  # host masters and gradient buffers
         kept += 8 * (sum(shards) if z else local)
     read = min(2 * READ_BLOCK_BYTES, logical)
     return StartupMemory(kept=kept, filling=filling, loading=kept + moments + read)
+
+
+def startup_peak(cfg: ModelConfig, layout: Layout, work: Workload,
+                 backend_copies: bool = False) -> float:
+    """The largest start-up peak over the pipeline stages (``startup_memory``)."""
+    return max(startup_memory(cfg, layout, work, st, work.weight_bytes, backend_copies).startup
+               for st in _distinct_stages(cfg, layout))
 
 
 @functools.lru_cache(maxsize=4)
