@@ -19,6 +19,10 @@ AdamW creates its moments at the first step, so a run's first step lacks them du
 backward; every later step has them (``summary.json``'s step peak is the largest over the
 steps). The step the dry run predicts is such a steady step, so the moments are created
 (zeros, as a resumed run has them loaded) before the measured step.
+
+Cost on this project's 2-core machine (2026-12-04): about 4 minutes wall clock, most of it
+the dp_shard-64 rank's step (the whole model's forward and backward on one thread, ~6 TFLOP,
+and 64-way gathers of every unit); the two children hold up to ~9.5 and ~3.2 GB at once.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class _FillingCollectives:
 
     def broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
         _, me = self._n_me(group)
-        if me != group_src:  # a receiver's tensor is overwritten
+        if me != group_src:  # a receiver's tensor is overwritten (comm passes group_src)
             tensor.copy_(tensor.clone())
         return _result(async_op)
 
@@ -178,7 +182,7 @@ def child_main() -> None:
     held = current_memory_bytes(dev)
     reset_peak_memory(dev)
     t0, c0 = time.perf_counter(), time.process_time()
-    loss, norm, _ = train_step(run, 0)
+    loss, _, _ = train_step(run, 0)
     t_step, c_step = time.perf_counter() - t0, time.process_time() - c0
     print(json.dumps({
         "baseline": run.memory["baseline_bytes"], "startup": run.memory["startup_peak_bytes"],
@@ -194,8 +198,8 @@ def child_main() -> None:
 # In pytest: start the children, predict, compare
 # --------------------------------------------------------------------------------------------
 def _start(world: int, rank: int, over: list) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     code = "from tests.test_memory_scale import child_main; child_main()"
     return subprocess.Popen([sys.executable, "-c", code,
                              json.dumps({"world": world, "rank": rank, "overrides": over})],
