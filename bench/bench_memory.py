@@ -1,7 +1,7 @@
 """Memory per rank, measured against predicted: start-up (building the model) and the step.
 
     python3 bench/bench_memory.py [--ranks 4,8] [--rows zero3,zero3_bf16,tp2_zero3,pp2_zero1,
-        ep2_moe] [--steps 2] [--keep DIR]
+        ep2_moe] [--steps 2] [--keep DIR] [--loading]
 
 A ~256M-parameter Llama (vocabulary 32768, hidden 1024, FFN 2816, 16 layers, 8 heads / 4 KV
 heads; seq 128, micro-batch 1, two micro-batches per data-parallel rank) trains for a few
@@ -11,7 +11,9 @@ user starts it. The mixture-of-experts row keeps the width (4 experts of FFN 140
 Measured: each rank's peaks from summary.json (``memory.per_rank``: the resident set's
 high-water mark, reset between phases through /proc/self/clear_refs): ``startup_peak_bytes``
 while the engine builds and fills the rank's tensors, ``step_peak_bytes`` over the steps (the
-first validation included), the largest over ranks. Predicted: ``threefold.plan.dryrun.predict``
+first validation included), the largest over ranks; with ``--loading`` the run is resumed
+from its checkpoint for one more step and ``loading_peak_bytes`` (reading the weights and
+AdamW's moments) is compared too. Predicted: ``threefold.plan.dryrun.predict``
 for the same configuration and world size — the worst rank's start-up and step peaks, each
 with the baseline (a fresh process's own resident bytes with torch and threefold imported,
 measured once) — what ``threefold train --dry-run`` prints. Goal: every ratio within ±10%.
@@ -47,28 +49,39 @@ ROWS = {
 GIB = 2**30
 
 
-def _args(row: str, ranks: int, steps: int, out: Path) -> list[str]:
+def _args(row: str, ranks: int, steps: int, out: Path, save: bool = False) -> list[str]:
     extra = ROWS[row]
     tp = int(extra[extra.index("--parallel.tp") + 1]) if "--parallel.tp" in extra else 1
     pp = int(extra[extra.index("--parallel.pp") + 1]) if "--parallel.pp" in extra else 1
     dp = ranks // (tp * pp)
     return MODEL + extra + ["--train.global_batch_size", str(2 * dp), "--train.steps",
                             str(steps), "--train.eval_batches", "1",
-                            "--checkpoint.save_final", "false", "--train.progress", "off",
+                            "--checkpoint.save_final", str(save).lower(),
+                            "--train.progress", "off",
                             "--train.log_interval", "1000", "--train.output_dir", str(out)]
 
 
-def measure(row: str, ranks: int, steps: int, root: Path) -> dict:
-    """Run the row's training on ``ranks`` processes; each phase's peak, largest over ranks."""
-    out = root / f"{row}_{ranks}"
-    cmd = [sys.executable, "-m", "threefold", "train", "--nproc-per-node", str(ranks),
-           *_args(row, ranks, steps, out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root,
+def _train(row: str, ranks: int, args: list[str]) -> None:
+    cmd = [sys.executable, "-m", "threefold", "train", "--nproc-per-node", str(ranks), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     if proc.returncode:
         raise RuntimeError(f"{row} on {ranks} ranks failed:\n{proc.stderr[-3000:]}")
+
+
+def measure(row: str, ranks: int, steps: int, root: Path, loading: bool = False) -> dict:
+    """Run the row's training on ``ranks`` processes; each phase's peak, largest over ranks
+    (with ``loading``, the run is resumed from its final checkpoint for one more step, and
+    the loading phase is measured there)."""
+    out = root / f"{row}_{ranks}"
+    _train(row, ranks, _args(row, ranks, steps, out, save=loading))
     per_rank = json.loads((out / "summary.json").read_text())["memory"]["per_rank"]
-    return {k: max(r[k] for r in per_rank) for k in ("startup_peak_bytes", "step_peak_bytes")}
+    got = {k: max(r[k] for r in per_rank) for k in ("startup_peak_bytes", "step_peak_bytes")}
+    if loading:
+        _train(row, ranks, _args(row, ranks, steps + 1, out) + ["--checkpoint.resume", "true"])
+        per_rank = json.loads((out / "summary.json").read_text())["memory"]["per_rank"]
+        got["loading_peak_bytes"] = max(r["loading_peak_bytes"] for r in per_rank)
+    return got
 
 
 def predicted(row: str, ranks: int, steps: int, root: Path) -> dict:
@@ -87,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--keep", default="", help="directory for the runs (default: temporary)")
+    ap.add_argument("--loading", action="store_true",
+                    help="also resume each run from its checkpoint: the loading phase")
     a = ap.parse_args(argv)
     root = Path(a.keep or tempfile.mkdtemp(prefix="bench_memory_"))
     root.mkdir(parents=True, exist_ok=True)
@@ -94,13 +109,16 @@ def main(argv: list[str] | None = None) -> None:
     for ranks in map(int, a.ranks.split(",")):
         for row in a.rows.split(","):
             pred = predicted(row, ranks, a.steps, root)
-            got = measure(row, ranks, a.steps, root)
-            for phase, key in (("startup", "startup_peak_bytes"), ("step", "step_peak_bytes")):
+            got = measure(row, ranks, a.steps, root, a.loading)
+            phases = [("startup", "startup_peak_bytes"), ("step", "step_peak_bytes")]
+            if a.loading:
+                phases.append(("loading", "loading_peak_bytes"))
+            for phase, key in phases:
                 rows.append({"layout": row, "ranks": ranks, "phase": phase,
                              "predicted_GiB": pred[phase] / GIB,
                              "measured_GiB": got[key] / GIB,
                              "measured/predicted": got[key] / pred[phase]})
-            print(json.dumps(rows[-2:]), flush=True)
+            print(json.dumps(rows[-len(phases):]), flush=True)
     report("memory_per_rank", rows, "measured/predicted", goal=1.0)
     worst = max(abs(r["measured/predicted"] - 1) for r in rows)
     print(f"largest deviation: {worst:.1%} (goal: within 10%)")

@@ -139,7 +139,10 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
                           f"{data.vocab_size}; leave it unset (0) or raise it")
     layout.check(cfg, mcfg)
     torch.manual_seed(cfg.train.seed)
-    # what the process holds before the model (interpreter, torch, data), then the build's peak
+    # what the process holds before the model (interpreter, torch, data; the first meta-device
+    # operation loads torch's meta kernels, ~70 MB, as the dry run's baseline counts), then
+    # the build's peak
+    torch.empty(1, device="meta").add_(1)
     memory = {"baseline_bytes": current_memory_bytes(device)}
     reset_peak_memory(device)
     source = InitSource(mcfg, cfg.train.seed, device)

@@ -121,7 +121,13 @@ class WeightSource:
         out = torch.empty(_extent(box), dtype=dtype or entry.dtype)
         if out.numel():
             self._fill(entry, box, out)
+        # unmap the files: a memory map's pages count in the resident set while it lives, so
+        # keeping it would hold every region read so far (a rank's whole share) twice
+        self.release()
         return out
+
+    def release(self) -> None:
+        """Close the files read so far (they reopen on the next read)."""
 
     def tensors(self, kind: str = "model", dtype: torch.dtype | None = torch.float32
                 ) -> dict[str, torch.Tensor]:
@@ -288,11 +294,17 @@ class HFSource(WeightSource):
     def __repr__(self) -> str:
         return f"HFSource({self.folder})"
 
+    def release(self) -> None:
+        """Close the files (they reopen on the next read)."""
+        self._files.clear()
+
     def _fill(self, entry: _HFTensor, box, out: torch.Tensor) -> None:
         for p in entry.parts:
             inter = [(max(a, lo), min(b, lo + n)) for (a, b), lo, n in zip(box, p.lo, p.ext)]
             if any(a >= b for a, b in inter):
                 continue
+            if p.path not in self._files:
+                self._files[p.path] = safe_open(str(p.path), "pt")
             sl = self._files[p.path].get_slice(p.key)
             for blk in _blocks(inter, p.dtype.itemsize):
                 t = sl[_at(blk[p.drop:], p.lo[p.drop:])]
@@ -423,6 +435,12 @@ class CheckpointSource(WeightSource):
 
     def __repr__(self) -> str:
         return f"CheckpointSource({self.path})"
+
+    def release(self) -> None:
+        """Close the rank files opened from disk (they reopen on the next read); received
+        bytes stay loaded."""
+        for name in [n for n, src in self._src.items() if not isinstance(src, bytes)]:
+            self._open.pop(name, None)
 
     def rank_tensors(self, rank: int) -> dict[str, torch.Tensor]:
         """The per-rank tensors (RNG state) saved by ``rank``, or rank 0's where that rank
