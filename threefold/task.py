@@ -11,6 +11,9 @@ The loop (threefold.train) is the same for pre-training, SFT and DPO; a ``Task``
   unit weighs the same whatever the accumulation and data-parallel degree;
 - ``loss(run, micro)``: the *summed* loss of a micro-batch and extra summed metrics
   ({name: tensor}), logged as sums over the global batch divided by the global count.
+
+``Task`` declares these and the optional hooks (with their defaults); every task derives
+from it.
 """
 
 from __future__ import annotations
@@ -42,11 +45,54 @@ class LMSampler:
         self.inner.load_state_dict(state)
 
 
-class PretrainTask:
+class Task:
+    """What the loop asks of a task, each with the default most tasks want (see the module
+    doc for ``samplers``, ``count`` and ``loss``, which every task defines)."""
+
+    name = "task"
+    # extra summed metrics ``loss`` returns, logged as sums over the global batch / count
+    metric_names: tuple[str, ...] = ()
+    # weights the task adds to the causal LM, drawn from the seed even when the rest of the
+    # model comes from ``checkpoint.init_from`` (a reward model's score head)
+    new_weights: tuple[str, ...] = ()
+    # positions of a training row, when not data.seq_len (what tokens/s and MFU count)
+    row_length: int | None = None
+    # a loss on a pipeline's last stage from the logits and the micro-batch, when the task's
+    # ``loss`` cannot run as is there: ``pipeline_loss(run, logits, micro) -> (sum, metrics)``
+    pipeline_loss = None
+
+    def adapt_model(self, model):
+        """The plain (meta) causal LM as this task trains it (unchanged here)."""
+        return model
+
+    def setup(self, run) -> None:
+        """Called once the run (model, engine) exists; nothing to do here."""
+
+    def pipeline_micro(self, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A micro-batch as the pipeline executor takes it (as it is here)."""
+        return micro
+
+    def step_metrics(self) -> dict[str, float]:
+        """Figures of the step as a whole, after it (none here)."""
+        return {}
+
+    def samplers(self, cfg, data) -> tuple[Any, Any]:
+        """(train, validation) samplers."""
+        raise NotImplementedError
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """The units this rank's slice of the batch normalises the loss by."""
+        raise NotImplementedError
+
+    def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """The summed loss of a micro-batch and extra summed metrics."""
+        raise NotImplementedError
+
+
+class PretrainTask(Task):
     """Next-token prediction on windows of the token stream."""
 
     name = "pretrain"
-    metric_names: tuple[str, ...] = ()
 
     def samplers(self, cfg, data) -> tuple[Any, Any]:
         """Random windows of the training tokens; fixed windows of the validation tokens."""
@@ -55,9 +101,6 @@ class PretrainTask:
                                        t.seed)),
                 LMSampler(BatchSampler(data.val, cfg.data.seq_len, t.global_batch_size,
                                        t.seed + 1)))
-
-    def setup(self, run) -> None:
-        """Called once the run (model, engine) exists; nothing to do here."""
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """Target tokens (labels of -100 are not targets)."""

@@ -147,10 +147,10 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     reset_peak_memory(device)
     source = InitSource(mcfg, cfg.train.seed, device)
     if pretrained:  # a task's new weights (a reward model's score head) start from the seed
-        source = ChainSource(pretrained[1], source, getattr(task, "new_weights", ()))
+        source = ChainSource(pretrained[1], source, task.new_weights)
     try:
         engine = parallelize(mcfg, cfg, layout, source, device,
-                             adapt=getattr(task, "adapt_model", None))
+                             adapt=task.adapt_model)
     except KeyError as e:
         raise CheckpointError(f"checkpoint.init_from: '{cfg.checkpoint.init_from}' lacks "
                               f"{e.args[0]}") from None
@@ -160,8 +160,8 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     sampler, val_sampler = task.samplers(cfg, data)
     run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
               Path(cfg.train.output_dir), task, memory=memory)
-    if getattr(layout, "chunks", None) is not None:  # before setup, which may use it
-        task_loss = getattr(task, "pipeline_loss", None)
+    if layout.chunks is not None:  # before setup, which may use it
+        task_loss = task.pipeline_loss
         layout.build_pipeline(engine, run.loss, lambda: _autocast(run), mcfg.hidden_size,
                               task_loss=(lambda out, mb: task_loss(run, out, mb))
                               if task_loss else None,
@@ -247,8 +247,7 @@ def pipeline_micro_batches(run: Run, micro: list[dict]) -> list[dict]:
     """Micro-batches as the pipeline executor takes them: the task's ``pipeline_micro``
     (e.g. DPO's chosen and rejected rows as one "input_ids"/"labels" batch, its own fields
     kept for its loss on the last stage) or as they are."""
-    convert = getattr(run.task, "pipeline_micro", None)
-    return [convert(mb) for mb in micro] if convert else micro
+    return [run.task.pipeline_micro(mb) for mb in micro]
 
 
 def train_step(run: Run, step: int, trace: list | None = None
@@ -270,13 +269,13 @@ def train_step(run: Run, step: int, trace: list | None = None
     micro = list(_micro_batches(run, batch))
     loss_sum = torch.zeros((), dtype=torch.float32, device=run.device)
     extras: dict[str, torch.Tensor] = {}
-    pipe = getattr(lay, "pipeline", None)
+    pipe = lay.pipeline
     # a mixture of experts adds its router losses (threefold.moe.RouterLog: per micro-batch,
     # weighted by its loss units; in a pipeline per chunk, _pipeline_router_term); the
     # logged loss stays the task's own
     router = RouterLog(run.model_cfg) if run.model_cfg.num_local_experts else None
     run.router_log = router
-    ep = getattr(getattr(lay, "dims", None), "ep", 1) > 1
+    ep = lay.ep_size > 1
     if ep:  # count this step's rows only (not evaluation's)
         from threefold.parallel.expert import take_rows_sent
 
@@ -316,35 +315,22 @@ def train_step(run: Run, step: int, trace: list | None = None
                          + [extras[k].reshape(()).to(loss_sum.device) for k in names])
     logged = logged.cpu()
     norm = float(logged[1])
-    summed = _sum_over_dp(lay, torch.cat([logged[:1], logged[2:]]))
+    summed = lay.sum_logged(torch.cat([logged[:1], logged[2:]]))
     metrics = {k: float(v) / n for k, v in zip(names, summed[1:].tolist())}
     if router is not None:  # sums over the data-parallel ranks (and pipeline stages)
         metrics.update(router.metrics(n, lambda v: _sum_router(lay, v, scalar=True),
                                       lambda v: _sum_router(lay, v)))
         if ep:  # this rank's (the log's: rank 0's)
             metrics["ep_rows_sent"] = take_rows_sent(eng.model)
-    step_metrics = getattr(run.task, "step_metrics", None)
-    if step_metrics is not None:  # figures of the step as a whole (GRPO's rewards)
-        metrics.update(step_metrics())
+    metrics.update(run.task.step_metrics())  # figures of the step as a whole (GRPO's rewards)
     return float(summed[0]), norm, metrics
 
 
 def _sum_router(lay, v: torch.Tensor, scalar: bool = False):
     """A router figure summed over data-parallel ranks and, in a pipeline, over the stages
     (each holds the terms of its layers); a float for ``scalar``."""
-    v = _sum_over_dp(lay, v.detach().double().reshape(-1) if scalar else v)
-    if getattr(lay, "pipeline", None) is not None:
-        lay.control.all_reduce(v, "pp")
+    v = lay.sum_logged(v.detach().double().reshape(-1) if scalar else v, over_stages=True)
     return float(v) if scalar else v
-
-
-def _sum_over_dp(lay, v: torch.Tensor) -> torch.Tensor:
-    """A small tensor summed over data-parallel ranks on the logging channel (as
-    ``sum_over_dp`` does for a scalar); unchanged in one process."""
-    comm = getattr(lay, "control", None)
-    if comm is not None:
-        comm.all_reduce(v, lay.data_axis)
-    return v
 
 
 @torch.no_grad()
@@ -355,9 +341,8 @@ def evaluate(run: Run) -> float:
     count = 0
     for k in range(run.cfg.train.eval_batches):
         batch = run.val_sampler.local_batch(k, lay.dp_rank, lay.dp_size)
-        pipe = getattr(lay, "pipeline", None)
-        if pipe is not None:
-            total += pipe.evaluate(pipeline_micro_batches(run, list(_micro_batches(run, batch))))
+        if lay.pipeline is not None:
+            total += lay.pipeline.evaluate(pipeline_micro_batches(run, list(_micro_batches(run, batch))))
         else:
             for mb in _micro_batches(run, batch):
                 total += run.task.loss(run, mb)[0].double()
@@ -370,8 +355,7 @@ def _memory_summary(run: Run, history: list[dict]) -> dict:
     loading and the steps), and every rank's (``per_rank``, on the writer)."""
     mine = {**run.memory, "step_peak_bytes": max((r["peak_memory_bytes"] for r in history),
                                                  default=None)}
-    comm = getattr(run.layout, "control", None)
-    ranks = comm.gather_object(mine) if comm is not None else [mine]
+    ranks = run.layout.gather_object(mine)
     return {**mine, "per_rank": ranks} if ranks else mine
 
 
@@ -384,8 +368,7 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
     unrelated clocks, so their rows are not aligned (and the pipeline figures, which compare
     ranks, only hold within a node)."""
     lay = run.layout
-    comm = getattr(lay, "control", None)
-    gathered = comm.gather_object(records) if comm is not None else [records]
+    gathered = lay.gather_object(records)
     if not lay.is_writer:
         return None
     allrec = [r for recs in gathered for r in recs]
@@ -394,11 +377,11 @@ def _write_trace(run: Run, step: int, records: list) -> dict | None:
     path = run.out / "trace.json"
     run.out.mkdir(parents=True, exist_ok=True)
     meta = None
-    if getattr(lay, "pipeline", None) is not None:  # which ranks make up each pipeline
-        meta = {"pipelines": lay.dims.axis_groups("pp")}
+    if lay.pipeline is not None:  # which ranks make up each pipeline
+        meta = {"pipelines": lay.pipeline_groups()}
     write_chrome_trace(allrec, path, meta)
     info: dict = {"path": str(path), "step": step + 1}
-    if getattr(lay, "pipeline", None) is not None:
+    if lay.pipeline is not None:
         from threefold.parallel.pipeline.executor import idle_fraction
         from threefold.parallel.pipeline.simulate import measured_costs, pipeline_records, simulate
 
@@ -524,7 +507,7 @@ def _loop(run: Run, preempt, return_run: bool):
         (run.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     peak, peak_src = device_peak_flops(run.device, run.dtype)
     # a row's positions: data.seq_len, or fewer where the task makes shorter rows (GRPO)
-    row = getattr(run.task, "row_length", None) or cfg.data.seq_len
+    row = run.task.row_length or cfg.data.seq_len
     flops_tok = accounting.flops_per_token(run.model_cfg, row)
     tokens_per_step = t.global_batch_size * row
     bar = _progress(run, start)

@@ -9,10 +9,11 @@ import torch
 
 from threefold import faults
 from threefold.config import Config, ModelConfig
+from threefold.parallel.layout import World
 from threefold.parallel.placement import placement
 
 
-class Distributed:
+class Distributed(World):
     """Several processes on one DeviceMesh: pp × dp_replicate × dp_shard × cp × tp.
 
     Context-parallel ranks see the same sequences (the same ``dp_rank``) and keep their share
@@ -77,6 +78,31 @@ class Distributed:
         from threefold.parallel.layout import validate_layout
 
         validate_layout(cfg, self.world_size, mcfg)
+
+    @property
+    def ep_size(self) -> int:
+        """The expert-parallel degree."""
+        return self.dims.ep
+
+    def gather_object(self, obj):
+        """Every rank's ``obj`` on rank 0 (a list), None elsewhere: the logging channel."""
+        return self.control.gather_object(obj)
+
+    def sum_logged(self, v: torch.Tensor, over_stages: bool = False) -> torch.Tensor:
+        """``v`` summed in place over ``data_axis`` (and "pp") on the logging channel."""
+        self.control.all_reduce(v, self.data_axis)
+        if over_stages and self.pipeline is not None:
+            self.control.all_reduce(v, "pp")
+        return v
+
+    def reduce_over_dp(self, v: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """``v`` reduced in place over "dp" on the logging channel."""
+        self.control.all_reduce(v, "dp", op=op)
+        return v
+
+    def pipeline_groups(self) -> list[list[int]]:
+        """The ranks of each pipeline."""
+        return self.dims.axis_groups("pp") if self.dims.pp > 1 else []
 
     def microbatches(self, cfg: Config) -> int:
         """Pipeline microbatches per step on this layout."""

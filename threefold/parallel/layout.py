@@ -13,12 +13,41 @@ import torch
 from threefold.config import Config, ModelConfig
 
 
-class SingleProcess:
-    """One process, no process group."""
+class World:
+    """What the training loop asks of the processes a run spans: which rank this is, how the
+    batch is split, what the model is cut into, and the logging channel's sums. The
+    defaults are one process's; ``Distributed`` (threefold.parallel.distributed_layout)
+    overrides them for a process group."""
 
     rank = local_rank = dp_rank = 0
     world_size = dp_size = 1
+    ep_size = 1  # expert-parallel degree
     is_writer = True
+    restarts = 0
+    chunks = None     # this rank's pipeline chunks (pp > 1)
+    pipeline = None   # their executor, once built
+    data_axis = "dp"
+
+    def gather_object(self, obj: Any) -> list | None:
+        """Collective: every rank's ``obj`` on the writer (a list in rank order); None on
+        the others. Here: [obj]."""
+        return [obj]
+
+    def sum_logged(self, v: torch.Tensor, over_stages: bool = False) -> torch.Tensor:
+        """A small tensor summed in place over the data-parallel ranks (and the pipeline
+        stages with ``over_stages``) on the logging channel, not counted as training traffic;
+        unchanged in one process."""
+        return v
+
+    def reduce_over_dp(self, v: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """``v`` reduced in place (``op``: sum, min or max) over the data-parallel ranks on
+        the logging channel; unchanged in one process."""
+        return v
+
+    def pipeline_groups(self) -> list[list[int]]:
+        """The ranks of each pipeline (none without pipeline parallelism)."""
+        return []
+
 
     def first_rank_first(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (e.g. data preparation that fills a shared cache) on rank 0 first."""
@@ -64,8 +93,6 @@ class SingleProcess:
     def before_step(self, step: int) -> None:
         """Hook at the start of each step."""
 
-    restarts = 0
-
     def report_failure(self, exc: BaseException, step: int, grace_s: float = 0.0) -> str:
         """Nothing to diagnose across ranks in one process."""
         return ""
@@ -90,6 +117,10 @@ class SingleProcess:
 
     def close(self) -> None:
         """Release process groups."""
+
+
+class SingleProcess(World):
+    """One process, no process group: every default of ``World``."""
 
 
 def check_batch(cfg: Config, dp: int) -> None:

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from threefold.data import DataError
+from threefold.task import Task
 from threefold.post.chat import (announce, check_messages, encode_text, eot_token,
                                  load_chat_template)
 from threefold.post.sft import (IGNORE, EpochSampler, fingerprint, pad_id, split_records,
@@ -215,7 +216,7 @@ def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
                              both["labels"]))
 
 
-class DPOTask:
+class DPOTask(Task):
     """Sigmoid DPO with label smoothing against precomputed reference log-probs."""
 
     name = "dpo"
@@ -271,7 +272,7 @@ class DPOTask:
         mine = micros[rank::dp]
         rounds = -(-len(micros) // dp)
         mine += [([], micros[0][1])] * (rounds - len(mine))  # repeats, not recorded
-        pipe = getattr(lay, "pipeline", None)
+        pipe = lay.pipeline
         if pipe is not None:
             out = self._pipelined_reference(run, pipe, mine, out)
         else:

@@ -60,6 +60,7 @@ import torch
 
 from threefold.config import ConfigError
 from threefold.data import DataError
+from threefold.task import Task
 from threefold.data.sampler import rank_rows
 from threefold.post.sft import IGNORE, EpochSampler, fingerprint, pad_id, stack_items
 
@@ -314,7 +315,7 @@ class RolloutSampler(EpochSampler):
         return batch
 
 
-class GRPOTask:
+class GRPOTask(Task):
     """GRPO with one policy update per generation (module doc)."""
 
     name = "grpo"
@@ -543,12 +544,10 @@ class GRPOTask:
     def _dp_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
         """``values`` reduced over the data-parallel ranks (logging channel; as is in one
         process)."""
-        comm = getattr(self.run.layout, "control", None)
-        if comm is None or self.run.layout.dp_size == 1:
+        if self.run.layout.dp_size == 1:
             return values
         t = torch.from_numpy(values.astype(np.float64))
-        comm.all_reduce(t, "dp", op=op)
-        return t.numpy()
+        return self.run.layout.reduce_over_dp(t, op).numpy()
 
     def _rows(self, prompts: list[list[int]], comps: list[list[int]],
               adv: np.ndarray) -> dict[str, torch.Tensor]:

@@ -42,6 +42,7 @@ from torch import nn
 
 from threefold.config import ConfigError
 from threefold.data import DataError
+from threefold.task import Task
 from threefold.post.chat import announce, eot_token, load_chat_template, read_jsonl
 from threefold.post.dpo import PairSampler, tokenize_pairs
 from threefold.post.sft import pad_id, split_records
@@ -153,7 +154,7 @@ def initial_engine(run):
     return parallelize(run.model_cfg, cfg, run.layout, source, run.device)
 
 
-class RewardTask:
+class RewardTask(Task):
     """A sequence-scoring head trained with the Bradley–Terry loss on preference pairs."""
 
     name = "reward"
