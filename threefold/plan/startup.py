@@ -100,7 +100,9 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
         moments = 8 * local + 8 * biggest_local
     if layout.offload_optimizer and backend_copies:  # host masters and gradient buffers
         kept += 8 * (sum(shards) if z else local)
-    read = min(2 * READ_BLOCK_BYTES, logical)
+    # a file read holds the region it returns, in blocks of at most READ_BLOCK_BYTES
+    region = 4 * (-(-biggest_local // min(n, ne)) if z else biggest_local)
+    read = min(2 * READ_BLOCK_BYTES, region)
     return StartupMemory(kept=kept, filling=filling, loading=kept + moments + read)
 
 
