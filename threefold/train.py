@@ -100,7 +100,7 @@ class Run:
 
     def forward(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model on a micro-batch dict (positions and document ids when it has them)."""
-        with _autocast(self):
+        with autocast(self):
             return self.engine.model(micro["input_ids"], position_ids=micro.get("position_ids"),
                                      document_ids=micro.get("document_ids"))
 
@@ -162,7 +162,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
               Path(cfg.train.output_dir), task, memory=memory)
     if layout.chunks is not None:  # before setup, which may use it
         task_loss = task.pipeline_loss
-        layout.build_pipeline(engine, run.loss, lambda: _autocast(run), mcfg.hidden_size,
+        layout.build_pipeline(engine, run.loss, lambda: autocast(run), mcfg.hidden_size,
                               task_loss=(lambda out, mb: task_loss(run, out, mb))
                               if task_loss else None,
                               metric_names=task.metric_names if task_loss else (),
@@ -206,7 +206,8 @@ def pretrained_source(cfg: Config):
     return _pretrained(cfg)[1]
 
 
-def _autocast(run: Run):
+def autocast(run: Run):
+    """The run's autocast context for a forward (none in float32)."""
     if run.dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(run.device.type, dtype=run.dtype)

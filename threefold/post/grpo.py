@@ -571,13 +571,13 @@ class GRPOTask(Task):
         labels = batch["labels"]
         if self.reference is None:
             return torch.zeros(labels.shape, dtype=torch.float32)
-        from threefold.train import _autocast
+        from threefold.train import autocast
 
         run, out = self.run, []
         mb = run.cfg.train.micro_batch_size
         for i in range(0, labels.shape[0], mb):
             ids = batch["input_ids"][i:i + mb].to(run.device)
-            with _autocast(run):
+            with autocast(run):
                 logits = self.reference(ids)
             out.append(token_logps(self.reference, logits, labels[i:i + mb].to(run.device),
                                    self.options.temperature).float().cpu())

@@ -218,13 +218,13 @@ class RewardTask(Task):
 
     def scores(self, run, input_ids: torch.Tensor) -> torch.Tensor:
         """(B,) fp32 score of each row: the score head at its last non-padding token."""
-        from threefold.train import _autocast
+        from threefold.train import autocast
 
         model = run.engine.model
         hidden = run.forward({"input_ids": input_ids})  # (B, T, h): the model has no LM head
         last = last_token_index(input_ids, self.pad)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        with _autocast(run):
+        with autocast(run):
             if self.sequence_parallel:  # this rank holds positions [r·T/t, (r+1)·T/t)
                 from threefold.parallel.tensor import _CopyToTP
 
