@@ -6,11 +6,13 @@ groups of every axis and the node-spanning test work without any process group (
 and the CLI check a layout before a process starts). ``build_mesh`` turns the same layout into
 one ``torch.distributed`` DeviceMesh whose named axes are the only way to reach a process group.
 
-Axis order, outermost to innermost, is ``AXES``: tp innermost so that its ranks are neighbours
-(same node, NVLink), then cp (context parallel: every sequence split over its ranks, K/V moved
-in each attention), then dp_shard, then dp_replicate and pp outermost, where traffic is
-lightest (DESIGN.md, topology rule). ``dp`` is the flattened dp_replicate × dp_shard axis: the
-ranks that see different data. Context-parallel ranks hold the same weights and see different
+The axis tables (``AXES``, ``FLATTENED``, ``EXPERT_AXES``, ``DERIVED_AXES``) live in
+``threefold.axes``, which the accounting reads too; they are re-exported here. Axis order,
+outermost to innermost, is ``AXES``: tp innermost so that its ranks are neighbours (same node,
+NVLink), then cp (context parallel: every sequence split over its ranks, K/V moved in each
+attention), then dp_shard, then dp_replicate and pp outermost, where traffic is lightest
+(DESIGN.md, topology rule). ``dp`` is the flattened dp_replicate × dp_shard axis: the ranks
+that see different data. Context-parallel ranks hold the same weights and see different
 tokens of the same sequences, so gradients are reduced over ``dp_cp`` (dp_replicate ×
 dp_shard × cp) and ZeRO shards over ``dp_shard_cp`` (dp_shard × cp), as torchtitan folds cp
 into its FSDP axis; with cp = 1 these are dp and dp_shard.
@@ -25,25 +27,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from threefold.axes import AXES, DERIVED_AXES, EXPERT_AXES, FLATTENED, resolve_dp_shard
 from threefold.config import ConfigError, ParallelConfig
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-"""Mesh axes, outermost (largest rank stride) to innermost (stride 1)."""
-
-FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-             "dp_shard_cp": ("dp_shard", "cp")}
-"""Axes made of mesh axes (outermost first): the data ranks, the data and context ranks
-(which hold the same weights: gradients are reduced over them), and the ZeRO shard group."""
-
-EXPERT_AXES = ("ep", "edp", "edp_shard")
-"""Axes of a mixture of experts, carved out of dp_shard (which is edp_shard × ep, ep
-innermost): ``ep`` the ranks whose experts together make a layer's E experts (tokens travel
-between them by all-to-all), ``edp_shard`` the ranks of one shard group that hold the same
-experts (ZeRO shards the experts over them), ``edp`` those with dp_replicate too (the experts'
-gradients are summed over them). With ep = 1, edp is dp and edp_shard is dp_shard."""
-
-DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, "world")
-"""Axes made of other axes, plus ``world`` (every rank)."""
+__all__ = ["AXES", "DERIVED_AXES", "EXPERT_AXES", "FLATTENED", "ParallelDims", "TPSplit",
+           "submesh"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -119,18 +107,7 @@ class ParallelDims:
         if pcfg.dp_shard != -1 and pcfg.dp_shard < 1:
             raise ConfigError(f"parallel.dp_shard: must be >= 1 or -1 (the rest), got "
                               f"{pcfg.dp_shard}")
-        fixed = pcfg.tp * pcfg.pp * pcfg.dp_replicate * pcfg.cp
-        named = (f"pp·dp_replicate·cp·tp = {pcfg.pp}·{pcfg.dp_replicate}·{pcfg.cp}·{pcfg.tp} "
-                 f"= {fixed}")
-        if world_size % fixed:
-            raise ConfigError(f"parallel: {named} does not divide world size {world_size}; "
-                              f"lower one of them or launch a multiple of {fixed} ranks")
-        rest = world_size // fixed
-        dp_shard = rest if pcfg.dp_shard == -1 else pcfg.dp_shard
-        if dp_shard != rest:
-            raise ConfigError(f"parallel.dp_shard: {named}, times dp_shard={dp_shard} is "
-                              f"{fixed * dp_shard}, not world size {world_size}; set "
-                              f"parallel.dp_shard to {rest} or -1 (the rest)")
+        dp_shard = resolve_dp_shard(pcfg, world_size)
         if pcfg.ep < 1:
             raise ConfigError(f"parallel.ep: must be >= 1, got {pcfg.ep}")
         if pcfg.ep > 1 and pcfg.cp > 1:
@@ -293,7 +270,10 @@ class ParallelDims:
         treats None as "one rank, nothing to communicate". The process group must already be
         initialised (``threefold.distributed.init_distributed``) for larger worlds.
         """
+        # torch only here: the arithmetic above serves the launcher's checks and the planner,
+        # which run before (or without) torch.distributed
         import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
 
         if not (dist.is_available() and dist.is_initialized()):
             if self.world_size == 1:
@@ -303,8 +283,6 @@ class ParallelDims:
         if dist.get_world_size() != self.world_size:
             raise ConfigError(f"parallel: layout is for {self.world_size} ranks but the process "
                               f"group has {dist.get_world_size()}")
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
         # torch keeps the flattened mesh on the root mesh; _flatten (torch's private API, the
         # one torchtitan uses) creates its groups once and returns the cached mesh afterwards.

@@ -7,7 +7,8 @@ benchmarks and the tests import these names from here.
 
 Conventions (every function below follows them):
 - A *layout* splits the world into pp × dp_replicate × dp_shard × cp × tp. Mesh axes are
-  ordered outermost first as ``MESH_ORDER``: tp innermost (NVLink), then cp, then dp_shard, then
+  ordered outermost first as ``MESH_ORDER`` (``threefold.axes.AXES``, the runtime's mesh
+  order, as every axis table here is ``threefold.axes``'s): tp innermost (NVLink), then cp, then dp_shard, then
   dp_replicate and pp outermost (DESIGN.md, topology rule). A group that does not fit inside
   one aligned node crosses the network.
 - Context parallelism is threefold's (``threefold.parallel.context``): each cp rank holds
@@ -46,11 +47,9 @@ from threefold.accounting.layout import (
     microbatches,
 )
 from threefold.accounting.shapes import (
-    COMM_AXES,
     CP_ALGORITHMS,
     DEFAULT_BUCKET_MB,
     DTYPE_BYTES,
-    EXPERT_AXES,
     FLATTENED_AXES,
     MESH_ORDER,
     RECOMPUTE,
@@ -89,6 +88,8 @@ from threefold.accounting.traffic import (
     cp_bytes_per_attention,
     offload_bytes_per_step,
 )
+
+from threefold.axes import COMM_AXES, EXPERT_AXES
 
 __all__ = [
     "active_parameters", "axis_crosses_nodes", "axis_stride", "axis_stride_and_span",

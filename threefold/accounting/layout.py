@@ -12,13 +12,13 @@ from threefold.accounting.shapes import (
     CP_ALGORITHMS,
     DEFAULT_BUCKET_MB,
     DTYPE_BYTES,
-    FLATTENED_AXES,
     RECOMPUTE,
     SCHEDULES,
     LayoutError,
     tp_shard,
 )
-from threefold.config import Config, ModelConfig
+from threefold.axes import FLATTENED, resolve_dp_shard
+from threefold.config import Config, ModelConfig, param_dtype
 
 # --------------------------------------------------------------------------------------------
 # Layout and workload
@@ -107,22 +107,17 @@ class Layout:
     def size(self, axis: str) -> int:
         """Degree of the named mesh axis (or of a flattened one, e.g. "dp" = dp_replicate ·
         dp_shard, "dp_cp", "dp_shard_cp"; or of an expert axis, "ep", "edp_shard", "edp")."""
-        if axis in FLATTENED_AXES:
-            return math.prod(getattr(self, a) for a in FLATTENED_AXES[axis])
+        if axis in FLATTENED:
+            return math.prod(getattr(self, a) for a in FLATTENED[axis])
         return getattr(self, axis)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "Layout":
-        """The layout a training config describes on ``world_size`` ranks (dp_shard -1 = rest).
+        """The layout a training config describes on ``world_size`` ranks (dp_shard -1 = the
+        rest, resolved as the runtime resolves it: ``threefold.axes.resolve_dp_shard``).
         A micro-batch larger than a rank's share of the batch is that share, as in the loop."""
         p = cfg.parallel
-        dp_shard = p.dp_shard
-        if dp_shard == -1:
-            rest = p.pp * p.dp_replicate * p.cp * p.tp
-            if world_size % rest:
-                raise LayoutError(f"world size {world_size} is not a multiple of "
-                                  f"pp·dp_replicate·cp·tp = {rest}")
-            dp_shard = world_size // rest
+        dp_shard = resolve_dp_shard(p, world_size) if p.dp_shard == -1 else p.dp_shard
         local = max(1, cfg.train.global_batch_size // (p.dp_replicate * dp_shard))
         return cls(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard,
                    zero_stage=p.zero_stage, vpp=p.vpp,
@@ -200,8 +195,6 @@ class Workload:
         ``parallel.reduce_dtype``; attention through ``scaled_dot_product_attention`` (a
         flash kernel: probabilities not stored); elementwise work eager unless
         ``train.compile``."""
-        from threefold.config import param_dtype
-
         precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
         weights = 2 if param_dtype(cfg) == "bfloat16" else 4
         reduce = 2 if cfg.parallel.reduce_dtype == "bfloat16" else 4

@@ -1,6 +1,6 @@
 """Parameters and FLOPs of a model: exact counts of the weights threefold's model builds, the
-PaLM FLOPs per token, and how tensor parallelism shards each weight. Also the axis names and
-the constants every accounting module shares. Pure functions of the configuration, no torch.
+PaLM FLOPs per token, and how tensor parallelism shards each weight. Also the constants every
+accounting module shares (the axis tables are ``threefold.axes``'s). Pure functions of the configuration, no torch.
 """
 
 from __future__ import annotations
@@ -8,23 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from threefold.axes import AXES, FLATTENED
 from threefold.config import ModelConfig
 from threefold.moe import inactive_parameters, moe_layer_parameters
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first (= mesh.AXES)
-# Axes communication is counted on: the mesh axes plus the flattened ones the runtime reports
-# (threefold.mesh.FLATTENED): "dp" (dp_replicate × dp_shard), where plain data parallelism
-# all-reduces with cp = 1; with cp > 1 it all-reduces over "dp_cp" (dp × cp) and ZeRO shards
-# over "dp_shard_cp" (dp_shard × cp) instead of "dp_shard".
-FLATTENED_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-                  "dp_shard_cp": ("dp_shard", "cp")}
-# Expert parallelism (threefold.parallel.expert, threefold.mesh.EXPERT_AXES): "ep" (the ranks
-# that split one layer's experts: the innermost ep of dp_shard), "edp_shard" (dp_shard/ep: the
-# ranks holding the same experts within dp_shard, over which ZeRO shards the expert units) and
-# "edp" (dp/ep: every rank holding the same experts, over which plain data parallelism
-# all-reduces their gradients).
-EXPERT_AXES = ("ep", "edp_shard", "edp")
-COMM_AXES = MESH_ORDER + tuple(FLATTENED_AXES) + EXPERT_AXES
+# The axis tables are threefold.axes's (one home for the runtime and the accounting), under
+# the accounting's names: MESH_ORDER is AXES (outermost first), FLATTENED_AXES is FLATTENED.
+MESH_ORDER = AXES
+FLATTENED_AXES = FLATTENED
 CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")

@@ -16,14 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
-from threefold.accounting.shapes import (
-    COMM_AXES,
-    EXPERT_AXES,
-    FLATTENED_AXES,
-    MESH_ORDER,
-    _moe_key,
-    tp_shard,
-)
+from threefold.accounting.shapes import _moe_key, tp_shard
 from threefold.accounting.stages import (
     _buckets,
     _distinct_stages,
@@ -33,6 +26,7 @@ from threefold.accounting.stages import (
     stage_expert_units,
     stage_units,
 )
+from threefold.axes import AXES, COMM_AXES, EXPERT_AXES, FLATTENED
 from threefold.config import ModelConfig
 
 # --------------------------------------------------------------------------------------------
@@ -320,12 +314,12 @@ def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------
 # Topology: which link each mesh axis crosses
 # --------------------------------------------------------------------------------------------
-def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = MESH_ORDER
+def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXES
                          ) -> tuple[int, int]:
     """(rank distance between neighbours of ``axis``, consecutive ranks one of its groups
-    covers) when ranks are laid out in ``order`` (outermost first; the runtime's is
-    ``MESH_ORDER``, a planner may compare with a published system's). A flattened axis ("dp",
-    "dp_cp", "dp_shard_cp") takes its innermost part's stride and its outermost part's reach;
+    covers) when ranks are laid out in ``order`` (outermost first; the runtime's is ``AXES``,
+    a planner may compare with a published system's). A flattened axis ("dp", "dp_cp",
+    "dp_shard_cp") takes its innermost part's stride and its outermost part's reach;
     the expert axes divide dp_shard as ``threefold.mesh`` does: "ep" is its innermost ep ranks
     (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate."""
     def stride(a: str) -> int:
@@ -339,12 +333,12 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = MES
             return base * layout.ep, base * layout.dp_shard
         return base * layout.ep, max(base * layout.dp_shard,
                                      stride("dp_replicate") * layout.dp_replicate)
-    parts = [a for a in FLATTENED_AXES.get(axis, (axis,)) if layout.size(a) > 1] \
-        or [FLATTENED_AXES.get(axis, (axis,))[-1]]
+    parts = [a for a in FLATTENED.get(axis, (axis,)) if layout.size(a) > 1] \
+        or [FLATTENED.get(axis, (axis,))[-1]]
     return min(stride(a) for a in parts), max(stride(a) * layout.size(a) for a in parts)
 
 
-def axis_stride(layout: Layout, axis: str, order: tuple[str, ...] = MESH_ORDER) -> int:
+def axis_stride(layout: Layout, axis: str, order: tuple[str, ...] = AXES) -> int:
     """Rank distance between neighbours of ``axis`` (``axis_stride_and_span``'s first)."""
     return axis_stride_and_span(layout, axis, order)[0]
 

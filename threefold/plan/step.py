@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from threefold.accounting.layout import Layout, Workload, microbatches
-from threefold.accounting.shapes import COMM_AXES, MESH_ORDER
 from threefold.accounting.stages import (
     _distinct_stages,
     _shape_key,
@@ -18,6 +17,7 @@ from threefold.accounting.stages import (
     _stage_representatives,
 )
 from threefold.accounting.traffic import Collective, _bytes_per_axis, collectives
+from threefold.axes import AXES, COMM_AXES
 from threefold.config import ModelConfig
 from threefold.plan.collectives import collective_time
 from threefold.plan.compute import (
@@ -206,7 +206,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         offload_s=off_s,
         inter_node_axes=tuple(a for a in COMM_AXES if inter[a]), cp_exposed_s=m * exp["cp"],
         ep_exposed_s=m * exp["ep"],
-        axis_levels=tuple((a, links[a].level) for a in MESH_ORDER + ("ep",)
+        axis_levels=tuple((a, links[a].level) for a in AXES + ("ep",)
                           if layout.size(a) > 1), overlap=stated)
 
 

@@ -2,7 +2,7 @@
 bandwidth its collectives get there.
 
 Ranks are laid out as the mesh orders its axes: threefold's runtime (pp, dp_replicate,
-dp_shard, cp, tp, outermost first; tp innermost, ``threefold.accounting.MESH_ORDER``), or for
+dp_shard, cp, tp, outermost first; tp innermost, ``threefold.axes.AXES``), or for
 a published system another order (``MESH_ORDERS``: "dp-outer" is Llama 3's [TP, CP, PP, DP],
 innermost first, arXiv 2407.21783 §3.3.2). A cluster's levels hold consecutive rank ranges:
 the NVLink domain (a node), then e.g. a rack or leaf, a pod, the spine. A group of an axis
@@ -28,14 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout
-from threefold.accounting.shapes import MESH_ORDER
-from threefold.accounting import axis_stride_and_span
+from threefold.accounting.traffic import axis_stride_and_span
+from threefold.axes import AXES
 from threefold.plan.collectives import Link
 from threefold.plan.hardware import GB, Cluster, Level
 
 
 MESH_ORDERS: dict[str, tuple[str, ...]] = {
-    "threefold": MESH_ORDER,  # pp, dp_replicate, dp_shard, cp, tp (outermost first)
+    "threefold": AXES,  # pp, dp_replicate, dp_shard, cp, tp (outermost first)
     "dp-outer": ("dp_replicate", "dp_shard", "pp", "cp", "tp"),  # Llama 3's [TP, CP, PP, DP]
 }
 
