@@ -1,0 +1,71 @@
+"""A run's checkpoints: what a step's state is made of (``save``), and continuing from the
+newest committed one (``resume``), each rank reading only the regions it holds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from threefold.checkpoint import (CheckpointError, committed_steps, resolve_root, save_sharded,
+                                  unwritable)
+from threefold.config import ConfigError
+from threefold.steps import lr_at
+from threefold.weights import open_sharded
+
+if TYPE_CHECKING:  # annotations only: train.py imports this module
+    from threefold.train import Run
+
+
+def save(run: Run, step: int) -> None:
+    """Collective: every rank writes what it holds into its node's checkpoint root; rank 0
+    adds the run's state and, once every node's part is in place, the global index."""
+    lay = run.layout
+    group = lay.checkpoint_group()
+    ckroot = resolve_root(run.cfg.checkpoint.dir, run.out, group.node_of[lay.rank])
+    state = None
+    if lay.is_writer:
+        state = {"step": step, "optim_step": run.engine.optim_step(),
+                 "sampler": run.sampler.state_dict(), "config": run.cfg.to_dict(),
+                 "model_config": vars(run.model_cfg), "layout": lay.describe(),
+                 "scheduler": {"last_step": step, "lr": lr_at(step - 1, run.cfg) if step else 0.0}}
+    save_sharded(ckroot, step, lay.rank, lay.world_size,
+                 lay.checkpoint_pieces(run.engine), {"cpu_rng": torch.get_rng_state()}, state,
+                 run.cfg.checkpoint.keep_last, lay.barrier, group)
+
+
+def resume(run: Run) -> int:
+    """Load the newest committed checkpoint if asked; return the step to start from.
+    Collective: every node's checkpoint root is checked (writable, when the run will save),
+    rank 0's index decides the step, and each node's part must be on some node."""
+    lay, c = run.layout, run.cfg.checkpoint
+    group = lay.checkpoint_group()
+    ckroot = resolve_root(c.dir, run.out, group.node_of[lay.rank])
+    field = "checkpoint.dir" if c.dir else "train.output_dir"
+    why = unwritable(ckroot) if (c.interval or c.save_final) and group.is_leader(lay.rank) \
+        else None
+    for node, bad in zip(group.node_of, group.all_gather(why)):
+        if bad:
+            raise ConfigError(f"{field}: checkpoints of node {node} cannot be written: {bad}")
+    steps = committed_steps(ckroot, lay.rank, group)
+    # after a restart by torchrun (--max-restarts) the run always continues from its checkpoint
+    if not (c.resume or lay.restarts):
+        if steps:
+            raise ConfigError(f"{field}: '{ckroot if c.dir else run.out}' already holds "
+                              f"checkpoints (step {steps[-1]}); pass --checkpoint.resume true "
+                              "to continue, or choose another --train.output_dir")
+        return 0
+    if not steps:
+        return 0
+    source, state, rng = open_sharded(ckroot, steps[-1], lay.rank, group)
+    saved = state["model_config"]
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
+        if saved[key] != getattr(run.model_cfg, key):
+            raise CheckpointError(f"checkpoint {steps[-1]}: model.{key}={saved[key]} but this "
+                                  f"run has {getattr(run.model_cfg, key)}")
+    # each rank reads the regions it holds, whatever layout wrote them
+    run.engine.load_from(source, state["optim_step"])
+    run.memory["resume_bytes_read"] = source.bytes_read
+    run.sampler.load_state_dict(state["sampler"])
+    torch.set_rng_state(rng["cpu_rng"])
+    return int(state["step"])

@@ -1,0 +1,183 @@
+"""What a run reports while it trains: the per-step record (metrics.jsonl), the log lines and
+progress bar, the traced step (trace.json) and the summary (summary.json), written by the
+writer rank."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from threefold import accounting
+from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
+                               peak_memory_bytes, truncate_metrics)
+from threefold.parallel.pipeline.executor import idle_fraction
+from threefold.parallel.pipeline.simulate import measured_costs, pipeline_records, simulate
+from threefold.parallel.pipeline.timeline import write_chrome_trace
+from threefold.steps import lr_at
+
+if TYPE_CHECKING:  # annotations only: train.py imports this module
+    from threefold.train import Run
+
+
+class RunLog:
+    """The writer rank's outputs of a run from step ``start``: metrics.jsonl (continued on a
+    resume, cut back to ``start`` after a restart), tokenizer.json and config.json, the log
+    lines (through the progress bar when there is one), and the figures each record needs
+    (tokens per step, FLOPs per token, the device's peak for MFU)."""
+
+    def __init__(self, run: Run, start: int):
+        cfg, lay = run.cfg, run.layout
+        self.run, self.start, self.history, self.trace_info = run, start, [], None
+        self.writer, self.lost = None, 0
+        if lay.is_writer:
+            self._open_outputs()
+        self.peak, self.peak_src = device_peak_flops(run.device, run.dtype)
+        # a row's positions: data.seq_len, or fewer where the task makes shorter rows (GRPO)
+        row = run.task.row_length or cfg.data.seq_len
+        self.flops_tok = accounting.flops_per_token(run.model_cfg, row)
+        self.tokens_per_step = cfg.train.global_batch_size * row
+        self.bar = _progress(run, start)
+        self.n_params = accounting.num_parameters(run.model_cfg)
+        self.n_active = accounting.active_parameters(run.model_cfg)
+        active = (f" ({self.n_active / 1e6:.2f}M active per token)"
+                  if self.n_active != self.n_params else "")
+        self.say(f"threefold: {self.n_params / 1e6:.2f}M parameters{active}, {lay.describe()}, "
+                 f"device {run.device}, dtype {cfg.train.dtype}, steps {start}->"
+                 f"{cfg.train.steps}")
+
+    def _open_outputs(self) -> None:
+        run, start = self.run, self.start
+        run.out.mkdir(parents=True, exist_ok=True)
+        metrics = run.out / "metrics.jsonl"
+        if start or run.layout.restarts:
+            self.lost = max(0, last_logged_step(metrics) - start)
+            truncate_metrics(metrics, start)
+        self.writer = MetricsWriter(metrics, append=start > 0)
+        if Path(run.data.tokenizer_path).resolve() != (run.out / "tokenizer.json").resolve():
+            shutil.copyfile(run.data.tokenizer_path, run.out / "tokenizer.json")
+        (run.out / "config.json").write_text(json.dumps(run.cfg.to_dict(), indent=1))
+
+    def say(self, line: str) -> None:
+        """A log line (the writer rank's; through the progress bar when there is one)."""
+        if self.bar:
+            self.bar.write(line)
+        elif self.run.layout.is_writer:
+            print(line, flush=True)
+
+    def record(self, step: int, loss: float, norm: float, extras: dict, seconds: float) -> None:
+        """Step ``step``'s record: to metrics.jsonl, the progress bar and every
+        ``train.log_interval`` steps a line."""
+        run, t = self.run, self.run.cfg.train
+        tps = self.tokens_per_step / seconds
+        rec = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.cfg), "grad_norm": norm,
+               "tokens_per_second": tps,
+               "mfu": (tps * self.flops_tok / (self.peak * run.layout.world_size))
+               if self.peak else None,
+               "peak_memory_bytes": peak_memory_bytes(run.device)}
+        rec.update(extras)
+        rec.update(run.layout.step_metrics())
+        self.history.append(rec)
+        if self.writer:
+            self.writer.write(rec)
+        if self.bar:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}")
+        if (step + 1) % t.log_interval == 0 or step + 1 == t.steps:
+            self.say(f"step {step + 1:>6} loss {loss:.4f} lr {rec['lr']:.2e} norm {norm:.3f} "
+                     f"tok/s {tps:,.0f}" + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] else ""))
+
+    def trace(self, step: int, records: list) -> None:
+        """Collective: write the traced step (``write_trace``) and say where it is."""
+        info = self.trace_info = write_trace(self.run, step, records)
+        if info:
+            self.say(f"step {step + 1:>6} trace: {info['path']} (open in "
+                     "https://ui.perfetto.dev)"
+                     + (f"; pipeline idle fraction {info['pipeline_idle_fraction']:.1%}, "
+                        f"simulated {info['pipeline_simulated_bubble']:.1%} with these action "
+                        "times" if "pipeline_idle_fraction" in info else ""))
+
+    def summary(self, loss: float, val_loss, initial_val, wall: float,
+                preempted: dict | None) -> dict:
+        """Collective: the run's summary (every rank's memory phases gathered), written to
+        summary.json by the writer, with the closing log line."""
+        run, lay, peak = self.run, self.run.layout, self.peak
+        if self.bar:
+            self.bar.close()
+        timed = self.history[1:] or self.history  # the first step pays for warm-up
+        mean = (lambda k: sum(r[k] for r in timed) / len(timed)) if timed else (lambda k: None)
+        out = {
+            "final_loss": loss, "validation_loss": val_loss,
+            "initial_validation_loss": initial_val, "parameters": self.n_params,
+            "active_parameters": self.n_active, "steps": run.cfg.train.steps,
+            "resumed_from_step": self.start, "tokens_per_step": self.tokens_per_step,
+            "wall_time_s": wall, "tokens_per_second": mean("tokens_per_second"),
+            "mfu": mean("mfu") if peak else None, "peak_flops_per_device": peak,
+            "peak_flops_source": self.peak_src, "flops_per_token": self.flops_tok,
+            "world_size": lay.world_size, "layout": lay.describe(), "restarts": lay.restarts,
+            "lost_steps": self.lost, "memory": memory_summary(run, self.history)}
+        out.update({k: v for k, v in (("trace", self.trace_info), ("preempted", preempted))
+                    if v})
+        out.update(lay.summary_metrics())
+        if self.writer:
+            self.writer.close()
+            (run.out / "summary.json").write_text(json.dumps(out, indent=1))
+            self.say(f"done: loss {loss:.4f}, validation {val_loss:.4f}"
+                     + (f" (from {initial_val:.4f})" if initial_val is not None else "")
+                     + f", {wall:.1f}s")
+        return out
+
+
+def _progress(run: Run, start: int):
+    mode = run.cfg.train.progress
+    on = mode == "on" or (mode == "auto" and sys.stderr.isatty())
+    if not (on and run.layout.is_writer):
+        return None
+    from tqdm import tqdm  # only when a bar is shown
+
+    return tqdm(total=run.cfg.train.steps, initial=start, unit="step", dynamic_ncols=True)
+
+
+def memory_summary(run: Run, history: list[dict]) -> dict:
+    """Collective: this rank's memory phases (bytes held before the model; peaks of start-up,
+    loading and the steps), and every rank's (``per_rank``, on the writer)."""
+    mine = {**run.memory, "step_peak_bytes": max((r["peak_memory_bytes"] for r in history),
+                                                 default=None)}
+    ranks = run.layout.gather_object(mine)
+    return {**mine, "per_rank": ranks} if ranks else mine
+
+
+def write_trace(run: Run, step: int, records: list) -> dict | None:
+    """Collective: every rank's records of the step to the writer, which saves
+    OUTPUT_DIR/trace.json (one process per rank in Perfetto) and returns what the summary
+    keeps of it: the path, the step and, for a pipeline, the measured idle fraction next to
+    the simulator's for the step's measured action times and for unit costs. Times are each
+    process's ``time.perf_counter``, one clock on one machine; ranks on several nodes have
+    unrelated clocks, so their rows are not aligned (and the pipeline figures, which compare
+    ranks, only hold within a node)."""
+    lay = run.layout
+    gathered = lay.gather_object(records)
+    if not lay.is_writer:
+        return None
+    allrec = [r for recs in gathered for r in recs]
+    t0 = min((r.start_s for r in allrec), default=0.0)
+    allrec = [r._replace(start_s=r.start_s - t0, end_s=r.end_s - t0) for r in allrec]
+    path = run.out / "trace.json"
+    run.out.mkdir(parents=True, exist_ok=True)
+    meta = None
+    if lay.pipeline is not None:  # which ranks make up each pipeline
+        meta = {"pipelines": lay.pipeline_groups()}
+    write_chrome_trace(allrec, path, meta)
+    info: dict = {"path": str(path), "step": step + 1}
+    if lay.pipeline is not None:
+        ex, p = lay.pipeline, run.cfg.parallel
+        # one pipeline: the ranks of dp 0 and tp 0 (the others repeat its timeline)
+        first = pipeline_records(allrec, set(meta["pipelines"][0]))
+        info["pipeline_idle_fraction"] = idle_fraction(first)
+        # the simulator's figure for this step's own action times, and the textbook one
+        info["pipeline_simulated_bubble"] = simulate(
+            p.schedule, ex.p, ex.m, ex.v, measured_costs([first])).bubble_fraction
+        info["pipeline_unit_cost_bubble"] = simulate(p.schedule, ex.p, ex.m, ex.v).bubble_fraction
+    return info
