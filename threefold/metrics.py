@@ -1,5 +1,5 @@
-"""What a run reports: peak FLOP/s of the device (for MFU), peak memory, and the per-step
-record written to metrics.jsonl.
+"""What a run reports: peak FLOP/s of the device (for MFU; the figures come from
+``threefold.hardware``), peak memory, and the per-step record written to metrics.jsonl.
 
 MFU is "unknown" (None in JSON) when the device's peak is unknown: never a guess. On a CPU the
 peak is *measured* by a short matmul probe at the compute dtype, so CPU MFU reads as "share of
@@ -11,32 +11,15 @@ from __future__ import annotations
 import json
 import resource
 import sys
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from threefold.hardware import cpu_matmul_flops, peak_flops_for_device_name
 
-def cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5,
-                     statistic: str = "best") -> float:
-    """Measured FLOP/s of an n×n matmul on this CPU, with the threads torch uses now, over
-    ``seconds`` of single multiplies: the best ("best"), so that a busy moment on a shared
-    machine does not lower the peak (a low peak would inflate MFU past 100%), or the median
-    ("median"), the sustained rate a training step sees."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)  # warm-up
-    rates, t_end = [], time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        t1 = time.perf_counter()
-        rates.append(2.0 * n**3 / (t1 - t0))
-        if t1 >= t_end:
-            return max(rates) if statistic == "best" else statistics.median(rates)
-
+__all__ = ["MetricsWriter", "cpu_matmul_flops", "current_memory_bytes", "device_peak_flops",
+           "last_logged_step", "peak_memory_bytes", "reset_peak_memory", "truncate_metrics"]
 
 _CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
 
@@ -48,10 +31,6 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float |
     unknown."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        try:
-            from threefold.plan.hardware import peak_flops_for_device_name
-        except ImportError:  # pragma: no cover - catalogue always ships
-            return None, "unknown"
         peak = peak_flops_for_device_name(name, "bf16" if dtype == torch.bfloat16 else "fp32")
         return (peak, f"catalogue:{name}") if peak else (None, "unknown")
     if device.type == "cpu":

@@ -28,6 +28,12 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from threefold.hardware import Hardware, cpu_matmul_flops
+
 DEFAULT_PATH = Path("~/.cache/threefold/calibration.json")
 ALLREDUCE_BYTES = (4, 64 * 1024, 1 << 20, 4 << 20, 16 << 20)
 REPEATS = 3
@@ -41,13 +47,9 @@ def matmul_flops(dtype_name: str, threads: int, seconds: float = 0.3,
     """Measured matmul FLOP/s at ``dtype_name`` ('fp32' or 'bf16') on ``threads`` threads, over
     ``seconds`` of back-to-back square products. ``statistic`` 'median' is the sustained rate a
     training step sees on a shared machine (what the planner needs); 'best' is the peak
-    ``threefold.metrics.cpu_matmul_flops`` reports (what MFU divides by). The matrix size
+    ``threefold.hardware.cpu_matmul_flops`` reports (what MFU divides by). The matrix size
     adapts to the rate: CPUs without bf16 instructions multiply bf16 a hundred times slower
     than fp32, and one 1024² product must not take seconds."""
-    import torch
-
-    from threefold.metrics import cpu_matmul_flops
-
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -74,8 +76,6 @@ def machine_ram() -> int:
 def memory_bandwidth(nbytes: int = 64 << 20, repeats: int = 8) -> float:
     """Bytes/s of the best of ``repeats`` copies of an ``nbytes`` fp32 tensor (each copy reads
     and writes ``nbytes``: 2·nbytes moved)."""
-    import torch
-
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -97,8 +97,6 @@ def _run_processes(target, processes: int, args: tuple, results: int,
     """Start ``processes`` spawned processes ``target(rank, *args, queue)`` and return the
     first ``results`` items they put on the queue; every process is joined (killed if it
     hangs) whatever happens."""
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, *args, out), daemon=True)
@@ -129,9 +127,6 @@ def concurrent_matmul_flops(dtype_name: str, processes: int, threads: int = 1,
 def _allreduce_worker(rank: int, world: int, port: int, sizes: tuple[int, ...], repeats: int,
                       out) -> None:
     """One rank: join the group through the launcher's store, time all-reduces per size."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -159,8 +154,6 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: tuple[int, ...], 
 def allreduce_times(world: int = 2, sizes: tuple[int, ...] = ALLREDUCE_BYTES,
                     repeats: int = REPEATS, timeout_s: float = 120.0) -> dict[int, float]:
     """{bytes: median seconds} of gloo all-reduces among ``world`` local processes."""
-    import torch.distributed as dist
-
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     result, = _run_processes(_allreduce_worker, world, (world, store.port, sizes, repeats), 1,
                              timeout_s)  # rank 0 reports
@@ -188,8 +181,6 @@ def fit_alpha_beta(times: dict[int, float], world: int) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------------
 def calibrate(world: int = 2, log=print) -> dict:
     """Run every measurement; return the record ``hardware_from_calibration`` reads."""
-    import torch
-
     threads = torch.get_num_threads()
     counts = sorted({1, threads})
     t0 = time.perf_counter()
@@ -245,8 +236,6 @@ def hardware_from_calibration(record: dict, ranks_on_machine: int = 1,
     machine's threads // ranks; the nearest measured count not above it), the measured copy
     bandwidth shared among the ranks, the fitted all-reduce latency and bandwidth for every
     link, and the machine's memory shared among the ranks."""
-    from threefold.plan.hardware import Hardware
-
     ranks = max(1, ranks_on_machine)
     per_rank = threads_per_rank or max(1, record.get("threads", record.get("cores", 1)) // ranks)
 

@@ -51,6 +51,8 @@ from threefold.accounting.shapes import (
     tp_shard,
 )
 from threefold.config import MODEL_PRESETS, ConfigError, ModelConfig, load_config
+from threefold.plan.calibrate import (DEFAULT_PATH, calibrate, hardware_from_calibration, load,
+                                      save)
 from threefold.plan.candidates import SearchSpace
 from threefold.plan.hardware import GPUS, Cluster, Hardware, Level, get_hardware
 from threefold.plan.report import _summary, format_table, to_json_rows
@@ -185,8 +187,6 @@ def _hardware_record(args) -> dict | None:
     ({"gpu": catalogue name, "levels": [...]}, see ``plan.topology.levels_from_record``)."""
     if not args.hardware_file:
         return None
-    from threefold.plan.calibrate import load
-
     try:
         record = json.loads(Path(args.hardware_file).expanduser().read_text())
     except (OSError, ValueError) as e:
@@ -212,8 +212,6 @@ def _hardware(args, record: dict | None = None) -> Hardware:
     if record and "levels" in record:
         hw = get_hardware(record.get("gpu", args.gpu))
     elif record:
-        from threefold.plan.calibrate import hardware_from_calibration
-
         hw = hardware_from_calibration(record, min(args.gpus, args.gpus_per_node))
     else:
         hw = get_hardware(args.gpu)
@@ -300,8 +298,6 @@ def _refuse_degrees(cfg: ModelConfig, args) -> None:
 
 def _calibrate(args) -> int:
     """``--calibrate``: measure, print, save."""
-    from threefold.plan.calibrate import DEFAULT_PATH, calibrate, save
-
     if args.calibrate_ranks < 2:
         print("threefold plan: error: --calibrate-ranks: must be >= 2", file=sys.stderr)
         return 2

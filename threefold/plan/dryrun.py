@@ -16,7 +16,7 @@ The hardware it predicts for (no config field names it):
 - otherwise, on a CUDA machine (``train.device`` not cpu), the catalogue entry of the local
   GPU's name (unknown names give no step time: the peak is never guessed);
 - otherwise this CPU: every rank on this machine, its matmul rate measured now at the threads
-  each rank gets (``threefold.metrics.cpu_matmul_flops`` through
+  each rank gets (``threefold.hardware.cpu_matmul_flops`` through
   ``plan.calibrate.matmul_flops``), ``LOOPBACK_BANDWIDTH`` / ``LOOPBACK_LATENCY_S`` for the
   gloo links (CPU-NOTES.md: about 1 GB/s and 0.3 ms between two local processes), the
   machine's memory shared by the ranks, memory bandwidth not modelled. Memory figures on a CPU
@@ -41,6 +41,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from threefold.accounting import (
     COMM_AXES,
     Layout,
@@ -56,8 +58,15 @@ from threefold.accounting import (
     stage_parameters,
 )
 from threefold.config import Config, ConfigError, ModelConfig
+from threefold.data import load_tokenizer
+from threefold.model import LlamaForCausalLM
+from threefold.parallel.expert import apply_expert_parallel
 from threefold.parallel.layout import validate_layout
-from threefold.plan.hardware import Cluster, Hardware, get_hardware, hardware_for_device_name
+from threefold.parallel.pipeline.stage import rank_model, split_model
+from threefold.parallel.tensor import apply_tensor_parallel
+from threefold.plan.calibrate import hardware_from_calibration, load, machine_ram, matmul_flops
+from threefold.plan.hardware import (Cluster, Hardware, get_hardware,
+                                     hardware_for_device_name)
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import StartupMemory, cpu_baseline_bytes, startup_memory
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
@@ -122,8 +131,6 @@ def resolved_model(cfg: Config) -> ModelConfig:
     trained on the corpus, the file's own size for a tokenizer.json."""
     vocab = cfg.data.vocab_size
     if cfg.data.tokenizer != "bpe":
-        from threefold.data import load_tokenizer
-
         vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(with_added_tokens=True)
     mcfg = cfg.model.resolved(vocab_size=vocab)
     if mcfg.vocab_size < vocab:
@@ -137,24 +144,14 @@ def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
                           seq_len: int | None = None, ep: int = 1) -> tuple[int, int]:
     """(whole model's parameters, rank 0's after the pipeline split, tensor and expert
     parallelism), counted on models built on the meta device: no weight is allocated."""
-    import torch
-
-    from threefold.model import LlamaForCausalLM
-
     with torch.device("meta"):
         model = LlamaForCausalLM(mcfg)
     total = sum(p.numel() for p in model.parameters())  # tied weights once
     if pp > 1:  # rank 0's chunks, as Distributed.split_pipeline cuts them
-        from threefold.parallel.pipeline.stage import rank_model, split_model
-
         model = rank_model(split_model(model, pp, vpp, 0, balance=split, seq_len=seq_len))
     if tp > 1:
-        from threefold.parallel.tensor import apply_tensor_parallel
-
         apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel)
     if ep > 1:  # rank 0's E/ep experts of every MoE block
-        from threefold.parallel.expert import apply_expert_parallel
-
         apply_expert_parallel(model, _MetaComm(tp, ep))
     local = sum(p.numel() for p in model.parameters())
     return total, local
@@ -175,8 +172,6 @@ def choose_hardware(cfg: Config, world: int) -> tuple[Cluster, str]:
     spec = os.environ.get(ENV_HARDWARE)
     if spec:
         if Path(spec).expanduser().is_file():
-            from threefold.plan.calibrate import hardware_from_calibration, load
-
             per_node = _ranks_per_node(world, world)
             hw = hardware_from_calibration(load(spec), per_node)
             return Cluster(hw, world, per_node), f"calibration file {spec}"
@@ -186,8 +181,6 @@ def choose_hardware(cfg: Config, world: int) -> tuple[Cluster, str]:
             raise ConfigError(f"{ENV_HARDWARE}: {e} (or a --calibrate JSON file)") from None
         return Cluster(hw, world, _ranks_per_node(world, 8)), f"catalogue ({ENV_HARDWARE})"
     if cfg.train.device != "cpu":
-        import torch
-
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name(0)
             hw = hardware_for_device_name(name) or Hardware(
@@ -205,8 +198,6 @@ def _cpu_threads(world: int) -> int:
 
 
 def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
-    from threefold.plan.calibrate import machine_ram, matmul_flops
-
     per_node = _ranks_per_node(world, world)
     threads = max(1, (os.cpu_count() or 1) // per_node)
     precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
