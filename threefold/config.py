@@ -20,6 +20,12 @@ from pathlib import Path
 from typing import Any
 
 
+# The pipeline schedules' names: all config needs of them, as it imports nothing of threefold.
+# The registry, threefold.parallel.pipeline.schedules.SCHEDULE_SPECS, holds each schedule
+# (builder, bubble, activations in flight) and refuses to load unless it lists these names.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
 class ConfigError(ValueError):
     """An invalid configuration value, named by its dotted field path."""
 
@@ -205,7 +211,7 @@ class ParallelConfig:
                  "it by all-to-all")
     zero_stage: int = _f(0, "ZeRO stage over dp_shard: 0 none, 1 optimiser, 2 +grads, 3 +params")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence within tp")
-    schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1")
+    schedule: str = _f("1f1b", "pipeline schedule: " + ", ".join(PIPELINE_SCHEDULES))
     microbatches: int = _f(0, "pipeline microbatches per step; 0 = from the batch")
     vpp: int = _f(1, "model chunks per pipeline stage (interleaved 1F1B)")
     pipeline_split: str = _f("params", "blocks per pipeline stage: params (balance parameters, "
@@ -461,9 +467,8 @@ def validate(cfg: Config) -> None:
     _need(p.dp_shard == -1 or p.dp_shard >= 1,
           f"parallel.dp_shard: must be >= 1 or -1 (the rest), got {p.dp_shard}")
     _need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage: {p.zero_stage} is not 0, 1, 2 or 3")
-    if p.schedule not in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
-        raise ConfigError(_unknown("parallel.schedule", p.schedule,
-                                   ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]))
+    if p.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(_unknown("parallel.schedule", p.schedule, list(PIPELINE_SCHEDULES)))
     if p.param_dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(_unknown("parallel.param_dtype", p.param_dtype,
                                    ["auto", "float32", "bfloat16"]))

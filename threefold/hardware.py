@@ -147,10 +147,10 @@ def peak_flops_for_device_name(device_name: str, precision: str) -> float | None
 
 def cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5,
                      statistic: str = "best") -> float:
-    """Measured FLOP/s of an n×n matmul on this CPU, with the threads torch uses now, over ``seconds`` of single multiplies: the best
-    ("best"), so that a busy moment on a shared machine does not lower the peak (a low peak
-    would inflate MFU past 100%), or the median ("median"), the sustained rate a training step
-    sees."""
+    """Measured FLOP/s of an n×n matmul on this CPU, with the threads torch uses now, over
+    ``seconds`` of single multiplies: the best ("best"), so that a busy moment on a shared
+    machine does not lower the peak (a low peak would inflate MFU past 100%), or the median
+    ("median"), the sustained rate a training step sees."""
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)  # warm-up

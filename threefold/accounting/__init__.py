@@ -7,8 +7,8 @@ benchmarks and the tests import these names from here.
 
 Conventions (every function below follows them):
 - A *layout* splits the world into pp × dp_replicate × dp_shard × cp × tp. Mesh axes are
-  ordered outermost first as ``MESH_ORDER`` (``threefold.axes.AXES``, the runtime's mesh
-  order, as every axis table here is ``threefold.axes``'s): tp innermost (NVLink), then cp, then dp_shard, then
+  ordered outermost first as ``MESH_ORDER`` (``threefold.axes.AXES``: every axis table here
+  is ``threefold.axes``'s, the runtime's): tp innermost (NVLink), then cp, then dp_shard, then
   dp_replicate and pp outermost (DESIGN.md, topology rule). A group that does not fit inside
   one aligned node crosses the network.
 - Context parallelism is threefold's (``threefold.parallel.context``): each cp rank holds

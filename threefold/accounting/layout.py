@@ -19,6 +19,7 @@ from threefold.accounting.shapes import (
 )
 from threefold.axes import FLATTENED, resolve_dp_shard
 from threefold.config import Config, ModelConfig, param_dtype
+from threefold.parallel.pipeline.schedules import SCHEDULE_SPECS
 
 # --------------------------------------------------------------------------------------------
 # Layout and workload
@@ -224,12 +225,14 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if cfg.num_hidden_layers < chunks:  # uneven splits are fine: see pipeline_layers
         raise LayoutError(f"pp·vpp={chunks} is more than the {cfg.num_hidden_layers} layers "
                           "(each pipeline chunk needs one)")
-    if layout.vpp > 1 and layout.pipeline_schedule != "interleaved-1f1b":
-        raise LayoutError("vpp > 1 needs the interleaved-1f1b schedule")
+    spec = SCHEDULE_SPECS[layout.pipeline_schedule]
+    if layout.vpp > 1 and not spec.chunked:
+        chunked = " or ".join(name for name, sp in SCHEDULE_SPECS.items() if sp.chunked)
+        raise LayoutError(f"vpp > 1 needs the {chunked} schedule")
     m = microbatches(layout, work)
     if layout.pp == 1:
         return  # no pipeline: the schedule is not used (as the runtime ignores it)
-    if layout.pipeline_schedule == "interleaved-1f1b" and (layout.pp < 2 or m % layout.pp):
+    if spec.chunked and (layout.pp < 2 or m % layout.pp):
         raise LayoutError(f"interleaved 1F1B needs pp >= 2 and microbatches ({m}) a multiple "
                           f"of pp ({layout.pp})")
 

@@ -1,6 +1,7 @@
 """Parameters and FLOPs of a model: exact counts of the weights threefold's model builds, the
 PaLM FLOPs per token, and how tensor parallelism shards each weight. Also the constants every
-accounting module shares (the axis tables are ``threefold.axes``'s). Pure functions of the configuration, no torch.
+accounting module shares (the axis tables are ``threefold.axes``'s). Pure functions of the
+configuration, no torch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import lru_cache
 from threefold.axes import AXES, FLATTENED
 from threefold.config import ModelConfig
 from threefold.moe import inactive_parameters, moe_layer_parameters
+from threefold.parallel.pipeline.schedules import SCHEDULE_SPECS
 
 # The axis tables are threefold.axes's (one home for the runtime and the accounting), under
 # the accounting's names: MESH_ORDER is AXES (outermost first), FLATTENED_AXES is FLATTENED.
@@ -18,7 +20,7 @@ MESH_ORDER = AXES
 FLATTENED_AXES = FLATTENED
 CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = tuple(SCHEDULE_SPECS)  # the registered pipeline schedules' names
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 DEFAULT_BUCKET_MB = 25.0  # = ParallelConfig.bucket_mb: data-parallel gradient buckets, MiB
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from threefold.accounting.layout import Layout, Workload, local_seq_len
 from threefold.accounting.shapes import tp_shard
 from threefold.config import ModelConfig
+from threefold.parallel.pipeline.schedules import schedule_spec
 
 # --------------------------------------------------------------------------------------------
 # Activations
@@ -184,34 +185,24 @@ def microbatch_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> 
 
 def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
     """Microbatches whose activations ``rank`` holds at its peak, in units of the rank's whole
-    share of layers (v chunks). GPipe m; 1F1B min(p - rank, m) (Narayanan et al. §2.2.1);
-    ZB-H1 min(p, m) on every rank (its weight gradients, which free the activations, run up to
-    `rank` steps late; Qi et al. §3). Interleaved 1F1B: rank r runs 2(p-r-1) + (v-1)·p
-    warm-up chunk-forwards (as Megatron schedules them) plus one, each 1/v of its layers
-    (at most m·v in all); for rank 0 with m >= p that is
-    p·(1 + (p-1)/(p·v)) — Korthikanti's interleaving factor, whose 'm' is the number of
-    interleaved stages (our v). tests/test_cost.py checks all of these against the schedules'
-    action lists."""
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "zb-h1":
-        return float(min(p, m))
-    if schedule == "interleaved-1f1b":
-        chunk_mbs = min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v)
-        return chunk_mbs / v
-    return float(min(p - rank, m))
+    share of layers (v chunks): the schedule's ``ScheduleSpec.inflight``. GPipe m; 1F1B
+    min(p - rank, m) (Narayanan et al. §2.2.1); ZB-H1 min(p, m) on every rank (its weight
+    gradients, which free the activations, run up to `rank` steps late; Qi et al. §3).
+    Interleaved 1F1B: rank r runs 2(p-r-1) + (v-1)·p warm-up chunk-forwards (as Megatron
+    schedules them) plus one, each 1/v of its layers (at most m·v in all); for rank 0 with
+    m >= p that is p·(1 + (p-1)/(p·v)) — Korthikanti's interleaving factor, whose 'm' is the
+    number of interleaved stages (our v). tests/test_cost.py checks all of these against the
+    schedules' action lists."""
+    return float(schedule_spec(schedule).inflight(p, m, v, rank))
 
 
 def head_inflight_microbatches(schedule: str, p: int, m: int) -> int:
-    """Microbatches whose head and loss tensors the last virtual stage holds at its peak:
-    GPipe all m; ZB-H1 min(p, m) (each one's weight gradient, which frees them, waits); 1F1B
-    and interleaved 1F1B one (the last stage runs each backward right after its forward).
-    tests/test_cost.py checks these against the schedules' action lists."""
-    if schedule == "gpipe":
-        return m
-    if schedule == "zb-h1":
-        return min(p, m)
-    return 1
+    """Microbatches whose head and loss tensors the last virtual stage holds at its peak (the
+    schedule's ``ScheduleSpec.head_inflight``): GPipe all m; ZB-H1 min(p, m) (each one's
+    weight gradient, which frees them, waits); 1F1B and interleaved 1F1B one (the last stage
+    runs each backward right after its forward). tests/test_cost.py checks these against the
+    schedules' action lists."""
+    return schedule_spec(schedule).head_inflight(p, m)
 
 
 def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:

@@ -62,6 +62,7 @@ from threefold.data import load_tokenizer
 from threefold.model import LlamaForCausalLM
 from threefold.parallel.expert import apply_expert_parallel
 from threefold.parallel.layout import validate_layout
+from threefold.parallel.pipeline.schedules import schedule_spec
 from threefold.parallel.pipeline.stage import rank_model, split_model
 from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.plan.calibrate import hardware_from_calibration, load, machine_ram, matmul_flops
@@ -234,11 +235,11 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
                      + f" (parallel.pipeline_split {p.pipeline_split}); parameters per rank "
                      + ", ".join(_count(stage_parameters(mcfg, layout, st))
                                  for st in range(dims.pp)))
-        if p.schedule == "zb-h1" and cfg.train.activation_checkpointing:
-            notes.append("zb-h1 with activation checkpointing: each W (weight gradients) "
-                         "recomputes its blocks once per weight it splits off (up to 9 per Llama "
-                         "block: a separate autograd call each), not counted in the step time "
-                         "below; 1f1b recomputes each block once")
+        if schedule_spec(p.schedule).split_backward and cfg.train.activation_checkpointing:
+            notes.append(f"{p.schedule} with activation checkpointing: each W (weight "
+                         "gradients) recomputes its blocks once per weight it splits off (up to "
+                         "9 per Llama block: a separate autograd call each), not counted in the "
+                         "step time below; 1f1b recomputes each block once")
     cluster, source = choose_hardware(cfg, world_size)
     on_cpu = source.startswith(("this CPU", "calibration"))
     copies = on_cpu if backend_copies is None else backend_copies

@@ -19,6 +19,9 @@ from threefold.accounting.stages import (
 from threefold.accounting.traffic import Collective, _bytes_per_axis, collectives
 from threefold.axes import AXES, COMM_AXES
 from threefold.config import ModelConfig
+from threefold.parallel.pipeline.schedules import schedule_spec
+from threefold.parallel.pipeline.simulate import Costs
+from threefold.parallel.pipeline.simulate import simulate as replay_schedule
 from threefold.plan.collectives import collective_time
 from threefold.plan.compute import (
     MATMUL_EFFICIENCY,
@@ -42,34 +45,31 @@ def bubble_over_ideal(schedule: str, p: int, m: int, v: int = 1,
                       simulate: bool = False) -> tuple[float, str]:
     """(bubble time / ideal time, source) with equal stages.
 
-    Closed forms: GPipe and 1F1B (p-1)/m, interleaved 1F1B (p-1)/(v·m) (Narayanan et al. 2021
-    §2.2); the schedule simulator (threefold.parallel.pipeline.simulate) replays the same
-    action lists the executor runs and gives exactly these values (tests/test_cost.py checks
-    it), so they are used directly — the replay is far too slow for a search of thousands.
-    ZB-H1's bubble depends on how backward splits into B and W, so it is simulated (B = W =
-    half of backward) when the simulator is importable and the run small, else (p-1)/(3m)
-    (Qi et al., arXiv 2401.10241, T_F = T_B = T_W). ``simulate`` forces the replay for any
-    schedule (a single layout, e.g. a dry run)."""
+    Closed forms from the schedule registry (``ScheduleSpec.bubble``: GPipe and 1F1B
+    (p-1)/m, interleaved 1F1B (p-1)/(v·m), Narayanan et al. 2021 §2.2); the schedule
+    simulator (threefold.parallel.pipeline.simulate) replays the same action lists the
+    executor runs and gives exactly these values (tests/test_cost.py checks it), so they are
+    used directly — the replay is far too slow for a search of thousands. A split-backward
+    schedule's bubble (ZB-H1) depends on how backward splits into B and W, so it is simulated
+    (B = W = half of backward) when the run is small, else its closed form ((p-1)/(3m), Qi et
+    al., arXiv 2401.10241, T_F = T_B = T_W). ``simulate`` forces the replay for any schedule
+    (a single layout, e.g. a dry run)."""
     if p == 1:
         return 0.0, "none"
-    if (simulate or schedule == "zb-h1") and p * m * v <= SIMULATE_MAX_ACTIONS:
+    spec = schedule_spec(schedule)
+    if (simulate or spec.split_backward) and p * m * v <= SIMULATE_MAX_ACTIONS:
         sim = _simulated(schedule, p, m, v, round(backward_over_forward, 2))
         if sim is not None:
             return sim, "simulated"
-    div = {"interleaved-1f1b": v, "zb-h1": 3}.get(schedule, 1)
-    return (p - 1) / (div * m), "closed-form"
+    return spec.bubble(p, m, v), "closed-form"
 
 
 @lru_cache(maxsize=4096)
 def _simulated(schedule: str, p: int, m: int, v: int, ratio: float) -> float | None:
-    try:
-        from threefold.parallel.pipeline.simulate import Costs, simulate
-    except ImportError:
-        return None
-    # zb-h1 splits backward into B and W; the fused schedules run B+W as one action.
+    # a split-backward schedule splits backward into B and W; the fused ones run B+W as one
     costs = Costs(1.0, ratio / 2, ratio / 2, 0.0)
     try:
-        return simulate(schedule, p, m, v, costs).bubble_over_ideal
+        return replay_schedule(schedule, p, m, v, costs).bubble_over_ideal
     except Exception:  # a schedule the simulator refuses (or a bug there): fall back
         return None
 
@@ -216,13 +216,9 @@ def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
     with every stage's own time per microbatch (``per_mb``, split into forward and backward
     by ``forward_share``; ZB-H1's B and W halves of the backward): with uneven stages (the
     head on the last, an uneven split) the bubble is not the equal-stage formula's. None when
-    the replay is too large or the simulator is unavailable."""
+    the replay is too large or the simulator refuses the schedule."""
     p = layout.pp
     if p * m > SIMULATE_MAX_ACTIONS:
-        return None
-    try:
-        from threefold.parallel.pipeline.simulate import Costs, simulate as replay_schedule
-    except ImportError:
         return None
     per: dict = {}
     reps = _stage_representatives(_shape_key(cfg), p, 1, layout.pipeline_split)

@@ -1,139 +1,48 @@
-"""Pipeline schedules as data: pure functions ``(p, m, v, rank) -> list[Action]``.
+"""Pipeline schedules as data: pure functions ``(p, m, v, rank) -> list[Action]``, and the
+registry ``SCHEDULE_SPECS`` that holds, for each, its builder and the closed forms the planner
+uses (bubble, activations in flight). Adding a schedule is one ``ScheduleSpec`` entry here (and
+its name in ``threefold.config.PIPELINE_SCHEDULES``, which config validates against without
+importing this module); validation, the planner, the dry run and the accounting read the rest.
 
 A schedule says, for one rank, in which order it runs forward (F), backward (B: input grad,
 W: weight grad, or BW: both fused) and the point-to-point sends and receives that move
-activations down the pipeline and gradients back up. The same lists drive the executor, the
-checker (check.py), the simulator and the timeline picture (simulate.py, timeline.py).
+activations down the pipeline and gradients back up (``actions.py``; where the messages go:
+``messages.py``). The same lists drive the executor, the checker (check.py), the simulator and
+the timeline picture (simulate.py, timeline.py).
 
 Layout (Megatron's, Narayanan et al. 2021 §2.2.2): there are ``S = v·p`` virtual stages;
 stage ``s`` lives on rank ``s % p`` as its model chunk ``s // p``. Without interleaving
 (v = 1) stage and rank coincide.
-
-Communication contract for the executor: each maximal run of consecutive SEND/RECV actions is
-posted as one ``batch_isend_irecv`` and waited on before the next compute action. Messages
-between a pair of ranks match in posting order (FIFO, like NCCL, and gloo with one tag), so the
-k-th send from r to r' must be the k-th receive on r' from r. Two layouts place the messages
-(``_place_by_step``: Megatron's lockstep batches; ``_place_by_gap``: against a unit-cost
-timeline, for split backward); check.py replays every rank together to prove the result.
 
 This module imports no torch: the planner uses it to predict bubbles cheaply.
 """
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
-import enum
-import functools
-import math
 from dataclasses import dataclass
 from typing import Callable
 
+from threefold.config import PIPELINE_SCHEDULES
+from threefold.parallel.pipeline.actions import (
+    COMPUTE_KINDS,
+    RECEIVES,
+    SENDS,
+    Action,
+    ActionKind,
+    carries,
+    completes,
+    message_key,
+    needs,
+    stage_rank,
+)
+from threefold.parallel.pipeline.messages import Steps, all_ranks, place_by_gap, place_by_step
 
-class ActionKind(enum.Enum):
-    """What an action does. BACKWARD is the full backward (input and weight grads fused)."""
-
-    FORWARD = "F"
-    BACKWARD_INPUT = "B"
-    BACKWARD_WEIGHT = "W"
-    BACKWARD = "BW"
-    SEND_FORWARD = "SEND_F"  # send this stage's output activation to the next stage
-    RECV_FORWARD = "RECV_F"  # receive this stage's input activation from the previous stage
-    SEND_BACKWARD = "SEND_B"  # send the gradient of this stage's input to the previous stage
-    RECV_BACKWARD = "RECV_B"  # receive the gradient of this stage's output from the next stage
-
-    @property
-    def is_compute(self) -> bool:
-        """True for F, B, W and BW; False for sends and receives."""
-        return self in COMPUTE_KINDS
-
-
-COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD_INPUT,
-                           ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD})
-SENDS = frozenset({ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD})
-RECEIVES = frozenset({ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD})
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one rank's schedule.
-
-    ``stage`` is the global virtual stage this action belongs to (for a send or receive: the
-    local stage whose output is sent or whose input is received), ``chunk`` the model chunk
-    index on this rank (``stage // p``), ``peer`` the other rank of a send or receive.
-    """
-
-    kind: ActionKind
-    microbatch: int
-    chunk: int
-    stage: int
-    peer: int | None = None
-
-    def __str__(self) -> str:
-        peer = f"->r{self.peer}" if self.kind in SENDS else f"<-r{self.peer}"
-        tail = "" if self.peer is None else peer
-        return f"{self.kind.value} mb{self.microbatch} s{self.stage}{tail}"
-
-    @classmethod
-    def parse(cls, text: str, p: int | None = None) -> "Action":
-        """The action ``str(action)`` wrote (e.g. a trace record's name, "F mb3 s1" or
-        "SEND_F mb0 s0->r1"); ``chunk`` is ``stage // p`` when ``p`` is given, else 0.
-        Raises ValueError on anything else."""
-        try:
-            kind, mb, where = text.split()
-            if not (mb.startswith("mb") and where.startswith("s")):
-                raise ValueError
-            stage, _, peer = where[1:].replace("<-", "->").partition("->")
-            if peer and not peer.startswith("r"):
-                raise ValueError
-            a = cls(ActionKind(kind), int(mb[2:]), 0, int(stage),
-                     int(peer[1:]) if peer else None)
-        except (ValueError, IndexError):
-            raise ValueError(f"not a pipeline action: {text!r}") from None
-        return dataclasses.replace(a, chunk=a.stage // p) if p else a
-
-
-def stage_rank(stage: int, p: int) -> int:
-    """The rank that holds virtual stage ``stage`` (Megatron's interleaved layout)."""
-    return stage % p
-
-
-def message_key(action: Action) -> tuple[str, int, int, int]:
-    """What a send or receive carries: (direction, microbatch, from stage, to stage).
-
-    A send and the receive it pairs with have equal keys; that is how the checker matches them.
-    """
-    s, mb = action.stage, action.microbatch
-    return {
-        ActionKind.SEND_FORWARD: ("activation", mb, s, s + 1),
-        ActionKind.RECV_FORWARD: ("activation", mb, s - 1, s),
-        ActionKind.SEND_BACKWARD: ("gradient", mb, s, s - 1),
-        ActionKind.RECV_BACKWARD: ("gradient", mb, s + 1, s),
-    }[action.kind]
-
-
-def completes(a: Action) -> tuple[str, int, int]:
-    """What a compute action makes: ("F" | "B" | "W", microbatch, stage); BW makes B (and W).
-    A send carries, and a receive brings, a "F" or "B" of the neighbouring stage."""
-    tag = {ActionKind.FORWARD: "F", ActionKind.BACKWARD_WEIGHT: "W"}.get(a.kind, "B")
-    return tag, a.microbatch, a.stage
-
-
-def needs(a: Action, n: int) -> list[tuple[str, int, int]]:
-    """What compute action ``a`` needs first (as ``completes`` keys), here or received:
-    F the previous stage's F; B or BW its own F and the next stage's B; W its own B."""
-    s, mb = a.stage, a.microbatch
-    if a.kind is ActionKind.FORWARD:
-        return [("F", mb, s - 1)] if s > 0 else []
-    if a.kind is ActionKind.BACKWARD_WEIGHT:
-        return [("B", mb, s)]
-    return [("F", mb, s)] + ([("B", mb, s + 1)] if s < n - 1 else [])
-
-
-def carries(a: Action) -> tuple[str, int, int]:
-    """The ``completes`` key a send or receive moves between ranks."""
-    direction, mb, src, _ = message_key(a)
-    return ("F" if direction == "activation" else "B"), mb, src
+__all__ = [
+    "COMPUTE_KINDS", "RECEIVES", "SCHEDULES", "SCHEDULE_SPECS", "SENDS", "Action", "ActionKind",
+    "Schedule", "ScheduleSpec", "build_schedule", "carries", "completes", "get_schedule",
+    "gpipe", "in_flight_chunks", "interleaved_1f1b", "message_key", "needs", "num_stages",
+    "one_f_one_b", "peak_in_flight", "schedule_spec", "stage_rank", "validate", "zb_h1",
+]
 
 
 def _validate(name: str, p: int, m: int, v: int, rank: int, interleaved: bool = False) -> None:
@@ -151,119 +60,6 @@ def _validate(name: str, p: int, m: int, v: int, rank: int, interleaved: bool = 
         fix = f"{lo} or {hi}" if lo else f"{hi}"
         raise ValueError(f"{name} needs microbatches to be a multiple of pp (got microbatches="
                          f"{m}, pp={p}): use microbatches={fix}, or schedule 1f1b")
-
-
-# --------------------------------------------------------------------------------------------
-# Communication layout: where each schedule's sends and receives go.
-# --------------------------------------------------------------------------------------------
-
-Steps = list[list[Action]]  # one rank's compute actions, grouped into steps (see _place_by_step)
-_BACKWARD_INPUTS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)  # make the input grad
-
-
-def _recv_for(a: Action, rank: int, p: int, n: int) -> Action | None:
-    """The receive compute action ``a`` needs first, if its input is made on another rank."""
-    s, mb = a.stage, a.microbatch
-    if a.kind is ActionKind.FORWARD and s > 0 and stage_rank(s - 1, p) != rank:
-        return Action(ActionKind.RECV_FORWARD, mb, a.chunk, s, stage_rank(s - 1, p))
-    if a.kind in _BACKWARD_INPUTS and s < n - 1 and stage_rank(s + 1, p) != rank:
-        return Action(ActionKind.RECV_BACKWARD, mb, a.chunk, s, stage_rank(s + 1, p))
-    return None
-
-
-def _send_for(a: Action, rank: int, p: int, n: int) -> Action | None:
-    """The send that carries ``a``'s output on, if the stage that needs it is on another rank."""
-    s, mb = a.stage, a.microbatch
-    if a.kind is ActionKind.FORWARD and s < n - 1 and stage_rank(s + 1, p) != rank:
-        return Action(ActionKind.SEND_FORWARD, mb, a.chunk, s, stage_rank(s + 1, p))
-    if a.kind in _BACKWARD_INPUTS and s > 0 and stage_rank(s - 1, p) != rank:
-        return Action(ActionKind.SEND_BACKWARD, mb, a.chunk, s, stage_rank(s - 1, p))
-    return None
-
-
-def _place_by_step(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
-    """Megatron-LM's layout: after each step one batch holding the sends of what the step
-    made and the receives the next step needs (send_forward_recv_backward and kin). With
-    steps of one compute this is plain 1F1B; interleaved 1F1B's steady steps are an (F, B)
-    pair, and its 2·(p-r-1) warm-up offset is what keeps neighbours' batches in lockstep."""
-    lists = []
-    for r, steps in enumerate(steps_all):
-        acts = [x for a in steps[0] if (x := _recv_for(a, r, p, n))]
-        for j, step in enumerate(steps):
-            nxt = steps[j + 1] if j + 1 < len(steps) else []
-            acts += step
-            acts += [x for a in step if (x := _send_for(a, r, p, n))]
-            acts += [x for a in nxt if (x := _recv_for(a, r, p, n))]
-        lists.append(acts)
-    return lists
-
-
-def _unit_times(orders: list[list[Action]], n: int) -> list[list[tuple[int, int]]]:
-    """(start, end) of every compute when each takes one time unit and messages arrive at
-    once: the reference timeline _place_by_gap lays messages out against."""
-    done: dict[tuple[str, int, int], int] = {}
-    times: list[list[tuple[int, int]]] = [[] for _ in orders]
-    progress = True
-    while progress:
-        progress = False
-        for r, order in enumerate(orders):
-            while len(times[r]) < len(order):
-                deps = needs(order[len(times[r])], n)
-                if any(d not in done for d in deps):
-                    break
-                start = max([times[r][-1][1] if times[r] else 0] + [done[d] for d in deps])
-                times[r].append((start, start + 1))
-                done[completes(order[len(times[r]) - 1])] = start + 1
-                progress = True
-    if any(len(t) < len(o) for t, o in zip(times, orders)):
-        raise RuntimeError("internal error: a schedule's compute order waits on itself")
-    return times
-
-
-def _place_by_gap(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
-    """Layout against the unit-cost timeline, for split-backward schedules (where a lockstep
-    pair would hold B's gradient back behind a W). A "gap" is the span between two computes
-    of a rank. A receive goes in the gap right before its consumer; its send in the sender's
-    first gap after the producer that overlaps the receiver's gap in time (one exists, as
-    every compute is one unit long). So (1) at unit costs no rank waits longer than the
-    reference timeline does, and (2) no positive costs can deadlock the lists: a rank blocked
-    in a gap waits on a partner whose gap overlaps its own, so in a cycle of waiting ranks
-    each gap would end strictly before the previous one ends. Messages of one channel are
-    sorted by the partner's gap on both sides, keeping the FIFO order consistent."""
-    orders = [[a for step in steps for a in step] for steps in steps_all]
-    times = _unit_times(orders, n)
-    where = {completes(a): (r, i) for r, acts in enumerate(orders) for i, a in enumerate(acts)}
-    gaps = [[(t[j - 1][1] if j else 0, t[j][0] if j < len(t) else math.inf)
-             for j in range(len(t) + 1)] for t in times]  # gaps[r][j]: just before compute j
-    gap_ends = [[gap[1] for gap in g] for g in gaps]
-    batches: list[list[list]] = [[[] for _ in g] for g in gaps]
-    for r, order in enumerate(orders):
-        for q, a in enumerate(order):
-            recv = _recv_for(a, r, p, n)
-            if recv is None:
-                continue
-            src, i = where[needs(a, n)[-1]]  # the remote input is always the last one
-            lo, hi = gaps[r][q]
-            g = bisect.bisect_left(gap_ends[src], lo, i + 1)
-            if gaps[src][g][0] > hi:  # impossible with unit costs; guards a future edit
-                raise RuntimeError("internal error: no overlapping gap for a message")
-            send = _send_for(orders[src][i], src, p, n)
-            batches[src][g].append(((0, r, q, message_key(send)), send))  # sends first
-            batches[r][q].append(((1, src, g, message_key(recv)), recv))
-    lists = []
-    for order, rank_batches in zip(orders, batches):
-        acts: list[Action] = []
-        for j, batch in enumerate(rank_batches):
-            acts += [x for _, x in sorted(batch, key=lambda kx: kx[0])] + order[j:j + 1]
-        lists.append(acts)
-    return lists
-
-
-@functools.lru_cache(maxsize=32)
-def _all_ranks(steps_fn: Callable, place: Callable, p: int, m: int, v: int, n: int):
-    """Every rank's full list for one schedule and size, cached: each rank's list depends on
-    the others' through the communication layout."""
-    return tuple(tuple(x) for x in place([steps_fn(p, m, v, r) for r in range(p)], p, n))
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,7 +134,7 @@ def gpipe(p: int, m: int, v: int, rank: int) -> list[Action]:
     """GPipe (Huang et al., arXiv 1811.06965): all m forwards, then all m backwards.
     Holds all m microbatches' activations at once."""
     _validate("gpipe", p, m, v, rank)
-    return list(_all_ranks(_gpipe_steps, _place_by_step, p, m, v, p)[rank])
+    return list(all_ranks(_gpipe_steps, place_by_step, p, m, v, p)[rank])
 
 
 def one_f_one_b(p: int, m: int, v: int, rank: int) -> list[Action]:
@@ -348,7 +144,7 @@ def one_f_one_b(p: int, m: int, v: int, rank: int) -> list[Action]:
     with m < p the warm-up is cut to m (torchtitan #775's hang when microbatches < stages
     cannot happen here: check.py replays every rank's list together before launch)."""
     _validate("1f1b", p, m, v, rank)
-    return list(_all_ranks(_one_f_one_b_steps, _place_by_step, p, m, v, p)[rank])
+    return list(all_ranks(_one_f_one_b_steps, place_by_step, p, m, v, p)[rank])
 
 
 def interleaved_1f1b(p: int, m: int, v: int, rank: int) -> list[Action]:
@@ -358,7 +154,7 @@ def interleaved_1f1b(p: int, m: int, v: int, rank: int) -> list[Action]:
     Warm-up length, (chunk, microbatch) order and message batches follow Megatron-LM's
     published schedule: 2·(p - r - 1) + (v - 1)·p warm-up forwards on rank r."""
     _validate("interleaved-1f1b", p, m, v, rank, interleaved=True)
-    return list(_all_ranks(_interleaved_steps, _place_by_step, p, m, v, p * v)[rank])
+    return list(all_ranks(_interleaved_steps, place_by_step, p, m, v, p * v)[rank])
 
 
 def zb_h1(p: int, m: int, v: int, rank: int) -> list[Action]:
@@ -369,37 +165,83 @@ def zb_h1(p: int, m: int, v: int, rank: int) -> list[Action]:
     from F until its W: at most p on every rank, 1F1B's peak. With T_F = T_B = T_W the
     bubble is (p-1)/(3m) of the ideal time, a third of 1F1B's."""
     _validate("zb-h1", p, m, v, rank)
-    return list(_all_ranks(_zb_h1_steps, _place_by_gap, p, m, v, p)[rank])
+    return list(all_ranks(_zb_h1_steps, place_by_gap, p, m, v, p)[rank])
 
 
 Schedule = Callable[[int, int, int, int], list[Action]]
 
-SCHEDULES: dict[str, Schedule] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-h1": zb_h1,
-}
+
+# --------------------------------------------------------------------------------------------
+# The registry: each schedule's builder and closed forms, one entry each.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One pipeline schedule: ``build(p, m, v, rank)`` makes a rank's action list; ``bubble(p,
+    m, v)`` is its bubble over the ideal time with equal stages and B+W = 2F (the simulator
+    gives the same, tests/test_cost.py checks it); ``inflight(p, m, v, rank)`` the microbatches
+    of activations ``rank`` holds at its peak, in units of its whole share of layers;
+    ``head_inflight(p, m)`` those whose head and loss tensors the last stage holds.
+    ``chunked``: it runs v model chunks per rank (and needs microbatches a multiple of pp);
+    ``split_backward``: backward runs as B and W, so its bubble depends on their split (the
+    planner simulates it where it can)."""
+
+    name: str
+    build: Schedule
+    bubble: Callable[[int, int, int], float]
+    inflight: Callable[[int, int, int, int], float]
+    head_inflight: Callable[[int, int], int]
+    chunked: bool = False
+    split_backward: bool = False
+
+
+# Closed forms: Narayanan et al. 2021 §2.2 (GPipe, 1F1B: bubble (p-1)/m; interleaved:
+# (p-1)/(v·m), rank r holding 2(p-r-1) + (v-1)·p + 1 chunk-forwards of 1/v of its layers);
+# Qi et al. arXiv 2401.10241 (ZB-H1: (p-1)/(3m) at T_F = T_B = T_W, min(p, m) in flight on
+# every rank, its Ws up to r steps late). tests/test_cost.py checks them against the lists.
+SCHEDULE_SPECS: dict[str, ScheduleSpec] = {s.name: s for s in (
+    ScheduleSpec("gpipe", gpipe, bubble=lambda p, m, v: (p - 1) / m,
+                 inflight=lambda p, m, v, r: m, head_inflight=lambda p, m: m),
+    ScheduleSpec("1f1b", one_f_one_b, bubble=lambda p, m, v: (p - 1) / m,
+                 inflight=lambda p, m, v, r: min(p - r, m), head_inflight=lambda p, m: 1),
+    ScheduleSpec("interleaved-1f1b", interleaved_1f1b, chunked=True,
+                 bubble=lambda p, m, v: (p - 1) / (v * m),
+                 inflight=lambda p, m, v, r: min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) / v,
+                 head_inflight=lambda p, m: 1),
+    ScheduleSpec("zb-h1", zb_h1, split_backward=True, bubble=lambda p, m, v: (p - 1) / (3 * m),
+                 inflight=lambda p, m, v, r: min(p, m), head_inflight=lambda p, m: min(p, m)),
+)}
+if tuple(SCHEDULE_SPECS) != PIPELINE_SCHEDULES:  # config validates names without this module
+    raise RuntimeError(f"threefold.config.PIPELINE_SCHEDULES {PIPELINE_SCHEDULES} must list "
+                       f"the registered schedules {tuple(SCHEDULE_SPECS)}")
+
+SCHEDULES: dict[str, Schedule] = {name: s.build for name, s in SCHEDULE_SPECS.items()}
+"""Each schedule's builder by name (``SCHEDULE_SPECS``' ``build``)."""
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The registered ``ScheduleSpec`` of ``name``; ValueError listing the known names."""
+    try:
+        return SCHEDULE_SPECS[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline schedule {name!r}; "
+                         f"choose one of {', '.join(SCHEDULE_SPECS)}") from None
 
 
 def get_schedule(name: str) -> Schedule:
     """The schedule function registered as ``name``; ValueError listing the known names."""
-    try:
-        return SCHEDULES[name]
-    except KeyError:
-        raise ValueError(f"unknown pipeline schedule {name!r}; "
-                         f"choose one of {', '.join(SCHEDULES)}") from None
+    return schedule_spec(name).build
 
 
 def num_stages(name: str, p: int, v: int = 1) -> int:
-    """Virtual stages the model is cut into: v·p for interleaved-1f1b, else p."""
-    return p * v if name == "interleaved-1f1b" else p
+    """Virtual stages the model is cut into: v·p for a chunked schedule (interleaved-1f1b),
+    else p."""
+    spec = SCHEDULE_SPECS.get(name)
+    return p * v if spec is not None and spec.chunked else p
 
 
 def validate(name: str, p: int, m: int, v: int = 1) -> None:
     """Refuse a schedule name or sizes that cannot run, with a ValueError naming the fix."""
-    get_schedule(name)
-    _validate(name, p, m, v, 0, interleaved=name == "interleaved-1f1b")
+    _validate(name, p, m, v, 0, interleaved=schedule_spec(name).chunked)
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
