@@ -15,17 +15,16 @@ from __future__ import annotations
 
 from collections import Counter
 
-from threefold.parallel.pipeline.schedules import (
+from threefold.parallel.pipeline.actions import (
     RECEIVES,
     SENDS,
     Action,
     ActionKind,
-    build_schedule,
     completes,
     message_key,
-    num_stages,
     stage_rank,
 )
+from threefold.parallel.pipeline.schedules import build_schedule, num_stages
 from threefold.parallel.pipeline.simulate import (
     Costs,
     DeadlockError,

@@ -1,7 +1,7 @@
 """Replay every rank's action list together, with a cost per action, to get each rank's
 timeline, the makespan and the bubble (the ``threefold schedule`` command is ``command.py``).
 
-The replay follows the executor's rules (schedules.py): compute actions run one after another
+The replay follows the executor's rules (messages.py): compute actions run one after another
 on their rank; each maximal run of sends/receives is one batch that is posted when the rank
 reaches it and finishes when every message in it has met its partner. A message between two
 ranks is matched in FIFO order and is taken to need both sides posted (rendezvous): the
@@ -15,18 +15,17 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
-from threefold.parallel.pipeline.schedules import (
+from threefold.parallel.pipeline.actions import (
     RECEIVES,
     SENDS,
     Action,
     ActionKind,
-    build_schedule,
     carries,
     completes,
     message_key,
     needs,
-    num_stages,
 )
+from threefold.parallel.pipeline.schedules import build_schedule, num_stages
 from threefold.parallel.pipeline.timeline import TraceRecord
 
 
