@@ -31,10 +31,17 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from threefold.checkpoint import CheckpointError
+from threefold.data import DataError
+from threefold.data.tokenizer import eot_id, load_tokenizer
+from threefold.distributed import pick_device
+from threefold.hf import find_checkpoint, load_pretrained
 from threefold.model import KVCache, LlamaForCausalLM
+from threefold.parallel.tensor import gather_full
 
 _SEED_STRIDE = 1_000_003  # (seed, prompt index) -> one generator seed, as init_weights mixes
 
@@ -118,10 +125,117 @@ def _last_logits(model: LlamaForCausalLM, ids: torch.Tensor, cache: KVCache, com
     h = model.forward_hidden(ids, cache=cache)[:, -1:]
     logits = model.lm_head(h)[:, 0].float()
     if tp > 1:  # vocab-parallel head: gather the shards, drop the padding
-        from threefold.parallel.tensor import gather_full
-
         logits = gather_full(logits, 1, model.cfg.vocab_size, comm)
     return logits
+
+
+def _check_request(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
+                   temperature: float, top_p: float, top_k: int,
+                   prompt_indices: Sequence[int] | None) -> list[int]:
+    """ValueError for arguments ``generate`` cannot honour; the prompts' seed indices."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("generate: every prompt needs at least one token")
+    if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError("generate: need max_new_tokens >= 0, temperature >= 0, "
+                         "0 < top_p <= 1, top_k >= 0")
+    n = len(prompt_ids)
+    indices = list(range(n)) if prompt_indices is None else [int(i) for i in prompt_indices]
+    if len(indices) != n:
+        raise ValueError("generate: prompt_indices needs one index per prompt")
+    return indices
+
+
+def _left_padded(prompt_ids: Sequence[Sequence[int]], pad_id: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (n, width) with each prompt at the right end, padding slots per row)."""
+    width = max(len(p) for p in prompt_ids)
+    pad = torch.tensor([width - len(p) for p in prompt_ids], device=device)
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long, device=device)
+    for b, p in enumerate(prompt_ids):
+        ids[b, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+    return ids, pad
+
+
+def _generators(seed: int, indices: list[int], device: torch.device) -> list[torch.Generator]:
+    """One generator per prompt, seeded by (``seed``, its index)."""
+    gen_device = device if device.type != "mps" else torch.device("cpu")
+    return [torch.Generator(device=gen_device).manual_seed(seed * _SEED_STRIDE + i)
+            for i in indices]
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (so that the clock measures it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class _Decoding:
+    """One batch's decoding: the model, its tp layout, the left padding and the cache."""
+
+    model: LlamaForCausalLM
+    comm: object
+    tp: int
+    pad: torch.Tensor  # padding slots per row
+    total: int  # prompt width + new tokens: the cache's length
+    use_cache: bool
+    cache: KVCache | None = None
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits after the padded prompts, which fill a fresh cache."""
+        self.cache = KVCache(ids.shape[0], self.total, self.pad, ids.device)
+        return _last_logits(self.model, ids, self.cache, self.comm, self.tp)
+
+    def step(self, tok: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+        """Logits after ``tok`` (B,): one cached position, or without the cache the whole
+        sequence ``seq`` (already ending with ``tok``) recomputed in a fresh cache."""
+        if self.use_cache:
+            return _last_logits(self.model, tok[:, None], self.cache, self.comm, self.tp)
+        fresh = KVCache(seq.shape[0], self.total, self.pad, seq.device)
+        return _last_logits(self.model, seq, fresh, self.comm, self.tp)
+
+    def decode(self, ids: torch.Tensor, logits: torch.Tensor, max_new_tokens: int,
+               eos: torch.Tensor, pad_id: int, gens: list, temperature: float, top_k: int,
+               top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, max_new_tokens) tokens after the prompts ``ids`` (``pad_id`` once a row has
+        ended at an ``eos`` id) and how many each row made; stops when every row has ended."""
+        n, device = ids.shape[0], ids.device
+        seq = ids
+        out = torch.zeros((n, max_new_tokens), dtype=torch.long, device=device)
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+        counts = torch.zeros(n, dtype=torch.long, device=device)
+        for step in range(max_new_tokens):
+            tok = sample(logits, gens, temperature, top_k, top_p)
+            if self.tp > 1:  # every tp rank feeds the same token (they sampled the same)
+                self.comm.broadcast(tok, 0, "tp")
+            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+            out[:, step] = tok
+            counts += (~done).long()
+            done |= torch.isin(tok, eos)
+            if step == max_new_tokens - 1 or bool(done.all()):
+                break
+            if not self.use_cache:
+                seq = torch.cat([seq, tok[:, None]], dim=1)
+            logits = self.step(tok, seq)
+        return out, counts
+
+
+def _result(prompt_ids: Sequence[Sequence[int]], out: torch.Tensor, counts: torch.Tensor,
+            eos: torch.Tensor, indices: list[int], seconds: float,
+            prefill_s: float) -> GenerationResult:
+    """The ``GenerationResult`` of decoded tokens ``out`` with ``counts`` per row."""
+    lengths = counts.tolist()
+    rows = out.tolist()
+    eos_set = set(eos.tolist())
+    tokens = [rows[b][:lengths[b]] for b in range(len(rows))]
+    finished = [bool(t) and t[-1] in eos_set for t in tokens]
+    made = sum(lengths)
+    return GenerationResult(
+        tokens=tokens, prompt_lengths=[len(p) for p in prompt_ids], lengths=lengths,
+        finished=finished, prompt_indices=indices,
+        sequences=[list(p) + t for p, t in zip(prompt_ids, tokens)],
+        seconds=seconds, prefill_seconds=prefill_s,
+        tokens_per_s=made / seconds if seconds > 0 else float("inf"))
 
 
 @torch.no_grad()
@@ -140,76 +254,28 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[Sequence[int]], max_n
     tensor parallel (its "tp" axis). ``use_cache=False`` recomputes the whole sequence every
     step (for measuring the cache; same tokens). ``pad_id`` fills the padding slots (any valid
     id: nothing attends to them)."""
-    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("generate: every prompt needs at least one token")
-    if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError("generate: need max_new_tokens >= 0, temperature >= 0, "
-                         "0 < top_p <= 1, top_k >= 0")
+    indices = _check_request(prompt_ids, max_new_tokens, temperature, top_p, top_k,
+                             prompt_indices)
     tp = _tp(model, comm)
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    n = len(prompt_ids)
-    indices = list(range(n)) if prompt_indices is None else [int(i) for i in prompt_indices]
-    if len(indices) != n:
-        raise ValueError("generate: prompt_indices needs one index per prompt")
     eos = torch.tensor([] if eos_id is None else
                        [eos_id] if isinstance(eos_id, int) else list(eos_id),
                        dtype=torch.long, device=device)
-    lens = [len(p) for p in prompt_ids]
-    width = max(lens)
-    pad = torch.tensor([width - k for k in lens], device=device)
-    ids = torch.full((n, width), pad_id, dtype=torch.long, device=device)
-    for b, p in enumerate(prompt_ids):
-        ids[b, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-    gens = []
-    if temperature > 0:
-        gen_device = device if device.type != "mps" else torch.device("cpu")
-        gens = [torch.Generator(device=gen_device).manual_seed(seed * _SEED_STRIDE + i)
-                for i in indices]
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    ids, pad = _left_padded(prompt_ids, pad_id, device)
+    gens = _generators(seed, indices, device) if temperature > 0 else []
+    dec = _Decoding(model, comm, tp, pad, ids.shape[1] + max_new_tokens, use_cache)
+    was_training = model.training
+    model.eval()
+    _synchronize(device)
     t0 = time.perf_counter()
-    total = width + max_new_tokens
-    cache = KVCache(n, total, pad, device)
-    logits = _last_logits(model, ids, cache, comm, tp)
+    logits = dec.prefill(ids)
     prefill_s = time.perf_counter() - t0
-    seq = ids
-    out = torch.zeros((n, max_new_tokens), dtype=torch.long, device=device)
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    counts = torch.zeros(n, dtype=torch.long, device=device)
-    for step in range(max_new_tokens):
-        tok = sample(logits, gens, temperature, top_k, top_p)
-        if tp > 1:  # every tp rank feeds the same token (they sampled the same; make sure)
-            comm.broadcast(tok, 0, "tp")
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        out[:, step] = tok
-        counts += (~done).long()
-        done |= torch.isin(tok, eos)
-        if step == max_new_tokens - 1 or bool(done.all()):
-            break
-        if use_cache:
-            logits = _last_logits(model, tok[:, None], cache, comm, tp)
-        else:  # recompute everything: a fresh cache over the whole sequence
-            seq = torch.cat([seq, tok[:, None]], dim=1)
-            logits = _last_logits(model, seq, KVCache(n, total, pad, device), comm, tp)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    out, counts = dec.decode(ids, logits, max_new_tokens, eos, pad_id, gens, temperature,
+                             top_k, top_p)
+    _synchronize(device)
     seconds = time.perf_counter() - t0
     model.train(was_training)
-
-    lengths = counts.tolist()
-    rows = out.tolist()
-    eos_set = set(eos.tolist())
-    tokens = [rows[b][:lengths[b]] for b in range(n)]
-    finished = [bool(t) and t[-1] in eos_set for t in tokens]
-    made = sum(lengths)
-    return GenerationResult(
-        tokens=tokens, prompt_lengths=lens, lengths=lengths, finished=finished,
-        prompt_indices=indices, sequences=[list(p) + t for p, t in zip(prompt_ids, tokens)],
-        seconds=seconds, prefill_seconds=prefill_s,
-        tokens_per_s=made / seconds if seconds > 0 else float("inf"))
+    return _result(prompt_ids, out, counts, eos, indices, seconds, prefill_s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,11 +284,6 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[Sequence[int]], max_n
 def load_for_generation(path, device: str = "cpu"):
     """(model in eval mode, tokenizer or None, its tokenizer path) from a threefold run
     directory or checkpoint (its newest checkpoint) or a Hugging Face folder."""
-    from pathlib import Path
-
-    from threefold.data.tokenizer import load_tokenizer
-    from threefold.hf import find_checkpoint, load_pretrained
-
     path = Path(path)
     cfg, weights = load_pretrained(path)
     model = LlamaForCausalLM(cfg)
@@ -267,11 +328,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """`threefold generate --from RUN_DIR --prompt TEXT [...]`; returns the exit code."""
-    from threefold.checkpoint import CheckpointError
-    from threefold.data import DataError
-    from threefold.data.tokenizer import eot_id
-    from threefold.distributed import pick_device
-
     args = _parser().parse_args(argv)
     try:
         if args.max_new_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 \

@@ -43,6 +43,7 @@ from typing import Any, Callable
 from tokenizers import Tokenizer
 
 from threefold.data import DataError
+from threefold.data.cache import atomic_open
 from threefold.data.tokenizer import eot_id
 
 GENERATION_PROMPT = "<|assistant|>\n"
@@ -80,7 +81,7 @@ class JinjaTemplate:
     """A Hugging Face chat template rendered with jinja2 as ``transformers`` does."""
 
     def __init__(self, template: str, special: dict[str, str], source: str):
-        try:
+        try:  # here, not at the top: jinja2 is optional (the built-in template needs none)
             from jinja2 import nodes
             from jinja2.ext import Extension
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -176,8 +177,6 @@ def save_template(template: ChatTemplate, out_dir: str | Path) -> None:
     tokenizer.json the loop copies there: a run started from this one (``checkpoint.init_from``)
     then renders conversations the same way, and ``transformers`` reads the file from a
     Hugging Face folder that holds it."""
-    from threefold.data.cache import atomic_open
-
     with atomic_open(Path(out_dir) / "chat_template.jinja", "w") as fh:
         fh.write(template.text)
 

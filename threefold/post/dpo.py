@@ -53,8 +53,8 @@ import torch.nn.functional as F
 
 from threefold.data import DataError
 from threefold.task import Task
-from threefold.post.chat import (announce, check_messages, encode_text, eot_token,
-                                 load_chat_template)
+from threefold.post.chat import (ChatTemplate, announce, check_messages, encode_text,
+                                 eot_token, load_chat_template)
 from threefold.post.sft import (IGNORE, EpochSampler, fingerprint, pad_id, split_records,
                                 stack_items)
 
@@ -186,6 +186,44 @@ class PairSampler(EpochSampler):
                 "ref_rejected_logps": np.float64(0.0), "weight": np.float32(0.0)}
 
 
+@dataclass
+class PairData:
+    """The tokenized preference pairs of a run (``load_pairs``): (prompt, chosen, rejected)
+    id lists for training and validation, the chat template that rendered them, the
+    padding id, and what loading counted (pairs, truncated, dropped; for ``announce``)."""
+
+    train: list[tuple[list, list, list]]
+    val: list[tuple[list, list, list]]
+    template: ChatTemplate
+    pad: int
+    stats: dict
+
+    def samplers(self, sampler: type[PairSampler], cfg) -> tuple[PairSampler, PairSampler]:
+        """(training sampler, shuffled per epoch; validation sampler, in order) of class
+        ``sampler``."""
+        seq_len, t = cfg.data.seq_len, cfg.train
+        return (sampler(self.train, seq_len, t.global_batch_size, t.seed, self.pad,
+                        shuffle=True),
+                sampler(self.val, seq_len, t.global_batch_size, t.seed, self.pad,
+                        shuffle=False))
+
+
+def load_pairs(cfg, data, options, default: str) -> PairData:
+    """The pairs ``options`` name (``data``, ``val_data``, ``chat_template``: DPO's and the
+    reward model's), else the built-in example file ``default``, tokenized with the run's
+    tokenizer and cut to data.seq_len (``tokenize_pairs``)."""
+    seq_len, tok = cfg.data.seq_len, data.tokenizer
+    template = load_chat_template(data.tokenizer_path, tok, options.chat_template)
+    eot = eot_token(tok, str(data.tokenizer_path))
+    train_recs, val_recs, path = split_records(cfg, options.data, options.val_data, default)
+    stats = {"template": template.source, "data": path}
+    train = tokenize_pairs(train_recs, template, tok, eot, seq_len, path, stats)
+    val = tokenize_pairs(val_recs, template, tok, eot, seq_len, options.val_data or path,
+                         stats)
+    stats.update(pairs=len(train), val_pairs=len(val))
+    return PairData(train, val, template, pad_id(tok, data.eot_id), stats)
+
+
 def rows_logps(run, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed log-probability of each row's labelled tokens from its logits, (rows,) fp32:
     minus the summed cross-entropy, one ``run.loss`` call per row (vocab-parallel under
@@ -234,19 +272,9 @@ class DPOTask(Task):
 
     def samplers(self, cfg, data) -> tuple[PairSampler, PairSampler]:
         """Training pairs (shuffled per epoch) and validation pairs (in order)."""
-        o, t, seq_len = self.options, cfg.train, cfg.data.seq_len
-        tok = data.tokenizer
-        template = load_chat_template(data.tokenizer_path, tok, o.chat_template)
-        eot = eot_token(tok, str(data.tokenizer_path))
-        train_recs, val_recs, path = split_records(cfg, o.data, o.val_data, "dpo.jsonl")
-        self.template, self.stats = template, {"template": template.source, "data": path}
-        train = tokenize_pairs(train_recs, template, tok, eot, seq_len, path, self.stats)
-        val = tokenize_pairs(val_recs, template, tok, eot, seq_len, o.val_data or path,
-                             self.stats)
-        pad = pad_id(tok, data.eot_id)
-        self.train = PairSampler(train, seq_len, t.global_batch_size, t.seed, pad, shuffle=True)
-        self.val = PairSampler(val, seq_len, t.global_batch_size, t.seed, pad, shuffle=False)
-        self.stats.update(pairs=len(train), val_pairs=len(val))
+        pairs = load_pairs(cfg, data, self.options, "dpo.jsonl")
+        self.template, self.stats = pairs.template, pairs.stats
+        self.train, self.val = pairs.samplers(PairSampler, cfg)
         return self.train, self.val
 
     @torch.no_grad()

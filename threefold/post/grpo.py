@@ -1,68 +1,38 @@
 """Group relative policy optimisation (Shao et al., DeepSeekMath, arXiv 2402.03300, §4.1):
-``threefold grpo``, the ``GRPOTask`` the training loop runs.
+the ``GRPOTask`` that ``threefold grpo`` runs in the training loop.
 
-For each prompt the policy samples G completions; a reward function scores each; the
-advantage of completion i of a prompt is its reward minus the mean of its group, divided by
-the group's standard deviation + 1e-4 (``scale_rewards`` "group"; "batch": the whole batch's
-std; "none": not divided), as TRL's GRPOTrainer computes it (``advantages``). The loss per
-completion token t (TRL's, with one policy update per generation; ``grpo_token_loss``):
-
-    r_t = π(y_t) / π_old(y_t)    (π_old = π detached: r_t = 1, but its gradient is ∇ log π)
-    ℓ_t = −min(r_t·A, clip(r_t, 1−ε, 1+ε)·A) + β·KL_t,
-    KL_t = exp(log π_ref − log π) − (log π_ref − log π) − 1      (Schulman's k3 estimator)
-
-to be summed over the completion tokens of the global batch and divided by their number
-(TRL's default ``loss_type="dapo"``).
-
-Rewards: a Python function ``f(prompts, completions, **columns) -> list[float]`` (TRL's
-reward-function signature; ``columns`` are the prompt records' other fields, one list
-each), named ``path/to/file.py:name`` or ``module:name`` (``load_reward``), or the built-in
-``arithmetic`` (``arithmetic_reward`` on ``builtin_prompts``: sums of small numbers,
-verifiable). ``call_reward`` refuses, naming the function, one that raises, returns another
-number of values, or a value that is not finite. ``grpo.reward_model`` adds the score of a
-``threefold reward`` run (its score head on prompt + completion).
-
-A step (``RolloutSampler.local_batch``): the global batch is ``train.global_batch_size``
-completions, ``G = grpo.num_generations`` for each of ``global_batch_size / G`` prompts; each
-data-parallel rank generates the completions of its own prompts (whole groups, so the group
-advantages need no communication) with ``threefold.generate`` from the policy as it is, one
-generator per completion seeded by (``train.seed``, the completion's place in the run), so the
-completions do not depend on the layout. Under ZeRO-3 generation gathers one unit at a time
-per forward, as training does (the whole model is never on a rank); tensor-parallel ranks
-generate together. The reference model (the initial policy, as TRL's) is a frozen engine of
-its own, parallelised and sharded like the policy (``reward.initial_engine``: under ZeRO-3
-each rank keeps its shards): each rank scores only its own completions. Rewards, advantages, the reference's log-probs and the rows
-(prompt + completion, right-padded to one width) are made there; ``loss`` is the summed token
-loss over completion tokens, ``count`` the completion tokens, so the loop's loss is TRL's
-``dapo`` normalisation over the global batch. Log-probs are of logits / temperature (TRL's).
-
-Metrics (TRL's names): ``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``,
-``frac_reward_zero_std``, ``completions/mean_length`` (and min, max), ``completions/
-clipped_ratio`` (share not ended by EOS) from the rollout, and this rank's
-``generation_seconds`` and ``generation_tokens_per_s`` (the loop's tokens/s and MFU count
-the training rows' positions, ``row_length`` each; generation's FLOPs are not counted); ``kl``, ``clip_ratio/low_mean``,
-``clip_ratio/high_mean``, ``clip_ratio/region_mean`` per completion token from the loss.
-The first step's rollout is made in ``setup`` (before anything is written), so a reward
-function that fails on real completions stops the run there.
+Each step, every data-parallel rank samples ``grpo.num_generations`` completions of its own
+prompts with ``threefold.generate`` (whole groups, seeded by their place in the run, so they
+do not depend on the layout), scores them (``threefold.post.grpo_rewards``), normalises the
+rewards in each group (``advantages``) and builds training rows with the reference model's
+log-probs. The loss is TRL's clipped-ratio token loss with a k3 KL to the reference
+(``grpo_token_loss``), summed over completion tokens; ``count`` is those tokens, so the loop
+divides by their number over the global batch (TRL's ``dapo``). docs/post-training.md gives
+the formulas, the metrics and the layouts GRPO runs under.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from threefold.config import ConfigError
 from threefold.data import DataError
-from threefold.task import Task
 from threefold.data.sampler import rank_rows
-from threefold.post.sft import IGNORE, EpochSampler, fingerprint, pad_id, stack_items
+from threefold.generate import generate
+from threefold.model import causal_lm_loss
+from threefold.post.chat import check_messages, encode_text, eot_token, load_chat_template
+from threefold.post.grpo_rewards import (  # noqa: F401 (re-exported: grpo's public names)
+    BUILTIN_REWARDS, arithmetic_reward, builtin_prompts, call_reward, check_reward_function,
+    columns_of, load_reward, prompt_records, reward_model_scorer, split_prompts)
+from threefold.post.reward import initial_engine
+from threefold.post.sft import IGNORE, EpochSampler, fingerprint, pad_id
+from threefold.task import Task
+from threefold.train import autocast
+
 
 
 @dataclass
@@ -86,79 +56,6 @@ class GRPOOptions:
     chat_template: str = "auto"  # for conversational prompts: auto, builtin or a .jinja path
 
 
-# --------------------------------------------------------------------------------------------
-# Rewards
-# --------------------------------------------------------------------------------------------
-_NUMBER = re.compile(r"\s*(-?\d+)")
-
-
-def arithmetic_reward(prompts: list[str], completions: list[str], answer: list[str],
-                      **_) -> list[float]:
-    """The built-in verifiable reward: 1 when the completion starts with the right number,
-    0.2 when it starts with some other number (the answer's form), else 0."""
-    out = []
-    for text, want in zip(completions, answer):
-        m = _NUMBER.match(text)
-        out.append(0.0 if m is None else 1.0 if m.group(1) == str(want).strip() else 0.2)
-    return out
-
-
-BUILTIN_REWARDS = {"arithmetic": arithmetic_reward}
-
-
-def load_reward(spec: str):
-    """The reward function ``spec`` names (see the module doc); DataError naming it if it
-    cannot be found."""
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise DataError(f"grpo.reward: '{spec}' is neither a built-in reward "
-                        f"({', '.join(BUILTIN_REWARDS)}) nor 'file.py:function' / "
-                        "'module:function'")
-    try:
-        if where.endswith(".py"):
-            path = Path(where).expanduser()
-            if not path.is_file():
-                raise DataError(f"grpo.reward: file '{path}' does not exist")
-            mod_spec = importlib.util.spec_from_file_location(f"threefold_reward_{path.stem}",
-                                                              path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except DataError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's code: say which and why
-        raise DataError(f"grpo.reward: cannot load '{where}': {type(e).__name__}: {e}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise DataError(f"grpo.reward: '{where}' has no function '{name}'")
-    return fn
-
-
-def call_reward(fn, spec: str, prompts: list[str], completions: list[str],
-                columns: dict[str, list]) -> np.ndarray:
-    """``fn``'s rewards as float64, one per completion; DataError naming ``spec`` if it
-    raises, returns another number of values, or a value that is not a finite number."""
-    try:
-        got = fn(prompts, completions, **columns)
-    except Exception as e:  # noqa: BLE001 - the user's code
-        raise DataError(f"grpo.reward: '{spec}' raised {type(e).__name__}: {e}") from None
-    try:
-        values = np.asarray(list(got), dtype=np.float64)
-    except (TypeError, ValueError):
-        raise DataError(f"grpo.reward: '{spec}' must return a list of numbers, got "
-                        f"{type(got).__name__}") from None
-    if values.shape != (len(completions),):
-        raise DataError(f"grpo.reward: '{spec}' returned {values.size} value(s) for "
-                        f"{len(completions)} completions")
-    if not np.isfinite(values).all():
-        raise DataError(f"grpo.reward: '{spec}' returned a value that is not finite "
-                        f"(NaN or inf) for completion {int(np.argmin(np.isfinite(values)))}")
-    return values
-
-
 def advantages(rewards: np.ndarray, group: int, scale: str) -> np.ndarray:
     """Group-relative advantages (TRL's): reward minus its group's mean, divided by the
     group's (``scale`` "group") or the batch's ("batch") standard deviation (Bessel-
@@ -175,9 +72,10 @@ def advantages(rewards: np.ndarray, group: int, scale: str) -> np.ndarray:
 def grpo_token_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps, beta: float,
                     epsilon: float, old_logps: torch.Tensor | None = None,
                     kl_bias_correction: bool = False):
-    """Per-token GRPO loss (module doc) and, per token, the KL and whether the ratio was
-    clipped below (low) or above (high); ``advantages`` broadcast over the tokens of each
-    row. ``old_logps`` defaults to ``logps`` detached (one update per generation).
+    """Per-token GRPO loss ℓ = −min(r·A, clip(r, 1−ε, 1+ε)·A) + β·KL, r = π / π_old,
+    KL = exp(log π_ref − log π) − (log π_ref − log π) − 1 (Schulman's k3), and, per token,
+    the KL and whether the ratio was clipped below (low) or above (high); ``advantages``
+    broadcast over the tokens of each row. ``old_logps`` defaults to ``logps`` detached (one update per generation).
     ``kl_bias_correction`` weighs the KL term by the ratio (TRL's ``use_bias_correction_kl``:
     the same value at one update per generation, a gradient with KL·∇log π added)."""
     old = logps.detach() if old_logps is None else old_logps
@@ -195,88 +93,14 @@ def grpo_token_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps, be
 
 
 # --------------------------------------------------------------------------------------------
-# Prompts
-# --------------------------------------------------------------------------------------------
-def builtin_prompts(n: int = 200, seed: int = 0) -> list[dict]:
-    """``n`` sums of two numbers below 10 ("3+4=" -> "7"), in a fixed order."""
-    g = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        a, b = (int(x) for x in g.integers(0, 10, size=2))
-        out.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
-    return out
-
-
-def prompt_records(path: str | None, n_builtin: int = 200) -> tuple[list[dict], str]:
-    """(records, where they came from): the JSONL file's (each needs "prompt": a string or
-    a list of messages), else ``builtin_prompts``."""
-    if not path:
-        return builtin_prompts(n_builtin), "built-in sums"
-    from threefold.post.chat import read_jsonl
-
-    recs = []
-    for no, rec in read_jsonl(path):
-        if "prompt" not in rec:
-            raise DataError(f"{path}:{no}: record has no 'prompt' (fields: {', '.join(rec)})")
-        recs.append(rec)
-    return recs, path
-
-
-def check_reward_function(fn, spec: str, records: list[dict]) -> None:
-    """Call ``fn`` on the first records with two probe completions each (an empty one and the
-    first record's text): a function that raises, returns the wrong number of values or a
-    value that is not finite is refused here, before a run starts."""
-    recs = records[:2]
-    prompts = [r["prompt"] for r in recs for _ in range(2)]
-    completions = [c for _ in recs for c in ("", " 1")]
-    call_reward(fn, spec, prompts, completions, columns_of([r for r in recs for _ in range(2)]))
-
-
-def columns_of(records: list[dict]) -> dict[str, list]:
-    """The records' fields other than "prompt", one list each (TRL passes them so)."""
-    keys = [k for k in records[0] if k != "prompt"] if records else []
-    return {k: [r.get(k) for r in records] for k in keys}
-
-
-# --------------------------------------------------------------------------------------------
 # Log-probs of completion tokens
 # --------------------------------------------------------------------------------------------
 def token_logps(model, logits: torch.Tensor, labels: torch.Tensor,
                 temperature: float) -> torch.Tensor:
     """(B, T) fp32 log-probability of each label under softmax(logits / temperature), 0 where
     the label is IGNORE; vocab-parallel when ``model`` is tensor parallel."""
-    from threefold.model import causal_lm_loss
-
     fn = getattr(model, "loss_function", None) or causal_lm_loss
     return -fn(logits / temperature, labels, reduction="none").reshape(labels.shape)
-
-
-def reward_model_scorer(path: str, device):
-    """A function (list of token id lists) -> (n,) float64 scores of a ``threefold reward``
-    run's model (its score head at each sequence's last token), whole on this rank."""
-    from threefold.hf import load_pretrained
-    from threefold.model import LlamaForCausalLM
-    from threefold.post.reward import add_score_head
-
-    cfg, weights = load_pretrained(Path(path))
-    if "score.weight" not in weights:
-        raise DataError(f"grpo.reward_model: '{path}' has no score head (score.weight); give "
-                        "the output of `threefold reward`")
-    model = add_score_head(LlamaForCausalLM(cfg), 0)
-    own = dict(model.named_parameters())
-    model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=True)
-    model.to(device).eval().requires_grad_(False)
-
-    @torch.no_grad()
-    def score(seqs: list[list[int]]) -> np.ndarray:
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-        hidden = model(ids)  # no LM head: the final hidden states
-        last = torch.tensor([len(s) - 1 for s in seqs], device=device)
-        return model.score(hidden[torch.arange(len(seqs)), last])[:, 0].double().cpu().numpy()
-    return score
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,7 +140,7 @@ class RolloutSampler(EpochSampler):
 
 
 class GRPOTask(Task):
-    """GRPO with one policy update per generation (module doc)."""
+    """GRPO with one policy update per generation (docs/post-training.md)."""
 
     name = "grpo"
     metric_names = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
@@ -375,22 +199,13 @@ class GRPOTask(Task):
     def samplers(self, cfg, data) -> tuple[RolloutSampler, RolloutSampler]:
         """Training prompts (shuffled per epoch unless grpo.shuffle is false) and validation
         prompts (in order)."""
-        from threefold.post.chat import eot_token, load_chat_template
-
         self.check(cfg)
         o, t = self.options, cfg.train
         tok = data.tokenizer
         self.tok, self.eos = tok, data.eot_id
         self.pad = pad_id(tok, data.eot_id)
-        records, where = prompt_records(o.prompts)
-        if o.val_prompts:
-            val_records, _ = prompt_records(o.val_prompts)
-        else:
-            if len(records) < 2:
-                raise DataError(f"grpo.prompts: '{where}' has one prompt; at least 2 are needed "
-                                "to hold one out (or give grpo.val_prompts)")
-            n_val = min(len(records) - 1, max(1, round(len(records) * cfg.data.val_fraction)))
-            records, val_records = records[:-n_val], records[-n_val:]
+        records, val_records, where = split_prompts(o.prompts, o.val_prompts,
+                                                    cfg.data.val_fraction)
         if self.reward_fn is not None:
             check_reward_function(self.reward_fn, o.reward, records)
         self.template = None
@@ -416,8 +231,6 @@ class GRPOTask(Task):
         return self.train, self.val
 
     def _encode(self, rec: dict, where: str) -> list[int]:
-        from threefold.post.chat import check_messages, encode_text
-
         p = rec["prompt"]
         if isinstance(p, list):
             text = self.template.render(check_messages(p, where + " prompt",
@@ -436,8 +249,6 @@ class GRPOTask(Task):
         """The reference model (when beta > 0), the reward model, and the first step's
         rollout (before anything is written: a reward function failing on real completions
         stops the run here)."""
-        from threefold.post.reward import initial_engine
-
         o = self.options
         self.run = run
         if o.beta:
@@ -463,8 +274,6 @@ class GRPOTask(Task):
                      prompt_ids: list[list[int]]) -> list[list[int]]:
         """G completions per prompt, prompt-major; completion j of the step's global rows
         draws from the generator seeded by its place in the run."""
-        from threefold.generate import generate
-
         o, run = self.options, self.run
         g = o.num_generations
         first = (step * sampler.global_batch_size + lo) * g
@@ -571,8 +380,6 @@ class GRPOTask(Task):
         labels = batch["labels"]
         if self.reference is None:
             return torch.zeros(labels.shape, dtype=torch.float32)
-        from threefold.train import autocast
-
         run, out = self.run, []
         mb = run.cfg.train.micro_batch_size
         for i in range(0, labels.shape[0], mb):

@@ -42,10 +42,13 @@ from torch import nn
 
 from threefold.config import ConfigError
 from threefold.data import DataError
+from threefold.parallel.materialize import InitSource
+from threefold.parallel.parallelize import parallelize
+from threefold.parallel.tensor import gather_full
+from threefold.post.chat import announce, read_jsonl
+from threefold.post.dpo import PairSampler, load_pairs
 from threefold.task import Task
-from threefold.post.chat import announce, eot_token, load_chat_template, read_jsonl
-from threefold.post.dpo import PairSampler, tokenize_pairs
-from threefold.post.sft import pad_id, split_records
+from threefold.train import autocast, pretrained_source
 
 
 @dataclass
@@ -110,14 +113,28 @@ class _GatherScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm):
-        from threefold.parallel.tensor import _gather_seq
-
         ctx.r, ctx.n = comm.rank("tp"), x.shape[1]
-        return _gather_seq(x, comm)
+        return gather_full(x, 1, x.shape[1] * comm.size("tp"), comm)
 
     @staticmethod
     def backward(ctx, grad):
         return grad[:, ctx.r * ctx.n:(ctx.r + 1) * ctx.n].contiguous(), None
+
+
+def summed_over_tp(weight: torch.Tensor, comm) -> torch.Tensor:
+    """``weight`` as it is, its gradient summed over the tp ranks: under sequence parallelism
+    each rank scores only its own positions, so it sees part of the replicated head's
+    gradient (as for sequence-parallel norms)."""
+    w = weight.view_as(weight)
+    if w.requires_grad:
+        w.register_hook(lambda grad: _all_reduced_tp(grad, comm))
+    return w
+
+
+def _all_reduced_tp(grad: torch.Tensor, comm) -> torch.Tensor:
+    grad = grad.contiguous().clone()
+    comm.all_reduce(grad, "tp")
+    return grad
 
 
 def add_score_head(model: nn.Module, seed: int) -> nn.Module:
@@ -143,10 +160,6 @@ def initial_engine(run):
     (``checkpoint.init_from``'s weights, else the seed's initialisation), parallelised and
     sharded like the run's own (under ZeRO-3 each rank keeps its shards and gathers one unit
     at a time), for a frozen reference; its optimiser never steps, so it holds no state."""
-    from threefold.parallel.materialize import InitSource
-    from threefold.parallel.parallelize import parallelize
-    from threefold.train import pretrained_source
-
     cfg = run.cfg
     source = InitSource(run.model_cfg, cfg.train.seed, run.device)
     if cfg.checkpoint.init_from:
@@ -182,20 +195,9 @@ class RewardTask(Task):
     def samplers(self, cfg, data) -> tuple[RewardSampler, RewardSampler]:
         """Training pairs (shuffled per epoch) and validation pairs (in order)."""
         self.check_layout(cfg)
-        o, t, seq_len = self.options, cfg.train, cfg.data.seq_len
-        tok = data.tokenizer
-        template = load_chat_template(data.tokenizer_path, tok, o.chat_template)
-        eot = eot_token(tok, str(data.tokenizer_path))
-        train_recs, val_recs, path = split_records(cfg, o.data, o.val_data, "reward.jsonl")
-        self.template, self.stats = template, {"template": template.source, "data": path}
-        train = tokenize_pairs(train_recs, template, tok, eot, seq_len, path, self.stats)
-        val = tokenize_pairs(val_recs, template, tok, eot, seq_len, o.val_data or path,
-                             self.stats)
-        self.pad = pad_id(tok, data.eot_id)
-        self.train = RewardSampler(train, seq_len, t.global_batch_size, t.seed, self.pad)
-        self.val = RewardSampler(val, seq_len, t.global_batch_size, t.seed, self.pad,
-                                 shuffle=False)
-        self.stats.update(pairs=len(train), val_pairs=len(val))
+        pairs = load_pairs(cfg, data, self.options, "reward.jsonl")
+        self.template, self.stats, self.pad = pairs.template, pairs.stats, pairs.pad
+        self.train, self.val = pairs.samplers(RewardSampler, cfg)
         return self.train, self.val
 
     new_weights = ("score.weight",)  # drawn from the seed even on a pretrained decoder
@@ -218,18 +220,14 @@ class RewardTask(Task):
 
     def scores(self, run, input_ids: torch.Tensor) -> torch.Tensor:
         """(B,) fp32 score of each row: the score head at its last non-padding token."""
-        from threefold.train import autocast
-
         model = run.engine.model
         hidden = run.forward({"input_ids": input_ids})  # (B, T, h): the model has no LM head
         last = last_token_index(input_ids, self.pad)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         with autocast(run):
             if self.sequence_parallel:  # this rank holds positions [r·T/t, (r+1)·T/t)
-                from threefold.parallel.tensor import _CopyToTP
-
                 comm = run.layout.comm
-                per_pos = F.linear(hidden, _CopyToTP.apply(model.score.weight, comm))
+                per_pos = F.linear(hidden, summed_over_tp(model.score.weight, comm))
                 return _GatherScores.apply(per_pos[..., 0].float(), comm)[rows, last]
             return model.score(hidden[rows, last])[:, 0].float()
 
