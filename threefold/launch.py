@@ -1,7 +1,11 @@
 """Launching a run: the command-line arguments shared by every training command (`train`,
-`sft`, `dpo`, `reward`), the layout check before any process starts, and the re-launch under
-torchrun. Below both ``threefold.cli`` and ``threefold.post.cli``, which import it (neither
-imports the other).
+`sft`, `dpo`, `reward`, `grpo`), the layout check before any process starts, and the re-launch
+under torchrun. Below both ``threefold.cli`` and ``threefold.post.cli``, which import it
+(neither imports the other).
+
+The trainer (and torch with it) is imported only when a run starts in this process
+(``run_training``, ``layout_from_env``, a dry run): the process that validates and hands a run
+to torchrun stays small for the whole run, beside its workers.
 """
 
 from __future__ import annotations
@@ -14,13 +18,17 @@ import sys
 import time
 from pathlib import Path
 
+from threefold.config import ConfigError
+from threefold.parallel.checks import validate_layout
 
-def _fail(msg: str) -> int:
+
+def fail(msg: str) -> int:
+    """Print ``msg`` as one error line on stderr; return exit code 2 (bad input)."""
     print(f"threefold: error: {msg}", file=sys.stderr)
     return 2
 
 
-def _split_train_args(argv: list[str]) -> tuple[str | None, list[str], int | None, list[str]]:
+def split_train_args(argv: list[str]) -> tuple[str | None, list[str], int | None, list[str]]:
     """(config path, override args, nproc, extra torchrun args) from train's argv."""
     path, rest, nproc, launcher = None, [], None, []
     i = 0
@@ -55,7 +63,10 @@ def _split_train_args(argv: list[str]) -> tuple[str | None, list[str], int | Non
         nproc = int(nproc)
     return path, rest, nproc, launcher
 
-def _world_size_for(nproc: int | None, launcher: list[str]) -> int:
+
+def world_size_for(nproc: int | None, launcher: list[str]) -> int:
+    """The world size a run will have: torchrun's WORLD_SIZE inside a worker, else
+    ``nproc`` (1 when not given) times ``--nnodes``."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     nnodes = 1
@@ -64,10 +75,8 @@ def _world_size_for(nproc: int | None, launcher: list[str]) -> int:
     return (nproc or 1) * nnodes
 
 
-def _check_layout(cfg, world_size: int) -> None:
+def check_launch_layout(cfg, world_size: int) -> None:
     """Refuse an impossible layout before any process starts."""
-    from threefold.parallel.layout import validate_layout
-
     # the model's shape, but for the vocabulary (the tokenizer's), unless the weights bring it
     mcfg = None if cfg.checkpoint.init_from else cfg.model.resolved(vocab_size=1)
     validate_layout(cfg, world_size, mcfg)
@@ -132,38 +141,41 @@ def _preempted_since(out: Path, t0: float) -> bool:
 def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list[str],
              target: list[str], run) -> int:
     """After validation: a dry run, or a re-launch under torchrun, or ``run()`` here."""
-    from threefold.config import ConfigError
-
     if cfg.train.dry_run:
-        from threefold.plan.dryrun import dry_run
+        from threefold.plan.dryrun import dry_run  # the model and torch: see the docstring
 
         try:
             return dry_run(cfg, world)
         except (ConfigError, ValueError) as e:
-            return _fail(str(e))
+            return fail(str(e))
     if nproc is not None and "LOCAL_RANK" not in os.environ:
         return launch(nproc, launcher, argv, target, cfg.train.preemption_grace_s,
                       cfg.train.output_dir)
     return run()
 
 
-def _run_training(cfg) -> int:
+def run_training(cfg, make_task=None) -> int:
+    """Train ``cfg`` in this process, on the task ``make_task()`` builds (None: pre-training);
+    a configuration, data or checkpoint error becomes one line on stderr and exit code 2."""
+    # the trainer and torch, imported only here: see the module docstring
     from threefold.checkpoint import CheckpointError
-    from threefold.config import ConfigError
     from threefold.data import DataError
+    from threefold.train import train
 
     try:
-        from threefold.train import train
-
-        train(cfg, _layout_from_env(cfg))
+        task = make_task() if make_task is not None else None
+        train(cfg, layout_from_env(cfg), task=task)
     except (ConfigError, DataError, CheckpointError) as e:
-        return _fail(str(e))
+        return fail(str(e))
     return 0
 
 
-def _layout_from_env(cfg):
+def layout_from_env(cfg):
+    """The layout of this process: ``Distributed`` under torchrun (WORLD_SIZE > 1), else
+    None (one process)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
+    # torch.distributed, imported only here: see the module docstring
     from threefold.parallel.distributed_layout import Distributed
 
     return Distributed(cfg)

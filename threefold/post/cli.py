@@ -17,10 +17,14 @@ import tomllib
 import typing
 from pathlib import Path
 
-from threefold.post.dpo import DPOOptions
-from threefold.post.grpo import GRPOOptions
-from threefold.post.reward import RewardOptions
-from threefold.post.sft import SFTOptions
+from threefold.config import ConfigError, load_config, parse_overrides, take_flag
+from threefold.data import DataError
+from threefold.launch import (check_launch_layout, dispatch, fail, run_training,
+                              split_train_args, world_size_for)
+from threefold.post.dpo import DPOOptions, DPOTask
+from threefold.post.grpo import GRPOOptions, GRPOTask, check_reward_function, prompt_records
+from threefold.post.reward import RewardOptions, RewardTask, check_pairs_file
+from threefold.post.sft import SFTOptions, SFTTask
 
 _COMMON = {"train.steps": "30", "optim.warmup_steps": "3", "optim.weight_decay": "0.0",
            "train.eval_batches": "1", "train.log_interval": "5"}
@@ -39,6 +43,7 @@ DEFAULTS = {
 }
 OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions, "reward": RewardOptions,
            "grpo": GRPOOptions}
+TASKS = {"sft": SFTTask, "dpo": DPOTask, "reward": RewardTask, "grpo": GRPOTask}
 USAGE = """usage: threefold {cmd} [CONFIG.toml] [--section.key value ...] [--{cmd}.KEY VALUE ...]
                      [--nproc-per-node N]
 
@@ -96,8 +101,6 @@ def parse_task_options(cmd: str, argv: list[str]):
             rest.append(a)
             i += 1
             continue
-        from threefold.config import take_flag
-
         key, value, i = take_flag(argv, i)
         key = key[len(cmd) + 1:]
         if key not in hints:
@@ -130,8 +133,6 @@ def _user_keys(path: str | None, overrides: list[tuple[str, str]]) -> set[str]:
 
 def build_config(cmd: str, path: str | None, rest: list[str]):
     """The validated Config: `train`'s defaults <- this command's <- file <- overrides."""
-    from threefold.config import load_config, parse_overrides
-
     overrides = parse_overrides(rest)
     user = _user_keys(path, overrides)
     # load_config applies the file before the overrides, so our defaults (which must lose to
@@ -142,8 +143,6 @@ def build_config(cmd: str, path: str | None, rest: list[str]):
 
 def _check_inputs(cmd: str, cfg, opts) -> None:
     """Refuse missing inputs before any process starts."""
-    from threefold.config import ConfigError
-
     src = cfg.checkpoint.init_from
     if src and not Path(src).exists():
         hint = ("run `threefold train` first (it writes runs/default)"
@@ -156,29 +155,21 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
         if value and not Path(value).expanduser().is_file():
             raise ConfigError(f"{cmd}.{key}: '{value}' is not a file")
     if cmd == "dpo":
-        from threefold.post.dpo import DPOTask
-
         DPOTask(opts)  # checks beta and label smoothing
         if cfg.parallel.cp > 1:  # its sequence log-probs would be partial sums per cp rank
             raise ConfigError(f"parallel.cp: DPO does not run under context parallelism yet "
                               f"(got cp={cfg.parallel.cp}); use parallel.cp 1 and shard over "
                               "dp_shard or tp instead")
     if cmd == "grpo":
-        from threefold.post.grpo import GRPOTask
-
         for key in ("prompts", "val_prompts", "reward_model"):
             value = getattr(opts, key)
             if value and not Path(value).expanduser().exists():
                 raise ConfigError(f"grpo.{key}: '{value}' does not exist")
-        from threefold.post.grpo import check_reward_function, prompt_records
-
         task = GRPOTask(opts)  # the options, the reward function loaded
         task.check(cfg)  # layout and batch
         if task.reward_fn is not None:  # called on probes: raises, wrong count, NaN
             check_reward_function(task.reward_fn, opts.reward, prompt_records(opts.prompts)[0])
     if cmd == "reward":
-        from threefold.post.reward import RewardTask, check_pairs_file
-
         RewardTask(opts).check_layout(cfg)  # and the options
         for key in ("data", "val_data"):  # every rank would fail on it after launch
             if getattr(opts, key):
@@ -186,40 +177,20 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
 
 
 def _main(cmd: str, argv: list[str]) -> int:
-    from threefold.checkpoint import CheckpointError
-    from threefold.launch import (_check_layout, _fail, _layout_from_env, _split_train_args,
-                               _world_size_for, dispatch)
-    from threefold.config import ConfigError
-    from threefold.data import DataError
-
     if argv and argv[0] in ("-h", "--help"):
         print(_usage(cmd))
         return 0
     try:
         opts, remaining = parse_task_options(cmd, argv)
-        path, rest, nproc, launcher = _split_train_args(remaining)
+        path, rest, nproc, launcher = split_train_args(remaining)
         cfg = build_config(cmd, path, rest)
-        world = _world_size_for(nproc, launcher)
-        _check_layout(cfg, world)
+        world = world_size_for(nproc, launcher)
+        check_launch_layout(cfg, world)
         _check_inputs(cmd, cfg, opts)
     except (ConfigError, DataError, ValueError) as e:
-        return _fail(str(e))
-
-    def run() -> int:
-        from threefold.post.dpo import DPOTask
-        from threefold.post.grpo import GRPOTask
-        from threefold.post.reward import RewardTask
-        from threefold.post.sft import SFTTask
-        from threefold.train import train
-
-        try:
-            task = {"sft": SFTTask, "dpo": DPOTask, "reward": RewardTask,
-                    "grpo": GRPOTask}[cmd](opts)
-            train(cfg, _layout_from_env(cfg), task=task)
-        except (ConfigError, DataError, CheckpointError) as e:
-            return _fail(str(e))
-        return 0
-    return dispatch(cfg, world, nproc, launcher, argv, ["threefold.post.cli", cmd], run)
+        return fail(str(e))
+    return dispatch(cfg, world, nproc, launcher, argv, ["threefold.post.cli", cmd],
+                    lambda: run_training(cfg, lambda: TASKS[cmd](opts)))
 
 
 def sft_main(argv: list[str]) -> int:
