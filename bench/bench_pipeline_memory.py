@@ -21,7 +21,7 @@ no model state), then one measured step of m microbatches. Per rank:
    skips storages of parameters (model state, not activations), and returns a small wrapper
    that holds the tensor; the wrapper lives exactly as long as autograd keeps the saved
    tensor, and its ``__del__`` gives the bytes back. So the count falls as backward frees the
-   graph, and under ZB-H1 it stays up from B until W (``executor._SplitBackward`` retains the
+   graph, and under ZB-H1 it stays up from B until W (``split_backward.SplitBackward`` retains the
    graph for the weight gradients), which is real memory of that schedule.
 2. ``rss``: the growth of peak RSS over the measured step (``start_peak_rss_window`` before,
    ``peak_rss_bytes`` after): the real figure, which also holds what is not a saved tensor

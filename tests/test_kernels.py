@@ -64,7 +64,7 @@ def test_zero_bubble_weight_gradient_after_the_weight_is_released():
     """The executor's split backward: B takes the input gradient, then (as ZeRO-3 does once
     the unit's backward is over) the weights' storage is released, then W accumulates the
     weights' gradients; they equal one ordinary backward's."""
-    from threefold.parallel.pipeline.executor import _SplitBackward
+    from threefold.parallel.pipeline.split_backward import SplitBackward
 
     torch.manual_seed(1)
     lin = torch.nn.Linear(16, 16)
@@ -78,7 +78,7 @@ def test_zero_bubble_weight_gradient_after_the_weight_is_released():
     full = torch.empty(16)  # the weight's storage, released after B as ZeRO-3 releases it
     full.copy_(norm_w.detach())
     norm_w.data = full
-    split = _SplitBackward(lin(rms_norm(x, norm_w, 1e-5)), g, x, {norm_w, lin.weight, lin.bias})
+    split = SplitBackward(lin(rms_norm(x, norm_w, 1e-5)), g, x, {norm_w, lin.weight, lin.bias})
     assert torch.equal(split.input_grad, want["x"])
     kept = full.clone()
     full.untyped_storage().resize_(0)

@@ -16,7 +16,7 @@ from threefold.config import ConfigError, ModelConfig, OptimConfig
 from threefold.model import LlamaForCausalLM, causal_lm_loss
 from threefold.parallel.pipeline.executor import (
     PipelineExecutor,
-    _SplitBackward,
+    SplitBackward,
     idle_fraction,
     pipeline_step,
 )
@@ -230,7 +230,7 @@ def test_split_backward_equals_one_backward(variant):
     want_x = x.grad.clone()
     chunk.zero_grad(set_to_none=True)
     x, loss = forward()
-    split = _SplitBackward(loss, None, x, set(chunk.parameters()))
+    split = SplitBackward(loss, None, x, set(chunk.parameters()))
     assert all(q.grad is None for q in chunk.parameters())  # B touched no weight
     assert len(split.joins) == len(want) and not split.fallback  # every weight split off
     assert torch.equal(split.input_grad, want_x)

@@ -32,7 +32,7 @@ class _RMSNormFunction(torch.autograd.Function):
         if weight.untyped_storage().nbytes() == 0:
             # the weight was released (ZeRO-3, after its unit's backward): this call is a
             # zero-bubble W asking for the weight's gradient alone (the executor's
-            # _SplitBackward), where autograd's own nodes skip the input's gradient too
+            # SplitBackward), where autograd's own nodes skip the input's gradient too
             return None, gw, None
         gn = (grad * weight).to(x.dtype).float()  # through weight * n, then the cast
         # n = xf * rstd; rstd = rsqrt(mean(xf²) + eps): the two paths into xf

@@ -8,9 +8,11 @@ from typing import Any, Callable
 import torch
 
 from threefold import faults
+from threefold.distributed import set_timeout
+from threefold.liveness import Heartbeats
+from threefold.resharding import rank_pieces
 from threefold.config import Config, ModelConfig
 from threefold.parallel.layout import World
-from threefold.parallel.placement import placement
 
 
 class Distributed(World):
@@ -57,10 +59,9 @@ class Distributed(World):
         self._tied = None  # (this rank's tied weight, is it the head's copy) at pipeline ends
         self.cfg = cfg
         self._steps: list[dict[str, int]] = []
-        # one id per run so several runs in one process group keep separate heartbeats
-        import zlib
-
-        self._run_id = f"{zlib.crc32(f'{cfg.train.output_dir}|{cfg.train.steps}'.encode()):08x}"
+        # one key per run so several runs in one process group keep separate heartbeats
+        self.heartbeats = Heartbeats(self.rank, self.world_size,
+                                     f"{cfg.train.output_dir}|{cfg.train.steps}", self.comm)
         self.restarts = self.env.restart_count
         self._step_timeout_set = False
 
@@ -83,6 +84,16 @@ class Distributed(World):
     def ep_size(self) -> int:
         """The expert-parallel degree."""
         return self.dims.ep
+
+    @property
+    def tp_size(self) -> int:
+        """The tensor-parallel degree."""
+        return self.dims.tp
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self.env.device
 
     def gather_object(self, obj):
         """Every rank's ``obj`` on rank 0 (a list), None elsewhere: the logging channel."""
@@ -162,23 +173,6 @@ class Distributed(World):
         if self._tied is not None:
             self.comm.all_reduce(engine.gradient_of(self._tied[0]), "pp_ends")
 
-    def parallelize(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-        """Tensor parallelism (and sequence parallelism) over "tp", when tp > 1; context
-        parallelism over "cp", when cp > 1."""
-        if self.dims.tp > 1:
-            from threefold.parallel.tensor import apply_tensor_parallel
-
-            model = apply_tensor_parallel(model, self.comm, cfg.parallel.sequence_parallel)
-        if self.cp_size > 1:
-            from threefold.parallel.context import apply_context_parallel
-
-            model = apply_context_parallel(model, self.comm, cfg.parallel.cp_algorithm)
-        if self.dims.ep > 1:
-            from threefold.parallel.expert import apply_expert_parallel
-
-            model = apply_expert_parallel(model, self.comm)
-        return model
-
     def split_sequence(self, micro: dict) -> dict:
         """This cp rank's tokens of a micro-batch of whole sequences (as they are for cp 1)."""
         if self.cp_size == 1:
@@ -188,85 +182,13 @@ class Distributed(World):
         return shard_batch(micro, self.cp_size, self.cp_rank)
 
     def checkpoint_pieces(self, engine) -> list:
-        """This rank's pieces, each replicated tensor written by one rank only: ZeRO shards by
-        the first replica group, data-parallel copies by dp rank 0, tp-replicated tensors by
-        tp rank 0; tp slices get their place in the logical tensor. Context-parallel ranks
-        hold copies (or, under ZeRO, shards of the dp_shard × cp group) as data-parallel ones
-        do."""
-        from threefold.parallel.zero import ZeroEngine
-
-        c = self.dims.coords(self.rank)
-        zero = isinstance(engine, ZeroEngine)
-        if zero and c["dp_replicate"] != 0:
-            return []
-        params = dict(engine.named_params)
-        t, out = self.dims.tp, []
-        for piece in engine.local_pieces():
-            p = params[piece.name]
-            rec = placement(p)
-            if rec.tied_replica:
-                continue  # a tied head's copy: the embedding, saved by the first stage
-            expert = rec.ep_sharded
-            if not zero and c["edp" if expert else self.data_axis] != 0:
-                continue  # a data-parallel copy (of this rank's experts: over edp)
-            if expert:  # this ep rank's experts: a contiguous run of the whole tensor
-                off = rec.ep_index * p.numel()
-                piece.start, piece.end = piece.start + off, piece.end + off
-                piece.shape = (p.shape[0] * rec.ep_count, *p.shape[1:])
-            dim = rec.tp_dim if t > 1 else None
-            if dim is None:
-                if c["tp"] == 0:
-                    out.append(piece)
-                continue
-            shape = list(piece.shape)
-            shape[dim] = rec.tp_full
-            piece.shape, piece.tp_dim, piece.tp_index, piece.tp_count = (tuple(shape), dim,
-                                                                         c["tp"], t)
-            out.append(piece)
-        return out
+        """This rank's checkpoint pieces, each placed in its logical tensor and each
+        replicated tensor written once (``threefold.resharding.rank_pieces``)."""
+        return rank_pieces(engine, self.dims, self.rank, self.data_axis)
 
     def barrier(self) -> None:
         """Wait for every rank."""
         self.control.barrier()
-
-    def build_engine(self, model: torch.nn.Module, cfg: Config, source=None,
-                     device: torch.device | None = None):
-        """Data parallel for ZeRO stage 0, the ZeRO engine for stages 1-3 (over dp × cp); the
-        optimiser in host memory with ``parallel.offload_optimizer``. With a ``source`` the
-        parameters are still on the meta device (see ``layout.build_engine``)."""
-        from threefold.parallel.data import DataParallelEngine
-        from threefold.parallel.engine import LocalEngine
-        from threefold.parallel.materialize import materialize_parameters
-        from threefold.parallel.zero import ZeroEngine
-
-        from threefold.parallel.layout import dtypes
-
-        p = cfg.parallel
-        off = p.offload_optimizer
-        param_dtype, reduce_dtype = dtypes(cfg)
-        if p.zero_stage == 0:
-            if source is not None:
-                materialize_parameters(model, source, device or self.env.device)
-            if self.dims.axis_size(self.data_axis) == 1:
-                return LocalEngine(model, cfg.optim, self.comm, offload=off,
-                                   param_dtype=param_dtype)
-            return DataParallelEngine(model, cfg.optim, self.comm, p.bucket_mb,
-                                      axis=self.data_axis, offload=off,
-                                      expert_axis="edp" if self.dims.ep > 1 else None)
-        m = model.model  # a pipeline stage holds only some of these
-        units, axes = [], {}
-        for u in (m.embed_tokens, *m.layers, m.norm, model.lm_head):
-            if u is None:
-                continue
-            units.append(u)
-            experts = getattr(getattr(u, "mlp", None), "experts", None)
-            if self.dims.ep > 1 and experts is not None:  # the layer's experts: own unit
-                units.append(experts)
-                axes[len(units) - 1] = "edp_shard"
-        return ZeroEngine(model, units, cfg.optim, self.comm, p.zero_stage,
-                          shard_axis=self.shard_axis, offload=off, unit_axes=axes,
-                          source=source, device=device or self.env.device,
-                          param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     def global_token_count(self, local_count: int) -> int:
         """Sum a per-rank count (target tokens, pairs) over dp (a scalar all-reduce)."""
@@ -288,62 +210,20 @@ class Distributed(World):
         self.control.all_reduce(v, self.data_axis)
         return float(v)
 
-    # -- liveness: heartbeats in the rendezvous store, read back when a collective fails ------
-    def _store(self):
-        from torch.distributed import distributed_c10d as c10d
-
-        return c10d._get_default_store()
-
-    def _key(self, what: str, rank: int) -> str:
-        return f"threefold/{self._run_id}/{what}/{rank}"
-
     def before_step(self, step: int) -> None:
         """Open a new accounting window; after step 1 switch to the short collective timeout;
         leave a heartbeat (this rank reached ``step``)."""
-        self._store().set(self._key("step", self.rank), str(step))
+        self.heartbeats.beat(step)
         faults.at_step(self.rank, step)
         self.comm.set_step(step)
         self.comm.step_counters()  # discard traffic between steps (evaluation, checkpoints)
         if step > 0 and not self._step_timeout_set:
-            from threefold.distributed import set_timeout
-
             set_timeout(self.cfg.parallel.step_timeout_s)
             self._step_timeout_set = True
 
     def report_failure(self, exc: BaseException, step: int, grace_s: float = 3.0) -> str:
-        """After a failed or timed-out collective: say which ranks did not report the failure
-        (dead or stuck), where every rank's heartbeat stands, and this rank's last collectives.
-        Printed to stderr and returned. ``grace_s``: how long to give the other live ranks to
-        report first (0 when torchrun is already tearing the group down)."""
-        import sys
-        import time
-
-        lines = [f"threefold: rank {self.rank}: collective failed at step {step + 1}: "
-                 f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}"]
-        try:
-            store = self._store()
-            store.set(self._key("failed", self.rank), str(step))
-            time.sleep(grace_s)  # let the other live ranks reach their own failure
-            silent = [r for r in range(self.world_size)
-                      if not store.check([self._key("failed", r)])]
-            beats = {}
-            for r in range(self.world_size):
-                k = self._key("step", r)
-                beats[r] = int(store.get(k)) + 1 if store.check([k]) else 0
-            if silent:
-                lines.append("threefold: ranks that did not report (dead or stuck): "
-                             + ", ".join(f"rank {r} (last reached step {beats[r]})"
-                                         for r in silent))
-            lines.append("threefold: steps reached: " + ", ".join(
-                f"rank {r}: {b}" for r, b in beats.items()))
-        except Exception as e:  # noqa: BLE001 - the store may be gone with its host
-            lines.append(f"threefold: (rendezvous store unreachable: {e})")
-        lines.append("threefold: last collectives on rank {}: {}".format(self.rank, "; ".join(
-            f"{r['op']} on {r['axis']} {list(r['shape'])} step {None if r['step'] is None else r['step'] + 1}"
-            for r in self.comm.recent()[-5:])))
-        report = "\n".join(lines)
-        print(report, file=sys.stderr, flush=True)
-        return report
+        """Who failed and where (``threefold.liveness.Heartbeats.report_failure``)."""
+        return self.heartbeats.report_failure(exc, step, grace_s)
 
     def step_metrics(self) -> dict[str, Any]:
         """Bytes this rank sent per mesh axis during the step just finished."""

@@ -23,7 +23,10 @@ class World:
 
     rank = local_rank = dp_rank = 0
     world_size = dp_size = 1
-    ep_size = 1  # expert-parallel degree
+    tp_size = cp_size = ep_size = 1  # model-parallel degrees: tensor, context, expert
+    comm = None  # the counted communication layer (threefold.comm.Comm) of a process group
+    shard_axis = "dp_shard"  # the axis ZeRO shards over
+    device = None  # this rank's device, when the layout chooses it
     is_writer = True
     restarts = 0
     chunks = None     # this rank's pipeline chunks (pp > 1)
@@ -60,10 +63,6 @@ class World:
 
     def split_pipeline(self, model: torch.nn.Module) -> torch.nn.Module:
         """This rank's pipeline stages (the whole model: one process has no pipeline)."""
-        return model
-
-    def parallelize(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-        """Apply the layout's model parallelism (none for one process)."""
         return model
 
     def split_sequence(self, micro: dict) -> dict:
@@ -123,30 +122,3 @@ class World:
 
 class SingleProcess(World):
     """One process, no process group: every default of ``World``."""
-
-
-def dtypes(cfg: Config) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(parameter compute dtype, gradient reduction dtype) of ``cfg`` for the engines; the
-    first None where it is the parameters' own float32."""
-    from threefold.config import param_dtype
-
-    pd = torch.bfloat16 if param_dtype(cfg) == "bfloat16" else None
-    return pd, getattr(torch, cfg.parallel.reduce_dtype)
-
-
-def build_engine(model: torch.nn.Module, cfg: Config, layout, source=None,
-                 device: torch.device | None = None) -> Any:
-    """The engine for ``layout``: plain AdamW for one process, data parallel or ZeRO else
-    (the optimiser in host memory with ``parallel.offload_optimizer``). With a ``source``
-    (``threefold.parallel.materialize``) the model's parameters are still on the meta device
-    and the engine gives them storage on ``device``, filled from it: ZeRO only this rank's
-    shards, the others every local tensor, one at a time."""
-    from threefold.parallel.engine import LocalEngine
-    from threefold.parallel.materialize import materialize_parameters
-
-    if isinstance(layout, SingleProcess):
-        if source is not None:
-            materialize_parameters(model, source, device)
-        return LocalEngine(model, cfg.optim, offload=cfg.parallel.offload_optimizer,
-                           param_dtype=dtypes(cfg)[0])
-    return layout.build_engine(model, cfg, source, device)

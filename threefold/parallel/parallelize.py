@@ -28,9 +28,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from threefold.config import Config, ModelConfig
+from threefold.config import Config, ModelConfig, param_dtype
 from threefold.model import LlamaForCausalLM
-from threefold.parallel.materialize import materialize_buffers
+from threefold.parallel.context import apply_context_parallel
+from threefold.parallel.data import DataParallelEngine
+from threefold.parallel.engine import LocalEngine
+from threefold.parallel.expert import apply_expert_parallel
+from threefold.parallel.materialize import materialize_buffers, materialize_parameters
+from threefold.parallel.tensor import apply_tensor_parallel
+from threefold.parallel.zero import ZeroEngine
 
 ORDER = ("pipeline split", "tensor + sequence parallel", "context parallel", "expert parallel",
          "activation checkpointing", "compile", "engine (ZeRO / data parallel / offload): "
@@ -53,20 +59,81 @@ def apply_compile(model: LlamaForCausalLM) -> None:
         block.compile()
 
 
+def dtypes(cfg: Config) -> tuple[torch.dtype | None, torch.dtype]:
+    """(parameter compute dtype, gradient reduction dtype) of ``cfg`` for the engines; the
+    first None where it is the parameters' own float32."""
+    pd = torch.bfloat16 if param_dtype(cfg) == "bfloat16" else None
+    return pd, getattr(torch, cfg.parallel.reduce_dtype)
+
+
+def apply_model_parallel(model: LlamaForCausalLM, cfg: Config, layout) -> LlamaForCausalLM:
+    """Steps 2-4: tensor parallelism (and sequence parallelism) over "tp", context
+    parallelism over "cp", expert parallelism over "ep", each when its degree is above 1."""
+    if layout.tp_size > 1:
+        model = apply_tensor_parallel(model, layout.comm, cfg.parallel.sequence_parallel)
+    if layout.cp_size > 1:
+        model = apply_context_parallel(model, layout.comm, cfg.parallel.cp_algorithm)
+    if layout.ep_size > 1:
+        model = apply_expert_parallel(model, layout.comm)
+    return model
+
+
+def zero_units(model: LlamaForCausalLM, ep: int) -> tuple[list[nn.Module], dict[int, str]]:
+    """ZeRO's units in forward order (the embedding, each block, the final norm, the head:
+    what a pipeline stage holds of them) and the axis of those that do not shard over
+    dp_shard: under expert parallelism each block's experts are a unit of their own over
+    "edp_shard"."""
+    m = model.model
+    units, axes = [], {}
+    for u in (m.embed_tokens, *m.layers, m.norm, model.lm_head):
+        if u is None:
+            continue
+        units.append(u)
+        experts = getattr(getattr(u, "mlp", None), "experts", None)  # a block's MoE, if any
+        if ep > 1 and experts is not None:
+            units.append(experts)
+            axes[len(units) - 1] = "edp_shard"
+    return units, axes
+
+
+def build_engine(model: nn.Module, cfg: Config, layout, source=None,
+                 device: torch.device | None = None) -> Any:
+    """Step 7, the engine for ``layout``: plain AdamW for one process, data parallel for ZeRO
+    stage 0, the ZeRO engine for stages 1-3 (over dp × cp); the optimiser in host memory
+    with ``parallel.offload_optimizer``. With a ``source`` the model's parameters are still
+    on the meta device and the engine gives them storage on ``device``, filled from it: ZeRO
+    only this rank's shards, the others every local tensor, one at a time."""
+    p = cfg.parallel
+    off, device = p.offload_optimizer, device or layout.device
+    param_dtype, reduce_dtype = dtypes(cfg)
+    if layout.comm is None or p.zero_stage == 0:
+        if source is not None:
+            materialize_parameters(model, source, device)
+        if layout.comm is None or layout.dp_size * layout.cp_size == 1:
+            return LocalEngine(model, cfg.optim, layout.comm, offload=off,
+                               param_dtype=param_dtype)
+        return DataParallelEngine(model, cfg.optim, layout.comm, p.bucket_mb,
+                                  axis=layout.data_axis, offload=off,
+                                  expert_axis="edp" if layout.ep_size > 1 else None)
+    units, axes = zero_units(model, layout.ep_size)
+    return ZeroEngine(model, units, cfg.optim, layout.comm, p.zero_stage,
+                      shard_axis=layout.shard_axis, offload=off, unit_axes=axes,
+                      source=source, device=device, param_dtype=param_dtype,
+                      reduce_dtype=reduce_dtype)
+
+
 def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.device,
                 adapt: Callable[[nn.Module], nn.Module] | None = None) -> Any:
     """The engine of this rank's part of the model ``mcfg``, parallelised by ``layout`` in
     the order of the module doc, its tensors filled from ``source`` (``InitSource`` for a
     fresh run, a checkpoint or Hugging Face folder for a pretrained one). ``adapt`` changes
     the plain (meta) model first, e.g. a reward model's score head in place of the LM head."""
-    from threefold.parallel.layout import build_engine
-
     with torch.device("meta"):
         model = LlamaForCausalLM(mcfg)
     if adapt is not None:
         model = adapt(model)
     model = layout.split_pipeline(model)           # 1
-    model = layout.parallelize(model, cfg)         # 2, 3, 4
+    model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
     if cfg.train.activation_checkpointing:         # 5
         apply_activation_checkpointing(model)
     if cfg.train.compile:                          # 6

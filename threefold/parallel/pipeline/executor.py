@@ -11,7 +11,7 @@ Per optimiser step the executor walks this rank's actions in order:
   gradient goes to the previous stage.
 - ``B`` / ``W`` (zero bubble, Qi et al., arXiv 2401.10241 §2): B computes only the input
   gradient, which the previous stage is waiting for; W computes the weight gradients later.
-  See ``_split_backward`` for how the graph is cut.
+  See ``split_backward.SplitBackward`` for how the graph is cut.
 - sends and receives: each maximal run of them is posted with ``comm.batch_isend_irecv`` over
   "pp"; its receives are waited on before the next compute action (the contract check.py
   proves deadlock-free), its sends only when the next run is posted or the step ends, so a
@@ -36,7 +36,6 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge
 
 from threefold.parallel.pipeline.check import check_schedule
 from threefold.parallel.pipeline.schedules import (
@@ -48,6 +47,7 @@ from threefold.parallel.pipeline.schedules import (
     stage_rank,
 )
 from threefold.parallel.pipeline.simulate import replay
+from threefold.parallel.pipeline.split_backward import SplitBackward
 from threefold.parallel.pipeline.timeline import TraceRecord
 
 F, B, W, BW = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
@@ -74,102 +74,6 @@ def forward_only_schedule(name: str, p: int, m: int, v: int) -> tuple[tuple[Acti
 
 # --------------------------------------------------------------------------------------------
 # Split backward: B (input gradient now) and W (weight gradients later)
-# --------------------------------------------------------------------------------------------
-class _SplitBackward:
-    """The deferred half of one chunk's backward for one microbatch.
-
-    Autograd computes, at each node, only the gradients some requested input needs. So B asks
-    for the gradient of the chunk's input alone (``autograd.grad``, keeping the graph): every
-    node on the path from the output to the input runs, but a matmul skips its weight
-    gradient. The nodes where a weight's branch leaves that path (the "joins": the matmul of
-    a Linear, the product of a norm weight) receive their output gradient during B; a hook
-    keeps it. W then re-enters each join with the kept gradient and asks only for its
-    weights, which runs exactly the weight-gradient half (and accumulates into ``.grad``
-    through the usual AccumulateGrad nodes, so gradient-sync hooks fire as for backward()).
-
-    A parameter is split this way only when a single join edge leads to it (so no path is
-    counted twice); any other parameter (a stage without an input gradient, i.e. the first,
-    or a weight used twice) gets its gradient in W from one ordinary backward from the output.
-    """
-
-    def __init__(self, root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
-                 params: set):
-        self.root, self.grad = root, grad
-        joins, self.fallback = _find_joins(root, x, params)
-        self.captured: dict = {}
-        hooks = [j.register_prehook(functools.partial(self._keep, j)) for j in joins]
-        try:
-            self.input_grad = None
-            if x.requires_grad:
-                (self.input_grad,) = torch.autograd.grad(root, [x], grad, retain_graph=True)
-        finally:
-            for h in hooks:
-                h.remove()
-        self.joins = joins
-
-    def _keep(self, node, grad_outputs):
-        self.captured[node] = grad_outputs
-
-    def weight_backward(self) -> None:
-        """Accumulate every weight gradient of this microbatch (W)."""
-        missed = {p for j, ps in self.joins.items() if j not in self.captured for p in ps}
-        fallback = list(self.fallback | missed)
-        if fallback:
-            torch.autograd.backward(self.root, self.grad, inputs=fallback, retain_graph=True)
-        for j, params in self.joins.items():
-            grads = self.captured.get(j)
-            if grads is None:
-                continue
-            edges = [(GradientEdge(j, i), g) for i, g in enumerate(grads) if g is not None]
-            if edges:
-                torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
-                                        inputs=list(params), retain_graph=True)
-        self.root = self.grad = self.captured = self.joins = None  # free the graph
-
-
-def _find_joins(root: torch.Tensor, x: torch.Tensor, params: set) -> tuple[dict, set]:
-    """Walk the graph below ``root``: returns ({join node: its weights}, weights to leave to
-    an ordinary backward). A join is a node that leads to ``x`` with an edge into a sub-graph
-    that does not lead to ``x`` but reaches weights."""
-    reaches_x: dict = {}
-    weights: dict = {}  # node that does not reach x -> the parameters below it
-    stack = [(root.grad_fn, False)]
-    while stack:  # iterative post-order: graphs of deep stages are deeper than recursion
-        node, expanded = stack.pop()
-        if node in reaches_x:
-            continue
-        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
-            reaches_x[node] = node.variable is x
-            if not reaches_x[node]:
-                weights[node] = frozenset([node.variable]) & params
-            continue
-        children = [n for n, _ in node.next_functions if n is not None]
-        if not expanded:
-            stack.append((node, True))
-            stack.extend((n, False) for n in children if n not in reaches_x)
-            continue
-        reaches_x[node] = any(reaches_x[n] for n in children)
-        if not reaches_x[node]:
-            weights[node] = frozenset().union(*(weights[n] for n in children))
-    joins: dict = {}
-    edges_to: dict = {}  # parameter -> number of join edges leading to it
-    for node, rx in reaches_x.items():
-        if not rx or hasattr(node, "variable"):
-            continue
-        for n, _ in node.next_functions:
-            if n is not None and not reaches_x[n] and weights[n]:
-                joins.setdefault(node, set()).update(weights[n])
-                for p in weights[n]:
-                    edges_to[p] = edges_to.get(p, 0) + 1
-    shared = {p for p, k in edges_to.items() if k > 1}
-    reachable = set().union(*weights.values()) if weights else set()
-    joins = {j: ps - shared for j, ps in joins.items() if ps - shared}
-    covered = set().union(*joins.values()) if joins else set()
-    return joins, reachable - covered
-
-
-# --------------------------------------------------------------------------------------------
-# The executor
 # --------------------------------------------------------------------------------------------
 def _null_context(*_args) -> ContextManager:
     return contextlib.nullcontext()
@@ -412,7 +316,7 @@ class PipelineExecutor:
     def _input_backward(self, a: Action, key: tuple[int, int]) -> None:
         g = self._output_grad(a, key)
         x, out = self._x.pop(key), self._out.pop(key)
-        split = _SplitBackward(out, g, x, self.params[a.chunk])
+        split = SplitBackward(out, g, x, self.params[a.chunk])
         self._pass_input_grad(a, key, split.input_grad)
         split.input_grad = None
         self._split[key] = split
