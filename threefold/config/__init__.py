@@ -1,0 +1,44 @@
+"""Typed, nested configuration: dataclasses <- TOML file <- dotted CLI overrides.
+
+Every field carries a one-line doc in its ``metadata["doc"]``. ``load_config`` builds a
+``Config`` from an optional TOML file and ``--section.key value`` overrides (overrides win),
+then ``validate`` checks it before anything is allocated or any process starts. Errors are
+``ConfigError`` with the field, the value and what would be valid; the CLI turns them into a
+one-line message and exit code 2.
+
+The package: ``schema`` (the dataclasses, ``ConfigError``, ``describe``), ``presets`` (named
+model shapes), ``loading`` (TOML and overrides), ``validation`` (``validate``). Every public
+name is imported here, the one path callers use (``threefold.config``).
+
+This package imports nothing of threefold outside itself (it is the bottom layer).
+"""
+
+from threefold.config.loading import (
+    apply_mapping,
+    load_config,
+    parse_overrides,
+    take_flag,
+)
+from threefold.config.presets import GPT_SHAPES, MODEL_PRESETS
+from threefold.config.schema import (
+    PIPELINE_SCHEDULES,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    describe,
+    param_dtype,
+    unknown_value,
+)
+from threefold.config.validation import validate
+
+__all__ = [
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
+    "ModelConfig", "OptimConfig", "PIPELINE_SCHEDULES", "ParallelConfig", "TrainConfig",
+    "apply_mapping", "describe", "load_config", "param_dtype", "parse_overrides", "take_flag",
+    "unknown_value", "validate",
+]

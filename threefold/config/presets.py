@@ -1,0 +1,70 @@
+"""Model presets: named shapes a ``ModelConfig`` starts from (``model.preset``). Pure data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# --------------------------------------------------------------------------------------------
+# Model presets. Shapes are the published ones (Llama 3 model cards / HF config.json files;
+# GPT sizes from Narayanan et al. 2021, Table 1). `tiny` is the CPU default.
+# GPT presets are written as this project's Llama-style block with multi-head attention, tied
+# embeddings and a SwiGLU width of 8h/3, which gives the same 12·h² weights per layer as a GPT
+# block (4h² attention + 8h² MLP); they are for planning on the meta device.
+# --------------------------------------------------------------------------------------------
+_LLAMA3_ROPE = dict(rope_theta=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0,
+                    low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192, max_position_embeddings=131072,
+                    vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=0, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+                 rope_theta=10000.0, rope_scaling="none", max_position_embeddings=1024,
+                 tie_word_embeddings=False),
+    "small": dict(vocab_size=0, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, rope_scaling="none", max_position_embeddings=2048,
+                  tie_word_embeddings=False),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, **_LLAMA3_ROPE),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, **_LLAMA3_ROPE),
+    "llama3-405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                        num_attention_heads=128, num_key_value_heads=8, **_LLAMA3_ROPE),
+    # Mixture of experts (threefold.moe). tiny-moe: the CPU MoE (8 experts of half tiny's MLP
+    # width, top-2, so a token's MLP work is tiny's). mixtral-8x7b: mistralai/Mixtral-8x7B-v0.1
+    # config.json (46,702,792,704 parameters, 12,879,925,248 active per token).
+    # olmoe-shape-1b-7b: OLMoE-1B-7B's shape (Muennighoff et al., arXiv 2409.02060: 64 experts,
+    # top-8) as a Mixtral block: OLMoE's q/k RMSNorms (2·2048 weights per layer) are not
+    # modelled, so it has 6,919,096,320 parameters (OLMoE: 6,919,161,856) and
+    # 1,281,951,744 active; it cannot load OLMoE's weights.
+    "tiny-moe": dict(vocab_size=0, hidden_size=256, intermediate_size=344, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, rope_scaling="none", max_position_embeddings=1024,
+                     tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2),
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         rms_norm_eps=1e-5, rope_theta=1e6, rope_scaling="none",
+                         max_position_embeddings=32768, tie_word_embeddings=False,
+                         num_local_experts=8, num_experts_per_tok=2),
+    "olmoe-shape-1b-7b": dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                              num_hidden_layers=16, num_attention_heads=16,
+                              num_key_value_heads=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                              rope_scaling="none", max_position_embeddings=4096,
+                              tie_word_embeddings=False, num_local_experts=64,
+                              num_experts_per_tok=8),
+}
+
+# (params in billions as published, heads, hidden, layers) — Narayanan et al. 2021, Table 1.
+GPT_SHAPES = {
+    "gpt-1.7b": (24, 2304, 24), "gpt-3.6b": (32, 3072, 30), "gpt-7.5b": (32, 4096, 36),
+    "gpt-18b": (48, 6144, 40), "gpt-39b": (64, 8192, 48), "gpt-76b": (80, 10240, 60),
+    "gpt-145b": (96, 12288, 80), "gpt-310b": (128, 16384, 96), "gpt-530b": (128, 20480, 105),
+    "gpt-1t": (160, 25600, 128),
+}
+for _name, (_a, _h, _l) in GPT_SHAPES.items():
+    MODEL_PRESETS[_name] = dict(vocab_size=51200, hidden_size=_h, intermediate_size=8 * _h // 3,
+                                num_hidden_layers=_l, num_attention_heads=_a,
+                                num_key_value_heads=_a, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                rope_scaling="none", max_position_embeddings=2048,
+                                tie_word_embeddings=True)

@@ -1,0 +1,151 @@
+"""Validation that needs no world size (the mesh checks the layout against the world size:
+``threefold.parallel.checks``): one function per section, in the order ``validate`` runs
+them, each raising ``ConfigError`` with the field, the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+from threefold.config.presets import MODEL_PRESETS
+from threefold.config.schema import (
+    PIPELINE_SCHEDULES,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    unknown_value,
+)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _one_of(path: str, value: str, choices: list[str]) -> None:
+    if value not in choices:
+        raise ConfigError(unknown_value(path, value, choices))
+
+
+def validate(cfg: Config) -> None:
+    """Check every field that can be checked without knowing the world size (and write
+    ``parallel.pipeline_split`` without spaces, the one form the rest reads)."""
+    r = _check_model(cfg.model, cfg.data.vocab_size)
+    _check_data(cfg.data, r)
+    _check_optim(cfg.optim)
+    _check_parallel(cfg.parallel, cfg.train)
+    _check_train(cfg.train)
+    _check_checkpoint(cfg.checkpoint)
+
+
+def _check_model(m: ModelConfig, vocab_size: int) -> ModelConfig:
+    """The model's shape (resolved from its preset, which is returned) and its router."""
+    _one_of("model.preset", m.preset, list(MODEL_PRESETS))
+    r = m.resolved(vocab_size=vocab_size)
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        _need(getattr(r, name) > 0, f"model.{name}: must be positive, got {getattr(r, name)}")
+    _need(r.hidden_size % r.num_attention_heads == 0,
+          f"model.hidden_size: {r.hidden_size} is not divisible by num_attention_heads="
+          f"{r.num_attention_heads}; pick a multiple")
+    _need(r.num_attention_heads % r.num_key_value_heads == 0,
+          f"model.num_key_value_heads: {r.num_key_value_heads} must divide num_attention_heads="
+          f"{r.num_attention_heads}")
+    _need(r.head_dim % 2 == 0, f"model.hidden_size: head dim {r.head_dim} must be even for RoPE")
+    _one_of("model.rope_scaling", r.rope_scaling, ["none", "llama3"])
+    _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
+    _need(r.num_local_experts >= 0,
+          f"model.num_local_experts: must be >= 0 (0 = dense), got {r.num_local_experts}")
+    if r.num_local_experts:
+        _need(1 <= r.num_experts_per_tok <= r.num_local_experts,
+              f"model.num_experts_per_tok: {r.num_experts_per_tok} must be between 1 and "
+              f"model.num_local_experts={r.num_local_experts}")
+    _need(m.shared_expert_intermediate_size >= 0,
+          "model.shared_expert_intermediate_size: must be >= 0 (0 = no shared expert)")
+    _need(m.router_aux_loss_coef >= 0 and m.router_z_loss_coef >= 0,
+          "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
+    return r
+
+
+def _check_data(d: DataConfig, r: ModelConfig) -> None:
+    """The tokenizer's vocabulary, the sequence (against the resolved model ``r``), the
+    corpus."""
+    _need(d.vocab_size >= 260, f"data.vocab_size: {d.vocab_size} is too small; use at least 260 "
+          "(256 bytes + special tokens)")
+    _need(d.seq_len >= 2, f"data.seq_len: must be at least 2, got {d.seq_len}")
+    _need(d.seq_len <= r.max_position_embeddings,
+          f"data.seq_len: {d.seq_len} exceeds model.max_position_embeddings="
+          f"{r.max_position_embeddings}; lower it or raise the model's limit")
+    _need(0 < d.val_fraction < 0.5, f"data.val_fraction: {d.val_fraction} must be in (0, 0.5)")
+    _need(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be positive, got {d.max_corpus_mb}")
+
+
+def _check_optim(o: OptimConfig) -> None:
+    """AdamW and its schedule."""
+    _need(o.lr > 0, f"optim.lr: must be positive, got {o.lr}")
+    _need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio: {o.min_lr_ratio} must be in [0, 1]")
+    _need(o.warmup_steps >= 0, f"optim.warmup_steps: must be >= 0, got {o.warmup_steps}")
+    _need(o.weight_decay >= 0, f"optim.weight_decay: must be >= 0, got {o.weight_decay}")
+    _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2: must be in [0, 1)")
+    _need(o.grad_clip >= 0, f"optim.grad_clip: must be >= 0 (0 = off), got {o.grad_clip}")
+
+
+def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
+    """Degrees and choices of ``parallel`` (bfloat16 parameters against ``train.dtype``);
+    writes ``pipeline_split`` without spaces."""
+    for name in ("dp_replicate", "tp", "pp", "vpp", "cp"):
+        _need(getattr(p, name) >= 1, f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
+    _need(p.dp_shard == -1 or p.dp_shard >= 1,
+          f"parallel.dp_shard: must be >= 1 or -1 (the rest), got {p.dp_shard}")
+    _need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage: {p.zero_stage} is not 0, 1, 2 or 3")
+    _one_of("parallel.schedule", p.schedule, list(PIPELINE_SCHEDULES))
+    _one_of("parallel.param_dtype", p.param_dtype, ["auto", "float32", "bfloat16"])
+    _one_of("parallel.reduce_dtype", p.reduce_dtype, ["float32", "bfloat16"])
+    _need(p.param_dtype != "bfloat16" or t.dtype == "bfloat16",
+          "parallel.param_dtype: bfloat16 parameters need bfloat16 compute; set train.dtype "
+          "bfloat16 or parallel.param_dtype auto")
+    _one_of("parallel.cp_algorithm", p.cp_algorithm, ["ring", "allgather"])
+    p.pipeline_split = p.pipeline_split.replace(" ", "")  # "7, 9, 9, 7" as "7,9,9,7"
+    _need(p.pipeline_split in ("params", "flops", "uniform")
+          or all(x.isdigit() for x in p.pipeline_split.split(",")),
+          f"parallel.pipeline_split: '{p.pipeline_split}' is not params, flops, uniform or block "
+          "counts per pipeline stage such as 7,9,9,7")
+    _need(p.microbatches >= 0, f"parallel.microbatches: must be >= 0, got {p.microbatches}")
+    _need(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
+
+
+def _check_train(t: TrainConfig) -> None:
+    """The loop: steps, batch sizes, dtype, device, logging, evaluation, trace."""
+    _need(t.steps >= 0, f"train.steps: must be >= 0, got {t.steps}")
+    _need(t.host_mmap_threshold_mb >= 0, "train.host_mmap_threshold_mb: must be >= 0 (0 = "
+          f"glibc's default), got {t.host_mmap_threshold_mb}")
+    _need(t.preemption_grace_s >= 0,
+          f"train.preemption_grace_s: must be >= 0 (0 = off), got {t.preemption_grace_s}")
+    _need(t.global_batch_size >= 1, f"train.global_batch_size: must be >= 1, got "
+          f"{t.global_batch_size}")
+    _need(t.micro_batch_size >= 1, f"train.micro_batch_size: must be >= 1, got "
+          f"{t.micro_batch_size}")
+    _need(t.global_batch_size % t.micro_batch_size == 0,
+          f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
+          f"train.micro_batch_size={t.micro_batch_size}")
+    _one_of("train.dtype", t.dtype, ["float32", "bfloat16"])
+    _one_of("train.device", t.device, ["auto", "cpu", "cuda"])
+    _one_of("train.progress", t.progress, ["auto", "on", "off"])
+    _need(t.log_interval >= 1, f"train.log_interval: must be >= 1, got {t.log_interval}")
+    _need(t.eval_interval >= 0, f"train.eval_interval: must be >= 0, got {t.eval_interval}")
+    _need(0 <= t.trace_step <= max(t.steps, 0),
+          f"train.trace_step: must be between 0 (no trace) and train.steps={t.steps}, got "
+          f"{t.trace_step}")
+    _need(t.eval_batches >= 1, f"train.eval_batches: must be >= 1, got {t.eval_batches}")
+    _need(bool(t.output_dir), "train.output_dir: must not be empty")
+
+
+def _check_checkpoint(c: CheckpointConfig) -> None:
+    """Checkpoint interval, retention and directory pattern."""
+    _need(c.interval >= 0, f"checkpoint.interval: must be >= 0, got {c.interval}")
+    _need(c.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {c.keep_last}")
+    _need("{" not in c.dir.replace("{node}", "") and "}" not in c.dir.replace("{node}", ""),
+          f"checkpoint.dir: '{c.dir}' has a placeholder other than {{node}}")
