@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from threefold.config import Config, ModelConfig, param_dtype
 from threefold.model import LlamaForCausalLM
@@ -43,14 +44,30 @@ ORDER = ("pipeline split", "tensor + sequence parallel", "context parallel", "ex
          "allocate and fill this rank's tensors")
 
 
-def apply_activation_checkpointing(model: LlamaForCausalLM) -> None:
-    """Recompute each transformer block in backward. The block's forward is wrapped in place,
-    so parameter names (and checkpoints) do not change."""
-    from torch.utils.checkpoint import checkpoint
+_CHECKPOINTED: dict[type, type] = {}
 
+
+def checkpointed(cls: type) -> type:
+    """``cls`` (a transformer block class) whose forward runs under
+    ``torch.utils.checkpoint`` (non-reentrant): its activations are recomputed in backward.
+    One subclass per block class, named ``Checkpointed<Block>``."""
+    if cls not in _CHECKPOINTED:
+        def forward(self, *args, **kwargs):
+            return checkpoint(super(sub, self).forward, *args, use_reentrant=False, **kwargs)
+
+        sub = type(f"Checkpointed{cls.__name__}", (cls,),
+                   {"forward": forward, "__doc__": f"{cls.__name__}, recomputed in backward."})
+        _CHECKPOINTED[cls] = sub
+    return _CHECKPOINTED[cls]
+
+
+def apply_activation_checkpointing(model: LlamaForCausalLM) -> None:
+    """Recompute each transformer block in backward: each block becomes, in place, its
+    ``checkpointed`` class (``print(model)`` shows it), so parameter names, checkpoints and
+    the modules pipeline chunks share do not change."""
     for block in model.model.layers:
-        inner = block.forward
-        block.forward = lambda *a, _f=inner, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+        if not type(block).__name__.startswith("Checkpointed"):
+            block.__class__ = checkpointed(type(block))
 
 
 def apply_compile(model: LlamaForCausalLM) -> None:

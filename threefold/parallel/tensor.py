@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import math
 import re
-import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from threefold.kernels import rms_norm
-from threefold.model import LlamaForCausalLM
+from threefold.model import LlamaForCausalLM, RMSNorm
 from threefold.parallel.placement import place, tp_shard_dim  # noqa: F401 (re-exported)
 
 AXIS = "tp"
@@ -226,28 +225,64 @@ def _set_weight(module: nn.Module, new: torch.Tensor, shard_dim: int | None, ful
         place(p, tp_dim=shard_dim, tp_full=full, tp_index=rank, tp_count=t)
 
 
-def _vocab_embedding_forward(comm, sp: bool, shard: int):
-    offset = comm.rank(AXIS) * shard
+class VocabParallelEmbedding(nn.Embedding):
+    """An embedding holding one tp rank's rows of the vocabulary (``apply_tensor_parallel``
+    turns the model's embedding into one, in place): ids outside its rows give zeros, and the
+    rows' sum over tp (a reduce-scatter on the sequence under sequence parallelism) is the
+    whole embedding's output."""
 
-    def forward(self, ids):
-        local = ids - offset
-        outside = (local < 0) | (local >= shard)
+    comm = None
+    offset = rows = 0
+    sequence_parallel = False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embed ``ids``, summed over the tp ranks' vocabulary rows."""
+        local = ids - self.offset
+        outside = (local < 0) | (local >= self.rows)
         out = F.embedding(torch.where(outside, torch.zeros_like(local), local), self.weight)
         out = out.masked_fill(outside[..., None], 0.0)
-        return _ReduceScatterSeq.apply(out, comm) if sp else _ReduceFromTP.apply(out, comm)
-    return forward
+        if self.sequence_parallel:
+            return _ReduceScatterSeq.apply(out, self.comm)
+        return _ReduceFromTP.apply(out, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, vocabulary rows [{self.offset}, {self.offset + self.rows})"
 
 
-def _replicated_kv_forward(comm, rows: slice):
-    def forward(self, x):
-        return F.linear(x, _CopyToTP.apply(self.weight, comm)[rows])
-    return forward
+class ReplicatedKVLinear(nn.Linear):
+    """A k/v projection kept whole on every tp rank (fewer KV heads than tp): each rank uses
+    the rows of the one KV head its query heads attend with; the weight's gradient is summed
+    over tp (zeros outside the rows a rank used), so it is complete."""
+
+    comm = None
+    head_rows = slice(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's KV head of the projection."""
+        return F.linear(x, _CopyToTP.apply(self.weight, self.comm)[self.head_rows])
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rows [{self.head_rows.start}, {self.head_rows.stop})"
 
 
-def _sp_norm_forward(comm):
-    def forward(self, x):
-        return rms_norm(x, _CopyToTP.apply(self.weight, comm), self.eps)
-    return forward
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm over this rank's tokens (sequence parallelism): its weight's gradient is the
+    sum over the tp ranks' tokens."""
+
+    comm = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise this rank's tokens."""
+        return rms_norm(x, _CopyToTP.apply(self.weight, self.comm), self.eps)
+
+
+def _become(module: nn.Module, cls: type, **attrs) -> None:
+    """Turn ``module`` into a ``cls`` (a subclass of its own class) in place, so that every
+    holder of it (pipeline chunks share modules) sees the new forward, and ``print(model)``
+    names what runs; ``attrs`` are its settings."""
+    module.__class__ = cls
+    for k, v in attrs.items():
+        setattr(module, k, v)
 
 
 def _style(name: str) -> str | None:
@@ -257,18 +292,12 @@ def _style(name: str) -> str | None:
     return None
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool = False):
-    """Shard ``model`` in place over the "tp" axis of ``comm`` and install the conjugate
-    operators. Returns the model, with ``model.loss_function`` set to the vocab-parallel loss.
-    Weights are sliced from the full (already initialised) ones, so the sharded model computes
-    exactly what the full one does."""
+def _shard_weights(model: LlamaForCausalLM, comm, sp: bool) -> None:
+    """Slice every weight of the plan to this rank's part (placements recorded)."""
     t, r = comm.size(AXIS), comm.rank(AXIS)
     cfg = model.cfg
-    sp = sequence_parallel
     hd, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    vocab = cfg.vocab_size
-    vshard = math.ceil(vocab / t)
-    split_kv = kv % t == 0
+    vocab, vshard = cfg.vocab_size, math.ceil(cfg.vocab_size / t)
     for name, module in list(model.named_modules()):
         style = _style(name)
         if style is None or module is None:
@@ -276,56 +305,69 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
         w = module.weight.detach()
         if style == "vocab_embedding":
             _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab, r, t)
-            module.forward = types.MethodType(_vocab_embedding_forward(comm, sp, vshard), module)
+            _become(module, VocabParallelEmbedding, comm=comm, offset=r * vshard, rows=vshard,
+                    sequence_parallel=sp)
         elif style == "vocab_column":
-            if model.cfg.tie_word_embeddings and model.model.embed_tokens is not None:
+            if cfg.tie_word_embeddings and model.model.embed_tokens is not None:
                 module.weight = model.model.embed_tokens.weight  # already vocab-sharded
             else:
                 _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab, r, t)
-        elif style == "column" and name.endswith(("k_proj", "v_proj")) and not split_kv:
+        elif style == "column" and name.endswith(("k_proj", "v_proj")) and kv % t:
             kv_head = (r * (heads // t)) // (heads // kv)
             _set_weight(module, w.clone(), None, w.shape[0])
             place(module.weight, tp_grad_reduced=True)
-            module.forward = types.MethodType(
-                _replicated_kv_forward(comm, slice(kv_head * hd, (kv_head + 1) * hd)), module)
+            _become(module, ReplicatedKVLinear, comm=comm,
+                    head_rows=slice(kv_head * hd, (kv_head + 1) * hd))
         elif style == "column":
             _set_weight(module, _shard_rows(w, r, t), 0, w.shape[0], r, t)
         elif style == "row":
             _set_weight(module, _shard_rows(w.t(), r, t).t(), 1, w.shape[1], r, t)
+
+
+def _whole_sequence_positions(_m, args, kwargs):
+    """Rotary tables for the whole sequence when each rank holds only some tokens (the
+    caller's positions when given: the pipeline executor always passes them)."""
+    given = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+    if given is not None:
+        return None
+    ids = args[0]
+    kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)
+              .expand(ids.shape[0], -1)}
+    if len(args) > 2:
+        kwargs["document_ids"] = args[2]
+    return args[:1], kwargs
+
+
+def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool = False):
+    """Shard ``model`` in place over the "tp" axis of ``comm`` and install the conjugate
+    operators. Returns the model, with ``model.loss_function`` set to the vocab-parallel loss.
+    Weights are sliced from the full ones (or, on the meta device, only their shapes and
+    placements change), so the sharded model computes exactly what the full one does."""
+    sp = sequence_parallel
+    _shard_weights(model, comm, sp)
     enter = _GatherSeq.apply if sp else _CopyToTP.apply
     leave = _ReduceScatterSeq.apply if sp else _ReduceFromTP.apply
+    norms = [model.model.norm] if sp and model.model.norm is not None else []
     for layer in model.model.layers:
         # a mixture of experts stays whole on every tp rank: its input and output are the
         # replicated residual stream, so it needs no operator (threefold.parallel.expert)
-        dense_mlp = getattr(layer.mlp, "down_proj", None)
+        dense_mlp = getattr(layer.mlp, "down_proj", None)  # None in a mixture of experts
         for sub, out_proj in ((layer.self_attn, layer.self_attn.o_proj),
                               *(((layer.mlp, dense_mlp),) if dense_mlp is not None else ())):
             sub.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm), *a[1:]))
             out_proj.register_forward_hook(lambda _m, _a, out: leave(out, comm))
         if sp:
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.forward = types.MethodType(_sp_norm_forward(comm), norm)
-                place(norm.weight, tp_grad_reduced=True)
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    for norm in norms:  # a pipeline stage may not hold the final norm
+        _become(norm, SequenceParallelRMSNorm, comm=comm)
+        place(norm.weight, tp_grad_reduced=True)
     if sp:
-        if model.model.norm is not None:  # a pipeline stage may not hold the final norm
-            model.model.norm.forward = types.MethodType(_sp_norm_forward(comm), model.model.norm)
-            place(model.model.norm.weight, tp_grad_reduced=True)
-
-        def positions(_m, args, kwargs):  # rotary tables for the whole sequence
-            given = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
-            if given is not None:
-                return None  # the caller's (the pipeline executor always passes them)
-            ids = args[0]
-            kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)
-                      .expand(ids.shape[0], -1)}
-            if len(args) > 2:
-                kwargs["document_ids"] = args[2]
-            return args[:1], kwargs
-        model.model.register_forward_pre_hook(positions, with_kwargs=True)
+        model.model.register_forward_pre_hook(_whole_sequence_positions, with_kwargs=True)
     if model.lm_head is not None:
         model.lm_head.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm),))
-    model.loss_function = VocabParallelLoss(comm, vocab, vshard)
-    model.tp_size = t
+    model.loss_function = VocabParallelLoss(comm, model.cfg.vocab_size,
+                                            math.ceil(model.cfg.vocab_size / comm.size(AXIS)))
+    model.tp_size = comm.size(AXIS)
     model.sequence_parallel = sp  # generation refuses it (its steps are 1 token)
     return model
 
