@@ -7,10 +7,70 @@ crosses (mesh order, tp innermost).
 Bytes are those one rank *sends*, counted exactly as ``threefold.comm.Comm`` counts them (ring
 algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
 elements, point-to-point all of it; for global rank 0.
+
+What each axis carries (``collectives``; x = b·s·h elements of one microbatch's activation,
+L = layers on the stage):
+
+tp (``threefold.parallel.tensor``; Megatron §3, Korthikanti et al. §4.2.2), per microbatch:
+without SP each layer all-reduces its two sub-layer outputs forward (matmul dtype) and its
+two sub-layer input gradients backward (residual dtype): 8·x·(t-1)/t elements per layer.
+With SP each "all-reduce" becomes an all-gather plus a reduce-scatter — the same bytes;
+the q/k/v and gate/up linears keep the gathered input for backward, so there is no
+re-gather — plus an all-reduce of each RMSNorm weight gradient (h elements, 2 per layer
+and the final norm) in every backward. The vocab-parallel embedding all-reduces (SP:
+reduce-scatters, all-gathers back) x forward; the LM head input's gather costs x backward
+(SP: forward and backward); the vocab-parallel loss all-reduces 3 vectors of b·s fp32.
+Replicated k/v projections (kv heads < tp) all-reduce their whole weight gradient over tp
+in every backward. Full recompute (torch's non-reentrant checkpoint) re-runs each block's
+forward but stops as soon as the last tensor saved for backward is rebuilt
+(``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default), so the attention's
+closing collective is repeated and the MLP's is not: +1 all-reduce per layer, or under SP
++2 all-gathers and +1 reduce-scatter. The gradient-norm all-reduces one fp32 scalar over tp.
+pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary, in
+the residual dtype; the gradient norm all-reduces 2 fp32 scalars over the stages (these
+pipeline figures are the planner's: not yet checked against the pipeline executor).
+dp (``threefold.parallel.data`` / ``zero``; ZeRO arXiv 1910.02054 §7): stage 0 all-reduces
+the gradient buckets over the flattened "dp" group once per step (no sync while
+accumulating), overlapped with the last backward; ZeRO works per unit (embedding, each
+block, final norm, head; each padded to a multiple of dp_shard): stages 1 and 2
+reduce-scatter every unit once per step (stage 2 from backward hooks) and all-gather it
+after the optimiser step; stage 3 all-gathers each unit before its forward and again before
+its backward (not the embedding, whose backward reads only the token ids) and
+reduce-scatters it, every microbatch (a tied root unit stays gathered from the first
+forward to the end of the step: one gather per step). Then, with
+dp_replicate > 1, every unit's gradient shard is all-reduced over dp_replicate, and the
+gradient norm all-reduces 2 fp32 scalars over dp_shard. Weights and gradients move in
+``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say otherwise.
+Mixture of experts (``threefold.moe``, ``threefold.parallel.expert``): the MoE is whole on
+every tp rank, so only the attention has tp collectives (one all-reduce per layer each
+way, and the recomputed attention's). With ep > 1, per MoE layer and microbatch, on "ep"
+(all-to-alls, on the critical path): the count exchange, E int64 split evenly over the ep
+ranks; dispatch, the rank's N·k (token, expert) rows (N = b·s tokens) of h elements in the
+residual dtype (the MLP's input) to the experts' ranks, and combine, the rows back in the
+matmul dtype (the experts' output); backward, their gradients, the same sizes. Bytes sent
+are the uniform-routing expectation, (ep−1)/ep of the rows leaving the rank each way:
+4·N·k·(ep−1)/ep·h elements + E·8·(ep−1)/ep bytes per layer, or under full recompute (the
+forward's three all-to-alls again) 6·N·k·(ep−1)/ep·h + 2·E·8·(ep−1)/ep; real routing
+varies around it. The expert tensors' gradients: ZeRO-0 all-reduces them over "edp"
+(dp/ep) in buckets of their own (the dense ones over "dp" as always) and the gradient
+norm all-reduces one fp32 over "ep"; ZeRO 1-3 makes each block's experts a unit of its
+own over "edp_shard" (dp_shard/ep), padded to a multiple of it, with the dense units'
+collectives (stage 3 under full recompute gathers it a third time: the recomputed forward
+runs before the unit's backward hook) and, with dp_replicate > 1, its shard gradient
+all-reduced over dp_replicate.
+cp (``threefold.parallel.context``), per microbatch and layer: the attention's K/V moves,
+``cp_bytes_per_attention`` of this rank's K and V (2·b·kv heads per tp rank·s/cp·head_dim
+in the matmul dtype), its forward twice under recompute. Ring: point-to-point hops of the
+K/V block, posted before the block in hand is computed (each hides behind one block's
+attention), and in backward the dK/dV accumulator's hops, which wait right after their
+block (exposed). Allgather: an all-gather forward and a reduce-scatter backward, exposed.
+With cp > 1, s above is seq_len/cp, the data-parallel all-reduce runs over "dp_cp" (dp·cp
+ranks) and ZeRO over "dp_shard_cp" (dp_shard·cp ranks, units padded to a multiple of it).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -72,84 +132,52 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                 grad_bytes: int | None = None, param_bytes: int | None = None
                 ) -> list[Collective]:
     """Every collective one rank of ``stage`` issues in a step, as threefold's runtime issues
-    them (x = b·s·h elements of one microbatch's activation, L = layers on the stage).
-
-    tp (``threefold.parallel.tensor``; Megatron §3, Korthikanti et al. §4.2.2), per microbatch:
-    without SP each layer all-reduces its two sub-layer outputs forward (matmul dtype) and its
-    two sub-layer input gradients backward (residual dtype): 8·x·(t-1)/t elements per layer.
-    With SP each "all-reduce" becomes an all-gather plus a reduce-scatter — the same bytes;
-    the q/k/v and gate/up linears keep the gathered input for backward, so there is no
-    re-gather — plus an all-reduce of each RMSNorm weight gradient (h elements, 2 per layer
-    and the final norm) in every backward. The vocab-parallel embedding all-reduces (SP:
-    reduce-scatters, all-gathers back) x forward; the LM head input's gather costs x backward
-    (SP: forward and backward); the vocab-parallel loss all-reduces 3 vectors of b·s fp32.
-    Replicated k/v projections (kv heads < tp) all-reduce their whole weight gradient over tp
-    in every backward. Full recompute (torch's non-reentrant checkpoint) re-runs each block's
-    forward but stops as soon as the last tensor saved for backward is rebuilt
-    (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default), so the attention's
-    closing collective is repeated and the MLP's is not: +1 all-reduce per layer, or under SP
-    +2 all-gathers and +1 reduce-scatter. The gradient-norm all-reduces one fp32 scalar over tp.
-    pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary, in
-    the residual dtype; the gradient norm all-reduces 2 fp32 scalars over the stages (these
-    pipeline figures are the planner's: not yet checked against the pipeline executor).
-    dp (``threefold.parallel.data`` / ``zero``; ZeRO arXiv 1910.02054 §7): stage 0 all-reduces
-    the gradient buckets over the flattened "dp" group once per step (no sync while
-    accumulating), overlapped with the last backward; ZeRO works per unit (embedding, each
-    block, final norm, head; each padded to a multiple of dp_shard): stages 1 and 2
-    reduce-scatter every unit once per step (stage 2 from backward hooks) and all-gather it
-    after the optimiser step; stage 3 all-gathers each unit before its forward and again before
-    its backward (not the embedding, whose backward reads only the token ids) and
-    reduce-scatters it, every microbatch (a tied root unit stays gathered from the first
-    forward to the end of the step: one gather per step). Then, with
-    dp_replicate > 1, every unit's gradient shard is all-reduced over dp_replicate, and the
-    gradient norm all-reduces 2 fp32 scalars over dp_shard. Weights and gradients move in
-    ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say otherwise.
-    Mixture of experts (``threefold.moe``, ``threefold.parallel.expert``): the MoE is whole on
-    every tp rank, so only the attention has tp collectives (one all-reduce per layer each
-    way, and the recomputed attention's). With ep > 1, per MoE layer and microbatch, on "ep"
-    (all-to-alls, on the critical path): the count exchange, E int64 split evenly over the ep
-    ranks; dispatch, the rank's N·k (token, expert) rows (N = b·s tokens) of h elements in the
-    residual dtype (the MLP's input) to the experts' ranks, and combine, the rows back in the
-    matmul dtype (the experts' output); backward, their gradients, the same sizes. Bytes sent
-    are the uniform-routing expectation, (ep−1)/ep of the rows leaving the rank each way:
-    4·N·k·(ep−1)/ep·h elements + E·8·(ep−1)/ep bytes per layer, or under full recompute (the
-    forward's three all-to-alls again) 6·N·k·(ep−1)/ep·h + 2·E·8·(ep−1)/ep; real routing
-    varies around it. The expert tensors' gradients: ZeRO-0 all-reduces them over "edp"
-    (dp/ep) in buckets of their own (the dense ones over "dp" as always) and the gradient
-    norm all-reduces one fp32 over "ep"; ZeRO 1-3 makes each block's experts a unit of its
-    own over "edp_shard" (dp_shard/ep), padded to a multiple of it, with the dense units'
-    collectives (stage 3 under full recompute gathers it a third time: the recomputed forward
-    runs before the unit's backward hook) and, with dp_replicate > 1, its shard gradient
-    all-reduced over dp_replicate.
-    cp (``threefold.parallel.context``), per microbatch and layer: the attention's K/V moves,
-    ``cp_bytes_per_attention`` of this rank's K and V (2·b·kv heads per tp rank·s/cp·head_dim
-    in the matmul dtype), its forward twice under recompute. Ring: point-to-point hops of the
-    K/V block, posted before the block in hand is computed (each hides behind one block's
-    attention), and in backward the dK/dV accumulator's hops, which wait right after their
-    block (exposed). Allgather: an all-gather forward and a reduce-scatter backward, exposed.
-    With cp > 1, s above is seq_len/cp, the data-parallel all-reduce runs over "dp_cp" (dp·cp
-    ranks) and ZeRO over "dp_shard_cp" (dp_shard·cp ranks, units padded to a multiple of it).
-    """
-    t, p, v, b = layout.tp, layout.pp, layout.vpp, layout.microbatch_size
-    s = local_seq_len(layout, work)
-    d, r = work.act_bytes, work.resid_bytes
+    them: tp, pp, cp and ep per microbatch, then the gradients' (plain data parallelism, or
+    ZeRO's units). Weights and gradients move in ``work.weight_bytes`` unless
+    ``grad_bytes``/``param_bytes`` say otherwise. The module docstring says what each axis
+    carries."""
     g = (work.grad_reduce_bytes if layout.zero_stage else work.weight_bytes) \
         if grad_bytes is None else grad_bytes
     pb = work.weight_bytes if param_bytes is None else param_bytes
-    h, layers = cfg.hidden_size, rank_layers(cfg, layout, stage)
-    x = b * s * h
-    first, last = int(stage == 0), int(stage == p - 1)
-    rec = layers if layout.recompute == "full" else 0
-    e, k, _ = _moe_key(cfg)
-    subs = 1 if e else 2  # sub-layers with tp collectives: attention (and a dense MLP)
+    tokens = layout.microbatch_size * local_seq_len(layout, work)  # b·s of one microbatch
+    layers = rank_layers(cfg, layout, stage)
     out: list[Collective] = []
+    add = functools.partial(_add, out)
+    _tp_collectives(add, cfg, layout, work, stage, layers, tokens, g)
+    if layout.pp > 1:
+        _pp_collectives(add, cfg, layout, stage, tokens * cfg.hidden_size, work.resid_bytes, g)
+    if layout.cp > 1:
+        _cp_attention(add, layout, tp_shard(cfg, layout.tp).kv_heads * cfg.head_dim, tokens,
+                      work.act_bytes, layers)
+    e, k, _ = _moe_key(cfg)
+    if e and layout.ep > 1:
+        _ep_collectives(add, layout, work, e, tokens * k * cfg.hidden_size, layers)
+    experts = stage_expert_units(cfg, layout, stage)
+    if layout.zero_stage == 0:
+        _data_parallel(add, cfg, layout, stage, experts, g)
+    else:
+        _zero(add, cfg, layout, stage, experts, g, pb)
+    return out
 
-    def add(axis, op, numel, elem, count, group, per_mb, overlap):
-        """Record a collective unless it is a no-op (group of one or no calls)."""
-        if group > 1 and count > 0:
-            out.append(Collective(axis, op, int(numel), int(elem), int(count), group, per_mb,
-                                  overlap))
 
+def _add(out: list[Collective], axis: str, op: str, numel: float, elem: int, count: int,
+         group: int, per_mb: bool, overlap: str) -> None:
+    """Record a collective in ``out`` unless it is a no-op (group of one or no calls)."""
+    if group > 1 and count > 0:
+        out.append(Collective(axis, op, int(numel), int(elem), int(count), group, per_mb,
+                              overlap))
+
+
+def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
+                    layers: int, tokens: int, g: int) -> None:
+    """tp, per microbatch: the sub-layers' all-reduces (under SP gathers and scatters), the
+    embedding's, the head's and the loss's, replicated k/v gradients; the gradient norm."""
+    t, h, d, r = layout.tp, cfg.hidden_size, work.act_bytes, work.resid_bytes
+    x = tokens * h
+    first, last = int(stage == 0), int(stage == layout.pp - 1)
+    rec = layers if layout.recompute == "full" else 0
+    subs = 1 if cfg.num_local_experts else 2  # sub-layers with tp collectives: attention (and
+    # a dense MLP; a mixture of experts is whole on every tp rank)
     if layout.sp:
         add("tp", "all_gather", x, r, 2 * layers + 2 * rec + first + last, t, True, "none")
         add("tp", "reduce_scatter", x, r, 2 * layers + first + last, t, True, "none")
@@ -159,54 +187,67 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     else:
         add("tp", "all_reduce", x, r, subs * layers + first + last, t, True, "none")
         add("tp", "all_reduce", x, d, subs * layers + rec, t, True, "none")
-    add("tp", "all_reduce", b * s, 4, 3 * last, t, True, "none")
-    sh = tp_shard(cfg, t)
-    if sh.kv_replicas > 1:
+    add("tp", "all_reduce", tokens, 4, 3 * last, t, True, "none")
+    if tp_shard(cfg, t).kv_replicas > 1:
         add("tp", "all_reduce", cfg.num_key_value_heads * cfg.head_dim * h, g, 2 * layers, t,
             True, "none")
     add("tp", "all_reduce", 1, 4, 1, t, False, "step")  # gradient norm
 
-    if p > 1:
-        sends = _p2p_sends_per_microbatch(p, v, stage)
-        add("pp", "p2p", x // t if layout.sp else x, r, sends, p, True, "none")
-        if cfg.tie_word_embeddings and stage in (0, p - 1):
-            # the embedding and the last stage's copy of it: their gradients (this rank's
-            # ZeRO shard of them) summed between the two ends (runtime axis "pp_ends")
-            tied = sh.vocab * h
-            if layout.zero_stage:
-                tied = -(-tied // layout.shard_size)
-            add("pp", "all_reduce", tied, g, 1, 2, False, "step")
-        add("pp", "all_reduce", 2, 4, 1, p, False, "step")  # gradient norm over stages
 
-    if layout.cp > 1:
-        _cp_attention(add, layout, sh.kv_heads * cfg.head_dim, b * s, d, layers)
+def _pp_collectives(add, cfg: ModelConfig, layout: Layout, stage: int, x: int, r: int,
+                    g: int) -> None:
+    """pp: the activation (x elements, /t under SP) out of each chunk boundary and its
+    gradient back, per microbatch; a tied embedding's gradient between the two ends; the
+    gradient norm over the stages."""
+    p = layout.pp
+    sends = _p2p_sends_per_microbatch(p, layout.vpp, stage)
+    add("pp", "p2p", x // layout.tp if layout.sp else x, r, sends, p, True, "none")
+    if cfg.tie_word_embeddings and stage in (0, p - 1):
+        # the embedding and the last stage's copy of it: their gradients (this rank's ZeRO
+        # shard of them) summed between the two ends (runtime axis "pp_ends")
+        tied = tp_shard(cfg, layout.tp).vocab * cfg.hidden_size
+        if layout.zero_stage:
+            tied = -(-tied // layout.shard_size)
+        add("pp", "all_reduce", tied, g, 1, 2, False, "step")
+    add("pp", "all_reduce", 2, 4, 1, p, False, "step")  # gradient norm over stages
 
-    ep = layout.ep if e else 1
-    if ep > 1:
-        forwards = 2 if layout.recompute == "full" else 1
-        rows = b * s * k  # (token, expert) assignments of this rank's tokens
-        add("ep", "all_to_all", e, 8, layers * forwards, ep, True, "none")  # counts
-        add("ep", "all_to_all", rows * h, r, layers * (forwards + 1), ep, True, "none")
-        add("ep", "all_to_all", rows * h, d, layers * (forwards + 1), ep, True, "none")
-    experts = stage_expert_units(cfg, layout, stage)
 
+def _ep_collectives(add, layout: Layout, work: Workload, experts: int, rows: int,
+                    layers: int) -> None:
+    """ep, per MoE layer and microbatch: the count exchange, then dispatch and combine of the
+    ``rows`` (token, expert) elements, forward (again under full recompute) and backward."""
+    ep, forwards = layout.ep, 2 if layout.recompute == "full" else 1
+    add("ep", "all_to_all", experts, 8, layers * forwards, ep, True, "none")  # counts
+    add("ep", "all_to_all", rows, work.resid_bytes, layers * (forwards + 1), ep, True, "none")
+    add("ep", "all_to_all", rows, work.act_bytes, layers * (forwards + 1), ep, True, "none")
+
+
+def _data_parallel(add, cfg: ModelConfig, layout: Layout, stage: int,
+                   experts: list, g: int) -> None:
+    """ZeRO-0: the gradient buckets all-reduced over dp (dp·cp), the experts' over edp, and
+    the experts' share of the gradient norm over ep."""
+    for numel, count in Counter(gradient_buckets(cfg, layout, g, stage)).items():
+        add(layout.data_axis, "all_reduce", numel, g, count,
+            layout.shard_size * layout.dp_replicate, False, "last")
+    flat = tuple(n for unit in experts for n in unit)
+    for numel, count in Counter(_buckets(flat, g, layout.bucket_bytes)).items():
+        add("edp", "all_reduce", numel, g, count, layout.edp, False, "last")
+    if experts:
+        add("ep", "all_reduce", 1, 4, 1, layout.ep, False, "step")  # experts' share of the norm
+
+
+def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: int,
+          pb: int) -> None:
+    """ZeRO 1-3: every unit's collectives over the shard axis (``_zero_unit``), the experts'
+    over edp_shard, and the gradient norm."""
     ns, nr, z = layout.shard_size, layout.dp_replicate, layout.zero_stage
-    if z == 0:
-        for numel, count in Counter(gradient_buckets(cfg, layout, g, stage)).items():
-            add(layout.data_axis, "all_reduce", numel, g, count, ns * nr, False, "last")
-        flat = tuple(n for unit in experts for n in unit)
-        for numel, count in Counter(_buckets(flat, g, layout.bucket_bytes)).items():
-            add("edp", "all_reduce", numel, g, count, layout.edp, False, "last")
-        if experts:
-            add("ep", "all_reduce", 1, 4, 1, ep, False, "step")  # experts' share of the norm
-        return out
     units = list(stage_units(cfg, layout, stage))
     # a tied root unit (``ZeroEngine``'s last) stays gathered from the step's first forward
     # to its end under stage 3: one gather per step instead of two per microbatch
-    root = units.pop() if cfg.tie_word_embeddings and p == 1 else None
+    root = units.pop() if cfg.tie_word_embeddings and layout.pp == 1 else None
     # the embedding's backward reads token ids, not its weight: stage 3 gathers it for the
     # forward only (``ZeroEngine``)
-    embedding = units.pop(0) if first and root is None else None
+    embedding = units.pop(0) if stage == 0 and root is None else None
     ax = layout.shard_axis
     for unit, count in Counter(-(-sum(u) // ns) * ns for u in units).items():
         _zero_unit(add, ax, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
@@ -221,7 +262,7 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
         _zero_unit(add, "edp_shard", z, unit, count, ne, nr, g, pb, per_step_gathers=False,
                    extra_gathers=int(layout.recompute == "full"))
     add(ax, "all_reduce", 2, 4, 1, ns, False, "step")  # gradient norm
-    return out
+
 
 
 def _cp_attention(add, layout: Layout, kv_width: int, tokens: int, d: int, layers: int) -> None:
