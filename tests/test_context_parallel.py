@@ -14,7 +14,8 @@ from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_checks, run_distributed
 from tests.test_dp_zero import _check_equal
 from threefold.config import ConfigError, load_config
-from threefold.parallel.context import chunk_index, cp_bytes_per_attention, shard_batch
+from threefold.accounting import cp_bytes_per_attention
+from threefold.parallel.context import chunk_index, shard_batch
 from threefold.train import train
 
 STEPS = 4

@@ -32,6 +32,7 @@ local no-op with the same result, counted as a call with zero bytes; nothing rea
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections import deque
@@ -41,6 +42,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from threefold.axes import AXES, DERIVED_AXES
+from threefold.distributed import set_timeout
 from threefold.mesh import ParallelDims, submesh
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "SUM"}
@@ -156,15 +159,11 @@ class Comm:
 
     def groups(self) -> list:
         """Every process group this Comm can reach (for ``distributed.set_timeout``)."""
-        from threefold.mesh import AXES, DERIVED_AXES
-
         axes = (*AXES, *DERIVED_AXES, *self._extra)
         return [] if self.mesh is None else [self.group(a) for a in axes]
 
     def set_timeout(self, seconds: float) -> int:
         """Collective timeout for every group of this Comm (see distributed.set_timeout)."""
-        from threefold.distributed import set_timeout
-
         return set_timeout(seconds, self.groups())
 
     # ---------------------------------------------------------------- accounting
@@ -390,8 +389,6 @@ class Comm:
         pickled bytes each non-root rank sends."""
         if self.size(axis) == 1:
             return [obj]
-        import pickle
-
         sent = len(pickle.dumps(obj)) if self.rank(axis) else 0
         self._count("gather_object", axis, sent)
         group = self.group(axis)
@@ -406,8 +403,6 @@ class Comm:
         the pickled bytes this rank sends."""
         if self.size(axis) == 1:
             return [obj]
-        import pickle
-
         self._count("all_gather_object", axis, len(pickle.dumps(obj)))
         out = [None] * self.size(axis)
         dist.all_gather_object(out, obj, group=self.group(axis))
@@ -418,8 +413,6 @@ class Comm:
         anything); counted as the pickled bytes rank 0 sends."""
         if self.size(axis) == 1:
             return obj
-        import pickle
-
         sent = len(pickle.dumps(obj)) if self.rank(axis) == 0 else 0
         self._count("broadcast_object", axis, sent)
         group = self.group(axis)

@@ -3,12 +3,14 @@ newest committed one (``resume``), each rank reading only the regions it holds."
 
 from __future__ import annotations
 
+import os
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
-from threefold.checkpoint import (CheckpointError, committed_steps, resolve_root, save_sharded,
-                                  unwritable)
+from threefold.checkpoint import (CheckpointError, NodeGroup, committed_steps, resolve_root,
+                                  save_sharded, unwritable)
 from threefold.config import ConfigError
 from threefold.steps import lr_at
 from threefold.weights import open_sharded
@@ -16,12 +18,29 @@ from threefold.weights import open_sharded
 if TYPE_CHECKING:  # annotations only: train.py imports this module
     from threefold.train import Run
 
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def node_group(lay) -> NodeGroup:
+    """Which node every rank of layout ``lay`` is on (torchrun's GROUP_RANK; 0 without it)
+    and its logging channel's collectives, for checkpoints on nodes that may share no
+    filesystem (``threefold.checkpoint.NodeGroup``); one process on one node without a
+    channel. Collective the first time (an all-gather), then kept."""
+    c = lay.control
+    if c is None:
+        return NodeGroup()
+    if lay not in _GROUPS:
+        node = int(os.environ.get("GROUP_RANK") or 0)
+        _GROUPS[lay] = NodeGroup(c.all_gather_object(node), c.barrier, c.gather_object,
+                                 c.all_gather_object, c.broadcast_object)
+    return _GROUPS[lay]
+
 
 def save(run: Run, step: int) -> None:
     """Collective: every rank writes what it holds into its node's checkpoint root; rank 0
     adds the run's state and, once every node's part is in place, the global index."""
     lay = run.layout
-    group = lay.checkpoint_group()
+    group = node_group(lay)
     ckroot = resolve_root(run.cfg.checkpoint.dir, run.out, group.node_of[lay.rank])
     state = None
     if lay.is_writer:
@@ -39,7 +58,7 @@ def resume(run: Run) -> int:
     Collective: every node's checkpoint root is checked (writable, when the run will save),
     rank 0's index decides the step, and each node's part must be on some node."""
     lay, c = run.layout, run.cfg.checkpoint
-    group = lay.checkpoint_group()
+    group = node_group(lay)
     ckroot = resolve_root(c.dir, run.out, group.node_of[lay.rank])
     field = "checkpoint.dir" if c.dir else "train.output_dir"
     why = unwritable(ckroot) if (c.interval or c.save_final) and group.is_leader(lay.rank) \

@@ -41,7 +41,8 @@ from typing import NamedTuple
 
 import torch
 
-from threefold.accounting import cp_bytes_per_attention  # noqa: F401 - the closed form lives there
+from threefold.model import LlamaAttention, LlamaModel, sdpa_attention
+
 
 AXIS = "cp"
 ALGORITHMS = ("ring", "allgather")
@@ -349,8 +350,6 @@ class GatherKV(torch.autograd.Function):
 def allgather_attention(q, k, v, docs, comm, seq_len):
     """This rank's queries against the all-gathered K/V of the whole sequence, through SDPA
     with the visibility mask of the keys' global positions."""
-    from threefold.model import sdpa_attention
-
     n = comm.size(AXIS)
     full = GatherKV.apply(torch.stack([k, v]), comm)  # (N, 2, B, kvh, T/N, d)
     b, kvh, tl, d = k.shape
@@ -372,8 +371,6 @@ def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring"
     over the whole sequence from this cp rank's share of it, with ``algorithm`` (ring or
     allgather). In place; parameter names do not change. Micro-batches must be cut with
     ``shard_batch`` (positions explicit, ``document_ids`` whole)."""
-    from threefold.model import LlamaAttention, LlamaModel
-
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown cp algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
     n = comm.size(AXIS)

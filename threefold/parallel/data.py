@@ -26,6 +26,7 @@ from torch import nn
 
 from threefold.config import OptimConfig
 from threefold.parallel.engine import LocalEngine
+from threefold.parallel.pipeline.timeline import TraceRecord
 from threefold.parallel.placement import ep_sharded
 
 
@@ -146,8 +147,6 @@ class DataParallelEngine(LocalEngine):
     def finish_gradients(self) -> None:
         """Wait for every bucket's all-reduce; the summed gradients are then in ``.grad``
         (views of the buckets)."""
-        from threefold.parallel.pipeline.timeline import TraceRecord
-
         for k, bucket in enumerate(self.buckets):
             if bucket.handle is None:
                 raise RuntimeError("a gradient bucket was never reduced: some parameter got no "

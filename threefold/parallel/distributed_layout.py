@@ -7,9 +7,18 @@ from typing import Any, Callable
 
 import torch
 
+import torch.distributed as dist
+
 from threefold import faults
-from threefold.distributed import set_timeout
+from threefold.axes import EXPERT_AXES
+from threefold.comm import Comm
+from threefold.distributed import init_distributed, set_timeout, shutdown
 from threefold.liveness import Heartbeats
+from threefold.mesh import ParallelDims
+from threefold.parallel.checks import pipeline_microbatches, validate_layout
+from threefold.parallel.context import shard_batch
+from threefold.parallel.pipeline.executor import PipelineExecutor
+from threefold.parallel.pipeline.stage import rank_model, split_model, tied_head_replica
 from threefold.resharding import rank_pieces
 from threefold.config import Config, ModelConfig
 from threefold.parallel.layout import World
@@ -24,11 +33,6 @@ class Distributed(World):
     or dp_shard_cp)."""
 
     def __init__(self, cfg: Config):
-        from threefold.comm import Comm
-        from threefold.distributed import init_distributed
-        from threefold.mesh import ParallelDims
-
-        import torch.distributed as dist
 
         # A group made by someone else (a test launcher running several runs in one group)
         # is left for its owner to destroy.
@@ -43,8 +47,6 @@ class Distributed(World):
         # `comm` holds exactly what training itself moves.
         self.control = Comm(self.dims, self.mesh)
         if self.dims.ep > 1:  # expert parallelism: groups carved out of dp_shard
-            from threefold.mesh import EXPERT_AXES
-
             for axis in EXPERT_AXES:
                 self.comm.add_axis(axis, self.dims.axis_groups(axis))
         c = self.dims.coords(self.rank)
@@ -76,8 +78,6 @@ class Distributed(World):
 
     def check(self, cfg: Config, mcfg: ModelConfig) -> None:
         """The layout's rules against the model (``parallel.layout.validate_layout``)."""
-        from threefold.parallel.layout import validate_layout
-
         validate_layout(cfg, self.world_size, mcfg)
 
     @property
@@ -117,8 +117,6 @@ class Distributed(World):
 
     def microbatches(self, cfg: Config) -> int:
         """Pipeline microbatches per step on this layout."""
-        from threefold.parallel.layout import pipeline_microbatches
-
         return pipeline_microbatches(cfg, self.dp_size)
 
     def split_pipeline(self, model):
@@ -126,8 +124,6 @@ class Distributed(World):
         module over them (what TP, activation checkpointing, the engine and checkpoints see)."""
         if self.dims.pp == 1:
             return model
-        from threefold.parallel.pipeline.stage import rank_model, split_model
-
         self.chunks = split_model(model, self.dims.pp, self.cfg.parallel.vpp, self.pp_rank,
                                   balance=self.cfg.parallel.pipeline_split,
                                   seq_len=self.cfg.data.seq_len)
@@ -140,8 +136,6 @@ class Distributed(World):
         on the last stage)."""
         if self.chunks is None:
             return
-        from threefold.parallel.pipeline.executor import PipelineExecutor
-
         p = self.cfg.parallel
         split = self.dims.tp if p.sequence_parallel and self.dims.tp > 1 else 1
         if self.chunks[0].cfg.tie_word_embeddings:
@@ -157,8 +151,6 @@ class Distributed(World):
         """Tied embeddings under pipeline parallelism (Megatron's embedding group): the first
         stage's embedding and the last stage's copy of it as LM head get their gradients summed
         over the two ranks (axis "pp_ends"), for every (dp, tp) position. Collective."""
-        from threefold.parallel.pipeline.stage import tied_head_replica
-
         pairs = [[g[0], g[-1]] for g in self.dims.axis_groups("pp")]
         self.comm.add_axis("pp_ends", pairs, counted_as="pp")  # as the planner counts it
         replica = tied_head_replica(model)
@@ -177,8 +169,6 @@ class Distributed(World):
         """This cp rank's tokens of a micro-batch of whole sequences (as they are for cp 1)."""
         if self.cp_size == 1:
             return micro
-        from threefold.parallel.context import shard_batch
-
         return shard_batch(micro, self.cp_size, self.cp_rank)
 
     def checkpoint_pieces(self, engine) -> list:
@@ -243,25 +233,8 @@ class Distributed(World):
         """One line for the log."""
         return f"{self.world_size} ranks ({self.dims.describe()}, zero {self.cfg.parallel.zero_stage})"
 
-    def checkpoint_group(self):
-        """Which node every rank is on (torchrun's GROUP_RANK; 0 without it) and the control
-        channel's collectives, for checkpoints on nodes that may share no filesystem
-        (``threefold.checkpoint.NodeGroup``). Collective the first time (an all-gather)."""
-        if getattr(self, "_ckpt_group", None) is None:
-            import os
-
-            from threefold.checkpoint import NodeGroup
-
-            node = int(os.environ.get("GROUP_RANK") or 0)
-            c = self.control
-            self._ckpt_group = NodeGroup(c.all_gather_object(node), c.barrier, c.gather_object,
-                                         c.all_gather_object, c.broadcast_object)
-        return self._ckpt_group
-
     def close(self) -> None:
         """Barrier and destroy the process group (avoids aborts at exit on CPU)."""
-        from threefold.distributed import shutdown
-
         if self._owns_group:
             shutdown()
         else:

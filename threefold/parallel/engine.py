@@ -16,6 +16,7 @@ training loop drives every layout with the same five calls:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -24,7 +25,9 @@ from torch import nn
 from threefold.config import OptimConfig
 # make_adamw is imported from here by the benchmarks too
 from threefold.parallel.adamw import adamw_step, make_adamw  # noqa: F401
-from threefold.parallel.placement import ep_sharded, tied_replica, tp_shard_dim
+from threefold.parallel.materialize import fill_local
+from threefold.parallel.offload import HostOptimizer
+from threefold.parallel.placement import Piece, ep_sharded, tied_replica, tp_shard_dim
 
 
 def unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -75,8 +78,6 @@ class OptimizerSlot:
     def __init__(self, params: list[torch.Tensor], cfg: OptimConfig, offload: bool = False):
         self.offload = None
         if offload:
-            from threefold.parallel.offload import HostOptimizer
-
             self.offload = HostOptimizer(params, cfg)
             self.optimizer = self.offload.optimizer
         else:
@@ -147,8 +148,6 @@ class LocalEngine:
 
     def _use_compute_copies(self, dtype: torch.dtype) -> None:
         """float32 masters for the optimiser; the model's parameters become ``dtype`` copies."""
-        import weakref
-
         for _, p in self.named_params:
             master = nn.Parameter(p.detach().clone())
             self._master[p] = master
@@ -231,8 +230,6 @@ class LocalEngine:
 
     def local_pieces(self) -> list:
         """What this rank holds, as checkpoint pieces (whole local tensors here)."""
-        from threefold.checkpoint import Piece
-
         out = []
         for n, p in self.named_params:
             t = self._trained(p)
@@ -255,8 +252,6 @@ class LocalEngine:
         """Take this rank's part of every logical tensor in ``source`` (a checkpoint written
         by any layout, ``threefold.weights``: only the slice this rank holds is read), and
         AdamW's moments where the source has them (``optim_step`` steps taken)."""
-        from threefold.parallel.materialize import fill_local
-
         for n, p in self.named_params:
             fill_local(source, n, p, self._trained(p).data)
         self._refresh_compute_copies()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from threefold.moe import Experts
 from threefold.parallel.placement import ep_sharded, place  # noqa: F401 (re-exported)
 
 AXIS = "ep"
@@ -98,8 +99,6 @@ def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
     """Keep this rank's E/ep experts of every MoE layer of ``model`` (whole weights in, as
     initialised or loaded) and route through ``Dispatcher``. Marks each expert tensor
     with its slice of dim 0 in its placement (``threefold.parallel.placement``)."""
-    from threefold.moe import Experts
-
     ep, r = comm.size(AXIS), comm.rank(AXIS)
     for m in model.modules():
         if isinstance(m, Experts):

@@ -32,6 +32,7 @@ class World:
     chunks = None     # this rank's pipeline chunks (pp > 1)
     pipeline = None   # their executor, once built
     data_axis = "dp"
+    control = None  # the logging channel (a Comm) of a process group
 
     def gather_object(self, obj: Any) -> list | None:
         """Collective: every rank's ``obj`` on the writer (a list in rank order); None on
@@ -109,12 +110,6 @@ class World:
     def describe(self) -> str:
         """One line for the log."""
         return "single process"
-
-    def checkpoint_group(self):
-        """One node, one rank (``threefold.checkpoint.NodeGroup``)."""
-        from threefold.checkpoint import NodeGroup
-
-        return NodeGroup()
 
     def close(self) -> None:
         """Release process groups."""

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.model import initial_weight
 from threefold.parallel.placement import logical_box, logical_shape, row_span, source_name
 
 
@@ -47,8 +48,6 @@ class InitSource:
              ) -> torch.Tensor | None:
         """Region ``box`` of the initial ``name`` (of logical ``shape``); None for optimiser
         state (a fresh run has none)."""
-        from threefold.model import initial_weight
-
         if kind != "model":
             return None
         if self._last is None or self._last[0] != name:

@@ -41,6 +41,7 @@ from threefold.parallel.engine import (OptimizerSlot, clip_to, global_sq_norm,
                                        unique_named_parameters)
 from threefold.parallel.flat import FlatUnit  # noqa: F401 (re-exported)
 from threefold.parallel.materialize import fill_flat, hollow_parameters
+from threefold.parallel.placement import Piece
 
 
 def _attach(unit_ref, grad: torch.Tensor) -> torch.Tensor:
@@ -307,8 +308,6 @@ class ZeroEngine:
 
     def local_pieces(self) -> list:
         """This rank's shard of every unit, cut at parameter boundaries into pieces."""
-        from threefold.checkpoint import Piece
-
         out = []
         for unit in self.all_units:
             lo = self.comm.rank(unit.axis) * unit.shard_numel
