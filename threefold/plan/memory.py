@@ -2,6 +2,37 @@
 (``MemoryBreakdown.total``), per pipeline stage and the per-GPU peak the planner checks
 against the device; for a mixture of experts, the experts each rank holds
 (``memory_per_rank``). Pure formulas, no torch.
+
+Model states as threefold's engines hold them (``_model_states``; Ψ = this rank's parameters,
+N = dp_shard·cp, the ZeRO group, m = microbatches, bytes per element from ``StateBytes``):
+
+- plain / data parallel: Ψ weights, Ψ gradients (freed after every step), the optimiser
+  state; data parallel adds its flat gradient buckets, Ψ, for good;
+- ZeRO 1/2 (``threefold.parallel.zero``): the full weights live in per-unit flat buffers
+  and the owned shard is a separate parameter (a copy of Ψ/N unless it is the fp32 master
+  the optimiser state already counts); the optimiser state is Ψ/N; at the end of backward
+  stage 1 holds the full .grad (Ψ) and, in ``finish_gradients``, one unit's flat copy
+  while the .grad of the units not yet reduced give way to the Ψ/N shard;
+  stage 2 frees each unit's .grad once copied for its reduce-scatter, holding the shard
+  and ``ZERO_REDUCES_IN_FLIGHT`` + 1 units' full copies;
+- ZeRO 3: Ψ/N weights, Ψ/N optimiser state, gradients as stage 2; two gathered units
+  (the one in use and the one prefetched) while computing.
+While accumulating (m > 1), the gradients of earlier microbatches are held when the last
+backward starts: Ψ, or the Ψ/N shard under stage 3. ZeRO over one rank (N = 1) is the same
+engine with nothing to shard.
+
+With ``layout.offload_optimizer`` (threefold.parallel.offload) the optimiser state and the
+step's temporaries leave the device: ``optimizer`` and ``optimizer_working`` are 0 and
+``host`` holds, per owned parameter (Ψ, or Ψ/N under ZeRO), the optimiser state plus an
+fp32 master when the state did not include it, plus the fp32 gradient buffer: 16 bytes
+either way. Under ZeRO 1/2 the device keeps the owned shard as a tensor of its own (it
+receives the host's update and is all-gathered), ``state.param`` bytes per owned element.
+Gradients stay on the device until the step copies them down.
+
+``backend_copies``: the collective backend copies an all-gather or reduce-scatter through
+a temporary as large as the whole unit (gloo on a CPU; NCCL does not): one more unit at
+ZeRO's gathers and reductions. With bf16 parameters (``work.weight_bytes`` 2) gradients
+are reduced in ``work.grad_reduce_bytes``: ZeRO-3 casts the unit's gradient first.
 """
 
 from __future__ import annotations
@@ -141,39 +172,11 @@ def _unit_totals(units: tuple, n: int) -> tuple[int, int, int]:
 def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: list[int],
                     state: StateBytes | None, overhead_bytes: float,
                     backend_copies: bool = False) -> list[MemoryBreakdown]:
-    """Model states as threefold's engines hold them (Ψ = this rank's parameters, N =
-    dp_shard·cp, the ZeRO group, m = microbatches, bytes per element from ``state``):
-
-    - plain / data parallel: Ψ weights, Ψ gradients (freed after every step), the optimiser
-      state; data parallel adds its flat gradient buckets, Ψ, for good;
-    - ZeRO 1/2 (``threefold.parallel.zero``): the full weights live in per-unit flat buffers
-      and the owned shard is a separate parameter (a copy of Ψ/N unless it is the fp32 master
-      the optimiser state already counts); the optimiser state is Ψ/N; at the end of backward
-      stage 1 holds the full .grad (Ψ) and, in ``finish_gradients``, one unit's flat copy
-      while the .grad of the units not yet reduced give way to the Ψ/N shard;
-      stage 2 frees each unit's .grad once copied for its reduce-scatter, holding the shard
-      and ``ZERO_REDUCES_IN_FLIGHT`` + 1 units' full copies;
-    - ZeRO 3: Ψ/N weights, Ψ/N optimiser state, gradients as stage 2; two gathered units
-      (the one in use and the one prefetched) while computing.
-    While accumulating (m > 1), the gradients of earlier microbatches are held when the last
-    backward starts: Ψ, or the Ψ/N shard under stage 3. ZeRO over one rank (N = 1) is the same
-    engine with nothing to shard.
-
-    With ``layout.offload_optimizer`` (threefold.parallel.offload) the optimiser state and the
-    step's temporaries leave the device: ``optimizer`` and ``optimizer_working`` are 0 and
-    ``host`` holds, per owned parameter (Ψ, or Ψ/N under ZeRO), the optimiser state plus an
-    fp32 master when the state did not include it, plus the fp32 gradient buffer: 16 bytes
-    either way. Under ZeRO 1/2 the device keeps the owned shard as a tensor of its own (it
-    receives the host's update and is all-gathered), ``state.param`` bytes per owned element.
-    Gradients stay on the device until the step copies them down.
-
-    ``backend_copies``: the collective backend copies an all-gather or reduce-scatter through
-    a temporary as large as the whole unit (gloo on a CPU; NCCL does not): one more unit at
-    ZeRO's gathers and reductions. With bf16 parameters (``work.weight_bytes`` 2) gradients
-    are reduced in ``work.grad_reduce_bytes``: ZeRO-3 casts the unit's gradient first."""
+    """The breakdown of each of ``stages``: model states as threefold's engines hold them
+    (``_model_states``; the module docstring has the rules), the activations of the
+    microbatches the schedule keeps in flight, the last stage's head and loss."""
     state = state or state_bytes_for(work)
     m = microbatches(layout, work)
-    z, n = layout.zero_stage, layout.shard_size
     per_layer = model_layer_activation_bytes(cfg, layout, work)
     working = 0.0
     if layout.recompute == "full":  # the block being recomputed holds everything at once
@@ -181,59 +184,74 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     extra = microbatch_extra_bytes(cfg, layout, work)
     out = []
     for stage in stages:
-        psi, padded, largest = _unit_totals(stage_units(cfg, layout, stage), n if z else 1)
-        buffers, zero3, in_bwd, unit_grad = 0.0, 0.0, 0.0, 0.0
-        if z == 0:
-            params, opt, grads = psi * state.param, psi * state.optimizer, psi * state.grad
-            buffers = psi * state.grad if layout.dp * layout.cp > 1 else 0.0
-            in_bwd = grads if m > 1 else 0.0
-            temp = 2 * largest * state.param
-        elif z in (1, 2):
-            shard_copy = 0 if state.master_in_optimizer else padded / n * state.param
-            params, opt = padded * state.param + shard_copy, padded / n * state.optimizer
-            grads = (padded + largest) * state.grad
-            if z == 2:
-                grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
-            if backend_copies:  # the reduce-scatter's whole-unit copy
-                grads += largest * state.grad
-            in_bwd = psi * state.grad if m > 1 else 0.0
-            temp = 2 * -(-largest // n) * state.param
-        else:
-            params, opt = padded / n * state.param, padded / n * state.optimizer
-            grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
-            in_bwd = padded / n * state.grad if m > 1 else 0.0
-            zero3 = 2 * largest * state.param  # the unit in use and the one prefetched
-            temp = 2 * -(-largest // n) * state.param
-            rb = work.grad_reduce_bytes
-            unit_grad = largest * state.grad + (largest * rb if rb != state.grad else 0) \
-                + -(-largest // n) * rb
-            if backend_copies:  # the reduce-scatter's copy, the prefetch's gather copy
-                unit_grad += largest * rb + largest * state.param
-        host = host_temp = 0.0
-        if layout.offload_optimizer:
-            owned = psi if z == 0 else padded / n
-            if z in (1, 2) and state.master_in_optimizer:
-                params += owned * state.param  # the device shard, no longer the master
-            host = owned * (state.optimizer + HOST_GRAD_BYTES
-                            + (0 if state.master_in_optimizer else HOST_MASTER_BYTES))
-            host_temp = temp / state.param * HOST_MASTER_BYTES
-            opt, temp = 0.0, 0.0
+        states = _model_states(layout, work, state, stage_units(cfg, layout, stage), m,
+                               backend_copies)
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage)
         layers = rank_layers(cfg, layout, stage)
         out.append(MemoryBreakdown(
-            stage=stage, params=params, grads=grads, optimizer=opt,
-            activations=(per_layer * layers + extra) * inflight, recompute_working=working,
+            stage=stage, activations=(per_layer * layers + extra) * inflight,
+            recompute_working=working,
             logits=(logits_bytes(cfg, layout, work)
                     + (head_inflight_microbatches(layout.pipeline_schedule, layout.pp, m) - 1)
                     * head_saved_bytes(cfg, layout, work)
                     if stage == layout.pp - 1 else 0.0),
-            zero3_working=zero3, overhead=overhead_bytes, buffers=buffers,
-            grads_in_backward=in_bwd,
-            cast_weights=cast_weight_bytes(cfg, layout, work, stage) * inflight,
-            optimizer_working=temp, host=host, host_working=host_temp,
-            zero3_grad_working=unit_grad))
+            overhead=overhead_bytes,
+            cast_weights=cast_weight_bytes(cfg, layout, work, stage) * inflight, **states))
     return out
+
+
+def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tuple, m: int,
+                  backend_copies: bool) -> dict[str, float]:
+    """The ``MemoryBreakdown`` fields of one stage's model states (its ZeRO ``units``, ``m``
+    microbatches): weights, gradients, optimiser state, the engine's buffers and working
+    copies, and the host's share under offload (``_offload``)."""
+    z, n = layout.zero_stage, layout.shard_size
+    psi, padded, largest = _unit_totals(units, n if z else 1)
+    buffers, zero3, in_bwd, unit_grad = 0.0, 0.0, 0.0, 0.0
+    if z == 0:
+        params, opt, grads = psi * state.param, psi * state.optimizer, psi * state.grad
+        buffers = psi * state.grad if layout.dp * layout.cp > 1 else 0.0
+        in_bwd = grads if m > 1 else 0.0
+        temp = 2 * largest * state.param
+    elif z in (1, 2):
+        shard_copy = 0 if state.master_in_optimizer else padded / n * state.param
+        params, opt = padded * state.param + shard_copy, padded / n * state.optimizer
+        grads = (padded + largest) * state.grad
+        if z == 2:
+            grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
+        if backend_copies:  # the reduce-scatter's whole-unit copy
+            grads += largest * state.grad
+        in_bwd = psi * state.grad if m > 1 else 0.0
+        temp = 2 * -(-largest // n) * state.param
+    else:
+        params, opt = padded / n * state.param, padded / n * state.optimizer
+        grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
+        in_bwd = padded / n * state.grad if m > 1 else 0.0
+        zero3 = 2 * largest * state.param  # the unit in use and the one prefetched
+        temp = 2 * -(-largest // n) * state.param
+        rb = work.grad_reduce_bytes
+        unit_grad = largest * state.grad + (largest * rb if rb != state.grad else 0) \
+            + -(-largest // n) * rb
+        if backend_copies:  # the reduce-scatter's copy, the prefetch's gather copy
+            unit_grad += largest * rb + largest * state.param
+    out = dict(params=params, optimizer=opt, grads=grads, buffers=buffers,
+               grads_in_backward=in_bwd, zero3_working=zero3, optimizer_working=temp,
+               zero3_grad_working=unit_grad, host=0.0, host_working=0.0)
+    if layout.offload_optimizer:
+        _offload(out, z, psi if z == 0 else padded / n, state)
+    return out
+
+
+def _offload(states: dict[str, float], z: int, owned: float, state: StateBytes) -> None:
+    """Move the optimiser state and the step's temporaries of ``owned`` parameters from the
+    device's ``states`` to the host's (ZeRO 1/2 keeping the owned shard on the device)."""
+    if z in (1, 2) and state.master_in_optimizer:
+        states["params"] += owned * state.param  # the device shard, no longer the master
+    states["host"] = owned * (state.optimizer + HOST_GRAD_BYTES
+                              + (0 if state.master_in_optimizer else HOST_MASTER_BYTES))
+    states["host_working"] = states["optimizer_working"] / state.param * HOST_MASTER_BYTES
+    states["optimizer"] = states["optimizer_working"] = 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +307,7 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
     block, plain data parallelism keeps them whole (weights, gradients, their own gradient
     buckets, optimiser state), ZeRO shards each block's experts as one unit over
     dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
-    (see ``threefold.plan.memory._stage_memories``). A dense model's figure is unchanged."""
+    (see the module docstring). A dense model's figure is unchanged."""
     if not cfg.num_local_experts:
         return memory_per_gpu(cfg, layout, work, state, overhead_bytes, backend_copies)
     state = state or state_bytes_for(work)
