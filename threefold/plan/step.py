@@ -1,6 +1,25 @@
 """The predicted step time: compute per stage, the pipeline bubble (closed forms, or the runtime's
 schedule replayed by threefold.parallel.pipeline.simulate), and each axis's communication with
 what of it hides behind compute (``predict_step``, ``StepPrediction``).
+
+Time model, per pipeline stage and microbatch: compute = FLOPs / (peak · efficiency) +
+memory-bound bytes / HBM bandwidth (``stage_memory_traffic_per_microbatch``); tp collectives
+and pipeline sends are *not* overlapped (they sit between dependent matmuls); ZeRO-3 gathers
+and reduce-scatters overlap the forward/backward of their microbatch, except one bucket each;
+the data-parallel all-reduce and the ZeRO-2 reduce-scatter overlap the last microbatch's
+backward except one bucket; the ZeRO-1 reduce-scatter, the HSDP all-reduce over dp_replicate
+and the ZeRO-1/2 parameter all-gathers after the step are exposed. Context parallelism's cp
+traffic runs on the link the cp axis crosses: each ring hop of K/V hides behind the attention
+of one block (the rank's queries against one rank's keys: 1/cp of the layer's attention
+FLOPs), the dK/dV hops and the allgather algorithm's all-gather and reduce-scatter are
+exposed. Expert parallelism's all-to-alls (their uniform-routing expectation) run on the link
+the ep axis crosses and are exposed: each MoE layer waits for its tokens. The pipeline then
+takes m·T_slowest plus the bubble, (bubble/ideal ratio of the schedule)·m·T_mean. The
+optimiser step adds its memory traffic (``ADAMW_ACCESSES_PER_PARAM`` fp32 accesses per
+parameter the rank updates: Ψ, or Ψ/N under ZeRO) over the HBM bandwidth, when that is known.
+With ``layout.offload_optimizer`` that traffic is over the host's memory bandwidth instead
+(``offload_step_seconds``), and the gradients going down and the parameters coming up over
+PCIe add ``offload_s``.
 """
 
 from __future__ import annotations
@@ -124,66 +143,26 @@ OVERLAP_RULES = {
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
                  efficiency: float | None = None, bucket_bytes: float | None = None,
                  simulate: bool = False, overlap_grad_reduce: bool = True) -> StepPrediction:
-    """Predicted step of ``layout`` on ``cluster`` (a ``threefold.plan.hardware.Cluster``).
-
-    Time model, per pipeline stage and microbatch: compute = FLOPs / (peak · efficiency) +
-    memory-bound bytes / HBM bandwidth (``stage_memory_traffic_per_microbatch``); tp
-    collectives and pipeline sends are *not* overlapped (they sit between dependent matmuls);
-    ZeRO-3 gathers and reduce-scatters overlap the forward/backward of their microbatch, except
-    one bucket each; the data-parallel all-reduce and the ZeRO-2 reduce-scatter overlap the
-    last microbatch's backward except one bucket; the ZeRO-1 reduce-scatter, the HSDP
-    all-reduce over dp_replicate and the ZeRO-1/2 parameter all-gathers after the step are
-    exposed (with ``overlap_grad_reduce=False`` no data-parallel communication overlaps
-    anything, as in Megatron-LM of 2021). Context parallelism's cp traffic runs on the link
-    the cp axis crosses: each ring hop of K/V hides behind the attention of one block (the
-    rank's queries against one rank's keys: 1/cp of the layer's attention FLOPs), the dK/dV
-    hops and the allgather algorithm's all-gather and reduce-scatter are exposed. Expert
-    parallelism's all-to-alls (their uniform-routing expectation) run on the link the ep axis
-    crosses and are exposed: each MoE layer waits for its tokens. The pipeline then takes m·T_slowest plus the bubble,
-    (bubble/ideal ratio of the schedule)·m·T_mean. The optimiser step adds its memory traffic
-    (``ADAMW_ACCESSES_PER_PARAM`` fp32 accesses per parameter the rank updates: Ψ, or Ψ/N
-    under ZeRO) over the HBM bandwidth, when that is known. With ``layout.offload_optimizer``
-    that traffic is over the host's memory bandwidth instead (``offload_step_seconds``), and
-    the gradients going down and the parameters coming up over PCIe add ``offload_s``."""
+    """Predicted step of ``layout`` on ``cluster`` (a ``threefold.plan.hardware.Cluster``), by
+    the time model of the module docstring: each stage's microbatch (``_stage_times``), the
+    pipeline's m·T_slowest plus its bubble (``_pipeline_span``), then the step's exposed
+    data-parallel traffic, the optimiser step and the offload traffic. With
+    ``overlap_grad_reduce=False`` no data-parallel communication overlaps anything, as in
+    Megatron-LM of 2021; ``simulate`` replays the schedule (a single layout, e.g. a dry
+    run)."""
     hw = cluster.hardware
-    bucket_bytes = layout.bucket_bytes if bucket_bytes is None else bucket_bytes
     peak = hw.peak_flops(work.precision)
     if not peak:
         raise ValueError(f"{hw.name}: peak {work.precision} FLOP/s unknown; give --peak-tflops")
     eff = efficiency if efficiency is not None else (hw.matmul_efficiency or MATMUL_EFFICIENCY)
-    rate = peak * eff
     m = microbatches(layout, work)
     links = {a: place(layout, a, cluster) for a in COMM_AXES}
-    inter = {a: links[a].index > 0 for a in COMM_AXES}
-    stages = _distinct_stages(cfg, layout)
     hbm = hw.memory_bw or math.inf
-    per_mb, per_step, parts, lists, hw_flops = {}, {}, {}, [], 0.0
-    for st in stages:
-        f, bwd = stage_flops_per_microbatch(cfg, layout, work, st)
-        mem_f, mem_b = stage_memory_traffic_per_microbatch(cfg, layout, work, st)
-        hw_flops += (f + bwd) * _stage_multiplicity(cfg, layout, st)
-        t_f, t_b = f / rate + mem_f / hbm, bwd / rate + mem_b / hbm
-        colls = collectives(cfg, layout, work, st)
-        lists.append(colls)
-        windows = (t_f, t_b) if overlap_grad_reduce else (0.0, 0.0)
-        ledger: dict = {}
-        exposed, step_dp = _exposed_comm(colls, links, *windows, bucket_bytes,
-                                         _attention_block_seconds(cfg, layout, work, rate),
-                                         ledger)
-        per_mb[st] = t_f + t_b + sum(exposed.values())
-        per_step[st] = step_dp
-        parts[st] = (t_f + t_b, exposed, t_b / t_f, ledger)
+    per_mb, per_step, parts, lists, hw_flops = _stage_times(
+        cfg, layout, work, peak * eff, hbm, links,
+        layout.bucket_bytes if bucket_bytes is None else bucket_bytes, overlap_grad_reduce)
     slow = max(per_mb, key=per_mb.get)
-    mean = sum(per_mb[s] * _stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
-    ratio, source = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
-                                      parts[stages[len(stages) // 2]][2], simulate)
-    ideal = m * per_mb[slow]
-    bubble = ratio * m * mean
-    if simulate and layout.pp > 1 and layout.vpp == 1:  # one layout: replay its own stages
-        span = _replayed_makespan(cfg, layout, m, per_mb,
-                                  {st: 1 / (1 + parts[st][2]) for st in stages})
-        if span is not None:
-            bubble, source = max(0.0, span - ideal), "simulated (per-stage times)"
+    ideal, bubble, source = _pipeline_span(cfg, layout, m, per_mb, parts, simulate)
     dp_step = max(per_step.values())
     opt_s, off_s = optimizer_seconds(cfg, layout, hbm), 0.0
     if layout.offload_optimizer:
@@ -204,10 +183,55 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
         hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m), optimizer_s=opt_s,
         offload_s=off_s,
-        inter_node_axes=tuple(a for a in COMM_AXES if inter[a]), cp_exposed_s=m * exp["cp"],
-        ep_exposed_s=m * exp["ep"],
+        inter_node_axes=tuple(a for a in COMM_AXES if links[a].index > 0),
+        cp_exposed_s=m * exp["cp"], ep_exposed_s=m * exp["ep"],
         axis_levels=tuple((a, links[a].level) for a in AXES + ("ep",)
                           if layout.size(a) > 1), overlap=stated)
+
+
+def _stage_times(cfg: ModelConfig, layout: Layout, work: Workload, rate: float, hbm: float,
+                 links: dict, bucket_bytes: float, overlap_grad_reduce: bool):
+    """Per distinct stage: (seconds per microbatch, compute and exposed communication;
+    exposed data-parallel seconds per step; (compute seconds, exposed seconds per axis,
+    backward/forward ratio, overlap ledger)); the stages' collective lists; hardware FLOPs
+    per microbatch over the pipeline."""
+    per_mb, per_step, parts, lists, hw_flops = {}, {}, {}, [], 0.0
+    for st in _distinct_stages(cfg, layout):
+        f, bwd = stage_flops_per_microbatch(cfg, layout, work, st)
+        mem_f, mem_b = stage_memory_traffic_per_microbatch(cfg, layout, work, st)
+        hw_flops += (f + bwd) * _stage_multiplicity(cfg, layout, st)
+        t_f, t_b = f / rate + mem_f / hbm, bwd / rate + mem_b / hbm
+        colls = collectives(cfg, layout, work, st)
+        lists.append(colls)
+        windows = (t_f, t_b) if overlap_grad_reduce else (0.0, 0.0)
+        ledger: dict = {}
+        exposed, step_dp = _exposed_comm(colls, links, *windows, bucket_bytes,
+                                         _attention_block_seconds(cfg, layout, work, rate),
+                                         ledger)
+        per_mb[st] = t_f + t_b + sum(exposed.values())
+        per_step[st] = step_dp
+        parts[st] = (t_f + t_b, exposed, t_b / t_f, ledger)
+    return per_mb, per_step, parts, lists, hw_flops
+
+
+def _pipeline_span(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict, parts: dict,
+                   simulate: bool) -> tuple[float, float, str]:
+    """(m·T_slowest, the bubble, where the bubble comes from): the schedule's bubble ratio
+    times m·T_mean, or with ``simulate`` (one layout) the schedule replayed with each stage's
+    own times."""
+    stages = list(per_mb)
+    slow = max(per_mb, key=per_mb.get)
+    mean = sum(per_mb[s] * _stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
+    ratio, source = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
+                                      parts[stages[len(stages) // 2]][2], simulate)
+    ideal = m * per_mb[slow]
+    bubble = ratio * m * mean
+    if simulate and layout.pp > 1 and layout.vpp == 1:  # one layout: replay its own stages
+        span = _replayed_makespan(cfg, layout, m, per_mb,
+                                  {st: 1 / (1 + parts[st][2]) for st in stages})
+        if span is not None:
+            bubble, source = max(0.0, span - ideal), "simulated (per-stage times)"
+    return ideal, bubble, source
 
 
 def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
