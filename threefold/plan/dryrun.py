@@ -279,10 +279,22 @@ def _gb(x: float) -> str:
 
 def format_report(r: DryRunResult, world: int) -> str:
     """The text ``dry_run`` prints."""
-    lay, w, mem, m = r.layout, r.work, r.memory, r.model
-    hw = r.cluster.hardware
-    mb = microbatches(lay, w)
-    lines = [
+    mem, hw = r.memory, r.cluster.hardware
+    fits = mem.total <= hw.memory_bytes if hw.memory_bytes else True
+    lines = _layout_lines(r, world) + _memory_lines(r, fits) + [_step_line(r, world)]
+    sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes[a])
+    lines.append("bytes sent per step by rank 0: " + (sent or "none (one rank)"))
+    lines += [f"note: {n}" for n in r.notes]
+    if not fits:
+        lines.append(f"warning: predicted peak {_gb(mem.total)} GB exceeds the "
+                     f"{_gb(hw.memory_bytes)} GB of {hw.name}")
+    return "\n".join(lines)
+
+
+def _layout_lines(r: DryRunResult, world: int) -> list[str]:
+    """The report's model, layout, parameters-per-rank and hardware lines."""
+    lay, w, m = r.layout, r.work, r.model
+    return [
         f"threefold dry run: {_count(r.total_parameters)} parameters (h {m.hidden_size}, "
         f"{m.num_hidden_layers} layers, vocab {m.vocab_size}), built on the meta device: "
         "nothing allocated",
@@ -295,22 +307,29 @@ def format_report(r: DryRunResult, world: int) -> str:
         + (" with the optimizer offloaded to the host" if lay.offload_optimizer else "")
         + ", sequence parallel "
         f"{'on' if lay.sp else 'off'}, recompute {lay.recompute}; micro-batch "
-        f"{lay.microbatch_size} × {mb} per step, seq {w.seq_len}, {w.precision} matmuls",
+        f"{lay.microbatch_size} × {microbatches(lay, w)} per step, seq {w.seq_len}, "
+        f"{w.precision} matmuls",
         f"parameters per rank{' (rank 0)' if lay.pp > 1 else ''}: "
         f"{_count(r.parameters_per_rank)} held"
         + (f", {_count(r.owned_per_rank)} owned (ZeRO-{lay.zero_stage})"
            if lay.zero_stage else ""),
-        f"hardware: {world} × {hw.name}, {r.cluster.gpus_per_node} per node ({r.hardware_source})",
+        f"hardware: {world} × {r.cluster.hardware.name}, {r.cluster.gpus_per_node} per node "
+        f"({r.hardware_source})",
     ]
+
+
+def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
+    """The report's memory lines: the step's peak by what holds it, the peak of each phase,
+    and the host's share under optimiser offload."""
+    mem, hw = r.memory, r.cluster.hardware
     other = mem.total - mem.params - mem.optimizer - mem.buffers - mem.overhead
-    fits = mem.total <= hw.memory_bytes if hw.memory_bytes else True
-    lines.append(
+    lines = [
         f"memory per rank, GB: weights {_gb(mem.params)}, optimizer {_gb(mem.optimizer)}, "
         f"gradients {_gb(mem.grads)}, activations {_gb(mem.activations)}, logits+loss "
         f"{_gb(mem.logits)}, buffers {_gb(mem.buffers)}, overhead {_gb(mem.overhead)} -> peak "
         f"{_gb(mem.total)} (transient part {_gb(other)})"
         + (f" of {_gb(hw.memory_bytes)}: {'fits' if fits else 'DOES NOT FIT'}"
-           if hw.memory_bytes else ""))
+           if hw.memory_bytes else "")]
     if r.startup is not None:
         pk = r.peaks
         lines.append(
@@ -319,7 +338,7 @@ def format_report(r: DryRunResult, world: int) -> str:
             f"{_gb(pk['loading'])}, step {_gb(pk['step'])}"
             + (f"; each includes this CPU process's own {_gb(r.baseline)} (Python, torch)"
                if r.baseline else ""))
-    if lay.offload_optimizer:
+    if r.layout.offload_optimizer:
         per_node = r.cluster.gpus_per_node
         moved = r.offload_bytes or {"down": 0, "up": 0}
         lines.append(
@@ -328,28 +347,25 @@ def format_report(r: DryRunResult, world: int) -> str:
             f"{_gb(mem.host_total)} ({_gb(mem.host_total * per_node)} for the {per_node} "
             f"rank(s) of a node); device <-> host per step: gradients down "
             f"{moved['down']:,} bytes, parameters up {moved['up']:,} bytes")
-    s = r.step
+    return lines
+
+
+def _step_line(r: DryRunResult, world: int) -> str:
+    """The report's step line: time by part, tokens/s and MFU (unknown without a peak)."""
+    s, lay = r.step, r.layout
     if s is None:
-        lines.append(f"step time: unknown ({hw.name}: peak {w.precision} FLOP/s unknown; set "
-                     f"{ENV_HARDWARE})")
-    else:
-        mfu = f"{s.mfu:.1%}" if s.mfu is not None else "unknown"
-        lines.append(
-            f"step: {s.step_time_s:.4g} s (compute {s.compute_s:.3g}, tp {s.tp_exposed_s:.3g}, "
-            + (f"cp {s.cp_exposed_s:.3g}, " if lay.cp > 1 else "")
-            + (f"ep {s.ep_exposed_s:.3g}, " if lay.ep > 1 else "")
-            + f"dp {s.dp_exposed_s:.3g}, pp {s.pp_exposed_s:.3g}, bubble {s.bubble_s:.3g}, "
-            f"optimizer {s.optimizer_s:.3g}"
-            + (f", offload copies {s.offload_s:.3g}" if lay.offload_optimizer else "") + "); "
-            f"{s.tokens_per_second_per_gpu * world:,.0f} tokens/s "
-            f"({s.tokens_per_second_per_gpu:,.0f} per rank), MFU {mfu}")
-    sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes[a])
-    lines.append("bytes sent per step by rank 0: " + (sent or "none (one rank)"))
-    lines += [f"note: {n}" for n in r.notes]
-    if not fits:
-        lines.append(f"warning: predicted peak {_gb(mem.total)} GB exceeds the "
-                     f"{_gb(hw.memory_bytes)} GB of {hw.name}")
-    return "\n".join(lines)
+        return (f"step time: unknown ({r.cluster.hardware.name}: peak {r.work.precision} "
+                f"FLOP/s unknown; set {ENV_HARDWARE})")
+    mfu = f"{s.mfu:.1%}" if s.mfu is not None else "unknown"
+    return (
+        f"step: {s.step_time_s:.4g} s (compute {s.compute_s:.3g}, tp {s.tp_exposed_s:.3g}, "
+        + (f"cp {s.cp_exposed_s:.3g}, " if lay.cp > 1 else "")
+        + (f"ep {s.ep_exposed_s:.3g}, " if lay.ep > 1 else "")
+        + f"dp {s.dp_exposed_s:.3g}, pp {s.pp_exposed_s:.3g}, bubble {s.bubble_s:.3g}, "
+        f"optimizer {s.optimizer_s:.3g}"
+        + (f", offload copies {s.offload_s:.3g}" if lay.offload_optimizer else "") + "); "
+        f"{s.tokens_per_second_per_gpu * world:,.0f} tokens/s "
+        f"({s.tokens_per_second_per_gpu:,.0f} per rank), MFU {mfu}")
 
 
 def dry_run(cfg: Config, world_size: int, out=print) -> int:
