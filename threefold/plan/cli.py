@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="threefold plan", description="Rank parallel layouts by predicted step "
                 "time. Throughput counts recomputation (hardware TF/s, as Narayanan et al. "
                 "report); MFU does not (PaLM's definition).")
+    _add_cluster_options(p)
+    _add_workload_options(p)
+    _add_search_options(p)
+    _add_output_options(p)
+    return p
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """The model and the cluster: how many GPUs, which, and overrides of its figures."""
     p.add_argument("--model", default="llama3-8b",
                    help=f"preset ({', '.join(MODEL_PRESETS)}) or a TOML file with [model]")
     p.add_argument("--gpus", type=int, default=8, help="GPUs in total")
@@ -108,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    " summed, e.g. 900 for H100)")
     p.add_argument("--inter-bw-gbps", type=float,
                    help="override: network Gb/s (bits) per GPU per direction, e.g. 400")
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    """The batch, the sequence, the numerics, whose block, how ranks sit on the network."""
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default min(4096, model))")
     p.add_argument("--global-batch-tokens", type=int, default=4 * 1024 * 1024,
                    help="tokens per optimiser step (a multiple of --seq-len)")
@@ -124,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how ranks are laid out on the network: threefold's mesh (pp "
                    "outermost, tp innermost) or dp-outer (Llama 3's [TP, CP, PP, DP]: "
                    "pipelines inside a pod, data parallelism across), for published runs")
+
+
+def _add_search_options(p: argparse.ArgumentParser) -> None:
+    """What the search may try: degrees, ZeRO stages, cp, ep, recompute, offload."""
     p.add_argument("--top", type=int, default=5, help="layouts to show")
     p.add_argument("--tp", type=_int_list, help="only these tp degrees (comma list)")
     p.add_argument("--pp", type=_int_list, help="only these pp degrees")
@@ -144,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
                    help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
                         "on for every layout, or search both (zero column marked 'o')")
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """What is printed, and the measured or published hardware to plan for instead."""
     p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
     p.add_argument("--explain", action="store_true", help="say why each loses to the best")
     p.add_argument("--calibrate", action="store_true",
@@ -162,7 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
                    '"gbits_per_gpu": 400, "latency_us": 8, "oversubscription": 7}]}')
     p.add_argument("--cluster", default=None,
                    help="a published cluster's network levels: " + ", ".join(CLUSTERS))
-    return p
 
 
 def load_model(spec: str) -> ModelConfig:
