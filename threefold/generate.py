@@ -109,11 +109,11 @@ def sample(logits: torch.Tensor, generators: Sequence[torch.Generator], temperat
 
 def _tp(model, comm) -> int:
     """The model's tensor-parallel degree, checked against ``comm``."""
-    t = getattr(model, "tp_size", 1)
+    t = model.tp_size
     if t > 1:
         if comm is None:
             raise ValueError("generate: a tensor-parallel model needs its comm (the 'tp' axis)")
-        if getattr(model, "sequence_parallel", False):
+        if model.sequence_parallel:
             raise ValueError("generate: sequence parallelism is not supported (decoding steps "
                              "are one token); apply tensor parallelism without it")
     return t

@@ -334,7 +334,15 @@ class LlamaForCausalLM(nn.Module):
     ``cfg`` must be resolved (every field set, ``vocab_size > 0``). With
     ``cfg.tie_word_embeddings`` the head shares the embedding's weight; the state dict then
     still holds both names (as HF's does) and a state dict without ``lm_head.weight`` (as HF
-    saves tied checkpoints) loads too."""
+    saves tied checkpoints) loads too.
+
+    Tensor parallelism (``threefold.parallel.tensor``) sets the last three: its degree,
+    whether activations between sub-layers are split on the sequence, and its vocab-parallel
+    loss (None: ``causal_lm_loss``)."""
+
+    tp_size = 1
+    sequence_parallel = False
+    loss_function = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -98,7 +98,7 @@ class Run:
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token loss: vocab-parallel under tensor parallelism, plain otherwise."""
-        fn = getattr(self.engine.model, "loss_function", None) or causal_lm_loss
+        fn = self.engine.model.loss_function or causal_lm_loss
         return fn(logits, labels, reduction="sum")
 
 

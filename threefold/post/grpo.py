@@ -99,7 +99,7 @@ def token_logps(model, logits: torch.Tensor, labels: torch.Tensor,
                 temperature: float) -> torch.Tensor:
     """(B, T) fp32 log-probability of each label under softmax(logits / temperature), 0 where
     the label is IGNORE; vocab-parallel when ``model`` is tensor parallel."""
-    fn = getattr(model, "loss_function", None) or causal_lm_loss
+    fn = model.loss_function or causal_lm_loss
     return -fn(logits / temperature, labels, reduction="none").reshape(labels.shape)
 
 
@@ -282,7 +282,7 @@ class GRPOTask(Task):
         if self.fixed_rollout is not None:
             return [list(c) for c in self.fixed_rollout(step, prompt_ids, indices)]
         model = run.engine.model
-        tp = getattr(model, "tp_size", 1)
+        tp = model.tp_size
         # under ZeRO-3 each forward gathers one unit at a time, as training does: the whole
         # model is never on the rank (more gathers per token, the memory the planner promised)
         res = generate(model, prompt_ids, o.max_completion_length,

@@ -210,7 +210,7 @@ class RewardTask(Task):
     def setup(self, run) -> None:
         """Note whether scores are sequence-parallel; announce the data."""
         cfg, model = run.cfg, run.engine.model  # built with the score head (adapt_model)
-        self.sequence_parallel = (getattr(model, "tp_size", 1) > 1
+        self.sequence_parallel = (model.tp_size > 1
                                   and cfg.parallel.sequence_parallel)
         s = self.stats
         announce(run, self.template,
