@@ -295,7 +295,7 @@ class GRPOTask(Task):
     def rollout(self, sampler: RolloutSampler, step: int, lo: int,
                 prompts: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """(this rank's training rows, the step's figures) for its prompts (indices)."""
-        o, run = self.options, self.run
+        o = self.options
         g = o.num_generations
         ids = [sampler.prompts[i] for i in prompts for _ in range(g)]
         recs = [sampler.records[i] for i in prompts for _ in range(g)]
@@ -323,7 +323,6 @@ class GRPOTask(Task):
                  g: int) -> tuple[dict[str, float], float]:
         """The step's rollout figures over every data-parallel rank (TRL's names) and the
         global reward standard deviation."""
-        lay = self.run.layout
         lens = np.array([len(c) for c in comps], dtype=np.float64)
         ended = np.array([bool(c) and c[-1] == self.eos for c in comps])
         zero_std = (rewards.reshape(-1, g).std(1, ddof=1) < 1e-8).sum()
