@@ -337,17 +337,17 @@ def test_one_layout_replays_its_own_stage_times():
     """predict_step(simulate=True) (the dry run) replays the schedule with each stage's own
     time: equal stages give the closed form, GPipe with a last stage twice as slow the
     makespan worked out by hand (f0 + m·(f1 + b1) + b0)."""
-    from threefold.accounting.stages import _distinct_stages
+    from threefold.accounting.stages import distinct_stages
     from threefold.plan.step import _replayed_makespan
 
     cfg = preset("llama3-8b")
     for sched in ("gpipe", "1f1b"):
         lay = Layout(pp=4, schedule=sched)
-        reps = _distinct_stages(cfg, lay)
+        reps = distinct_stages(cfg, lay)
         span = _replayed_makespan(cfg, lay, 8, {st: 3.0 for st in reps}, {st: 1 / 3 for st in reps})
         assert span == pytest.approx((8 + 4 - 1) * 3.0)
     lay = Layout(pp=2, schedule="gpipe")
-    reps = _distinct_stages(cfg, lay)
+    reps = distinct_stages(cfg, lay)
     assert reps == [0, 1]
     span = _replayed_makespan(cfg, lay, 4, {0: 3.0, 1: 6.0}, {0: 1 / 3, 1: 1 / 3})
     assert span == pytest.approx(1.0 + 4 * 6.0 + 2.0)

@@ -91,7 +91,9 @@ def padded_vocab(cfg: ModelConfig, tp: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _tp_shard(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> TPShard:
+def tp_shard_for(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> TPShard:
+    """``tp_shard`` of hidden size h, a heads, kv heads, SwiGLU width f and vocabulary
+    ``vocab`` (cached); LayoutError if tp does not fit."""
     if a % tp:
         raise LayoutError(f"tp={tp} does not divide the {a} attention heads")
     if kv % tp == 0:
@@ -105,7 +107,7 @@ def _tp_shard(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> TPShard:
 
 def tp_shard(cfg: ModelConfig, tp: int) -> TPShard:
     """Per-rank head counts and widths under ``tp``; LayoutError if tp does not fit."""
-    return _tp_shard(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+    return tp_shard_for(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                      cfg.intermediate_size, cfg.vocab_size, tp)
 
 
@@ -123,7 +125,7 @@ def layer_parameters_per_rank(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return sharded, 2 * h
 
 
-def _moe_key(cfg: ModelConfig) -> tuple[int, int, int]:
+def moe_key(cfg: ModelConfig) -> tuple[int, int, int]:
     """(experts E, experts per token k, shared expert width), (0, 0, 0) for a dense model."""
     if not cfg.num_local_experts:
         return (0, 0, 0)
@@ -135,7 +137,7 @@ def moe_matmul_parameters(cfg: ModelConfig) -> int:
     """Weights of one MoE feed-forward that take part in a matmul per token: the router
     (E·h), the token's k experts (3·h·f each) and a shared expert with its gate. 0 for a
     dense model. Not split by tp (the runtime keeps the MoE whole on every tp rank)."""
-    e, k, fs = _moe_key(cfg)
+    e, k, fs = moe_key(cfg)
     if not e:
         return 0
     h = cfg.hidden_size

@@ -8,19 +8,21 @@ from __future__ import annotations
 from functools import lru_cache
 
 from threefold.accounting.layout import Layout
-from threefold.accounting.shapes import LayoutError, _moe_key, _tp_shard, tp_shard
+from threefold.accounting.shapes import LayoutError, moe_key, tp_shard, tp_shard_for
 from threefold.config import ModelConfig
 from threefold.parallel.pipeline.balance import split_counts
 
-def _shape_key(cfg: ModelConfig) -> tuple:
+
+def shape_key(cfg: ModelConfig) -> tuple:
+    """The numbers of ``cfg`` a stage's shapes depend on, as a hashable key for the caches."""
     return (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers,
-            bool(cfg.tie_word_embeddings), _moe_key(cfg))
+            bool(cfg.tie_word_embeddings), moe_key(cfg))
 
 
 @lru_cache(maxsize=4096)
 def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> tuple[int, ...]:
-    sh, hd = _tp_shard(h, a, kv, f, vocab, tp), h // a
+    sh, hd = tp_shard_for(h, a, kv, f, vocab, tp), h // a
     kv_rows = (kv * hd) if sh.kv_replicas > 1 else sh.kv_heads * hd  # replicated: whole
     # registration order of threefold.model.LlamaDecoderLayer: input_layernorm,
     # q/k/v/o_proj, post_attention_layernorm, gate/up/down_proj
@@ -54,7 +56,7 @@ def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
     """Elements of each parameter of one block held by one tp rank, in the order the model
     registers them (a replicated k/v projection is held whole; a mixture of experts' every
     expert, as without expert parallelism)."""
-    h, a, kv, f, vocab, _, _, moe = _shape_key(cfg)
+    h, a, kv, f, vocab, _, _, moe = shape_key(cfg)
     return _layer_numels(h, a, kv, f, vocab, tp, moe, 1)[0]
 
 
@@ -86,13 +88,13 @@ def pipeline_layers(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
     and an untied head on the last; "flops:T" balanced by training FLOPs at sequence length
     T; uniform; or given counts), so that every per-stage figure here is that of the stage a
     run builds."""
-    return _virtual_stage_layers(_shape_key(cfg), layout.pp * layout.vpp, layout.pipeline_split)
+    return _virtual_stage_layers(shape_key(cfg), layout.pp * layout.vpp, layout.pipeline_split)
 
 
 def rank_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """Blocks one rank of pipeline ``stage`` holds: its ``vpp`` chunks (virtual stages
     ``c·pp + stage``) together."""
-    return _rank_layers(_shape_key(cfg), layout.pp, layout.vpp, layout.pipeline_split, stage)
+    return _rank_layers(shape_key(cfg), layout.pp, layout.vpp, layout.pipeline_split, stage)
 
 
 @lru_cache(maxsize=65536)
@@ -105,7 +107,7 @@ def _rank_layers(key: tuple, p: int, v: int, split: str, stage: int) -> int:
 def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep: int = 1
                  ) -> tuple[tuple[int, ...], ...]:
     h, a, kv, f, vocab, n_layers, tied, moe = key
-    emb = _tp_shard(h, a, kv, f, vocab, tp).vocab * h
+    emb = tp_shard_for(h, a, kv, f, vocab, tp).vocab * h
     block = _layer_numels(h, a, kv, f, vocab, tp, moe, ep)[0]
     units: list[tuple[int, ...]] = []
     if stage == 0 and not (tied and p == 1):
@@ -127,7 +129,7 @@ def stage_units(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[tuple[int
     one stage the shared weight is one *root* unit, listed last (``ZeroEngine`` does so); in
     registration order it comes first (``parameter_numels``). Under expert parallelism
     (ep > 1) a block's expert tensors are not in its unit: ``stage_expert_units``."""
-    return _stage_units(_shape_key(cfg), layout.tp, layout.pp, layout.vpp,
+    return _stage_units(shape_key(cfg), layout.tp, layout.pp, layout.vpp,
                         layout.pipeline_split, stage, layout.ep)
 
 
@@ -138,7 +140,7 @@ def stage_expert_units(cfg: ModelConfig, layout: Layout, stage: int
     shards each over "edp_shard" (padded to a multiple of dp_shard/ep), its data parallelism
     all-reduces them over "edp" in buckets of their own. () without ep (the experts are then
     in their blocks' units) or for a dense model."""
-    h, a, kv, f, vocab, _, _, moe = _shape_key(cfg)
+    h, a, kv, f, vocab, _, _, moe = shape_key(cfg)
     experts = _layer_numels(h, a, kv, f, vocab, layout.tp, moe, layout.ep)[1]
     if not experts:
         return ()
@@ -179,7 +181,9 @@ def largest_unit_parameters(cfg: ModelConfig, tp: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _buckets(numels: tuple[int, ...], elem: int, bucket_bytes: int) -> tuple[int, ...]:
+def cut_buckets(numels: tuple[int, ...], elem: int, bucket_bytes: int) -> tuple[int, ...]:
+    """Elements of each bucket when ``numels`` (registration order) are taken in reverse and a
+    bucket is closed once it holds ``bucket_bytes`` of ``elem``-byte elements."""
     out, cur = [], 0
     for n in reversed(numels):
         cur += n
@@ -196,11 +200,11 @@ def gradient_buckets(cfg: ModelConfig, layout: Layout, elem_bytes: int, stage: i
     """Elements of each data-parallel gradient bucket, cut as ``threefold.parallel.data``
     cuts them: parameters in reverse registration order, a bucket closed once it reaches
     ``layout.bucket_bytes``."""
-    return _buckets(tuple(parameter_numels(cfg, layout, stage)), elem_bytes, layout.bucket_bytes)
+    return cut_buckets(tuple(parameter_numels(cfg, layout, stage)), elem_bytes, layout.bucket_bytes)
 
 
 @lru_cache(maxsize=4096)
-def _stage_representatives(key: tuple, p: int, v: int, split: str) -> tuple[int, ...]:
+def stage_representatives(key: tuple, p: int, v: int, split: str) -> tuple[int, ...]:
     """For each pipeline stage, the first stage of its kind (first, last, or a middle one with
     the same block count): stages of one kind have the same costs."""
     first: dict[tuple, int] = {}
@@ -208,14 +212,14 @@ def _stage_representatives(key: tuple, p: int, v: int, split: str) -> tuple[int,
                  for st in range(p))
 
 
-def _distinct_stages(cfg: ModelConfig, layout: Layout) -> list[int]:
+def distinct_stages(cfg: ModelConfig, layout: Layout) -> list[int]:
     """One stage for each kind of pipeline rank: the first, the last, and one per distinct
     block count in between (all alike when the split is even)."""
-    return sorted(set(_stage_representatives(_shape_key(cfg), layout.pp, layout.vpp,
+    return sorted(set(stage_representatives(shape_key(cfg), layout.pp, layout.vpp,
                                              layout.pipeline_split)))
 
 
-def _stage_multiplicity(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+def stage_multiplicity(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """How many stages the representative ``stage`` stands for."""
-    return _stage_representatives(_shape_key(cfg), layout.pp, layout.vpp,
+    return stage_representatives(shape_key(cfg), layout.pp, layout.vpp,
                                   layout.pipeline_split).count(stage)

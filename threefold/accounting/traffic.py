@@ -76,10 +76,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
-from threefold.accounting.shapes import _moe_key, tp_shard
+from threefold.accounting.shapes import moe_key, tp_shard
 from threefold.accounting.stages import (
-    _buckets,
-    _distinct_stages,
+    cut_buckets,
+    distinct_stages,
     gradient_buckets,
     owned_parameters,
     rank_layers,
@@ -149,7 +149,7 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     if layout.cp > 1:
         _cp_attention(add, layout, tp_shard(cfg, layout.tp).kv_heads * cfg.head_dim, tokens,
                       work.act_bytes, layers)
-    e, k, _ = _moe_key(cfg)
+    e, k, _ = moe_key(cfg)
     if e and layout.ep > 1:
         _ep_collectives(add, layout, work, e, tokens * k * cfg.hidden_size, layers)
     experts = stage_expert_units(cfg, layout, stage)
@@ -230,7 +230,7 @@ def _data_parallel(add, cfg: ModelConfig, layout: Layout, stage: int,
         add(layout.data_axis, "all_reduce", numel, g, count,
             layout.shard_size * layout.dp_replicate, False, "last")
     flat = tuple(n for unit in experts for n in unit)
-    for numel, count in Counter(_buckets(flat, g, layout.bucket_bytes)).items():
+    for numel, count in Counter(cut_buckets(flat, g, layout.bucket_bytes)).items():
         add("edp", "all_reduce", numel, g, count, layout.edp, False, "last")
     if experts:
         add("ep", "all_reduce", 1, 4, 1, layout.ep, False, "step")  # experts' share of the norm
@@ -335,12 +335,12 @@ def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,
     (tests/test_dryrun.py checks it for DP, ZeRO 1/2/3 and TP). Gradients and gathered
     parameters move in ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say
     otherwise. See ``collectives`` for what each axis carries."""
-    stages = _distinct_stages(cfg, layout) if stage is None else [stage]
+    stages = distinct_stages(cfg, layout) if stage is None else [stage]
     lists = [collectives(cfg, layout, work, st, grad_bytes, param_bytes) for st in stages]
-    return _bytes_per_axis(lists, microbatches(layout, work))
+    return bytes_per_axis(lists, microbatches(layout, work))
 
 
-def _bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, int]:
+def bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, int]:
     """Per axis, the largest over the given stages' collective lists of bytes sent per step."""
     out = {axis: 0 for axis in COMM_AXES}
     for colls in lists:
@@ -403,7 +403,7 @@ def offload_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> 
     {"down": 0, "up": 0} without offload."""
     if not layout.offload_optimizer:
         return {"down": 0, "up": 0}
-    owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
+    owned = max(owned_parameters(cfg, layout, st) for st in distinct_stages(cfg, layout))
     if layout.zero_stage and work.reduce_bytes:
         return {"down": owned * work.reduce_bytes, "up": owned * 4}
     return {"down": owned * work.weight_bytes, "up": owned * work.weight_bytes}

@@ -55,7 +55,7 @@ from threefold.plan.calibrate import (DEFAULT_PATH, calibrate, hardware_from_cal
                                       save)
 from threefold.plan.candidates import SearchSpace
 from threefold.plan.hardware import GPUS, Cluster, Hardware, Level, get_hardware
-from threefold.plan.report import _summary, format_table, to_json_rows
+from threefold.plan.report import summary_lines, format_table, to_json_rows
 from threefold.plan.search import CP_MIN_SEQ_LEN, moe_notes, search
 from threefold.plan.topology import CLUSTERS, levels_from_record
 
@@ -366,7 +366,7 @@ def main(argv: list[str]) -> int:
         print(f"{result.fits} layouts fit; top {len(top)} by predicted step time:")
         if top:
             print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts)))
-        summary = _summary(result)
+        summary = summary_lines(result)
         if summary:
             print(summary)
         notes = result.notes + moe_notes(cfg, top)
@@ -381,7 +381,7 @@ def main(argv: list[str]) -> int:
         for note in notes:
             print(f"note: {note}")
     if not result.fits:
-        print("threefold plan: no layout fits; " + (_summary(result).splitlines() or [""])[0],
+        print("threefold plan: no layout fits; " + (summary_lines(result).splitlines() or [""])[0],
               file=sys.stderr)
         return 1
     return 0

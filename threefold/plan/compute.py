@@ -10,15 +10,15 @@ import math
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
 from threefold.accounting.shapes import (
-    _moe_key,
+    moe_key,
     flops_per_token,
     layer_parameters_per_rank,
     moe_matmul_parameters,
     tp_shard,
 )
 from threefold.accounting.stages import (
-    _distinct_stages,
-    _stage_multiplicity,
+    distinct_stages,
+    stage_multiplicity,
     owned_parameters,
     rank_layers,
 )
@@ -112,7 +112,7 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
     split = layout.tp if layout.sp else 1
     qk = (sh.heads + sh.kv_heads) * hd
     softmax = 0 if work.flash_attention else 2 * d * sh.heads * s
-    e, k, fs = _moe_key(cfg)
+    e, k, fs = moe_key(cfg)
     ffn, moe_tok = sh.ffn, 0.0
     if e:
         ffn = k * cfg.intermediate_size + fs
@@ -139,16 +139,16 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
 def hardware_flops_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """FLOPs all ranks execute in one step (the HFU numerator: recompute included)."""
     per_pipeline = 0.0
-    for st in _distinct_stages(cfg, layout):
+    for st in distinct_stages(cfg, layout):
         flops = sum(stage_flops_per_microbatch(cfg, layout, work, st))
-        per_pipeline += flops * _stage_multiplicity(cfg, layout, st)
+        per_pipeline += flops * stage_multiplicity(cfg, layout, st)
     return per_pipeline * microbatches(layout, work) * layout.tp * layout.dp * layout.cp
 
 
 def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float) -> float:
     """Time of the optimiser step on the busiest stage: its memory traffic over ``memory_bw``
     (0 when the bandwidth is unknown, i.e. infinite)."""
-    owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
+    owned = max(owned_parameters(cfg, layout, st) for st in distinct_stages(cfg, layout))
     return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
 
 
@@ -161,7 +161,7 @@ def offload_step_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
     device-host link per direction (``Hardware.host_link_bw``; gradients down, then after the
     step parameters up: the runtime does not overlap them). Unknown bandwidths count 0."""
     hw = cluster.hardware
-    owned = max(owned_parameters(cfg, layout, st) for st in _distinct_stages(cfg, layout))
+    owned = max(owned_parameters(cfg, layout, st) for st in distinct_stages(cfg, layout))
     host_bw = (hw.host_memory_bw / cluster.gpus_per_node if hw.host_memory_bw
                else hw.memory_bw) or math.inf
     link = hw.host_link_bw or hw.memory_bw or math.inf
@@ -169,7 +169,7 @@ def offload_step_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
     return ADAMW_ACCESSES_PER_PARAM * 4 * owned / host_bw, moved / link
 
 
-def _attention_block_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
+def attention_block_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
                              rate: float) -> tuple[float, float]:
     """(forward, backward) seconds of one ring-attention block: this rank's queries (b·s/cp
     tokens) against one cp rank's keys (s/cp), 4·head_dim FLOPs per query head and key pair

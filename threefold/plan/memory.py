@@ -44,7 +44,7 @@ from functools import lru_cache
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
 from threefold.accounting.shapes import layer_parameters_per_rank, tp_shard
 from threefold.accounting.stages import (
-    _distinct_stages,
+    distinct_stages,
     rank_layers,
     stage_expert_units,
     stage_units,
@@ -156,7 +156,7 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
                    backend_copies: bool = False) -> MemoryBreakdown:
     """The breakdown of the pipeline stage with the largest peak (stage 0 holds the most
     activations, the last stage the logits and head)."""
-    stages = _distinct_stages(cfg, layout)
+    stages = distinct_stages(cfg, layout)
     return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes,
                                backend_copies), key=lambda mb: mb.total)
 
@@ -313,7 +313,7 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
     state = state or state_bytes_for(work)
     return max((_moe_stage_memory(cfg, layout, work, st, state, overhead_bytes,
                                   backend_copies)
-                for st in _distinct_stages(cfg, layout)), key=lambda mb: mb.total)
+                for st in distinct_stages(cfg, layout)), key=lambda mb: mb.total)
 
 
 def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,

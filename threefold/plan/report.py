@@ -171,7 +171,9 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
     return "\n".join(lines)
 
 
-def _summary(result: PlanResult) -> str:
+def summary_lines(result: PlanResult) -> str:
+    """What the search left out, one line per reason: layouts that do not fit (the smallest
+    of them) and those skipped."""
     lines = []
     if result.too_big:
         lay, total, why = min(result.too_big, key=lambda r: r[1])

@@ -144,7 +144,7 @@ def _cp_degrees(rest: int, tp: int, work: Workload, space: SearchSpace, reject,
     out = []
     for cp in wanted:
         if moe and cp > 1:
-            reject(f"parallel.cp: cp > 1 with a mixture of experts (not supported yet)")
+            reject("parallel.cp: cp > 1 with a mixture of experts (not supported yet)")
         elif rest % cp:
             reject(f"tp·cp={tp * cp} does not divide the GPUs")
         elif cp > 1 and work.seq_len % (2 * cp):

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout, Workload
-from threefold.accounting.stages import (_distinct_stages, rank_layers, stage_expert_units,
+from threefold.accounting.stages import (distinct_stages, rank_layers, stage_expert_units,
                                          stage_units)
 from threefold.config import ModelConfig
 
@@ -110,7 +110,7 @@ def startup_peak(cfg: ModelConfig, layout: Layout, work: Workload,
                  backend_copies: bool = False) -> float:
     """The largest start-up peak over the pipeline stages (``startup_memory``)."""
     return max(startup_memory(cfg, layout, work, st, work.weight_bytes, backend_copies).startup
-               for st in _distinct_stages(cfg, layout))
+               for st in distinct_stages(cfg, layout))
 
 
 @functools.lru_cache(maxsize=4)

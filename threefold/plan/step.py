@@ -30,12 +30,12 @@ from functools import lru_cache
 
 from threefold.accounting.layout import Layout, Workload, microbatches
 from threefold.accounting.stages import (
-    _distinct_stages,
-    _shape_key,
-    _stage_multiplicity,
-    _stage_representatives,
+    distinct_stages,
+    shape_key,
+    stage_multiplicity,
+    stage_representatives,
 )
-from threefold.accounting.traffic import Collective, _bytes_per_axis, collectives
+from threefold.accounting.traffic import Collective, bytes_per_axis, collectives
 from threefold.axes import AXES, COMM_AXES
 from threefold.config import ModelConfig
 from threefold.parallel.pipeline.schedules import schedule_spec
@@ -44,7 +44,7 @@ from threefold.parallel.pipeline.simulate import simulate as replay_schedule
 from threefold.plan.collectives import collective_time
 from threefold.plan.compute import (
     MATMUL_EFFICIENCY,
-    _attention_block_seconds,
+    attention_block_seconds,
     model_flops_per_step,
     offload_step_seconds,
     optimizer_seconds,
@@ -181,7 +181,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         bubble_fraction=bubble / (ideal + bubble), bubble_source=source, model_flops=mf,
         hardware_flops=hf, tokens_per_second_per_gpu=work.tokens / step / n,
         tflops_per_gpu=hf / step / n / 1e12, mfu=mf / (step * n * peak),
-        hfu=hf / (step * n * peak), comm_bytes=_bytes_per_axis(lists, m), optimizer_s=opt_s,
+        hfu=hf / (step * n * peak), comm_bytes=bytes_per_axis(lists, m), optimizer_s=opt_s,
         offload_s=off_s,
         inter_node_axes=tuple(a for a in COMM_AXES if links[a].index > 0),
         cp_exposed_s=m * exp["cp"], ep_exposed_s=m * exp["ep"],
@@ -196,17 +196,17 @@ def _stage_times(cfg: ModelConfig, layout: Layout, work: Workload, rate: float, 
     backward/forward ratio, overlap ledger)); the stages' collective lists; hardware FLOPs
     per microbatch over the pipeline."""
     per_mb, per_step, parts, lists, hw_flops = {}, {}, {}, [], 0.0
-    for st in _distinct_stages(cfg, layout):
+    for st in distinct_stages(cfg, layout):
         f, bwd = stage_flops_per_microbatch(cfg, layout, work, st)
         mem_f, mem_b = stage_memory_traffic_per_microbatch(cfg, layout, work, st)
-        hw_flops += (f + bwd) * _stage_multiplicity(cfg, layout, st)
+        hw_flops += (f + bwd) * stage_multiplicity(cfg, layout, st)
         t_f, t_b = f / rate + mem_f / hbm, bwd / rate + mem_b / hbm
         colls = collectives(cfg, layout, work, st)
         lists.append(colls)
         windows = (t_f, t_b) if overlap_grad_reduce else (0.0, 0.0)
         ledger: dict = {}
         exposed, step_dp = _exposed_comm(colls, links, *windows, bucket_bytes,
-                                         _attention_block_seconds(cfg, layout, work, rate),
+                                         attention_block_seconds(cfg, layout, work, rate),
                                          ledger)
         per_mb[st] = t_f + t_b + sum(exposed.values())
         per_step[st] = step_dp
@@ -221,7 +221,7 @@ def _pipeline_span(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict, parts
     own times."""
     stages = list(per_mb)
     slow = max(per_mb, key=per_mb.get)
-    mean = sum(per_mb[s] * _stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
+    mean = sum(per_mb[s] * stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
     ratio, source = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                       parts[stages[len(stages) // 2]][2], simulate)
     ideal = m * per_mb[slow]
@@ -245,7 +245,7 @@ def _replayed_makespan(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict,
     if p * m > SIMULATE_MAX_ACTIONS:
         return None
     per: dict = {}
-    reps = _stage_representatives(_shape_key(cfg), p, 1, layout.pipeline_split)
+    reps = stage_representatives(shape_key(cfg), p, 1, layout.pipeline_split)
     for st, rep in enumerate(reps):  # a stage has its representative's times
         f = per_mb[rep] * forward_share[rep]
         b = per_mb[rep] - f
@@ -327,11 +327,11 @@ def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cl
     rate = hw.peak_flops(work.precision) * (efficiency if efficiency is not None else
                                             (hw.matmul_efficiency or MATMUL_EFFICIENCY))
     m = microbatches(layout, work)
-    stages = _distinct_stages(cfg, layout)
+    stages = distinct_stages(cfg, layout)
     bw = hw.memory_bw or math.inf
     times = {st: sum(stage_flops_per_microbatch(cfg, layout, work, st)) / rate
              + sum(stage_memory_traffic_per_microbatch(cfg, layout, work, st)) / bw
              for st in stages}
-    mean = sum(times[s] * _stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
+    mean = sum(times[s] * stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
     ratio, _ = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp)
     return m * max(times.values()) + ratio * m * mean
