@@ -213,12 +213,12 @@ def test_nodes_sharing_one_directory(tmp_path):
 
 
 def test_version_2_still_loads(tmp_path):
-    from threefold.checkpoint import _sha256, save_checkpoint
+    from threefold.checkpoint import save_checkpoint, sha256_file
 
     path = save_checkpoint(tmp_path / "ck", 1, {"model": {"w": W.view(3, 4)}, "optim": {},
                                                "rng": {}}, {"step": 1}, 1)
     (path / "manifest.node0.json").unlink()
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
              for f in path.iterdir() if f.name != "manifest.json"}
     (path / "manifest.json").write_text(json.dumps({"format_version": 2, "step": 1,
                                                     "world_size": 1, "files": files}))

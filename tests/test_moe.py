@@ -464,4 +464,4 @@ def test_shared_expert_block_equals_qwen2_moe(normalise):
     with torch.device("meta"):
         assert sum(p.numel() for p in LlamaForCausalLM(full).parameters()) == num_parameters(full)
     with pytest.raises(ConfigError, match="model.shared_expert_intermediate_size"):
-        hf.config_json(full) if hasattr(hf, "config_json") else hf._family(full)
+        hf.config_json(full) if hasattr(hf, "config_json") else hf.family(full)

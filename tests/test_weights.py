@@ -65,7 +65,7 @@ def check_reads(source, whole: dict, n=12) -> None:
 def block(request, monkeypatch):
     """Reads in the default blocks, and in blocks so small that every path of the block
     split runs (several rows, one row, part of a row)."""
-    monkeypatch.setattr(weights, "BLOCK_BYTES", request.param)
+    monkeypatch.setattr(weights.base, "BLOCK_BYTES", request.param)  # where blocks() reads it
     return request.param
 
 
@@ -117,7 +117,7 @@ def _per_expert(cfg, fused: dict) -> dict:
             out[f"model.layers.{layer}.block_sparse_moe.gate.weight"] = t
         elif rest.startswith("mlp.experts."):
             for e in range(cfg.num_local_experts):
-                w1, w3, w2 = hf._hub_names(int(layer), e)
+                w1, w3, w2 = hf.hub_names(int(layer), e)
                 if rest.endswith("down_proj"):
                     out[w2] = t[e].clone()
                 else:

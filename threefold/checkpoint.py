@@ -32,34 +32,36 @@ where it lies, a part on no node is an error naming that node and its files, bef
 tensor is read, and parts a node lacks travel to it over the control channel).
 ``save_streamed`` writes a checkpoint from one process batch by batch (``threefold convert``).
 Loading always verifies the index, the parts, sizes and checksums first and names the damaged
-file (and tensor). Version-2 checkpoints (one manifest listing every file) still load.
+file (and tensor): ``threefold.checkpoint_verify``, re-exported here. Version-2 checkpoints
+(one manifest listing every file) still load.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 import shutil
-import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from threefold import faults
+# The reader's side of the format lives in checkpoint_verify; callers import it from here.
+from threefold.checkpoint_verify import (FORMAT_VERSION, MANIFEST, READ_VERSIONS,
+                                         CheckpointError, NodeGroup, committed_steps,
+                                         fetch_parts, list_checkpoints, part_name,
+                                         resolve_root, sha256_file, tensor_crc,
+                                         verify_checkpoint)
+from threefold.weights import CheckpointSource, open_checkpoint, open_sharded
 
-FORMAT_VERSION = 3
-READ_VERSIONS = (2, 3)  # version 2: one manifest listing every file, no parts
-MANIFEST = "manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, damaged or does not fit the run."""
+__all__ = ["FORMAT_VERSION", "MANIFEST", "READ_VERSIONS", "CheckpointError", "NodeGroup", "Piece",
+           "committed_steps", "fetch_parts", "fsync_path", "list_checkpoints", "load_checkpoint",
+           "load_sharded", "part_name", "resolve_root", "save_checkpoint", "save_sharded",
+           "save_streamed", "sha256_file", "tensor_crc", "unwritable", "verify_checkpoint",
+           "whole_pieces"]
 
 
 @dataclass
@@ -77,85 +79,13 @@ class Piece:
     tp_count: int = 1
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
-
-
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush ``path`` (a file or a directory: its entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def list_checkpoints(root: Path) -> list[int]:
-    """Steps of the complete checkpoints under ``root``, ascending (temporary dirs ignored)."""
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name) for p in root.iterdir()
-                  if p.is_dir() and p.name.isdigit() and (p / MANIFEST).is_file())
-
-
-def _slice_shape(shape: tuple, dim: int | None, index: int, count: int) -> tuple:
-    """Shape of tp slice ``index`` of ``count`` (the last may be padding-short: size is
-    ceil(n / count) for every slice, padding included)."""
-    if dim is None:
-        return tuple(shape)
-    s = list(shape)
-    s[dim] = math.ceil(shape[dim] / count)
-    return tuple(s)
-
-
-# --------------------------------------------------------------------------------------------
-# Nodes: who writes where
-# --------------------------------------------------------------------------------------------
-@dataclass
-class NodeGroup:
-    """How the ranks of a collective save or load talk, and which node each sits on.
-
-    ``node_of[r]`` is rank r's node (torchrun's GROUP_RANK); a node's first rank is its
-    *leader*, which hashes the node's files and writes its manifest part. ``barrier``,
-    ``gather`` (to rank 0; None elsewhere), ``all_gather`` and ``broadcast`` (from rank 0) are
-    the control channel's. The default is one process on one node."""
-
-    node_of: list = field(default_factory=lambda: [0])
-    barrier: Callable[[], None] = lambda: None
-    gather: Callable[[Any], Any] = lambda obj: [obj]
-    all_gather: Callable[[Any], list] = lambda obj: [obj]
-    broadcast: Callable[[Any], Any] = lambda obj: obj
-
-    @property
-    def nodes(self) -> list[int]:
-        """The nodes, ascending."""
-        return sorted(set(self.node_of))
-
-    def ranks_of(self, node: int) -> list[int]:
-        """The ranks on ``node``, ascending."""
-        return [r for r, n in enumerate(self.node_of) if n == node]
-
-    def is_leader(self, rank: int) -> bool:
-        """Whether ``rank`` is its node's first rank."""
-        return self.ranks_of(self.node_of[rank])[0] == rank
-
-
-def part_name(node: int) -> str:
-    """File name of node ``node``'s manifest part."""
-    return f"manifest.node{node}.json"
-
-
-def resolve_root(spec: str, output_dir: str | Path, node: int) -> Path:
-    """The checkpoint root of ``node``: ``spec`` (``checkpoint.dir``) with ``{node}`` replaced
-    by the node rank, or OUTPUT_DIR/checkpoints when ``spec`` is empty."""
-    return Path(spec.replace("{node}", str(node))) if spec else Path(output_dir) / "checkpoints"
 
 
 def unwritable(root: Path) -> str | None:
@@ -177,7 +107,7 @@ def _write_json(path: Path, obj: Any) -> None:
     """Write ``obj`` to ``path`` atomically (a sibling temp file, fsynced, renamed)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, path)
 
 
@@ -275,19 +205,19 @@ def _write_rank(tmp: Path, rank: int, pieces: list[Piece], rank_tensors: dict[st
         tensors[key] = p.data.detach().contiguous().cpu()
         d = asdict(p)
         d.pop("data")
-        d.update(key=key, shape=list(p.shape), crc32=_crc(tensors[key]))
+        d.update(key=key, shape=list(p.shape), crc32=tensor_crc(tensors[key]))
         meta.append(d)
     for k, t in rank_tensors.items():
         tensors[f"rank/{k}"] = t.detach().contiguous().cpu()
     save_file(tensors, str(tmp / f"rank{rank}.safetensors"))
-    extra = {k: _crc(t) for k, t in tensors.items() if k.startswith("rank/")}
+    extra = {k: tensor_crc(t) for k, t in tensors.items() if k.startswith("rank/")}
     (tmp / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "pieces": meta,
                                                       "rank_tensors": extra}))
     for name in (f"rank{rank}.safetensors", f"rank{rank}.json"):
-        _fsync(tmp / name)
+        fsync_path(tmp / name)
     if rank == 0:
         (tmp / "state.json").write_text(json.dumps(state or {}, indent=1, sort_keys=True))
-        _fsync(tmp / "state.json")
+        fsync_path(tmp / "state.json")
 
 
 def _describe_node(tmp: Path, step: int, node: int, ranks: list[int]) -> dict:
@@ -295,12 +225,12 @@ def _describe_node(tmp: Path, step: int, node: int, ranks: list[int]) -> dict:
     return the part's record for the index."""
     names = [f"rank{r}{ext}" for r in ranks for ext in (".json", ".safetensors")]
     names += ["state.json"] if 0 in ranks else []
-    files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)}
+    files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
              for n in sorted(names)}
     _write_json(tmp / part_name(node), {"format_version": FORMAT_VERSION, "step": step,
                                         "node": node, "ranks": ranks, "files": files})
     pf = tmp / part_name(node)
-    return {"node": node, "bytes": pf.stat().st_size, "sha256": _sha256(pf),
+    return {"node": node, "bytes": pf.stat().st_size, "sha256": sha256_file(pf),
             "ranks": ranks, "files": sorted(files)}
 
 
@@ -310,7 +240,7 @@ def _commit(root: Path, step: int, rank: int, world: int, owner: bool, records: 
     commit point); then whatever is not among the newest committed checkpoints is pruned."""
     tmp, final = root / f".tmp-{step}", root / str(step)
     if owner:
-        _fsync(tmp)
+        fsync_path(tmp)
         if final.exists():  # the same step saved again: swap, then drop the old one
             old = root / f".old-{step}"
             shutil.rmtree(old, ignore_errors=True)
@@ -319,7 +249,7 @@ def _commit(root: Path, step: int, rank: int, world: int, owner: bool, records: 
             shutil.rmtree(old)
         else:
             tmp.rename(final)
-        _fsync(root)
+        fsync_path(root)
     g.barrier()
     keep = None
     if rank == 0:
@@ -328,7 +258,7 @@ def _commit(root: Path, step: int, rank: int, world: int, owner: bool, records: 
                  "nodes": len(parts), "parts": parts,
                  "files": {f: {"node": r["node"]} for r in parts.values() for f in r["files"]}}
         _write_json(final / MANIFEST, index)
-        _fsync(final)
+        fsync_path(final)
         keep = list_checkpoints(root)[-keep_last:]
     keep = g.broadcast(keep)
     if owner:
@@ -357,128 +287,17 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Te
     return save_sharded(root, step, 0, 1, whole_pieces(tensors), tensors.get("rng", {}), state,
                         keep_last)
 
-
 # --------------------------------------------------------------------------------------------
-# Verifying and loading
+# Loading whole tensors (threefold.weights reads by region)
 # --------------------------------------------------------------------------------------------
-def _inside(path: Path, name: str) -> Path:
-    f = (path / name).resolve()
-    if path.resolve() not in f.parents:
-        raise CheckpointError(f"{path / MANIFEST}: entry '{name}' escapes the checkpoint")
-    return f
-
-
-def _read_index(path: Path) -> dict[str, Any]:
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST}; not a complete checkpoint")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
-    if manifest.get("format_version") not in READ_VERSIONS:
-        raise CheckpointError(f"{mpath}: format version {manifest.get('format_version')} "
-                              f"is not one of {', '.join(map(str, READ_VERSIONS))}")
-    for name in [*manifest.get("files", {}), *manifest.get("parts", {})]:
-        _inside(path, name)
-    return manifest
-
-
-def _check_file(path: Path, name: str, meta: dict) -> None:
-    f = _inside(path, name)
-    if not f.is_file():
-        raise CheckpointError(f"{path}: missing file {name}")
-    if f.stat().st_size != meta["bytes"]:
-        raise CheckpointError(f"{f}: {f.stat().st_size} bytes, {meta['bytes']} recorded "
-                              "(truncated?)")
-    if _sha256(f) != meta["sha256"]:
-        raise CheckpointError(f"{f}: checksum mismatch (corrupted){_bad_tensor(path, f)}")
-
-
-def _missing_part(path: Path, name: str, rec: dict, where: str) -> CheckpointError:
-    return CheckpointError(
-        f"{path}: node {rec['node']}'s part {name} is missing {where} (ranks "
-        f"{', '.join(map(str, rec['ranks']))}: {', '.join(rec['files'])}); node {rec['node']} "
-        "wrote it to its own checkpoint directory: restore that node, or copy its files here")
-
-
-def _check_part(path: Path, name: str, rec: dict) -> dict[str, dict]:
-    """Check node part ``name`` against its index record and its files against the part;
-    return the part's files. A part that is absent raises naming its node and files."""
-    f = _inside(path, name)
-    if not f.is_file():
-        raise _missing_part(path, name, rec, "here")
-    if f.stat().st_size != rec["bytes"] or _sha256(f) != rec["sha256"]:
-        raise CheckpointError(f"{f}: does not match the digest in {MANIFEST} (damaged, or from "
-                              "another save of this step)")
-    part = json.loads(f.read_text())
-    files = part.get("files", {})
-    absent = [n for n in files if not _inside(path, n).is_file()]
-    if absent:
-        raise _missing_part(path, name, {**rec, "files": absent}, "in part")
-    for n, meta in files.items():
-        _check_file(path, n, meta)
-    return files
-
-
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check the index, every node part and every file's size and SHA-256 in one directory
-    (all parts present: a shared filesystem, or the nodes' parts copied together); return
-    the index, with ``files`` holding every file's size and digest, or raise CheckpointError
-    naming the missing node's part and files, or the damaged file (and tensor)."""
-    manifest = _read_index(path)
-    if manifest["format_version"] == 2:
-        for name, meta in manifest.get("files", {}).items():
-            _check_file(path, name, meta)
-        return manifest
-    files: dict[str, dict] = {}
-    for name, rec in sorted(manifest.get("parts", {}).items()):
-        for n, meta in _check_part(path, name, rec).items():
-            files[n] = {**meta, "node": rec["node"]}
-    return {**manifest, "files": files}
-
-
-def _bad_tensor(path: Path, f: Path) -> str:
-    """Name the first tensor whose CRC no longer matches, if the file can still be read."""
-    if not f.name.endswith(".safetensors"):
-        return ""
-    try:
-        meta = json.loads((path / f.name.replace(".safetensors", ".json")).read_text())
-        with safe_open(str(f), "pt") as sf:
-            for p in meta["pieces"]:
-                if _crc(sf.get_tensor(p["key"])) != p["crc32"]:
-                    return f"; tensor {p['kind']} {p['name']}"
-            for key, crc in meta.get("rank_tensors", {}).items():
-                if _crc(sf.get_tensor(key)) != crc:
-                    return f"; tensor {key}"
-    except Exception:  # noqa: BLE001 - header itself damaged: the file name is what we have
-        return ""
-    return ""
-
-
 def load_checkpoint(path: Path, rank: int = 0) -> tuple[dict[str, dict[str, torch.Tensor]],
                                                         dict[str, Any]]:
     """Verify, then reassemble whole logical tensors: {"model": {name: t}, "optim":
     {name.exp_avg: t, ...}, "rng": this rank's per-rank tensors (rank 0's if absent)}. Every
     node part must be in ``path``. Whole tensors on every rank: to read only a region, open
     the checkpoint as a ``threefold.weights.CheckpointSource``."""
-    from threefold.weights import open_checkpoint  # weights builds on this module's format
-
     source, state, rng = open_checkpoint(path, rank)
     return _whole(source, rng), state
-
-
-def _whole(source, rng: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """Every tensor of a checkpoint source, whole, in the dtype it was saved in."""
-    optim = {f"{name}.{kind}": source.read(name, kind=kind, dtype=None)
-             for kind in ("exp_avg", "exp_avg_sq") for name in source.names(kind)}
-    return {"model": source.tensors("model", dtype=None), "optim": optim, "rng": rng}
-
-
-def committed_steps(root: Path, rank: int, group: NodeGroup) -> list[int]:
-    """Collective: the committed checkpoints, as rank 0 sees them (its directory holds the
-    global index of each; another node's directory alone holds no commit)."""
-    return group.broadcast(list_checkpoints(root) if rank == 0 else None)
 
 
 def load_sharded(root: Path, step: int, rank: int, group: NodeGroup
@@ -487,78 +306,13 @@ def load_sharded(root: Path, step: int, rank: int, group: NodeGroup
     ``load_checkpoint``), when each node may see only its own directory ``root/<step>``: the
     parts are verified and exchanged by ``fetch_parts``. To read only the slices a rank owns,
     use ``threefold.weights.open_sharded``."""
-    from threefold.weights import open_sharded  # weights builds on this module's format
-
     source, state, rng = open_sharded(root, step, rank, group)
     return _whole(source, rng), state
 
 
-def fetch_parts(root: Path, step: int, rank: int, group: NodeGroup
-                ) -> tuple[Path, dict[str, Path | bytes]]:
-    """Collective: verify checkpoint ``step`` when each node may see only its own directory
-    ``root/<step>`` (a node's local disk; a shared one works the same), and return its
-    directory and every file of it, as a verified path or, for a file this node lacks, its
-    bytes received from a node that holds it.
-
-    Rank 0 sends its index to every rank; each node's leader verifies the parts it holds
-    (part digest, every file's size and SHA-256); if a part is on no node, every rank raises
-    CheckpointError naming that node's part and files, before any tensor is read. A part
-    some nodes lack is sent to them over the control channel (once, checked against its
-    digests on arrival). Version-2 checkpoints (one shared directory) are verified whole.
-    ``threefold.weights.open_sharded`` reads the result by region."""
-    path = root / str(step)
-    index, err = None, None
-    if rank == 0:
-        try:
-            index = _read_index(path)
-        except CheckpointError as e:
-            err = str(e)
-    index, err = group.broadcast((index, err))
-    if err:
-        raise CheckpointError(err)
-    if index["format_version"] == 2:  # written before node parts: one shared directory
-        return path, {n: path / n for n in verify_checkpoint(path)["files"]}
-    parts = index["parts"]
-    report = None
-    if group.is_leader(rank):
-        report = {}
-        for name, rec in parts.items():
-            try:
-                _check_part(path, name, rec)
-                report[name] = "ok"
-            except CheckpointError as e:
-                report[name] = None if not _inside(path, name).is_file() else str(e)
-    reports = group.all_gather(report)
-    for rep in reports:
-        for msg in (rep or {}).values():
-            if msg not in (None, "ok"):
-                raise CheckpointError(msg)
-    holders = {name: sorted({group.node_of[r] for r, rep in enumerate(reports)
-                             if rep and rep[name] == "ok"}) for name in parts}
-    for name, rec in sorted(parts.items()):
-        if not holders[name]:
-            raise _missing_part(path, name, rec, "on every node")
-    mine, all_nodes = group.node_of[rank], group.nodes
-    received: dict[str, bytes] = {}
-    if any(holders[n] != all_nodes for n in parts):
-        send = {}
-        if group.is_leader(rank):
-            for name, hs in holders.items():
-                if hs != all_nodes and hs[0] == mine:
-                    for f in (name, *parts[name]["files"]):
-                        send[f] = _inside(path, f).read_bytes()
-        for got in group.all_gather(send):
-            received.update(got)
-        for name, rec in parts.items():
-            if mine in holders[name]:
-                continue
-            if hashlib.sha256(received[name]).hexdigest() != rec["sha256"]:
-                raise CheckpointError(f"{path}: {name} from node {holders[name][0]} does not "
-                                      f"match the digest in {MANIFEST}")
-            for f, meta in json.loads(received[name])["files"].items():
-                if hashlib.sha256(received[f]).hexdigest() != meta["sha256"]:
-                    raise CheckpointError(f"{path}: {f} from node {holders[name][0]} does "
-                                          "not match its part's digest")
-    local = {f for name, rec in parts.items() if mine in holders[name] for f in rec["files"]}
-    return path, {n: _inside(path, n) if n in local else received[n]
-                  for n in sorted(index["files"])}
+def _whole(source: CheckpointSource, rng: dict[str, torch.Tensor]
+           ) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor of a checkpoint source, whole, in the dtype it was saved in."""
+    optim = {f"{name}.{kind}": source.read(name, kind=kind, dtype=None)
+             for kind in ("exp_avg", "exp_avg_sq") for name in source.names(kind)}
+    return {"model": source.tensors("model", dtype=None), "optim": optim, "rng": rng}

@@ -1,0 +1,198 @@
+"""A local Hugging Face Llama or Mixtral folder as a source of logical tensors (``HFSource``),
+checked from its files' headers alone and read by region: which files hold the weights
+(``weight_files``: the index or the single file; pickle refused, never opened; index entries
+kept inside the folder), and the published per-expert Mixtral layout served as the fused
+tensors threefold computes with.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from threefold.checkpoint_verify import read_json
+from threefold.config import ModelConfig
+from threefold.hf_config import (INDEX, SINGLE, HFError, check_shapes, expected_shapes,
+                                 hub_names, model_config_from_hf)
+from threefold.weights.base import DTYPES, HEAD, WeightSource, blocks, box_index, extent
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def _safe_member(folder: Path, name: object, where: Path) -> Path:
+    """``folder / name`` for a plain relative file name from an index; HFError for anything
+    that could reach outside the folder (absolute, drive, ``..``) or is not safetensors."""
+    if not isinstance(name, str) or not name:
+        raise HFError(f"{where}: file entry {name!r} is not a file name")
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute() \
+            or PureWindowsPath(name).drive or ".." in parts or name.startswith(("/", "\\")):
+        raise HFError(f"{where}: file entry '{name}' escapes the folder")
+    if not name.endswith(".safetensors"):
+        raise HFError(f"{where}: file entry '{name}' is not a .safetensors file (nothing is "
+                      "unpickled)")
+    return folder / name
+
+
+def weight_files(folder: Path) -> dict[Path, list[str] | None]:
+    """File -> tensor names it must hold (None: all it has), from the index or the single
+    model.safetensors; HFError for a folder with only pickle weights or none."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise HFError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(wmap, dict):
+            raise HFError(f"{index}: weight_map is not a mapping")
+        files: dict[Path, list[str] | None] = {}
+        for tensor, name in wmap.items():
+            files.setdefault(_safe_member(folder, name, index), []).append(tensor)
+        return files
+    if (folder / SINGLE).is_file():
+        return {folder / SINGLE: None}
+    pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise HFError(f"{folder}: weights only in pickle format ({pickles[0]}); threefold never "
+                      "unpickles files: save the model with safetensors "
+                      "(save_pretrained(..., safe_serialization=True)) and try again")
+    raise HFError(f"{folder}: no {SINGLE} or {INDEX}")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One file tensor that fills the logical region starting at ``lo`` (per dimension) of
+    extent ``ext``; its own shape is ``ext`` without the first ``drop`` dimensions (size 1:
+    a Mixtral expert's w1/w3/w2 inside the fused (E, ...) tensor)."""
+
+    path: Path
+    key: str
+    lo: tuple[int, ...]
+    ext: tuple[int, ...]
+    drop: int
+    dtype: torch.dtype
+
+
+@dataclass
+class _HFTensor:
+    """A logical tensor of a Hugging Face folder: one file tensor, or a Mixtral layer's experts."""
+
+    parts: list[_Part]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class HFSource(WeightSource):
+    """A local Hugging Face Llama or Mixtral folder (``config.json`` and ``model.safetensors``
+    or the shards of ``model.safetensors.index.json``), opened from the files' headers only.
+
+    Opening performs every check ``threefold.hf.import_hf`` makes, with its messages: the
+    config maps to a ``ModelConfig`` (``config``), pickle files are refused, index entries
+    stay inside the folder, each listed tensor is present and floating point, every expected
+    tensor has the config's shape and nothing else is there. ``rotary_emb.inv_freq`` is
+    ignored; a tied model serves ``lm_head.weight`` from the embedding. Mixtral files in the
+    published per-expert layout (``block_sparse_moe.experts.N.w1/w3/w2``) serve the fused
+    logical tensors: a box over experts reads those experts' tensors only (and of each, the
+    rows and columns the box covers). ``tokenizer`` is the folder's tokenizer.json or None."""
+
+    def __init__(self, folder: Path | str):
+        self.folder, self.bytes_read = Path(folder), 0
+        cpath = self.folder / "config.json"
+        raw = read_json(cpath, HFError, "not a Hugging Face model folder", "not valid JSON")
+        cfg = self.config = model_config_from_hf(raw, str(cpath))
+        self.tied = bool(cfg.tie_word_embeddings)
+        tok = self.folder / "tokenizer.json"
+        self.tokenizer = tok if tok.is_file() else None
+        self._files: dict[Path, Any] = {}
+        parts: dict[str, _Part] = {}
+        for path, listed in weight_files(self.folder).items():
+            if not path.is_file():
+                raise HFError(f"{path}: missing (listed in {INDEX})")
+            try:
+                f = self._files[path] = safe_open(str(path), "pt")
+                keys = set(f.keys())
+                for name in listed if listed is not None else sorted(keys):
+                    if name not in keys:
+                        raise HFError(f"{path}: tensor {name} is missing (the index lists "
+                                      "it here)")
+                    sl = f.get_slice(name)
+                    dt = DTYPES.get(sl.get_dtype(), sl.get_dtype())
+                    if not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                        raise HFError(f"{path}: tensor {name} has dtype {dt}, not floating "
+                                      "point")
+                    # Older checkpoints stored the RoPE buffer; it is recomputed, never loaded.
+                    if not name.endswith("rotary_emb.inv_freq"):
+                        shape = tuple(sl.get_shape())
+                        parts[name] = _Part(path, name, (0,) * len(shape), shape, 0, dt)
+            except SafetensorError as e:
+                raise HFError(f"{path}: not a readable safetensors file, truncated or "
+                              f"damaged ({e})") from None
+        if self.tied:
+            parts.pop(HEAD, None)  # the model takes its head from the embedding
+        self._entries = {("model", n): _HFTensor([p], p.ext, p.dtype) for n, p in parts.items()}
+        if cfg.num_local_experts:
+            self._fuse_experts(cfg)
+        want = expected_shapes(cfg)
+        shapes = {n: e.shape for (_, n), e in self._entries.items()}
+        for name, shape in shapes.items():  # name the file holding a bad tensor
+            if name in want and shape != want[name]:
+                raise HFError(f"{self._entries['model', name].parts[0].path}: tensor {name} has "
+                              f"shape {shape}, config.json needs {want[name]}")
+        check_shapes(cfg, shapes, str(self.folder))
+
+    def _fuse_experts(self, cfg: ModelConfig) -> None:
+        """Each layer stored per expert becomes the fused logical tensors, as parts (a layer
+        already fused is kept as it is); HFError names a missing or misshapen expert."""
+        e_count, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        entries = self._entries
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            router = entries.pop(("model", p + "block_sparse_moe.gate.weight"), None)
+            if router is None:
+                continue
+            entries["model", p + "mlp.gate.weight"] = router
+            gate_up, down = [], []
+            for e in range(e_count):
+                names = hub_names(i, e)
+                for name, shape in zip(names, ((f, h), (f, h), (h, f))):
+                    if ("model", name) not in entries:
+                        raise HFError(f"tensor {name} is missing (config.json has "
+                                      f"num_local_experts={e_count})")
+                    got = entries["model", name].parts[0]
+                    if got.ext != shape:
+                        raise HFError(f"{got.path}: tensor {name} has shape {got.ext}, "
+                                      f"config.json needs {shape}")
+                w1, w3, w2 = (entries.pop(("model", n)).parts[0] for n in names)
+                gate_up += [_Part(w1.path, w1.key, (e, 0, 0), (1, f, h), 1, w1.dtype),
+                            _Part(w3.path, w3.key, (e, f, 0), (1, f, h), 1, w3.dtype)]
+                down.append(_Part(w2.path, w2.key, (e, 0, 0), (1, h, f), 1, w2.dtype))
+            entries["model", p + "mlp.experts.gate_up_proj"] = _HFTensor(
+                gate_up, (e_count, 2 * f, h), gate_up[0].dtype)
+            entries["model", p + "mlp.experts.down_proj"] = _HFTensor(
+                down, (e_count, h, f), down[0].dtype)
+
+    def __repr__(self) -> str:
+        return f"HFSource({self.folder})"
+
+    def release(self) -> None:
+        """Close the files (they reopen on the next read)."""
+        self._files.clear()
+
+    def _fill(self, entry: _HFTensor, box, out: torch.Tensor) -> None:
+        for p in entry.parts:
+            inter = [(max(a, lo), min(b, lo + n)) for (a, b), lo, n in zip(box, p.lo, p.ext)]
+            if any(a >= b for a, b in inter):
+                continue
+            if p.path not in self._files:
+                self._files[p.path] = safe_open(str(p.path), "pt")
+            sl = self._files[p.path].get_slice(p.key)
+            for blk in blocks(inter, p.dtype.itemsize):
+                t = sl[box_index(blk[p.drop:], p.lo[p.drop:])]
+                self.bytes_read += t.numel() * t.element_size()
+                out[box_index(blk, [a for a, _ in box])].copy_(t.reshape(extent(blk)))
+
