@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -49,6 +49,7 @@ import torch
 from safetensors.torch import save_file
 
 from threefold import faults
+from threefold.parallel.placement import Piece
 # The reader's side of the format lives in checkpoint_verify; callers import it from here.
 from threefold.checkpoint_verify import (FORMAT_VERSION, MANIFEST, READ_VERSIONS,
                                          CheckpointError, NodeGroup, committed_steps,
@@ -62,21 +63,6 @@ __all__ = ["FORMAT_VERSION", "MANIFEST", "READ_VERSIONS", "CheckpointError", "No
            "load_sharded", "part_name", "resolve_root", "save_checkpoint", "save_sharded",
            "save_streamed", "sha256_file", "tensor_crc", "unwritable", "verify_checkpoint",
            "whole_pieces"]
-
-
-@dataclass
-class Piece:
-    """Part of one logical tensor held by this rank."""
-
-    name: str                 # HF parameter name
-    kind: str                 # "model", "exp_avg" or "exp_avg_sq"
-    data: torch.Tensor        # 1-D: elements [start, end) of the tp slice, flattened
-    start: int
-    end: int
-    shape: tuple              # logical (whole) shape
-    tp_dim: int | None = None  # dimension split over tensor parallelism, None = not split
-    tp_index: int = 0
-    tp_count: int = 1
 
 
 def fsync_path(path: Path) -> None:
