@@ -6,18 +6,9 @@ them, each raising ``ConfigError`` with the field, the value and what would be v
 from __future__ import annotations
 
 from threefold.config.presets import MODEL_PRESETS
-from threefold.config.schema import (
-    PIPELINE_SCHEDULES,
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainConfig,
-    unknown_value,
-)
+from threefold.config.schema import (PIPELINE_SCHEDULES, CheckpointConfig, Config, ConfigError,
+                                     DataConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                     TrainConfig, unknown_value)
 
 
 def _need(cond: bool, msg: str) -> None:

@@ -23,18 +23,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from threefold.config import PIPELINE_SCHEDULES
-from threefold.parallel.pipeline.actions import (
-    COMPUTE_KINDS,
-    RECEIVES,
-    SENDS,
-    Action,
-    ActionKind,
-    carries,
-    completes,
-    message_key,
-    needs,
-    stage_rank,
-)
+# the action vocabulary, re-exported: schedules.py is where callers have always found it
+from threefold.parallel.pipeline.actions import (COMPUTE_KINDS, RECEIVES, SENDS, Action,
+                                                 ActionKind, carries, completes, message_key,
+                                                 needs, stage_rank)
 from threefold.parallel.pipeline.messages import Steps, all_ranks, place_by_gap, place_by_step
 
 __all__ = [
