@@ -219,8 +219,8 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
 
 def _head_terms(cfg: ModelConfig, layout: Layout, work: Workload) -> tuple[int, float, int]:
     """(tokens per microbatch, the final norm's saved bytes per token (r·h + 4, /t under
-    SP: its input and 1/rms) plus the head's input as its matmul keeps it (d·h: an autocast copy when
-    r != d), vocabulary rows per tp rank)."""
+    SP: its input and 1/rms) plus the head's input as its matmul keeps it (d·h: an autocast
+    copy when r != d), vocabulary rows per tp rank)."""
     h, d, r = cfg.hidden_size, work.act_bytes, work.resid_bytes
     norm = (r * h + 4) / (layout.tp if layout.sp else 1)
     return (layout.microbatch_size * local_seq_len(layout, work), norm + d * h,

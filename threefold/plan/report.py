@@ -109,7 +109,8 @@ def to_json_rows(cands: list[Candidate]) -> list[dict]:
     for c in cands:
         lay, s = c.layout, c.step
         rows.append({"tp": lay.tp, "pp": lay.pp, "dp_replicate": lay.dp_replicate,
-                     "dp_shard": lay.dp_shard, "ep": lay.ep, "cp": lay.cp, "cp_algorithm": lay.cp_algorithm,
+                     "dp_shard": lay.dp_shard, "ep": lay.ep, "cp": lay.cp,
+                     "cp_algorithm": lay.cp_algorithm,
                      "zero_stage": lay.zero_stage, "vpp": lay.vpp,
                      "pipeline_split": lay.pipeline_split,
                      "stage_layers": list(c.stage_layers),
@@ -154,7 +155,8 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
         cp = f"{lay.cp}{'r' if lay.cp_algorithm == 'ring' else 'ag'}" if lay.cp > 1 else "1"
         lines.append(
             f"{i:>2} {lay.tp:>3} {cp:>6} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
-            f"{lay.dp_shard:>4} " + (f"{lay.ep:>3} " if moe else "") + f"{str(lay.zero_stage) + ('o' if lay.offload_optimizer else ''):>4} "
+            f"{lay.dp_shard:>4} " + (f"{lay.ep:>3} " if moe else "")
+            + f"{str(lay.zero_stage) + ('o' if lay.offload_optimizer else ''):>4} "
             f"{lay.microbatch_size:>3} "
             f"{lay.recompute:<9} {mem:<26} {s.step_time_s:>8.3f} "
             f"{s.tokens_per_second_per_gpu:>9.0f} {s.tflops_per_gpu:>6.0f} {s.mfu:>5.1%} "
