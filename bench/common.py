@@ -6,6 +6,8 @@ import json
 import statistics
 import sys
 
+from threefold.metrics import proc_status_kib
+
 
 def print_table(rows: list[dict], width: int = 18) -> None:
     """Rows (dicts with the same keys) as a text table, floats to 4 significant digits."""
@@ -95,17 +97,6 @@ def run_ranks(script: str, worker, args, world_sizes, env_extra: dict[str, str] 
     return 0
 
 
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def start_peak_rss_window() -> int | None:
     """Return freed heap to the OS, reset this process's peak RSS (Linux ``VmHWM``) to its
     current RSS, and return that RSS in bytes (None where /proc is unavailable).
@@ -127,13 +118,13 @@ def start_peak_rss_window() -> int | None:
             f.write("5")
     except OSError:
         return None
-    rss = _proc_status_kib("VmRSS")
+    rss = proc_status_kib("VmRSS")
     return None if rss is None else rss * 1024
 
 
 def peak_rss_bytes() -> int | None:
     """Peak RSS (``VmHWM``) since the last ``start_peak_rss_window``, in bytes."""
-    hwm = _proc_status_kib("VmHWM")
+    hwm = proc_status_kib("VmHWM")
     return None if hwm is None else hwm * 1024
 
 

@@ -41,7 +41,8 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float |
     return None, "unknown"
 
 
-def _proc_status_kib(field: str) -> int | None:
+def proc_status_kib(field: str) -> int | None:
+    """A KiB figure of /proc/self/status (VmRSS, VmHWM), None where it cannot be read."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -57,7 +58,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     peak resident set size on a CPU (Linux's VmHWM, which can be reset; ru_maxrss elsewhere)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    hwm = _proc_status_kib("VmHWM")
+    hwm = proc_status_kib("VmHWM")
     if hwm is not None:
         return hwm * 1024
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -68,7 +69,7 @@ def current_memory_bytes(device: torch.device) -> int:
     """Memory this rank holds now: allocated on CUDA, the resident set on a CPU."""
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
-    rss = _proc_status_kib("VmRSS")
+    rss = proc_status_kib("VmRSS")
     return rss * 1024 if rss is not None else peak_memory_bytes(device)
 
 
