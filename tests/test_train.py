@@ -200,3 +200,30 @@ def test_host_allocator_setting(monkeypatch):
     assert reuse_freed_host_memory(256) is False
     with pytest.raises(ConfigError, match="train.host_mmap_threshold_mb"):
         load_config(None, [("train.host_mmap_threshold_mb", "-1")])
+
+
+def test_mfu_never_reads_above_one_when_the_cpu_probe_ran_busy(corpus, cache_dir, tmp_path,
+                                                               monkeypatch):
+    """A CPU probe taken at a busy moment (here: a peak of 1 FLOP/s, far below any step) is
+    raised to the highest rate seen as soon as a step beats it: no record, and not the
+    summary, reads MFU above 1, and the summary says where its peak came from."""
+    import torch
+
+    from threefold import metrics as m
+
+    monkeypatch.setattr(m, "_CPU_PEAKS", {(torch.float32, torch.get_num_threads()): 1.0})
+    summary = _run(corpus, cache_dir, tmp_path / "busy", train__steps=3)
+    recs = metrics(tmp_path / "busy")
+    assert all(0 < r["mfu"] <= 1 for r in recs), [r["mfu"] for r in recs]
+    assert 0 < summary["mfu"] <= 1
+    assert summary["peak_flops_per_device"] > 1.0
+    assert "raised" in summary["peak_flops_source"]
+
+
+def test_launcher_passes_only_flags_torchrun_knows():
+    """torch 2.11's torchrun has no --shutdown-timeout: the launcher reads the installed
+    torchrun's own source (without importing torch) before passing a flag."""
+    from threefold.launch import torchrun_accepts
+
+    assert torchrun_accepts("--nproc-per-node") and torchrun_accepts("--standalone")
+    assert not torchrun_accepts("--no-such-flag-in-torchrun")

@@ -10,6 +10,7 @@ to torchrun stays small for the whole run, beside its workers.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -86,6 +87,19 @@ LAUNCHER_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-ra
                   "--rdzv-endpoint", "--max-restarts", "--rdzv-id")
 
 
+def torchrun_accepts(flag: str) -> bool:
+    """Whether the installed torchrun knows ``flag`` (torch 2.11's has no --shutdown-timeout),
+    read from its source without importing torch (the launcher stays small)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    run = Path(list(spec.submodule_search_locations)[0]) / "distributed" / "run.py"
+    try:
+        return f'"{flag}"' in run.read_text()
+    except OSError:
+        return False
+
+
 def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str],
            grace_s: float = 0.0, output_dir: str | None = None) -> int:
     """Re-run ``python -m TARGET argv`` under torchrun (torch's own launcher, never a
@@ -110,7 +124,8 @@ def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str],
         cmd += ["--standalone"]
     elif "--rdzv-endpoint" in launcher:
         cmd += ["--rdzv-backend=c10d"]
-    if grace_s > 0 and not any(a.startswith("--shutdown") for a in launcher):
+    if grace_s > 0 and not any(a.startswith("--shutdown") for a in launcher) \
+            and torchrun_accepts("--shutdown-timeout"):
         cmd += [f"--shutdown-timeout={int(grace_s) + 15}"]
     proc = subprocess.Popen(cmd + launcher + ["-m", *target] + args)
     signalled: list[float] = []

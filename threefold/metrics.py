@@ -19,7 +19,8 @@ import torch
 from threefold.hardware import cpu_matmul_flops, peak_flops_for_device_name
 
 __all__ = ["MetricsWriter", "cpu_matmul_flops", "current_memory_bytes", "device_peak_flops",
-           "last_logged_step", "peak_memory_bytes", "reset_peak_memory", "truncate_metrics"]
+           "last_logged_step", "peak_memory_bytes", "proc_status_kib", "raise_cpu_peak",
+           "reset_peak_memory", "truncate_metrics"]
 
 _CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
 
@@ -39,6 +40,16 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float |
             _CPU_PEAKS[key] = cpu_matmul_flops(dtype)
         return _CPU_PEAKS[key], "cpu-matmul-probe"
     return None, "unknown"
+
+
+def raise_cpu_peak(dtype: torch.dtype, achieved: float) -> tuple[float, str]:
+    """A CPU step measured ``achieved`` FLOP/s, above the probed peak: the probe ran at a
+    busy moment. Probe again and keep the highest rate seen (the new probe's, the old one's or
+    the step's own), so MFU never reads above 100%; later runs in this process use it too."""
+    key = (dtype, torch.get_num_threads())
+    peak = max(_CPU_PEAKS.get(key, 0.0), cpu_matmul_flops(dtype), achieved)
+    _CPU_PEAKS[key] = peak
+    return peak, "cpu-matmul-probe, raised to the highest rate seen"
 
 
 def proc_status_kib(field: str) -> int | None:

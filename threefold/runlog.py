@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from threefold import accounting
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
-                               peak_memory_bytes, truncate_metrics)
+                               peak_memory_bytes, raise_cpu_peak, truncate_metrics)
 from threefold.parallel.pipeline.executor import idle_fraction
 from threefold.parallel.pipeline.simulate import measured_costs, pipeline_records, simulate
 from threefold.parallel.pipeline.timeline import write_chrome_trace
@@ -73,9 +73,7 @@ class RunLog:
         run, t = self.run, self.run.cfg.train
         tps = self.tokens_per_step / seconds
         rec = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.cfg), "grad_norm": norm,
-               "tokens_per_second": tps,
-               "mfu": (tps * self.flops_tok / (self.peak * run.layout.world_size))
-               if self.peak else None,
+               "tokens_per_second": tps, "mfu": self._mfu(tps),
                "peak_memory_bytes": peak_memory_bytes(run.device)}
         rec.update(extras)
         rec.update(run.layout.step_metrics())
@@ -88,6 +86,17 @@ class RunLog:
         if (step + 1) % t.log_interval == 0 or step + 1 == t.steps:
             self.say(f"step {step + 1:>6} loss {loss:.4f} lr {rec['lr']:.2e} norm {norm:.3f} "
                      f"tok/s {tps:,.0f}" + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] else ""))
+
+    def _mfu(self, tokens_per_second: float) -> float | None:
+        """Model FLOP/s per device over the peak (None when the peak is unknown). A CPU step
+        faster than the probed peak means the probe ran at a busy moment: the peak is raised
+        (``metrics.raise_cpu_peak``), so MFU never reads above 1."""
+        if not self.peak:
+            return None
+        achieved = tokens_per_second * self.flops_tok / self.run.layout.world_size
+        if achieved > self.peak and self.run.device.type == "cpu":
+            self.peak, self.peak_src = raise_cpu_peak(self.run.dtype, achieved)
+        return achieved / self.peak
 
     def trace(self, step: int, records: list) -> None:
         """Collective: write the traced step (``write_trace``) and say where it is."""
@@ -114,7 +123,9 @@ class RunLog:
             "active_parameters": self.n_active, "steps": run.cfg.train.steps,
             "resumed_from_step": self.start, "tokens_per_step": self.tokens_per_step,
             "wall_time_s": wall, "tokens_per_second": mean("tokens_per_second"),
-            "mfu": mean("mfu") if peak else None, "peak_flops_per_device": peak,
+            # against the final peak (a CPU probe may have been raised during the run)
+            "mfu": (mean("tokens_per_second") * self.flops_tok / (peak * lay.world_size)
+                    if peak and timed else None), "peak_flops_per_device": peak,
             "peak_flops_source": self.peak_src, "flops_per_token": self.flops_tok,
             "world_size": lay.world_size, "layout": lay.describe(), "restarts": lay.restarts,
             "lost_steps": self.lost, "memory": memory_summary(run, self.history)}
