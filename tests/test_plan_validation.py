@@ -160,3 +160,31 @@ def test_megatron_block_is_korthikantis_count_adapted_to_llama():
     assert own / mine == pytest.approx(1.90, abs=0.01)
     full = model_layer_activation_bytes(cfg, dataclasses.replace(lay, recompute="full"), work)
     assert full == s * 2 * h / 8
+
+
+# GPU-NOTES.md, 2026-12-04: threefold's own runtime on one H200 (torch 2.11), h 2048, FFN 8192,
+# 16 layers, 32/8 heads, vocab 32768, seq 2048, micro-batch 8, bf16 autocast over fp32 weights
+# and residual stream: 54,256 tokens/s eager, 61,600 with train.compile (per block).
+H200_RUNTIME = [("eager", "false", 54256), ("compiled", "true", 61600)]
+
+
+@pytest.mark.parametrize("row", H200_RUNTIME, ids=[r[0] for r in H200_RUNTIME])
+def test_dry_run_prediction_on_one_h200_within_10_percent_of_the_runtime(row):
+    """What ``train --dry-run`` predicts for the configuration GPU-NOTES measured (the
+    runtime's workload: fp32 weights and residual stream, elementwise work eager or fused by
+    compile, at the H200's HBM bandwidth) is within 10% of the measured tokens/s."""
+    from threefold.accounting.layout import Layout
+    from threefold.config import load_config
+    from threefold.plan.step import predict_step
+
+    _, compile_, measured = row
+    cfg = load_config(None, [
+        ("model.hidden_size", "2048"), ("model.intermediate_size", "8192"),
+        ("model.num_hidden_layers", "16"), ("model.num_attention_heads", "32"),
+        ("model.num_key_value_heads", "8"), ("model.vocab_size", "32768"),
+        ("data.seq_len", "2048"), ("train.global_batch_size", "8"),
+        ("train.micro_batch_size", "8"), ("train.dtype", "bfloat16"),
+        ("model.max_position_embeddings", "2048"), ("train.compile", compile_)])
+    step = predict_step(cfg.model.resolved(32768), Layout.from_config(cfg, 1),
+                        Workload.from_config(cfg), Cluster(get_hardware("h200"), 1, 1))
+    assert step.tokens_per_second_per_gpu == pytest.approx(measured, rel=0.10)
