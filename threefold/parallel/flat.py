@@ -66,7 +66,6 @@ class FlatUnit:
         self.grad_flat: torch.Tensor | None = None
         self.reduce_jobs: list[tuple] = []
         self.in_backward = False
-        self.held = False  # ZeroEngine.full_parameters: stay gathered until it ends
         self.reads_weights_in_backward = True  # False for the embedding (see ZeroEngine)
 
     # -- parameters as views of the flat buffer -------------------------------------------
@@ -78,7 +77,7 @@ class FlatUnit:
 
     def release(self) -> None:
         """Free the full parameters' memory (stage 3); views stay, pointing at no bytes."""
-        if self.gathered and not self.held:
+        if self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 

@@ -39,17 +39,14 @@ class InitSource:
         self.bytes_read = 0
         self._last: tuple[str, torch.Tensor] | None = None
 
-    def shape(self, name: str, kind: str = "model") -> tuple[int, ...] | None:
-        """Unknown here: the model's own shapes are asked for."""
-        return None
-
     def read(self, name: str, box: Sequence[tuple[int, int]] = (), kind: str = "model",
              dtype: torch.dtype = torch.float32, shape: tuple[int, ...] | None = None
-             ) -> torch.Tensor | None:
-        """Region ``box`` of the initial ``name`` (of logical ``shape``); None for optimiser
+             ) -> torch.Tensor:
+        """Region ``box`` of the initial ``name`` (of logical ``shape``: drawn whole, as
+        ``threefold.weights`` sources read, by the same signature); KeyError for optimiser
         state (a fresh run has none)."""
         if kind != "model":
-            return None
+            raise KeyError(f"initial values: no {kind} of {name}")
         if self._last is None or self._last[0] != name:
             self._last = None  # drop the previous tensor before drawing the next
             self._last = (name, initial_weight(name, shape, self.cfg, self.seed, self.device))
@@ -71,37 +68,32 @@ class ChainSource:
     @property
     def bytes_read(self) -> int:
         """Bytes the primary source read from files."""
-        return getattr(self.primary, "bytes_read", 0)
+        return self.primary.bytes_read
 
     def read(self, name, box=(), kind="model", dtype=torch.float32, shape=None):
         """From the fallback for the extra names, else from the primary."""
-        if name in self.extra:
-            return self.fallback.read(name, box, kind, dtype, shape=shape)
-        return _read(self.primary, name, box, kind, dtype, shape)
+        return (self.fallback if name in self.extra else self.primary).read(
+            name, box, kind, dtype, shape=shape)
 
     def release(self) -> None:
         """Forget what either keeps."""
-        for s in (self.primary, self.fallback):
-            getattr(s, "release", lambda: None)()
-
-
-def _read(source, name: str, box, kind: str, dtype: torch.dtype, shape):
-    if isinstance(source, (InitSource, ChainSource)):
-        return source.read(name, box, kind, dtype, shape=shape)
-    if source.shape(name, kind) is None:
-        return None
-    return source.read(name, box, kind, dtype)
+        self.primary.release()
+        self.fallback.release()
 
 
 def read_rows(source, name: str, p: torch.Tensor, rows: tuple[int, int], kind: str = "model",
               dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """Rows ``rows`` (dim-0 positions) of ``p``'s local tensor as the source holds them: the
     region of the logical tensor ``p`` is cut from, zero where ``p`` is padding (the last
-    vocabulary slice). None if the source has no such tensor (optimiser state of a fresh run)."""
+    vocabulary slice). None if the source has no such optimiser state (a fresh run, a
+    converted checkpoint); KeyError naming the tensor if it lacks a weight."""
     dtype = dtype or p.dtype
     src, dst = logical_box(p, rows)
-    region = _read(source, source_name(name, p), src, kind, dtype, logical_shape(p))
-    if region is None:
+    try:
+        region = source.read(source_name(name, p), src, kind, dtype, shape=logical_shape(p))
+    except KeyError:
+        if kind == "model":
+            raise KeyError(f"tensor {source_name(name, p)}") from None
         return None
     shape = (rows[1] - rows[0], *p.shape[1:]) if p.dim() else ()
     if not p.dim():
@@ -119,7 +111,7 @@ def read_rows(source, name: str, p: torch.Tensor, rows: tuple[int, int], kind: s
 def fill_local(source, name: str, p: torch.Tensor, out: torch.Tensor, kind: str = "model"
                ) -> bool:
     """``out`` (``p``'s shape) ← this rank's tensor of ``name`` from ``source``; whether the
-    source had it."""
+    source had it (only optimiser state may be missing: see ``read_rows``)."""
     rows = (0, p.shape[0] if p.dim() else 1)
     local = read_rows(source, name, p, rows, kind, out.dtype)
     if local is None:
@@ -133,7 +125,8 @@ def fill_flat(source, named: list[tuple[str, nn.Parameter]], offsets: list[int],
               out: torch.Tensor, lo: int, kind: str = "model") -> bool:
     """``out`` ← elements [lo, lo + len(out)) of the flat buffer that concatenates ``named``
     (each parameter at its offset; padding past the last stays as it is). Reads, per
-    parameter, only the rows the range covers. Whether the source had every tensor needed."""
+    parameter, only the rows the range covers. Whether the source had every tensor needed
+    (only optimiser state may be missing: see ``read_rows``)."""
     hi = lo + out.numel()
     found = True
     for (name, p), off in zip(named, offsets):
@@ -176,21 +169,17 @@ def is_hollow(p: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def materialize_parameters(model: nn.Module, source, device: torch.device,
-                           skip: set | None = None) -> None:
-    """Give every hollow parameter of ``model`` (``hollow_parameters``; except those in
-    ``skip``) storage on ``device`` and its values from ``source``, one tensor at a time; then
-    the buffers (RoPE frequencies, recomputed). A tied weight is filled once."""
-    skip = skip or set()
+def materialize_parameters(model: nn.Module, source, device: torch.device) -> None:
+    """Give every meta parameter of ``model`` storage on ``device`` and its values from
+    ``source``, one tensor at a time (``hollow_parameters`` first). A tied weight is filled
+    once."""
     hollow_parameters(model, device)
     for name, p in model.named_parameters():  # tied weights appear once
-        if p in skip or not is_hollow(p):
+        if not is_hollow(p):
             continue
         p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
-        if not fill_local(source, name, p, p.data):
-            raise KeyError(f"{name}: not in the weights")
-    materialize_buffers(model, device)
-    getattr(source, "release", lambda: None)()
+        fill_local(source, name, p, p.data)
+    source.release()
 
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:

@@ -97,7 +97,8 @@ class ZeroEngine:
         self.unit_modules = [(m, FlatUnit(f"unit{i}", g, comm, axes.get(i, shard_axis), stage,
                                           **kw))
                              for i, (m, g) in enumerate(zip(modules, groups)) if g]
-        getattr(source, "release", lambda: None)()  # the last tensor drawn, if kept
+        if source is not None:
+            source.release()  # the last tensor drawn, or the files read
         self.units = [u for _, u in self.unit_modules]
         for module, unit in self.unit_modules:
             # an embedding's backward reads its indices, not its weight: no gather for it
@@ -177,27 +178,6 @@ class ZeroEngine:
                     inner.register_forward_pre_hook(on_demand(i))
         if self.root:
             self.model.register_forward_pre_hook(lambda _m, _a: self.root.wait_gather())
-
-    @contextlib.contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every parameter whole for the duration (stage 3: each unit all-gathered once and
-        held, so forwards inside run no collective and may be as many as a rank likes, as
-        generation needs; released at the end). Other stages hold whole parameters always.
-        No gradient may be taken inside."""
-        if self.stage != 3:
-            yield
-            return
-        for unit in self.all_units:
-            unit.start_gather()
-        for unit in self.all_units:
-            unit.wait_gather()
-            unit.held = True
-        try:
-            yield
-        finally:
-            for unit in self.all_units:
-                unit.held = False
-                unit.release()
 
     # -- the step -----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -88,14 +88,19 @@ class WeightSource:
         return [n for k, n in self._entries if k == kind]
 
     def read(self, name: str, box: Box = (), kind: str = "model",
-             dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+             dtype: torch.dtype | None = torch.float32,
+             shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """``logical[box[0][0]:box[0][1], box[1][0]:box[1][1], ...]`` as a new contiguous
         tensor of ``dtype`` (None: the dtype stored). A box shorter than the tensor's rank
         leaves the remaining dimensions whole; ``()`` reads the whole tensor. Only the box's
-        elements are read; KeyError if there is no such tensor."""
+        elements are read; KeyError if there is no such tensor, ValueError if ``shape`` (the
+        logical shape the caller's model has) is given and the stored one differs."""
         entry = self._entry(name, kind)
         if entry is None:
             raise KeyError(f"{self}: no tensor {kind} {name}")
+        if shape is not None and tuple(entry.shape) != tuple(shape):
+            raise ValueError(f"{self}: tensor {kind} {name} has shape {tuple(entry.shape)}, "
+                             f"the model needs {tuple(shape)}")
         box = _full_box(box, entry.shape)
         out = torch.empty(extent(box), dtype=dtype or entry.dtype)
         if out.numel():
