@@ -83,7 +83,8 @@ from threefold.config import load_config  # noqa: E402
 from threefold.data import BatchSampler, prepare_data  # noqa: E402
 from threefold.model import causal_lm_loss  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
-from threefold.train import build_model, lr_at  # noqa: E402
+from threefold.steps import lr_at  # noqa: E402
+from threefold.train import build_model  # noqa: E402
 
 CONFIGS = ("tf_dp", "ddp", "tf_z3", "fsdp2")
 PAIRS = (("tf_dp", "ddp"), ("tf_z3", "fsdp2"))

@@ -35,7 +35,8 @@ from bench.common import report  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 from threefold.data import BatchSampler, prepare_data  # noqa: E402
 from threefold.model import causal_lm_loss  # noqa: E402
-from threefold.train import build_model, lr_at, train  # noqa: E402
+from threefold.steps import lr_at  # noqa: E402
+from threefold.train import build_model, train  # noqa: E402
 
 
 def plain_loop(cfg, steps: int) -> float:

@@ -207,7 +207,7 @@ def test_chunks_keep_names_own_the_ends_and_compose_to_the_model():
 def test_split_backward_equals_one_backward(variant):
     """B (input grad) then W (weight grads) gives exactly what one backward gives, on a middle
     stage whose input requires grad and on the last stage (loss)."""
-    from threefold.train import apply_activation_checkpointing
+    from threefold.parallel.parallelize import apply_activation_checkpointing
 
     cfg = _cfg(layers=4)
     chunk = split_model(_model(cfg), 2, 1, 1)[0]  # layers 2-3, norm, head
@@ -339,7 +339,7 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False):
     chunks = split_model(_model(_cfg()), p, v, pp_rank)
     model = rank_model(chunks)
     if ac:
-        from threefold.train import apply_activation_checkpointing
+        from threefold.parallel.parallelize import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
     if zero:

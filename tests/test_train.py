@@ -10,7 +10,8 @@ from tests.conftest import metrics, tiny_overrides
 from threefold.accounting import num_parameters
 from threefold.cli import main
 from threefold.config import load_config
-from threefold.train import lr_at, train
+from threefold.steps import lr_at
+from threefold.train import train
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_second", "mfu", "peak_memory_bytes"}
 
@@ -227,3 +228,25 @@ def test_launcher_passes_only_flags_torchrun_knows():
 
     assert torchrun_accepts("--nproc-per-node") and torchrun_accepts("--standalone")
     assert not torchrun_accepts("--no-such-flag-in-torchrun")
+
+
+def test_reference_engine_is_frozen_and_holds_no_optimiser_buffers(corpus, cache_dir,
+                                                                   tmp_path):
+    """A reference model (GRPO's) is the run's initial model in the compute dtype, with no
+    gradients, no float32 masters and no checkpointing wrappers: only what it computes with."""
+    import torch
+
+    from threefold.train import build_run, reference_engine
+
+    cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "ref",
+                                           train__dtype="bfloat16",
+                                           parallel__param_dtype="bfloat16",
+                                           train__activation_checkpointing="true"))
+    run = build_run(cfg)
+    ref = reference_engine(run)
+    params = list(ref.model.parameters())
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in params)
+    assert not ref._master and not type(ref.model.model.layers[0]).__name__.startswith("Chec")
+    # the same values as the run's own model at start (its bf16 compute copies)
+    for (n, a), b in zip(run.engine.model.named_parameters(), params):
+        assert torch.equal(a.detach(), b), n

@@ -23,13 +23,12 @@ from threefold.metrics import current_memory_bytes, peak_memory_bytes, reset_pea
 from threefold.model import LlamaForCausalLM, causal_lm_loss
 from threefold.parallel.layout import SingleProcess
 from threefold.parallel.materialize import ChainSource, InitSource
-from threefold.parallel.parallelize import (apply_activation_checkpointing,  # noqa: F401
-                                            apply_compile, parallelize)
+from threefold.parallel.parallelize import parallelize
 from threefold.preempt import Preemption
 from threefold.resume import resume, save
 from threefold.runlog import RunLog
-# the step and evaluation (and the learning-rate schedule) are imported from here too
-from threefold.steps import evaluate, lr_at, micro_batches, train_step  # noqa: F401
+# the step and evaluation are imported from here too
+from threefold.steps import evaluate, train_step  # noqa: F401
 from threefold.task import PretrainTask
 from threefold.weights import open_pretrained
 
@@ -130,9 +129,8 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     torch.empty(1, device="meta").add_(1)
     memory = {"baseline_bytes": current_memory_bytes(device)}
     reset_peak_memory(device)
-    source = InitSource(mcfg, cfg.train.seed, device)
-    if pretrained:  # a task's new weights (a reward model's score head) start from the seed
-        source = ChainSource(pretrained[1], source, task.new_weights)
+    source = _source(cfg, mcfg, device, pretrained[1] if pretrained else None,
+                     task.new_weights)
     try:
         engine = parallelize(mcfg, cfg, layout, source, device,
                              adapt=task.adapt_model)
@@ -184,9 +182,27 @@ def _pretrained(cfg: Config):
     return pcfg, source
 
 
-def pretrained_source(cfg: Config):
-    """A source of ``checkpoint.init_from``'s weights (``threefold.weights``)."""
-    return _pretrained(cfg)[1]
+def _source(cfg: Config, mcfg: ModelConfig, device: torch.device, pretrained,
+            new_weights: tuple[str, ...] = ()):
+    """Where a run's weights start from: ``checkpoint.init_from``'s (``pretrained``, a
+    ``threefold.weights`` source) with a task's new weights (a reward model's score head)
+    drawn from the seed, or every weight drawn from the seed."""
+    init = InitSource(mcfg, cfg.train.seed, device)
+    return ChainSource(pretrained, init, new_weights) if pretrained is not None else init
+
+
+def reference_engine(run: Run):
+    """The run's causal LM as it starts (``checkpoint.init_from``'s weights, else the seed's),
+    frozen, in an engine of its own laid out like the run's (``parallelize(frozen=True)``:
+    under ZeRO-3 each rank keeps its shards and gathers one unit at a time; no optimiser
+    buffers anywhere): a reference model (GRPO's). Keep the engine: its hooks hold it weakly."""
+    cfg = run.cfg
+    pretrained = _pretrained(cfg)[1] if cfg.checkpoint.init_from else None
+    engine = parallelize(run.model_cfg, cfg, run.layout,
+                         _source(cfg, run.model_cfg, run.device, pretrained), run.device,
+                         frozen=True)
+    engine.model.eval().requires_grad_(False)
+    return engine
 
 
 def autocast(run: Run):

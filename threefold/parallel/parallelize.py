@@ -114,15 +114,26 @@ def zero_units(model: LlamaForCausalLM, ep: int) -> tuple[list[nn.Module], dict[
 
 
 def build_engine(model: nn.Module, cfg: Config, layout, source=None,
-                 device: torch.device | None = None) -> Any:
+                 device: torch.device | None = None, frozen: bool = False) -> Any:
     """Step 7, the engine for ``layout``: plain AdamW for one process, data parallel for ZeRO
     stage 0, the ZeRO engine for stages 1-3 (over dp × cp); the optimiser in host memory
     with ``parallel.offload_optimizer``. With a ``source`` the model's parameters are still
     on the meta device and the engine gives them storage on ``device``, filled from it: ZeRO
-    only this rank's shards, the others every local tensor, one at a time."""
+    only this rank's shards, the others every local tensor, one at a time.
+
+    ``frozen`` (a reference model that never steps): ZeRO-3 keeps its shards and gathers
+    around use as for training; every other layout holds the plain local tensors, in the
+    compute dtype, with no gradient buckets, masters or host copies."""
     p = cfg.parallel
-    off, device = p.offload_optimizer, device or layout.device
+    off, device = p.offload_optimizer and not frozen, device or layout.device
     param_dtype, reduce_dtype = dtypes(cfg)
+    if frozen and (layout.comm is None or p.zero_stage != 3):
+        materialize_parameters(model, source, device)
+        for q in model.parameters():
+            q.requires_grad_(False)
+            if param_dtype is not None:
+                q.data = q.data.to(param_dtype)
+        return LocalEngine(model, cfg.optim, layout.comm)
     if layout.comm is None or p.zero_stage == 0:
         if source is not None:
             materialize_parameters(model, source, device)
@@ -140,20 +151,23 @@ def build_engine(model: nn.Module, cfg: Config, layout, source=None,
 
 
 def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.device,
-                adapt: Callable[[nn.Module], nn.Module] | None = None) -> Any:
+                adapt: Callable[[nn.Module], nn.Module] | None = None,
+                frozen: bool = False) -> Any:
     """The engine of this rank's part of the model ``mcfg``, parallelised by ``layout`` in
     the order of the module doc, its tensors filled from ``source`` (``InitSource`` for a
     fresh run, a checkpoint or Hugging Face folder for a pretrained one). ``adapt`` changes
-    the plain (meta) model first, e.g. a reward model's score head in place of the LM head."""
+    the plain (meta) model first, e.g. a reward model's score head in place of the LM head.
+    ``frozen``: a model that never trains (a reference): no checkpointing, no compile, no
+    optimiser's buffers (see ``build_engine``)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(mcfg)
     if adapt is not None:
         model = adapt(model)
     model = layout.split_pipeline(model)           # 1
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
-    if cfg.train.activation_checkpointing:         # 5
+    if cfg.train.activation_checkpointing and not frozen:  # 5
         apply_activation_checkpointing(model)
-    if cfg.train.compile:                          # 6
+    if cfg.train.compile and not frozen:                   # 6
         apply_compile(model)
     materialize_buffers(model, device)
-    return build_engine(model, cfg, layout, source, device)  # 7
+    return build_engine(model, cfg, layout, source, device, frozen)  # 7

@@ -57,6 +57,12 @@ TP_PLAN: dict[str, str] = {
 # --------------------------------------------------------------------------------------------
 # Conjugate operators (autograd functions through the communication layer)
 # --------------------------------------------------------------------------------------------
+def copy_to_tp(x: torch.Tensor, comm) -> torch.Tensor:
+    """Megatron's f: ``x`` as it is forward, its gradient all-reduced over tp backward (a
+    replicated weight whose gradient each tp rank sees only part of)."""
+    return _CopyToTP.apply(x, comm)
+
+
 class _CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce backward. Also wraps a replicated weight whose
     gradient each tp rank sees only part of (SP norms, replicated k/v)."""

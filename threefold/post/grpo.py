@@ -28,10 +28,9 @@ from threefold.post.chat import check_messages, encode_text, eot_token, load_cha
 from threefold.post.grpo_rewards import (  # noqa: F401 (re-exported: grpo's public names)
     BUILTIN_REWARDS, arithmetic_reward, builtin_prompts, call_reward, check_reward_function,
     columns_of, load_reward, prompt_records, reward_model_scorer, split_prompts)
-from threefold.post.reward import initial_engine
 from threefold.post.sft import IGNORE, EpochSampler, fingerprint, pad_id
 from threefold.task import Task
-from threefold.train import autocast
+from threefold.train import autocast, reference_engine
 
 
 
@@ -167,7 +166,7 @@ class GRPOTask(Task):
             raise DataError("grpo.reward: give a reward function or grpo.reward_model")
         self.reward_fn = load_reward(o.reward) if o.reward else None
         self.fixed_rollout = rollout
-        self.reference = None
+        self.reference = None  # the frozen initial policy's engine (beta > 0)
         self.score = None
 
     # -- checks before launch ----------------------------------------------------------------
@@ -252,9 +251,7 @@ class GRPOTask(Task):
         o = self.options
         self.run = run
         if o.beta:
-            # sharded like the policy (its own engine, which never steps)
-            self.reference_engine = initial_engine(run)
-            self.reference = self.reference_engine.model.eval().requires_grad_(False)
+            self.reference = reference_engine(run)  # sharded like the policy, never steps
         if o.reward_model:
             self.score = reward_model_scorer(o.reward_model, run.device)
         lay = run.layout
@@ -352,8 +349,6 @@ class GRPOTask(Task):
     def _dp_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
         """``values`` reduced over the data-parallel ranks (logging channel; as is in one
         process)."""
-        if self.run.layout.dp_size == 1:
-            return values
         t = torch.from_numpy(values.astype(np.float64))
         return self.run.layout.reduce_over_dp(t, op).numpy()
 
@@ -384,8 +379,8 @@ class GRPOTask(Task):
         for i in range(0, labels.shape[0], mb):
             ids = batch["input_ids"][i:i + mb].to(run.device)
             with autocast(run):
-                logits = self.reference(ids)
-            out.append(token_logps(self.reference, logits, labels[i:i + mb].to(run.device),
+                logits = self.reference.model(ids)
+            out.append(token_logps(self.reference.model, logits, labels[i:i + mb].to(run.device),
                                    self.options.temperature).float().cpu())
         return torch.cat(out)
 

@@ -21,10 +21,9 @@ any accumulation and data-parallel degree. Metrics (TRL's RewardTrainer names), 
 pairs: ``accuracy`` (share of pairs with r_c > r_r), ``margin`` (r_c − r_r), ``mean_reward``
 (the mean of r_c and r_r).
 
-Model: ``build_run`` builds the causal LM (from ``checkpoint.init_from`` as SFT and DPO do);
-``setup`` drops it and builds the reward model in its place the same way (same weights, no
-LM head, a ``score`` head initialised from the seed), then parallelises it and builds its
-engine through the layout. Under tensor parallelism the score head is replicated: without
+Model: ``build_run`` builds the reward model directly (``RewardTask.adapt_model`` puts the
+``score`` head in place of the LM head on the meta model; the decoder comes from
+``checkpoint.init_from`` as for SFT and DPO, the head from the seed, ``new_weights``). Under tensor parallelism the score head is replicated: without
 sequence parallelism its input is the replicated residual stream; with it, each rank scores
 its own positions and the (B, T) scores are all-gathered (the weight's gradient summed over
 tp, as for sequence-parallel norms). Pipeline and context parallelism are refused.
@@ -32,7 +31,6 @@ tp, as for sequence-parallel norms). Pipeline and context parallelism are refuse
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,13 +40,12 @@ from torch import nn
 
 from threefold.config import ConfigError
 from threefold.data import DataError
-from threefold.parallel.materialize import InitSource
-from threefold.parallel.parallelize import parallelize
-from threefold.parallel.tensor import gather_full
+from threefold.model import initial_weight
+from threefold.parallel.tensor import copy_to_tp, gather_full
 from threefold.post.chat import announce, read_jsonl
 from threefold.post.dpo import PairSampler, load_pairs
 from threefold.task import Task
-from threefold.train import autocast, pretrained_source
+from threefold.train import autocast
 
 
 @dataclass
@@ -121,22 +118,6 @@ class _GatherScores(torch.autograd.Function):
         return grad[:, ctx.r * ctx.n:(ctx.r + 1) * ctx.n].contiguous(), None
 
 
-def summed_over_tp(weight: torch.Tensor, comm) -> torch.Tensor:
-    """``weight`` as it is, its gradient summed over the tp ranks: under sequence parallelism
-    each rank scores only its own positions, so it sees part of the replicated head's
-    gradient (as for sequence-parallel norms)."""
-    w = weight.view_as(weight)
-    if w.requires_grad:
-        w.register_hook(lambda grad: _all_reduced_tp(grad, comm))
-    return w
-
-
-def _all_reduced_tp(grad: torch.Tensor, comm) -> torch.Tensor:
-    grad = grad.contiguous().clone()
-    comm.all_reduce(grad, "tp")
-    return grad
-
-
 def add_score_head(model: nn.Module, seed: int) -> nn.Module:
     """``model`` (a not yet parallelised ``LlamaForCausalLM``) as a reward model in place: no
     LM head (its forward returns the final hidden states) and ``score``, a hidden -> 1 linear
@@ -146,25 +127,11 @@ def add_score_head(model: nn.Module, seed: int) -> nn.Module:
     model.lm_head = None
     model.score = nn.Linear(model.cfg.hidden_size, 1, bias=False, device=ref.device,
                             dtype=ref.dtype)
-    if ref.is_meta:  # filled later by name (threefold.model.initial_weight draws the same)
-        return model
-    gen = torch.Generator(device=ref.device)
-    gen.manual_seed(seed * 1_000_003 + zlib.crc32(b"score.weight"))
-    with torch.no_grad():
-        nn.init.normal_(model.score.weight, mean=0.0, std=model.cfg.init_std, generator=gen)
+    if not ref.is_meta:  # else filled later by name, drawing the same values
+        with torch.no_grad():
+            model.score.weight.copy_(initial_weight("score.weight", (1, model.cfg.hidden_size),
+                                                    model.cfg, seed, ref.device))
     return model
-
-
-def initial_engine(run):
-    """A second engine holding ``run``'s causal LM as ``build_run`` starts it
-    (``checkpoint.init_from``'s weights, else the seed's initialisation), parallelised and
-    sharded like the run's own (under ZeRO-3 each rank keeps its shards and gathers one unit
-    at a time), for a frozen reference; its optimiser never steps, so it holds no state."""
-    cfg = run.cfg
-    source = InitSource(run.model_cfg, cfg.train.seed, run.device)
-    if cfg.checkpoint.init_from:
-        source = pretrained_source(cfg)
-    return parallelize(run.model_cfg, cfg, run.layout, source, run.device)
 
 
 class RewardTask(Task):
@@ -208,10 +175,7 @@ class RewardTask(Task):
         return add_score_head(model, 0)
 
     def setup(self, run) -> None:
-        """Note whether scores are sequence-parallel; announce the data."""
-        cfg, model = run.cfg, run.engine.model  # built with the score head (adapt_model)
-        self.sequence_parallel = (model.tp_size > 1
-                                  and cfg.parallel.sequence_parallel)
+        """Announce the data."""
         s = self.stats
         announce(run, self.template,
                  f"reward: {s['pairs']} pairs ({s['val_pairs']} held out) from {s['data']}, "
@@ -225,9 +189,11 @@ class RewardTask(Task):
         last = last_token_index(input_ids, self.pad)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         with autocast(run):
-            if self.sequence_parallel:  # this rank holds positions [r·T/t, (r+1)·T/t)
+            if model.sequence_parallel:  # this rank holds positions [r·T/t, (r+1)·T/t)
                 comm = run.layout.comm
-                per_pos = F.linear(hidden, summed_over_tp(model.score.weight, comm))
+                # each rank scores its own positions: the replicated head's gradient is
+                # the sum over tp, as for sequence-parallel norms
+                per_pos = F.linear(hidden, copy_to_tp(model.score.weight, comm))
                 return _GatherScores.apply(per_pos[..., 0].float(), comm)[rows, last]
             return model.score(hidden[rows, last])[:, 0].float()
 
