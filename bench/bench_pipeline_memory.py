@@ -66,7 +66,7 @@ Measured on the 2-core development machine (defaults: p 4, m 8, microbatch 2×25
 replay (ratio 1.000000); the planner's per-rank prediction is within 1.3% everywhere (exact
 but for the first stage's 4 KiB of token ids and interleaving's per-chunk RoPE tables); the
 last stage keeps 5.5 MiB more per microbatch than its blocks (0.3 from the final norm and
-head input, 4 from the log-softmax). Rank 0: GPipe 160.2 MiB, 1F1B 80.1 MiB, ratio 2.000
+head input, 4 from the log-softmax). Rank 0: GPipe 122.7 MiB, 1F1B 61.4 MiB, ratio 2.000
 (RSS growth 208 vs 119 MiB: ~40-50 MiB of non-saved memory, the held stage outputs and
 backward's transients, on top of either). ZB-H1 holds 4 in flight on every rank, as the
 planner says, and its RSS grows most on the later ranks (the kept gradients at the

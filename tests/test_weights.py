@@ -389,3 +389,10 @@ def test_materializing_refuses_a_missing_or_misshapen_weight_by_name():
         fill_flat(DictSource({}), [("weight", m.weight)], [0], out, 0)
     assert not fill_flat(good, [("weight", m.weight)], [0], out, 0, kind="exp_avg")
     assert fill_flat(good, [("weight", m.weight)], [0], out, 3) and torch.equal(out, torch.ones(6))
+
+
+def test_planner_counts_the_readers_block_size():
+    """The planner's formulas import no torch, so they keep their own copy of the largest
+    block a file read takes at once; it must be the reader's."""
+    from threefold.plan.startup import READ_BLOCK_BYTES
+    assert READ_BLOCK_BYTES == weights.base.BLOCK_BYTES

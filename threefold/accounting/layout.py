@@ -159,6 +159,9 @@ class Workload:
     eager: bool = False  # one kernel per elementwise op (threefold without compile), not fused
     block: str = "threefold"  # whose block keeps the activations: "threefold" or "megatron"
     reduce_bytes: int = 0  # element size ZeRO reduce-scatters gradients in (0 = weight_bytes)
+    # gloo on a CPU: all-gathers and reduce-scatters copy through a temporary as large as the
+    # whole unit, and the host's memory is the device's (offload's buffers count there)
+    backend_copies: bool = False
 
     @property
     def tokens(self) -> int:

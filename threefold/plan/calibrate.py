@@ -25,6 +25,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -259,3 +261,37 @@ def hardware_from_calibration(record: dict, ranks_on_machine: int = 1,
                            precision="bf16")
     return hw.with_overrides(peak_flops_fp32=rate("fp32"),
                              memory_bw=mem_bw / ranks if mem_bw else None)
+
+
+def cpu_baseline_bytes(threads: int = 1, path: str | Path = DEFAULT_PATH) -> int:
+    """Resident bytes of a fresh Python process that has imported torch and threefold's
+    training modules, used the meta device and run a matmul on ``threads`` threads: what
+    every rank holds before its model (torchrun gives each of several ranks one thread).
+    Measured once per machine, Python and torch (a subprocess, seconds) and kept in the
+    calibration file's directory (``baseline.json``); 0 where it cannot be measured."""
+    cache = Path(path).expanduser().with_name("baseline.json")
+    key = f"{sys.executable}|{torch.__version__}|{int(threads)}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        code = ("import torch, threefold.train, threefold.parallel.distributed_layout\n"
+                "from threefold.metrics import current_memory_bytes\n"
+                f"torch.set_num_threads({int(threads)})\n"
+                "torch.empty(1, device='meta') + 1\n"
+                "torch.ones(64, 64) @ torch.ones(64, 64)\n"
+                "print(current_memory_bytes(torch.device('cpu')))\n")
+        env = {**os.environ, "OMP_NUM_THREADS": str(int(threads))}
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 timeout=120, check=True, env=env).stdout
+            known[key] = int(out.split()[-1])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return 0
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(known))
+        except OSError:
+            pass  # a read-only home: measured again next time
+    return known[key]

@@ -38,6 +38,7 @@ device and host per step.
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,11 +66,12 @@ from threefold.parallel.layout import validate_layout
 from threefold.parallel.pipeline.schedules import schedule_spec
 from threefold.parallel.pipeline.stage import rank_model, split_model
 from threefold.parallel.tensor import apply_tensor_parallel
-from threefold.plan.calibrate import hardware_from_calibration, load, machine_ram, matmul_flops
+from threefold.plan.calibrate import (cpu_baseline_bytes, hardware_from_calibration, load,
+                                      machine_ram, matmul_flops)
 from threefold.plan.hardware import (Cluster, Hardware, get_hardware,
                                      hardware_for_device_name)
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
-from threefold.plan.startup import StartupMemory, cpu_baseline_bytes, startup_memory
+from threefold.plan.startup import StartupMemory, startup_peaks
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
 from threefold.plan.step import StepPrediction, predict_step
 
@@ -95,17 +97,16 @@ class DryRunResult:
     step: StepPrediction | None
     comm_bytes: dict[str, int]
     notes: list[str]
+    startup: StartupMemory  # before the first step: building and loading
     offload_bytes: dict[str, int] | None = None  # {"down", "up"} per rank per step, offload
-    startup: StartupMemory | None = None  # before the first step: building and loading
     baseline: int = 0  # a CPU process's own resident bytes (interpreter, torch), else 0
 
     @property
     def peaks(self) -> dict[str, float]:
         """Predicted peak bytes of one rank in each phase, the baseline included: start-up
         (building the model), loading (a resumed checkpoint) and the step."""
-        s = self.startup
-        return {"startup": self.baseline + (s.startup if s else 0.0),
-                "loading": self.baseline + (s.loading if s else 0.0),
+        return {"startup": self.baseline + self.startup.startup,
+                "loading": self.baseline + self.startup.loading,
                 "step": self.baseline + self.memory.total}
 
 
@@ -199,8 +200,7 @@ def _cpu_threads(world: int) -> int:
 
 
 def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
-    per_node = _ranks_per_node(world, world)
-    threads = max(1, (os.cpu_count() or 1) // per_node)
+    per_node, threads = _ranks_per_node(world, world), _cpu_threads(world)
     precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
     rate = matmul_flops(precision, threads, seconds=0.2, statistic="best")
     ram = machine_ram()
@@ -242,12 +242,10 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
                          "step time below; 1f1b recomputes each block once")
     cluster, source = choose_hardware(cfg, world_size)
     on_cpu = source.startswith(("this CPU", "calibration"))
-    copies = on_cpu if backend_copies is None else backend_copies
+    work = dataclasses.replace(
+        work, backend_copies=on_cpu if backend_copies is None else backend_copies)
     memory = memory_per_rank(mcfg, layout, work,
-                             overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES,
-                             backend_copies=copies)
-    startup = max((startup_memory(mcfg, layout, work, st, work.weight_bytes, copies)
-                   for st in range(dims.pp)), key=lambda m: m.startup)
+                             overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES)
     if mcfg.num_local_experts:
         e, ep = mcfg.num_local_experts, dims.ep
         notes.append(f"mixture of experts: {e} experts per block, top-{mcfg.num_experts_per_tok}"
@@ -265,7 +263,8 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm_bytes_per_step(mcfg, layout, work, stage=0), notes,  # rank 0's
-                        offload_bytes_per_step(mcfg, layout, work), startup,
+                        startup_peaks(mcfg, layout, work),
+                        offload_bytes_per_step(mcfg, layout, work),
                         cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0)
 
 
@@ -330,14 +329,13 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
         f"{_gb(mem.total)} (transient part {_gb(other)})"
         + (f" of {_gb(hw.memory_bytes)}: {'fits' if fits else 'DOES NOT FIT'}"
            if hw.memory_bytes else "")]
-    if r.startup is not None:
-        pk = r.peaks
-        lines.append(
-            f"peak per rank by phase, GB: start-up {_gb(pk['startup'])} (building: kept "
-            f"{_gb(r.startup.kept)}, filling {_gb(r.startup.filling)}), loading a checkpoint "
-            f"{_gb(pk['loading'])}, step {_gb(pk['step'])}"
-            + (f"; each includes this CPU process's own {_gb(r.baseline)} (Python, torch)"
-               if r.baseline else ""))
+    pk = r.peaks
+    lines.append(
+        f"peak per rank by phase, GB: start-up {_gb(pk['startup'])} (building: kept "
+        f"{_gb(r.startup.kept)}, filling {_gb(r.startup.filling)}), loading a checkpoint "
+        f"{_gb(pk['loading'])}, step {_gb(pk['step'])}"
+        + (f"; each includes this CPU process's own {_gb(r.baseline)} (Python, torch)"
+           if r.baseline else ""))
     if r.layout.offload_optimizer:
         per_node = r.cluster.gpus_per_node
         moved = r.offload_bytes or {"down": 0, "up": 0}

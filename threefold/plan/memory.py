@@ -29,7 +29,7 @@ either way. Under ZeRO 1/2 the device keeps the owned shard as a tensor of its o
 receives the host's update and is all-gathered), ``state.param`` bytes per owned element.
 Gradients stay on the device until the step copies them down.
 
-``backend_copies``: the collective backend copies an all-gather or reduce-scatter through
+``work.backend_copies``: the collective backend copies an all-gather or reduce-scatter through
 a temporary as large as the whole unit (gloo on a CPU; NCCL does not): one more unit at
 ZeRO's gathers and reductions. With bf16 parameters (``work.weight_bytes`` 2) gradients
 are reduced in ``work.grad_reduce_bytes``: ZeRO-3 casts the unit's gradient first.
@@ -142,23 +142,19 @@ class MemoryBreakdown:
 
 def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                  state: StateBytes | None = None,
-                 overhead_bytes: float = RUNTIME_OVERHEAD_BYTES,
-                 backend_copies: bool = False) -> MemoryBreakdown:
+                 overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """Peak memory of one rank of pipeline ``stage`` under threefold's engines (see
     ``_stage_memories``)."""
-    return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes,
-                           backend_copies)[0]
+    return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
 
 
 def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
                    state: StateBytes | None = None,
-                   overhead_bytes: float = RUNTIME_OVERHEAD_BYTES,
-                   backend_copies: bool = False) -> MemoryBreakdown:
+                   overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """The breakdown of the pipeline stage with the largest peak (stage 0 holds the most
     activations, the last stage the logits and head)."""
     stages = distinct_stages(cfg, layout)
-    return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes,
-                               backend_copies), key=lambda mb: mb.total)
+    return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes), key=lambda mb: mb.total)
 
 
 @lru_cache(maxsize=65536)
@@ -170,8 +166,7 @@ def _unit_totals(units: tuple, n: int) -> tuple[int, int, int]:
 
 
 def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: list[int],
-                    state: StateBytes | None, overhead_bytes: float,
-                    backend_copies: bool = False) -> list[MemoryBreakdown]:
+                    state: StateBytes | None, overhead_bytes: float) -> list[MemoryBreakdown]:
     """The breakdown of each of ``stages``: model states as threefold's engines hold them
     (``_model_states``; the module docstring has the rules), the activations of the
     microbatches the schedule keeps in flight, the last stage's head and loss."""
@@ -184,8 +179,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     extra = microbatch_extra_bytes(cfg, layout, work)
     out = []
     for stage in stages:
-        states = _model_states(layout, work, state, stage_units(cfg, layout, stage), m,
-                               backend_copies)
+        states = _model_states(layout, work, state, stage_units(cfg, layout, stage), m)
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage)
         layers = rank_layers(cfg, layout, stage)
@@ -201,8 +195,8 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     return out
 
 
-def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tuple, m: int,
-                  backend_copies: bool) -> dict[str, float]:
+def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tuple,
+                  m: int) -> dict[str, float]:
     """The ``MemoryBreakdown`` fields of one stage's model states (its ZeRO ``units``, ``m``
     microbatches): weights, gradients, optimiser state, the engine's buffers and working
     copies, and the host's share under offload (``_offload``)."""
@@ -220,7 +214,7 @@ def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tupl
         grads = (padded + largest) * state.grad
         if z == 2:
             grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
-        if backend_copies:  # the reduce-scatter's whole-unit copy
+        if work.backend_copies:  # the reduce-scatter's whole-unit copy
             grads += largest * state.grad
         in_bwd = psi * state.grad if m > 1 else 0.0
         temp = 2 * -(-largest // n) * state.param
@@ -233,7 +227,7 @@ def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tupl
         rb = work.grad_reduce_bytes
         unit_grad = largest * state.grad + (largest * rb if rb != state.grad else 0) \
             + -(-largest // n) * rb
-        if backend_copies:  # the reduce-scatter's copy, the prefetch's gather copy
+        if work.backend_copies:  # the reduce-scatter's copy, the prefetch's gather copy
             unit_grad += largest * rb + largest * state.param
     out = dict(params=params, optimizer=opt, grads=grads, buffers=buffers,
                grads_in_backward=in_bwd, zero3_working=zero3, optimizer_working=temp,
@@ -298,8 +292,7 @@ def moe_cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stag
 
 def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
                     state: StateBytes | None = None,
-                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES,
-                    backend_copies: bool = False) -> MemoryBreakdown:
+                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """``threefold.plan.memory.memory_per_gpu``, and for a mixture of experts what it does not
     count: the MoE blocks' activations and cast weights (``moe_block_extra_bytes``,
     ``moe_cast_weight_bytes``) and, under expert parallelism, the expert tensors, which
@@ -309,17 +302,15 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
     dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
     (see the module docstring). A dense model's figure is unchanged."""
     if not cfg.num_local_experts:
-        return memory_per_gpu(cfg, layout, work, state, overhead_bytes, backend_copies)
+        return memory_per_gpu(cfg, layout, work, state, overhead_bytes)
     state = state or state_bytes_for(work)
-    return max((_moe_stage_memory(cfg, layout, work, st, state, overhead_bytes,
-                                  backend_copies)
+    return max((_moe_stage_memory(cfg, layout, work, st, state, overhead_bytes)
                 for st in distinct_stages(cfg, layout)), key=lambda mb: mb.total)
 
 
 def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
-                      state: StateBytes, overhead_bytes: float,
-                      backend_copies: bool = False) -> MemoryBreakdown:
-    mem = stage_memory(cfg, layout, work, stage, state, overhead_bytes, backend_copies)
+                      state: StateBytes, overhead_bytes: float) -> MemoryBreakdown:
+    mem = stage_memory(cfg, layout, work, stage, state, overhead_bytes)
     m = microbatches(layout, work)
     inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage)
     extra = moe_block_extra_bytes(cfg, layout, work)

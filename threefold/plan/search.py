@@ -17,7 +17,8 @@ from threefold.config import ModelConfig
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.hardware import Cluster
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
-from threefold.plan.startup import startup_peak
+from threefold.plan.startup import startup_peaks
+from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
 from threefold.plan.report import explain
 from threefold.plan.step import StepPrediction, compute_bound_step_time, predict_step
 
@@ -280,7 +281,7 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
                    f"{mem.logits / 1e9:.1f})")
             result.too_big.append((lay, mem.total, why))
             continue
-        start = startup_peak(cfg, lay, work)
+        start = startup_peaks(cfg, lay, work).startup + RUNTIME_OVERHEAD_BYTES
         if start > limit:  # building the model needs more than its step
             result.too_big.append((lay, start, f"start-up needs {start / 1e9:.1f} GB > "
                                    f"{limit / 1e9:.0f} GB (the largest tensor is drawn whole "

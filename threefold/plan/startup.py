@@ -11,29 +11,27 @@ buckets, offload's host masters, once the engine exists) plus, while filling, th
 logical tensor and the largest region cut from it.
 
 Loading (``checkpoint.resume``, after start-up): AdamW's moments join the shards, each read
-by region (``threefold.weights``: at most two 64 MiB blocks beside the region).
+by region (``threefold.weights``: the region, read in blocks of at most 64 MiB).
 
 On a CPU, resident memory also holds the interpreter, torch and the data (the *baseline*,
-measured once per machine by ``cpu_baseline_bytes``), and gloo's all-gather and
-reduce-scatter each copy through a temporary as large as the gathered tensor
-(``backend_copies``), which NCCL does not.
+``plan.calibrate.cpu_baseline_bytes``), and gloo's all-gather and reduce-scatter each copy
+through a temporary as large as the gathered tensor (``Workload.backend_copies``), which NCCL
+does not.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout, Workload
 from threefold.accounting.stages import (distinct_stages, rank_layers, stage_expert_units,
                                          stage_units)
 from threefold.config import ModelConfig
+from threefold.plan.states import HOST_GRAD_BYTES, HOST_MASTER_BYTES
 
-READ_BLOCK_BYTES = 64 << 20  # threefold.weights.BLOCK_BYTES: a file read's temporary, twice
+# threefold.weights.BLOCK_BYTES (a file read's temporary, at most two at once); not imported:
+# the planner's formulas import no torch (tests/test_weights.py checks the two agree)
+READ_BLOCK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -65,70 +63,46 @@ def largest_logical(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     return max(sizes)
 
 
-def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
-                   param_bytes: int = 4, backend_copies: bool = False) -> StartupMemory:
-    """Start-up and loading peaks of one rank of pipeline ``stage`` (see the module doc);
-    ``param_bytes``: the compute copies' element size (2 with bf16 parameters);
-    ``backend_copies``: a CPU run (gloo's copies; the host is the device, so offload's host
-    buffers count too)."""
-    z, n, ne = layout.zero_stage, layout.shard_size, layout.edp_shard
-    dense = [sum(u) for u in stage_units(cfg, layout, stage)]
-    experts = [sum(u) for u in stage_expert_units(cfg, layout, stage)]
-    tensors = [t for u in stage_units(cfg, layout, stage) for t in u] + \
-        [t for u in stage_expert_units(cfg, layout, stage) for t in u]
-    biggest_local = max(tensors)
+def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload,
+                   stage: int) -> StartupMemory:
+    """Start-up and loading peaks of one rank of pipeline ``stage`` (see the module doc); the
+    compute copies take ``work.weight_bytes`` an element; ``work.backend_copies`` (a CPU
+    run) adds gloo's copy of a gather, and offload's host buffers, which share its memory."""
+    z, n, ne, pb = layout.zero_stage, layout.shard_size, layout.edp_shard, work.weight_bytes
+    dense_units = stage_units(cfg, layout, stage)
+    expert_units = stage_expert_units(cfg, layout, stage)
+    dense, experts = [sum(u) for u in dense_units], [sum(u) for u in expert_units]
+    biggest = max(t for u in (*dense_units, *expert_units) for t in u)
     logical = 4 * largest_logical(cfg, layout, stage)
     if z:
         padded = [-(-u // n) * n for u in dense] + [-(-u // ne) * ne for u in experts]
         shards = [-(-u // n) for u in dense] + [-(-u // ne) for u in experts]
-        owned = 4 * sum(shards)
-        region = 4 * (-(-biggest_local // min(n, ne)) + cfg.hidden_size * 8)
-        kept = owned
-        filling = owned + logical + region
+        owned, buffer = sum(shards), max(shards)  # loading reads a unit's shard at a time
+        region = -(-biggest // min(n, ne))  # the largest tensor's rows a shard covers
+        kept = 4 * owned
+        filling = kept + logical + 4 * region
         if z in (1, 2):  # every unit gathered once the shards are filled
-            kept += param_bytes * sum(padded)
-            filling = max(filling, kept + (param_bytes * max(padded) if backend_copies else 0))
-        moments = 8 * sum(shards) + 16 * max(shards)  # AdamW's, and one unit's being read
+            kept += pb * sum(padded)
+            if work.backend_copies:
+                filling = max(filling, kept + pb * max(padded))
     else:
-        local = sum(dense) + sum(experts)
-        kept = 4 * local
-        filling = kept + logical + 4 * biggest_local
-        if param_bytes != 4:  # float32 masters beside the 16-bit compute copies
-            kept += param_bytes * local
+        owned, buffer = sum(dense) + sum(experts), biggest  # a tensor at a time
+        region = biggest
+        kept = 4 * owned + (pb * owned if pb != 4 else 0)  # 16-bit copies beside fp32 masters
+        filling = kept + logical + 4 * biggest
         if layout.dp * layout.cp > 1:  # data parallelism's gradient buckets
-            kept += 4 * local
-        moments = 8 * local + 8 * biggest_local
-    if layout.offload_optimizer and backend_copies:  # host masters and gradient buffers
-        kept += 8 * (sum(shards) if z else local)
-    # a file read holds the region it returns, in blocks of at most READ_BLOCK_BYTES
-    region = 4 * (-(-biggest_local // min(n, ne)) if z else biggest_local)
-    read = min(2 * READ_BLOCK_BYTES, region)
+            kept += 4 * owned
+    if layout.offload_optimizer and work.backend_copies:  # host masters and gradient buffers
+        kept += (HOST_MASTER_BYTES + HOST_GRAD_BYTES) * owned
+    # AdamW's two moments, plus the two read buffers of the tensor (or unit shard) being
+    # loaded; a file read holds the region it returns, in blocks of at most BLOCK_BYTES
+    moments = 8 * owned + 8 * buffer
+    read = min(2 * READ_BLOCK_BYTES, 4 * region)
     return StartupMemory(kept=kept, filling=filling, loading=kept + moments + read)
 
 
-def startup_peak(cfg: ModelConfig, layout: Layout, work: Workload,
-                 backend_copies: bool = False) -> float:
-    """The largest start-up peak over the pipeline stages (``startup_memory``)."""
-    return max(startup_memory(cfg, layout, work, st, work.weight_bytes, backend_copies).startup
-               for st in distinct_stages(cfg, layout))
-
-
-@functools.lru_cache(maxsize=4)
-def cpu_baseline_bytes(threads: int = 1) -> int:
-    """Resident bytes of a fresh Python process that has imported torch and threefold's
-    training modules, used the meta device and run a matmul on ``threads`` threads (what
-    every rank holds before its model: torchrun gives each of several ranks one), measured
-    once in a subprocess; 0 where it cannot be measured (no /proc)."""
-    code = ("import torch, threefold.train, threefold.parallel.distributed_layout\n"
-            "from threefold.metrics import current_memory_bytes\n"
-            f"torch.set_num_threads({int(threads)})\n"
-            "torch.empty(1, device='meta') + 1\n"
-            "torch.ones(64, 64) @ torch.ones(64, 64)\n"
-            "print(current_memory_bytes(torch.device('cpu')))\n")
-    env = {**os.environ, "OMP_NUM_THREADS": str(int(threads))}
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120, check=True, env=env).stdout
-        return int(json.loads(out.strip().splitlines()[-1]))
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return 0
+def startup_peaks(cfg: ModelConfig, layout: Layout, work: Workload) -> StartupMemory:
+    """Each phase's largest peak over the pipeline stages (``startup_memory``)."""
+    per = [startup_memory(cfg, layout, work, st) for st in distinct_stages(cfg, layout)]
+    return StartupMemory(kept=max(m.kept for m in per), filling=max(m.filling for m in per),
+                         loading=max(m.loading for m in per))
