@@ -149,6 +149,7 @@ class DictSource(WeightSource):
             self._entries = {("model", n): t for n, t in tensors.items()}
 
     def _fill(self, entry: torch.Tensor, box, out: torch.Tensor) -> None:
-        out.copy_(entry[box_index(box, [0] * len(box))])
-        self.bytes_read += out.numel() * entry.element_size()
+        region = entry[box_index(box, [0] * len(box))]
+        out.copy_(region)
+        self.bytes_read += region.numel() * entry.element_size()
 

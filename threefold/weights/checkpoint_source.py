@@ -199,7 +199,6 @@ class CheckpointSource(WeightSource):
             starts += sum(a * s for (a, _), s in zip(blk[:k + 1], strides))
         starts = starts.tolist()
         lo, hi = starts[0], starts[-1] + run
-        self.bytes_read += dst.numel() * t.dtype.itemsize
         buf = None
         for p in pieces:
             if p.end <= lo or p.eff >= hi:
@@ -212,7 +211,9 @@ class CheckpointSource(WeightSource):
             if (a0, b0) == (lo, hi):  # one piece holds the whole block: one strided copy
                 if len(starts) == 1:
                     self._check_crc(t, p, a0, b0, span, crcs)
-                dst.copy_(span.as_strided(ext, strides, span.storage_offset()))
+                src = span.as_strided(ext, strides, span.storage_offset())
+                dst.copy_(src)
+                self.bytes_read += src.numel() * t.dtype.itemsize
                 return
             if buf is None:
                 buf = torch.empty(len(starts) * run, dtype=t.dtype)
@@ -220,6 +221,7 @@ class CheckpointSource(WeightSource):
             while j < len(starts) and starts[j] < b0:
                 a, b = max(starts[j], a0), min(starts[j] + run, b0)
                 buf[j * run + a - starts[j]:j * run + b - starts[j]] = span[a - a0:b - a0]
+                self.bytes_read += (b - a) * t.dtype.itemsize
                 self._check_crc(t, p, a, b, span[a - a0:b - a0], crcs)
                 j += 1
         dst.copy_(buf.view(ext))
