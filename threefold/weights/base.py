@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 BLOCK_BYTES = 64 << 20  # the most one read call takes from a file (and so holds) at once
-EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+HEAD = "lm_head.weight"
 # safetensors' dtype names -> torch's
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -71,12 +71,9 @@ class WeightSource:
     moments, in threefold checkpoints), read by region.
 
     ``bytes_read`` counts the bytes of tensor data this source has taken from its files, in
-    the files' dtype, since it was opened. A tied model (``tied``) serves ``lm_head.weight``
-    from ``model.embed_tokens.weight`` when it has no head of its own (a pipeline's last
-    stage asks for it); ``names`` lists what is stored."""
+    the files' dtype, since it was opened; ``names`` lists what is stored."""
 
     bytes_read: int = 0
-    tied: bool = False
 
     def shape(self, name: str, kind: str = "model") -> tuple[int, ...] | None:
         """The logical shape of ``name``; None if the source has no such tensor."""
@@ -123,10 +120,7 @@ class WeightSource:
     _entries: dict[tuple[str, str], Any] = {}
 
     def _entry(self, name: str, kind: str) -> Any:
-        entry = self._entries.get((kind, name))
-        if entry is None and self.tied and name == HEAD:
-            entry = self._entries.get((kind, EMBED))
-        return entry
+        return self._entries.get((kind, name))
 
     def _fill(self, entry: Any, box: list[tuple[int, int]], out: torch.Tensor) -> None:
         raise NotImplementedError
@@ -137,8 +131,8 @@ class DictSource(WeightSource):
     {"name.exp_avg": t, ...}}`` as ``threefold.checkpoint.load_checkpoint`` returns them.
     ``bytes_read`` counts the bytes copied out, as if they came from a file."""
 
-    def __init__(self, tensors: Mapping[str, Any], tied: bool = False):
-        self.bytes_read, self.tied = 0, tied
+    def __init__(self, tensors: Mapping[str, Any]):
+        self.bytes_read = 0
         model = tensors.get("model")
         if isinstance(model, Mapping):
             self._entries = {("model", n): t for n, t in model.items()}

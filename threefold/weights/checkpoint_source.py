@@ -81,7 +81,6 @@ class CheckpointSource(WeightSource):
             files = {n: self.path / n for n in verify_checkpoint(self.path)["files"]}
         self._src, self._open = dict(files), {}
         self.state = json.loads(self._text("state.json"))
-        self.tied = bool((self.state.get("model_config") or {}).get("tie_word_embeddings"))
         self._rank_file: dict[int, str] = {}
         self._entries: dict[tuple[str, str], _Tensor] = {}
         for name in sorted(self._src):

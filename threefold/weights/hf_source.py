@@ -95,17 +95,17 @@ class HFSource(WeightSource):
     config maps to a ``ModelConfig`` (``config``), pickle files are refused, index entries
     stay inside the folder, each listed tensor is present and floating point, every expected
     tensor has the config's shape and nothing else is there. ``rotary_emb.inv_freq`` is
-    ignored; a tied model serves ``lm_head.weight`` from the embedding. Mixtral files in the
-    published per-expert layout (``block_sparse_moe.experts.N.w1/w3/w2``) serve the fused
-    logical tensors: a box over experts reads those experts' tensors only (and of each, the
-    rows and columns the box covers). ``tokenizer`` is the folder's tokenizer.json or None."""
+    ignored, and so is a tied model's ``lm_head.weight`` (the model takes its head from the
+    embedding). Mixtral files in the published per-expert layout
+    (``block_sparse_moe.experts.N.w1/w3/w2``) serve the fused logical tensors: a box over
+    experts reads those experts' tensors only (and of each, the rows and columns the box
+    covers). ``tokenizer`` is the folder's tokenizer.json or None."""
 
     def __init__(self, folder: Path | str):
         self.folder, self.bytes_read = Path(folder), 0
         cpath = self.folder / "config.json"
         raw = read_json(cpath, HFError, "not a Hugging Face model folder", "not valid JSON")
         cfg = self.config = model_config_from_hf(raw, str(cpath))
-        self.tied = bool(cfg.tie_word_embeddings)
         tok = self.folder / "tokenizer.json"
         self.tokenizer = tok if tok.is_file() else None
         self._files: dict[Path, Any] = {}
@@ -132,7 +132,7 @@ class HFSource(WeightSource):
             except SafetensorError as e:
                 raise HFError(f"{path}: not a readable safetensors file, truncated or "
                               f"damaged ({e})") from None
-        if self.tied:
+        if cfg.tie_word_embeddings:
             parts.pop(HEAD, None)  # the model takes its head from the embedding
         self._entries = {("model", n): _HFTensor([p], p.ext, p.dtype) for n, p in parts.items()}
         if cfg.num_local_experts:
