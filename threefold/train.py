@@ -86,6 +86,7 @@ class Run:
     out: Path
     task: Any = None
     router_log: Any = None  # the step's RouterLog of a mixture of experts (train_step)
+    pretrained: Any = None  # checkpoint.init_from's weight source, opened once (or None)
     # bytes held before the model, and the peaks of start-up, loading and the steps
     memory: dict = dataclasses.field(default_factory=dict)
 
@@ -142,7 +143,8 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         memory["init_from_bytes_read"] = source.bytes_read
     sampler, val_sampler = task.samplers(cfg, data)
     run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
-              Path(cfg.train.output_dir), task, memory=memory)
+              Path(cfg.train.output_dir), task, memory=memory,
+              pretrained=pretrained[1] if pretrained else None)
     if layout.chunks is not None:  # before setup, which may use it
         task_loss = task.pipeline_loss
         layout.build_pipeline(engine, run.loss, lambda: autocast(run), mcfg.hidden_size,
@@ -195,11 +197,12 @@ def reference_engine(run: Run):
     """The run's causal LM as it starts (``checkpoint.init_from``'s weights, else the seed's),
     frozen, in an engine of its own laid out like the run's (``parallelize(frozen=True)``:
     under ZeRO-3 each rank keeps its shards and gathers one unit at a time; no optimiser
-    buffers anywhere): a reference model (GRPO's). Keep the engine: its hooks hold it weakly."""
+    buffers anywhere): a reference model (GRPO's). Keep the engine: its hooks hold it weakly.
+    The pretrained weights are read again from the source the run opened (``run.pretrained``),
+    not opened a second time."""
     cfg = run.cfg
-    pretrained = _pretrained(cfg)[1] if cfg.checkpoint.init_from else None
     engine = parallelize(run.model_cfg, cfg, run.layout,
-                         _source(cfg, run.model_cfg, run.device, pretrained), run.device,
+                         _source(cfg, run.model_cfg, run.device, run.pretrained), run.device,
                          frozen=True)
     engine.model.eval().requires_grad_(False)
     return engine
