@@ -365,7 +365,8 @@ def test_imported_multi_file_checkpoint_resumes_training(corpus, cache_dir, tmp_
 def test_materializing_refuses_a_missing_or_misshapen_weight_by_name():
     """A parameter the source lacks, or holds at another shape, is an error naming it (never
     left at zeros), in the whole-tensor path and the ZeRO shard path alike; a missing moment
-    is simply absent (a fresh or converted checkpoint has none)."""
+    is simply absent (a fresh or converted checkpoint has none); any other KeyError of a
+    source passes through."""
     from torch import nn
 
     from threefold.parallel.materialize import fill_flat, materialize_parameters
@@ -378,16 +379,23 @@ def test_materializing_refuses_a_missing_or_misshapen_weight_by_name():
     m = meta_linear()
     materialize_parameters(m, good, torch.device("cpu"))
     assert torch.equal(m.weight, torch.ones(3, 4))
-    with pytest.raises(KeyError, match="tensor weight"):
+    with pytest.raises(weights.MissingTensor, match="tensor weight"):
         materialize_parameters(meta_linear(), DictSource({"other": torch.ones(3, 4)}),
                                torch.device("cpu"))
     with pytest.raises(ValueError, match=r"shape \(4, 3\).*needs \(3, 4\)"):
         materialize_parameters(meta_linear(), DictSource({"weight": torch.ones(4, 3)}),
                                torch.device("cpu"))
     out = torch.zeros(6)
-    with pytest.raises(KeyError, match="tensor weight"):
+    with pytest.raises(weights.MissingTensor, match="tensor weight"):
         fill_flat(DictSource({}), [("weight", m.weight)], [0], out, 0)
     assert not fill_flat(good, [("weight", m.weight)], [0], out, 0, kind="exp_avg")
+
+    class Broken(DictSource):
+        def read(self, *args, **kwargs):
+            raise KeyError("unrelated")  # a bug in a source, not a tensor it lacks
+
+    with pytest.raises(KeyError, match="unrelated"):  # passes through, even for a moment
+        fill_flat(Broken({}), [("weight", m.weight)], [0], out, 0, kind="exp_avg")
     assert fill_flat(good, [("weight", m.weight)], [0], out, 3) and torch.equal(out, torch.ones(6))
 
 

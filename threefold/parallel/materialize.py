@@ -27,6 +27,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.model import initial_weight
 from threefold.parallel.placement import logical_box, logical_shape, row_span, source_name
+from threefold.weights.base import MissingTensor
 
 
 class InitSource:
@@ -43,10 +44,10 @@ class InitSource:
              dtype: torch.dtype = torch.float32, shape: tuple[int, ...] | None = None
              ) -> torch.Tensor:
         """Region ``box`` of the initial ``name`` (of logical ``shape``: drawn whole, as
-        ``threefold.weights`` sources read, by the same signature); KeyError for optimiser
-        state (a fresh run has none)."""
+        ``threefold.weights`` sources read, by the same signature); ``MissingTensor`` for
+        optimiser state (a fresh run has none)."""
         if kind != "model":
-            raise KeyError(f"initial values: no {kind} of {name}")
+            raise MissingTensor(f"initial values: no {kind} of {name}")
         if self._last is None or self._last[0] != name:
             self._last = None  # drop the previous tensor before drawing the next
             self._last = (name, initial_weight(name, shape, self.cfg, self.seed, self.device))
@@ -86,14 +87,15 @@ def read_rows(source, name: str, p: torch.Tensor, rows: tuple[int, int], kind: s
     """Rows ``rows`` (dim-0 positions) of ``p``'s local tensor as the source holds them: the
     region of the logical tensor ``p`` is cut from, zero where ``p`` is padding (the last
     vocabulary slice). None if the source has no such optimiser state (a fresh run, a
-    converted checkpoint); KeyError naming the tensor if it lacks a weight."""
+    converted checkpoint); ``MissingTensor`` (a ``KeyError``) naming the tensor if it lacks a
+    weight. Only a missing tensor is caught: any other error of the source passes through."""
     dtype = dtype or p.dtype
     src, dst = logical_box(p, rows)
     try:
         region = source.read(source_name(name, p), src, kind, dtype, shape=logical_shape(p))
-    except KeyError:
+    except MissingTensor:
         if kind == "model":
-            raise KeyError(f"tensor {source_name(name, p)}") from None
+            raise MissingTensor(f"tensor {source_name(name, p)}") from None
         return None
     shape = (rows[1] - rows[0], *p.shape[1:]) if p.dim() else ()
     if not p.dim():

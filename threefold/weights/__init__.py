@@ -21,11 +21,11 @@ map: a slice is a view, so a strided copy out of it touches only the box's pages
 """
 
 from threefold.weights.base import (BLOCK_BYTES, DTYPES, HEAD, Box, DictSource,
-                                    WeightSource)
+                                    MissingTensor, WeightSource)
 from threefold.weights.checkpoint_source import CheckpointSource, open_checkpoint, open_sharded
 from threefold.weights.hf_source import PICKLE_SUFFIXES, HFSource, weight_files
 from threefold.weights.pretrained import find_checkpoint, open_pretrained, run_checkpoint_root
 
 __all__ = ["BLOCK_BYTES", "DTYPES", "HEAD", "Box", "CheckpointSource", "DictSource",
-           "HFSource", "PICKLE_SUFFIXES", "WeightSource", "find_checkpoint", "open_checkpoint",
+           "HFSource", "MissingTensor", "PICKLE_SUFFIXES", "WeightSource", "find_checkpoint", "open_checkpoint",
            "open_pretrained", "open_sharded", "run_checkpoint_root", "weight_files"]

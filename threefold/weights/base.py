@@ -23,6 +23,14 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 Box = Sequence[tuple[int, int]]
 
 
+class MissingTensor(KeyError):
+    """A source has no such tensor (its message names it). A ``KeyError``, so that callers
+    may catch exactly this and let any other ``KeyError`` through."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def _full_box(box: Box, shape: Sequence[int]) -> list[tuple[int, int]]:
     """``box`` with the dimensions it leaves out made whole; IndexError if it leaves
     ``shape``."""
@@ -90,11 +98,11 @@ class WeightSource:
         """``logical[box[0][0]:box[0][1], box[1][0]:box[1][1], ...]`` as a new contiguous
         tensor of ``dtype`` (None: the dtype stored). A box shorter than the tensor's rank
         leaves the remaining dimensions whole; ``()`` reads the whole tensor. Only the box's
-        elements are read; KeyError if there is no such tensor, ValueError if ``shape`` (the
+        elements are read; ``MissingTensor`` if there is no such tensor, ValueError if ``shape`` (the
         logical shape the caller's model has) is given and the stored one differs."""
         entry = self._entry(name, kind)
         if entry is None:
-            raise KeyError(f"{self}: no tensor {kind} {name}")
+            raise MissingTensor(f"{self}: no tensor {kind} {name}")
         if shape is not None and tuple(entry.shape) != tuple(shape):
             raise ValueError(f"{self}: tensor {kind} {name} has shape {tuple(entry.shape)}, "
                              f"the model needs {tuple(shape)}")
