@@ -27,9 +27,9 @@ resumes under any other layout: ``threefold.weights.CheckpointSource`` reads any
 logical tensor from only the pieces (and the parts of pieces) that hold it, so each rank reads
 just the slices it owns. ``load_checkpoint`` reads one directory holding every part (a shared
 filesystem, or the parts copied together) as whole tensors; ``load_sharded`` is the collective
-form for a run whose nodes each see their own root (``fetch_parts``: every part is verified
-where it lies, a part on no node is an error naming that node and its files, before any
-tensor is read, and parts a node lacks travel to it over the control channel).
+form for a run whose nodes each see their own root (``checkpoint_verify.fetch_parts``: every
+part is verified where it lies, a part on no node is an error naming that node and its files,
+before any tensor is read, and parts a node lacks travel to it over the control channel).
 ``save_streamed`` writes a checkpoint from one process batch by batch (``threefold convert``).
 Loading always verifies the index, the parts, sizes and checksums first and names the damaged
 file (and tensor): ``threefold.checkpoint_verify``, re-exported here. Version-2 checkpoints
@@ -51,15 +51,14 @@ from safetensors.torch import save_file
 from threefold import faults
 from threefold.parallel.placement import Piece
 # The reader's side of the format lives in checkpoint_verify; callers import it from here.
-from threefold.checkpoint_verify import (FORMAT_VERSION, MANIFEST, READ_VERSIONS,
-                                         CheckpointError, NodeGroup, committed_steps,
-                                         fetch_parts, list_checkpoints, part_name,
+from threefold.checkpoint_verify import (FORMAT_VERSION, MANIFEST, CheckpointError, NodeGroup,
+                                         committed_steps, list_checkpoints, part_name,
                                          resolve_root, sha256_file, tensor_crc,
                                          verify_checkpoint)
 from threefold.weights import CheckpointSource, open_checkpoint, open_sharded
 
-__all__ = ["FORMAT_VERSION", "MANIFEST", "READ_VERSIONS", "CheckpointError", "NodeGroup", "Piece",
-           "committed_steps", "fetch_parts", "fsync_path", "list_checkpoints", "load_checkpoint",
+__all__ = ["FORMAT_VERSION", "MANIFEST", "CheckpointError", "NodeGroup", "Piece",
+           "committed_steps", "fsync_path", "list_checkpoints", "load_checkpoint",
            "load_sharded", "part_name", "resolve_root", "save_checkpoint", "save_sharded",
            "save_streamed", "sha256_file", "tensor_crc", "unwritable", "verify_checkpoint",
            "whole_pieces"]
@@ -290,8 +289,8 @@ def load_sharded(root: Path, step: int, rank: int, group: NodeGroup
                  ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
     """Collective load of checkpoint ``step`` as whole tensors on every rank (see
     ``load_checkpoint``), when each node may see only its own directory ``root/<step>``: the
-    parts are verified and exchanged by ``fetch_parts``. To read only the slices a rank owns,
-    use ``threefold.weights.open_sharded``."""
+    parts are verified and exchanged by ``checkpoint_verify.fetch_parts``. To read only the
+    slices a rank owns, use ``threefold.weights.open_sharded``."""
     source, state, rng = open_sharded(root, step, rank, group)
     return _whole(source, rng), state
 

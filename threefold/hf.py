@@ -49,21 +49,18 @@ from safetensors.torch import save_file
 
 from threefold.checkpoint import CheckpointError, Piece, fsync_path, list_checkpoints, save_streamed
 from threefold.config import Config, ModelConfig
-from threefold.hf_config import (BOS_NAMES, EOS_NAMES, INDEX, LLAMA3_FIELDS,
-                                 PAD_NAMES, SHAPE_FIELDS, SINGLE, HFError, check_shapes,
-                                 expected_shapes, family, hf_config, hub_names,
+from threefold.hf_config import (INDEX, LLAMA3_FIELDS, SHAPE_FIELDS, SINGLE, HFError,
+                                 check_shapes, expected_shapes, family, hf_config, hub_names,
                                  model_config_from_hf, model_config_from_state,
                                  reward_hf_config, token_ids, tokenizer_config)
-from threefold.weights import (PICKLE_SUFFIXES, CheckpointSource, HFSource,
-                               WeightSource, find_checkpoint, open_pretrained,
-                               run_checkpoint_root)
+from threefold.weights import (CheckpointSource, HFSource, WeightSource, find_checkpoint,
+                               open_pretrained)
 
-__all__ = ["BOS_NAMES", "EOS_NAMES", "INDEX", "LLAMA3_FIELDS", "MAX_SHARD_BYTES", "PAD_NAMES",
-           "PICKLE_SUFFIXES", "SHAPE_FIELDS", "SINGLE", "USAGE", "HFError", "check_shapes",
-           "convert_from_hf", "expected_shapes", "export_hf", "family", "find_checkpoint",
-           "hf_config", "hub_names", "hub_tensors", "import_hf", "init_from_hf", "load_pretrained",
-           "main", "model_config_from_hf", "model_config_from_state", "reward_hf_config",
-           "run_checkpoint_root", "token_ids", "tokenizer_config"]
+__all__ = ["INDEX", "LLAMA3_FIELDS", "MAX_SHARD_BYTES", "SHAPE_FIELDS", "SINGLE", "USAGE",
+           "HFError", "check_shapes", "convert_from_hf", "expected_shapes", "export_hf", "family",
+           "find_checkpoint", "hf_config", "hub_names", "hub_tensors", "import_hf",
+           "init_from_hf", "load_pretrained", "main", "model_config_from_hf",
+           "model_config_from_state", "reward_hf_config", "token_ids", "tokenizer_config"]
 
 MAX_SHARD_BYTES = 2 << 30  # the most one written file holds (and so memory holds), as HF's 2 GiB
 

@@ -20,12 +20,10 @@ asked for) plus a temporary of at most ``2 × BLOCK_BYTES``. (safetensors slices
 map: a slice is a view, so a strided copy out of it touches only the box's pages.)
 """
 
-from threefold.weights.base import (BLOCK_BYTES, DTYPES, HEAD, Box, DictSource,
-                                    MissingTensor, WeightSource)
+from threefold.weights.base import DictSource, MissingTensor, WeightSource
 from threefold.weights.checkpoint_source import CheckpointSource, open_checkpoint, open_sharded
-from threefold.weights.hf_source import PICKLE_SUFFIXES, HFSource, weight_files
-from threefold.weights.pretrained import find_checkpoint, open_pretrained, run_checkpoint_root
+from threefold.weights.hf_source import HFSource
+from threefold.weights.pretrained import find_checkpoint, open_pretrained
 
-__all__ = ["BLOCK_BYTES", "DTYPES", "HEAD", "Box", "CheckpointSource", "DictSource",
-           "HFSource", "MissingTensor", "PICKLE_SUFFIXES", "WeightSource", "find_checkpoint", "open_checkpoint",
-           "open_pretrained", "open_sharded", "run_checkpoint_root", "weight_files"]
+__all__ = ["CheckpointSource", "DictSource", "HFSource", "MissingTensor", "WeightSource",
+           "find_checkpoint", "open_checkpoint", "open_pretrained", "open_sharded"]

@@ -98,8 +98,9 @@ class WeightSource:
         """``logical[box[0][0]:box[0][1], box[1][0]:box[1][1], ...]`` as a new contiguous
         tensor of ``dtype`` (None: the dtype stored). A box shorter than the tensor's rank
         leaves the remaining dimensions whole; ``()`` reads the whole tensor. Only the box's
-        elements are read; ``MissingTensor`` if there is no such tensor, ValueError if ``shape`` (the
-        logical shape the caller's model has) is given and the stored one differs."""
+        elements are read; ``MissingTensor`` if there is no such tensor, ValueError if
+        ``shape`` (the logical shape the caller's model has) is given and the stored one
+        differs."""
         entry = self._entry(name, kind)
         if entry is None:
             raise MissingTensor(f"{self}: no tensor {kind} {name}")
