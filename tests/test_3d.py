@@ -144,3 +144,48 @@ def test_tied_embeddings_across_pipeline_stages(corpus, cache_dir, tmp_path):
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_v_schedules_through_trainer(reference, corpus, cache_dir, tmp_path):
+    """ZB-V and DualPipeV through the trainer: rank r holds stages r and 2p-1-r (rank 0 both
+    ends). 3D (pp 2 × tp 2 + SP × ZeRO-3 over dp 2) with ZB-V, and pp 2 × ZeRO-1 with
+    DualPipeV and activation checkpointing, equal the single-process run; each writes a
+    checkpoint of whole tensors equal to the single process's (``final_weights``)."""
+    runs = [("3d_zero3_sp_zbv", {"parallel__pp": 2, "parallel__vpp": 2, "parallel__tp": 2,
+                                 "parallel__zero_stage": 3, "parallel__sequence_parallel": "true",
+                                 "parallel__schedule": "zb-v", "train__micro_batch_size": 1}),
+            ("pp2_zero1_dualpipev_ac", {"parallel__pp": 2, "parallel__vpp": 2,
+                                        "parallel__zero_stage": 1,
+                                        "parallel__schedule": "dualpipe-v",
+                                        "train__activation_checkpointing": "true",
+                                        "train__micro_batch_size": 1})]
+    run_distributed(train_runs, 8, _overrides(corpus, cache_dir), tmp_path, runs[:1], timeout=600)
+    run_distributed(train_runs, 4, _overrides(corpus, cache_dir), tmp_path, runs[1:], timeout=600)
+    for name, _ in runs:
+        _check(reference, tmp_path / name, 5e-5)
+
+
+@pytest.mark.slow
+def test_tied_embeddings_in_a_v(corpus, cache_dir, tmp_path):
+    """In a V the embedding and the tied head are both on rank 0: one weight, no copy and no
+    gradient sum between stages. Equal to the tied single-process run, and a tied
+    single-process checkpoint resumes into ZB-V and trains one more equal step."""
+    ref = tmp_path / "ref"
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS, **DEEP,
+                                           **TIED)))
+    resumed = tmp_path / "tied_zbv_resumed"
+    shutil.copytree(ref / "checkpoints", resumed / "checkpoints")
+    v = {"parallel__pp": 2, "parallel__vpp": 2, "parallel__schedule": "zb-v",
+         "train__micro_batch_size": 2, **TIED}
+    runs = [("tied_zbv_dp2", v),
+            ("tied_zbv_resumed", {**v, "train__steps": STEPS + 1, "checkpoint__resume": "true"})]
+    run_distributed(train_runs, 4, _overrides(corpus, cache_dir), tmp_path, runs, timeout=500)
+    reference = {"losses": [r["loss"] for r in metrics(ref)], "weights": final_weights(ref)}
+    _check(reference, tmp_path / "tied_zbv_dp2", 5e-5)
+    norms = [r["grad_norm"] for r in metrics(tmp_path / "tied_zbv_dp2")]
+    assert norms == pytest.approx([r["grad_norm"] for r in metrics(ref)], rel=1e-5)
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS + 1,
+                                           checkpoint__resume="true", **DEEP, **TIED)))
+    last = [r for r in metrics(resumed) if r["step"] == STEPS + 1]
+    assert last and last[0]["loss"] == pytest.approx(metrics(ref)[-1]["loss"], rel=1e-5)

@@ -319,7 +319,7 @@ def test_inflight_microbatches_match_schedule_action_lists():
         pytest.skip("schedule module has no in_flight_chunks yet")
     checked = 0
     for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("zb-h1", [1]),
-                     ("interleaved-1f1b", [2, 3, 4])):
+                     ("interleaved-1f1b", [2, 3, 4]), ("zb-v", [2]), ("dualpipe-v", [2])):
         for p in (2, 3, 4, 8):
             for m in (p, 2 * p, 4 * p):
                 for v in vs:
@@ -361,16 +361,18 @@ def test_one_layout_replays_its_own_stage_times():
 
 def test_head_inflight_matches_the_last_stage_in_the_action_lists():
     """Microbatches the last virtual stage holds (F until its BW or W), from the lists."""
-    from threefold.parallel.pipeline.schedules import build_schedule, in_flight_chunks, num_stages
+    from threefold.parallel.pipeline.schedules import (build_schedule, in_flight_chunks,
+                                                       num_stages, schedule_spec, stage_rank)
     from threefold.plan.activations import head_inflight_microbatches
 
     for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("zb-h1", [1]),
-                     ("interleaved-1f1b", [2, 4])):
+                     ("interleaved-1f1b", [2, 4]), ("zb-v", [2]), ("dualpipe-v", [2])):
         for p in (2, 3, 4, 8):
             for m in ((p // 2 or 1), p, 4 * p) if not name.startswith("inter") else (p, 2 * p):
                 for v in vs:
                     n = num_stages(name, p, v)
-                    last = [a for a in build_schedule(name, p, m, v)[(n - 1) % p]
+                    owner = stage_rank(n - 1, p, schedule_spec(name).vshape)
+                    last = [a for a in build_schedule(name, p, m, v)[owner]
                             if a.stage == n - 1]
                     assert head_inflight_microbatches(name, p, m) == in_flight_chunks(last), \
                         (name, p, m, v)

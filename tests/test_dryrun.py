@@ -398,6 +398,14 @@ EXACT_RUNS_4 = [
     ("cp2_pp2", {"parallel__cp": 2, "parallel__pp": 2, "train__micro_batch_size": 2}),
     ("pp2_dp2_zero3", {"parallel__pp": 2, "parallel__zero_stage": 3,
                        "train__micro_batch_size": 2}),
+    # a V: rank 0 holds the first and the last stage (and a tied weight once)
+    ("pp2_zbv_zero3", {"parallel__pp": 2, "parallel__vpp": 2, "parallel__schedule": "zb-v",
+                       "parallel__zero_stage": 3, "train__micro_batch_size": 2,
+                       "model__num_hidden_layers": 4}),
+    ("pp2_dualpipev_tied", {"parallel__pp": 2, "parallel__vpp": 2, "model__num_hidden_layers": 4,
+                            "parallel__schedule": "dualpipe-v",
+                            "model__tie_word_embeddings": "true",
+                            "train__micro_batch_size": 2}),
 ]
 
 

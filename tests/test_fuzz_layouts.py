@@ -45,7 +45,8 @@ def wild_values(rng: random.Random) -> tuple[int, dict]:
         "parallel.dp_replicate": rng.choice([1, 1, 1, 2]),
         "parallel.dp_shard": rng.choice([-1, -1, -1, 1, 2, 3]),
         "parallel.vpp": rng.choice([1, 1, 2, 3]),
-        "parallel.schedule": rng.choice(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]),
+        "parallel.schedule": rng.choice(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v",
+                                         "dualpipe-v"]),
         "parallel.microbatches": rng.choice([0, 0, 0, 2, 4, 8]),
         "parallel.zero_stage": rng.choice([0, 1, 2, 3]),
         "parallel.sequence_parallel": rng.choice(["false", "true"]),
@@ -73,7 +74,8 @@ def planned_values(rng: random.Random) -> tuple[int, dict]:
     unit = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
     seq = unit * rng.choice([k for k in range(1, 9) if 8 <= unit * k <= 64] or [1])
     mb, accum = rng.choice([1, 2]), rng.choice([1, 2, 3, 4]) * (pp if pp > 1 else 1)
-    schedules = ["interleaved-1f1b"] if vpp > 1 else ["gpipe", "1f1b", "zb-h1"]
+    schedules = ["interleaved-1f1b", "zb-v", "dualpipe-v"] if vpp == 2 else \
+        ["interleaved-1f1b"] if vpp > 1 else ["gpipe", "1f1b", "zb-h1"]
     return world, {
         "model.num_attention_heads": heads, "model.num_key_value_heads": kv,
         "model.hidden_size": 8 * heads,

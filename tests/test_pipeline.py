@@ -20,7 +20,7 @@ from threefold.parallel.pipeline.executor import (
     idle_fraction,
     pipeline_step,
 )
-from threefold.parallel.pipeline.schedules import build_schedule
+from threefold.parallel.pipeline.schedules import build_schedule, schedule_spec
 from threefold.parallel.pipeline.stage import partition, rank_model, split_model, stage_costs
 from threefold.parallel.pipeline.timeline import write_chrome_trace
 
@@ -336,7 +336,7 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False):
     dims = ParallelDims(dp_replicate=1, dp_shard=world // p, tp=1, pp=p, world_size=world)
     comm = Comm(dims, dims.build_mesh("cpu"))
     pp_rank, dp_rank, dp = comm.rank("pp"), comm.rank("dp"), comm.size("dp")
-    chunks = split_model(_model(_cfg()), p, v, pp_rank)
+    chunks = split_model(_model(_cfg()), p, v, pp_rank, vshape=schedule_spec(schedule).vshape)
     model = rank_model(chunks)
     if ac:
         from threefold.parallel.parallelize import apply_activation_checkpointing
@@ -385,13 +385,19 @@ RUNS_2 = [
     dict(name="1f1b", schedule="1f1b", p=2, m=4),
     dict(name="interleaved", schedule="interleaved-1f1b", p=2, m=4, v=2),
     dict(name="zb-h1", schedule="zb-h1", p=2, m=4),
+    dict(name="zb-v", schedule="zb-v", p=2, m=4, v=2),
+    dict(name="dualpipe-v", schedule="dualpipe-v", p=2, m=4, v=2),
 ]
 RUNS_4 = [
     dict(name="gpipe", schedule="gpipe", p=4, m=4),
     dict(name="1f1b", schedule="1f1b", p=4, m=8),
     dict(name="interleaved", schedule="interleaved-1f1b", p=4, m=8, v=2),
     dict(name="zb-h1", schedule="zb-h1", p=4, m=8),
+    dict(name="zb-v", schedule="zb-v", p=4, m=8, v=2),
+    dict(name="dualpipe-v", schedule="dualpipe-v", p=4, m=8, v=2),
     dict(name="pp2_dp2_1f1b", schedule="1f1b", p=2, m=2),
+    dict(name="pp2_zero3_zb-v", schedule="zb-v", p=2, m=4, v=2, zero=3),
+    dict(name="pp2_zero1_dualpipe-v_ac", schedule="dualpipe-v", p=2, m=4, v=2, zero=1, ac=True),
     dict(name="pp2_zero1_interleaved", schedule="interleaved-1f1b", p=2, m=2, v=2, zero=1),
     dict(name="pp2_zero3_zb-h1", schedule="zb-h1", p=2, m=4, zero=3),
     # W recomputes a checkpointed block after ZeRO-3 released it (found by the layout fuzzer)

@@ -34,11 +34,20 @@ SENDS = (K.SEND_FORWARD, K.SEND_BACKWARD)
 RECVS = (K.RECV_FORWARD, K.RECV_BACKWARD)
 
 
+V_SHAPED = ("zb-v", "dualpipe-v")
+
+
+def _chunks(name):
+    """Model chunks per rank each schedule is tested with: two for the interleaved and the
+    V-shaped ones."""
+    return 2 if name == "interleaved-1f1b" or name in V_SHAPED else 1
+
+
 def _cases():
     for name in SCHEDULES:
         for p in (2, 4):
             for m in (4, 8):
-                yield name, p, m, 2 if name == "interleaved-1f1b" else 1
+                yield name, p, m, _chunks(name)
 
 
 @pytest.mark.parametrize("name,p,m,v", list(_cases()))
@@ -50,10 +59,11 @@ def test_every_schedule_passes_the_checker(name, p, m, v):
     assert kinds[K.FORWARD] == m * n  # one forward per (microbatch, stage) ...
     assert kinds[K.BACKWARD] + kinds[K.BACKWARD_INPUT] == m * n  # ... and one backward
     assert kinds[K.BACKWARD_WEIGHT] == kinds[K.BACKWARD_INPUT]
-    # Every stage boundary carries one activation down and one gradient up per microbatch.
+    # Every stage boundary carries one activation down and one gradient up per microbatch,
+    # but the bottom of a V (stages p-1 and p, both on rank p-1), which is handed over here.
     sends = sorted(message_key(a) for acts in lists for a in acts if a.kind in SENDS)
     recvs = sorted(message_key(a) for acts in lists for a in acts if a.kind in RECVS)
-    assert sends == recvs and len(sends) == 2 * m * (n - 1)
+    assert sends == recvs and len(sends) == 2 * m * (n - 1 - (name in V_SHAPED))
     assert all(a.peer is not None for acts in lists for a in acts if not a.kind.is_compute)
     assert result.makespan > 0
 
@@ -63,7 +73,7 @@ def test_all_small_sizes_pass_the_checker():
     for name in SCHEDULES:
         for p in range(1, 6):
             for m in range(1, 11):
-                for v in (1, 2, 3) if name == "interleaved-1f1b" else (1,):
+                for v in (1, 2, 3) if name == "interleaved-1f1b" else (_chunks(name),):
                     if name == "interleaved-1f1b" and m % p:
                         continue
                     check_schedule(name, p, m, v)
@@ -396,3 +406,55 @@ def test_the_pure_half_imports_no_torch():
     code = ("import sys, threefold.parallel.pipeline as p, threefold.parallel.pipeline.check, "
             "threefold.parallel.pipeline.timeline; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------------------------
+# V-shaped schedules (ZB-V, DualPipeV)
+# --------------------------------------------------------------------------------------------
+def test_v_placement_puts_both_ends_on_rank_0():
+    from threefold.parallel.pipeline.actions import rank_stage, stage_rank
+
+    for p in (1, 2, 3, 8):
+        stages = [[rank_stage(r, c, p, vshape=True) for c in (0, 1)] for r in range(p)]
+        assert stages == [[r, 2 * p - 1 - r] for r in range(p)]
+        assert all(stage_rank(s, p, vshape=True) == r for r in range(p) for s in stages[r])
+        assert [stage_rank(s, p) for s in range(2 * p)] == list(range(p)) * 2  # Megatron's
+
+
+@pytest.mark.parametrize("name,m_from", [("zb-v", lambda p: 2 * p - 2),
+                                         ("dualpipe-v", lambda p: 2 * p)])
+def test_v_schedules_bubble_and_memory_equal_their_closed_forms(name, m_from):
+    """With T_F = T_B = T_W the only idle time left is the start-up's p - 1 chunk forwards
+    (ZB-V's published bubble is "≈ 0"; DualPipeV's (PP/2 - 1)(F&B + B - 3W) with PP = 2p
+    stages and no overlap, F&B = F + B + W): (p - 1)/(6m) of the ideal, half ZB-H1's. In
+    flight: 2p chunk activations on every rank for ZB-V (p microbatches of the rank's layers,
+    1F1B's), 2p + 1 for DualPipeV (its published PP + 1)."""
+    from threefold.parallel.pipeline.schedules import in_flight_chunks, schedule_spec
+
+    spec = schedule_spec(name)
+    checked = 0
+    for p in range(2, 9):
+        for m in range(max(1, m_from(p)), 4 * p + 1, 2):
+            sim = simulate(name, p, m, 2, EQUAL)
+            assert sim.bubble_over_ideal == pytest.approx((p - 1) / (6 * m)), (p, m)
+            assert spec.bubble(p, m, 2) == pytest.approx(sim.bubble_over_ideal)
+            assert spec.bubble(p, m, 2) == pytest.approx(schedule_spec("zb-h1").bubble(p, m, 1) / 2)
+            peak = [in_flight_chunks(acts) for acts in build_schedule(name, p, m, 2)]
+            want = [min(2 * p + (name == "dualpipe-v"), m + r + 1) for r in range(p)]
+            assert peak == want, (p, m)
+            checked += 1
+    assert checked > 30
+
+
+def test_v_schedules_refuse_other_chunk_counts():
+    from threefold.accounting import Layout, Workload, check_layout
+    from threefold.config import ModelConfig
+
+    for name in V_SHAPED:
+        with pytest.raises(ValueError, match=f"{name} runs two model chunks per rank in a V: "
+                                             "set vpp=2"):
+            build_schedule(name, 4, 8, 1)
+        with pytest.raises(Exception, match="vpp must be 2"):
+            check_layout(ModelConfig(preset="llama3-8b").resolved(),
+                         Layout(pp=4, vpp=3, schedule=name),
+                         Workload(seq_len=4096, global_batch=32))

@@ -89,6 +89,18 @@ class Layout:
         return self.schedule or ("interleaved-1f1b" if self.vpp > 1 else "1f1b")
 
     @property
+    def vshape(self) -> bool:
+        """A V-shaped pipeline (ZB-V, DualPipeV): rank r holds stages r and 2p-1-r, so rank 0
+        holds the embedding and the head (and a tied weight once)."""
+        spec = SCHEDULE_SPECS.get(self.pipeline_schedule)
+        return self.pp > 1 and spec is not None and spec.vshape
+
+    @property
+    def last_stage(self) -> int:
+        """The pipeline rank that holds the final norm, the head and the loss."""
+        return 0 if self.vshape else self.pp - 1
+
+    @property
     def bucket_bytes(self) -> int:
         """Gradient bucket size in bytes, as ``threefold.parallel.data`` computes it."""
         return int(self.bucket_mb * 2**20)
@@ -229,15 +241,18 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
         raise LayoutError(f"pp·vpp={chunks} is more than the {cfg.num_hidden_layers} layers "
                           "(each pipeline chunk needs one)")
     spec = SCHEDULE_SPECS[layout.pipeline_schedule]
-    if layout.vpp > 1 and not spec.chunked:
-        chunked = " or ".join(name for name, sp in SCHEDULE_SPECS.items() if sp.chunked)
+    if layout.vpp > 1 and not (spec.chunked or spec.vshape):
+        chunked = " or ".join(name for name, sp in SCHEDULE_SPECS.items()
+                              if sp.chunked or sp.vshape)
         raise LayoutError(f"vpp > 1 needs the {chunked} schedule")
     m = microbatches(layout, work)
     if layout.pp == 1:
         return  # no pipeline: the schedule is not used (as the runtime ignores it)
-    if spec.chunked and (layout.pp < 2 or m % layout.pp):
-        raise LayoutError(f"interleaved 1F1B needs pp >= 2 and microbatches ({m}) a multiple "
-                          f"of pp ({layout.pp})")
+    if spec.vshape and layout.vpp != 2:
+        raise LayoutError(f"{spec.name} runs two model chunks per rank in a V: vpp must be 2")
+    if spec.chunked and m % layout.pp:
+        raise LayoutError(f"interleaved 1F1B needs microbatches ({m}) a multiple of pp "
+                          f"({layout.pp})")
 
 
 def check_experts(cfg: ModelConfig, layout: Layout) -> None:

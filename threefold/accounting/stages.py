@@ -10,6 +10,7 @@ from functools import lru_cache
 from threefold.accounting.layout import Layout
 from threefold.accounting.shapes import LayoutError, moe_key, tp_shard, tp_shard_for
 from threefold.config import ModelConfig
+from threefold.parallel.pipeline.actions import rank_stage
 from threefold.parallel.pipeline.balance import split_counts
 
 
@@ -93,31 +94,34 @@ def pipeline_layers(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
 
 def rank_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """Blocks one rank of pipeline ``stage`` holds: its ``vpp`` chunks (virtual stages
-    ``c·pp + stage``) together."""
-    return _rank_layers(shape_key(cfg), layout.pp, layout.vpp, layout.pipeline_split, stage)
+    ``c·pp + stage``, or in a V stages ``stage`` and ``2pp - 1 - stage``) together."""
+    return _rank_layers(shape_key(cfg), layout.pp, layout.vpp, layout.pipeline_split, stage,
+                        layout.vshape)
 
 
 @lru_cache(maxsize=65536)
-def _rank_layers(key: tuple, p: int, v: int, split: str, stage: int) -> int:
+def _rank_layers(key: tuple, p: int, v: int, split: str, stage: int,
+                 vshape: bool = False) -> int:
     counts = _virtual_stage_layers(key, p * v, split)
-    return sum(counts[c * p + stage] for c in range(v))
+    return sum(counts[rank_stage(stage, c, p, vshape)] for c in range(v))
 
 
 @lru_cache(maxsize=65536)
-def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep: int = 1
-                 ) -> tuple[tuple[int, ...], ...]:
+def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep: int = 1,
+                 vshape: bool = False) -> tuple[tuple[int, ...], ...]:
     h, a, kv, f, vocab, n_layers, tied, moe = key
     emb = tp_shard_for(h, a, kv, f, vocab, tp).vocab * h
     block = _layer_numels(h, a, kv, f, vocab, tp, moe, ep)[0]
+    shared = tied and (p == 1 or vshape)  # embedding and head on one rank: one weight
     units: list[tuple[int, ...]] = []
-    if stage == 0 and not (tied and p == 1):
+    if stage == 0 and not shared:
         units.append((emb,))
-    units += [block] * _rank_layers(key, p, v, split, stage)
-    if stage == p - 1:
+    units += [block] * _rank_layers(key, p, v, split, stage, vshape)
+    if stage == (0 if vshape else p - 1):
         units.append((h,))
-        if not (tied and p == 1):
+        if not shared:
             units.append((emb,))
-    if tied and p == 1:
+    if shared and stage == 0:
         units.append((emb,))  # the shared weight: ZeRO's root unit, registered first
     return tuple(units)
 
@@ -130,7 +134,7 @@ def stage_units(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[tuple[int
     registration order it comes first (``parameter_numels``). Under expert parallelism
     (ep > 1) a block's expert tensors are not in its unit: ``stage_expert_units``."""
     return _stage_units(shape_key(cfg), layout.tp, layout.pp, layout.vpp,
-                        layout.pipeline_split, stage, layout.ep)
+                        layout.pipeline_split, stage, layout.ep, layout.vshape)
 
 
 def stage_expert_units(cfg: ModelConfig, layout: Layout, stage: int
@@ -152,7 +156,7 @@ def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[i
     (embedding, blocks, final norm, LM head; a tied weight once, first): the order
     ``threefold.parallel.data`` cuts gradient buckets in."""
     units = list(stage_units(cfg, layout, stage))
-    if cfg.tie_word_embeddings and layout.pp == 1:
+    if cfg.tie_word_embeddings and (layout.pp == 1 or layout.vshape) and stage == 0:
         units = [units[-1]] + units[:-1]
     return [n for unit in units for n in unit]
 
@@ -204,11 +208,14 @@ def gradient_buckets(cfg: ModelConfig, layout: Layout, elem_bytes: int, stage: i
 
 
 @lru_cache(maxsize=4096)
-def stage_representatives(key: tuple, p: int, v: int, split: str) -> tuple[int, ...]:
+def stage_representatives(key: tuple, p: int, v: int, split: str, vshape: bool = False
+                          ) -> tuple[int, ...]:
     """For each pipeline stage, the first stage of its kind (first, last, or a middle one with
     the same block count): stages of one kind have the same costs."""
     first: dict[tuple, int] = {}
-    return tuple(first.setdefault((st == 0, st == p - 1, _rank_layers(key, p, v, split, st)), st)
+    last = 0 if vshape else p - 1
+    return tuple(first.setdefault((st == 0, st == last,
+                                   _rank_layers(key, p, v, split, st, vshape)), st)
                  for st in range(p))
 
 
@@ -216,10 +223,10 @@ def distinct_stages(cfg: ModelConfig, layout: Layout) -> list[int]:
     """One stage for each kind of pipeline rank: the first, the last, and one per distinct
     block count in between (all alike when the split is even)."""
     return sorted(set(stage_representatives(shape_key(cfg), layout.pp, layout.vpp,
-                                             layout.pipeline_split)))
+                                             layout.pipeline_split, layout.vshape)))
 
 
 def stage_multiplicity(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """How many stages the representative ``stage`` stands for."""
     return stage_representatives(shape_key(cfg), layout.pp, layout.vpp,
-                                  layout.pipeline_split).count(stage)
+                                  layout.pipeline_split, layout.vshape).count(stage)

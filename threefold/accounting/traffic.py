@@ -88,6 +88,7 @@ from threefold.accounting.stages import (
 )
 from threefold.axes import AXES, COMM_AXES, EXPERT_AXES, FLATTENED
 from threefold.config import ModelConfig
+from threefold.parallel.pipeline.actions import rank_stage, stage_rank
 
 # --------------------------------------------------------------------------------------------
 # Collectives per step
@@ -174,7 +175,7 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
     embedding's, the head's and the loss's, replicated k/v gradients; the gradient norm."""
     t, h, d, r = layout.tp, cfg.hidden_size, work.act_bytes, work.resid_bytes
     x = tokens * h
-    first, last = int(stage == 0), int(stage == layout.pp - 1)
+    first, last = int(stage == 0), int(stage == layout.last_stage)
     rec = layers if layout.recompute == "full" else 0
     subs = 1 if cfg.num_local_experts else 2  # sub-layers with tp collectives: attention (and
     # a dense MLP; a mixture of experts is whole on every tp rank)
@@ -200,9 +201,9 @@ def _pp_collectives(add, cfg: ModelConfig, layout: Layout, stage: int, x: int, r
     gradient back, per microbatch; a tied embedding's gradient between the two ends; the
     gradient norm over the stages."""
     p = layout.pp
-    sends = _p2p_sends_per_microbatch(p, layout.vpp, stage)
+    sends = _p2p_sends_per_microbatch(p, layout.vpp, stage, layout.vshape)
     add("pp", "p2p", x // layout.tp if layout.sp else x, r, sends, p, True, "none")
-    if cfg.tie_word_embeddings and stage in (0, p - 1):
+    if cfg.tie_word_embeddings and stage in (0, p - 1) and not layout.vshape:
         # the embedding and the last stage's copy of it: their gradients (this rank's ZeRO
         # shard of them) summed between the two ends (runtime axis "pp_ends")
         tied = tp_shard(cfg, layout.tp).vocab * cfg.hidden_size
@@ -305,11 +306,14 @@ def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int
     add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
 
 
-def _p2p_sends_per_microbatch(p: int, v: int, rank: int) -> int:
+def _p2p_sends_per_microbatch(p: int, v: int, rank: int, vshape: bool = False) -> int:
     """Point-to-point sends per microbatch on ``rank``: forward out of every chunk but the
-    model's last, backward out of every chunk but the model's first."""
-    chunks = [c * p + rank for c in range(v)]
-    return sum(s < p * v - 1 for s in chunks) + sum(s > 0 for s in chunks)
+    model's last, backward out of every chunk but the model's first, unless the neighbouring
+    stage is on this rank (the bottom of a V hands over in memory)."""
+    n = p * v
+    chunks = [rank_stage(rank, c, p, vshape) for c in range(v)]
+    return sum(s < n - 1 and stage_rank(s + 1, p, vshape) != rank for s in chunks) \
+        + sum(s > 0 and stage_rank(s - 1, p, vshape) != rank for s in chunks)
 
 
 def cp_bytes_per_attention(kv_bytes: int, cp: int, algorithm: str,

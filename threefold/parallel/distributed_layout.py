@@ -18,6 +18,7 @@ from threefold.mesh import ParallelDims
 from threefold.parallel.checks import pipeline_microbatches, validate_layout
 from threefold.parallel.context import shard_batch
 from threefold.parallel.pipeline.executor import PipelineExecutor
+from threefold.parallel.pipeline.schedules import schedule_spec
 from threefold.parallel.pipeline.stage import rank_model, split_model, tied_head_replica
 from threefold.resharding import rank_pieces
 from threefold.config import Config, ModelConfig
@@ -57,6 +58,8 @@ class Distributed(World):
         self.shard_axis = "dp_shard" if self.cp_size == 1 else "dp_shard_cp"
         self.is_writer = self.rank == 0
         self.pp_rank = c["pp"]
+        # ZB-V and DualPipeV place chunk 1 of rank r as stage 2p-1-r: rank 0 holds both ends
+        self.vshape = schedule_spec(cfg.parallel.schedule).vshape if self.dims.pp > 1 else False
         self.chunks = self.pipeline = None
         self._tied = None  # (this rank's tied weight, is it the head's copy) at pipeline ends
         self.cfg = cfg
@@ -111,6 +114,11 @@ class Distributed(World):
         self.control.all_reduce(v, "dp", op=op)
         return v
 
+    @property
+    def last_stage_rank(self) -> int:
+        """The pipeline rank of the last stage (the loss, the head): pp - 1, or 0 in a V."""
+        return 0 if self.vshape else self.dims.pp - 1
+
     def pipeline_groups(self) -> list[list[int]]:
         """The ranks of each pipeline."""
         return self.dims.axis_groups("pp") if self.dims.pp > 1 else []
@@ -126,7 +134,7 @@ class Distributed(World):
             return model
         self.chunks = split_model(model, self.dims.pp, self.cfg.parallel.vpp, self.pp_rank,
                                   balance=self.cfg.parallel.pipeline_split,
-                                  seq_len=self.cfg.data.seq_len)
+                                  seq_len=self.cfg.data.seq_len, vshape=self.vshape)
         return rank_model(self.chunks)
 
     def build_pipeline(self, engine, loss_fn, micro_context, hidden: int,
@@ -138,7 +146,7 @@ class Distributed(World):
             return
         p = self.cfg.parallel
         split = self.dims.tp if p.sequence_parallel and self.dims.tp > 1 else 1
-        if self.chunks[0].cfg.tie_word_embeddings:
+        if self.chunks[0].cfg.tie_word_embeddings and not self.vshape:  # a V: both on rank 0
             self._tie_pipeline_ends(engine.model)
         self.pipeline = PipelineExecutor(
             self.chunks, p.schedule, self.dims.pp, self.microbatches(self.cfg), p.vpp,

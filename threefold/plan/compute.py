@@ -69,7 +69,7 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
         bwd += fwd
     elif layout.recompute == "selective":
         bwd += layers * tokens * core
-    if stage == layout.pp - 1:  # LM head: never recomputed
+    if stage == layout.last_stage:  # LM head: never recomputed
         head = 2 * tokens * sh.vocab * h
         fwd, bwd = fwd + head, bwd + 2 * head
     return float(fwd), float(bwd)
@@ -108,7 +108,7 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
         work.seq_len
     r = work.resid_bytes
     tokens = layout.microbatch_size * local_seq_len(layout, work)  # this cp rank's tokens
-    layers = rank_layers(cfg, layout, layout.pp - 1 if stage is None else stage)
+    layers = rank_layers(cfg, layout, layout.last_stage if stage is None else stage)
     split = layout.tp if layout.sp else 1
     qk = (sh.heads + sh.kv_heads) * hd
     softmax = 0 if work.flash_attention else 2 * d * sh.heads * s
@@ -130,7 +130,7 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
         bwd += fwd
     elif layout.recompute == "selective":
         bwd += layers * tokens * softmax
-    if stage is None or stage == layout.pp - 1:
+    if stage is None or stage == layout.last_stage:
         fwd += 3 * 4 * tokens * sh.vocab
         bwd += 5 * 4 * tokens * sh.vocab
     return fwd, bwd

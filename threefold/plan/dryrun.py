@@ -143,14 +143,16 @@ def resolved_model(cfg: Config) -> ModelConfig:
 
 def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
                           pp: int = 1, vpp: int = 1, split: str = "params",
-                          seq_len: int | None = None, ep: int = 1) -> tuple[int, int]:
+                          seq_len: int | None = None, ep: int = 1,
+                          vshape: bool = False) -> tuple[int, int]:
     """(whole model's parameters, rank 0's after the pipeline split, tensor and expert
     parallelism), counted on models built on the meta device: no weight is allocated."""
     with torch.device("meta"):
         model = LlamaForCausalLM(mcfg)
     total = sum(p.numel() for p in model.parameters())  # tied weights once
     if pp > 1:  # rank 0's chunks, as Distributed.split_pipeline cuts them
-        model = rank_model(split_model(model, pp, vpp, 0, balance=split, seq_len=seq_len))
+        model = rank_model(split_model(model, pp, vpp, 0, balance=split, seq_len=seq_len,
+                                       vshape=vshape))
     if tp > 1:
         apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel)
     if ep > 1:  # rank 0's E/ep experts of every MoE block
@@ -223,7 +225,8 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     check_layout(mcfg, layout, work)
     p = cfg.parallel
     total, local = meta_parameter_counts(mcfg, dims.tp, p.sequence_parallel, dims.pp, p.vpp,
-                                         p.pipeline_split, cfg.data.seq_len, dims.ep)
+                                         p.pipeline_split, cfg.data.seq_len, dims.ep,
+                                         layout.vshape)
     if total != num_parameters(mcfg) or local != stage_parameters(mcfg, layout, 0):
         raise RuntimeError(f"the planner counts {stage_parameters(mcfg, layout, 0)} parameters "
                            f"on rank 0 but the meta model holds {local}: cost.py has drifted "

@@ -76,7 +76,7 @@ def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
         return 0.0
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
     n = sharded * rank_layers(cfg, layout, stage)
-    if stage == layout.pp - 1:
+    if stage == layout.last_stage:
         n += tp_shard(cfg, layout.tp).vocab * cfg.hidden_size
     return d * n
 
@@ -189,7 +189,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
             logits=(logits_bytes(cfg, layout, work)
                     + (head_inflight_microbatches(layout.pipeline_schedule, layout.pp, m) - 1)
                     * head_saved_bytes(cfg, layout, work)
-                    if stage == layout.pp - 1 else 0.0),
+                    if stage == layout.last_stage else 0.0),
             overhead=overhead_bytes,
             cast_weights=cast_weight_bytes(cfg, layout, work, stage) * inflight, **states))
     return out

@@ -54,7 +54,7 @@ def largest_logical(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     fused experts of a mixture of experts)."""
     h, f = cfg.hidden_size, cfg.intermediate_size
     sizes = [h]
-    if stage == 0 or stage == layout.pp - 1:
+    if stage in (0, layout.last_stage):
         sizes.append(cfg.vocab_size * h)
     if rank_layers(cfg, layout, stage):
         sizes += [f * h, cfg.num_attention_heads * cfg.head_dim * h]

@@ -333,7 +333,7 @@ class DPOTask(Task):
                         out[idx[0]:idx[-1] + 1, col] = logps[:len(idx)].double().cpu().numpy()
         lay = run.layout
         ref = torch.from_numpy(out).to(run.device)
-        lay.control.broadcast(ref, lay.dims.pp - 1, "pp")
+        lay.control.broadcast(ref, lay.last_stage_rank, "pp")
         return ref.cpu().numpy()
 
     def setup(self, run) -> None:

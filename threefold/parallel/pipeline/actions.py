@@ -5,7 +5,9 @@ BW on a microbatch and a stage, or a send or receive), what each compute action 
 simulator and the executor.
 
 Layout (Megatron's, Narayanan et al. 2021 §2.2.2): there are ``S = v·p`` virtual stages;
-stage ``s`` lives on rank ``s % p`` as its model chunk ``s // p`` (``stage_rank``).
+stage ``s`` lives on rank ``s % p`` as its model chunk ``s // p`` (``stage_rank``). A V-shaped
+schedule (ZB-V, DualPipeV: two chunks per rank) walks the ranks down and back up instead:
+chunk 1 of rank r is stage ``2p - 1 - r``, so rank 0 holds the first and the last stage.
 
 Imports no torch and nothing of threefold.
 """
@@ -80,9 +82,16 @@ class Action:
         return dataclasses.replace(a, chunk=a.stage // p) if p else a
 
 
-def stage_rank(stage: int, p: int) -> int:
-    """The rank that holds virtual stage ``stage`` (Megatron's interleaved layout)."""
-    return stage % p
+def stage_rank(stage: int, p: int, vshape: bool = False) -> int:
+    """The rank that holds virtual stage ``stage``: Megatron's interleaved layout (chunk c of
+    rank r is stage c·p + r), or with ``vshape`` the V (odd chunks run the ranks backwards)."""
+    chunk, i = divmod(stage, p)
+    return p - 1 - i if vshape and chunk % 2 else i
+
+
+def rank_stage(rank: int, chunk: int, p: int, vshape: bool = False) -> int:
+    """The virtual stage that ``chunk`` of ``rank`` is (the inverse of ``stage_rank``)."""
+    return chunk * p + (p - 1 - rank if vshape and chunk % 2 else rank)
 
 
 def message_key(action: Action) -> tuple[str, int, int, int]:

@@ -24,7 +24,7 @@ from threefold.parallel.pipeline.actions import (
     message_key,
     stage_rank,
 )
-from threefold.parallel.pipeline.schedules import build_schedule, num_stages
+from threefold.parallel.pipeline.schedules import build_schedule, num_stages, schedule_spec
 from threefold.parallel.pipeline.simulate import (
     Costs,
     DeadlockError,
@@ -43,29 +43,33 @@ def check_schedule(name: str, p: int, m: int, v: int = 1) -> SimResult:
     """Build the named schedule for every rank and prove it (see the module docstring).
     Returns the unit-cost replay; raises ValueError for impossible sizes and ScheduleError
     (or its subclass DeadlockError) for a broken schedule."""
-    return check_actions(build_schedule(name, p, m, v), m, num_stages(name, p, v))
+    return check_actions(build_schedule(name, p, m, v), m, num_stages(name, p, v),
+                         vshape=schedule_spec(name).vshape)
 
 
-def check_actions(lists: list[list[Action]], m: int, n_stages: int) -> SimResult:
+def check_actions(lists: list[list[Action]], m: int, n_stages: int,
+                  vshape: bool = False) -> SimResult:
     """Prove hand-made or generated per-rank action lists for m microbatches and
-    ``n_stages`` virtual stages (stage s on rank s % p). Returns the unit-cost replay."""
+    ``n_stages`` virtual stages (stage s on rank s % p, or in a V with ``vshape``). Returns
+    the unit-cost replay."""
     p = len(lists)
     for r, acts in enumerate(lists):
         for i, a in enumerate(acts):
-            _check_placement(r, i, a, p, m, n_stages)
-    _check_complete(lists, m, n_stages)
+            _check_placement(r, i, a, p, m, n_stages, vshape)
+    _check_complete(lists, m, n_stages, vshape)
     _check_messages_once(lists)
     result = replay(lists, n_stages, Costs())  # any positive costs prove the same
     _check_cross_stage_order(result, n_stages)
     return result
 
 
-def _check_placement(r: int, i: int, a: Action, p: int, m: int, n_stages: int) -> None:
+def _check_placement(r: int, i: int, a: Action, p: int, m: int, n_stages: int,
+                     vshape: bool) -> None:
     """One action is on the rank that owns its stage, and a message goes to a neighbour."""
     where = f"rank {r} action #{i} ({a})"
     if not 0 <= a.microbatch < m:
         raise ScheduleError(f"{where}: microbatch outside 0..{m - 1}")
-    if not 0 <= a.stage < n_stages or stage_rank(a.stage, p) != r:
+    if not 0 <= a.stage < n_stages or stage_rank(a.stage, p, vshape) != r:
         raise ScheduleError(f"{where}: stage {a.stage} is not one of rank {r}'s stages")
     if a.chunk != a.stage // p:
         raise ScheduleError(f"{where}: stage {a.stage} is chunk {a.stage // p}, not {a.chunk}")
@@ -77,14 +81,14 @@ def _check_placement(r: int, i: int, a: Action, p: int, m: int, n_stages: int) -
     other = dst if a.kind in SENDS else src
     if not 0 <= other < n_stages:
         raise ScheduleError(f"{where}: there is no stage {other} to exchange with")
-    if stage_rank(other, p) == r:
+    owner = stage_rank(other, p, vshape)
+    if owner == r:
         raise ScheduleError(f"{where}: stage {other} is on this rank; hand over in memory")
-    if a.peer != stage_rank(other, p):
-        raise ScheduleError(f"{where}: stage {other} is on rank {stage_rank(other, p)}, "
-                            f"not rank {a.peer}")
+    if a.peer != owner:
+        raise ScheduleError(f"{where}: stage {other} is on rank {owner}, not rank {a.peer}")
 
 
-def _check_complete(lists: list[list[Action]], m: int, n_stages: int) -> None:
+def _check_complete(lists: list[list[Action]], m: int, n_stages: int, vshape: bool) -> None:
     """Exactly one F and one backward (BW, or B and W) per (microbatch, stage), in order."""
     p = len(lists)
     pos: dict[tuple[ActionKind, int, int], list[int]] = {}
@@ -94,7 +98,7 @@ def _check_complete(lists: list[list[Action]], m: int, n_stages: int) -> None:
                 pos.setdefault((a.kind, a.microbatch, a.stage), []).append(i)
     for s in range(n_stages):
         for mb in range(m):
-            at = f"microbatch {mb} stage {s} (rank {stage_rank(s, p)})"
+            at = f"microbatch {mb} stage {s} (rank {stage_rank(s, p, vshape)})"
             n = {k: len(pos.get((k, mb, s), [])) for k in (F, B, W, BW)}
             if n[F] != 1:
                 raise ScheduleError(f"{at} has {n[F]} forwards, needs exactly 1")

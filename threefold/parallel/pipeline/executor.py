@@ -44,6 +44,8 @@ from threefold.parallel.pipeline.schedules import (
     ActionKind,
     build_schedule,
     num_stages,
+    rank_stage,
+    schedule_spec,
     stage_rank,
 )
 from threefold.parallel.pipeline.simulate import replay
@@ -152,8 +154,10 @@ class PipelineExecutor:
         if len(chunks) != self.n // p:
             raise ValueError(f"pipeline: schedule {schedule} with pp={p}, vpp={v} runs "
                              f"{self.n // p} chunk(s) per rank, got {len(chunks)}")
+        self.vshape = schedule_spec(schedule).vshape
         for c, chunk in enumerate(chunks):
-            want, got = c * p + pp_rank, getattr(chunk, "pipeline_stage", None)
+            want = rank_stage(pp_rank, c, p, self.vshape)
+            got = getattr(chunk, "pipeline_stage", None)
             if got is not None and got != want:
                 raise ValueError(f"pipeline: chunk {c} of rank {pp_rank} must be virtual stage "
                                  f"{want}, got a chunk of stage {got}")
@@ -286,11 +290,11 @@ class PipelineExecutor:
             self._loss += out.detach().double()
             if term is not None:
                 out = out + term
-        elif stage_rank(a.stage + 1, self.p) == self.pp_rank:  # next stage here: hand over
+        elif stage_rank(a.stage + 1, self.p, self.vshape) == self.pp_rank:  # next stage here: hand over
             self._handoff_f[(a.microbatch, a.stage + 1)] = out.detach()
         if not self._forward_only:
             self._x[key], self._out[key] = x, out
-        elif a.stage < self.n - 1 and stage_rank(a.stage + 1, self.p) != self.pp_rank:
+        elif a.stage < self.n - 1 and stage_rank(a.stage + 1, self.p, self.vshape) != self.pp_rank:
             self._out[key] = out  # until it is sent
 
     def _output_grad(self, a: Action, key: tuple[int, int]) -> torch.Tensor | None:
@@ -302,7 +306,7 @@ class PipelineExecutor:
     def _pass_input_grad(self, a: Action, key: tuple[int, int], g: torch.Tensor | None) -> None:
         if a.stage == 0:
             return
-        if stage_rank(a.stage - 1, self.p) == self.pp_rank:
+        if stage_rank(a.stage - 1, self.p, self.vshape) == self.pp_rank:
             self._handoff_b[(a.microbatch, a.stage - 1)] = g
         else:
             self._grad_in[key] = g

@@ -29,39 +29,40 @@ Steps = list[list[Action]]  # one rank's compute actions, grouped into steps (se
 _BACKWARD_INPUTS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)  # make the input grad
 
 
-def _recv_for(a: Action, rank: int, p: int, n: int) -> Action | None:
+def _recv_for(a: Action, rank: int, p: int, n: int, vshape: bool = False) -> Action | None:
     """The receive compute action ``a`` needs first, if its input is made on another rank."""
     s, mb = a.stage, a.microbatch
-    if a.kind is ActionKind.FORWARD and s > 0 and stage_rank(s - 1, p) != rank:
-        return Action(ActionKind.RECV_FORWARD, mb, a.chunk, s, stage_rank(s - 1, p))
-    if a.kind in _BACKWARD_INPUTS and s < n - 1 and stage_rank(s + 1, p) != rank:
-        return Action(ActionKind.RECV_BACKWARD, mb, a.chunk, s, stage_rank(s + 1, p))
+    if a.kind is ActionKind.FORWARD and s > 0 and (q := stage_rank(s - 1, p, vshape)) != rank:
+        return Action(ActionKind.RECV_FORWARD, mb, a.chunk, s, q)
+    if a.kind in _BACKWARD_INPUTS and s < n - 1 and (q := stage_rank(s + 1, p, vshape)) != rank:
+        return Action(ActionKind.RECV_BACKWARD, mb, a.chunk, s, q)
     return None
 
 
-def _send_for(a: Action, rank: int, p: int, n: int) -> Action | None:
+def _send_for(a: Action, rank: int, p: int, n: int, vshape: bool = False) -> Action | None:
     """The send that carries ``a``'s output on, if the stage that needs it is on another rank."""
     s, mb = a.stage, a.microbatch
-    if a.kind is ActionKind.FORWARD and s < n - 1 and stage_rank(s + 1, p) != rank:
-        return Action(ActionKind.SEND_FORWARD, mb, a.chunk, s, stage_rank(s + 1, p))
-    if a.kind in _BACKWARD_INPUTS and s > 0 and stage_rank(s - 1, p) != rank:
-        return Action(ActionKind.SEND_BACKWARD, mb, a.chunk, s, stage_rank(s - 1, p))
+    if a.kind is ActionKind.FORWARD and s < n - 1 and (q := stage_rank(s + 1, p, vshape)) != rank:
+        return Action(ActionKind.SEND_FORWARD, mb, a.chunk, s, q)
+    if a.kind in _BACKWARD_INPUTS and s > 0 and (q := stage_rank(s - 1, p, vshape)) != rank:
+        return Action(ActionKind.SEND_BACKWARD, mb, a.chunk, s, q)
     return None
 
 
-def place_by_step(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
+def place_by_step(steps_all: list[Steps], p: int, n: int, vshape: bool = False
+                  ) -> list[list[Action]]:
     """Megatron-LM's layout: after each step one batch holding the sends of what the step
     made and the receives the next step needs (send_forward_recv_backward and kin). With
     steps of one compute this is plain 1F1B; interleaved 1F1B's steady steps are an (F, B)
     pair, and its 2·(p-r-1) warm-up offset is what keeps neighbours' batches in lockstep."""
     lists = []
     for r, steps in enumerate(steps_all):
-        acts = [x for a in steps[0] if (x := _recv_for(a, r, p, n))]
+        acts = [x for a in steps[0] if (x := _recv_for(a, r, p, n, vshape))]
         for j, step in enumerate(steps):
             nxt = steps[j + 1] if j + 1 < len(steps) else []
             acts += step
-            acts += [x for a in step if (x := _send_for(a, r, p, n))]
-            acts += [x for a in nxt if (x := _recv_for(a, r, p, n))]
+            acts += [x for a in step if (x := _send_for(a, r, p, n, vshape))]
+            acts += [x for a in nxt if (x := _recv_for(a, r, p, n, vshape))]
         lists.append(acts)
     return lists
 
@@ -88,7 +89,8 @@ def _unit_times(orders: list[list[Action]], n: int) -> list[list[tuple[int, int]
     return times
 
 
-def place_by_gap(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
+def place_by_gap(steps_all: list[Steps], p: int, n: int, vshape: bool = False
+                 ) -> list[list[Action]]:
     """Layout against the unit-cost timeline, for split-backward schedules (where a lockstep
     pair would hold B's gradient back behind a W). A "gap" is the span between two computes
     of a rank. A receive goes in the gap right before its consumer; its send in the sender's
@@ -107,7 +109,7 @@ def place_by_gap(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
     batches: list[list[list]] = [[[] for _ in g] for g in gaps]
     for r, order in enumerate(orders):
         for q, a in enumerate(order):
-            recv = _recv_for(a, r, p, n)
+            recv = _recv_for(a, r, p, n, vshape)
             if recv is None:
                 continue
             src, i = where[needs(a, n)[-1]]  # the remote input is always the last one
@@ -115,7 +117,7 @@ def place_by_gap(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
             g = bisect.bisect_left(gap_ends[src], lo, i + 1)
             if gaps[src][g][0] > hi:  # impossible with unit costs; guards a future edit
                 raise RuntimeError("internal error: no overlapping gap for a message")
-            send = _send_for(orders[src][i], src, p, n)
+            send = _send_for(orders[src][i], src, p, n, vshape)
             batches[src][g].append(((0, r, q, message_key(send)), send))  # sends first
             batches[r][q].append(((1, src, g, message_key(recv)), recv))
     lists = []
@@ -128,7 +130,8 @@ def place_by_gap(steps_all: list[Steps], p: int, n: int) -> list[list[Action]]:
 
 
 @functools.lru_cache(maxsize=32)
-def all_ranks(steps_fn: Callable, place: Callable, p: int, m: int, v: int, n: int):
+def all_ranks(steps_fn: Callable, place: Callable, p: int, m: int, v: int, n: int,
+              vshape: bool = False):
     """Every rank's full list for one schedule and size, cached: each rank's list depends on
     the others' through the communication layout."""
-    return tuple(tuple(x) for x in place([steps_fn(p, m, v, r) for r in range(p)], p, n))
+    return tuple(tuple(x) for x in place([steps_fn(p, m, v, r) for r in range(p)], p, n, vshape))

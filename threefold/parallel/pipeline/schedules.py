@@ -26,24 +26,32 @@ from threefold.config import PIPELINE_SCHEDULES
 # the action vocabulary, re-exported: schedules.py is where callers have always found it
 from threefold.parallel.pipeline.actions import (COMPUTE_KINDS, RECEIVES, SENDS, Action,
                                                  ActionKind, carries, completes, message_key,
-                                                 needs, stage_rank)
+                                                 needs, rank_stage, stage_rank)
 from threefold.parallel.pipeline.messages import Steps, all_ranks, place_by_gap, place_by_step
+from threefold.parallel.pipeline.vshape import dualpipe_v_steps, zb_v_steps
 
 __all__ = [
     "COMPUTE_KINDS", "RECEIVES", "SCHEDULES", "SCHEDULE_SPECS", "SENDS", "Action", "ActionKind",
     "Schedule", "ScheduleSpec", "build_schedule", "carries", "completes", "get_schedule",
     "gpipe", "in_flight_chunks", "interleaved_1f1b", "message_key", "needs", "num_stages",
-    "one_f_one_b", "peak_in_flight", "schedule_spec", "stage_rank", "validate", "zb_h1",
+    "one_f_one_b", "peak_in_flight", "rank_stage", "schedule_spec", "stage_rank", "validate",
+    "zb_h1", "zb_v",
 ]
 
 
-def _validate(name: str, p: int, m: int, v: int, rank: int, interleaved: bool = False) -> None:
+def _validate(name: str, p: int, m: int, v: int, rank: int, interleaved: bool = False,
+              vshape: bool = False) -> None:
     """Refuse sizes a schedule cannot run, naming the fix."""
     for label, value in (("pp", p), ("microbatches", m), ("vpp", v)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {label} must be an integer >= 1, got {value!r}")
     if not 0 <= rank < p:
         raise ValueError(f"{name}: rank must be in [0, {p}), got {rank}")
+    if vshape:
+        if v != 2:
+            raise ValueError(f"{name} runs two model chunks per rank in a V: set vpp=2 "
+                             f"(got vpp={v})")
+        return
     if v != 1 and not interleaved:
         raise ValueError(f"{name} runs one model chunk per rank: set vpp=1, or use "
                          f"interleaved-1f1b for vpp={v}")
@@ -160,6 +168,25 @@ def zb_h1(p: int, m: int, v: int, rank: int) -> list[Action]:
     return list(all_ranks(_zb_h1_steps, place_by_gap, p, m, v, p)[rank])
 
 
+def zb_v(p: int, m: int, v: int, rank: int) -> list[Action]:
+    """ZB-V (Qi et al., arXiv 2405.15362): two chunks per rank in a V, backward split into B
+    and W; 1F1B's activation memory (2p chunk activations, p microbatches of the rank's
+    layers) on every rank, and no bubble at T_F = T_B = T_W once m >= 2p - 1
+    (``vshape.zb_v_steps``)."""
+    _validate("zb-v", p, m, v, rank, vshape=True)
+    return list(all_ranks(zb_v_steps, place_by_gap, p, m, v, 2 * p, True)[rank])
+
+
+def dualpipe_v(p: int, m: int, v: int, rank: int) -> list[Action]:
+    """DualPipeV (DeepSeek-V3 §3.2.1; the V form of DeepSeek's DualPipe repository): two
+    chunks per rank in a V, one microbatch's forward paired with another's backward
+    (``vshape.dualpipe_v_steps``). On a CPU the pair runs one after the other: the overlap of
+    compute and communication that is its point on a GPU is modelled by the planner from the
+    published figure, not measured here."""
+    _validate("dualpipe-v", p, m, v, rank, vshape=True)
+    return list(all_ranks(dualpipe_v_steps, place_by_gap, p, m, v, 2 * p, True)[rank])
+
+
 Schedule = Callable[[int, int, int, int], list[Action]]
 
 
@@ -184,12 +211,18 @@ class ScheduleSpec:
     head_inflight: Callable[[int, int], int]
     chunked: bool = False
     split_backward: bool = False
+    vshape: bool = False
 
 
 # Closed forms: Narayanan et al. 2021 §2.2 (GPipe, 1F1B: bubble (p-1)/m; interleaved:
 # (p-1)/(v·m), rank r holding 2(p-r-1) + (v-1)·p + 1 chunk-forwards of 1/v of its layers);
 # Qi et al. arXiv 2401.10241 (ZB-H1: (p-1)/(3m) at T_F = T_B = T_W, min(p, m) in flight on
-# every rank, its Ws up to r steps late). tests/test_cost.py checks them against the lists.
+# every rank, its Ws up to r steps late); ZB-V (arXiv 2405.15362: 1F1B's p in flight, i.e.
+# 2p chunks, on every rank once m >= 2p - 1, fewer, min(m + r + 1, 2m), before; bubble "≈ 0":
+# here the start-up's p - 1 chunk forwards, (p-1)/(6m) for m >= 2p - 2); DualPipeV
+# (DeepSeek's DualPipe repository: PP + 1 = 2p + 1 chunks in flight, capped alike; bubble
+# (PP/2 - 1)(F&B + B - 3W) = p - 1 chunk times without overlap, so (p-1)/(6m) for m >= 2p).
+# tests/test_cost.py checks them against the lists.
 SCHEDULE_SPECS: dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec("gpipe", gpipe, bubble=lambda p, m, v: (p - 1) / m,
                  inflight=lambda p, m, v, r: m, head_inflight=lambda p, m: m),
@@ -201,6 +234,14 @@ SCHEDULE_SPECS: dict[str, ScheduleSpec] = {s.name: s for s in (
                  head_inflight=lambda p, m: 1),
     ScheduleSpec("zb-h1", zb_h1, split_backward=True, bubble=lambda p, m, v: (p - 1) / (3 * m),
                  inflight=lambda p, m, v, r: min(p, m), head_inflight=lambda p, m: min(p, m)),
+    ScheduleSpec("zb-v", zb_v, split_backward=True, vshape=True,
+                 bubble=lambda p, m, v: (p - 1) / (6 * m),
+                 inflight=lambda p, m, v, r: min(2 * p, m + r + 1, 2 * m) / 2,
+                 head_inflight=lambda p, m: 1),
+    ScheduleSpec("dualpipe-v", dualpipe_v, split_backward=True, vshape=True,
+                 bubble=lambda p, m, v: (p - 1) / (6 * m),
+                 inflight=lambda p, m, v, r: min(2 * p + 1, m + r + 1, 2 * m) / 2,
+                 head_inflight=lambda p, m: 1),
 )}
 if tuple(SCHEDULE_SPECS) != PIPELINE_SCHEDULES:  # config validates names without this module
     raise RuntimeError(f"threefold.config.PIPELINE_SCHEDULES {PIPELINE_SCHEDULES} must list "
@@ -228,12 +269,15 @@ def num_stages(name: str, p: int, v: int = 1) -> int:
     """Virtual stages the model is cut into: v·p for a chunked schedule (interleaved-1f1b),
     else p."""
     spec = SCHEDULE_SPECS.get(name)
+    if spec is not None and spec.vshape:
+        return 2 * p
     return p * v if spec is not None and spec.chunked else p
 
 
 def validate(name: str, p: int, m: int, v: int = 1) -> None:
     """Refuse a schedule name or sizes that cannot run, with a ValueError naming the fix."""
-    _validate(name, p, m, v, 0, interleaved=schedule_spec(name).chunked)
+    spec = schedule_spec(name)
+    _validate(name, p, m, v, 0, interleaved=spec.chunked, vshape=spec.vshape)
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:

@@ -28,6 +28,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.model import LlamaForCausalLM
+from threefold.parallel.pipeline.actions import rank_stage
 from threefold.parallel.pipeline.balance import partition, runs_of, split_counts
 from threefold.parallel.placement import place
 
@@ -136,9 +137,11 @@ def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
 
 
 def split_model(model: LlamaForCausalLM, p: int, v: int = 1, pp_rank: int = 0,
-                balance: str = "params", seq_len: int | None = None) -> list[LlamaForCausalLM]:
+                balance: str = "params", seq_len: int | None = None,
+                vshape: bool = False) -> list[LlamaForCausalLM]:
     """This rank's chunks of ``model`` for ``p`` pipeline ranks with ``v`` chunks each:
-    chunk ``c`` is virtual stage ``c·p + pp_rank`` (Megatron's interleaved assignment). Works
+    chunk ``c`` is virtual stage ``c·p + pp_rank`` (Megatron's interleaved assignment), or in
+    a V (``vshape``: ZB-V, DualPipeV) chunk 1 is stage ``2p - 1 - pp_rank``. Works
     on a materialised model or on one still on the meta device (then ``to_empty`` and
     ``init_weights(seed)`` each chunk). Modules of other ranks are not referenced, so they are
     freed once the caller drops ``model``.
@@ -156,12 +159,13 @@ def split_model(model: LlamaForCausalLM, p: int, v: int = 1, pp_rank: int = 0,
     # A tied head on another rank than the embedding (any p > 1: the first stage is on rank 0,
     # the last on rank p-1) holds its own copy, as Megatron's embedding group does: both start
     # equal, their gradients are summed between the two ranks each step (the training layout
-    # does it, see ``tied_head_replica``), so identical AdamW updates keep them equal.
-    replica = p > 1 and model.cfg.tie_word_embeddings
+    # does it, see ``tied_head_replica``), so identical AdamW updates keep them equal. In a V
+    # both ends are on rank 0, which shares the one weight as a single process does.
+    replica = p > 1 and model.cfg.tie_word_embeddings and not vshape
     runs = stage_layers(model, n, balance, seq_len)
     return [build_chunk(model, runs[s], first=s == 0, last=s == n - 1, stage=s,
                         tied_replica=replica)
-            for s in (c * p + pp_rank for c in range(v))]
+            for s in (rank_stage(pp_rank, c, p, vshape) for c in range(v))]
 
 
 def tied_head_replica(model: LlamaForCausalLM) -> torch.nn.Parameter | None:
