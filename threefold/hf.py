@@ -47,7 +47,8 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
-from threefold.checkpoint import CheckpointError, Piece, fsync_path, list_checkpoints, save_streamed
+from threefold.checkpoint import (CheckpointError, fsync_path, list_checkpoints, save_streamed,
+                                  whole_pieces)
 from threefold.config import Config, ModelConfig
 from threefold.hf_config import (INDEX, LLAMA3_FIELDS, SHAPE_FIELDS, SINGLE, HFError,
                                  check_shapes, expected_shapes, family, hf_config, hub_names,
@@ -274,8 +275,7 @@ def convert_from_hf(hf_dir: Path, out: Path, seed: int = 0,
         """One file's pieces at a time: the next file's tensors are read once the last is
         written."""
         for group in _shards([(n, source.shape(n)) for n in source.names()], max_file_bytes):
-            yield [Piece(n, "model", source.read(n).reshape(-1), 0, math.prod(shape), shape)
-                   for n, shape in group]
+            yield whole_pieces({"model": {n: source.read(n) for n, _ in group}})
 
     return save_streamed(out / "checkpoints", 0, batches(), {"cpu_rng": rng}, state,
                          keep_last=1)

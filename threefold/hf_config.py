@@ -75,19 +75,21 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str,
-                 score: bool = False) -> None:
+                 score: bool = False, files: dict[str, Path] | None = None) -> None:
     """HFError naming ``where`` and the tensor if any expected weight is missing, extra or of
-    another shape; ``score``: a reward model's (``score.weight`` in place of the LM head)."""
+    another shape (a misshapen one by the file that holds it, where ``files`` says);
+    ``score``: a reward model's (``score.weight`` in place of the LM head)."""
     want = expected_shapes(cfg)
     if score:
         want.pop("lm_head.weight", None)
         want["score.weight"] = (1, cfg.hidden_size)
-    for name, shape in want.items():
-        if name not in shapes:
-            raise HFError(f"{where}: tensor {name} is missing")
-        if tuple(shapes[name]) != shape:
-            raise HFError(f"{where}: tensor {name} has shape {tuple(shapes[name])}, the "
-                          f"config needs {shape}")
+    for name, shape in shapes.items():  # in the order given (a folder's: its files')
+        if name in want and tuple(shape) != want[name]:
+            raise HFError(f"{(files or {}).get(name, where)}: tensor {name} has shape "
+                          f"{tuple(shape)}, the config needs {want[name]}")
+    missing = [name for name in want if name not in shapes]
+    if missing:
+        raise HFError(f"{where}: tensor {missing[0]} is missing")
     extra = sorted(set(shapes) - set(want))
     if extra:
         raise HFError(f"{where}: unexpected tensor {extra[0]} (not part of this model)")

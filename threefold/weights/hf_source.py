@@ -17,8 +17,8 @@ from safetensors import SafetensorError, safe_open
 
 from threefold.checkpoint_verify import read_json
 from threefold.config import ModelConfig
-from threefold.hf_config import (INDEX, SINGLE, HFError, check_shapes, expected_shapes,
-                                 hub_names, model_config_from_hf)
+from threefold.hf_config import (INDEX, SINGLE, HFError, check_shapes, hub_names,
+                                 model_config_from_hf)
 from threefold.weights.base import DTYPES, HEAD, WeightSource, blocks, box_index, extent
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -137,13 +137,9 @@ class HFSource(WeightSource):
         self._entries = {("model", n): _HFTensor([p], p.ext, p.dtype) for n, p in parts.items()}
         if cfg.num_local_experts:
             self._fuse_experts(cfg)
-        want = expected_shapes(cfg)
-        shapes = {n: e.shape for (_, n), e in self._entries.items()}
-        for name, shape in shapes.items():  # name the file holding a bad tensor
-            if name in want and shape != want[name]:
-                raise HFError(f"{self._entries['model', name].parts[0].path}: tensor {name} has "
-                              f"shape {shape}, config.json needs {want[name]}")
-        check_shapes(cfg, shapes, str(self.folder))
+        check_shapes(cfg, {n: e.shape for (_, n), e in self._entries.items()},
+                     str(self.folder), files={n: e.parts[0].path
+                                              for (_, n), e in self._entries.items()})
 
     def _fuse_experts(self, cfg: ModelConfig) -> None:
         """Each layer stored per expert becomes the fused logical tensors, as parts (a layer
