@@ -206,13 +206,22 @@ def test_host_allocator_setting(monkeypatch):
 def test_mfu_never_reads_above_one_when_the_cpu_probe_ran_busy(corpus, cache_dir, tmp_path,
                                                                monkeypatch):
     """A CPU probe taken at a busy moment (here: a peak of 1 FLOP/s, far below any step) is
-    raised to the highest rate seen as soon as a step beats it: no record, and not the
-    summary, reads MFU above 1, and the summary says where its peak came from."""
+    raised to the highest rate seen as soon as a step beats it, without probing again inside
+    the loop: no record, and not the summary, reads MFU above 1, and the summary says where
+    its peak came from."""
     import torch
 
     from threefold import metrics as m
 
-    monkeypatch.setattr(m, "_CPU_PEAKS", {(torch.float32, torch.get_num_threads()): 1.0})
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the CPU was probed again inside the training loop")
+
+    key = (torch.float32, torch.get_num_threads())
+    monkeypatch.setattr(m, "_CPU_PEAKS", {key: 1.0})
+    monkeypatch.setattr(m, "cpu_matmul_flops", no_probe)
+    assert m.raise_cpu_peak(torch.float32, 5.0)[0] == 5.0  # the step's rate, not a probe's
+    assert m.raise_cpu_peak(torch.float32, 3.0)[0] == 5.0  # never lowered
+    m._CPU_PEAKS[key] = 1.0
     summary = _run(corpus, cache_dir, tmp_path / "busy", train__steps=3)
     recs = metrics(tmp_path / "busy")
     assert all(0 < r["mfu"] <= 1 for r in recs), [r["mfu"] for r in recs]

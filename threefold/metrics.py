@@ -44,10 +44,12 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float |
 
 def raise_cpu_peak(dtype: torch.dtype, achieved: float) -> tuple[float, str]:
     """A CPU step measured ``achieved`` FLOP/s, above the probed peak: the probe ran at a
-    busy moment. Probe again and keep the highest rate seen (the new probe's, the old one's or
-    the step's own), so MFU never reads above 100%; later runs in this process use it too."""
+    busy moment. Keep the highest rate seen (the probe's or the step's own), so MFU never
+    reads above 100%; later runs in this process use it too. Nothing is probed again: a probe
+    inside the training loop would take half a second on the ranks whose step beat the peak
+    and not on the others, putting them out of step."""
     key = (dtype, torch.get_num_threads())
-    peak = max(_CPU_PEAKS.get(key, 0.0), cpu_matmul_flops(dtype), achieved)
+    peak = max(_CPU_PEAKS.get(key, 0.0), achieved)
     _CPU_PEAKS[key] = peak
     return peak, "cpu-matmul-probe, raised to the highest rate seen"
 
