@@ -12,19 +12,17 @@ Bad input is one line on stderr and exit code 2, before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 import tomllib
 import typing
 from pathlib import Path
+from types import ModuleType
 
 from threefold.config import ConfigError, load_config, parse_overrides, take_flag
 from threefold.data import DataError
 from threefold.launch import (check_launch_layout, dispatch, fail, run_training,
                               split_train_args, world_size_for)
-from threefold.post.dpo import DPOOptions, DPOTask
-from threefold.post.grpo import GRPOOptions, GRPOTask, check_reward_function, prompt_records
-from threefold.post.reward import RewardOptions, RewardTask, check_pairs_file
-from threefold.post.sft import SFTOptions, SFTTask
 
 _COMMON = {"train.steps": "30", "optim.warmup_steps": "3", "optim.weight_decay": "0.0",
            "train.eval_batches": "1", "train.log_interval": "5"}
@@ -41,9 +39,13 @@ DEFAULTS = {
                              "train.micro_batch_size": "32", "data.seq_len": "64",
                              "optim.warmup_steps": "0", "checkpoint.interval": "25"}),
 }
-OPTIONS = {"sft": SFTOptions, "dpo": DPOOptions, "reward": RewardOptions,
-           "grpo": GRPOOptions}
-TASKS = {"sft": SFTTask, "dpo": DPOTask, "reward": RewardTask, "grpo": GRPOTask}
+# command -> (its module, options class, Task class). A task's module (and with it the trainer,
+# for reward and grpo) is imported only once its command is chosen, so the launcher loads no
+# more than that command needs to parse its arguments.
+TASKS = {"sft": ("threefold.post.sft", "SFTOptions", "SFTTask"),
+         "dpo": ("threefold.post.dpo", "DPOOptions", "DPOTask"),
+         "reward": ("threefold.post.reward", "RewardOptions", "RewardTask"),
+         "grpo": ("threefold.post.grpo", "GRPOOptions", "GRPOTask")}
 USAGE = """usage: threefold {cmd} [CONFIG.toml] [--section.key value ...] [--{cmd}.KEY VALUE ...]
                      [--nproc-per-node N]
 
@@ -81,9 +83,24 @@ DOCS = {
 }
 
 
+def _module(cmd: str) -> ModuleType:
+    """The module of ``cmd``'s task, imported now."""
+    return importlib.import_module(TASKS[cmd][0])
+
+
+def options_class(cmd: str) -> type:
+    """``cmd``'s options dataclass (``SFTOptions``...)."""
+    return getattr(_module(cmd), TASKS[cmd][1])
+
+
+def task_class(cmd: str) -> type:
+    """``cmd``'s Task class (``SFTTask``...)."""
+    return getattr(_module(cmd), TASKS[cmd][2])
+
+
 def _usage(cmd: str) -> str:
     opts = "\n".join(f"  --{cmd}.{f.name:<16} {f.default!r:<8} {DOCS[f.name].format(cmd=cmd)}"
-                     for f in dataclasses.fields(OPTIONS[cmd]))
+                     for f in dataclasses.fields(options_class(cmd)))
     defaults = ", ".join(f"{k}={v}" for k, v in DEFAULTS[cmd].items())
     return USAGE.format(cmd=cmd, what=WHAT[cmd], defaults=defaults, options=opts)
 
@@ -91,7 +108,7 @@ def _usage(cmd: str) -> str:
 def parse_task_options(cmd: str, argv: list[str]):
     """(options dataclass, the remaining argv) with every ``--{cmd}.KEY VALUE`` (or
     ``--{cmd}.KEY=VALUE``) taken out; ValueError for an unknown key or a bad value."""
-    cls = OPTIONS[cmd]
+    cls = options_class(cmd)
     hints = typing.get_type_hints(cls)
     values, rest, i = {}, [], 0
     prefix = f"--{cmd}."
@@ -154,8 +171,9 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
         value = getattr(opts, key, "")
         if value and not Path(value).expanduser().is_file():
             raise ConfigError(f"{cmd}.{key}: '{value}' is not a file")
+    task_cls, mod = task_class(cmd), _module(cmd)
     if cmd == "dpo":
-        DPOTask(opts)  # checks beta and label smoothing
+        task_cls(opts)  # checks beta and label smoothing
         if cfg.parallel.cp > 1:  # its sequence log-probs would be partial sums per cp rank
             raise ConfigError(f"parallel.cp: DPO does not run under context parallelism yet "
                               f"(got cp={cfg.parallel.cp}); use parallel.cp 1 and shard over "
@@ -165,15 +183,16 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
             value = getattr(opts, key)
             if value and not Path(value).expanduser().exists():
                 raise ConfigError(f"grpo.{key}: '{value}' does not exist")
-        task = GRPOTask(opts)  # the options, the reward function loaded
+        task = task_cls(opts)  # the options, the reward function loaded
         task.check(cfg)  # layout and batch
         if task.reward_fn is not None:  # called on probes: raises, wrong count, NaN
-            check_reward_function(task.reward_fn, opts.reward, prompt_records(opts.prompts)[0])
+            mod.check_reward_function(task.reward_fn, opts.reward,
+                                      mod.prompt_records(opts.prompts)[0])
     if cmd == "reward":
-        RewardTask(opts).check_layout(cfg)  # and the options
+        task_cls(opts).check_layout(cfg)  # and the options
         for key in ("data", "val_data"):  # every rank would fail on it after launch
             if getattr(opts, key):
-                check_pairs_file(str(Path(getattr(opts, key)).expanduser()))
+                mod.check_pairs_file(str(Path(getattr(opts, key)).expanduser()))
 
 
 def _main(cmd: str, argv: list[str]) -> int:
@@ -190,7 +209,7 @@ def _main(cmd: str, argv: list[str]) -> int:
     except (ConfigError, DataError, ValueError) as e:
         return fail(str(e))
     return dispatch(cfg, world, nproc, launcher, argv, ["threefold.post.cli", cmd],
-                    lambda: run_training(cfg, lambda: TASKS[cmd](opts)))
+                    lambda: run_training(cfg, lambda: task_class(cmd)(opts)))
 
 
 def sft_main(argv: list[str]) -> int:
@@ -221,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m threefold.post.cli sft|dpo|reward ...`` (what torchrun runs for these
     commands)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in OPTIONS:
+    if not argv or argv[0] not in TASKS:
         print("usage: python -m threefold.post.cli sft|dpo|reward|grpo [args]", file=sys.stderr)
         return 2
     return _main(argv[0], argv[1:])
