@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                              "measured_GiB": got[key] / GIB,
                              "measured/predicted": got[key] / pred[phase]})
             print(json.dumps(rows[-len(phases):]), flush=True)
-    report("memory_per_rank", rows, "measured/predicted", goal=1.0)
-    worst = max(abs(r["measured/predicted"] - 1) for r in rows)
-    print(f"largest deviation: {worst:.1%} (goal: within 10%)")
+    report("memory_per_rank", rows, "measured/predicted", goal=1.0, band=0.10)
 
 
 if __name__ == "__main__":

@@ -26,21 +26,32 @@ def spread(values: list[float]) -> dict:
             "rounds": len(v)}
 
 
-def report(name: str, rows: list[dict], ratio_key: str, goal: float) -> None:
+def report(name: str, rows: list[dict], ratio_key: str, goal: float,
+           band: float | None = None) -> dict:
     """Print rows as a table, the ratio's spread over the rows (rounds), and one JSON line
-    (machine-readable, the spread included) ending the output."""
+    (machine-readable, the spread included) ending the output; returns what that line holds.
+
+    The goal is met when the median ratio is at least ``goal``; with ``band`` (a tolerance,
+    e.g. 0.10 for ±10%) it is met instead when every ratio lies within ``band`` of 1
+    (max |ratio - 1| <= band: a prediction neither over nor under), and the JSON records that
+    largest deviation (``largest_deviation``) and the band."""
     print_table(rows)
     ratios = [r[ratio_key] for r in rows if isinstance(r.get(ratio_key), float)]
     med = statistics.median(ratios) if ratios else float("nan")
-    extra = {}
+    out = {"benchmark": name, ratio_key + "_median": med, "goal": goal, "meets_goal": med >= goal}
     if ratios:
         sp = spread(ratios)
         print(f"{name} {ratio_key}: median {med:.3f}, spread over {sp['rounds']} rounds: "
               f"quartiles {sp['q1']:.3f}-{sp['q3']:.3f}, min {sp['min']:.3f}, "
               f"max {sp['max']:.3f}")
-        extra = {ratio_key + "_spread": sp}
-    print(json.dumps({"benchmark": name, ratio_key + "_median": med, "goal": goal,
-                      "meets_goal": med >= goal, **extra}), file=sys.stdout, flush=True)
+        out[ratio_key + "_spread"] = sp
+    if band is not None:
+        worst = max((abs(r - 1) for r in ratios), default=float("nan"))
+        out.update(band=band, largest_deviation=worst, meets_goal=worst <= band)
+        print(f"{name} {ratio_key}: largest deviation from 1: {worst:.1%} (goal: within "
+              f"±{band:.0%})")
+    print(json.dumps(out), file=sys.stdout, flush=True)
+    return out
 
 
 def ab_rows(results: list, rounds: int, tokens: float, **extra) -> list[dict]:
