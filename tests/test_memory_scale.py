@@ -36,6 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist import local_object_collectives
+
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.10
 CASES = {  # name: (world, rank, overrides)
@@ -126,22 +128,12 @@ class _FillingCollectives:
 
     def install(self) -> None:
         """Replace the functions on ``torch.distributed`` (where ``threefold.comm`` looks them
-        up at each call), and the object collectives (pickles cannot cross a fake group:
-        every rank gets its own object)."""
-        d = self.dist
+        up at each call), and the object collectives (``tests.dist.local_object_collectives``:
+        pickles cannot cross a fake group, every rank gets its own object)."""
         for name in ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast",
                      "all_to_all_single", "batch_isend_irecv"):
-            setattr(d, name, self._counted(name, getattr(self, name)))
-
-        def all_gather_object(out, obj, group=None):
-            out[:] = [obj] * len(out)
-
-        def gather_object(obj, out=None, dst=0, group=None, **_kw):
-            if out is not None:
-                out[:] = [obj] * len(out)
-
-        d.all_gather_object, d.gather_object = all_gather_object, gather_object
-        d.broadcast_object_list = lambda objects, src=None, group=None, **_kw: None
+            setattr(self.dist, name, self._counted(name, getattr(self, name)))
+        local_object_collectives(self.dist)
 
     def _counted(self, name: str, fn):
         def call(*args, **kwargs):
@@ -173,12 +165,11 @@ def child_main() -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     run = build_run(cfg, Distributed(cfg))
     t_build, c_build = time.perf_counter() - t0, time.process_time() - c0
-    dev = run.device
-    opt = run.engine.optimizer
-    for group in opt.param_groups:  # AdamW's moments as a steady step has them
+    dev, slot = run.device, run.engine.slot
+    for group in slot.optimizer.param_groups:  # AdamW's moments as a steady step has them
         for p in group["params"]:
-            opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                            "exp_avg_sq": torch.zeros_like(p)}
+            zero = p.new_zeros(()).expand_as(p)  # set_state's copies are the only allocations
+            slot.set_state(p, 0, zero, zero)
     held = current_memory_bytes(dev)
     reset_peak_memory(dev)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -188,7 +179,6 @@ def child_main() -> None:
         "baseline": run.memory["baseline_bytes"], "startup": run.memory["startup_peak_bytes"],
         "held_before_step": held, "step": peak_memory_bytes(dev),
         "after_step": current_memory_bytes(dev), "loss": loss,
-        "parameters": sum(p.numel() for p in opt.param_groups[0]["params"]),
         "threads": torch.get_num_threads(), "build_s": t_build, "step_s": t_step,
         "build_cpu_s": c_build, "step_cpu_s": c_step, "collectives": filling.calls,
     }), flush=True)
