@@ -406,6 +406,10 @@ EXACT_RUNS_4 = [
                             "parallel__schedule": "dualpipe-v",
                             "model__tie_word_embeddings": "true",
                             "train__micro_batch_size": 2}),
+    ("pp2_interleaved_inflight3", {"parallel__pp": 2, "parallel__vpp": 2,
+                                   "parallel__pipeline_inflight": 3,
+                                   "parallel__schedule": "interleaved-1f1b",
+                                   "model__num_hidden_layers": 4, "train__micro_batch_size": 1}),
 ]
 
 

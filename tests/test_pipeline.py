@@ -322,7 +322,7 @@ def _train_single(cfg: ModelConfig):
     return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
-def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False):
+def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False, inflight=0):
     """One layout on this rank: pp = p, the rest data parallel (dp_shard), engine by ``zero``
     (0: plain AdamW or bucketed all-reduce; 1-3: ZeRO), blocks recomputed in backward with
     ``ac``. Returns losses, this rank's final
@@ -351,7 +351,7 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False):
     else:
         engine = LocalEngine(model, _optim(), comm)
     ex = PipelineExecutor(chunks, schedule, p, m, v, pp_rank, comm, causal_lm_loss,
-                          grad_sync=engine.micro_step)
+                          grad_sync=engine.micro_step, inflight=inflight)
     losses = []
     for step in range(STEPS + 1):  # the last one only evaluates
         ids, labels = _batch(step)
@@ -387,6 +387,7 @@ RUNS_2 = [
     dict(name="zb-h1", schedule="zb-h1", p=2, m=4),
     dict(name="zb-v", schedule="zb-v", p=2, m=4, v=2),
     dict(name="dualpipe-v", schedule="dualpipe-v", p=2, m=4, v=2),
+    dict(name="interleaved_inflight3", schedule="interleaved-1f1b", p=2, m=4, v=2, inflight=3),
 ]
 RUNS_4 = [
     dict(name="gpipe", schedule="gpipe", p=4, m=4),
@@ -395,6 +396,7 @@ RUNS_4 = [
     dict(name="zb-h1", schedule="zb-h1", p=4, m=8),
     dict(name="zb-v", schedule="zb-v", p=4, m=8, v=2),
     dict(name="dualpipe-v", schedule="dualpipe-v", p=4, m=8, v=2),
+    dict(name="interleaved_inflight6", schedule="interleaved-1f1b", p=4, m=8, v=2, inflight=6),
     dict(name="pp2_dp2_1f1b", schedule="1f1b", p=2, m=2),
     dict(name="pp2_zero3_zb-v", schedule="zb-v", p=2, m=4, v=2, zero=3),
     dict(name="pp2_zero1_dualpipe-v_ac", schedule="dualpipe-v", p=2, m=4, v=2, zero=1, ac=True),

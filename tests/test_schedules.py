@@ -458,3 +458,49 @@ def test_v_schedules_refuse_other_chunk_counts():
             check_layout(ModelConfig(preset="llama3-8b").resolved(),
                          Layout(pp=4, vpp=3, schedule=name),
                          Workload(seq_len=4096, global_batch=32))
+
+
+# --------------------------------------------------------------------------------------------
+# Interleaved 1F1B with a bound on the activations in flight
+# --------------------------------------------------------------------------------------------
+GRID = [(2, 2, 4), (4, 2, 8), (4, 3, 8), (4, 2, 16), (8, 2, 16), (8, 4, 16), (16, 7, 32)]
+
+
+@pytest.mark.parametrize("p,v,m", GRID)
+def test_bounded_interleaved_holds_its_bound_and_trades_bubble(p, v, m):
+    """Every bound from the smallest that runs to Megatron's peak passes the checker; each
+    rank's peak is min(bound, Megatron's 2(p-r-1) + (v-1)p + 1); at a round trip's v·p the
+    bubble is 2(p-1)/(3vm), below Megatron's (p-1)/(vm); the planner's estimate is within a
+    third of the replay from halfway down; a smaller bound never has a smaller bubble."""
+    from threefold.parallel.pipeline.bounded import bubble_estimate, min_inflight
+    from threefold.parallel.pipeline.schedules import in_flight_chunks
+
+    megatron = 2 * (p - 1) + (v - 1) * p + 1
+    last = None
+    low = min_inflight(p, v)
+    caps = sorted({megatron + 2, megatron, v * p, v * p - 1, (v * p + low) // 2, low + 1, low},
+                  reverse=True)
+    for cap in caps:
+        lists = build_schedule("interleaved-1f1b", p, m, v, inflight=cap)
+        check_actions(lists, m, p * v)
+        peak = [in_flight_chunks(acts) for acts in lists]
+        assert peak == [min(cap, 2 * (p - r - 1) + (v - 1) * p + 1) for r in range(p)]
+        bubble = simulate("interleaved-1f1b", p, m, v, EQUAL, inflight=cap).bubble_over_ideal
+        if cap >= v * p:
+            assert bubble == pytest.approx(2 * (p - 1) / (3 * v * m))
+            assert bubble_estimate(p, m, v, cap) == pytest.approx(bubble)
+        elif 2 * cap >= v * p + min_inflight(p, v):
+            assert bubble_estimate(p, m, v, cap) == pytest.approx(bubble, rel=0.35)
+        assert last is None or bubble >= last - 1e-9
+        last = bubble
+    assert simulate("interleaved-1f1b", p, m, v, EQUAL).bubble_over_ideal == \
+        pytest.approx((p - 1) / (v * m))  # the default: Megatron's warm-up, unchanged
+
+
+def test_bounded_interleaved_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match=r"pipeline_inflight=4 .* at least \(vpp-1\)·pp \+ 1 = 5"):
+        build_schedule("interleaved-1f1b", 4, 8, 2, inflight=4)
+    with pytest.raises(ValueError, match="pipeline_inflight applies to interleaved-1f1b"):
+        build_schedule("1f1b", 4, 8, 1, inflight=6)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        build_schedule("interleaved-1f1b", 4, 8, 2, inflight=-1)

@@ -36,6 +36,7 @@ class Layout:
     dp_shard: int = 1
     zero_stage: int = 0
     vpp: int = 1
+    pipeline_inflight: int = 0  # interleaved 1F1B's bound on chunk activations; 0 = Megatron's
     microbatch_size: int = 1
     recompute: str = "none"
     schedule: str = ""
@@ -133,7 +134,7 @@ class Layout:
         dp_shard = resolve_dp_shard(p, world_size) if p.dp_shard == -1 else p.dp_shard
         local = max(1, cfg.train.global_batch_size // (p.dp_replicate * dp_shard))
         return cls(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard,
-                   zero_stage=p.zero_stage, vpp=p.vpp,
+                   zero_stage=p.zero_stage, vpp=p.vpp, pipeline_inflight=p.pipeline_inflight,
                    microbatch_size=min(cfg.train.micro_batch_size, local),
                    recompute="full" if cfg.train.activation_checkpointing else "none",
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
@@ -253,6 +254,12 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if spec.chunked and m % layout.pp:
         raise LayoutError(f"interleaved 1F1B needs microbatches ({m}) a multiple of pp "
                           f"({layout.pp})")
+    if layout.pipeline_inflight and not spec.chunked:
+        raise LayoutError(f"pipeline_inflight bounds interleaved-1f1b only, not {spec.name}")
+    if spec.chunked and 0 < layout.pipeline_inflight < (layout.vpp - 1) * layout.pp + 1:
+        raise LayoutError(f"pipeline_inflight={layout.pipeline_inflight} is below (vpp-1)·pp + "
+                          f"1 = {(layout.vpp - 1) * layout.pp + 1}: the first backward could "
+                          "never start")
 
 
 def check_experts(cfg: ModelConfig, layout: Layout) -> None:

@@ -147,7 +147,11 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence within tp")
     schedule: str = _f("1f1b", "pipeline schedule: " + ", ".join(PIPELINE_SCHEDULES))
     microbatches: int = _f(0, "pipeline microbatches per step; 0 = from the batch")
-    vpp: int = _f(1, "model chunks per pipeline stage (interleaved 1F1B)")
+    vpp: int = _f(1, "model chunks per pipeline stage (interleaved 1F1B; 2 for zb-v and "
+                     "dualpipe-v)")
+    pipeline_inflight: int = _f(0, "interleaved-1f1b: most chunk activations a rank holds at "
+                                   "once (memory against bubble; >= (vpp-1)·pp + 1); 0 = "
+                                   "Megatron's warm-up")
     pipeline_split: str = _f("params", "blocks per pipeline stage: params (balance parameters, "
                              "embedding and head included), flops (balance training FLOPs at "
                              "data.seq_len), uniform (L/(pp·vpp) each), or counts per virtual "

@@ -135,7 +135,8 @@ def _check_pipeline(cfg: Config, dims: ParallelDims, mcfg: ModelConfig | None) -
     if mcfg is not None:
         split_counts(p.pipeline_split, [0.0] * mcfg.num_hidden_layers, dims.pp * p.vpp)
     try:
-        check_schedule(p.schedule, dims.pp, pipeline_microbatches(cfg, dims.dp), p.vpp)
+        check_schedule(p.schedule, dims.pp, pipeline_microbatches(cfg, dims.dp), p.vpp,
+                       p.pipeline_inflight)
     except ConfigError:
         raise
     except ValueError as e:

@@ -153,7 +153,8 @@ class Distributed(World):
             self.pp_rank, self.comm, loss_fn, micro_context=micro_context,
             grad_sync=engine.micro_step, loss_comm=self.control,
             activation_shape=lambda ids: (ids.shape[0], ids.shape[1] // split, hidden),
-            task_loss=task_loss, metric_names=metric_names, extra_loss=extra_loss)
+            task_loss=task_loss, metric_names=metric_names, extra_loss=extra_loss,
+            inflight=p.pipeline_inflight)
 
     def _tie_pipeline_ends(self, model) -> None:
         """Tied embeddings under pipeline parallelism (Megatron's embedding group): the first

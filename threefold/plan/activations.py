@@ -9,7 +9,7 @@ from __future__ import annotations
 from threefold.accounting.layout import Layout, Workload, local_seq_len
 from threefold.accounting.shapes import tp_shard
 from threefold.config import ModelConfig
-from threefold.parallel.pipeline.schedules import schedule_spec
+from threefold.parallel.pipeline.schedules import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
 # Activations
@@ -183,7 +183,8 @@ def microbatch_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> 
     return 2 * 4 * layout.microbatch_size * local_seq_len(layout, work) * cfg.head_dim
 
 
-def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
+def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0,
+                          inflight: int = 0) -> float:
     """Microbatches whose activations ``rank`` holds at its peak, in units of the rank's whole
     share of layers (v chunks): the schedule's ``ScheduleSpec.inflight``. GPipe m; 1F1B
     min(p - rank, m) (Narayanan et al. §2.2.1); ZB-H1 min(p, m) on every rank (its weight
@@ -193,7 +194,7 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int =
     m >= p that is p·(1 + (p-1)/(p·v)) — Korthikanti's interleaving factor, whose 'm' is the
     number of interleaved stages (our v). tests/test_cost.py checks all of these against the
     schedules' action lists."""
-    return float(schedule_spec(schedule).inflight(p, m, v, rank))
+    return float(inflight_of(schedule, p, m, v, rank, inflight))
 
 
 def head_inflight_microbatches(schedule: str, p: int, m: int) -> int:

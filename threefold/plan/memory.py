@@ -181,7 +181,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     for stage in stages:
         states = _model_states(layout, work, state, stage_units(cfg, layout, stage), m)
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
-                                         stage)
+                                         stage, layout.pipeline_inflight)
         layers = rank_layers(cfg, layout, stage)
         out.append(MemoryBreakdown(
             stage=stage, activations=(per_layer * layers + extra) * inflight,
@@ -312,7 +312,8 @@ def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
                       state: StateBytes, overhead_bytes: float) -> MemoryBreakdown:
     mem = stage_memory(cfg, layout, work, stage, state, overhead_bytes)
     m = microbatches(layout, work)
-    inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage)
+    inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage,
+                                     layout.pipeline_inflight)
     extra = moe_block_extra_bytes(cfg, layout, work)
     ch: dict[str, float] = {}
     if layout.recompute == "full":  # blocks keep their input; the recomputed one all of it

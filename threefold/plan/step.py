@@ -38,7 +38,7 @@ from threefold.accounting.stages import (
 from threefold.accounting.traffic import Collective, bytes_per_axis, collectives
 from threefold.axes import AXES, COMM_AXES
 from threefold.config import ModelConfig
-from threefold.parallel.pipeline.schedules import schedule_spec
+from threefold.parallel.pipeline.schedules import bubble_of, schedule_spec
 from threefold.parallel.pipeline.simulate import Costs
 from threefold.parallel.pipeline.simulate import simulate as replay_schedule
 from threefold.plan.collectives import collective_time
@@ -61,7 +61,7 @@ SIMULATE_MAX_ACTIONS = 4096  # p·m·v above this uses the closed form (the repl
 
 def bubble_over_ideal(schedule: str, p: int, m: int, v: int = 1,
                       backward_over_forward: float = 2.0,
-                      simulate: bool = False) -> tuple[float, str]:
+                      simulate: bool = False, inflight: int = 0) -> tuple[float, str]:
     """(bubble time / ideal time, source) with equal stages.
 
     Closed forms from the schedule registry (``ScheduleSpec.bubble``: GPipe and 1F1B
@@ -72,23 +72,26 @@ def bubble_over_ideal(schedule: str, p: int, m: int, v: int = 1,
     schedule's bubble (ZB-H1) depends on how backward splits into B and W, so it is simulated
     (B = W = half of backward) when the run is small, else its closed form ((p-1)/(3m), Qi et
     al., arXiv 2401.10241, T_F = T_B = T_W). ``simulate`` forces the replay for any schedule
-    (a single layout, e.g. a dry run)."""
+    (a single layout, e.g. a dry run). Interleaved 1F1B with a bound on the activations in
+    flight (``inflight``) has no published formula: replayed when small, else
+    ``bounded.bubble_estimate``."""
     if p == 1:
         return 0.0, "none"
     spec = schedule_spec(schedule)
-    if (simulate or spec.split_backward) and p * m * v <= SIMULATE_MAX_ACTIONS:
-        sim = _simulated(schedule, p, m, v, round(backward_over_forward, 2))
+    if (simulate or spec.split_backward or inflight) and p * m * v <= SIMULATE_MAX_ACTIONS:
+        sim = _simulated(schedule, p, m, v, round(backward_over_forward, 2), inflight)
         if sim is not None:
             return sim, "simulated"
-    return spec.bubble(p, m, v), "closed-form"
+    return bubble_of(schedule, p, m, v, inflight), "closed-form"
 
 
 @lru_cache(maxsize=4096)
-def _simulated(schedule: str, p: int, m: int, v: int, ratio: float) -> float | None:
+def _simulated(schedule: str, p: int, m: int, v: int, ratio: float,
+               inflight: int = 0) -> float | None:
     # a split-backward schedule splits backward into B and W; the fused ones run B+W as one
     costs = Costs(1.0, ratio / 2, ratio / 2, 0.0)
     try:
-        return replay_schedule(schedule, p, m, v, costs).bubble_over_ideal
+        return replay_schedule(schedule, p, m, v, costs, inflight).bubble_over_ideal
     except Exception:  # a schedule the simulator refuses (or a bug there): fall back
         return None
 
@@ -223,7 +226,8 @@ def _pipeline_span(cfg: ModelConfig, layout: Layout, m: int, per_mb: dict, parts
     slow = max(per_mb, key=per_mb.get)
     mean = sum(per_mb[s] * stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
     ratio, source = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
-                                      parts[stages[len(stages) // 2]][2], simulate)
+                                      parts[stages[len(stages) // 2]][2], simulate,
+                                      layout.pipeline_inflight)
     ideal = m * per_mb[slow]
     bubble = ratio * m * mean
     if simulate and layout.pp > 1 and layout.vpp == 1:  # one layout: replay its own stages
@@ -333,5 +337,6 @@ def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cl
              + sum(stage_memory_traffic_per_microbatch(cfg, layout, work, st)) / bw
              for st in stages}
     mean = sum(times[s] * stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
-    ratio, _ = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp)
+    ratio, _ = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
+                                 inflight=layout.pipeline_inflight)
     return m * max(times.values()) + ratio * m * mean

@@ -39,11 +39,11 @@ F, B, W, BW = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWAR
                ActionKind.BACKWARD)
 
 
-def check_schedule(name: str, p: int, m: int, v: int = 1) -> SimResult:
+def check_schedule(name: str, p: int, m: int, v: int = 1, inflight: int = 0) -> SimResult:
     """Build the named schedule for every rank and prove it (see the module docstring).
     Returns the unit-cost replay; raises ValueError for impossible sizes and ScheduleError
     (or its subclass DeadlockError) for a broken schedule."""
-    return check_actions(build_schedule(name, p, m, v), m, num_stages(name, p, v),
+    return check_actions(build_schedule(name, p, m, v, inflight), m, num_stages(name, p, v),
                          vshape=schedule_spec(name).vshape)
 
 

@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     ap.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
     ap.add_argument("--schedule", required=True, choices=list(SCHEDULES), help="schedule name")
-    ap.add_argument("--vpp", type=int, default=1, help="model chunks per rank (interleaved)")
+    ap.add_argument("--vpp", type=int, default=1, help="model chunks per rank (interleaved; "
+                    "2 for zb-v and dualpipe-v)")
+    ap.add_argument("--inflight", type=int, default=0, help="interleaved-1f1b: most chunk "
+                    "activations a rank holds (0: Megatron's warm-up)")
     ap.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     ap.add_argument("--png", metavar="FILE", help="draw the timeline (needs matplotlib)")
     ap.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
@@ -64,11 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def summary(name: str, p: int, m: int, v: int, costs: Costs, result: SimResult) -> dict:
+def summary(name: str, p: int, m: int, v: int, costs: Costs, result: SimResult,
+            inflight: int = 0) -> dict:
     """The figures ``threefold schedule --json`` prints."""
-    lists = build_schedule(name, p, m, v)
+    lists = build_schedule(name, p, m, v, inflight)
     return {
-        "schedule": name, "pp": p, "microbatches": m, "vpp": v,
+        "schedule": name, "pp": p, "microbatches": m, "vpp": v, "inflight": inflight,
         "bubble_fraction": result.bubble_fraction,
         "bubble_over_ideal": result.bubble_over_ideal,
         "makespan_ms": result.makespan,
@@ -124,19 +128,22 @@ def main(argv: list[str]) -> int:
                 import matplotlib  # noqa: F401  (only to fail before any work is done)
             except ImportError:
                 raise _UsageError("--png needs matplotlib: pip install matplotlib") from None
-        check_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
+        check_schedule(args.schedule, args.pp, args.microbatches, args.vpp, args.inflight)
         if args.costs_from:
             costs = _costs_from_trace(args.costs_from, num_stages(args.schedule, args.pp,
                                                                   args.vpp))
-        result = simulate(args.schedule, args.pp, args.microbatches, args.vpp, costs)
+        result = simulate(args.schedule, args.pp, args.microbatches, args.vpp, costs,
+                          args.inflight)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except (_UsageError, ValueError) as e:
         print(f"threefold schedule: error: {e}", file=sys.stderr)
         return 2
-    info = summary(args.schedule, args.pp, args.microbatches, args.vpp, costs, result)
+    info = summary(args.schedule, args.pp, args.microbatches, args.vpp, costs, result,
+                   args.inflight)
     records = result.records(unit_s=1e-3)  # costs are in ms
-    title = f"{args.schedule}  pp={args.pp} microbatches={args.microbatches} vpp={args.vpp}"
+    title = f"{args.schedule}  pp={args.pp} microbatches={args.microbatches} vpp={args.vpp}" \
+        + (f" inflight={args.inflight}" if args.inflight else "")
     try:
         if args.trace:
             write_chrome_trace(records, args.trace)

@@ -57,19 +57,22 @@ F, B, W, BW = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWAR
 
 
 @functools.lru_cache(maxsize=32)
-def checked_schedule(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+def checked_schedule(name: str, p: int, m: int, v: int, inflight: int = 0
+                     ) -> tuple[tuple[Action, ...], ...]:
     """Every rank's action list, proven complete and deadlock-free first (check.py)."""
-    check_schedule(name, p, m, v)
-    return tuple(tuple(acts) for acts in build_schedule(name, p, m, v))
+    check_schedule(name, p, m, v, inflight)
+    return tuple(tuple(acts) for acts in build_schedule(name, p, m, v, inflight))
 
 
 @functools.lru_cache(maxsize=32)
-def forward_only_schedule(name: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+def forward_only_schedule(name: str, p: int, m: int, v: int, inflight: int = 0
+                          ) -> tuple[tuple[Action, ...], ...]:
     """The schedule's lists without backward computes and gradient messages (evaluation):
     forwards keep their order and partners. Removing work can merge two message batches into
     one, so the result is replayed once more to prove it free of deadlock."""
     keep = (F, ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD)
-    lists = [[a for a in acts if a.kind in keep] for acts in checked_schedule(name, p, m, v)]
+    lists = [[a for a in acts if a.kind in keep]
+             for acts in checked_schedule(name, p, m, v, inflight)]
     replay(lists, num_stages(name, p, v))  # DeadlockError if it could hang
     return tuple(tuple(acts) for acts in lists)
 
@@ -147,9 +150,10 @@ class PipelineExecutor:
                  loss_comm=None, activation_shape: Callable | None = None,
                  activation_dtype: torch.dtype | None = None, trace_rank: int | None = None,
                  task_loss: Callable | None = None, metric_names: Sequence[str] = (),
-                 extra_loss: Callable | None = None):
+                 extra_loss: Callable | None = None, inflight: int = 0):
         self.extra_loss = extra_loss
-        self.actions = checked_schedule(schedule, p, m, v)[pp_rank]
+        self.inflight = inflight
+        self.actions = checked_schedule(schedule, p, m, v, inflight)[pp_rank]
         self.n = num_stages(schedule, p, v)
         if len(chunks) != self.n // p:
             raise ValueError(f"pipeline: schedule {schedule} with pp={p}, vpp={v} runs "
@@ -203,7 +207,8 @@ class PipelineExecutor:
         """Forward only (no graph kept): the summed loss over microbatches of
         loss / n_tokens, the same on every rank of the pipeline (n_tokens 1: the token sum).
         ``task_loss`` replaces the executor's for this call (e.g. to score sequences)."""
-        actions = forward_only_schedule(self.schedule, self.p, self.m, self.v)[self.pp_rank]
+        actions = forward_only_schedule(self.schedule, self.p, self.m, self.v,
+                                        self.inflight)[self.pp_rank]
         return self._run(actions, microbatches, n_tokens, forward_only=True,
                          task_loss=task_loss or self.task_loss)
 

@@ -28,20 +28,24 @@ from threefold.parallel.pipeline.actions import (COMPUTE_KINDS, RECEIVES, SENDS,
                                                  ActionKind, carries, completes, message_key,
                                                  needs, rank_stage, stage_rank)
 from threefold.parallel.pipeline.messages import Steps, all_ranks, place_by_gap, place_by_step
+from threefold.parallel.pipeline.bounded import bounded_steps, bubble_estimate, validate_inflight
 from threefold.parallel.pipeline.vshape import dualpipe_v_steps, zb_v_steps
 
 __all__ = [
     "COMPUTE_KINDS", "RECEIVES", "SCHEDULES", "SCHEDULE_SPECS", "SENDS", "Action", "ActionKind",
     "Schedule", "ScheduleSpec", "build_schedule", "carries", "completes", "get_schedule",
-    "gpipe", "in_flight_chunks", "interleaved_1f1b", "message_key", "needs", "num_stages",
+    "bubble_of", "gpipe", "in_flight_chunks", "inflight_of", "interleaved_1f1b", "message_key", "needs", "num_stages",
     "one_f_one_b", "peak_in_flight", "rank_stage", "schedule_spec", "stage_rank", "validate",
     "zb_h1", "zb_v",
 ]
 
 
 def _validate(name: str, p: int, m: int, v: int, rank: int, interleaved: bool = False,
-              vshape: bool = False) -> None:
+              vshape: bool = False, inflight: int = 0) -> None:
     """Refuse sizes a schedule cannot run, naming the fix."""
+    if inflight and not interleaved:
+        raise ValueError(f"{name} has no bound on the activations in flight: pipeline_inflight "
+                         f"applies to interleaved-1f1b; set it to 0")
     for label, value in (("pp", p), ("microbatches", m), ("vpp", v)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {label} must be an integer >= 1, got {value!r}")
@@ -60,6 +64,8 @@ def _validate(name: str, p: int, m: int, v: int, rank: int, interleaved: bool = 
         fix = f"{lo} or {hi}" if lo else f"{hi}"
         raise ValueError(f"{name} needs microbatches to be a multiple of pp (got microbatches="
                          f"{m}, pp={p}): use microbatches={fix}, or schedule 1f1b")
+    if interleaved:
+        validate_inflight(name, p, v, inflight)
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,64 +136,68 @@ def _zb_h1_steps(p: int, m: int, v: int, rank: int) -> Steps:
     return [[a] for a in order]
 
 
-def gpipe(p: int, m: int, v: int, rank: int) -> list[Action]:
+def gpipe(p: int, m: int, v: int, rank: int, inflight: int = 0) -> list[Action]:
     """GPipe (Huang et al., arXiv 1811.06965): all m forwards, then all m backwards.
     Holds all m microbatches' activations at once."""
-    _validate("gpipe", p, m, v, rank)
+    _validate("gpipe", p, m, v, rank, inflight=inflight)
     return list(all_ranks(_gpipe_steps, place_by_step, p, m, v, p)[rank])
 
 
-def one_f_one_b(p: int, m: int, v: int, rank: int) -> list[Action]:
+def one_f_one_b(p: int, m: int, v: int, rank: int, inflight: int = 0) -> list[Action]:
     """1F1B (PipeDream-Flush; Narayanan et al., arXiv 2104.04473 §2.2.1): rank r runs
     p - r - 1 warm-up forwards, then alternates one forward and one backward, then drains
     the remaining backwards. At most p microbatches in flight (on rank 0). Any m >= 1 works:
     with m < p the warm-up is cut to m (torchtitan #775's hang when microbatches < stages
     cannot happen here: check.py replays every rank's list together before launch)."""
-    _validate("1f1b", p, m, v, rank)
+    _validate("1f1b", p, m, v, rank, inflight=inflight)
     return list(all_ranks(_one_f_one_b_steps, place_by_step, p, m, v, p)[rank])
 
 
-def interleaved_1f1b(p: int, m: int, v: int, rank: int) -> list[Action]:
+def interleaved_1f1b(p: int, m: int, v: int, rank: int, inflight: int = 0) -> list[Action]:
     """Interleaved 1F1B (Narayanan et al., arXiv 2104.04473 §2.2.2): each rank holds v model
     chunks; microbatches go through the chunks in groups of p, which shrinks the bubble to
     (p-1)/(v·m) of the ideal time at v times the point-to-point traffic. Needs m % p == 0.
     Warm-up length, (chunk, microbatch) order and message batches follow Megatron-LM's
-    published schedule: 2·(p - r - 1) + (v - 1)·p warm-up forwards on rank r."""
-    _validate("interleaved-1f1b", p, m, v, rank, interleaved=True)
+    published schedule: 2·(p - r - 1) + (v - 1)·p warm-up forwards on rank r. With
+    ``inflight`` > 0 at most that many chunk activations are held on any rank, B and W split
+    (``bounded.py``: Llama 3's memory against bubble trade)."""
+    _validate("interleaved-1f1b", p, m, v, rank, interleaved=True, inflight=inflight)
+    if inflight:
+        return list(all_ranks(bounded_steps(inflight), place_by_gap, p, m, v, p * v)[rank])
     return list(all_ranks(_interleaved_steps, place_by_step, p, m, v, p * v)[rank])
 
 
-def zb_h1(p: int, m: int, v: int, rank: int) -> list[Action]:
+def zb_h1(p: int, m: int, v: int, rank: int, inflight: int = 0) -> list[Action]:
     """ZB-H1 (Qi et al., arXiv 2401.10241, §3): backward split into B (input grad, on the
     critical path between stages) and W (weight grad, free to move). Rank r keeps 1F1B's
     warm-up and F, B order but runs each W up to r steps late, so later ranks send gradients
     upstream sooner and their deferred Ws fill the tail. A microbatch's activations are held
     from F until its W: at most p on every rank, 1F1B's peak. With T_F = T_B = T_W the
     bubble is (p-1)/(3m) of the ideal time, a third of 1F1B's."""
-    _validate("zb-h1", p, m, v, rank)
+    _validate("zb-h1", p, m, v, rank, inflight=inflight)
     return list(all_ranks(_zb_h1_steps, place_by_gap, p, m, v, p)[rank])
 
 
-def zb_v(p: int, m: int, v: int, rank: int) -> list[Action]:
+def zb_v(p: int, m: int, v: int, rank: int, inflight: int = 0) -> list[Action]:
     """ZB-V (Qi et al., arXiv 2405.15362): two chunks per rank in a V, backward split into B
     and W; 1F1B's activation memory (2p chunk activations, p microbatches of the rank's
     layers) on every rank, and no bubble at T_F = T_B = T_W once m >= 2p - 1
     (``vshape.zb_v_steps``)."""
-    _validate("zb-v", p, m, v, rank, vshape=True)
+    _validate("zb-v", p, m, v, rank, vshape=True, inflight=inflight)
     return list(all_ranks(zb_v_steps, place_by_gap, p, m, v, 2 * p, True)[rank])
 
 
-def dualpipe_v(p: int, m: int, v: int, rank: int) -> list[Action]:
+def dualpipe_v(p: int, m: int, v: int, rank: int, inflight: int = 0) -> list[Action]:
     """DualPipeV (DeepSeek-V3 §3.2.1; the V form of DeepSeek's DualPipe repository): two
     chunks per rank in a V, one microbatch's forward paired with another's backward
     (``vshape.dualpipe_v_steps``). On a CPU the pair runs one after the other: the overlap of
     compute and communication that is its point on a GPU is modelled by the planner from the
     published figure, not measured here."""
-    _validate("dualpipe-v", p, m, v, rank, vshape=True)
+    _validate("dualpipe-v", p, m, v, rank, vshape=True, inflight=inflight)
     return list(all_ranks(dualpipe_v_steps, place_by_gap, p, m, v, 2 * p, True)[rank])
 
 
-Schedule = Callable[[int, int, int, int], list[Action]]
+Schedule = Callable[..., list[Action]]  # (p, m, v, rank, inflight=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,16 +284,34 @@ def num_stages(name: str, p: int, v: int = 1) -> int:
     return p * v if spec is not None and spec.chunked else p
 
 
-def validate(name: str, p: int, m: int, v: int = 1) -> None:
+def validate(name: str, p: int, m: int, v: int = 1, inflight: int = 0) -> None:
     """Refuse a schedule name or sizes that cannot run, with a ValueError naming the fix."""
     spec = schedule_spec(name)
-    _validate(name, p, m, v, 0, interleaved=spec.chunked, vshape=spec.vshape)
+    _validate(name, p, m, v, 0, interleaved=spec.chunked, vshape=spec.vshape, inflight=inflight)
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Every rank's action list, indexed by rank."""
-    validate(name, p, m, v)
-    return [get_schedule(name)(p, m, v, r) for r in range(p)]
+def build_schedule(name: str, p: int, m: int, v: int = 1, inflight: int = 0
+                   ) -> list[list[Action]]:
+    """Every rank's action list, indexed by rank (``inflight``: interleaved 1F1B's bound on
+    the chunk activations a rank holds, 0 for Megatron's warm-up)."""
+    validate(name, p, m, v, inflight)
+    return [get_schedule(name)(p, m, v, r, inflight=inflight) for r in range(p)]
+
+
+def bubble_of(name: str, p: int, m: int, v: int = 1, inflight: int = 0) -> float:
+    """The registered closed form of the bubble over the ideal time; with an in-flight bound,
+    ``bounded.bubble_estimate`` (no published formula: the planner replays where it can)."""
+    if inflight:
+        return bubble_estimate(p, m, v, inflight)
+    return schedule_spec(name).bubble(p, m, v)
+
+
+def inflight_of(name: str, p: int, m: int, v: int = 1, rank: int = 0,
+                inflight: int = 0) -> float:
+    """Microbatches of activations ``rank`` holds at its peak, in units of its whole share of
+    layers (``ScheduleSpec.inflight``); with an in-flight bound, at most that bound."""
+    natural = schedule_spec(name).inflight(p, m, v, rank)
+    return min(natural, inflight / v) if inflight else natural
 
 
 def in_flight_chunks(actions: list[Action], weights: list | None = None):
@@ -302,9 +330,10 @@ def in_flight_chunks(actions: list[Action], weights: list | None = None):
     return peak
 
 
-def peak_in_flight(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
+def peak_in_flight(name: str, p: int, m: int, v: int = 1, rank: int = 0,
+                   inflight: int = 0) -> float:
     """Peak microbatches of activations held at once on ``rank``, in units of one
     microbatch through all of this rank's layers (a chunk holds 1/v of them): GPipe m,
     1F1B p - rank (capped at m), interleaved p + (p-1)/v on rank 0 (Korthikanti et al.,
     arXiv 2205.05198 §4.2.3: a factor 1 + (p-1)/(p·v) over 1F1B), ZB-H1 min(p, m)."""
-    return in_flight_chunks(get_schedule(name)(p, m, v, rank)) / v
+    return in_flight_chunks(get_schedule(name)(p, m, v, rank, inflight=inflight)) / v

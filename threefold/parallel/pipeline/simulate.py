@@ -285,9 +285,10 @@ def _blocked_state(lists, pc, posted, partner, done) -> list[str]:
     return lines
 
 
-def simulate(name: str, p: int, m: int, v: int = 1, costs: Costs = Costs()) -> SimResult:
+def simulate(name: str, p: int, m: int, v: int = 1, costs: Costs = Costs(),
+             inflight: int = 0) -> SimResult:
     """Build the named schedule for every rank and replay it with ``costs``."""
-    return replay(build_schedule(name, p, m, v), num_stages(name, p, v), costs)
+    return replay(build_schedule(name, p, m, v, inflight), num_stages(name, p, v), costs)
 
 
 def pipeline_records(records, ranks=None) -> list:
