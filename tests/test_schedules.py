@@ -504,3 +504,14 @@ def test_bounded_interleaved_refuses_what_cannot_run():
         build_schedule("1f1b", 4, 8, 1, inflight=6)
     with pytest.raises(ValueError, match="integer >= 0"):
         build_schedule("interleaved-1f1b", 4, 8, 2, inflight=-1)
+
+
+def test_zb_h1_closed_form_is_exact_from_m_equal_p():
+    """The planner's search takes split schedules' closed forms where they are exact (equal
+    F, B and W): ZB-H1's (p-1)/(3m) from m = p on (the V schedules' from m = 2p: above)."""
+    from threefold.parallel.pipeline.schedules import schedule_spec
+
+    for p in range(2, 9):
+        for m in range(p, 4 * p + 1):
+            replay = simulate("zb-h1", p, m, 1, EQUAL).bubble_over_ideal
+            assert replay == pytest.approx(schedule_spec("zb-h1").bubble(p, m, 1)), (p, m)

@@ -202,7 +202,7 @@ def _pp_collectives(add, cfg: ModelConfig, layout: Layout, stage: int, x: int, r
     gradient norm over the stages."""
     p = layout.pp
     sends = _p2p_sends_per_microbatch(p, layout.vpp, stage, layout.vshape)
-    add("pp", "p2p", x // layout.tp if layout.sp else x, r, sends, p, True, "none")
+    add("pp", "p2p", x // layout.tp if layout.sp else x, r, sends, p, True, _paired(layout))
     if cfg.tie_word_embeddings and stage in (0, p - 1) and not layout.vshape:
         # the embedding and the last stage's copy of it: their gradients (this rank's ZeRO
         # shard of them) summed between the two ends (runtime axis "pp_ends")
@@ -217,10 +217,18 @@ def _ep_collectives(add, layout: Layout, work: Workload, experts: int, rows: int
                     layers: int) -> None:
     """ep, per MoE layer and microbatch: the count exchange, then dispatch and combine of the
     ``rows`` (token, expert) elements, forward (again under full recompute) and backward."""
-    ep, forwards = layout.ep, 2 if layout.recompute == "full" else 1
-    add("ep", "all_to_all", experts, 8, layers * forwards, ep, True, "none")  # counts
-    add("ep", "all_to_all", rows, work.resid_bytes, layers * (forwards + 1), ep, True, "none")
-    add("ep", "all_to_all", rows, work.act_bytes, layers * (forwards + 1), ep, True, "none")
+    ep, forwards, tag = layout.ep, 2 if layout.recompute == "full" else 1, _paired(layout)
+    add("ep", "all_to_all", experts, 8, layers * forwards, ep, True, tag)  # counts
+    add("ep", "all_to_all", rows, work.resid_bytes, layers * (forwards + 1), ep, True, tag)
+    add("ep", "all_to_all", rows, work.act_bytes, layers * (forwards + 1), ep, True, tag)
+
+
+def _paired(layout: Layout) -> str:
+    """The overlap tag of pipeline sends and expert all-to-alls: "paired" under DualPipeV,
+    whose forward of one microbatch runs beside another's backward so that each hides the
+    other's communication (DeepSeek-V3, arXiv 2412.19437 §3.2.1: "both all-to-all and PP
+    communication can be fully hidden"), else "none" (on the critical path)."""
+    return "paired" if layout.pp > 1 and layout.pipeline_schedule == "dualpipe-v" else "none"
 
 
 def _data_parallel(add, cfg: ModelConfig, layout: Layout, stage: int,

@@ -39,6 +39,12 @@ class SearchSpace:
     # parameters, the embedding and head included (so the first and last stages take fewer
     # blocks), "flops:SEQ" the training FLOPs at SEQ, "uniform" Megatron's even split
     pipeline_split: tuple[str, ...] = ("params",)
+    # pipeline schedules to search (pp > 1); None: each that runs the layout's vpp — 1f1b and
+    # zb-h1 at vpp 1, interleaved-1f1b above, zb-v and dualpipe-v at vpp 2
+    schedules: tuple[str, ...] | None = None
+    # interleaved 1F1B's bound on chunk activations in flight (parallel.pipeline_inflight);
+    # None: Megatron's warm-up (0), and where that does not fit the largest bound that does
+    pipeline_inflight: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ def _cause(best: Candidate, other: Candidate, term: str) -> str:
             return f"recompute {o.recompute} vs {b.recompute}"
         return "more FLOPs on the slowest stage (padding, replicated kv, head imbalance)"
     if term == "bubble":
-        return f"pp={o.pp}, vpp={o.vpp}, {other.step.bubble_fraction:.0%} bubble"
+        return f"pp={o.pp}, vpp={o.vpp} {schedule_name(o)}, {other.step.bubble_fraction:.0%} bubble"
     if term == "tp comm":
         crosses = "tp" in other.step.inter_node_axes
         return f"tp={o.tp}" + (" across nodes" if crosses else "")
@@ -112,6 +112,8 @@ def to_json_rows(cands: list[Candidate]) -> list[dict]:
                      "dp_shard": lay.dp_shard, "ep": lay.ep, "cp": lay.cp,
                      "cp_algorithm": lay.cp_algorithm,
                      "zero_stage": lay.zero_stage, "vpp": lay.vpp,
+                     "schedule": lay.pipeline_schedule if lay.pp > 1 else "",
+                     "pipeline_inflight": lay.pipeline_inflight,
                      "pipeline_split": lay.pipeline_split,
                      "stage_layers": list(c.stage_layers),
                      "microbatch_size": lay.microbatch_size, "recompute": lay.recompute,
@@ -123,6 +125,13 @@ def to_json_rows(cands: list[Candidate]) -> list[dict]:
                      "tflops_per_gpu": s.tflops_per_gpu, "mfu": s.mfu,
                      "bubble_fraction": s.bubble_fraction, "warnings": list(c.warnings)})
     return rows
+
+
+def schedule_name(lay) -> str:
+    """The pipeline schedule of ``lay``, with its in-flight bound when it has one."""
+    bound = f" (at most {lay.pipeline_inflight} chunk activations in flight)" \
+        if lay.pipeline_inflight else ""
+    return lay.pipeline_schedule + bound
 
 
 def _gb(x: float) -> str:
@@ -163,6 +172,8 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
             f"{s.bubble_fraction:>6.1%}  {comm}")
         if s.axis_levels:
             lines.append(f"{'':>6}on: " + ", ".join(f"{a} {lvl}" for a, lvl in s.axis_levels))
+        if lay.pp > 1:
+            lines.append(f"{'':>6}schedule {schedule_name(lay)}")
         for w in c.warnings:
             lines.append(f"{'':>6}! {w}")
         if explain_all:

@@ -23,7 +23,7 @@ from threefold.plan.report import explain
 from threefold.plan.step import StepPrediction, compute_bound_step_time, predict_step
 
 JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "ep", "cp", "cp_algorithm", "zero_stage",
-             "vpp", "pipeline_split", "stage_layers", "microbatch_size", "recompute",
+             "vpp", "schedule", "pipeline_inflight", "pipeline_split", "stage_layers", "microbatch_size", "recompute",
              "offload_optimizer", "memory_bytes_per_gpu",
              "host_memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
              "tflops_per_gpu", "mfu", "bubble_fraction", "warnings")
@@ -45,8 +45,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
     ``check_layout``; the reasons others fail are counted into ``invalid``."""
     invalid = {} if invalid is None else invalid
 
-    def reject(reason: str, n: int = 1) -> None:
-        """Count ``n`` layouts skipped for ``reason``."""
+    def reject(reason: str, n: int = 1) -> None:  # count n layouts skipped for reason
         invalid[reason] = invalid.get(reason, 0) + n
 
     recompute, dropped = _recompute_options(space, work)
@@ -70,9 +69,8 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                     reject(f"pp={pp} is more than the {cfg.num_hidden_layers} layers")
                     continue
                 dp = world // (tp * cp * pp)
-                per_replica, rem = divmod(work.global_batch, dp)
-                if rem or not per_replica:
-                    reject(f"dp={dp} does not divide the global batch of {work.global_batch}")
+                per_replica = _per_replica(work.global_batch, dp, reject)
+                if not per_replica:
                     continue
                 vpps = _vpp_degrees(cfg.num_hidden_layers, pp, space, reject)
                 splits = list(_dp_splits(dp, space, cp))
@@ -85,12 +83,15 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                 for alg, vpp, (zero, dp_r), mbs, rc, off, psplit in itertools.product(
                         algorithms, vpps, splits, sizes, recompute, space.offload_optimizer,
                         pipe_splits):
-                    for ep in _ep_degrees(experts, dp // dp_r, space, reject):
+                    for (sched, bound), ep in itertools.product(
+                            _schedules(pp, vpp, space),
+                            _ep_degrees(experts, dp // dp_r, space, reject)):
                         lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
                                      zero_stage=zero, vpp=vpp, microbatch_size=mbs,
                                      recompute=rc, cp=cp, cp_algorithm=alg,
                                      offload_optimizer=off, ep=ep, pipeline_split=psplit,
-                                     sequence_parallel=not experts)
+                                     sequence_parallel=not experts, schedule=sched,
+                                     pipeline_inflight=bound)
                         try:
                             check_layout(cfg, lay, work)
                         except LayoutError as e:
@@ -117,6 +118,56 @@ def _vpp_degrees(layers: int, pp: int, space: SearchSpace, reject) -> list[int]:
             reject(f"pp·vpp={pp * v} is more than the {layers} layers (each chunk needs one)")
         else:
             out.append(v)
+    return out
+
+
+def _fitting_bound(cfg: ModelConfig, lay: Layout, work: Workload, limit: float,
+                   mem: MemoryBreakdown) -> tuple[Layout, MemoryBreakdown]:
+    """For interleaved 1F1B that does not fit with Megatron's warm-up, the same layout with
+    the largest bound on chunk activations in flight that fits (memory against bubble:
+    ``parallel.pipeline_inflight``), if one does; else ``lay`` and ``mem`` unchanged."""
+    if lay.pp == 1 or lay.vpp == 1 or lay.pipeline_schedule != "interleaved-1f1b" \
+            or lay.pipeline_inflight:
+        return lay, mem
+    lo, hi = (lay.vpp - 1) * lay.pp + 1, 2 * (lay.pp - 1) + (lay.vpp - 1) * lay.pp
+    best = None
+    while lo <= hi:  # memory grows with the bound: the largest that fits
+        mid = (lo + hi) // 2
+        cand = dataclasses.replace(lay, pipeline_inflight=mid)
+        m = memory_per_rank(cfg, cand, work)
+        if m.total <= limit:
+            best, lo = (cand, m), mid + 1
+        else:
+            hi = mid - 1
+    return best or (lay, mem)
+
+
+def _per_replica(batch: int, dp: int, reject) -> int:
+    """Sequences per data-parallel replica, 0 (counted as skipped) when dp does not divide."""
+    per_replica, rem = divmod(batch, dp)
+    if rem or not per_replica:
+        reject(f"dp={dp} does not divide the global batch of {batch}")
+        return 0
+    return per_replica
+
+
+def _schedules(pp: int, vpp: int, space: SearchSpace) -> list[tuple[str, int]]:
+    """(schedule, in-flight bound) pairs to try for a pipeline of ``pp`` ranks with ``vpp``
+    chunks each ("" = the default: 1f1b, or interleaved-1f1b with Megatron's warm-up)."""
+    if pp == 1:
+        return [("", 0)]
+    runs = {1: ("1f1b", "zb-h1"), 2: ("interleaved-1f1b", "zb-v", "dualpipe-v")}.get(
+        vpp, ("interleaved-1f1b",))
+    names = [s for s in runs if space.schedules is None or s in space.schedules]
+    out = []
+    for name in names:
+        default = name in ("1f1b", "interleaved-1f1b")
+        if name != "interleaved-1f1b":
+            out.append(("" if default else name, 0))
+            continue
+        low = (vpp - 1) * pp + 1
+        out += [("", b) for b in dict.fromkeys(space.pipeline_inflight or (0,))
+                if b == 0 or b >= low]
     return out
 
 
@@ -274,6 +325,8 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
     fitting = []
     for lay in enumerate_layouts(cfg, cluster.num_gpus, work, space, result.invalid):
         mem = memory_per_rank(cfg, lay, work)
+        if mem.total > limit and space.pipeline_inflight is None:
+            lay, mem = _fitting_bound(cfg, lay, work, limit, mem)
         if mem.total > limit:
             why = (f"needs {mem.total / 1e9:.1f} GB > {limit / 1e9:.0f} GB on stage {mem.stage}"
                    f" (states {mem.model_states / 1e9:.1f}, activations "

@@ -73,11 +73,18 @@ def bubble_over_ideal(schedule: str, p: int, m: int, v: int = 1,
     (B = W = half of backward) when the run is small, else its closed form ((p-1)/(3m), Qi et
     al., arXiv 2401.10241, T_F = T_B = T_W). ``simulate`` forces the replay for any schedule
     (a single layout, e.g. a dry run). Interleaved 1F1B with a bound on the activations in
-    flight (``inflight``) has no published formula: replayed when small, else
-    ``bounded.bubble_estimate``."""
+    flight (``inflight``) has no published formula: replayed for one layout (``simulate``),
+    ``bounded.bubble_estimate`` in a search (which meets a new bound in nearly every layout;
+    exact at a bound of v·p and above, within a third of the replay below)."""
     if p == 1:
         return 0.0, "none"
     spec = schedule_spec(schedule)
+    exact_from = 2 * p if spec.vshape else p  # split schedules' closed forms hold from here
+    if spec.split_backward and m >= exact_from and round(backward_over_forward, 2) == 2.0 \
+            and not simulate:  # at T_B = T_W = T_F (tests/test_schedules.py checks the grid)
+        return spec.bubble(p, m, v), "closed-form"
+    if inflight and not simulate:  # a search meets a new bound in nearly every layout
+        return bubble_of(schedule, p, m, v, inflight), "estimate"
     if (simulate or spec.split_backward or inflight) and p * m * v <= SIMULATE_MAX_ACTIONS:
         sim = _simulated(schedule, p, m, v, round(backward_over_forward, 2), inflight)
         if sim is not None:
@@ -140,6 +147,7 @@ OVERLAP_RULES = {
     "step": "nothing: after the last backward",
     "attention-forward": "one block's attention per hop",
     "attention-backward": "one block's attention per hop (dK/dV hops wait)",
+    "paired": "the paired microbatch's forward and backward (DualPipeV), but for one message",
 }
 
 
@@ -312,7 +320,7 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
             tails[key] = max(tails.get(key, 0.0),
                              call_time(c, where, min(c.size, bucket_bytes)))
     for (kind, overlap), total in groups.items():
-        window = t_f if overlap == "forward" else t_b
+        window = {"forward": t_f, "paired": t_f + t_b}.get(overlap, t_b)
         left = max(tails[(kind, overlap)], total - window)
         if overlap == "last":
             step_dp += left
