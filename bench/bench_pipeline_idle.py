@@ -7,7 +7,8 @@
 Started without torchrun's environment, the script re-launches itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node P`` (gloo, one OpenMP thread
 per rank). Every rank is one pipeline stage of a Llama model cut by ``split_model``; each
-schedule (GPipe, 1F1B, interleaved 1F1B with v = 2, ZB-H1) trains ``--steps`` steps of
+schedule (GPipe, 1F1B, interleaved 1F1B with v = 2 and Megatron's warm-up or bounded to the
+fewest chunk activations in flight that run, ZB-H1, ZB-V, DualPipeV) trains ``--steps`` steps of
 ``--microbatches`` microbatches through ``PipelineExecutor`` after one warm-up step.
 
 Per step, every rank's trace records (``executor.records``: each compute action, each
@@ -45,7 +46,9 @@ from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
 from threefold.parallel.pipeline.executor import PipelineExecutor, idle_fraction  # noqa: E402
 from threefold.parallel.pipeline.simulate import measured_costs, simulate  # noqa: E402
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b@min", 2),
+             ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2))
+# name@N: at most N chunk activations in flight; @min: the least that runs, (v-1)·p + 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,10 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run_schedule(args, name: str, v: int, comm) -> dict:
-    """Train ``args.steps`` (+1 warm-up) steps under one schedule on this rank; returns, on
-    rank 0, the figures of the table (None elsewhere)."""
+def run_schedule(args, entry: str, v: int, comm) -> dict:
+    """Train ``args.steps`` (+1 warm-up) steps under one schedule ("name" or "name@bound")
+    on this rank; returns, on rank 0, the figures of the table (None elsewhere)."""
+    from threefold.parallel.pipeline.schedules import schedule_spec
+
     p, m, rank = args.pp, args.microbatches, dist.get_rank()
+    name, _, bound = entry.partition("@")
+    bound = (v - 1) * p + 1 if bound == "min" else int(bound or 0)
     cfg = ModelConfig(hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 8 * 8,
                       num_hidden_layers=args.layers, num_attention_heads=4,
                       num_key_value_heads=2).resolved(args.vocab)
@@ -77,9 +84,9 @@ def run_schedule(args, name: str, v: int, comm) -> dict:
 
     model = LlamaForCausalLM(cfg)
     model.init_weights(0)
-    chunks = split_model(model, p, v, rank)
+    chunks = split_model(model, p, v, rank, vshape=schedule_spec(name).vshape)
     del model
-    ex = PipelineExecutor(chunks, name, p, m, v, rank, comm, causal_lm_loss)
+    ex = PipelineExecutor(chunks, name, p, m, v, rank, comm, causal_lm_loss, inflight=bound)
     g = torch.Generator().manual_seed(0)
     b, s = args.micro_batch_size, args.seq_len
     micro = [(torch.randint(0, args.vocab, (b, s), generator=g),
@@ -100,8 +107,8 @@ def run_schedule(args, name: str, v: int, comm) -> dict:
         return None
     measured = [idle_fraction(recs) for recs in steps]
     costs = measured_costs(steps)
-    sim = simulate(name, p, m, v, costs)
-    unit = simulate(name, p, m, v).bubble_fraction
+    sim = simulate(name, p, m, v, costs, bound)
+    unit = simulate(name, p, m, v, inflight=bound).bubble_fraction
     spans = [max(r.end_s for r in recs if r.category == "compute")
              - min(r.start_s for r in recs if r.category == "compute") for recs in steps]
     med = statistics.median(measured)
@@ -111,7 +118,7 @@ def run_schedule(args, name: str, v: int, comm) -> dict:
             mine = sorted((x for x in recs if x.rank == r), key=lambda x: x.start_s)
             gaps.append(sum(max(0.0, b.start_s - a.end_s) for a, b in zip(mine, mine[1:])))
             comm_t.append(sum(x.end_s - x.start_s for x in mine if x.category == "comm"))
-    return {"schedule": name + (f" v={v}" if v > 1 else ""), "measured": med,
+    return {"schedule": entry + (f" v={v}" if v > 1 else ""), "measured": med,
             "measured_min": min(measured), "measured_max": max(measured),
             "simulated": sim.bubble_fraction, "unit_cost": unit,
             "rel_error": abs(med - sim.bubble_fraction) / sim.bubble_fraction

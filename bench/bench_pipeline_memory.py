@@ -94,7 +94,21 @@ from threefold.parallel.pipeline.schedules import in_flight_chunks, peak_in_flig
 from threefold.plan import activations, memory  # noqa: E402
 
 MIB = 2**20
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-1f1b@min", "zb-h1", "zb-v",
+             "dualpipe-v")
+# name@N: interleaved 1F1B with at most N chunk activations in flight; @min: the least that
+# runs, (v-1)·p + 1
+
+
+def parse_schedule(entry: str, vpp: int, p: int) -> tuple[str, int, int, bool]:
+    """(name, v, in-flight bound, V-shaped) of a ``--schedules`` entry ("name", "name@N" or
+    "name@min")."""
+    from threefold.parallel.pipeline.schedules import schedule_spec
+
+    name, _, bound = entry.partition("@")
+    spec = schedule_spec(name)
+    v = 2 if spec.vshape else vpp if spec.chunked else 1
+    return name, v, (v - 1) * p + 1 if bound == "min" else int(bound or 0), spec.vshape
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pp", default="4", help="comma-separated stage counts (one launch each)")
     ap.add_argument("--microbatches", type=int, default=8, help="m per step")
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
-    ap.add_argument("--vpp", type=int, default=2, help="v for interleaved-1f1b")
+    ap.add_argument("--vpp", type=int, default=2, help="v for interleaved-1f1b (the V-shaped "
+                    "schedules run 2)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=688)
     ap.add_argument("--layers", type=int, default=8)
@@ -178,11 +193,12 @@ class SavedActivations:
 # --------------------------------------------------------------------------------------------
 # Predictions
 # --------------------------------------------------------------------------------------------
-def planner_shape(args, p: int, v: int = 1, name: str = "1f1b"):
+def planner_shape(args, p: int, v: int = 1, name: str = "1f1b", bound: int = 0):
     """(Layout, Workload) of this bench's run as the planner sees it: fp32 throughout."""
     from threefold.accounting import Layout, Workload
 
-    return (Layout(pp=p, vpp=v, microbatch_size=args.micro_batch, schedule=name),
+    return (Layout(pp=p, vpp=v, microbatch_size=args.micro_batch, schedule=name,
+                   pipeline_inflight=bound),
             Workload(seq_len=args.seq_len, global_batch=args.microbatches * args.micro_batch,
                      precision="fp32", residual_bytes=4, master_bytes=4))
 
@@ -205,13 +221,14 @@ def stage_extra_bytes(cfg: ModelConfig, args, first: bool, last: bool) -> float:
             + (activations.head_saved_bytes(cfg, layout, work) if last else 0))
 
 
-def planner_last_stage(cfg: ModelConfig, args, name: str, p: int, v: int) -> tuple[float, float]:
+def planner_last_stage(cfg: ModelConfig, args, name: str, p: int, v: int,
+                       bound: int = 0) -> tuple[float, float]:
     """The planner's own figures for the last stage (``memory.stage_memory``, fp32): its
     activations (in-flight × per-microbatch bytes) and its logits term (``logits_bytes``,
     the working set of the microbatch in backward, plus ``head_saved_bytes`` for each other
     microbatch in flight)."""
-    layout, work = planner_shape(args, p, v, name)
-    mb = memory.stage_memory(cfg, layout, work, p - 1)
+    layout, work = planner_shape(args, p, v, name, bound)
+    mb = memory.stage_memory(cfg, layout, work, layout.last_stage)
     return mb.activations, mb.logits
 
 
@@ -239,12 +256,12 @@ def one_microbatch_bytes(chunk, tracker: SavedActivations, loss_fn, mb, cfg) -> 
 
 
 def run_schedule(name, chunks, p, m, v, rank, comm, loss_fn, tracker, micro, n_tokens,
-                 args) -> dict:
+                 args, bound: int = 0) -> dict:
     """Warm-up steps, then one measured step of ``name``: peak saved bytes and RSS growth."""
     from threefold.parallel.pipeline.executor import PipelineExecutor
 
     ex = PipelineExecutor(chunks, name, p, m, v, rank, comm, loss_fn,
-                          micro_context=tracker.context)
+                          micro_context=tracker.context, inflight=bound)
     params = [q for c in chunks for q in c.parameters()]
 
     def zero_grads():  # in place: the measured step then allocates no gradient memory
@@ -287,9 +304,9 @@ def worker(args: argparse.Namespace) -> None:
                       max_position_embeddings=max(1024, args.seq_len)).resolved(args.vocab)
     model = LlamaForCausalLM(cfg)
     model.init_weights(args.seed)
-    schedules = args.schedules.split(",")
-    vs = {name: args.vpp if name == "interleaved-1f1b" else 1 for name in schedules}
-    chunks = {v: split_model(model, p, v, rank) for v in set(vs.values())}
+    schedules = {e: parse_schedule(e, args.vpp, p) for e in args.schedules.split(",")}
+    shapes = {(v, vshape) for _, v, _, vshape in schedules.values()}  # one split per shape
+    chunks = {k: split_model(model, p, k[0], rank, vshape=k[1]) for k in shapes}
     del model  # other ranks' modules go with it
     # this rank's parameters only: the freed storages of the others' may be reused by
     # activations, which would then be skipped
@@ -309,8 +326,8 @@ def worker(args: argparse.Namespace) -> None:
     n_tokens = m * args.micro_batch * args.seq_len
 
     per_chunk = {}
-    for v, cs in chunks.items():
-        per_chunk[v] = [{"stage": c.pipeline_stage, "blocks": len(c.model.layers),
+    for key, cs in chunks.items():
+        per_chunk[key] = [{"stage": c.pipeline_stage, "blocks": len(c.model.layers),
                          "measured": one_microbatch_bytes(c, tracker, loss_fn, micro[0], cfg),
                          "planner": planner_bytes(cfg, args, len(c.model.layers)),
                          "extra_formula": stage_extra_bytes(cfg, args,
@@ -318,21 +335,22 @@ def worker(args: argparse.Namespace) -> None:
                                                             c.lm_head is not None)}
                         for c in cs]
     results = {}
-    for name in schedules:
-        v = vs[name]
-        r = run_schedule(name, chunks[v], p, m, v, rank, comm, loss_fn, tracker, micro,
-                         n_tokens, args)
-        blocks = sum(c["blocks"] for c in per_chunk[v])
-        r["exact"] = in_flight_chunks(r.pop("actions"), [c["measured"] for c in per_chunk[v]])
-        r["inflight_plan"] = activations.inflight_microbatches(name, p, m, v, rank)
-        r["inflight_sched"] = peak_in_flight(name, p, m, v, rank)
+    for entry, (name, v, bound, vshape) in schedules.items():
+        key = (v, vshape)
+        r = run_schedule(name, chunks[key], p, m, v, rank, comm, loss_fn, tracker, micro,
+                         n_tokens, args, bound)
+        blocks = sum(c["blocks"] for c in per_chunk[key])
+        r["exact"] = in_flight_chunks(r.pop("actions"),
+                                      [c["measured"] for c in per_chunk[key]])
+        r["inflight_plan"] = activations.inflight_microbatches(name, p, m, v, rank, bound)
+        r["inflight_sched"] = peak_in_flight(name, p, m, v, rank, bound)
         r["predicted"] = r["inflight_plan"] * planner_bytes(cfg, args, blocks)
-        if rank == p - 1:  # the head's and loss's tensors, for each microbatch they hold
-            layout, work = planner_shape(args, p, v, name)
+        layout, work = planner_shape(args, p, v, name, bound)
+        if rank == layout.last_stage:  # the head's and loss's tensors, per microbatch held
             r["predicted"] += (activations.head_inflight_microbatches(name, p, m)
                                * activations.head_saved_bytes(cfg, layout, work))
         r["blocks"] = blocks
-        results[name] = r
+        results[entry] = r
     everyone = [None] * p
     dist.all_gather_object(everyone, {"chunks": per_chunk, "results": results})
     if rank == 0:
@@ -353,14 +371,15 @@ def summarise(args, cfg: ModelConfig, p: int, ranks: list[dict]) -> None:
     print("\none microbatch through each chunk alone (bytes autograd saves):")
     print(f"{'v':>2} {'stage':>5} {'blocks':>6} {'measured':>12} {'planner':>12} "
           f"{'extra':>10} {'extra_formula':>13}")
-    stage_rows = sorted(((v, c) for r in ranks for v, cs in r["chunks"].items() for c in cs),
-                        key=lambda vc: (vc[0], vc[1]["stage"]))
-    for v, c in stage_rows:
+    stage_rows = sorted(((k, c) for r in ranks for k, cs in r["chunks"].items() for c in cs),
+                        key=lambda kc: (kc[0], kc[1]["stage"]))
+    for (v, vshape), c in stage_rows:
         extra = c["measured"] - c["planner"]
-        print(f"{v:>2} {c['stage']:>5} {c['blocks']:>6} {c['measured']:>12,} "
+        print(f"{v:>1}{'V' if vshape else ' '} {c['stage']:>5} {c['blocks']:>6} "
+              f"{c['measured']:>12,} "
               f"{c['planner']:>12,.0f} {extra:>10,.0f} {c['extra_formula']:>13,}")
     print(json.dumps({"benchmark": f"pp{p}_per_microbatch_bytes",
-                      "stages": [{"v": v, **c} for v, c in stage_rows],
+                      "stages": [{"v": k[0], "vshape": k[1], **c} for k, c in stage_rows],
                       "extras_explained": all(c["measured"] - c["planner"] == c["extra_formula"]
                                               for _, c in stage_rows)}))
 
@@ -396,14 +415,15 @@ def summarise(args, cfg: ModelConfig, p: int, ranks: list[dict]) -> None:
           "(stage_memory; the logits term also holds the working set of the microbatch in "
           "backward, which autograd does not save):")
     last = {}
-    for name, r in ranks[-1]["results"].items():
-        act, logits = planner_last_stage(cfg, args, name, p, args.vpp if name ==
-                                         "interleaved-1f1b" else 1)
-        last[name] = {"saved": r["saved"], "planner_activations": act,
-                      "planner_logits": logits, "ratio": r["saved"] / (act + logits)}
-        print(f"  {name:>16}: saved {r['saved'] / MIB:7.1f} MiB; planner {act / MIB:7.1f} + "
+    for entry in ranks[0]["results"]:
+        name, v, bound, vshape = parse_schedule(entry, args.vpp, p)
+        r = ranks[0 if vshape else -1]["results"][entry]  # the rank of the last stage
+        act, logits = planner_last_stage(cfg, args, name, p, v, bound)
+        last[entry] = {"saved": r["saved"], "planner_activations": act,
+                       "planner_logits": logits, "ratio": r["saved"] / (act + logits)}
+        print(f"  {entry:>18}: saved {r['saved'] / MIB:7.1f} MiB; planner {act / MIB:7.1f} + "
               f"{logits / MIB:.1f} = {(act + logits) / MIB:7.1f} MiB (ratio "
-              f"{last[name]['ratio']:.3f})")
+              f"{last[entry]['ratio']:.3f})")
     print(json.dumps({"benchmark": f"pp{p}_m{m}_last_stage_vs_planner", "per_schedule": last}))
 
     res0 = ranks[0]["results"]

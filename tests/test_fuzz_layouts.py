@@ -16,7 +16,7 @@ import traceback
 import pytest
 
 from tests.conftest import tiny_overrides
-from tests.dist import run_distributed
+from tests.dist import local_object_collectives, run_distributed
 
 N_CONFIGS = 300
 SEED = 20261203
@@ -122,24 +122,6 @@ def _configs():
     return [random_config(rng) for _ in range(N_CONFIGS)]
 
 
-def _local_object_collectives(dist) -> None:
-    """The fake process group moves no bytes, so pickled objects cannot cross it: every rank
-    is answered with its own object (all ranks of a fuzzed run see the same files)."""
-    def broadcast_object_list(objects, src=None, group=None, **_kw):
-        return None
-
-    def all_gather_object(out, obj, group=None):
-        out[:] = [obj] * len(out)
-
-    def gather_object(obj, out=None, dst=0, group=None, **_kw):
-        if out is not None:
-            out[:] = [obj] * len(out)
-
-    dist.broadcast_object_list = broadcast_object_list
-    dist.all_gather_object = all_gather_object
-    dist.gather_object = gather_object
-
-
 def _try_all(rank, world, corpus, cache, root, configs):
     """In one process: check every configuration; for each accepted one, the dry run and one
     real training step of one of its ranks on a fake process group. Returns the refusals
@@ -154,7 +136,7 @@ def _try_all(rank, world, corpus, cache, root, configs):
     from threefold.plan.dryrun import predict
     from threefold.train import train
 
-    _local_object_collectives(dist)
+    local_object_collectives(dist)
     pick = random.Random(SEED + 1)
     refused, failed, trained = {}, {}, []
     for i, (w, extra) in enumerate(configs):

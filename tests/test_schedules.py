@@ -387,11 +387,20 @@ def test_chrome_trace_from_measured_records():
 PNG_ARGS = ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b", "--png"]
 
 
-def test_cli_png(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--schedule", "zb-v", "--vpp", "2"],
+                                   ["--schedule", "dualpipe-v", "--vpp", "2"],
+                                   ["--schedule", "interleaved-1f1b", "--vpp", "2",
+                                    "--inflight", "3"]],
+                         ids=["1f1b", "zb-v", "dualpipe-v", "interleaved-bounded"])
+def test_cli_png(tmp_path, capsys, extra):
+    """``threefold schedule --png --json`` draws every schedule and prints its figures."""
     pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"
-    assert main(PNG_ARGS + [str(path), "--json"]) == 0
+    assert main(PNG_ARGS + [str(path), "--json"] + extra) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    info = json.loads(capsys.readouterr().out)
+    assert info["schedule"] == (extra[1] if extra else "1f1b")
+    assert len(info["peak_in_flight_microbatches"]) == 2
 
 
 def test_cli_png_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch, capsys):

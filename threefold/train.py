@@ -30,7 +30,7 @@ from threefold.runlog import RunLog
 # the step and evaluation are imported from here too
 from threefold.steps import evaluate, train_step  # noqa: F401
 from threefold.task import PretrainTask
-from threefold.weights import open_pretrained
+from threefold.weights import MissingTensor, open_pretrained
 
 
 def pick_device(cfg: Config, local_rank: int = 0) -> torch.device:
@@ -135,7 +135,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     try:
         engine = parallelize(mcfg, cfg, layout, source, device,
                              adapt=task.adapt_model)
-    except KeyError as e:
+    except MissingTensor as e:
         raise CheckpointError(f"checkpoint.init_from: '{cfg.checkpoint.init_from}' lacks "
                               f"{e.args[0]}") from None
     memory["startup_peak_bytes"] = peak_memory_bytes(device)

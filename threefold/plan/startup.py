@@ -29,7 +29,7 @@ from threefold.accounting.stages import (distinct_stages, rank_layers, stage_exp
 from threefold.config import ModelConfig
 from threefold.plan.states import HOST_GRAD_BYTES, HOST_MASTER_BYTES
 
-# threefold.weights.BLOCK_BYTES (a file read's temporary, at most two at once); not imported:
+# threefold.weights.base.BLOCK_BYTES (a file read's temporary, at most two at once); not imported:
 # the planner's formulas import no torch (tests/test_weights.py checks the two agree)
 READ_BLOCK_BYTES = 64 << 20
 

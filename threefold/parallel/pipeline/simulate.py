@@ -90,7 +90,7 @@ def measured_costs(steps, stat: Callable[[list[float]], float] = statistics.medi
             if rec.category == "comm":
                 for part in rec.name.split(" + "):
                     sides.setdefault(message_key(Action.parse(part)), []).append(rec)
-            else:
+            elif rec.category == "compute":  # not a send's time in flight (category "send")
                 a = Action.parse(rec.name)
                 times.setdefault((a.kind.value, a.stage), []).append(rec.end_s - rec.start_s)
         for key, pair in sides.items():
