@@ -150,8 +150,8 @@ def test_tied_embeddings_across_pipeline_stages(corpus, cache_dir, tmp_path):
 def test_v_schedules_through_trainer(reference, corpus, cache_dir, tmp_path):
     """ZB-V and DualPipeV through the trainer: rank r holds stages r and 2p-1-r (rank 0 both
     ends). 3D (pp 2 × tp 2 + SP × ZeRO-3 over dp 2) with ZB-V, and pp 2 × ZeRO-1 with
-    DualPipeV and activation checkpointing, and interleaved 1F1B bounded to 3 chunk
-    activations (``parallel.pipeline_inflight``) equal the single-process run; each writes a
+    DualPipeV and activation checkpointing, interleaved 1F1B bounded to 3 chunk activations
+    (``parallel.pipeline_inflight``), and cp 2 × ZB-V equal the single-process run; each writes a
     checkpoint of whole tensors equal to the single process's (``final_weights``)."""
     runs = [("3d_zero3_sp_zbv", {"parallel__pp": 2, "parallel__vpp": 2, "parallel__tp": 2,
                                  "parallel__zero_stage": 3, "parallel__sequence_parallel": "true",
@@ -164,7 +164,9 @@ def test_v_schedules_through_trainer(reference, corpus, cache_dir, tmp_path):
             ("pp2_interleaved_inflight3", {"parallel__pp": 2, "parallel__vpp": 2,
                                            "parallel__schedule": "interleaved-1f1b",
                                            "parallel__pipeline_inflight": 3,
-                                           "train__micro_batch_size": 1})]
+                                           "train__micro_batch_size": 1}),
+            ("cp2_pp2_zbv", {"parallel__cp": 2, "parallel__pp": 2, "parallel__vpp": 2,
+                             "parallel__schedule": "zb-v", "train__micro_batch_size": 2})]
     run_distributed(train_runs, 8, _overrides(corpus, cache_dir), tmp_path, runs[:1], timeout=600)
     run_distributed(train_runs, 4, _overrides(corpus, cache_dir), tmp_path, runs[1:], timeout=600)
     for name, _ in runs:

@@ -127,6 +127,30 @@ def test_dpo_step0_is_ln2_learns_and_layouts_equal_single_process(corpus, cache_
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
+def _deep_overrides(corpus, cache, out, **extra):
+    """``post_overrides`` with 4 blocks (a V of 2 ranks has 4 chunks) and micro-batches of 1."""
+    return post_overrides(corpus, cache, out, model__num_hidden_layers=4,
+                          train__micro_batch_size=1, **extra)
+
+
+@pytest.mark.slow
+def test_dpo_in_a_v_equals_single_process(corpus, cache_dir, tmp_path):
+    """DPO through ZB-V (pp 2, two chunks per rank): the reference log-probs come from rank
+    0, which holds the last stage in a V, and every rank trains on the same ones."""
+    write_pairs(tmp_path)
+    overrides = functools.partial(_deep_overrides, corpus, cache_dir)
+    train(load_config(None, overrides(tmp_path / "single")), task=dpo_task(tmp_path))
+    runs = [("pp2_zbv", {"parallel__pp": 2, "parallel__vpp": 2, "parallel__schedule": "zb-v"})]
+    run_distributed(train_runs, 2, overrides, tmp_path, runs,
+                    functools.partial(dpo_task, tmp_path), timeout=300)
+    ref, got = metrics(tmp_path / "single"), metrics(tmp_path / "pp2_zbv")
+    for k in ("loss", "logps/chosen"):
+        assert [r[k] for r in got] == pytest.approx([r[k] for r in ref], rel=1e-5), k
+    ref_w, w = final_weights(tmp_path / "single"), final_weights(tmp_path / "pp2_zbv")
+    for k, v in ref_w.items():
+        torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=k)
+
+
 TRL_PAIRS = [
     {"prompt": [{"role": "user", "content": "What is 2+2?"}],
      "chosen": [{"role": "assistant", "content": "It is 4."}],

@@ -259,6 +259,22 @@ def test_ep2_with_pp2_trains_as_one_process(corpus, cache_dir, tmp_path):
         _assert_equal(tmp_path / name, want, weights, name)
 
 
+def test_ep2_with_a_v_schedule_trains_as_one_process(corpus, cache_dir, tmp_path):
+    """ep2 × pp2 under ZB-V (4 blocks, two chunks per rank in a V, rank 0 holding the first
+    and the last): every chunk adds its layers' router terms in its own backward."""
+    from threefold.train import train
+
+    deep = {"model__router_aux_loss_per_layer": "true", "train__micro_batch_size": 2,
+            "model__num_hidden_layers": 4}
+    ref = tmp_path / "single"
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, **{
+        **MOE, "train__steps": 3, **deep})))
+    runs = [("ep2_pp2_zbv", {"parallel__ep": 2, "parallel__pp": 2, "parallel__vpp": 2,
+                             "parallel__schedule": "zb-v", **deep})]
+    run_distributed(_runs, 4, corpus, cache_dir, tmp_path, runs)
+    _assert_equal(tmp_path / "ep2_pp2_zbv", metrics(ref), final_weights(ref), "ep2_pp2_zbv")
+
+
 def test_ep2_with_tp2_trains_as_one_process(corpus, cache_dir, tmp_path):
     """ep2 × tp2 (and with ZeRO-1): experts whole on both tp ranks, all-to-all between ranks
     of the same tp index; dp 2 of 4 sequences each."""
