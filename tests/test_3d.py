@@ -175,9 +175,12 @@ def test_v_schedules_through_trainer(reference, corpus, cache_dir, tmp_path):
 
 @pytest.mark.slow
 def test_tied_embeddings_in_a_v(corpus, cache_dir, tmp_path):
-    """In a V the embedding and the tied head are both on rank 0: one weight, no copy and no
-    gradient sum between stages. Equal to the tied single-process run, and a tied
-    single-process checkpoint resumes into ZB-V and trains one more equal step."""
+    """In a V the embedding and the tied head are both on rank 0, in two chunks whose
+    backwards run apart: the head is a copy whose gradient is summed with the embedding's
+    there, with no message (one shared weight would get two accumulations per micro-batch,
+    which gradient buckets and ZeRO units count as one). Equal to the tied single-process
+    run under data parallelism and ZeRO-3, and a tied single-process checkpoint resumes into
+    ZB-V and trains one more equal step."""
     ref = tmp_path / "ref"
     train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS, **DEEP,
                                            **TIED)))
@@ -185,13 +188,14 @@ def test_tied_embeddings_in_a_v(corpus, cache_dir, tmp_path):
     shutil.copytree(ref / "checkpoints", resumed / "checkpoints")
     v = {"parallel__pp": 2, "parallel__vpp": 2, "parallel__schedule": "zb-v",
          "train__micro_batch_size": 2, **TIED}
-    runs = [("tied_zbv_dp2", v),
+    runs = [("tied_zbv_dp2", v), ("tied_zbv_zero3", {**v, "parallel__zero_stage": 3}),
             ("tied_zbv_resumed", {**v, "train__steps": STEPS + 1, "checkpoint__resume": "true"})]
     run_distributed(train_runs, 4, _overrides(corpus, cache_dir), tmp_path, runs, timeout=500)
     reference = {"losses": [r["loss"] for r in metrics(ref)], "weights": final_weights(ref)}
-    _check(reference, tmp_path / "tied_zbv_dp2", 5e-5)
-    norms = [r["grad_norm"] for r in metrics(tmp_path / "tied_zbv_dp2")]
-    assert norms == pytest.approx([r["grad_norm"] for r in metrics(ref)], rel=1e-5)
+    for name in ("tied_zbv_dp2", "tied_zbv_zero3"):
+        _check(reference, tmp_path / name, 5e-5)
+        norms = [r["grad_norm"] for r in metrics(tmp_path / name)]
+        assert norms == pytest.approx([r["grad_norm"] for r in metrics(ref)], rel=1e-5)
     train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS + 1,
                                            checkpoint__resume="true", **DEEP, **TIED)))
     last = [r for r in metrics(resumed) if r["step"] == STEPS + 1]

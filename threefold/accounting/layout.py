@@ -92,7 +92,7 @@ class Layout:
     @property
     def vshape(self) -> bool:
         """A V-shaped pipeline (ZB-V, DualPipeV): rank r holds stages r and 2p-1-r, so rank 0
-        holds the embedding and the head (and a tied weight once)."""
+        holds the embedding and the head (a tied head as a copy, summed in place)."""
         spec = SCHEDULE_SPECS.get(self.pipeline_schedule)
         return self.pp > 1 and spec is not None and spec.vshape
 

@@ -112,7 +112,7 @@ def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep
     h, a, kv, f, vocab, n_layers, tied, moe = key
     emb = tp_shard_for(h, a, kv, f, vocab, tp).vocab * h
     block = _layer_numels(h, a, kv, f, vocab, tp, moe, ep)[0]
-    shared = tied and (p == 1 or vshape)  # embedding and head on one rank: one weight
+    shared = tied and p == 1  # one weight; pipelined, the head is a copy (a V's on rank 0 too)
     units: list[tuple[int, ...]] = []
     if stage == 0 and not shared:
         units.append((emb,))
@@ -156,7 +156,7 @@ def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[i
     (embedding, blocks, final norm, LM head; a tied weight once, first): the order
     ``threefold.parallel.data`` cuts gradient buckets in."""
     units = list(stage_units(cfg, layout, stage))
-    if cfg.tie_word_embeddings and (layout.pp == 1 or layout.vshape) and stage == 0:
+    if cfg.tie_word_embeddings and layout.pp == 1:
         units = [units[-1]] + units[:-1]
     return [n for unit in units for n in unit]
 

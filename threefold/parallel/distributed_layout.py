@@ -61,7 +61,7 @@ class Distributed(World):
         # ZB-V and DualPipeV place chunk 1 of rank r as stage 2p-1-r: rank 0 holds both ends
         self.vshape = schedule_spec(cfg.parallel.schedule).vshape if self.dims.pp > 1 else False
         self.chunks = self.pipeline = None
-        self._tied = None  # (this rank's tied weight, is it the head's copy) at pipeline ends
+        self._tied = None  # this rank's tied weights at pipeline ends (see _tie_pipeline_ends)
         self.cfg = cfg
         self._steps: list[dict[str, int]] = []
         # one key per run so several runs in one process group keep separate heartbeats
@@ -146,7 +146,7 @@ class Distributed(World):
             return
         p = self.cfg.parallel
         split = self.dims.tp if p.sequence_parallel and self.dims.tp > 1 else 1
-        if self.chunks[0].cfg.tie_word_embeddings and not self.vshape:  # a V: both on rank 0
+        if self.chunks[0].cfg.tie_word_embeddings:
             self._tie_pipeline_ends(engine.model)
         self.pipeline = PipelineExecutor(
             self.chunks, p.schedule, self.dims.pp, self.microbatches(self.cfg), p.vpp,
@@ -159,7 +159,12 @@ class Distributed(World):
     def _tie_pipeline_ends(self, model) -> None:
         """Tied embeddings under pipeline parallelism (Megatron's embedding group): the first
         stage's embedding and the last stage's copy of it as LM head get their gradients summed
-        over the two ranks (axis "pp_ends"), for every (dp, tp) position. Collective."""
+        over the two ranks (axis "pp_ends"), for every (dp, tp) position. Collective. In a V
+        both are on rank 0 and their gradients are summed there, without a message."""
+        if self.vshape:
+            if model.model.embed_tokens is not None:
+                self._tied = (model.model.embed_tokens.weight, model.lm_head.weight)
+            return
         pairs = [[g[0], g[-1]] for g in self.dims.axis_groups("pp")]
         self.comm.add_axis("pp_ends", pairs, counted_as="pp")  # as the planner counts it
         replica = tied_head_replica(model)
@@ -171,8 +176,14 @@ class Distributed(World):
     def reduce_tied_gradients(self, engine) -> None:
         """Sum the tied embedding's gradient between the first and last pipeline stages
         (after data-parallel/ZeRO reduction, before clipping); nothing elsewhere."""
-        if self._tied is not None:
-            self.comm.all_reduce(engine.gradient_of(self._tied[0]), "pp_ends")
+        if self._tied is None:
+            return
+        if self.vshape:  # embedding and its copy as head, both here: sum them in place
+            embed, head = (engine.gradient_of(q) for q in self._tied)
+            embed.add_(head)
+            head.copy_(embed)
+            return
+        self.comm.all_reduce(engine.gradient_of(self._tied[0]), "pp_ends")
 
     def split_sequence(self, micro: dict) -> dict:
         """This cp rank's tokens of a micro-batch of whole sequences (as they are for cp 1)."""

@@ -160,8 +160,10 @@ def split_model(model: LlamaForCausalLM, p: int, v: int = 1, pp_rank: int = 0,
     # the last on rank p-1) holds its own copy, as Megatron's embedding group does: both start
     # equal, their gradients are summed between the two ranks each step (the training layout
     # does it, see ``tied_head_replica``), so identical AdamW updates keep them equal. In a V
-    # both ends are on rank 0, which shares the one weight as a single process does.
-    replica = p > 1 and model.cfg.tie_word_embeddings and not vshape
+    # both ends are on rank 0, in two chunks whose backwards run apart: one weight would get
+    # two accumulations per micro-batch, which gradient buckets and ZeRO units count as one;
+    # the copy keeps each chunk's parameters its own, and the sum is local (no message).
+    replica = p > 1 and model.cfg.tie_word_embeddings
     runs = stage_layers(model, n, balance, seq_len)
     return [build_chunk(model, runs[s], first=s == 0, last=s == n - 1, stage=s,
                         tied_replica=replica)

@@ -1,7 +1,8 @@
 """V-shaped schedules: two model chunks per rank, the model walking the ranks down and back up
 (chunk 0 of rank r is stage r, chunk 1 is stage 2p - 1 - r; ``actions.stage_rank``). Rank 0
-holds the first and the last stage, so a tied embedding needs no second copy, and the
-microbatch that rank p - 1 sends back reaches rank 0's loss after 2p chunk times.
+holds the first and the last stage (a tied head's gradient is summed with the embedding's
+there, without a message), and the microbatch that rank p - 1 sends back reaches rank 0's
+loss after 2p chunk times.
 
 - **ZB-V** (Qi et al., "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362;
   also §6 of arXiv 2401.10241): backward split into B and W as in ZB-H1. Rank r warms up with
