@@ -108,6 +108,20 @@ def test_3d_pp2_tp2_dp2(reference, corpus, cache_dir, tmp_path):
 TIED = {"model__tie_word_embeddings": "true", "optim__grad_clip": "0.5"}
 
 
+def _check_tied(reference, ref, outs, resumed, corpus, cache_dir) -> None:
+    """Each run in ``outs`` equals the tied single-process run ``ref`` (losses, weights and
+    the clipped norms); then one more step from ``ref``'s checkpoint, single process, equals
+    the step ``resumed`` took from the same checkpoint pipelined."""
+    for out in outs:
+        _check(reference, out, 5e-5)
+        norms = [r["grad_norm"] for r in metrics(out)]
+        assert norms == pytest.approx([r["grad_norm"] for r in metrics(ref)], rel=1e-5)
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS + 1,
+                                           checkpoint__resume="true", **DEEP, **TIED)))
+    last = [r for r in metrics(resumed) if r["step"] == STEPS + 1]
+    assert last and last[0]["loss"] == pytest.approx(metrics(ref)[-1]["loss"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_tied_embeddings_across_pipeline_stages(corpus, cache_dir, tmp_path):
     """A tied head on the last stage is a copy of the first stage's embedding whose gradient
@@ -130,15 +144,8 @@ def test_tied_embeddings_across_pipeline_stages(corpus, cache_dir, tmp_path):
     run_distributed(train_runs, 4, _overrides(corpus, cache_dir), tmp_path, runs, timeout=500)
     reference = {"losses": [r["loss"] for r in metrics(ref)], "weights": final_weights(ref)}
     assert "lm_head.weight" not in reference["weights"]
-    for name, _ in runs[:2]:
-        _check(reference, tmp_path / name, 5e-5)
-        norms = [r["grad_norm"] for r in metrics(tmp_path / name)]
-        assert norms == pytest.approx([r["grad_norm"] for r in metrics(ref)], rel=1e-5)
-    # one more step from the tied checkpoint: single process and pipelined agree
-    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS + 1,
-                                           checkpoint__resume="true", **DEEP, **TIED)))
-    last = [r for r in metrics(resumed) if r["step"] == STEPS + 1]
-    assert last and last[0]["loss"] == pytest.approx(metrics(ref)[-1]["loss"], rel=1e-5)
+    _check_tied(reference, ref, [tmp_path / name for name, _ in runs[:2]], resumed,
+                corpus, cache_dir)
     got = load_checkpoint(resumed / "checkpoints" / str(STEPS + 1))[0]["model"]
     want = load_checkpoint(ref / "checkpoints" / str(STEPS + 1))[0]["model"]
     assert set(got) == set(want)
@@ -192,11 +199,5 @@ def test_tied_embeddings_in_a_v(corpus, cache_dir, tmp_path):
             ("tied_zbv_resumed", {**v, "train__steps": STEPS + 1, "checkpoint__resume": "true"})]
     run_distributed(train_runs, 4, _overrides(corpus, cache_dir), tmp_path, runs, timeout=500)
     reference = {"losses": [r["loss"] for r in metrics(ref)], "weights": final_weights(ref)}
-    for name in ("tied_zbv_dp2", "tied_zbv_zero3"):
-        _check(reference, tmp_path / name, 5e-5)
-        norms = [r["grad_norm"] for r in metrics(tmp_path / name)]
-        assert norms == pytest.approx([r["grad_norm"] for r in metrics(ref)], rel=1e-5)
-    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=STEPS + 1,
-                                           checkpoint__resume="true", **DEEP, **TIED)))
-    last = [r for r in metrics(resumed) if r["step"] == STEPS + 1]
-    assert last and last[0]["loss"] == pytest.approx(metrics(ref)[-1]["loss"], rel=1e-5)
+    _check_tied(reference, ref, [tmp_path / "tied_zbv_dp2", tmp_path / "tied_zbv_zero3"],
+                resumed, corpus, cache_dir)

@@ -94,61 +94,47 @@ class _Order:
         return [[a] for a in self.acts]
 
 
-def zb_v_steps(p: int, m: int, v: int, rank: int) -> Steps:
-    """ZB-V's compute order on ``rank`` (see the module doc)."""
-    o, r = _Order(p, m, rank), rank
-    for _ in range(2 * (p - r) - 1):
-        o.forward(0)
-    for _ in range(r):
-        o.forward(1)
-        o.forward(0)
-    for _ in range(p - r):
-        o.forward(1)
-        o.backward(1)
-        o.weight(1)
-    while o.f[0] < m or o.f[1] < o.f[0]:
-        o.forward(0)
-        o.backward(0)
-        o.weight(0)
-        o.forward(1)
-        o.backward(1)
-        o.weight(1)
-    for _ in range(r):
-        o.backward(0)
-        o.backward(1)
-    for _ in range(p - r):
-        o.backward(0)
-        o.weight(0)
-    while o.weight(1):
-        pass
+def _run(o: _Order, phases) -> Steps:
+    """Play ``phases``, each (times, ops) with ops as (kind, chunk): "F", "B" (W left
+    pending), "BW" (B then its W at once) or "W" (the oldest pending; chunk None: of either
+    chunk); ``times`` a count, or a test of the order repeated while true. Then ``finish``."""
+    do = {"F": o.forward, "B": o.backward, "BW": lambda c: o.backward(c, split=False),
+          "W": o.weight}
+    for times, ops in phases:
+        test = times if callable(times) else None
+        left = 0 if test else max(0, times)
+        while test(o) if test else left > 0:
+            left -= 1
+            for kind, chunk in ops:
+                do[kind](chunk)
     return o.finish()
+
+
+def zb_v_steps(p: int, m: int, v: int, rank: int) -> Steps:
+    """ZB-V's compute order on ``rank`` (see the module doc); the steady phase runs until
+    every forward is placed."""
+    r = rank
+    return _run(_Order(p, m, rank), [
+        (2 * (p - r) - 1, [("F", 0)]),
+        (r, [("F", 1), ("F", 0)]),
+        (p - r, [("F", 1), ("B", 1), ("W", 1)]),
+        (lambda o: o.f[0] < m or o.f[1] < o.f[0],
+         [("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)]),
+        (r, [("B", 0), ("B", 1)]),
+        (p - r, [("B", 0), ("W", 0)]),
+        (m, [("W", 1)]),
+    ])
 
 
 def dualpipe_v_steps(p: int, m: int, v: int, rank: int) -> Steps:
     """DualPipeV's compute order on ``rank`` (see the module doc)."""
-    o, r = _Order(p, m, rank), rank
-    for _ in range(2 * (p - r - 1)):
-        o.forward(0)
-    for _ in range(r + 1):
-        o.forward(0)
-        o.forward(1)
-    for _ in range(p - r - 1):
-        o.backward(1)
-        o.weight()
-        o.forward(1)
-    for _ in range(max(0, m - 2 * p + r + 1)):
-        o.forward(0)
-        o.backward(1, split=False)
-        o.forward(1)
-        o.backward(0, split=False)
-    for _ in range(p - r - 1):
-        o.backward(1, split=False)
-        o.forward(1)
-        o.backward(0, split=False)
-    for _ in range(r + 1):
-        o.backward(1)
-        o.backward(0)
-    for _ in range(p - r - 1):
-        o.weight()
-        o.backward(0)
-    return o.finish()
+    r = rank
+    return _run(_Order(p, m, rank), [
+        (2 * (p - r - 1), [("F", 0)]),
+        (r + 1, [("F", 0), ("F", 1)]),
+        (p - r - 1, [("B", 1), ("W", None), ("F", 1)]),
+        (m - 2 * p + r + 1, [("F", 0), ("BW", 1), ("F", 1), ("BW", 0)]),
+        (p - r - 1, [("BW", 1), ("F", 1), ("BW", 0)]),
+        (r + 1, [("B", 1), ("B", 0)]),
+        (p - r - 1, [("W", None), ("B", 0)]),
+    ])
