@@ -38,13 +38,20 @@ def _state_apart(engine) -> dict:
             "host_bytes": off.host_bytes() if off is not None else 0}
 
 
+# The host optimiser runs torch's fused CPU AdamW (threefold.parallel.adamw.HOST_KERNEL, the
+# fastest on the host), the on-device engines the single-tensor kernel: the same formula,
+# rounded differently in the last bits. So an offloaded run equals the on-device one to fp32
+# tolerance, as the other equivalence tests compare (1e-5 relative on the losses).
+LOSS_REL, W_RTOL, W_ATOL = 1e-5, 1e-4, 2e-5
+
+
 def _check_same(a, b):
     la, lb = [r["loss"] for r in metrics(a)], [r["loss"] for r in metrics(b)]
-    assert la == pytest.approx(lb, rel=1e-6), (a.name, b.name)
+    assert la == pytest.approx(lb, rel=LOSS_REL), (a.name, b.name)
     wa, wb = final_weights(a), final_weights(b)
     assert set(wa) == set(wb)
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-6, atol=0, msg=f"{a.name}: {k}")
+        torch.testing.assert_close(wa[k], wb[k], rtol=W_RTOL, atol=W_ATOL, msg=f"{a.name}: {k}")
 
 
 def test_offload_single_process_equals_on_device(corpus, cache_dir, tmp_path):
@@ -149,8 +156,10 @@ def test_offload_checkpoint_resumes_either_way(corpus, cache_dir, tmp_path):
         a, _ = load_checkpoint(tmp_path / name / "checkpoints" / "4")
         b, _ = load_checkpoint(tmp_path / "ref" / "checkpoints" / "4")
         assert set(a["optim"]) == set(b["optim"]) and a["optim"]
-        for k in a["optim"]:
-            torch.testing.assert_close(a["optim"][k], b["optim"][k], rtol=1e-6, atol=0, msg=k)
+        for k in a["optim"]:  # fp32 tolerance (the host kernel's rounding), scaled per tensor
+            ref = b["optim"][k]
+            torch.testing.assert_close(a["optim"][k], ref, rtol=W_RTOL,
+                                       atol=1e-5 * float(ref.abs().max()), msg=k)
 
 
 def _resume_segment(rank, world, corpus, cache, out, extra, steps):
@@ -160,3 +169,77 @@ def _resume_segment(rank, world, corpus, cache, out, extra, steps):
                                            checkpoint__interval=2, checkpoint__resume="true",
                                            **extra))
     train(cfg, Distributed(cfg))
+
+
+def _overlap_run(rank, world, stage, micro):
+    """One ZeRO step of a 4-block model on ``micro`` micro-batches, with and without offload.
+    Returns the offloaded engine's events in order — ("micro", last) at each micro-batch's
+    start, ("bwd", unit) at each unit's backward start, ("d2h", unit) at each early gradient
+    copy — and the largest relative difference of the shards after the step."""
+    from threefold.comm import Comm
+    from threefold.config import ModelConfig, OptimConfig
+    from threefold.mesh import ParallelDims
+    from threefold.model import LlamaForCausalLM, causal_lm_loss
+    from threefold.parallel.zero import ZeroEngine
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, pp=1, world_size=world)
+    comm = Comm(dims, dims.build_mesh("cpu"))
+    mcfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2).resolved(320)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 320, (2 * micro, 17), generator=g)
+    engines, events = {}, []
+    for off in (False, True):
+        model = LlamaForCausalLM(mcfg)
+        model.init_weights(0)
+        units = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+        eng = engines[off] = ZeroEngine(model, units, OptimConfig(), comm, stage, offload=off)
+        if off:
+            eng.slot.offload.events = events
+            for i, (module, _) in enumerate(eng.unit_modules):
+                module.register_full_backward_pre_hook(
+                    lambda _m, _g, i=i: events.append(("bwd", i)))
+        for k in range(micro):
+            if off:
+                events.append(("micro", k == micro - 1))
+            with eng.micro_step(last=k == micro - 1):
+                x = ids[2 * k:2 * k + 2]
+                causal_lm_loss(model(x[:, :-1]), x[:, 1:], reduction="mean").backward()
+        eng.finish_gradients()
+        eng.clip_grad_norm(0.5)
+        eng.step(1e-2)
+    diff = max(float(((a.shard - b.shard).abs() / b.shard.abs().clamp(min=1e-3)).max().detach())
+               for a, b in zip(engines[True].all_units, engines[False].all_units))
+    return {"events": events, "units": len(engines[True].all_units), "diff": diff}
+
+
+@pytest.mark.parametrize("stage,micro", [(2, 1), (2, 2), (3, 2)])
+def test_offload_copies_overlap_backward(stage, micro):
+    """Under ZeRO 2 and 3 a unit's gradient copy to the host is issued once its last
+    reduce-scatter of the step finished, before the backward of the units ahead of it is over:
+    the LM head's copy comes before the embedding's backward starts. No copy is issued on an
+    accumulation micro-step (the gradient is not final), every unit is copied at most once
+    early, and the step (clipped, the clip scaling host copies) matches the on-device one."""
+    for r in run_distributed(_overlap_run, 2, stage, micro, timeout=120):
+        ev = r["events"]
+        last_micro = ev.index(("micro", True))
+        assert all(e[0] != "d2h" for e in ev[:last_micro])
+        sent = [e[1] for e in ev if e[0] == "d2h"]
+        assert len(sent) == len(set(sent)) and sent, sent
+        head, embed_bwd = r["units"] - 1, ev.index(("bwd", 0), last_micro)
+        assert ev.index(("d2h", head)) < embed_bwd, ev
+        assert sum(e[0] == "d2h" for e in ev[:embed_bwd]) >= r["units"] - 3, ev
+        assert r["diff"] < 1e-5
+
+
+def test_bench_offload_tiny(capsys):
+    """bench/bench_offload.py runs end to end at a tiny size and prints its two JSON lines."""
+    import json
+
+    from bench.bench_offload import main
+
+    assert main(["--preset", "tiny", "--rounds", "1", "--seq-len", "16", "--batch", "1",
+                 "--no-deepspeed"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [x["benchmark"] for x in lines] == ["offload_host_adamw", "offload_step"]
+    assert lines[0]["single_over_fused_median"] > 0 and lines[1]["speed_ratio_median"] > 0

@@ -104,6 +104,18 @@ class OptimizerSlot:
         if self.offload:
             self.offload.pull()
 
+    def clip(self, params: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+        """``clip_to`` the gradients of ``params`` (tensors this slot updates) where they are:
+        on the device, or under offload a gradient already sent to the host
+        (``HostOptimizer.send``) there; the same fp32 product either way."""
+        if self.offload is None:
+            clip_to([p.grad for p in params if p.grad is not None], total, max_norm)
+            return
+        on_device, on_host = self.offload.gradients(params)
+        clip_to(on_device, total, max_norm)
+        if on_host:
+            clip_to(on_host, total.to(on_host[0].device), max_norm)
+
     def step(self, lr: float) -> None:
         """One AdamW step at ``lr``; gradients are released afterwards."""
         if self.offload:

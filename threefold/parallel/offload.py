@@ -9,16 +9,21 @@ and AdamW's two moments. Each step:
 1. the gradient is reduced and clipped on the device as without offload (the global norm is
    computed there, before anything moves);
 2. each gradient is copied device → host into a persistent fp32 buffer (page-locked on a GPU,
-   ``non_blocking``), and the device gradient is released;
-3. AdamW steps the host masters (torch's CPU kernel, the same single-tensor arithmetic);
+   ``non_blocking``), and the device gradient is released. The ZeRO engine issues a unit's
+   copy as soon as its last reduce-scatter of the step has finished, while the backward of
+   the units before it still runs (``send``); clipping then scales that host copy. The other
+   engines copy at the step;
+3. AdamW steps the host masters with torch's fused CPU kernel (``adamw.HOST_KERNEL``: at the
+   host memory's bandwidth); it waits for the global norm, so it does not overlap backward;
 4. the updated masters are copied host → device into the parameters (ZeRO: into the shard,
    which the engine then all-gathers as it always does).
 
 Numerics: threefold keeps fp32 weights and autocasts the matmuls under ``train.dtype
 bfloat16``, so the device parameters are already fp32 master weights; the host master is a
-copy of the same fp32 values and the offloaded run equals the on-device one exactly (on a
-GPU up to the CPU and CUDA AdamW kernels' rounding). A 16-bit device parameter would receive
-the master rounded to its dtype.
+copy of the same fp32 values. The fused kernel rounds differently from the on-device
+engines' single-tensor kernel in the last bits, so the offloaded run equals the on-device one
+to fp32 tolerance (the tests: 1e-5 relative on the losses). A 16-bit device parameter would
+receive the master rounded to its dtype.
 
 What it saves on a GPU, per parameter the rank's optimiser updates (Ψ, or Ψ/N under ZeRO):
 AdamW's momentum and variance, 8 bytes, leave the device; with 16-bit device weights the fp32
@@ -42,7 +47,7 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
-from threefold.parallel.adamw import adamw_step, make_adamw
+from threefold.parallel.adamw import adamw_step, make_host_adamw
 
 HOST = torch.device("cpu")
 
@@ -72,7 +77,9 @@ class HostOptimizer:
             self.masters.append(nn.Parameter(m))
             self.host_grads.append(_host_buffer(p, self.pin))
         self._index = {p: i for i, p in enumerate(self.params)}
-        self.optimizer = make_adamw(self.masters, cfg)
+        self._sent = [False] * len(self.params)  # host_grads[i] holds params[i]'s final grad
+        self.events: list | None = None  # ("d2h", i) per early copy, when a list (tests)
+        self.optimizer = make_host_adamw(self.masters, cfg)
 
     def master_of(self, p: torch.Tensor) -> nn.Parameter:
         """The host master of device tensor ``p`` (the optimiser's state key)."""
@@ -85,17 +92,49 @@ class HostOptimizer:
             for p, m in zip(self.params, self.masters):
                 m.copy_(p.detach())
 
-    def step(self, lr: float) -> None:
-        """Gradients down, AdamW on the host at learning rate ``lr``, parameters up; device
-        gradients are released. A tensor without a gradient is left alone, as AdamW does."""
+    def send(self, p: torch.Tensor) -> None:
+        """Start copying ``p``'s gradient, final for this step, to the host now (during the
+        backward of what is left); the step then uses that copy. A later change to the
+        device gradient must be followed by ``forget(p)``."""
+        i = self._index[p]
         with torch.no_grad():
-            for p, m, g in zip(self.params, self.masters, self.host_grads):
+            self.host_grads[i].copy_(p.grad, non_blocking=self.pin)
+        self._sent[i] = True
+        if self.events is not None:
+            self.events.append(("d2h", i))
+
+    def forget(self, p: torch.Tensor) -> None:
+        """``p``'s device gradient changed after ``send``: the step copies it again."""
+        self._sent[self._index[p]] = False
+
+    def gradients(self, params: list[torch.Tensor]) -> tuple[list, list]:
+        """(device gradients, host copies): where each gradient of ``params`` is to be
+        scaled by clipping (its host copy once sent, which is then complete)."""
+        on_device, on_host = [], []
+        for p in params:
+            i = self._index[p]
+            if self._sent[i]:
+                on_host.append(self.host_grads[i])
+            elif p.grad is not None:
+                on_device.append(p.grad)
+        if on_host and self.pin:
+            torch.cuda.synchronize()
+        return on_device, on_host
+
+    def step(self, lr: float) -> None:
+        """Gradients down (those not sent yet), AdamW on the host at learning rate ``lr``,
+        parameters up; device gradients are released. A tensor without a gradient is left
+        alone, as AdamW does."""
+        with torch.no_grad():
+            for i, (p, m, g) in enumerate(zip(self.params, self.masters, self.host_grads)):
                 if p.grad is None:
                     m.grad = None
                     continue
-                g.copy_(p.grad, non_blocking=self.pin)
+                if not self._sent[i]:
+                    g.copy_(p.grad, non_blocking=self.pin)
                 m.grad = g
                 p.grad = None
+            self._sent = [False] * len(self.params)
             if self.pin:  # the host reads the gradients: wait for the device-to-host copies
                 torch.cuda.synchronize()
             adamw_step(self.optimizer, lr)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
-from threefold.parallel.engine import (OptimizerSlot, clip_to, global_sq_norm,
+from threefold.parallel.engine import (OptimizerSlot, global_sq_norm,
                                        unique_named_parameters)
 from threefold.parallel.flat import FlatUnit  # noqa: F401 (re-exported)
 from threefold.parallel.materialize import fill_flat, hollow_parameters
@@ -110,6 +110,7 @@ class ZeroEngine:
         self.slot = OptimizerSlot([u.shard for u in self.all_units], cfg, offload)
         self.optimizer = self.slot.optimizer
         self._sync = True
+        self._final = False  # inside the last micro-step: a finished reduction is final
         # reduce-scatters in flight: bounded, so that no more than a couple of units' full
         # gradients exist at once during backward (the point of stages 2 and 3)
         self._inflight: collections.deque = collections.deque()
@@ -185,12 +186,14 @@ class ZeroEngine:
         """Stages 1-2 keep accumulating full gradients locally until the last micro-step;
         stage 3 reduces every micro-step (its full gradients are not kept)."""
         self._sync = last or self.stage == 3
+        self._final = last
         try:
             yield
         finally:
             self._sync = True
             if self.stage == 3:  # a micro-batch's reductions end with its backward: their
                 self._drain()    # buffers do not wait through the next micro-batch's forward
+            self._final = False
 
     def _on_grad(self, unit: FlatUnit) -> None:
         unit.pending -= 1
@@ -211,11 +214,25 @@ class ZeroEngine:
         unit.start_reduce_scatter()
         self._inflight.append(unit)
         while len(self._inflight) > self.MAX_INFLIGHT:
-            self._inflight.popleft().finish_reduce_scatter()
+            self._finish(self._inflight.popleft())
 
     def _drain(self) -> None:
         while self._inflight:
-            self._inflight.popleft().finish_reduce_scatter()
+            self._finish(self._inflight.popleft())
+
+    def _finish(self, unit: FlatUnit) -> None:
+        """Complete ``unit``'s reduce-scatters. Under offload a shard gradient that is final
+        for the step (the last micro-step's, no replica all-reduce to follow) starts down to
+        the host now, overlapping the backward of the units before it; one that changes
+        afterwards is copied again at the step."""
+        changed = bool(unit.reduce_jobs)
+        unit.finish_reduce_scatter()
+        off = self.slot.offload
+        if off is not None and changed:
+            if self._final and self.comm.size(self.replicate_axis) == 1:
+                off.send(unit.shard)
+            else:
+                off.forget(unit.shard)
 
     def finish_gradients(self) -> None:
         """Complete every unit's reduce-scatter (stage 1 starts them here), then all-reduce
@@ -224,7 +241,7 @@ class ZeroEngine:
         for unit in self.all_units:
             if self.stage == 1:
                 unit.start_reduce_scatter()
-            unit.finish_reduce_scatter()
+            self._finish(unit)
             if self.comm.size(self.replicate_axis) > 1:
                 self.comm.all_reduce(unit.shard.grad, self.replicate_axis)
         if self.stage == 3 and self.root:
@@ -242,6 +259,8 @@ class ZeroEngine:
                              f"with {len(unit.params) - 1} other(s)")
         if unit.shard.grad is None:
             unit.shard.grad = torch.zeros_like(unit.shard)
+        if self.slot.offload is not None:  # the caller changes it in place
+            self.slot.offload.forget(unit.shard)
         return unit.shard.grad
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -249,7 +268,7 @@ class ZeroEngine:
         slices summed over tp, tp-replicated parameters counted once."""
         parts = sum(unit.shard_sq_norm_parts() for unit in self.all_units)
         total = global_sq_norm(parts, self.comm, self.shard_axis).sqrt()
-        clip_to([u.shard.grad for u in self.all_units], total, max_norm)
+        self.slot.clip([u.shard for u in self.all_units], total, max_norm)
         return total
 
     def step(self, lr: float) -> None:
