@@ -45,12 +45,12 @@ def _load_every_rank(rank, world, corpus, cache, root, hf_dir):
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
 
-    from tests.test_fuzz_layouts import _local_object_collectives
+    from tests.dist import local_object_collectives
     from threefold.config import load_config
     from threefold.parallel.distributed_layout import Distributed
     from threefold.train import build_run
 
-    _local_object_collectives(dist)
+    local_object_collectives(dist)
     out = []
     for r in range(4):
         over = tiny_overrides(corpus, cache, root / f"r{r}", parallel__tp=2,
