@@ -1,6 +1,6 @@
 """What a run reports while it trains: the per-step record (metrics.jsonl), the log lines and
 progress bar, the traced step (trace.json) and the summary (summary.json), written by the
-writer rank."""
+writer rank; and, when asked for, the same records to TensorBoard and W&B (``trackers``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from threefold.parallel.pipeline.executor import idle_fraction
 from threefold.parallel.pipeline.simulate import measured_costs, pipeline_records, simulate
 from threefold.parallel.pipeline.timeline import write_chrome_trace
 from threefold.steps import lr_at
+from threefold.trackers import flat_scalars, open_trackers
 
 if TYPE_CHECKING:  # annotations only: train.py imports this module
     from threefold.train import Run
@@ -31,7 +32,7 @@ class RunLog:
     def __init__(self, run: Run, start: int):
         cfg, lay = run.cfg, run.layout
         self.run, self.start, self.history, self.trace_info = run, start, [], None
-        self.writer, self.lost = None, 0
+        self.writer, self.lost, self.trackers = None, 0, []
         if lay.is_writer:
             self._open_outputs()
         self.peak, self.peak_src = device_peak_flops(run.device, run.dtype)
@@ -59,6 +60,7 @@ class RunLog:
         if Path(run.data.tokenizer_path).resolve() != (run.out / "tokenizer.json").resolve():
             shutil.copyfile(run.data.tokenizer_path, run.out / "tokenizer.json")
         (run.out / "config.json").write_text(json.dumps(run.cfg.to_dict(), indent=1))
+        self.trackers = open_trackers(run.out, run.cfg.to_dict())
 
     def say(self, line: str) -> None:
         """A log line (the writer rank's; through the progress bar when there is one)."""
@@ -80,12 +82,16 @@ class RunLog:
         self.history.append(rec)
         if self.writer:
             self.writer.write(rec)
+        for tracker in self.trackers:  # TensorBoard, W&B: the same numbers
+            tracker.log(step + 1, flat_scalars(rec))
         if self.bar:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}")
         if (step + 1) % t.log_interval == 0 or step + 1 == t.steps:
             self.say(f"step {step + 1:>6} loss {loss:.4f} lr {rec['lr']:.2e} norm {norm:.3f} "
                      f"tok/s {tps:,.0f}" + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] else ""))
+        if "validation_loss" in rec:
+            self.say(f"step {step + 1:>6} validation loss {rec['validation_loss']:.4f}")
 
     def _mfu(self, tokens_per_second: float) -> float | None:
         """Model FLOP/s per device over the peak (None when the peak is unknown). A CPU step
@@ -132,6 +138,8 @@ class RunLog:
         out.update({k: v for k, v in (("trace", self.trace_info), ("preempted", preempted))
                     if v})
         out.update(lay.summary_metrics())
+        for tracker in self.trackers:
+            tracker.close()
         if self.writer:
             self.writer.close()
             (run.out / "summary.json").write_text(json.dumps(out, indent=1))

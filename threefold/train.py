@@ -242,16 +242,15 @@ def _loop(run: Run, preempt, return_run: bool):
         loss, norm, extras, seconds = _step(run, preempt, step, trace)
         if trace is not None:  # after the step's clock: writing it is not training
             log.trace(step, trace)
+        # every eval_interval steps and after the last, in the step's record (validation_loss)
+        if step + 1 == t.steps or (t.eval_interval and (step + 1) % t.eval_interval == 0):
+            val_loss = extras["validation_loss"] = evaluate(run)
         log.record(step, loss, norm, extras, seconds)
-        if t.eval_interval and (step + 1) % t.eval_interval == 0 and step + 1 < t.steps:
-            val_loss = evaluate(run)
-            log.say(f"step {step + 1:>6} validation loss {val_loss:.4f}")
         if _checkpoint_or_stop(run, preempt, step, log):
             preempted = {"step": step + 1}
             break
     wall = time.perf_counter() - wall0
     if not preempted and t.steps > start:  # a preemption's grace period is for the checkpoint
-        val_loss = evaluate(run)
         c = run.cfg.checkpoint
         if c.save_final and not (c.interval and t.steps % c.interval == 0):
             save(run, t.steps)

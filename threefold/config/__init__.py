@@ -26,6 +26,7 @@ from threefold.config.schema import (
     Config,
     ConfigError,
     DataConfig,
+    MetricsConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -38,7 +39,8 @@ from threefold.config.validation import validate
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
-    "ModelConfig", "OptimConfig", "PIPELINE_SCHEDULES", "ParallelConfig", "TrainConfig",
+    "MetricsConfig", "ModelConfig", "OptimConfig", "PIPELINE_SCHEDULES", "ParallelConfig",
+    "TrainConfig",
     "apply_mapping", "describe", "load_config", "param_dtype", "parse_overrides", "take_flag",
     "unknown_value", "validate",
 ]

@@ -217,6 +217,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where the per-step record goes besides OUTPUT_DIR/metrics.jsonl (the writer rank's)."""
+
+    tensorboard: bool = _f(False, "also write TensorBoard event files to OUTPUT_DIR/tensorboard "
+                           "(the tensorboard extra)")
+    wandb: bool = _f(False, "also log to Weights & Biases (the wandb extra; WANDB_MODE=offline "
+                     "keeps the run local)")
+    wandb_project: str = _f("threefold", "the W&B project runs are logged to")
+
+
+@dataclass
 class Config:
     """Everything a run needs."""
 
@@ -226,6 +237,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (JSON/TOML-serialisable)."""

@@ -5,10 +5,12 @@ them, each raising ``ConfigError`` with the field, the value and what would be v
 
 from __future__ import annotations
 
+import importlib.util
+
 from threefold.config.presets import MODEL_PRESETS
 from threefold.config.schema import (PIPELINE_SCHEDULES, CheckpointConfig, Config, ConfigError,
-                                     DataConfig, ModelConfig, OptimConfig, ParallelConfig,
-                                     TrainConfig, unknown_value)
+                                     DataConfig, MetricsConfig, ModelConfig, OptimConfig,
+                                     ParallelConfig, TrainConfig, unknown_value)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -30,6 +32,7 @@ def validate(cfg: Config) -> None:
     _check_parallel(cfg.parallel, cfg.train)
     _check_train(cfg.train)
     _check_checkpoint(cfg.checkpoint)
+    _check_metrics(cfg.metrics)
 
 
 def _check_model(m: ModelConfig, vocab_size: int) -> ModelConfig:
@@ -140,3 +143,12 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
     _need(c.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {c.keep_last}")
     _need("{" not in c.dir.replace("{node}", "") and "}" not in c.dir.replace("{node}", ""),
           f"checkpoint.dir: '{c.dir}' has a placeholder other than {{node}}")
+
+
+def _check_metrics(m: MetricsConfig) -> None:
+    """The trackers asked for are installed (found, not imported: that waits for the writer
+    rank)."""
+    for name, on in (("tensorboard", m.tensorboard), ("wandb", m.wandb)):
+        _need(not on or importlib.util.find_spec(name) is not None,
+              f"metrics.{name} needs the {name} extra: pip install 'threefold[{name}]'")
+    _need(bool(m.wandb_project), "metrics.wandb_project: must not be empty")
