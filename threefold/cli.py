@@ -2,7 +2,7 @@
 
 The commands are one table, ``COMMANDS`` (name, arguments, what it does, the function that
 runs it), which the help text, the dispatch and the unknown-command message all read: train,
-sft, dpo, reward, grpo, plan, schedule, convert, generate, options. A command's module is
+sft, dpo, reward, grpo, plan, schedule, convert, generate, plot, options. A command's module is
 imported when that command runs, so `threefold options` or `threefold plan` never loads the
 trainer.
 
@@ -52,6 +52,8 @@ COMMANDS = (
     Command("generate", "--from RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] "
             "...", "complete prompts with a run's model (KV cache); prints tokens/s",
             "threefold.generate:main"),
+    Command("plot", "RUN_DIR [RUN_DIR...] --out FILE.png", "draw runs' loss, lr, norm, tokens/s, "
+            "MFU, memory against step", "threefold.plot:main"),
     Command("options", "", "list every configuration option with its default and meaning",
             "threefold.cli:cmd_options"),
 )
