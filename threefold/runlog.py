@@ -8,7 +8,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from threefold import accounting
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
@@ -69,9 +69,12 @@ class RunLog:
         elif self.run.layout.is_writer:
             print(line, flush=True)
 
-    def record(self, step: int, loss: float, norm: float, extras: dict, seconds: float) -> None:
+    def record(self, step: int, loss: float, norm: float, extras: dict, seconds: float,
+               validate: Callable[[], float] | None = None) -> dict:
         """Step ``step``'s record: to metrics.jsonl, the progress bar and every
-        ``train.log_interval`` steps a line."""
+        ``train.log_interval`` steps a line; returned. ``validate`` (when the step evaluates)
+        runs after the step's own figures are taken — its traffic and memory are not the
+        step's — and its loss joins the record as ``validation_loss``."""
         run, t = self.run, self.run.cfg.train
         tps = self.tokens_per_step / seconds
         rec = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.cfg), "grad_norm": norm,
@@ -79,6 +82,9 @@ class RunLog:
                "peak_memory_bytes": peak_memory_bytes(run.device)}
         rec.update(extras)
         rec.update(run.layout.step_metrics())
+        if validate is not None:
+            rec["validation_loss"] = validate()
+            run.layout.step_metrics(count=False)  # evaluation's traffic is not training's
         self.history.append(rec)
         if self.writer:
             self.writer.write(rec)
@@ -92,6 +98,7 @@ class RunLog:
                      f"tok/s {tps:,.0f}" + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] else ""))
         if "validation_loss" in rec:
             self.say(f"step {step + 1:>6} validation loss {rec['validation_loss']:.4f}")
+        return rec
 
     def _mfu(self, tokens_per_second: float) -> float | None:
         """Model FLOP/s per device over the peak (None when the peak is unknown). A CPU step

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,9 +244,10 @@ def _loop(run: Run, preempt, return_run: bool):
         if trace is not None:  # after the step's clock: writing it is not training
             log.trace(step, trace)
         # every eval_interval steps and after the last, in the step's record (validation_loss)
-        if step + 1 == t.steps or (t.eval_interval and (step + 1) % t.eval_interval == 0):
-            val_loss = extras["validation_loss"] = evaluate(run)
-        log.record(step, loss, norm, extras, seconds)
+        due = step + 1 == t.steps or (t.eval_interval and (step + 1) % t.eval_interval == 0)
+        rec = log.record(step, loss, norm, extras, seconds,
+                         validate=functools.partial(evaluate, run) if due else None)
+        val_loss = rec.get("validation_loss", val_loss)
         if _checkpoint_or_stop(run, preempt, step, log):
             preempted = {"step": step + 1}
             break

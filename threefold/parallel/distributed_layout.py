@@ -235,9 +235,12 @@ class Distributed(World):
         """Who failed and where (``threefold.liveness.Heartbeats.report_failure``)."""
         return self.heartbeats.report_failure(exc, step, grace_s)
 
-    def step_metrics(self) -> dict[str, Any]:
-        """Bytes this rank sent per mesh axis during the step just finished."""
+    def step_metrics(self, count: bool = True) -> dict[str, Any]:
+        """Bytes this rank sent per mesh axis during the step just finished; with ``count``
+        False (after an evaluation) they are dropped: not training traffic."""
         counters = self.comm.step_counters()
+        if not count:
+            return {}
         self._steps.append(counters)
         return {"comm_bytes": counters}
 

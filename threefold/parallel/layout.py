@@ -99,8 +99,9 @@ class World:
         """Nothing to diagnose across ranks in one process."""
         return ""
 
-    def step_metrics(self) -> dict[str, Any]:
-        """Extra per-step metrics (communication bytes under parallel layouts)."""
+    def step_metrics(self, count: bool = True) -> dict[str, Any]:
+        """Extra per-step metrics (communication bytes under parallel layouts); with
+        ``count`` False the traffic since the last call is dropped (not a step's)."""
         return {}
 
     def summary_metrics(self) -> dict[str, Any]:
