@@ -1,0 +1,28 @@
+"""bench/bench_elementwise.py at the tiny shape: the CPU proxies of issue 27 item 2 (non-matmul
+kernels per block and their bytes per token) are counted, and they react as they must."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_elementwise import MATMUL, profile_block  # noqa: E402
+
+
+def test_block_proxies_count_non_matmul_work():
+    fp32 = profile_block("tiny", 1, torch.float32)
+    bf16 = profile_block("tiny", 1, torch.bfloat16)
+    for res in (fp32, bf16):
+        assert res["kernels"] == sum(v["calls"] for v in res["by_op"].values()) > 10
+        assert res["bytes_per_token"] > 0
+        assert not set(res["by_op"]) & MATMUL  # matmuls and attention are not counted
+        assert "aten::mul" in res["by_op"]  # RMSNorm, RoPE and SwiGLU multiply
+    # autocast's casts are memory-bound work of their own: none in fp32
+    assert "aten::to" not in fp32["by_op"] and bf16["by_op"]["aten::to"]["calls"] > 0
+    # twice the tokens: the per-token bytes of activations stay, the weights' casts halve
+    two = profile_block("tiny", 2, torch.float32)
+    assert two["kernels"] == fp32["kernels"]
+    assert two["bytes_per_token"] < fp32["bytes_per_token"]
