@@ -4,8 +4,10 @@ starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,20 +55,41 @@ def test_nproc_per_node_starts_torchrun(corpus, cache_dir, tmp_path):
     assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5)
 
 
-@pytest.mark.slow
-def test_two_agents_as_two_nodes(corpus, cache_dir, tmp_path):
-    out = tmp_path / "two_nodes"
-    port = _free_port()
+def _two_agents(corpus, cache_dir, out, port):
+    """Two single-process agents as two nodes; (processes, outputs), outputs None on a hang
+    (both killed)."""
     procs = []
     for node in range(2):
         cmd = [sys.executable, "-m", "threefold", "train", "--nnodes", "2", "--nproc-per-node",
                "1", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "twonodes",
+               "--rdzv-id", f"twonodes{port}",
                *_args(corpus, cache_dir, out, train__steps=2, parallel__dp_replicate=2)]
         procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
         time.sleep(0.5)
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    try:
+        return procs, [p.communicate(timeout=240)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:  # the agent and its worker: the whole session
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            print((p.communicate()[0] or "")[-2000:])
+        return procs, None
+
+
+@pytest.mark.slow
+def test_two_agents_as_two_nodes(corpus, cache_dir, tmp_path):
+    # A rendezvous on this shared machine has hung about once in ten CI runs (never alone, no
+    # output to read): a second try on a fresh port and directory, reported, rather than a
+    # lost run.
+    for attempt in range(2):
+        out = tmp_path / f"two_nodes{attempt}"
+        procs, outs = _two_agents(corpus, cache_dir, out, _free_port())
+        if outs is not None:
+            break
+        print(f"two agents hung (attempt {attempt + 1}); retrying on a fresh port")
+    assert outs is not None, "two agents hung twice"
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     s = json.loads((out / "summary.json").read_text())
     assert s["world_size"] == 2 and s["comm_bytes_per_step"]["dp"] > 0
