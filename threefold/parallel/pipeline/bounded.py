@@ -113,13 +113,10 @@ def bounded_orders(p: int, m: int, v: int, cap: int) -> tuple[tuple[Action, ...]
     return tuple(tuple(o) for o in orders)
 
 
-def bounded_steps(cap: int):
-    """A steps function (``messages.all_ranks``' first argument) for bound ``cap``."""
-    return _BoundedSteps(cap)
-
-
 @functools.lru_cache(maxsize=64)
-def _BoundedSteps(cap: int):  # noqa: N802 - one cached callable per bound, hashable for all_ranks
+def bounded_steps(cap: int):
+    """A steps function (``messages.all_ranks``' first argument) for bound ``cap``; one per
+    bound, so that ``all_ranks``' cache keys on it."""
     def steps(p: int, m: int, v: int, rank: int) -> Steps:
         return [[a] for a in bounded_orders(p, m, v, cap)[rank]]
     return steps
