@@ -15,6 +15,15 @@ dtypes), plus its largest input again as the output it writes, an estimate (exac
 elementwise op; a reduction writes less, a cat the sum of its inputs). Under ``--dtype
 bfloat16`` the block runs under CPU autocast with fp32 weights, as threefold trains.
 Output: a table by op and one JSON line (kernels per block, bytes per token).
+
+The LM head and its loss are measured the same way, side by side in one run: the logits path
+threefold ran before (the head's whole logits, widened to fp32, then ``F.cross_entropy``) and
+the chunked head loss it runs now (``threefold.head_loss``), each with its non-matmul kernels,
+bytes per token, the peak memory its forward + backward adds (the allocator's peak on a GPU,
+the resident high-water mark on a CPU) and the planner's count of the latter
+(``activations.logits_bytes``, for the chunked path):
+
+    python3 bench/bench_elementwise.py --head             # vocab 32,768, 2,048 tokens
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ SHAPES = {"gpu": dict(hidden_size=2048, intermediate_size=8192, num_attention_he
                       num_key_value_heads=8, seq=2048),
           "tiny": dict(hidden_size=128, intermediate_size=344, num_attention_heads=4,
                        num_key_value_heads=2, seq=64)}
+VOCAB = {"gpu": 32768, "tiny": 4096}
 
 
 def _itemsize(dtype: str) -> int:
@@ -90,6 +100,74 @@ def _outermost(events):
             yield e
 
 
+def _count(events, tokens: int) -> dict:
+    """Non-matmul kernels and their bytes per token, by op, from the profiler's events."""
+    count: collections.Counter = collections.Counter()
+    nbytes: collections.Counter = collections.Counter()
+    for e in _outermost(events):
+        if e.name in MATMUL or e.name in FREE or _noop_cast(e):
+            continue
+        count[e.name] += 1
+        nbytes[e.name] += _bytes(e)
+    return {"kernels": sum(count.values()), "bytes_per_token": sum(nbytes.values()) / tokens,
+            "by_op": {k: {"calls": count[k], "bytes_per_token": nbytes[k] / tokens}
+                      for k in sorted(count, key=lambda k: -nbytes[k])}}
+
+
+def _autocast(dtype: torch.dtype):
+    return torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 \
+        else contextlib.nullcontext()
+
+
+def profile_head(shape: str, batch: int, dtype: torch.dtype, path: str) -> dict:
+    """The head and its loss, forward + backward, as ``path`` runs them: "logits" (whole fp32
+    logits, then cross-entropy) or "chunked" (``threefold.head_loss``)."""
+    import torch.nn.functional as F
+
+    from threefold.accounting.layout import Layout, Workload
+    from threefold.config import ModelConfig
+    from threefold.head_loss import LMHead
+    from threefold.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
+    from threefold.plan.activations import logits_bytes
+
+    h, vocab, seq = SHAPES[shape]["hidden_size"], VOCAB[shape], SHAPES[shape]["seq"]
+    head = LMHead(h, vocab)
+    x = torch.randn(batch, seq, h, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, seq))
+
+    def step():
+        with _autocast(dtype):
+            if path == "chunked":
+                loss = head(x, labels=labels).sum()
+            else:
+                loss = F.cross_entropy(head(x).float().flatten(0, 1), labels.flatten(),
+                                       reduction="sum")
+        loss.backward()
+        x.grad = head.weight.grad = None
+
+    step()  # first-call work is not the head's
+    cpu = torch.device("cpu")
+    before = current_memory_bytes(cpu)
+    reset_peak_memory(cpu)
+    step()
+    peak = peak_memory_bytes(cpu) - before
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    d = 2 if dtype != torch.float32 else 4
+    cfg = ModelConfig(preset="tiny", hidden_size=h, vocab_size=vocab).resolved()
+    work = Workload(seq_len=seq, global_batch=batch,
+                    precision="bf16" if d == 2 else "fp32", residual_bytes=4)
+    return {"path": path, "shape": shape, "batch": batch, "vocab": vocab,
+            "dtype": str(dtype).split(".")[-1], "peak_bytes": peak,
+            # the loss's working set as the planner counts it, plus the two gradients it
+            # makes, which the planner counts with the gradients and the blocks' backward:
+            # the weight's (fp32) and the input's (in d, then its fp32 copy)
+            "planned_bytes": logits_bytes(cfg, Layout(microbatch_size=batch), work)
+            + vocab * h * 4 + batch * seq * h * (d + (4 if d != 4 else 0))
+            if path == "chunked" else None,
+            **_count(prof.events(), batch * seq)}
+
+
 def profile_block(shape: str, batch: int, dtype: torch.dtype) -> dict:
     """One block's forward + backward under the profiler: kernels and bytes by op."""
     from threefold.config import ModelConfig
@@ -102,8 +180,7 @@ def profile_block(shape: str, batch: int, dtype: torch.dtype) -> dict:
     block = model.model.layers[0]
     x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True)
     cos, sin = model.model.rotary(torch.arange(seq).expand(batch, seq))
-    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 \
-        else contextlib.nullcontext()
+    auto = _autocast(dtype)
     with auto:  # once outside the profiler: first-call work is not the block's
         block(x, cos, sin).sum().backward()
     for t in (x, *block.parameters()):  # a step's first micro-batch: no gradient to add to
@@ -112,18 +189,8 @@ def profile_block(shape: str, batch: int, dtype: torch.dtype) -> dict:
         with auto:
             out = block(x, cos, sin)
         out.backward(torch.ones_like(out))
-    count: collections.Counter = collections.Counter()
-    nbytes: collections.Counter = collections.Counter()
-    for e in _outermost(prof.events()):
-        if e.name in MATMUL or e.name in FREE or _noop_cast(e):
-            continue
-        count[e.name] += 1
-        nbytes[e.name] += _bytes(e)
-    tokens = batch * seq
     return {"shape": shape, "batch": batch, "dtype": str(dtype).split(".")[-1],
-            "kernels": sum(count.values()), "bytes_per_token": sum(nbytes.values()) / tokens,
-            "by_op": {k: {"calls": count[k], "bytes_per_token": nbytes[k] / tokens}
-                      for k in sorted(count, key=lambda k: -nbytes[k])}}
+            **_count(prof.events(), batch * seq)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,7 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gpu")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--head", action="store_true",
+                    help="the LM head and loss, logits path against chunked, not the block")
     args = ap.parse_args(argv)
+    if args.head:
+        return head_main(args)
     res = profile_block(args.shape, args.batch, getattr(torch, args.dtype))
     print(f"one block, forward + backward, shape {res['shape']}, batch {res['batch']}, "
           f"{res['dtype']}: {res['kernels']} non-matmul kernels, "
@@ -142,6 +213,24 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps({"benchmark": "elementwise_per_block", **{k: v for k, v in res.items()
                                                                if k != "by_op"}}))
     return res
+
+
+def head_main(args) -> list[dict]:
+    """The head and loss, both paths side by side: a table and one JSON line each."""
+    rows = [profile_head(args.shape, args.batch, getattr(torch, args.dtype), path)
+            for path in ("logits", "chunked")]
+    r = rows[0]
+    print(f"LM head + loss, forward + backward, shape {r['shape']} (vocab {r['vocab']:,}), "
+          f"{args.batch * SHAPES[args.shape]['seq']:,} tokens, {r['dtype']}")
+    print(f"{'path':<8} {'kernels':>8} {'bytes/token':>12} {'peak MB':>9} {'planned MB':>11}")
+    for r in rows:
+        planned = f"{r['planned_bytes'] / 1e6:,.1f}" if r["planned_bytes"] else "-"
+        print(f"{r['path']:<8} {r['kernels']:>8} {r['bytes_per_token']:>12,.0f} "
+              f"{r['peak_bytes'] / 1e6:>9,.1f} {planned:>11}")
+    for r in rows:
+        print(json.dumps({"benchmark": "head_loss", **{k: v for k, v in r.items()
+                                                       if k != "by_op"}}))
+    return rows
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ this is what each of them measures here, so that what the model does is a measur
 - ``qkv``: q, k and v projections as three matmuls vs one of the concatenated weights;
 - ``attention``: SDPA's flash kernel for CPU with grouped-query attention (threefold) vs
   SDPA's math path (K/V repeated to every query head);
-- ``loss``: the head's matmul and ``F.cross_entropy`` (threefold) vs a fused summed
-  cross-entropy whose backward turns the saved log-softmax into the gradient in place (no
-  zero-filled buffer, no second pass).
+- ``loss``: the head's matmul and cross-entropy as one chunked function
+  (``threefold.head_loss``, which recomputes the logits in backward and keeps none) vs the
+  whole logits widened to fp32 and ``F.cross_entropy`` (what threefold ran before).
 
 Each round times ``--reps`` forward+backward calls of both sides of every pair, alternating
 which goes first; the table gives each pair's ratio (alternative time / threefold time: above
@@ -44,28 +44,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import report  # noqa: E402
+from threefold.head_loss import linear_cross_entropy  # noqa: E402
 from threefold.kernels import swiglu  # noqa: E402
 
 B, T, H, FF, HEADS, KV, D, V = 8, 256, 256, 688, 8, 4, 32, 4096
-
-
-class _FusedSumCrossEntropy(torch.autograd.Function):
-    """Summed token cross-entropy whose backward reuses the saved log-softmax in place."""
-
-    @staticmethod
-    def forward(ctx, logits, labels):
-        lsm = torch.log_softmax(logits, dim=-1)
-        loss = -lsm.gather(-1, labels[:, None]).sum()
-        ctx.save_for_backward(lsm, labels)
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        lsm, labels = ctx.saved_tensors
-        grad = lsm.exp_()  # softmax, in the saved buffer
-        grad.scatter_add_(-1, labels[:, None], torch.full_like(labels[:, None], -1,
-                                                               dtype=grad.dtype))
-        return grad.mul_(g), None
 
 
 def _pairs():
@@ -112,19 +94,19 @@ def _pairs():
                                                   v.repeat_interleave(rep, 1),
                                                   is_causal=True).sum()
 
-    def loss_plain():
-        return F.cross_entropy(F.linear(hid, head).float(), labels, reduction="sum")
+    def loss_chunked():
+        return linear_cross_entropy(hid, head, labels).sum()
 
-    def loss_fused():
-        return _FusedSumCrossEntropy.apply(F.linear(hid, head).float(), labels)
+    def loss_logits():
+        return F.cross_entropy(F.linear(hid, head).float(), labels, reduction="sum")
 
     # the two sides compute the same numbers: check once before timing
     for a, b in ((mlp_sep, mlp_fused), (qkv_sep, qkv_fused), (attn_flash, attn_math),
-                 (loss_plain, loss_fused)):
+                 (loss_chunked, loss_logits)):
         va, vb = a().item(), b().item()
         assert abs(va - vb) <= 1e-4 * max(1.0, abs(va)), (a.__name__, va, vb)
     return {"gate_up": (mlp_sep, mlp_fused), "qkv": (qkv_sep, qkv_fused),
-            "attention": (attn_flash, attn_math), "loss": (loss_plain, loss_fused)}
+            "attention": (attn_flash, attn_math), "loss": (loss_chunked, loss_logits)}
 
 
 def _saved_bytes_per_token(dtype: torch.dtype) -> tuple[float, float]:

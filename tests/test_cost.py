@@ -24,8 +24,10 @@ from threefold.accounting import (
 )
 from threefold.config import Config, ModelConfig
 from threefold.plan.activations import (
+    head_saved_bytes,
     inflight_microbatches,
     layer_activation_bytes,
+    logits_bytes,
     microbatch_extra_bytes,
 )
 from threefold.plan.candidates import SearchSpace
@@ -441,23 +443,28 @@ def test_pipeline_memory_holds_p_microbatches_on_stage_0():
     assert pp4.stage == 0
     assert pp4.activations == pytest.approx(4 * (7 * per_block + extra))
     gpipe = memory_per_gpu(cfg, Layout(pp=4, microbatch_size=1, schedule="gpipe"), work)
-    # all 32 microbatches in flight everywhere; the last stage is the largest: besides its 7
-    # blocks it keeps each microbatch's fp32 log-softmax over 128K tokens (1 GiB each)
-    assert gpipe.stage == 3
-    assert gpipe.activations == pytest.approx(32 * (7 * per_block + extra))
+    # all 32 microbatches in flight everywhere; a middle stage (9 blocks) is the largest: the
+    # last stage's head keeps only its input, the labels and the log-sum-exp per token (the
+    # chunked loss; the fp32 log-softmax over 128K, 1 GiB a microbatch, is never whole)
+    assert gpipe.stage == 1
+    lay = Layout(pp=4, microbatch_size=1, schedule="gpipe")
+    last = stage_memory(cfg, lay, work, 3)
+    assert last.activations == pytest.approx(32 * (7 * per_block + extra))
+    assert last.logits == pytest.approx(logits_bytes(cfg, lay, work)
+                                        + 31 * head_saved_bytes(cfg, lay, work))
     mid = stage_memory(cfg, Layout(pp=4, microbatch_size=1, schedule="gpipe"), work, 1)
     assert mid.activations == pytest.approx(32 * (9 * per_block + extra))
 
 
 def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
-    """The last pipeline stage keeps its final norm, head input, log-softmax and labels for
+    """The last pipeline stage keeps its final norm, head input, log-sum-exp and labels for
     every microbatch in flight: measured with saved_tensors_hooks on a real last-stage chunk
     (fp32), equal to block bytes x layers + RoPE tables + ``head_saved_bytes``; the planner
     adds one of those per microbatch in flight beyond the one in backward (GPipe: m - 1)."""
     import torch
 
-    from threefold.model import LlamaForCausalLM, causal_lm_loss
-    from threefold.plan.activations import block_activation_bytes, head_saved_bytes, logits_bytes
+    from threefold.model import LlamaForCausalLM
+    from threefold.plan.activations import block_activation_bytes
     from threefold.plan.memory import stage_memory
     from tests.test_tp_layer import SavedBytes
     from threefold.parallel.pipeline.stage import split_model
@@ -471,7 +478,7 @@ def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
     x = torch.randn(b, s, 32, requires_grad=True)
     with SavedBytes(list(last.parameters())) as saved:
         pos = torch.arange(s).expand(b, s)
-        loss = causal_lm_loss(last(x, position_ids=pos), torch.randint(0, 96, (b, s)))
+        loss = last(x, position_ids=pos, labels=torch.randint(0, 96, (b, s))).sum()
     layout = Layout(pp=2, dp_shard=1, microbatch_size=b, schedule="gpipe")
     work = Workload(seq_len=s, global_batch=8 * b, precision="fp32")
     blocks = 2 * block_activation_bytes(b * s, 32, 4, 2, cfg.head_dim, 64, act_bytes=4,

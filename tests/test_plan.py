@@ -245,9 +245,10 @@ def test_cp_is_searched_only_for_long_sequences_or_when_nothing_fits():
     assert asked.ranked and all(c.layout.cp == 2 and c.layout.cp_algorithm == "allgather"
                                 for c in asked.ranked)
     assert 16384 < CP_MIN_SEQ_LEN
-    # 16K tokens of an 8B model on 8 GPUs of 40 GB, no tp or pp: nothing fits without cp
-    # (the smallest cp = 1 layout needs ~60 GB, cp 8 ~25 GB)
-    tight = Cluster(get_hardware("h100").with_overrides(memory_bytes=40e9), 8, 8)
+    # 16K tokens of an 8B model on 8 GPUs of 25 GB, no tp or pp: nothing fits without cp
+    # (40 GB did before the chunked head loss, when the fp32 logits of 16K tokens over a
+    # 128K vocabulary, 8 GiB, and the loss's copies of them were whole)
+    tight = Cluster(get_hardware("h100").with_overrides(memory_bytes=25e9), 8, 8)
     work = Workload(seq_len=16384, global_batch=8)
     none = search(cfg, tight, work, SearchSpace(cp=(1,), tp=(1,), pp=(1,)), keep=3)
     assert not none.fits

@@ -6,8 +6,43 @@ tests/test_dryrun.py measures).
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
+
+_HALF: list = [None]  # a plain global: CUDA backward runs on autograd's device threads
+
+
+@contextlib.contextmanager
+def computing_half(which: str | None) -> Iterator[None]:
+    """Within this block a backward is asked for the inputs' gradients alone ("input", a
+    zero-bubble B) or the weights' alone ("weight", its W); functions that compute both in
+    one pass (``threefold.head_loss``) then compute only that half. None: both."""
+    before, _HALF[0] = _HALF[0], which
+    try:
+        yield
+    finally:
+        _HALF[0] = before
+
+
+def backward_half() -> str | None:
+    """"input", "weight" or None (see ``computing_half``)."""
+    return _HALF[0]
+
+
+def matmul_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` cast once to the autocast dtype when autocast is on and ``x`` is wider (the fp32
+    residual stream under bf16 autocast), else ``x``: the projections that read it (q, k, v;
+    gate, up; the head) then share one saved copy for backward, where autocast would cast,
+    and keep, a copy per projection. The same values reach the matmuls either way."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        if x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+    return x
 
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.kernels import rms_norm, swiglu
+from threefold.head_loss import LMHead
+from threefold.kernels import matmul_input, rms_norm, swiglu  # noqa: F401 (re-exported)
 from threefold.kvcache import KVCache, LayerKV  # noqa: F401 (re-exported)
 from threefold.moe import SparseMoeBlock
 
@@ -134,19 +135,6 @@ def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
     # Index of the most recent document start at or before each token.
     start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
     return idx - start_idx
-
-
-def matmul_input(x: torch.Tensor) -> torch.Tensor:
-    """``x`` cast once to the autocast dtype when autocast is on and ``x`` is wider (the fp32
-    residual stream under bf16 autocast), else ``x``: the projections that read it (q, k, v;
-    gate, up) then share one saved copy for backward, where autocast would cast, and keep, a
-    copy per projection. The same values reach the matmuls either way."""
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        dtype = torch.get_autocast_dtype(kind)
-        if x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-    return x
 
 
 class LlamaAttention(nn.Module):
@@ -329,20 +317,20 @@ def initial_weight(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: in
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus the LM head; ``forward`` returns fp32 logits.
+    """The decoder plus the LM head; ``forward`` returns fp32 logits, or with ``labels`` each
+    token's fp32 loss from the chunked head loss (``threefold.head_loss``: the logits of the
+    whole batch never exist).
 
     ``cfg`` must be resolved (every field set, ``vocab_size > 0``). With
     ``cfg.tie_word_embeddings`` the head shares the embedding's weight; the state dict then
     still holds both names (as HF's does) and a state dict without ``lm_head.weight`` (as HF
     saves tied checkpoints) loads too.
 
-    Tensor parallelism (``threefold.parallel.tensor``) sets the last three: its degree,
-    whether activations between sub-layers are split on the sequence, and its vocab-parallel
-    loss (None: ``causal_lm_loss``)."""
+    Tensor parallelism (``threefold.parallel.tensor``) sets its degree, whether activations
+    between sub-layers are split on the sequence, and the head's vocabulary shard."""
 
     tp_size = 1
     sequence_parallel = False
-    loss_function = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -350,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be set (resolve the config first)")
         self.cfg = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
         self.register_load_state_dict_pre_hook(LlamaForCausalLM._fill_tied_head)
         self.init_weights()
@@ -409,21 +397,29 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, position_ids, document_ids, cache=cache)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, cache: KVCache | None = None
-                ) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V) in fp32. ``position_ids`` default to 0..T-1;
-        with ``document_ids`` (B, T) attention stays within each packed document (pass
-        positions that restart per document, e.g. from ``document_position_ids``). With a
-        ``KVCache`` the tokens continue the cached sequence (see ``threefold.generate``)."""
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                labels: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V) in fp32, or with ``labels`` (B, T) the loss
+        of each token, −log softmax(logits / temperature) at its label (0 where it is -100),
+        computed in chunks. ``position_ids`` default to 0..T-1; with ``document_ids`` (B, T)
+        attention stays within each packed document (pass positions that restart per
+        document, e.g. from ``document_position_ids``). With a ``KVCache`` the tokens
+        continue the cached sequence (see ``threefold.generate``). A pipeline stage without
+        the head returns its hidden states."""
         h = self.forward_hidden(input_ids, position_ids, document_ids, cache)
-        return self.lm_head(h).float() if self.lm_head is not None else h
+        if self.lm_head is None:
+            return h
+        if labels is not None:
+            return self.lm_head(h, labels=labels, temperature=temperature)
+        return self.lm_head(h).float()
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                    reduction: str = "sum") -> torch.Tensor:
-    """Token cross-entropy in fp32. ``labels`` are aligned with ``logits`` (labels[:, t] is
-    the target of position t: the caller has already shifted them) and ``ignore_index``
-    marks tokens without a target. ``reduction`` "sum" (the default: the trainer divides by
+    """Token cross-entropy in fp32 from whole logits (a reference: training calls the model
+    with ``labels``, which never makes the logits whole). ``labels`` are aligned with
+    ``logits`` (labels[:, t] is the target of position t: the caller has already shifted
+    them) and ``ignore_index`` marks tokens without a target. ``reduction`` "sum" (the default: the trainer divides by
     the global count of target tokens over accumulation steps and data-parallel ranks, so every
     token weighs the same), "mean" (over this call's target tokens) or "none"."""
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),

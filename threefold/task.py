@@ -57,8 +57,9 @@ class Task:
     new_weights: tuple[str, ...] = ()
     # positions of a training row, when not data.seq_len (what tokens/s and MFU count)
     row_length: int | None = None
-    # a loss on a pipeline's last stage from the logits and the micro-batch, when the task's
-    # ``loss`` cannot run as is there: ``pipeline_loss(run, logits, micro) -> (sum, metrics)``
+    # a loss on a pipeline's last stage from its output and the micro-batch, when the task's
+    # ``loss`` cannot run as is there: ``pipeline_loss(run, token_losses, micro) -> (sum,
+    # metrics)``, from the last stage's per-token losses (B, T)
     pipeline_loss = None
 
     def adapt_model(self, model):
@@ -108,5 +109,4 @@ class PretrainTask(Task):
 
     def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         """Summed token cross-entropy (vocab-parallel under tensor parallelism)."""
-        logits = run.forward(micro)
-        return run.loss(logits, micro["labels"]), {}
+        return run.token_losses(micro).sum(), {}

@@ -21,7 +21,7 @@ from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import DataBundle, prepare_data
 from threefold.hostmem import reuse_freed_host_memory, threshold_for
 from threefold.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
-from threefold.model import LlamaForCausalLM, causal_lm_loss
+from threefold.model import LlamaForCausalLM
 from threefold.parallel.layout import SingleProcess
 from threefold.parallel.materialize import ChainSource, InitSource
 from threefold.parallel.parallelize import parallelize
@@ -97,10 +97,16 @@ class Run:
             return self.engine.model(micro["input_ids"], position_ids=micro.get("position_ids"),
                                      document_ids=micro.get("document_ids"))
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token loss: vocab-parallel under tensor parallelism, plain otherwise."""
-        fn = self.engine.model.loss_function or causal_lm_loss
-        return fn(logits, labels, reduction="sum")
+    def token_losses(self, micro: dict[str, torch.Tensor], labels: torch.Tensor | None = None,
+                     temperature: float = 1.0) -> torch.Tensor:
+        """Each token's fp32 loss (B, T), 0 where the label is -100, from the model's chunked
+        head loss (vocab-parallel under tensor parallelism; the logits are never whole).
+        ``labels`` default to the micro-batch's."""
+        with autocast(self):
+            return self.engine.model(
+                micro["input_ids"], position_ids=micro.get("position_ids"),
+                document_ids=micro.get("document_ids"),
+                labels=micro["labels"] if labels is None else labels, temperature=temperature)
 
 
 def build_run(cfg: Config, layout=None, task=None) -> Run:
@@ -148,7 +154,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
               pretrained=pretrained[1] if pretrained else None)
     if layout.chunks is not None:  # before setup, which may use it
         task_loss = task.pipeline_loss
-        layout.build_pipeline(engine, run.loss, lambda: autocast(run), mcfg.hidden_size,
+        layout.build_pipeline(engine, None, lambda: autocast(run), mcfg.hidden_size,
                               task_loss=(lambda out, mb: task_loss(run, out, mb))
                               if task_loss else None,
                               metric_names=task.metric_names if task_loss else (),

@@ -67,6 +67,8 @@ class FlatUnit:
         self.reduce_jobs: list[tuple] = []
         self.in_backward = False
         self.reads_weights_in_backward = True  # False for the embedding (see ZeroEngine)
+        self.reads_weights_in_w = False  # True for the head (see ZeroEngine)
+        self.open_backwards = 0  # micro-batches whose backward began and has not ended
 
     # -- parameters as views of the flat buffer -------------------------------------------
     def _point_params_at_full(self) -> None:

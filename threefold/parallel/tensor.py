@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from threefold.head_loss import VocabShard
 from threefold.kernels import rms_norm
 from threefold.model import LlamaForCausalLM, RMSNorm
 from threefold.parallel.placement import place, tp_shard_dim  # noqa: F401 (re-exported)
@@ -150,63 +151,6 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_seq(grad, ctx.comm), None
-
-
-# --------------------------------------------------------------------------------------------
-# Vocab-parallel cross-entropy
-# --------------------------------------------------------------------------------------------
-class _VocabParallelCE(torch.autograd.Function):
-    """Summed token cross-entropy over logits split by vocabulary across tp."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, comm, offset, vocab, ignore_index, per_token=False):
-        ctx.per_token = per_token
-        logits = logits.float()
-        n_local = logits.shape[-1]
-        if offset + n_local > vocab:  # padded rows of the last shard: never a valid class
-            logits = logits.clone()
-            logits[:, max(0, vocab - offset):] = float("-inf")
-        lmax = logits.max(dim=-1).values
-        comm.all_reduce(lmax, AXIS, op="max")
-        exp = (logits - lmax[:, None]).exp()
-        sumexp = exp.sum(-1)
-        comm.all_reduce(sumexp, AXIS)
-        valid = labels != ignore_index
-        local = labels - offset
-        mine = valid & (local >= 0) & (local < n_local)
-        idx = torch.where(mine, local, torch.zeros_like(local))
-        target = torch.where(mine, logits.gather(1, idx[:, None]).squeeze(1) - lmax,
-                             torch.zeros_like(lmax))
-        comm.all_reduce(target, AXIS)
-        loss = torch.where(valid, sumexp.log() - target, torch.zeros_like(target))
-        ctx.save_for_backward(exp / sumexp[:, None], idx, mine, valid)
-        return loss if per_token else loss.sum()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, idx, mine, valid = ctx.saved_tensors
-        g = softmax.clone()
-        rows = torch.arange(g.shape[0], device=g.device)
-        g[rows[mine], idx[mine]] -= 1.0
-        g *= valid[:, None].to(g.dtype) * (grad[:, None] if ctx.per_token else grad)
-        return g, None, None, None, None, None, None
-
-
-class VocabParallelLoss:
-    """``loss(logits_local, labels, reduction="sum")`` with the same contract as
-    ``threefold.model.causal_lm_loss`` (summed fp32 token loss; ``reduction="none"``: one
-    loss per token, 0 where the label is ``ignore_index``, for per-token log-probs)."""
-
-    def __init__(self, comm, vocab_size: int, shard: int):
-        self.comm, self.vocab, self.shard = comm, vocab_size, shard
-        self.offset = comm.rank(AXIS) * shard
-
-    def __call__(self, logits, labels, ignore_index: int = -100, reduction: str = "sum"):
-        if reduction not in ("sum", "none"):
-            raise ValueError("the vocab-parallel loss returns sums or per-token losses only")
-        return _VocabParallelCE.apply(logits.flatten(0, -2), labels.flatten(), self.comm,
-                                      self.offset, self.vocab, ignore_index,
-                                      reduction == "none")
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +290,7 @@ def _whole_sequence_positions(_m, args, kwargs):
 
 def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool = False):
     """Shard ``model`` in place over the "tp" axis of ``comm`` and install the conjugate
-    operators. Returns the model, with ``model.loss_function`` set to the vocab-parallel loss.
+    operators. Returns the model; its head's loss is then vocab-parallel (``lm_head.shard``).
     Weights are sliced from the full ones (or, on the meta device, only their shapes and
     placements change), so the sharded model computes exactly what the full one does."""
     sp = sequence_parallel
@@ -370,9 +314,10 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
     if sp:
         model.model.register_forward_pre_hook(_whole_sequence_positions, with_kwargs=True)
     if model.lm_head is not None:
-        model.lm_head.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm),))
-    model.loss_function = VocabParallelLoss(comm, model.cfg.vocab_size,
-                                            math.ceil(model.cfg.vocab_size / comm.size(AXIS)))
+        model.lm_head.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm), *a[1:]))
+        rows = math.ceil(model.cfg.vocab_size / comm.size(AXIS))
+        model.lm_head.shard = VocabShard(comm, AXIS, comm.rank(AXIS) * rows,
+                                         model.cfg.vocab_size)
     model.tp_size = comm.size(AXIS)
     model.sequence_parallel = sp  # generation refuses it (its steps are 1 token)
     return model

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
+from threefold.head_loss import LMHead
 from threefold.parallel.engine import (OptimizerSlot, global_sq_norm,
                                        unique_named_parameters)
 from threefold.parallel.flat import FlatUnit  # noqa: F401 (re-exported)
@@ -51,6 +52,23 @@ def _attach(unit_ref, grad: torch.Tensor) -> torch.Tensor:
     if unit is not None:
         unit.attach_grads()
     return grad
+
+
+def _group_parameters(modules: list[nn.Module], named: list) -> tuple[list[list], list]:
+    """(each module's (name, parameter) pairs, the root's: parameters used by several)."""
+    users: dict[nn.Parameter, list[int]] = {}
+    for i, module in enumerate(modules):
+        for p in module.parameters():
+            users.setdefault(p, []).append(i)
+    inside = {i: {id(m) for m in module.modules()} for i, module in enumerate(modules)}
+    groups: list[list] = [[] for _ in modules]
+    root: list = []
+    for n, p in named:
+        u = users.get(p, [])
+        # a unit inside another (a layer's experts in the layer) takes its own weights
+        inner = [i for i in u if all(id(modules[i]) in inside[j] for j in u)]
+        (groups[inner[0]] if len(inner) == 1 else root).append((n, p))
+    return groups, root
 
 
 class ZeroEngine:
@@ -79,18 +97,7 @@ class ZeroEngine:
         if source is not None:  # meta parameters: shapes only, until the shards are filled
             hollow_parameters(model, device or torch.device("cpu"))
         named = unique_named_parameters(model)
-        users: dict[nn.Parameter, list[int]] = {}
-        for i, module in enumerate(modules):
-            for p in module.parameters():
-                users.setdefault(p, []).append(i)
-        inside = {i: {id(m) for m in module.modules()} for i, module in enumerate(modules)}
-        groups: list[list] = [[] for _ in modules]
-        root: list = []
-        for n, p in named:
-            u = users.get(p, [])
-            # a unit inside another (a layer's experts in the layer) takes its own weights
-            inner = [i for i in u if all(id(modules[i]) in inside[j] for j in u)]
-            (groups[inner[0]] if len(inner) == 1 else root).append((n, p))
+        groups, root = _group_parameters(modules, named)
         axes = unit_axes or {}
         kw = dict(source=source, device=device, param_dtype=param_dtype,
                   reduce_dtype=reduce_dtype)
@@ -103,6 +110,9 @@ class ZeroEngine:
         for module, unit in self.unit_modules:
             # an embedding's backward reads its indices, not its weight: no gather for it
             unit.reads_weights_in_backward = not isinstance(module, nn.Embedding)
+            # the chunked head loss recomputes its logits in a zero-bubble W as well: its
+            # unit stays gathered until every micro-batch whose backward began has its W
+            unit.reads_weights_in_w = isinstance(module, LMHead)
         self.root = FlatUnit("root", root, comm, shard_axis, stage, **kw) if root else None
         self.all_units = self.units + ([self.root] if self.root else [])
         self._unit_of = {q: unit for unit in self.all_units for q in unit.params}
@@ -150,6 +160,7 @@ class ZeroEngine:
         def pre_backward(i):
             def hook(_m, _grad_out):
                 units[i].in_backward = True
+                units[i].open_backwards += 1
                 if units[i].reads_weights_in_backward:
                     units[i].wait_gather()
                 if i > 0 and units[i - 1].reads_weights_in_backward:
@@ -200,8 +211,11 @@ class ZeroEngine:
         if unit.pending:
             return
         unit.pending = len(unit.params)
+        unit.open_backwards = max(0, unit.open_backwards - 1)
         if self.stage == 3:
             self._reduce(unit)
+            if unit.reads_weights_in_w and unit.open_backwards:
+                return  # another micro-batch's W still reads the weights
             unit.in_backward = False
             if unit is not self.root:
                 unit.release()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from threefold.accounting.layout import Layout, Workload, local_seq_len
 from threefold.accounting.shapes import tp_shard
 from threefold.config import ModelConfig
+from threefold.head_loss import chunk_tokens
 from threefold.parallel.pipeline.schedules import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
@@ -207,15 +208,22 @@ def head_inflight_microbatches(schedule: str, p: int, m: int) -> int:
 
 
 def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
-    """The last stage's peak for one microbatch beyond its blocks, at the start of the loss's
-    backward: the final norm (r·h, /t under SP), the LM head's input (d·h: r·h, or its
-    autocast copy d·h), the fp32 logits over the vocabulary shard (held by the loop) and the
-    loss's working set — without tp, F.cross_entropy's log-softmax output, its gradient and
-    the logits' gradient (3 × 4·V); with tp, the vocab-parallel loss's softmax and the
-    gradient made from it (2 × 4·V/t)."""
-    tokens, norm_and_head, vocab = _head_terms(cfg, layout, work)
-    loss = (2 if layout.tp > 1 else 3) * 4 * vocab
-    return tokens * (norm_and_head + 4 * vocab + loss)
+    """The last stage's peak for one microbatch beyond its blocks, while the loss runs: what
+    the head and loss keep for backward (``head_saved_bytes``) plus the chunked head loss's
+    working set (``threefold.head_loss``): one chunk's fp32 logits over the vocabulary shard
+    (4·V/t per token of the chunk) and, where the matmul dtype d is narrower than fp32, the
+    same logits as the matmul gives them or the gradient cast back for the matmuls (d·V/t
+    more); and where the weights are wider than d, the head weight's cast and one chunk's
+    weight gradient in d (2·d·V/t·h; the fp32 gradient they add into is the weight's
+    gradient, counted with the gradients). The fp32 logits of the whole microbatch never
+    exist."""
+    tokens, _, vocab = _head_terms(cfg, layout, work)
+    d, h = work.act_bytes, cfg.hidden_size
+    narrow = d if d != 4 else 0
+    cast = 2 * d if work.weight_bytes > d else 0
+    chunk = chunk_tokens(tokens, vocab)
+    return head_saved_bytes(cfg, layout, work) + chunk * vocab * (4 + narrow) \
+        + vocab * h * cast
 
 
 def _head_terms(cfg: ModelConfig, layout: Layout, work: Workload) -> tuple[int, float, int]:
@@ -230,15 +238,12 @@ def _head_terms(cfg: ModelConfig, layout: Layout, work: Workload) -> tuple[int, 
 
 def head_saved_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """What the last stage keeps for backward per microbatch beyond its blocks, from its
-    forward until its backward: the final norm's saved tensors (r·h + 4, /t under SP),
-    the LM head's input, and the loss's saved tensors: without tp F.cross_entropy's
-    log-softmax (4·V), the int64 labels and a 4-byte scalar (its total weight); with tp the
-    vocab-parallel loss's softmax over the shard (4·V/t), the labels' int64 shard-local ids
-    and two bool masks. A pipeline's last stage holds this for every microbatch in flight
-    (``head_inflight_microbatches``); ``logits_bytes`` is the larger working set of the one
-    whose backward is running. tests/test_cost.py measures a last-stage chunk (fp32, no tp)
-    to the byte; bench/bench_pipeline_memory.py the whole schedule."""
-    tokens, norm_and_head, vocab = _head_terms(cfg, layout, work)
-    if layout.tp > 1:
-        return tokens * (norm_and_head + 4 * vocab + 8 + 2)
-    return tokens * (norm_and_head + 4 * vocab + 8) + 4
+    forward until its backward: the final norm's saved tensors (r·h + 4, /t under SP), the
+    LM head's input (d·h), and the chunked loss's labels (int64) and fp32 log-sum-exp,
+    12 bytes a token, with or without tp (``threefold.head_loss``; the weight is a
+    parameter). A pipeline's last stage holds this for every microbatch in flight
+    (``head_inflight_microbatches``); ``logits_bytes`` adds the working set of the one whose
+    loss is running. tests/test_dryrun.py measures it to the byte (fp32, with tp and SP);
+    bench/bench_pipeline_memory.py the whole schedule."""
+    tokens, norm_and_head, _ = _head_terms(cfg, layout, work)
+    return tokens * (norm_and_head + 8 + 4)

@@ -70,15 +70,14 @@ from threefold.plan.states import (
 def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
     """Under autocast with weights wider than the matmul dtype (threefold's fp32 weights under
     bf16), every linear's weight is cast once per forward and the cast is kept for backward:
-    d bytes per matmul weight of the stage, per microbatch in flight. 0 otherwise."""
+    d bytes per matmul weight of the stage's blocks, per microbatch in flight. 0 otherwise.
+    (The head's cast is not kept: the chunked loss casts it again in backward, and
+    ``activations.logits_bytes`` counts it while the loss runs.)"""
     d = work.act_bytes
     if work.weight_bytes <= d:
         return 0.0
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
-    n = sharded * rank_layers(cfg, layout, stage)
-    if stage == layout.last_stage:
-        n += tp_shard(cfg, layout.tp).vocab * cfg.hidden_size
-    return d * n
+    return d * sharded * rank_layers(cfg, layout, stage)
 
 
 # --------------------------------------------------------------------------------------------

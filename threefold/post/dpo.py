@@ -29,7 +29,7 @@ chosen reward is strictly larger, and ``logps/chosen`` / ``logps/rejected``.
 
 Reference: this is the issue's "precomputed log-probs" option. The policy equals the reference
 at step 0, so ``setup`` scores every pair (training and validation) once with the initial
-policy, before any update, with no gradient, through ``run.forward`` / ``run.loss``: the same
+policy, before any update, with no gradient, through ``run.token_losses``: the same
 code as training, so it works under every layout (the data-parallel ranks share the pairs
 out and sum their scores: each pair is scored by one dp rank, with its tp / pipeline peers)
 and needs no second model in memory. On resume the reference is scored again from the same initial weights
@@ -224,12 +224,11 @@ def load_pairs(cfg, data, options, default: str) -> PairData:
     return PairData(train, val, template, pad_id(tok, data.eot_id), stats)
 
 
-def rows_logps(run, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed log-probability of each row's labelled tokens from its logits, (rows,) fp32:
-    minus the summed cross-entropy, one ``run.loss`` call per row (vocab-parallel under
-    tensor parallelism)."""
-    return torch.stack([-run.loss(logits[i:i + 1], labels[i:i + 1])
-                        for i in range(logits.shape[0])])
+def rows_logps(token_losses: torch.Tensor) -> torch.Tensor:
+    """Summed log-probability of each row's labelled tokens, (rows,) fp32: minus the sum of
+    the row's token losses (the model's chunked head loss, 0 where a token has no label;
+    vocab-parallel under tensor parallelism)."""
+    return -token_losses.sum(-1)
 
 
 def concatenated(micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -250,8 +249,8 @@ def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
     """Policy log-probs (chosen, rejected) of a micro-batch of pairs, in one forward of the
     whole model over the ``concatenated`` rows."""
     both = concatenated(micro)
-    return halves(rows_logps(run, run.forward({"input_ids": both["input_ids"]}),
-                             both["labels"]))
+    return halves(rows_logps(run.token_losses({"input_ids": both["input_ids"]},
+                                              both["labels"])))
 
 
 class DPOTask(Task):
@@ -320,8 +319,8 @@ class DPOTask(Task):
         row's log-prob, then sent to every stage of the pipeline (all ranks' samplers hold
         the same reference)."""
 
-        def score(logits, micro):  # on the last stage, in place of the DPO loss
-            return logits.new_zeros(()), {"logps": rows_logps(run, logits, micro["labels"])}
+        def score(losses, micro):  # on the last stage, in place of the DPO loss
+            return losses.new_zeros(()), {"logps": rows_logps(losses)}
 
         for g in range(0, len(micros), pipe.m):
             group = micros[g:g + pipe.m]
@@ -356,10 +355,11 @@ class DPOTask(Task):
         """The micro-batch as a pipeline runs it: chosen then rejected rows as one batch."""
         return concatenated(micro)
 
-    def pipeline_loss(self, run, logits: torch.Tensor, micro: dict[str, torch.Tensor]
+    def pipeline_loss(self, run, losses: torch.Tensor, micro: dict[str, torch.Tensor]
                       ) -> tuple[torch.Tensor, dict]:
-        """``loss`` on a pipeline's last stage, from the logits of the concatenated rows."""
-        return self._dpo(micro, *halves(rows_logps(run, logits, micro["labels"])))
+        """``loss`` on a pipeline's last stage, from the token losses of the concatenated
+        rows."""
+        return self._dpo(micro, *halves(rows_logps(losses)))
 
     def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         """Summed DPO loss of the micro-batch's pairs and summed metrics."""

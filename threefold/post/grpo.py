@@ -23,7 +23,6 @@ from threefold.config import ConfigError
 from threefold.data import DataError
 from threefold.data.sampler import rank_rows
 from threefold.generate import generate
-from threefold.model import causal_lm_loss
 from threefold.post.chat import check_messages, encode_text, eot_token, load_chat_template
 from threefold.post.grpo_rewards import (  # noqa: F401 (re-exported: grpo's public names)
     BUILTIN_REWARDS, arithmetic_reward, builtin_prompts, call_reward, check_reward_function,
@@ -89,17 +88,6 @@ def grpo_token_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps, be
         loss = loss + beta * (kl * ratio if kl_bias_correction else kl)
     low, high = (ratio < 1 - epsilon) & (a < 0), (ratio > 1 + epsilon) & (a > 0)
     return loss, kl.detach(), low, high
-
-
-# --------------------------------------------------------------------------------------------
-# Log-probs of completion tokens
-# --------------------------------------------------------------------------------------------
-def token_logps(model, logits: torch.Tensor, labels: torch.Tensor,
-                temperature: float) -> torch.Tensor:
-    """(B, T) fp32 log-probability of each label under softmax(logits / temperature), 0 where
-    the label is IGNORE; vocab-parallel when ``model`` is tensor parallel."""
-    fn = model.loss_function or causal_lm_loss
-    return -fn(logits / temperature, labels, reduction="none").reshape(labels.shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,9 +367,9 @@ class GRPOTask(Task):
         for i in range(0, labels.shape[0], mb):
             ids = batch["input_ids"][i:i + mb].to(run.device)
             with autocast(run):
-                logits = self.reference.model(ids)
-            out.append(token_logps(self.reference.model, logits, labels[i:i + mb].to(run.device),
-                                   self.options.temperature).float().cpu())
+                losses = self.reference.model(ids, labels=labels[i:i + mb].to(run.device),
+                                              temperature=self.options.temperature)
+            out.append((-losses).float().cpu())
         return torch.cat(out)
 
     # -- the loss ------------------------------------------------------------------------------
@@ -393,8 +381,7 @@ class GRPOTask(Task):
         """Summed GRPO token loss over the micro-batch's completion tokens, summed metrics."""
         o = self.options
         labels = micro["labels"]
-        logits = run.forward({"input_ids": micro["input_ids"]})
-        logps = token_logps(run.engine.model, logits, labels, o.temperature)
+        logps = -run.token_losses({"input_ids": micro["input_ids"]}, labels, o.temperature)
         mask = (labels != IGNORE).float()
         loss, kl, low, high = grpo_token_loss(logps, micro["advantages"], micro["ref_logps"],
                                               o.beta, o.epsilon,

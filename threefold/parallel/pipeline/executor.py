@@ -118,13 +118,16 @@ class PipelineExecutor:
     """Runs one rank's share of a pipeline schedule, step after step.
 
     ``chunks[c]`` is this rank's model chunk ``c`` (virtual stage ``c·p + pp_rank``, see
-    stage.split_model). ``loss_fn(logits, labels)`` returns the summed token loss (e.g.
-    ``causal_lm_loss`` or the vocab-parallel loss). ``micro_context()`` is entered around
+    stage.split_model). Without ``loss_fn`` the last stage is called with the microbatch's
+    ``labels`` and returns each token's loss (``threefold.head_loss``: the logits are never
+    whole), which it sums; ``loss_fn(logits, labels)``, when given, returns the summed loss
+    from the last stage's logits instead. ``micro_context()`` is entered around
     every forward (e.g. autocast); ``grad_sync(last)`` around every backward that makes weight
     gradients (e.g. ``engine.micro_step``), with ``last`` True for each chunk's final one.
     ``loss_comm`` carries the loss all-reduce over "pp" (default ``comm``; pass a separate
     Comm to keep logging traffic out of the training counters). ``task_loss(outputs,
-    microbatch)``, when given, replaces ``loss_fn`` on the last stage: it gets the microbatch
+    microbatch)``, when given, replaces the sum on the last stage: it gets the token losses
+    and the microbatch
     as passed to ``run`` (a dict: a task such as DPO puts its own fields there) and returns
     (summed loss, {name: value}); the values named in ``metric_names`` are summed over
     microbatches and left in ``self.metrics`` after each step, on every rank, and every
@@ -144,7 +147,7 @@ class PipelineExecutor:
     """
 
     def __init__(self, chunks: Sequence[nn.Module], schedule: str, p: int, m: int, v: int,
-                 pp_rank: int, comm, loss_fn: Callable, *,
+                 pp_rank: int, comm, loss_fn: Callable | None = None, *,
                  micro_context: Callable[[], ContextManager] | None = None,
                  grad_sync: Callable[[bool], ContextManager] | None = None,
                  loss_comm=None, activation_shape: Callable | None = None,
@@ -273,6 +276,9 @@ class PipelineExecutor:
         else:
             x = self._handoff_f.pop(key) if key in self._handoff_f else self._recv_f.pop(key)
             x = x.detach().requires_grad_(not self._forward_only)
+        last = a.stage == self.n - 1
+        if last and self.loss_fn is None:
+            extra = {**extra, "labels": labels}
         with self.micro_context():
             out = self.chunks[a.chunk](x, **extra)
         term = None
@@ -282,7 +288,7 @@ class PipelineExecutor:
                 term = term / self._n_tokens
                 if a.stage < self.n - 1:
                     out = _AddInBackward.apply(out, term)
-        if a.stage == self.n - 1:
+        if last:
             if self._task_loss is not None:  # the task's own loss over the whole microbatch
                 total, more = self._task_loss(out, self._raw[a.microbatch])
                 self.task_outputs[a.microbatch] = more
@@ -291,7 +297,8 @@ class PipelineExecutor:
                         self._metrics[i] += more[k].detach().double()
                 out = total / self._n_tokens
             else:
-                out = self.loss_fn(out, labels) / self._n_tokens
+                out = (out.sum() if self.loss_fn is None else self.loss_fn(out, labels)) \
+                    / self._n_tokens
             self._loss += out.detach().double()
             if term is not None:
                 out = out + term
@@ -386,7 +393,7 @@ class PipelineExecutor:
 
 def pipeline_step(chunks: Sequence[nn.Module], schedule_name: str, p: int, m: int, v: int,
                   pp_rank: int, comm, microbatches: Sequence,
-                  loss_fn: Callable, n_tokens: int | float,
+                  loss_fn: Callable | None, n_tokens: int | float,
                   micro_context: Callable[[], ContextManager] | None = None,
                   grad_sync: Callable[[bool], ContextManager] | None = None,
                   records: list | None = None, loss_comm=None) -> float:

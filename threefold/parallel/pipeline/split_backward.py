@@ -9,6 +9,8 @@ import functools
 import torch
 from torch.autograd.graph import GradientEdge
 
+from threefold.kernels import computing_half
+
 
 class SplitBackward:
     """The deferred half of one chunk's backward for one microbatch.
@@ -36,7 +38,9 @@ class SplitBackward:
         try:
             self.input_grad = None
             if x.requires_grad:
-                (self.input_grad,) = torch.autograd.grad(root, [x], grad, retain_graph=True)
+                with computing_half("input"):
+                    (self.input_grad,) = torch.autograd.grad(root, [x], grad,
+                                                             retain_graph=True)
         finally:
             for h in hooks:
                 h.remove()
@@ -57,8 +61,9 @@ class SplitBackward:
                 continue
             edges = [(GradientEdge(j, i), g) for i, g in enumerate(grads) if g is not None]
             if edges:
-                torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
-                                        inputs=list(params), retain_graph=True)
+                with computing_half("weight"):
+                    torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
+                                            inputs=list(params), retain_graph=True)
         self.root = self.grad = self.captured = self.joins = None  # free the graph
 
 

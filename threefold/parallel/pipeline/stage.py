@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.head_loss import LMHead
 from threefold.model import LlamaForCausalLM
 from threefold.parallel.pipeline.actions import rank_stage
 from threefold.parallel.pipeline.balance import partition, runs_of, split_counts
@@ -124,8 +125,9 @@ def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
     chunk.lm_head = model.lm_head if last else None
     if last and tied_replica:
         head = model.lm_head
-        chunk.lm_head = nn.Linear(head.in_features, head.out_features, bias=False,
-                                  device=head.weight.device, dtype=head.weight.dtype)
+        chunk.lm_head = LMHead(head.in_features, head.out_features,
+                               device=head.weight.device, dtype=head.weight.dtype)
+        chunk.lm_head.shard, chunk.lm_head.chunk = head.shard, head.chunk
         with torch.no_grad():
             if not head.weight.is_meta:
                 chunk.lm_head.weight.copy_(head.weight)
