@@ -14,7 +14,9 @@ kernel (``MATMUL``) and less calls that move no data (views, shape changes, allo
 dtypes), plus its largest input again as the output it writes, an estimate (exact for an
 elementwise op; a reduction writes less, a cat the sum of its inputs). Under ``--dtype
 bfloat16`` the block runs under CPU autocast with fp32 weights, as threefold trains.
-Output: a table by op and one JSON line (kernels per block, bytes per token).
+Output: a table by op and one JSON line (kernels per block, bytes per token). ``--compile``
+counts the block as ``torch.compile`` runs it: inductor's fused kernels (one each; what they
+read and write is not recorded) and the aten calls left outside them.
 
 The LM head and its loss are measured the same way, side by side in one run: the logits path
 threefold ran before (the head's whole logits, widened to fp32, then ``F.cross_entropy``) and
@@ -155,8 +157,8 @@ def profile_head(shape: str, batch: int, dtype: torch.dtype, path: str) -> dict:
         step()
     d = 2 if dtype != torch.float32 else 4
     cfg = ModelConfig(preset="tiny", hidden_size=h, vocab_size=vocab).resolved()
-    work = Workload(seq_len=seq, global_batch=batch,
-                    precision="bf16" if d == 2 else "fp32", residual_bytes=4)
+    work = Workload(seq_len=seq, global_batch=batch, precision="bf16" if d == 2 else "fp32",
+                    residual_bytes=4, master_bytes=4)  # fp32 weights, as threefold trains
     return {"path": path, "shape": shape, "batch": batch, "vocab": vocab,
             "dtype": str(dtype).split(".")[-1], "peak_bytes": peak,
             # the loss's working set as the planner counts it, plus the two gradients it
@@ -168,8 +170,10 @@ def profile_head(shape: str, batch: int, dtype: torch.dtype, path: str) -> dict:
             **_count(prof.events(), batch * seq)}
 
 
-def profile_block(shape: str, batch: int, dtype: torch.dtype) -> dict:
-    """One block's forward + backward under the profiler: kernels and bytes by op."""
+def profile_block(shape: str, batch: int, dtype: torch.dtype, compiled: bool = False) -> dict:
+    """One block's forward + backward under the profiler: kernels and bytes by op. With
+    ``compiled`` the block goes through ``torch.compile`` (inductor) first; its fused kernels
+    (inductor's kernel profiling names them) count one each, their bytes are not known."""
     from threefold.config import ModelConfig
     from threefold.model import LlamaForCausalLM
 
@@ -178,19 +182,29 @@ def profile_block(shape: str, batch: int, dtype: torch.dtype) -> dict:
     cfg = ModelConfig(preset="tiny", vocab_size=256, num_hidden_layers=1, **dims).resolved()
     model = LlamaForCausalLM(cfg)
     block = model.model.layers[0]
+    if compiled:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True  # a named event per fused kernel
+        block.compile()
     x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True)
     cos, sin = model.model.rotary(torch.arange(seq).expand(batch, seq))
     auto = _autocast(dtype)
-    with auto:  # once outside the profiler: first-call work is not the block's
-        block(x, cos, sin).sum().backward()
-    for t in (x, *block.parameters()):  # a step's first micro-batch: no gradient to add to
-        t.grad = None
+    for _ in range(2 if compiled else 1):  # outside the profiler: first-call work
+        with auto:
+            block(x, cos, sin).sum().backward()
+        for t in (x, *block.parameters()):  # a step's first micro-batch: no gradient to add
+            t.grad = None
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with auto:
             out = block(x, cos, sin)
         out.backward(torch.ones_like(out))
-    return {"shape": shape, "batch": batch, "dtype": str(dtype).split(".")[-1],
-            **_count(prof.events(), batch * seq)}
+    fused = sum(1 for e in prof.events() if e.name.startswith("graph_") and "cpp_fused" in e.name)
+    res = {"shape": shape, "batch": batch, "dtype": str(dtype).split(".")[-1],
+           "compiled": compiled, **_count(prof.events(), batch * seq)}
+    res["kernels"] += fused
+    res["fused_kernels"] = fused
+    return res
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -198,15 +212,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="gpu")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--compile", action="store_true",
+                    help="the block through torch.compile (inductor): its fused kernels")
     ap.add_argument("--head", action="store_true",
                     help="the LM head and loss, logits path against chunked, not the block")
     args = ap.parse_args(argv)
     if args.head:
         return head_main(args)
-    res = profile_block(args.shape, args.batch, getattr(torch, args.dtype))
+    res = profile_block(args.shape, args.batch, getattr(torch, args.dtype), args.compile)
+    fused = f" ({res['fused_kernels']} fused by inductor, bytes not counted)" \
+        if args.compile else ""
     print(f"one block, forward + backward, shape {res['shape']}, batch {res['batch']}, "
-          f"{res['dtype']}: {res['kernels']} non-matmul kernels, "
-          f"{res['bytes_per_token']:,.0f} bytes per token read + written")
+          f"{res['dtype']}{', compiled' if args.compile else ''}: {res['kernels']} non-matmul "
+          f"kernels{fused}, {res['bytes_per_token']:,.0f} bytes per token read + written "
+          "outside them")
     print(f"{'op':<32} {'calls':>6} {'bytes/token':>12}")
     for op, v in res["by_op"].items():
         print(f"{op:<32} {v['calls']:>6} {v['bytes_per_token']:>12,.0f}")

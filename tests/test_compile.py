@@ -52,3 +52,26 @@ def test_compiled_blocks_train_as_eager_under_every_engine(corpus, cache_dir, tm
         compiled = [m["loss"] for m in metrics(tmp_path / f"{name}_compiled")]
         assert len(compiled) == len(eager) == 3
         assert compiled == pytest.approx(eager, rel=1e-5), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_block_is_one_graph(dtype):
+    """Dynamo traces a whole block without a graph break: under torch.compile the lean
+    kernels (threefold.kernels) are plain ops, so inductor can fuse across them."""
+    import contextlib
+
+    import torch
+
+    from threefold.config import ModelConfig
+    from threefold.model import LlamaForCausalLM
+
+    cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
+    model = LlamaForCausalLM(cfg)
+    x = torch.randn(2, 32, cfg.hidden_size, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(32).expand(2, 32))
+    auto = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" \
+        else contextlib.nullcontext()
+    with auto:
+        explained = torch._dynamo.explain(model.model.layers[0])(x, cos, sin)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, \
+        [b.reason for b in explained.break_reasons]

@@ -72,7 +72,7 @@ RUNS_2 = [
     ("zero1", {"parallel__zero_stage": 1}),
     ("zero2", {"parallel__zero_stage": 2}),
     ("zero2_accum", {"parallel__zero_stage": 2, "train__micro_batch_size": 2}),
-    ("zero3", {"parallel__zero_stage": 3}),
+    ("zero3_selective", {"parallel__zero_stage": 3, "train__recompute": "selective"}),
     ("zero3_accum_ac", {"parallel__zero_stage": 3, "train__micro_batch_size": 2,
                         "train__activation_checkpointing": "true"}),
 ]

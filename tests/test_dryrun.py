@@ -276,6 +276,62 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, dtype):
     assert saved.total == want
 
 
+def _held_after_forward(block, x, cos, sin, dtype) -> int:
+    """Bytes allocated during ``block``'s forward and still held after it, less its output:
+    what it keeps for backward (torch's profiler, net allocation of the outermost ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+        contextlib.nullcontext()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, auto:
+        y = block(x, cos, sin)
+    held = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_parent is None)
+    return held - y.numel() * y.element_size()
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_selective_block_bytes_equal_what_the_block_holds(tp, sp, dtype):
+    """Under selective recompute a block holds ``selective_block_bytes`` less its input
+    (made outside): the matmuls' and the attention's outputs, nothing of the norms, RoPE,
+    SwiGLU's product or the casts. Measured at two lengths, so that what does not grow with
+    the tokens (the profiler's and the checkpoint's own) drops out; the block's gradients
+    equal those without recompute."""
+    from threefold.parallel.recompute import apply_recompute
+    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.plan.activations import selective_block_bytes
+
+    cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    if tp > 1:
+        apply_tensor_parallel(model, _Loopback(tp), sp)
+    block, b, h = model.model.layers[0], 2, cfg.hidden_size
+    d = 2 if dtype == torch.bfloat16 else 4
+    sh = tp_shard(cfg, tp)
+    held, grads = {}, {}
+    for mode in ("none", "selective"):
+        apply_recompute(model, mode)
+        for s in (64, 128):
+            x = torch.randn(b, s // tp if sp else s, h, requires_grad=True,
+                            generator=torch.Generator().manual_seed(s))
+            cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+            held[mode, s] = _held_after_forward(block, x, cos, sin, dtype)
+            auto = torch.autocast("cpu", dtype=dtype) if d == 2 else contextlib.nullcontext()
+            with auto:
+                y = block(x, cos, sin)
+            grads[mode, s] = torch.autograd.grad(y.float().pow(2).sum(),
+                                                 [x, *block.parameters()])
+    want = [selective_block_bytes(b * s, h, sh.heads, sh.kv_heads, cfg.head_dim, sh.ffn, tp,
+                                  sp, act_bytes=d, residual_bytes=4)
+            - 4 * b * s * h // (tp if sp else 1) for s in (64, 128)]  # less the input
+    assert held["selective", 128] - held["selective", 64] == want[1] - want[0]
+    assert held["selective", 64] < held["none", 64]
+    for s in (64, 128):
+        for a, c in zip(grads["none", s], grads["selective", s]):
+            assert torch.equal(a, c)
+
+
 def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
     """What autograd saves in one block of the tiny model on this cp rank (its share of 2
     sequences of 64 tokens), weights excluded, with the block's attention under
@@ -372,6 +428,8 @@ EXACT_RUNS = [
     ("tp2_sp_recompute_kv1", {"parallel__tp": 2, "parallel__sequence_parallel": "true",
                               "train__activation_checkpointing": "true",
                               "model__num_key_value_heads": 1}),
+    ("tp2_sp_selective", {"parallel__tp": 2, "parallel__sequence_parallel": "true",
+                          "train__recompute": "selective"}),
     ("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 2}),
     ("pp2_interleaved", {"parallel__pp": 2, "parallel__vpp": 2, "model__num_hidden_layers": 4,
                          "parallel__schedule": "interleaved-1f1b", "train__micro_batch_size": 2}),
@@ -482,9 +540,8 @@ def test_dry_run_under_cp_reports_cp_bytes_and_memory(warm, monkeypatch, capsys)
     assert r.memory.activations == pytest.approx(alone.memory.activations / 4, rel=0.02)
     # what the head keeps per token is split 4 ways; the chunked loss's working set does not
     # depend on the tokens: one chunk of 256 MiB of fp32 logits (and its bf16 copy) and the
-    # head weight's shard (64,128 rows of 4,096) as its bf16 cast and one chunk's bf16
-    # gradient
-    const = 256 * 2**20 * 6 // 4 + 64128 * 4096 * 2 * 2
+    # head weight's shard (64,128 rows of 4,096) cast to bf16
+    const = 256 * 2**20 * 6 // 4 + 64128 * 4096 * 2
     assert r.memory.logits - const == pytest.approx((alone.memory.logits - const) / 4,
                                                     rel=2e-3)
     allgather = predict(load_config(None, base + [("parallel.cp", "4"),

@@ -203,16 +203,16 @@ def test_chunks_keep_names_own_the_ends_and_compose_to_the_model():
 # --------------------------------------------------------------------------------------------
 # Split backward and the single-rank executor
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["fp32", "bf16_autocast", "checkpointed"])
+@pytest.mark.parametrize("variant", ["fp32", "bf16_autocast", "checkpointed", "selective"])
 def test_split_backward_equals_one_backward(variant):
     """B (input grad) then W (weight grads) gives exactly what one backward gives, on a middle
     stage whose input requires grad and on the last stage (loss)."""
-    from threefold.parallel.parallelize import apply_activation_checkpointing
+    from threefold.parallel.recompute import apply_recompute
 
     cfg = _cfg(layers=4)
     chunk = split_model(_model(cfg), 2, 1, 1)[0]  # layers 2-3, norm, head
-    if variant == "checkpointed":
-        apply_activation_checkpointing(chunk)
+    if variant in ("checkpointed", "selective"):
+        apply_recompute(chunk, "full" if variant == "checkpointed" else variant)
     _, labels = _batch(0)
     x0 = torch.randn(BATCH, SEQ, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if variant == "bf16_autocast"
@@ -339,9 +339,9 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False, in
     chunks = split_model(_model(_cfg()), p, v, pp_rank, vshape=schedule_spec(schedule).vshape)
     model = rank_model(chunks)
     if ac:
-        from threefold.parallel.parallelize import apply_activation_checkpointing
+        from threefold.parallel.recompute import apply_recompute
 
-        apply_activation_checkpointing(model)
+        apply_recompute(model, "full" if ac is True else ac)
     if zero:
         units = [u for u in (model.model.embed_tokens, *model.model.layers, model.model.norm,
                              model.lm_head) if u is not None]
@@ -404,6 +404,7 @@ RUNS_4 = [
     dict(name="pp2_zero3_zb-h1", schedule="zb-h1", p=2, m=4, zero=3),
     # W recomputes a checkpointed block after ZeRO-3 released it (found by the layout fuzzer)
     dict(name="pp2_zero3_zb-h1_ac", schedule="zb-h1", p=2, m=4, zero=3, ac=True),
+    dict(name="pp2_zero3_zb-h1_selective", schedule="zb-h1", p=2, m=4, zero=3, ac="selective"),
 ]
 
 

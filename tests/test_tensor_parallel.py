@@ -41,7 +41,8 @@ def references(corpus, cache_dir, tmp_path_factory):
 
 RUNS_2 = [
     ("tp2", {"parallel__tp": 2}, "plain"),
-    ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"}, "plain"),
+    ("tp2_sp_selective", {"parallel__tp": 2, "parallel__sequence_parallel": "true",
+                          "train__recompute": "selective"}, "plain"),
     ("tp2_sp_accum_ac", {"parallel__tp": 2, "parallel__sequence_parallel": "true",
                          "train__micro_batch_size": 2,
                          "train__activation_checkpointing": "true"}, "plain"),

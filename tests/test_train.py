@@ -109,12 +109,16 @@ def test_bad_input_exits_2_and_writes_nothing(corpus, cache_dir, tmp_path, capsy
 
 
 def test_activation_checkpointing_same_losses(corpus, cache_dir, tmp_path):
+    """Full and selective recompute train to the losses of no recompute (selective: the same
+    ops re-run on the same inputs, bit for bit)."""
     _run(corpus, cache_dir, tmp_path / "a", train__steps=3)
     _run(corpus, cache_dir, tmp_path / "b", train__steps=3,
          train__activation_checkpointing="true")
+    _run(corpus, cache_dir, tmp_path / "c", train__steps=3, train__recompute="selective")
     la = [r["loss"] for r in metrics(tmp_path / "a")]
     lb = [r["loss"] for r in metrics(tmp_path / "b")]
     assert la == pytest.approx(lb, rel=1e-6)
+    assert [r["loss"] for r in metrics(tmp_path / "c")] == la
 
 
 def test_bf16_autocast_trains_close_to_fp32(corpus, cache_dir, tmp_path):

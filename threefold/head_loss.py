@@ -78,8 +78,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         target = torch.empty_like(lse)
         for lo in range(0, n, chunk):
             z = _logits(h[lo:lo + chunk], w, temperature, shard)
-            torch.logsumexp(z, -1, out=lse[lo:lo + chunk])
             target[lo:lo + chunk] = z.gather(1, idx[lo:lo + chunk, None]).squeeze(1)
+            top = z.max(-1).values  # log-sum-exp in place (torch.logsumexp makes a copy)
+            lse[lo:lo + chunk] = z.sub_(top[:, None]).exp_().sum(-1).log_().add_(top)
             del z
         target = torch.where(mine, target, torch.zeros_like(target))
         if shard is not None:  # log Σ_ranks exp(lse_rank), from the largest, then the target
@@ -112,8 +113,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hi = min(lo + ctx.chunk, h.shape[0])
             z = _logits(h[lo:hi], w, ctx.temperature, ctx.shard)
             z.sub_(lse[lo:hi, None]).exp_().scatter_add_(1, idx[lo:hi, None], hit[lo:hi])
-            g = torch.mul(z, scale[lo:hi, None], out=torch.empty_like(z, dtype=h.dtype)) \
-                if h.dtype != z.dtype else z.mul_(scale[lo:hi, None])
+            g = z.mul_(scale[lo:hi, None]).to(h.dtype)  # in place, then one cast
             del z
             if want_h:
                 gh[lo:hi] = g @ w

@@ -1,7 +1,9 @@
 """Memory-lean autograd functions for the decoder's elementwise pieces: the same forward
 arithmetic as the plain ops, op for op, and autograd's own backward formulas, but fewer
 tensors kept between forward and backward (what ``threefold.plan.activations`` counts and
-tests/test_dryrun.py measures).
+tests/test_dryrun.py measures). Under ``torch.compile`` they are the plain ops, so that a
+compiled block is one graph the compiler fuses (tests/test_compile.py checks it has no
+graph break).
 """
 
 from __future__ import annotations
@@ -64,10 +66,10 @@ class _RMSNormFunction(torch.autograd.Function):
         xf = x.float()
         normed = (xf * rstd).to(x.dtype)
         gw = (grad * normed).sum_to_size(weight.shape) if ctx.needs_input_grad[1] else None
-        if weight.untyped_storage().nbytes() == 0:
-            # the weight was released (ZeRO-3, after its unit's backward): this call is a
-            # zero-bubble W asking for the weight's gradient alone (the executor's
-            # SplitBackward), where autograd's own nodes skip the input's gradient too
+        if backward_half() == "weight" or weight.untyped_storage().nbytes() == 0:
+            # a zero-bubble W asking for the weight's gradient alone (the executor's
+            # SplitBackward), where autograd's own nodes skip the input's gradient too; the
+            # weight may be released by then (ZeRO-3, after its unit's backward)
             return None, gw, None
         gn = (grad * weight).to(x.dtype).float()  # through weight * n, then the cast
         # n = xf * rstd; rstd = rsqrt(mean(xf²) + eps): the two paths into xf
@@ -79,7 +81,13 @@ class _RMSNormFunction(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight · (x / rms(x)) computed in fp32 and cast back to x's dtype before the weight,
-    keeping x and 1/rms for backward."""
+    keeping x and 1/rms for backward. Under ``torch.compile`` the same arithmetic as plain
+    ops, which the compiler fuses (with RoPE, SwiGLU and the residual adds) into one graph
+    per block and whose saved tensors its partitioner chooses: a custom backward would break
+    the graph at every norm."""
+    if torch.compiler.is_compiling():
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return _RMSNormFunction.apply(x, weight, eps)
 
 
@@ -101,5 +109,8 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up (Shazeer's SwiGLU without its projections), saving gate and up only."""
+    """silu(gate) · up (Shazeer's SwiGLU without its projections), saving gate and up only;
+    plain ops under ``torch.compile`` (see ``rms_norm``)."""
+    if torch.compiler.is_compiling():
+        return F.silu(gate) * up
     return _SwiGLU.apply(gate, up)

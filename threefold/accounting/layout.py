@@ -136,7 +136,7 @@ class Layout:
         return cls(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=dp_shard,
                    zero_stage=p.zero_stage, vpp=p.vpp, pipeline_inflight=p.pipeline_inflight,
                    microbatch_size=min(cfg.train.micro_batch_size, local),
-                   recompute="full" if cfg.train.activation_checkpointing else "none",
+                   recompute=cfg.train.recompute_mode,
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
                    bucket_mb=p.bucket_mb, cp=p.cp, cp_algorithm=p.cp_algorithm,
                    offload_optimizer=p.offload_optimizer, ep=p.ep,
@@ -225,6 +225,10 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     """Raise LayoutError naming the first rule ``layout`` breaks for this model and batch."""
     if layout.recompute not in RECOMPUTE:
         raise LayoutError(f"recompute '{layout.recompute}' is not one of {RECOMPUTE}")
+    if layout.recompute == "selective" and work.block != "megatron" \
+            and (layout.cp > 1 or cfg.num_local_experts):
+        raise LayoutError("selective recompute is not available with cp > 1 or a mixture of "
+                          "experts (threefold.parallel.recompute); use full or none")
     if layout.pipeline_schedule not in SCHEDULES:
         raise LayoutError(f"schedule '{layout.pipeline_schedule}' is not one of {SCHEDULES}")
     if layout.zero_stage not in (0, 1, 2, 3):

@@ -176,7 +176,7 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
     t, h, d, r = layout.tp, cfg.hidden_size, work.act_bytes, work.resid_bytes
     x = tokens * h
     first, last = int(stage == 0), int(stage == layout.last_stage)
-    rec = layers if layout.recompute == "full" else 0
+    rec = layers if layout.recompute != "none" else 0  # selective re-runs them too
     subs = 1 if cfg.num_local_experts else 2  # sub-layers with tp collectives: attention (and
     # a dense MLP; a mixture of experts is whole on every tp rank)
     if layout.sp:
@@ -217,7 +217,7 @@ def _ep_collectives(add, layout: Layout, work: Workload, experts: int, rows: int
                     layers: int) -> None:
     """ep, per MoE layer and microbatch: the count exchange, then dispatch and combine of the
     ``rows`` (token, expert) elements, forward (again under full recompute) and backward."""
-    ep, forwards, tag = layout.ep, 2 if layout.recompute == "full" else 1, _paired(layout)
+    ep, forwards, tag = layout.ep, 2 if layout.recompute != "none" else 1, _paired(layout)
     add("ep", "all_to_all", experts, 8, layers * forwards, ep, True, tag)  # counts
     add("ep", "all_to_all", rows, work.resid_bytes, layers * (forwards + 1), ep, True, tag)
     add("ep", "all_to_all", rows, work.act_bytes, layers * (forwards + 1), ep, True, tag)

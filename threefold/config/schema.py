@@ -179,7 +179,11 @@ class TrainConfig:
     micro_batch_size: int = _f(8, "sequences per forward/backward on one rank")
     seed: int = _f(0, "seed for init and data order")
     dtype: str = _f("float32", "compute dtype: float32 or bfloat16 (autocast; fp32 master)")
-    activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
+    activation_checkpointing: bool = _f(False, "recompute each block's activations in backward "
+                                        "(the same as train.recompute full)")
+    recompute: str = _f("none", "activations recomputed in backward: none; selective (matmul "
+                        "and attention outputs kept, norms, RoPE, SwiGLU and casts recomputed); "
+                        "full (each block from its input)")
     compile: bool = _f(False, "torch.compile each block")
     host_mmap_threshold_mb: float = _f(256.0, "CPU runs: glibc keeps freed blocks below this "
                                        "many MiB for reuse instead of mapping fresh pages "
@@ -198,6 +202,11 @@ class TrainConfig:
     preemption_grace_s: float = _f(60.0, "on SIGTERM (a preemption notice) every rank finishes "
                                    "the step, saves a checkpoint and exits 0 within this many "
                                    "seconds; 0 = SIGTERM ends the run at once")
+
+    @property
+    def recompute_mode(self) -> str:
+        """none, selective or full: ``recompute``, or full under ``activation_checkpointing``."""
+        return "full" if self.activation_checkpointing else self.recompute
 
 
 @dataclass

@@ -31,6 +31,7 @@ def validate(cfg: Config) -> None:
     _check_optim(cfg.optim)
     _check_parallel(cfg.parallel, cfg.train)
     _check_train(cfg.train)
+    _check_recompute(cfg.train, cfg.parallel, r)
     _check_checkpoint(cfg.checkpoint)
     _check_metrics(cfg.metrics)
 
@@ -135,6 +136,20 @@ def _check_train(t: TrainConfig) -> None:
           f"{t.trace_step}")
     _need(t.eval_batches >= 1, f"train.eval_batches: must be >= 1, got {t.eval_batches}")
     _need(bool(t.output_dir), "train.output_dir: must not be empty")
+
+
+def _check_recompute(t: TrainConfig, p: ParallelConfig, r: ModelConfig) -> None:
+    """The recompute mode, and the layouts selective recompute does not take."""
+    _one_of("train.recompute", t.recompute, ["none", "selective", "full"])
+    _need(not (t.activation_checkpointing and t.recompute != "none"),
+          "train.activation_checkpointing: true means train.recompute full; set only "
+          f"train.recompute ({t.recompute})")
+    if t.recompute != "selective":
+        return
+    _need(p.cp == 1, "train.recompute: selective is not available with parallel.cp > 1 (ring "
+          "attention's per-hop results would all be kept); use full or none")
+    _need(not r.num_local_experts, "train.recompute: selective is not available for a "
+          "mixture of experts (model.num_local_experts); use full or none")
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:

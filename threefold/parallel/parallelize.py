@@ -8,7 +8,8 @@ in this order:
 2. tensor parallelism (and sequence parallelism), which slices weights by placement;
 3. context parallelism (attention only; no weights change);
 4. expert parallelism: this rank's run of experts;
-5. activation checkpointing (wrapper modules around the blocks);
+5. activation recomputation, full or selective (``threefold.parallel.recompute``: each block
+   becomes its recomputing subclass);
 6. torch.compile of each block;
 7. the engine — ZeRO, data parallel or one process, the optimiser on the device or the host —
    which allocates what the rank keeps and fills it from the source, one logical tensor at a
@@ -27,7 +28,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from threefold.config import Config, ModelConfig, param_dtype
 from threefold.model import LlamaForCausalLM
@@ -35,39 +35,14 @@ from threefold.parallel.context import apply_context_parallel
 from threefold.parallel.data import DataParallelEngine
 from threefold.parallel.engine import LocalEngine
 from threefold.parallel.expert import apply_expert_parallel
+from threefold.parallel.recompute import apply_recompute
 from threefold.parallel.materialize import materialize_buffers, materialize_parameters
 from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.parallel.zero import ZeroEngine
 
 ORDER = ("pipeline split", "tensor + sequence parallel", "context parallel", "expert parallel",
-         "activation checkpointing", "compile", "engine (ZeRO / data parallel / offload): "
+         "activation recompute", "compile", "engine (ZeRO / data parallel / offload): "
          "allocate and fill this rank's tensors")
-
-
-_CHECKPOINTED: dict[type, type] = {}
-
-
-def checkpointed(cls: type) -> type:
-    """``cls`` (a transformer block class) whose forward runs under
-    ``torch.utils.checkpoint`` (non-reentrant): its activations are recomputed in backward.
-    One subclass per block class, named ``Checkpointed<Block>``."""
-    if cls not in _CHECKPOINTED:
-        def forward(self, *args, **kwargs):
-            return checkpoint(super(sub, self).forward, *args, use_reentrant=False, **kwargs)
-
-        sub = type(f"Checkpointed{cls.__name__}", (cls,),
-                   {"forward": forward, "__doc__": f"{cls.__name__}, recomputed in backward."})
-        _CHECKPOINTED[cls] = sub
-    return _CHECKPOINTED[cls]
-
-
-def apply_activation_checkpointing(model: LlamaForCausalLM) -> None:
-    """Recompute each transformer block in backward: each block becomes, in place, its
-    ``checkpointed`` class (``print(model)`` shows it), so parameter names, checkpoints and
-    the modules pipeline chunks share do not change."""
-    for block in model.model.layers:
-        if not type(block).__name__.startswith("Checkpointed"):
-            block.__class__ = checkpointed(type(block))
 
 
 def apply_compile(model: LlamaForCausalLM) -> None:
@@ -165,8 +140,8 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
         model = adapt(model)
     model = layout.split_pipeline(model)           # 1
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
-    if cfg.train.activation_checkpointing and not frozen:  # 5
-        apply_activation_checkpointing(model)
+    if not frozen:                                        # 5
+        apply_recompute(model, cfg.train.recompute_mode)
     if cfg.train.compile and not frozen:                   # 6
         apply_compile(model)
     materialize_buffers(model, device)

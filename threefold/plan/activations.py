@@ -113,6 +113,35 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
     return tokens * (norms + inputs + attn + rope + mlp)
 
 
+def selective_block_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_dim: int,
+                          ffn: int, tp: int = 1, sequence_parallel: bool = False,
+                          act_bytes: int = 2, residual_bytes: int = 0,
+                          flash_attention: bool = True) -> float:
+    """Bytes threefold's block keeps for backward under selective recompute
+    (``threefold.parallel.recompute``: the outputs of its matmuls and of the fused attention
+    kernel kept, everything else recomputed), per rank, for ``tokens`` tokens; arguments as
+    ``block_activation_bytes``'s. Per token:
+
+    - the block's input, which the checkpoint keeps: r·h (/t under sequence parallelism);
+    - the q, k and v projections' outputs (before RoPE): d·(heads + 2·kv heads)·head_dim;
+    - the fused attention kernel's output and fp32 log-sum-exp: d·heads·head_dim + 4·heads
+      (a materialised attention is recomputed whole: nothing);
+    - o_proj's and down_proj's outputs (before tensor parallelism's reduction): 2·d·h;
+    - gate and up: 2·d·ffn.
+
+    Against ``block_activation_bytes`` this drops the norms' inputs and 1/rms, the sub-layers'
+    normed inputs, RoPE's cast tables and SwiGLU's product (recomputed, with autocast's casts
+    of weights, which ``plan.memory.cast_weight_bytes`` then does not count), for the block's
+    input and the two projection outputs the residual additions need. tests/test_dryrun.py
+    measures it."""
+    d, r = act_bytes, residual_bytes or act_bytes
+    norm_div = tp if sequence_parallel and tp > 1 else 1
+    attn = d * (heads + 2 * kv_heads) * head_dim
+    if flash_attention:
+        attn += d * heads * head_dim + 4 * heads
+    return tokens * (r * h / norm_div + attn + 2 * d * h + 2 * d * ffn)
+
+
 def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
                        cp: int, algorithm: str, act_bytes: int) -> float:
     """Bytes one block's attention keeps for backward under context parallelism, on one rank
@@ -145,8 +174,8 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
                                  recompute: str | None = None) -> float:
     """Bytes one block keeps per rank per microbatch under ``layout``: ``block_activation_bytes``
     without recompute; with full recompute only the checkpoint's input, r·b·s·h (/t under SP);
-    selective recompute drops the materialised attention probabilities (nothing under flash
-    attention, which recomputes them anyway). Under cp, of this rank's seq_len/cp tokens."""
+    with selective recompute ``selective_block_bytes`` (the matmuls' and the fused attention's
+    outputs). Under cp, of this rank's seq_len/cp tokens."""
     sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
     local = local_seq_len(layout, work)
     mode = recompute or layout.recompute
@@ -154,10 +183,32 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
         return megatron_layer_activation_bytes(cfg, layout, work, mode)
     if mode == "full":
         return work.resid_bytes * b * local * cfg.hidden_size / (layout.tp if layout.sp else 1)
-    flash = work.flash_attention or mode == "selective"
+    if mode == "selective":
+        return selective_block_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
+                                     cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
+                                     work.resid_bytes, work.flash_attention)
+    flash = work.flash_attention
     return block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, flash, s, layout.cp, layout.cp_algorithm)
+
+
+def recompute_working_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """What the block whose activations are being recomputed holds beyond what it keeps:
+    under full recompute everything it keeps without recompute; under selective, that less
+    the kept tensors its recomputed forward saves again (v, the attention's output and
+    log-sum-exp, gate and up: the same storage, counted in the activations); 0 without."""
+    mode = layout.recompute
+    if mode == "none" or work.block == "megatron" and mode == "selective":
+        return 0.0
+    whole = model_layer_activation_bytes(cfg, layout, work, recompute="none")
+    if mode == "full":
+        return whole
+    sh, d = tp_shard(cfg, layout.tp), work.act_bytes
+    shared = d * sh.kv_heads * cfg.head_dim + 2 * d * sh.ffn
+    if work.flash_attention:
+        shared += d * sh.heads * cfg.head_dim + 4 * sh.heads
+    return whole - layout.microbatch_size * local_seq_len(layout, work) * shared
 
 
 def megatron_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
@@ -213,14 +264,14 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     working set (``threefold.head_loss``): one chunk's fp32 logits over the vocabulary shard
     (4·V/t per token of the chunk) and, where the matmul dtype d is narrower than fp32, the
     same logits as the matmul gives them or the gradient cast back for the matmuls (d·V/t
-    more); and where the weights are wider than d, the head weight's cast and one chunk's
-    weight gradient in d (2·d·V/t·h; the fp32 gradient they add into is the weight's
-    gradient, counted with the gradients). The fp32 logits of the whole microbatch never
-    exist."""
+    more); and where the weights are wider than d, the head weight's cast (d·V/t·h; a
+    chunk's weight gradient in d, as large, comes after the chunk's logits are freed; the
+    fp32 gradient it adds into is the weight's gradient, counted with the gradients). The
+    fp32 logits of the whole microbatch never exist."""
     tokens, _, vocab = _head_terms(cfg, layout, work)
     d, h = work.act_bytes, cfg.hidden_size
     narrow = d if d != 4 else 0
-    cast = 2 * d if work.weight_bytes > d else 0
+    cast = d if work.weight_bytes > d else 0
     chunk = chunk_tokens(tokens, vocab)
     return head_saved_bytes(cfg, layout, work) + chunk * vocab * (4 + narrow) \
         + vocab * h * cast

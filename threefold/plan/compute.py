@@ -51,8 +51,10 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     """(forward, backward + recompute) FLOPs one rank of ``stage`` executes per microbatch,
     over all its chunks: what the hardware does, including redundant replicated-kv work, the
     padded vocabulary and recomputation. Backward is twice forward (input and weight grads);
-    full recompute re-runs each block's forward, selective only the attention core
-    (Korthikanti et al., arXiv 2205.05198 §5). Under cp a rank computes its seq_len/cp tokens,
+    full recompute re-runs each block's forward; selective recomputes no matmul, and the
+    attention core only when it is materialised (Korthikanti et al., arXiv 2205.05198 §5);
+    threefold's chunked head loss recomputes the head's logits in backward (Megatron's fused
+    block, ``Workload.block``, does not). Under cp a rank computes its seq_len/cp tokens,
     each attending over all seq_len keys. A mixture of experts' feed-forward costs its
     router and k experts per token (``moe_matmul_parameters``) on every tp rank (it is not
     split by tp); under expert parallelism a rank computes the rows routed to its experts,
@@ -67,11 +69,11 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     bwd = 2 * fwd
     if layout.recompute == "full":
         bwd += fwd
-    elif layout.recompute == "selective":
-        bwd += layers * tokens * core
-    if stage == layout.last_stage:  # LM head: never recomputed
+    elif layout.recompute == "selective" and not work.flash_attention:
+        bwd += layers * tokens * core  # a materialised attention is recomputed whole
+    if stage == layout.last_stage:  # LM head: threefold's chunked loss recomputes its logits
         head = 2 * tokens * sh.vocab * h
-        fwd, bwd = fwd + head, bwd + 2 * head
+        fwd, bwd = fwd + head, bwd + (2 if work.block == "megatron" else 3) * head
     return float(fwd), float(bwd)
 
 
@@ -92,11 +94,14 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
       and mul — 5f forward, 9f backward; the residual adds 3h each, and autograd's sums of the
       gradients that reach a tensor along two paths (residual, q/k/v, gate/up) 9h backward.
 
-    Materialised attention adds a softmax that reads and writes a·s scores. Recompute repeats
-    the forward (or only the softmax, when selective). The last stage (``stage`` None: the
-    last) adds the loss over its vocabulary shard, in fp32: forward reads the logits twice
-    (max, sum of exponentials) and writes the (log-)softmax, backward fills and reads the
-    gradients and writes the logits' gradient, 8 passes of 4·V/t bytes.
+    Materialised attention adds a softmax that reads and writes a·s scores. Recompute, full
+    or selective, repeats the forward's memory-bound work. The last stage (``stage`` None:
+    the last) adds the chunked head loss over its vocabulary shard (``threefold.head_loss``;
+    Megatron's fused block: 3 passes of 4·V/t bytes forward, 5 backward):
+    forward widens the matmul's logits to fp32 (d + 4 bytes per logit when d ≠ 4) and takes
+    their log-sum-exp in place (max 4, subtract 8, exponentiate 8, sum 4); backward widens
+    the recomputed logits again, subtracts the log-sum-exp, exponentiates and scales in
+    place (24) and casts the result to the matmul dtype (4 + d when d ≠ 4).
 
     A mixture of experts (whole on every tp rank): SwiGLU's traffic is that of its k
     experts' rows (and a shared expert), k·f + f_shared wide per token; moving each of the
@@ -126,14 +131,21 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
         fwd_tok = 10 * r * h / split + 2 * d * qk + 3 * d * ffn + softmax + moe_tok
         bwd_tok = 2 * fwd_tok
     fwd, bwd = layers * tokens * fwd_tok, layers * tokens * bwd_tok
-    if layout.recompute == "full":
+    if layout.recompute != "none":  # selective re-runs every elementwise op, as full does
         bwd += fwd
-    elif layout.recompute == "selective":
-        bwd += layers * tokens * softmax
     if stage is None or stage == layout.last_stage:
-        fwd += 3 * 4 * tokens * sh.vocab
-        bwd += 5 * 4 * tokens * sh.vocab
+        head_fwd, head_bwd = _head_traffic(d, work.block)
+        fwd, bwd = fwd + tokens * sh.vocab * head_fwd, bwd + tokens * sh.vocab * head_bwd
     return fwd, bwd
+
+
+def _head_traffic(d: int, block: str) -> tuple[int, int]:
+    """(forward, backward) bytes per logit of the loss's memory-bound kernels (see
+    ``stage_memory_traffic_per_microbatch``)."""
+    if block == "megatron":
+        return 3 * 4, 5 * 4
+    cast = d + 4 if d != 4 else 0  # the matmul's logits widened to fp32
+    return cast + 24, 2 * cast + 24
 
 
 def hardware_flops_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> float:

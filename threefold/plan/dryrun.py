@@ -238,7 +238,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
                      + f" (parallel.pipeline_split {p.pipeline_split}); parameters per rank "
                      + ", ".join(_count(stage_parameters(mcfg, layout, st))
                                  for st in range(dims.pp)))
-        if schedule_spec(p.schedule).split_backward and cfg.train.activation_checkpointing:
+        if schedule_spec(p.schedule).split_backward and cfg.train.recompute_mode != "none":
             notes.append(f"{p.schedule} with activation checkpointing: each W (weight "
                          "gradients) recomputes its blocks once per weight it splits off (up to "
                          "9 per Llama block: a separate autograd call each), not counted in the "

@@ -57,6 +57,7 @@ from threefold.plan.activations import (
     logits_bytes,
     microbatch_extra_bytes,
     model_layer_activation_bytes,
+    recompute_working_bytes,
 )
 from threefold.plan.states import (
     HOST_GRAD_BYTES,
@@ -172,9 +173,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     state = state or state_bytes_for(work)
     m = microbatches(layout, work)
     per_layer = model_layer_activation_bytes(cfg, layout, work)
-    working = 0.0
-    if layout.recompute == "full":  # the block being recomputed holds everything at once
-        working = model_layer_activation_bytes(cfg, layout, work, recompute="none")
+    working = recompute_working_bytes(cfg, layout, work)  # the block being recomputed
     extra = microbatch_extra_bytes(cfg, layout, work)
     out = []
     for stage in stages:
@@ -190,7 +189,9 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
                     * head_saved_bytes(cfg, layout, work)
                     if stage == layout.last_stage else 0.0),
             overhead=overhead_bytes,
-            cast_weights=cast_weight_bytes(cfg, layout, work, stage) * inflight, **states))
+            cast_weights=cast_weight_bytes(cfg, layout, work, stage)
+            * (inflight if layout.recompute != "selective" else 1 / max(1, layers)),
+            **states))
     return out
 
 

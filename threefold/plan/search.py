@@ -209,12 +209,13 @@ def _cp_degrees(rest: int, tp: int, work: Workload, space: SearchSpace, reject,
 
 
 def _recompute_options(space: SearchSpace, work: Workload) -> tuple[tuple[str, ...], str]:
-    """(recompute modes to try, why one was dropped or ''). Under flash attention selective
-    recompute keeps exactly what no recompute keeps (the attention core is already
-    recomputed) at more FLOPs, so it can never win; it is skipped unless asked for."""
+    """(recompute modes to try, why one was dropped or ''). Megatron's selective recompute
+    under flash attention keeps exactly what no recompute keeps (the attention core is
+    already recomputed) at more FLOPs, so it can never win there and is skipped unless asked
+    for; threefold's (``threefold.parallel.recompute``) keeps less, and is searched."""
     if space.recompute:
         return space.recompute, ""
-    if work.flash_attention:
+    if work.flash_attention and work.block == "megatron":
         return tuple(r for r in RECOMPUTE if r != "selective"), \
             "selective recompute: no memory saved under flash attention (never better than none)"
     return RECOMPUTE, ""
