@@ -94,6 +94,11 @@ def test_lr_schedule_warmup_then_cosine():
     (["--data.tokenizer", "BADTOK"], "tokenizer"),
     (["--model.preset", "llama9"], "model.preset"),
     (["--train.trace_step", "7"], "train.trace_step"),
+    (["--train.recompute", "some"], "train.recompute"),
+    (["--train.recompute", "selective", "--train.activation_checkpointing", "true"],
+     "train.activation_checkpointing"),
+    (["--train.recompute", "selective", "--parallel.cp", "2"], "train.recompute"),
+    (["--train.recompute", "selective", "--model.num_local_experts", "4"], "train.recompute"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(corpus, cache_dir, tmp_path, capsys, extra, needle):
     bad_tok = tmp_path / "bad_tokenizer.json"
