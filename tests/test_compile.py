@@ -1,5 +1,6 @@
-"""``train.compile true`` (each block through torch.compile, inductor) trains to the eager
-losses under data parallel, ZeRO-3, tensor parallel and pipeline parallel (fp32, rel 1e-5).
+"""``train.compile true`` (each block, and the head with its chunked loss where the
+vocabulary is whole, through torch.compile, inductor) trains to the eager losses under data
+parallel, ZeRO-3, tensor parallel and pipeline parallel (fp32, rel 1e-5).
 
 One 2-rank launch runs every layout eagerly and compiled, 3 steps each. The first compile in
 a process costs tens of seconds on this CPU; inductor's on-disk cache
@@ -37,6 +38,9 @@ def _eager_and_compiled(rank, world, corpus, cache, root):
             _, run = train(cfg, Distributed(cfg), return_run=True)
             if mode == "compiled":
                 blocks = [b for b in run.engine.model.model.layers if b is not None]
+                head = run.engine.model.lm_head  # compiled with its loss, unless vocab-parallel
+                if head is not None and head.shard is None:
+                    blocks.append(head)
                 compiled[name] = bool(blocks) and all(
                     getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
     return compiled
@@ -73,5 +77,19 @@ def test_a_block_is_one_graph(dtype):
         else contextlib.nullcontext()
     with auto:
         explained = torch._dynamo.explain(model.model.layers[0])(x, cos, sin)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, \
+        [b.reason for b in explained.break_reasons]
+
+
+def test_the_head_and_its_loss_are_one_graph():
+    """The chunked head loss (threefold.head_loss) traces as one graph, chunks and all."""
+    import torch
+
+    from threefold.head_loss import LMHead
+
+    head = LMHead(32, 96)
+    head.chunk = 5
+    h = torch.randn(2, 12, 32, requires_grad=True)
+    explained = torch._dynamo.explain(head)(h, labels=torch.randint(0, 96, (2, 12)))
     assert explained.graph_count == 1 and explained.graph_break_count == 0, \
         [b.reason for b in explained.break_reasons]

@@ -10,7 +10,7 @@ in this order:
 4. expert parallelism: this rank's run of experts;
 5. activation recomputation, full or selective (``threefold.parallel.recompute``: each block
    becomes its recomputing subclass);
-6. torch.compile of each block;
+6. torch.compile of each block, and of the head with its loss;
 7. the engine — ZeRO, data parallel or one process, the optimiser on the device or the host —
    which allocates what the rank keeps and fills it from the source, one logical tensor at a
    time (``threefold.parallel.materialize``): its ZeRO shards only, or its whole local
@@ -46,9 +46,13 @@ ORDER = ("pipeline split", "tensor + sequence parallel", "context parallel", "ex
 
 
 def apply_compile(model: LlamaForCausalLM) -> None:
-    """torch.compile each block in place (names unchanged)."""
+    """torch.compile each block in place (names unchanged; each is one graph), and the head
+    with its chunked loss where its vocabulary is whole (a vocab-parallel loss's all-reduces
+    would break its graph)."""
     for block in model.model.layers:
         block.compile()
+    if model.lm_head is not None and model.lm_head.shard is None:
+        model.lm_head.compile()
 
 
 def dtypes(cfg: Config) -> tuple[torch.dtype | None, torch.dtype]:
