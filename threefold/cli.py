@@ -2,9 +2,9 @@
 
 The commands are one table, ``COMMANDS`` (name, arguments, what it does, the function that
 runs it), which the help text, the dispatch and the unknown-command message all read: train,
-sft, dpo, reward, grpo, plan, schedule, convert, generate, plot, options. A command's module is
-imported when that command runs, so `threefold options` or `threefold plan` never loads the
-trainer.
+sft, dpo, reward, grpo, plan, schedule, convert, generate, data, plot, options. A command's
+module is imported when that command runs, so `threefold options` or `threefold plan` never
+loads the trainer.
 
 Bad input becomes one line on stderr and exit code 2, before any process starts and before
 anything is written to the output directory.
@@ -52,6 +52,9 @@ COMMANDS = (
     Command("generate", "--from RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] "
             "...", "complete prompts with a run's model (KV cache); prints tokens/s",
             "threefold.generate:main"),
+    Command("data", "prepare SOURCES... --out DIR [--tokenizer T.json] [--workers N] ...",
+            "tokenize local text, JSON lines, Parquet, Arrow or saved datasets into token "
+            "shards (resumable)", "threefold.data.prepare:main"),
     Command("plot", "RUN_DIR [RUN_DIR...] --out FILE.png", "draw runs' loss, lr, norm, tokens/s, "
             "MFU, memory against step", "threefold.plot:main"),
     Command("options", "", "list every configuration option with its default and meaning",
