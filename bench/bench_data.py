@@ -113,18 +113,24 @@ def generate_corpus(directory: Path, mb: float, files: int, seed: int = 0) -> in
     return total
 
 
+def _texts(path: Path):
+    """The "text" of each line of a generated JSON-lines file."""
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            yield json.loads(line)["text"]
+
+
 def make_tokenizer(corpus: Path, out: Path, vocab_size: int, sample_mb: float) -> Path:
     """A byte-level BPE trained with threefold's trainer on the corpus's leading text."""
     from threefold.data.tokenizer import train_bpe
 
     docs, used = [], 0
     for path in sorted(corpus.glob("*.jsonl")):
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                docs.append(json.loads(line)["text"])
-                used += len(docs[-1])
-                if used >= sample_mb * MB / 2:
-                    break
+        for text in _texts(path):
+            docs.append(text)
+            used += len(text)
+            if used >= sample_mb * MB / 2:
+                break
         if used >= sample_mb * MB:
             break
     out.write_text(train_bpe(docs, vocab_size).to_str())
@@ -198,13 +204,12 @@ def _ref_encode(texts: list[str]) -> int:
 def _ref_batches(corpus: Path, batch_chars: int):
     batch, size = [], 0
     for path in sorted(corpus.glob("*.jsonl")):
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                batch.append(json.loads(line)["text"])
-                size += len(batch[-1])
-                if size >= batch_chars:
-                    yield batch
-                    batch, size = [], 0
+        for text in _texts(path):
+            batch.append(text)
+            size += len(text)
+            if size >= batch_chars:
+                yield batch
+                batch, size = [], 0
     if batch:
         yield batch
 

@@ -147,6 +147,64 @@ def _saved_bytes_per_token(dtype: torch.dtype) -> tuple[float, float]:
     return (sum(storages.values()) - cast) / (B * T), counted
 
 
+def held_after_forward(block, x, cos, sin, dtype) -> int:
+    """Bytes allocated during ``block``'s forward and still held after it, less its output:
+    what it keeps for backward, whatever keeps it (autograd or a checkpoint's cache), from the
+    profiler's net allocations of the outermost ops."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+        contextlib.nullcontext()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, auto:
+        y = block(x, cos, sin)
+    held = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_parent is None)
+    return held - y.numel() * y.element_size()
+
+
+def _selective_bytes_per_token(dtype: torch.dtype) -> tuple[float, float]:
+    """(bytes one tiny-preset block keeps per token under selective recompute, measured as
+    what its forward leaves allocated, per token between two lengths; what
+    ``selective_block_bytes`` counts for it, less the block's input, made outside)."""
+    from threefold.config import ModelConfig
+    from threefold.model import LlamaForCausalLM
+    from threefold.parallel.recompute import apply_recompute
+    from threefold.plan.activations import selective_block_bytes
+
+    cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
+    model = LlamaForCausalLM(cfg)
+    apply_recompute(model, "selective")
+    held = []
+    for t in (T, 2 * T):
+        x = torch.randn(B, t, H, requires_grad=True)
+        cos, sin = model.model.rotary(torch.arange(t).expand(B, t))
+        held.append(held_after_forward(model.model.layers[0], x, cos, sin, dtype))
+    d = 2 if dtype == torch.bfloat16 else 4
+    counted = selective_block_bytes(1, H, HEADS, KV, D, FF, act_bytes=d, residual_bytes=4)
+    return (held[1] - held[0]) / (B * T), counted - 4 * H
+
+
+def _counted_per_token() -> dict:
+    """What the planner counts per token per layer (bf16 autocast, fp32 residual) for the
+    1.11B GPU shape and Llama 3 8B: no recompute, selective, full."""
+    from threefold.config import ModelConfig
+    from threefold.plan.activations import block_activation_bytes, selective_block_bytes
+
+    shapes = {"1.11B": ModelConfig(preset="tiny", vocab_size=32768, hidden_size=2048,
+                                   intermediate_size=8192, num_attention_heads=32,
+                                   num_key_value_heads=8).resolved(),
+              "llama3-8b": ModelConfig(preset="llama3-8b").resolved()}
+    out = {}
+    for name, c in shapes.items():
+        args = (1, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                c.intermediate_size)
+        out[name] = {"none": block_activation_bytes(*args, act_bytes=2, residual_bytes=4),
+                     "selective": selective_block_bytes(*args, act_bytes=2, residual_bytes=4),
+                     "full": 4 * c.hidden_size}
+    return out
+
+
 def _time(fn, reps: int) -> float:
     """Median seconds of one forward+backward of ``fn`` over ``reps`` calls."""
     times = []
@@ -196,6 +254,19 @@ def main() -> None:
               f"measured (autograd's saved tensors), {counted:,.0f} counted "
               "(plan.activations.block_activation_bytes)")
     print(json.dumps({"benchmark": "kernels_saved_bytes_per_token", **saved}))
+    selective = {}
+    for name, dt in (("fp32", torch.float32), ("bf16 autocast", torch.bfloat16)):
+        measured, counted = _selective_bytes_per_token(dt)
+        selective[name] = {"measured": measured, "counted": counted}
+        print(f"selective recompute, one tiny block per token, {name}: {measured:,.0f} bytes "
+              f"held after its forward (less its input), {counted:,.0f} counted "
+              "(plan.activations.selective_block_bytes less the input)")
+    counts = _counted_per_token()
+    for name, c in counts.items():
+        print(f"counted per token per layer, {name}, bf16 autocast: none {c['none']:,.0f}, "
+              f"selective {c['selective']:,.0f}, full {c['full']:,.0f}")
+    print(json.dumps({"benchmark": "kernels_selective_bytes_per_token", **selective,
+                      "counted": counts}))
     print(json.dumps({"benchmark": "kernels", "threads": args.threads,
                       "reuse_host_memory": args.reuse_host_memory}))
 

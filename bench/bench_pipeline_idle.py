@@ -42,7 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, run_ranks  # noqa: E402
 from threefold.config import ModelConfig  # noqa: E402
-from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
+from threefold.model import LlamaForCausalLM  # noqa: E402
 from threefold.parallel.pipeline.executor import PipelineExecutor, idle_fraction  # noqa: E402
 from threefold.parallel.pipeline.simulate import measured_costs, simulate  # noqa: E402
 
@@ -86,7 +86,7 @@ def run_schedule(args, entry: str, v: int, comm) -> dict:
     model.init_weights(0)
     chunks = split_model(model, p, v, rank, vshape=schedule_spec(name).vshape)
     del model
-    ex = PipelineExecutor(chunks, name, p, m, v, rank, comm, causal_lm_loss, inflight=bound)
+    ex = PipelineExecutor(chunks, name, p, m, v, rank, comm, inflight=bound)
     g = torch.Generator().manual_seed(0)
     b, s = args.micro_batch_size, args.seq_len
     micro = [(torch.randint(0, args.vocab, (b, s), generator=g),

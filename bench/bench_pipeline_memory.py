@@ -89,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (peak_rss_bytes, report, run_ranks,  # noqa: E402
                           start_peak_rss_window)
 from threefold.config import ModelConfig  # noqa: E402
-from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
+from threefold.model import LlamaForCausalLM  # noqa: E402
 from threefold.parallel.pipeline.schedules import in_flight_chunks, peak_in_flight  # noqa: E402
 from threefold.plan import activations, memory  # noqa: E402
 
@@ -235,7 +235,7 @@ def planner_last_stage(cfg: ModelConfig, args, name: str, p: int, v: int,
 # --------------------------------------------------------------------------------------------
 # One rank
 # --------------------------------------------------------------------------------------------
-def one_microbatch_bytes(chunk, tracker: SavedActivations, loss_fn, mb, cfg) -> int:
+def one_microbatch_bytes(chunk, tracker: SavedActivations, mb, cfg) -> int:
     """Saved bytes of one microbatch through ``chunk`` alone (its loss too on the last
     stage); the graph is dropped again without backward."""
     ids, labels = mb
@@ -244,10 +244,9 @@ def one_microbatch_bytes(chunk, tracker: SavedActivations, loss_fn, mb, cfg) -> 
     x = ids if first else torch.randn(b, s, cfg.hidden_size, requires_grad=True)
     live0 = tracker.live
     tracker.reset()
-    with tracker.context():
-        out = chunk(x, position_ids=torch.arange(s).expand(b, s))
-    if last:
-        out = loss_fn(out, labels)
+    with tracker.context():  # the last stage returns its token losses (the chunked head loss)
+        out = chunk(x, position_ids=torch.arange(s).expand(b, s),
+                    **({"labels": labels} if last else {}))
     got = tracker.peak - live0
     del out, x
     if tracker.live != live0:
@@ -255,12 +254,12 @@ def one_microbatch_bytes(chunk, tracker: SavedActivations, loss_fn, mb, cfg) -> 
     return got
 
 
-def run_schedule(name, chunks, p, m, v, rank, comm, loss_fn, tracker, micro, n_tokens,
+def run_schedule(name, chunks, p, m, v, rank, comm, tracker, micro, n_tokens,
                  args, bound: int = 0) -> dict:
     """Warm-up steps, then one measured step of ``name``: peak saved bytes and RSS growth."""
     from threefold.parallel.pipeline.executor import PipelineExecutor
 
-    ex = PipelineExecutor(chunks, name, p, m, v, rank, comm, loss_fn,
+    ex = PipelineExecutor(chunks, name, p, m, v, rank, comm,
                           micro_context=tracker.context, inflight=bound)
     params = [q for c in chunks for q in c.parameters()]
 
@@ -312,10 +311,6 @@ def worker(args: argparse.Namespace) -> None:
     # activations, which would then be skipped
     tracker = SavedActivations({q for cs in chunks.values() for c in cs for q in c.parameters()})
 
-    def loss_fn(logits, labels):  # the executor calls the loss outside micro_context
-        with tracker.context():
-            return causal_lm_loss(logits, labels)
-
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(cfg.vocab_size, (m * args.micro_batch, args.seq_len + 1),
                            generator=gen)
@@ -328,7 +323,7 @@ def worker(args: argparse.Namespace) -> None:
     per_chunk = {}
     for key, cs in chunks.items():
         per_chunk[key] = [{"stage": c.pipeline_stage, "blocks": len(c.model.layers),
-                         "measured": one_microbatch_bytes(c, tracker, loss_fn, micro[0], cfg),
+                         "measured": one_microbatch_bytes(c, tracker, micro[0], cfg),
                          "planner": planner_bytes(cfg, args, len(c.model.layers)),
                          "extra_formula": stage_extra_bytes(cfg, args,
                                                             c.model.embed_tokens is not None,
@@ -337,7 +332,7 @@ def worker(args: argparse.Namespace) -> None:
     results = {}
     for entry, (name, v, bound, vshape) in schedules.items():
         key = (v, vshape)
-        r = run_schedule(name, chunks[key], p, m, v, rank, comm, loss_fn, tracker, micro,
+        r = run_schedule(name, chunks[key], p, m, v, rank, comm, tracker, micro,
                          n_tokens, args, bound)
         blocks = sum(c["blocks"] for c in per_chunk[key])
         r["exact"] = in_flight_chunks(r.pop("actions"),

@@ -20,7 +20,9 @@ Both sides build their stage from the same weights (``init_weights(seed)``), see
 batch (random token ids from a fixed seed, ``--batch`` sequences cut into ``--microbatches``
 equal microbatches; data loading is not compared) and take the same steps: forward and
 backward of every microbatch under the same schedule, loss = summed token cross-entropy
-(``causal_lm_loss``) / the batch's token count (so gradients are those of the whole batch),
+/ the batch's token count (so gradients are those of the whole batch; threefold's last stage
+computes it with its chunked head loss, which recomputes the head's logits in backward, torch's
+with ``causal_lm_loss`` on the stage's logits: the same value),
 the step's loss made known on every rank (one all-reduce), then AdamW (``make_adamw``: the
 same hyper-parameters and single-tensor kernel) and ``zero_grad``. No gradient clipping. What
 differs is only the pipeline runtime:
@@ -148,8 +150,7 @@ def build_threefold(chunk, args, batch, comm, pp_rank):
     ids, labels, n_tokens = batch
     mb = args.batch // args.microbatches
     micro = [(ids[i:i + mb], labels[i:i + mb]) for i in range(0, args.batch, mb)]
-    ex = PipelineExecutor([chunk], args.schedule, args.pp, args.microbatches, 1, pp_rank, comm,
-                          causal_lm_loss)
+    ex = PipelineExecutor([chunk], args.schedule, args.pp, args.microbatches, 1, pp_rank, comm)
     opt = make_adamw(chunk.parameters(), OptimConfig())
     busy = [0.0]
 

@@ -34,3 +34,17 @@ def test_compiled_block_fuses_the_elementwise_work():
     eager = profile_block("tiny", 1, torch.float32)
     compiled = profile_block("tiny", 1, torch.float32, compiled=True)
     assert 0 < compiled["fused_kernels"] <= compiled["kernels"] < eager["kernels"] / 2
+
+
+def test_head_proxies_run_both_paths():
+    """``--head``: the whole-logits path and the chunked head loss, each with kernels, bytes
+    per token and a measured peak; the planner's count beside the chunked one only."""
+    from bench.bench_elementwise import profile_head
+
+    logits = profile_head("tiny", 1, torch.float32, "logits")
+    chunked = profile_head("tiny", 1, torch.float32, "chunked")
+    assert logits["planned_bytes"] is None and chunked["planned_bytes"] > 0
+    for res in (logits, chunked):
+        assert res["kernels"] > 0 and res["bytes_per_token"] > 0 and res["peak_bytes"] >= 0
+    assert "aten::cross_entropy_loss" in logits["by_op"]
+    assert "aten::cross_entropy_loss" not in chunked["by_op"]  # the loss is threefold's own

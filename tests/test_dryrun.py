@@ -276,19 +276,6 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, dtype):
     assert saved.total == want
 
 
-def _held_after_forward(block, x, cos, sin, dtype) -> int:
-    """Bytes allocated during ``block``'s forward and still held after it, less its output:
-    what it keeps for backward (torch's profiler, net allocation of the outermost ops)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
-        contextlib.nullcontext()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, auto:
-        y = block(x, cos, sin)
-    held = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_parent is None)
-    return held - y.numel() * y.element_size()
-
-
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_selective_block_bytes_equal_what_the_block_holds(tp, sp, dtype):
@@ -297,6 +284,7 @@ def test_selective_block_bytes_equal_what_the_block_holds(tp, sp, dtype):
     SwiGLU's product or the casts. Measured at two lengths, so that what does not grow with
     the tokens (the profiler's and the checkpoint's own) drops out; the block's gradients
     equal those without recompute."""
+    from bench.bench_kernels import held_after_forward
     from threefold.parallel.recompute import apply_recompute
     from threefold.parallel.tensor import apply_tensor_parallel
     from threefold.plan.activations import selective_block_bytes
@@ -316,7 +304,7 @@ def test_selective_block_bytes_equal_what_the_block_holds(tp, sp, dtype):
             x = torch.randn(b, s // tp if sp else s, h, requires_grad=True,
                             generator=torch.Generator().manual_seed(s))
             cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
-            held[mode, s] = _held_after_forward(block, x, cos, sin, dtype)
+            held[mode, s] = held_after_forward(block, x, cos, sin, dtype)
             auto = torch.autocast("cpu", dtype=dtype) if d == 2 else contextlib.nullcontext()
             with auto:
                 y = block(x, cos, sin)

@@ -221,8 +221,7 @@ def test_split_backward_equals_one_backward(variant):
     def forward():
         x = x0.clone().requires_grad_(True)
         with ctx:
-            out = chunk(x)
-        return x, causal_lm_loss(out, labels)
+            return x, chunk(x, labels=labels).sum()
 
     x, loss = forward()
     loss.backward()
@@ -251,7 +250,7 @@ def test_one_rank_pipeline_is_gradient_accumulation(schedule, v):
     chunks = split_model(_model(cfg), 1, v, 0)
     mbs = [(ids[i:i + 2], labels[i:i + 2]) for i in range(0, BATCH, 2)]
     records = []
-    loss = pipeline_step(chunks, schedule, 1, 4, v, 0, None, mbs, causal_lm_loss, n,
+    loss = pipeline_step(chunks, schedule, 1, 4, v, 0, None, mbs, n,
                          records=records)
     with torch.no_grad():
         want = (causal_lm_loss(ref(ids), labels) / n).item()
@@ -262,7 +261,7 @@ def test_one_rank_pipeline_is_gradient_accumulation(schedule, v):
     assert len([r for r in records if r.category == "compute"]) == \
         sum(a.kind.is_compute for a in build_schedule(schedule, 1, 4, v)[0])
     grads = {k: q.grad.clone() for k, q in got.items()}
-    ex = PipelineExecutor(chunks, schedule, 1, 4, v, 0, None, causal_lm_loss)
+    ex = PipelineExecutor(chunks, schedule, 1, 4, v, 0, None)
     assert ex.evaluate(mbs) == pytest.approx(want * n, rel=1e-6)  # forward only: token sum
     assert all(torch.equal(q.grad, grads[k]) for k, q in got.items())  # no gradient touched
 
@@ -285,7 +284,7 @@ def test_dict_microbatches_carry_packed_documents():
     chunks = split_model(_model(cfg), 1, 2, 0)
     mbs = [{"input_ids": ids[i:i + 4], "labels": labels[i:i + 4], "position_ids": pos[i:i + 4],
             "document_ids": docs[i:i + 4]} for i in (0, 4)]
-    ex = PipelineExecutor(chunks, "interleaved-1f1b", 1, 2, 2, 0, None, causal_lm_loss)
+    ex = PipelineExecutor(chunks, "interleaved-1f1b", 1, 2, 2, 0, None)
     assert ex.evaluate(mbs) == pytest.approx(want, rel=1e-6)
     assert ex.run(mbs, n) == pytest.approx(want / n, rel=1e-6)
 
@@ -293,10 +292,10 @@ def test_dict_microbatches_carry_packed_documents():
 def test_executor_refuses_mismatched_chunks_and_microbatches():
     chunks = split_model(_model(_cfg(layers=4)), 1, 2, 0)
     with pytest.raises(ValueError, match="1 chunk"):
-        PipelineExecutor(chunks, "1f1b", 1, 4, 1, 0, None, causal_lm_loss)
+        PipelineExecutor(chunks, "1f1b", 1, 4, 1, 0, None)
     with pytest.raises(ValueError, match="multiple of pp"):
-        PipelineExecutor(chunks, "interleaved-1f1b", 3, 4, 2, 0, None, causal_lm_loss)
-    ex = PipelineExecutor(chunks, "interleaved-1f1b", 1, 4, 2, 0, None, causal_lm_loss)
+        PipelineExecutor(chunks, "interleaved-1f1b", 3, 4, 2, 0, None)
+    ex = PipelineExecutor(chunks, "interleaved-1f1b", 1, 4, 2, 0, None)
     with pytest.raises(ValueError, match="4 microbatches, got 2"):
         ex.run([_batch(0)] * 2, 100)
 
@@ -350,7 +349,7 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False, in
         engine = DataParallelEngine(model, _optim(), comm, bucket_mb=0.05)
     else:
         engine = LocalEngine(model, _optim(), comm)
-    ex = PipelineExecutor(chunks, schedule, p, m, v, pp_rank, comm, causal_lm_loss,
+    ex = PipelineExecutor(chunks, schedule, p, m, v, pp_rank, comm,
                           grad_sync=engine.micro_step, inflight=inflight)
     losses = []
     for step in range(STEPS + 1):  # the last one only evaluates

@@ -29,7 +29,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.head_loss import LMHead
-from threefold.kernels import matmul_input, rms_norm, swiglu  # noqa: F401 (re-exported)
+from threefold.kernels import matmul_input, rms_norm, swiglu
 from threefold.kvcache import KVCache, LayerKV  # noqa: F401 (re-exported)
 from threefold.moe import SparseMoeBlock
 
@@ -416,12 +416,11 @@ class LlamaForCausalLM(nn.Module):
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                    reduction: str = "sum") -> torch.Tensor:
-    """Token cross-entropy in fp32 from whole logits (a reference: training calls the model
-    with ``labels``, which never makes the logits whole). ``labels`` are aligned with
-    ``logits`` (labels[:, t] is the target of position t: the caller has already shifted
-    them) and ``ignore_index`` marks tokens without a target. ``reduction`` "sum" (the default: the trainer divides by
-    the global count of target tokens over accumulation steps and data-parallel ranks, so every
-    token weighs the same), "mean" (over this call's target tokens) or "none"."""
+    """Token cross-entropy in fp32 from whole logits: a reference for callers that hold them
+    (training calls the model with ``labels``, which never makes the logits whole).
+    ``labels`` are aligned with ``logits`` (labels[:, t] is the target of position t: the
+    caller has already shifted them) and ``ignore_index`` marks tokens without a target.
+    ``reduction`` "sum" (the default), "mean" (over this call's target tokens) or "none"."""
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
                            ignore_index=ignore_index, reduction=reduction)
 

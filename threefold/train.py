@@ -154,7 +154,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
               pretrained=pretrained[1] if pretrained else None)
     if layout.chunks is not None:  # before setup, which may use it
         task_loss = task.pipeline_loss
-        layout.build_pipeline(engine, None, lambda: autocast(run), mcfg.hidden_size,
+        layout.build_pipeline(engine, lambda: autocast(run), mcfg.hidden_size,
                               task_loss=(lambda out, mb: task_loss(run, out, mb))
                               if task_loss else None,
                               metric_names=task.metric_names if task_loss else (),

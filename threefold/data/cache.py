@@ -22,9 +22,14 @@ def fingerprint(*parts: object) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def file_sha256(path: Path, into=None) -> str:
+    """Hex SHA-256 of a file's bytes, read 1 MiB at a time (``into``: a hashlib object to
+    update instead of a new one; its digest so far is returned)."""
+    h = into if into is not None else hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 @contextmanager

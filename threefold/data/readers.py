@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
+from threefold.data.cache import file_sha256
 from threefold.data.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
@@ -88,16 +89,13 @@ def list_inputs(sources: list[str | Path]) -> list[Path]:
 
 def input_digest(path: Path) -> tuple[str, int]:
     """SHA-256 of an input's bytes (a saved dataset: of its files' names and bytes) and size."""
-    h, size = hashlib.sha256(), 0
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for f in files:
-        if path.is_dir():
-            h.update(str(f.relative_to(path)).encode() + b"\0")
-        with open(f, "rb") as fh:
-            while block := fh.read(1 << 20):
-                h.update(block)
-                size += len(block)
-    return h.hexdigest(), size
+    if not path.is_dir():
+        return file_sha256(path), path.stat().st_size
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode() + b"\0")
+        file_sha256(f, into=h)
+    return h.hexdigest(), input_size(path)
 
 
 def input_size(path: Path) -> int:

@@ -137,7 +137,7 @@ class Distributed(World):
                                   seq_len=self.cfg.data.seq_len, vshape=self.vshape)
         return rank_model(self.chunks)
 
-    def build_pipeline(self, engine, loss_fn, micro_context, hidden: int,
+    def build_pipeline(self, engine, micro_context, hidden: int,
                        task_loss=None, metric_names=(), extra_loss=None) -> None:
         """The executor of this rank's schedule (pp > 1), once the engine exists;
         ``task_loss``/``metric_names`` as ``PipelineExecutor`` takes them (a task's own loss
@@ -150,7 +150,7 @@ class Distributed(World):
             self._tie_pipeline_ends(engine.model)
         self.pipeline = PipelineExecutor(
             self.chunks, p.schedule, self.dims.pp, self.microbatches(self.cfg), p.vpp,
-            self.pp_rank, self.comm, loss_fn, micro_context=micro_context,
+            self.pp_rank, self.comm, micro_context=micro_context,
             grad_sync=engine.micro_step, loss_comm=self.control,
             activation_shape=lambda ids: (ids.shape[0], ids.shape[1] // split, hidden),
             task_loss=task_loss, metric_names=metric_names, extra_loss=extra_loss,

@@ -58,11 +58,11 @@ class _Keep(TorchDispatchMode):
 
     def __init__(self, kept: list):
         super().__init__()
-        self.kept = kept
+        self.kept, self.ops = kept, kept_ops()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in kept_ops():
+        if func in self.ops:
             self.kept.append((func, out, _versions(out)))
         return out
 
@@ -74,14 +74,14 @@ class _Reuse(TorchDispatchMode):
 
     def __init__(self, kept: list):
         super().__init__()
-        self.kept, self.next = kept, 0
+        self.kept, self.next, self.ops = kept, 0, kept_ops()
 
     def __enter__(self):
         self.next = 0
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in kept_ops():
+        if func not in self.ops:
             return func(*args, **(kwargs or {}))
         op, out, versions = self.kept[self.next]
         self.next += 1

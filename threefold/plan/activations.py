@@ -187,10 +187,10 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
         return selective_block_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                      cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                      work.resid_bytes, work.flash_attention)
-    flash = work.flash_attention
     return block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
-                                  work.resid_bytes, flash, s, layout.cp, layout.cp_algorithm)
+                                  work.resid_bytes, work.flash_attention, s, layout.cp,
+                                  layout.cp_algorithm)
 
 
 def recompute_working_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:

@@ -118,18 +118,16 @@ class PipelineExecutor:
     """Runs one rank's share of a pipeline schedule, step after step.
 
     ``chunks[c]`` is this rank's model chunk ``c`` (virtual stage ``c·p + pp_rank``, see
-    stage.split_model). Without ``loss_fn`` the last stage is called with the microbatch's
-    ``labels`` and returns each token's loss (``threefold.head_loss``: the logits are never
-    whole), which it sums; ``loss_fn(logits, labels)``, when given, returns the summed loss
-    from the last stage's logits instead. ``micro_context()`` is entered around
+    stage.split_model). The last stage is called with the microbatch's ``labels`` and returns
+    each token's loss (``threefold.head_loss``: the logits are never whole), which it sums.
+    ``micro_context()`` is entered around
     every forward (e.g. autocast); ``grad_sync(last)`` around every backward that makes weight
     gradients (e.g. ``engine.micro_step``), with ``last`` True for each chunk's final one.
     ``loss_comm`` carries the loss all-reduce over "pp" (default ``comm``; pass a separate
     Comm to keep logging traffic out of the training counters). ``task_loss(outputs,
     microbatch)``, when given, replaces the sum on the last stage: it gets the token losses
-    and the microbatch
-    as passed to ``run`` (a dict: a task such as DPO puts its own fields there) and returns
-    (summed loss, {name: value}); the values named in ``metric_names`` are summed over
+    and the microbatch as passed to ``run`` (a dict: a task such as DPO puts its own fields
+    there) and returns (summed loss, {name: value}); the values named in ``metric_names`` are summed over
     microbatches and left in ``self.metrics`` after each step, on every rank, and every
     microbatch's dict stays in ``self.task_outputs[microbatch]`` on the last stage.
     ``activation_shape(inputs)`` is the shape of a stage-boundary activation for a
@@ -147,7 +145,7 @@ class PipelineExecutor:
     """
 
     def __init__(self, chunks: Sequence[nn.Module], schedule: str, p: int, m: int, v: int,
-                 pp_rank: int, comm, loss_fn: Callable | None = None, *,
+                 pp_rank: int, comm, *,
                  micro_context: Callable[[], ContextManager] | None = None,
                  grad_sync: Callable[[bool], ContextManager] | None = None,
                  loss_comm=None, activation_shape: Callable | None = None,
@@ -169,7 +167,7 @@ class PipelineExecutor:
                 raise ValueError(f"pipeline: chunk {c} of rank {pp_rank} must be virtual stage "
                                  f"{want}, got a chunk of stage {got}")
         self.chunks, self.schedule, self.p, self.m, self.v = list(chunks), schedule, p, m, v
-        self.pp_rank, self.comm, self.loss_fn = pp_rank, comm, loss_fn
+        self.pp_rank, self.comm = pp_rank, comm
         self.loss_comm = loss_comm if loss_comm is not None else comm
         self.micro_context = micro_context or _null_context
         self.grad_sync = grad_sync or _null_context
@@ -277,7 +275,7 @@ class PipelineExecutor:
             x = self._handoff_f.pop(key) if key in self._handoff_f else self._recv_f.pop(key)
             x = x.detach().requires_grad_(not self._forward_only)
         last = a.stage == self.n - 1
-        if last and self.loss_fn is None:
+        if last:  # the last stage returns each token's loss (threefold.head_loss)
             extra = {**extra, "labels": labels}
         with self.micro_context():
             out = self.chunks[a.chunk](x, **extra)
@@ -297,8 +295,7 @@ class PipelineExecutor:
                         self._metrics[i] += more[k].detach().double()
                 out = total / self._n_tokens
             else:
-                out = (out.sum() if self.loss_fn is None else self.loss_fn(out, labels)) \
-                    / self._n_tokens
+                out = out.sum() / self._n_tokens
             self._loss += out.detach().double()
             if term is not None:
                 out = out + term
@@ -393,7 +390,7 @@ class PipelineExecutor:
 
 def pipeline_step(chunks: Sequence[nn.Module], schedule_name: str, p: int, m: int, v: int,
                   pp_rank: int, comm, microbatches: Sequence,
-                  loss_fn: Callable | None, n_tokens: int | float,
+                  n_tokens: int | float,
                   micro_context: Callable[[], ContextManager] | None = None,
                   grad_sync: Callable[[bool], ContextManager] | None = None,
                   records: list | None = None, loss_comm=None) -> float:
@@ -402,7 +399,7 @@ def pipeline_step(chunks: Sequence[nn.Module], schedule_name: str, p: int, m: in
     finish, clip and apply. Returns the step's summed loss on every rank. Measured trace
     records are appended to ``records`` when given. See ``PipelineExecutor`` for the
     arguments; build one executor and call ``run`` per step to avoid re-checking."""
-    ex = PipelineExecutor(chunks, schedule_name, p, m, v, pp_rank, comm, loss_fn,
+    ex = PipelineExecutor(chunks, schedule_name, p, m, v, pp_rank, comm,
                           micro_context=micro_context, grad_sync=grad_sync, loss_comm=loss_comm)
     loss = ex.run(microbatches, n_tokens)
     if records is not None:
