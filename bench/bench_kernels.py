@@ -246,27 +246,26 @@ def main() -> None:
         print(f"\n{name}: threefold = {pairs[name][0].__name__}, alternative = "
               f"{pairs[name][1].__name__}")
         report(f"kernels_{name}", rows[name], "ratio", 1.0)
-    saved = {}
-    for name, dt in (("fp32", torch.float32), ("bf16 autocast", torch.bfloat16)):
-        measured, counted = _saved_bytes_per_token(dt)
-        saved[name] = {"measured": measured, "counted": counted}
-        print(f"\nactivations one tiny block keeps per token, {name}: {measured:,.0f} bytes "
-              f"measured (autograd's saved tensors), {counted:,.0f} counted "
-              "(plan.activations.block_activation_bytes)")
-    print(json.dumps({"benchmark": "kernels_saved_bytes_per_token", **saved}))
-    selective = {}
-    for name, dt in (("fp32", torch.float32), ("bf16 autocast", torch.bfloat16)):
-        measured, counted = _selective_bytes_per_token(dt)
-        selective[name] = {"measured": measured, "counted": counted}
-        print(f"selective recompute, one tiny block per token, {name}: {measured:,.0f} bytes "
-              f"held after its forward (less its input), {counted:,.0f} counted "
-              "(plan.activations.selective_block_bytes less the input)")
+    for bench, fn, how in (
+            ("kernels_saved_bytes_per_token", _saved_bytes_per_token,
+             "activations one tiny block keeps per token, {}: {:,.0f} bytes measured "
+             "(autograd's saved tensors), {:,.0f} counted (plan.activations."
+             "block_activation_bytes)"),
+            ("kernels_selective_bytes_per_token", _selective_bytes_per_token,
+             "selective recompute, one tiny block per token, {}: {:,.0f} bytes held after its "
+             "forward (less its input), {:,.0f} counted (plan.activations."
+             "selective_block_bytes less the input)")):
+        figures = {}
+        for name, dt in (("fp32", torch.float32), ("bf16 autocast", torch.bfloat16)):
+            measured, counted = fn(dt)
+            figures[name] = {"measured": measured, "counted": counted}
+            print("\n" + how.format(name, measured, counted))
+        print(json.dumps({"benchmark": bench, **figures}))
     counts = _counted_per_token()
     for name, c in counts.items():
         print(f"counted per token per layer, {name}, bf16 autocast: none {c['none']:,.0f}, "
               f"selective {c['selective']:,.0f}, full {c['full']:,.0f}")
-    print(json.dumps({"benchmark": "kernels_selective_bytes_per_token", **selective,
-                      "counted": counts}))
+    print(json.dumps({"benchmark": "kernels_counted_bytes_per_token", **counts}))
     print(json.dumps({"benchmark": "kernels", "threads": args.threads,
                       "reuse_host_memory": args.reuse_host_memory}))
 
