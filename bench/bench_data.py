@@ -30,7 +30,7 @@ shared after a fork count in each). Throughput is corpus bytes on disk over wall
 threefold / tokenizers throughput >= 0.9; peak RSS < 1 GB in every process and < 2 GB summed.
 
 Loader: the time to draw one batch of the default config (``load_config(None, [])``: global
-batch x seq_len) with ``threefold.data.sampler.BatchSampler`` from the prepared shard, memory
+batch x seq_len) with ``threefold.data.sampler.MixtureSampler`` from the prepared directory, memory
 mapped, against the default step's time from README's measured run (5,663 tokens/s at 8 x 256
 tokens a step, 0.36 s; ``--step-seconds`` overrides). Target: below 1% of the step.
 """
@@ -305,17 +305,17 @@ def datasets_available() -> bool:
 
 # -- the loader ---------------------------------------------------------------------------------
 
-def loader_cost(shard: Path, dtype: str, step_seconds: float | None, draws: int = 200) -> dict:
-    """Median seconds to draw one default-config batch from the memory-mapped ``shard``."""
-    import numpy as np
-
+def loader_cost(prepared: Path, step_seconds: float | None, draws: int = 200) -> dict:
+    """Median seconds for the training sampler to draw one default-config batch (every row,
+    in epochs) from the ``prepared`` directory, read as training reads it."""
     from threefold.config import load_config
-    from threefold.data.sampler import BatchSampler
+    from threefold.data.sampler import MixtureSampler
+    from threefold.data.sources import open_prepared
 
     cfg = load_config(None, [])
     batch, seq_len = cfg.train.global_batch_size, cfg.data.seq_len
-    tokens = np.memmap(shard, dtype=dtype, mode="r")
-    sampler = BatchSampler(tokens, seq_len, batch, seed=0)
+    source = open_prepared(prepared, "bench", cfg.data.val_fraction, seq_len)
+    sampler = MixtureSampler([source], seq_len, batch, seed=0)
     times = []
     for step in range(draws):
         t0 = time.perf_counter()
@@ -358,9 +358,7 @@ def run_all(args, tmp: Path) -> dict:
             run_reference("tokenizers", args, corpus, tok, nbytes, tmp)]
     if not args.no_datasets and datasets_available():
         rows.append(run_reference("datasets", args, corpus, tok, nbytes, tmp))
-    index = json.loads((tmp / "out" / "index.json").read_text())
-    shard = tmp / "out" / f"{index['shards'][0]['name']}.bin"
-    loader = loader_cost(shard, index["settings"]["dtype"], args.step_seconds)
+    loader = loader_cost(tmp / "out", args.step_seconds)
     return {"bytes": nbytes, "generate_s": gen_s, "rows": rows, "verdicts": verdicts(rows),
             "loader": loader}
 

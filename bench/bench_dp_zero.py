@@ -80,7 +80,7 @@ from bench.common import (peak_rss_bytes, relaunch_with_torchrun, report,  # noq
                           spread, start_peak_rss_window, under_torchrun)
 from threefold import accounting as cost  # noqa: E402
 from threefold.config import load_config  # noqa: E402
-from threefold.data import BatchSampler, prepare_data  # noqa: E402
+from threefold.data import MixtureSampler, prepare_data  # noqa: E402
 from threefold.model import causal_lm_loss  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
 from threefold.steps import lr_at  # noqa: E402
@@ -364,12 +364,13 @@ def worker(args: argparse.Namespace) -> None:
     data = lay.first_rank_first(lambda: prepare_data(cfg.data))
     mcfg = cfg.model.resolved(data.vocab_size)
     lay.check(cfg, mcfg)
-    sampler = BatchSampler(data.train, cfg.data.seq_len, cfg.train.global_batch_size,
-                           cfg.train.seed)
+    sampler = MixtureSampler(data.sources, cfg.data.seq_len, cfg.train.global_batch_size,
+                             cfg.train.seed)
     batches = []  # prepared once, outside every timed window: data loading is not compared
     for s in range(n_steps):
-        _, labels = sampler.global_batch(s)
-        x, y = sampler.local_batch(s, lay.dp_rank, lay.dp_size)
+        labels = sampler.global_batch(s)["labels"]
+        mine = sampler.local_batch(s, lay.dp_rank, lay.dp_size)
+        x, y = mine["input_ids"], mine["labels"]
         batches.append((x, y, int((labels != -100).sum())))
 
     if memory:

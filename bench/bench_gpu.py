@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, spread  # noqa: E402
 from threefold import accounting as cost  # noqa: E402
 from threefold.config import load_config  # noqa: E402
-from threefold.data import BatchSampler, prepare_data  # noqa: E402
+from threefold.data import MixtureSampler, prepare_data  # noqa: E402
 from threefold.metrics import (device_peak_flops, peak_memory_bytes,  # noqa: E402
                                raise_cpu_peak, reset_peak_memory)
 from threefold.steps import lr_at, train_step  # noqa: E402
@@ -135,11 +135,12 @@ def transformers_side(cfg, compile_: bool):
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay,
                             **({"fused": True} if device.type == "cuda" else {}))
-    sampler = BatchSampler(data.train, cfg.data.seq_len, t.global_batch_size, t.seed)
+    sampler = MixtureSampler(data.sources, cfg.data.seq_len, t.global_batch_size, t.seed)
     cast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def step(i: int) -> float:
-        x, y = (v.to(device) for v in sampler.local_batch(i, 0, 1))
+        batch = sampler.local_batch(i, 0, 1)
+        x, y = batch["input_ids"].to(device), batch["labels"].to(device)
         for g in opt.param_groups:
             g["lr"] = lr_at(i, cfg)
         with cast:

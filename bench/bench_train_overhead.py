@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import report  # noqa: E402
 from threefold.config import load_config  # noqa: E402
-from threefold.data import BatchSampler, prepare_data  # noqa: E402
+from threefold.data import MixtureSampler, prepare_data  # noqa: E402
 from threefold.model import causal_lm_loss  # noqa: E402
 from threefold.steps import lr_at  # noqa: E402
 from threefold.train import build_model, train  # noqa: E402
@@ -49,13 +49,14 @@ def plain_loop(cfg, steps: int) -> float:
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                             weight_decay=o.weight_decay, foreach=False)
-    sampler = BatchSampler(data.train, cfg.data.seq_len, cfg.train.global_batch_size,
-                           cfg.train.seed)
+    sampler = MixtureSampler(data.sources, cfg.data.seq_len, cfg.train.global_batch_size,
+                             cfg.train.seed)
     tok = cfg.train.global_batch_size * cfg.data.seq_len
     rates = []
     for step in range(steps):
         t0 = time.perf_counter()
-        x, y = sampler.local_batch(step, 0, 1)
+        batch = sampler.local_batch(step, 0, 1)
+        x, y = batch["input_ids"], batch["labels"]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         loss = causal_lm_loss(model(x), y, reduction="sum") / y.numel()

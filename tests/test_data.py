@@ -8,12 +8,11 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 import threefold.data.tokenizer as tokenizer_mod
 import threefold.data.tokens as tokens_mod
 from threefold.config import DataConfig
-from threefold.data import BatchSampler, DataError, load_tokenizer, prepare_data, read_corpus
+from threefold.data import DataError, load_tokenizer, prepare_data, read_corpus
 from threefold.data.cache import atomic_open
 from threefold.data.tokens import token_dtype
 
@@ -231,89 +230,3 @@ def test_corpus_too_small_for_seq_len(tmp_path):
     path.write_text("just a few words here")
     with pytest.raises(DataError, match="tiny.txt.*too few for data.seq_len=64"):
         prepare_data(cfg_for(path, tmp_path, seq_len=64))
-
-
-# ---------------------------------------------------------------------------------- sampler
-N, L, G = 10_000, 12, 8
-
-
-@pytest.fixture
-def ramp():
-    # Token value = its position, so a window reveals where it was cut from.
-    return np.arange(N, dtype=np.uint16)
-
-
-def test_batches_depend_only_on_seed_and_step(ramp):
-    a, b = BatchSampler(ramp, L, G, seed=7), BatchSampler(ramp, L, G, seed=7)
-    b.global_batch(99)  # touching other steps first changes nothing
-    for step in (0, 1, 5):
-        xa, ya = a.global_batch(step)
-        xb, yb = b.global_batch(step)
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
-        assert xa.shape == ya.shape == (G, L) and xa.dtype == torch.int64
-    assert not torch.equal(a.global_batch(0)[0], a.global_batch(1)[0])
-    other_seed = BatchSampler(ramp, L, G, seed=8)
-    assert not torch.equal(a.global_batch(0)[0], other_seed.global_batch(0)[0])
-
-
-def test_labels_are_the_next_tokens_of_the_stream(ramp):
-    x, y = BatchSampler(ramp, L, G, seed=3).global_batch(4)
-    starts = x[:, 0]
-    assert torch.equal(x, starts[:, None] + torch.arange(L))  # contiguous stream windows
-    assert torch.equal(y, x + 1)  # labels = the same window shifted one token on
-    assert int(y.max()) <= N - 1 and int(x.min()) >= 0
-    assert len(set(starts.tolist())) > G // 2  # offsets are spread, not repeated
-
-
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_local_batches_concatenate_to_global(ramp, dp):
-    s = BatchSampler(ramp, L, G, seed=11)
-    for step in (0, 3):
-        parts = [s.local_batch(step, r, dp) for r in range(dp)]
-        x, y = s.global_batch(step)
-        assert torch.equal(torch.cat([p[0] for p in parts]), x)
-        assert torch.equal(torch.cat([p[1] for p in parts]), y)
-        assert all(p[0].shape == (G // dp, L) for p in parts)
-    with pytest.raises(DataError, match="multiple"):
-        s.local_batch(0, 0, 3)
-
-
-def test_state_dict_resumes_the_same_sequence(ramp):
-    run = BatchSampler(ramp, L, G, seed=5)
-    for _ in range(3):
-        run.next_batch(dp_rank=1, dp_size=2)
-    state = json.loads(json.dumps(run.state_dict()))  # must survive JSON
-    expected = [run.next_batch(1, 2)[0] for _ in range(3)]
-    resumed = BatchSampler(ramp, L, G, seed=0)  # a different configured seed is overridden
-    resumed.load_state_dict(state)
-    assert resumed.step == 3
-    got = [resumed.next_batch(1, 2)[0] for _ in range(3)]
-    assert all(torch.equal(e, g) for e, g in zip(expected, got))
-    # A trainer that passes its own step numbers gets the same bookkeeping.
-    explicit = BatchSampler(ramp, L, G, seed=5)
-    for step in range(3):
-        explicit.local_batch(step, 0, 2)
-    assert explicit.state_dict() == state
-    with pytest.raises(DataError, match="global_batch_size"):
-        BatchSampler(ramp, L, G * 2).load_state_dict(state)
-    with pytest.raises(DataError, match="num_tokens"):
-        BatchSampler(ramp[:-1], L, G).load_state_dict(state)
-
-
-def test_val_batches_are_fixed_and_cover_the_tokens(ramp):
-    s = BatchSampler(ramp, L, G, seed=1)
-    first = list(s.val_batches(3, 4))
-    s.global_batch(10)
-    again = list(BatchSampler(ramp, L, G, seed=2).val_batches(3, 4))
-    assert len(first) == 3 and all(x.shape == (4, L) for x, _ in first)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
-    starts = torch.cat([x[:, 0] for x, _ in first])
-    assert int(starts[0]) == 0 and int(starts[-1]) == N - L - 1  # first and last window
-    halves = [list(s.val_batches(3, 4, dp_rank=r, dp_size=2)) for r in range(2)]
-    for b in range(3):
-        assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), first[b][0])
-
-
-def test_sampler_rejects_too_few_tokens():
-    with pytest.raises(DataError, match="too few"):
-        BatchSampler(np.arange(10, dtype=np.uint16), 10, 2)

@@ -208,14 +208,14 @@ def test_convert_from_hf_then_training_starts_from_it(trained, corpus, cache_dir
     assert again["validation_loss"] < again["initial_validation_loss"]
     # init_from: a fresh run loads the weights (strictly) before its first step.
     run = build_run(load_config(None, tiny_overrides(corpus, cache_dir, root / "fresh")))
-    assert evaluate(run) != pytest.approx(first["validation_loss"], abs=1e-3)
+    assert evaluate(run)[0] != pytest.approx(first["validation_loss"], abs=1e-3)
     hf.init_from_hf(run.engine.model, root / "exported")
-    assert evaluate(run) == pytest.approx(first["validation_loss"], abs=1e-6)
+    assert evaluate(run)[0] == pytest.approx(first["validation_loss"], abs=1e-6)
     loss, _, _ = train_step(run, 0)
     assert torch.isfinite(torch.tensor(loss))
     # init_from also takes a threefold run directory: its newest checkpoint (the resumed run's).
     hf.init_from_hf(run.engine.model, imp)
-    assert evaluate(run) == pytest.approx(again["validation_loss"], abs=1e-6)
+    assert evaluate(run)[0] == pytest.approx(again["validation_loss"], abs=1e-6)
     # Bad command lines: one line on stderr, exit 2.
     capsys.readouterr()
     for argv in (["--to", "onnx", "a", "b"], ["--from", "hf", str(root / "nope"), "x"], ["a"]):

@@ -70,11 +70,12 @@ class RunLog:
             print(line, flush=True)
 
     def record(self, step: int, loss: float, norm: float, extras: dict, seconds: float,
-               validate: Callable[[], float] | None = None) -> dict:
+               validate: Callable[[], tuple[float, dict]] | None = None) -> dict:
         """Step ``step``'s record: to metrics.jsonl, the progress bar and every
         ``train.log_interval`` steps a line; returned. ``validate`` (when the step evaluates)
         runs after the step's own figures are taken — its traffic and memory are not the
-        step's — and its loss joins the record as ``validation_loss``."""
+        step's — and its loss joins the record as ``validation_loss`` (each source's as
+        ``validation_loss_by_source`` when there are several)."""
         run, t = self.run, self.run.cfg.train
         tps = self.tokens_per_step / seconds
         rec = {"step": step + 1, "loss": loss, "lr": lr_at(step, run.cfg), "grad_norm": norm,
@@ -83,7 +84,9 @@ class RunLog:
         rec.update(extras)
         rec.update(run.layout.step_metrics())
         if validate is not None:
-            rec["validation_loss"] = validate()
+            rec["validation_loss"], by_source = validate()
+            if by_source:
+                rec["validation_loss_by_source"] = by_source
             run.layout.step_metrics(count=False)  # evaluation's traffic is not training's
         self.history.append(rec)
         if self.writer:

@@ -119,6 +119,7 @@ def train_step(run: Run, step: int, trace: list | None = None
         if ep:  # this rank's (the log's: rank 0's)
             metrics["ep_rows_sent"] = take_rows_sent(eng.model)
     metrics.update(run.task.step_metrics())  # figures of the step as a whole (GRPO's rewards)
+    metrics.update(run.task.data_metrics(run, step))  # tokens and epoch of each source
     return loss, norm, metrics
 
 
@@ -165,13 +166,23 @@ def sum_router(lay, v: torch.Tensor, scalar: bool = False):
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean loss per unit on the fixed validation batches."""
+def evaluate(run: Run) -> tuple[float, dict[str, float]]:
+    """The validation loss, per unit, on the fixed validation batches: the task's sets'
+    (``Task.val_sets``: each pre-training source's held-out tokens) weighted sum, and each
+    set's own loss by name when there are several."""
+    sets = run.task.val_sets(run)
+    losses = {name: _evaluate_set(run, sampler) for name, _, sampler in sets}
+    total = sum(weight * losses[name] for name, weight, _ in sets)
+    return total, (losses if len(sets) > 1 else {})
+
+
+def _evaluate_set(run: Run, sampler) -> float:
+    """Mean loss per unit over ``train.eval_batches`` batches of one validation sampler."""
     lay = run.layout
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     count = 0
     for k in range(run.cfg.train.eval_batches):
-        batch = run.val_sampler.local_batch(k, lay.dp_rank, lay.dp_size)
+        batch = sampler.local_batch(k, lay.dp_rank, lay.dp_size)
         if lay.pipeline is not None:
             mbs = pipeline_micro_batches(run, list(micro_batches(run, batch)))
             total += lay.pipeline.evaluate(mbs)

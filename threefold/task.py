@@ -22,27 +22,7 @@ from typing import Any
 
 import torch
 
-from threefold.data import BatchSampler
-
-
-class LMSampler:
-    """BatchSampler windows as {"input_ids", "labels"} dicts."""
-
-    def __init__(self, inner: BatchSampler):
-        self.inner = inner
-
-    def local_batch(self, step: int, dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
-        """This rank's slice of the global batch of ``step``."""
-        x, y = self.inner.local_batch(step, dp_rank, dp_size)
-        return {"input_ids": x, "labels": y}
-
-    def state_dict(self) -> dict:
-        """For checkpoints."""
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """From checkpoints."""
-        self.inner.load_state_dict(state)
+from threefold.data.sampler import HeldOutSampler, MixtureSampler
 
 
 class Task:
@@ -77,6 +57,15 @@ class Task:
         """Figures of the step as a whole, after it (none here)."""
         return {}
 
+    def data_metrics(self, run, step: int) -> dict:
+        """What the data has given after step ``step`` (nothing to say here)."""
+        return {}
+
+    def val_sets(self, run) -> list[tuple[str, float, Any]]:
+        """(name, weight, sampler) of each validation set; the validation loss is their
+        weighted sum (here the one set of ``samplers``)."""
+        return [("", 1.0, run.val_sampler)]
+
     def samplers(self, cfg, data) -> tuple[Any, Any]:
         """(train, validation) samplers."""
         raise NotImplementedError
@@ -96,12 +85,24 @@ class PretrainTask(Task):
     name = "pretrain"
 
     def samplers(self, cfg, data) -> tuple[Any, Any]:
-        """Random windows of the training tokens; fixed windows of the validation tokens."""
-        t = cfg.train
-        return (LMSampler(BatchSampler(data.train, cfg.data.seq_len, t.global_batch_size,
-                                       t.seed)),
-                LMSampler(BatchSampler(data.val, cfg.data.seq_len, t.global_batch_size,
-                                       t.seed + 1)))
+        """Windows of the sources' training tokens, in epochs and in proportion; the fixed
+        held-out windows of every source (a list, one sampler each)."""
+        t, d = cfg.train, cfg.data
+        train = MixtureSampler(data.sources, d.seq_len, t.global_batch_size, t.seed,
+                               d.document_mask)
+        held_out = [HeldOutSampler(s, d.seq_len, t.global_batch_size, t.eval_batches,
+                                   d.document_mask) for s in data.sources]
+        return train, held_out
+
+    def data_metrics(self, run, step: int) -> dict:
+        """Tokens each source has given, and its epoch."""
+        return run.sampler.progress(step)
+
+    def val_sets(self, run) -> list[tuple[str, float, Any]]:
+        """Each source's held-out tokens, weighted as the mixture."""
+        total = sum(s.weight for s in run.data.sources)
+        return [(s.name, float(s.weight / total), v)
+                for s, v in zip(run.data.sources, run.val_sampler)]
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """Target tokens (labels of -100 are not targets)."""

@@ -241,7 +241,7 @@ def _loop(run: Run, preempt, return_run: bool):
     t, lay = run.cfg.train, run.layout
     start = _load(run)
     log = RunLog(run, start)
-    initial_val = evaluate(run) if start == 0 else None
+    initial_val = evaluate(run)[0] if start == 0 else None
     val_loss, loss, preempted = initial_val, float("nan"), None
     wall0 = time.perf_counter()
     for step in range(start, t.steps):

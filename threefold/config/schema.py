@@ -103,8 +103,14 @@ class ModelConfig:
 class DataConfig:
     """Where text comes from and how it is tokenized and sampled."""
 
-    corpus: str = _f("stdlib", "'stdlib' (this Python's standard-library sources), or a text "
-                     "file, JSONL file or directory")
+    corpus: str = _f("stdlib", "'stdlib' (this Python's standard-library sources), a text "
+                     "file, JSONL file or directory, or a directory `threefold data prepare` "
+                     "wrote (recognised by its index.json)")
+    mix: str = _f("", "prepared sources and their proportions, NAME=DIR:WEIGHT,... (e.g. "
+                  "web=/data/web:0.7,code=/data/code:0.3); replaces data.corpus")
+    document_mask: bool = _f(False, "attention stays inside each document of a packed sequence "
+                             "(positions restart per document; no target across a document's "
+                             "end)")
     text_key: str = _f("text", "field holding the text in JSONL records")
     tokenizer: str = _f("bpe", "'bpe' (train a byte-level BPE, cached) or a tokenizer.json path")
     vocab_size: int = _f(4096, "vocabulary size of the trained BPE")

@@ -76,6 +76,12 @@ def _check_data(d: DataConfig, r: ModelConfig) -> None:
           f"{r.max_position_embeddings}; lower it or raise the model's limit")
     _need(0 < d.val_fraction < 0.5, f"data.val_fraction: {d.val_fraction} must be in (0, 0.5)")
     _need(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be positive, got {d.max_corpus_mb}")
+    from threefold.data.errors import DataError
+    from threefold.data.sources import check_prepared
+    try:  # prepared sources: complete, one tokenizer (read from their small index files)
+        check_prepared(d.corpus, d.mix, d.tokenizer)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_optim(o: OptimConfig) -> None:

@@ -1,11 +1,13 @@
-"""The tokenized corpus: one memory-mapped file of token ids, and ``prepare_data``.
+"""The tokenized corpus: one memory-mapped file of token ids, and ``prepare_data``, which
+turns the configured data into sources (``threefold.data.sources``): the prepared directories
+of ``data.mix``/``data.corpus``, or this cached stream of a raw corpus as one source.
 
 The token stream is every document's ids followed by the end-of-text id, in corpus order. It is
 written once per (tokenizer, corpus digest) to ``<cache_dir>/tokens/<fingerprint>.bin`` (uint16
 when the vocabulary fits, else uint32) with a ``.json`` description written after it; an entry
 is trusted only if the description exists and the file has exactly the length it records.
 
-Validation split: the last ``val_fraction`` of the token stream (at least ``seq_len + 1`` tokens,
+Validation split (``threefold.data.sources.train_split``): the last ``val_fraction`` of the token stream (at least ``seq_len + 1`` tokens,
 one full window), so the split is exact for any corpus, even a single document; the cost is that
 one document may straddle the boundary.
 """
@@ -23,7 +25,10 @@ from threefold.config import DataConfig
 from threefold.data.cache import atomic_open, build_lock, file_sha256, fingerprint
 from threefold.data.corpus import Corpus, read_corpus
 from threefold.data.errors import DataError
-from threefold.data.tokenizer import cache_root, eot_id, get_tokenizer, use_all_cores
+from threefold.data.sources import (TokenSource, check_prepared, mix_entries, open_prepared,
+                                     stream_source)
+from threefold.data.tokenizer import (cache_root, eot_id, get_tokenizer, load_tokenizer,
+                                       use_all_cores)
 
 TOKENS_VERSION = 1
 _ENCODE_CHUNK_CHARS = 4_000_000  # encode this much text per call: bounded memory, parallel work
@@ -35,12 +40,21 @@ class DataBundle:
 
     tokenizer: Tokenizer
     vocab_size: int  # rows the model's embedding needs; every token id is below it
-    train: np.memmap  # 1-D token ids
-    val: np.memmap  # 1-D token ids, the tail of the same stream
+    sources: list[TokenSource]  # what pre-training samples from, each with its held-out tail
     eot_id: int
     tokenizer_path: Path  # tokenizer.json to copy into the run directory
-    tokens_path: Path  # the cached token file both splits are views of
-    corpus: str  # description of the source
+    corpus: str  # description of the source(s)
+    tokens_path: Path | None = None  # a raw corpus's cached token file (None when prepared)
+
+    @property
+    def train(self) -> np.ndarray:
+        """The first source's training tokens as one array (tests, benchmarks)."""
+        return self.sources[0].tokens("train")
+
+    @property
+    def val(self) -> np.ndarray:
+        """The first source's held-out tokens as one array."""
+        return self.sources[0].tokens("val")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -123,7 +137,12 @@ def cached_tokens(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_path: Pat
 
 
 def prepare_data(cfg: DataConfig) -> DataBundle:
-    """Read the corpus, get the tokenizer and the token stream (cached), and split it."""
+    """The sources ``cfg`` names, with their tokenizer: the prepared directories of
+    ``data.mix`` or ``data.corpus`` as they are, or a raw corpus read, tokenized (both cached)
+    and made a source of one shard."""
+    entries = mix_entries(cfg.corpus, cfg.mix)
+    if entries is not None:
+        return _prepared(cfg, entries)
     corpus = read_corpus(cfg)
     tok, tok_path = get_tokenizer(cfg, corpus)
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -132,14 +151,26 @@ def prepare_data(cfg: DataConfig) -> DataBundle:
     vocab_size = max(cfg.vocab_size, n_vocab) if cfg.tokenizer == "bpe" else n_vocab
     eot = eot_id(tok, tok_path)
     tokens, bin_path = cached_tokens(cfg, corpus, tok, tok_path, eot, vocab_size)
-    window = cfg.seq_len + 1  # a training window holds seq_len inputs plus one more label
-    n_val = max(round(len(tokens) * cfg.val_fraction), window)
-    n_train = len(tokens) - n_val
-    if n_train < window:
-        raise DataError(f"corpus '{corpus.name}' gives only {len(tokens)} tokens, too few for "
-                        f"data.seq_len={cfg.seq_len} (need {2 * window}: one window for training "
-                        "and one for validation); use more text, raise data.max_corpus_mb or "
-                        "lower data.seq_len")
-    return DataBundle(tokenizer=tok, vocab_size=vocab_size, train=tokens[:n_train],
-                      val=tokens[n_train:], eot_id=eot, tokenizer_path=tok_path,
-                      tokens_path=bin_path, corpus=corpus.name)
+    source = stream_source(tokens, eot, corpus.name, corpus.digest, file_sha256(tok_path),
+                           cfg.val_fraction, cfg.seq_len)
+    return DataBundle(tokenizer=tok, vocab_size=vocab_size, sources=[source], eot_id=eot,
+                      tokenizer_path=tok_path, corpus=corpus.name, tokens_path=bin_path)
+
+
+def _prepared(cfg: DataConfig, entries) -> DataBundle:
+    """The prepared directories ``entries`` (name, dir, weight) as weighted sources, read with
+    the tokenizer they were prepared with (checked to be one)."""
+    check_prepared(cfg.corpus, cfg.mix, cfg.tokenizer)
+    field = "data.mix" if cfg.mix else "data.corpus"
+    sources = []
+    for name, where, weight in entries:
+        source = open_prepared(where, name, cfg.val_fraction, cfg.seq_len, f"{field} '{name}'")
+        source.weight = weight
+        sources.append(source)
+    tok_path = Path(sources[0].where) / "tokenizer.json"
+    tok = load_tokenizer(tok_path)
+    eot = eot_id(tok, tok_path)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    desc = ", ".join(f"{s.name}={s.where}:{float(s.weight):g}" for s in sources)
+    return DataBundle(tokenizer=tok, vocab_size=vocab_size, sources=sources, eot_id=eot,
+                      tokenizer_path=tok_path, corpus=desc)

@@ -60,6 +60,7 @@ from threefold.accounting import (
 )
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import load_tokenizer
+from threefold.data.sources import check_prepared
 from threefold.model import LlamaForCausalLM
 from threefold.parallel.expert import apply_expert_parallel
 from threefold.parallel.layout import validate_layout
@@ -130,9 +131,12 @@ class _MetaComm:
 def resolved_model(cfg: Config) -> ModelConfig:
     """The model config as the trainer resolves it, without preparing any data: the vocabulary
     is ``model.vocab_size`` if set, else the tokenizer's — ``data.vocab_size`` for a BPE
-    trained on the corpus, the file's own size for a tokenizer.json."""
+    trained on the corpus, the file's own size for a tokenizer.json or for prepared data."""
     vocab = cfg.data.vocab_size
-    if cfg.data.tokenizer != "bpe":
+    prepared = check_prepared(cfg.data.corpus, cfg.data.mix, cfg.data.tokenizer)
+    if prepared is not None:  # the tokenizer the data was prepared with
+        vocab = prepared["vocab_size"]
+    elif cfg.data.tokenizer != "bpe":
         vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(with_added_tokens=True)
     mcfg = cfg.model.resolved(vocab_size=vocab)
     if mcfg.vocab_size < vocab:

@@ -41,7 +41,7 @@ from threefold.data.sampler import rank_rows
 from threefold.data.tokenizer import PAD
 from threefold.post.chat import (announce, check_messages, encode_conversation,
                                  load_chat_template, read_jsonl)
-from threefold.task import PretrainTask
+from threefold.task import PretrainTask, Task
 
 IGNORE = -100
 
@@ -262,6 +262,9 @@ class SFTTask(PretrainTask):
 
     name = "sft"
     metric_names: tuple[str, ...] = ()
+    # its rows are conversations, not the pre-training sources: one validation set
+    data_metrics = Task.data_metrics
+    val_sets = Task.val_sets
 
     def __init__(self, options: SFTOptions | None = None):
         self.options = options or SFTOptions()
