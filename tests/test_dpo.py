@@ -164,10 +164,12 @@ TRL_PAIRS = [
 ]
 
 
-def test_dpo_step_losses_and_logps_equal_trl(corpus, cache_dir, base, tmp_path):
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_dpo_step_losses_and_logps_equal_trl(corpus, cache_dir, base, tmp_path, loss_type):
     """Same HF model, weights, template and pairs: TRL's DPOTrainer (reference = a frozen copy
     of the model) and ours (precomputed reference) log the same loss and log-probs at the
-    first step and, after one AdamW update, the same loss and rewards at the second."""
+    first step and, after one AdamW update, the same loss and rewards at the second, for each
+    of TRL's loss types we take (IPO's log-ratios per response token)."""
     trl, datasets, transformers = trl_stack()
     hf_dir = base / "hf"
     path = tmp_path / "pairs.jsonl"
@@ -177,22 +179,25 @@ def test_dpo_step_losses_and_logps_equal_trl(corpus, cache_dir, base, tmp_path):
         corpus, cache_dir, tmp_path / "ours", data__seq_len=seq_len, train__steps=2,
         checkpoint__init_from=str(hf_dir), train__global_batch_size=n,
         train__micro_batch_size=n, train__eval_batches=1, **OPTIM))
-    train(cfg, task=DPOTask(DPOOptions(data=str(path), val_data=str(path), beta=beta)))
+    train(cfg, task=DPOTask(DPOOptions(data=str(path), val_data=str(path), beta=beta,
+                                       loss_type=loss_type)))
     ours = metrics(tmp_path / "ours")
 
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    args = trl_args(trl.DPOConfig, tmp_path / "trl", n, seq_len, beta=beta)
+    args = trl_args(trl.DPOConfig, tmp_path / "trl", n, seq_len, beta=beta,
+                    loss_type=[loss_type])
     trainer = trl.DPOTrainer(model=model, args=args, processing_class=tok,
                              train_dataset=datasets.Dataset.from_list(TRL_PAIRS))
     trainer.train()
     theirs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(theirs) == 2
-    assert ours[0]["loss"] == pytest.approx(LN2, abs=1e-6)
+    step0 = {"sigmoid": LN2, "ipo": (1 / (2 * beta)) ** 2, "hinge": 1.0}[loss_type]
+    assert ours[0]["loss"] == pytest.approx(step0, abs=1e-6)
     for k in ("loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected",
               "rewards/margins", "rewards/accuracies"):
         assert [r[k] for r in ours] == pytest.approx([h[k] for h in theirs], abs=1e-4), k
-    assert abs(ours[1]["loss"] - LN2) > 1e-3  # the second step really saw the update
+    assert abs(ours[1]["loss"] - step0) > 1e-3  # the second step really saw the update
 
 
 def test_dpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, monkeypatch):

@@ -278,6 +278,40 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, dtype):
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_document_mask_bytes_equal_what_masked_attention_adds(tp, sp, dtype):
+    """With packed documents (``data.document_mask``) a block saves, beyond the unmasked
+    count, exactly ``document_mask_bytes``: K/V repeated to the query heads and the mask as
+    the kernel converts it; the Workload of such a config says so."""
+    from threefold.model import document_mask
+    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.plan.activations import document_mask_bytes
+
+    cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
+    model = LlamaForCausalLM(cfg)
+    if tp > 1:
+        apply_tensor_parallel(model, _Loopback(tp), sp)
+    b, s = 2, 64
+    saved = {}
+    for masked in (False, True):
+        x = torch.randn(b, s // tp if sp else s, cfg.hidden_size, requires_grad=True)
+        cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+        mask = document_mask((torch.arange(s) // 10).expand(b, s)) if masked else None
+        auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+            contextlib.nullcontext()
+        with SavedBytes(list(model.parameters()) + ([mask] if masked else [])) as held, auto:
+            model.model.layers[0](x, cos, sin, mask)
+        saved[masked] = held.total
+    sh = tp_shard(cfg, tp)
+    d = 2 if dtype == torch.bfloat16 else 4
+    assert saved[True] - saved[False] == document_mask_bytes(b * s, sh.heads, sh.kv_heads,
+                                                             cfg.head_dim, s, d) > 0
+    from threefold.accounting.layout import Workload
+    work = Workload.from_config(load_config(None, [("data.document_mask", "true")]))
+    assert work.document_mask
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_selective_block_bytes_equal_what_the_block_holds(tp, sp, dtype):
     """Under selective recompute a block holds ``selective_block_bytes`` less its input
     (made outside): the matmuls' and the attention's outputs, nothing of the norms, RoPE,

@@ -175,6 +175,8 @@ class Workload:
     # gloo on a CPU: all-gathers and reduce-scatters copy through a temporary as large as the
     # whole unit, and the host's memory is the device's (offload's buffers count there)
     backend_copies: bool = False
+    # packed documents (data.document_mask): attention under a mask, which keeps more
+    document_mask: bool = False
 
     @property
     def tokens(self) -> int:
@@ -218,7 +220,8 @@ class Workload:
         return cls(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch_size,
                    precision=precision, flash_attention=True, residual_bytes=weights,
                    master_bytes=weights, eager=not cfg.train.compile,
-                   reduce_bytes=reduce if cfg.parallel.zero_stage else 0)
+                   reduce_bytes=reduce if cfg.parallel.zero_stage else 0,
+                   document_mask=cfg.data.document_mask)
 
 
 def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:

@@ -187,10 +187,27 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
         return selective_block_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                      cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                      work.resid_bytes, work.flash_attention)
-    return block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
+    kept = block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
                                   layout.cp_algorithm)
+    if work.document_mask and layout.cp == 1:
+        kept += document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s,
+                                    work.act_bytes)
+    return kept
+
+
+def document_mask_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
+                        act_bytes: int) -> float:
+    """What threefold's block keeps in addition, without recompute, when attention stays
+    inside packed documents (``data.document_mask``: ``threefold.model.sdpa_attention`` under
+    a mask), for ``tokens`` tokens of sequences of ``seq_len`` (heads per rank): K and V
+    repeated to the query heads, since the masked kernels take no grouped K/V,
+    2·d·(heads − kv_heads)·head_dim per token; and the boolean mask, which the kernel keeps
+    converted to d bytes, d·seq_len per token (d·b·s² in all, on every tp rank). Selective
+    recompute keeps neither (both are recomputed). Measured to the byte in
+    tests/test_dryrun.py. Under cp this is not counted."""
+    return tokens * act_bytes * (2 * (heads - kv_heads) * head_dim + seq_len)
 
 
 def recompute_working_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:

@@ -67,6 +67,7 @@ DOCS = {
     "chat_template": "auto (the tokenizer's, else built-in), builtin, or a .jinja file",
     "beta": "strength of the pull towards the reference (GRPO: weight of the KL)",
     "label_smoothing": "conservative-DPO epsilon in [0, 0.5): assumed share of flipped labels",
+    "loss_type": "DPO: sigmoid, ipo or hinge (TRL's); GRPO: grpo, bnpo, dr_grpo or dapo",
     "center_rewards_coefficient": "weight of (r_chosen + r_rejected)^2 in the loss (TRL's)",
     "prompts": "JSONL of {{\"prompt\": ..., other columns}}; empty = built-in sums (a+b=)",
     "val_prompts": "validation JSONL; empty = the last data.val_fraction of the prompts",
@@ -78,6 +79,7 @@ DOCS = {
     "top_p": "nucleus sampling mass", "top_k": "top-k sampling (0 = no limit)",
     "kl_bias_correction": "weigh the KL term by the policy ratio (TRL's default)",
     "epsilon": "clipping range of the policy ratio",
+    "num_iterations": "optimiser steps per generation batch (ratio against the sampling policy)",
     "scale_rewards": "group, batch or none: what the advantages are divided by",
     "shuffle": "prompts in a new order each epoch (false: file order)",
 }

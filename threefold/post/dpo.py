@@ -21,7 +21,8 @@ label smoothing of conservative DPO (Mitchell, "A note on DPO with noisy prefere
 
 where log π(y|x) is the summed log-probability of the response tokens. With ε = 0 this is
 TRL's ``loss_type="sigmoid"`` (TRL 1.16 applies its ``label_smoothing`` to other loss types
-only, so the TRL comparison runs with ε = 0). ``count`` is pairs, so
+only, so the TRL comparison runs with ε = 0). ``dpo.loss_type`` ``ipo`` and ``hinge`` are
+TRL's too (``dpo_loss``); label smoothing is refused with them. ``count`` is pairs, so
 the loop's loss is the mean over the pairs of the global batch. Metrics (TRL's names), means
 over pairs: ``rewards/chosen`` = β·(log π(y_c) − log π_ref(y_c)), ``rewards/rejected``
 likewise, ``rewards/margins`` their difference, ``rewards/accuracies`` the share of pairs whose
@@ -67,14 +68,30 @@ class DPOOptions:
     val_data: str = ""  # validation JSONL; "" = the last data.val_fraction of ``data``
     beta: float = 0.1  # β: strength of the pull towards the reference
     label_smoothing: float = 0.0  # ε: assumed share of flipped preference labels, in [0, 0.5)
+    loss_type: str = "sigmoid"  # sigmoid (DPO), ipo or hinge, as TRL's
     chat_template: str = "auto"  # auto (tokenizer's, else built-in), builtin, or a .jinja path
 
 
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
 def dpo_loss(chosen_logratio: torch.Tensor, rejected_logratio: torch.Tensor, beta: float,
-             label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-pair sigmoid DPO loss from log π − log π_ref of the chosen and rejected responses:
-    −(1−ε)·log σ(β·Δ) − ε·log σ(−β·Δ), Δ = chosen − rejected (Rafailov et al. 2023, Eq. 7;
-    ε as in conservative DPO, Mitchell 2023)."""
+             label_smoothing: float = 0.0, loss_type: str = "sigmoid",
+             lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Per-pair preference loss from log π − log π_ref of the chosen and rejected responses,
+    Δ = chosen − rejected:
+
+    - ``sigmoid``: −(1−ε)·log σ(β·Δ) − ε·log σ(−β·Δ) (Rafailov et al. 2023, Eq. 7; ε as in
+      conservative DPO, Mitchell 2023);
+    - ``hinge``: max(0, 1 − β·Δ) (SLiC, Zhao et al. 2023, as TRL's);
+    - ``ipo``: (Δ' − 1/(2β))² (Azar et al. 2023, Eq. 17), where Δ' takes each response's
+      log-ratio per token of it (``lengths``: response tokens of the chosen and the
+      rejected), as TRL does."""
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * (chosen_logratio - rejected_logratio))
+    if loss_type == "ipo":
+        n_c, n_r = (n.clamp(min=1).to(chosen_logratio.dtype) for n in lengths)
+        return (chosen_logratio / n_c - rejected_logratio / n_r - 1 / (2 * beta)) ** 2
     z = beta * (chosen_logratio - rejected_logratio)
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
@@ -254,7 +271,8 @@ def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
 
 
 class DPOTask(Task):
-    """Sigmoid DPO with label smoothing against precomputed reference log-probs."""
+    """DPO (sigmoid with label smoothing, IPO or hinge) against precomputed reference
+    log-probs."""
 
     name = "dpo"
     metric_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
@@ -267,6 +285,12 @@ class DPOTask(Task):
             raise DataError(f"dpo.beta: must be positive, got {o.beta}")
         if not 0 <= o.label_smoothing < 0.5:
             raise DataError(f"dpo.label_smoothing: {o.label_smoothing} must be in [0, 0.5)")
+        if o.loss_type not in LOSS_TYPES:
+            raise DataError(f"dpo.loss_type: '{o.loss_type}' is not one of "
+                            f"{', '.join(LOSS_TYPES)}")
+        if o.label_smoothing and o.loss_type != "sigmoid":
+            raise DataError(f"dpo.label_smoothing: applies to loss_type sigmoid only, not "
+                            f"'{o.loss_type}'; leave it 0")
         self.stats: dict = {}
 
     def samplers(self, cfg, data) -> tuple[PairSampler, PairSampler]:
@@ -373,7 +397,10 @@ class DPOTask(Task):
         # so Δ is exactly 0 and the loss exactly ln 2
         lr_c = chosen.double() - micro["ref_chosen_logps"]
         lr_r = rejected.double() - micro["ref_rejected_logps"]
-        total = (dpo_loss(lr_c, lr_r, o.beta, o.label_smoothing) * w).sum()
+        lengths = tuple((micro[f"{k}_labels"] != IGNORE).sum(dim=1)
+                        for k in ("chosen", "rejected"))
+        total = (dpo_loss(lr_c, lr_r, o.beta, o.label_smoothing, o.loss_type, lengths)
+                 * w).sum()
         rc, rr = o.beta * lr_c.detach(), o.beta * lr_r.detach()
         metrics = {"rewards/chosen": (rc * w).sum(), "rewards/rejected": (rr * w).sum(),
                    "rewards/accuracies": ((rc > rr).double() * w).sum(),

@@ -7,7 +7,9 @@ do not depend on the layout), scores them (``threefold.post.grpo_rewards``), nor
 rewards in each group (``advantages``) and builds training rows with the reference model's
 log-probs. The loss is TRL's clipped-ratio token loss with a k3 KL to the reference
 (``grpo_token_loss``), summed over completion tokens; ``count`` is those tokens, so the loop
-divides by their number over the global batch (TRL's ``dapo``). docs/post-training.md gives
+divides by their number over the global batch (TRL's ``dapo``; ``grpo.loss_type`` picks
+another of TRL's: ``threefold.post.grpo_loss``), with ``grpo.num_iterations`` updates per
+generation. docs/post-training.md gives
 the formulas, the metrics and the layouts GRPO runs under.
 """
 
@@ -24,6 +26,8 @@ from threefold.data import DataError
 from threefold.data.sampler import rank_rows
 from threefold.generate import generate
 from threefold.post.chat import check_messages, encode_text, eot_token, load_chat_template
+from threefold.post.grpo_loss import (  # noqa: F401 (re-exported)
+    LOSS_TYPES, advantages, grpo_token_loss, loss_units, reduce_token_loss)
 from threefold.post.grpo_rewards import (  # noqa: F401 (re-exported: grpo's public names)
     BUILTIN_REWARDS, arithmetic_reward, builtin_prompts, call_reward, check_reward_function,
     columns_of, load_reward, prompt_records, reward_model_scorer, split_prompts)
@@ -50,44 +54,10 @@ class GRPOOptions:
     epsilon: float = 0.2  # clipping range of the policy ratio
     scale_rewards: str = "group"  # group, batch or none
     kl_bias_correction: bool = True  # TRL's use_bias_correction_kl
+    loss_type: str = "dapo"  # dapo, grpo, dr_grpo or bnpo (TRL's; threefold.post.grpo_loss)
+    num_iterations: int = 1  # μ: optimiser updates per generation batch
     shuffle: bool = True  # prompts in a new order each epoch (false: in file order)
     chat_template: str = "auto"  # for conversational prompts: auto, builtin or a .jinja path
-
-
-def advantages(rewards: np.ndarray, group: int, scale: str) -> np.ndarray:
-    """Group-relative advantages (TRL's): reward minus its group's mean, divided by the
-    group's (``scale`` "group") or the batch's ("batch") standard deviation (Bessel-
-    corrected) + 1e-4, or not divided ("none"). ``rewards`` holds whole groups in order."""
-    r = rewards.reshape(-1, group)
-    out = r - r.mean(1, keepdims=True)
-    if scale == "group":
-        out = out / (r.std(1, ddof=1, keepdims=True) + 1e-4)
-    elif scale == "batch":
-        out = out / (rewards.std(ddof=1) + 1e-4)
-    return out.reshape(-1)
-
-
-def grpo_token_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps, beta: float,
-                    epsilon: float, old_logps: torch.Tensor | None = None,
-                    kl_bias_correction: bool = False):
-    """Per-token GRPO loss ℓ = −min(r·A, clip(r, 1−ε, 1+ε)·A) + β·KL, r = π / π_old,
-    KL = exp(log π_ref − log π) − (log π_ref − log π) − 1 (Schulman's k3), and, per token,
-    the KL and whether the ratio was clipped below (low) or above (high); ``advantages``
-    broadcast over the tokens of each row. ``old_logps`` defaults to ``logps`` detached (one update per generation).
-    ``kl_bias_correction`` weighs the KL term by the ratio (TRL's ``use_bias_correction_kl``:
-    the same value at one update per generation, a gradient with KL·∇log π added)."""
-    old = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old)
-    a = advantages[:, None]
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon)
-    loss = -torch.min(ratio * a, clipped * a)
-    kl = torch.zeros_like(logps)
-    if beta:
-        d = ref_logps - logps
-        kl = torch.exp(d) - d - 1
-        loss = loss + beta * (kl * ratio if kl_bias_correction else kl)
-    low, high = (ratio < 1 - epsilon) & (a < 0), (ratio > 1 + epsilon) & (a > 0)
-    return loss, kl.detach(), low, high
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,6 +73,7 @@ class RolloutSampler(EpochSampler):
         self.evaluation = evaluation
         self.figures: dict[str, float] = {}
         self.cached: tuple | None = None  # (step, dp_rank, batch, figures) made in setup
+        self.reused: tuple | None = None  # (generation, dp_rank, batch, figures), μ > 1
         super().__init__(len(prompts), prompts_per_step, seed, shuffle,
                          fingerprint((np.asarray(p, dtype=np.int64) for p in prompts), 0))
 
@@ -121,13 +92,20 @@ class RolloutSampler(EpochSampler):
             if cached[:2] == (step, dp_rank):
                 self.figures = cached[3]
                 return cached[2]
+        mu = 1 if self.evaluation else self.task.options.num_iterations
+        gen = step // mu  # the generation batch: reused for μ optimiser steps
+        if self.reused is not None and self.reused[:2] == (gen, dp_rank):
+            self.figures = self.reused[3]
+            return self.reused[2]
         lo, hi = rank_rows(self.global_batch_size, dp_rank, dp_size)
-        batch, self.figures = self.task.rollout(self, step, lo, self.indices(step, lo, hi))
+        batch, self.figures = self.task.rollout(self, gen, lo, self.indices(gen, lo, hi))
+        if mu > 1:
+            self.reused = (gen, dp_rank, batch, self.figures)
         return batch
 
 
 class GRPOTask(Task):
-    """GRPO with one policy update per generation (docs/post-training.md)."""
+    """GRPO with μ policy updates per generation (docs/post-training.md)."""
 
     name = "grpo"
     metric_names = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
@@ -150,6 +128,11 @@ class GRPOTask(Task):
         if o.scale_rewards not in ("group", "batch", "none"):
             raise DataError(f"grpo.scale_rewards: '{o.scale_rewards}' is not group, batch or "
                             "none")
+        if o.loss_type not in LOSS_TYPES:
+            raise DataError(f"grpo.loss_type: '{o.loss_type}' is not one of "
+                            f"{', '.join(LOSS_TYPES)}")
+        if o.num_iterations < 1:
+            raise DataError(f"grpo.num_iterations: must be at least 1, got {o.num_iterations}")
         if not o.reward and not o.reward_model:
             raise DataError("grpo.reward: give a reward function or grpo.reward_model")
         self.reward_fn = load_reward(o.reward) if o.reward else None
@@ -171,6 +154,11 @@ class GRPOTask(Task):
         if p.tp > 1 and p.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel: GRPO's generation decodes one token "
                               "a step, which cannot be split over tp ranks; set it false")
+        mu, every = self.options.num_iterations, cfg.checkpoint.interval
+        if mu > 1 and every % mu:
+            raise ConfigError(f"checkpoint.interval: {every} is not a multiple of "
+                              f"grpo.num_iterations={mu}; a resume inside a generation cycle "
+                              "would lose the sampling policy's log-probs: use a multiple")
         if t.global_batch_size % g:
             raise ConfigError(f"train.global_batch_size: {t.global_batch_size} completions is "
                               f"not a multiple of grpo.num_generations={g}; use a multiple")
@@ -243,7 +231,7 @@ class GRPOTask(Task):
         if o.reward_model:
             self.score = reward_model_scorer(o.reward_model, run.device)
         lay = run.layout
-        batch = self.train.local_batch(0, lay.dp_rank, lay.dp_size)
+        batch = self.train.local_batch(0, lay.dp_rank, lay.dp_size)  # (also kept for μ > 1)
         self.train.cached = (0, lay.dp_rank, batch, self.train.figures)
         self.train.step = 0
         if lay.is_writer:
@@ -352,46 +340,49 @@ class GRPOTask(Task):
             y[i, len(p) - 1:len(p) + len(c) - 1] = c
         batch = {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y),
                  "advantages": torch.from_numpy(adv.astype(np.float32))}
-        batch["ref_logps"] = self._reference_logps(batch)
+        batch["ref_logps"] = self._logps(self.reference, batch)
+        if self.options.num_iterations > 1:  # the sampling policy's, for μ updates' ratios
+            batch["old_logps"] = self._logps(self.run.engine, batch)
         return batch
 
     @torch.no_grad()
-    def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(rows, width) token log-probs under the reference, in micro-batches (zeros when
-        beta is 0: no reference)."""
+    def _logps(self, engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(rows, width) token log-probs under ``engine``'s model (the reference, or the
+        policy as it samples), in micro-batches; zeros without one (beta 0: no reference)."""
         labels = batch["labels"]
-        if self.reference is None:
+        if engine is None:
             return torch.zeros(labels.shape, dtype=torch.float32)
         run, out = self.run, []
         mb = run.cfg.train.micro_batch_size
         for i in range(0, labels.shape[0], mb):
             ids = batch["input_ids"][i:i + mb].to(run.device)
             with autocast(run):
-                losses = self.reference.model(ids, labels=labels[i:i + mb].to(run.device),
-                                              temperature=self.options.temperature)
+                losses = engine.model(ids, labels=labels[i:i + mb].to(run.device),
+                                      temperature=self.options.temperature)
             out.append((-losses).float().cpu())
         return torch.cat(out)
 
     # -- the loss ------------------------------------------------------------------------------
     def count(self, batch: dict[str, torch.Tensor]) -> int:
-        """Completion tokens."""
-        return int((batch["labels"] != IGNORE).sum())
+        """The loss type's units: completion tokens (dapo), completions (grpo, dr_grpo) or
+        micro-batches (bnpo)."""
+        return loss_units(self.options.loss_type, batch["labels"] != IGNORE,
+                          self.run.cfg.train.micro_batch_size)
 
     def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
         """Summed GRPO token loss over the micro-batch's completion tokens, summed metrics."""
         o = self.options
         labels = micro["labels"]
         logps = -run.token_losses({"input_ids": micro["input_ids"]}, labels, o.temperature)
-        mask = (labels != IGNORE).float()
+        mask = labels != IGNORE
         loss, kl, low, high = grpo_token_loss(logps, micro["advantages"], micro["ref_logps"],
-                                              o.beta, o.epsilon,
+                                              o.beta, o.epsilon, micro.get("old_logps"),
                                               kl_bias_correction=o.kl_bias_correction)
-        metrics = {"clip_ratio/low_mean": (low.double() * mask).sum(),
-                   "clip_ratio/high_mean": (high.double() * mask).sum(),
-                   "clip_ratio/region_mean": ((low | high).double() * mask).sum()}
+        figures = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                   "clip_ratio/region_mean": low | high}
         if o.beta:
-            metrics["kl"] = (kl.double() * mask).sum()
-        return (loss * mask).sum(), metrics
+            figures["kl"] = kl
+        return reduce_token_loss(o.loss_type, loss, mask, o.max_completion_length, figures)
 
     def step_metrics(self) -> dict[str, float]:
         """The last training rollout's figures (``train_step`` adds them to the step's)."""
