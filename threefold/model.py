@@ -291,7 +291,12 @@ def fill_tied_head(weights: dict, prefix: str = "", suffixes: tuple[str, ...] = 
 
 def _init_in_place(p: torch.Tensor, name: str, cfg: ModelConfig,
                    gen: torch.Generator | None) -> None:
-    """The initialisation rule (see ``LlamaForCausalLM.init_weights``) applied to ``p``."""
+    """The initialisation rule (see ``LlamaForCausalLM.init_weights``) applied to ``p``; a
+    LoRA adapter's as PEFT draws it (``threefold.lora.init_adapter``)."""
+    if name.endswith(("lora_A.weight", "lora_B.weight")):
+        from threefold.lora import init_adapter
+        init_adapter(p, name, gen)
+        return
     if p.ndim == 1:
         nn.init.ones_(p)
         return

@@ -141,7 +141,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
                      task.new_weights)
     try:
         engine = parallelize(mcfg, cfg, layout, source, device,
-                             adapt=task.adapt_model)
+                             adapt=task.adapt_model, trainable=task.new_weights)
     except MissingTensor as e:
         raise CheckpointError(f"checkpoint.init_from: '{cfg.checkpoint.init_from}' lacks "
                               f"{e.args[0]}") from None

@@ -26,6 +26,7 @@ from threefold.config.schema import (
     Config,
     ConfigError,
     DataConfig,
+    LoRAConfig,
     MetricsConfig,
     ModelConfig,
     OptimConfig,
@@ -39,7 +40,7 @@ from threefold.config.validation import validate
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
-    "MetricsConfig", "ModelConfig", "OptimConfig", "PIPELINE_SCHEDULES", "ParallelConfig",
+    "LoRAConfig", "MetricsConfig", "ModelConfig", "OptimConfig", "PIPELINE_SCHEDULES", "ParallelConfig",
     "TrainConfig",
     "apply_mapping", "describe", "load_config", "param_dtype", "parse_overrides", "take_flag",
     "unknown_value", "validate",

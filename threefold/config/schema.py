@@ -243,6 +243,19 @@ class MetricsConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (Hu et al., arXiv 2106.09685): with r > 0 only they train, on the
+    named linear layers; the rest of the model is frozen."""
+
+    r: int = _f(0, "adapter rank; 0 = no LoRA (every weight trains)")
+    alpha: float = _f(16.0, "scaling: the adapter's output is multiplied by alpha / r")
+    dropout: float = _f(0.0, "dropout on the adapter's input")
+    target_modules: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                             "comma-separated linear layers to adapt, as PEFT names them "
+                             "('all-linear': every one of these)")
+
+
+@dataclass
 class Config:
     """Everything a run needs."""
 
@@ -253,6 +266,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (JSON/TOML-serialisable)."""

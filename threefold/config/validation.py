@@ -9,7 +9,8 @@ import importlib.util
 
 from threefold.config.presets import MODEL_PRESETS
 from threefold.config.schema import (PIPELINE_SCHEDULES, CheckpointConfig, Config, ConfigError,
-                                     DataConfig, MetricsConfig, ModelConfig, OptimConfig,
+                                     DataConfig, LoRAConfig, MetricsConfig, ModelConfig,
+                                     OptimConfig,
                                      ParallelConfig, TrainConfig, unknown_value)
 
 
@@ -34,6 +35,7 @@ def validate(cfg: Config) -> None:
     _check_recompute(cfg.train, cfg.parallel, r)
     _check_checkpoint(cfg.checkpoint)
     _check_metrics(cfg.metrics)
+    _check_lora(cfg.lora, cfg.parallel, r)
 
 
 def _check_model(m: ModelConfig, vocab_size: int) -> ModelConfig:
@@ -173,3 +175,37 @@ def _check_metrics(m: MetricsConfig) -> None:
         _need(not on or importlib.util.find_spec(name) is not None,
               f"metrics.{name} needs the {name} extra: pip install 'threefold[{name}]'")
     _need(bool(m.wandb_project), "metrics.wandb_project: must not be empty")
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_targets(lora: LoRAConfig) -> tuple[str, ...]:
+    """The layers ``lora.target_modules`` names (PEFT's names; 'all-linear' is every one)."""
+    names = tuple(t.strip() for t in lora.target_modules.split(",") if t.strip())
+    return LORA_TARGETS if names == ("all-linear",) else names
+
+
+def _check_lora(lo: LoRAConfig, p: ParallelConfig, r: ModelConfig) -> None:
+    """The adapters' settings, and the layouts and models they run with (before launch)."""
+    if lo.r == 0:
+        return
+    _need(lo.r > 0, f"lora.r: must be >= 0 (0 = no LoRA), got {lo.r}")
+    _need(lo.alpha > 0, f"lora.alpha: must be positive, got {lo.alpha}")
+    _need(0 <= lo.dropout < 1, f"lora.dropout: {lo.dropout} must be in [0, 1)")
+    names = lora_targets(lo)
+    bad = [n for n in names if n not in LORA_TARGETS]
+    _need(bool(names) and not bad,
+          f"lora.target_modules: {', '.join(bad) or 'nothing'} is not one of "
+          f"{', '.join(LORA_TARGETS)} (or 'all-linear')")
+    _need(p.zero_stage != 3, "parallel.zero_stage: LoRA runs with ZeRO stages 0-2 (the "
+          "frozen base whole on each rank) for now; use zero_stage 2 or lora.r 0")
+    for name, value in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
+        _need(value == 1, f"parallel.{name}: LoRA does not run with {name}={value} yet; use "
+              f"parallel.{name} 1 (or lora.r 0)")
+    _need(not r.num_local_experts, "lora.r: LoRA does not adapt a mixture of experts "
+          "(model.num_local_experts > 0); use lora.r 0")
+    kv_split = p.tp == 1 or r.num_key_value_heads % p.tp == 0
+    _need(kv_split or not {"k_proj", "v_proj"} & set(names),
+          f"lora.target_modules: k_proj/v_proj stay whole when parallel.tp={p.tp} exceeds the "
+          f"{r.num_key_value_heads} KV heads; leave them out or lower parallel.tp")

@@ -35,6 +35,20 @@ def unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(model.named_parameters(remove_duplicate=True))
 
 
+def trained_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The named parameters an optimiser updates: those that require a gradient (a LoRA
+    run's adapters), or every one when none does (a frozen model, which never steps)."""
+    named = unique_named_parameters(model)
+    return [(n, p) for n, p in named if p.requires_grad] or named
+
+
+def frozen_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that do not train while others do (a LoRA run's base weights)."""
+    named = unique_named_parameters(model)
+    trained = {id(p) for _, p in trained_named_parameters(model)}
+    return [p for _, p in named if id(p) not in trained]
+
+
 def sq_norm(g: torch.Tensor) -> torch.Tensor:
     """Sum of squares of ``g`` in fp32, a scalar on ``g``'s device (callers add them up there
     and read the total once). A reduction kernel: ``g.pow(2)`` would first allocate a
@@ -150,7 +164,10 @@ class LocalEngine:
         self.model = model
         self.cfg = cfg
         self.comm = comm
-        self.named_params = unique_named_parameters(model)
+        self.named_params = trained_named_parameters(model)  # (a LoRA run: the adapters)
+        if param_dtype is not None:  # frozen weights compute in it and need no master
+            for p in frozen_parameters(model):
+                p.data = p.data.to(param_dtype)
         self._master: dict[nn.Parameter, nn.Parameter] = {}
         if param_dtype is not None and any(p.dtype != param_dtype for _, p in self.named_params):
             self._use_compute_copies(param_dtype)

@@ -61,7 +61,8 @@ class InitSource:
 
 class ChainSource:
     """``primary`` for every tensor it holds; ``fallback`` for ``extra`` names (a task's new
-    weights, such as a reward model's score head on a pretrained decoder)."""
+    weights, such as a reward model's score head on a pretrained decoder) and for LoRA
+    adapters (new on any pretrained model)."""
 
     def __init__(self, primary, fallback, extra: Sequence[str] = ()):
         self.primary, self.fallback, self.extra = primary, fallback, set(extra)
@@ -73,8 +74,9 @@ class ChainSource:
 
     def read(self, name, box=(), kind="model", dtype=torch.float32, shape=None):
         """From the fallback for the extra names, else from the primary."""
-        return (self.fallback if name in self.extra else self.primary).read(
-            name, box, kind, dtype, shape=shape)
+        new = name in self.extra or name.endswith(("lora_A.weight", "lora_B.weight"))
+        return (self.fallback if new else self.primary).read(name, box, kind, dtype,
+                                                             shape=shape)
 
     def release(self) -> None:
         """Forget what either keeps."""

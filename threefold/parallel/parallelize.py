@@ -1,8 +1,9 @@
 """The one place that says in which order threefold parallelises a model, and where its
 values come from.
 
-``parallelize`` builds the plain model on the meta device (shapes, no storage) and applies,
-in this order:
+``parallelize`` builds the plain model on the meta device (shapes, no storage), adapts it
+(a task's head; LoRA's adapters with the rest frozen, ``threefold.lora``) and applies, in
+this order:
 
 1. the pipeline split: this rank keeps its stages' modules (the rest is never built);
 2. tensor parallelism (and sequence parallelism), which slices weights by placement;
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from threefold.config import Config, ModelConfig, param_dtype
+from threefold.lora import apply_lora
 from threefold.model import LlamaForCausalLM
 from threefold.parallel.context import apply_context_parallel
 from threefold.parallel.data import DataParallelEngine
@@ -131,7 +133,7 @@ def build_engine(model: nn.Module, cfg: Config, layout, source=None,
 
 def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.device,
                 adapt: Callable[[nn.Module], nn.Module] | None = None,
-                frozen: bool = False) -> Any:
+                frozen: bool = False, trainable: tuple[str, ...] = ()) -> Any:
     """The engine of this rank's part of the model ``mcfg``, parallelised by ``layout`` in
     the order of the module doc, its tensors filled from ``source`` (``InitSource`` for a
     fresh run, a checkpoint or Hugging Face folder for a pretrained one). ``adapt`` changes
@@ -142,6 +144,8 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
         model = LlamaForCausalLM(mcfg)
     if adapt is not None:
         model = adapt(model)
+    if not frozen:  # LoRA: adapters on the named layers, the rest (but ``trainable``) frozen
+        model = apply_lora(model, cfg.lora, trainable)
     model = layout.split_pipeline(model)           # 1
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
     if not frozen:                                        # 5

@@ -270,8 +270,28 @@ def _shard_weights(model: LlamaForCausalLM, comm, sp: bool) -> None:
                     head_rows=slice(kv_head * hd, (kv_head + 1) * hd))
         elif style == "column":
             _set_weight(module, _shard_rows(w, r, t), 0, w.shape[0], r, t)
+            _shard_adapter(module, "column", comm)
         elif style == "row":
             _set_weight(module, _shard_rows(w.t(), r, t).t(), 1, w.shape[1], r, t)
+            _shard_adapter(module, "row", comm)
+
+
+def _shard_adapter(module: nn.Module, style: str, comm) -> None:
+    """A LoRA adapter split the way its layer is (``threefold.lora``): a column-parallel
+    layer keeps its rows of B and a whole A, a row-parallel one its columns of A and a whole
+    B; the whole factor's gradient is summed over tp (each rank sees part of it)."""
+    if not hasattr(module, "lora_A"):
+        return
+    t, r = comm.size(AXIS), comm.rank(AXIS)
+    a, b = module.lora_A, module.lora_B
+    if style == "column":
+        _set_weight(b, _shard_rows(b.weight.detach(), r, t), 0, b.weight.shape[0], r, t)
+        place(a.weight, tp_grad_reduced=True)
+    else:
+        w = a.weight.detach()
+        _set_weight(a, _shard_rows(w.t(), r, t).t(), 1, w.shape[1], r, t)
+        place(b.weight, tp_grad_reduced=True)
+    module.tp_comm, module.tp_style = comm, style
 
 
 def _whole_sequence_positions(_m, args, kwargs):

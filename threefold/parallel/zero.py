@@ -39,9 +39,9 @@ from torch import nn
 from threefold.config import OptimConfig
 from threefold.head_loss import LMHead
 from threefold.parallel.engine import (OptimizerSlot, global_sq_norm,
-                                       unique_named_parameters)
+                                       trained_named_parameters, unique_named_parameters)
 from threefold.parallel.flat import FlatUnit  # noqa: F401 (re-exported)
-from threefold.parallel.materialize import fill_flat, hollow_parameters
+from threefold.parallel.materialize import fill_flat, fill_local, hollow_parameters
 from threefold.parallel.placement import Piece
 
 
@@ -71,6 +71,21 @@ def _group_parameters(modules: list[nn.Module], named: list) -> tuple[list[list]
     return groups, root
 
 
+@torch.no_grad()
+def _fill_frozen(model: nn.Module, trained: list, source, device, param_dtype) -> None:
+    """Weights that do not train (a LoRA run's base, under stages 1-2) stay whole on every
+    rank, as those stages keep parameters: filled from ``source`` in the compute dtype."""
+    ids = {id(p) for _, p in trained}
+    for name, p in unique_named_parameters(model):
+        if id(p) in ids:
+            continue
+        if source is not None:
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=device or p.device)
+            fill_local(source, name, p, p.data)
+        if param_dtype is not None:
+            p.data = p.data.to(param_dtype)
+
+
 class ZeroEngine:
     """ZeRO stage 1, 2 or 3 over ``shard_axis``, optionally replicated over ``replicate_axis``.
 
@@ -96,7 +111,8 @@ class ZeroEngine:
         self.shard_axis, self.replicate_axis = shard_axis, replicate_axis
         if source is not None:  # meta parameters: shapes only, until the shards are filled
             hollow_parameters(model, device or torch.device("cpu"))
-        named = unique_named_parameters(model)
+        named = trained_named_parameters(model)  # (a LoRA run: the adapters)
+        _fill_frozen(model, named, source, device, param_dtype)
         groups, root = _group_parameters(modules, named)
         axes = unit_axes or {}
         kw = dict(source=source, device=device, param_dtype=param_dtype,

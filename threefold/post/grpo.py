@@ -15,6 +15,7 @@ the formulas, the metrics and the layouts GRPO runs under.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from threefold.config import ConfigError
 from threefold.data import DataError
 from threefold.data.sampler import rank_rows
 from threefold.generate import generate
+from threefold.lora import adapters_off, has_adapters
 from threefold.post.chat import check_messages, encode_text, eot_token, load_chat_template
 from threefold.post.grpo_loss import (  # noqa: F401 (re-exported)
     LOSS_TYPES, advantages, grpo_token_loss, loss_units, reduce_token_loss)
@@ -138,6 +140,7 @@ class GRPOTask(Task):
         self.reward_fn = load_reward(o.reward) if o.reward else None
         self.fixed_rollout = rollout
         self.reference = None  # the frozen initial policy's engine (beta > 0)
+        self.base_is_reference = False  # LoRA: the reference is the policy, adapters off
         self.score = None
 
     # -- checks before launch ----------------------------------------------------------------
@@ -226,8 +229,10 @@ class GRPOTask(Task):
         stops the run here)."""
         o = self.options
         self.run = run
-        if o.beta:
-            self.reference = reference_engine(run)  # sharded like the policy, never steps
+        if o.beta:  # the initial policy: under LoRA the policy with its adapters off (no
+            # second copy), else an engine of its own, sharded like the policy, never stepping
+            self.base_is_reference = has_adapters(run.engine.model)
+            self.reference = run.engine if self.base_is_reference else reference_engine(run)
         if o.reward_model:
             self.score = reward_model_scorer(o.reward_model, run.device)
         lay = run.layout
@@ -340,25 +345,32 @@ class GRPOTask(Task):
             y[i, len(p) - 1:len(p) + len(c) - 1] = c
         batch = {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y),
                  "advantages": torch.from_numpy(adv.astype(np.float32))}
-        batch["ref_logps"] = self._logps(self.reference, batch)
+        batch["ref_logps"] = self._logps(self.reference, batch, base=self.base_is_reference)
         if self.options.num_iterations > 1:  # the sampling policy's, for μ updates' ratios
             batch["old_logps"] = self._logps(self.run.engine, batch)
         return batch
 
     @torch.no_grad()
-    def _logps(self, engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logps(self, engine, batch: dict[str, torch.Tensor], base: bool = False
+               ) -> torch.Tensor:
         """(rows, width) token log-probs under ``engine``'s model (the reference, or the
-        policy as it samples), in micro-batches; zeros without one (beta 0: no reference)."""
+        policy as it samples; with ``base``, its adapters off), in micro-batches; zeros
+        without one (beta 0: no reference)."""
         labels = batch["labels"]
         if engine is None:
             return torch.zeros(labels.shape, dtype=torch.float32)
+        with adapters_off(engine.model) if base else contextlib.nullcontext():
+            return self._model_logps(engine.model, batch)
+
+    def _model_logps(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch["labels"]
         run, out = self.run, []
         mb = run.cfg.train.micro_batch_size
         for i in range(0, labels.shape[0], mb):
             ids = batch["input_ids"][i:i + mb].to(run.device)
             with autocast(run):
-                losses = engine.model(ids, labels=labels[i:i + mb].to(run.device),
-                                      temperature=self.options.temperature)
+                losses = model(ids, labels=labels[i:i + mb].to(run.device),
+                               temperature=self.options.temperature)
             out.append((-losses).float().cpu())
         return torch.cat(out)
 

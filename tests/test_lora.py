@@ -1,0 +1,159 @@
+"""LoRA (issue 29 item 1): adapters on the named layers, only they train, reduce and
+checkpoint; DP2, ZeRO-2×2 and TP2(+SP) equal one process; resume is bit-identical from
+adapter-only checkpoints; GRPO's reference is the base with adapters off; SFT equals PEFT +
+TRL's SFTTrainer from the same initial adapters."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from tests.conftest import final_weights, metrics, tiny_overrides
+from tests.dist import run_distributed, train_runs
+from tests.test_sft import OPTIM, TRL_CONVS, base, trl_args, trl_stack  # noqa: F401
+from threefold.config import ConfigError, LoRAConfig, ModelConfig, load_config
+from threefold.lora import LoRALinear, adapters_off, apply_lora
+from threefold.model import LlamaForCausalLM, initial_weight
+from threefold.post.sft import SFTOptions, SFTTask
+from threefold.train import train
+
+LORA = {"lora__r": "4", "lora__alpha": "8"}
+
+
+def test_adapters_start_at_the_base_and_only_they_train():
+    cfg = ModelConfig(preset="tiny", vocab_size=300).resolved()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 300, (2, 16))
+    before = model(ids)
+    apply_lora(model, LoRAConfig(r=4, alpha=8, target_modules="q_proj,down_proj"),
+               trainable=("lm_head.weight",))
+    for name, p in model.named_parameters():
+        p.data = initial_weight(name, tuple(p.shape), cfg, 0) if "lora" in name else p.data
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, LoRALinear) and q.lora_scale == 2.0
+    assert q.lora_A.weight.shape == (4, cfg.hidden_size)
+    assert not isinstance(model.model.layers[0].self_attn.k_proj, LoRALinear)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {f"model.layers.{i}.{m}.{ab}.weight" for i in range(cfg.num_hidden_layers)
+                       for m in ("self_attn.q_proj", "mlp.down_proj")
+                       for ab in ("lora_A", "lora_B")} | {"lm_head.weight"}
+    assert torch.equal(model(ids), before)  # B starts at zero
+    bound = 1 / cfg.hidden_size ** 0.5
+    assert q.lora_A.weight.abs().max() <= bound and q.lora_A.weight.std() > bound / 4
+    with torch.no_grad():
+        q.lora_B.weight.fill_(0.01)
+    assert not torch.equal(model(ids), before)
+    with adapters_off(model):
+        assert torch.equal(model(ids), before)
+
+
+def test_bad_lora_settings_are_refused_by_field():
+    for over, needle in (({"lora.r": "-1"}, "lora.r"), ({"lora.r": "4", "lora.dropout": "1"},
+                                                        "lora.dropout"),
+                         ({"lora.r": "4", "lora.target_modules": "qkv"}, "lora.target_modules"),
+                         ({"lora.r": "4", "parallel.pp": "2"}, "parallel.pp"),
+                         ({"lora.r": "4", "parallel.zero_stage": "3"}, "parallel.zero_stage"),
+                         ({"lora.r": "4", "model.num_local_experts": "4"}, "lora.r")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, list(over.items()))
+
+
+def lora_overrides(corpus, cache, out, **extra):
+    return tiny_overrides(corpus, cache, out, **{"data__seq_len": 128, "train__steps": 3,
+                                                 "train__eval_batches": 1, **LORA, **extra})
+
+
+LAYOUTS = [("dp2", {"train__micro_batch_size": 2}),
+           ("zero2", {"parallel__zero_stage": 2}),
+           ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"})]
+
+
+@pytest.mark.slow
+def test_lora_layouts_equal_single_process_and_resume(corpus, cache_dir, tmp_path):
+    """SFT with LoRA: every layout's losses and adapters equal one process's; only the
+    adapters are in the checkpoints, and data parallelism all-reduces only their gradients
+    (the dp bytes of a step are the adapters' fp32 gradients: a 2-rank all-reduce sends one
+    copy); a resume from step 2 is bit-identical."""
+    over = functools.partial(lora_overrides, corpus, cache_dir)
+    summary, run = train(load_config(None, over(tmp_path / "single")), task=SFTTask(),
+                         return_run=True)
+    n_adapters = sum(p.numel() for _, p in run.engine.named_params)
+    ref, ref_w = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
+    assert set(ref_w) == {n for n, _ in run.engine.named_params}
+    assert all("lora_" in k for k in ref_w) and ref[-1]["loss"] != ref[0]["loss"]
+    run_distributed(train_runs, 2, over, tmp_path, LAYOUTS, SFTTask, timeout=300)
+    for name, _ in LAYOUTS:
+        got = metrics(tmp_path / name)
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), \
+            name
+        w = final_weights(tmp_path / name)
+        assert set(w) == set(ref_w), name
+        for k, v in ref_w.items():
+            torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+    dp = metrics(tmp_path / "dp2")
+    assert all(r["comm_bytes"]["dp"] == 4 * n_adapters for r in dp)
+    cut = tmp_path / "cut"
+    train(load_config(None, over(cut, train__steps=2)), task=SFTTask())
+    train(load_config(None, over(cut, checkpoint__resume="true")), task=SFTTask())
+    assert [r["loss"] for r in metrics(cut)] == [r["loss"] for r in ref]
+    for k, v in ref_w.items():
+        assert torch.equal(final_weights(cut)[k], v), k
+
+
+def test_lora_sft_equals_peft_and_trl(corpus, cache_dir, base, tmp_path):
+    """The same HF model, conversations and initial adapters (ours, copied into PEFT's
+    LoRA layers), dropout 0: the loss of steps 1 and 2 and the adapters after two steps equal
+    PEFT + TRL's SFTTrainer's."""
+    trl, datasets, transformers = trl_stack()
+    peft = pytest.importorskip("peft")
+    hf_dir = base / "hf"
+    path = tmp_path / "convs.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in TRL_CONVS))
+    seq_len, n = 160, len(TRL_CONVS)
+    over = tiny_overrides(corpus, cache_dir, tmp_path / "ours", data__seq_len=seq_len,
+                          checkpoint__init_from=str(hf_dir), train__steps=2,
+                          train__eval_batches=1, **OPTIM, **LORA)
+    task = SFTTask(SFTOptions(data=str(path), val_data=str(path)))
+    probe = load_config(None, over)
+    from threefold.data import prepare_data
+    probe.data.tokenizer = str(hf_dir / "tokenizer.json")
+    rows = task.samplers(probe, prepare_data(probe.data))[0].n
+    cfg = load_config(None, over + [("train.global_batch_size", str(rows)),
+                                    ("train.micro_batch_size", str(rows))])
+    _, run = train(cfg, task=SFTTask(SFTOptions(data=str(path), val_data=str(path))),
+                   return_run=True)
+    ours, ours_w = [r["loss"] for r in metrics(tmp_path / "ours")], final_weights(
+        tmp_path / "ours")
+
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    targets = cfg.lora.target_modules.split(",")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                       target_modules=targets))
+    initial = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                ours_name = name.removeprefix("base_model.model.").replace(".default", "")
+                p.copy_(initial_weight(ours_name, tuple(p.shape), run.model_cfg,
+                                       cfg.train.seed))
+                initial[ours_name] = p.detach().clone()
+    assert set(initial) == set(ours_w)
+    args = trl_args(trl.SFTConfig, tmp_path / "trl", n, seq_len, assistant_only_loss=True,
+                    packing=False)
+    trainer = trl.SFTTrainer(model=model, args=args, processing_class=tok,
+                             train_dataset=datasets.Dataset.from_list(
+                                 [{"messages": m} for m in TRL_CONVS]))
+    trainer.train()
+    theirs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert ours == pytest.approx(theirs, abs=1e-5)
+    for name, p in trainer.model.named_parameters():
+        if "lora_" in name:
+            k = name.removeprefix("base_model.model.").replace(".default", "")
+            torch.testing.assert_close(ours_w[k], p.detach(), rtol=1e-5, atol=1e-5, msg=k)
+            if k.endswith("lora_B.weight"):
+                assert p.detach().abs().max() > 0  # it moved
