@@ -1,5 +1,5 @@
 """LoRA (issue 29 item 1): adapters on the named layers, only they train, reduce and
-checkpoint; DP2, ZeRO-2×2 and TP2(+SP) equal one process; resume is bit-identical from
+checkpoint; DP2, ZeRO-2×2, ZeRO-3×2 and TP2(+SP) equal one process; resume is bit-identical from
 adapter-only checkpoints; GRPO's reference is the base with adapters off; SFT equals PEFT +
 TRL's SFTTrainer from the same initial adapters."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -56,7 +57,6 @@ def test_bad_lora_settings_are_refused_by_field():
                                                         "lora.dropout"),
                          ({"lora.r": "4", "lora.target_modules": "qkv"}, "lora.target_modules"),
                          ({"lora.r": "4", "parallel.pp": "2"}, "parallel.pp"),
-                         ({"lora.r": "4", "parallel.zero_stage": "3"}, "parallel.zero_stage"),
                          ({"lora.r": "4", "model.num_local_experts": "4"}, "lora.r")):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, list(over.items()))
@@ -69,6 +69,7 @@ def lora_overrides(corpus, cache, out, **extra):
 
 LAYOUTS = [("dp2", {"train__micro_batch_size": 2}),
            ("zero2", {"parallel__zero_stage": 2}),
+           ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
            ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"})]
 
 
@@ -157,3 +158,41 @@ def test_lora_sft_equals_peft_and_trl(corpus, cache_dir, base, tmp_path):
             torch.testing.assert_close(ours_w[k], p.detach(), rtol=1e-5, atol=1e-5, msg=k)
             if k.endswith("lora_B.weight"):
                 assert p.detach().abs().max() > 0  # it moved
+
+
+def test_lora_under_dpo_reward_and_grpo(corpus, cache_dir, base, tmp_path):
+    """Each post-training task trains only its adapters (and a reward model's new score
+    head); DPO starts at ln 2 (the base is the policy at step 0); GRPO's reference is the
+    base with the adapters off: the KL is 0 at step 1 and grows once the adapters move,
+    with no second model built."""
+    from tests.test_dpo import dpo_task
+    from tests.test_dpo import write_pairs as dpo_pairs
+    from tests.test_grpo import grpo_overrides, grpo_task
+    from tests.test_reward import reward_overrides, reward_task
+    from tests.test_reward import write_pairs as reward_pairs
+
+    dpo_pairs(tmp_path)
+    train(load_config(None, lora_overrides(corpus, cache_dir, tmp_path / "dpo",
+                                           train__steps=2, optim__lr="1e-2")),
+          task=dpo_task(tmp_path))
+    assert metrics(tmp_path / "dpo")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert all("lora_" in k for k in final_weights(tmp_path / "dpo"))
+    (tmp_path / "rm").mkdir()
+    reward_pairs(tmp_path / "rm")
+    train(load_config(None, reward_overrides(corpus, cache_dir, tmp_path / "reward",
+                                             train__steps=2, **LORA)),
+          task=reward_task(tmp_path / "rm"))
+    assert {k for k in final_weights(tmp_path / "reward") if "lora_" not in k} == \
+        {"score.weight"}
+    import threefold.post.grpo as grpo
+    built = []
+    real = grpo.reference_engine
+    grpo.reference_engine = lambda run: built.append(run) or real(run)
+    try:
+        train(load_config(None, grpo_overrides(corpus, cache_dir, base / "run",
+                                               tmp_path / "grpo", optim__lr="1e-2", **LORA)),
+              task=grpo_task(tmp_path))
+    finally:
+        grpo.reference_engine = real
+    rec = metrics(tmp_path / "grpo")
+    assert not built and rec[0]["kl"] == 0.0 and rec[-1]["kl"] > 0

@@ -198,8 +198,6 @@ def _check_lora(lo: LoRAConfig, p: ParallelConfig, r: ModelConfig) -> None:
     _need(bool(names) and not bad,
           f"lora.target_modules: {', '.join(bad) or 'nothing'} is not one of "
           f"{', '.join(LORA_TARGETS)} (or 'all-linear')")
-    _need(p.zero_stage != 3, "parallel.zero_stage: LoRA runs with ZeRO stages 0-2 (the "
-          "frozen base whole on each rank) for now; use zero_stage 2 or lora.r 0")
     for name, value in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep)):
         _need(value == 1, f"parallel.{name}: LoRA does not run with {name}={value} yet; use "
               f"parallel.{name} 1 (or lora.r 0)")

@@ -27,8 +27,9 @@ class FlatUnit:
     def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], comm, axis: str,
                  stage: int, source=None, device: torch.device | None = None,
                  param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, frozen: bool = False):
         self.name, self.comm, self.axis, self.stage = name, comm, axis, stage
+        self.frozen = frozen  # weights that never train (LoRA's base): gathered, not reduced
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [p.shape for p in self.params]

@@ -71,14 +71,17 @@ def _group_parameters(modules: list[nn.Module], named: list) -> tuple[list[list]
     return groups, root
 
 
+def _frozen_named(model: nn.Module, trained: list) -> list:
+    """(name, parameter) of the weights that do not train while ``trained`` do (LoRA's base)."""
+    ids = {id(p) for _, p in trained}
+    return [(n, p) for n, p in unique_named_parameters(model) if id(p) not in ids]
+
+
 @torch.no_grad()
 def _fill_frozen(model: nn.Module, trained: list, source, device, param_dtype) -> None:
     """Weights that do not train (a LoRA run's base, under stages 1-2) stay whole on every
     rank, as those stages keep parameters: filled from ``source`` in the compute dtype."""
-    ids = {id(p) for _, p in trained}
-    for name, p in unique_named_parameters(model):
-        if id(p) in ids:
-            continue
+    for name, p in _frozen_named(model, trained):
         if source is not None:
             p.data = torch.empty(p.shape, dtype=p.dtype, device=device or p.device)
             fill_local(source, name, p, p.data)
@@ -112,17 +115,28 @@ class ZeroEngine:
         if source is not None:  # meta parameters: shapes only, until the shards are filled
             hollow_parameters(model, device or torch.device("cpu"))
         named = trained_named_parameters(model)  # (a LoRA run: the adapters)
-        _fill_frozen(model, named, source, device, param_dtype)
+        frozen = _frozen_named(model, named)
+        if stage < 3:  # weights that do not train stay whole, as stages 1-2 keep parameters
+            _fill_frozen(model, named, source, device, param_dtype)
+            frozen = []
         groups, root = _group_parameters(modules, named)
+        fgroups, froot = _group_parameters(modules, frozen)
         axes = unit_axes or {}
         kw = dict(source=source, device=device, param_dtype=param_dtype,
                   reduce_dtype=reduce_dtype)
-        self.unit_modules = [(m, FlatUnit(f"unit{i}", g, comm, axes.get(i, shard_axis), stage,
-                                          **kw))
-                             for i, (m, g) in enumerate(zip(modules, groups)) if g]
+        # per module, in forward order: its frozen weights' unit (stage 3 under LoRA: gathered
+        # around use like any unit, never reduced or stepped), then its trained one
+        self.unit_modules = [
+            (m, FlatUnit(f"unit{i}{tag}", g, comm, axes.get(i, shard_axis), stage,
+                         frozen=bool(tag), **kw))
+            for i, (m, fg, g) in enumerate(zip(modules, fgroups, groups))
+            for tag, g in ((".frozen", fg), ("", g)) if g]
+        self.frozen_root = FlatUnit("root.frozen", froot, comm, shard_axis, stage, frozen=True,
+                                    **kw) if froot else None
         if source is not None:
             source.release()  # the last tensor drawn, or the files read
         self.units = [u for _, u in self.unit_modules]
+        self._open_frozen: list[FlatUnit] = []  # gathered for a backward that may be over
         for module, unit in self.unit_modules:
             # an embedding's backward reads its indices, not its weight: no gather for it
             unit.reads_weights_in_backward = not isinstance(module, nn.Embedding)
@@ -130,7 +144,9 @@ class ZeroEngine:
             # unit stays gathered until every micro-batch whose backward began has its W
             unit.reads_weights_in_w = isinstance(module, LMHead)
         self.root = FlatUnit("root", root, comm, shard_axis, stage, **kw) if root else None
-        self.all_units = self.units + ([self.root] if self.root else [])
+        # the units that train: reduced, clipped, stepped, checkpointed
+        self.all_units = [u for u in self.units if not u.frozen] + ([self.root] if self.root
+                                                                    else [])
         self._unit_of = {q: unit for unit in self.all_units for q in unit.params}
         self.named_params = named
         self.slot = OptimizerSlot([u.shard for u in self.all_units], cfg, offload)
@@ -174,7 +190,10 @@ class ZeroEngine:
             return hook
 
         def pre_backward(i):
-            def hook(_m, _grad_out):
+            def hook(m, _grad_out):
+                if units[i].frozen:  # a frozen unit has no gradient to say its backward is
+                    self._close_frozen(keep=m)  # over: it ends when another module's begins
+                    self._open_frozen.append(units[i])
                 units[i].in_backward = True
                 units[i].open_backwards += 1
                 if units[i].reads_weights_in_backward:
@@ -204,8 +223,22 @@ class ZeroEngine:
             for inner in module.modules():
                 if inner is not module:
                     inner.register_forward_pre_hook(on_demand(i))
-        if self.root:
-            self.model.register_forward_pre_hook(lambda _m, _a: self.root.wait_gather())
+        for root in (self.root, self.frozen_root):
+            if root:
+                self.model.register_forward_pre_hook(lambda _m, _a, r=root: r.wait_gather())
+
+    def _close_frozen(self, keep: nn.Module | None = None) -> None:
+        """Release the frozen units gathered for backwards that are over (all but those of
+        module ``keep``, whose backward is beginning)."""
+        module_of = {id(u): m for m, u in self.unit_modules}
+        still = []
+        for unit in self._open_frozen:
+            if keep is not None and module_of[id(unit)] is keep:
+                still.append(unit)
+                continue
+            unit.in_backward, unit.open_backwards = False, 0
+            unit.release()
+        self._open_frozen = still
 
     # -- the step -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -220,6 +253,7 @@ class ZeroEngine:
             self._sync = True
             if self.stage == 3:  # a micro-batch's reductions end with its backward: their
                 self._drain()    # buffers do not wait through the next micro-batch's forward
+                self._close_frozen()
             self._final = False
 
     def _on_grad(self, unit: FlatUnit) -> None:
@@ -274,8 +308,10 @@ class ZeroEngine:
             self._finish(unit)
             if self.comm.size(self.replicate_axis) > 1:
                 self.comm.all_reduce(unit.shard.grad, self.replicate_axis)
-        if self.stage == 3 and self.root:
-            self.root.release()
+        if self.stage == 3:
+            for root in (self.root, self.frozen_root):
+                if root:
+                    root.release()
 
     def gradient_of(self, p: nn.Parameter) -> torch.Tensor:
         """This rank's shard of ``p``'s reduced gradient, for an in-place sum with the same
