@@ -196,3 +196,37 @@ def test_lora_under_dpo_reward_and_grpo(corpus, cache_dir, base, tmp_path):
         grpo.reference_engine = real
     rec = metrics(tmp_path / "grpo")
     assert not built and rec[0]["kl"] == 0.0 and rec[-1]["kl"] > 0
+
+
+def _states_measured_and_predicted(rank, world, over):
+    """(bytes of weights, of AdamW state) this rank holds after a LoRA run, and the dry
+    run's count of them."""
+    from threefold.parallel.distributed_layout import Distributed
+    from threefold.plan.dryrun import predict
+
+    cfg = load_config(None, over)
+    _, run = train(cfg, Distributed(cfg) if world > 1 else None, return_run=True)
+    eng = run.engine
+    units = getattr(eng, "units", None)  # (test only) a ZeRO engine's flat units
+    if units is not None:
+        held = [u.shard for u in units + [eng.root, eng.frozen_root] if u is not None]
+    else:
+        held = [p for p in {id(p): p for p in eng.model.parameters()}.values()]
+    weights = sum(t.numel() * t.element_size() for t in held)
+    optim = sum(v.numel() * v.element_size() for st in eng.optimizer.state.values()
+                for k, v in st.items() if k != "step")
+    mem = predict(cfg, world, backend_copies=False).memory
+    return weights, optim, mem.params, mem.optimizer
+
+
+@pytest.mark.parametrize("world,extra", [(1, {}), (2, {"parallel__zero_stage": 3})],
+                         ids=["single", "zero3x2"])
+def test_lora_model_states_are_what_the_dry_run_counts(corpus, cache_dir, tmp_path, world,
+                                                       extra):
+    over = lora_overrides(corpus, cache_dir, tmp_path / "run", train__steps=1, **extra)
+    if world == 1:
+        got = [_states_measured_and_predicted(0, 1, over)]
+    else:
+        got = run_distributed(_states_measured_and_predicted, world, over)
+    for weights, optim, want_weights, want_optim in got:
+        assert (weights, optim) == (want_weights, want_optim)

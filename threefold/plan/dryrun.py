@@ -59,6 +59,7 @@ from threefold.accounting import (
     stage_parameters,
 )
 from threefold.config import Config, ConfigError, ModelConfig
+from threefold.config.validation import lora_targets
 from threefold.data import load_tokenizer
 from threefold.data.sources import check_prepared
 from threefold.model import LlamaForCausalLM
@@ -69,6 +70,7 @@ from threefold.parallel.pipeline.stage import rank_model, split_model
 from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.plan.calibrate import (cpu_baseline_bytes, hardware_from_calibration, load,
                                       machine_ram, matmul_flops)
+from threefold.plan.lora import lora_memory, lora_units
 from threefold.plan.hardware import (Cluster, Hardware, get_hardware,
                                      hardware_for_device_name)
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
@@ -268,8 +270,16 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     step = None
     if cluster.hardware.peak_flops(work.precision):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
+    comm = comm_bytes_per_step(mcfg, layout, work, stage=0)  # rank 0's
+    if cfg.lora.r:
+        memory = lora_memory(mcfg, cfg, layout, work, memory, _MetaComm(dims.tp))
+        trained = sum(map(sum, lora_units(mcfg, cfg, layout, _MetaComm(dims.tp))[0]))
+        notes.append(f"LoRA r={cfg.lora.r} on {', '.join(lora_targets(cfg.lora))}: "
+                     f"{_count(trained)} adapter parameters train on this rank, the base is "
+                     "frozen (memory counted so; step time and bytes sent are not yet)")
+        comm = {}
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
-                        comm_bytes_per_step(mcfg, layout, work, stage=0), notes,  # rank 0's
+                        comm, notes,
                         startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work),
                         cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0)
@@ -288,8 +298,9 @@ def format_report(r: DryRunResult, world: int) -> str:
     mem, hw = r.memory, r.cluster.hardware
     fits = mem.total <= hw.memory_bytes if hw.memory_bytes else True
     lines = _layout_lines(r, world) + _memory_lines(r, fits) + [_step_line(r, world)]
-    sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes[a])
-    lines.append("bytes sent per step by rank 0: " + (sent or "none (one rank)"))
+    sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes.get(a))
+    lines.append("bytes sent per step by rank 0: " + (
+        sent or ("none (one rank)" if r.comm_bytes else "not predicted under LoRA yet")))
     lines += [f"note: {n}" for n in r.notes]
     if not fits:
         lines.append(f"warning: predicted peak {_gb(mem.total)} GB exceeds the "
