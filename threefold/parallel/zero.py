@@ -115,24 +115,9 @@ class ZeroEngine:
         if source is not None:  # meta parameters: shapes only, until the shards are filled
             hollow_parameters(model, device or torch.device("cpu"))
         named = trained_named_parameters(model)  # (a LoRA run: the adapters)
-        frozen = _frozen_named(model, named)
-        if stage < 3:  # weights that do not train stay whole, as stages 1-2 keep parameters
-            _fill_frozen(model, named, source, device, param_dtype)
-            frozen = []
-        groups, root = _group_parameters(modules, named)
-        fgroups, froot = _group_parameters(modules, frozen)
-        axes = unit_axes or {}
         kw = dict(source=source, device=device, param_dtype=param_dtype,
                   reduce_dtype=reduce_dtype)
-        # per module, in forward order: its frozen weights' unit (stage 3 under LoRA: gathered
-        # around use like any unit, never reduced or stepped), then its trained one
-        self.unit_modules = [
-            (m, FlatUnit(f"unit{i}{tag}", g, comm, axes.get(i, shard_axis), stage,
-                         frozen=bool(tag), **kw))
-            for i, (m, fg, g) in enumerate(zip(modules, fgroups, groups))
-            for tag, g in ((".frozen", fg), ("", g)) if g]
-        self.frozen_root = FlatUnit("root.frozen", froot, comm, shard_axis, stage, frozen=True,
-                                    **kw) if froot else None
+        root = self._build_units(model, modules, named, unit_axes or {}, kw)
         if source is not None:
             source.release()  # the last tensor drawn, or the files read
         self.units = [u for _, u in self.unit_modules]
@@ -168,6 +153,29 @@ class ZeroEngine:
         else:  # stages 1-2 keep whole parameters: one all-gather of the shards at start-up
             for unit in self.all_units:
                 unit.wait_gather()
+
+    def _build_units(self, model: nn.Module, modules: list[nn.Module], named: list,
+                     axes: dict[int, str], kw: dict) -> list:
+        """``unit_modules``: per module, in forward order, its frozen weights' unit (stage 3
+        under LoRA: gathered around use like any unit, never reduced or stepped), then its
+        trained one; ``frozen_root``; returns the trained root's (name, parameter) pairs.
+        Under stages 1-2 frozen weights stay whole instead, as those stages keep
+        parameters."""
+        frozen = _frozen_named(model, named)
+        if self.stage < 3:
+            _fill_frozen(model, named, kw["source"], kw["device"], kw["param_dtype"])
+            frozen = []
+        groups, root = _group_parameters(modules, named)
+        fgroups, froot = _group_parameters(modules, frozen)
+        comm, stage, axis = self.comm, self.stage, self.shard_axis
+        self.unit_modules = [
+            (m, FlatUnit(f"unit{i}{tag}", g, comm, axes.get(i, axis), stage,
+                         frozen=bool(tag), **kw))
+            for i, (m, fg, g) in enumerate(zip(modules, fgroups, groups))
+            for tag, g in ((".frozen", fg), ("", g)) if g]
+        self.frozen_root = FlatUnit("root.frozen", froot, comm, axis, stage, frozen=True,
+                                    **kw) if froot else None
+        return root
 
     # -- stage 3: gather around use -------------------------------------------------------
     def _install_stage3_hooks(self) -> None:

@@ -272,17 +272,21 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     comm = comm_bytes_per_step(mcfg, layout, work, stage=0)  # rank 0's
     if cfg.lora.r:
-        memory = lora_memory(mcfg, cfg, layout, work, memory, _MetaComm(dims.tp))
-        trained = sum(map(sum, lora_units(mcfg, cfg, layout, _MetaComm(dims.tp))[0]))
-        notes.append(f"LoRA r={cfg.lora.r} on {', '.join(lora_targets(cfg.lora))}: "
-                     f"{_count(trained)} adapter parameters train on this rank, the base is "
-                     "frozen (memory counted so; step time and bytes sent are not yet)")
-        comm = {}
+        memory, comm = _lora(mcfg, cfg, layout, work, memory, dims.tp, notes), {}
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm, notes,
                         startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work),
                         cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0)
+
+
+def _lora(mcfg, cfg, layout, work, memory, tp: int, notes: list):
+    """The memory of a LoRA run (``plan.lora``), with a note of what is and is not counted."""
+    trained = sum(map(sum, lora_units(mcfg, cfg, layout, _MetaComm(tp))[0]))
+    notes.append(f"LoRA r={cfg.lora.r} on {', '.join(lora_targets(cfg.lora))}: "
+                 f"{_count(trained)} adapter parameters train on this rank, the base is "
+                 "frozen (memory counted so; step time and bytes sent are not yet)")
+    return lora_memory(mcfg, cfg, layout, work, memory, _MetaComm(tp))
 
 
 def _count(n: float) -> str:
