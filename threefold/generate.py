@@ -20,7 +20,8 @@ refused (a decoding step is one token, not divisible over ranks); ZeRO-3 shards 
 here (generate from whole weights).
 
 ``threefold generate --from RUN_DIR --prompt "..."`` loads a run's newest checkpoint (or a
-Hugging Face folder) and its tokenizer, prints the completions and the tokens/s.
+Hugging Face folder; a LoRA run's base with its adapters) and its tokenizer, prints the
+completions and the tokens/s.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from threefold.distributed import pick_device
 from threefold.hf import find_checkpoint, load_pretrained
 from threefold.model import KVCache, LlamaForCausalLM
 from threefold.parallel.tensor import gather_full
+from threefold.peft_export import load_lora_model, lora_checkpoint
 
 _SEED_STRIDE = 1_000_003  # (seed, prompt index) -> one generator seed, as init_weights mixes
 
@@ -283,11 +285,15 @@ def generate(model: LlamaForCausalLM, prompt_ids: Sequence[Sequence[int]], max_n
 # --------------------------------------------------------------------------------------------
 def load_for_generation(path, device: str = "cpu"):
     """(model in eval mode, tokenizer or None, its tokenizer path) from a threefold run
-    directory or checkpoint (its newest checkpoint) or a Hugging Face folder."""
+    directory or checkpoint (its newest checkpoint) or a Hugging Face folder. A LoRA run's
+    model is its base with the adapters on (``threefold.peft_export.load_lora_model``)."""
     path = Path(path)
-    cfg, weights = load_pretrained(path)
-    model = LlamaForCausalLM(cfg)
-    model.load_state_dict(weights, strict=True)
+    if lora_checkpoint(path) is not None:
+        model = load_lora_model(path)
+    else:
+        cfg, weights = load_pretrained(path)
+        model = LlamaForCausalLM(cfg)
+        model.load_state_dict(weights, strict=True)
     model.to(device).eval()
     places = [path]
     if not (path / "tokenizer.json").is_file():

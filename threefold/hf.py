@@ -26,7 +26,9 @@ refused with the field's name, and shapes are checked against the config before 
   folder (symlinks inside it, as in the HF hub cache, are followed as the filesystem says).
 - ``init_from_hf(model, path)``: load such weights into a freshly built model, strictly.
 - ``main(argv)``: ``threefold convert --to hf CKPT OUT`` / ``--from hf HF_DIR OUT``; both
-  directions stream tensor by tensor (at most one output file's tensors in memory).
+  directions stream tensor by tensor (at most one output file's tensors in memory). A LoRA
+  run's adapter-only checkpoints go ``--to peft RUN OUT`` (a PEFT adapter folder) or ``--to
+  peft --merge RUN OUT`` (a Hugging Face folder, adapters merged): ``threefold.peft_export``.
 
 The mapping of config.json, tokenizer files and tensor names is ``threefold.hf_config``; reading
 a folder by region, and finding pretrained weights, ``threefold.weights``. Both are re-exported
@@ -35,6 +37,7 @@ here, the import path callers use.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -42,7 +45,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -54,14 +57,17 @@ from threefold.hf_config import (INDEX, LLAMA3_FIELDS, SHAPE_FIELDS, SINGLE, HFE
                                  check_shapes, expected_shapes, family, hf_config, hub_names,
                                  model_config_from_hf, model_config_from_state,
                                  reward_hf_config, token_ids, tokenizer_config)
+from threefold.lora import is_adapter
 from threefold.weights import (CheckpointSource, HFSource, WeightSource, find_checkpoint,
                                open_pretrained)
 
-__all__ = ["INDEX", "LLAMA3_FIELDS", "MAX_SHARD_BYTES", "SHAPE_FIELDS", "SINGLE", "USAGE",
-           "HFError", "check_shapes", "convert_from_hf", "expected_shapes", "export_hf", "family",
-           "find_checkpoint", "hf_config", "hub_names", "hub_tensors", "import_hf",
-           "init_from_hf", "load_pretrained", "main", "model_config_from_hf",
-           "model_config_from_state", "reward_hf_config", "token_ids", "tokenizer_config"]
+__all__ = ["INDEX", "LLAMA3_FIELDS", "LORA_REFUSAL", "MAX_SHARD_BYTES", "SHAPE_FIELDS", "SINGLE",
+           "USAGE", "HFError", "atomic_folder", "check_new_folder", "check_shapes",
+           "convert_from_hf", "expected_shapes", "export_hf", "family", "find_checkpoint",
+           "hf_config", "hub_names", "hub_tensors", "import_hf", "init_from_hf",
+           "load_pretrained", "main", "model_config_from_hf", "model_config_from_state",
+           "reward_hf_config", "run_tokenizer", "token_ids", "tokenizer_config",
+           "write_hf_folder"]
 
 MAX_SHARD_BYTES = 2 << 30  # the most one written file holds (and so memory holds), as HF's 2 GiB
 
@@ -107,7 +113,7 @@ def hub_tensors(source: WeightSource, cfg: ModelConfig, names: list[str]
 # --------------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------------
-def _run_tokenizer(ckpt: Path, run: Path | None = None) -> Path | None:
+def run_tokenizer(ckpt: Path, run: Path | None = None) -> Path | None:
     """tokenizer.json of the run that wrote ``ckpt`` (run/checkpoints/<step>, or the run
     directory ``run`` given), if any."""
     for d in (ckpt, *([run] if run is not None else []), ckpt.parent.parent):
@@ -116,34 +122,75 @@ def _run_tokenizer(ckpt: Path, run: Path | None = None) -> Path | None:
     return None
 
 
+LORA_REFUSAL = ("{}: a LoRA run (lora.r > 0): its checkpoints hold only the adapters, no base "
+                "weights; export with --to peft (the adapter, for PEFT) or --to peft --merge "
+                "(a Hugging Face folder with the adapters merged)")
+
+
 def export_hf(ckpt_dir: Path, out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Write checkpoint ``ckpt_dir`` (or a run directory's newest) as a Hugging Face Llama
     folder ``out_dir``; the checkpoint is verified first. ``out_dir`` must not exist or be
-    empty; it appears complete or not at all (temporary sibling, fsync, rename).
-
-    Tensors are read one at a time (a Mixtral expert at a time) and written in fp32 to files of
-    at most ``max_shard_bytes`` (a tensor larger than that gets a file of its own): one
-    ``model.safetensors``, or shards ``model-0000K-of-0000N.safetensors`` and
-    ``model.safetensors.index.json`` as ``save_pretrained`` writes them. At most one file's
-    tensors are in memory."""
+    empty; it appears complete or not at all (``write_hf_folder``). A LoRA run's
+    adapter-only checkpoint is refused (``threefold.peft_export`` exports those)."""
     ckpt, out = find_checkpoint(Path(ckpt_dir)), Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise HFError(f"{out}: already exists and is not empty; choose a new output folder")
+    check_new_folder(out)
     source = CheckpointSource(ckpt)
-    cfg = model_config_from_state(source.state, ckpt)
     names = source.names()
+    if any(is_adapter(n) for n in names):
+        raise HFError(LORA_REFUSAL.format(ckpt_dir))
+    cfg = model_config_from_state(source.state, ckpt)
     if cfg.tie_word_embeddings and "lm_head.weight" in names:
         names.remove("lm_head.weight")  # HF stores a tied head once, as the embedding
     reward = "score.weight" in names  # a reward model (threefold.post.reward)
     check_shapes(cfg, {n: source.shape(n) for n in names}, str(ckpt), score=reward)
-    shards = _shards(hub_tensors(source, cfg, names), max_shard_bytes)
-    tok_path = _run_tokenizer(ckpt, Path(ckpt_dir))
-    tokens = token_ids(tok_path)
+    write_hf_folder(out, hub_tensors(source, cfg, names), cfg,
+                    run_tokenizer(ckpt, Path(ckpt_dir)), reward, max_shard_bytes)
+
+
+def check_new_folder(out: Path) -> None:
+    """HFError unless ``out`` is absent or an empty folder (an export never merges into, or
+    overwrites, what is there)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HFError(f"{out}: already exists and is not empty; choose a new output folder")
+
+
+@contextlib.contextmanager
+def atomic_folder(out: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` to write into; when the block ends without an error
+    its files are fsynced and it is renamed to ``out`` (absent or empty: ``check_new_folder``),
+    else it is removed. ``out`` appears complete or not at all."""
+    check_new_folder(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
+        yield tmp
+        for f in tmp.iterdir():
+            fsync_path(f)
+        fsync_path(tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_hf_folder(out: Path, tensors: list[tuple[str, tuple[int, ...], Callable]],
+                    cfg: ModelConfig, tok_path: Path | None, reward: bool = False,
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Write a Hugging Face folder ``out`` atomically (``atomic_folder``): ``tensors`` (file
+    name, shape, a function reading it as fp32, as ``hub_tensors`` gives them) in files of
+    at most ``max_shard_bytes`` (a tensor larger than that gets a file of its own): one
+    ``model.safetensors``, or shards ``model-0000K-of-0000N.safetensors`` and
+    ``model.safetensors.index.json`` as ``save_pretrained`` writes them, at most one file's
+    tensors in memory; config.json for ``cfg`` (a one-label sequence classifier when
+    ``reward``), generation_config.json, and the tokenizer files when ``tok_path`` is
+    given."""
+    shards = _shards(tensors, max_shard_bytes)
+    tokens = token_ids(tok_path)
+    with atomic_folder(out) as tmp:
         _write_shards(tmp, shards)
         conf = hf_config(cfg, tokens)
         if reward:
@@ -155,15 +202,6 @@ def export_hf(ckpt_dir: Path, out_dir: Path, max_shard_bytes: int = MAX_SHARD_BY
             shutil.copyfile(tok_path, tmp / "tokenizer.json")
             (tmp / "tokenizer_config.json").write_text(json.dumps(
                 tokenizer_config(tokens, cfg.max_position_embeddings), indent=2))
-        for f in tmp.iterdir():
-            fsync_path(f)
-        fsync_path(tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _write_shards(folder: Path, shards: list[list]) -> None:
@@ -282,38 +320,47 @@ def convert_from_hf(hf_dir: Path, out: Path, seed: int = 0,
 
 
 USAGE = """usage: threefold convert --to hf CKPT OUT      checkpoint (or run dir) -> HF folder
+       threefold convert --to peft RUN OUT     LoRA run (or checkpoint) -> PEFT adapter
+       threefold convert --to peft --merge RUN OUT
+                                               LoRA run -> HF folder, adapters merged
        threefold convert --from hf HF_DIR OUT  HF folder -> threefold run dir OUT"""
 
+FORMATS = {"to": ("hf", "peft"), "from": ("hf",)}
 
-def _parse(argv: list[str]) -> tuple[str, str, str]:
-    """(direction 'to'/'from', source, destination) or ValueError."""
-    args, direction = [], None
+
+def _parse(argv: list[str]) -> tuple[str, str, bool, str, str]:
+    """(direction 'to'/'from', format 'hf'/'peft', --merge, source, destination) or
+    ValueError."""
+    args, direction, fmt, merge = [], None, "", False
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a.startswith(("--to", "--from")):
-            key, _, val = a[2:].partition("=")
-            if key not in ("to", "from"):
-                raise ValueError(f"unknown option '{a}'")
+        key, _, val = a[2:].partition("=")
+        if a == "--merge":
+            merge = True
+        elif a.startswith("--") and key in FORMATS:
             if not val:
                 if i + 1 >= len(argv):
-                    raise ValueError(f"--{key}: missing format (hf)")
+                    raise ValueError(f"--{key}: missing format ({'/'.join(FORMATS[key])})")
                 val, i = argv[i + 1], i + 1
-            if val != "hf":
-                raise ValueError(f"--{key}: unknown format '{val}'; only 'hf' is supported")
+            if val not in FORMATS[key]:
+                raise ValueError(f"--{key}: unknown format '{val}'; one of "
+                                 f"{', '.join(FORMATS[key])}")
             if direction:
-                raise ValueError("give one of --to hf / --from hf")
-            direction = key
+                raise ValueError("give one of --to hf / --to peft / --from hf")
+            direction, fmt = key, val
         elif a.startswith("-"):
             raise ValueError(f"unknown option '{a}'")
         else:
             args.append(a)
         i += 1
     if direction is None:
-        raise ValueError("give --to hf (export) or --from hf (import)")
+        raise ValueError("give --to hf or --to peft (export) or --from hf (import)")
+    if merge and (direction, fmt) != ("to", "peft"):
+        raise ValueError("--merge goes with --to peft (a LoRA run's adapters merged)")
     if len(args) != 2:
         raise ValueError(f"expected a source and a destination, got {len(args)} path(s)")
-    return direction, args[0], args[1]
+    return direction, fmt, merge, args[0], args[1]
 
 
 def main(argv: list[str]) -> int:
@@ -323,13 +370,18 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0
     try:
-        direction, src, dst = _parse(argv)
-        if direction == "to":
+        direction, fmt, merge, src, dst = _parse(argv)
+        if direction == "from":
+            ckpt = convert_from_hf(Path(src), Path(dst))
+            print(f"threefold convert: wrote threefold checkpoint {ckpt}")
+        elif fmt == "hf":
             export_hf(Path(src), Path(dst))
             print(f"threefold convert: wrote Hugging Face folder {dst}")
         else:
-            ckpt = convert_from_hf(Path(src), Path(dst))
-            print(f"threefold convert: wrote threefold checkpoint {ckpt}")
+            from threefold.peft_export import export_merged, export_peft  # it imports this
+            (export_merged if merge else export_peft)(Path(src), Path(dst))
+            what = "Hugging Face folder (LoRA merged)" if merge else "PEFT adapter"
+            print(f"threefold convert: wrote {what} {dst}")
     except (ValueError, CheckpointError, OSError) as e:
         msg = " ".join(str(e).split())  # one line, whatever the exception held
         print(f"threefold convert: error: {msg}", file=sys.stderr)
