@@ -55,6 +55,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                     p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        if cfg.qkv_bias:  # Qwen2
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:  # Qwen3
+            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         if cfg.num_local_experts:  # transformers 5's Mixtral layout (threefold.moe)
             e = cfg.num_local_experts
             out.update({p + "mlp.gate.weight": (e, h),
@@ -154,8 +159,17 @@ def hf_config(cfg: ModelConfig, tokens: dict | None = None) -> dict:
 
 
 def family(cfg: ModelConfig) -> dict:
-    """The architecture fields of config.json: Llama, or Mixtral for a mixture of experts
-    (no sliding window, no router jitter: what threefold.moe computes)."""
+    """The architecture fields of config.json: Llama; Qwen2 with q/k/v biases, Qwen3 with
+    q/k norms (no sliding window in either); Mixtral for a mixture of experts (no sliding
+    window, no router jitter: what threefold.moe computes)."""
+    qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 0}
+    if cfg.qk_norm or cfg.qkv_bias:
+        if cfg.num_local_experts or (cfg.qk_norm and cfg.qkv_bias):
+            raise ConfigError("model.qkv_bias / model.qk_norm: exporting a mixture of experts "
+                              "or both options together is not built (Qwen2 has biases, Qwen3 "
+                              "norms)")
+        name = "Qwen3" if cfg.qk_norm else "Qwen2"
+        return {"architectures": [f"{name}ForCausalLM"], "model_type": name.lower(), **qwen}
     if not cfg.num_local_experts:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     if cfg.shared_expert_intermediate_size or not cfg.norm_topk_prob:
@@ -209,9 +223,10 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     field this model cannot express (biases, another head width, another activation, another
     RoPE scaling, a model type other than llama)."""
     need = functools.partial(_need, c, where)
-    need(c.get("model_type") in ("llama", "mixtral"), "model_type",
-         "only Llama- and Mixtral-architecture models import")
+    need(c.get("model_type") in ("llama", "mixtral", "qwen2", "qwen3"), "model_type",
+         "only Llama-, Mixtral-, Qwen2- and Qwen3-architecture models import")
     moe = _moe_fields(c, where) if c["model_type"] == "mixtral" else {}
+    qwen = _qwen_fields(c, where) if c["model_type"].startswith("qwen") else {}
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "vocab_size"):
         need(isinstance(c.get(field), int) and c[field] > 0, field, "a positive integer is needed")
@@ -221,10 +236,11 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     need(not c.get("attention_dropout", 0.0), "attention_dropout", "this model has no dropout")
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
-    need(c["hidden_size"] % heads == 0, "num_attention_heads", "must divide hidden_size")
-    head_dim = c["hidden_size"] // heads
-    need(c.get("head_dim") in (None, head_dim), "head_dim", f"must equal hidden_size/heads = "
-         f"{head_dim}")
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    need(isinstance(head_dim, int) and head_dim % 2 == 0, "head_dim",
+         "an even integer is needed (RoPE)")
+    need(c.get("head_dim") is not None or c["hidden_size"] % heads == 0, "num_attention_heads",
+         "must divide hidden_size when head_dim is not given")
     need(isinstance(kv, int) and heads % kv == 0, "num_key_value_heads",
          "must divide num_attention_heads")
     rope = _rope_fields(c, where)
@@ -234,8 +250,24 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   num_key_value_heads=kv, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
                   max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                  **rope, **({"num_local_experts": 0} | moe))
+                  attention_head_dim=0 if head_dim * heads == c["hidden_size"] else head_dim,
+                  **rope, **({"num_local_experts": 0} | moe), **qwen)
     return ModelConfig(**fields).resolved()
+
+
+def _qwen_fields(c: dict, where: str) -> dict:
+    """The ModelConfig fields of a Qwen2 (q/k/v biases) or Qwen3 (q/k norms) config.json;
+    HFError for a sliding window that is on (Qwen2's configs carry a ``sliding_window``
+    value with ``use_sliding_window`` false: they load)."""
+    need = functools.partial(_need, c, where)
+    need(not c.get("use_sliding_window", False), "use_sliding_window",
+         "this model attends to the whole causal context")
+    layer_types = c.get("layer_types") or []
+    need(all(t == "full_attention" for t in layer_types), "layer_types",
+         "every layer must be full attention (no sliding window)")
+    if c["model_type"] == "qwen2":
+        return dict(qkv_bias=True)
+    return dict(qk_norm=True)
 
 
 def _moe_fields(c: dict, where: str) -> dict:

@@ -142,12 +142,16 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.qkv_bias
         self.head_dim = d
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        if cfg.qk_norm:  # (registered after the projections, as Qwen3's attention does)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerKV | None = None
@@ -161,8 +165,11 @@ class LlamaAttention(nn.Module):
         x = matmul_input(x)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         b, t = q.shape[:2]
-        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = q.view(b, t, -1, self.head_dim)
+        k = k.view(b, t, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
@@ -298,7 +305,7 @@ def _init_in_place(p: torch.Tensor, name: str, cfg: ModelConfig,
         init_adapter(p, name, gen)
         return
     if p.ndim == 1:
-        nn.init.ones_(p)
+        (nn.init.zeros_ if name.endswith(".bias") else nn.init.ones_)(p)
         return
     std = cfg.init_std
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):

@@ -40,7 +40,15 @@ def layer_parameters(cfg: ModelConfig) -> int:
     kv = 2 * h * cfg.num_key_value_heads * hd
     o = cfg.num_attention_heads * hd * h
     mlp = moe_layer_parameters(cfg) if cfg.num_local_experts else 3 * h * f
-    return q + kv + o + mlp + 2 * h
+    return q + kv + o + mlp + 2 * h + attention_extras(cfg)
+
+
+def attention_extras(cfg: ModelConfig) -> int:
+    """A block's attention weights that are in no matmul: q/k/v biases (Qwen2) and the
+    per-head q/k norms (Qwen3)."""
+    hd = cfg.head_dim
+    bias = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd if cfg.qkv_bias else 0
+    return bias + (2 * hd if cfg.qk_norm else 0)
 
 
 def num_parameters(cfg: ModelConfig) -> int:
@@ -62,8 +70,8 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     mixture of experts, the router and the token's k experts), the LM head included (tied or
     not); the embedding lookup and the norms excluded."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    return cfg.num_hidden_layers * (layer_parameters(cfg) - 2 * h) + v * h \
-        - inactive_parameters(cfg)
+    return cfg.num_hidden_layers * (layer_parameters(cfg) - 2 * h - attention_extras(cfg)) \
+        + v * h - inactive_parameters(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -15,25 +15,37 @@ from threefold.parallel.pipeline.balance import split_counts
 
 
 def shape_key(cfg: ModelConfig) -> tuple:
-    """The numbers of ``cfg`` a stage's shapes depend on, as a hashable key for the caches."""
+    """The numbers of ``cfg`` a stage's shapes depend on, as a hashable key for the caches:
+    the attention's extras ``attn`` = (head dim, q/k/v biases, q/k norms) last."""
     return (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers,
-            bool(cfg.tie_word_embeddings), moe_key(cfg))
+            bool(cfg.tie_word_embeddings), moe_key(cfg), attn_key(cfg))
+
+
+def attn_key(cfg: ModelConfig) -> tuple[int, bool, bool]:
+    """(head dim, q/k/v biases, q/k norms) of ``cfg``'s attention."""
+    return (cfg.head_dim, bool(cfg.qkv_bias), bool(cfg.qk_norm))
 
 
 @lru_cache(maxsize=4096)
-def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> tuple[int, ...]:
-    sh, hd = tp_shard_for(h, a, kv, f, vocab, tp), h // a
+def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
+                  attn: tuple = ()) -> tuple[int, ...]:
+    sh = tp_shard_for(h, a, kv, f, vocab, tp)
+    hd, bias, qk_norm = attn or (h // a, False, False)
     kv_rows = (kv * hd) if sh.kv_replicas > 1 else sh.kv_heads * hd  # replicated: whole
+    q_rows = sh.heads * hd
     # registration order of threefold.model.LlamaDecoderLayer: input_layernorm,
-    # q/k/v/o_proj, post_attention_layernorm, gate/up/down_proj
-    return (h, sh.heads * hd * h, kv_rows * h, kv_rows * h, h * sh.heads * hd, h,
+    # q/k/v_proj (each weight, then its bias), o_proj, q/k_norm, post_attention_layernorm,
+    # gate/up/down_proj
+    proj = [(q_rows * h, q_rows), (kv_rows * h, kv_rows), (kv_rows * h, kv_rows)]
+    qkv = tuple(x for w, b in proj for x in ((w, b) if bias else (w,)))
+    return (h, *qkv, h * q_rows, *((hd, hd) if qk_norm else ()), h,
             sh.ffn * h, sh.ffn * h, h * sh.ffn)
 
 
 @lru_cache(maxsize=4096)
-def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tuple, ep: int
-                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tuple, ep: int,
+                  attn: tuple = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the block's parameters, its expert tensors held apart) on one tp and ep rank, in
     registration order. Dense: (``_block_numels``, ()). A mixture of experts (HF Mixtral
     names, threefold.moe): the norms and attention, then ``mlp.gate`` (E·h),
@@ -41,7 +53,7 @@ def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tup
     expert (gate/up/down, then its 1×h gate); the MoE is whole on every tp rank. With ep > 1
     the two expert tensors are held apart (the runtime's engines treat them apart: their own
     ZeRO unit, their own gradient buckets), else they are in the block."""
-    dense = _block_numels(h, a, kv, f, vocab, tp)
+    dense = _block_numels(h, a, kv, f, vocab, tp, attn)
     e, _, fs = moe
     if not e:
         return dense, ()
@@ -49,22 +61,23 @@ def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tup
     experts = ((e // ep) * 2 * f * h, (e // ep) * h * f)
     shared = (fs * h, fs * h, h * fs, h) if fs else ()
     if ep == 1:
-        return dense[:6] + router + experts + shared, ()
-    return dense[:6] + router + shared, experts
+        return dense[:-3] + router + experts + shared, ()
+    return dense[:-3] + router + shared, experts
 
 
 def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
     """Elements of each parameter of one block held by one tp rank, in the order the model
     registers them (a replicated k/v projection is held whole; a mixture of experts' every
     expert, as without expert parallelism)."""
-    h, a, kv, f, vocab, _, _, moe = shape_key(cfg)
-    return _layer_numels(h, a, kv, f, vocab, tp, moe, 1)[0]
+    h, a, kv, f, vocab, _, _, moe, attn = shape_key(cfg)
+    return _layer_numels(h, a, kv, f, vocab, tp, moe, 1, attn)[0]
 
 
 @lru_cache(maxsize=4096)
 def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> tuple[int, ...]:
-    h, a, kv, f, vocab, n_layers, tied, moe = key
-    layer = sum(_layer_numels(h, a, kv, f, vocab, 1, moe, 1)[0])  # every expert
+    h, a, kv, f, vocab, n_layers, tied, moe, attn = key
+    hd, bias, qk_norm = attn
+    layer = sum(_layer_numels(h, a, kv, f, vocab, 1, moe, 1, attn)[0])  # every expert
     emb = vocab * h
     if split.startswith("flops"):  # "flops:T", as stage.stage_costs counts them at length T
         try:
@@ -74,9 +87,10 @@ def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> t
                 from None
         # stage_costs counts the nn.Linear weights: of a mixture of experts, the attention's
         # and a shared expert's (the router and the 3-D expert tensors are not Linears)
-        linear = layer - 2 * h if not moe[0] else \
-            sum(_block_numels(h, a, kv, f, vocab, 1)[1:5]) + (3 * h * moe[2] + h if moe[2] else 0)
-        per_block = 6.0 * linear + 12.0 * a * (h // a) * t
+        attention = 2 * a * hd * h + 2 * kv * hd * h  # q, k, v, o weights
+        linear = attention + 3 * h * f if not moe[0] else \
+            attention + (3 * h * moe[2] + h if moe[2] else 0)
+        per_block = 6.0 * linear + 12.0 * a * hd * t
         return split_counts("flops", [per_block] * n_layers, n_stages, 0.0, 6.0 * emb)
     return split_counts(split, [float(layer)] * n_layers, n_stages, float(emb),
                         float(h + (0 if tied else emb)))
@@ -109,9 +123,9 @@ def _rank_layers(key: tuple, p: int, v: int, split: str, stage: int,
 @lru_cache(maxsize=65536)
 def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep: int = 1,
                  vshape: bool = False) -> tuple[tuple[int, ...], ...]:
-    h, a, kv, f, vocab, n_layers, tied, moe = key
+    h, a, kv, f, vocab, n_layers, tied, moe, attn = key
     emb = tp_shard_for(h, a, kv, f, vocab, tp).vocab * h
-    block = _layer_numels(h, a, kv, f, vocab, tp, moe, ep)[0]
+    block = _layer_numels(h, a, kv, f, vocab, tp, moe, ep, attn)[0]
     shared = tied and p == 1  # one weight; pipelined, the head is a copy (a V's on rank 0 too)
     units: list[tuple[int, ...]] = []
     if stage == 0 and not shared:
@@ -144,8 +158,8 @@ def stage_expert_units(cfg: ModelConfig, layout: Layout, stage: int
     shards each over "edp_shard" (padded to a multiple of dp_shard/ep), its data parallelism
     all-reduces them over "edp" in buckets of their own. () without ep (the experts are then
     in their blocks' units) or for a dense model."""
-    h, a, kv, f, vocab, _, _, moe = shape_key(cfg)
-    experts = _layer_numels(h, a, kv, f, vocab, layout.tp, moe, layout.ep)[1]
+    h, a, kv, f, vocab, _, _, moe, attn = shape_key(cfg)
+    experts = _layer_numels(h, a, kv, f, vocab, layout.tp, moe, layout.ep, attn)[1]
     if not experts:
         return ()
     return (experts,) * rank_layers(cfg, layout, stage)

@@ -57,6 +57,10 @@ class ModelConfig:
     original_max_position_embeddings: int | None = _f(None, "llama3 RoPE original context")
     max_position_embeddings: int | None = _f(None, "longest supported sequence")
     tie_word_embeddings: bool | None = _f(None, "share embedding and LM-head weights")
+    attention_head_dim: int = _f(0, "width of one attention head; 0 = hidden_size / "
+                                 "num_attention_heads (Qwen3's head_dim may differ)")
+    qkv_bias: bool = _f(False, "biases on the q, k and v projections (Qwen2)")
+    qk_norm: bool = _f(False, "RMSNorm over each head of q and k before RoPE (Qwen3)")
     init_std: float = _f(0.02, "std of the normal init of weights")
     num_local_experts: int | None = _f(None, "experts per MoE layer (Mixtral-style, every "
                                        "block's MLP routed); 0 = dense MLPs")
@@ -96,7 +100,7 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
 
 @dataclass

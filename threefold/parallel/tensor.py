@@ -168,8 +168,8 @@ def _shard_rows(weight: torch.Tensor, rank: int, t: int, pad_to: int | None = No
 
 
 def _set_weight(module: nn.Module, new: torch.Tensor, shard_dim: int | None, full: int,
-                rank: int = 0, t: int = 1) -> None:
-    p = module.weight
+                rank: int = 0, t: int = 1, attr: str = "weight") -> None:
+    p = getattr(module, attr)  # (attr: "weight" or "bias", both always present here)
     p.data = new.contiguous()
     if shard_dim is not None:  # None: replicated over tp (the default placement)
         place(p, tp_dim=shard_dim, tp_full=full, tp_index=rank, tp_count=t)
@@ -209,15 +209,16 @@ class ReplicatedKVLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's KV head of the projection."""
-        return F.linear(x, _CopyToTP.apply(self.weight, self.comm)[self.head_rows])
+        bias = None if self.bias is None else _CopyToTP.apply(self.bias, self.comm)[self.head_rows]
+        return F.linear(x, _CopyToTP.apply(self.weight, self.comm)[self.head_rows], bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rows [{self.head_rows.start}, {self.head_rows.stop})"
 
 
 class SequenceParallelRMSNorm(RMSNorm):
-    """RMSNorm over this rank's tokens (sequence parallelism): its weight's gradient is the
-    sum over the tp ranks' tokens."""
+    """RMSNorm over this rank's tokens (sequence parallelism), or over this rank's heads (a
+    Qwen3 q/k norm): its weight's gradient is the sum over the tp ranks'."""
 
     comm = None
 
@@ -265,11 +266,16 @@ def _shard_weights(model: LlamaForCausalLM, comm, sp: bool) -> None:
         elif style == "column" and name.endswith(("k_proj", "v_proj")) and kv % t:
             kv_head = (r * (heads // t)) // (heads // kv)
             _set_weight(module, w.clone(), None, w.shape[0])
-            place(module.weight, tp_grad_reduced=True)
+            for q in (module.weight, module.bias):
+                if q is not None:
+                    place(q, tp_grad_reduced=True)
             _become(module, ReplicatedKVLinear, comm=comm,
                     head_rows=slice(kv_head * hd, (kv_head + 1) * hd))
         elif style == "column":
             _set_weight(module, _shard_rows(w, r, t), 0, w.shape[0], r, t)
+            if module.bias is not None:  # (Qwen2's q/k/v biases: split like the rows)
+                b = module.bias.detach()
+                _set_weight(module, _shard_rows(b, r, t), 0, b.shape[0], r, t, "bias")
             _shard_adapter(module, "column", comm)
         elif style == "row":
             _set_weight(module, _shard_rows(w.t(), r, t).t(), 1, w.shape[1], r, t)
@@ -328,6 +334,8 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
             out_proj.register_forward_hook(lambda _m, _a, out: leave(out, comm))
         if sp:
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if layer.self_attn.qk_norm:  # per-head norms over this rank's heads only
+            norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
     for norm in norms:  # a pipeline stage may not hold the final norm
         _become(norm, SequenceParallelRMSNorm, comm=comm)
         place(norm.weight, tp_grad_reduced=True)
