@@ -47,8 +47,9 @@ COMMANDS = (
             "--help)", "threefold.plan.cli:main"),
     Command("schedule", "...", "check and simulate a pipeline schedule (threefold schedule "
             "--help)", "threefold.parallel.pipeline.command:main"),
-    Command("convert", "--to hf CKPT OUT | --from hf HF_DIR OUT", "Hugging Face export / "
-            "import", "threefold.hf:main"),
+    Command("convert", "--to hf CKPT OUT | --to peft [--merge] RUN OUT | --from hf HF_DIR "
+            "OUT", "Hugging Face export / import; a LoRA run's adapters for PEFT, or merged",
+            "threefold.hf:main"),
     Command("generate", "--from RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] "
             "...", "complete prompts with a run's model (KV cache); prints tokens/s",
             "threefold.generate:main"),

@@ -175,8 +175,7 @@ def family(cfg: ModelConfig) -> dict:
     if cfg.shared_expert_intermediate_size or not cfg.norm_topk_prob:
         raise ConfigError("model.shared_expert_intermediate_size / model.norm_topk_prob: "
                           "Mixtral has no shared expert and always renormalises; exporting "
-                          "these Qwen2-MoE-style options to Hugging Face is not built (the "
-                          "Qwen2-MoE family also has attention biases threefold lacks)")
+                          "these Qwen2-MoE-style options to Hugging Face is not built yet")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "num_local_experts": cfg.num_local_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok,
