@@ -16,7 +16,7 @@ only the rows it owns.
   (n_train − 1) // seq_len samples: sample j is tokens [j·L, j·L + L + 1) (inputs and the labels
   shifted by one). The source's k-th sequence is in epoch k // samples, at position
   k mod samples of that epoch's permutation: a keyed Feistel network over the next even power
-  of two, cycle-walked into range, keyed by (seed, source name, epoch). It is computed per
+  of two, cycle-walked into range, keyed by (seed, source digest, epoch). It is computed per
   lookup and never stored: every sample once per epoch, a new order each epoch.
 - **Document masking** (``data.document_mask``): each row also carries ``document_ids`` and
   ``position_ids`` restarting at each document, so attention stays inside documents; the
@@ -162,8 +162,10 @@ class MixtureSampler:
         if perm is None:
             if len(self._perms) > 64:  # keep a few epochs' keys, not one per epoch ever seen
                 self._perms.clear()
+            # keyed by the source's content, not its name or path: the same text gives the
+            # same order wherever it lies
             perm = self._perms[(s, epoch)] = Permutation(
-                self.samples[s], self.seed, self.sources[s].name, epoch)
+                self.samples[s], self.seed, self.sources[s].digest, epoch)
         return s, epoch, perm(j)
 
     def consumed(self, n: int) -> list[int]:
