@@ -31,8 +31,8 @@ threefold / tokenizers throughput >= 0.9; peak RSS < 1 GB in every process and <
 
 Loader: the time to draw one batch of the default config (``load_config(None, [])``: global
 batch x seq_len) with ``threefold.data.sampler.MixtureSampler`` from the prepared directory, memory
-mapped, against the default step's time from README's measured run (5,663 tokens/s at 8 x 256
-tokens a step, 0.36 s; ``--step-seconds`` overrides). Target: below 1% of the step.
+mapped, against the default step's time from README's measured run (4,726 tokens/s at 8 x 256
+tokens a step, 0.43 s; ``--step-seconds`` overrides). Target: below 1% of the step.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from bench.common import print_table, revision  # noqa: E402
 
 MB = 1 << 20
 GB = 1 << 30
-README_TOKENS_PER_S = 5663.0  # README: the default run on the project's 2-core machine
+README_TOKENS_PER_S = 4726.0  # README's default run (2026-12-05)
 GOAL_RATIO, GOAL_PROC_RSS, GOAL_SUM_RSS, GOAL_LOADER = 0.9, 1 * GB, 2 * GB, 0.01
 
 
