@@ -1,5 +1,5 @@
-"""Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, a head width of its own) (issue 29
-item 2): logits equal transformers' classes, import and export both ways, every layout
+"""Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, a head width of its own) and Qwen3-MoE
+(issue 29 item 2): logits equal transformers' classes, import and export both ways, every layout
 trains as one process, and the planner counts the new weights exactly."""
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ from threefold.model import LlamaForCausalLM
 from threefold.train import train
 
 FAMILIES = {"qwen2": {"model__qkv_bias": "true"},
-            "qwen3": {"model__qk_norm": "true", "model__attention_head_dim": "32"}}
+            "qwen3": {"model__qk_norm": "true", "model__attention_head_dim": "32"},
+            "qwen3_moe": {"model__qk_norm": "true", "model__attention_head_dim": "32",
+                          "model__num_local_experts": "4", "model__num_experts_per_tok": "2",
+                          "model__norm_topk_prob": "false",
+                          # the router's losses are per micro-batch: each rank's rows, alike
+                          "train__micro_batch_size": "4"}}
 
 
 def _hf_model(family: str, tied: bool):
@@ -28,6 +33,11 @@ def _hf_model(family: str, tied: bool):
                  tie_word_embeddings=tied)
     if family == "qwen2":
         conf, cls = transformers.Qwen2Config(**shape), transformers.Qwen2ForCausalLM
+    elif family == "qwen3_moe":  # every block routed, experts of 48, no renormalisation
+        conf = transformers.Qwen3MoeConfig(**shape, head_dim=32, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=48,
+                                           norm_topk_prob=False)
+        cls = transformers.Qwen3MoeForCausalLM
     else:  # a head of 32 where hidden / heads is 16
         conf, cls = transformers.Qwen3Config(**shape, head_dim=32), \
             transformers.Qwen3ForCausalLM
@@ -40,7 +50,8 @@ def _hf_model(family: str, tied: bool):
     return model
 
 
-@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False)])
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False),
+                                         ("qwen3_moe", False)])
 def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path):
     from threefold.hf import export_hf, load_pretrained
     from threefold.hf_config import model_config_from_hf
@@ -49,7 +60,8 @@ def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path
     hf = _hf_model(family, tied)
     hf.save_pretrained(tmp_path / "hf")
     cfg, weights = load_pretrained(tmp_path / "hf")
-    assert (cfg.qkv_bias, cfg.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert (cfg.qkv_bias, cfg.qk_norm) == (family == "qwen2", family != "qwen2")
+    assert cfg.num_local_experts == (4 if family == "qwen3_moe" else 0)
     model = LlamaForCausalLM(cfg)
     model.load_state_dict(weights, strict=True)
     ids = torch.randint(0, 300, (2, 24))
@@ -68,6 +80,13 @@ def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, want, rtol=0, atol=1e-5)
     assert model_config_from_hf(conf) == cfg
+    if family == "qwen3_moe":  # the published per-expert layout, read and written
+        from safetensors import safe_open
+        keys = set(safe_open(str(tmp_path / "out" / "model.safetensors"), "pt").keys())
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in keys
+        for bad in ({"decoder_sparse_step": 2}, {"mlp_only_layers": [0]}):
+            with pytest.raises(Exception, match=next(iter(bad))):
+                model_config_from_hf({**conf, **bad})
 
 
 def test_sliding_window_is_refused_only_when_on(tmp_path):
@@ -93,10 +112,13 @@ def test_sliding_window_is_refused_only_when_on(tmp_path):
 LAYOUTS = [("dp2", {}), ("zero3", {"parallel__zero_stage": 3}),
            ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"}),
            ("pp2", {"parallel__pp": 2, "train__micro_batch_size": 2})]
+# a mixture of experts runs without sequence parallelism and pipelines (refused by name):
+# expert parallelism instead
+MOE_LAYOUTS = LAYOUTS[:2] + [("tp2", {"parallel__tp": 2}), ("ep2", {"parallel__ep": 2})]
 
 
 def _overrides(family, corpus, cache, out, **extra):
-    return tiny_overrides(corpus, cache, out, train__steps=3, **FAMILIES[family], **extra)
+    return tiny_overrides(corpus, cache, out, **{"train__steps": 3, **FAMILIES[family], **extra})
 
 
 @pytest.mark.slow
@@ -112,10 +134,11 @@ def test_layouts_equal_single_process_and_the_planner_counts(family, corpus, cac
     assert num_parameters(run.model_cfg) == held
     names = set(final_weights(tmp_path / "single"))
     assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
-    assert ("model.layers.0.self_attn.k_norm.weight" in names) == (family == "qwen3")
-    run_distributed(train_runs, 2, over, tmp_path, LAYOUTS, timeout=300)
+    assert ("model.layers.0.self_attn.k_norm.weight" in names) == (family != "qwen2")
+    layouts = MOE_LAYOUTS if family == "qwen3_moe" else LAYOUTS
+    run_distributed(train_runs, 2, over, tmp_path, layouts, timeout=300)
     ref, ref_w = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
-    for name, extra in LAYOUTS:
+    for name, extra in layouts:
         got = metrics(tmp_path / name)
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), \
             name

@@ -190,7 +190,7 @@ TRL_CONVS = [CONV,
               {"role": "assistant", "content": "Down."}]]
 OPTIM = {"optim__lr": "1e-3", "optim__warmup_steps": "0", "optim__min_lr_ratio": "1.0",
          "optim__weight_decay": "0.0", "optim__beta1": "0.9", "optim__beta2": "0.95",
-         "optim__grad_clip": "1.0"}
+         "optim__grad_clip": "1.0", "optim__eps": "1e-6"}
 
 
 def trl_stack():
@@ -200,11 +200,11 @@ def trl_stack():
 
 
 def trl_args(cls, out: Path, batch: int, seq_len: int, **extra):
-    """TRL config matching OPTIM: constant lr, AdamW(0.9, 0.95, 1e-8), no decay, clip 1; fp32
+    """TRL config matching OPTIM: constant lr, AdamW(0.9, 0.95, 1e-6), no decay, clip 1; fp32
     (TRL's configs default to bf16 autocast where the device has it, the CPU included)."""
     return cls(output_dir=str(out), per_device_train_batch_size=batch, max_steps=2,
                learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
-               weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
+               weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-6,
                max_grad_norm=1.0, logging_steps=1, report_to="none", save_strategy="no",
                use_cpu=True, seed=0, max_length=seq_len, disable_tqdm=True,
                dataloader_drop_last=False, bf16=False, fp16=False,

@@ -55,7 +55,7 @@ from threefold.checkpoint import (CheckpointError, fsync_path, list_checkpoints,
 from threefold.config import Config, ModelConfig
 from threefold.hf_config import (INDEX, LLAMA3_FIELDS, SHAPE_FIELDS, SINGLE, HFError,
                                  check_shapes, expected_shapes, family, hf_config, hub_names,
-                                 model_config_from_hf, model_config_from_state,
+                                 hub_router, model_config_from_hf, model_config_from_state,
                                  reward_hf_config, token_ids, tokenizer_config)
 from threefold.lora import is_adapter
 from threefold.weights import (CheckpointSource, HFSource, WeightSource, find_checkpoint,
@@ -89,7 +89,7 @@ def hub_tensors(source: WeightSource, cfg: ModelConfig, names: list[str]
         """A function reading ``box`` of ``name`` as fp32, reshaped to ``shape``."""
         return lambda: source.read(name, box).reshape(shape or source.shape(name))
 
-    h, f = cfg.hidden_size, cfg.intermediate_size
+    h, f, qwen = cfg.hidden_size, cfg.intermediate_size, cfg.qk_norm  # (Qwen3-MoE's names)
     fused = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     out = []
     for name in names:
@@ -97,11 +97,10 @@ def hub_tensors(source: WeightSource, cfg: ModelConfig, names: list[str]
         if not cfg.num_local_experts or rest not in fused:
             out.append((name, source.shape(name), reader(name)))
         elif rest == "mlp.gate.weight":
-            out.append((f"model.layers.{layer}.block_sparse_moe.gate.weight",
-                        source.shape(name), reader(name)))
+            out.append((hub_router(int(layer), qwen), source.shape(name), reader(name)))
         else:  # an expert at a time: the rows of its w1 (gate), w3 (up); its w2 (down)
             for e in range(cfg.num_local_experts):
-                w1, w3, w2 = hub_names(int(layer), e)
+                w1, w3, w2 = hub_names(int(layer), e, qwen)
                 if rest == "mlp.experts.down_proj":
                     out.append((w2, (h, f), reader(name, ((e, e + 1),), (h, f))))
                 else:

@@ -100,11 +100,21 @@ def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: st
         raise HFError(f"{where}: unexpected tensor {extra[0]} (not part of this model)")
 
 
-def hub_names(i: int, e: int) -> tuple[str, str, str]:
-    """The file names of expert ``e`` of layer ``i`` in the published Mixtral layout: its w1
-    (gate), w3 (up) and w2 (down) weights, in that order."""
+def hub_names(i: int, e: int, qwen: bool = False) -> tuple[str, str, str]:
+    """The file names of expert ``e`` of layer ``i`` in the published layout: its gate, up
+    and down weights, in that order (Mixtral's w1, w3, w2; with ``qwen``, Qwen3-MoE's
+    gate_proj, up_proj, down_proj)."""
+    if qwen:
+        p = f"model.layers.{i}.mlp.experts.{e}."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
     p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
     return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+
+
+def hub_router(i: int, qwen: bool = False) -> str:
+    """The file name of layer ``i``'s router (Mixtral's, or Qwen3-MoE's with ``qwen``)."""
+    return f"model.layers.{i}.mlp.gate.weight" if qwen else \
+        f"model.layers.{i}.block_sparse_moe.gate.weight"
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,11 +173,21 @@ def family(cfg: ModelConfig) -> dict:
     q/k norms (no sliding window in either); Mixtral for a mixture of experts (no sliding
     window, no router jitter: what threefold.moe computes)."""
     qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 0}
+    if cfg.qk_norm and cfg.num_local_experts and not cfg.qkv_bias \
+            and not cfg.shared_expert_intermediate_size:
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **qwen,
+                "num_experts": cfg.num_local_experts,
+                "num_local_experts": cfg.num_local_experts,
+                "num_experts_per_tok": cfg.num_experts_per_tok,
+                "moe_intermediate_size": cfg.intermediate_size, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "norm_topk_prob": bool(cfg.norm_topk_prob),
+                "router_aux_loss_coef": cfg.router_aux_loss_coef,
+                "output_router_logits": False}
     if cfg.qk_norm or cfg.qkv_bias:
         if cfg.num_local_experts or (cfg.qk_norm and cfg.qkv_bias):
-            raise ConfigError("model.qkv_bias / model.qk_norm: exporting a mixture of experts "
-                              "or both options together is not built (Qwen2 has biases, Qwen3 "
-                              "norms)")
+            raise ConfigError("model.qkv_bias / model.qk_norm: exporting these with a mixture "
+                              "of experts other than Qwen3-MoE's, or both together, is not "
+                              "built (Qwen2 has biases, Qwen3 norms)")
         name = "Qwen3" if cfg.qk_norm else "Qwen2"
         return {"architectures": [f"{name}ForCausalLM"], "model_type": name.lower(), **qwen}
     if not cfg.num_local_experts:
@@ -222,9 +242,10 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     field this model cannot express (biases, another head width, another activation, another
     RoPE scaling, a model type other than llama)."""
     need = functools.partial(_need, c, where)
-    need(c.get("model_type") in ("llama", "mixtral", "qwen2", "qwen3"), "model_type",
-         "only Llama-, Mixtral-, Qwen2- and Qwen3-architecture models import")
-    moe = _moe_fields(c, where) if c["model_type"] == "mixtral" else {}
+    need(c.get("model_type") in ("llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"),
+         "model_type", "only Llama-, Mixtral-, Qwen2-, Qwen3- and Qwen3-MoE-architecture "
+         "models import")
+    moe = _moe_fields(c, where) if c["model_type"] in ("mixtral", "qwen3_moe") else {}
     qwen = _qwen_fields(c, where) if c["model_type"].startswith("qwen") else {}
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "vocab_size"):
@@ -250,7 +271,8 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                   attention_head_dim=0 if head_dim * heads == c["hidden_size"] else head_dim,
-                  **rope, **({"num_local_experts": 0} | moe), **qwen)
+                  **rope, **qwen)
+    fields.update({"num_local_experts": 0} | moe)  # (Qwen3-MoE's experts set the width)
     return ModelConfig(**fields).resolved()
 
 
@@ -273,6 +295,8 @@ def _moe_fields(c: dict, where: str) -> dict:
     """The ModelConfig fields of a Mixtral config.json (experts, routing); HFError for what
     threefold.moe does not compute (a sliding window, router jitter)."""
     need = functools.partial(_need, c, where)
+    if c["model_type"] == "qwen3_moe":
+        return _qwen3_moe_fields(c, where)
     e, k = c.get("num_local_experts", 8), c.get("num_experts_per_tok", 2)
     need(isinstance(e, int) and e > 0, "num_local_experts", "a positive integer is needed")
     need(isinstance(k, int) and 0 < k <= e, "num_experts_per_tok",
@@ -283,6 +307,26 @@ def _moe_fields(c: dict, where: str) -> dict:
          "the router has no jitter")
     return dict(num_local_experts=e, num_experts_per_tok=k,
                 router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.02)))
+
+
+def _qwen3_moe_fields(c: dict, where: str) -> dict:
+    """The ModelConfig fields of a Qwen3-MoE config.json: every block's MLP routed (HFError
+    naming ``decoder_sparse_step`` or ``mlp_only_layers`` when some are dense), experts of
+    ``moe_intermediate_size``, ``norm_topk_prob`` as given."""
+    need = functools.partial(_need, c, where)
+    e = c.get("num_local_experts") or c.get("num_experts")
+    k, f = c.get("num_experts_per_tok", 8), c.get("moe_intermediate_size")
+    need(isinstance(e, int) and e > 0, "num_experts", "a positive integer is needed")
+    need(isinstance(k, int) and 0 < k <= e, "num_experts_per_tok",
+         "must be between 1 and num_experts")
+    need(isinstance(f, int) and f > 0, "moe_intermediate_size", "a positive integer is needed")
+    need(c.get("decoder_sparse_step", 1) == 1, "decoder_sparse_step",
+         "every block's MLP must be routed (1)")
+    need(not c.get("mlp_only_layers"), "mlp_only_layers",
+         "every block's MLP must be routed (no dense layers)")
+    return dict(num_local_experts=e, num_experts_per_tok=k, intermediate_size=f,
+                norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)))
 
 
 def _rope_fields(c: dict, where: str) -> dict:

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from threefold.checkpoint_verify import read_json
 from threefold.config import ModelConfig
-from threefold.hf_config import (INDEX, SINGLE, HFError, check_shapes, hub_names,
+from threefold.hf_config import (INDEX, SINGLE, HFError, check_shapes, hub_names, hub_router,
                                  model_config_from_hf)
 from threefold.weights.base import DTYPES, HEAD, WeightSource, blocks, box_index, extent
 
@@ -145,16 +145,18 @@ class HFSource(WeightSource):
         """Each layer stored per expert becomes the fused logical tensors, as parts (a layer
         already fused is kept as it is); HFError names a missing or misshapen expert."""
         e_count, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        entries = self._entries
+        entries, qwen = self._entries, cfg.qk_norm  # Qwen3-MoE's file names, else Mixtral's
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            router = entries.pop(("model", p + "block_sparse_moe.gate.weight"), None)
+            if ("model", hub_names(i, 0, qwen)[0]) not in entries:
+                continue  # stored fused already
+            router = entries.pop(("model", hub_router(i, qwen)), None)
             if router is None:
-                continue
+                raise HFError(f"tensor {hub_router(i, qwen)} is missing")
             entries["model", p + "mlp.gate.weight"] = router
             gate_up, down = [], []
             for e in range(e_count):
-                names = hub_names(i, e)
+                names = hub_names(i, e, qwen)
                 for name, shape in zip(names, ((f, h), (f, h), (h, f))):
                     if ("model", name) not in entries:
                         raise HFError(f"tensor {name} is missing (config.json has "
