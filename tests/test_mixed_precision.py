@@ -46,12 +46,24 @@ def _reference(out):
     return [r["loss"] for r in metrics(out)], final_weights(out)
 
 
-def _close(out, ref, rel, atol):
+def _close(out, ref, rel, atol, rounding=False):
+    """Losses within ``rel``, weights within (10·rel, ``atol``). With ``rounding`` (gradients
+    rounded to bf16) an element whose gradient is near zero may take AdamW's ±lr steps the
+    other way: every element stays within the largest distance those can make (2·STEPS·lr),
+    and all but 0.1% within (10·rel, ``atol``)."""
     losses, weights = ref
     assert [r["loss"] for r in metrics(out)] == pytest.approx(losses, rel=rel), out.name
     got = final_weights(out)
+    lr = float(dict(tiny_overrides("x", "x", "x"))["optim.lr"])  # the runs' peak lr
     for k, w in weights.items():
-        torch.testing.assert_close(got[k], w, rtol=rel * 10, atol=atol, msg=f"{out.name}: {k}")
+        if not rounding:
+            torch.testing.assert_close(got[k], w, rtol=rel * 10, atol=atol,
+                                       msg=f"{out.name}: {k}")
+            continue
+        diff = (got[k] - w).abs()
+        assert float(diff.max()) <= 2 * STEPS * lr, (out.name, k)
+        beyond = diff > atol + rel * 10 * w.abs()
+        assert int(beyond.sum()) <= max(1, w.numel() // 1000), (out.name, k, int(beyond.sum()))
 
 
 @pytest.mark.slow
@@ -76,7 +88,7 @@ def test_zero3_bf16_gathers_equal_one_process_with_the_same_policy(corpus, cache
     _close(tmp_path / "z2_bf16_params", ref4, 1e-5, 2e-5)
     # bf16 reduction rounds each rank's gradient and the sum to bf16 (8 bits of mantissa):
     # AdamW normalises the update, so weights drift by a fraction of lr per step
-    _close(tmp_path / "z3_bf16_reduce", ref4, 2e-3, 3e-3)
+    _close(tmp_path / "z3_bf16_reduce", ref4, 2e-3, 3e-3, rounding=True)
     cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path, **BF16))
     psi, emb = num_parameters(cfg.model.resolved(320)), 320 * cfg.model.hidden_size
     for rank, r in enumerate(results):
