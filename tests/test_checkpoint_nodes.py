@@ -6,8 +6,11 @@ the parts copied together load in one process and resume under another layout.""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,19 +28,32 @@ TWO_NODE = {"parallel__zero_stage": 2, "checkpoint__interval": 3}  # each node h
 
 
 def _two_agents(corpus, cache, out, disks, steps, **extra):
-    """Run two torchrun agents (one process each) as two nodes; return (rcs, outputs)."""
-    port, procs = _free_port(), []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "threefold", "train", "--nnodes", "2", "--nproc-per-node",
-               "1", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "ckptnodes",
-               *_args(corpus, cache, out, train__steps=steps,
-                      checkpoint__dir=str(disks / "disk{node}"), **{**TWO_NODE, **extra})]
-        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-        time.sleep(0.5)
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    return [p.returncode for p in procs], outs
+    """Run two torchrun agents (one process each) as two nodes; return (rcs, outputs). A
+    rendezvous on this shared machine hangs now and then before anything starts (as
+    test_launch's two agents do): the hung pair is killed and started again once, on a
+    fresh port, and the hang is reported."""
+    for attempt in range(2):
+        port, procs = _free_port(), []
+        for node in range(2):
+            cmd = [sys.executable, "-m", "threefold", "train", "--nnodes", "2",
+                   "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-endpoint",
+                   f"127.0.0.1:{port}", "--rdzv-id", f"ckptnodes{port}",
+                   *_args(corpus, cache, out, train__steps=steps,
+                          checkpoint__dir=str(disks / "disk{node}"), **{**TWO_NODE, **extra})]
+            procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+            time.sleep(0.5)
+        try:
+            outs = [p.communicate(timeout=240)[0] for p in procs]
+            return [p.returncode for p in procs], outs
+        except subprocess.TimeoutExpired:
+            for p in procs:  # the agent and its worker: the whole session
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                print((p.communicate()[0] or "")[-2000:])
+            print(f"two agents hung (attempt {attempt + 1}); retrying on a fresh port")
+    raise AssertionError("two agents hung twice")
 
 
 def _names(d):
