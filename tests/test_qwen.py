@@ -33,6 +33,12 @@ def _hf_model(family: str, tied: bool):
                  tie_word_embeddings=tied)
     if family == "qwen2":
         conf, cls = transformers.Qwen2Config(**shape), transformers.Qwen2ForCausalLM
+    elif family == "qwen2_moe":  # q/k/v biases, a shared expert of 80 with its gate
+        conf = transformers.Qwen2MoeConfig(**shape, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=48,
+                                           shared_expert_intermediate_size=80,
+                                           norm_topk_prob=False)
+        cls = transformers.Qwen2MoeForCausalLM
     elif family == "qwen3_moe":  # every block routed, experts of 48, no renormalisation
         conf = transformers.Qwen3MoeConfig(**shape, head_dim=32, num_experts=4,
                                            num_experts_per_tok=2, moe_intermediate_size=48,
@@ -51,7 +57,7 @@ def _hf_model(family: str, tied: bool):
 
 
 @pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False),
-                                         ("qwen3_moe", False)])
+                                         ("qwen2_moe", False), ("qwen3_moe", False)])
 def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path):
     from threefold.hf import export_hf, load_pretrained
     from threefold.hf_config import model_config_from_hf
@@ -60,8 +66,10 @@ def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path
     hf = _hf_model(family, tied)
     hf.save_pretrained(tmp_path / "hf")
     cfg, weights = load_pretrained(tmp_path / "hf")
-    assert (cfg.qkv_bias, cfg.qk_norm) == (family == "qwen2", family != "qwen2")
-    assert cfg.num_local_experts == (4 if family == "qwen3_moe" else 0)
+    qwen2 = family.startswith("qwen2")
+    assert (cfg.qkv_bias, cfg.qk_norm) == (qwen2, not qwen2)
+    assert cfg.num_local_experts == (4 if family.endswith("moe") else 0)
+    assert cfg.shared_expert_intermediate_size == (80 if family == "qwen2_moe" else 0)
     model = LlamaForCausalLM(cfg)
     model.load_state_dict(weights, strict=True)
     ids = torch.randint(0, 300, (2, 24))
@@ -80,7 +88,7 @@ def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, want, rtol=0, atol=1e-5)
     assert model_config_from_hf(conf) == cfg
-    if family == "qwen3_moe":  # the published per-expert layout, read and written
+    if family.endswith("moe"):  # the published per-expert layout, read and written
         from safetensors import safe_open
         keys = set(safe_open(str(tmp_path / "out" / "model.safetensors"), "pt").keys())
         assert "model.layers.0.mlp.experts.3.down_proj.weight" in keys

@@ -56,7 +56,7 @@ from threefold.config import Config, ModelConfig
 from threefold.hf_config import (INDEX, LLAMA3_FIELDS, SHAPE_FIELDS, SINGLE, HFError,
                                  check_shapes, expected_shapes, family, hf_config, hub_names,
                                  hub_router, model_config_from_hf, model_config_from_state,
-                                 reward_hf_config, token_ids, tokenizer_config)
+                                 qwen_layout, reward_hf_config, token_ids, tokenizer_config)
 from threefold.lora import is_adapter
 from threefold.weights import (CheckpointSource, HFSource, WeightSource, find_checkpoint,
                                open_pretrained)
@@ -89,7 +89,7 @@ def hub_tensors(source: WeightSource, cfg: ModelConfig, names: list[str]
         """A function reading ``box`` of ``name`` as fp32, reshaped to ``shape``."""
         return lambda: source.read(name, box).reshape(shape or source.shape(name))
 
-    h, f, qwen = cfg.hidden_size, cfg.intermediate_size, cfg.qk_norm  # (Qwen3-MoE's names)
+    h, f, qwen = cfg.hidden_size, cfg.intermediate_size, qwen_layout(cfg)  # Qwen MoE names?
     fused = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     out = []
     for name in names:

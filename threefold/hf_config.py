@@ -173,16 +173,9 @@ def family(cfg: ModelConfig) -> dict:
     q/k norms (no sliding window in either); Mixtral for a mixture of experts (no sliding
     window, no router jitter: what threefold.moe computes)."""
     qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 0}
-    if cfg.qk_norm and cfg.num_local_experts and not cfg.qkv_bias \
-            and not cfg.shared_expert_intermediate_size:
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **qwen,
-                "num_experts": cfg.num_local_experts,
-                "num_local_experts": cfg.num_local_experts,
-                "num_experts_per_tok": cfg.num_experts_per_tok,
-                "moe_intermediate_size": cfg.intermediate_size, "decoder_sparse_step": 1,
-                "mlp_only_layers": [], "norm_topk_prob": bool(cfg.norm_topk_prob),
-                "router_aux_loss_coef": cfg.router_aux_loss_coef,
-                "output_router_logits": False}
+    fs = cfg.shared_expert_intermediate_size
+    if cfg.num_local_experts and (fs or cfg.qkv_bias or cfg.qk_norm):
+        return _qwen_moe_family(cfg, qwen)
     if cfg.qk_norm or cfg.qkv_bias:
         if cfg.num_local_experts or (cfg.qk_norm and cfg.qkv_bias):
             raise ConfigError("model.qkv_bias / model.qk_norm: exporting these with a mixture "
@@ -192,15 +185,45 @@ def family(cfg: ModelConfig) -> dict:
         return {"architectures": [f"{name}ForCausalLM"], "model_type": name.lower(), **qwen}
     if not cfg.num_local_experts:
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    if cfg.shared_expert_intermediate_size or not cfg.norm_topk_prob:
-        raise ConfigError("model.shared_expert_intermediate_size / model.norm_topk_prob: "
-                          "Mixtral has no shared expert and always renormalises; exporting "
-                          "these Qwen2-MoE-style options to Hugging Face is not built yet")
+    if not cfg.norm_topk_prob:
+        raise ConfigError("model.norm_topk_prob: Mixtral always renormalises the top-k "
+                          "weights; without a shared expert (Qwen2-MoE) or q/k norms "
+                          "(Qwen3-MoE) this model has no Hugging Face family to export to")
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "num_local_experts": cfg.num_local_experts,
             "num_experts_per_tok": cfg.num_experts_per_tok,
             "router_aux_loss_coef": cfg.router_aux_loss_coef, "router_jitter_noise": 0.0,
             "output_router_logits": False, "sliding_window": None}
+
+
+def _qwen_moe_family(cfg: ModelConfig, qwen: dict) -> dict:
+    """Qwen2-MoE (a shared expert with its gate; q/k/v biases or not) or Qwen3-MoE (q/k
+    norms, no shared expert): every block routed, experts of ``intermediate_size``."""
+    fs = cfg.shared_expert_intermediate_size
+    if cfg.qk_norm and (fs or cfg.qkv_bias):
+        raise ConfigError("model.qk_norm: Qwen3-MoE has no shared expert and no q/k/v biases; "
+                          "exporting q/k norms with either is not built")
+    if not cfg.qk_norm and not fs:
+        raise ConfigError("model.shared_expert_intermediate_size: 0, but Qwen2-MoE has a "
+                          "shared expert; q/k/v biases on a Mixtral-style mixture have no "
+                          "Hugging Face family to export to")
+    experts = {"num_experts": cfg.num_local_experts,
+               "num_local_experts": cfg.num_local_experts,
+               "num_experts_per_tok": cfg.num_experts_per_tok,
+               "moe_intermediate_size": cfg.intermediate_size, "decoder_sparse_step": 1,
+               "mlp_only_layers": [], "norm_topk_prob": bool(cfg.norm_topk_prob),
+               "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False}
+    if cfg.qk_norm:
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **qwen,
+                **experts}
+    return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **qwen,
+            **experts, "shared_expert_intermediate_size": fs, "qkv_bias": bool(cfg.qkv_bias)}
+
+
+def qwen_layout(cfg: ModelConfig) -> bool:
+    """Whether a mixture of experts' files use the Qwen MoE layout (``mlp.experts.N.
+    gate_proj``...) rather than Mixtral's (``block_sparse_moe.experts.N.w1``...)."""
+    return bool(cfg.qk_norm or cfg.qkv_bias or cfg.shared_expert_intermediate_size)
 
 
 def reward_hf_config(conf: dict, tokens: dict) -> dict:
@@ -242,10 +265,12 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     field this model cannot express (biases, another head width, another activation, another
     RoPE scaling, a model type other than llama)."""
     need = functools.partial(_need, c, where)
-    need(c.get("model_type") in ("llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"),
-         "model_type", "only Llama-, Mixtral-, Qwen2-, Qwen3- and Qwen3-MoE-architecture "
+    need(c.get("model_type") in ("llama", "mixtral", "qwen2", "qwen3", "qwen2_moe",
+                                  "qwen3_moe"), "model_type",
+         "only Llama-, Mixtral-, Qwen2-, Qwen3-, Qwen2-MoE- and Qwen3-MoE-architecture "
          "models import")
-    moe = _moe_fields(c, where) if c["model_type"] in ("mixtral", "qwen3_moe") else {}
+    moe = _moe_fields(c, where) if c["model_type"] in ("mixtral", "qwen2_moe",
+                                                       "qwen3_moe") else {}
     qwen = _qwen_fields(c, where) if c["model_type"].startswith("qwen") else {}
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "vocab_size"):
@@ -288,6 +313,8 @@ def _qwen_fields(c: dict, where: str) -> dict:
          "every layer must be full attention (no sliding window)")
     if c["model_type"] == "qwen2":
         return dict(qkv_bias=True)
+    if c["model_type"] == "qwen2_moe":
+        return dict(qkv_bias=bool(c.get("qkv_bias", True)))
     return dict(qk_norm=True)
 
 
@@ -295,8 +322,8 @@ def _moe_fields(c: dict, where: str) -> dict:
     """The ModelConfig fields of a Mixtral config.json (experts, routing); HFError for what
     threefold.moe does not compute (a sliding window, router jitter)."""
     need = functools.partial(_need, c, where)
-    if c["model_type"] == "qwen3_moe":
-        return _qwen3_moe_fields(c, where)
+    if c["model_type"] in ("qwen2_moe", "qwen3_moe"):
+        return _qwen_moe_fields(c, where)
     e, k = c.get("num_local_experts", 8), c.get("num_experts_per_tok", 2)
     need(isinstance(e, int) and e > 0, "num_local_experts", "a positive integer is needed")
     need(isinstance(k, int) and 0 < k <= e, "num_experts_per_tok",
@@ -309,10 +336,11 @@ def _moe_fields(c: dict, where: str) -> dict:
                 router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.02)))
 
 
-def _qwen3_moe_fields(c: dict, where: str) -> dict:
-    """The ModelConfig fields of a Qwen3-MoE config.json: every block's MLP routed (HFError
-    naming ``decoder_sparse_step`` or ``mlp_only_layers`` when some are dense), experts of
-    ``moe_intermediate_size``, ``norm_topk_prob`` as given."""
+def _qwen_moe_fields(c: dict, where: str) -> dict:
+    """The ModelConfig fields of a Qwen2-MoE or Qwen3-MoE config.json: every block's MLP
+    routed (HFError naming ``decoder_sparse_step`` or ``mlp_only_layers`` when some are
+    dense), experts of ``moe_intermediate_size``, ``norm_topk_prob`` as given, and Qwen2-MoE's
+    shared expert."""
     need = functools.partial(_need, c, where)
     e = c.get("num_local_experts") or c.get("num_experts")
     k, f = c.get("num_experts_per_tok", 8), c.get("moe_intermediate_size")
@@ -324,9 +352,13 @@ def _qwen3_moe_fields(c: dict, where: str) -> dict:
          "every block's MLP must be routed (1)")
     need(not c.get("mlp_only_layers"), "mlp_only_layers",
          "every block's MLP must be routed (no dense layers)")
+    fs = c.get("shared_expert_intermediate_size", 0) if c["model_type"] == "qwen2_moe" else 0
+    need(isinstance(fs, int) and fs >= 0, "shared_expert_intermediate_size",
+         "a non-negative integer is needed")
     return dict(num_local_experts=e, num_experts_per_tok=k, intermediate_size=f,
                 norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-                router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)))
+                router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
+                shared_expert_intermediate_size=fs)
 
 
 def _rope_fields(c: dict, where: str) -> dict:

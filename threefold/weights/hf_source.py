@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from threefold.checkpoint_verify import read_json
 from threefold.config import ModelConfig
 from threefold.hf_config import (INDEX, SINGLE, HFError, check_shapes, hub_names, hub_router,
-                                 model_config_from_hf)
+                                 model_config_from_hf, qwen_layout)
 from threefold.weights.base import DTYPES, HEAD, WeightSource, blocks, box_index, extent
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -145,7 +145,7 @@ class HFSource(WeightSource):
         """Each layer stored per expert becomes the fused logical tensors, as parts (a layer
         already fused is kept as it is); HFError names a missing or misshapen expert."""
         e_count, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        entries, qwen = self._entries, cfg.qk_norm  # Qwen3-MoE's file names, else Mixtral's
+        entries, qwen = self._entries, qwen_layout(cfg)  # Qwen MoE file names, or Mixtral's
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             if ("model", hub_names(i, 0, qwen)[0]) not in entries:
