@@ -28,11 +28,15 @@ TWO_NODE = {"parallel__zero_stage": 2, "checkpoint__interval": 3}  # each node h
 
 
 def _two_agents(corpus, cache, out, disks, steps, **extra):
-    """Run two torchrun agents (one process each) as two nodes; return (rcs, outputs). A
-    rendezvous on this shared machine hangs now and then before anything starts (as
-    test_launch's two agents do): the hung pair is killed and started again once, on a
-    fresh port, and the hang is reported."""
-    for attempt in range(2):
+    """Run two torchrun agents (one process each) as two nodes; return (rcs, outputs). Two
+    agents on this shared machine hang now and then (at the rendezvous, or at exit after the
+    run: test_launch's see it too): a fresh run's hung pair is killed, its outputs removed,
+    and started again once on a fresh port; the hang is reported. A resume is not retried."""
+    fresh = "checkpoint__resume" not in extra
+    for attempt in range(2 if fresh else 1):
+        if attempt:  # the hung attempt may have written its checkpoint: start clean
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(disks, ignore_errors=True)
         port, procs = _free_port(), []
         for node in range(2):
             cmd = [sys.executable, "-m", "threefold", "train", "--nnodes", "2",
