@@ -282,11 +282,12 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
 
 def _lora(mcfg, cfg, layout, work, memory, tp: int, notes: list):
     """The memory of a LoRA run (``plan.lora``), with a note of what is and is not counted."""
-    trained = sum(map(sum, lora_units(mcfg, cfg, layout, _MetaComm(tp))[0]))
+    units = lora_units(mcfg, cfg, layout, _MetaComm(tp))  # one meta model for both
+    trained = sum(map(sum, units[0]))
     notes.append(f"LoRA r={cfg.lora.r} on {', '.join(lora_targets(cfg.lora))}: "
                  f"{_count(trained)} adapter parameters train on this rank, the base is "
                  "frozen (memory counted so; step time and bytes sent are not yet)")
-    return lora_memory(mcfg, cfg, layout, work, memory, _MetaComm(tp))
+    return lora_memory(mcfg, cfg, layout, work, memory, units)
 
 
 def _count(n: float) -> str:

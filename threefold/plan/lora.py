@@ -73,10 +73,10 @@ def adapter_activation_bytes(mcfg: ModelConfig, cfg: Config, layout: Layout,
 
 
 def lora_memory(mcfg: ModelConfig, cfg: Config, layout: Layout, work: Workload,
-                base: MemoryBreakdown, comm) -> MemoryBreakdown:
+                base: MemoryBreakdown, units: tuple[tuple, tuple]) -> MemoryBreakdown:
     """``base`` (the breakdown of the same run without LoRA) with LoRA's model states and
-    activations (module doc)."""
-    trained, frozen = lora_units(mcfg, cfg, layout, comm)
+    activations (module doc); ``units``: ``lora_units``'s (adapter, frozen) units."""
+    trained, frozen = units
     state = state_bytes_for(work)
     m = microbatches(layout, work)
     states = _model_states(layout, work, state, trained, m)
