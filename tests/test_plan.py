@@ -8,6 +8,8 @@ import time
 import pytest
 
 from threefold.accounting import Workload
+from threefold.accounting.shapes import moe_key
+from threefold.accounting.stages import attn_key, shape_key
 from threefold.config import ModelConfig
 from threefold.plan.candidates import SearchSpace
 from threefold.plan.cli import load_model, main
@@ -64,6 +66,21 @@ def test_ranking_is_best_first_and_pruning_keeps_the_top(llama70b_on_64):
     pruned = search(small, cl, wk, keep=5)
     assert full.fits == pruned.fits == len(full.ranked)
     assert [c.layout for c in pruned.ranked] == [c.layout for c in full.ranked[:5]]
+    # split-backward schedules, whose bubble is replayed only for the layouts pruning reaches
+    space = SearchSpace(pp=(2, 4, 8), schedules=("zb-h1", "zb-v", "1f1b"))
+    full, pruned = search(small, cl, wk, space), search(small, cl, wk, space, keep=5)
+    assert [c.layout for c in pruned.ranked] == [c.layout for c in full.ranked[:5]]
+    assert [c.step for c in pruned.ranked] == [c.step for c in full.ranked[:5]]
+
+
+def test_shape_key_is_the_model_and_attention_keys():
+    """The search's written-out key agrees with moe_key and attn_key."""
+    for cfg in (load_model("llama3-8b"), load_model("mixtral-8x7b"),
+                ModelConfig(preset="tiny", vocab_size=512, qkv_bias=True, qk_norm=True,
+                            attention_head_dim=24, num_local_experts=4, num_experts_per_tok=2,
+                            shared_expert_intermediate_size=64).resolved()):
+        key = shape_key(cfg)
+        assert key[-2:] == (moe_key(cfg), attn_key(cfg))
 
 
 def test_explain_names_the_bigger_term(llama70b_on_64):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from threefold.accounting.shapes import (
     CP_ALGORITHMS,
@@ -84,12 +85,12 @@ class Layout:
         """Sequence parallelism in effect (needs tp > 1)."""
         return self.sequence_parallel and self.tp > 1
 
-    @property
+    @cached_property  # read a million times in a search (a frozen dataclass: computed once)
     def pipeline_schedule(self) -> str:
         """The schedule name, with the default filled in."""
         return self.schedule or ("interleaved-1f1b" if self.vpp > 1 else "1f1b")
 
-    @property
+    @cached_property
     def vshape(self) -> bool:
         """A V-shaped pipeline (ZB-V, DualPipeV): rank r holds stages r and 2p-1-r, so rank 0
         holds the embedding and the head (a tied head as a copy, summed in place)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from threefold.accounting.layout import Layout
-from threefold.accounting.shapes import LayoutError, moe_key, tp_shard, tp_shard_for
+from threefold.accounting.shapes import LayoutError, tp_shard, tp_shard_for
 from threefold.config import ModelConfig
 from threefold.parallel.pipeline.actions import rank_stage
 from threefold.parallel.pipeline.balance import split_counts
@@ -17,9 +17,13 @@ from threefold.parallel.pipeline.balance import split_counts
 def shape_key(cfg: ModelConfig) -> tuple:
     """The numbers of ``cfg`` a stage's shapes depend on, as a hashable key for the caches:
     the attention's extras ``attn`` = (head dim, q/k/v biases, q/k norms) last."""
-    return (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers,
-            bool(cfg.tie_word_embeddings), moe_key(cfg), attn_key(cfg))
+    h, a, e = cfg.hidden_size, cfg.num_attention_heads, cfg.num_local_experts
+    # moe_key and attn_key written out: a search asks for this key about a million times
+    return (h, a, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
+            cfg.num_hidden_layers, bool(cfg.tie_word_embeddings),
+            (e, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size or 0) if e
+            else (0, 0, 0),
+            (cfg.attention_head_dim or h // a, bool(cfg.qkv_bias), bool(cfg.qk_norm)))
 
 
 def attn_key(cfg: ModelConfig) -> tuple[int, bool, bool]:

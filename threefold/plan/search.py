@@ -130,7 +130,11 @@ def _fitting_bound(cfg: ModelConfig, lay: Layout, work: Workload, limit: float,
             or lay.pipeline_inflight:
         return lay, mem
     lo, hi = (lay.vpp - 1) * lay.pp + 1, 2 * (lay.pp - 1) + (lay.vpp - 1) * lay.pp
-    best = None
+    low = dataclasses.replace(lay, pipeline_inflight=lo)
+    m = memory_per_rank(cfg, low, work)
+    if m.total > limit:  # not even the smallest bound fits (most layouts a search tries)
+        return lay, mem
+    best, lo = (low, m), lo + 1
     while lo <= hi:  # memory grows with the bound: the largest that fits
         mid = (lo + hi) // 2
         cand = dataclasses.replace(lay, pipeline_inflight=mid)
@@ -139,7 +143,7 @@ def _fitting_bound(cfg: ModelConfig, lay: Layout, work: Workload, limit: float,
             best, lo = (cand, m), mid + 1
         else:
             hi = mid - 1
-    return best or (lay, mem)
+    return best
 
 
 def _per_replica(batch: int, dp: int, reject) -> int:
@@ -341,7 +345,9 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
                                    f"{limit / 1e9:.0f} GB (the largest tensor is drawn whole "
                                    "while the rank's shards fill)"))
             continue
-        bound = compute_bound_step_time(cfg, lay, work, cluster) if keep else 0.0
+        # ordered by the bound without the bubble (no schedule replayed), which the bound
+        # with it (replayed only for the layouts reached) tightens before a prediction
+        bound = compute_bound_step_time(cfg, lay, work, cluster, bubble=False) if keep else 0.0
         fitting.append((bound, lay, mem))
     result.fits = len(fitting)
     fitting.sort(key=lambda x: x[0])
@@ -349,6 +355,9 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
     for bound, lay, mem in fitting:
         if keep and len(best) >= keep and bound >= -best[0]:
             break
+        if keep and len(best) >= keep and lay.pp > 1 \
+                and compute_bound_step_time(cfg, lay, work, cluster) >= -best[0]:
+            continue
         step = predict_step(cfg, lay, work, cluster, **predict_kw)
         result.ranked.append(Candidate(lay, mem, step,
                                        layout_warnings(cfg, lay, mem, step, cluster, work),

@@ -21,11 +21,11 @@ does not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from threefold.accounting.layout import Layout, Workload
-from threefold.accounting.stages import (distinct_stages, rank_layers, stage_expert_units,
-                                         stage_units)
+from threefold.accounting.stages import (distinct_stages, rank_layers, shape_key,
+                                         stage_expert_units, stage_units)
 from threefold.config import ModelConfig
 from threefold.plan.states import HOST_GRAD_BYTES, HOST_MASTER_BYTES
 
@@ -102,7 +102,24 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload,
 
 
 def startup_peaks(cfg: ModelConfig, layout: Layout, work: Workload) -> StartupMemory:
-    """Each phase's largest peak over the pipeline stages (``startup_memory``)."""
-    per = [startup_memory(cfg, layout, work, st) for st in distinct_stages(cfg, layout)]
-    return StartupMemory(kept=max(m.kept for m in per), filling=max(m.filling for m in per),
-                         loading=max(m.loading for m in per))
+    """Each phase's largest peak over the pipeline stages (``startup_memory``). Cached on what
+    start-up depends on: not the micro-batch, recompute, the in-flight bound or the bucket, so
+    a search's many layouts that differ only in those are computed once."""
+    key = (shape_key(cfg), replace(layout, microbatch_size=1, recompute="none",
+                                   pipeline_inflight=0, bucket_mb=0.0, cp_algorithm="ring",
+                                   sequence_parallel=True),
+           work.weight_bytes, work.backend_copies)
+    peaks = _PEAKS.get(key)
+    if peaks is None:
+        per = [startup_memory(cfg, layout, work, st) for st in distinct_stages(cfg, layout)]
+        peaks = StartupMemory(kept=max(m.kept for m in per),
+                              filling=max(m.filling for m in per),
+                              loading=max(m.loading for m in per))
+        if len(_PEAKS) >= _PEAKS_MAX:
+            _PEAKS.clear()
+        _PEAKS[key] = peaks
+    return peaks
+
+
+_PEAKS: dict = {}
+_PEAKS_MAX = 16384

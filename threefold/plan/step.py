@@ -332,9 +332,10 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
 
 
 def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
-                            efficiency: float | None = None) -> float:
+                            efficiency: float | None = None, bubble: bool = True) -> float:
     """``predict_step``'s step time with every collective free: a lower bound on it, cheap
-    enough to order and prune a search."""
+    enough to order and prune a search. Without ``bubble``, the pipeline's bubble is left
+    out too: a looser bound that never replays a schedule."""
     hw = cluster.hardware
     rate = hw.peak_flops(work.precision) * (efficiency if efficiency is not None else
                                             (hw.matmul_efficiency or MATMUL_EFFICIENCY))
@@ -344,6 +345,8 @@ def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cl
     times = {st: sum(stage_flops_per_microbatch(cfg, layout, work, st)) / rate
              + sum(stage_memory_traffic_per_microbatch(cfg, layout, work, st)) / bw
              for st in stages}
+    if not bubble or layout.pp == 1:
+        return m * max(times.values())
     mean = sum(times[s] * stage_multiplicity(cfg, layout, s) for s in stages) / layout.pp
     ratio, _ = bubble_over_ideal(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                  inflight=layout.pipeline_inflight)
