@@ -15,10 +15,12 @@ import torch
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from tests.test_sft import OPTIM, TRL_CONVS, base, trl_args, trl_stack  # noqa: F401
+from threefold.accounting import Layout, Workload, comm_bytes_per_step
 from threefold.config import ConfigError, LoRAConfig, ModelConfig, load_config
 from threefold.lora import LoRALinear, adapters_off, apply_lora
 from threefold.model import LlamaForCausalLM, initial_weight
 from threefold.post.sft import SFTOptions, SFTTask
+from threefold.plan.dryrun import predict
 from threefold.train import train
 
 LORA = {"lora__r": "4", "lora__alpha": "8"}
@@ -70,7 +72,9 @@ def lora_overrides(corpus, cache, out, **extra):
 LAYOUTS = [("dp2", {"train__micro_batch_size": 2}),
            ("zero2", {"parallel__zero_stage": 2}),
            ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
-           ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"})]
+           ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"}),
+           ("tp2", {"parallel__tp": 2, "parallel__sequence_parallel": "false",
+                    "train__micro_batch_size": 2})]
 
 
 @pytest.mark.slow
@@ -97,6 +101,14 @@ def test_lora_layouts_equal_single_process_and_resume(corpus, cache_dir, tmp_pat
             torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
     dp = metrics(tmp_path / "dp2")
     assert all(r["comm_bytes"]["dp"] == 4 * n_adapters for r in dp)
+    for name, extra in LAYOUTS:  # every byte sent is the planner's, axis by axis
+        cfg = load_config(None, over(tmp_path / name, **extra))
+        want = comm_bytes_per_step(cfg.model.resolved(cfg.data.vocab_size),
+                                   Layout.from_config(cfg, 2), Workload.from_config(cfg))
+        got = json.loads((tmp_path / name / "summary.json").read_text())["comm_bytes_per_step"]
+        assert set(got) <= set(want), (name, got)
+        assert {a: got.get(a, 0) for a in want} == {a: float(v) for a, v in want.items()}, name
+        assert predict(cfg, 2).comm_bytes == want, name  # what the dry run prints
     cut = tmp_path / "cut"
     train(load_config(None, over(cut, train__steps=2)), task=SFTTask())
     train(load_config(None, over(cut, checkpoint__resume="true")), task=SFTTask())
@@ -230,3 +242,49 @@ def test_lora_model_states_are_what_the_dry_run_counts(corpus, cache_dir, tmp_pa
         got = run_distributed(_states_measured_and_predicted, world, over)
     for weights, optim, want_weights, want_optim in got:
         assert (weights, optim) == (want_weights, want_optim)
+
+
+def _meta_units(mcfg, lora, tp):
+    """(adapter units, frozen units) read off the meta model as the runtime builds it: LoRA
+    applied, tensor parallelism slicing base and adapters, ZeRO's per-module grouping."""
+    from threefold.parallel.parallelize import zero_units
+    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.plan.dryrun import _MetaComm
+
+    with torch.device("meta"):
+        model = apply_lora(LlamaForCausalLM(mcfg), lora)
+    if tp > 1:
+        apply_tensor_parallel(model, _MetaComm(tp), True)
+    modules, _ = zero_units(model, 1)
+    seen, trained, frozen = set(), [], []
+    for module in modules:
+        t, f = [], []
+        for p in module.parameters():
+            if id(p) not in seen:  # a tied weight once, where first used
+                seen.add(id(p))
+                (t if p.requires_grad else f).append(p.numel())
+        trained += [tuple(t)] if t else []
+        frozen += [tuple(f)] if f else []
+    return tuple(trained), tuple(frozen)
+
+
+@pytest.mark.parametrize("tp,targets,extra", [
+    (1, "all-linear", {}), (2, "all-linear", {"qkv_bias": True, "qk_norm": True}),
+    (2, "q_proj,v_proj,down_proj", {"intermediate_size": 96}),
+    (1, "o_proj,up_proj", {"tie_word_embeddings": True})])
+def test_lora_units_closed_forms_are_the_meta_models(tp, targets, extra):
+    """accounting.lora's units (what the planner, dry run and bytes build on) equal the meta
+    model's, per unit and in order; a tied weight's root unit is listed last, as
+    ``ZeroEngine`` keeps it."""
+    from threefold.accounting.lora import lora_units
+    from threefold.config.validation import lora_targets
+
+    mcfg = ModelConfig(preset="tiny", vocab_size=512, **extra).resolved()
+    lora = LoRAConfig(r=4, target_modules=targets)
+    work = Workload(64, 4, lora_r=4, lora_targets=lora_targets(lora))
+    trained, frozen = _meta_units(mcfg, lora, tp)
+    want_trained, want_frozen = lora_units(mcfg, Layout(tp=tp), work)
+    assert trained == want_trained and len(trained) == mcfg.num_hidden_layers
+    if mcfg.tie_word_embeddings:  # the shared weight: first in the model, ZeRO's root last
+        frozen = frozen[1:] + frozen[:1]
+    assert frozen == want_frozen

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from threefold.accounting import Workload
+from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
+from threefold.accounting.shapes import flops_per_token, matmul_parameters
 from threefold.accounting.shapes import moe_key
 from threefold.accounting.stages import attn_key, shape_key
 from threefold.config import ModelConfig
@@ -305,3 +306,48 @@ def test_table_memory_parts_add_up_to_the_peak_and_are_never_negative():
         assert sum(parts) == pytest.approx(m.total)
         moments.add(m.activation_peak >= m.grads + m.optimizer_working)
     assert moments == {True, False}  # both moments occur among these layouts
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA: only the adapters train
+# --------------------------------------------------------------------------------------------
+def test_lora_plan_counts_adapters_and_a_frozen_base(capsys):
+    """--lora-r: the model states are the frozen base's weights and the adapters' training
+    state, the FLOPs 4N + 6·adapters per token (no weight gradients for the base), plain data
+    parallelism all-reduces the adapters' gradients only; pp and cp stay 1."""
+    from threefold.accounting.lora import adapter_parameters, lora_flops_per_token
+    from threefold.plan.compute import model_flops_per_step
+    from threefold.plan.memory import memory_per_rank
+
+    args = ["--model", "llama3-8b", "--gpus", "8", "--json", "--top", "200"]
+    rc, out, _ = run(capsys, *args, "--lora-r", "16")
+    rows = json.loads(out)
+    assert rc == 0 and rows and all(r["pp"] == r["cp"] == 1 for r in rows)
+    full = json.loads(run(capsys, *args)[1])
+    assert rows[0]["step_time_s"] < 0.8 * full[0]["step_time_s"]  # no weight gradients
+    cfg = load_model("llama3-8b")
+    work = Workload(4096, 256, lora_r=16, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                       "gate_proj", "up_proj", "down_proj"))
+    n_adapters = adapter_parameters(cfg, work)
+    assert n_adapters == 16 * 32 * (2 * 4096 + 2 * (4096 + 1024) + 2 * 4096
+                                    + 3 * (4096 + 14336))  # r·(in + out) per layer
+    assert model_flops_per_step(cfg, work) == pytest.approx(
+        (flops_per_token(cfg, 4096) - 2 * matmul_parameters(cfg) + 6 * n_adapters) * work.tokens)
+    lay = Layout(dp_shard=8, microbatch_size=1)
+    mem, plain = memory_per_rank(cfg, lay, work), memory_per_rank(cfg, lay, Workload(4096, 256))
+    assert mem.params == num_parameters(cfg) * 2 + n_adapters * 2  # bf16 base and adapters
+    assert mem.optimizer == n_adapters * 12 and plain.optimizer == num_parameters(cfg) * 12
+    sent = comm_bytes_per_step(cfg, lay, work)
+    assert {a for a, v in sent.items() if v} == {"dp"} and sent["dp"] == pytest.approx(2 * 7 / 8 * 2 * n_adapters)
+    assert lora_flops_per_token(cfg, work) < flops_per_token(cfg, 4096)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--pp", "2"], "--pp"), (["--cp", "2"], "--cp"), (["--lora-targets", "lm_head"],
+                                                        "--lora-targets"),
+    (["--offload-optimizer", "on"], "--offload-optimizer"), (["--lora-r", "-1"], "--lora-r")])
+def test_lora_plan_refuses_what_lora_does_not_run_with(capsys, argv, needle):
+    rc, _, err = run(capsys, "--model", "llama3-8b", "--gpus", "8", "--lora-r", "8", *argv)
+    assert rc == 2 and needle in err
+    rc, _, err = run(capsys, "--model", "mixtral-8x7b", "--gpus", "8", "--lora-r", "8")
+    assert rc == 2 and "mixture of experts" in err

@@ -22,7 +22,14 @@ FAMILIES = {"qwen2": {"model__qkv_bias": "true"},
             "qwen3_moe": {"model__qk_norm": "true", "model__attention_head_dim": "32",
                           "model__num_local_experts": "4", "model__num_experts_per_tok": "2",
                           "model__norm_topk_prob": "false",
-                          # the router's losses are per micro-batch: each rank's rows, alike
+                          # the router's losses are per micro-batch: each rank's rows, alike;
+                          # per layer, so that pipeline stages can add their own
+                          "model__router_aux_loss_per_layer": "true",
+                          "train__micro_batch_size": "4"},
+            "qwen2_moe": {"model__qkv_bias": "true", "model__num_local_experts": "4",
+                          "model__num_experts_per_tok": "2", "model__norm_topk_prob": "false",
+                          "model__shared_expert_intermediate_size": "80",
+                          "model__router_aux_loss_per_layer": "true",
                           "train__micro_batch_size": "4"}}
 
 
@@ -120,9 +127,10 @@ def test_sliding_window_is_refused_only_when_on(tmp_path):
 LAYOUTS = [("dp2", {}), ("zero3", {"parallel__zero_stage": 3}),
            ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"}),
            ("pp2", {"parallel__pp": 2, "train__micro_batch_size": 2})]
-# a mixture of experts runs without sequence parallelism and pipelines (refused by name):
-# expert parallelism instead
-MOE_LAYOUTS = LAYOUTS[:2] + [("tp2", {"parallel__tp": 2}), ("ep2", {"parallel__ep": 2})]
+# a mixture of experts runs without sequence parallelism (refused by name); its pipeline
+# keeps the family's micro-batches of 4 (the router's losses are per micro-batch)
+MOE_LAYOUTS = LAYOUTS[:2] + [("tp2", {"parallel__tp": 2}), ("ep2", {"parallel__ep": 2}),
+                             ("pp2", {"parallel__pp": 2})]
 
 
 def _overrides(family, corpus, cache, out, **extra):
@@ -141,9 +149,9 @@ def test_layouts_equal_single_process_and_the_planner_counts(family, corpus, cac
     held = sum(p.numel() for p in run.engine.model.parameters())
     assert num_parameters(run.model_cfg) == held
     names = set(final_weights(tmp_path / "single"))
-    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
-    assert ("model.layers.0.self_attn.k_norm.weight" in names) == (family != "qwen2")
-    layouts = MOE_LAYOUTS if family == "qwen3_moe" else LAYOUTS
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == family.startswith("qwen2")
+    assert ("model.layers.0.self_attn.k_norm.weight" in names) == family.startswith("qwen3")
+    layouts = MOE_LAYOUTS if family.endswith("moe") else LAYOUTS
     run_distributed(train_runs, 2, over, tmp_path, layouts, timeout=300)
     ref, ref_w = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
     for name, extra in layouts:

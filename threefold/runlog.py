@@ -4,6 +4,7 @@ writer rank; and, when asked for, the same records to TensorBoard and W&B (``tra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from threefold import accounting
+from threefold.accounting.lora import lora_flops_per_token
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
                                peak_memory_bytes, raise_cpu_peak, truncate_metrics)
 from threefold.parallel.pipeline.executor import idle_fraction
@@ -38,7 +40,9 @@ class RunLog:
         self.peak, self.peak_src = device_peak_flops(run.device, run.dtype)
         # a row's positions: data.seq_len, or fewer where the task makes shorter rows (GRPO)
         row = run.task.row_length or cfg.data.seq_len
-        self.flops_tok = accounting.flops_per_token(run.model_cfg, row)
+        work = dataclasses.replace(accounting.Workload.from_config(cfg), seq_len=row)
+        self.flops_tok = lora_flops_per_token(run.model_cfg, work) if work.lora_r else \
+            accounting.flops_per_token(run.model_cfg, row)  # under LoRA: 4N, adapters 6
         self.tokens_per_step = cfg.train.global_batch_size * row
         self.bar = _progress(run, start)
         self.n_params = accounting.num_parameters(run.model_cfg)

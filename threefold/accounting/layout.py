@@ -20,6 +20,7 @@ from threefold.accounting.shapes import (
 )
 from threefold.axes import FLATTENED, resolve_dp_shard
 from threefold.config import Config, ModelConfig, param_dtype
+from threefold.config.validation import lora_targets
 from threefold.parallel.pipeline.schedules import SCHEDULE_SPECS
 
 # --------------------------------------------------------------------------------------------
@@ -178,6 +179,10 @@ class Workload:
     backend_copies: bool = False
     # packed documents (data.document_mask): attention under a mask, which keeps more
     document_mask: bool = False
+    # LoRA (``lora.r``, threefold.accounting.lora): only adapters of rank lora_r on the named
+    # linear layers train; the base is frozen
+    lora_r: int = 0
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -222,7 +227,21 @@ class Workload:
                    precision=precision, flash_attention=True, residual_bytes=weights,
                    master_bytes=weights, eager=not cfg.train.compile,
                    reduce_bytes=reduce if cfg.parallel.zero_stage else 0,
-                   document_mask=cfg.data.document_mask)
+                   document_mask=cfg.data.document_mask, lora_r=cfg.lora.r,
+                   lora_targets=lora_targets(cfg.lora) if cfg.lora.r else ())
+
+
+def _check_lora(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
+    """What LoRA runs with (as ``config.validation`` refuses before launch)."""
+    for name, degree in (("pp", layout.pp), ("cp", layout.cp), ("ep", layout.ep)):
+        if degree > 1:
+            raise LayoutError(f"LoRA does not run with {name}={degree} yet")
+    if cfg.num_local_experts:
+        raise LayoutError("LoRA does not adapt a mixture of experts")
+    if {"k_proj", "v_proj"} & set(work.lora_targets) \
+            and tp_shard(cfg, layout.tp).kv_replicas > 1:
+        raise LayoutError(f"LoRA on k_proj/v_proj needs tp ({layout.tp}) to divide the "
+                          f"{cfg.num_key_value_heads} KV heads")
 
 
 def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
@@ -245,6 +264,8 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
                           "(each cp rank holds two balanced chunks)")
     tp_shard(cfg, layout.tp)
     check_experts(cfg, layout)
+    if work.lora_r:
+        _check_lora(cfg, layout, work)
     chunks = layout.pp * layout.vpp
     if cfg.num_hidden_layers < chunks:  # uneven splits are fine: see pipeline_layers
         raise LayoutError(f"pp·vpp={chunks} is more than the {cfg.num_hidden_layers} layers "

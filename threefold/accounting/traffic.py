@@ -76,6 +76,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
+from threefold.accounting.lora import lora_collectives, tp_reduced_numel
 from threefold.accounting.shapes import moe_key, tp_shard
 from threefold.accounting.stages import (
     cut_buckets,
@@ -153,6 +154,9 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     e, k, _ = moe_key(cfg)
     if e and layout.ep > 1:
         _ep_collectives(add, layout, work, e, tokens * k * cfg.hidden_size, layers)
+    if work.lora_r:  # only the adapters' gradients move (no mixture of experts under LoRA)
+        lora_collectives(add, cfg, layout, work, stage, g, pb, _zero_unit)
+        return out
     experts = stage_expert_units(cfg, layout, stage)
     if layout.zero_stage == 0:
         _data_parallel(add, cfg, layout, stage, experts, g)
@@ -179,17 +183,25 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
     rec = layers if layout.recompute != "none" else 0  # selective re-runs them too
     subs = 1 if cfg.num_local_experts else 2  # sub-layers with tp collectives: attention (and
     # a dense MLP; a mixture of experts is whole on every tp rank)
+    # LoRA: the frozen embedding's output needs no gradient, so neither does the first
+    # block's attention input: the backward collectives of both never run
+    skip = first if work.lora_r else 0
     if layout.sp:
-        add("tp", "all_gather", x, r, 2 * layers + 2 * rec + first + last, t, True, "none")
-        add("tp", "reduce_scatter", x, r, 2 * layers + first + last, t, True, "none")
+        add("tp", "all_gather", x, r, 2 * layers + 2 * rec + first + last - skip, t, True,
+            "none")
+        add("tp", "reduce_scatter", x, r, 2 * layers + first + last - skip, t, True, "none")
         add("tp", "reduce_scatter", x, d, 2 * layers + rec, t, True, "none")
         add("tp", "all_gather", x, d, 2 * layers, t, True, "none")
-        add("tp", "all_reduce", h, g, 2 * layers + last, t, True, "none")
+        if not work.lora_r:  # frozen norms have no gradient
+            add("tp", "all_reduce", h, g, 2 * layers + last, t, True, "none")
     else:
-        add("tp", "all_reduce", x, r, subs * layers + first + last, t, True, "none")
+        add("tp", "all_reduce", x, r, subs * layers + first + last - skip, t, True, "none")
         add("tp", "all_reduce", x, d, subs * layers + rec, t, True, "none")
     add("tp", "all_reduce", tokens, 4, 3 * last, t, True, "none")
-    if tp_shard(cfg, t).kv_replicas > 1:
+    if work.lora_r:  # each adapted layer's whole factor, its gradient summed over tp
+        add("tp", "all_reduce", tp_reduced_numel(cfg, work), work.weight_bytes, layers, t,
+            True, "none")
+    elif tp_shard(cfg, t).kv_replicas > 1:
         add("tp", "all_reduce", cfg.num_key_value_heads * cfg.head_dim * h, g, 2 * layers, t,
             True, "none")
     add("tp", "all_reduce", 1, 4, 1, t, False, "step")  # gradient norm

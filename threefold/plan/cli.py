@@ -50,7 +50,8 @@ from threefold.accounting.shapes import (
     num_parameters,
     tp_shard,
 )
-from threefold.config import MODEL_PRESETS, ConfigError, ModelConfig, load_config
+from threefold.config import MODEL_PRESETS, ConfigError, LoRAConfig, ModelConfig, load_config
+from threefold.config.validation import LORA_TARGETS, lora_targets
 from threefold.plan.calibrate import (DEFAULT_PATH, calibrate, hardware_from_calibration, load,
                                       save)
 from threefold.plan.candidates import SearchSpace
@@ -161,6 +162,12 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
                    help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
                         "on for every layout, or search both (zero column marked 'o')")
+    p.add_argument("--lora-r", type=int, default=0,
+                   help="plan LoRA fine-tuning: adapters of this rank train, the base is "
+                   "frozen (as lora.r; 0 = every weight trains); pp, cp and ep stay 1")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="with --lora-r: the adapted layers, as lora.target_modules "
+                   "(default all-linear)")
 
 
 def _add_output_options(p: argparse.ArgumentParser) -> None:
@@ -277,9 +284,10 @@ def _setup(args):
                           "does not train with context parallelism yet; use --cp 1")
     splits = _choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform"))
     _refuse_degrees(cfg, args)
+    targets = _lora_options(cfg, args)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash",
-                    block=args.block)
+                    block=args.block, lora_r=args.lora_r, lora_targets=targets)
     record = _hardware_record(args)
     cluster = Cluster(_hardware(args, record), args.gpus, min(args.gpus_per_node, args.gpus),
                       _levels(args, record), mesh_order=args.mesh_order)
@@ -291,6 +299,31 @@ def _setup(args):
                         offload_optimizer={"off": (False,), "on": (True,),
                                            "search": (False, True)}[args.offload_optimizer])
     return cfg, cluster, work, space
+
+
+def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:
+    """--lora-r's targets, or () without LoRA; the layouts LoRA does not run with refused by
+    option, and pp and cp searched at 1 only."""
+    if args.lora_r < 0:
+        raise ConfigError(f"--lora-r: must be >= 0 (0 = no LoRA), got {args.lora_r}")
+    if not args.lora_r:
+        return ()
+    targets = lora_targets(LoRAConfig(r=args.lora_r, target_modules=args.lora_targets))
+    bad = [t for t in targets if t not in LORA_TARGETS]
+    if bad or not targets:
+        raise ConfigError(f"--lora-targets: {', '.join(bad) or 'nothing'} is not one of "
+                          f"{', '.join(LORA_TARGETS)} (or all-linear)")
+    if cfg.num_local_experts:
+        raise ConfigError("--lora-r: LoRA does not adapt a mixture of experts "
+                          f"(model.num_local_experts={cfg.num_local_experts})")
+    for name in ("pp", "cp", "ep"):
+        if any(d > 1 for d in getattr(args, name) or ()):
+            raise ConfigError(f"--{name}: LoRA does not run with {name} > 1 yet; use --{name} 1")
+    if args.offload_optimizer != "off":
+        raise ConfigError("--offload-optimizer: not planned under LoRA (the adapters' "
+                          "optimizer state is small); use off")
+    args.pp, args.cp = [1], [1]
+    return targets
 
 
 def _refuse_degrees(cfg: ModelConfig, args) -> None:

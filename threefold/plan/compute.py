@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
+from threefold.accounting.lora import adapter_numels, lora_flops_per_token, lora_units
 from threefold.accounting.shapes import (
     moe_key,
     flops_per_token,
@@ -42,7 +43,10 @@ ADAMW_ACCESSES_PER_PARAM = 25
 # FLOPs
 # --------------------------------------------------------------------------------------------
 def model_flops_per_step(cfg: ModelConfig, work: Workload) -> float:
-    """Model FLOPs of one step (the MFU numerator, PaLM's definition: no recompute)."""
+    """Model FLOPs of one step (the MFU numerator, PaLM's definition: no recompute; under
+    LoRA the base's weight gradients are not computed: ``lora_flops_per_token``)."""
+    if work.lora_r:
+        return lora_flops_per_token(cfg, work) * work.tokens
     return flops_per_token(cfg, work.seq_len) * work.tokens
 
 
@@ -67,13 +71,19 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     layer_fwd = tokens * (2 * sharded + 2 * moe_matmul_parameters(cfg) + core)
     fwd = layers * layer_fwd
     bwd = 2 * fwd
+    frozen = 0  # the head's weight gradient not computed under LoRA
+    if work.lora_r:  # a frozen base: input gradients only; each adapter's forward, both grads
+        adapters = tokens * sum(adapter_numels(cfg, layout.tp, work.lora_r, work.lora_targets))
+        bwd = layers * (tokens * (2 * sharded + 2 * core) + 4 * adapters)
+        fwd += layers * 2 * adapters
+        frozen = 1
     if layout.recompute == "full":
         bwd += fwd
     elif layout.recompute == "selective" and not work.flash_attention:
         bwd += layers * tokens * core  # a materialised attention is recomputed whole
     if stage == layout.last_stage:  # LM head: threefold's chunked loss recomputes its logits
         head = 2 * tokens * sh.vocab * h
-        fwd, bwd = fwd + head, bwd + (2 if work.block == "megatron" else 3) * head
+        fwd, bwd = fwd + head, bwd + ((2 if work.block == "megatron" else 3) - frozen) * head
     return float(fwd), float(bwd)
 
 
@@ -157,9 +167,15 @@ def hardware_flops_per_step(cfg: ModelConfig, layout: Layout, work: Workload) ->
     return per_pipeline * microbatches(layout, work) * layout.tp * layout.dp * layout.cp
 
 
-def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float) -> float:
+def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float,
+                      work: Workload | None = None) -> float:
     """Time of the optimiser step on the busiest stage: its memory traffic over ``memory_bw``
-    (0 when the bandwidth is unknown, i.e. infinite)."""
+    (0 when the bandwidth is unknown, i.e. infinite). Under LoRA (``work.lora_r``) it steps
+    the adapters alone."""
+    if work is not None and work.lora_r:
+        n = layout.shard_size if layout.zero_stage else 1
+        owned = sum(-(-sum(u) // n) for u in lora_units(cfg, layout, work)[0])
+        return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
     owned = max(owned_parameters(cfg, layout, st) for st in distinct_stages(cfg, layout))
     return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
 

@@ -58,10 +58,11 @@ from threefold.accounting import (
     pipeline_layers,
     stage_parameters,
 )
-from threefold.config import Config, ConfigError, ModelConfig
-from threefold.config.validation import lora_targets
+from threefold.accounting.lora import lora_units
+from threefold.config import Config, ConfigError, LoRAConfig, ModelConfig
 from threefold.data import load_tokenizer
 from threefold.data.sources import check_prepared
+from threefold.lora import apply_lora
 from threefold.model import LlamaForCausalLM
 from threefold.parallel.expert import apply_expert_parallel
 from threefold.parallel.layout import validate_layout
@@ -70,7 +71,6 @@ from threefold.parallel.pipeline.stage import rank_model, split_model
 from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.plan.calibrate import (cpu_baseline_bytes, hardware_from_calibration, load,
                                       machine_ram, matmul_flops)
-from threefold.plan.lora import lora_memory, lora_units
 from threefold.plan.hardware import (Cluster, Hardware, get_hardware,
                                      hardware_for_device_name)
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
@@ -165,6 +165,17 @@ def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
         apply_expert_parallel(model, _MetaComm(tp, ep))
     local = sum(p.numel() for p in model.parameters())
     return total, local
+
+
+def meta_adapter_count(mcfg: ModelConfig, lora: LoRAConfig, tp: int,
+                       sequence_parallel: bool) -> int:
+    """Adapter parameters rank 0 holds, counted on the meta model with LoRA applied and
+    tensor parallelism splitting it."""
+    with torch.device("meta"):
+        model = apply_lora(LlamaForCausalLM(mcfg), lora)
+    if tp > 1:
+        apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _ranks_per_node(world: int, default: int) -> int:
@@ -272,7 +283,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     comm = comm_bytes_per_step(mcfg, layout, work, stage=0)  # rank 0's
     if cfg.lora.r:
-        memory, comm = _lora(mcfg, cfg, layout, work, memory, dims.tp, notes), {}
+        notes.append(_lora_note(cfg, mcfg, layout, work))
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm, notes,
                         startup_peaks(mcfg, layout, work),
@@ -280,14 +291,16 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
                         cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0)
 
 
-def _lora(mcfg, cfg, layout, work, memory, tp: int, notes: list):
-    """The memory of a LoRA run (``plan.lora``), with a note of what is and is not counted."""
-    units = lora_units(mcfg, cfg, layout, _MetaComm(tp))  # one meta model for both
-    trained = sum(map(sum, units[0]))
-    notes.append(f"LoRA r={cfg.lora.r} on {', '.join(lora_targets(cfg.lora))}: "
-                 f"{_count(trained)} adapter parameters train on this rank, the base is "
-                 "frozen (memory counted so; step time and bytes sent are not yet)")
-    return lora_memory(mcfg, cfg, layout, work, memory, units)
+def _lora_note(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload) -> str:
+    """The adapters a LoRA run trains on rank 0, counted in closed form and checked against
+    the meta model."""
+    adapters = sum(map(sum, lora_units(mcfg, layout, work)[0]))
+    if adapters != meta_adapter_count(mcfg, cfg.lora, layout.tp, cfg.parallel.sequence_parallel):
+        raise RuntimeError(f"the planner counts {adapters} adapter parameters on rank 0 but "
+                           "the meta model holds another number: accounting/lora.py has "
+                           "drifted from threefold.lora / parallel.tensor")
+    return (f"LoRA r={cfg.lora.r} on {', '.join(work.lora_targets)}: {_count(adapters)} "
+            "adapter parameters train on this rank, the base is frozen")
 
 
 def _count(n: float) -> str:
@@ -304,8 +317,7 @@ def format_report(r: DryRunResult, world: int) -> str:
     fits = mem.total <= hw.memory_bytes if hw.memory_bytes else True
     lines = _layout_lines(r, world) + _memory_lines(r, fits) + [_step_line(r, world)]
     sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes.get(a))
-    lines.append("bytes sent per step by rank 0: " + (
-        sent or ("none (one rank)" if r.comm_bytes else "not predicted under LoRA yet")))
+    lines.append("bytes sent per step by rank 0: " + (sent or "none (one rank)"))
     lines += [f"note: {n}" for n in r.notes]
     if not fits:
         lines.append(f"warning: predicted peak {_gb(mem.total)} GB exceeds the "

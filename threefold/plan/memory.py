@@ -300,7 +300,16 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
     block, plain data parallelism keeps them whole (weights, gradients, their own gradient
     buckets, optimiser state), ZeRO shards each block's experts as one unit over
     dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
-    (see the module docstring). A dense model's figure is unchanged."""
+    (see the module docstring). A dense model's figure is unchanged. Under LoRA
+    (``work.lora_r``) the model states are the adapters' and the frozen base's
+    (``plan.lora.lora_memory``)."""
+    if work.lora_r:  # LoRA runs no mixture of experts (refused before launch)
+        from threefold.plan.lora import lora_memory  # it builds on this module
+        state = state or state_bytes_for(work)
+        stages = distinct_stages(cfg, layout)
+        return max((lora_memory(cfg, layout, work, mb, state) for mb in
+                    _stage_memories(cfg, layout, work, stages, state, overhead_bytes)),
+                   key=lambda mb: mb.total)
     if not cfg.num_local_experts:
         return memory_per_gpu(cfg, layout, work, state, overhead_bytes)
     state = state or state_bytes_for(work)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from threefold.accounting.layout import Layout, Workload
+from threefold.accounting.lora import lora_units
 from threefold.accounting.stages import (distinct_stages, rank_layers, shape_key,
                                          stage_expert_units, stage_units)
 from threefold.config import ModelConfig
@@ -92,6 +93,12 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload,
         filling = kept + logical + 4 * biggest
         if layout.dp * layout.cp > 1:  # data parallelism's gradient buckets
             kept += 4 * owned
+    if work.lora_r and z != 3:  # LoRA: the frozen base whole in the weights' dtype, beside
+        # the adapters, which alone have masters, gradient buckets and moments
+        adapters = sum(map(sum, lora_units(cfg, layout, work, stage)[0]))
+        kept = pb * owned + 4 * adapters * (2 if z == 0 and layout.dp * layout.cp > 1 else 1)
+        filling = kept + logical + 4 * region
+        owned, buffer = adapters, 0
     if layout.offload_optimizer and work.backend_copies:  # host masters and gradient buffers
         kept += (HOST_MASTER_BYTES + HOST_GRAD_BYTES) * owned
     # AdamW's two moments, plus the two read buffers of the tensor (or unit shard) being
@@ -108,7 +115,7 @@ def startup_peaks(cfg: ModelConfig, layout: Layout, work: Workload) -> StartupMe
     key = (shape_key(cfg), replace(layout, microbatch_size=1, recompute="none",
                                    pipeline_inflight=0, bucket_mb=0.0, cp_algorithm="ring",
                                    sequence_parallel=True),
-           work.weight_bytes, work.backend_copies)
+           work.weight_bytes, work.backend_copies, work.lora_r, work.lora_targets)
     peaks = _PEAKS.get(key)
     if peaks is None:
         per = [startup_memory(cfg, layout, work, st) for st in distinct_stages(cfg, layout)]

@@ -175,7 +175,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     slow = max(per_mb, key=per_mb.get)
     ideal, bubble, source = _pipeline_span(cfg, layout, m, per_mb, parts, simulate)
     dp_step = max(per_step.values())
-    opt_s, off_s = optimizer_seconds(cfg, layout, hbm), 0.0
+    opt_s, off_s = optimizer_seconds(cfg, layout, hbm, work), 0.0
     if layout.offload_optimizer:
         opt_s, off_s = offload_step_seconds(cfg, layout, work, cluster)
     step = ideal + bubble + dp_step + opt_s + off_s
