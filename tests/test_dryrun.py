@@ -28,7 +28,7 @@ from threefold.accounting import (
 from threefold.cli import main as cli_main
 from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.model import LlamaForCausalLM
-from threefold.plan.activations import block_activation_bytes
+from threefold.plan.activations import block_activation_bytes, model_layer_activation_bytes
 from threefold.plan.dryrun import _MetaComm, dry_run, meta_parameter_counts, predict
 
 LLAMA70B = [("model.preset", "llama3-70b"), ("data.seq_len", "4096"),
@@ -249,15 +249,21 @@ class _Loopback(_MetaComm):
         out.copy_(x.reshape(self.tp, -1)[0].view_as(out) * self.tp)
 
 
-@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (8, True)])
+@pytest.mark.parametrize("tp,sp,qwen", [(1, False, ""), (2, False, ""), (2, True, ""),
+                                         (8, True, ""), (1, False, "qwen3"),
+                                         (2, True, "qwen3"), (2, True, "qwen2")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, dtype):
+def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, qwen, dtype):
     """Every byte autograd saves in one block (distinct storages, weights excluded) is what
     ``block_activation_bytes`` counts, plus the RoPE tables (fp32) or the autocast weight
-    copies (bf16). Under SP the sub-layer inputs are kept gathered, at full size."""
+    copies (bf16). Under SP the sub-layer inputs are kept gathered, at full size. Qwen3's
+    q/k norms (with a head width of its own) add ``qk_norm_bytes``; Qwen2's biases nothing."""
     from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.plan.activations import qk_norm_bytes
 
-    cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
+    extra = {"qwen3": {"qk_norm": True, "attention_head_dim": 24},
+             "qwen2": {"qkv_bias": True}}.get(qwen, {})
+    cfg = ModelConfig(preset="tiny", vocab_size=512, **extra).resolved()
     model = LlamaForCausalLM(cfg)
     if tp > 1:
         apply_tensor_parallel(model, _Loopback(tp), sp)
@@ -273,7 +279,13 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, dtype):
     want = block_activation_bytes(b * s, h, sh.heads, sh.kv_heads, cfg.head_dim, sh.ffn, tp,
                                   sp, act_bytes=d, residual_bytes=4)
     want += 2 * 4 * b * s * cfg.head_dim if d == 4 else d * layer_parameters_per_rank(cfg, tp)[0]
+    if cfg.qk_norm:
+        want += qk_norm_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, d)
     assert saved.total == want
+    lay = Layout(tp=tp, sequence_parallel=sp, microbatch_size=b)  # the planner's figure
+    work = Workload(s, b, precision="bf16" if d == 2 else "fp32", residual_bytes=4)
+    assert model_layer_activation_bytes(cfg, lay, work) == want - (
+        2 * 4 * b * s * cfg.head_dim if d == 4 else d * layer_parameters_per_rank(cfg, tp)[0])
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
@@ -404,7 +416,6 @@ def test_block_activation_bytes_under_cp_equal_autograd_saved_tensors():
             d * layer_parameters_per_rank(cfg, 1)[0]
         assert per_rank == [want] * cp, (algorithm, dt, kv)
     # the planner's per-layer figure is the same count
-    from threefold.plan.activations import model_layer_activation_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
     work = Workload(seq_len=s, global_batch=b, precision="fp32", residual_bytes=4)

@@ -194,7 +194,19 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
     if work.document_mask and layout.cp == 1:
         kept += document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s,
                                     work.act_bytes)
+    if cfg.qk_norm:
+        kept += qk_norm_bytes(b * local, sh.heads, sh.kv_heads, cfg.head_dim, work.act_bytes)
     return kept
+
+
+def qk_norm_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int,
+                  act_bytes: int) -> float:
+    """What Qwen3's per-head q/k RMSNorms (``model.qk_norm``) keep beyond the block's count,
+    per rank: each norm's input, the q or k projection's output in the matmul dtype, and
+    its fp32 1/rms per head (the normalised q and k are RoPE's inputs, already counted after
+    RoPE): (heads + kv heads)·(d·head_dim + 4) per token, measured with autograd's saved
+    tensors (tests/test_dryrun.py)."""
+    return float(tokens * (heads + kv_heads) * (act_bytes * head_dim + 4))
 
 
 def document_mask_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
