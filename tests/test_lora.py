@@ -77,6 +77,11 @@ LAYOUTS = [("dp2", {"train__micro_batch_size": 2}),
                     "train__micro_batch_size": 2})]
 
 
+# another model (tied embeddings: ZeRO-3's frozen root unit, gathered once a step): bytes only
+BYTES_ONLY = [("zero3_tied", {"parallel__zero_stage": 3, "model__tie_word_embeddings": "true",
+                              "train__micro_batch_size": 2})]
+
+
 @pytest.mark.slow
 def test_lora_layouts_equal_single_process_and_resume(corpus, cache_dir, tmp_path):
     """SFT with LoRA: every layout's losses and adapters equal one process's; only the
@@ -90,7 +95,7 @@ def test_lora_layouts_equal_single_process_and_resume(corpus, cache_dir, tmp_pat
     ref, ref_w = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
     assert set(ref_w) == {n for n, _ in run.engine.named_params}
     assert all("lora_" in k for k in ref_w) and ref[-1]["loss"] != ref[0]["loss"]
-    run_distributed(train_runs, 2, over, tmp_path, LAYOUTS, SFTTask, timeout=300)
+    run_distributed(train_runs, 2, over, tmp_path, LAYOUTS + BYTES_ONLY, SFTTask, timeout=300)
     for name, _ in LAYOUTS:
         got = metrics(tmp_path / name)
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), \
@@ -101,7 +106,7 @@ def test_lora_layouts_equal_single_process_and_resume(corpus, cache_dir, tmp_pat
             torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
     dp = metrics(tmp_path / "dp2")
     assert all(r["comm_bytes"]["dp"] == 4 * n_adapters for r in dp)
-    for name, extra in LAYOUTS:  # every byte sent is the planner's, axis by axis
+    for name, extra in LAYOUTS + BYTES_ONLY:  # every byte sent is the planner's, by axis
         cfg = load_config(None, over(tmp_path / name, **extra))
         want = comm_bytes_per_step(cfg.model.resolved(cfg.data.vocab_size),
                                    Layout.from_config(cfg, 2), Workload.from_config(cfg))

@@ -92,8 +92,15 @@ def lora_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stag
         zero_unit(add, ax, z, -(-sum(unit) // ns) * ns, 1, ns, nr, g, pb,
                   per_step_gathers=False)
     if z == 3:
-        for i, unit in enumerate(frozen):
-            padded = -(-sum(unit) // ns) * ns
-            backward = 0 if stage == 0 and i == 0 else 1  # the embedding: forward only
-            add(ax, "all_gather", padded, pb, 1 + backward, ns, True, "forward")
+        units = list(frozen)
+        # a tied weight (ZeRO's root unit, listed last) stays gathered for the whole step;
+        # an untied embedding is gathered for its forward only (its backward reads ids)
+        root = units.pop() if cfg.tie_word_embeddings and layout.pp == 1 else None
+        embedding = units.pop(0) if stage == 0 and root is None else None
+        for unit in units:
+            add(ax, "all_gather", -(-sum(unit) // ns) * ns, pb, 2, ns, True, "forward")
+        if embedding is not None:
+            add(ax, "all_gather", -(-sum(embedding) // ns) * ns, pb, 1, ns, True, "forward")
+        if root is not None:
+            add(ax, "all_gather", -(-sum(root) // ns) * ns, pb, 1, ns, False, "step")
     add(ax, "all_reduce", 2, 4, 1, ns, False, "step")  # gradient norm

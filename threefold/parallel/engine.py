@@ -199,6 +199,9 @@ class LocalEngine:
         """Context for one micro-batch's backward; ``last`` marks the accumulation boundary."""
         yield
 
+    def release_roots(self) -> None:
+        """After a forward-only pass (evaluation): nothing is held gathered here."""
+
     def finish_gradients(self) -> None:
         """Wait for outstanding gradient communication (none here)."""
 

@@ -306,6 +306,14 @@ class ZeroEngine:
             else:
                 off.forget(unit.shard)
 
+    def release_roots(self) -> None:
+        """After a forward-only pass (evaluation): under stage 3 free the root units it
+        gathered, so that the next step gathers them as every step does."""
+        if self.stage == 3:
+            for root in (self.root, self.frozen_root):
+                if root:
+                    root.release()
+
     def finish_gradients(self) -> None:
         """Complete every unit's reduce-scatter (stage 1 starts them here), then all-reduce
         shard gradients across replicas for hybrid sharding."""
@@ -316,10 +324,7 @@ class ZeroEngine:
             self._finish(unit)
             if self.comm.size(self.replicate_axis) > 1:
                 self.comm.all_reduce(unit.shard.grad, self.replicate_axis)
-        if self.stage == 3:
-            for root in (self.root, self.frozen_root):
-                if root:
-                    root.release()
+        self.release_roots()
 
     def gradient_of(self, p: nn.Parameter) -> torch.Tensor:
         """This rank's shard of ``p``'s reduced gradient, for an in-place sum with the same
