@@ -58,7 +58,7 @@ def test_bad_lora_settings_are_refused_by_field():
     for over, needle in (({"lora.r": "-1"}, "lora.r"), ({"lora.r": "4", "lora.dropout": "1"},
                                                         "lora.dropout"),
                          ({"lora.r": "4", "lora.target_modules": "qkv"}, "lora.target_modules"),
-                         ({"lora.r": "4", "parallel.pp": "2"}, "parallel.pp"),
+                         ({"lora.r": "4", "parallel.cp": "2"}, "parallel.cp"),
                          ({"lora.r": "4", "model.num_local_experts": "4"}, "lora.r")):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, list(over.items()))
@@ -74,12 +74,20 @@ LAYOUTS = [("dp2", {"train__micro_batch_size": 2}),
            ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
            ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"}),
            ("tp2", {"parallel__tp": 2, "parallel__sequence_parallel": "false",
-                    "train__micro_batch_size": 2})]
+                    "train__micro_batch_size": 2}),
+           ("pp2", {"parallel__pp": 2, "train__micro_batch_size": 2}),
+           ("pp2_zb", {"parallel__pp": 2, "parallel__schedule": "zb-h1",
+                       "train__micro_batch_size": 2})]
+FOUR = {"model__num_hidden_layers": 4}  # a V needs a block per chunk: its own reference
+V_LAYOUT = [("pp2_zbv", {"parallel__pp": 2, "parallel__vpp": 2, "parallel__schedule": "zb-v",
+                         "train__micro_batch_size": 2, **FOUR})]
 
 
 # another model (tied embeddings: ZeRO-3's frozen root unit, gathered once a step): bytes only
 BYTES_ONLY = [("zero3_tied", {"parallel__zero_stage": 3, "model__tie_word_embeddings": "true",
-                              "train__micro_batch_size": 2})]
+                              "train__micro_batch_size": 2}),
+              ("pp2_tied", {"parallel__pp": 2, "model__tie_word_embeddings": "true",
+                            "train__micro_batch_size": 2})]
 
 
 @pytest.mark.slow
@@ -95,18 +103,21 @@ def test_lora_layouts_equal_single_process_and_resume(corpus, cache_dir, tmp_pat
     ref, ref_w = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
     assert set(ref_w) == {n for n, _ in run.engine.named_params}
     assert all("lora_" in k for k in ref_w) and ref[-1]["loss"] != ref[0]["loss"]
-    run_distributed(train_runs, 2, over, tmp_path, LAYOUTS + BYTES_ONLY, SFTTask, timeout=300)
-    for name, _ in LAYOUTS:
-        got = metrics(tmp_path / name)
-        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), \
+    train(load_config(None, over(tmp_path / "single4", **FOUR)), task=SFTTask())
+    run_distributed(train_runs, 2, over, tmp_path, LAYOUTS + V_LAYOUT + BYTES_ONLY, SFTTask,
+                    timeout=300)
+    for name, _ in LAYOUTS + V_LAYOUT:
+        base = tmp_path / ("single4" if name == "pp2_zbv" else "single")
+        got, want, want_w = metrics(tmp_path / name), metrics(base), final_weights(base)
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5), \
             name
         w = final_weights(tmp_path / name)
-        assert set(w) == set(ref_w), name
-        for k, v in ref_w.items():
+        assert set(w) == set(want_w), name
+        for k, v in want_w.items():
             torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
     dp = metrics(tmp_path / "dp2")
     assert all(r["comm_bytes"]["dp"] == 4 * n_adapters for r in dp)
-    for name, extra in LAYOUTS + BYTES_ONLY:  # every byte sent is the planner's, by axis
+    for name, extra in LAYOUTS + V_LAYOUT + BYTES_ONLY:  # every byte sent: the planner's
         cfg = load_config(None, over(tmp_path / name, **extra))
         want = comm_bytes_per_step(cfg.model.resolved(cfg.data.vocab_size),
                                    Layout.from_config(cfg, 2), Workload.from_config(cfg))

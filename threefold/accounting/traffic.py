@@ -147,7 +147,8 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     add = functools.partial(_add, out)
     _tp_collectives(add, cfg, layout, work, stage, layers, tokens, g)
     if layout.pp > 1:
-        _pp_collectives(add, cfg, layout, stage, tokens * cfg.hidden_size, work.resid_bytes, g)
+        _pp_collectives(add, cfg, layout, stage, tokens * cfg.hidden_size, work.resid_bytes, g,
+                        frozen_embedding=bool(work.lora_r))
     if layout.cp > 1:
         _cp_attention(add, layout, tp_shard(cfg, layout.tp).kv_heads * cfg.head_dim, tokens,
                       work.act_bytes, layers)
@@ -208,14 +209,15 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
 
 
 def _pp_collectives(add, cfg: ModelConfig, layout: Layout, stage: int, x: int, r: int,
-                    g: int) -> None:
+                    g: int, frozen_embedding: bool = False) -> None:
     """pp: the activation (x elements, /t under SP) out of each chunk boundary and its
     gradient back, per microbatch; a tied embedding's gradient between the two ends; the
     gradient norm over the stages."""
     p = layout.pp
     sends = _p2p_sends_per_microbatch(p, layout.vpp, stage, layout.vshape)
     add("pp", "p2p", x // layout.tp if layout.sp else x, r, sends, p, True, _paired(layout))
-    if cfg.tie_word_embeddings and stage in (0, p - 1) and not layout.vshape:
+    if cfg.tie_word_embeddings and stage in (0, p - 1) and not layout.vshape \
+            and not frozen_embedding:
         # the embedding and the last stage's copy of it: their gradients (this rank's ZeRO
         # shard of them) summed between the two ends (runtime axis "pp_ends")
         tied = tp_shard(cfg, layout.tp).vocab * cfg.hidden_size

@@ -176,7 +176,7 @@ class Distributed(World):
     def reduce_tied_gradients(self, engine) -> None:
         """Sum the tied embedding's gradient between the first and last pipeline stages
         (after data-parallel/ZeRO reduction, before clipping); nothing elsewhere."""
-        if self._tied is None:
+        if self._tied is None or not self._tied[0].requires_grad:  # none, or frozen (LoRA)
             return
         if self.vshape:  # embedding and its copy as head, both here: sum them in place
             embed, head = (engine.gradient_of(q) for q in self._tied)

@@ -174,7 +174,8 @@ def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float,
     the adapters alone."""
     if work is not None and work.lora_r:
         n = layout.shard_size if layout.zero_stage else 1
-        owned = sum(-(-sum(u) // n) for u in lora_units(cfg, layout, work)[0])
+        owned = max(sum(-(-sum(u) // n) for u in lora_units(cfg, layout, work, st)[0])
+                    for st in distinct_stages(cfg, layout))
         return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
     owned = max(owned_parameters(cfg, layout, st) for st in distinct_stages(cfg, layout))
     return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw

@@ -168,11 +168,16 @@ def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
 
 
 def meta_adapter_count(mcfg: ModelConfig, lora: LoRAConfig, tp: int,
-                       sequence_parallel: bool) -> int:
-    """Adapter parameters rank 0 holds, counted on the meta model with LoRA applied and
-    tensor parallelism splitting it."""
+                       sequence_parallel: bool, pp: int = 1, vpp: int = 1,
+                       split: str = "params", seq_len: int | None = None,
+                       vshape: bool = False) -> int:
+    """Adapter parameters rank 0 holds, counted on the meta model with LoRA applied, split
+    into rank 0's pipeline chunks (as ``meta_parameter_counts``) and by tensor parallelism."""
     with torch.device("meta"):
         model = apply_lora(LlamaForCausalLM(mcfg), lora)
+    if pp > 1:
+        model = rank_model(split_model(model, pp, vpp, 0, balance=split, seq_len=seq_len,
+                                       vshape=vshape))
     if tp > 1:
         apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -295,7 +300,9 @@ def _lora_note(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload) -
     """The adapters a LoRA run trains on rank 0, counted in closed form and checked against
     the meta model."""
     adapters = sum(map(sum, lora_units(mcfg, layout, work)[0]))
-    if adapters != meta_adapter_count(mcfg, cfg.lora, layout.tp, cfg.parallel.sequence_parallel):
+    p = cfg.parallel
+    if adapters != meta_adapter_count(mcfg, cfg.lora, layout.tp, p.sequence_parallel, layout.pp,
+                                      p.vpp, p.pipeline_split, cfg.data.seq_len, layout.vshape):
         raise RuntimeError(f"the planner counts {adapters} adapter parameters on rank 0 but "
                            "the meta model holds another number: accounting/lora.py has "
                            "drifted from threefold.lora / parallel.tensor")

@@ -229,6 +229,9 @@ def _generic(reason: str) -> str:
     """Group reasons that differ only in their numbers (for the summary)."""
     if reason.startswith("interleaved"):
         return "interleaved 1F1B needs microbatches a multiple of pp"
+    if reason.startswith("LoRA on k_proj/v_proj"):
+        return ("LoRA on k_proj/v_proj needs tp to divide the KV heads (--lora-targets "
+                "without them searches those tp too)")
     return reason
 
 

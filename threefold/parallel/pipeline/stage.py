@@ -128,6 +128,7 @@ def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
         chunk.lm_head = LMHead(head.in_features, head.out_features,
                                device=head.weight.device, dtype=head.weight.dtype)
         chunk.lm_head.shard, chunk.lm_head.chunk = head.shard, head.chunk
+        chunk.lm_head.weight.requires_grad_(head.weight.requires_grad)  # frozen under LoRA
         with torch.no_grad():
             if not head.weight.is_meta:
                 chunk.lm_head.weight.copy_(head.weight)
