@@ -80,7 +80,10 @@ LAYOUTS = [("dp2", {"train__micro_batch_size": 2}),
                        "train__micro_batch_size": 2})]
 FOUR = {"model__num_hidden_layers": 4}  # a V needs a block per chunk: its own reference
 V_LAYOUT = [("pp2_zbv", {"parallel__pp": 2, "parallel__vpp": 2, "parallel__schedule": "zb-v",
-                         "train__micro_batch_size": 2, **FOUR})]
+                         "train__micro_batch_size": 2, **FOUR}),
+            ("pp2_interleaved", {"parallel__pp": 2, "parallel__vpp": 2,
+                                 "parallel__schedule": "interleaved-1f1b",
+                                 "train__micro_batch_size": 2, **FOUR})]
 
 
 # another model (tied embeddings: ZeRO-3's frozen root unit, gathered once a step): bytes only
@@ -106,8 +109,8 @@ def test_lora_layouts_equal_single_process_and_resume(corpus, cache_dir, tmp_pat
     train(load_config(None, over(tmp_path / "single4", **FOUR)), task=SFTTask())
     run_distributed(train_runs, 2, over, tmp_path, LAYOUTS + V_LAYOUT + BYTES_ONLY, SFTTask,
                     timeout=300)
-    for name, _ in LAYOUTS + V_LAYOUT:
-        base = tmp_path / ("single4" if name == "pp2_zbv" else "single")
+    for name, extra in LAYOUTS + V_LAYOUT:
+        base = tmp_path / ("single4" if (name, extra) in V_LAYOUT else "single")
         got, want, want_w = metrics(tmp_path / name), metrics(base), final_weights(base)
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5), \
             name
