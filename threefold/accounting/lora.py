@@ -25,7 +25,6 @@ from threefold.accounting.stages import cut_buckets, rank_layers, stage_units
 from threefold.config import ModelConfig
 
 LORA_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def adapter_numels(cfg: ModelConfig, tp: int, r: int, targets: tuple[str, ...]
