@@ -58,7 +58,8 @@ def test_bad_lora_settings_are_refused_by_field():
     for over, needle in (({"lora.r": "-1"}, "lora.r"), ({"lora.r": "4", "lora.dropout": "1"},
                                                         "lora.dropout"),
                          ({"lora.r": "4", "lora.target_modules": "qkv"}, "lora.target_modules"),
-                         ({"lora.r": "4", "parallel.cp": "2"}, "parallel.cp"),
+                         ({"lora.r": "4", "parallel.ep": "2", "model.num_local_experts": "4"},
+                          "parallel.ep"),
                          ({"lora.r": "4", "model.num_local_experts": "4"}, "lora.r")):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, list(over.items()))
@@ -77,7 +78,9 @@ LAYOUTS = [("dp2", {"train__micro_batch_size": 2}),
                     "train__micro_batch_size": 2}),
            ("pp2", {"parallel__pp": 2, "train__micro_batch_size": 2}),
            ("pp2_zb", {"parallel__pp": 2, "parallel__schedule": "zb-h1",
-                       "train__micro_batch_size": 2})]
+                       "train__micro_batch_size": 2}),
+           ("cp2", {"parallel__cp": 2}),
+           ("cp2_zero3", {"parallel__cp": 2, "parallel__zero_stage": 3})]
 FOUR = {"model__num_hidden_layers": 4}  # a V needs a block per chunk: its own reference
 V_LAYOUT = [("pp2_zbv", {"parallel__pp": 2, "parallel__vpp": 2, "parallel__schedule": "zb-v",
                          "train__micro_batch_size": 2, **FOUR}),

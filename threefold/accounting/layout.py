@@ -233,7 +233,7 @@ class Workload:
 
 def _check_lora(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     """What LoRA runs with (as ``config.validation`` refuses before launch)."""
-    for name, degree in (("cp", layout.cp), ("ep", layout.ep)):
+    for name, degree in (("ep", layout.ep),):
         if degree > 1:
             raise LayoutError(f"LoRA does not run with {name}={degree} yet")
     if cfg.num_local_experts:

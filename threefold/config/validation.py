@@ -198,7 +198,7 @@ def _check_lora(lo: LoRAConfig, p: ParallelConfig, r: ModelConfig) -> None:
     _need(bool(names) and not bad,
           f"lora.target_modules: {', '.join(bad) or 'nothing'} is not one of "
           f"{', '.join(LORA_TARGETS)} (or 'all-linear')")
-    for name, value in (("cp", p.cp), ("ep", p.ep)):
+    for name, value in (("ep", p.ep),):
         _need(value == 1, f"parallel.{name}: LoRA does not run with {name}={value} yet; use "
               f"parallel.{name} 1 (or lora.r 0)")
     _need(not r.num_local_experts, "lora.r: LoRA does not adapt a mixture of experts "

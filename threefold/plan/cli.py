@@ -164,7 +164,7 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
                         "on for every layout, or search both (zero column marked 'o')")
     p.add_argument("--lora-r", type=int, default=0,
                    help="plan LoRA fine-tuning: adapters of this rank train, the base is "
-                   "frozen (as lora.r; 0 = every weight trains); cp and ep stay 1")
+                   "frozen (as lora.r; 0 = every weight trains); not for a mixture of experts")
     p.add_argument("--lora-targets", default="all-linear",
                    help="with --lora-r: the adapted layers, as lora.target_modules "
                    "(default all-linear)")
@@ -302,8 +302,8 @@ def _setup(args):
 
 
 def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:
-    """--lora-r's targets, or () without LoRA; the layouts LoRA does not run with refused by
-    option, and cp searched at 1 only."""
+    """--lora-r's targets, or () without LoRA; what LoRA does not run with refused by
+    option."""
     if args.lora_r < 0:
         raise ConfigError(f"--lora-r: must be >= 0 (0 = no LoRA), got {args.lora_r}")
     if not args.lora_r:
@@ -316,13 +316,9 @@ def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:
     if cfg.num_local_experts:
         raise ConfigError("--lora-r: LoRA does not adapt a mixture of experts "
                           f"(model.num_local_experts={cfg.num_local_experts})")
-    for name in ("cp", "ep"):
-        if any(d > 1 for d in getattr(args, name) or ()):
-            raise ConfigError(f"--{name}: LoRA does not run with {name} > 1 yet; use --{name} 1")
     if args.offload_optimizer != "off":
         raise ConfigError("--offload-optimizer: not planned under LoRA (the adapters' "
                           "optimizer state is small); use off")
-    args.cp = [1]
     return targets
 
 
