@@ -41,8 +41,7 @@ class RunLog:
         # a row's positions: data.seq_len, or fewer where the task makes shorter rows (GRPO)
         row = run.task.row_length or cfg.data.seq_len
         work = dataclasses.replace(accounting.Workload.from_config(cfg), seq_len=row)
-        self.flops_tok = lora_flops_per_token(run.model_cfg, work) if work.lora_r else \
-            accounting.flops_per_token(run.model_cfg, row)  # under LoRA: 4N, adapters 6
+        self.flops_tok = lora_flops_per_token(run.model_cfg, work)  # under LoRA: 4N + 6·A
         self.tokens_per_step = cfg.train.global_batch_size * row
         self.bar = _progress(run, start)
         self.n_params = accounting.num_parameters(run.model_cfg)

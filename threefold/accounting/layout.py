@@ -232,10 +232,8 @@ class Workload:
 
 
 def _check_lora(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
-    """What LoRA runs with (as ``config.validation`` refuses before launch)."""
-    for name, degree in (("ep", layout.ep),):
-        if degree > 1:
-            raise LayoutError(f"LoRA does not run with {name}={degree} yet")
+    """What LoRA runs with (as ``config.validation`` refuses before launch; expert
+    parallelism needs a mixture of experts, so it is refused with it)."""
     if cfg.num_local_experts:
         raise LayoutError("LoRA does not adapt a mixture of experts")
     if {"k_proj", "v_proj"} & set(work.lora_targets) \

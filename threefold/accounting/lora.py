@@ -63,9 +63,12 @@ def lora_units(cfg: ModelConfig, layout: Layout, work: Workload, stage: int = 0
 
 
 def lora_flops_per_token(cfg: ModelConfig, work: Workload) -> float:
-    """Training FLOPs per token with only the adapters training (the MFU numerator): the
-    base's matmuls run forward and for their input gradient (4N, not 6N), attention as
-    always, each adapter forward, input and weight gradient (6 per adapter parameter)."""
+    """Training FLOPs per token of ``work`` (the MFU numerator): ``flops_per_token``, or with
+    only LoRA's adapters training (``work.lora_r``) the base's matmuls forward and for their
+    input gradient (4N, not 6N), attention as always, and each adapter forward, input and
+    weight gradient (6 per adapter parameter)."""
+    if not work.lora_r:
+        return flops_per_token(cfg, work.seq_len)
     return flops_per_token(cfg, work.seq_len) - 2.0 * matmul_parameters(cfg) \
         + 6.0 * adapter_parameters(cfg, work)
 

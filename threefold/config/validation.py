@@ -198,9 +198,8 @@ def _check_lora(lo: LoRAConfig, p: ParallelConfig, r: ModelConfig) -> None:
     _need(bool(names) and not bad,
           f"lora.target_modules: {', '.join(bad) or 'nothing'} is not one of "
           f"{', '.join(LORA_TARGETS)} (or 'all-linear')")
-    for name, value in (("ep", p.ep),):
-        _need(value == 1, f"parallel.{name}: LoRA does not run with {name}={value} yet; use "
-              f"parallel.{name} 1 (or lora.r 0)")
+    _need(p.ep == 1, f"parallel.ep: LoRA does not run with ep={p.ep} yet; use parallel.ep 1 "
+          "(or lora.r 0)")
     _need(not r.num_local_experts, "lora.r: LoRA does not adapt a mixture of experts "
           "(model.num_local_experts > 0); use lora.r 0")
     kv_split = p.tp == 1 or r.num_key_value_heads % p.tp == 0

@@ -209,6 +209,17 @@ def qk_norm_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int,
     return float(tokens * (heads + kv_heads) * (act_bytes * head_dim + 4))
 
 
+def adapter_activation_bytes(layout: Layout, work: Workload) -> float:
+    """Bytes one block's LoRA adapters (``work.lora_r``) keep per microbatch beyond the base
+    block's count: r activations (x·Aᵀ) per token per adapted layer, in the matmul dtype, of
+    this rank's tokens (a row-parallel layer's x·Aᵀ is of its columns, still r wide). The
+    adapted layer's input is the one the base layer keeps; with fewer targets than all, the
+    frozen layers that are not adapted keep less than counted (their inputs are not needed),
+    so the count is then an upper bound."""
+    per_layer = len(work.lora_targets) * work.lora_r
+    return layout.microbatch_size * local_seq_len(layout, work) * per_layer * work.act_bytes
+
+
 def document_mask_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
                         act_bytes: int) -> float:
     """What threefold's block keeps in addition, without recompute, when attention stays

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from threefold.accounting.layout import Workload
@@ -371,7 +372,9 @@ def main(argv: list[str]) -> int:
     except (_UsageError, ConfigError, ValueError) as e:
         print(f"threefold plan: error: {e}", file=sys.stderr)
         return 2
+    cpu = time.process_time()
     result = search(cfg, cluster, work, space, keep=args.top)
+    cpu = time.process_time() - cpu
     top = result.ranked[:args.top]
     if args.json:
         print(json.dumps(to_json_rows(top), indent=1))
@@ -392,7 +395,8 @@ def main(argv: list[str]) -> int:
                 f"{lv.bandwidth * 8 / 1e9:.0f} Gb/s per GPU"
                 + (f" 1:{lv.oversubscription:g}" if lv.oversubscription > 1 else "")
                 for lv in cluster.levels))
-        print(f"{result.fits} layouts fit; top {len(top)} by predicted step time:")
+        print(f"{result.fits} layouts fit (searched in {cpu:.1f} s of CPU); top {len(top)} by "
+              "predicted step time:")
         if top:
             print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts)))
         summary = summary_lines(result)

@@ -12,7 +12,6 @@ from threefold.accounting.layout import Layout, Workload, local_seq_len, microba
 from threefold.accounting.lora import adapter_numels, lora_flops_per_token, lora_units
 from threefold.accounting.shapes import (
     moe_key,
-    flops_per_token,
     layer_parameters_per_rank,
     moe_matmul_parameters,
     tp_shard,
@@ -45,9 +44,7 @@ ADAMW_ACCESSES_PER_PARAM = 25
 def model_flops_per_step(cfg: ModelConfig, work: Workload) -> float:
     """Model FLOPs of one step (the MFU numerator, PaLM's definition: no recompute; under
     LoRA the base's weight gradients are not computed: ``lora_flops_per_token``)."""
-    if work.lora_r:
-        return lora_flops_per_token(cfg, work) * work.tokens
-    return flops_per_token(cfg, work.seq_len) * work.tokens
+    return lora_flops_per_token(cfg, work) * work.tokens
 
 
 def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
@@ -172,12 +169,10 @@ def optimizer_seconds(cfg: ModelConfig, layout: Layout, memory_bw: float,
     """Time of the optimiser step on the busiest stage: its memory traffic over ``memory_bw``
     (0 when the bandwidth is unknown, i.e. infinite). Under LoRA (``work.lora_r``) it steps
     the adapters alone."""
-    if work is not None and work.lora_r:
-        n = layout.shard_size if layout.zero_stage else 1
-        owned = max(sum(-(-sum(u) // n) for u in lora_units(cfg, layout, work, st)[0])
-                    for st in distinct_stages(cfg, layout))
-        return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
-    owned = max(owned_parameters(cfg, layout, st) for st in distinct_stages(cfg, layout))
+    n = layout.shard_size if layout.zero_stage else 1
+    owned = max(sum(-(-sum(u) // n) for u in lora_units(cfg, layout, work, st)[0])
+                if work is not None and work.lora_r else owned_parameters(cfg, layout, st)
+                for st in distinct_stages(cfg, layout))
     return ADAMW_ACCESSES_PER_PARAM * 4 * owned / memory_bw
 
 

@@ -62,7 +62,7 @@ from threefold.accounting.lora import lora_units
 from threefold.config import Config, ConfigError, LoRAConfig, ModelConfig
 from threefold.data import load_tokenizer
 from threefold.data.sources import check_prepared
-from threefold.lora import apply_lora
+from threefold.lora import apply_lora, is_adapter
 from threefold.model import LlamaForCausalLM
 from threefold.parallel.expert import apply_expert_parallel
 from threefold.parallel.layout import validate_layout
@@ -150,12 +150,17 @@ def resolved_model(cfg: Config) -> ModelConfig:
 def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
                           pp: int = 1, vpp: int = 1, split: str = "params",
                           seq_len: int | None = None, ep: int = 1,
-                          vshape: bool = False) -> tuple[int, int]:
+                          vshape: bool = False, lora: LoRAConfig | None = None
+                          ) -> tuple[int, int, int]:
     """(whole model's parameters, rank 0's after the pipeline split, tensor and expert
-    parallelism), counted on models built on the meta device: no weight is allocated."""
+    parallelism, rank 0's LoRA adapters), counted on models built on the meta device: no
+    weight is allocated. The first two leave the adapters out (``lora``: applied as a run
+    applies it; 0 adapters without)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(mcfg)
-    total = sum(p.numel() for p in model.parameters())  # tied weights once
+        if lora is not None:
+            model = apply_lora(model, lora)
+    total, _ = _base_and_adapters(model)  # tied weights once
     if pp > 1:  # rank 0's chunks, as Distributed.split_pipeline cuts them
         model = rank_model(split_model(model, pp, vpp, 0, balance=split, seq_len=seq_len,
                                        vshape=vshape))
@@ -163,24 +168,13 @@ def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
         apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel)
     if ep > 1:  # rank 0's E/ep experts of every MoE block
         apply_expert_parallel(model, _MetaComm(tp, ep))
-    local = sum(p.numel() for p in model.parameters())
-    return total, local
+    return (total, *_base_and_adapters(model))
 
 
-def meta_adapter_count(mcfg: ModelConfig, lora: LoRAConfig, tp: int,
-                       sequence_parallel: bool, pp: int = 1, vpp: int = 1,
-                       split: str = "params", seq_len: int | None = None,
-                       vshape: bool = False) -> int:
-    """Adapter parameters rank 0 holds, counted on the meta model with LoRA applied, split
-    into rank 0's pipeline chunks (as ``meta_parameter_counts``) and by tensor parallelism."""
-    with torch.device("meta"):
-        model = apply_lora(LlamaForCausalLM(mcfg), lora)
-    if pp > 1:
-        model = rank_model(split_model(model, pp, vpp, 0, balance=split, seq_len=seq_len,
-                                       vshape=vshape))
-    if tp > 1:
-        apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+def _base_and_adapters(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters that are not LoRA adapters, adapter parameters) of ``model``."""
+    sizes = [(is_adapter(name), p.numel()) for name, p in model.named_parameters()]
+    return sum(n for a, n in sizes if not a), sum(n for a, n in sizes if a)
 
 
 def _ranks_per_node(world: int, default: int) -> int:
@@ -246,9 +240,9 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)
     check_layout(mcfg, layout, work)
     p = cfg.parallel
-    total, local = meta_parameter_counts(mcfg, dims.tp, p.sequence_parallel, dims.pp, p.vpp,
-                                         p.pipeline_split, cfg.data.seq_len, dims.ep,
-                                         layout.vshape)
+    total, local, adapters = meta_parameter_counts(
+        mcfg, dims.tp, p.sequence_parallel, dims.pp, p.vpp, p.pipeline_split, cfg.data.seq_len,
+        dims.ep, layout.vshape, cfg.lora)
     if total != num_parameters(mcfg) or local != stage_parameters(mcfg, layout, 0):
         raise RuntimeError(f"the planner counts {stage_parameters(mcfg, layout, 0)} parameters "
                            f"on rank 0 but the meta model holds {local}: cost.py has drifted "
@@ -288,7 +282,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     comm = comm_bytes_per_step(mcfg, layout, work, stage=0)  # rank 0's
     if cfg.lora.r:
-        notes.append(_lora_note(cfg, mcfg, layout, work))
+        notes.append(_lora_note(cfg, mcfg, layout, work, adapters))
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm, notes,
                         startup_peaks(mcfg, layout, work),
@@ -296,16 +290,15 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
                         cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0)
 
 
-def _lora_note(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload) -> str:
+def _lora_note(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload,
+               held: int) -> str:
     """The adapters a LoRA run trains on rank 0, counted in closed form and checked against
-    the meta model."""
+    the ``held`` the meta model counts."""
     adapters = sum(map(sum, lora_units(mcfg, layout, work)[0]))
-    p = cfg.parallel
-    if adapters != meta_adapter_count(mcfg, cfg.lora, layout.tp, p.sequence_parallel, layout.pp,
-                                      p.vpp, p.pipeline_split, cfg.data.seq_len, layout.vshape):
+    if adapters != held:
         raise RuntimeError(f"the planner counts {adapters} adapter parameters on rank 0 but "
-                           "the meta model holds another number: accounting/lora.py has "
-                           "drifted from threefold.lora / parallel.tensor")
+                           f"the meta model holds {held}: accounting/lora.py has drifted from "
+                           "threefold.lora / parallel.tensor")
     return (f"LoRA r={cfg.lora.r} on {', '.join(work.lora_targets)}: {_count(adapters)} "
             "adapter parameters train on this rank, the base is frozen")
 

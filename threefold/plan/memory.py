@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
+from threefold.accounting.lora import lora_units
 from threefold.accounting.shapes import layer_parameters_per_rank, tp_shard
 from threefold.accounting.stages import (
     distinct_stages,
@@ -51,6 +52,7 @@ from threefold.accounting.stages import (
 )
 from threefold.config import ModelConfig
 from threefold.plan.activations import (
+    adapter_activation_bytes,
     head_inflight_microbatches,
     head_saved_bytes,
     inflight_microbatches,
@@ -302,12 +304,11 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
     dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
     (see the module docstring). A dense model's figure is unchanged. Under LoRA
     (``work.lora_r``) the model states are the adapters' and the frozen base's
-    (``plan.lora.lora_memory``)."""
+    (``_lora_memory``)."""
     if work.lora_r:  # LoRA runs no mixture of experts (refused before launch)
-        from threefold.plan.lora import lora_memory  # it builds on this module
         state = state or state_bytes_for(work)
         stages = distinct_stages(cfg, layout)
-        return max((lora_memory(cfg, layout, work, mb, state) for mb in
+        return max((_lora_memory(cfg, layout, work, mb, state) for mb in
                     _stage_memories(cfg, layout, work, stages, state, overhead_bytes)),
                    key=lambda mb: mb.total)
     if not cfg.num_local_experts:
@@ -376,3 +377,34 @@ def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
                   zero3_working=zero3, buffers=buffers, optimizer_working=temp + temp_e,
                   host=host, host_working=host_temp)
     return dataclasses.replace(mem, **ch)
+
+
+def _lora_memory(cfg: ModelConfig, layout: Layout, work: Workload, base: MemoryBreakdown,
+                 state: StateBytes) -> MemoryBreakdown:
+    """``base`` (the breakdown of the same stage without LoRA) with LoRA's model states and
+    activations, on ``accounting.lora.lora_units`` (checked against the meta model):
+
+    - the adapters hold weights, gradients and AdamW state as any run's parameters do
+      (``_model_states`` on the adapter units: sharded by ZeRO as usual);
+    - the frozen base holds weights only: whole in the weights' dtype under ZeRO 0-2; under
+      ZeRO-3 a float32 shard of each unit plus, while in use, the gathered unit and the one
+      prefetched; no gradient, no optimiser state, no gradient bucket;
+    - each block adds ``activations.adapter_activation_bytes``; autocast's copies of the
+      adapters are counted with the weights' casts.
+
+    tests/test_lora.py measures a run's weights and AdamW state against this count."""
+    trained, frozen = lora_units(cfg, layout, work, base.stage)
+    m = microbatches(layout, work)
+    states = _model_states(layout, work, state, trained, m)
+    z, n = layout.zero_stage, layout.shard_size
+    psi, padded, largest = _unit_totals(frozen, n if z else 1)
+    if z == 3:
+        states["params"] += padded / n * 4  # float32 shards
+        states["zero3_working"] += 2 * largest * work.weight_bytes
+    else:
+        states["params"] += psi * work.weight_bytes
+    inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
+                                     base.stage, layout.pipeline_inflight)
+    extra = adapter_activation_bytes(layout, work) * len(trained)  # one unit per block
+    return dataclasses.replace(base, activations=base.activations + extra * inflight,
+                               **states)

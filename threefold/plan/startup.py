@@ -75,7 +75,17 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload,
     dense, experts = [sum(u) for u in dense_units], [sum(u) for u in expert_units]
     biggest = max(t for u in (*dense_units, *expert_units) for t in u)
     logical = 4 * largest_logical(cfg, layout, stage)
-    if z:
+    if work.lora_r and z != 3:  # LoRA: the frozen base filled whole in the weights' dtype;
+        # the adapters alone have fp32 masters (ZeRO 1-2: shards, then gathered), gradient
+        # buckets and moments
+        trained = [sum(u) for u in lora_units(cfg, layout, work, stage)[0]]
+        shards = [-(-u // n) for u in trained] if z else trained
+        owned, buffer, region = sum(shards), 0, biggest
+        kept = pb * sum(dense) + 4 * owned + (pb * n * owned if z else 0)
+        if z == 0 and layout.dp * layout.cp > 1:  # the adapters' gradient buckets
+            kept += 4 * owned
+        filling = kept + logical + 4 * biggest
+    elif z:
         padded = [-(-u // n) * n for u in dense] + [-(-u // ne) * ne for u in experts]
         shards = [-(-u // n) for u in dense] + [-(-u // ne) for u in experts]
         owned, buffer = sum(shards), max(shards)  # loading reads a unit's shard at a time
@@ -93,12 +103,6 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload,
         filling = kept + logical + 4 * biggest
         if layout.dp * layout.cp > 1:  # data parallelism's gradient buckets
             kept += 4 * owned
-    if work.lora_r and z != 3:  # LoRA: the frozen base whole in the weights' dtype, beside
-        # the adapters, which alone have masters, gradient buckets and moments
-        adapters = sum(map(sum, lora_units(cfg, layout, work, stage)[0]))
-        kept = pb * owned + 4 * adapters * (2 if z == 0 and layout.dp * layout.cp > 1 else 1)
-        filling = kept + logical + 4 * region
-        owned, buffer = adapters, 0
     if layout.offload_optimizer and work.backend_copies:  # host masters and gradient buffers
         kept += (HOST_MASTER_BYTES + HOST_GRAD_BYTES) * owned
     # AdamW's two moments, plus the two read buffers of the tensor (or unit shard) being
