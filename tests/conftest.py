@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,11 @@ import pytest
 
 # Print every thread's stack if a test hangs (hangs must be diagnosable, not silent).
 faulthandler.enable(file=sys.stderr)
+
+# Every distributed run of the suite, in this process and in the ones it starts (test
+# launcher, torchrun), compares its ranks' collectives at start-up's end and each step's end
+# (threefold.collective_check): a process-dependent order fails the test that meets it.
+os.environ.setdefault("THREEFOLD_CHECK_COLLECTIVES", "1")
 
 
 def write_corpus(path: Path, kb: int = 160) -> Path:

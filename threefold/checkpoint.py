@@ -247,7 +247,7 @@ def _commit(root: Path, step: int, rank: int, world: int, owner: bool, records: 
         keep = list_checkpoints(root)[-keep_last:]
     keep = g.broadcast(keep)
     if owner:
-        for p in root.iterdir():
+        for p in sorted(root.iterdir()):
             if p.is_dir() and p.name.isdigit() and int(p.name) not in keep \
                     and int(p.name) < max(keep):
                 shutil.rmtree(p, ignore_errors=True)

@@ -35,14 +35,14 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from threefold.axes import AXES, DERIVED_AXES
+from threefold.axes import AXES, DERIVED_AXES, EXPERT_AXES, FLATTENED
+from threefold.collective_check import Ledger
 from threefold.distributed import set_timeout
 from threefold.mesh import ParallelDims, submesh
 
@@ -97,10 +97,13 @@ class Comm:
     """Collectives by mesh axis, with exact per-axis byte accounting.
 
     Built from the layout and its mesh (None for a world of one). Holds no global state: each
-    Comm counts only what went through it.
+    Comm counts only what went through it. ``ledger`` numbers every call per axis (and, when
+    checking, describes it: ``threefold.collective_check``); Comms that reach the same process
+    groups share one, since the order that must agree is the groups'.
     """
 
-    def __init__(self, dims: ParallelDims, mesh=None, history: int = 64):
+    def __init__(self, dims: ParallelDims, mesh=None, history: int = 64,
+                 ledger: Ledger | None = None):
         if mesh is None and dims.world_size > 1:
             raise ValueError(f"Comm: a world of {dims.world_size} ranks needs a mesh")
         self.dims, self.mesh = dims, mesh
@@ -109,10 +112,11 @@ class Comm:
         self._groups: dict[str, object] = {}
         self._stats: dict[str, dict[str, OpStats]] = {}
         self._window: dict[str, int] = {}
-        self._recent: deque = deque(maxlen=history)
         self._step: int | None = None
         self._lock = threading.Lock()  # hooks may count from autograd's threads
-        self._extra: dict[str, tuple] = {}  # axis -> (group, size, rank) of add_axis
+        self._extra: dict[str, tuple] = {}  # axis -> (group, size, rank, ranks) of add_axis
+        self.ledger = ledger if ledger is not None else Ledger(self.global_rank, history=history)
+        self._recent = self.ledger.recent  # shared with the Comms of the same ledger
         self._counted_as: dict[str, str] = {}  # add_axis axis -> the axis its bytes count under
 
     # ---------------------------------------------------------------- axes and groups
@@ -130,7 +134,8 @@ class Comm:
         for ranks in rank_lists:
             group = dist.new_group(sorted(ranks))
             if self.global_rank in ranks:
-                self._extra[axis] = (group, len(ranks), sorted(ranks).index(self.global_rank))
+                self._extra[axis] = (group, len(ranks), sorted(ranks).index(self.global_rank),
+                                     tuple(sorted(ranks)))
 
     def size(self, axis: str) -> int:
         """Ranks in this rank's group on ``axis``."""
@@ -158,9 +163,27 @@ class Comm:
         return self._groups[axis]
 
     def groups(self) -> list:
-        """Every process group this Comm can reach (for ``distributed.set_timeout``)."""
-        axes = (*AXES, *DERIVED_AXES, *self._extra)
-        return [] if self.mesh is None else [self.group(a) for a in axes]
+        """Every process group this Comm can reach (for ``distributed.set_timeout``). Makes
+        the flattened axes' groups it has not made yet: collective, in a fixed order."""
+        if self.mesh is None:
+            return []
+        axes = dict.fromkeys((*AXES, *FLATTENED, "world", *self._extra))
+        return [self.group(a) for a in axes]
+
+    def check_groups(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(axis, its ranks) for every axis of more than one rank this rank belongs to, in
+        the configuration's order: what ``collective_check`` compares."""
+        out = []
+        for axis in dict.fromkeys((*AXES, *DERIVED_AXES, *self._extra)):
+            if axis in self._extra:
+                ranks = self._extra[axis][3]
+            elif axis in EXPERT_AXES or self.mesh is None:
+                continue  # expert axes exist as added axes only (ep > 1)
+            else:
+                ranks = tuple(self.dims.axis_ranks(self.global_rank, axis))
+            if len(ranks) > 1:
+                out.append((axis, ranks))
+        return out
 
     def set_timeout(self, seconds: float) -> int:
         """Collective timeout for every group of this Comm (see distributed.set_timeout)."""
@@ -199,20 +222,27 @@ class Comm:
             return {a: {op: asdict(s) for op, s in ops.items()} for a, ops in self._stats.items()}
 
     def recent(self) -> list[dict]:
-        """The last collectives that reached c10d, oldest first.
+        """The last collectives that reached c10d, oldest first (those of every Comm sharing
+        this one's ledger: the order they reached the process groups in).
 
-        Each: op, axis, shape, dtype, step (from ``set_step``), time (wall clock at issue),
-        async, seconds (set when a synchronous op returns: None on a synchronous op means this
-        rank is still inside it, the first thing to look at in a hang).
+        Each: op, axis, seq (its number among this rank's calls on the axis), phase, shape,
+        dtype, step (from ``set_step``), time (wall clock at issue), async, seconds (set when
+        a synchronous op returns: None on a synchronous op means this rank is still inside
+        it, the first thing to look at in a hang).
         """
         with self._lock:
-            return [dict(r) for r in self._recent]
+            return [dict(r) for r in list(self._recent)]  # a snapshot: another Comm appends
 
     def _issue(self, op: str, axis: str, t: torch.Tensor, sent: int, call: Callable,
-               async_op: bool, after: Callable[[], None] | None = None):
-        """Count, record and run ``call(group, async_op)``; time it when synchronous."""
+               async_op: bool, after: Callable[[], None] | None = None,
+               numel: int | None = None):
+        """Count, record and run ``call(group, async_op)``; time it when synchronous.
+        ``numel``: the element count every rank of the group passes (None where ranks
+        legitimately differ), for the ledger."""
         stats = self._count(op, axis, sent)
-        rec = {"op": op, "axis": axis, "shape": tuple(t.shape), "dtype": str(t.dtype),
+        dtype = str(t.dtype).removeprefix("torch.")
+        rec = {"op": op, "axis": axis, "seq": self.ledger.issue(op, axis, dtype, numel),
+               "phase": self.ledger.phase, "shape": tuple(t.shape), "dtype": dtype,
                "step": self._step, "time": time.time(), "async": async_op, "seconds": None}
         with self._lock:
             self._recent.append(rec)
@@ -227,6 +257,17 @@ class Comm:
         with self._lock:
             stats.seconds += dt
         return None
+
+    def _record(self, op: str, axis: str) -> dict:
+        """Number and remember a call that is not a tensor collective (a barrier, an object
+        collective: their pickles differ in size from rank to rank); the caller sets its
+        ``seconds`` once it returns."""
+        rec = {"op": op, "axis": axis, "seq": self.ledger.issue(op, axis, "object"),
+               "phase": self.ledger.phase, "shape": (), "dtype": "object", "step": self._step,
+               "time": time.time(), "async": False, "seconds": None}
+        with self._lock:
+            self._recent.append(rec)
+        return rec
 
     def _local(self, op: str, axis: str, async_op: bool, fn: Callable[[], None] | None = None):
         self._count(op, axis, 0)
@@ -248,7 +289,7 @@ class Comm:
         after = (lambda: t.div_(n)) if op == "avg" and not native_avg else None
         return self._issue("all_reduce", axis, t, sent,
                            lambda g, a: dist.all_reduce(t, red, group=g, async_op=a),
-                           async_op, after)
+                           async_op, after, numel=t.numel())
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, axis: str,
                        op: str = "sum", async_op: bool = False):
@@ -269,7 +310,7 @@ class Comm:
         return self._issue(
             "reduce_scatter", axis, input, sent,
             lambda g, a: dist.reduce_scatter_single(output, input, red, group=g, async_op=a),
-            async_op, after)
+            async_op, after, numel=input.numel())
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, axis: str,
                    async_op: bool = False):
@@ -284,7 +325,8 @@ class Comm:
         sent = (n - 1) * output.numel() // n * output.element_size()
         return self._issue(
             "all_gather", axis, output, sent,
-            lambda g, a: dist.all_gather_single(output, input, group=g, async_op=a), async_op)
+            lambda g, a: dist.all_gather_single(output, input, group=g, async_op=a), async_op,
+            numel=output.numel())
 
     def all_gather_uneven(self, input: torch.Tensor, axis: str,
                           sizes: list[int] | None = None) -> torch.Tensor:
@@ -325,7 +367,7 @@ class Comm:
         return self._issue(
             "broadcast", axis, t, sent,
             lambda g, a: dist.broadcast(t, group=g, group_src=src_axis_rank, async_op=a),
-            async_op)
+            async_op, numel=t.numel())
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, axis: str,
                           output_split_sizes: list[int] | None = None,
@@ -364,7 +406,9 @@ class Comm:
             p2p.append(dist.P2POp(fn, t, peer=peer, group=self.group(axis)))
         if not p2p:
             return _done_handle() if async_op else None
-        rec = {"op": "p2p", "axis": axis, "shape": [tuple(o.tensor.shape) for o in p2p],
+        # messages between pairs, not a call of the whole group: numbered on their own
+        rec = {"op": "p2p", "axis": axis, "seq": self.ledger.issue("p2p", f"{axis} p2p"),
+               "phase": self.ledger.phase, "shape": [tuple(o.tensor.shape) for o in p2p],
                "dtype": str(p2p[0].tensor.dtype), "step": self._step, "time": time.time(),
                "async": async_op, "seconds": None, "sent": sent, "received": received}
         with self._lock:
@@ -381,7 +425,9 @@ class Comm:
         """Wait until every rank of ``axis`` reaches this point."""
         if self.size(axis) == 1:
             return
+        rec, t0 = self._record("barrier", axis), time.perf_counter()
         dist.barrier(group=self.group(axis))
+        rec["seconds"] = time.perf_counter() - t0
 
     def gather_object(self, obj, axis: str = "world") -> list | None:
         """Every rank's picklable ``obj`` on rank 0 of ``axis`` (a list in axis-rank order);
@@ -391,10 +437,12 @@ class Comm:
             return [obj]
         sent = len(pickle.dumps(obj)) if self.rank(axis) else 0
         self._count("gather_object", axis, sent)
+        rec, t0 = self._record("gather_object", axis), time.perf_counter()
         group = self.group(axis)
         root = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         out = [None] * self.size(axis) if self.rank(axis) == 0 else None
         dist.gather_object(obj, out, dst=root, group=group)
+        rec["seconds"] = time.perf_counter() - t0
         return out
 
     def all_gather_object(self, obj, axis: str = "world") -> list:
@@ -404,8 +452,10 @@ class Comm:
         if self.size(axis) == 1:
             return [obj]
         self._count("all_gather_object", axis, len(pickle.dumps(obj)))
+        rec, t0 = self._record("all_gather_object", axis), time.perf_counter()
         out = [None] * self.size(axis)
         dist.all_gather_object(out, obj, group=self.group(axis))
+        rec["seconds"] = time.perf_counter() - t0
         return out
 
     def broadcast_object(self, obj, axis: str = "world"):
@@ -415,8 +465,10 @@ class Comm:
             return obj
         sent = len(pickle.dumps(obj)) if self.rank(axis) == 0 else 0
         self._count("broadcast_object", axis, sent)
+        rec, t0 = self._record("broadcast_object", axis), time.perf_counter()
         group = self.group(axis)
         root = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         box = [obj]
         dist.broadcast_object_list(box, src=root, group=group)
+        rec["seconds"] = time.perf_counter() - t0
         return box[0]

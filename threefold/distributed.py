@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 from typing import Iterable
 
@@ -73,11 +74,30 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
                          timeout=timeout, wait_for_workers=False, multi_tenant=not agent)
 
 
-def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistEnv:
+def flight_recorder_env(trace_buf_size: int, dump_dir: str | os.PathLike) -> dict[str, str]:
+    """The environment that turns on NCCL's flight recorder (the last ``trace_buf_size``
+    collectives of each rank, dumped to ``dump_dir/rank<N>`` when a collective times out; read
+    with ``python -m torch.distributed.flight_recorder.fr_trace``), as torchtitan's
+    ``comm.trace_buf_size`` does. Variables the user set are kept. Read when the NCCL process
+    group is created, so set before ``init_distributed``."""
+    if trace_buf_size <= 0:
+        return {}
+    prefix = str(Path(dump_dir) / "rank")
+    want = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(trace_buf_size),
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            # torch >= 2.6 reads the first name, older releases the second
+            "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    return {k: v for k, v in want.items() if k not in os.environ}
+
+
+def init_distributed(timeout_s: float = 600.0, device: str = "auto", trace_buf_size: int = 0,
+                     trace_dir: str | os.PathLike | None = None) -> DistEnv:
     """Join the default process group described by torchrun's environment.
 
     ``timeout_s`` bounds the store rendezvous and every collective until ``set_timeout``
-    changes it. Calling it again once a group exists returns the same environment.
+    changes it. On CUDA, ``trace_buf_size`` > 0 turns on NCCL's flight recorder, dumping to
+    ``trace_dir`` (``flight_recorder_env``). Calling it again once a group exists returns the
+    same environment.
     """
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -97,6 +117,9 @@ def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistEnv:
         return DistEnv(rank, world, local_rank, dev, existing, restart)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        if trace_dir is not None:
+            os.environ.update(flight_recorder_env(trace_buf_size, trace_dir))
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
     timeout = timedelta(seconds=timeout_s)
     store = dist.PrefixStore(f"threefold/attempt{restart}", _store(rank, world, timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
@@ -107,6 +130,13 @@ def init_distributed(timeout_s: float = 600.0, device: str = "auto") -> DistEnv:
 def _name(dev: torch.device) -> str:
     """The backend that moves this device's tensors."""
     return "nccl" if dev.type == "cuda" else "gloo"
+
+
+def c10d_store():
+    """The default process group's store (the rendezvous store, prefixed per attempt)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
 
 
 def set_timeout(seconds: float, groups: Iterable | None = None) -> int:

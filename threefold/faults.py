@@ -7,9 +7,11 @@ variable so that no test-only code path changes what a normal run does.
 - ``stall:RANK:STEP:SECONDS`` — that rank sleeps SECONDS before step STEP;
 - ``killsave:RANK:STEP`` — that rank sends itself SIGKILL in the middle of writing the
   checkpoint of step STEP (its own files written, the checkpoint not yet renamed into place);
-- ``term:RANK:STEP`` — that rank's process gets SIGTERM (a preemption notice) before step STEP.
+- ``term:RANK:STEP`` — that rank's process gets SIGTERM (a preemption notice) before step STEP;
+- ``extra:RANK:AXIS`` — at the end of start-up that rank issues one all-reduce on AXIS that its
+  peers do not (a desynchronised group, which the collective check and the hang report name).
 
-Kills and terms fire on the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a run
+Kills, terms and extras fire on the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a run
 restarted by torchrun goes on; stalls fire on every attempt.
 """
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+import torch
 
 ENV = "THREEFOLD_FAULT"
 
@@ -56,3 +60,10 @@ def during_save(rank: int, step: int) -> None:
         if kind == "killsave" and int(args[0]) == rank and int(args[1]) == step \
                 and _first_attempt():
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def at_startup(layout) -> None:
+    """Called by every rank at the end of start-up: fire ``extra`` faults."""
+    for kind, args in _faults():
+        if kind == "extra" and int(args[0]) == layout.rank and _first_attempt():
+            layout.comm.all_reduce(torch.zeros(1), args[1])

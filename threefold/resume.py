@@ -48,9 +48,10 @@ def save(run: Run, step: int) -> None:
                  "sampler": run.sampler.state_dict(), "config": run.cfg.to_dict(),
                  "model_config": vars(run.model_cfg), "layout": lay.describe(),
                  "scheduler": {"last_step": step, "lr": lr_at(step - 1, run.cfg) if step else 0.0}}
-    save_sharded(ckroot, step, lay.rank, lay.world_size,
-                 lay.checkpoint_pieces(run.engine), {"cpu_rng": torch.get_rng_state()}, state,
-                 run.cfg.checkpoint.keep_last, lay.barrier, group)
+    with lay.phase(f"save {step}"):
+        save_sharded(ckroot, step, lay.rank, lay.world_size,
+                     lay.checkpoint_pieces(run.engine), {"cpu_rng": torch.get_rng_state()},
+                     state, run.cfg.checkpoint.keep_last, lay.barrier, group)
 
 
 def resume(run: Run) -> int:

@@ -171,8 +171,9 @@ def evaluate(run: Run) -> tuple[float, dict[str, float]]:
     (``Task.val_sets``: each pre-training source's held-out tokens) weighted sum, and each
     set's own loss by name when there are several."""
     sets = run.task.val_sets(run)
-    losses = {name: _evaluate_set(run, sampler) for name, _, sampler in sets}
-    run.engine.release_roots()  # nothing gathered for evaluation outlives it
+    with run.layout.phase("evaluation"):
+        losses = {name: _evaluate_set(run, sampler) for name, _, sampler in sets}
+        run.engine.release_roots()  # nothing gathered for evaluation outlives it
     total = sum(weight * losses[name] for name, weight, _ in sets)
     return total, (losses if len(sets) > 1 else {})
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from threefold import faults
 from threefold.checkpoint import CheckpointError
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import DataBundle, prepare_data
@@ -227,7 +228,11 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
     the ``Run`` (engine, layout) too when ``return_run``. On SIGTERM (``train.preemption_grace_s``
     > 0) every rank stops after the same step, saves a checkpoint and returns; the summary
     then says ``preempted``."""
-    run = build_run(cfg, layout, task)
+    layout = layout or SingleProcess()
+    with layout.phase("start-up"):
+        run = build_run(cfg, layout, task)
+        faults.at_startup(layout)  # test-only: a rank that issues one collective too many
+    layout.check_collectives("start-up")
     preempt = Preemption(cfg.train.preemption_grace_s, run.layout.rank)
     try:
         return _loop(run, preempt, return_run)
@@ -239,8 +244,10 @@ def _loop(run: Run, preempt, return_run: bool):
     """Resume if asked, then the steps with their logging, validation, checkpoints and
     preemption; then the final validation, checkpoint and summary."""
     t, lay = run.cfg.train, run.layout
-    start = _load(run)
-    log = RunLog(run, start)
+    with lay.phase("loading"):
+        start = _load(run)
+        log = RunLog(run, start)
+    lay.check_collectives("loading")
     initial_val = evaluate(run)[0] if start == 0 else None
     val_loss, loss, preempted = initial_val, float("nan"), None
     wall0 = time.perf_counter()
@@ -251,18 +258,23 @@ def _loop(run: Run, preempt, return_run: bool):
             log.trace(step, trace)
         # every eval_interval steps and after the last, in the step's record (validation_loss)
         due = step + 1 == t.steps or (t.eval_interval and (step + 1) % t.eval_interval == 0)
-        rec = log.record(step, loss, norm, extras, seconds,
-                         validate=functools.partial(evaluate, run) if due else None)
-        val_loss = rec.get("validation_loss", val_loss)
-        if _checkpoint_or_stop(run, preempt, step, log):
+        with lay.phase(f"step {step + 1}"):  # its logging, validation and checkpoint
+            rec = log.record(step, loss, norm, extras, seconds,
+                             validate=functools.partial(evaluate, run) if due else None)
+            val_loss = rec.get("validation_loss", val_loss)
+            stop = _checkpoint_or_stop(run, preempt, step, log)
+        lay.check_collectives(f"step {step + 1}")
+        if stop:
             preempted = {"step": step + 1}
             break
     wall = time.perf_counter() - wall0
     if not preempted and t.steps > start:  # a preemption's grace period is for the checkpoint
         c = run.cfg.checkpoint
         if c.save_final and not (c.interval and t.steps % c.interval == 0):
-            save(run, t.steps)
-    summary = log.summary(loss, val_loss, initial_val, wall, preempted)
+            with lay.phase(f"save {t.steps}"):
+                save(run, t.steps)
+    with lay.phase("summary"):
+        summary = log.summary(loss, val_loss, initial_val, wall, preempted)
     lay.close()
     return (summary, run) if return_run else summary
 
@@ -284,13 +296,12 @@ def _step(run: Run, preempt, step: int, trace: list | None):
     preempt.step_started()
     run.layout.before_step(step)
     t0 = time.perf_counter()
-    try:
+    # A failed collective is reported with who and where; after SIGTERM (torchrun stopping
+    # the group, or a preemption) without the wait for the others' reports, which would only
+    # hold the restart back.
+    with run.layout.phase(f"step {step + 1}",
+                          grace_s=lambda: 0.0 if preempt.received_at else 3.0):
         loss, norm, extras = train_step(run, step, trace)
-    except Exception as e:  # a collective failed or timed out: say who and where
-        # after SIGTERM (torchrun stopping the group, or a preemption) without the wait for
-        # the others' reports, which would only hold the restart back
-        run.layout.report_failure(e, step, **({"grace_s": 0.0} if preempt.received_at else {}))
-        raise
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     preempt.step_finished()

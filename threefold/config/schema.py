@@ -178,6 +178,13 @@ class ParallelConfig:
                            "bfloat16 (half the bytes, a looser sum)")
     timeout_s: float = _f(600.0, "collective timeout during start-up and the first step, s")
     step_timeout_s: float = _f(120.0, "collective timeout after the first step, s")
+    check_collectives: bool = _f(False, "compare every rank's collectives (op, axis, dtype, "
+                                 "size, phase) across each group at start-up's end and each "
+                                 "step's end, through the rendezvous store; a mismatch stops the "
+                                 "run naming the group, the ranks and the first differing call "
+                                 "(also on with THREEFOLD_CHECK_COLLECTIVES=1)")
+    trace_buf_size: int = _f(20000, "CUDA: entries of NCCL's flight recorder per rank (dumped "
+                             "to OUTPUT_DIR/comm_traces/ when a collective times out); 0 = off")
 
 
 @dataclass

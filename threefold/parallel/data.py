@@ -109,7 +109,10 @@ class DataParallelEngine(LocalEngine):
     def _broadcast_parameters(self) -> None:
         """Replicas start equal because every rank initialises from the same seed; check it
         cheaply rather than trust it (a sum per parameter, all-reduced as max - min)."""
-        for axis in {b.axis for b in self.buckets}:
+        # Axes in bucket order (the configuration's), never a set's: a set of strings iterates
+        # in an order that depends on each process's hash seed, and ranks that reduce over
+        # "dp" and "edp" in different orders deadlock.
+        for axis in dict.fromkeys(b.axis for b in self.buckets):
             sums = torch.stack([p.detach().double().sum() for b in self.buckets
                                 if b.axis == axis for p in b.params])
             hi, lo = sums.clone(), -sums.clone()

@@ -3,7 +3,11 @@ engine (data parallel or ZeRO) trains the model."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import itertools
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -11,8 +15,10 @@ import torch.distributed as dist
 
 from threefold import faults
 from threefold.axes import EXPERT_AXES
+from threefold.checkpoint import CheckpointError
+from threefold.collective_check import CHECK_ENV, GroupCheck, Ledger
 from threefold.comm import Comm
-from threefold.distributed import init_distributed, set_timeout, shutdown
+from threefold.distributed import c10d_store, init_distributed, set_timeout, shutdown
 from threefold.liveness import Heartbeats
 from threefold.mesh import ParallelDims
 from threefold.parallel.checks import pipeline_microbatches, validate_layout
@@ -23,6 +29,9 @@ from threefold.parallel.pipeline.stage import rank_model, split_model, tied_head
 from threefold.resharding import rank_pieces
 from threefold.config import Config, ModelConfig
 from threefold.parallel.layout import World
+
+_RUNS = itertools.count()  # Distributed layouts made in this process: every rank makes the
+# same ones in the same order, so the count tells runs sharing one process group apart
 
 
 class Distributed(World):
@@ -38,18 +47,28 @@ class Distributed(World):
         # A group made by someone else (a test launcher running several runs in one group)
         # is left for its owner to destroy.
         self._owns_group = not dist.is_initialized()
-        self.env = init_distributed(cfg.parallel.timeout_s, cfg.train.device)
+        self.env = init_distributed(cfg.parallel.timeout_s, cfg.train.device,
+                                    cfg.parallel.trace_buf_size,
+                                    Path(cfg.train.output_dir) / "comm_traces")
         self.rank, self.world_size = self.env.rank, self.env.world_size
         self.local_rank = self.env.local_rank
         self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
         self.mesh = self.dims.build_mesh(self.env.device.type)
-        self.comm = Comm(self.dims, self.mesh)
+        # One ledger for both channels: they reach the same process groups, whose order of
+        # calls is what must agree across ranks (threefold.collective_check).
+        self.ledger = Ledger(self.rank, cfg.parallel.check_collectives
+                             or os.environ.get(CHECK_ENV) == "1")
+        self.comm = Comm(self.dims, self.mesh, ledger=self.ledger)
         # Logging traffic (loss sums, token counts) goes through its own counter so that
         # `comm` holds exactly what training itself moves.
-        self.control = Comm(self.dims, self.mesh)
+        self.control = Comm(self.dims, self.mesh, ledger=self.ledger)
         if self.dims.ep > 1:  # expert parallelism: groups carved out of dp_shard
             for axis in EXPERT_AXES:
                 self.comm.add_axis(axis, self.dims.axis_groups(axis))
+        # Groups made after the default one (the mesh's, flattened axes', expert axes') get
+        # torch's default timeout (30 min for gloo), not the start-up timeout: make them all
+        # now and give them the run's, so that a stuck collective anywhere fails in time.
+        self.comm.set_timeout(cfg.parallel.timeout_s)
         c = self.dims.coords(self.rank)
         self.dp_size = self.dims.dp_replicate * self.dims.dp_shard
         self.dp_rank = c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
@@ -69,6 +88,47 @@ class Distributed(World):
                                      f"{cfg.train.output_dir}|{cfg.train.steps}", self.comm)
         self.restarts = self.env.restart_count
         self._step_timeout_set = False
+        self._timeout_s = cfg.parallel.timeout_s  # the collective timeout now in force
+        self._run_key = f"{self.heartbeats.run_id}/{next(_RUNS)}"
+        self._group_check: GroupCheck | None = None
+        self._step = 0
+
+    @contextlib.contextmanager
+    def phase(self, name: str, grace_s: Callable[[], float] = lambda: 3.0) -> Iterator[None]:
+        """Collectives issued inside are tagged with ``name`` ("start-up", "loading",
+        "evaluation", "save 4", ...); a collective that fails or times out there (or a check
+        that a peer never reaches) is reported with who and where before it propagates,
+        after giving the other ranks ``grace_s()`` seconds to report theirs."""
+        before = self.ledger.phase
+        self.ledger.phase = name
+        try:
+            yield
+        except Exception as e:
+            self.report(e, grace_s())
+            raise
+        finally:
+            self.ledger.phase = before
+
+    def report(self, exc: BaseException, grace_s: float = 3.0) -> None:
+        """``report_failure`` once per exception, for failures of the process group (not for
+        bad input, which every rank raises alike and reports itself)."""
+        if getattr(exc, "_threefold_reported", False) or not isinstance(exc, RuntimeError) \
+                or isinstance(exc, CheckpointError):
+            return
+        report = self.report_failure(exc, self._step, grace_s)
+        exc._threefold_reported = True
+        exc.add_note(report)
+
+    def check_collectives(self, where: str) -> None:
+        """With ``parallel.check_collectives``: compare the collectives every rank issued
+        since the last check across each of its groups (``collective_check.GroupCheck``)."""
+        if not self.ledger.enabled:
+            return
+        if self._group_check is None:
+            self._group_check = GroupCheck(self.ledger, c10d_store(), self._run_key,
+                                           self.comm.check_groups())
+        with self.phase(where):
+            self._group_check.check(where, self._timeout_s)
 
     def first_rank_first(self, fn: Callable[[], Any]) -> Any:
         """Rank 0 fills shared caches (tokenizer, token file) before the others read them."""
@@ -76,7 +136,7 @@ class Distributed(World):
             out = fn()
             self.control.barrier()
             return out
-        self.comm.barrier()
+        self.control.barrier()
         return fn()
 
     def check(self, cfg: Config, mcfg: ModelConfig) -> None:
@@ -167,6 +227,7 @@ class Distributed(World):
             return
         pairs = [[g[0], g[-1]] for g in self.dims.axis_groups("pp")]
         self.comm.add_axis("pp_ends", pairs, counted_as="pp")  # as the planner counts it
+        self.comm.set_timeout(self._timeout_s)  # the new group's too
         replica = tied_head_replica(model)
         if replica is not None:  # placed as such by split_model: counted and saved elsewhere
             self._tied = (replica, True)
@@ -225,10 +286,13 @@ class Distributed(World):
         leave a heartbeat (this rank reached ``step``)."""
         self.heartbeats.beat(step)
         faults.at_step(self.rank, step)
+        self._step = step
         self.comm.set_step(step)
+        self.control.set_step(step)
         self.comm.step_counters()  # discard traffic between steps (evaluation, checkpoints)
         if step > 0 and not self._step_timeout_set:
             set_timeout(self.cfg.parallel.step_timeout_s)
+            self._timeout_s = self.cfg.parallel.step_timeout_s
             self._step_timeout_set = True
 
     def report_failure(self, exc: BaseException, step: int, grace_s: float = 3.0) -> str:
@@ -257,8 +321,19 @@ class Distributed(World):
         return f"{self.world_size} ranks ({self.dims.describe()}, zero {self.cfg.parallel.zero_stage})"
 
     def close(self) -> None:
-        """Barrier and destroy the process group (avoids aborts at exit on CPU)."""
+        """The last check of the collectives, then barrier and destroy the process group
+        (avoids aborts at exit on CPU)."""
+        self.check_collectives("the run")
         if self._owns_group:
+            with self.phase("shut-down"):
+                self.control.barrier()
+            self._close_check()
             shutdown()
         else:
             self.control.barrier()
+            self._close_check()
+
+    def _close_check(self) -> None:
+        """Every rank is past the last check (a barrier followed it): drop its record."""
+        if self._group_check is not None:
+            self._group_check.close()

@@ -6,7 +6,8 @@ wraps the mesh and the communication layer; the training loop talks to both the 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -94,6 +95,14 @@ class World:
 
     def before_step(self, step: int) -> None:
         """Hook at the start of each step."""
+
+    def phase(self, name: str, grace_s: Callable[[], float] = lambda: 0.0) -> ContextManager:
+        """Tag the collectives issued inside with ``name`` and report a failed one (nothing
+        to tag or report in one process)."""
+        return contextlib.nullcontext()
+
+    def check_collectives(self, where: str) -> None:
+        """Compare every rank's collectives since the last check (one process: nothing)."""
 
     def report_failure(self, exc: BaseException, step: int, grace_s: float = 0.0) -> str:
         """Nothing to diagnose across ranks in one process."""

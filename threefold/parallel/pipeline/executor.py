@@ -185,7 +185,7 @@ class PipelineExecutor:
             if a.kind in (BW, W):
                 self.last_weight_action[a.chunk] = i
         # the weights of each chunk, for split backward (B/W) to tell them from activations
-        self.params = [{q for q in c.parameters() if q.requires_grad} for c in self.chunks]
+        self.params = [[q for q in c.parameters() if q.requires_grad] for c in self.chunks]
         self.sync_timing = False
         self.task_loss, self.metric_names = task_loss, tuple(metric_names)
         self.metrics: dict[str, float] = {}

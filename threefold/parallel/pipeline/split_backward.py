@@ -5,6 +5,7 @@ the part of the graph B kept."""
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -30,9 +31,13 @@ class SplitBackward:
     """
 
     def __init__(self, root: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor,
-                 params: set):
+                 params: Sequence[torch.Tensor]):
         self.root, self.grad = root, grad
-        joins, self.fallback = find_joins(root, x, params)
+        # Sets of tensors hash by address, so their order differs from process to process:
+        # whatever reaches autograd (and through its hooks, gradient collectives) is put back
+        # in the chunk's parameter order first.
+        self._order = {p: i for i, p in enumerate(params)}
+        joins, self.fallback = find_joins(root, x, set(params))
         self.captured: dict = {}
         hooks = [j.register_prehook(functools.partial(self._keep, j)) for j in joins]
         try:
@@ -52,7 +57,7 @@ class SplitBackward:
     def weight_backward(self) -> None:
         """Accumulate every weight gradient of this microbatch (W)."""
         missed = {p for j, ps in self.joins.items() if j not in self.captured for p in ps}
-        fallback = list(self.fallback | missed)
+        fallback = self._ordered(self.fallback | missed)
         if fallback:
             torch.autograd.backward(self.root, self.grad, inputs=fallback, retain_graph=True)
         for j, params in self.joins.items():
@@ -63,8 +68,12 @@ class SplitBackward:
             if edges:
                 with computing_half("weight"):
                     torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
-                                            inputs=list(params), retain_graph=True)
+                                            inputs=self._ordered(params), retain_graph=True)
         self.root = self.grad = self.captured = self.joins = None  # free the graph
+
+    def _ordered(self, params) -> list[torch.Tensor]:
+        """``params`` (a set) in the chunk's parameter order."""
+        return sorted(params, key=self._order.__getitem__)
 
 
 def find_joins(root: torch.Tensor, x: torch.Tensor, params: set) -> tuple[dict, set]:
