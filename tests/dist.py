@@ -9,13 +9,20 @@ rank's traceback, or, on timeout, with the ranks that did not finish and their s
 ``fn`` must be a module-level function of an importable module (it is pickled by name) and
 its arguments and result must be picklable. Children see the launcher's environment variables
 and ``sys.path`` as they are at the launch (torch itself is imported earlier, by the
-forkserver, so variables read at ``import torch`` do not apply); each uses one CPU thread.
-Every launch still pays for process-group set-up, so batch several checks into one launch with
-``run_checks``.
+forkserver; of the variables read at ``import torch``, ``TORCH_DISTRIBUTED_DEBUG`` is read
+again by each child); each uses one CPU thread. Every launch still pays for process-group
+set-up, so batch several checks into one launch with ``run_checks``.
+
+``hash_seeds``: children forked from one forkserver share its hash seed, so every rank
+iterates a set of strings in the same order and the tests cannot see code whose collective
+order depends on it. With ``hash_seeds=(0, 1)`` each rank is a fresh interpreter (spawn,
+about 3 s more per rank on 2 cores) started with ``PYTHONHASHSEED`` = seeds[rank % len],
+which put ``{"dp", "edp"}`` in opposite orders.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -58,8 +65,13 @@ def _child(rank: int, world_size: int, port: int, timeout: float, blob: bytes, p
                       LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True",
                       TORCHELASTIC_RESTART_COUNT="0", OMP_NUM_THREADS="1")
     import torch
+    import torch.distributed as dist
 
     from threefold.distributed import init_distributed, shutdown
+
+    # read at ``import torch``, which the forkserver did before the launcher's environment
+    # was taken: TORCH_DISTRIBUTED_DEBUG=DETAIL checks op and shapes of every collective
+    dist.set_debug_level_from_env()
 
     torch.set_num_threads(1)  # a small machine shared by N ranks: one thread each
     stacks = open(Path(stack_dir) / f"rank{rank}.txt", "w")
@@ -83,11 +95,12 @@ def _child(rank: int, world_size: int, port: int, timeout: float, blob: bytes, p
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
-                    start_method: str | None = None) -> list:
-    """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process."""
+                    start_method: str | None = None, hash_seeds: tuple[int, ...] = ()) -> list:
+    """``[fn(rank, world_size, *args) for each rank]``, each rank in its own process (with
+    its own ``PYTHONHASHSEED`` from ``hash_seeds``, when given)."""
     import torch.distributed as dist
 
-    ctx = _context(start_method or START_METHOD)
+    ctx = _context("spawn" if hash_seeds else start_method or START_METHOD)
     blob = pickle.dumps((fn, args))  # fails here, clearly, for a lambda or a local function
     parent = {"environ": dict(os.environ), "path": list(sys.path)}
     # This process serves the rendezvous store (as torchrun's agent does) on a port the OS
@@ -100,8 +113,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                                    stack_dir))
                  for r in range(world_size)]
         unfinished = list(range(world_size))  # until reports say otherwise
-        for p in procs:
-            p.start()
+        for rank, p in enumerate(procs):
+            with _hash_seed(hash_seeds[rank % len(hash_seeds)] if hash_seeds else None):
+                p.start()
         try:
             done, errors, unfinished = _collect(procs, results, timeout)
             stacks = _stacks(procs, unfinished, stack_dir) if unfinished and not errors else ""
@@ -121,6 +135,23 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         raise AssertionError(f"run_distributed({name}, world_size={world_size}) timed out after "
                              f"{timeout:.0f} s; ranks {unfinished} did not finish.\n{stacks}")
     return [pickle.loads(done[r]) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def _hash_seed(seed: int | None):
+    """``PYTHONHASHSEED`` set to ``seed`` while a spawned child starts (it reads it then)."""
+    if seed is None:
+        yield
+        return
+    old = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = str(seed)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = old
 
 
 def _collect(procs: list, results, timeout: float) -> tuple[dict, dict, list[int]]:
@@ -193,13 +224,15 @@ def _run_checks(rank: int, world_size: int, checks: list[tuple[Callable, tuple]]
     return out
 
 
-def run_checks(world_size: int, checks: list, timeout: float = 180.0) -> list[list]:
+def run_checks(world_size: int, checks: list, timeout: float = 180.0,
+               hash_seeds: tuple[int, ...] = ()) -> list[list]:
     """Several checks in one launch: ``checks`` holds functions or (function, args) pairs.
 
     Returns one list of per-rank results per check, in the order given.
     """
     norm = [(c, ()) if callable(c) else (c[0], tuple(c[1])) for c in checks]
-    per_rank = run_distributed(_run_checks, world_size, norm, timeout=timeout)
+    per_rank = run_distributed(_run_checks, world_size, norm, timeout=timeout,
+                               hash_seeds=hash_seeds)
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(norm))]
 
 

@@ -23,6 +23,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+from tests.conftest import tiny_overrides
+from tests.dist import run_distributed
+
 ROOT = Path(__file__).resolve().parent.parent / "threefold"
 
 # The modules on a path that issues collectives or decides what a rank sends.
@@ -291,3 +296,80 @@ def test_no_order_dependent_iteration_on_collective_paths():
     assert not problems, ("iteration whose order depends on the process (sort it, or keep "
                           "an ordered sequence):\n" + "\n".join(problems))
     assert used == set(ALLOWED), f"allow-list entries no longer needed: {set(ALLOWED) - used}"
+
+
+# --------------------------------------------------------------------------------------------
+# The same, run: each rank with its own hash seed, torch checking every collective
+# --------------------------------------------------------------------------------------------
+STEPS = 2
+# a mixture's router losses are per micro-batch: each of the 4 ranks' 2 sequences is one, as
+# in the single process the runs are compared with
+MOE = {"model__num_local_experts": 4, "model__num_experts_per_tok": 2,
+       "model__intermediate_size": 64, "train__micro_batch_size": 2}
+LORA = {"lora__r": 4, "lora__alpha": 8, "data__seq_len": 128, "train__eval_batches": 1}
+# one run per kind of layout, on 4 ranks: (name, model, overrides)
+SEEDED_RUNS = [
+    ("ep2_dp4", "moe", {"parallel__ep": 2}),
+    ("ep2_dp4_zero3", "moe", {"parallel__ep": 2, "parallel__zero_stage": 3}),
+    ("tp2_pp2", "dense", {"parallel__tp": 2, "parallel__pp": 2, "train__micro_batch_size": 2}),
+    ("cp2_dp2", "dense", {"parallel__cp": 2}),
+    ("lora_zero3", "lora", {"parallel__zero_stage": 3}),
+]
+MODELS = {"dense": {}, "moe": MOE, "lora": LORA}
+
+
+def _task(model: str):
+    from threefold.post.sft import SFTTask
+
+    return SFTTask() if model == "lora" else None
+
+
+def _seeded_runs(rank, world, corpus, cache, root):
+    """Each rank (its own hash seed): every run of SEEDED_RUNS in this process group."""
+    import torch.distributed as dist
+
+    from threefold.config import load_config
+    from threefold.parallel.distributed_layout import Distributed
+    from threefold.train import train
+
+    assert dist.get_debug_level() == dist.DebugLevel.DETAIL
+    for name, model, extra in SEEDED_RUNS:
+        # a collective that waits a minute is a hang: fail then, not after ten
+        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, train__steps=STEPS,
+                                               parallel__timeout_s=60, **MODELS[model],
+                                               **extra))
+        layout = Distributed(cfg)
+        assert layout.ledger.enabled  # the suite checks every run's collectives
+        train(cfg, layout, task=_task(model))
+    return [a for a in {"dp", "edp"}]  # the order this rank's hash seed gives a set
+
+
+@pytest.mark.slow
+def test_layouts_train_under_different_hash_seeds_and_torch_debug(corpus, cache_dir, tmp_path,
+                                                                  monkeypatch):
+    """Ranks started with PYTHONHASHSEED 0, 1, 1, 0, so that every group of two ranks on
+    these layouts (tp, cp, pp, edp: {0, 1}, {2, 3}, {0, 2}, {1, 3}) holds one rank of each seed
+    and sees sets of strings in opposite orders (with 0, 1, 0, 1 the edp pairs {0, 2} and
+    {1, 3} would agree, and DP's old replica check over {"dp", "edp"} would not deadlock), and torch's TORCH_DISTRIBUTED_DEBUG=DETAIL (which checks
+    the op and shapes of every collective across the group) train ep × dp under ZeRO 0 and 3,
+    tp × pp, cp × dp and LoRA under ZeRO-3 to one process's losses, with the collective check
+    on at every step."""
+    from tests.conftest import metrics
+    from threefold.config import load_config
+    from threefold.train import train
+
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    got = run_distributed(_seeded_runs, 4, corpus, cache_dir, tmp_path, timeout=400,
+                          hash_seeds=(0, 1, 1, 0))
+    # neighbouring ranks really did see a set of axis names in opposite orders
+    assert got[0] == got[3] == got[1][::-1] == got[2][::-1], got
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    refs = {}
+    for model in MODELS:
+        out = tmp_path / f"single_{model}"
+        train(load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=STEPS,
+                                               **MODELS[model])), task=_task(model))
+        refs[model] = [r["loss"] for r in metrics(out)]
+    for name, model, _ in SEEDED_RUNS:
+        losses = [r["loss"] for r in metrics(tmp_path / name)]
+        assert losses == pytest.approx(refs[model], rel=1e-5), name

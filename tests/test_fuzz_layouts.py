@@ -19,6 +19,7 @@ from tests.conftest import tiny_overrides
 from tests.dist import local_object_collectives, run_distributed
 
 N_CONFIGS = 300
+SEEDED = 30  # accepted multi-rank layouts run again under another hash seed
 SEED = 20261203
 FIELD = re.compile(r"^(model|data|optim|parallel|train|checkpoint)(\.\w+)?[:\s]")
 
@@ -122,10 +123,12 @@ def _configs():
     return [random_config(rng) for _ in range(N_CONFIGS)]
 
 
-def _try_all(rank, world, corpus, cache, root, configs):
-    """In one process: check every configuration; for each accepted one, the dry run and one
-    real training step of one of its ranks on a fake process group. Returns the refusals
-    (message) and the failures (traceback) per configuration index."""
+def _try_all(rank, world, corpus, cache, root, configs, only=None):
+    """In one process: check every configuration (or those of indices ``only``); for each
+    accepted one, the dry run and one real training step of one of its ranks on a fake
+    process group. Returns the refusals (message) and the failures (traceback) per
+    configuration index, the indices trained, and for each trained on a fake group the stream
+    of collectives its rank issued (``Ledger.stream``: op, axis, dtype, size, phase)."""
     import os
 
     import torch.distributed as dist
@@ -138,8 +141,11 @@ def _try_all(rank, world, corpus, cache, root, configs):
 
     local_object_collectives(dist)
     pick = random.Random(SEED + 1)
-    refused, failed, trained = {}, {}, []
+    refused, failed, trained, streams = {}, {}, [], {}
     for i, (w, extra) in enumerate(configs):
+        r = pick.randrange(max(w, 1))  # drawn for every configuration: the same rank each time
+        if only is not None and i not in only:
+            continue
         out = root / f"c{i}"
         # one rank alone cannot write a checkpoint (rank 0 hashes every rank's files): saves
         # are the multi-process tests' business (test_checkpoint, test_checkpoint_nodes)
@@ -155,7 +161,6 @@ def _try_all(rank, world, corpus, cache, root, configs):
         except Exception:  # noqa: BLE001 - a traceback instead of a refusal is the failure
             failed[i] = "check: " + traceback.format_exc()
             continue
-        r = pick.randrange(w)
         try:
             predict(cfg, w)
             if w == 1:
@@ -164,20 +169,22 @@ def _try_all(rank, world, corpus, cache, root, configs):
                 os.environ.update(RANK=str(r), WORLD_SIZE=str(w), LOCAL_RANK=str(r))
                 dist.init_process_group("fake", store=dist.HashStore(), rank=r, world_size=w)
                 try:
-                    train(cfg, Distributed(cfg))
+                    layout = Distributed(cfg)
+                    train(cfg, layout)
+                    streams[i] = layout.ledger.stream
                 finally:
                     dist.destroy_process_group()
             trained.append(i)
         except Exception:  # noqa: BLE001
             failed[i] = f"rank {r} of {w}: " + traceback.format_exc()
-    return refused, failed, trained
+    return refused, failed, trained, streams
 
 
 @pytest.mark.slow
 def test_every_random_layout_is_refused_by_name_or_trains(corpus, cache_dir, tmp_path):
     configs = _configs()
-    refused, failed, trained = run_distributed(_try_all, 1, corpus, cache_dir, tmp_path,
-                                               configs, timeout=900)[0]
+    refused, failed, trained, streams = run_distributed(
+        _try_all, 1, corpus, cache_dir, tmp_path, configs, timeout=900, hash_seeds=(0,))[0]
     report = "\n".join(f"config {i} (world {configs[i][0]}, {configs[i][1]}):\n"
                        f"{tb}" for i, tb in failed.items())
     assert not failed, f"{len(failed)} configurations failed after the check:\n{report}"
@@ -189,3 +196,17 @@ def test_every_random_layout_is_refused_by_name_or_trains(corpus, cache_dir, tmp
     used = {k for i in trained for k, v in configs[i][1].items()
             if k.startswith("parallel.") and v not in (1, 0, "false", -1)}
     assert {"parallel.tp", "parallel.pp", "parallel.cp", "parallel.zero_stage"} <= used
+    # The order of a rank's collectives is the configuration's alone: the same rank of the
+    # first accepted multi-rank layouts, in a process with another hash seed, issues the same
+    # calls in the same order.
+    again = sorted(streams)[:SEEDED]
+    assert len(again) == SEEDED
+    _, failed2, _, streams2 = run_distributed(_try_all, 1, corpus, cache_dir, tmp_path / "seed1",
+                                              configs, set(again), timeout=600,
+                                              hash_seeds=(1,))[0]
+    assert not failed2, failed2
+    for i in again:
+        a, b = streams[i], streams2[i]
+        k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert a == b, (f"config {i} (world {configs[i][0]}, {configs[i][1]}): call {k + 1} "
+                        f"differs between hash seeds 0 and 1: {a[k:k + 1]} against {b[k:k + 1]}")

@@ -47,8 +47,13 @@ class Ledger:
     in issue order, since the last check. Shared by every ``Comm`` of a process (the training
     channel and the logging channel reach the same process groups)."""
 
-    def __init__(self, rank: int = 0, enabled: bool = False, history: int = 64):
+    def __init__(self, rank: int = 0, enabled: bool = False, history: int = 64,
+                 keep_stream: bool = False):
         self.rank, self.enabled = rank, enabled
+        # every described call, kept across checks: for a rank alone on a fake process group,
+        # which has no peers to compare with, compared instead with itself under another hash
+        # seed (the layout fuzzer)
+        self.stream: list[tuple[str, str]] | None = [] if keep_stream else None
         self.recent: deque = deque(maxlen=history)  # the Comms' records of their last calls
         self.phase = "start-up"
         self.counts: dict[str, int] = {}   # calls issued on each axis, ever
@@ -72,6 +77,8 @@ class Ledger:
                 "window": [list(c) for c in self.window], "base": dict(self.window_base)}
 
     def _roll(self) -> None:
+        if self.stream is not None:
+            self.stream += self.window
         self.window = []
         self.window_base = dict(self.counts)
 

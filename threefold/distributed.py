@@ -158,9 +158,30 @@ def set_timeout(seconds: float, groups: Iterable | None = None) -> int:
         g = dist.group.WORLD if g is None else g
         if g is dist.GroupMember.NON_GROUP_MEMBER:
             continue
-        c10d._set_pg_timeout(timedelta(seconds=seconds), g)
+        wrapped = _debug_wrapped(g)
+        if wrapped:  # TORCH_DISTRIBUTED_DEBUG=DETAIL: _set_pg_timeout sees only the wrapper
+            for backend in wrapped:
+                backend._set_default_timeout(timedelta(seconds=seconds))
+        else:
+            c10d._set_pg_timeout(timedelta(seconds=seconds), g)
         count += 1
     return count
+
+
+def _debug_wrapped(group) -> list:
+    """The gloo/NCCL backends inside ``group``'s debug wrappers (TORCH_DISTRIBUTED_DEBUG=DETAIL
+    wraps each backend to check every collective's op and shapes); [] when unwrapped. The
+    wrapper's own helper group, which runs those checks, keeps the timeout it was made with."""
+    try:
+        from torch._C._distributed_c10d import _ProcessGroupWrapper
+    except ImportError:  # a build without gloo has no wrappers
+        return []
+    out = []
+    for dev in group._device_types:
+        backend = group._get_backend(dev)
+        if isinstance(backend, _ProcessGroupWrapper):
+            out.append(backend.wrapped_pg)
+    return out
 
 
 def shutdown(barrier_timeout_s: float | None = 60.0) -> None:

@@ -56,8 +56,11 @@ class Distributed(World):
         self.mesh = self.dims.build_mesh(self.env.device.type)
         # One ledger for both channels: they reach the same process groups, whose order of
         # calls is what must agree across ranks (threefold.collective_check).
+        # On torch's fake process group (one rank of a large layout, alone) there are no
+        # peers to compare with: the calls are kept as a stream instead.
+        self._fake = dist.is_initialized() and dist.get_backend() == "fake"
         self.ledger = Ledger(self.rank, cfg.parallel.check_collectives
-                             or os.environ.get(CHECK_ENV) == "1")
+                             or os.environ.get(CHECK_ENV) == "1", keep_stream=self._fake)
         self.comm = Comm(self.dims, self.mesh, ledger=self.ledger)
         # Logging traffic (loss sums, token counts) goes through its own counter so that
         # `comm` holds exactly what training itself moves.
@@ -68,7 +71,8 @@ class Distributed(World):
         # Groups made after the default one (the mesh's, flattened axes', expert axes') get
         # torch's default timeout (30 min for gloo), not the start-up timeout: make them all
         # now and give them the run's, so that a stuck collective anywhere fails in time.
-        self.comm.set_timeout(cfg.parallel.timeout_s)
+        if not self._fake:  # whose collectives return at once
+            self.comm.set_timeout(cfg.parallel.timeout_s)
         c = self.dims.coords(self.rank)
         self.dp_size = self.dims.dp_replicate * self.dims.dp_shard
         self.dp_rank = c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
@@ -123,6 +127,9 @@ class Distributed(World):
         """With ``parallel.check_collectives``: compare the collectives every rank issued
         since the last check across each of its groups (``collective_check.GroupCheck``)."""
         if not self.ledger.enabled:
+            return
+        if self._fake:
+            self.ledger._roll()
             return
         if self._group_check is None:
             self._group_check = GroupCheck(self.ledger, c10d_store(), self._run_key,
