@@ -117,3 +117,24 @@ def test_extra_collective_at_startup_is_named(corpus, cache_dir, tmp_path, monke
     assert "rank 1: start-up, inside all_reduce on dp" in text, text[-3000:]
     assert "first difference: ranks 0 and 1 (groups " in text, text[-3000:]
     assert "on rank 1, all_reduce on 'dp' (#" in text, text[-3000:]
+
+
+def test_flight_recorder_environment(monkeypatch, tmp_path):
+    """On CUDA the NCCL flight recorder is turned on with the run's buffer size and dump
+    folder; variables the user set win; 0 turns it off; the hang report names the folder."""
+    from threefold.distributed import flight_recorder_env
+    from threefold.liveness import torch_cuda_flight_recorder
+
+    for k in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
+              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(k, raising=False)
+    env = flight_recorder_env(2000, tmp_path)
+    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "rank"),
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "rank")}
+    assert flight_recorder_env(0, tmp_path) == {}
+    assert torch_cuda_flight_recorder() is None
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in flight_recorder_env(2000, tmp_path)
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/x/rank")
+    assert torch_cuda_flight_recorder() == "/x/rank"
