@@ -28,6 +28,8 @@ import zlib
 from collections import deque
 from datetime import timedelta
 
+from threefold.axes import AXES, DERIVED_AXES, EXPERT_AXES
+
 
 CHECK_ENV = "THREEFOLD_CHECK_COLLECTIVES"
 """Set to 1, it turns the check on in every run of the process and its children, whatever
@@ -81,6 +83,22 @@ class Ledger:
             self.stream += self.window
         self.window = []
         self.window_base = dict(self.counts)
+
+
+def check_groups(comm) -> list[tuple[str, tuple[int, ...]]]:
+    """(axis, its ranks) for every axis of more than one rank that ``comm``'s rank belongs
+    to, in the configuration's order: what the check compares. The expert axes exist as axes
+    the layout added (ep > 1) only."""
+    if comm.mesh is None:
+        return []
+    out = []
+    for axis in dict.fromkeys((*AXES, *DERIVED_AXES, *comm.added)):
+        if axis in EXPERT_AXES and axis not in comm.added:
+            continue
+        ranks = comm.members(axis)
+        if len(ranks) > 1:
+            out.append((axis, ranks))
+    return out
 
 
 class GroupCheck:

@@ -1,10 +1,9 @@
 """The communication layer: the only caller of c10d collectives in threefold.
 
 Every collective names a mesh axis ("tp", "cp", "dp_shard", "dp_replicate", "pp", a flattened
-one such as "dp", or "world")
-instead of a process group, and is counted per axis and per op: calls, bytes this rank sends,
-and wall time of synchronous calls. A small ring buffer keeps the last collectives (op, axis,
-shape, step) so a hang can be reported by what each rank was doing.
+one such as "dp", or "world") instead of a process group, and is counted per axis and per op:
+calls, bytes this rank sends, and wall time of synchronous calls. A ring buffer keeps the last
+calls so that a hang can be reported by what each rank was doing.
 
 Bytes are those a rank sends in a ring implementation, N = ranks on the axis (ZeRO, arXiv
 1910.02054 §7; FSDP, arXiv 2304.11277 §3.2.2):
@@ -41,7 +40,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from threefold.axes import AXES, DERIVED_AXES, EXPERT_AXES, FLATTENED
+from threefold.axes import AXES, FLATTENED
 from threefold.collective_check import Ledger
 from threefold.distributed import set_timeout
 from threefold.mesh import ParallelDims, submesh
@@ -82,8 +81,7 @@ class Handle:
 
 
 def _done_handle() -> Handle:
-    h = Handle()
-    h._done = True
+    (h := Handle())._done = True
     return h
 
 
@@ -114,7 +112,7 @@ class Comm:
         self._window: dict[str, int] = {}
         self._step: int | None = None
         self._lock = threading.Lock()  # hooks may count from autograd's threads
-        self._extra: dict[str, tuple] = {}  # axis -> (group, size, rank, ranks) of add_axis
+        self.added: dict[str, tuple] = {}  # axis -> (its group, its ranks) of add_axis
         self.ledger = ledger if ledger is not None else Ledger(self.global_rank, history=history)
         self._recent = self.ledger.recent  # shared with the Comms of the same ledger
         self._counted_as: dict[str, str] = {}  # add_axis axis -> the axis its bytes count under
@@ -127,33 +125,32 @@ class Comm:
         counted under ``counted_as`` (a mesh axis it belongs to) or its own name. Collective:
         every rank of the world calls it with the same lists (c10d creates each group on
         all ranks). A rank in none of the lists must not use the axis."""
-        if self.mesh is None or axis in self._extra:
+        if self.mesh is None or axis in self.added:
             raise ValueError(f"Comm.add_axis: '{axis}' needs a mesh and a new name")
         if counted_as:
             self._counted_as[axis] = counted_as
         for ranks in rank_lists:
             group = dist.new_group(sorted(ranks))
             if self.global_rank in ranks:
-                self._extra[axis] = (group, len(ranks), sorted(ranks).index(self.global_rank),
-                                     tuple(sorted(ranks)))
+                self.added[axis] = (group, tuple(sorted(ranks)))
 
     def size(self, axis: str) -> int:
         """Ranks in this rank's group on ``axis``."""
-        if axis in self._extra:
-            return self._extra[axis][1]
+        if axis in self.added:
+            return len(self.added[axis][1])
         return self.dims.axis_size(axis)
 
     def rank(self, axis: str) -> int:
         """This rank's index on ``axis`` (its global rank for ``world``)."""
-        if axis in self._extra:
-            return self._extra[axis][2]
+        if axis in self.added:
+            return self.added[axis][1].index(self.global_rank)
         self.dims.axis_size(axis)  # rejects unknown axes
         return self._coords[axis]
 
     def group(self, axis: str):
         """The process group of ``axis`` (None when there is no mesh)."""
-        if axis in self._extra:
-            return self._extra[axis][0]
+        if axis in self.added:
+            return self.added[axis][0]
         self.dims.axis_size(axis)
         if self.mesh is None:
             return None
@@ -167,23 +164,14 @@ class Comm:
         the flattened axes' groups it has not made yet: collective, in a fixed order."""
         if self.mesh is None:
             return []
-        axes = dict.fromkeys((*AXES, *FLATTENED, "world", *self._extra))
+        axes = dict.fromkeys((*AXES, *FLATTENED, "world", *self.added))
         return [self.group(a) for a in axes]
 
-    def check_groups(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(axis, its ranks) for every axis of more than one rank this rank belongs to, in
-        the configuration's order: what ``collective_check`` compares."""
-        out = []
-        for axis in dict.fromkeys((*AXES, *DERIVED_AXES, *self._extra)):
-            if axis in self._extra:
-                ranks = self._extra[axis][3]
-            elif axis in EXPERT_AXES or self.mesh is None:
-                continue  # expert axes exist as added axes only (ep > 1)
-            else:
-                ranks = tuple(self.dims.axis_ranks(self.global_rank, axis))
-            if len(ranks) > 1:
-                out.append((axis, ranks))
-        return out
+    def members(self, axis: str) -> tuple[int, ...]:
+        """The global ranks of this rank's group on ``axis``."""
+        if axis in self.added:
+            return self.added[axis][1]
+        return tuple(self.dims.axis_ranks(self.global_rank, axis))
 
     def set_timeout(self, seconds: float) -> int:
         """Collective timeout for every group of this Comm (see distributed.set_timeout)."""
@@ -222,14 +210,9 @@ class Comm:
             return {a: {op: asdict(s) for op, s in ops.items()} for a, ops in self._stats.items()}
 
     def recent(self) -> list[dict]:
-        """The last collectives that reached c10d, oldest first (those of every Comm sharing
-        this one's ledger: the order they reached the process groups in).
-
-        Each: op, axis, seq (its number among this rank's calls on the axis), phase, shape,
-        dtype, step (from ``set_step``), time (wall clock at issue), async, seconds (set when
-        a synchronous op returns: None on a synchronous op means this rank is still inside
-        it, the first thing to look at in a hang).
-        """
+        """The last calls that reached c10d (of every Comm sharing this one's ledger), oldest
+        first: op, axis, seq (its number on the axis), phase, shape, dtype, step, time, async,
+        seconds (None on a synchronous call: this rank is still inside it)."""
         with self._lock:
             return [dict(r) for r in list(self._recent)]  # a snapshot: another Comm appends
 
@@ -241,11 +224,8 @@ class Comm:
         legitimately differ), for the ledger."""
         stats = self._count(op, axis, sent)
         dtype = str(t.dtype).removeprefix("torch.")
-        rec = {"op": op, "axis": axis, "seq": self.ledger.issue(op, axis, dtype, numel),
-               "phase": self.ledger.phase, "shape": tuple(t.shape), "dtype": dtype,
-               "step": self._step, "time": time.time(), "async": async_op, "seconds": None}
-        with self._lock:
-            self._recent.append(rec)
+        rec = self._remember(op, axis, self.ledger.issue(op, axis, dtype, numel),
+                             tuple(t.shape), dtype, async_op)
         t0 = time.perf_counter()
         work = call(self.group(axis), async_op)
         if async_op:
@@ -258,13 +238,12 @@ class Comm:
             stats.seconds += dt
         return None
 
-    def _record(self, op: str, axis: str) -> dict:
-        """Number and remember a call that is not a tensor collective (a barrier, an object
-        collective: their pickles differ in size from rank to rank); the caller sets its
-        ``seconds`` once it returns."""
-        rec = {"op": op, "axis": axis, "seq": self.ledger.issue(op, axis, "object"),
-               "phase": self.ledger.phase, "shape": (), "dtype": "object", "step": self._step,
-               "time": time.time(), "async": False, "seconds": None}
+    def _remember(self, op: str, axis: str, seq: int, shape, dtype: str, async_op: bool,
+                  **extra) -> dict:
+        """Keep the record of a call among the recent ones (see ``recent``) and return it."""
+        rec = {"op": op, "axis": axis, "seq": seq, "phase": self.ledger.phase, "shape": shape,
+               "dtype": dtype, "step": self._step, "time": time.time(), "async": async_op,
+               "seconds": None, **extra}
         with self._lock:
             self._recent.append(rec)
         return rec
@@ -407,12 +386,9 @@ class Comm:
         if not p2p:
             return _done_handle() if async_op else None
         # messages between pairs, not a call of the whole group: numbered on their own
-        rec = {"op": "p2p", "axis": axis, "seq": self.ledger.issue("p2p", f"{axis} p2p"),
-               "phase": self.ledger.phase, "shape": [tuple(o.tensor.shape) for o in p2p],
-               "dtype": str(p2p[0].tensor.dtype), "step": self._step, "time": time.time(),
-               "async": async_op, "seconds": None, "sent": sent, "received": received}
-        with self._lock:
-            self._recent.append(rec)
+        rec = self._remember("p2p", axis, self.ledger.issue("p2p", f"{axis} p2p"),
+                             [tuple(o.tensor.shape) for o in p2p], str(p2p[0].tensor.dtype),
+                             async_op, sent=sent, received=received)
         t0 = time.perf_counter()
         handle = Handle(dist.batch_isend_irecv(p2p))
         if async_op:
@@ -423,11 +399,20 @@ class Comm:
 
     def barrier(self, axis: str = "world") -> None:
         """Wait until every rank of ``axis`` reaches this point."""
-        if self.size(axis) == 1:
-            return
-        rec, t0 = self._record("barrier", axis), time.perf_counter()
-        dist.barrier(group=self.group(axis))
+        if self.size(axis) > 1:
+            self._untensored("barrier", axis, None, lambda g, root: dist.barrier(group=g))
+
+    def _untensored(self, op: str, axis: str, sent: int | None, call: Callable):
+        """Count (unless ``sent`` is None: a barrier moves no data), number, record and time
+        a call that is not a tensor collective (pickles differ in size from rank to rank),
+        run as ``call(group, global rank of the axis's rank 0)``."""
+        if sent is not None:
+            self._count(op, axis, sent)
+        rec = self._remember(op, axis, self.ledger.issue(op, axis, "object"), (), "object", False)
+        t0, group = time.perf_counter(), self.group(axis)
+        out = call(group, dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0)
         rec["seconds"] = time.perf_counter() - t0
+        return out
 
     def gather_object(self, obj, axis: str = "world") -> list | None:
         """Every rank's picklable ``obj`` on rank 0 of ``axis`` (a list in axis-rank order);
@@ -435,14 +420,9 @@ class Comm:
         pickled bytes each non-root rank sends."""
         if self.size(axis) == 1:
             return [obj]
-        sent = len(pickle.dumps(obj)) if self.rank(axis) else 0
-        self._count("gather_object", axis, sent)
-        rec, t0 = self._record("gather_object", axis), time.perf_counter()
-        group = self.group(axis)
-        root = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         out = [None] * self.size(axis) if self.rank(axis) == 0 else None
-        dist.gather_object(obj, out, dst=root, group=group)
-        rec["seconds"] = time.perf_counter() - t0
+        self._untensored("gather_object", axis, len(pickle.dumps(obj)) if self.rank(axis) else 0,
+                         lambda g, root: dist.gather_object(obj, out, dst=root, group=g))
         return out
 
     def all_gather_object(self, obj, axis: str = "world") -> list:
@@ -451,11 +431,9 @@ class Comm:
         the pickled bytes this rank sends."""
         if self.size(axis) == 1:
             return [obj]
-        self._count("all_gather_object", axis, len(pickle.dumps(obj)))
-        rec, t0 = self._record("all_gather_object", axis), time.perf_counter()
         out = [None] * self.size(axis)
-        dist.all_gather_object(out, obj, group=self.group(axis))
-        rec["seconds"] = time.perf_counter() - t0
+        self._untensored("all_gather_object", axis, len(pickle.dumps(obj)),
+                         lambda g, root: dist.all_gather_object(out, obj, group=g))
         return out
 
     def broadcast_object(self, obj, axis: str = "world"):
@@ -463,12 +441,8 @@ class Comm:
         anything); counted as the pickled bytes rank 0 sends."""
         if self.size(axis) == 1:
             return obj
-        sent = len(pickle.dumps(obj)) if self.rank(axis) == 0 else 0
-        self._count("broadcast_object", axis, sent)
-        rec, t0 = self._record("broadcast_object", axis), time.perf_counter()
-        group = self.group(axis)
-        root = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         box = [obj]
-        dist.broadcast_object_list(box, src=root, group=group)
-        rec["seconds"] = time.perf_counter() - t0
+        self._untensored("broadcast_object", axis,
+                         len(pickle.dumps(obj)) if self.rank(axis) == 0 else 0,
+                         lambda g, root: dist.broadcast_object_list(box, src=root, group=g))
         return box[0]

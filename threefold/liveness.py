@@ -15,7 +15,7 @@ import zlib
 
 from torch.distributed import distributed_c10d as c10d
 
-from threefold.collective_check import first_difference
+from threefold.collective_check import check_groups, first_difference
 
 
 class Heartbeats:
@@ -94,7 +94,7 @@ class Heartbeats:
             f"rank {r}: {b}" for r, b in beats.items()))
         lines.append("threefold: where each rank stood: " + "; ".join(
             f"rank {r}: {_stood(where.get(r))}" for r in range(self.world)))
-        groups = self.comm.check_groups()
+        groups = check_groups(self.comm)
         diff = first_difference(groups, where) if self.comm.ledger.enabled else None
         if diff:
             lines.append(f"threefold: first difference: {diff}")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from threefold import faults
 from threefold.axes import EXPERT_AXES
 from threefold.checkpoint import CheckpointError
-from threefold.collective_check import CHECK_ENV, GroupCheck, Ledger
+from threefold.collective_check import CHECK_ENV, GroupCheck, Ledger, check_groups
 from threefold.comm import Comm
 from threefold.distributed import c10d_store, init_distributed, set_timeout, shutdown
 from threefold.liveness import Heartbeats
@@ -133,7 +133,7 @@ class Distributed(World):
             return
         if self._group_check is None:
             self._group_check = GroupCheck(self.ledger, c10d_store(), self._run_key,
-                                           self.comm.check_groups())
+                                           check_groups(self.comm))
         with self.phase(where):
             self._group_check.check(where, self._timeout_s)
 
