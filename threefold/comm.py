@@ -173,6 +173,12 @@ class Comm:
             return self.added[axis][1]
         return tuple(self.dims.axis_ranks(self.global_rank, axis))
 
+    def release_groups(self) -> None:
+        """Forget this Comm's process groups once they are destroyed, so that no reference
+        keeps a backend and its threads alive (``threefold.distributed.shutdown``)."""
+        self._groups.clear()
+        self.added.clear()
+
     def set_timeout(self, seconds: float) -> int:
         """Collective timeout for every group of this Comm (see distributed.set_timeout)."""
         return set_timeout(seconds, self.groups())

@@ -184,13 +184,30 @@ def _debug_wrapped(group) -> list:
     return out
 
 
-def shutdown(barrier_timeout_s: float | None = 60.0) -> None:
-    """Barrier, then destroy the process group; a no-op without one.
+def shutdown(barrier_timeout_s: float | None = 60.0, comms: Iterable = (),
+             meshes: Iterable = ()) -> None:
+    """Barrier, destroy every process group, and let each backend's threads end while the
+    interpreter is still whole; a no-op without a group.
 
     The barrier lets every rank finish its last collective before any rank tears its group
-    down; without it processes sometimes abort at exit after init_device_mesh (CPU-NOTES.md).
-    Pass ``barrier_timeout_s=None`` to skip the barrier (e.g. after an error on this rank, when
+    down. Pass ``barrier_timeout_s=None`` to skip it (e.g. after an error on this rank, when
     peers may never reach it).
+
+    ``comms`` and ``meshes``: the ``Comm``s and DeviceMeshes that hold this process's groups.
+    ``destroy_process_group`` only forgets torch's own references: gloo's ``shutdown`` is
+    Backend's empty default in torch 2.13 (torch/csrc/distributed/c10d/Backend.hpp,
+    ``Backend::shutdown``; ProcessGroupGloo does not override it), so each group's worker
+    threads ("pt_gloo_runloop") keep running until ``~ProcessGroupGloo`` joins them, when the
+    last reference goes. A run's meshes and Comms stay referenced (the engines' hooks hold
+    the Comm in cycles), so without this that was at interpreter exit: a worker thread that
+    frees its last collective's tensors there (``ProcessGroupGloo::runLoop`` drops a finished
+    barrier, whose weak references to earlier works free a gather's Python-owned tensors)
+    must take the GIL, and a thread that takes the GIL of a finalising interpreter is ended
+    with ``pthread_exit``, whose unwinding through that noexcept destructor calls
+    std::terminate: "terminate called without an active exception", SIGABRT, after a run
+    that had finished. Dropping the last references here destroys each group now: torch's
+    Python holder of a group releases the GIL while the destructor joins the threads, so
+    they finish their work with the interpreter alive.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -199,3 +216,13 @@ def shutdown(barrier_timeout_s: float | None = 60.0) -> None:
             dist.barrier(timeout=timedelta(seconds=barrier_timeout_s))
     finally:
         dist.destroy_process_group()
+        for comm in comms:
+            comm.release_groups()
+        for mesh in meshes:
+            # torch 2.13 keeps every group of a mesh, its flattened ones included, in the
+            # root mesh's private registry, which destroy_process_group leaves as it is
+            # (other releases may have none)
+            root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+            registry = getattr(root, "_pg_registry", None)
+            if registry is not None:
+                registry.clear()

@@ -335,7 +335,9 @@ class Distributed(World):
             with self.phase("shut-down"):
                 self.control.barrier()
             self._close_check()
-            shutdown()
+            # every group destroyed and unreferenced now, so that each backend's threads end
+            # while the interpreter is whole (why: threefold.distributed.shutdown)
+            shutdown(comms=(self.comm, self.control), meshes=(self.mesh,))
         else:
             self.control.barrier()
             self._close_check()
