@@ -121,10 +121,26 @@ def init_distributed(timeout_s: float = 600.0, device: str = "auto", trace_buf_s
             os.environ.update(flight_recorder_env(trace_buf_size, trace_dir))
             Path(trace_dir).mkdir(parents=True, exist_ok=True)
     timeout = timedelta(seconds=timeout_s)
+    _import_before_the_group()
     store = dist.PrefixStore(f"threefold/attempt{restart}", _store(rank, world, timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=dev if dev.type == "cuda" else None)
     return DistEnv(rank, world, local_rank, dev, _name(dev), restart)
+
+
+def _import_before_the_group() -> None:
+    """Import ``torch.distributed.nn.functional`` while no process group exists.
+
+    Its functions take ``group=group.WORLD`` as default arguments (torch 2.13,
+    torch/distributed/nn/functional.py: broadcast, gather, scatter, reduce, reduce_scatter,
+    all_gather, _all_gather_base, all_to_all, all_to_all_single, all_reduce), evaluated at
+    import. torch imports it lazily (the first meta-device ``normal_`` of a model build goes
+    through torch._refs -> torch._dynamo -> torch.distributed.fsdp -> _shard ->
+    sharded_tensor.reshard), so after ``init_process_group`` those ten defaults would hold the
+    default group until the interpreter exits, and ``shutdown`` could not destroy it (see
+    there). Imported first, the defaults are None, which every one of them reads as the
+    default group. 13 ms."""
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def _name(dev: torch.device) -> str:
@@ -199,7 +215,8 @@ def shutdown(barrier_timeout_s: float | None = 60.0, comms: Iterable = (),
     ``Backend::shutdown``; ProcessGroupGloo does not override it), so each group's worker
     threads ("pt_gloo_runloop") keep running until ``~ProcessGroupGloo`` joins them, when the
     last reference goes. A run's meshes and Comms stay referenced (the engines' hooks hold
-    the Comm in cycles), so without this that was at interpreter exit: a worker thread that
+    the Comm in cycles; torch itself held the default group, ``_import_before_the_group``),
+    so without this that was at interpreter exit: a worker thread that
     frees its last collective's tensors there (``ProcessGroupGloo::runLoop`` drops a finished
     barrier, whose weak references to earlier works free a gather's Python-owned tensors)
     must take the GIL, and a thread that takes the GIL of a finalising interpreter is ended

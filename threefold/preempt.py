@@ -38,6 +38,7 @@ class Preemption:
         self._step_began: float | None = None  # a training step is running since then
         self._slowest: float | None = None  # the slowest finished step, s
         self._done = threading.Event()
+        self._watch: threading.Thread | None = None
         self._previous = None
         self.active = grace_s > 0 and threading.current_thread() is threading.main_thread()
         if self.active:
@@ -49,7 +50,9 @@ class Preemption:
         self.received_at = time.monotonic()
         print(f"threefold: rank {self.rank}: SIGTERM received; finishing the step, then a "
               f"checkpoint (grace {self.grace_s:g} s)", file=sys.stderr, flush=True)
-        threading.Thread(target=self._watchdog, daemon=True).start()
+        self._watch = threading.Thread(target=self._watchdog, name="threefold-preemption",
+                                       daemon=True)
+        self._watch.start()
 
     def step_started(self) -> None:
         """A training step begins (before its first collective)."""
@@ -93,9 +96,12 @@ class Preemption:
         return layout.any_rank(self.received_at is not None)
 
     def close(self) -> None:
-        """The run has ended (or its checkpoint is written): stop the watchdog, restore the
-        previous handler."""
+        """The run has ended (or its checkpoint is written): stop the watchdog and wait for
+        it (it wakes every 50 ms), so no thread of the run outlives it into interpreter
+        exit; restore the previous handler."""
         self._done.set()
+        if self._watch is not None:
+            self._watch.join(timeout=5.0)
         if self.active:
             signal.signal(signal.SIGTERM, self._previous)
             self.active = False
