@@ -8,6 +8,8 @@ layout and with no half-written checkpoint left behind.
     python3 bench/bench_faults.py --trials 4 --seed 3
     python3 bench/bench_faults.py --layouts zero2 --kinds kill,killsave
     python3 bench/bench_faults.py --stall-mode every       # stalls as threefold.faults has them
+    python3 bench/bench_faults.py --exits                  # clean runs' exits: 20 + 20 runs
+    python3 bench/bench_faults.py --exits --quick          # 3 + 3 runs (~2 min, 2 cores)
 
 How: a tiny model (2 layers, 64 wide, seq 32, vocab 320; the tests' ``tiny_overrides``) on a
 small corpus, ``--steps`` steps (16), a checkpoint every ``--interval`` steps (4), one OpenMP
@@ -65,6 +67,27 @@ Totals: trials passed, mean lost steps, mean restart time, aggregate goodput (su
 time ÷ sum of trial wall) and relative goodput; then one JSON line (``goal``: every trial
 passes). Each trial's combined output is kept in ``--workdir`` (a temporary directory unless
 given) as trialN.log.
+
+``--exits``: no fault at all; a finished run must exit 0 on every rank, every time. A rank
+that aborts at exit ("terminate called without an active exception", SIGABRT, -6) is a
+failed worker to torchrun: under ``--max-restarts`` it restarts a finished job, and with two
+agents the other one waits in torchrun's exit barrier (300 s) for an agent that has given up.
+``--runs`` (20; ``--quick`` 3) rounds of two runs of the tiny model, 3 steps, ZeRO-2:
+
+- ``two_agents``: two torchrun agents on 127.0.0.1 as two nodes of one process each (c10d
+  rendezvous on a fresh port, ``checkpoint.dir`` per node, a checkpoint at step 3), as
+  tests/test_checkpoint_nodes.py and tests/test_launch.py start them;
+- ``four_ranks``: `threefold train --nproc-per-node 4 --parallel.dp_shard 4`.
+
+Each run is classified: ``ok`` (every command exits 0, summary.json written), ``abort`` (a
+worker died of SIGABRT or printed "terminate called"), ``hang`` (not done within
+``--exit-timeout-s``, 120 s: every process killed), ``failed`` (any other non-zero exit).
+The abort is a race at interpreter exit (a gloo thread that frees its last work after the
+main thread has begun finalising, ``threefold.distributed.shutdown``): it shows more often
+on a busy machine, so ``--busy`` (2) processes spin on the CPU throughout, as a shared CI
+machine's other jobs do. One table row per case (counts, mean and max wall time), then one
+JSON line (``goal``: no abort and no hang). Outputs of runs that were not ``ok`` are kept in
+``--workdir`` as exits_CASE_N.log.
 """
 
 from __future__ import annotations
@@ -75,6 +98,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -306,6 +330,130 @@ def failure_reason(res: dict) -> str:
     return f"rc {res['rc']}"
 
 
+# --------------------------------------------------------------------------------------------
+# Exits: clean runs, counted by how their processes end
+# --------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exit_cmds(case: str, targs: list[str], out: Path) -> list[list[str]]:
+    """The commands of one clean run: two agents as two nodes, or one `threefold train` of
+    four ranks."""
+    base = [sys.executable, "-m", "threefold", "train"]
+    if case == "four_ranks":
+        return [base + ["--nproc-per-node", str(NPROC), "--parallel.dp_shard", str(NPROC),
+                        *targs]]
+    port = free_port()
+    return [base + ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"exits{port}",
+                    "--checkpoint.dir", str(out / "disk{node}"), *targs]
+            for node in range(2)]
+
+
+def run_together(cmds: list[list[str]], timeout: float) -> dict:
+    """Start ``cmds`` half a second apart, each in its own session; kill every session still
+    running after ``timeout`` s. Returns the return codes, combined output, wall time and
+    whether it timed out."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("WORLD_SIZE", "THREEFOLD_FAULT"):
+        env.pop(k, None)
+    t0 = time.perf_counter()
+    procs = []
+    for i, cmd in enumerate(cmds):
+        if i:
+            time.sleep(0.5)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, errors="replace",
+                                      start_new_session=True))
+    outs, timed_out = [""] * len(procs), False
+    readers = [threading.Thread(target=lambda i=i, p=p: outs.__setitem__(i, p.stdout.read()))
+               for i, p in enumerate(procs)]
+    for r in readers:
+        r.start()
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, timeout - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for p in procs:  # the agent and its workers: the whole session
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+    rcs = [p.wait() for p in procs]
+    for r in readers:
+        r.join()
+    return {"rcs": rcs, "outs": outs, "wall": time.perf_counter() - t0, "timed_out": timed_out}
+
+
+ABORT = re.compile(r"terminate called|exitcode\s*:\s*-6\b|SIGABRT")
+
+
+def classify(res: dict, out: Path) -> list[str]:
+    """What went wrong in one clean run: any of "abort", "hang", "failed"; [] when every
+    command exited 0 and the run wrote its summary."""
+    text = "\n".join(res["outs"])
+    found = ["abort"] if ABORT.search(text) else []
+    if res["timed_out"]:
+        found.append("hang")
+    if not found and (any(res["rcs"]) or not (out / "summary.json").exists()):
+        found.append("failed")
+    return found
+
+
+def exits(args, work: Path) -> int:
+    """``--exits``: ``--runs`` rounds of a clean two-agent run and a clean four-rank run;
+    count aborts and hangs."""
+    corpus, cache = sample_corpus(work / "corpus.txt"), work / "cache"
+    args.steps, args.interval = 3, 3  # one checkpoint, at the end (each node writes a part)
+    args.step_timeout_s = 120.0  # the default's order: no collective may time out here
+    cases = ("two_agents", "four_ranks")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(args.busy)]
+    found = {c: [] for c in cases}
+    try:
+        for i in range(args.runs):
+            for case in cases:
+                out = work / f"exits_{case}_{i}"
+                shutil.rmtree(out, ignore_errors=True)
+                res = run_together(exit_cmds(case, train_args(args, corpus, cache, out,
+                                                              "zero2"), out),
+                                   args.exit_timeout_s)
+                what = classify(res, out)
+                found[case].append((what, res["wall"]))
+                if what:
+                    (work / f"exits_{case}_{i}.log").write_text(
+                        f"rcs {res['rcs']}\n" + "\n----\n".join(res["outs"]))
+                shutil.rmtree(out, ignore_errors=True)
+                print(f"run {i + 1:>3} {case:<10} rc {res['rcs']} wall {res['wall']:6.1f} s "
+                      f"{', '.join(what) or 'ok'}", flush=True)
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+    rows = []
+    for case in cases:
+        walls = [w for _, w in found[case]]
+        rows.append({"case": case, "runs": len(found[case]),
+                     **{k: sum(k in what for what, _ in found[case])
+                        for k in ("abort", "hang", "failed")},
+                     "ok": sum(not what for what, _ in found[case]),
+                     "mean_wall_s": sum(walls) / len(walls), "max_wall_s": max(walls)})
+    print()
+    print_table(rows, width=12)
+    total = {k: sum(r[k] for r in rows) for k in ("runs", "abort", "hang", "failed", "ok")}
+    print(json.dumps({"benchmark": "exits", **{r["case"]: {k: v for k, v in r.items()
+                                                           if k != "case"} for r in rows},
+                      **total, "busy": args.busy, "goal": "no abort and no hang",
+                      "meets_goal": total["abort"] == 0 and total["hang"] == 0}), flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=10)
@@ -325,7 +473,17 @@ def main() -> int:
                          "attempt (threefold.faults as is)")
     ap.add_argument("--trial-timeout-s", type=float, default=400.0)
     ap.add_argument("--workdir", type=Path, default=None, help="keep runs here")
+    ap.add_argument("--exits", action="store_true",
+                    help="no faults: count clean runs that abort or hang at exit")
+    ap.add_argument("--runs", type=int, default=20, help="--exits: rounds (each case once)")
+    ap.add_argument("--quick", action="store_true", help="--exits with 3 rounds")
+    ap.add_argument("--busy", type=int, default=2,
+                    help="--exits: processes spinning on the CPU meanwhile")
+    ap.add_argument("--exit-timeout-s", type=float, default=120.0,
+                    help="--exits: a run not done by then is a hang")
     args = ap.parse_args()
+    if args.quick:
+        args.runs = 3
     for name in args.layouts.split(","):
         if name not in LAYOUTS:
             ap.error(f"unknown layout {name!r}")
@@ -343,6 +501,11 @@ def main() -> int:
         work.mkdir(parents=True, exist_ok=True)
     print(f"threefold at {revision()}; torch {torch.__version__}; {os.cpu_count()} cores; "
           f"work dir {work}", flush=True)
+    if args.exits:
+        rc = exits(args, work)
+        if tmp is not None:
+            tmp.cleanup()
+        return rc
     corpus, cache = sample_corpus(work / "corpus.txt"), work / "cache"
     tokens_per_step = 8 * 32
 
