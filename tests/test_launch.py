@@ -55,6 +55,38 @@ def test_nproc_per_node_starts_torchrun(corpus, cache_dir, tmp_path):
     assert _losses(out) == pytest.approx(_losses(ref), rel=1e-5)
 
 
+# A rank of a finished run, then the threads it still has (as /proc names them).
+_THREADS_AFTER_A_RUN = """
+import os, sys
+from threefold.config import load_config, parse_overrides
+from threefold.parallel.distributed_layout import Distributed
+from threefold.train import train
+
+cfg = load_config(None, parse_overrides(sys.argv[1:]))
+train(cfg, Distributed(cfg))
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("threads after the run:", sorted(names), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc/self/task")
+def test_no_process_group_thread_outlives_a_finished_run(corpus, cache_dir, tmp_path):
+    """After a run ends, every gloo group is destroyed and its threads ("pt_gloo_runloop",
+    "gloo_tcp_loop") joined, before interpreter exit, where such a thread aborted finished
+    runs now and then ("terminate called without an active exception";
+    threefold.distributed.shutdown). Deterministic, where the abort is a race."""
+    script = tmp_path / "threads_after_a_run.py"
+    script.write_text(_THREADS_AFTER_A_RUN)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(script), *_args(corpus, cache_dir, tmp_path / "out", train__steps=2,
+                                    parallel__zero_stage=2)]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [x for x in p.stdout.splitlines() if x.startswith("threads after the run:")]
+    assert len(lines) == 2 and not any("gloo" in x for x in lines), p.stdout
+
+
 def _two_agents(corpus, cache_dir, out, port):
     """Two single-process agents as two nodes; (processes, outputs). Not retried: a hang is
     a failure, reported with both agents' output (both killed)."""
