@@ -61,10 +61,10 @@ class OpStats:
 class Handle:
     """Result of an async op: ``wait()`` blocks until done (then runs any finishing step)."""
 
-    def __init__(self, works: list | None = None, after: Callable[[], None] | None = None):
-        self._works = [w for w in (works or []) if w is not None]
-        self._after = after
-        self._done = False
+    def __init__(self, works: list | None = None, after: Callable[[], None] | None = None,
+                 done: bool = False):
+        self._works, self._after = [w for w in (works or []) if w is not None], after
+        self._done = done
 
     def wait(self) -> None:
         """Block until the op has completed on this rank."""
@@ -78,11 +78,6 @@ class Handle:
     def is_completed(self) -> bool:
         """True once ``wait`` has returned (or the op was local)."""
         return self._done
-
-
-def _done_handle() -> Handle:
-    (h := Handle())._done = True
-    return h
 
 
 def _chunk(numel: int, n: int, i: int) -> int:
@@ -169,13 +164,11 @@ class Comm:
 
     def members(self, axis: str) -> tuple[int, ...]:
         """The global ranks of this rank's group on ``axis``."""
-        if axis in self.added:
-            return self.added[axis][1]
-        return tuple(self.dims.axis_ranks(self.global_rank, axis))
+        return self.added[axis][1] if axis in self.added else \
+            tuple(self.dims.axis_ranks(self.global_rank, axis))
 
     def release_groups(self) -> None:
-        """Forget this Comm's process groups once they are destroyed, so that no reference
-        keeps a backend and its threads alive (``threefold.distributed.shutdown``)."""
+        """Forget the destroyed groups: no reference may keep a backend's threads alive."""
         self._groups.clear()
         self.added.clear()
 
@@ -258,7 +251,7 @@ class Comm:
         self._count(op, axis, 0)
         if fn is not None:
             fn()
-        return _done_handle() if async_op else None
+        return Handle(done=True) if async_op else None
 
     # ---------------------------------------------------------------- collectives
     def all_reduce(self, t: torch.Tensor, axis: str, op: str = "sum", async_op: bool = False):
@@ -390,7 +383,7 @@ class Comm:
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, t, peer=peer, group=self.group(axis)))
         if not p2p:
-            return _done_handle() if async_op else None
+            return Handle(done=True) if async_op else None
         # messages between pairs, not a call of the whole group: numbered on their own
         rec = self._remember("p2p", axis, self.ledger.issue("p2p", f"{axis} p2p"),
                              [tuple(o.tensor.shape) for o in p2p], str(p2p[0].tensor.dtype),
