@@ -6,11 +6,8 @@ the parts copied together load in one process and resume under another layout.""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from tests.test_launch import _args, _env, _free_port, _losses
+from tests.test_launch import _args, _env, _free_port, _losses, wait_agents
 from threefold.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from threefold.config import ConfigError, load_config
 from threefold.train import train
@@ -43,14 +40,7 @@ def _two_agents(corpus, cache, out, disks, steps, **extra):
                                       stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
         time.sleep(0.5)
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:  # the agent and its worker: the whole session
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-        tails = [(p.communicate()[0] or "")[-3000:] for p in procs]
-        raise AssertionError("two agents hung:\n" + "\n----\n".join(tails)) from None
+    outs = wait_agents(procs)
     return [p.returncode for p in procs], outs
 
 

@@ -100,13 +100,19 @@ def _two_agents(corpus, cache_dir, out, port):
                                       stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
         time.sleep(0.5)
+    return procs, wait_agents(procs)
+
+
+def wait_agents(procs, timeout: float = 240.0) -> list[str]:
+    """The outputs of agents started in sessions of their own; a hang is a failure with both
+    agents' output (their sessions killed: the agent and its worker)."""
     try:
-        return procs, [p.communicate(timeout=240)[0] for p in procs]
+        return [p.communicate(timeout=timeout)[0] for p in procs]
     except subprocess.TimeoutExpired:
-        for p in procs:  # the agent and its worker: the whole session
+        for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-        tails = [(p.communicate()[0] or "")[-2000:] for p in procs]
+        tails = [(p.communicate()[0] or "")[-3000:] for p in procs]
         raise AssertionError("two agents hung:\n" + "\n----\n".join(tails)) from None
 
 

@@ -73,9 +73,8 @@ class Ledger:
         return n
 
     def position(self) -> dict:
-        """Where this rank stands: its phase, the calls issued per axis, and (checking) the
-        calls since the last check."""
-        return {"phase": self.phase, "counts": dict(self.counts),
+        """Where this rank stands: its phase and (checking) its calls since the last check."""
+        return {"phase": self.phase,
                 "window": [list(c) for c in self.window], "base": dict(self.window_base)}
 
     def _roll(self) -> None:
@@ -149,11 +148,6 @@ class GroupCheck:
             self.store.delete_key(self._record_key(n - 1, led.rank))
         led.checks += 1
         led._roll()
-
-    def close(self) -> None:
-        """Drop this rank's last record (call once every peer is past the last check)."""
-        if self.ledger.checks:
-            self.store.delete_key(self._record_key(self.ledger.checks - 1, self.ledger.rank))
 
 
 def first_difference(groups: list[tuple[str, tuple]], records: dict[int, dict],

@@ -13,9 +13,8 @@ import sys
 import time
 import zlib
 
-from torch.distributed import distributed_c10d as c10d
-
 from threefold.collective_check import check_groups, first_difference
+from threefold.distributed import c10d_store
 
 
 class Heartbeats:
@@ -27,7 +26,7 @@ class Heartbeats:
         self.run_id = f"{zlib.crc32(key.encode()):08x}"
 
     def _store(self):
-        return c10d._get_default_store()
+        return c10d_store()
 
     def _key(self, what: str, rank: int) -> str:
         return f"threefold/{self.run_id}/{what}/{rank}"

@@ -329,20 +329,12 @@ class Distributed(World):
 
     def close(self) -> None:
         """The last check of the collectives, then barrier and destroy the process group
-        (avoids aborts at exit on CPU)."""
+        (avoids aborts at exit on CPU). Each rank's last check record stays in the store (one
+        key, which a restart's prefix or the next run's key never reads)."""
         self.check_collectives("the run")
         if self._owns_group:
-            with self.phase("shut-down"):
-                self.control.barrier()
-            self._close_check()
             # every group destroyed and unreferenced now, so that each backend's threads end
             # while the interpreter is whole (why: threefold.distributed.shutdown)
             shutdown(comms=(self.comm, self.control), meshes=(self.mesh,))
         else:
             self.control.barrier()
-            self._close_check()
-
-    def _close_check(self) -> None:
-        """Every rank is past the last check (a barrier followed it): drop its record."""
-        if self._group_check is not None:
-            self._group_check.close()
