@@ -89,13 +89,14 @@ def test_validate_model_splits_heads_ffn_layers_and_pads_vocab():
 
 @pytest.mark.parametrize("world, kw, model, vpp, message", [
     (16, {"tp": 16}, {}, 1, "model.num_attention_heads: 8 is not divisible by parallel.tp=16; "
-                            "use a tp in 1, 2, 4, 8"),
+                            "this model splits over a tp in 1, 2, 4, 8 (with a world size that "
+                            "tp divides)"),
     (2, {"tp": 2}, {"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 384},
-     1, "model.num_key_value_heads: 3 neither divides nor is divisible by parallel.tp=2; use a "
-        "tp that divides 3 or a multiple of 3"),
+     1, "model.num_key_value_heads: 3 neither divides nor is divisible by parallel.tp=2; this "
+        "model splits over a tp in 1"),
     (4, {"tp": 4}, {"intermediate_size": 690}, 1,
-     "model.intermediate_size: 690 is not divisible by parallel.tp=4; round it to a multiple of "
-     "4"),
+     "model.intermediate_size: 690 is not divisible by parallel.tp=4; this model splits over a "
+     "tp in 1, 2"),
     (8, {"pp": 4}, {}, 2, "model.num_hidden_layers: 4 layers cannot fill pp·vpp = 4·2 = 8 "
                           "pipeline chunks; lower parallel.pp or parallel.vpp"),
     (8, {"pp": 8}, {}, 1, "model.num_hidden_layers: 4 layers cannot fill pp·vpp = 8·1 = 8 "

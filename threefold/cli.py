@@ -17,8 +17,8 @@ import sys
 from typing import NamedTuple
 
 from threefold.config import ConfigError, describe, load_config, parse_overrides
-from threefold.launch import (check_launch_layout, dispatch, fail, run_training,
-                              split_train_args, world_size_for)
+from threefold.launch import (check_launch_layout, dispatch, fail, resolve_init_from,
+                              run_training, split_train_args, world_size_for)
 
 
 class Command(NamedTuple):
@@ -85,6 +85,7 @@ def cmd_train(argv: list[str]) -> int:
     try:
         path, rest, nproc, launcher = split_train_args(argv)
         cfg = load_config(path, parse_overrides(rest))
+        argv = resolve_init_from(cfg, argv)
         world = world_size_for(nproc, launcher)
         check_launch_layout(cfg, world)
     except (ConfigError, ValueError) as e:

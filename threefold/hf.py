@@ -52,11 +52,12 @@ from safetensors.torch import save_file
 
 from threefold.checkpoint import (CheckpointError, fsync_path, list_checkpoints, save_streamed,
                                   whole_pieces)
-from threefold.config import Config, ModelConfig
+from threefold.config import Config, ConfigError, ModelConfig
 from threefold.hf_config import (INDEX, LLAMA3_FIELDS, SHAPE_FIELDS, SINGLE, HFError,
                                  check_shapes, expected_shapes, family, hf_config, hub_names,
                                  hub_router, model_config_from_hf, model_config_from_state,
                                  qwen_layout, reward_hf_config, token_ids, tokenizer_config)
+from threefold.hub import locate
 from threefold.lora import is_adapter
 from threefold.weights import (CheckpointSource, HFSource, WeightSource, find_checkpoint,
                                open_pretrained)
@@ -370,8 +371,8 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         direction, fmt, merge, src, dst = _parse(argv)
-        if direction == "from":
-            ckpt = convert_from_hf(Path(src), Path(dst))
+        if direction == "from":  # a folder, or a hub id (threefold.hub: fetched first)
+            ckpt = convert_from_hf(locate(src, "convert --from hf").path, Path(dst))
             print(f"threefold convert: wrote threefold checkpoint {ckpt}")
         elif fmt == "hf":
             export_hf(Path(src), Path(dst))
@@ -381,7 +382,7 @@ def main(argv: list[str]) -> int:
             (export_merged if merge else export_peft)(Path(src), Path(dst))
             what = "Hugging Face folder (LoRA merged)" if merge else "PEFT adapter"
             print(f"threefold convert: wrote {what} {dst}")
-    except (ValueError, CheckpointError, OSError) as e:
+    except (ValueError, CheckpointError, ConfigError, OSError) as e:
         msg = " ".join(str(e).split())  # one line, whatever the exception held
         print(f"threefold convert: error: {msg}", file=sys.stderr)
         return 2

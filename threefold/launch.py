@@ -76,11 +76,36 @@ def world_size_for(nproc: int | None, launcher: list[str]) -> int:
     return (nproc or 1) * nnodes
 
 
+def resolve_init_from(cfg, argv: list[str]) -> list[str]:
+    """A hub id in ``checkpoint.init_from``, resolved here, once per node before its ranks
+    start (``threefold.hub``: the download, and any error, happen before launch; a dry run
+    fetches config.json alone). Returns ``argv`` with the snapshot's commit added, which the
+    ranks read from the cache (and the run's config.json records)."""
+    from threefold.hub import hub_id, locate
+
+    c = cfg.checkpoint
+    if c.init_from_commit or hub_id(c.init_from) is None:
+        return argv
+    c.init_from_commit = locate(c.init_from, "checkpoint.init_from",
+                                config_only=cfg.train.dry_run).commit
+    return [*argv, "--checkpoint.init_from_commit", c.init_from_commit]
+
+
 def check_launch_layout(cfg, world_size: int) -> None:
-    """Refuse an impossible layout before any process starts."""
-    # the model's shape, but for the vocabulary (the tokenizer's), unless the weights bring it
-    mcfg = None if cfg.checkpoint.init_from else cfg.model.resolved(vocab_size=1)
-    validate_layout(cfg, world_size, mcfg)
+    """Refuse an impossible layout before any process starts, for the model the run will
+    build: the checkpoint's (``checkpoint.init_from``: its configuration alone is read; a
+    run also needs its tokenizer), else the preset's with the tokenizer's vocabulary."""
+    if cfg.checkpoint.init_from:
+        # threefold.weights (and torch) only for a run that starts from weights
+        from threefold.model_source import choose_tokenizer, init_from_model
+
+        mcfg, _, located = init_from_model(cfg)
+        validate_layout(cfg, world_size, mcfg)
+        if not cfg.train.dry_run:
+            choose_tokenizer(cfg, located)
+        return
+    # the shape, but for the vocabulary (the tokenizer's, known once data is prepared)
+    validate_layout(cfg, world_size, cfg.model.resolved(vocab_size=1))
 
 
 LAUNCHER_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",

@@ -136,17 +136,19 @@ class ParallelDims:
         m = model_cfg.resolved() if hasattr(model_cfg, "resolved") else model_cfg
         tp, chunks = self.tp, self.pp * vpp
         heads, kv = m.num_attention_heads, m.num_key_value_heads
+        # every tp this model splits over (heads, kv heads, SwiGLU width), named in each refusal
+        fits = _fmt([t for t in _divisors(heads) if not (kv % t and t % kv)
+                     and m.intermediate_size % t == 0])
         if heads % tp:
             raise ConfigError(f"model.num_attention_heads: {heads} is not divisible by "
-                              f"parallel.tp={tp}; use a tp in "
-                              f"{_fmt(_divisors(math.gcd(heads, self.world_size)))}")
+                              f"parallel.tp={tp}; this model splits over a tp in {fits} "
+                              "(with a world size that tp divides)")
         if kv % tp and tp % kv:
             raise ConfigError(f"model.num_key_value_heads: {kv} neither divides nor is divisible"
-                              f" by parallel.tp={tp}; use a tp that divides {kv} or a multiple"
-                              f" of {kv}")
+                              f" by parallel.tp={tp}; this model splits over a tp in {fits}")
         if m.intermediate_size % tp:
             raise ConfigError(f"model.intermediate_size: {m.intermediate_size} is not divisible"
-                              f" by parallel.tp={tp}; round it to a multiple of {tp}")
+                              f" by parallel.tp={tp}; this model splits over a tp in {fits}")
         if m.num_hidden_layers < chunks:
             raise ConfigError(f"model.num_hidden_layers: {m.num_hidden_layers} layers cannot "
                               f"fill pp·vpp = {self.pp}·{vpp} = {chunks} pipeline chunks; lower "

@@ -36,11 +36,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from threefold.config import LoRAConfig, ModelConfig
+from threefold.config import ConfigError, LoRAConfig, ModelConfig
 from threefold.config.validation import lora_targets
 from threefold.hf import (MAX_SHARD_BYTES, atomic_folder, check_new_folder, hub_tensors,
                           run_tokenizer, write_hf_folder)
 from threefold.hf_config import SHAPE_FIELDS, HFError, model_config_from_state
+from threefold.hub import locate
 from threefold.lora import apply_lora, is_adapter
 from threefold.model import LlamaForCausalLM
 from threefold.parallel.materialize import InitSource
@@ -102,6 +103,7 @@ class LoRARun:
     adapters: dict[str, torch.Tensor]
     seed: int = 0  # train.seed: the base's values when there is no checkpoint.init_from
     base: Any = None
+    init_from_commit: str = ""  # the hub snapshot a hub id in init_from resolved to
 
     @property
     def scale(self) -> float:
@@ -159,10 +161,11 @@ def _open_base(run: LoRARun) -> Any:
     agree with the run's in every shape field), else the seed's initial values."""
     if not run.init_from:
         return InitSource(run.model_cfg, run.seed)
-    src = Path(run.init_from)
-    if not src.exists():
-        raise HFError(f"{run.path}: its base, checkpoint.init_from '{src}', does not exist "
-                      "(a relative path is taken from the current directory)")
+    try:  # a path, or a hub id read from the snapshot the run trained from
+        src = locate(run.init_from, f"{run.path}: its base, checkpoint.init_from",
+                     commit=run.init_from_commit).path
+    except ConfigError as e:
+        raise HFError(f"{e} (a relative path is taken from the current directory)") from None
     if lora_checkpoint(src) is not None:
         raise HFError(f"{run.path}: its base, checkpoint.init_from '{src}', is itself a LoRA "
                       "run (adapters only); export that with --to peft --merge and start from it")
@@ -194,8 +197,10 @@ def open_lora(path: Path | str, base: bool = True) -> LoRARun:
     adapters = source.tensors()
     _check_adapters(adapters, shapes, lora, ckpt)
     saved = state.get("config") or {}
-    run = LoRARun(path, ckpt, cfg, lora, (saved.get("checkpoint") or {}).get("init_from") or "",
-                  shapes, adapters, seed=int((saved.get("train") or {}).get("seed", 0)))
+    start = saved.get("checkpoint") or {}
+    run = LoRARun(path, ckpt, cfg, lora, start.get("init_from") or "", shapes, adapters,
+                  seed=int((saved.get("train") or {}).get("seed", 0)),
+                  init_from_commit=start.get("init_from_commit") or "")
     if base:
         run.base = _open_base(run)
     return run
@@ -207,7 +212,7 @@ def peft_config(run: LoRARun) -> dict:
     base = str(Path(run.init_from).resolve()) if run.init_from and \
         Path(run.init_from).exists() else (run.init_from or None)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-            "revision": None, "inference_mode": True, "r": run.lora.r,
+            "revision": run.init_from_commit or None, "inference_mode": True, "r": run.lora.r,
             "lora_alpha": run.lora.alpha, "lora_dropout": run.lora.dropout,
             "target_modules": sorted(lora_targets(run.lora)), "exclude_modules": None,
             "bias": "none", "lora_bias": False, "fan_in_fan_out": False,

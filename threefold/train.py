@@ -23,6 +23,7 @@ from threefold.data import DataBundle, prepare_data
 from threefold.hostmem import reuse_freed_host_memory, threshold_for
 from threefold.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 from threefold.model import LlamaForCausalLM
+from threefold.model_source import choose_tokenizer, init_from_model, locate_init_from
 from threefold.parallel.layout import SingleProcess
 from threefold.parallel.materialize import ChainSource, InitSource
 from threefold.parallel.parallelize import parallelize
@@ -124,7 +125,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         reuse_freed_host_memory(threshold_for(cfg.train.host_mmap_threshold_mb,
                                               layout.world_size))
     dtype = compute_dtype(cfg, device)
-    pretrained = _pretrained(cfg) if cfg.checkpoint.init_from else None
+    pretrained = _pretrained(cfg, layout) if cfg.checkpoint.init_from else None
     data = layout.first_rank_first(lambda: prepare_data(cfg.data))
     mcfg = pretrained[0] if pretrained else cfg.model.resolved(vocab_size=data.vocab_size)
     if mcfg.vocab_size < data.vocab_size:
@@ -174,22 +175,18 @@ def _pipeline_router_term(run: Run):
     return term
 
 
-def _pretrained(cfg: Config):
-    """(model config, weight source) of ``checkpoint.init_from`` (a Hugging Face folder, a
-    threefold run or checkpoint: ``threefold.weights``; tensors are read by region later, as
-    each rank needs them); its tokenizer replaces the default BPE (the weights only make
-    sense with the vocabulary they were trained on)."""
-    src = Path(cfg.checkpoint.init_from)
-    if not src.exists():
-        raise ConfigError(f"checkpoint.init_from: '{src}' does not exist")
-    pcfg, source = open_pretrained(src)
-    pcfg.init_std = cfg.model.init_std
-    if cfg.data.tokenizer == "bpe":
-        for cand in (src / "tokenizer.json", src.parent.parent / "tokenizer.json"):
-            if cand.is_file():
-                cfg.data.tokenizer = str(cand)
-                break
-    return pcfg, source
+def _pretrained(cfg: Config, layout):
+    """(model config, weight source) of ``checkpoint.init_from`` (a Hugging Face folder or
+    hub id, a threefold run or checkpoint: ``threefold.model_source``; tensors are read by
+    region later, as each rank needs them). The checkpoint defines the model (``--model.*``
+    shape fields that contradict it are refused); its tokenizer replaces the default BPE."""
+    located = locate_init_from(cfg)
+    mcfg, notes, _ = init_from_model(cfg, located)
+    choose_tokenizer(cfg, located)
+    if layout.rank == 0:
+        for note in notes:
+            print(f"threefold: {note}", flush=True)
+    return mcfg, open_pretrained(located.path)[1]
 
 
 def _source(cfg: Config, mcfg: ModelConfig, device: torch.device, pretrained,

@@ -234,8 +234,11 @@ class CheckpointConfig:
     keep_last: int = _f(3, "keep this many most recent checkpoints")
     resume: bool = _f(False, "resume from the newest checkpoint in the output directory")
     save_final: bool = _f(True, "save a checkpoint after the last step")
-    init_from: str = _f("", "start from these weights (a Hugging Face folder, or a threefold run "
-                        "or checkpoint directory); model shape and tokenizer come with them")
+    init_from: str = _f("", "start from these weights (a Hugging Face folder or hub id "
+                        "org/name[@revision], or a threefold run or checkpoint directory); the "
+                        "model's shape and tokenizer come with them")
+    init_from_commit: str = _f("", "the hub snapshot init_from resolved to (set by the "
+                               "launcher; every rank then reads that commit from the cache)")
     dir: str = _f("", "checkpoint root of each node; empty = OUTPUT_DIR/checkpoints. '{node}' "
                   "is replaced by the node rank (torchrun's GROUP_RANK). Nodes need not share "
                   "it: each writes its own ranks' files and manifest part, rank 0's root gets "

@@ -27,20 +27,52 @@ def _one_of(path: str, value: str, choices: list[str]) -> None:
 def validate(cfg: Config) -> None:
     """Check every field that can be checked without knowing the world size (and write
     ``parallel.pipeline_split`` without spaces, the one form the rest reads)."""
-    r = _check_model(cfg.model, cfg.data.vocab_size)
-    _check_data(cfg.data, r)
+    _check_model_settings(cfg.model)
+    _check_data(cfg.data)
     _check_optim(cfg.optim)
     _check_parallel(cfg.parallel, cfg.train)
     _check_train(cfg.train)
-    _check_recompute(cfg.train, cfg.parallel, r)
+    _check_recompute(cfg.train, cfg.parallel)
     _check_checkpoint(cfg.checkpoint)
     _check_metrics(cfg.metrics)
-    _check_lora(cfg.lora, cfg.parallel, r)
+    _check_lora(cfg.lora, cfg.parallel)
+    if not cfg.checkpoint.init_from:  # else the checkpoint's shape, once read (model_source)
+        check_against_model(cfg, _check_model(cfg.model, cfg.data.vocab_size))
+
+
+def check_against_model(cfg: Config, r: ModelConfig) -> None:
+    """The rules that need the model's shape ``r`` (resolved): the sequence fits its
+    context, and selective recompute and LoRA meet what they do not run with."""
+    _need(cfg.data.seq_len <= r.max_position_embeddings,
+          f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="
+          f"{r.max_position_embeddings}; lower it or raise the model's limit")
+    _need(cfg.train.recompute != "selective" or not r.num_local_experts,
+          "train.recompute: selective is not available for a mixture of experts "
+          "(model.num_local_experts); use full or none")
+    lo, p = cfg.lora, cfg.parallel
+    if lo.r <= 0:
+        return
+    _need(not r.num_local_experts, "lora.r: LoRA does not adapt a mixture of experts "
+          "(model.num_local_experts > 0); use lora.r 0")
+    kv_split = p.tp == 1 or r.num_key_value_heads % p.tp == 0
+    _need(kv_split or not {"k_proj", "v_proj"} & set(lora_targets(lo)),
+          f"lora.target_modules: k_proj/v_proj stay whole when parallel.tp={p.tp} exceeds the "
+          f"{r.num_key_value_heads} KV heads; leave them out or lower parallel.tp")
+
+
+def _check_model_settings(m: ModelConfig) -> None:
+    """What the model fields say besides its shape: the preset's name, the initialisation
+    and the router's loss weights."""
+    _one_of("model.preset", m.preset, list(MODEL_PRESETS))
+    _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
+    _need(m.shared_expert_intermediate_size >= 0,
+          "model.shared_expert_intermediate_size: must be >= 0 (0 = no shared expert)")
+    _need(m.router_aux_loss_coef >= 0 and m.router_z_loss_coef >= 0,
+          "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
 
 
 def _check_model(m: ModelConfig, vocab_size: int) -> ModelConfig:
-    """The model's shape (resolved from its preset, which is returned) and its router."""
-    _one_of("model.preset", m.preset, list(MODEL_PRESETS))
+    """The model's shape (resolved from its preset, which is returned)."""
     r = m.resolved(vocab_size=vocab_size)
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
@@ -53,29 +85,20 @@ def _check_model(m: ModelConfig, vocab_size: int) -> ModelConfig:
           f"{r.num_attention_heads}")
     _need(r.head_dim % 2 == 0, f"model.hidden_size: head dim {r.head_dim} must be even for RoPE")
     _one_of("model.rope_scaling", r.rope_scaling, ["none", "llama3"])
-    _need(m.init_std > 0, f"model.init_std: must be positive, got {m.init_std}")
     _need(r.num_local_experts >= 0,
           f"model.num_local_experts: must be >= 0 (0 = dense), got {r.num_local_experts}")
     if r.num_local_experts:
         _need(1 <= r.num_experts_per_tok <= r.num_local_experts,
               f"model.num_experts_per_tok: {r.num_experts_per_tok} must be between 1 and "
               f"model.num_local_experts={r.num_local_experts}")
-    _need(m.shared_expert_intermediate_size >= 0,
-          "model.shared_expert_intermediate_size: must be >= 0 (0 = no shared expert)")
-    _need(m.router_aux_loss_coef >= 0 and m.router_z_loss_coef >= 0,
-          "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
     return r
 
 
-def _check_data(d: DataConfig, r: ModelConfig) -> None:
-    """The tokenizer's vocabulary, the sequence (against the resolved model ``r``), the
-    corpus."""
+def _check_data(d: DataConfig) -> None:
+    """The tokenizer's vocabulary, the sequence, the corpus."""
     _need(d.vocab_size >= 260, f"data.vocab_size: {d.vocab_size} is too small; use at least 260 "
           "(256 bytes + special tokens)")
     _need(d.seq_len >= 2, f"data.seq_len: must be at least 2, got {d.seq_len}")
-    _need(d.seq_len <= r.max_position_embeddings,
-          f"data.seq_len: {d.seq_len} exceeds model.max_position_embeddings="
-          f"{r.max_position_embeddings}; lower it or raise the model's limit")
     _need(0 < d.val_fraction < 0.5, f"data.val_fraction: {d.val_fraction} must be in (0, 0.5)")
     _need(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be positive, got {d.max_corpus_mb}")
     from threefold.data.errors import DataError
@@ -146,7 +169,7 @@ def _check_train(t: TrainConfig) -> None:
     _need(bool(t.output_dir), "train.output_dir: must not be empty")
 
 
-def _check_recompute(t: TrainConfig, p: ParallelConfig, r: ModelConfig) -> None:
+def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:
     """The recompute mode, and the layouts selective recompute does not take."""
     _one_of("train.recompute", t.recompute, ["none", "selective", "full"])
     _need(not (t.activation_checkpointing and t.recompute != "none"),
@@ -156,8 +179,6 @@ def _check_recompute(t: TrainConfig, p: ParallelConfig, r: ModelConfig) -> None:
         return
     _need(p.cp == 1, "train.recompute: selective is not available with parallel.cp > 1 (ring "
           "attention's per-hop results would all be kept); use full or none")
-    _need(not r.num_local_experts, "train.recompute: selective is not available for a "
-          "mixture of experts (model.num_local_experts); use full or none")
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
@@ -186,7 +207,7 @@ def lora_targets(lora: LoRAConfig) -> tuple[str, ...]:
     return LORA_TARGETS if names == ("all-linear",) else names
 
 
-def _check_lora(lo: LoRAConfig, p: ParallelConfig, r: ModelConfig) -> None:
+def _check_lora(lo: LoRAConfig, p: ParallelConfig) -> None:
     """The adapters' settings, and the layouts and models they run with (before launch)."""
     if lo.r == 0:
         return
@@ -200,9 +221,4 @@ def _check_lora(lo: LoRAConfig, p: ParallelConfig, r: ModelConfig) -> None:
           f"{', '.join(LORA_TARGETS)} (or 'all-linear')")
     _need(p.ep == 1, f"parallel.ep: LoRA does not run with ep={p.ep} yet; use parallel.ep 1 "
           "(or lora.r 0)")
-    _need(not r.num_local_experts, "lora.r: LoRA does not adapt a mixture of experts "
-          "(model.num_local_experts > 0); use lora.r 0")
-    kv_split = p.tp == 1 or r.num_key_value_heads % p.tp == 0
-    _need(kv_split or not {"k_proj", "v_proj"} & set(names),
-          f"lora.target_modules: k_proj/v_proj stay whole when parallel.tp={p.tp} exceeds the "
-          f"{r.num_key_value_heads} KV heads; leave them out or lower parallel.tp")
+

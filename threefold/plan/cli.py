@@ -53,6 +53,9 @@ from threefold.accounting.shapes import (
 )
 from threefold.config import MODEL_PRESETS, ConfigError, LoRAConfig, ModelConfig, load_config
 from threefold.config.validation import LORA_TARGETS, lora_targets
+from threefold.hf_config import HFError, model_config_from_hf
+from threefold.hub import hub_id, locate
+from threefold.model_source import read_model
 from threefold.plan.calibrate import (DEFAULT_PATH, calibrate, hardware_from_calibration, load,
                                       save)
 from threefold.plan.candidates import SearchSpace
@@ -108,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     """The model and the cluster: how many GPUs, which, and overrides of its figures."""
     p.add_argument("--model", default="llama3-8b",
-                   help=f"preset ({', '.join(MODEL_PRESETS)}) or a TOML file with [model]")
+                   help="a Hugging Face folder, config.json or hub id org/name[@revision] "
+                   f"(its config alone is read), a preset ({', '.join(MODEL_PRESETS)}) or a "
+                   "TOML file with [model]")
     p.add_argument("--gpus", type=int, default=8, help="GPUs in total")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink")
     p.add_argument("--gpu", default="h100", help=f"catalogue entry: {', '.join(GPUS)}")
@@ -194,20 +199,43 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(spec: str) -> ModelConfig:
-    """A resolved ModelConfig from a preset name or a TOML file's [model] (and [data]) tables."""
-    if spec in MODEL_PRESETS:
-        cfg = ModelConfig(preset=spec).resolved()
-        vocab = 0
-    elif Path(spec).suffix == ".toml" or Path(spec).is_file():
+    """A resolved ModelConfig from ``--model``, tried in this order: an existing path (a TOML
+    file's [model] and [data] tables; a Hugging Face ``config.json``; a Hugging Face folder or
+    a threefold run or checkpoint directory), a preset, a hub id ``org/name[@revision]``
+    (its config.json alone is fetched). Only configurations are read, never weights."""
+    path = Path(spec).expanduser()
+    vocab = 0
+    if path.is_file() and path.suffix == ".toml":
         full = load_config(spec, validate_now=False)
         cfg, vocab = full.model.resolved(full.data.vocab_size), full.data.vocab_size
+    elif path.exists() or spec not in MODEL_PRESETS and hub_id(spec):
+        cfg = _pretrained_model(spec, path)
+    elif spec in MODEL_PRESETS:
+        cfg = ModelConfig(preset=spec).resolved()
     else:
-        raise ConfigError(f"--model: '{spec}' is neither a preset ({', '.join(MODEL_PRESETS)})"
-                          " nor a TOML file")
+        raise ConfigError(f"--model: '{spec}' is neither a path, a preset "
+                          f"({', '.join(MODEL_PRESETS)}) nor a Hugging Face hub id "
+                          "(org/name[@revision])")
     if not cfg.vocab_size:
         # presets without a vocabulary use the tokenizer's; plan with the default BPE size
         cfg.vocab_size = vocab or 4096
     return cfg
+
+
+def _pretrained_model(spec: str, path: Path) -> ModelConfig:
+    """The model of a config.json file, or of a folder / hub id (``threefold.model_source``),
+    as the run that starts from it builds it."""
+    if path.is_file():
+        try:
+            conf = json.loads(path.read_text())
+        except ValueError as e:
+            raise ConfigError(f"--model: {path} is neither TOML nor JSON ({e})") from None
+        try:
+            return model_config_from_hf(conf, str(path))
+        except HFError as e:
+            raise ConfigError(f"--model: {e}") from None
+    located = locate(spec, "--model", config_only=True)
+    return read_model(located.path, located.name, "--model")
 
 
 def _hardware_record(args) -> dict | None:
@@ -382,8 +410,9 @@ def main(argv: list[str]) -> int:
         hw = cluster.hardware
         moe = (f" ({active_parameters(cfg) / 1e9:.2f}B active: {cfg.num_local_experts} experts,"
                f" top-{cfg.num_experts_per_tok})" if cfg.num_local_experts else "")
-        print(f"{args.model}: {num_parameters(cfg) / 1e9:.2f}B parameters{moe}, vocab "
-              f"{cfg.vocab_size} (padded to a multiple of tp), "
+        n = num_parameters(cfg)
+        size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"  # a small checkpoint's too
+        print(f"{args.model}: {size} parameters{moe}, vocab {cfg.vocab_size} (padded to a multiple of tp), "
               f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
         print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
               f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "

@@ -64,6 +64,7 @@ from threefold.data import load_tokenizer
 from threefold.data.sources import check_prepared
 from threefold.lora import apply_lora, is_adapter
 from threefold.model import LlamaForCausalLM
+from threefold.model_source import init_from_model, run_tokenizer_of
 from threefold.parallel.expert import apply_expert_parallel
 from threefold.parallel.layout import validate_layout
 from threefold.parallel.pipeline.schedules import schedule_spec
@@ -130,17 +131,32 @@ class _MetaComm:
         return 0
 
 
-def resolved_model(cfg: Config) -> ModelConfig:
-    """The model config as the trainer resolves it, without preparing any data: the vocabulary
-    is ``model.vocab_size`` if set, else the tokenizer's — ``data.vocab_size`` for a BPE
-    trained on the corpus, the file's own size for a tokenizer.json or for prepared data."""
-    vocab = cfg.data.vocab_size
-    prepared = check_prepared(cfg.data.corpus, cfg.data.mix, cfg.data.tokenizer)
-    if prepared is not None:  # the tokenizer the data was prepared with
-        vocab = prepared["vocab_size"]
-    elif cfg.data.tokenizer != "bpe":
-        vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(with_added_tokens=True)
-    mcfg = cfg.model.resolved(vocab_size=vocab)
+def resolved_model(cfg: Config, notes: list[str] | None = None) -> ModelConfig:
+    """The model config as the trainer resolves it, without preparing any data or reading a
+    weight. With ``checkpoint.init_from``, the checkpoint's (``threefold.model_source``: its
+    configuration alone; what it says about the user's fields goes to ``notes``), checked
+    against its tokenizer when it has one (a folder without still dry-runs). Otherwise the
+    vocabulary is ``model.vocab_size`` if set, else the tokenizer's — ``data.vocab_size`` for
+    a BPE trained on the corpus, the file's own size for a tokenizer.json or for prepared
+    data."""
+    if cfg.checkpoint.init_from:
+        mcfg, said, located = init_from_model(cfg)
+        (notes if notes is not None else []).extend(said)
+        tok = cfg.data.tokenizer if cfg.data.tokenizer != "bpe" else \
+            run_tokenizer_of(located.path)
+        vocab = load_tokenizer(str(tok)).get_vocab_size(with_added_tokens=True) if tok else 0
+        if mcfg.vocab_size < vocab:
+            raise ConfigError(f"data.tokenizer: {vocab} tokens, more than the checkpoint's "
+                              f"vocabulary ({mcfg.vocab_size}); use the tokenizer the weights "
+                              "were trained with")
+    else:
+        vocab = cfg.data.vocab_size
+        prepared = check_prepared(cfg.data.corpus, cfg.data.mix, cfg.data.tokenizer)
+        if prepared is not None:  # the tokenizer the data was prepared with
+            vocab = prepared["vocab_size"]
+        elif cfg.data.tokenizer != "bpe":
+            vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(with_added_tokens=True)
+        mcfg = cfg.model.resolved(vocab_size=vocab)
     if mcfg.vocab_size < vocab:
         raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
                           f"{vocab}; leave it unset (0) or raise it")
@@ -234,9 +250,10 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     """Check ``cfg`` on ``world_size`` ranks and predict its step (no printing).
     ``backend_copies``: whether collectives copy through whole-size temporaries (default: on
     a CPU, as gloo does; a test's fake process group does not)."""
-    mcfg = resolved_model(cfg)
+    said: list[str] = []
+    mcfg = resolved_model(cfg, said)
     dims = validate_layout(cfg, world_size, mcfg)
-    notes = list(dims.notes)
+    notes = said + list(dims.notes)
     layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)
     check_layout(mcfg, layout, work)
     p = cfg.parallel

@@ -21,8 +21,8 @@ from types import ModuleType
 
 from threefold.config import ConfigError, load_config, parse_overrides, take_flag
 from threefold.data import DataError
-from threefold.launch import (check_launch_layout, dispatch, fail, run_training,
-                              split_train_args, world_size_for)
+from threefold.launch import (check_launch_layout, dispatch, fail, resolve_init_from,
+                              run_training, split_train_args, world_size_for)
 
 _COMMON = {"train.steps": "30", "optim.warmup_steps": "3", "optim.weight_decay": "0.0",
            "train.eval_batches": "1", "train.log_interval": "5"}
@@ -160,15 +160,19 @@ def build_config(cmd: str, path: str | None, rest: list[str]):
     return load_config(path, ours + overrides)
 
 
+def _check_default_start(cmd: str, cfg) -> None:
+    """The default ``checkpoint.init_from`` (runs/default, which `threefold train` writes)
+    missing: say so, rather than look for a hub model of that name."""
+    src = cfg.checkpoint.init_from
+    if src == DEFAULTS[cmd]["checkpoint.init_from"] and not Path(src).exists():
+        raise ConfigError(f"checkpoint.init_from: '{src}' does not exist; run `threefold "
+                          "train` first (it writes runs/default), or pass "
+                          "--checkpoint.init_from RUN_DIR|HF_DIR|org/name (or '' to start "
+                          "from random weights)")
+
+
 def _check_inputs(cmd: str, cfg, opts) -> None:
     """Refuse missing inputs before any process starts."""
-    src = cfg.checkpoint.init_from
-    if src and not Path(src).exists():
-        hint = ("run `threefold train` first (it writes runs/default)"
-                if src == DEFAULTS[cmd]["checkpoint.init_from"] else "check the path")
-        raise ConfigError(f"checkpoint.init_from: '{src}' does not exist; {hint}, or pass "
-                          "--checkpoint.init_from RUN_DIR|HF_DIR (or '' to start from "
-                          "random weights)")
     for key in ("data", "val_data"):
         value = getattr(opts, key, "")
         if value and not Path(value).expanduser().is_file():
@@ -205,6 +209,8 @@ def _main(cmd: str, argv: list[str]) -> int:
         opts, remaining = parse_task_options(cmd, argv)
         path, rest, nproc, launcher = split_train_args(remaining)
         cfg = build_config(cmd, path, rest)
+        _check_default_start(cmd, cfg)
+        argv = resolve_init_from(cfg, argv)
         world = world_size_for(nproc, launcher)
         check_launch_layout(cfg, world)
         _check_inputs(cmd, cfg, opts)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from threefold.checkpoint_verify import list_checkpoints, resolve_root
+from threefold.checkpoint_verify import list_checkpoints, read_json, resolve_root
 from threefold.config import ModelConfig
-from threefold.hf_config import HFError, model_config_from_state
+from threefold.hf_config import HFError, model_config_from_hf, model_config_from_state
 from threefold.weights.base import WeightSource
 from threefold.weights.checkpoint_source import CheckpointSource
 from threefold.weights.hf_source import HFSource
@@ -42,12 +42,32 @@ def find_checkpoint(path: Path) -> Path:
                   f"checkpoints ({root}/<step>/)")
 
 
+def is_hf_folder(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face folder: it has config.json and is not a threefold
+    run directory (which has one too, beside its checkpoints)."""
+    return (path / "config.json").is_file() and not run_checkpoint_root(path).is_dir()
+
+
+def pretrained_config(path: Path | str) -> ModelConfig:
+    """The ModelConfig of pretrained weights from their configuration alone: a Hugging Face
+    folder's config.json, or a threefold checkpoint's state.json (a run directory: its newest
+    checkpoint's). No tensor, not even a header, is read: what planning and the dry run use."""
+    path = Path(path)
+    if is_hf_folder(path):
+        conf = path / "config.json"
+        return model_config_from_hf(read_json(conf, HFError, "not a Hugging Face folder",
+                                              "not valid JSON"), str(conf))
+    ckpt = find_checkpoint(path)
+    state = read_json(ckpt / "state.json", HFError, "not a threefold checkpoint", "not valid JSON")
+    return model_config_from_state(state, ckpt)
+
+
 def open_pretrained(path: Path | str) -> tuple[ModelConfig, WeightSource]:
     """(ModelConfig, WeightSource) of pretrained weights: a Hugging Face folder (it has
     config.json and is not a run directory), or a threefold checkpoint or run directory (its
     newest checkpoint, config from its state). Nothing but headers is read until asked."""
     path = Path(path)
-    if (path / "config.json").is_file() and not run_checkpoint_root(path).is_dir():
+    if is_hf_folder(path):
         source = HFSource(path)
         return source.config, source
     ckpt = find_checkpoint(path)
