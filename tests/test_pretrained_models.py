@@ -190,3 +190,14 @@ def test_sft_from_a_hub_id_trains_and_records_its_commit(hub, tmp_path, capsys):
     assert saved["init_from"] == REPO and saved["init_from_commit"] == COMMIT
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_loss"] == summary["final_loss"]  # trained: a number, not NaN
+    # the adapters for PEFT name the hub id and commit as their base; merged, a whole folder
+    rc, _, err = _first_lines(capsys, ["convert", "--to", "peft", str(out),
+                                       str(tmp_path / "adapter")])
+    assert rc == 0, err
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == (REPO, COMMIT)
+    rc, _, err = _first_lines(capsys, ["convert", "--to", "peft", "--merge", str(out),
+                                       str(tmp_path / "merged")])
+    assert rc == 0, err
+    merged = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert (merged["num_attention_heads"], merged["num_key_value_heads"]) == (9, 3)
