@@ -96,6 +96,23 @@ def test_a_hub_id_resolves_to_its_snapshot_by_branch_or_commit(hub):
     assert locate(str(snap), "x").path == snap  # an existing path comes first
 
 
+def test_the_launcher_resolves_once_and_ranks_read_that_commit_without_the_hub(hub,
+                                                                                monkeypatch):
+    import huggingface_hub.constants as constants
+
+    from threefold.config import load_config
+    from threefold.launch import resolve_init_from
+
+    cfg = load_config(None, [("checkpoint.init_from", REPO)])
+    argv = resolve_init_from(cfg, ["--checkpoint.init_from", REPO])
+    assert argv[-2:] == ["--checkpoint.init_from_commit", COMMIT]
+    # a rank: the hub unreachable and not offline, yet the launcher's commit is read from the
+    # cache with no request made
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    assert locate(REPO, "x", commit=COMMIT).commit == COMMIT
+
+
 def _gated(*args, **kwargs):
     import httpx
     from huggingface_hub.errors import GatedRepoError
