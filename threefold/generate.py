@@ -169,8 +169,7 @@ def _generators(seed: int, indices: list[int], device: torch.device) -> list[tor
 
 def _synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (so that the clock measures it)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
 
 
 @dataclass
@@ -242,9 +241,8 @@ def _result(prompt_ids: Sequence[Sequence[int]], out: torch.Tensor, counts: torc
         tokens_per_s=made / seconds if seconds > 0 else float("inf"))
 
 
-# inference mode, not no_grad: nothing here is ever differentiated, and skipping autograd's
-# version counters and view tracking makes each of a step's small ops cheaper (6-9% tokens/s
-# on the SmolLM2-135M shape, one thread, bench/bench_generate.py)
+# inference mode, not no_grad: nothing here is differentiated, and without autograd's version
+# counters and view tracking a step's many small ops cost less (bench/bench_generate.py)
 @torch.inference_mode()
 def generate(model: LlamaForCausalLM, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
