@@ -169,7 +169,8 @@ def _generators(seed: int, indices: list[int], device: torch.device) -> list[tor
 
 def _synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (so that the clock measures it)."""
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -331,11 +332,10 @@ def config_stop_ids(*folders: Path) -> list[int]:
 
 def chat_prompts(tok, tok_path: Path, texts: Sequence[str], system: str | None = None
                  ) -> tuple[list[list[int]], list[int]]:
-    """Each text as a one-user-message conversation (after a system message when ``system``
-    is given) rendered with the generation prompt by the template SFT uses
-    (``load_chat_template``: the tokenizer folder's, a run's saved one, else the built-in),
-    tokenized as SFT tokenizes (special-token text becomes special tokens, nothing added);
-    and the template's end-of-turn token(s) to stop at."""
+    """Each text as a user message (after ``system``'s, if given) rendered with the generation
+    prompt by the template SFT uses (``load_chat_template``: the tokenizer folder's, a run's
+    saved one, else the built-in) and tokenized as SFT tokenizes (special-token text becomes
+    special tokens, nothing added); and the template's end-of-turn token(s) to stop at."""
     eot = _eot(tok)
     try:
         template = load_chat_template(tok_path, tok)
