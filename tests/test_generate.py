@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from tests.conftest import tiny_overrides
 from tests.dist import run_checks
@@ -158,6 +159,101 @@ def test_cli_generates_from_a_training_run(corpus, cache_dir, tmp_path, capsys):
     assert report["lengths"] == [6, 6] and set(report["tokens_per_s"]) == {"cache", "no_cache"}
     assert sum("tokens/s (KV cache" in line for line in out) == 1
     assert main(["generate", "--from", str(tmp_path / "missing")]) == 2
+    # --chat on a run that saved the built-in template (as SFT does): rendered by it, stopping
+    # at the end-of-text token it closes turns with
+    from threefold.post.chat import BUILTIN_TEMPLATE
+
+    (run / "chat_template.jinja").write_text(BUILTIN_TEMPLATE)
+    tok = Tokenizer.from_file(str(run / "tokenizer.json"))
+    assert main(["generate", "--from", str(run), "--chat", "--system", "Be brief.", "--prompt",
+                 "hi", "--max-new-tokens", "3", "--json", "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    eot = tok.token_to_id("<|endoftext|>")
+    assert report["stop_ids"] == [eot]
+    want = "<|system|>\nBe brief.<|endoftext|><|user|>\nhi<|endoftext|><|assistant|>\n"
+    assert report["prompt_ids"] == [tok.encode(want, add_special_tokens=False).ids]
+    assert report["prompt_ids"][0].count(eot) == 2  # special-token text -> the special token
+    assert main(["generate", "--from", str(run), "--system", "x"]) == 2  # --system needs --chat
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _chatml_folder(folder, template: bool = True,
+                   specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>")):
+    """A Hugging Face folder: a tiny Llama (untied head) and a byte-level BPE with
+    ``specials`` whose tokenizer_config.json carries the ChatML template when ``template``.
+    Returns (our model, tokenizer); the weights are written by ``_save_hf``."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, how are you? I am a helpful assistant."] * 20,
+                            trainer)
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {**conf, "chat_template": CHATML} if template else conf))
+    ours = _model(tiny(vocab_size=tok.get_vocab_size()))
+    return ours, tok
+
+
+def _save_hf(ours, folder) -> None:
+    ref = hf_model(ours.cfg)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    ref.save_pretrained(folder, safe_serialization=True)
+
+
+def test_chat_renders_like_transformers_and_stops_at_im_end(tmp_path, capsys):
+    from threefold.generate import main
+
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "hf"
+    ours, tok = _chatml_folder(folder)
+    im_end = tok.token_to_id("<|im_end|>")
+    msgs = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "hello you"}]
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder))
+    want = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = list(getattr(want, "input_ids", want))
+    # greedy without stopping, then the head rows of <|im_end|> and of the third new token
+    # (new so far) swapped: the same first tokens, then <|im_end|> wins at that step
+    free = generate(ours, [want], 8).tokens[0]
+    step = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i] + [im_end])
+    assert im_end not in free[:step]
+    with torch.no_grad():
+        w = ours.lm_head.weight
+        w[[im_end, free[step]]] = w[[free[step], im_end]]
+    _save_hf(ours, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, im_end]}))
+    capsys.readouterr()
+    argv = ["--from", str(folder), "--chat", "--system", "be nice", "--prompt", "hello you",
+            "--max-new-tokens", "8", "--json", "--threads", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    report = json.loads(out[-1])
+    assert report["prompt_ids"] == [want]
+    assert report["stop_ids"] == [0, im_end]  # the template's, and generation_config.json's
+    assert report["tokens"] == [free[:step] + [im_end]]
+    assert out[:-1] == tok.decode(free[:step]).splitlines()  # the reply alone
+
+
+def test_chat_without_template_or_end_of_text_is_refused(tmp_path, capsys):
+    from threefold.generate import main
+
+    folder = tmp_path / "hf"
+    # no template and none of the end-of-text names (<|im_end|> would be one)
+    ours, _ = _chatml_folder(folder, template=False, specials=["<|im_start|>"])
+    _save_hf(ours, folder)
+    capsys.readouterr()
+    assert main(["--from", str(folder), "--chat", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("threefold: error: --chat:") and "no chat" in err[0]
 
 
 # --------------------------------------------------------------------------------------------

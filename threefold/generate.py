@@ -21,7 +21,8 @@ here (generate from whole weights).
 
 ``threefold generate --from RUN_DIR --prompt "..."`` loads a run's newest checkpoint (or a
 Hugging Face folder; a LoRA run's base with its adapters) and its tokenizer, prints the
-completions and the tokens/s.
+completions and the tokens/s; with ``--chat`` each prompt is a user message rendered by the
+chat template SFT uses, and the reply stops at the template's end-of-turn token.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ import torch
 
 from threefold.checkpoint import CheckpointError
 from threefold.data import DataError
-from threefold.data.tokenizer import eot_id, load_tokenizer
+from threefold.data.tokenizer import EOT_NAMES, load_tokenizer
 from threefold.distributed import pick_device
 from threefold.hf import find_checkpoint, load_pretrained
 from threefold.model import KVCache, LlamaForCausalLM
 from threefold.parallel.tensor import gather_full
 from threefold.peft_export import load_lora_model, lora_checkpoint
+from threefold.post.chat import BuiltinTemplate, encode_text, end_of_turn, load_chat_template
 
 _SEED_STRIDE = 1_000_003  # (seed, prompt index) -> one generator seed, as init_weights mixes
 
@@ -240,7 +242,9 @@ def _result(prompt_ids: Sequence[Sequence[int]], out: torch.Tensor, counts: torc
         tokens_per_s=made / seconds if seconds > 0 else float("inf"))
 
 
-@torch.no_grad()
+# inference mode, not no_grad: nothing here is differentiated, and without autograd's version
+# counters and view tracking a step's many small ops cost less (bench/bench_generate.py)
+@torch.inference_mode()
 def generate(model: LlamaForCausalLM, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              eos_id: int | Sequence[int] | None = None, seed: int = 0,
@@ -307,6 +311,50 @@ def load_for_generation(path, device: str = "cpu"):
     return model, (load_tokenizer(tok_path) if tok_path else None), tok_path
 
 
+def _eot(tok) -> int | None:
+    """The tokenizer's end-of-text id (``eot_id``), None when it has none."""
+    return next((i for n in EOT_NAMES if (i := tok.token_to_id(n)) is not None), None)
+
+
+def config_stop_ids(*folders: Path) -> list[int]:
+    """The stop tokens a Hugging Face folder names: ``eos_token_id`` (an int or a list) of its
+    generation_config.json, else of its config.json (transformers' fallback)."""
+    for f in (d / n for d in folders for n in ("generation_config.json", "config.json")):
+        try:
+            eos = json.loads(f.read_text(encoding="utf-8")).get("eos_token_id") \
+                if f.is_file() else None
+        except (ValueError, AttributeError):
+            raise DataError(f"{f}: not a JSON object") from None
+        if eos is not None:
+            return [i for i in ([eos] if isinstance(eos, int) else eos) if isinstance(i, int)]
+    return []
+
+
+def chat_prompts(tok, tok_path: Path, texts: Sequence[str], system: str | None = None
+                 ) -> tuple[list[list[int]], list[int]]:
+    """Each text as a user message (after ``system``'s, if given) rendered with the generation
+    prompt by the template SFT uses (``load_chat_template``: the tokenizer folder's, a run's
+    saved one, else the built-in) and tokenized as SFT tokenizes (special-token text becomes
+    special tokens, nothing added); and the template's end-of-turn token(s) to stop at."""
+    eot = _eot(tok)
+    try:
+        template = load_chat_template(tok_path, tok)
+    except DataError as e:
+        if eot is None:  # no template of the folder's own, and none for the built-in one
+            raise DataError(f"--chat: {tok_path.parent} has no chat template (tokenizer_config"
+                            ".json or chat_template.jinja) and its tokenizer no end-of-text "
+                            "token for the built-in one") from None
+        raise DataError(f"--chat: {e}") from None
+    head = [{"role": "system", "content": system}] if system is not None else []
+    prompts = [encode_text(tok, template.render(head + [{"role": "user", "content": t}],
+                                                add_generation_prompt=True)).ids
+               for t in texts]
+    stops = [end_of_turn(template, tok)]
+    if isinstance(template, BuiltinTemplate):
+        stops.append(eot)
+    return prompts, stops
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="threefold generate",
@@ -315,6 +363,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="run directory, checkpoint or Hugging Face folder (runs/default)")
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for a batch (left-padded); default: 'def '")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the model's chat template "
+                        "(as SFT renders); prints the assistant's reply, stops at end of turn")
+    p.add_argument("--system", default=None, help="--chat: a system message before each prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -322,45 +374,52 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eos", action="store_true", help="do not stop at end-of-text")
     p.add_argument("--no-cache", action="store_true", help="recompute the sequence each step")
-    p.add_argument("--compare-no-cache", action="store_true",
-                   help="also run without the cache and print both speeds")
+    p.add_argument("--compare-no-cache", action="store_true", help="also time it uncached")
     p.add_argument("--device", default="cpu", help="cpu, cuda, auto")
     p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for torch (0 = torch's default); a one-token step of a "
-                        "small model runs fastest on one")
+                   help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--json", action="store_true", help="print one JSON line as well")
     return p
+
+
+def _prepare(args, path: Path):
+    """(model, tokenizer, prompt ids, stop ids, device) for the command line; DataError,
+    CheckpointError, ValueError or OSError for what cannot run."""
+    if min(args.max_new_tokens, args.temperature, args.top_k) < 0 or not 0 < args.top_p <= 1:
+        raise ValueError("need --max-new-tokens >= 0, --temperature >= 0, "
+                         "0 < --top-p <= 1, --top-k >= 0")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat")
+    device = pick_device(args.device)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model, tok, tok_path = load_for_generation(path, device)
+    if tok is None:
+        raise DataError(f"{path}: no tokenizer.json in the run or checkpoint")
+    texts = args.prompt or ["def "]
+    if args.chat:
+        prompts, stops = chat_prompts(tok, tok_path, texts, args.system)
+    else:
+        prompts, stops = [tok.encode(t).ids for t in texts], [_eot(tok)]
+    if any(not p for p in prompts):
+        raise ValueError("--prompt: a prompt encodes to no tokens")
+    # a Hugging Face folder names its stop tokens (an instruct model's end of turn among them)
+    stops += config_stop_ids(*([path] if path.is_dir() else []), tok_path.parent)
+    return model, tok, prompts, sorted({i for i in stops if i is not None}), device
 
 
 def main(argv: list[str]) -> int:
     """`threefold generate --from RUN_DIR --prompt TEXT [...]`; returns the exit code."""
     args = _parser().parse_args(argv)
+    path = Path(args.source)  # the one place --from becomes a local path
     try:
-        if args.max_new_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 \
-                or args.top_k < 0:
-            raise ValueError("need --max-new-tokens >= 0, --temperature >= 0, "
-                             "0 < --top-p <= 1, --top-k >= 0")
-        device = pick_device(args.device)
-        if args.threads > 0:
-            torch.set_num_threads(args.threads)
-        model, tok, tok_path = load_for_generation(args.source, device)
-        if tok is None:
-            raise DataError(f"{args.source}: no tokenizer.json in the run or checkpoint")
-        eos = None
-        if not args.no_eos:
-            try:
-                eos = eot_id(tok, tok_path)
-            except DataError:
-                eos = None
-        texts = args.prompt or ["def "]
-        prompts = [tok.encode(t).ids for t in texts]
-        if any(not p for p in prompts):
-            raise ValueError("--prompt: a prompt encodes to no tokens")
+        model, tok, prompts, stops, device = _prepare(args, path)
     except (CheckpointError, DataError, ValueError, OSError) as e:
         print(f"threefold: error: {e}", file=sys.stderr)
         return 2
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-              top_p=args.top_p, top_k=args.top_k, eos_id=eos, seed=args.seed)
+              top_p=args.top_p, top_k=args.top_k, eos_id=None if args.no_eos else stops,
+              seed=args.seed)
     runs = [not args.no_cache] + ([False] if args.compare_no_cache and not args.no_cache
                                   else [])
     # warm-up: the first forward pays for one-off allocations and kernel selection
@@ -369,17 +428,23 @@ def main(argv: list[str]) -> int:
     for use_cache in runs:
         results[use_cache] = generate(model, prompts, use_cache=use_cache, **kw)
     res = results[runs[0]]
-    for text, toks in zip(texts, res.tokens):
-        print(f"--- {text!r}\n{text}{tok.decode(toks)}")
-    for use_cache, r in results.items():
+    for text, toks, done in zip(args.prompt or ["def "], res.tokens, res.finished):
+        if not args.chat:
+            print(f"--- {text!r}\n{text}{tok.decode(toks)}")
+            continue  # --chat: the reply alone, without its stop token
+        if len(prompts) > 1:
+            print(f"--- {text!r}")
+        print(tok.decode(toks[:-1] if done else toks))
+    for use_cache, r in results.items():  # with --chat on stderr: stdout holds the replies
         print(f"generated {sum(r.lengths)} tokens for {len(prompts)} prompt(s) in "
               f"{r.seconds:.3f} s (prefill {r.prefill_seconds * 1e3:.1f} ms): "
               f"{r.tokens_per_s:.1f} tokens/s ({'KV cache' if use_cache else 'no cache'}, "
-              f"{device.type})")
+              f"{device.type})", file=sys.stderr if args.chat else sys.stdout)
     if len(results) == 2 and results[True].tokens != results[False].tokens:
         print("warning: the cached and uncached runs gave different tokens", file=sys.stderr)
     if args.json:
         print(json.dumps({"tokens_per_s": {("cache" if c else "no_cache"): r.tokens_per_s
                                            for c, r in results.items()},
-                          "lengths": res.lengths, "tokens": res.tokens}))
+                          "lengths": res.lengths, "tokens": res.tokens,
+                          "prompt_ids": prompts, "stop_ids": stops}))
     return 0

@@ -156,20 +156,40 @@ def load_chat_template(tokenizer_path: str | Path, tok: Tokenizer,
                        choice: str = "auto") -> ChatTemplate:
     """The template for ``choice``: "auto" (the tokenizer folder's, else the built-in one),
     "builtin", or the path of a Jinja template file."""
+    if choice == "auto":
+        found = _hf_template(Path(tokenizer_path).expanduser().parent)
+        if found is not None and found[0] != BUILTIN_TEMPLATE:  # (a saved built-in: below)
+            template, special, where = found
+            # a folder's own template names its tokens; the end-of-text token is only a
+            # default for ``eos_token``, so a tokenizer without one can still chat
+            if "eos_token" not in special:
+                special["eos_token"] = eot_token(tok, str(tokenizer_path))
+            return JinjaTemplate(template, special, where)
     eot = eot_token(tok, str(tokenizer_path))
-    if choice == "builtin":
+    if choice in ("builtin", "auto"):
         return BuiltinTemplate(eot)
-    if choice != "auto":
-        path = Path(choice).expanduser()
-        if not path.is_file():
-            raise DataError(f"chat template '{choice}' is neither 'auto', 'builtin' nor a file")
-        return JinjaTemplate(path.read_text(encoding="utf-8"), {"eos_token": eot}, str(path))
-    found = _hf_template(Path(tokenizer_path).expanduser().parent)
-    if found is None or found[0] == BUILTIN_TEMPLATE:  # the latter: saved by an earlier run
-        return BuiltinTemplate(eot)
-    template, special, where = found
-    special.setdefault("eos_token", eot)
-    return JinjaTemplate(template, special, where)
+    path = Path(choice).expanduser()
+    if not path.is_file():
+        raise DataError(f"chat template '{choice}' is neither 'auto', 'builtin' nor a file")
+    return JinjaTemplate(path.read_text(encoding="utf-8"), {"eos_token": eot}, str(path))
+
+
+def end_of_turn(template: ChatTemplate, tok: Tokenizer) -> int | None:
+    """The special token ``template`` closes an assistant turn with (``<|im_end|>`` for
+    ChatML, the end-of-text token for the built-in template), found by rendering a reply and
+    tokenizing what follows it: the token generation stops at. None if nothing special
+    follows the reply or the template refuses the probe conversation."""
+    reply = "threefold end-of-turn probe"
+    try:
+        text = template.render([{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": reply}])
+    except DataError:
+        return None
+    if reply not in text:
+        return None
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    tail = encode_text(tok, text[text.rindex(reply) + len(reply):]).ids
+    return next((i for i in tail if i in special), None)
 
 
 def save_template(template: ChatTemplate, out_dir: str | Path) -> None:
