@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from threefold import hf_config
 from threefold.cli import main
@@ -45,7 +45,7 @@ def make_folder(path: Path, tokenizer: bool = True, **config) -> Path:
     (path / "config.json").write_text(json.dumps({**hf_config.hf_config(cfg), **config}))
     if tokenizer:
         tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
         text = Path(hf_config.__file__).read_text()
         tok.train_from_iterator([text], trainers.BpeTrainer(
             vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
@@ -218,3 +218,15 @@ def test_sft_from_a_hub_id_trains_and_records_its_commit(hub, tmp_path, capsys):
     assert rc == 0, err
     merged = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert (merged["num_attention_heads"], merged["num_key_value_heads"]) == (9, 3)
+
+
+def test_generate_chats_with_a_hub_model_through_its_own_template(hub, capsys):
+    rc, out, err = _first_lines(capsys, ["generate", "--from", REPO, "--chat", "--prompt",
+                                         "def f", "--max-new-tokens", "3", "--json"])
+    assert rc == 0, err
+    got = json.loads(out[-1])
+    tok = Tokenizer.from_file(str(locate(REPO, "x").path / "tokenizer.json"))
+    # the ChatML rendering of the one user message, then the assistant's turn
+    assert got["prompt_ids"][0] == tok.encode(
+        "<|im_start|>user\ndef f<|im_end|>\n<|im_start|>assistant\n").ids
+    assert tok.token_to_id("<|im_end|>") in got["stop_ids"]

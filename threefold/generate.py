@@ -42,6 +42,7 @@ from threefold.data import DataError
 from threefold.data.tokenizer import EOT_NAMES, load_tokenizer
 from threefold.distributed import pick_device
 from threefold.hf import find_checkpoint, load_pretrained
+from threefold.hub import locate
 from threefold.model import KVCache, LlamaForCausalLM
 from threefold.parallel.tensor import gather_full
 from threefold.peft_export import load_lora_model, lora_checkpoint
@@ -411,9 +412,8 @@ def _prepare(args, path: Path):
 def main(argv: list[str]) -> int:
     """`threefold generate --from RUN_DIR --prompt TEXT [...]`; returns the exit code."""
     args = _parser().parse_args(argv)
-    path = Path(args.source)  # the one place --from becomes a local path
-    try:
-        model, tok, prompts, stops, device = _prepare(args, path)
+    try:  # --from: a path, or a hub id fetched into the local cache (threefold.hub)
+        model, tok, prompts, stops, device = _prepare(args, locate(args.source, "--from").path)
     except (CheckpointError, DataError, ValueError, OSError) as e:
         print(f"threefold: error: {e}", file=sys.stderr)
         return 2
