@@ -262,7 +262,8 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     cluster, source = choose_hardware(cfg, world_size)
     on_cpu = source.startswith(("this CPU", "calibration"))
     work = dataclasses.replace(
-        work, backend_copies=on_cpu if backend_copies is None else backend_copies)
+        work, backend_copies=on_cpu if backend_copies is None else backend_copies,
+        blas_packs=on_cpu)
     memory = memory_per_rank(mcfg, layout, work,
                              overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES)
     if mcfg.num_local_experts:
