@@ -83,9 +83,12 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload,
     if work.lora_r and z != 3:  # LoRA: the frozen base filled whole in the weights' dtype;
         # the adapters alone have fp32 masters (ZeRO 1-2: shards, then gathered), gradient
         # buckets and moments
-        trained = [sum(u) for u in lora_units(cfg, layout, work, stage)[0]]
+        adapters = lora_units(cfg, layout, work, stage)[0]
+        trained = [sum(u) for u in adapters]
         shards = [-(-u // n) for u in trained] if z else trained
-        owned, buffer, region = sum(shards), 0, biggest
+        # loading reads the adapters alone (a LoRA checkpoint holds nothing else)
+        owned, buffer = sum(shards), 0
+        region = max((t for u in adapters for t in u), default=0)
         kept = pb * sum(dense) + 4 * owned + (pb * n * owned if z else 0)
         filling = _whole_filling(cfg, layout, work, stage, kept, logical, biggest)
         if z == 0 and layout.dp * layout.cp > 1:  # the adapters' gradient buckets
