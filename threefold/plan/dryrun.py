@@ -77,6 +77,7 @@ from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import StartupMemory, startup_peaks
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
 from threefold.plan.step import StepPrediction, predict_step
+from threefold.plan.terms import memory_terms
 
 ENV_HARDWARE = "THREEFOLD_HARDWARE"
 ENV_GPUS_PER_NODE = "THREEFOLD_GPUS_PER_NODE"
@@ -316,7 +317,8 @@ def format_report(r: DryRunResult, world: int) -> str:
     """The text ``dry_run`` prints."""
     mem, hw = r.memory, r.cluster.hardware
     fits = mem.total <= hw.memory_bytes if hw.memory_bytes else True
-    lines = _layout_lines(r, world) + _memory_lines(r, fits) + [_step_line(r, world)]
+    lines = _layout_lines(r, world) + _memory_lines(r, fits) \
+        + memory_terms(r.model, r.layout, r.work, mem, r.baseline) + [_step_line(r, world)]
     sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes.get(a))
     lines.append("bytes sent per step by rank 0: " + (sent or "none (one rank)"))
     lines += [f"note: {n}" for n in r.notes]
