@@ -186,9 +186,6 @@ class Workload:
     # the weights start from files (checkpoint.init_from): start-up reads each rank's regions
     # instead of drawing whole tensors (plan.startup)
     init_from: bool = False
-    # matmuls through a CPU BLAS (MKL): a large product packs its left operand into a buffer
-    # of its own, as large, while it runs (and keeps it for the next call); cuBLAS does not
-    blas_packs: bool = False
 
     @property
     def tokens(self) -> int:

@@ -307,17 +307,13 @@ def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     more); and where the weights are wider than d, the head weight's cast (d·V/t·h; a
     chunk's weight gradient in d, as large, comes after the chunk's logits are freed; the
     fp32 gradient it adds into is the weight's gradient, counted with the gradients). The
-    fp32 logits of the whole microbatch never exist. On a CPU (``work.blas_packs``) the
-    backward's product of the chunk's logit gradient with the weight (h's gradient) runs
-    through MKL, which packs that gradient, d·V/t a token of the chunk, into a buffer of its
-    own (measured: the buffer is as large as the operand and kept for the next call)."""
+    fp32 logits of the whole microbatch never exist."""
     tokens, _, vocab = _head_terms(cfg, layout, work)
     d, h = work.act_bytes, cfg.hidden_size
     narrow = d if d != 4 else 0
     cast = d if work.weight_bytes > d else 0
-    packed = d if work.blas_packs else 0
     chunk = chunk_tokens(tokens, vocab)
-    return head_saved_bytes(cfg, layout, work) + chunk * vocab * (4 + narrow + packed) \
+    return head_saved_bytes(cfg, layout, work) + chunk * vocab * (4 + narrow) \
         + vocab * h * cast
 
 

@@ -69,9 +69,7 @@ def head_line(cfg: ModelConfig, layout: Layout, work: Workload, mem: MemoryBreak
     saved = head_saved_bytes(cfg, layout, work)
     return (f"  head and loss {_gb(mem.logits)}: kept for backward {_gb(saved)} (final norm, "
             f"head input, labels, log-sum-exp) + a chunk of {chunk} of the {tokens} tokens' "
-            f"logits over {vocab} vocabulary rows {_gb(mem.logits - saved)}"
-            + (" (fp32, plus the BLAS's packed copy of its gradient on a CPU)"
-               if work.blas_packs else " (fp32)"))
+            f"logits over {vocab} vocabulary rows in fp32 {_gb(mem.logits - saved)}")
 
 
 def states_lines(cfg: ModelConfig, layout: Layout, work: Workload, mem: MemoryBreakdown
