@@ -312,8 +312,8 @@ def _heap_note(threshold_mb: float) -> str:
     which no count of tensors predicts."""
     return (f"one process on a CPU keeps freed blocks below {threshold_mb:g} MiB for reuse "
             "(train.host_mmap_threshold_mb): its resident step peak can exceed the prediction "
-            "by what the heap keeps (SmolLM2-135M fine-tuned at seq 2048: +1.1 GB fully, "
-            "+2.1 GB with LoRA); --train.host_mmap_threshold_mb 1 holds the prediction, "
+            "by what the heap keeps (SmolLM2-135M fine-tuned at seq 2048: +1.4 GiB fully, "
+            "+2.4 GiB with LoRA); --train.host_mmap_threshold_mb 1 holds the prediction, "
             "steps run slower")
 
 
