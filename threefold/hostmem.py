@@ -53,3 +53,19 @@ def reuse_freed_host_memory(threshold_mb: float) -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     size = int(threshold_mb * 2**20)
     return bool(mallopt(M_MMAP_THRESHOLD, size)) and bool(mallopt(M_TRIM_THRESHOLD, 2 * size))
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim``): what start-up
+    or loading freed (a region read from a file, a tensor drawn whole) would otherwise stay
+    resident under ``reuse_freed_host_memory``'s trim threshold for the whole run, above
+    what the run holds (a LoRA run's steps never reuse it: its step is smaller than its
+    start-up). Whether glibc did it; nothing off Linux/glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

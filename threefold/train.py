@@ -20,7 +20,7 @@ from threefold import faults
 from threefold.checkpoint import CheckpointError
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import DataBundle, prepare_data
-from threefold.hostmem import reuse_freed_host_memory, threshold_for
+from threefold.hostmem import release_free_heap, reuse_freed_host_memory, threshold_for
 from threefold.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 from threefold.model import LlamaForCausalLM
 from threefold.model_source import choose_tokenizer, init_from_model, locate_init_from
@@ -148,6 +148,8 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         raise CheckpointError(f"checkpoint.init_from: '{cfg.checkpoint.init_from}' lacks "
                               f"{e.args[0]}") from None
     memory["startup_peak_bytes"] = peak_memory_bytes(device)
+    if device.type == "cpu":  # what start-up freed is not held for the run
+        release_free_heap()
     if pretrained:  # what this rank read of the pretrained files: its regions only
         memory["init_from_bytes_read"] = source.bytes_read
     sampler, val_sampler = task.samplers(cfg, data)
@@ -283,6 +285,8 @@ def _load(run: Run) -> int:
     start = resume(run)
     if start:
         run.memory["loading_peak_bytes"] = peak_memory_bytes(run.device)
+    if run.device.type == "cpu":  # what loading freed is not held for the steps
+        release_free_heap()
     reset_peak_memory(run.device)
     return start
 

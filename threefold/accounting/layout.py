@@ -183,6 +183,9 @@ class Workload:
     # linear layers train; the base is frozen
     lora_r: int = 0
     lora_targets: tuple[str, ...] = ()
+    # the weights start from files (checkpoint.init_from): start-up reads each rank's regions
+    # instead of drawing whole tensors (plan.startup)
+    init_from: bool = False
 
     @property
     def tokens(self) -> int:
@@ -228,7 +231,8 @@ class Workload:
                    master_bytes=weights, eager=not cfg.train.compile,
                    reduce_bytes=reduce if cfg.parallel.zero_stage else 0,
                    document_mask=cfg.data.document_mask, lora_r=cfg.lora.r,
-                   lora_targets=lora_targets(cfg.lora) if cfg.lora.r else ())
+                   lora_targets=lora_targets(cfg.lora) if cfg.lora.r else (),
+                   init_from=bool(cfg.checkpoint.init_from))
 
 
 def _check_lora(cfg: ModelConfig, layout: Layout, work: Workload) -> None:

@@ -398,9 +398,11 @@ def _lora_memory(cfg: ModelConfig, layout: Layout, work: Workload, base: MemoryB
     states = _model_states(layout, work, state, trained, m)
     z, n = layout.zero_stage, layout.shard_size
     psi, padded, largest = _unit_totals(frozen, n if z else 1)
-    if z == 3:
-        states["params"] += padded / n * 4  # float32 shards
-        states["zero3_working"] += 2 * largest * work.weight_bytes
+    if z == 3:  # float32 shards; gathered: the unit in use and the next, prefetched (two
+        # units, not twice the largest: a tied embedding of a large vocabulary is one unit)
+        states["params"] += padded / n * 4
+        sizes = sorted((sum(u) for u in frozen), reverse=True)
+        states["zero3_working"] += sum(sizes[:2]) * work.weight_bytes
     else:
         states["params"] += psi * work.weight_bytes
     inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,

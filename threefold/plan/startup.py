@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from threefold.accounting.layout import Layout, Workload
 from threefold.accounting.lora import lora_units
+from threefold.accounting.shapes import tp_shard
 from threefold.accounting.stages import (distinct_stages, rank_layers, shape_key,
                                          stage_expert_units, stage_units)
 from threefold.config import ModelConfig
@@ -33,6 +34,10 @@ from threefold.plan.states import HOST_GRAD_BYTES, HOST_MASTER_BYTES
 # threefold.weights.base.BLOCK_BYTES (a file read's temporary, at most two at once); not imported:
 # the planner's formulas import no torch (tests/test_weights.py checks the two agree)
 READ_BLOCK_BYTES = 64 << 20
+# bytes a stored element of ``checkpoint.init_from``'s files takes: threefold's checkpoints
+# are fp32; a Hugging Face folder in bf16 maps half as much per element (the count is then
+# an upper bound by 2 bytes a region element)
+FILE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -78,20 +83,25 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload,
     if work.lora_r and z != 3:  # LoRA: the frozen base filled whole in the weights' dtype;
         # the adapters alone have fp32 masters (ZeRO 1-2: shards, then gathered), gradient
         # buckets and moments
-        trained = [sum(u) for u in lora_units(cfg, layout, work, stage)[0]]
+        adapters = lora_units(cfg, layout, work, stage)[0]
+        trained = [sum(u) for u in adapters]
         shards = [-(-u // n) for u in trained] if z else trained
-        owned, buffer, region = sum(shards), 0, biggest
+        # loading reads the adapters alone (a LoRA checkpoint holds nothing else)
+        owned, buffer = sum(shards), 0
+        region = max((t for u in adapters for t in u), default=0)
         kept = pb * sum(dense) + 4 * owned + (pb * n * owned if z else 0)
+        filling = _whole_filling(cfg, layout, work, stage, kept, logical, biggest)
         if z == 0 and layout.dp * layout.cp > 1:  # the adapters' gradient buckets
             kept += 4 * owned
-        filling = kept + logical + 4 * biggest
     elif z:
         padded = [-(-u // n) * n for u in dense] + [-(-u // ne) * ne for u in experts]
         shards = [-(-u // n) for u in dense] + [-(-u // ne) for u in experts]
         owned, buffer = sum(shards), max(shards)  # loading reads a unit's shard at a time
         region = -(-biggest // min(n, ne))  # the largest tensor's rows a shard covers
         kept = 4 * owned
-        filling = kept + logical + 4 * region
+        # a file read holds the region and the file's pages it maps, while the shards it
+        # fills (allocated whole before filling) are resident: FILE_BYTES + 4 a region element
+        filling = kept + ((FILE_BYTES + 4) * region if work.init_from else logical + 4 * region)
         if z in (1, 2):  # every unit gathered once the shards are filled
             kept += pb * sum(padded)
             if work.backend_copies:
@@ -100,7 +110,7 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload,
         owned, buffer = sum(dense) + sum(experts), biggest  # a tensor at a time
         region = biggest
         kept = 4 * owned + (pb * owned if pb != 4 else 0)  # 16-bit copies beside fp32 masters
-        filling = kept + logical + 4 * biggest
+        filling = _whole_filling(cfg, layout, work, stage, kept, logical, biggest)
         if layout.dp * layout.cp > 1:  # data parallelism's gradient buckets
             kept += 4 * owned
     if layout.offload_optimizer and work.backend_copies:  # host masters and gradient buffers
@@ -112,6 +122,25 @@ def startup_memory(cfg: ModelConfig, layout: Layout, work: Workload,
     return StartupMemory(kept=kept, filling=filling, loading=kept + moments + read)
 
 
+def _whole_filling(cfg: ModelConfig, layout: Layout, work: Workload, stage: int, kept: float,
+                   logical: float, biggest: int) -> float:
+    """The filling peak where each local tensor is allocated as it is filled (no ZeRO, or
+    LoRA's frozen base under ZeRO 0-2), ``kept`` what the filled tensors hold at the end.
+    From the seed: ``kept``, the largest logical tensor drawn whole and its region's copy.
+    From files (``work.init_from``): a tensor's read holds its region (fp32) and the file's
+    pages it maps (``FILE_BYTES`` an element), then the region while it is copied into the
+    tensor (the weights' dtype): so the first tensor filled — stage 0's embedding, when it
+    is the largest: nothing is kept before it — peaks at that alone, every later one at
+    most at ``kept`` plus its region."""
+    if not work.init_from:
+        return kept + logical + 4 * biggest
+    emb = tp_shard(cfg, layout.tp).vocab * cfg.hidden_size if stage == 0 else 0
+    per = max(4 + FILE_BYTES, 4 + work.weight_bytes)
+    later = biggest if emb != biggest else max(
+        [t for u in stage_units(cfg, layout, stage) for t in u if t != emb] + [0])
+    return max(per * emb, kept + max(4, work.weight_bytes) * later)
+
+
 def startup_peaks(cfg: ModelConfig, layout: Layout, work: Workload) -> StartupMemory:
     """Each phase's largest peak over the pipeline stages (``startup_memory``). Cached on what
     start-up depends on: not the micro-batch, recompute, the in-flight bound or the bucket, so
@@ -119,7 +148,8 @@ def startup_peaks(cfg: ModelConfig, layout: Layout, work: Workload) -> StartupMe
     key = (shape_key(cfg), replace(layout, microbatch_size=1, recompute="none",
                                    pipeline_inflight=0, bucket_mb=0.0, cp_algorithm="ring",
                                    sequence_parallel=True),
-           work.weight_bytes, work.backend_copies, work.lora_r, work.lora_targets)
+           work.weight_bytes, work.backend_copies, work.lora_r, work.lora_targets,
+           work.init_from)
     peaks = _PEAKS.get(key)
     if peaks is None:
         per = [startup_memory(cfg, layout, work, st) for st in distinct_stages(cfg, layout)]
