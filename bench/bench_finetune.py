@@ -54,7 +54,7 @@ TOLERANCE = 1e-4
 GB = 1e9
 
 
-def step_tokens(paths: dict[str, Path], task: str) -> int:
+def step_tokens(paths: dict[str, Path], task: str, seq_len: int) -> int:
     """Real tokens of one step (= the whole data set): conversation tokens, or prompt +
     response tokens of both sequences of every pair, as threefold tokenizes them (TRL's
     tokenization of the same records gives the same counts: the losses agree)."""
@@ -69,6 +69,8 @@ def step_tokens(paths: dict[str, Path], task: str) -> int:
     total = 0
     for i, r in enumerate(recs):
         p, c, j = tokenize_pair(r, count.template, count.tok, eot, f"pair {i}")
+        if len(p) + max(len(c), len(j)) > seq_len:  # the two sides' cuts are not compared
+            raise ValueError(f"pair {i} is longer than {seq_len} tokens")
         total += 2 * len(p) + len(c) + len(j)
     return total
 
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
               f"threads, {args.rounds} round(s), {revision()}", flush=True)
         rows = {}
         for row in args.rows.split(","):
-            tokens = step_tokens(paths, row.split("-")[0])
+            tokens = step_tokens(paths, row.split("-")[0], args.seq_len)
             rows[row] = measure(row, args, paths, tmp, tokens)
         out = summarise(rows, args)
     print(json.dumps(out), flush=True)
