@@ -48,7 +48,8 @@ def vm_hwm() -> int:
 def threefold_argv(a) -> list[str]:
     """``threefold sft|dpo`` options for the bench's run."""
     root, task = Path(a.root), a.task
-    argv = ["--checkpoint.init_from", str(root / "hf"), f"--{task}.data", str(root / f"{task}.jsonl"),
+    argv = ["--checkpoint.init_from", str(root / "hf"),
+            f"--{task}.data", str(root / f"{task}.jsonl"),
             f"--{task}.val_data", str(root / f"{task}_val.jsonl"),
             "--train.output_dir", a.out, "--train.steps", str(a.steps),
             "--train.global_batch_size", str(a.batch), "--train.micro_batch_size", str(a.batch),
