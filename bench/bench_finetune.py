@@ -2,7 +2,7 @@
 and peak RSS of SFT and DPO, full and LoRA (r 16, alpha 32, every linear layer of the blocks),
 each side in its own process, alternating, at the same thread count.
 
-    python3 bench/bench_finetune.py --quick          # 4 layers, 4 steps: ~5 min on 2 cores
+    python3 bench/bench_finetune.py --quick    # 4 layers, 4 steps: 10 min of CPU on 2 cores
     python3 bench/bench_finetune.py [--layers 30] [--steps 5] [--rounds 1] [--rows ...]
 
 The model is SmolLM2-135M's shape (Llama, 30 layers, hidden 576, FFN 1536, 9 / 3 heads of 64,
