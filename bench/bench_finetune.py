@@ -11,7 +11,8 @@ hub here, so ``finetune_setup`` writes the folder (safetensors through transform
 byte-level BPE of 8192 tokens trained on Python's sources, ChatML template with
 ``{% generation %}`` marks) and the data. Rows (``--rows``): sft-full, sft-lora, dpo-full,
 dpo-lora. Default shape: global batch 8 (8 packed rows, or 8 pairs: 16 sequences), 256
-tokens, fp32, no recomputation, 5 steps; it takes about 25 min on this 2-core CPU.
+tokens, fp32, no recomputation, 5 steps; on this (shared) 2-core CPU `--rows sft-lora --steps 3`
+alone took 11.5 min wall clock, so all four rows take about an hour.
 
 What each side runs and what is held equal: ``bench/finetune_sides.py`` (the optimiser,
 precision, recomputation, loss normalisation, LoRA initial values, DPO reference). SFT
