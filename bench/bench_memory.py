@@ -104,16 +104,15 @@ def predicted(row: str, ranks: int, steps: int, root: Path) -> dict:
 SMOL_ROWS = {"smol_full": {}, "smol_lora": {"lora.r": "16", "lora.alpha": "32"}}
 
 
-def smol_args(row: str, ranks: int, steps: int, root: Path, seq: int, micro: int,
-              with_model: bool = True) -> list[str]:
+def smol_args(row: str, ranks: int, steps: int, root: Path, seq: int, micro: int
+              ) -> list[str]:
     """The fine-tune's command-line overrides (``finetune_overrides``) for ``ranks``."""
     from tests.test_memory_finetune import finetune_overrides
 
     extra = dict(SMOL_ROWS[row], **({"parallel.dp_shard": str(ranks),
                                      "parallel.zero_stage": "3"} if ranks > 1 else {}))
-    over = finetune_overrides(root / "smol_hf", root / f"{row}_{ranks}", layers=30, seq=seq,
-                              world=ranks, extra=extra, steps=steps, micro=micro,
-                              with_model=with_model)
+    over = finetune_overrides(root / "smol_hf", root / f"{row}_{ranks}", seq=seq,
+                              world=ranks, extra=extra, steps=steps, micro=micro)
     return [a for k, v in over for a in (f"--{k}", v)]
 
 

@@ -57,23 +57,16 @@ LORA = {"lora.r": "16", "lora.alpha": "32"}  # every linear layer (lora.target_m
 CHILD_TIMEOUT_S = 300
 
 
-def smol_model(layers: int) -> dict[str, str]:
-    """The SmolLM2 shape of ``layers`` blocks as ``--model.*`` overrides."""
-    return {f"model.{k}": str(v).lower() if isinstance(v, bool) else str(v)
-            for k, v in {**SMOL, "num_hidden_layers": layers}.items()}
-
-
-def finetune_overrides(folder: Path, out: Path, *, layers: int, seq: int, world: int,
-                       extra: dict, steps: int = STEPS, micro: int = 1,
-                       with_model: bool = True) -> list[tuple[str, str]]:
+def finetune_overrides(folder: Path, out: Path, *, seq: int, world: int,
+                       extra: dict, steps: int = STEPS, micro: int = 1
+                       ) -> list[tuple[str, str]]:
     """The one place a fine-tune's configuration is made (the test's and the bench's): from
     ``folder`` (a Hugging Face folder, ``checkpoint.init_from``), fp32, ``seq`` tokens with
     the document mask, ``micro`` sequences per rank per step, ``steps`` steps, no evaluation
-    between steps. ``with_model``: the folder's shape also as ``--model.*`` overrides, which
-    the dry run needs until it reads the shape from ``checkpoint.init_from`` itself."""
+    between steps. The model's shape comes from the folder, for the run and the dry run
+    alike."""
     dp = world // int(extra.get("parallel.tp", 1))
-    base = {**(smol_model(layers) if with_model else {}),
-            "checkpoint.init_from": str(folder), "train.dtype": "float32",
+    base = {"checkpoint.init_from": str(folder), "train.dtype": "float32",
             "data.seq_len": str(seq), "data.document_mask": "true",
             "train.micro_batch_size": str(micro), "train.global_batch_size": str(micro * dp),
             "train.steps": str(steps), "train.eval_batches": "1", "train.eval_interval": "0",
@@ -253,7 +246,7 @@ def test_finetuning_a_smollm2_shape_peaks_as_predicted(inputs, tmp_path):
         for lay, (world, rank, over) in LAYOUTS.items():
             name = f"{kind}, {lay}"
             cfg_over = finetune_overrides(folder, tmp_path / name.replace(", ", "_"),
-                                          layers=LAYERS, seq=SEQ, world=world,
+                                          seq=SEQ, world=world,
                                           extra={**over, **extra})
             configs[name] = (world, cfg_over)
             specs[name] = {"world": world, "rank": rank, "overrides": cfg_over,

@@ -51,6 +51,7 @@ from threefold.accounting.shapes import (
     num_parameters,
     tp_shard,
 )
+from threefold.checkpoint_verify import read_json
 from threefold.config import MODEL_PRESETS, ConfigError, LoRAConfig, ModelConfig, load_config
 from threefold.config.validation import LORA_TARGETS, lora_targets
 from threefold.hf_config import HFError, model_config_from_hf
@@ -227,10 +228,7 @@ def _pretrained_model(spec: str, path: Path) -> ModelConfig:
     as the run that starts from it builds it."""
     if path.is_file():
         try:
-            conf = json.loads(path.read_text())
-        except ValueError as e:
-            raise ConfigError(f"--model: {path} is neither TOML nor JSON ({e})") from None
-        try:
+            conf = read_json(path, HFError, "", "neither TOML nor JSON")
             return model_config_from_hf(conf, str(path))
         except HFError as e:
             raise ConfigError(f"--model: {e}") from None
@@ -386,6 +384,11 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _count(n: int) -> str:
+    """Parameters in billions, or in millions for a small model (a small checkpoint's)."""
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
+
+
 def main(argv: list[str]) -> int:
     """``threefold plan ...``: print the top layouts (table or --json). Exit 0 on success,
     1 when no layout fits, 2 on bad input (one line on stderr). ``--calibrate`` measures this
@@ -410,9 +413,8 @@ def main(argv: list[str]) -> int:
         hw = cluster.hardware
         moe = (f" ({active_parameters(cfg) / 1e9:.2f}B active: {cfg.num_local_experts} experts,"
                f" top-{cfg.num_experts_per_tok})" if cfg.num_local_experts else "")
-        n = num_parameters(cfg)
-        size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"  # a small checkpoint's too
-        print(f"{args.model}: {size} parameters{moe}, vocab {cfg.vocab_size} (padded to a multiple of tp), "
+        print(f"{args.model}: {_count(num_parameters(cfg))} parameters{moe}, vocab "
+              f"{cfg.vocab_size} (padded to a multiple of tp), "
               f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
         print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
               f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "

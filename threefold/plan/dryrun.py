@@ -251,8 +251,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     """Check ``cfg`` on ``world_size`` ranks and predict its step (no printing).
     ``backend_copies``: whether collectives copy through whole-size temporaries (default: on
     a CPU, as gloo does; a test's fake process group does not)."""
-    said: list[str] = []
-    mcfg = resolved_model(cfg, said)
+    mcfg = resolved_model(cfg, said := [])  # what the checkpoint's model says, if any
     dims = validate_layout(cfg, world_size, mcfg)
     notes = said + list(dims.notes)
     layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)

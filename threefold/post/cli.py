@@ -27,8 +27,11 @@ from threefold.launch import (check_launch_layout, dispatch, fail, resolve_init_
 _COMMON = {"train.steps": "30", "optim.warmup_steps": "3", "optim.weight_decay": "0.0",
            "train.eval_batches": "1", "train.log_interval": "5"}
 DEFAULTS = {
+    # sft packs conversations into rows with attention kept inside each (document ids): the
+    # configuration says so, which the dry run's memory counts
     "sft": dict(_COMMON, **{"checkpoint.init_from": "runs/default",
-                            "train.output_dir": "runs/sft", "optim.lr": "3e-4"}),
+                            "train.output_dir": "runs/sft", "optim.lr": "3e-4",
+                            "data.document_mask": "true"}),
     "dpo": dict(_COMMON, **{"checkpoint.init_from": "runs/default",
                             "train.output_dir": "runs/dpo", "optim.lr": "1e-4"}),
     "reward": dict(_COMMON, **{"checkpoint.init_from": "runs/default",
@@ -173,6 +176,9 @@ def _check_default_start(cmd: str, cfg) -> None:
 
 def _check_inputs(cmd: str, cfg, opts) -> None:
     """Refuse missing inputs before any process starts."""
+    if cmd == "sft" and not cfg.data.document_mask:
+        raise ConfigError("data.document_mask: sft always keeps attention inside each packed "
+                          "conversation; leave it true")
     for key in ("data", "val_data"):
         value = getattr(opts, key, "")
         if value and not Path(value).expanduser().is_file():
