@@ -20,7 +20,6 @@ whose weights are only pickles (``.bin``, never unpickled here), one that needs
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,9 +143,3 @@ def check_snapshot(located: Located, field: str, weights: bool = True) -> None:
                           "use a revision with safetensors weights, or convert it "
                           "(transformers' save_pretrained(..., safe_serialization=True))")
 
-
-def cache_dir() -> str:
-    """The hub cache this process uses (for messages and docs)."""
-    from huggingface_hub import constants
-
-    return os.fspath(constants.HF_HUB_CACHE)

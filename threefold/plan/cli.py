@@ -204,12 +204,11 @@ def load_model(spec: str) -> ModelConfig:
     file's [model] and [data] tables; a Hugging Face ``config.json``; a Hugging Face folder or
     a threefold run or checkpoint directory), a preset, a hub id ``org/name[@revision]``
     (its config.json alone is fetched). Only configurations are read, never weights."""
-    path = Path(spec).expanduser()
-    vocab = 0
+    path, vocab = Path(spec).expanduser(), 0
     if path.is_file() and path.suffix == ".toml":
         full = load_config(spec, validate_now=False)
         cfg, vocab = full.model.resolved(full.data.vocab_size), full.data.vocab_size
-    elif path.exists() or spec not in MODEL_PRESETS and hub_id(spec):
+    elif path.exists() or hub_id(spec):  # (no preset is written org/name)
         cfg = _pretrained_model(spec, path)
     elif spec in MODEL_PRESETS:
         cfg = ModelConfig(preset=spec).resolved()
@@ -224,8 +223,7 @@ def load_model(spec: str) -> ModelConfig:
 
 
 def _pretrained_model(spec: str, path: Path) -> ModelConfig:
-    """The model of a config.json file, or of a folder / hub id (``threefold.model_source``),
-    as the run that starts from it builds it."""
+    """The model of a config.json file, or of a folder or hub id (``threefold.model_source``)."""
     if path.is_file():
         try:
             conf = read_json(path, HFError, "", "neither TOML nor JSON")
