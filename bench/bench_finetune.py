@@ -28,7 +28,9 @@ Figures: tokens/s = the step's real tokens (conversation tokens; prompt + respon
 sides of each pair, no padding, the same count for both sides) over the mean step time of the
 steps after the first (threefold: each step's own clock from metrics.jsonl; TRL: the time
 between consecutive ``on_step_end`` callbacks, so its logging is inside its steps); peak RSS =
-the process's own VmHWM over its whole life (start-up, loading, DPO scoring included).
+the process's own VmHWM over its whole life (start-up, loading, DPO scoring included);
+"3f dry run GB" is what ``--dry-run`` predicts for threefold's side (the larger of its
+start-up and step peaks, the process's own baseline included), to read against its peak.
 Ratios are threefold ÷ TRL (speed: higher is better; memory: lower); a row's ratio is the
 median over rounds; ``speed_ratio`` and ``memory_ratio`` are geometric means over the rows
 (the worst row beside them). Goal: speed ≥ 1.0 and memory ≤ 1.0.
@@ -119,6 +121,7 @@ def measure(row: str, args, paths: dict, tmp: Path, tokens: int) -> dict:
             "speed_ratio": statistics.median(g["threefold"]["tok_s"] / g["trl"]["tok_s"]
                                              for g in per_round),
             "threefold_peak_rss_gb": med("threefold", "peak_rss") / GB,
+            "threefold_predicted_gb": per_round[0]["threefold"]["predicted_peak"] / GB,
             "trl_peak_rss_gb": med("trl", "peak_rss") / GB,
             "memory_ratio": statistics.median(g["threefold"]["peak_rss"] / g["trl"]["peak_rss"]
                                               for g in per_round),
@@ -135,6 +138,7 @@ def summarise(rows: dict[str, dict], args) -> dict:
     """Print the table and the losses; the JSON line's content."""
     print_table([{"row": k, "3f tok/s": v["threefold_tok_s"], "TRL tok/s": v["trl_tok_s"],
                   "speed ratio": v["speed_ratio"], "3f peak GB": v["threefold_peak_rss_gb"],
+                  "3f dry run GB": v["threefold_predicted_gb"],
                   "TRL peak GB": v["trl_peak_rss_gb"], "memory ratio": v["memory_ratio"],
                   "max loss diff": v["max_loss_diff"]} for k, v in rows.items()], width=13)
     for k, v in rows.items():

@@ -85,6 +85,7 @@ def run_threefold(a) -> dict:
         reset(device)
 
     tt.reset_peak_memory = keep_peak_then_reset
+    predicted = dry_run_peak(a)
     code = (sft_main if a.task == "sft" else dpo_main)(threefold_argv(a))
     if code:
         raise SystemExit(f"threefold {a.task} failed ({code})")
@@ -93,7 +94,18 @@ def run_threefold(a) -> dict:
     per_step = json.loads((out / "summary.json").read_text())["tokens_per_step"]
     return {"losses": [r["loss"] for r in recs],
             "seconds": [per_step / r["tokens_per_second"] for r in recs],
-            "peak_rss": max(peak[0], vm_hwm())}
+            "peak_rss": max(peak[0], vm_hwm()), "predicted_peak": predicted}
+
+
+def dry_run_peak(a) -> float:
+    """What ``threefold sft|dpo ... --dry-run`` predicts this process peaks at: the larger of
+    its start-up and step peaks (the baseline included), for the same configuration."""
+    from threefold.plan.dryrun import predict
+    from threefold.post.cli import build_config, parse_task_options
+
+    _, rest = parse_task_options(a.task, threefold_argv(a))
+    peaks = predict(build_config(a.task, None, rest), 1).peaks
+    return max(peaks["startup"], peaks["step"])
 
 
 # --------------------------------------------------------------------------------------------
