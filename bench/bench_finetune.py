@@ -84,7 +84,8 @@ def run_side(side: str, row: str, args, root: Path, out: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).with_name("finetune_sides.py")), side, task, mode,
            "--root", str(root), "--out", str(out), "--steps", str(args.steps),
            "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-           "--threads", str(args.threads), "--lr", str(args.lr)]
+           "--threads", str(args.threads), "--lr", str(args.lr),
+           "--host-mmap-mb", args.host_mmap_mb]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                PYTHONPATH=str(Path(__file__).resolve().parents[1]), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -173,6 +174,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--keep", default="", help="write the folder, data and runs here")
+    ap.add_argument("--host-mmap-mb", default="",
+                    help="threefold's --train.host_mmap_threshold_mb (default: the command's, "
+                    "1 for fine-tuning: the resident set follows the live tensors; 256 keeps "
+                    "freed blocks for reuse, faster, beyond the dry run's prediction)")
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.steps, args.rounds = 4, 4, 1

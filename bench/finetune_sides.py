@@ -61,6 +61,8 @@ def threefold_argv(a) -> list[str]:
             "--optim.min_lr_ratio", "1.0", "--optim.weight_decay", "0.0",
             "--optim.beta1", "0.9", "--optim.beta2", "0.95", "--optim.eps", "1e-8",
             "--optim.grad_clip", "1.0"]
+    if a.host_mmap_mb:  # the host allocator's setting (the command's default otherwise)
+        argv += ["--train.host_mmap_threshold_mb", a.host_mmap_mb]
     if task == "sft":
         argv += ["--data.document_mask", "true"]
     else:
@@ -214,6 +216,8 @@ def main() -> None:
                           ("lora-r", 16), ("lora-alpha", 32)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--host-mmap-mb", default="",
+                    help="threefold's train.host_mmap_threshold_mb (default: the command's)")
     a = ap.parse_args()
     import torch
 
