@@ -102,11 +102,12 @@ def run_threefold(a) -> dict:
 def dry_run_peak(a) -> float:
     """What ``threefold sft|dpo ... --dry-run`` predicts this process peaks at: the larger of
     its start-up and step peaks (the baseline included), for the same configuration."""
-    from threefold.plan.dryrun import predict
-    from threefold.post.cli import build_config, parse_task_options
+    from threefold.plan.dryrun import as_rows, predict
+    from threefold.post.cli import ROWS_PER_ITEM, build_config, parse_task_options
 
     _, rest = parse_task_options(a.task, threefold_argv(a))
-    peaks = predict(build_config(a.task, None, rest), 1).peaks
+    cfg = as_rows(build_config(a.task, None, rest), ROWS_PER_ITEM.get(a.task, 1))
+    peaks = predict(cfg, 1).peaks
     return max(peaks["startup"], peaks["step"])
 
 

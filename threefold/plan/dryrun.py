@@ -37,8 +37,9 @@ device and host per step.
 
 from __future__ import annotations
 
-import os
+import copy
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -432,8 +433,25 @@ def _step_line(r: DryRunResult, world: int) -> str:
         f"({s.tokens_per_second_per_gpu:,.0f} per rank), MFU {mfu}")
 
 
-def dry_run(cfg: Config, world_size: int, out=print) -> int:
-    """Check ``cfg`` for ``world_size`` ranks on the meta device and print the prediction.
-    Returns 0; raises ConfigError (or ValueError) for a configuration that cannot run."""
-    out(format_report(predict(cfg, world_size), world_size))
+def as_rows(cfg: Config, rows_per_item: int) -> Config:
+    """``cfg`` with each item of the batch counted as the ``rows_per_item`` sequences its task
+    runs through the model (a preference pair's chosen and rejected rows: DPO, reward
+    models), which is what the model's memory and FLOPs see."""
+    if rows_per_item == 1:
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.train.global_batch_size *= rows_per_item
+    out.train.micro_batch_size *= rows_per_item
+    return out
+
+
+def dry_run(cfg: Config, world_size: int, out=print, rows_per_item: int = 1) -> int:
+    """Check ``cfg`` for ``world_size`` ranks on the meta device and print the prediction
+    (``rows_per_item``: ``as_rows``). Returns 0; raises ConfigError (or ValueError) for a
+    configuration that cannot run."""
+    out(format_report(predict(as_rows(cfg, rows_per_item), world_size), world_size))
+    if rows_per_item > 1:
+        out(f"note: each of the {cfg.train.global_batch_size} items of a step is "
+            f"{rows_per_item} sequences through the model (chosen and rejected), counted above "
+            "as sequences")
     return 0

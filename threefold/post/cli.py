@@ -46,6 +46,8 @@ DEFAULTS = {
                              "train.micro_batch_size": "32", "data.seq_len": "64",
                              "optim.warmup_steps": "0", "checkpoint.interval": "25"}),
 }
+# sequences each item of a batch puts through the model: a pair's chosen and rejected rows
+ROWS_PER_ITEM = {"dpo": 2, "reward": 2}
 # command -> (its module, options class, Task class). A task's module (and with it the trainer,
 # for reward and grpo) is imported only once its command is chosen, so the launcher loads no
 # more than that command needs to parse its arguments.
@@ -227,7 +229,8 @@ def _main(cmd: str, argv: list[str]) -> int:
     except (ConfigError, DataError, ValueError) as e:
         return fail(str(e))
     return dispatch(cfg, world, nproc, launcher, argv, ["threefold.post.cli", cmd],
-                    lambda: run_training(cfg, lambda: task_class(cmd)(opts)))
+                    lambda: run_training(cfg, lambda: task_class(cmd)(opts)),
+                    ROWS_PER_ITEM.get(cmd, 1))
 
 
 def sft_main(argv: list[str]) -> int:

@@ -262,10 +262,25 @@ def halves(logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logps[:b], logps[b:]
 
 
+def trimmed(run, both: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``concatenated`` rows cut after the last column where any row has a label, rounded up
+    to a multiple of 8 (and of tp under sequence parallelism): the padding after every
+    response changes no log-prob (attention is causal), but a forward over it costs as much
+    as over text (TRL pads to the longest pair too). Rows stay whole where the layout needs
+    fixed lengths: context parallelism's 2·cp chunks, compiled blocks."""
+    p, labels = run.cfg.parallel, both["labels"]
+    used = (labels != -100).any(0).nonzero()
+    if p.cp > 1 or run.cfg.train.compile or not len(used):
+        return both
+    step = 8 * (p.tp if p.sequence_parallel else 1)
+    n = min(labels.shape[1], -(-(int(used[-1]) + 1) // step) * step)
+    return {"input_ids": both["input_ids"][:, :n], "labels": labels[:, :n]}
+
+
 def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy log-probs (chosen, rejected) of a micro-batch of pairs, in one forward of the
-    whole model over the ``concatenated`` rows."""
-    both = concatenated(micro)
+    whole model over the ``concatenated`` rows (``trimmed``)."""
+    both = trimmed(run, concatenated(micro))
     return halves(rows_logps(run.token_losses({"input_ids": both["input_ids"]},
                                               both["labels"])))
 
