@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ SHAPE = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hid
 def _write_hf(folder) -> tuple[int, int]:
     """A bf16 Llama folder of SHAPE with random weights; (file bytes, largest tensor bytes)."""
     from threefold.config import ModelConfig
+    from threefold.data.tokenizer import train_bpe
     from threefold.hf import expected_shapes, hf_config
 
     cfg = ModelConfig(**SHAPE).resolved()
@@ -33,6 +35,8 @@ def _write_hf(folder) -> tuple[int, int]:
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_config(cfg)))
+    # the vocabulary comes with the weights (training from a folder without one is refused)
+    train_bpe([Path(__file__).read_text()], 300).save(str(folder / "tokenizer.json"))
     return (sum(t.numel() * 2 for t in tensors.values()),
             max(t.numel() * 2 for t in tensors.values()))
 

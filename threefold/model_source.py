@@ -18,6 +18,7 @@ A preset the user named is dropped, and the run says so on a line of its own.
 The tokenizer comes with the weights (the vocabulary they were trained on): the folder's
 tokenizer.json, or the run's that wrote a threefold checkpoint; ``data.tokenizer`` wins when
 given; training from a folder with neither is refused before launch, naming the missing file.
+``resolved_model`` is the model a dry run predicts for, either way.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.config.validation import check_against_model
+from threefold.data import load_tokenizer
+from threefold.data.sources import check_prepared
 from threefold.hub import Located, locate
 
 FIELD = "checkpoint.init_from"
@@ -130,3 +133,35 @@ def choose_tokenizer(cfg: Config, located: Located) -> None:
                           "from config.json, but training needs the vocabulary the weights "
                           "were trained on): give it with --data.tokenizer PATH/tokenizer.json")
     cfg.data.tokenizer = str(found)
+
+
+def resolved_model(cfg: Config, notes: list[str] | None = None) -> ModelConfig:
+    """The model config as the trainer resolves it, without preparing any data or reading a
+    weight. With ``checkpoint.init_from``, the checkpoint's (``threefold.model_source``: its
+    configuration alone; what it says about the user's fields goes to ``notes``), checked
+    against its tokenizer when it has one (a folder without still dry-runs). Otherwise the
+    vocabulary is ``model.vocab_size`` if set, else the tokenizer's — ``data.vocab_size`` for
+    a BPE trained on the corpus, the file's own size for a tokenizer.json or for prepared
+    data."""
+    if cfg.checkpoint.init_from:
+        mcfg, said, located = init_from_model(cfg)
+        (notes if notes is not None else []).extend(said)
+        tok = cfg.data.tokenizer if cfg.data.tokenizer != "bpe" else \
+            run_tokenizer_of(located.path)
+        vocab = load_tokenizer(str(tok)).get_vocab_size(with_added_tokens=True) if tok else 0
+        if mcfg.vocab_size < vocab:
+            raise ConfigError(f"data.tokenizer: {vocab} tokens, more than the checkpoint's "
+                              f"vocabulary ({mcfg.vocab_size}); use the tokenizer the weights "
+                              "were trained with")
+    else:
+        vocab = cfg.data.vocab_size
+        prepared = check_prepared(cfg.data.corpus, cfg.data.mix, cfg.data.tokenizer)
+        if prepared is not None:  # the tokenizer the data was prepared with
+            vocab = prepared["vocab_size"]
+        elif cfg.data.tokenizer != "bpe":
+            vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(with_added_tokens=True)
+        mcfg = cfg.model.resolved(vocab_size=vocab)
+    if mcfg.vocab_size < vocab:
+        raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
+                          f"{vocab}; leave it unset (0) or raise it")
+    return mcfg

@@ -61,11 +61,9 @@ from threefold.accounting import (
 )
 from threefold.accounting.lora import lora_units
 from threefold.config import Config, ConfigError, LoRAConfig, ModelConfig
-from threefold.data import load_tokenizer
-from threefold.data.sources import check_prepared
 from threefold.lora import apply_lora, is_adapter
 from threefold.model import LlamaForCausalLM
-from threefold.model_source import init_from_model, run_tokenizer_of
+from threefold.model_source import resolved_model
 from threefold.parallel.expert import apply_expert_parallel
 from threefold.parallel.layout import validate_layout
 from threefold.parallel.pipeline.schedules import schedule_spec
@@ -131,38 +129,6 @@ class _MetaComm:
     def rank(self, axis: str) -> int:
         """Rank 0's index on every axis."""
         return 0
-
-
-def resolved_model(cfg: Config, notes: list[str] | None = None) -> ModelConfig:
-    """The model config as the trainer resolves it, without preparing any data or reading a
-    weight. With ``checkpoint.init_from``, the checkpoint's (``threefold.model_source``: its
-    configuration alone; what it says about the user's fields goes to ``notes``), checked
-    against its tokenizer when it has one (a folder without still dry-runs). Otherwise the
-    vocabulary is ``model.vocab_size`` if set, else the tokenizer's — ``data.vocab_size`` for
-    a BPE trained on the corpus, the file's own size for a tokenizer.json or for prepared
-    data."""
-    if cfg.checkpoint.init_from:
-        mcfg, said, located = init_from_model(cfg)
-        (notes if notes is not None else []).extend(said)
-        tok = cfg.data.tokenizer if cfg.data.tokenizer != "bpe" else \
-            run_tokenizer_of(located.path)
-        vocab = load_tokenizer(str(tok)).get_vocab_size(with_added_tokens=True) if tok else 0
-        if mcfg.vocab_size < vocab:
-            raise ConfigError(f"data.tokenizer: {vocab} tokens, more than the checkpoint's "
-                              f"vocabulary ({mcfg.vocab_size}); use the tokenizer the weights "
-                              "were trained with")
-    else:
-        vocab = cfg.data.vocab_size
-        prepared = check_prepared(cfg.data.corpus, cfg.data.mix, cfg.data.tokenizer)
-        if prepared is not None:  # the tokenizer the data was prepared with
-            vocab = prepared["vocab_size"]
-        elif cfg.data.tokenizer != "bpe":
-            vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(with_added_tokens=True)
-        mcfg = cfg.model.resolved(vocab_size=vocab)
-    if mcfg.vocab_size < vocab:
-        raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
-                          f"{vocab}; leave it unset (0) or raise it")
-    return mcfg
 
 
 def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
