@@ -361,7 +361,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="threefold generate",
         description="Complete prompts with a trained run's model (KV cache) and report tokens/s.")
     p.add_argument("--from", dest="source", default="runs/default",
-                   help="run directory, checkpoint or Hugging Face folder (runs/default)")
+                   help="run, checkpoint, HF folder or hub id org/name[@rev] (runs/default)")
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for a batch (left-padded); default: 'def '")
     p.add_argument("--chat", action="store_true",

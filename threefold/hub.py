@@ -50,9 +50,11 @@ class Located:
 
 
 def hub_id(spec: str) -> tuple[str, str | None] | None:
-    """(repo, revision or None) when ``spec`` is written as a hub id and is not an existing
-    path; else None."""
-    if not spec or Path(spec).expanduser().exists():
+    """(repo, revision or None) when ``spec`` is written as a hub id and is not a local path;
+    else None. A name whose folder part is a local directory (``runs/default`` where
+    ``runs/`` exists) is taken as a path that is missing, not looked up on the hub."""
+    path = Path(spec).expanduser()
+    if not spec or path.exists() or path.parent.is_dir() and str(path.parent) != ".":
         return None
     m = HUB_ID.match(spec)
     return (m["repo"], m["rev"]) if m else None
