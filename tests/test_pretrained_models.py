@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
+from tests.test_generate import CHATML  # ChatML, as transformers renders it
 from threefold import hf_config
 from threefold.cli import main
 from threefold.config import ConfigError, ModelConfig
+from threefold.data.tokenizer import train_bpe
 from threefold.hub import locate
 
 REPO = "tf-test/smol-9-3"
@@ -28,8 +30,6 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SHAPE = dict(vocab_size=512, hidden_size=72, intermediate_size=192, num_hidden_layers=2,
              num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
              rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=256)
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def make_folder(path: Path, tokenizer: bool = True, **config) -> Path:
@@ -43,12 +43,9 @@ def make_folder(path: Path, tokenizer: bool = True, **config) -> Path:
                hf_config.expected_shapes(cfg).items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps({**hf_config.hf_config(cfg), **config}))
-    if tokenizer:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
-        text = Path(hf_config.__file__).read_text()
-        tok.train_from_iterator([text], trainers.BpeTrainer(
-            vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+    if tokenizer:  # threefold's BPE with ChatML's two special tokens added
+        tok = train_bpe([Path(hf_config.__file__).read_text()], 300)
+        tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
         tok.save(str(path / "tokenizer.json"))
         (path / "tokenizer_config.json").write_text(json.dumps(
             {"chat_template": CHATML, "eos_token": "<|im_end|>"}))

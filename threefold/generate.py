@@ -39,7 +39,7 @@ import torch
 
 from threefold.checkpoint import CheckpointError
 from threefold.data import DataError
-from threefold.data.tokenizer import EOT_NAMES, load_tokenizer
+from threefold.data.tokenizer import eot_id, load_tokenizer
 from threefold.distributed import pick_device
 from threefold.hf import find_checkpoint, load_pretrained
 from threefold.hub import locate
@@ -312,11 +312,6 @@ def load_for_generation(path, device: str = "cpu"):
     return model, (load_tokenizer(tok_path) if tok_path else None), tok_path
 
 
-def _eot(tok) -> int | None:
-    """The tokenizer's end-of-text id (``eot_id``), None when it has none."""
-    return next((i for n in EOT_NAMES if (i := tok.token_to_id(n)) is not None), None)
-
-
 def config_stop_ids(*folders: Path) -> list[int]:
     """The stop tokens a Hugging Face folder names: ``eos_token_id`` (an int or a list) of its
     generation_config.json, else of its config.json (transformers' fallback)."""
@@ -337,7 +332,7 @@ def chat_prompts(tok, tok_path: Path, texts: Sequence[str], system: str | None =
     prompt by the template SFT uses (``load_chat_template``: the tokenizer folder's, a run's
     saved one, else the built-in) and tokenized as SFT tokenizes (special-token text becomes
     special tokens, nothing added); and the template's end-of-turn token(s) to stop at."""
-    eot = _eot(tok)
+    eot = eot_id(tok, missing_ok=True)
     try:
         template = load_chat_template(tok_path, tok)
     except DataError as e:
@@ -401,7 +396,7 @@ def _prepare(args, path: Path):
     if args.chat:
         prompts, stops = chat_prompts(tok, tok_path, texts, args.system)
     else:
-        prompts, stops = [tok.encode(t).ids for t in texts], [_eot(tok)]
+        prompts, stops = [tok.encode(t).ids for t in texts], [eot_id(tok, missing_ok=True)]
     if any(not p for p in prompts):
         raise ValueError("--prompt: a prompt encodes to no tokens")
     # a Hugging Face folder names its stop tokens (an instruct model's end of turn among them)

@@ -37,20 +37,28 @@ def threshold_for(threshold_mb: float, world_size: int) -> float:
     return threshold_mb
 
 
+def _glibc(name: str, argtypes: list):
+    """glibc's function ``name`` (int result), or None off Linux or without glibc (musl has
+    no mallopt or malloc_trim)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
 def reuse_freed_host_memory(threshold_mb: float) -> bool:
     """Serve allocations below ``threshold_mb`` MiB from glibc's heap (``mallopt``
     M_MMAP_THRESHOLD) and keep up to twice that free at the heap's top before returning it to
     the system (M_TRIM_THRESHOLD, the ratio glibc's own adjustment uses); whether the setting
     took. Nothing is done for 0, off Linux/glibc, or
     when the environment already sets ``MALLOC_MMAP_THRESHOLD_`` (the user's choice wins)."""
-    if threshold_mb <= 0 or not sys.platform.startswith("linux") \
-            or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
+    if threshold_mb <= 0 or mallopt is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     size = int(threshold_mb * 2**20)
     return bool(mallopt(M_MMAP_THRESHOLD, size)) and bool(mallopt(M_TRIM_THRESHOLD, 2 * size))
 
@@ -61,11 +69,5 @@ def release_free_heap() -> bool:
     resident under ``reuse_freed_host_memory``'s trim threshold for the whole run, above
     what the run holds (a LoRA run's steps never reuse it: its step is smaller than its
     start-up). Whether glibc did it; nothing off Linux/glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(trim(0))
+    trim = _glibc("malloc_trim", [ctypes.c_size_t])
+    return bool(trim(0)) if trim is not None else False

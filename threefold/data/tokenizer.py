@@ -92,12 +92,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                         "data.tokenizer at a Hugging Face tokenizer.json or use 'bpe'") from None
 
 
-def eot_id(tok: Tokenizer, where: str | Path = "tokenizer") -> int:
-    """Id of the end-of-text token that separates documents in the token stream."""
+def eot_id(tok: Tokenizer, where: str | Path = "tokenizer",
+           missing_ok: bool = False) -> int | None:
+    """Id of the end-of-text token that separates documents in the token stream (None for a
+    tokenizer without one when ``missing_ok``: generation then stops on other tokens)."""
     for name in EOT_NAMES:
         tid = tok.token_to_id(name)
         if tid is not None:
             return tid
+    if missing_ok:
+        return None
     raise DataError(f"tokenizer '{where}' has no end-of-text token (looked for "
                     f"{', '.join(EOT_NAMES)}); add one to it or use data.tokenizer = 'bpe'")
 

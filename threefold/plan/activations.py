@@ -191,12 +191,20 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
                                   layout.cp_algorithm)
-    if work.document_mask and layout.cp == 1:
-        kept += document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s,
-                                    work.act_bytes)
+    kept += block_document_mask_bytes(cfg, layout, work)
     if cfg.qk_norm:
         kept += qk_norm_bytes(b * local, sh.heads, sh.kv_heads, cfg.head_dim, work.act_bytes)
     return kept
+
+
+def block_document_mask_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """What packed documents' masked attention (``data.document_mask``) adds to one block's
+    kept bytes without recompute (``document_mask_bytes``; none under context parallelism,
+    whose attention takes no mask)."""
+    if not work.document_mask or layout.cp > 1:
+        return 0.0
+    sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
+    return document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s, work.act_bytes)
 
 
 def qk_norm_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int,

@@ -16,7 +16,7 @@ from threefold.accounting.shapes import tp_shard
 from threefold.accounting.stages import rank_layers
 from threefold.config import ModelConfig
 from threefold.head_loss import chunk_tokens
-from threefold.plan.activations import (adapter_activation_bytes, document_mask_bytes,
+from threefold.plan.activations import (adapter_activation_bytes, block_document_mask_bytes,
                                         head_saved_bytes, inflight_microbatches,
                                         microbatch_extra_bytes, model_layer_activation_bytes)
 from threefold.plan.memory import MemoryBreakdown
@@ -27,13 +27,11 @@ def _gb(x: float) -> str:
 
 
 def _mask_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
-    """The document mask's share of one block's kept bytes (as ``model_layer_activation_bytes``
-    adds it: without recompute and context parallelism)."""
-    if not work.document_mask or layout.cp > 1 or layout.recompute != "none" \
-            or work.block != "threefold":
+    """The document mask's share of one block's kept bytes, where
+    ``model_layer_activation_bytes`` adds it (no recompute, threefold's own block)."""
+    if layout.recompute != "none" or work.block != "threefold":
         return 0.0
-    sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
-    return document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s, work.act_bytes)
+    return block_document_mask_bytes(cfg, layout, work)
 
 
 def activation_line(cfg: ModelConfig, layout: Layout, work: Workload, mem: MemoryBreakdown
