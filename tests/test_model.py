@@ -12,8 +12,8 @@ from torch import nn
 
 from threefold.accounting import num_parameters
 from threefold.config import MODEL_PRESETS, ModelConfig
-from threefold.model import (LlamaForCausalLM, causal_lm_loss, count_target_tokens,
-                             document_position_ids, rope_inverse_frequencies)
+from threefold.attention import document_position_ids, rope_inverse_frequencies
+from threefold.model import LlamaForCausalLM, causal_lm_loss, count_target_tokens
 
 VOCAB = 300
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from threefold.checkpoint_verify import CheckpointError
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
+from threefold.models import FAMILIES, FamilyError, family_for, legacy_family, spec_of
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -52,14 +53,16 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+        out.update({p + name + ".weight": (h,) for name in block_norms(cfg)})
+        out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
         if cfg.qkv_bias:  # Qwen2
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})
-        if cfg.qk_norm:  # Qwen3
-            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if cfg.qk_norm:  # Qwen3: per head; OLMo 2: over the whole projection
+            whole = cfg.qk_norm_over == "projection"
+            out.update({p + "self_attn.q_norm.weight": (q if whole else d,),
+                        p + "self_attn.k_norm.weight": (kv if whole else d,)})
         if cfg.num_local_experts:  # transformers 5's Mixtral layout (threefold.moe)
             e = cfg.num_local_experts
             out.update({p + "mlp.gate.weight": (e, h),
@@ -77,6 +80,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (v, h)
     return out
+
+
+def block_norms(cfg: ModelConfig) -> tuple[str, ...]:
+    """The names of a block's residual-width norms, as ``cfg.norm_layout`` places them."""
+    if cfg.norm_layout == "post":
+        return ("post_attention_layernorm", "post_feedforward_layernorm")
+    return ("input_layernorm", "post_attention_layernorm")
 
 
 def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str,
@@ -169,61 +179,18 @@ def hf_config(cfg: ModelConfig, tokens: dict | None = None) -> dict:
 
 
 def family(cfg: ModelConfig) -> dict:
-    """The architecture fields of config.json: Llama; Qwen2 with q/k/v biases, Qwen3 with
-    q/k norms (no sliding window in either); Mixtral for a mixture of experts (no sliding
-    window, no router jitter: what threefold.moe computes)."""
-    qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 0}
-    fs = cfg.shared_expert_intermediate_size
-    if cfg.num_local_experts and (fs or cfg.qkv_bias or cfg.qk_norm):
-        return _qwen_moe_family(cfg, qwen)
-    if cfg.qk_norm or cfg.qkv_bias:
-        if cfg.num_local_experts or (cfg.qk_norm and cfg.qkv_bias):
-            raise ConfigError("model.qkv_bias / model.qk_norm: exporting these with a mixture "
-                              "of experts other than Qwen3-MoE's, or both together, is not "
-                              "built (Qwen2 has biases, Qwen3 norms)")
-        name = "Qwen3" if cfg.qk_norm else "Qwen2"
-        return {"architectures": [f"{name}ForCausalLM"], "model_type": name.lower(), **qwen}
-    if not cfg.num_local_experts:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    if not cfg.norm_topk_prob:
-        raise ConfigError("model.norm_topk_prob: Mixtral always renormalises the top-k "
-                          "weights; without a shared expert (Qwen2-MoE) or q/k norms "
-                          "(Qwen3-MoE) this model has no Hugging Face family to export to")
-    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-            "num_local_experts": cfg.num_local_experts,
-            "num_experts_per_tok": cfg.num_experts_per_tok,
-            "router_aux_loss_coef": cfg.router_aux_loss_coef, "router_jitter_noise": 0.0,
-            "output_router_logits": False, "sliding_window": None}
-
-
-def _qwen_moe_family(cfg: ModelConfig, qwen: dict) -> dict:
-    """Qwen2-MoE (a shared expert with its gate; q/k/v biases or not) or Qwen3-MoE (q/k
-    norms, no shared expert): every block routed, experts of ``intermediate_size``."""
-    fs = cfg.shared_expert_intermediate_size
-    if cfg.qk_norm and (fs or cfg.qkv_bias):
-        raise ConfigError("model.qk_norm: Qwen3-MoE has no shared expert and no q/k/v biases; "
-                          "exporting q/k norms with either is not built")
-    if not cfg.qk_norm and not fs:
-        raise ConfigError("model.shared_expert_intermediate_size: 0, but Qwen2-MoE has a "
-                          "shared expert; q/k/v biases on a Mixtral-style mixture have no "
-                          "Hugging Face family to export to")
-    experts = {"num_experts": cfg.num_local_experts,
-               "num_local_experts": cfg.num_local_experts,
-               "num_experts_per_tok": cfg.num_experts_per_tok,
-               "moe_intermediate_size": cfg.intermediate_size, "decoder_sparse_step": 1,
-               "mlp_only_layers": [], "norm_topk_prob": bool(cfg.norm_topk_prob),
-               "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False}
-    if cfg.qk_norm:
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **qwen,
-                **experts}
-    return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **qwen,
-            **experts, "shared_expert_intermediate_size": fs, "qkv_bias": bool(cfg.qkv_bias)}
+    """The architecture fields of config.json: those of the family ``model.family`` names
+    (``threefold.models``), after checking that the model is one of it (ConfigError naming
+    the field that differs)."""
+    spec = spec_of(cfg)
+    return {"architectures": [spec.architecture], "model_type": spec.model_type,
+            **spec.write(cfg)}
 
 
 def qwen_layout(cfg: ModelConfig) -> bool:
     """Whether a mixture of experts' files use the Qwen MoE layout (``mlp.experts.N.
     gate_proj``...) rather than Mixtral's (``block_sparse_moe.experts.N.w1``...)."""
-    return bool(cfg.qk_norm or cfg.qkv_bias or cfg.shared_expert_intermediate_size)
+    return FAMILIES[cfg.family or "llama"].expert_files == "qwen"
 
 
 def reward_hf_config(conf: dict, tokens: dict) -> dict:
@@ -261,17 +228,16 @@ def _need(c: dict, where: str, ok: bool, field: str, why: str) -> None:
 
 
 def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
-    """A resolved ModelConfig from a Hugging Face Llama config.json, or HFError naming the first
-    field this model cannot express (biases, another head width, another activation, another
-    RoPE scaling, a model type other than llama)."""
+    """A resolved ModelConfig from a Hugging Face config.json, read through the spec of its
+    ``model_type`` (``threefold.models``), or HFError naming the first field this model
+    cannot express (biases where the family has none, another activation, another RoPE
+    scaling, a model type that is not built)."""
+    try:
+        spec = family_for(c, where)
+        own = spec.read(c, where)
+    except FamilyError as e:
+        raise HFError(str(e)) from None
     need = functools.partial(_need, c, where)
-    need(c.get("model_type") in ("llama", "mixtral", "qwen2", "qwen3", "qwen2_moe",
-                                  "qwen3_moe"), "model_type",
-         "only Llama-, Mixtral-, Qwen2-, Qwen3-, Qwen2-MoE- and Qwen3-MoE-architecture "
-         "models import")
-    moe = _moe_fields(c, where) if c["model_type"] in ("mixtral", "qwen2_moe",
-                                                       "qwen3_moe") else {}
-    qwen = _qwen_fields(c, where) if c["model_type"].startswith("qwen") else {}
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "vocab_size"):
         need(isinstance(c.get(field), int) and c[field] > 0, field, "a positive integer is needed")
@@ -288,7 +254,6 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
          "must divide hidden_size when head_dim is not given")
     need(isinstance(kv, int) and heads % kv == 0, "num_key_value_heads",
          "must divide num_attention_heads")
-    rope = _rope_fields(c, where)
     fields = dict(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
                   intermediate_size=c["intermediate_size"],
                   num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
@@ -296,69 +261,9 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                   attention_head_dim=0 if head_dim * heads == c["hidden_size"] else head_dim,
-                  **rope, **qwen)
-    fields.update({"num_local_experts": 0} | moe)  # (Qwen3-MoE's experts set the width)
-    return ModelConfig(**fields).resolved()
-
-
-def _qwen_fields(c: dict, where: str) -> dict:
-    """The ModelConfig fields of a Qwen2 (q/k/v biases) or Qwen3 (q/k norms) config.json;
-    HFError for a sliding window that is on (Qwen2's configs carry a ``sliding_window``
-    value with ``use_sliding_window`` false: they load)."""
-    need = functools.partial(_need, c, where)
-    need(not c.get("use_sliding_window", False), "use_sliding_window",
-         "this model attends to the whole causal context")
-    layer_types = c.get("layer_types") or []
-    need(all(t == "full_attention" for t in layer_types), "layer_types",
-         "every layer must be full attention (no sliding window)")
-    if c["model_type"] == "qwen2":
-        return dict(qkv_bias=True)
-    if c["model_type"] == "qwen2_moe":
-        return dict(qkv_bias=bool(c.get("qkv_bias", True)))
-    return dict(qk_norm=True)
-
-
-def _moe_fields(c: dict, where: str) -> dict:
-    """The ModelConfig fields of a Mixtral config.json (experts, routing); HFError for what
-    threefold.moe does not compute (a sliding window, router jitter)."""
-    need = functools.partial(_need, c, where)
-    if c["model_type"] in ("qwen2_moe", "qwen3_moe"):
-        return _qwen_moe_fields(c, where)
-    e, k = c.get("num_local_experts", 8), c.get("num_experts_per_tok", 2)
-    need(isinstance(e, int) and e > 0, "num_local_experts", "a positive integer is needed")
-    need(isinstance(k, int) and 0 < k <= e, "num_experts_per_tok",
-         "must be between 1 and num_local_experts")
-    need(c.get("sliding_window") is None, "sliding_window",
-         "this model attends to the whole causal context")
-    need(not c.get("router_jitter_noise", 0.0), "router_jitter_noise",
-         "the router has no jitter")
-    return dict(num_local_experts=e, num_experts_per_tok=k,
-                router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.02)))
-
-
-def _qwen_moe_fields(c: dict, where: str) -> dict:
-    """The ModelConfig fields of a Qwen2-MoE or Qwen3-MoE config.json: every block's MLP
-    routed (HFError naming ``decoder_sparse_step`` or ``mlp_only_layers`` when some are
-    dense), experts of ``moe_intermediate_size``, ``norm_topk_prob`` as given, and Qwen2-MoE's
-    shared expert."""
-    need = functools.partial(_need, c, where)
-    e = c.get("num_local_experts") or c.get("num_experts")
-    k, f = c.get("num_experts_per_tok", 8), c.get("moe_intermediate_size")
-    need(isinstance(e, int) and e > 0, "num_experts", "a positive integer is needed")
-    need(isinstance(k, int) and 0 < k <= e, "num_experts_per_tok",
-         "must be between 1 and num_experts")
-    need(isinstance(f, int) and f > 0, "moe_intermediate_size", "a positive integer is needed")
-    need(c.get("decoder_sparse_step", 1) == 1, "decoder_sparse_step",
-         "every block's MLP must be routed (1)")
-    need(not c.get("mlp_only_layers"), "mlp_only_layers",
-         "every block's MLP must be routed (no dense layers)")
-    fs = c.get("shared_expert_intermediate_size", 0) if c["model_type"] == "qwen2_moe" else 0
-    need(isinstance(fs, int) and fs >= 0, "shared_expert_intermediate_size",
-         "a non-negative integer is needed")
-    return dict(num_local_experts=e, num_experts_per_tok=k, intermediate_size=f,
-                norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-                router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
-                shared_expert_intermediate_size=fs)
+                  num_local_experts=0, family=spec.model_type, **_rope_fields(c, where))
+    # the family's fixed values, then what its config.json says (experts' width included)
+    return ModelConfig(**{**fields, **spec.fixed, **own}).resolved()
 
 
 def _rope_fields(c: dict, where: str) -> dict:
@@ -394,4 +299,7 @@ def model_config_from_state(state: dict, where: Path) -> ModelConfig:
     if not isinstance(saved, dict):
         raise HFError(f"{where}/state.json: no model_config; not a threefold checkpoint")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in saved.items() if k in known}).resolved()
+    fields = {k: v for k, v in saved.items() if k in known}
+    if fields.get("family") is None:  # written before model.family existed
+        fields["family"] = legacy_family(fields)
+    return ModelConfig(**fields).resolved()

@@ -146,6 +146,11 @@ class ParallelDims:
         if kv % tp and tp % kv:
             raise ConfigError(f"model.num_key_value_heads: {kv} neither divides nor is divisible"
                               f" by parallel.tp={tp}; this model splits over a tp in {fits}")
+        if kv % tp and getattr(m, "qk_norm", False) \
+                and getattr(m, "qk_norm_over", "head") == "projection":
+            raise ConfigError(f"model.qk_norm_over: a k norm over the whole projection needs "
+                              f"the {kv} KV heads split over parallel.tp={tp}, not replicated; "
+                              f"use a tp that divides {kv}")
         if m.intermediate_size % tp:
             raise ConfigError(f"model.intermediate_size: {m.intermediate_size} is not divisible"
                               f" by parallel.tp={tp}; this model splits over a tp in {fits}")

@@ -44,11 +44,14 @@ def layer_parameters(cfg: ModelConfig) -> int:
 
 
 def attention_extras(cfg: ModelConfig) -> int:
-    """A block's attention weights that are in no matmul: q/k/v biases (Qwen2) and the
-    per-head q/k norms (Qwen3)."""
+    """A block's attention weights that are in no matmul: q/k/v biases (Qwen2) and the q/k
+    norms (Qwen3's per head, OLMo 2's over the whole projections)."""
     hd = cfg.head_dim
-    bias = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd if cfg.qkv_bias else 0
-    return bias + (2 * hd if cfg.qk_norm else 0)
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    bias = q + 2 * kv if cfg.qkv_bias else 0
+    if not cfg.qk_norm:
+        return bias
+    return bias + (q + kv if cfg.qk_norm_over == "projection" else 2 * hd)
 
 
 def num_parameters(cfg: ModelConfig) -> int:

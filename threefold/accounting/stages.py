@@ -16,35 +16,42 @@ from threefold.parallel.pipeline.balance import split_counts
 
 def shape_key(cfg: ModelConfig) -> tuple:
     """The numbers of ``cfg`` a stage's shapes depend on, as a hashable key for the caches:
-    the attention's extras ``attn`` = (head dim, q/k/v biases, q/k norms) last."""
+    the attention's extras ``attn`` = (head dim, q/k/v biases, q/k norms, norm layout) last."""
     h, a, e = cfg.hidden_size, cfg.num_attention_heads, cfg.num_local_experts
     # moe_key and attn_key written out: a search asks for this key about a million times
     return (h, a, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
             cfg.num_hidden_layers, bool(cfg.tie_word_embeddings),
             (e, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size or 0) if e
             else (0, 0, 0),
-            (cfg.attention_head_dim or h // a, bool(cfg.qkv_bias), bool(cfg.qk_norm)))
+            attn_key(cfg))
 
 
-def attn_key(cfg: ModelConfig) -> tuple[int, bool, bool]:
-    """(head dim, q/k/v biases, q/k norms) of ``cfg``'s attention."""
-    return (cfg.head_dim, bool(cfg.qkv_bias), bool(cfg.qk_norm))
+def attn_key(cfg: ModelConfig) -> tuple[int, bool, str, str]:
+    """(head dim, q/k/v biases, q/k norms: "" none, "head" or "projection", the norm layout)
+    of ``cfg``'s block."""
+    return (cfg.head_dim, bool(cfg.qkv_bias), cfg.qk_norm_over if cfg.qk_norm else "",
+            cfg.norm_layout or "pre")
 
 
 @lru_cache(maxsize=4096)
 def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
                   attn: tuple = ()) -> tuple[int, ...]:
     sh = tp_shard_for(h, a, kv, f, vocab, tp)
-    hd, bias, qk_norm = attn or (h // a, False, False)
+    hd, bias, qk_norm, layout = attn or (h // a, False, "", "pre")
     kv_rows = (kv * hd) if sh.kv_replicas > 1 else sh.kv_heads * hd  # replicated: whole
     q_rows = sh.heads * hd
-    # registration order of threefold.model.LlamaDecoderLayer: input_layernorm,
-    # q/k/v_proj (each weight, then its bias), o_proj, q/k_norm, post_attention_layernorm,
-    # gate/up/down_proj
+    # registration order of threefold.model.LlamaDecoderLayer: input_layernorm (pre
+    # layout), q/k/v_proj (each weight, then its bias), o_proj, q/k_norm (per head: d; over
+    # the projection: this rank's rows), post_attention_layernorm, gate/up/down_proj,
+    # post_feedforward_layernorm (post layout)
     proj = [(q_rows * h, q_rows), (kv_rows * h, kv_rows), (kv_rows * h, kv_rows)]
     qkv = tuple(x for w, b in proj for x in ((w, b) if bias else (w,)))
-    return (h, *qkv, h * q_rows, *((hd, hd) if qk_norm else ()), h,
-            sh.ffn * h, sh.ffn * h, h * sh.ffn)
+    norms = {"": (), "head": (hd, hd), "projection": (q_rows, sh.kv_heads * hd)}[qk_norm]
+    attention = (*qkv, h * q_rows, *norms, h)
+    mlp = (sh.ffn * h, sh.ffn * h, h * sh.ffn)
+    if layout == "post":
+        return (*attention, *mlp, h)
+    return (h, *attention, *mlp)
 
 
 @lru_cache(maxsize=4096)
@@ -64,9 +71,11 @@ def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tup
     router = (e * h,)
     experts = ((e // ep) * 2 * f * h, (e // ep) * h * f)
     shared = (fs * h, fs * h, h * fs, h) if fs else ()
+    post = (h,) if attn and attn[3] == "post" else ()  # the norm after the MLP
+    before = dense[:len(dense) - 3 - len(post)]
     if ep == 1:
-        return dense[:-3] + router + experts + shared, ()
-    return dense[:-3] + router + shared, experts
+        return before + router + experts + shared + post, ()
+    return before + router + shared + post, experts
 
 
 def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
@@ -80,7 +89,7 @@ def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
 @lru_cache(maxsize=4096)
 def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> tuple[int, ...]:
     h, a, kv, f, vocab, n_layers, tied, moe, attn = key
-    hd, bias, qk_norm = attn
+    hd = attn[0]
     layer = sum(_layer_numels(h, a, kv, f, vocab, 1, moe, 1, attn)[0])  # every expert
     emb = vocab * h
     if split.startswith("flops"):  # "flops:T", as stage.stage_costs counts them at length T

@@ -199,6 +199,10 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
         add("tp", "all_reduce", x, r, subs * layers + first + last - skip, t, True, "none")
         add("tp", "all_reduce", x, d, subs * layers + rec, t, True, "none")
     add("tp", "all_reduce", tokens, 4, 3 * last, t, True, "none")
+    if cfg.qk_norm and cfg.qk_norm_over == "projection":
+        # OLMo 2's q and k norms: each token's sum of squares over the whole projection,
+        # forward (again when recomputed) and backward
+        add("tp", "all_reduce", tokens, 4, 4 * layers + 2 * rec, t, True, "none")
     if work.lora_r:  # each adapted layer's whole factor, its gradient summed over tp
         add("tp", "all_reduce", tp_reduced_numel(cfg, work), work.weight_bytes, layers, t,
             True, "none")

@@ -21,6 +21,7 @@ from threefold.config.loading import (
 )
 from threefold.config.presets import GPT_SHAPES, MODEL_PRESETS
 from threefold.config.schema import (
+    MODEL_FAMILIES,
     PIPELINE_SCHEDULES,
     CheckpointConfig,
     Config,
@@ -40,7 +41,8 @@ from threefold.config.validation import validate
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
-    "LoRAConfig", "MetricsConfig", "ModelConfig", "OptimConfig", "PIPELINE_SCHEDULES", "ParallelConfig",
+    "LoRAConfig", "MetricsConfig", "MODEL_FAMILIES", "ModelConfig", "OptimConfig",
+    "PIPELINE_SCHEDULES", "ParallelConfig",
     "TrainConfig",
     "apply_mapping", "describe", "load_config", "param_dtype", "parse_overrides", "take_flag",
     "unknown_value", "validate",

@@ -41,18 +41,19 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-moe": dict(vocab_size=0, hidden_size=256, intermediate_size=344, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
                      rope_theta=10000.0, rope_scaling="none", max_position_embeddings=1024,
-                     tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2),
+                     tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+                     family="mixtral"),
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          rms_norm_eps=1e-5, rope_theta=1e6, rope_scaling="none",
                          max_position_embeddings=32768, tie_word_embeddings=False,
-                         num_local_experts=8, num_experts_per_tok=2),
+                         num_local_experts=8, num_experts_per_tok=2, family="mixtral"),
     "olmoe-shape-1b-7b": dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024,
                               num_hidden_layers=16, num_attention_heads=16,
                               num_key_value_heads=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                               rope_scaling="none", max_position_embeddings=4096,
                               tie_word_embeddings=False, num_local_experts=64,
-                              num_experts_per_tok=8),
+                              num_experts_per_tok=8, family="mixtral"),
 }
 
 # (params in billions as published, heads, hidden, layers) — Narayanan et al. 2021, Table 1.

@@ -16,6 +16,10 @@ from threefold.config.presets import MODEL_PRESETS
 # The registry, threefold.parallel.pipeline.schedules.SCHEDULE_SPECS, holds each schedule
 # (builder, bubble, activations in flight) and refuses to load unless it lists these names.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
+# The model families' names (Hugging Face model_type), for the same reason: the registry,
+# threefold.models.FAMILIES, holds each family's spec and refuses to load unless it lists these.
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
+                  "olmo2")
 
 
 class ConfigError(ValueError):
@@ -60,7 +64,17 @@ class ModelConfig:
     attention_head_dim: int = _f(0, "width of one attention head; 0 = hidden_size / "
                                  "num_attention_heads (Qwen3's head_dim may differ)")
     qkv_bias: bool = _f(False, "biases on the q, k and v projections (Qwen2)")
-    qk_norm: bool = _f(False, "RMSNorm over each head of q and k before RoPE (Qwen3)")
+    qk_norm: bool = _f(False, "RMSNorm over q and k before RoPE (Qwen3, OLMo 2)")
+    qk_norm_over: str = _f("head", "what a q/k norm normalises: head (each head, Qwen3) or "
+                           "projection (the whole q or k projection, OLMo 2)")
+    norm_layout: str = _f("pre", "where a block's norms sit: pre (before each sub-layer, "
+                          "Llama) or post (on each sub-layer's output, before the residual "
+                          "add, OLMo 2)")
+    sliding_window: int = _f(0, "attention window of every block: a token sees itself and "
+                             "the window - 1 tokens before it (Mistral); 0 = the whole "
+                             "causal context")
+    family: str | None = _f(None, "the Hugging Face model_type this model is and exports as "
+                            "(threefold.models lists them); unset = the preset's")
     init_std: float = _f(0.02, "std of the normal init of weights")
     num_local_experts: int | None = _f(None, "experts per MoE layer (Mixtral-style, every "
                                        "block's MLP routed); 0 = dense MLPs")
@@ -87,7 +101,7 @@ class ModelConfig:
             raise ConfigError(unknown_value("model.preset", self.preset, MODEL_PRESETS))
         base = dict(rope_scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192, num_local_experts=0,
-                    num_experts_per_tok=2)
+                    num_experts_per_tok=2, family="llama")
         base.update(MODEL_PRESETS[self.preset])
         out = dataclasses.replace(self)
         for f in dataclasses.fields(self):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib.util
 
 from threefold.config.presets import MODEL_PRESETS
-from threefold.config.schema import (PIPELINE_SCHEDULES, CheckpointConfig, Config, ConfigError,
-                                     DataConfig, LoRAConfig, MetricsConfig, ModelConfig,
+from threefold.config.schema import (MODEL_FAMILIES, PIPELINE_SCHEDULES, CheckpointConfig,
+                                     Config, ConfigError, DataConfig, LoRAConfig, MetricsConfig, ModelConfig,
                                      OptimConfig,
                                      ParallelConfig, TrainConfig, unknown_value)
 
@@ -69,6 +69,12 @@ def _check_model_settings(m: ModelConfig) -> None:
           "model.shared_expert_intermediate_size: must be >= 0 (0 = no shared expert)")
     _need(m.router_aux_loss_coef >= 0 and m.router_z_loss_coef >= 0,
           "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
+    _one_of("model.norm_layout", m.norm_layout, ["pre", "post"])
+    _one_of("model.qk_norm_over", m.qk_norm_over, ["head", "projection"])
+    _need(m.sliding_window >= 0, f"model.sliding_window: must be >= 0 (0 = none), got "
+          f"{m.sliding_window}")
+    if m.family is not None:
+        _one_of("model.family", m.family, list(MODEL_FAMILIES))
 
 
 def _check_model(m: ModelConfig, vocab_size: int) -> ModelConfig:

@@ -227,6 +227,25 @@ class SequenceParallelRMSNorm(RMSNorm):
         return rms_norm(x, _CopyToTP.apply(self.weight, self.comm), self.eps)
 
 
+class ProjectionParallelRMSNorm(RMSNorm):
+    """An RMSNorm over a whole q or k projection whose rows are split over tp (OLMo 2): each
+    rank holds its heads' slice of the weight; the sum of squares is all-reduced over tp in
+    forward and its gradient in backward, so every rank normalises by the whole row's rms."""
+
+    comm = None
+    full = 0  # the whole projection's width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise this rank's slice of each token's projection."""
+        xf = x.float()
+        squares = _CopyToTP.apply(_ReduceFromTP.apply(xf.pow(2).sum(-1, keepdim=True),
+                                                      self.comm), self.comm)
+        return self.weight * (xf * torch.rsqrt(squares / self.full + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rows of {self.full}, sum of squares all-reduced over tp"
+
+
 def _become(module: nn.Module, cls: type, **attrs) -> None:
     """Turn ``module`` into a ``cls`` (a subclass of its own class) in place, so that every
     holder of it (pipeline chunks share modules) sees the new forward, and ``print(model)``
@@ -300,6 +319,16 @@ def _shard_adapter(module: nn.Module, style: str, comm) -> None:
     module.tp_comm, module.tp_style = comm, style
 
 
+def _shard_projection_norms(attn: nn.Module, comm) -> None:
+    """OLMo 2's q and k norms split by rows as their projections are (the KV heads split
+    over tp: ``threefold.mesh`` refuses a replicated k with such a norm)."""
+    t, r = comm.size(AXIS), comm.rank(AXIS)
+    for norm in (attn.q_norm, attn.k_norm):
+        w = norm.weight.detach()
+        _set_weight(norm, _shard_rows(w, r, t), 0, w.shape[0], r, t)
+        _become(norm, ProjectionParallelRMSNorm, comm=comm, full=w.shape[0])
+
+
 def _whole_sequence_positions(_m, args, kwargs):
     """Rotary tables for the whole sequence when each rank holds only some tokens (the
     caller's positions when given: the pipeline executor always passes them)."""
@@ -333,9 +362,11 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
             sub.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm), *a[1:]))
             out_proj.register_forward_hook(lambda _m, _a, out: leave(out, comm))
         if sp:
-            norms += [layer.input_layernorm, layer.post_attention_layernorm]
-        if layer.self_attn.qk_norm:  # per-head norms over this rank's heads only
+            norms += layer.residual_norms()
+        if layer.self_attn.qk_norm == "head":  # per-head norms over this rank's heads only
             norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+        elif layer.self_attn.qk_norm == "projection":
+            _shard_projection_norms(layer.self_attn, comm)
     for norm in norms:  # a pipeline stage may not hold the final norm
         _become(norm, SequenceParallelRMSNorm, comm=comm)
         place(norm.weight, tp_grad_reduced=True)

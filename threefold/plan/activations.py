@@ -193,28 +193,32 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
                                   layout.cp_algorithm)
     kept += block_document_mask_bytes(cfg, layout, work)
     if cfg.qk_norm:
-        kept += qk_norm_bytes(b * local, sh.heads, sh.kv_heads, cfg.head_dim, work.act_bytes)
+        kept += qk_norm_bytes(b * local, sh.heads, sh.kv_heads, cfg.head_dim, work.act_bytes,
+                              cfg.qk_norm_over == "head")
     return kept
 
 
 def block_document_mask_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
-    """What packed documents' masked attention (``data.document_mask``) adds to one block's
-    kept bytes without recompute (``document_mask_bytes``; none under context parallelism,
-    whose attention takes no mask)."""
-    if not work.document_mask or layout.cp > 1:
+    """What masked attention (packed documents, ``data.document_mask``, or a sliding window
+    shorter than the sequence, ``model.sliding_window``) adds to one block's kept bytes
+    without recompute (``document_mask_bytes``; none under context parallelism, whose
+    attention takes no mask)."""
+    window = 0 < cfg.sliding_window < work.seq_len  # a sliding window masks attention too
+    if not (work.document_mask or window) or layout.cp > 1:
         return 0.0
     sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
     return document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s, work.act_bytes)
 
 
 def qk_norm_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int,
-                  act_bytes: int) -> float:
-    """What Qwen3's per-head q/k RMSNorms (``model.qk_norm``) keep beyond the block's count,
-    per rank: each norm's input, the q or k projection's output in the matmul dtype, and
-    its fp32 1/rms per head (the normalised q and k are RoPE's inputs, already counted after
-    RoPE): (heads + kv heads)·(d·head_dim + 4) per token, measured with autograd's saved
-    tensors (tests/test_dryrun.py)."""
-    return float(tokens * (heads + kv_heads) * (act_bytes * head_dim + 4))
+                  act_bytes: int, per_head: bool = True) -> float:
+    """What q/k RMSNorms (``model.qk_norm``) keep beyond the block's count, per rank: each
+    norm's input, the q or k projection's output in the matmul dtype, and its fp32 1/rms
+    (the normalised q and k are RoPE's inputs, already counted after RoPE). Per head
+    (Qwen3): (heads + kv heads)·(d·head_dim + 4) per token, measured with autograd's saved
+    tensors (tests/test_dryrun.py); over the projection (OLMo 2): one 1/rms per norm."""
+    rstd = 4 * (heads + kv_heads) if per_head else 8
+    return float(tokens * ((heads + kv_heads) * act_bytes * head_dim + rstd))
 
 
 def adapter_activation_bytes(layout: Layout, work: Workload) -> float:

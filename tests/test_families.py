@@ -1,0 +1,181 @@
+"""Model families as specs (threefold.models): Mistral's sliding window and OLMo 2's post-norms
+and projection-wide q/k norms give transformers' logits, convert both ways as their own
+family, train under tensor parallelism as one process, and are counted by the planner as the
+runtime holds them; the registry reads and writes config.json by ``model_type`` and never
+guesses a family."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import pytest
+import torch
+
+from tests.conftest import final_weights, metrics, tiny_overrides
+from tests.dist import run_distributed, train_runs
+from threefold.config import ConfigError, ModelConfig, load_config
+from threefold.model import LlamaForCausalLM
+
+SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+             tie_word_embeddings=False)
+WINDOW = 7  # shorter than the prompts below (24 tokens), so the window decides the logits
+
+
+def _hf_model(family: str):
+    transformers = pytest.importorskip("transformers")
+    if family == "mistral":
+        conf, cls = transformers.MistralConfig(**SHAPE, sliding_window=WINDOW), \
+            transformers.MistralForCausalLM
+    else:
+        conf, cls = transformers.Olmo2Config(**SHAPE, pad_token_id=0, eos_token_id=1), \
+            transformers.Olmo2ForCausalLM
+    torch.manual_seed(0)
+    model = cls(conf).float().eval()
+    with torch.no_grad():  # norms away from their initial ones
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("family", ["mistral", "olmo2"])
+def test_logits_equal_transformers_and_convert_round_trips(family, tmp_path):
+    from threefold.hf import convert_from_hf, export_hf, load_pretrained
+    from threefold.hf_config import model_config_from_hf
+
+    transformers = pytest.importorskip("transformers")
+    hf = _hf_model(family)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, weights = load_pretrained(tmp_path / "hf")
+    assert cfg.family == family
+    assert cfg.sliding_window == (WINDOW if family == "mistral" else 0)
+    assert (cfg.norm_layout, cfg.qk_norm) == (("post", True) if family == "olmo2"
+                                              else ("pre", False))
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(weights, strict=True)
+    ids = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        want = hf(ids).logits
+        torch.testing.assert_close(model.eval()(ids), want, rtol=0, atol=1e-5)
+        # the family's own piece decides the logits: without it they differ
+        plain = LlamaForCausalLM(dataclasses.replace(cfg, sliding_window=0) if family ==
+                                 "mistral" else dataclasses.replace(cfg, norm_layout="pre"))
+        plain.load_state_dict(weights, strict=False)
+        assert (plain.eval()(ids) - want).abs().max() > 1e-2
+    run = tmp_path / "run"
+    convert_from_hf(tmp_path / "hf", run)
+    export_hf(run, tmp_path / "out")
+    conf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert conf["model_type"] == family
+    assert model_config_from_hf(conf) == cfg
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                              dtype=torch.float32).eval()
+    assert type(again).__name__ == type(hf).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, want, rtol=0, atol=1e-5)
+
+
+def test_sliding_window_generation_equals_transformers(tmp_path):
+    """The KV cache's mask keeps the window: greedy tokens past the window equal HF's."""
+    from threefold.generate import generate
+    from threefold.hf import load_pretrained
+
+    hf = _hf_model("mistral")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, weights = load_pretrained(tmp_path / "hf")
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(weights, strict=True)
+    prompt = torch.randint(0, 300, (1, 10))
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        got = generate(model.eval(), prompt.tolist(), max_new_tokens=12)
+    assert got.tokens == want[:, 10:].tolist()
+
+
+def test_registry_reads_by_model_type_and_never_guesses(tmp_path):
+    from threefold.hf_config import HFError, family, model_config_from_hf, \
+        model_config_from_state
+    from threefold.models import FAMILIES
+
+    conf = _hf_model("mistral").config.to_dict()
+    for kind, name in (("gemma3_text", "Gemma 3"), ("phi3", "Phi-3"),
+                       ("deepseek_v3", "DeepSeek-V3"), ("gpt_oss", "GPT-OSS")):
+        with pytest.raises(HFError, match=f"model_type='{kind}'.*{name}"):
+            model_config_from_hf({**conf, "model_type": kind})
+    with pytest.raises(HFError, match="sliding_window"):
+        model_config_from_hf({**conf, "sliding_window": -3})
+    # export writes the family the config names, after checking the model is one of it
+    cfg = model_config_from_hf(conf)
+    assert family(cfg)["architectures"] == ["MistralForCausalLM"]
+    assert family(dataclasses.replace(cfg, sliding_window=0))["sliding_window"] is None
+    with pytest.raises(ConfigError, match="model.sliding_window: 7, but llama has 0"):
+        family(dataclasses.replace(cfg, family="llama"))
+    qwen3 = ModelConfig(vocab_size=300, qk_norm=True).resolved()
+    assert qwen3.family == "llama"  # the preset's: flags do not change the family
+    with pytest.raises(ConfigError, match="model.qk_norm: True, but llama has False"):
+        family(qwen3)
+    assert family(dataclasses.replace(qwen3, family="qwen3"))["model_type"] == "qwen3"
+    # a checkpoint written before model.family: the family threefold then wrote
+    old = {k: v for k, v in dataclasses.asdict(dataclasses.replace(qwen3, family=None)).items()}
+    assert model_config_from_state({"model_config": old}, tmp_path).family == "qwen3"
+    assert set(FAMILIES) >= {"llama", "mistral", "olmo2", "qwen3_moe"}
+
+
+FAMILY_RUNS = {"mistral": {"model__family": "mistral", "model__sliding_window": 9},
+               "olmo2": {"model__family": "olmo2", "model__qk_norm": "true",
+                         "model__qk_norm_over": "projection", "model__norm_layout": "post"}}
+
+
+def _overrides(family, corpus, cache, out, **extra):
+    return tiny_overrides(corpus, cache, out, **{"train__steps": 3, **FAMILY_RUNS[family],
+                                                 **extra})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILY_RUNS))
+def test_tensor_parallel_equals_single_process_and_the_planner_counts(family, corpus,
+                                                                     cache_dir, tmp_path):
+    from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
+    from threefold.plan.dryrun import predict
+    from threefold.train import train
+
+    over = functools.partial(_overrides, family, corpus, cache_dir)
+    _, run = train(load_config(None, over(tmp_path / "single")), return_run=True)
+    assert run.model_cfg.family == family
+    assert num_parameters(run.model_cfg) == sum(p.numel()
+                                                for p in run.engine.model.parameters())
+    layouts = [("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"})]
+    run_distributed(train_runs, 2, over, tmp_path, layouts, timeout=300)
+    ref, ref_w = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
+    for name, extra in layouts:
+        got = metrics(tmp_path / name)
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+        w = final_weights(tmp_path / name)
+        for k, v in ref_w.items():
+            # (OLMo 2's norms sum their squares over tp ranks in another order: one embedding
+            # row element of 20,480, at rounding-noise gradient, moves 2.5e-5 under Adam)
+            torch.testing.assert_close(w[k], v, rtol=1e-4, atol=5e-5, msg=f"{name}: {k}")
+        # the dry run's meta model and the planner's closed forms agree on this layout, and
+        # the planner's bytes per step are what rank 0 moved, axis by axis
+        cfg = load_config(None, over(tmp_path / f"{name}-plan", **extra))
+        want = comm_bytes_per_step(cfg.model.resolved(cfg.data.vocab_size),
+                                   Layout.from_config(cfg, 2), Workload.from_config(cfg), 0)
+        moved = json.loads((tmp_path / name / "summary.json").read_text())
+        assert moved["comm_bytes_per_step"] == {a: v for a, v in want.items() if v}
+        assert predict(cfg, 2).comm_bytes == want
+
+
+def test_projection_norms_need_split_kv_heads():
+    from threefold.mesh import ParallelDims
+
+    cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                      qk_norm=True, qk_norm_over="projection", norm_layout="post",
+                      family="olmo2").resolved()
+    dims = functools.partial(ParallelDims, dp_replicate=1, pp=1, world_size=2)
+    with pytest.raises(ConfigError, match="model.qk_norm_over"):
+        dims(tp=2, dp_shard=1).validate_model(cfg)
+    dims(tp=1, dp_shard=2).validate_model(cfg)

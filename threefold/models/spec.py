@@ -1,0 +1,61 @@
+"""What a model family is, as data: ``Family``. A family is a Hugging Face ``model_type``
+(``config.json``'s) that threefold's decoder (``threefold.model``, built from the shared blocks
+of ``threefold.attention``, ``threefold.norm`` and ``threefold.moe``) computes exactly. Its spec
+says how its ``config.json`` maps to and from ``ModelConfig`` fields, which fields the family
+fixes (what export checks before it writes the family's name), and how its experts are named
+in files. No torch here: the planner and the launcher read specs before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from threefold.config import ConfigError, ModelConfig
+
+
+class FamilyError(ConfigError):
+    """A config.json this family cannot take, or a model that is not of the family; the
+    message names the file or field."""
+
+
+def need(c: dict, where: str, ok: bool, name: str, why: str) -> None:
+    """FamilyError naming ``name`` of config ``c`` (read from ``where``) unless ``ok``."""
+    if not ok:
+        raise FamilyError(f"{where}: {name}={c.get(name)!r} is not supported ({why})")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family.
+
+    ``read(c, where)`` gives the ``ModelConfig`` fields of ``config.json`` ``c`` beyond those
+    every family shares (widths, heads, RoPE, norm epsilon: ``threefold.hf_config``), or a
+    FamilyError naming the first field threefold cannot compute. ``write(cfg)`` gives the
+    family's own ``config.json`` fields. ``fixed`` are the ``ModelConfig`` values the family
+    always has (a Qwen3 has q/k norms per head, no biases...): import sets them, export
+    refuses a model that differs. ``experts`` says whether every block's MLP is a mixture of
+    experts (True), never (False); ``expert_files`` how experts are named in files ("mixtral":
+    ``block_sparse_moe.experts.N.w1``; "qwen": ``mlp.experts.N.gate_proj``)."""
+
+    model_type: str
+    architecture: str
+    read: Callable[[dict, str], dict]
+    write: Callable[[ModelConfig], dict]
+    fixed: dict[str, Any] = field(default_factory=dict)
+    experts: bool = False
+    expert_files: str = ""
+    check: Callable[[ModelConfig], str | None] = lambda cfg: None
+    doc: str = ""
+
+    def refusal(self, cfg: ModelConfig) -> str | None:
+        """Why ``cfg`` is not a model of this family (naming the field), or None."""
+        if bool(cfg.num_local_experts) != self.experts:
+            kind = "a mixture of experts" if self.experts else "dense"
+            return (f"model.num_local_experts: {cfg.num_local_experts}, but {self.model_type} "
+                    f"is {kind}")
+        for name, value in self.fixed.items():
+            if getattr(cfg, name) != value:
+                return (f"model.{name}: {getattr(cfg, name)!r}, but {self.model_type} has "
+                        f"{value!r}")
+        return self.check(cfg)
