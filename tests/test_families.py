@@ -29,6 +29,12 @@ def _hf_model(family: str):
     if family == "mistral":
         conf, cls = transformers.MistralConfig(**SHAPE, sliding_window=WINDOW), \
             transformers.MistralForCausalLM
+    elif family == "gemma3_text":  # local, global, local, global; a head of 32 (not 16)
+        conf = transformers.Gemma3TextConfig(**{**SHAPE, "num_hidden_layers": 4}, head_dim=32,
+                                             query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                             layer_types=["sliding_attention",
+                                                          "full_attention"] * 2)
+        cls = transformers.Gemma3ForCausalLM
     else:
         conf, cls = transformers.Olmo2Config(**SHAPE, pad_token_id=0, eos_token_id=1), \
             transformers.Olmo2ForCausalLM
@@ -36,12 +42,18 @@ def _hf_model(family: str):
     model = cls(conf).float().eval()
     with torch.no_grad():  # norms away from their initial ones
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.3)
+            if name.endswith("norm.weight"):  # (Gemma's scale by 1 + w, from 0)
+                p.normal_(0.0 if family == "gemma3_text" else 1.0, 0.3)
     return model
 
 
-@pytest.mark.parametrize("family", ["mistral", "olmo2"])
+OWN = {"mistral": [{"sliding_window": 0}], "olmo2": [{"norm_layout": "pre"}],
+       "gemma3_text": [{"sliding_window": 0}, {"rope_local_theta": 0.0},
+                       {"query_pre_attn_scalar": 0}, {"embed_scale": False},
+                       {"norm_plus_one": False}, {"hidden_act": "silu"}]}
+
+
+@pytest.mark.parametrize("family", ["mistral", "olmo2", "gemma3_text"])
 def test_logits_equal_transformers_and_convert_round_trips(family, tmp_path):
     from threefold.hf import convert_from_hf, export_hf, load_pretrained
     from threefold.hf_config import model_config_from_hf
@@ -51,20 +63,20 @@ def test_logits_equal_transformers_and_convert_round_trips(family, tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     cfg, weights = load_pretrained(tmp_path / "hf")
     assert cfg.family == family
-    assert cfg.sliding_window == (WINDOW if family == "mistral" else 0)
-    assert (cfg.norm_layout, cfg.qk_norm) == (("post", True) if family == "olmo2"
-                                              else ("pre", False))
+    assert cfg.sliding_window == (0 if family == "olmo2" else WINDOW)
+    assert (cfg.norm_layout, cfg.qk_norm) == {"olmo2": ("post", True), "mistral": ("pre", False),
+                                              "gemma3_text": ("sandwich", True)}[family]
     model = LlamaForCausalLM(cfg)
     model.load_state_dict(weights, strict=True)
     ids = torch.randint(0, 300, (2, 24))
     with torch.no_grad():
         want = hf(ids).logits
         torch.testing.assert_close(model.eval()(ids), want, rtol=0, atol=1e-5)
-        # the family's own piece decides the logits: without it they differ
-        plain = LlamaForCausalLM(dataclasses.replace(cfg, sliding_window=0) if family ==
-                                 "mistral" else dataclasses.replace(cfg, norm_layout="pre"))
-        plain.load_state_dict(weights, strict=False)
-        assert (plain.eval()(ids) - want).abs().max() > 1e-2
+        # each of the family's own pieces decides the logits: without it they differ
+        for change in OWN[family]:
+            plain = LlamaForCausalLM(dataclasses.replace(cfg, **change))
+            plain.load_state_dict(weights, strict=False)
+            assert (plain.eval()(ids) - want).abs().max() > 1e-2, change
     run = tmp_path / "run"
     convert_from_hf(tmp_path / "hf", run)
     export_hf(run, tmp_path / "out")
@@ -101,7 +113,7 @@ def test_registry_reads_by_model_type_and_never_guesses(tmp_path):
     from threefold.models import FAMILIES
 
     conf = _hf_model("mistral").config.to_dict()
-    for kind, name in (("gemma3_text", "Gemma 3"), ("phi3", "Phi-3"),
+    for kind, name in (("gemma3", "multimodal"), ("phi3", "Phi-3"),
                        ("deepseek_v3", "DeepSeek-V3"), ("gpt_oss", "GPT-OSS")):
         with pytest.raises(HFError, match=f"model_type='{kind}'.*{name}"):
             model_config_from_hf({**conf, "model_type": kind})
@@ -124,7 +136,14 @@ def test_registry_reads_by_model_type_and_never_guesses(tmp_path):
     assert set(FAMILIES) >= {"llama", "mistral", "olmo2", "qwen3_moe"}
 
 
+GEMMA3 = {"model__family": "gemma3_text", "model__qk_norm": "true",
+          "model__norm_layout": "sandwich", "model__norm_plus_one": "true",
+          "model__hidden_act": "gelu_tanh", "model__embed_scale": "true",
+          "model__query_pre_attn_scalar": 24, "model__sliding_window": 9,
+          "model__sliding_window_pattern": 2, "model__rope_local_theta": 10000.0,
+          "model__tie_word_embeddings": "true"}
 FAMILY_RUNS = {"mistral": {"model__family": "mistral", "model__sliding_window": 9},
+               "gemma3_text": GEMMA3,
                "olmo2": {"model__family": "olmo2", "model__qk_norm": "true",
                          "model__qk_norm_over": "projection", "model__norm_layout": "post"}}
 
@@ -148,6 +167,9 @@ def test_tensor_parallel_equals_single_process_and_the_planner_counts(family, co
     assert num_parameters(run.model_cfg) == sum(p.numel()
                                                 for p in run.engine.model.parameters())
     layouts = [("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"})]
+    if family == "gemma3_text":  # the whole matrix for a dense family
+        layouts += [("dp2", {}), ("zero3", {"parallel__zero_stage": 3}),
+                    ("pp2", {"parallel__pp": 2, "train__micro_batch_size": 2})]
     run_distributed(train_runs, 2, over, tmp_path, layouts, timeout=300)
     ref, ref_w = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
     for name, extra in layouts:

@@ -22,18 +22,25 @@ from threefold.kvcache import LayerKV
 from threefold.norm import RMSNorm
 
 
-def rope_inverse_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
+def rope_inverse_frequencies(cfg: ModelConfig, device=None, local: bool = False
+                             ) -> torch.Tensor:
     """RoPE inverse frequencies θ^(-2i/d), i < d/2 (Su et al., arXiv 2104.09864), with the
     Llama 3 long-context rescaling when ``cfg.rope_scaling == "llama3"``: wavelengths longer
     than original_context/low_freq_factor are divided by ``factor``, those shorter than
     original_context/high_freq_factor are kept, and the band between is interpolated smoothly
-    (arXiv 2407.21783 and Meta's reference code)."""
+    (arXiv 2407.21783 and Meta's reference code); "linear" divides every frequency by the
+    factor. ``local``: a sliding-window block's, of base ``rope_local_theta`` and unscaled
+    (Gemma 3)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
-    if cfg.rope_scaling in (None, "none"):
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=device).float() / d))
+    if local or cfg.rope_scaling in (None, "none"):
         return inv
+    if cfg.rope_scaling == "linear":
+        return inv / cfg.rope_scaling_factor
     if cfg.rope_scaling != "llama3":
-        raise ValueError(f"unknown rope_scaling {cfg.rope_scaling!r}; use 'none' or 'llama3'")
+        raise ValueError(f"unknown rope_scaling {cfg.rope_scaling!r}; use none, llama3 or "
+                         "linear")
     factor, lo, hi = cfg.rope_scaling_factor, cfg.low_freq_factor, cfg.high_freq_factor
     old_ctx = cfg.original_max_position_embeddings
     wavelen = 2 * math.pi / inv
@@ -53,15 +60,17 @@ class RotaryEmbedding(nn.Module):
     Hugging Face's (same fp32 products), they need no memory that grows with the context length
     (131072 positions for Llama 3.1), and position ids may restart per packed document."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, local: bool = False):
         super().__init__()
-        self.cfg = cfg
-        self.register_buffer("inv_freq", rope_inverse_frequencies(cfg), persistent=False)
+        self.cfg, self.local = cfg, local
+        self.register_buffer("inv_freq", rope_inverse_frequencies(cfg, local=local),
+                             persistent=False)
 
     def reset_parameters(self) -> None:
         """Recompute the frequencies in place (needed after ``to_empty``)."""
         with torch.no_grad():
-            self.inv_freq.copy_(rope_inverse_frequencies(self.cfg, device=self.inv_freq.device))
+            self.inv_freq.copy_(rope_inverse_frequencies(self.cfg, self.inv_freq.device,
+                                                         self.local))
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) integer positions -> (cos, sin), each (B, T, head_dim) fp32, in the
@@ -119,11 +128,13 @@ class LlamaAttention(nn.Module):
         # do): per head (width d) or over the whole projection (OLMo 2)
         self.qk_norm = cfg.qk_norm and cfg.qk_norm_over
         if self.qk_norm:
-            whole = self.qk_norm == "projection"
-            self.q_norm = RMSNorm(cfg.num_attention_heads * d if whole else d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.num_key_value_heads * d if whole else d, cfg.rms_norm_eps)
+            whole, eps, one = self.qk_norm == "projection", cfg.rms_norm_eps, cfg.norm_plus_one
+            self.q_norm = RMSNorm(cfg.num_attention_heads * d if whole else d, eps, one)
+            self.k_norm = RMSNorm(cfg.num_key_value_heads * d if whole else d, eps, one)
         # a sliding-window layer's window (0: the whole causal context)
         self.window = cfg.sliding_window if layer_is_sliding(cfg, layer) else 0
+        # the scores' scale: 1/sqrt(head width), or Gemma 3's 1/sqrt(query_pre_attn_scalar)
+        self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerKV | None = None
@@ -150,7 +161,7 @@ class LlamaAttention(nn.Module):
             out = self.attend(q, k, v, attn_mask)
         else:
             k, v = cache.append(k, v)
-            out = sdpa_attention(q, k, v, attn_mask)
+            out = sdpa_attention(q, k, v, attn_mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -159,28 +170,32 @@ class LlamaAttention(nn.Module):
         (B, heads, T, d). Context parallelism replaces it on the instance (its queries and
         keys are the rank's share of a longer sequence); ``attn_mask`` is what
         ``LlamaModel.attention_mask`` made."""
-        return sdpa_attention(q, k, v, attn_mask)
+        return sdpa_attention(q, k, v, attn_mask, self.scale)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   attn_mask: torch.Tensor | None = None,
+                   scale: float | None = None) -> torch.Tensor:
     """Causal (``attn_mask`` None) or masked (boolean, True = attend) grouped-query attention
-    through ``scaled_dot_product_attention``."""
+    through ``scaled_dot_product_attention``; ``scale`` None is 1/sqrt(head width)."""
     groups = q.shape[1] // k.shape[1]
     if attn_mask is None:
         # SDPA's own GQA avoids materialising repeated keys/values.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1,
+                                              scale=scale)
     # With an explicit mask, not every fused kernel takes enable_gqa; repeating K/V keeps
     # the memory-efficient kernels eligible.
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
 
 def layer_is_sliding(cfg: ModelConfig, layer: int) -> bool:
     """Whether block ``layer`` attends within a sliding window: every block when
-    ``sliding_window`` is set (Mistral)."""
-    return bool(cfg.sliding_window)
+    ``sliding_window`` is set (Mistral), but every ``sliding_window_pattern``-th one with a
+    pattern (Gemma 3: blocks 6, 12, ... see the whole context)."""
+    n = cfg.sliding_window_pattern
+    return bool(cfg.sliding_window) and not (n and (layer + 1) % n == 0)
 
 
 def window_mask(mask: torch.Tensor | None, t: int, window: int,

@@ -86,6 +86,9 @@ def block_norms(cfg: ModelConfig) -> tuple[str, ...]:
     """The names of a block's residual-width norms, as ``cfg.norm_layout`` places them."""
     if cfg.norm_layout == "post":
         return ("post_attention_layernorm", "post_feedforward_layernorm")
+    if cfg.norm_layout == "sandwich":
+        return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
     return ("input_layernorm", "post_attention_layernorm")
 
 
@@ -161,9 +164,11 @@ def hf_config(cfg: ModelConfig, tokens: dict | None = None) -> dict:
                    "high_freq_factor": float(cfg.high_freq_factor),
                    "original_max_position_embeddings": int(cfg.original_max_position_embeddings)}
         rope.update(scaling)
+    elif cfg.rope_scaling == "linear":
+        scaling = {"rope_type": "linear", "factor": float(cfg.rope_scaling_factor)}
+        rope.update(scaling)
     ids = {role: (tokens.get(role) or (None, None))[1] for role in ("bos", "eos", "pad")}
     return {
-        **family(cfg),
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
@@ -175,6 +180,7 @@ def hf_config(cfg: ModelConfig, tokens: dict | None = None) -> dict:
         "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": cfg.init_std,
         "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
         "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"],
+        **family(cfg),  # last: a family's own fields (Gemma 3's RoPE, activation) win
     }
 
 
@@ -243,7 +249,8 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
         need(isinstance(c.get(field), int) and c[field] > 0, field, "a positive integer is needed")
     need(not c.get("attention_bias", False), "attention_bias", "this model has no biases")
     need(not c.get("mlp_bias", False), "mlp_bias", "this model has no biases")
-    need(c.get("hidden_act", "silu") == "silu", "hidden_act", "SwiGLU uses silu")
+    if "hidden_act" not in own:  # (Gemma's GeGLU is its family's to read)
+        need(c.get("hidden_act", "silu") == "silu", "hidden_act", "SwiGLU uses silu")
     need(not c.get("attention_dropout", 0.0), "attention_dropout", "this model has no dropout")
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
@@ -261,7 +268,9 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
                   max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                   attention_head_dim=0 if head_dim * heads == c["hidden_size"] else head_dim,
-                  num_local_experts=0, family=spec.model_type, **_rope_fields(c, where))
+                  num_local_experts=0, family=spec.model_type,
+                  # RoPE as every family writes it, unless the family reads its own (Gemma 3)
+                  **({} if "rope_theta" in own else _rope_fields(c, where)))
     # the family's fixed values, then what its config.json says (experts' width included)
     return ModelConfig(**{**fields, **spec.fixed, **own}).resolved()
 
@@ -275,11 +284,13 @@ def _rope_fields(c: dict, where: str) -> dict:
     if not rope:
         rope = dict(scaling, rope_theta=c.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "llama3"):
+    if kind not in ("default", "llama3", "linear"):
         key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
-        raise HFError(f"{where}: {key}.rope_type={kind!r} is not supported (use default or "
-                      "llama3)")
+        raise HFError(f"{where}: {key}.rope_type={kind!r} is not supported (use default, "
+                      "llama3 or linear)")
     fields = dict(rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling="none")
+    if kind == "linear":
+        fields.update(rope_scaling="linear", rope_scaling_factor=float(rope["factor"]))
     if kind == "llama3":
         try:
             fields.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),

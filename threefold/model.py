@@ -39,7 +39,8 @@ from threefold.norm import RMSNorm
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer, arXiv 2002.05202): down(silu(gate(x)) · up(x))."""
+    """Gated feed-forward: down(act(gate(x)) · up(x)), with silu (SwiGLU, Shazeer, arXiv
+    2002.05202) or the tanh approximation of GeLU (GeGLU, Gemma) as ``cfg.hidden_act`` says."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -47,10 +48,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, f, bias=False)
         self.up_proj = nn.Linear(h, f, bias=False)
         self.down_proj = nn.Linear(f, h, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, h) -> (B, T, h)."""
         x = matmul_input(x)
+        if self.gelu:
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -59,7 +63,9 @@ class LlamaDecoderLayer(nn.Module):
 
     - "pre" (Llama): x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm(·));
     - "post" (OLMo 2): x + post_attention_layernorm(attn(x)), then
-      + post_feedforward_layernorm(mlp(·)).
+      + post_feedforward_layernorm(mlp(·));
+    - "sandwich" (Gemma 3): x + post_attention_layernorm(attn(input_layernorm(x))), then
+      + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(·))).
 
     The MLP is a routed mixture of experts (``threefold.moe.SparseMoeBlock``) when
     ``cfg.num_local_experts``. ``layer`` is the block's index (a sliding window may depend
@@ -67,34 +73,37 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.pre = cfg.norm_layout == "pre"
-        if self.pre:
-            self.input_layernorm = RMSNorm(h, eps)
+        h, eps, one, layout = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one, \
+            cfg.norm_layout
+        self.layout = layout
+        if layout != "post":
+            self.input_layernorm = RMSNorm(h, eps, one)
         self.self_attn = LlamaAttention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps, one)
+        if layout == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, one)
         self.mlp = SparseMoeBlock(cfg) if cfg.num_local_experts else LlamaMLP(cfg)
-        if not self.pre:
-            self.post_feedforward_layernorm = RMSNorm(h, eps)
+        if layout != "pre":
+            self.post_feedforward_layernorm = RMSNorm(h, eps, one)
 
     def residual_norms(self) -> list[RMSNorm]:
         """The block's norms over the residual stream's width (sequence parallelism splits
-        what they see by tokens)."""
-        if self.pre:
-            return [self.input_layernorm, self.post_attention_layernorm]
-        return [self.post_attention_layernorm, self.post_feedforward_layernorm]
+        what they see by tokens), in registration order."""
+        return [m for m in self.children() if isinstance(m, RMSNorm)]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerKV | None = None
                 ) -> torch.Tensor:
         """x (B, T, h) -> (B, T, h); cos/sin from ``RotaryEmbedding``; ``cache`` this
         layer's part of a ``KVCache`` (generation)."""
-        if self.pre:
+        if self.layout == "pre":
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, cache=cache)
             return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attn_mask,
+        a = self.input_layernorm(x) if self.layout == "sandwich" else x
+        x = x + self.post_attention_layernorm(self.self_attn(a, cos, sin, attn_mask,
                                                              cache=cache))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
+        m = self.pre_feedforward_layernorm(x) if self.layout == "sandwich" else x
+        return x + self.post_feedforward_layernorm(self.mlp(m))
 
 
 class LlamaModel(nn.Module):
@@ -106,8 +115,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i)
                                     for i in range(cfg.num_hidden_layers))
         self.window = cfg.sliding_window
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.rotary = RotaryEmbedding(cfg)
+        # sliding-window blocks with a RoPE base of their own (Gemma 3)
+        self.rotary_local = RotaryEmbedding(cfg, local=True) if cfg.rope_local_theta else None
+        # Gemma scales the embeddings by sqrt(h), rounded to the embedding's dtype
+        self.embed_scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else 0.0
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None
@@ -119,24 +132,29 @@ class LlamaModel(nn.Module):
         the un-normed residual stream. With ``cache`` (generation) the tokens follow the
         cached ones: positions and mask come from the cache, which then holds them too."""
         x = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
+        if self.embed_scale and self.embed_tokens is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         b, t = x.shape[:2]
         if position_ids is None:
             position_ids = (torch.arange(t, device=x.device).expand(b, t) if cache is None
                             else cache.positions(t))
-        cos, sin = self.rotary(position_ids)
+        rope = self.rotary(position_ids)
+        local = rope if self.rotary_local is None else self.rotary_local(position_ids)
         if cache is None:
             mask = self.attention_mask(document_ids)
             # the whole sequence's length: under sequence parallelism x holds a slice of it
             near = window_mask(mask, position_ids.shape[-1], self.window, x.device)
             for layer in self.layers:
-                x = layer(x, cos, sin, near if layer.self_attn.window else mask)
+                slide = layer.self_attn.window
+                x = layer(x, *(local if slide else rope), near if slide else mask)
         else:
             if document_ids is not None:
                 raise ValueError("LlamaModel: document_ids and a KV cache do not combine")
             mask = cache.attention_mask(t)
             near = window_cache_mask(mask, cache.length, self.window)
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, near if layer.self_attn.window else mask,
+                slide = layer.self_attn.window
+                x = layer(x, *(local if slide else rope), near if slide else mask,
                           cache=cache.layer(i))
             cache.advance(t)
         return self.norm(x) if self.norm is not None else x
@@ -168,8 +186,8 @@ def _init_in_place(p: torch.Tensor, name: str, cfg: ModelConfig,
         from threefold.lora import init_adapter
         init_adapter(p, name, gen)
         return
-    if p.ndim == 1:
-        (nn.init.zeros_ if name.endswith(".bias") else nn.init.ones_)(p)
+    if p.ndim == 1:  # biases 0; norm weights 1, or 0 where the norm adds 1 (Gemma)
+        (nn.init.zeros_ if name.endswith(".bias") or cfg.norm_plus_one else nn.init.ones_)(p)
         return
     std = cfg.init_std
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
@@ -260,8 +278,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             key = "model.embed_tokens.weight" if replica and name == "lm_head.weight" else name
             p.copy_(initial_weight(key, tuple(p.shape), self.cfg, seed, p.device))
-        if not self.model.rotary.inv_freq.is_meta:
-            self.model.rotary.reset_parameters()
+        for rotary in (self.model.rotary, self.model.rotary_local):
+            if rotary is not None and not rotary.inv_freq.is_meta:
+                rotary.reset_parameters()
 
     def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                        document_ids: torch.Tensor | None = None, cache: KVCache | None = None

@@ -266,6 +266,7 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
                           "(each cp rank holds two balanced chunks)")
     tp_shard(cfg, layout.tp)
     check_experts(cfg, layout)
+    check_attention(cfg, layout)
     if work.lora_r:
         _check_lora(cfg, layout, work)
     chunks = layout.pp * layout.vpp
@@ -318,6 +319,17 @@ def check_experts(cfg: ModelConfig, layout: Layout) -> None:
         raise LayoutError(f"parallel.sequence_parallel: tp={layout.tp} with a mixture of "
                           f"experts (model.num_local_experts={e}) runs without sequence "
                           "parallelism; set parallel.sequence_parallel false")
+
+
+def check_attention(cfg: ModelConfig, layout: Layout) -> None:
+    """LayoutError for context parallelism with attention its ring does not compute: a
+    sliding window (``model.sliding_window``) or another score scale
+    (``model.query_pre_attn_scalar``)."""
+    if layout.cp > 1 and (cfg.sliding_window or cfg.query_pre_attn_scalar):
+        field = "sliding_window" if cfg.sliding_window else "query_pre_attn_scalar"
+        raise LayoutError(f"model.{field}: {getattr(cfg, field)}: context parallelism "
+                          f"(parallel.cp={layout.cp}) does not compute it yet; set "
+                          "parallel.cp 1")
 
 
 def local_seq_len(layout: Layout, work: Workload) -> int:

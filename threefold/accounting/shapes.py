@@ -40,7 +40,12 @@ def layer_parameters(cfg: ModelConfig) -> int:
     kv = 2 * h * cfg.num_key_value_heads * hd
     o = cfg.num_attention_heads * hd * h
     mlp = moe_layer_parameters(cfg) if cfg.num_local_experts else 3 * h * f
-    return q + kv + o + mlp + 2 * h + attention_extras(cfg)
+    return q + kv + o + mlp + norms_per_block(cfg) * h + attention_extras(cfg)
+
+
+def norms_per_block(cfg: ModelConfig) -> int:
+    """A block's norms over the residual width: 2, or 4 with Gemma's sandwich layout."""
+    return 4 if cfg.norm_layout == "sandwich" else 2
 
 
 def attention_extras(cfg: ModelConfig) -> int:
@@ -73,7 +78,8 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     mixture of experts, the router and the token's k experts), the LM head included (tied or
     not); the embedding lookup and the norms excluded."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    return cfg.num_hidden_layers * (layer_parameters(cfg) - 2 * h - attention_extras(cfg)) \
+    return cfg.num_hidden_layers * (layer_parameters(cfg) - norms_per_block(cfg) * h
+                                    - attention_extras(cfg)) \
         + v * h - inactive_parameters(cfg)
 
 
@@ -133,7 +139,7 @@ def layer_parameters_per_rank(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     sh, h, hd = tp_shard(cfg, tp), cfg.hidden_size, cfg.head_dim
     mlp = 0 if cfg.num_local_experts else 3 * h * sh.ffn
     sharded = 2 * h * sh.heads * hd + 2 * h * sh.kv_heads * hd + mlp
-    return sharded, 2 * h
+    return sharded, norms_per_block(cfg) * h
 
 
 def moe_key(cfg: ModelConfig) -> tuple[int, int, int]:

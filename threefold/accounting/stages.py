@@ -43,7 +43,7 @@ def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
     # registration order of threefold.model.LlamaDecoderLayer: input_layernorm (pre
     # layout), q/k/v_proj (each weight, then its bias), o_proj, q/k_norm (per head: d; over
     # the projection: this rank's rows), post_attention_layernorm, gate/up/down_proj,
-    # post_feedforward_layernorm (post layout)
+    # post_feedforward_layernorm (post and sandwich layouts)
     proj = [(q_rows * h, q_rows), (kv_rows * h, kv_rows), (kv_rows * h, kv_rows)]
     qkv = tuple(x for w, b in proj for x in ((w, b) if bias else (w,)))
     norms = {"": (), "head": (hd, hd), "projection": (q_rows, sh.kv_heads * hd)}[qk_norm]
@@ -51,6 +51,8 @@ def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
     mlp = (sh.ffn * h, sh.ffn * h, h * sh.ffn)
     if layout == "post":
         return (*attention, *mlp, h)
+    if layout == "sandwich":  # (Gemma 3: pre_feedforward_layernorm before the MLP too)
+        return (h, *attention, h, *mlp, h)
     return (h, *attention, *mlp)
 
 
@@ -71,7 +73,7 @@ def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tup
     router = (e * h,)
     experts = ((e // ep) * 2 * f * h, (e // ep) * h * f)
     shared = (fs * h, fs * h, h * fs, h) if fs else ()
-    post = (h,) if attn and attn[3] == "post" else ()  # the norm after the MLP
+    post = (h,) if attn and attn[3] != "pre" else ()  # the norm after the MLP
     before = dense[:len(dense) - 3 - len(post)]
     if ep == 1:
         return before + router + experts + shared + post, ()

@@ -77,7 +77,7 @@ from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
 from threefold.accounting.lora import lora_collectives, tp_reduced_numel
-from threefold.accounting.shapes import moe_key, tp_shard
+from threefold.accounting.shapes import moe_key, norms_per_block, tp_shard
 from threefold.accounting.stages import (
     cut_buckets,
     distinct_stages,
@@ -194,11 +194,16 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
         add("tp", "reduce_scatter", x, d, 2 * layers + rec, t, True, "none")
         add("tp", "all_gather", x, d, 2 * layers, t, True, "none")
         if not work.lora_r:  # frozen norms have no gradient
-            add("tp", "all_reduce", h, g, 2 * layers + last, t, True, "none")
+            add("tp", "all_reduce", h, g, norms_per_block(cfg) * layers + last, t, True,
+                "none")
     else:
         add("tp", "all_reduce", x, r, subs * layers + first + last - skip, t, True, "none")
         add("tp", "all_reduce", x, d, subs * layers + rec, t, True, "none")
     add("tp", "all_reduce", tokens, 4, 3 * last, t, True, "none")
+    if cfg.qk_norm and cfg.qk_norm_over == "head" and not work.lora_r:
+        # per-head q and k norms (Qwen3, Gemma 3) see this rank's heads: their weights'
+        # gradients are summed over tp
+        add("tp", "all_reduce", cfg.head_dim, g, 2 * layers, t, True, "none")
     if cfg.qk_norm and cfg.qk_norm_over == "projection":
         # OLMo 2's q and k norms: each token's sum of squares over the whole projection,
         # forward (again when recomputed) and backward

@@ -19,7 +19,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dua
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.models.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
-                  "olmo2")
+                  "olmo2", "gemma3_text")
 
 
 class ConfigError(ValueError):
@@ -54,8 +54,9 @@ class ModelConfig:
     num_key_value_heads: int | None = _f(None, "key/value heads (GQA); equal to heads for MHA")
     rms_norm_eps: float | None = _f(None, "RMSNorm epsilon")
     rope_theta: float | None = _f(None, "RoPE base frequency")
-    rope_scaling: str | None = _f(None, "RoPE scaling: none or llama3")
-    rope_scaling_factor: float | None = _f(None, "llama3 RoPE scaling factor")
+    rope_scaling: str | None = _f(None, "RoPE scaling: none, llama3 or linear (positions "
+                                  "divided by the factor; Gemma 3's full-attention blocks)")
+    rope_scaling_factor: float | None = _f(None, "llama3 or linear RoPE scaling factor")
     low_freq_factor: float | None = _f(None, "llama3 RoPE low-frequency factor")
     high_freq_factor: float | None = _f(None, "llama3 RoPE high-frequency factor")
     original_max_position_embeddings: int | None = _f(None, "llama3 RoPE original context")
@@ -68,11 +69,23 @@ class ModelConfig:
     qk_norm_over: str = _f("head", "what a q/k norm normalises: head (each head, Qwen3) or "
                            "projection (the whole q or k projection, OLMo 2)")
     norm_layout: str = _f("pre", "where a block's norms sit: pre (before each sub-layer, "
-                          "Llama) or post (on each sub-layer's output, before the residual "
-                          "add, OLMo 2)")
-    sliding_window: int = _f(0, "attention window of every block: a token sees itself and "
-                             "the window - 1 tokens before it (Mistral); 0 = the whole "
-                             "causal context")
+                          "Llama), post (on each sub-layer's output, before the residual "
+                          "add, OLMo 2) or sandwich (both, Gemma 3)")
+    norm_plus_one: bool = _f(False, "RMSNorms scale by (1 + weight), their weights starting "
+                             "at 0 (Gemma)")
+    hidden_act: str = _f("silu", "the MLP's gate activation: silu (SwiGLU) or gelu_tanh "
+                         "(GeGLU, Gemma)")
+    embed_scale: bool = _f(False, "multiply the embeddings by sqrt(hidden_size) (Gemma)")
+    query_pre_attn_scalar: int = _f(0, "attention scores scaled by 1/sqrt(this) (Gemma 3); "
+                                    "0 = by the head width")
+    sliding_window: int = _f(0, "attention window: a token sees itself and the window - 1 "
+                             "tokens before it (Mistral, Gemma 3's local blocks); 0 = the "
+                             "whole causal context")
+    sliding_window_pattern: int = _f(0, "with a sliding window, every N-th block attends to "
+                                     "the whole context instead (Gemma 3: 6); 0 = every "
+                                     "block slides")
+    rope_local_theta: float = _f(0.0, "RoPE base of the sliding-window blocks (Gemma 3: "
+                                 "10000); 0 = rope_theta")
     family: str | None = _f(None, "the Hugging Face model_type this model is and exports as "
                             "(threefold.models lists them); unset = the preset's")
     init_std: float = _f(0.02, "std of the normal init of weights")

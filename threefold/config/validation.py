@@ -69,7 +69,11 @@ def _check_model_settings(m: ModelConfig) -> None:
           "model.shared_expert_intermediate_size: must be >= 0 (0 = no shared expert)")
     _need(m.router_aux_loss_coef >= 0 and m.router_z_loss_coef >= 0,
           "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
-    _one_of("model.norm_layout", m.norm_layout, ["pre", "post"])
+    _one_of("model.norm_layout", m.norm_layout, ["pre", "post", "sandwich"])
+    _one_of("model.hidden_act", m.hidden_act, ["silu", "gelu_tanh"])
+    _need(m.query_pre_attn_scalar >= 0 and m.sliding_window_pattern >= 0
+          and m.rope_local_theta >= 0, "model.query_pre_attn_scalar/sliding_window_pattern/"
+          "rope_local_theta: must be >= 0 (0 = off)")
     _one_of("model.qk_norm_over", m.qk_norm_over, ["head", "projection"])
     _need(m.sliding_window >= 0, f"model.sliding_window: must be >= 0 (0 = none), got "
           f"{m.sliding_window}")
@@ -90,7 +94,7 @@ def _check_model(m: ModelConfig, vocab_size: int) -> ModelConfig:
           f"model.num_key_value_heads: {r.num_key_value_heads} must divide num_attention_heads="
           f"{r.num_attention_heads}")
     _need(r.head_dim % 2 == 0, f"model.hidden_size: head dim {r.head_dim} must be even for RoPE")
-    _one_of("model.rope_scaling", r.rope_scaling, ["none", "llama3"])
+    _one_of("model.rope_scaling", r.rope_scaling, ["none", "llama3", "linear"])
     _need(r.num_local_experts >= 0,
           f"model.num_local_experts: must be >= 0 (0 = dense), got {r.num_local_experts}")
     if r.num_local_experts:

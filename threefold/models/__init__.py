@@ -8,6 +8,7 @@ blocks exist is one spec file plus its test (docs/models.md).
 from __future__ import annotations
 
 from threefold.config import MODEL_FAMILIES, ModelConfig
+from threefold.models.gemma3 import GEMMA3
 from threefold.models.llama import LLAMA
 from threefold.models.mistral import MISTRAL
 from threefold.models.mixtral import MIXTRAL
@@ -17,14 +18,16 @@ from threefold.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from threefold.models.spec import Family, FamilyError, need
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2)}
+    LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2, GEMMA3)}
 # config names the families so that it can check model.family without importing this
 if tuple(FAMILIES) != MODEL_FAMILIES:
     raise ImportError(f"threefold.config.MODEL_FAMILIES {MODEL_FAMILIES} must list the "
                       f"registered families {tuple(FAMILIES)}")
 
 # Families that are known and refused by name (what each would need is in docs/models.md).
-REFUSED = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3", "gemma3": "Gemma 3",
+REFUSED = {"gemma2": "Gemma 2",
+           "gemma3": "Gemma 3's multimodal model (its text_config, model_type gemma3_text, "
+                     "is built: save the text model alone)",
            "phi3": "Phi-3", "deepseek_v3": "DeepSeek-V3", "granite": "Granite",
            "gpt_oss": "GPT-OSS", "qwen3_next": "Qwen3-Next"}
 

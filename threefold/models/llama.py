@@ -3,7 +3,10 @@ Llama 3 rescaling; no biases, no q/k norms, no window."""
 
 from threefold.models.spec import Family
 
-DENSE = dict(qkv_bias=False, qk_norm=False, norm_layout="pre", sliding_window=0)
+# what every Llama-like family (Llama, Qwen, Mixtral, Mistral) has: none of Gemma's pieces
+LLAMA_LIKE = dict(norm_plus_one=False, hidden_act="silu", embed_scale=False,
+                  query_pre_attn_scalar=0, rope_local_theta=0.0, sliding_window_pattern=0)
+DENSE = dict(qkv_bias=False, qk_norm=False, norm_layout="pre", sliding_window=0, **LLAMA_LIKE)
 
 LLAMA = Family("llama", "LlamaForCausalLM", read=lambda c, where: {},
                write=lambda cfg: {}, fixed=DENSE, doc="the plain decoder")

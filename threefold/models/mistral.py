@@ -1,6 +1,7 @@
 """Mistral (``MistralForCausalLM``): Llama's block with an optional sliding window over every
 layer (``sliding_window`` in config.json; null = the whole causal context)."""
 
+from threefold.models.llama import LLAMA_LIKE
 from threefold.models.spec import Family, need
 
 
@@ -13,5 +14,5 @@ def _read(c: dict, where: str) -> dict:
 
 MISTRAL = Family("mistral", "MistralForCausalLM", read=_read,
                  write=lambda cfg: {"sliding_window": cfg.sliding_window or None},
-                 fixed=dict(qkv_bias=False, qk_norm=False, norm_layout="pre"),
+                 fixed=dict(**LLAMA_LIKE, qkv_bias=False, qk_norm=False, norm_layout="pre"),
                  doc="Llama with a sliding window on every layer")

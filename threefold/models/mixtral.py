@@ -1,6 +1,7 @@
 """Mixtral (``MixtralForCausalLM``): every block's MLP a routed mixture of SwiGLU experts,
 top-k renormalised; files name experts ``block_sparse_moe.experts.N.w1/w3/w2``."""
 
+from threefold.models.llama import LLAMA_LIKE
 from threefold.models.spec import Family, need
 
 
@@ -26,7 +27,7 @@ def _write(cfg) -> dict:
 
 
 MIXTRAL = Family("mixtral", "MixtralForCausalLM", read=_read, write=_write,
-                 fixed=dict(qkv_bias=False, qk_norm=False, norm_layout="pre", sliding_window=0,
+                 fixed=dict(**LLAMA_LIKE, qkv_bias=False, qk_norm=False, norm_layout="pre", sliding_window=0,
                             norm_topk_prob=True, shared_expert_intermediate_size=0),
                  experts=True, expert_files="mixtral",
                  doc="every block a mixture of experts, top-k renormalised")

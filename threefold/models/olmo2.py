@@ -2,10 +2,11 @@
 the residual add (no input norm), and RMSNorms over the whole q and k projections (before
 the heads are split; under tensor parallelism their sums of squares are all-reduced)."""
 
+from threefold.models.llama import LLAMA_LIKE
 from threefold.models.spec import Family
 
 OLMO2 = Family("olmo2", "Olmo2ForCausalLM", read=lambda c, where: {},
                write=lambda cfg: {},
-               fixed=dict(qkv_bias=False, qk_norm=True, qk_norm_over="projection",
+               fixed=dict(**LLAMA_LIKE, qkv_bias=False, qk_norm=True, qk_norm_over="projection",
                           norm_layout="post", sliding_window=0),
                doc="post-norm blocks, q/k norms over the projections")

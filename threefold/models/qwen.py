@@ -1,6 +1,7 @@
 """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, a head width of its own), dense; their
 configs carry a ``sliding_window`` that is off (``use_sliding_window`` false), which loads."""
 
+from threefold.models.llama import LLAMA_LIKE
 from threefold.models.spec import Family, need
 
 # what Qwen's config.json says of the window it does not use
@@ -22,9 +23,9 @@ def _read(c: dict, where: str) -> dict:
 
 
 QWEN2 = Family("qwen2", "Qwen2ForCausalLM", read=_read, write=lambda cfg: dict(NO_WINDOW),
-               fixed=dict(qkv_bias=True, qk_norm=False, norm_layout="pre", sliding_window=0),
+               fixed=dict(**LLAMA_LIKE, qkv_bias=True, qk_norm=False, norm_layout="pre", sliding_window=0),
                doc="Llama with q/k/v biases")
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", read=_read, write=lambda cfg: dict(NO_WINDOW),
-               fixed=dict(qkv_bias=False, qk_norm=True, qk_norm_over="head",
+               fixed=dict(**LLAMA_LIKE, qkv_bias=False, qk_norm=True, qk_norm_over="head",
                           norm_layout="pre", sliding_window=0),
                doc="Llama with per-head q/k norms")

@@ -3,6 +3,7 @@ Qwen3-MoE (per-head q/k norms, no shared expert): every block routed, experts of
 ``moe_intermediate_size``; files name experts ``mlp.experts.N.gate_proj/up_proj/down_proj``."""
 
 from threefold.models.qwen import NO_WINDOW, no_window
+from threefold.models.llama import LLAMA_LIKE
 from threefold.models.spec import Family, need
 
 
@@ -51,11 +52,11 @@ def _shared(cfg) -> str | None:
 
 
 QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", read=_read, write=_write,
-                   fixed=dict(qk_norm=False, norm_layout="pre", sliding_window=0),
+                   fixed=dict(**LLAMA_LIKE, qk_norm=False, norm_layout="pre", sliding_window=0),
                    experts=True, expert_files="qwen", check=_shared,
                    doc="experts with a gated shared expert")
 QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", read=_read, write=_write,
-                   fixed=dict(qkv_bias=False, qk_norm=True, qk_norm_over="head",
+                   fixed=dict(**LLAMA_LIKE, qkv_bias=False, qk_norm=True, qk_norm_over="head",
                               norm_layout="pre", sliding_window=0,
                               shared_expert_intermediate_size=0),
                    experts=True, expert_files="qwen", doc="experts, per-head q/k norms")

@@ -224,7 +224,7 @@ class SequenceParallelRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise this rank's tokens."""
-        return rms_norm(x, _CopyToTP.apply(self.weight, self.comm), self.eps)
+        return rms_norm(x, self.gain(_CopyToTP.apply(self.weight, self.comm)), self.eps)
 
 
 class ProjectionParallelRMSNorm(RMSNorm):
@@ -240,7 +240,8 @@ class ProjectionParallelRMSNorm(RMSNorm):
         xf = x.float()
         squares = _CopyToTP.apply(_ReduceFromTP.apply(xf.pow(2).sum(-1, keepdim=True),
                                                       self.comm), self.comm)
-        return self.weight * (xf * torch.rsqrt(squares / self.full + self.eps)).to(x.dtype)
+        return self.gain(self.weight) * (xf * torch.rsqrt(squares / self.full + self.eps)
+                                         ).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"rows of {self.full}, sum of squares all-reduced over tp"

@@ -192,10 +192,26 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
                                   layout.cp_algorithm)
     kept += block_document_mask_bytes(cfg, layout, work)
+    kept += gemma_extra_bytes(cfg, layout, work, b * local, sh.ffn)
     if cfg.qk_norm:
         kept += qk_norm_bytes(b * local, sh.heads, sh.kv_heads, cfg.head_dim, work.act_bytes,
                               cfg.qk_norm_over == "head")
     return kept
+
+
+def gemma_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload, tokens: int,
+                      ffn: int) -> float:
+    """What Gemma's block keeps beyond ``block_activation_bytes``'s count for ``tokens``:
+    two more norms (the sandwich layout's post-sub-layer ones: input and 1/rms each, split
+    over tp under sequence parallelism) and GeGLU's tanh-GeLU output (the SwiGLU kernel
+    recomputes its activation; the plain GeLU keeps it), d·ffn per token."""
+    out = 0.0
+    if cfg.norm_layout == "sandwich":
+        r = work.resid_bytes or work.act_bytes
+        out += tokens * 2 * (r * cfg.hidden_size + 4) / (layout.tp if layout.sp else 1)
+    if cfg.hidden_act == "gelu_tanh" and not cfg.num_local_experts:
+        out += tokens * work.act_bytes * ffn
+    return out
 
 
 def block_document_mask_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:

@@ -134,7 +134,10 @@ def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
                 chunk.lm_head.weight.copy_(head.weight)
         # counted in the norm and saved by the first stage; its values are the embedding's
         place(chunk.lm_head.weight, tied_replica=True, source="model.embed_tokens.weight")
-    chunk.model.rotary = model.model.rotary  # no weights; one buffer for all chunks
+    # no weights; one buffer for all chunks (and the embedding's scale, which the shell's
+    # minimal width would get wrong)
+    chunk.model.rotary, chunk.model.rotary_local = model.model.rotary, model.model.rotary_local
+    chunk.model.embed_scale = model.model.embed_scale
     chunk.pipeline_stage = stage
     return chunk
 
@@ -198,6 +201,8 @@ def rank_model(chunks: list[LlamaForCausalLM]) -> LlamaForCausalLM:
                                                            c.model.layers)})
     merged.model.norm = chunks[-1].model.norm
     merged.lm_head = chunks[-1].lm_head
-    merged.model.rotary = chunks[0].model.rotary
+    merged.model.rotary, merged.model.rotary_local = chunks[0].model.rotary, \
+        chunks[0].model.rotary_local
+    merged.model.embed_scale = chunks[0].model.embed_scale
     merged.pipeline_stage = None
     return merged
