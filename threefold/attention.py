@@ -31,7 +31,7 @@ def rope_inverse_frequencies(cfg: ModelConfig, device=None, local: bool = False
     (arXiv 2407.21783 and Meta's reference code); "linear" divides every frequency by the
     factor. ``local``: a sliding-window block's, of base ``rope_local_theta`` and unscaled
     (Gemma 3)."""
-    d = cfg.head_dim
+    d = rotary_dim(cfg)
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=device).float() / d))
     if local or cfg.rope_scaling in (None, "none"):
@@ -49,6 +49,12 @@ def rope_inverse_frequencies(cfg: ModelConfig, device=None, local: bool = False
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
     return torch.where(medium, smoothed, scaled)
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """The features of a head that RoPE rotates: all, or the first head_dim·partial_rotary_factor
+    (Phi-3), as transformers rounds it."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -87,8 +93,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, heads, T, d) by position: x·cos + rotate_half(x)·sin."""
+    """Rotate ``x`` (B, heads, T, d) by position: x·cos + rotate_half(x)·sin. Tables
+    narrower than d (a partial rotary factor, Phi-3) rotate the first features only."""
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        turn, keep = x[..., :r], x[..., r:]
+        return torch.cat((turn * cos + rotate_half(turn) * sin, keep), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 

@@ -84,6 +84,8 @@ class ModelConfig:
     sliding_window_pattern: int = _f(0, "with a sliding window, every N-th block attends to "
                                      "the whole context instead (Gemma 3: 6); 0 = every "
                                      "block slides")
+    partial_rotary_factor: float = _f(1.0, "share of each head's features RoPE rotates, "
+                                      "the first ones (Phi-3); 1 = all")
     rope_local_theta: float = _f(0.0, "RoPE base of the sliding-window blocks (Gemma 3: "
                                  "10000); 0 = rope_theta")
     family: str | None = _f(None, "the Hugging Face model_type this model is and exports as "

@@ -71,6 +71,7 @@ def _check_model_settings(m: ModelConfig) -> None:
           "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
     _one_of("model.norm_layout", m.norm_layout, ["pre", "post", "sandwich"])
     _one_of("model.hidden_act", m.hidden_act, ["silu", "gelu_tanh"])
+    _need(0 < m.partial_rotary_factor <= 1, "model.partial_rotary_factor: must be in (0, 1]")
     _need(m.query_pre_attn_scalar >= 0 and m.sliding_window_pattern >= 0
           and m.rope_local_theta >= 0, "model.query_pre_attn_scalar/sliding_window_pattern/"
           "rope_local_theta: must be >= 0 (0 = off)")

@@ -90,5 +90,5 @@ def _check(cfg) -> str | None:
 GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", read=_read, write=_write,
                 fixed=dict(qkv_bias=False, qk_norm=True, qk_norm_over="head",
                            norm_layout="sandwich", norm_plus_one=True, hidden_act="gelu_tanh",
-                           embed_scale=True),
+                           embed_scale=True, partial_rotary_factor=1.0),
                 check=_check, doc="local/global attention, sandwich (1 + w) norms, GeGLU")

@@ -5,7 +5,8 @@ from threefold.models.spec import Family
 
 # what every Llama-like family (Llama, Qwen, Mixtral, Mistral) has: none of Gemma's pieces
 LLAMA_LIKE = dict(norm_plus_one=False, hidden_act="silu", embed_scale=False,
-                  query_pre_attn_scalar=0, rope_local_theta=0.0, sliding_window_pattern=0)
+                  query_pre_attn_scalar=0, rope_local_theta=0.0, sliding_window_pattern=0,
+                  partial_rotary_factor=1.0)
 DENSE = dict(qkv_bias=False, qk_norm=False, norm_layout="pre", sliding_window=0, **LLAMA_LIKE)
 
 LLAMA = Family("llama", "LlamaForCausalLM", read=lambda c, where: {},
