@@ -125,14 +125,19 @@ def test_registry_reads_by_model_type_and_never_guesses(tmp_path):
     assert family(dataclasses.replace(cfg, sliding_window=0))["sliding_window"] is None
     with pytest.raises(ConfigError, match="model.sliding_window: 7, but llama has 0"):
         family(dataclasses.replace(cfg, family="llama"))
+    # unset (flags on a preset that names none, or a checkpoint older than the field): the
+    # one family whose spec the fields meet, Llama when it does
     qwen3 = ModelConfig(vocab_size=300, qk_norm=True).resolved()
-    assert qwen3.family == "llama"  # the preset's: flags do not change the family
+    assert qwen3.family is None and family(qwen3)["model_type"] == "qwen3"
+    assert family(ModelConfig(vocab_size=300).resolved())["model_type"] == "llama"
+    assert family(dataclasses.replace(qwen3, qk_norm_over="projection",
+                                      norm_layout="post"))["model_type"] == "olmo2"
     with pytest.raises(ConfigError, match="model.qk_norm: True, but llama has False"):
-        family(qwen3)
-    assert family(dataclasses.replace(qwen3, family="qwen3"))["model_type"] == "qwen3"
-    # a checkpoint written before model.family: the family threefold then wrote
-    old = {k: v for k, v in dataclasses.asdict(dataclasses.replace(qwen3, family=None)).items()}
-    assert model_config_from_state({"model_config": old}, tmp_path).family == "qwen3"
+        family(dataclasses.replace(qwen3, family="llama"))
+    with pytest.raises(ConfigError, match="model.q.*fit no family"):
+        family(dataclasses.replace(qwen3, qkv_bias=True))  # no family has both
+    old = dataclasses.asdict(qwen3)
+    assert model_config_from_state({"model_config": old}, tmp_path).family is None
     assert set(FAMILIES) >= {"llama", "mistral", "olmo2", "qwen3_moe"}
 
 
@@ -201,3 +206,16 @@ def test_projection_norms_need_split_kv_heads():
     with pytest.raises(ConfigError, match="model.qk_norm_over"):
         dims(tp=2, dp_shard=1).validate_model(cfg)
     dims(tp=1, dp_shard=2).validate_model(cfg)
+
+
+def test_the_planner_and_the_specs_need_no_torch():
+    """The specs and the planner's closed forms import no torch (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport threefold.models, threefold.accounting, threefold.plan.search, "
+            "threefold.plan.step, threefold.plan.memory, threefold.plan.report\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

@@ -20,7 +20,6 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import torch
 
 GB = 1e9  # datasheets use decimal gigabytes
 
@@ -145,12 +144,16 @@ def peak_flops_for_device_name(device_name: str, precision: str) -> float | None
     return hw.peak_flops(precision) if hw else None
 
 
-def cpu_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5,
+def cpu_matmul_flops(dtype=None, n: int = 1024, seconds: float = 0.5,
                      statistic: str = "best") -> float:
     """Measured FLOP/s of an n×n matmul on this CPU, with the threads torch uses now, over
     ``seconds`` of single multiplies: the best ("best"), so that a busy moment on a shared
     machine does not lower the peak (a low peak would inflate MFU past 100%), or the median
-    ("median"), the sustained rate a training step sees."""
+    ("median"), the sustained rate a training step sees. ``dtype``: a torch dtype, float32
+    when None."""
+    import torch  # here: the catalogue and the planner need no torch
+
+    dtype = dtype or torch.float32
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)  # warm-up

@@ -28,14 +28,8 @@ import torch
 from torch import nn
 
 from threefold.kernels import backward_half, matmul_input
+from threefold.models.shapes import LOGITS_CHUNK_BYTES, chunk_tokens  # noqa: F401
 
-LOGITS_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk, at most (one token at least)
-
-
-def chunk_tokens(tokens: int, vocab_rows: int, budget: int = LOGITS_CHUNK_BYTES) -> int:
-    """Tokens per chunk: as many as keep a chunk's fp32 logits (``vocab_rows`` per token,
-    this rank's rows) within ``budget`` bytes, at least one and at most ``tokens``."""
-    return max(1, min(tokens, budget // (4 * vocab_rows)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from threefold.checkpoint_verify import CheckpointError
 from threefold.config import ModelConfig
-from threefold.models import FAMILIES, FamilyError, family_for, legacy_family, spec_of
+from threefold.models import FamilyError, family_for, spec_of
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -196,7 +196,7 @@ def family(cfg: ModelConfig) -> dict:
 def qwen_layout(cfg: ModelConfig) -> bool:
     """Whether a mixture of experts' files use the Qwen MoE layout (``mlp.experts.N.
     gate_proj``...) rather than Mixtral's (``block_sparse_moe.experts.N.w1``...)."""
-    return FAMILIES[cfg.family or "llama"].expert_files == "qwen"
+    return spec_of(cfg).expert_files == "qwen"
 
 
 def reward_hf_config(conf: dict, tokens: dict) -> dict:
@@ -310,7 +310,5 @@ def model_config_from_state(state: dict, where: Path) -> ModelConfig:
     if not isinstance(saved, dict):
         raise HFError(f"{where}/state.json: no model_config; not a threefold checkpoint")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    fields = {k: v for k, v in saved.items() if k in known}
-    if fields.get("family") is None:  # written before model.family existed
-        fields["family"] = legacy_family(fields)
-    return ModelConfig(**fields).resolved()
+    # (a checkpoint older than model.family has none: its fields say it, threefold.models)
+    return ModelConfig(**{k: v for k, v in saved.items() if k in known}).resolved()

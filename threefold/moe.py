@@ -264,27 +264,3 @@ class RouterLog:
         return {"router_aux_loss": sum_scalar(aux) / n, "router_z_loss": sum_scalar(z) / n,
                 "expert_counts": counts, "expert_imbalance": max(counts) / mean if mean else None}
 
-
-# --------------------------------------------------------------------------------------------
-# Parameter counts
-# --------------------------------------------------------------------------------------------
-def expert_parameters(cfg: ModelConfig) -> int:
-    """Weights of one expert (a SwiGLU MLP of width ``intermediate_size``)."""
-    return 3 * cfg.hidden_size * cfg.intermediate_size
-
-
-def moe_layer_parameters(cfg: ModelConfig) -> int:
-    """Weights of one MoE feed-forward: the router and all experts (and a shared expert with
-    its gate)."""
-    h, fs = cfg.hidden_size, cfg.shared_expert_intermediate_size
-    shared = 3 * h * fs + h if fs else 0
-    return cfg.num_local_experts * (h + expert_parameters(cfg)) + shared
-
-
-def inactive_parameters(cfg: ModelConfig) -> int:
-    """Weights a token does not use: the E − k experts it was not routed to, in every layer
-    (0 for a dense model)."""
-    if not cfg.num_local_experts:
-        return 0
-    idle = cfg.num_local_experts - cfg.num_experts_per_tok
-    return cfg.num_hidden_layers * idle * expert_parameters(cfg)

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from threefold.axes import AXES, FLATTENED
 from threefold.config import ModelConfig
-from threefold.moe import inactive_parameters, moe_layer_parameters
+from threefold.models.shapes import inactive_parameters, moe_layer_parameters
 from threefold.parallel.pipeline.schedules import SCHEDULE_SPECS
 
 # The axis tables are threefold.axes's (one home for the runtime and the accounting), under

@@ -89,7 +89,8 @@ class ModelConfig:
     rope_local_theta: float = _f(0.0, "RoPE base of the sliding-window blocks (Gemma 3: "
                                  "10000); 0 = rope_theta")
     family: str | None = _f(None, "the Hugging Face model_type this model is and exports as "
-                            "(threefold.models lists them); unset = the preset's")
+                            "(threefold.models lists them); unset = the preset's, else the "
+                            "one family whose spec the fields meet (llama when it does)")
     init_std: float = _f(0.02, "std of the normal init of weights")
     num_local_experts: int | None = _f(None, "experts per MoE layer (Mixtral-style, every "
                                        "block's MLP routed); 0 = dense MLPs")
@@ -116,7 +117,7 @@ class ModelConfig:
             raise ConfigError(unknown_value("model.preset", self.preset, MODEL_PRESETS))
         base = dict(rope_scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192, num_local_experts=0,
-                    num_experts_per_tok=2, family="llama")
+                    num_experts_per_tok=2)
         base.update(MODEL_PRESETS[self.preset])
         out = dataclasses.replace(self)
         for f in dataclasses.fields(self):

@@ -31,8 +31,7 @@ REFUSED = {"gemma2": "Gemma 2",
            "phi3": "Phi-3", "deepseek_v3": "DeepSeek-V3", "granite": "Granite",
            "gpt_oss": "GPT-OSS", "qwen3_next": "Qwen3-Next"}
 
-__all__ = ["FAMILIES", "Family", "FamilyError", "family_for", "legacy_family", "need",
-           "spec_of"]
+__all__ = ["FAMILIES", "Family", "FamilyError", "family_for", "need", "spec_of"]
 
 
 def family_for(c: dict, where: str = "config.json") -> Family:
@@ -46,25 +45,25 @@ def family_for(c: dict, where: str = "config.json") -> Family:
 
 
 def spec_of(cfg: ModelConfig) -> Family:
-    """The spec ``cfg.family`` names (a resolved config: the preset's when unset), checked
-    against the model: ConfigError naming the field that differs from the family."""
-    spec = FAMILIES[cfg.family or "llama"]
-    why = spec.refusal(cfg)
-    if why:
-        raise FamilyError(f"{why}; set model.family to the model's family (one of "
-                          f"{', '.join(FAMILIES)}) or the field to the family's value")
-    return spec
-
-
-def legacy_family(fields: dict) -> str:
-    """The family of a checkpoint written before ``model.family`` existed (its state.json
-    has no such field), as threefold then wrote it: Qwen3/Qwen2 by q/k norms or biases,
-    Mixtral or a Qwen MoE by experts, else Llama."""
-    moe = bool(fields.get("num_local_experts"))
-    if moe and fields.get("qk_norm"):
-        return "qwen3_moe"
-    if moe and (fields.get("qkv_bias") or fields.get("shared_expert_intermediate_size")):
-        return "qwen2_moe"
-    if moe:
-        return "mixtral"
-    return "qwen3" if fields.get("qk_norm") else "qwen2" if fields.get("qkv_bias") else "llama"
+    """The spec of ``cfg``'s family: the one ``model.family`` names, checked against the
+    model (FamilyError naming the field that differs); unset (flags on a preset that names
+    no family, or a checkpoint older than the field), the one registered family whose spec
+    the fields meet, Llama when it does (a Mistral without a window is a Llama)."""
+    if cfg.family:
+        spec = FAMILIES[cfg.family]
+        why = spec.refusal(cfg)
+        if why:
+            raise FamilyError(f"{why}; set model.family to the model's family (one of "
+                              f"{', '.join(FAMILIES)}) or the field to the family's value")
+        return spec
+    fits = [f for f in FAMILIES.values() if f.refusal(cfg) is None]
+    if LLAMA in fits or len(fits) == 1:
+        return LLAMA if LLAMA in fits else fits[0]
+    if fits:
+        raise FamilyError(f"model.family: unset, and the model fits "
+                          f"{', '.join(f.model_type for f in fits)}; set model.family")
+    # the nearest family of the same kind (dense, or experts): the first of them
+    near = min(FAMILIES.values(), key=lambda f: (bool(cfg.num_local_experts) != f.experts,
+                                                 f.distance(cfg)))
+    raise FamilyError(f"{near.refusal(cfg)}; the model's fields fit no family (model.family "
+                      f"is unset): change the field, or build the family")

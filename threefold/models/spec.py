@@ -48,6 +48,11 @@ class Family:
     check: Callable[[ModelConfig], str | None] = lambda cfg: None
     doc: str = ""
 
+    def distance(self, cfg: ModelConfig) -> int:
+        """How many of the family's rules ``cfg`` breaks (0: it is one of the family)."""
+        return (sum(getattr(cfg, k) != v for k, v in self.fixed.items())
+                + (bool(cfg.num_local_experts) != self.experts) + bool(self.check(cfg)))
+
     def refusal(self, cfg: ModelConfig) -> str | None:
         """Why ``cfg`` is not a model of this family (naming the field), or None."""
         if bool(cfg.num_local_experts) != self.experts:

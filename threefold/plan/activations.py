@@ -9,7 +9,7 @@ from __future__ import annotations
 from threefold.accounting.layout import Layout, Workload, local_seq_len
 from threefold.accounting.shapes import tp_shard
 from threefold.config import ModelConfig
-from threefold.head_loss import chunk_tokens
+from threefold.models.shapes import chunk_tokens
 from threefold.parallel.pipeline.schedules import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------

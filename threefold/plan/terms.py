@@ -15,7 +15,7 @@ from threefold.accounting.lora import lora_units
 from threefold.accounting.shapes import tp_shard
 from threefold.accounting.stages import rank_layers
 from threefold.config import ModelConfig
-from threefold.head_loss import chunk_tokens
+from threefold.models.shapes import chunk_tokens
 from threefold.plan.activations import (adapter_activation_bytes, block_document_mask_bytes,
                                         head_saved_bytes, inflight_microbatches,
                                         microbatch_extra_bytes, model_layer_activation_bytes)

@@ -1,0 +1,39 @@
+"""The shapes of a family's blocks as plain numbers, for the accounting and the planner (no
+torch): the weights of a mixture of experts' feed-forward, and how many tokens' logits the
+chunked head (``threefold.head_loss``) makes at once.
+"""
+
+from __future__ import annotations
+
+from threefold.config import ModelConfig
+
+
+def expert_parameters(cfg: ModelConfig) -> int:
+    """Weights of one expert (a SwiGLU MLP of width ``intermediate_size``)."""
+    return 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def moe_layer_parameters(cfg: ModelConfig) -> int:
+    """Weights of one MoE feed-forward: the router and all experts (and a shared expert with
+    its gate)."""
+    h, fs = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    shared = 3 * h * fs + h if fs else 0
+    return cfg.num_local_experts * (h + expert_parameters(cfg)) + shared
+
+
+def inactive_parameters(cfg: ModelConfig) -> int:
+    """Weights a token does not use: the E − k experts it was not routed to, in every layer
+    (0 for a dense model)."""
+    if not cfg.num_local_experts:
+        return 0
+    idle = cfg.num_local_experts - cfg.num_experts_per_tok
+    return cfg.num_hidden_layers * idle * expert_parameters(cfg)
+
+
+LOGITS_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk, at most (one token at least)
+
+
+def chunk_tokens(tokens: int, vocab_rows: int, budget: int = LOGITS_CHUNK_BYTES) -> int:
+    """Tokens per chunk: as many as keep a chunk's fp32 logits (``vocab_rows`` per token,
+    this rank's rows) within ``budget`` bytes, at least one and at most ``tokens``."""
+    return max(1, min(tokens, budget // (4 * vocab_rows)))
