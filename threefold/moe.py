@@ -91,9 +91,13 @@ class Experts(nn.Module):
         e, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, f))
-        # expert parallelism (threefold.parallel.expert) sets this: then the tensors hold
-        # only this rank's experts and ``dispatch`` moves rows to and from their owners
-        self.dispatch = None
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert (``counts`` (E,) rows each, in order) -> each row through its
+        expert, in the same order. Here every expert is local (one host sync per block, for
+        the slices); expert parallelism's ``ExpertParallelExperts``
+        (``threefold.parallel.expert``) moves the rows to the ranks holding their experts."""
+        return self.compute(rows, counts.tolist())
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by this module's experts (``counts[e]`` rows for expert e, in order)
@@ -120,11 +124,7 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token = order // k                          # the token of each grouped assignment
-        grouped = x[token]
-        if self.dispatch is None:  # one host sync per block, for the slices
-            y = self.compute(grouped, counts.tolist())
-        else:
-            y = self.dispatch(grouped, counts, self.compute)
+        y = self.dispatch(x[token], counts)
         y = y * weights.reshape(-1)[order, None]  # fp32 weights, as HF
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 

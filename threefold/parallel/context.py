@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from threefold.model import LlamaAttention, LlamaModel, sdpa_attention
+from threefold.parallel.wrap import become
 
 
 AXIS = "cp"
@@ -365,29 +366,63 @@ def allgather_attention(q, k, v, docs, comm, seq_len):
 # --------------------------------------------------------------------------------------------
 # Applying it
 # --------------------------------------------------------------------------------------------
+class ContextParallelAttention(LlamaAttention):
+    """A ``LlamaAttention`` whose queries, keys and values are this cp rank's share of a
+    sequence ``cp`` times longer (``apply_context_parallel`` turns each attention into one,
+    in place): its core attends over the whole sequence with ``algorithm`` (ring or
+    allgather) on ``comm``'s "cp" axis. Its mask is the ``CPMask`` that
+    ``ContextParallelModel`` makes."""
+
+    comm = None
+    cp = 1
+    algorithm = "ring"
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask=None) -> torch.Tensor:
+        """q (B, heads, T/cp, d), k/v (B, kv heads, T/cp, d), this rank's tokens after RoPE
+        -> (B, heads, T/cp, d), attended over every token of the sequence."""
+        docs = attn_mask.document_ids if isinstance(attn_mask, CPMask) else None
+        seq_len = q.shape[2] * self.cp
+        if self.algorithm == "ring":
+            return RingAttention.apply(q, k, v, docs, self.comm, seq_len)
+        return allgather_attention(q, k, v, docs, self.comm, seq_len)
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, {self.algorithm}"
+
+
+class ContextParallelModel(LlamaModel):
+    """A ``LlamaModel`` whose blocks run on this cp rank's share of every sequence: the mask
+    it gives each attention is the whole sequence's document ids (``CPMask``), from which
+    ``ContextParallelAttention`` masks the pairs of tokens it meets; a local square mask
+    would not say which documents other ranks' tokens belong to."""
+
+    cp = 1
+
+    def attention_mask(self, document_ids: torch.Tensor | None) -> CPMask:
+        """The whole sequence's document ids (B, T) or None (causal), as a ``CPMask``."""
+        return CPMask(document_ids)
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, masks from the whole sequence's document ids"
+
+
 def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring"
                            ) -> torch.nn.Module:
     """Make every attention of ``model`` (a whole model or a pipeline rank's chunks) attend
     over the whole sequence from this cp rank's share of it, with ``algorithm`` (ring or
-    allgather). In place; parameter names do not change. Micro-batches must be cut with
-    ``shard_batch`` (positions explicit, ``document_ids`` whole)."""
+    allgather): each ``LlamaAttention`` becomes a ``ContextParallelAttention`` and each
+    ``LlamaModel`` a ``ContextParallelModel``. In place; parameter names do not change.
+    Micro-batches must be cut with ``shard_batch`` (positions explicit, ``document_ids``
+    whole)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown cp algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
     n = comm.size(AXIS)
     if n == 1:
         return model
-
-    def attend(q, k, v, mask):
-        docs = mask.document_ids if isinstance(mask, CPMask) else None
-        seq_len = q.shape[2] * n
-        if algorithm == "ring":
-            return RingAttention.apply(q, k, v, docs, comm, seq_len)
-        return allgather_attention(q, k, v, docs, comm, seq_len)
-
     for mod in model.modules():
         if isinstance(mod, LlamaAttention):
-            mod.attend = attend
+            become(mod, ContextParallelAttention, comm=comm, cp=n, algorithm=algorithm)
         elif isinstance(mod, LlamaModel):
-            mod.attention_mask = lambda document_ids: CPMask(document_ids)
-    model.cp_size = n
+            become(mod, ContextParallelModel, cp=n)
     return model

@@ -37,6 +37,7 @@ from torch import nn
 
 from threefold.moe import Experts
 from threefold.parallel.placement import ep_sharded, place  # noqa: F401 (re-exported)
+from threefold.parallel.wrap import become
 
 AXIS = "ep"
 
@@ -60,9 +61,9 @@ class _AllToAll(torch.autograd.Function):
 
 
 class Dispatcher:
-    """``Experts.dispatch`` under expert parallelism (see the module doc): rows grouped by
-    global expert in, each row through its expert (on whichever rank holds it) out, in the
-    same order."""
+    """The all-to-all routing of one expert-parallel MoE layer (see the module doc): rows
+    grouped by global expert in, each row through its expert (on whichever rank holds it)
+    out, in the same order. Counts the rows this rank sends to other ranks."""
 
     def __init__(self, comm, num_experts: int):
         self.comm, self.ep = comm, comm.size(AXIS)
@@ -95,10 +96,30 @@ class Dispatcher:
         return _AllToAll.apply(y[back], self.comm, send, recv)
 
 
+class ExpertParallelExperts(Experts):
+    """An ``Experts`` holding only this ep rank's E/ep experts (``apply_expert_parallel``
+    turns each layer's experts into one, in place), whose ``dispatch`` sends every row to the
+    rank that holds its expert and brings the result back (``dispatcher``)."""
+
+    dispatcher: Dispatcher | None = None
+    first = 0  # the global index of this rank's first expert
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by global expert (``counts`` (E,)) -> each through its expert, on
+        whichever ep rank holds it, in the same order."""
+        return self.dispatcher(rows, counts, self.compute)
+
+    def extra_repr(self) -> str:
+        d = self.dispatcher
+        return (f"experts [{self.first}, {self.first + d.local}) of {d.local * d.ep}, "
+                f"ep={d.ep}, all-to-all")
+
+
 def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
     """Keep this rank's E/ep experts of every MoE layer of ``model`` (whole weights in, as
-    initialised or loaded) and route through ``Dispatcher``. Marks each expert tensor
-    with its slice of dim 0 in its placement (``threefold.parallel.placement``)."""
+    initialised or loaded) and route through a ``Dispatcher``: each ``Experts`` becomes an
+    ``ExpertParallelExperts``. Marks each expert tensor with its slice of dim 0 in its
+    placement (``threefold.parallel.placement``)."""
     ep, r = comm.size(AXIS), comm.rank(AXIS)
     for m in model.modules():
         if isinstance(m, Experts):
@@ -107,7 +128,7 @@ def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
             for p in (m.gate_up_proj, m.down_proj):
                 p.data = p.data[r * n:(r + 1) * n].clone()
                 place(p, ep_index=r, ep_count=ep)
-            m.dispatch = Dispatcher(comm, e)
+            become(m, ExpertParallelExperts, dispatcher=Dispatcher(comm, e), first=r * n)
     return model
 
 
@@ -118,8 +139,8 @@ def take_rows_sent(model: nn.Module) -> int:
     (forward rows + backward rows) · h · element size + the count exchanges."""
     total = 0
     for m in model.modules():
-        d = getattr(m, "dispatch", None)
-        if isinstance(d, Dispatcher):
+        if isinstance(m, ExpertParallelExperts):
+            d = m.dispatcher
             total, d.rows_sent = total + d.rows_sent, 0
     return total
 
