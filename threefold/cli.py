@@ -49,7 +49,7 @@ COMMANDS = (
             "--help)", "threefold.parallel.pipeline.command:main"),
     Command("convert", "--to hf CKPT OUT | --to peft [--merge] RUN OUT | --from hf HF_DIR "
             "OUT", "Hugging Face export / import; a LoRA run's adapters for PEFT, or merged",
-            "threefold.hf:main"),
+            "threefold.convert:main"),
     Command("generate", "--from RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] "
             "...", "complete prompts with a run's model (KV cache); prints tokens/s",
             "threefold.generate:main"),
