@@ -16,9 +16,9 @@ import importlib
 import sys
 from typing import NamedTuple
 
-from threefold.config import ConfigError, describe, load_config, parse_overrides
-from threefold.launch import (check_launch_layout, dispatch, fail, resolve_init_from,
-                              run_training, split_train_args, world_size_for)
+from threefold.config import ConfigError, describe, parse_overrides
+from threefold.launch import (check_launch_layout, dispatch, fail, load_run_config,
+                              resolve_init_from, run_training, split_train_args, world_size_for)
 
 
 class Command(NamedTuple):
@@ -84,7 +84,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     try:
         path, rest, nproc, launcher = split_train_args(argv)
-        cfg = load_config(path, parse_overrides(rest))
+        cfg = load_run_config(path, parse_overrides(rest))
         argv = resolve_init_from(cfg, argv)
         world = world_size_for(nproc, launcher)
         check_launch_layout(cfg, world)
