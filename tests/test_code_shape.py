@@ -1,7 +1,9 @@
 """The shape of the code, kept by a test so that every change keeps it: no file in threefold/
 over 450 lines, no function over 60 (from its ``def`` to its last line, docstring included),
-and the training loop never probes a layout or task with ``getattr(..., default)`` (their
-interfaces are declared: ``threefold.parallel.layout.World``, ``threefold.task.Task``)."""
+the training loop never probes a layout or task with ``getattr(..., default)`` (their
+interfaces are declared: ``threefold.parallel.layout.World``, ``threefold.task.Task``,
+``threefold.run.Engine``), and imports point down a table of layers with no circles (the
+table is docs/architecture.md's)."""
 
 from __future__ import annotations
 
@@ -106,3 +108,205 @@ def test_parallelisms_do_not_patch_instances():
             "def f(module, p, w):\n    p.data = w\n    module.weight = w\n"
             "    module.__class__ = A\n    ctx.comm, ctx.scale = 1, 2\n")
     assert _instance_patches(ast.parse(fine)) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Imports point down. A room is a top-level module or package of threefold/ (a package such as
+# parallel/ or post/ is one room); the layers run from the top (the command line) down to
+# config/, which imports nothing of threefold. A room may import rooms of its own layer or of a
+# layer below. docs/architecture.md's table of rooms is this table.
+# --------------------------------------------------------------------------------------------
+
+LAYERS = [
+    ["__main__", "cli", "convert", "plot"],
+    ["post"],
+    ["launch"],
+    ["train"],
+    ["steps", "runlog", "trackers", "resume"],
+    ["run", "task"],
+    ["generate", "peft_export"],
+    ["parallel"],
+    ["plan"],
+    ["model_source"],
+    ["weights", "checkpoint", "checkpoint_verify", "resharding", "hf", "hf_config"],
+    ["liveness", "preempt", "faults", "hostmem"],
+    ["accounting"],
+    ["comm", "mesh", "axes", "distributed", "collective_check"],
+    ["model", "attention", "norm", "kernels", "head_loss", "moe", "kvcache", "lora"],
+    ["hub"],
+    ["hardware", "metrics", "data", "models"],
+    ["config"],
+]
+
+# Arrows that still point up, each in files outside the change that made this table; the test
+# below fails once one is gone, so that the entry goes too. The cycle checks leave them out.
+ALLOWED_UPWARD = {
+    ("checkpoint", "parallel"): "checkpoint.py imports Piece from parallel/placement.py; the "
+                                "placement records belong below both (a move that edits "
+                                "checkpoint.py and the parallel modules that import them)",
+    ("lora", "parallel"): "LoRALinear.forward wraps the whole adapter factor in "
+                          "parallel.tensor.copy_to_tp under tensor parallelism; tensor.py "
+                          "should hand the layer that function when it shards the adapter "
+                          "(lora.py alone could only copy the collective; model.py imports "
+                          "lora, so lora sits beside the model)",
+    ("plan", "parallel"): "the planner reads the pipeline schedules (plan/step.py, "
+                          "activations.py) and the dry run builds the rank's model with "
+                          "parallel.tensor, expert, layout and pipeline.stage (plan/dryrun.py), "
+                          "being reworked",
+    ("accounting", "parallel"): "accounting/layout.py, stages.py and traffic.py read the "
+                                "pipeline schedules' specs, actions and stage balance "
+                                "(parallel/pipeline/); those tables belong below both",
+    ("generate", "post"): "generate.py imports the chat templates of post/chat.py; they "
+                          "belong below both (the data layer)",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in _sources()}
+
+
+def _resolve(name: str) -> str | None:
+    """The module of threefold that ``name`` (a module, or a name inside one) lives in."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imported(path: Path, module: str) -> set[str]:
+    """The modules of threefold that ``path`` imports anywhere: at the top, inside functions
+    (lazy) and under ``if TYPE_CHECKING:``."""
+    out = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {_resolve(a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            # from a package import its modules: those modules, else the package itself
+            out |= {_resolve(f"{base}.{a.name}") if f"{base}.{a.name}" in MODULES
+                    else _resolve(base) for a in node.names}
+    return {m for m in out if m and m != module and m != "threefold"}
+
+
+FILE_IMPORTS = {m: _imported(p, m) for m, p in MODULES.items()}
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _room_imports() -> dict[tuple[str, str], list[str]]:
+    """(importer room, imported room) -> the file imports ("a -> b") behind that arrow."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for m, targets in FILE_IMPORTS.items():
+        if m == "threefold":
+            continue
+        for t in targets:
+            if _room(m) != _room(t):
+                arrows.setdefault((_room(m), _room(t)), []).append(f"{m} -> {t}")
+    return arrows
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a closed path [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (found := visit(w)):
+                return found
+        state[v] = 2
+        path.pop()
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)):
+            return found
+    return None
+
+
+def _layer_of() -> dict[str, int]:
+    return {room: i for i, layer in enumerate(LAYERS) for room in layer}
+
+
+def test_every_room_has_one_layer():
+    rooms = {_room(m) for m in MODULES if m != "threefold"}
+    listed = [room for layer in LAYERS for room in layer]
+    assert len(listed) == len(set(listed)), "a room in two layers"
+    assert rooms == set(listed), (f"rooms missing from LAYERS: {sorted(rooms - set(listed))}; "
+                                  f"listed but absent: {sorted(set(listed) - rooms)}")
+
+
+def test_imports_point_down():
+    layer = _layer_of()
+    up = {arrow: files for arrow, files in _room_imports().items()
+          if layer[arrow[0]] > layer[arrow[1]] and arrow not in ALLOWED_UPWARD}
+    assert not up, "imports that point up the layer table:\n" + "\n".join(
+        f"  {a} -> {b}: {', '.join(sorted(files))}" for (a, b), files in sorted(up.items()))
+
+
+def test_allowed_upward_arrows_are_still_there():
+    layer, arrows = _layer_of(), _room_imports()
+    gone = [arrow for arrow in ALLOWED_UPWARD
+            if arrow not in arrows or layer[arrow[0]] <= layer[arrow[1]]]
+    assert not gone, f"fixed, so take them out of ALLOWED_UPWARD: {gone}"
+
+
+def test_no_import_cycles_among_rooms():
+    graph: dict[str, set[str]] = {}
+    for a, b in _room_imports():
+        if (a, b) not in ALLOWED_UPWARD:
+            graph.setdefault(a, set()).add(b)
+    cycle = _find_cycle(graph)
+    assert cycle is None, "rooms import each other: " + " -> ".join(cycle)
+
+
+def test_no_import_cycles_among_files():
+    graph = {m: {t for t in targets if (_room(m), _room(t)) not in ALLOWED_UPWARD}
+             for m, targets in FILE_IMPORTS.items()}
+    cycle = _find_cycle(graph)
+    assert cycle is None, "modules import each other: " + " -> ".join(cycle)
+
+
+def test_engines_meet_the_engine_protocol():
+    """Each engine of threefold.parallel has every method of ``threefold.run.Engine`` (the
+    interface the loop, the layouts and the checkpoints use), with the same parameters."""
+    import inspect
+
+    from threefold.parallel.data import DataParallelEngine
+    from threefold.parallel.engine import LocalEngine
+    from threefold.parallel.zero import ZeroEngine
+    from threefold.run import Engine
+
+    wanted = {name: list(inspect.signature(f).parameters) for name, f in vars(Engine).items()
+              if inspect.isfunction(f) and not name.startswith("_")}
+    assert "micro_step" in wanted and "load_from" in wanted
+    for cls in (LocalEngine, DataParallelEngine, ZeroEngine):
+        have = {name: list(inspect.signature(getattr(cls, name)).parameters)
+                for name in wanted if hasattr(cls, name)}
+        assert have == wanted, f"{cls.__name__} differs from threefold.run.Engine"
+
+
+def test_the_architecture_page_lists_the_same_layers():
+    """docs/architecture.md's table of rooms, row by row, is ``LAYERS``."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text().splitlines()
+    start = doc.index("| rooms (top to bottom) | own |") + 2
+    rows = []
+    for line in doc[start:]:
+        if not line.startswith("|"):
+            break
+        cell = line.split("|")[1]
+        rows.append([re.sub(r"(\.py|/)$", "", name) for name in re.findall(r"`([^`]+)`", cell)])
+    assert rows == LAYERS

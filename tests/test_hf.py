@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import tiny_overrides
-from threefold import hf
+from threefold import convert, hf
 from threefold.checkpoint import list_checkpoints, load_checkpoint
 from threefold.config import ModelConfig, load_config
 from threefold.model import LlamaForCausalLM
@@ -29,7 +29,7 @@ def trained(corpus, cache_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     summary = train(load_config(None, tiny_overrides(corpus, cache_dir, root / "run",
                                                      train__steps=2)))
-    assert hf.main(["--to", "hf", str(root / "run"), str(root / "exported")]) == 0
+    assert convert.main(["--to", "hf", str(root / "run"), str(root / "exported")]) == 0
     return root, summary
 
 
@@ -47,8 +47,8 @@ def assert_round_trip(tmp_path, ids, want) -> None:
     loads the result with the logits ``want`` for ``ids``."""
     import transformers
 
-    assert hf.main(["--from", "hf", str(tmp_path / "src"), str(tmp_path / "tf")]) == 0
-    assert hf.main(["--to", "hf", str(tmp_path / "tf"), str(tmp_path / "back")]) == 0
+    assert convert.main(["--from", "hf", str(tmp_path / "src"), str(tmp_path / "tf")]) == 0
+    assert convert.main(["--to", "hf", str(tmp_path / "tf"), str(tmp_path / "back")]) == 0
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert (back(ids).logits - want).abs().max().item() <= 1e-5
 
@@ -75,7 +75,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_tokens(trained):
     assert tok.encode(text) == mine and len(mine) > 5
     assert conf["eos_token_id"] == tok.eos_token_id and tok.eos_token_id in mine
     # A second export into the now non-empty folder is refused, not merged.
-    assert hf.main(["--to", "hf", str(root / "run"), str(out)]) == 2
+    assert convert.main(["--to", "hf", str(root / "run"), str(out)]) == 2
 
 
 def _perturbed_hf_model(**kw):
@@ -142,7 +142,7 @@ def _refused(folder: Path, capsys, *words: str) -> None:
     for w in words:
         assert w in str(e.value), (w, str(e.value))
     capsys.readouterr()
-    assert hf.main(["--from", "hf", str(folder), str(folder.parent / "out")]) == 2
+    assert convert.main(["--from", "hf", str(folder), str(folder.parent / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error" in err and words[0] in err
 
@@ -197,9 +197,9 @@ def test_convert_from_hf_then_training_starts_from_it(trained, corpus, cache_dir
 
     root, first = trained
     imp = root / "imported"
-    assert hf.main(["--from", "hf", str(root / "exported"), str(imp)]) == 0
+    assert convert.main(["--from", "hf", str(root / "exported"), str(imp)]) == 0
     assert list_checkpoints(imp / "checkpoints") == [0] and (imp / "tokenizer.json").is_file()
-    assert hf.main(["--from", "hf", str(root / "exported"), str(imp)]) == 2  # not overwritten
+    assert convert.main(["--from", "hf", str(root / "exported"), str(imp)]) == 2  # not overwritten
     # Resume: the imported weights score exactly what the run that made them scored.
     again = train(load_config(None, tiny_overrides(corpus, cache_dir, imp, train__steps=2,
                                                    checkpoint__resume="true")))
@@ -219,7 +219,7 @@ def test_convert_from_hf_then_training_starts_from_it(trained, corpus, cache_dir
     # Bad command lines: one line on stderr, exit 2.
     capsys.readouterr()
     for argv in (["--to", "onnx", "a", "b"], ["--from", "hf", str(root / "nope"), "x"], ["a"]):
-        assert hf.main(argv) == 2
+        assert convert.main(argv) == 2
         assert capsys.readouterr().err.count("\n") == 1
 
 

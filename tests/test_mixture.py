@@ -20,6 +20,7 @@ from threefold.data.sampler import (HeldOutSampler, MixtureSampler, Permutation,
                                     integer_weights)
 from threefold.data.sources import TokenSource, TokenStream, _Shard, parse_mix
 from threefold.data.tokenizer import train_bpe
+from threefold.launch import load_run_config
 
 from conftest import metrics, tiny_overrides
 from dist import run_distributed
@@ -258,7 +259,7 @@ def test_prepare_data_reads_prepared_shards(prepared, tmp_path):
 
 def test_prepared_refusals_before_launch(prepared, tmp_path):
     def load(**over):
-        return load_config(None, [(f"data.{k}", str(v)) for k, v in over.items()])
+        return load_run_config(None, [(f"data.{k}", str(v)) for k, v in over.items()])
 
     with pytest.raises(ConfigError, match="'web'.*'code'.*different tokenizers"):
         load(mix=f"web={prepared['other']}:1,code={prepared['code']}:1")

@@ -17,7 +17,7 @@ from torch import nn
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
 from tests.test_hf import assert_round_trip
-from threefold import hf
+from threefold import convert, hf
 from threefold.accounting import active_parameters, flops_per_token, num_parameters
 from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.model import LlamaForCausalLM
@@ -181,7 +181,7 @@ def moe_run(corpus, cache_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     summary = train(load_config(None, tiny_overrides(corpus, cache_dir, root / "run",
                                                      **MOE_RUN)))
-    assert hf.main(["--to", "hf", str(root / "run"), str(root / "exported")]) == 0
+    assert convert.main(["--to", "hf", str(root / "run"), str(root / "exported")]) == 0
     return root, summary
 
 

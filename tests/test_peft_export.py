@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import final_weights, tiny_overrides
 from tests.test_sft import OPTIM, TRL_CONVS, base  # noqa: F401
-from threefold import hf
+from threefold import convert, hf
 from threefold.config import load_config
 from threefold.generate import load_for_generation
 from threefold.generate import main as generate_main
@@ -104,13 +104,13 @@ def test_lora_run_without_init_from_has_the_seed_base(corpus, cache_dir, tmp_pat
         corpus, cache_dir, run, train__steps=2, train__eval_batches=1,
         lora__target_modules="q_proj,down_proj", **LORA)), return_run=True)
     out = tmp_path / "merged"
-    assert hf.main(["--to", "peft", "--merge", str(run), str(out)]) == 0
+    assert convert.main(["--to", "peft", "--merge", str(run), str(out)]) == 0
     ids, ours = _ours(run)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         assert (ours - trained.engine.model.eval()(ids)).abs().max() <= 1e-5
         assert (ours - model(ids).logits).abs().max() <= 1e-5
-    assert hf.main(["--to", "peft", str(run), str(tmp_path / "a")]) == 0
+    assert convert.main(["--to", "peft", str(run), str(tmp_path / "a")]) == 0
     conf = json.loads((tmp_path / "a" / ADAPTER_CONFIG).read_text())
     assert conf["base_model_name_or_path"] is None
     assert conf["target_modules"] == ["down_proj", "q_proj"]
@@ -118,20 +118,20 @@ def test_lora_run_without_init_from_has_the_seed_base(corpus, cache_dir, tmp_pat
 
 def test_cli_exports_and_refusals(base, lora_run, tmp_path, capsys):
     out = tmp_path / "cli"
-    assert hf.main(["--to", "peft", str(lora_run), str(out)]) == 0
+    assert convert.main(["--to", "peft", str(lora_run), str(out)]) == 0
     assert (out / ADAPTER_WEIGHTS).is_file() and (out / ADAPTER_CONFIG).is_file()
-    assert hf.main(["--to", "peft", str(lora_run), str(out)]) == 2  # not overwritten
+    assert convert.main(["--to", "peft", str(lora_run), str(out)]) == 2  # not overwritten
     capsys.readouterr()
-    assert hf.main(["--to", "hf", str(lora_run), str(tmp_path / "hf")]) == 2
+    assert convert.main(["--to", "hf", str(lora_run), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "--to peft" in err and "--merge" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()
-    assert hf.main(["--to", "peft", str(base / "run"), str(tmp_path / "plain")]) == 2
+    assert convert.main(["--to", "peft", str(base / "run"), str(tmp_path / "plain")]) == 2
     err = capsys.readouterr().err
     assert "lora.r" in err and len(err.strip().splitlines()) == 1
-    assert hf.main(["--to", "peft", "--merge", str(base / "hf"), str(tmp_path / "x")]) == 2
+    assert convert.main(["--to", "peft", "--merge", str(base / "hf"), str(tmp_path / "x")]) == 2
     for argv in (["--to", "hf", "--merge", "a", "b"], ["--to", "onnx", "a", "b"],
                  ["--from", "peft", "a", "b"]):
-        assert hf.main(argv) == 2, argv
+        assert convert.main(argv) == 2, argv
     assert generate_main(["--from", str(lora_run), "--prompt", "Hi", "--max-new-tokens",
                           "2"]) == 0

@@ -254,7 +254,8 @@ def test_reference_engine_is_frozen_and_holds_no_optimiser_buffers(corpus, cache
     gradients, no float32 masters and no checkpointing wrappers: only what it computes with."""
     import torch
 
-    from threefold.train import build_run, reference_engine
+    from threefold.run import reference_engine
+    from threefold.train import build_run
 
     cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "ref",
                                            train__dtype="bfloat16",

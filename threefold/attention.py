@@ -178,8 +178,8 @@ class LlamaAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_mask=None) -> torch.Tensor:
         """The attention core: q (B, heads, T, d), k/v (B, kv heads, T, d) after RoPE ->
-        (B, heads, T, d). Context parallelism replaces it on the instance (its queries and
-        keys are the rank's share of a longer sequence); ``attn_mask`` is what
+        (B, heads, T, d). Context parallelism overrides it (``ContextParallelAttention``: its
+        queries and keys are the rank's share of a longer sequence); ``attn_mask`` is what
         ``LlamaModel.attention_mask`` made."""
         return sdpa_attention(q, k, v, attn_mask, self.scale)
 

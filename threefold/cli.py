@@ -16,9 +16,9 @@ import importlib
 import sys
 from typing import NamedTuple
 
-from threefold.config import ConfigError, describe, load_config, parse_overrides
-from threefold.launch import (check_launch_layout, dispatch, fail, resolve_init_from,
-                              run_training, split_train_args, world_size_for)
+from threefold.config import ConfigError, describe, parse_overrides
+from threefold.launch import (check_launch_layout, dispatch, fail, load_run_config,
+                              resolve_init_from, run_training, split_train_args, world_size_for)
 
 
 class Command(NamedTuple):
@@ -49,7 +49,7 @@ COMMANDS = (
             "--help)", "threefold.parallel.pipeline.command:main"),
     Command("convert", "--to hf CKPT OUT | --to peft [--merge] RUN OUT | --from hf HF_DIR "
             "OUT", "Hugging Face export / import; a LoRA run's adapters for PEFT, or merged",
-            "threefold.hf:main"),
+            "threefold.convert:main"),
     Command("generate", "--from RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] "
             "...", "complete prompts with a run's model (KV cache); prints tokens/s",
             "threefold.generate:main"),
@@ -84,7 +84,7 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     try:
         path, rest, nproc, launcher = split_train_args(argv)
-        cfg = load_config(path, parse_overrides(rest))
+        cfg = load_run_config(path, parse_overrides(rest))
         argv = resolve_init_from(cfg, argv)
         world = world_size_for(nproc, launcher)
         check_launch_layout(cfg, world)

@@ -25,10 +25,10 @@ refused with the field's name, and shapes are checked against the config before 
   (``*.bin``, ``*.pt``...) are refused, never opened; paths in an index must stay inside the
   folder (symlinks inside it, as in the HF hub cache, are followed as the filesystem says).
 - ``init_from_hf(model, path)``: load such weights into a freshly built model, strictly.
-- ``main(argv)``: ``threefold convert --to hf CKPT OUT`` / ``--from hf HF_DIR OUT``; both
-  directions stream tensor by tensor (at most one output file's tensors in memory). A LoRA
-  run's adapter-only checkpoints go ``--to peft RUN OUT`` (a PEFT adapter folder) or ``--to
-  peft --merge RUN OUT`` (a Hugging Face folder, adapters merged): ``threefold.peft_export``.
+- ``convert_from_hf(folder, out)``: such a folder as a threefold run directory (a step-0
+  checkpoint). Export and import both stream tensor by tensor (at most one output file's
+  tensors in memory). The command, ``threefold convert``, is ``threefold.convert``; a LoRA
+  run's adapter-only checkpoints are exported by ``threefold.peft_export``.
 
 The mapping of config.json, tokenizer files and tensor names is ``threefold.hf_config``; reading
 a folder by region, and finding pretrained weights, ``threefold.weights``. Both are re-exported
@@ -43,32 +43,28 @@ import json
 import math
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from safetensors.torch import save_file
 
-from threefold.checkpoint import (CheckpointError, fsync_path, list_checkpoints, save_streamed,
-                                  whole_pieces)
-from threefold.config import Config, ConfigError, ModelConfig
+from threefold.checkpoint import fsync_path, list_checkpoints, save_streamed, whole_pieces
+from threefold.config import Config, ModelConfig
 from threefold.hf_config import (INDEX, LLAMA3_FIELDS, SHAPE_FIELDS, SINGLE, HFError,
                                  check_shapes, expected_shapes, family, hf_config, hub_names,
                                  hub_router, model_config_from_hf, model_config_from_state,
                                  qwen_layout, reward_hf_config, token_ids, tokenizer_config)
-from threefold.hub import locate
 from threefold.lora import is_adapter
 from threefold.weights import (CheckpointSource, HFSource, WeightSource, find_checkpoint,
                                open_pretrained)
 
 __all__ = ["INDEX", "LLAMA3_FIELDS", "LORA_REFUSAL", "MAX_SHARD_BYTES", "SHAPE_FIELDS", "SINGLE",
-           "USAGE", "HFError", "atomic_folder", "check_new_folder", "check_shapes",
-           "convert_from_hf", "expected_shapes", "export_hf", "family", "find_checkpoint",
-           "hf_config", "hub_names", "hub_tensors", "import_hf", "init_from_hf",
-           "load_pretrained", "main", "model_config_from_hf", "model_config_from_state",
-           "reward_hf_config", "run_tokenizer", "token_ids", "tokenizer_config",
-           "write_hf_folder"]
+           "HFError", "atomic_folder", "check_new_folder", "check_shapes", "convert_from_hf",
+           "expected_shapes", "export_hf", "family", "find_checkpoint", "hf_config", "hub_names",
+           "hub_tensors", "import_hf", "init_from_hf", "load_pretrained",
+           "model_config_from_hf", "model_config_from_state", "reward_hf_config",
+           "run_tokenizer", "token_ids", "tokenizer_config", "write_hf_folder"]
 
 MAX_SHARD_BYTES = 2 << 30  # the most one written file holds (and so memory holds), as HF's 2 GiB
 
@@ -317,73 +313,3 @@ def convert_from_hf(hf_dir: Path, out: Path, seed: int = 0,
 
     return save_streamed(out / "checkpoints", 0, batches(), {"cpu_rng": rng}, state,
                          keep_last=1)
-
-
-USAGE = """usage: threefold convert --to hf CKPT OUT      checkpoint (or run dir) -> HF folder
-       threefold convert --to peft RUN OUT     LoRA run (or checkpoint) -> PEFT adapter
-       threefold convert --to peft --merge RUN OUT
-                                               LoRA run -> HF folder, adapters merged
-       threefold convert --from hf HF_DIR OUT  HF folder -> threefold run dir OUT"""
-
-FORMATS = {"to": ("hf", "peft"), "from": ("hf",)}
-
-
-def _parse(argv: list[str]) -> tuple[str, str, bool, str, str]:
-    """(direction 'to'/'from', format 'hf'/'peft', --merge, source, destination) or
-    ValueError."""
-    args, direction, fmt, merge = [], None, "", False
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        key, _, val = a[2:].partition("=")
-        if a == "--merge":
-            merge = True
-        elif a.startswith("--") and key in FORMATS:
-            if not val:
-                if i + 1 >= len(argv):
-                    raise ValueError(f"--{key}: missing format ({'/'.join(FORMATS[key])})")
-                val, i = argv[i + 1], i + 1
-            if val not in FORMATS[key]:
-                raise ValueError(f"--{key}: unknown format '{val}'; one of "
-                                 f"{', '.join(FORMATS[key])}")
-            if direction:
-                raise ValueError("give one of --to hf / --to peft / --from hf")
-            direction, fmt = key, val
-        elif a.startswith("-"):
-            raise ValueError(f"unknown option '{a}'")
-        else:
-            args.append(a)
-        i += 1
-    if direction is None:
-        raise ValueError("give --to hf or --to peft (export) or --from hf (import)")
-    if merge and (direction, fmt) != ("to", "peft"):
-        raise ValueError("--merge goes with --to peft (a LoRA run's adapters merged)")
-    if len(args) != 2:
-        raise ValueError(f"expected a source and a destination, got {len(args)} path(s)")
-    return direction, fmt, merge, args[0], args[1]
-
-
-def main(argv: list[str]) -> int:
-    """``threefold convert`` (``argv`` after the word ``convert``); 0 on success, 2 with one
-    line on stderr for bad input."""
-    if argv and argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
-    try:
-        direction, fmt, merge, src, dst = _parse(argv)
-        if direction == "from":  # a folder, or a hub id (threefold.hub: fetched first)
-            ckpt = convert_from_hf(locate(src, "convert --from hf").path, Path(dst))
-            print(f"threefold convert: wrote threefold checkpoint {ckpt}")
-        elif fmt == "hf":
-            export_hf(Path(src), Path(dst))
-            print(f"threefold convert: wrote Hugging Face folder {dst}")
-        else:
-            from threefold.peft_export import export_merged, export_peft  # it imports this
-            (export_merged if merge else export_peft)(Path(src), Path(dst))
-            what = "Hugging Face folder (LoRA merged)" if merge else "PEFT adapter"
-            print(f"threefold convert: wrote {what} {dst}")
-    except (ValueError, CheckpointError, ConfigError, OSError) as e:
-        msg = " ".join(str(e).split())  # one line, whatever the exception held
-        print(f"threefold convert: error: {msg}", file=sys.stderr)
-        return 2
-    return 0

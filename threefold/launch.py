@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from threefold.config import ConfigError
+from threefold.config import ConfigError, load_config
 from threefold.parallel.checks import validate_layout
 
 
@@ -89,6 +89,23 @@ def resolve_init_from(cfg, argv: list[str]) -> list[str]:
     c.init_from_commit = locate(c.init_from, "checkpoint.init_from",
                                 config_only=cfg.train.dry_run).commit
     return [*argv, "--checkpoint.init_from_commit", c.init_from_commit]
+
+
+def load_run_config(path: str | None, overrides: list[tuple[str, str]]):
+    """``threefold.config.load_config`` (every field checked), then the data the configuration
+    names: prepared sources complete and sharing one tokenizer (read from their small index
+    files), a ConfigError naming the field otherwise. Before any process starts."""
+    cfg = load_config(path, overrides)
+    # the data layer's check, which config (below it) cannot make; imported here, as the
+    # command needs it, so that the launcher's other commands stay small
+    from threefold.data.errors import DataError
+    from threefold.data.sources import check_prepared
+
+    try:
+        check_prepared(cfg.data.corpus, cfg.data.mix, cfg.data.tokenizer)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
 
 
 def check_launch_layout(cfg, world_size: int) -> None:

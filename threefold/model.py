@@ -161,8 +161,8 @@ class LlamaModel(nn.Module):
 
     def attention_mask(self, document_ids: torch.Tensor | None):
         """What every block's attention gets as ``attn_mask``: None (causal) or the packed
-        documents' mask. Context parallelism replaces it on the instance (its ranks need the
-        whole sequence's document ids, not a local square mask)."""
+        documents' mask. Context parallelism overrides it (``ContextParallelModel``: its ranks
+        need the whole sequence's document ids, not a local square mask)."""
         return document_mask(document_ids) if document_ids is not None else None
 
 

@@ -1,30 +1,33 @@
 """Resharding, the writing side: where each piece a rank holds sits in its logical tensor
 (tensor-parallel slice, expert run, ZeRO flat range), and which rank writes a replicated
 tensor, so that a checkpoint written by one layout loads into any other (the reading side is
-``threefold.parallel.materialize`` over ``threefold.weights``)."""
+``threefold.parallel.materialize`` over ``threefold.weights``).
+
+It imports nothing of ``threefold.parallel``, which calls it (``Distributed``): what it needs
+to know of the engine's parameters, their placement records and whether the engine holds
+ZeRO shards, the caller passes in."""
 
 from __future__ import annotations
 
-from threefold.parallel.placement import placement
-from threefold.parallel.zero import ZeroEngine
 
-
-def rank_pieces(engine, dims, rank: int, data_axis: str) -> list:
+def rank_pieces(engine, dims, rank: int, data_axis: str, placements: dict,
+                zero: bool) -> list:
     """The pieces ``rank`` (of the mesh ``dims``) writes of what ``engine`` holds, each
-    replicated tensor written by one rank only: ZeRO shards by the first replica group,
+    replicated tensor written by one rank only: ZeRO shards (``zero``: the engine is a
+    ``ZeroEngine``) by the first replica group,
     data-parallel copies by dp rank 0 (over ``data_axis``; a rank's experts over "edp"),
     tp-replicated tensors by tp rank 0; tp slices and expert runs get their place in the
-    logical tensor. Context-parallel ranks hold copies (or, under ZeRO, shards of the
-    dp_shard × cp group) as data-parallel ones do."""
+    logical tensor (``placements``: each of the engine's parameters' record by name,
+    ``threefold.parallel.placement.placement``). Context-parallel ranks hold copies (or,
+    under ZeRO, shards of the dp_shard × cp group) as data-parallel ones do."""
     c = dims.coords(rank)
-    zero = isinstance(engine, ZeroEngine)
     if zero and c["dp_replicate"] != 0:
         return []
     params = dict(engine.named_params)
     t, out = dims.tp, []
     for piece in engine.local_pieces():
         p = params[piece.name]
-        rec = placement(p)
+        rec = placements[piece.name]
         if rec.tied_replica:
             continue  # a tied head's copy: the embedding, saved by the first stage
         expert = rec.ep_sharded

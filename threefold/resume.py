@@ -15,8 +15,8 @@ from threefold.config import ConfigError
 from threefold.steps import lr_at
 from threefold.weights import open_sharded
 
-if TYPE_CHECKING:  # annotations only: train.py imports this module
-    from threefold.train import Run
+if TYPE_CHECKING:  # annotations only
+    from threefold.run import Run
 
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

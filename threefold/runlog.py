@@ -21,8 +21,8 @@ from threefold.parallel.pipeline.timeline import write_chrome_trace
 from threefold.steps import lr_at
 from threefold.trackers import flat_scalars, open_trackers
 
-if TYPE_CHECKING:  # annotations only: train.py imports this module
-    from threefold.train import Run
+if TYPE_CHECKING:  # annotations only
+    from threefold.run import Run
 
 
 class RunLog:

@@ -15,8 +15,8 @@ from threefold.moe import RouterLog
 from threefold.parallel.expert import take_rows_sent
 from threefold.parallel.pipeline.timeline import TraceRecord
 
-if TYPE_CHECKING:  # annotations only: train.py imports this module
-    from threefold.train import Run
+if TYPE_CHECKING:  # annotations only
+    from threefold.run import Run
 
 
 def lr_at(step: int, cfg: Config) -> float:

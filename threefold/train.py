@@ -1,34 +1,32 @@
 """The training loop: build mesh -> data -> model -> parallelise -> optimiser -> steps -> log ->
 checkpoint. Everything layout-specific lives behind the engine (threefold.parallel); this file
-reads the same for one process and for many. The step itself is ``threefold.steps``, what a
-run reports ``threefold.runlog``, its checkpoints ``threefold.resume``.
+reads the same for one process and for many. It only orchestrates: the ``Run`` it builds and
+the engine interface are ``threefold.run``, the step itself ``threefold.steps``, what a run
+reports ``threefold.runlog``, its checkpoints ``threefold.resume``; none of them imports this
+module.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from threefold import faults
 from threefold.checkpoint import CheckpointError
 from threefold.config import Config, ConfigError, ModelConfig
-from threefold.data import DataBundle, prepare_data
+from threefold.data import prepare_data
 from threefold.hostmem import release_free_heap, reuse_freed_host_memory, threshold_for
 from threefold.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
 from threefold.model import LlamaForCausalLM
 from threefold.model_source import choose_tokenizer, init_from_model, locate_init_from
 from threefold.parallel.layout import SingleProcess
-from threefold.parallel.materialize import ChainSource, InitSource
 from threefold.parallel.parallelize import parallelize
 from threefold.preempt import Preemption
 from threefold.resume import resume, save
+from threefold.run import Run, autocast, weights_source
 from threefold.runlog import RunLog
 # the step and evaluation are imported from here too
 from threefold.steps import evaluate, train_step  # noqa: F401
@@ -73,44 +71,6 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int,
     return model
 
 
-@dataclass
-class Run:
-    """Everything the loop needs, built and checked before the output directory is touched."""
-
-    cfg: Config
-    model_cfg: ModelConfig
-    data: DataBundle
-    sampler: Any
-    val_sampler: Any
-    device: torch.device
-    dtype: torch.dtype
-    engine: Any
-    layout: Any
-    out: Path
-    task: Any = None
-    router_log: Any = None  # the step's RouterLog of a mixture of experts (train_step)
-    pretrained: Any = None  # checkpoint.init_from's weight source, opened once (or None)
-    # bytes held before the model, and the peaks of start-up, loading and the steps
-    memory: dict = dataclasses.field(default_factory=dict)
-
-    def forward(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The model on a micro-batch dict (positions and document ids when it has them)."""
-        with autocast(self):
-            return self.engine.model(micro["input_ids"], position_ids=micro.get("position_ids"),
-                                     document_ids=micro.get("document_ids"))
-
-    def token_losses(self, micro: dict[str, torch.Tensor], labels: torch.Tensor | None = None,
-                     temperature: float = 1.0) -> torch.Tensor:
-        """Each token's fp32 loss (B, T), 0 where the label is -100, from the model's chunked
-        head loss (vocab-parallel under tensor parallelism; the logits are never whole).
-        ``labels`` default to the micro-batch's."""
-        with autocast(self):
-            return self.engine.model(
-                micro["input_ids"], position_ids=micro.get("position_ids"),
-                document_ids=micro.get("document_ids"),
-                labels=micro["labels"] if labels is None else labels, temperature=temperature)
-
-
 def build_run(cfg: Config, layout=None, task=None) -> Run:
     """Check and build a run. Nothing is written to the output directory here, so bad input
     leaves no half-made run behind. The model is never whole on a rank: ``parallelize``
@@ -139,8 +99,8 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     torch.empty(1, device="meta").add_(1)
     memory = {"baseline_bytes": current_memory_bytes(device)}
     reset_peak_memory(device)
-    source = _source(cfg, mcfg, device, pretrained[1] if pretrained else None,
-                     task.new_weights)
+    source = weights_source(cfg, mcfg, device, pretrained[1] if pretrained else None,
+                            task.new_weights)
     try:
         engine = parallelize(mcfg, cfg, layout, source, device,
                              adapt=task.adapt_model, trainable=task.new_weights)
@@ -189,37 +149,6 @@ def _pretrained(cfg: Config, layout):
         for note in notes:
             print(f"threefold: {note}", flush=True)
     return mcfg, open_pretrained(located.path)[1]
-
-
-def _source(cfg: Config, mcfg: ModelConfig, device: torch.device, pretrained,
-            new_weights: tuple[str, ...] = ()):
-    """Where a run's weights start from: ``checkpoint.init_from``'s (``pretrained``, a
-    ``threefold.weights`` source) with a task's new weights (a reward model's score head)
-    drawn from the seed, or every weight drawn from the seed."""
-    init = InitSource(mcfg, cfg.train.seed, device)
-    return ChainSource(pretrained, init, new_weights) if pretrained is not None else init
-
-
-def reference_engine(run: Run):
-    """The run's causal LM as it starts (``checkpoint.init_from``'s weights, else the seed's),
-    frozen, in an engine of its own laid out like the run's (``parallelize(frozen=True)``:
-    under ZeRO-3 each rank keeps its shards and gathers one unit at a time; no optimiser
-    buffers anywhere): a reference model (GRPO's). Keep the engine: its hooks hold it weakly.
-    The pretrained weights are read again from the source the run opened (``run.pretrained``),
-    not opened a second time."""
-    cfg = run.cfg
-    engine = parallelize(run.model_cfg, cfg, run.layout,
-                         _source(cfg, run.model_cfg, run.device, run.pretrained), run.device,
-                         frozen=True)
-    engine.model.eval().requires_grad_(False)
-    return engine
-
-
-def autocast(run: Run):
-    """The run's autocast context for a forward (none in float32)."""
-    if run.dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(run.device.type, dtype=run.dtype)
 
 
 def train(cfg: Config, layout=None, return_run: bool = False, task=None):

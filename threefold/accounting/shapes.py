@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from threefold.axes import AXES, FLATTENED
-from threefold.config import ModelConfig
+from threefold.config import PIPELINE_SCHEDULES, ModelConfig
 from threefold.models.shapes import inactive_parameters, moe_layer_parameters
-from threefold.parallel.pipeline.schedules import SCHEDULE_SPECS
 
 # The axis tables are threefold.axes's (one home for the runtime and the accounting), under
 # the accounting's names: MESH_ORDER is AXES (outermost first), FLATTENED_AXES is FLATTENED.
@@ -20,7 +19,9 @@ MESH_ORDER = AXES
 FLATTENED_AXES = FLATTENED
 CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = tuple(SCHEDULE_SPECS)  # the registered pipeline schedules' names
+# the pipeline schedules' names, config's (parallel.pipeline.schedules registers one spec per
+# name and checks that they agree): the accounting sits below parallel
+SCHEDULES = PIPELINE_SCHEDULES
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 DEFAULT_BUCKET_MB = 25.0  # = ParallelConfig.bucket_mb: data-parallel gradient buckets, MiB
 

@@ -106,18 +106,14 @@ def _check_model(m: ModelConfig, vocab_size: int) -> ModelConfig:
 
 
 def _check_data(d: DataConfig) -> None:
-    """The tokenizer's vocabulary, the sequence, the corpus."""
+    """The tokenizer's vocabulary, the sequence, the corpus's size."""
     _need(d.vocab_size >= 260, f"data.vocab_size: {d.vocab_size} is too small; use at least 260 "
           "(256 bytes + special tokens)")
     _need(d.seq_len >= 2, f"data.seq_len: must be at least 2, got {d.seq_len}")
     _need(0 < d.val_fraction < 0.5, f"data.val_fraction: {d.val_fraction} must be in (0, 0.5)")
     _need(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be positive, got {d.max_corpus_mb}")
-    from threefold.data.errors import DataError
-    from threefold.data.sources import check_prepared
-    try:  # prepared sources: complete, one tokenizer (read from their small index files)
-        check_prepared(d.corpus, d.mix, d.tokenizer)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
+    # Prepared sources (complete, one tokenizer) are the data layer's to check, from their
+    # files: ``threefold.launch.load_run_config``, right after this, before any process starts.
 
 
 def _check_optim(o: OptimConfig) -> None:

@@ -26,6 +26,8 @@ from threefold.parallel.context import shard_batch
 from threefold.parallel.pipeline.executor import PipelineExecutor
 from threefold.parallel.pipeline.schedules import schedule_spec
 from threefold.parallel.pipeline.stage import rank_model, split_model, tied_head_replica
+from threefold.parallel.placement import placement
+from threefold.parallel.zero import ZeroEngine
 from threefold.resharding import rank_pieces
 from threefold.config import Config, ModelConfig
 from threefold.parallel.layout import World
@@ -261,8 +263,11 @@ class Distributed(World):
 
     def checkpoint_pieces(self, engine) -> list:
         """This rank's checkpoint pieces, each placed in its logical tensor and each
-        replicated tensor written once (``threefold.resharding.rank_pieces``)."""
-        return rank_pieces(engine, self.dims, self.rank, self.data_axis)
+        replicated tensor written once (``threefold.resharding.rank_pieces``, which sits
+        below this package: it is given the placements and the engine's kind)."""
+        placements = {n: placement(p) for n, p in engine.named_params}
+        return rank_pieces(engine, self.dims, self.rank, self.data_axis, placements,
+                           zero=isinstance(engine, ZeroEngine))
 
     def barrier(self) -> None:
         """Wait for every rank."""

@@ -11,6 +11,9 @@ training loop drives every layout with the same five calls:
     engine.state_dict()                # logical (unsharded, HF-named) tensors for checkpoints
 
 ``LocalEngine`` is the single-process reference every parallel engine is proven equal to.
+What the loop, the layouts and the checkpoints use of an engine is declared once, as a
+protocol, above this package: ``threefold.run.Engine`` (tests/test_code_shape.py checks that
+every engine has its methods).
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ import typing
 from pathlib import Path
 from types import ModuleType
 
-from threefold.config import ConfigError, load_config, parse_overrides, take_flag
+from threefold.config import ConfigError, parse_overrides, take_flag
 from threefold.data import DataError
-from threefold.launch import (check_launch_layout, dispatch, fail, resolve_init_from,
-                              run_training, split_train_args, world_size_for)
+from threefold.launch import (check_launch_layout, dispatch, fail, load_run_config,
+                              resolve_init_from, run_training, split_train_args, world_size_for)
 
 _COMMON = {"train.steps": "30", "optim.warmup_steps": "3", "optim.weight_decay": "0.0",
            "train.eval_batches": "1", "train.log_interval": "5",
@@ -166,7 +166,7 @@ def build_config(cmd: str, path: str | None, rest: list[str]):
     # load_config applies the file before the overrides, so our defaults (which must lose to
     # the file) go in as overrides only for keys the file does not set.
     ours = [(k, v) for k, v in DEFAULTS[cmd].items() if k not in user]
-    return load_config(path, ours + overrides)
+    return load_run_config(path, ours + overrides)
 
 
 def _check_default_start(cmd: str, cfg) -> None:

@@ -35,7 +35,7 @@ from threefold.post.grpo_rewards import (  # noqa: F401 (re-exported: grpo's pub
     columns_of, load_reward, prompt_records, reward_model_scorer, split_prompts)
 from threefold.post.sft import IGNORE, EpochSampler, fingerprint, pad_id
 from threefold.task import Task
-from threefold.train import autocast, reference_engine
+from threefold.run import autocast, reference_engine
 
 
 

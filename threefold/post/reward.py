@@ -45,7 +45,7 @@ from threefold.parallel.tensor import copy_to_tp, gather_full
 from threefold.post.chat import announce, read_jsonl
 from threefold.post.dpo import PairSampler, load_pairs
 from threefold.task import Task
-from threefold.train import autocast
+from threefold.run import autocast
 
 
 @dataclass
