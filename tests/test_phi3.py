@@ -119,6 +119,25 @@ def test_longrope_dropout_and_other_rope_refused_by_field():
             model_config_from_hf(old).partial_rotary_factor) == (5e5, 0.75)
 
 
+def test_misshapen_or_missing_fused_tensor_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    from threefold.hf_config import HFError
+    from threefold.weights import HFSource
+
+    hf = _hf_model()
+    hf.save_pretrained(tmp_path / "hf")
+    weights = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    short = {**weights, qkv: weights[qkv][:-1]}
+    missing = {k: v for k, v in weights.items() if k != qkv}
+    for bad, match in ((short, r"qkv_proj.weight has shape \(127, 64\), config.json needs "
+                               r"\(128, 64\)"), (missing, "qkv_proj.weight is missing")):
+        save_file(bad, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(HFError, match=match):
+            HFSource(tmp_path / "hf")
+
+
 PHI3_RUN = {"model__family": "phi3", "model__partial_rotary_factor": 0.5,
             "model__sliding_window": 9}
 
