@@ -6,8 +6,9 @@ layout (``block_sparse_moe.experts.N.w1/w2/w3``), which transformers 5 itself wr
 every version reads (``hub_tensors``); import takes either (``threefold.weights.HFSource``).
 
 threefold's parameter names are exactly those of ``transformers.LlamaForCausalLM`` (see
-``threefold.model``), so no tensor is renamed, split or permuted: export writes the checkpoint's
-whole tensors under their own names, import reads them back. What can still go wrong silently is
+``threefold.model``), so no tensor is renamed, split or permuted (but Phi-3's fused projections,
+joined by ``hub_tensors`` and split by ``HFSource``): export writes the checkpoint's whole
+tensors under their own names, import reads them back. What can still go wrong silently is
 the *configuration* (RoPE base, its Llama 3 rescaling, norm epsilon, tied head; the nanotron #79
 kind of mismatch), so every field is mapped explicitly, anything this model cannot express is
 refused with the field's name, and shapes are checked against the config before a tensor is used.
@@ -56,6 +57,7 @@ from threefold.hf_config import (INDEX, LLAMA3_FIELDS, SHAPE_FIELDS, SINGLE, HFE
                                  hub_router, model_config_from_hf, model_config_from_state,
                                  qwen_layout, reward_hf_config, token_ids, tokenizer_config)
 from threefold.lora import is_adapter
+from threefold.models import fused_files
 from threefold.weights import (CheckpointSource, HFSource, WeightSource, find_checkpoint,
                                open_pretrained)
 
@@ -81,17 +83,23 @@ def hub_tensors(source: WeightSource, cfg: ModelConfig, names: list[str]
     ``save_pretrained`` writes: per expert ``block_sparse_moe.experts.N.w1`` (gate, (f, h)),
     ``w3`` (up) and ``w2`` (down, (h, f)), router ``block_sparse_moe.gate.weight``; each is
     read from the fused tensor's region, so no fused tensor is ever whole in memory. Every
-    transformers version and the published checkpoints read this layout."""
+    transformers version and the published checkpoints read this layout. A family whose
+    files fuse projections (Phi-3: ``self_attn.qkv_proj``, ``mlp.gate_up_proj``) gets them
+    joined from threefold's separate ones, at the first part's place (``_joined``)."""
     def reader(name, box=(), shape=None):
         """A function reading ``box`` of ``name`` as fp32, reshaped to ``shape``."""
         return lambda: source.read(name, box).reshape(shape or source.shape(name))
 
     h, f, qwen = cfg.hidden_size, cfg.intermediate_size, qwen_layout(cfg)  # Qwen MoE names?
     fused = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    joined = _joined(source, cfg, names)
     out = []
     for name in names:
         layer, _, rest = name.removeprefix("model.layers.").partition(".")
-        if not cfg.num_local_experts or rest not in fused:
+        if name in joined:
+            if joined[name] is not None:  # the fused tensor, where its first part was
+                out.append(joined[name])
+        elif not cfg.num_local_experts or rest not in fused:
             out.append((name, source.shape(name), reader(name)))
         elif rest == "mlp.gate.weight":
             out.append((hub_router(int(layer), qwen), source.shape(name), reader(name)))
@@ -103,6 +111,33 @@ def hub_tensors(source: WeightSource, cfg: ModelConfig, names: list[str]
                 else:
                     out += [(w1, (f, h), reader(name, ((e, e + 1), (0, f)), (f, h))),
                             (w3, (f, h), reader(name, ((e, e + 1), (f, 2 * f)), (f, h)))]
+    return out
+
+
+def _joined(source: WeightSource, cfg: ModelConfig, names: list[str]) -> dict[str, Any]:
+    """For each logical tensor that a family's files fuse with others (Phi-3's q/k/v into
+    ``qkv_proj``, gate/up into ``gate_up_proj``: ``threefold.models.fused_files``): the
+    fused file tensor (name, shape, a function reading its parts and joining their rows)
+    under its first part, None under the others. One fused tensor is in memory at a time,
+    while it is written. HFError if ``names`` holds only some of a fused tensor's parts."""
+    out: dict[str, Any] = {}
+    listed = set(names)
+    for file, parts in fused_files(cfg).items():
+        have = [n for n in parts if n in listed]
+        if not have:
+            continue
+        if len(have) != len(parts):
+            missing = next(n for n in parts if n not in listed)
+            raise HFError(f"{source}: tensor {missing} is missing (it is part of {file})")
+        shapes = [tuple(source.shape(n)) for n in parts]
+        shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+
+        def read(parts=parts, shapes=shapes):
+            """The parts, read whole, joined along the rows as the fused file holds them."""
+            return torch.cat([source.read(n).reshape(s) for n, s in zip(parts, shapes)])
+
+        out.update(dict.fromkeys(parts[1:]))
+        out[parts[0]] = (file, shape, read)
     return out
 
 

@@ -12,7 +12,10 @@ The model config and the LoRA settings are those the checkpoint's state.json rec
   tensor by tensor, the newest checkpoint's adapters, checked against the model's layers).
 - ``export_peft(run, out)``: ``adapter_config.json`` and ``adapter_model.safetensors`` under
   PEFT's names (``base_model.model.<name>``, no adapter name), which
-  ``peft.PeftModel.from_pretrained(base_model, out)`` loads onto the base.
+  ``peft.PeftModel.from_pretrained(base_model, out)`` loads onto the base. A base whose layers
+  are fused (Phi-3's ``qkv_proj``, ``gate_up_proj``) gets the fused layers' exact adapters
+  (``peft_adapters``: A stacked, B block-diagonal; rank and alpha per layer in
+  ``rank_pattern``/``alpha_pattern``).
 - ``export_merged(run, out)``: a Hugging Face folder (``threefold.hf.write_hf_folder``: the
   files ``export_hf`` writes) whose adapted weights are W + (alpha/r)·B·A, the rest the base;
   written a file at a time, each merged tensor made as it is written.
@@ -44,12 +47,14 @@ from threefold.hf_config import SHAPE_FIELDS, HFError, model_config_from_state
 from threefold.hub import locate
 from threefold.lora import apply_lora, is_adapter
 from threefold.model import LlamaForCausalLM
+from threefold.models import fused_files, spec_of
 from threefold.parallel.materialize import InitSource
 from threefold.weights import CheckpointSource, MissingTensor, WeightSource, find_checkpoint
 from threefold.weights.pretrained import open_pretrained, run_checkpoint_root
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "LoRARun", "export_merged",
-           "export_peft", "load_lora_model", "lora_checkpoint", "open_lora", "peft_config"]
+           "export_peft", "load_lora_model", "lora_checkpoint", "open_lora", "peft_adapters",
+           "peft_config"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -206,19 +211,66 @@ def open_lora(path: Path | str, base: bool = True) -> LoRARun:
     return run
 
 
+def _fused_targets(run: LoRARun) -> tuple[list[str], dict[str, int], dict[str, float]]:
+    """(PEFT's target modules, rank_pattern, alpha_pattern) of ``run`` on its base's own
+    layers: where the base family's files fuse layers (Phi-3's ``qkv_proj``, ``gate_up_proj``:
+    the family spec's ``fused``), the fused layer is the target in place of the
+    threefold layers it holds, with rank n·r and alpha n·alpha for the n of them adapted
+    (so its scale stays alpha / r)."""
+    targets = set(lora_targets(run.lora))
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    for fused, parts in spec_of(run.model_cfg).fused.items():
+        mine = {p.rsplit(".", 1)[-1] for p in parts} & targets
+        if not mine:
+            continue
+        name = fused.rsplit(".", 1)[-1]
+        targets = (targets - mine) | {name}
+        if len(mine) > 1:  # (one adapted part: the fused layer's rank is r, as everywhere)
+            ranks[name], alphas[name] = len(mine) * run.lora.r, len(mine) * run.lora.alpha
+    return sorted(targets), ranks, alphas
+
+
 def peft_config(run: LoRARun) -> dict:
     """The adapter_config.json of ``run`` as peft's ``LoraConfig`` reads it: plain LoRA
-    (no rsLoRA, DoRA or bias) on the named layers, scaled by lora_alpha / r."""
+    (no rsLoRA, DoRA or bias) on the named layers, scaled by lora_alpha / r (fused layers,
+    Phi-3's: their own rank and alpha in rank_pattern / alpha_pattern, ``_fused_targets``)."""
     base = str(Path(run.init_from).resolve()) if run.init_from and \
         Path(run.init_from).exists() else (run.init_from or None)
+    targets, ranks, alphas = _fused_targets(run)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
             "revision": run.init_from_commit or None, "inference_mode": True, "r": run.lora.r,
             "lora_alpha": run.lora.alpha, "lora_dropout": run.lora.dropout,
-            "target_modules": sorted(lora_targets(run.lora)), "exclude_modules": None,
+            "target_modules": targets, "exclude_modules": None,
             "bias": "none", "lora_bias": False, "fan_in_fan_out": False,
             "init_lora_weights": True, "use_rslora": False, "use_dora": False,
             "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
-            "rank_pattern": {}, "alpha_pattern": {}}
+            "rank_pattern": ranks, "alpha_pattern": alphas}
+
+
+def peft_adapters(run: LoRARun) -> dict[str, torch.Tensor]:
+    """``run``'s adapters on its base's own layers. Where the base's files fuse layers
+    (Phi-3: q, k, v in ``qkv_proj``; gate, up in ``gate_up_proj``), the fused layer's adapter
+    is exactly the sum of its parts': A = its adapted parts' A stacked (n·r × in), B = their
+    B on the block diagonal (each part's output rows × its r columns; a part not adapted
+    keeps zero rows), so B·A holds each part's B·A at its rows."""
+    adapters, r = dict(run.adapters), run.lora.r
+    for file, parts in fused_files(run.model_cfg).items():
+        stems = [p.removesuffix("weight") for p in parts]
+        a = [adapters.pop(s + "lora_A.weight", None) for s in stems]
+        b = [adapters.pop(s + "lora_B.weight", None) for s in stems]
+        taken = [i for i, t in enumerate(a) if t is not None]
+        if not taken:
+            continue
+        rows = [run.base_shapes[p][0] for p in parts]
+        fused_b = torch.zeros(sum(rows), len(taken) * r, dtype=b[taken[0]].dtype)
+        for j, i in enumerate(taken):
+            top = sum(rows[:i])
+            fused_b[top:top + rows[i], j * r:(j + 1) * r] = b[i]
+        stem = file.removesuffix("weight")
+        adapters[stem + "lora_A.weight"] = torch.cat([a[i] for i in taken])
+        adapters[stem + "lora_B.weight"] = fused_b
+    return adapters
 
 
 def export_peft(run_or_ckpt: Path | str, out: Path | str) -> None:
@@ -229,7 +281,7 @@ def export_peft(run_or_ckpt: Path | str, out: Path | str) -> None:
     out = Path(out)
     check_new_folder(out)
     run = open_lora(run_or_ckpt, base=False)
-    tensors = {PEFT_PREFIX + n: t.contiguous() for n, t in run.adapters.items()}
+    tensors = {PEFT_PREFIX + n: t.contiguous() for n, t in peft_adapters(run).items()}
     conf = peft_config(run)
     with atomic_folder(out) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})

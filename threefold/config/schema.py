@@ -19,7 +19,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dua
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.models.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
-                  "olmo2", "gemma3_text")
+                  "olmo2", "gemma3_text", "phi3")
 
 
 class ConfigError(ValueError):

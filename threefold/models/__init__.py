@@ -13,12 +13,13 @@ from threefold.models.llama import LLAMA
 from threefold.models.mistral import MISTRAL
 from threefold.models.mixtral import MIXTRAL
 from threefold.models.olmo2 import OLMO2
+from threefold.models.phi3 import PHI3
 from threefold.models.qwen import QWEN2, QWEN3
 from threefold.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from threefold.models.spec import Family, FamilyError, need
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2, GEMMA3)}
+    LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2, GEMMA3, PHI3)}
 # config names the families so that it can check model.family without importing this
 if tuple(FAMILIES) != MODEL_FAMILIES:
     raise ImportError(f"threefold.config.MODEL_FAMILIES {MODEL_FAMILIES} must list the "
@@ -28,10 +29,11 @@ if tuple(FAMILIES) != MODEL_FAMILIES:
 REFUSED = {"gemma2": "Gemma 2",
            "gemma3": "Gemma 3's multimodal model (its text_config, model_type gemma3_text, "
                      "is built: save the text model alone)",
-           "phi3": "Phi-3", "deepseek_v3": "DeepSeek-V3", "granite": "Granite",
+           "deepseek_v3": "DeepSeek-V3", "granite": "Granite",
            "gpt_oss": "GPT-OSS", "qwen3_next": "Qwen3-Next"}
 
-__all__ = ["FAMILIES", "Family", "FamilyError", "family_for", "need", "spec_of"]
+__all__ = ["FAMILIES", "Family", "FamilyError", "family_for", "fused_files", "need",
+           "spec_of"]
 
 
 def family_for(c: dict, where: str = "config.json") -> Family:
@@ -67,3 +69,16 @@ def spec_of(cfg: ModelConfig) -> Family:
                                                  f.distance(cfg)))
     raise FamilyError(f"{near.refusal(cfg)}; the model's fields fit no family (model.family "
                       f"is unset): change the field, or build the family")
+
+
+def fused_files(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """File tensor -> the logical tensors it holds, in its row order, for every fused layer
+    of ``cfg``'s family (Phi-3's ``model.layers.0.self_attn.qkv_proj.weight`` ->
+    ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight`` of layer 0); empty for a family
+    whose files hold threefold's layers as they are."""
+    out = {}
+    for fused, parts in spec_of(cfg).fused.items():
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            out[p + fused + ".weight"] = tuple(p + part + ".weight" for part in parts)
+    return out

@@ -36,7 +36,9 @@ class Family:
     always has (a Qwen3 has q/k norms per head, no biases...): import sets them, export
     refuses a model that differs. ``experts`` says whether every block's MLP is a mixture of
     experts (True), never (False); ``expert_files`` how experts are named in files ("mixtral":
-    ``block_sparse_moe.experts.N.w1``; "qwen": ``mlp.experts.N.gate_proj``)."""
+    ``block_sparse_moe.experts.N.w1``; "qwen": ``mlp.experts.N.gate_proj``). ``fused``: the
+    layers a family's files fuse, each to threefold's layers in its row order (Phi-3's
+    ``self_attn.qkv_proj``: q_proj, k_proj, v_proj), split at import and joined at export."""
 
     model_type: str
     architecture: str
@@ -46,6 +48,7 @@ class Family:
     experts: bool = False
     expert_files: str = ""
     check: Callable[[ModelConfig], str | None] = lambda cfg: None
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
     doc: str = ""
 
     def distance(self, cfg: ModelConfig) -> int:

@@ -1,8 +1,9 @@
 """A local Hugging Face Llama or Mixtral folder as a source of logical tensors (``HFSource``),
 checked from its files' headers alone and read by region: which files hold the weights
 (``weight_files``: the index or the single file; pickle refused, never opened; index entries
-kept inside the folder), and the published per-expert Mixtral layout served as the fused
-tensors threefold computes with.
+kept inside the folder), the published per-expert Mixtral layout served as the fused
+tensors threefold computes with, and Phi-3's fused ``qkv_proj``/``gate_up_proj`` served as
+threefold's separate projections (each a region of the fused tensor's rows).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from safetensors import SafetensorError, safe_open
 
 from threefold.checkpoint_verify import read_json
 from threefold.config import ModelConfig
-from threefold.hf_config import (INDEX, SINGLE, HFError, check_shapes, hub_names, hub_router,
-                                 model_config_from_hf, qwen_layout)
+from threefold.hf_config import (INDEX, SINGLE, HFError, check_shapes, expected_shapes,
+                                 hub_names, hub_router, model_config_from_hf, qwen_layout)
+from threefold.models import fused_files
 from threefold.weights.base import DTYPES, HEAD, WeightSource, blocks, box_index, extent
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -66,9 +68,11 @@ def weight_files(folder: Path) -> dict[Path, list[str] | None]:
 
 @dataclass(frozen=True)
 class _Part:
-    """One file tensor that fills the logical region starting at ``lo`` (per dimension) of
-    extent ``ext``; its own shape is ``ext`` without the first ``drop`` dimensions (size 1:
-    a Mixtral expert's w1/w3/w2 inside the fused (E, ...) tensor)."""
+    """One file tensor, or its region starting at ``at`` (per dimension of the file tensor;
+    empty: its start), that fills the logical region starting at ``lo`` (per dimension) of
+    extent ``ext``; the file's region has ``ext``'s shape without the first ``drop``
+    dimensions (size 1: a Mixtral expert's w1/w3/w2 inside the fused (E, ...) tensor).
+    Phi-3's fused ``qkv_proj`` serves q, k and v as three parts, each at its rows."""
 
     path: Path
     key: str
@@ -76,6 +80,13 @@ class _Part:
     ext: tuple[int, ...]
     drop: int
     dtype: torch.dtype
+    at: tuple[int, ...] = ()
+
+    def origin(self) -> list[int]:
+        """Where element 0 of the file tensor sits in logical coordinates (of the dimensions
+        the file has)."""
+        lo = self.lo[self.drop:]
+        return [a - b for a, b in zip(lo, self.at or (0,) * len(lo))]
 
 
 @dataclass
@@ -85,6 +96,38 @@ class _HFTensor:
     parts: list[_Part]
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+def _split_fused(cfg: ModelConfig, parts: dict[str, _Part]) -> dict[str, _Part]:
+    """``parts`` with each fused file tensor of the family (``threefold.models.fused_files``:
+    Phi-3's ``qkv_proj``, ``gate_up_proj``) replaced, in place in the order, by the logical
+    tensors it holds, each a region of its rows; HFError names a fused tensor that is
+    missing or of another shape than its parts make."""
+    fused = fused_files(cfg)
+    if not fused:
+        return parts
+    want = expected_shapes(cfg)
+    owner = {names[0]: file for file, names in fused.items()}
+    out = {}
+    for name, part in parts.items():
+        if name not in fused:
+            out[name] = part
+            continue
+        rows = [want[n][0] for n in fused[name]]
+        shape = (sum(rows), *want[fused[name][0]][1:])
+        if part.ext != shape:
+            raise HFError(f"{part.path}: tensor {name} has shape {part.ext}, config.json "
+                          f"needs {shape} (its {len(rows)} fused projections)")
+        at = 0
+        for n, r in zip(fused[name], rows):
+            out[n] = _Part(part.path, name, (0,) * len(shape), (r, *shape[1:]), 0, part.dtype,
+                           (at, *(0,) * (len(shape) - 1)))
+            at += r
+    for first, file in owner.items():
+        if file not in parts and first not in parts:
+            raise HFError(f"tensor {file} is missing (a {cfg.family} folder stores its "
+                          "projections fused)")
+    return out
 
 
 class HFSource(WeightSource):
@@ -99,7 +142,9 @@ class HFSource(WeightSource):
     embedding). Mixtral files in the published per-expert layout
     (``block_sparse_moe.experts.N.w1/w3/w2``) serve the fused logical tensors: a box over
     experts reads those experts' tensors only (and of each, the rows and columns the box
-    covers). ``tokenizer`` is the folder's tokenizer.json or None."""
+    covers). A family's fused file tensors (Phi-3's ``qkv_proj``, ``gate_up_proj``) serve
+    threefold's separate projections, each read from its rows of the fused tensor alone.
+    ``tokenizer`` is the folder's tokenizer.json or None."""
 
     def __init__(self, folder: Path | str):
         self.folder, self.bytes_read = Path(folder), 0
@@ -134,6 +179,7 @@ class HFSource(WeightSource):
                               f"damaged ({e})") from None
         if cfg.tie_word_embeddings:
             parts.pop(HEAD, None)  # the model takes its head from the embedding
+        parts = _split_fused(cfg, parts)
         self._entries = {("model", n): _HFTensor([p], p.ext, p.dtype) for n, p in parts.items()}
         if cfg.num_local_experts:
             self._fuse_experts(cfg)
@@ -190,7 +236,7 @@ class HFSource(WeightSource):
                 self._files[p.path] = safe_open(str(p.path), "pt")
             sl = self._files[p.path].get_slice(p.key)
             for blk in blocks(inter, p.dtype.itemsize):
-                t = sl[box_index(blk[p.drop:], p.lo[p.drop:])]
+                t = sl[box_index(blk[p.drop:], p.origin())]
                 self.bytes_read += t.numel() * t.element_size()
                 out[box_index(blk, [a for a, _ in box])].copy_(t.reshape(extent(blk)))
 
