@@ -193,7 +193,7 @@ def test_lora_adapters_load_onto_the_fused_layers_with_peft(corpus, cache_dir, t
     gate_up_proj rank 2r, o_proj rank r; PEFT's model gives threefold's logits, and so does
     the merged folder."""
     from threefold.generate import load_for_generation
-    from threefold.hf import main as convert
+    from threefold.convert import main as convert
     from threefold.peft_export import ADAPTER_CONFIG, PEFT_PREFIX
     from threefold.train import train
 

@@ -88,9 +88,11 @@ class ModelConfig:
                                       "the first ones (Phi-3); 1 = all")
     rope_local_theta: float = _f(0.0, "RoPE base of the sliding-window blocks (Gemma 3: "
                                  "10000); 0 = rope_theta")
-    family: str | None = _f(None, "the Hugging Face model_type this model is and exports as "
-                            "(threefold.models lists them); unset = the preset's, else the "
-                            "one family whose spec the fields meet (llama when it does)")
+    # (not compared: two configs that differ only in the name compute the same model)
+    family: str | None = field(default=None, compare=False, metadata={
+        "doc": "the Hugging Face model_type this model is and exports as (threefold.models "
+               "lists them); unset = the preset's, else the one family whose spec the "
+               "fields meet (llama when it does)"})
     init_std: float = _f(0.02, "std of the normal init of weights")
     num_local_experts: int | None = _f(None, "experts per MoE layer (Mixtral-style, every "
                                        "block's MLP routed); 0 = dense MLPs")
