@@ -65,7 +65,7 @@ def step_tokens(paths: dict[str, Path], task: str, seq_len: int) -> int:
     recs = [json.loads(x) for x in paths[task].read_text().splitlines()]
     if task == "sft":
         return sum(count(r["messages"]) for r in recs)
-    from threefold.post.chat import eot_token
+    from threefold.data.chat import eot_token
     from threefold.post.dpo import tokenize_pair
 
     eot = eot_token(count.tok)

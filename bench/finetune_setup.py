@@ -23,7 +23,7 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML; an assistant turn's content and its closing "<|im_end|>\n" sit inside
 # {% generation %} marks, which is what TRL's assistant_only_loss needs, and the same span
-# threefold trains (threefold/post/chat.py finds it without the marks).
+# threefold trains (threefold/data/chat.py finds it without the marks).
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% if message['role'] == 'assistant' %}{% generation %}"
@@ -105,13 +105,13 @@ class Lengths:
     def __init__(self, hf_dir: Path):
         from tokenizers import Tokenizer
 
-        from threefold.post.chat import load_chat_template
+        from threefold.data.chat import load_chat_template
 
         self.tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
         self.template = load_chat_template(hf_dir / "tokenizer.json", self.tok, "auto")
 
     def __call__(self, msgs: list[dict]) -> int:
-        from threefold.post.chat import encode_conversation
+        from threefold.data.chat import encode_conversation
 
         return len(encode_conversation(self.template, self.tok, msgs, "bench").ids)
 

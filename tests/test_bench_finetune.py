@@ -17,7 +17,7 @@ def test_folder_and_conversations_agree_with_transformers(tmp_path):
     pytest.importorskip("jinja2")
     from threefold.hf import import_hf, init_from_hf
     from threefold.model import LlamaForCausalLM
-    from threefold.post.chat import encode_conversation
+    from threefold.data.chat import encode_conversation
     from threefold.post.sft import pack
 
     hf = tmp_path / "hf"

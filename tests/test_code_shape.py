@@ -144,11 +144,6 @@ ALLOWED_UPWARD = {
     ("checkpoint", "parallel"): "checkpoint.py imports Piece from parallel/placement.py; the "
                                 "placement records belong below both (a move that edits "
                                 "checkpoint.py and the parallel modules that import them)",
-    ("lora", "parallel"): "LoRALinear.forward wraps the whole adapter factor in "
-                          "parallel.tensor.copy_to_tp under tensor parallelism; tensor.py "
-                          "should hand the layer that function when it shards the adapter "
-                          "(lora.py alone could only copy the collective; model.py imports "
-                          "lora, so lora sits beside the model)",
     ("plan", "parallel"): "the planner reads the pipeline schedules (plan/step.py, "
                           "activations.py) and the dry run builds the rank's model with "
                           "parallel.tensor, expert, layout and pipeline.stage (plan/dryrun.py), "
@@ -156,8 +151,6 @@ ALLOWED_UPWARD = {
     ("accounting", "parallel"): "accounting/layout.py, stages.py and traffic.py read the "
                                 "pipeline schedules' specs, actions and stage balance "
                                 "(parallel/pipeline/); those tables belong below both",
-    ("generate", "post"): "generate.py imports the chat templates of post/chat.py; they "
-                          "belong below both (the data layer)",
 }
 
 

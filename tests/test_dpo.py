@@ -18,7 +18,7 @@ from tests.test_sft import (OPTIM, base, data, post_overrides, trl_args,  # noqa
                              trl_stack)
 from threefold.config import load_config
 from threefold.data import DataError
-from threefold.post.chat import BuiltinTemplate
+from threefold.data.chat import BuiltinTemplate
 from threefold.post.dpo import DPOOptions, DPOTask, dpo_loss, sequence, tokenize_pair
 from threefold.train import train
 

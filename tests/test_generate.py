@@ -161,7 +161,7 @@ def test_cli_generates_from_a_training_run(corpus, cache_dir, tmp_path, capsys):
     assert main(["generate", "--from", str(tmp_path / "missing")]) == 2
     # --chat on a run that saved the built-in template (as SFT does): rendered by it, stopping
     # at the end-of-text token it closes turns with
-    from threefold.post.chat import BUILTIN_TEMPLATE
+    from threefold.data.chat import BUILTIN_TEMPLATE
 
     (run / "chat_template.jinja").write_text(BUILTIN_TEMPLATE)
     tok = Tokenizer.from_file(str(run / "tokenizer.json"))

@@ -17,7 +17,7 @@ from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from threefold.config import load_config
 from threefold.data import DataError, prepare_data
-from threefold.post.chat import (BUILTIN_TEMPLATE, BuiltinTemplate, JinjaTemplate,
+from threefold.data.chat import (BUILTIN_TEMPLATE, BuiltinTemplate, JinjaTemplate,
                                  encode_conversation, load_chat_template)
 from threefold.post.sft import (PackedSampler, SFTOptions, SFTTask, epoch_order, example_path,
                                 pack, to_conversation)

@@ -46,7 +46,7 @@ from threefold.hub import locate
 from threefold.model import KVCache, LlamaForCausalLM
 from threefold.parallel.tensor import gather_full
 from threefold.peft_export import load_lora_model, lora_checkpoint
-from threefold.post.chat import BuiltinTemplate, encode_text, end_of_turn, load_chat_template
+from threefold.data.chat import BuiltinTemplate, encode_text, end_of_turn, load_chat_template
 
 _SEED_STRIDE = 1_000_003  # (seed, prompt index) -> one generator seed, as init_weights mixes
 

@@ -37,21 +37,19 @@ class LoRALinear(nn.Linear):
     lora_scale = 1.0
     lora_dropout = 0.0
     lora_enabled = True
-    tp_comm = None  # set under tensor parallelism, with
-    tp_style = ""  # "column" (A whole, its gradient summed over tp) or "row" (B whole)
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapter's A and B as the forward uses them (tensor parallelism's wrapper,
+        ``threefold.parallel.tensor.TensorParallelLoRALinear``, sums a whole factor's
+        gradient over tp)."""
+        return self.lora_A.weight, self.lora_B.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The base output plus the adapter's."""
         out = F.linear(x, self.weight, self.bias)
         if not self.lora_enabled:
             return out
-        a, b = self.lora_A.weight, self.lora_B.weight
-        if self.tp_style:
-            from threefold.parallel.tensor import copy_to_tp
-            if self.tp_style == "column":
-                a = copy_to_tp(a, self.tp_comm)
-            else:
-                b = copy_to_tp(b, self.tp_comm)
+        a, b = self.factors()
         if self.lora_dropout and self.training:
             x = F.dropout(x, self.lora_dropout)
         return out + F.linear(F.linear(x, a), b) * self.lora_scale

@@ -37,10 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.head_loss import VocabShard
+from threefold.head_loss import LMHead, VocabShard
 from threefold.kernels import rms_norm
+from threefold.lora import LoRALinear
 from threefold.model import LlamaForCausalLM, RMSNorm
 from threefold.parallel.placement import place, tp_shard_dim  # noqa: F401 (re-exported)
+from threefold.parallel.wrap import become
 
 AXIS = "tp"
 
@@ -247,13 +249,40 @@ class ProjectionParallelRMSNorm(RMSNorm):
         return f"rows of {self.full}, sum of squares all-reduced over tp"
 
 
-def _become(module: nn.Module, cls: type, **attrs) -> None:
-    """Turn ``module`` into a ``cls`` (a subclass of its own class) in place, so that every
-    holder of it (pipeline chunks share modules) sees the new forward, and ``print(model)``
-    names what runs; ``attrs`` are its settings."""
-    module.__class__ = cls
-    for k, v in attrs.items():
-        setattr(module, k, v)
+class TensorParallelLoRALinear(LoRALinear):
+    """A LoRA-adapted layer of a column- or row-parallel projection: the factor every rank
+    holds whole (A of a column-parallel layer, B of a row-parallel one) has its gradient
+    summed over tp, since each rank's part of the output uses it."""
+
+    comm = None
+    style = ""  # "column" or "row"
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A and B, the whole one through ``copy_to_tp``."""
+        a, b = self.lora_A.weight, self.lora_B.weight
+        if self.style == "column":
+            return copy_to_tp(a, self.comm), b
+        return a, copy_to_tp(b, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.style}-parallel adapter"
+
+
+class VocabParallelHead(LMHead):
+    """The LM head holding one tp rank's vocabulary rows: its loss is the vocab-parallel
+    cross-entropy (``threefold.head_loss``), its logits this rank's rows."""
+
+    def extra_repr(self) -> str:
+        s = self.shard
+        return f"{super().extra_repr()}, vocabulary rows from {s.offset} of {s.vocab}"
+
+
+class TensorParallelCausalLM(LlamaForCausalLM):
+    """The model after tensor parallelism: its degree and whether activations between
+    sub-layers are split on the sequence (generation reads both)."""
+
+    def extra_repr(self) -> str:
+        return f"tp={self.tp_size}" + (", sequence parallel" if self.sequence_parallel else "")
 
 
 def _style(name: str) -> str | None:
@@ -276,7 +305,7 @@ def _shard_weights(model: LlamaForCausalLM, comm, sp: bool) -> None:
         w = module.weight.detach()
         if style == "vocab_embedding":
             _set_weight(module, _shard_rows(w, r, t, vshard * t), 0, vocab, r, t)
-            _become(module, VocabParallelEmbedding, comm=comm, offset=r * vshard, rows=vshard,
+            become(module, VocabParallelEmbedding, comm=comm, offset=r * vshard, rows=vshard,
                     sequence_parallel=sp)
         elif style == "vocab_column":
             if cfg.tie_word_embeddings and model.model.embed_tokens is not None:
@@ -289,7 +318,7 @@ def _shard_weights(model: LlamaForCausalLM, comm, sp: bool) -> None:
             for q in (module.weight, module.bias):
                 if q is not None:
                     place(q, tp_grad_reduced=True)
-            _become(module, ReplicatedKVLinear, comm=comm,
+            become(module, ReplicatedKVLinear, comm=comm,
                     head_rows=slice(kv_head * hd, (kv_head + 1) * hd))
         elif style == "column":
             _set_weight(module, _shard_rows(w, r, t), 0, w.shape[0], r, t)
@@ -317,7 +346,7 @@ def _shard_adapter(module: nn.Module, style: str, comm) -> None:
         w = a.weight.detach()
         _set_weight(a, _shard_rows(w.t(), r, t).t(), 1, w.shape[1], r, t)
         place(b.weight, tp_grad_reduced=True)
-    module.tp_comm, module.tp_style = comm, style
+    become(module, TensorParallelLoRALinear, comm=comm, style=style)
 
 
 def _shard_projection_norms(attn: nn.Module, comm) -> None:
@@ -327,7 +356,7 @@ def _shard_projection_norms(attn: nn.Module, comm) -> None:
     for norm in (attn.q_norm, attn.k_norm):
         w = norm.weight.detach()
         _set_weight(norm, _shard_rows(w, r, t), 0, w.shape[0], r, t)
-        _become(norm, ProjectionParallelRMSNorm, comm=comm, full=w.shape[0])
+        become(norm, ProjectionParallelRMSNorm, comm=comm, full=w.shape[0])
 
 
 def _whole_sequence_positions(_m, args, kwargs):
@@ -369,18 +398,17 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
         elif layer.self_attn.qk_norm == "projection":
             _shard_projection_norms(layer.self_attn, comm)
     for norm in norms:  # a pipeline stage may not hold the final norm
-        _become(norm, SequenceParallelRMSNorm, comm=comm)
+        become(norm, SequenceParallelRMSNorm, comm=comm)
         place(norm.weight, tp_grad_reduced=True)
     if sp:
         model.model.register_forward_pre_hook(_whole_sequence_positions, with_kwargs=True)
     if model.lm_head is not None:
         model.lm_head.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm), *a[1:]))
         rows = math.ceil(model.cfg.vocab_size / comm.size(AXIS))
-        model.lm_head.shard = VocabShard(comm, AXIS, comm.rank(AXIS) * rows,
-                                         model.cfg.vocab_size)
-    model.tp_size = comm.size(AXIS)
-    model.sequence_parallel = sp  # generation refuses it (its steps are 1 token)
-    return model
+        become(model.lm_head, VocabParallelHead,
+               shard=VocabShard(comm, AXIS, comm.rank(AXIS) * rows, model.cfg.vocab_size))
+    # generation refuses sequence parallelism (its steps are 1 token)
+    return become(model, TensorParallelCausalLM, tp_size=comm.size(AXIS), sequence_parallel=sp)
 
 
 def gather_full(local: torch.Tensor, dim: int | None, full: int, comm) -> torch.Tensor:

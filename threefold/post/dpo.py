@@ -6,7 +6,7 @@ either of TRL's two formats:
 - standard: ``{"prompt": str, "chosen": str, "rejected": str}``; the end-of-text token is
   appended to each response that lacks it;
 - conversational: ``{"prompt": [messages], "chosen": [assistant message(s)], "rejected":
-  [...]}``, rendered with the chat template (``threefold.post.chat``), the prompt with the
+  [...]}``, rendered with the chat template (``threefold.data.chat``), the prompt with the
   generation prompt.
 
 As TRL does, the prompt and each prompt+response are tokenized whole and the response starts
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from threefold.data import DataError
 from threefold.task import Task
-from threefold.post.chat import (ChatTemplate, announce, check_messages, encode_text,
+from threefold.data.chat import (ChatTemplate, announce, check_messages, encode_text,
                                  eot_token, load_chat_template)
 from threefold.post.sft import (IGNORE, EpochSampler, fingerprint, pad_id, split_records,
                                 stack_items)

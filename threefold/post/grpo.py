@@ -27,7 +27,7 @@ from threefold.data import DataError
 from threefold.data.sampler import rank_rows
 from threefold.generate import generate
 from threefold.lora import adapters_off, has_adapters
-from threefold.post.chat import check_messages, encode_text, eot_token, load_chat_template
+from threefold.data.chat import check_messages, encode_text, eot_token, load_chat_template
 from threefold.post.grpo_loss import (  # noqa: F401 (re-exported)
     LOSS_TYPES, advantages, grpo_token_loss, loss_units, reduce_token_loss)
 from threefold.post.grpo_rewards import (  # noqa: F401 (re-exported: grpo's public names)

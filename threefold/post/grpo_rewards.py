@@ -18,7 +18,7 @@ import torch
 from threefold.data import DataError
 from threefold.hf import load_pretrained
 from threefold.model import LlamaForCausalLM
-from threefold.post.chat import read_jsonl
+from threefold.data.chat import read_jsonl
 from threefold.post.reward import add_score_head
 
 # --------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from threefold.config import ConfigError
 from threefold.data import DataError
 from threefold.model import initial_weight
 from threefold.parallel.tensor import copy_to_tp, gather_full
-from threefold.post.chat import announce, read_jsonl
+from threefold.data.chat import announce, read_jsonl
 from threefold.post.dpo import PairSampler, load_pairs
 from threefold.task import Task
 from threefold.run import autocast

@@ -2,7 +2,7 @@
 
 Data: a JSONL file, one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line (the
 built-in ``examples/sft.jsonl`` by default). Each conversation is rendered with the chat
-template (``threefold.post.chat``), tokenized, and cut to ``data.seq_len`` tokens (its start is
+template (``threefold.data.chat``), tokenized, and cut to ``data.seq_len`` tokens (its start is
 kept; one left without a trained token is dropped). The loss is the summed cross-entropy of the
 assistant tokens only; the loop divides it by the number of assistant tokens in the global
 batch (``count``), so every trained token weighs the same whatever the accumulation and
@@ -39,7 +39,7 @@ import torch
 from threefold.data import DataError
 from threefold.data.sampler import rank_rows
 from threefold.data.tokenizer import PAD
-from threefold.post.chat import (announce, check_messages, encode_conversation,
+from threefold.data.chat import (announce, check_messages, encode_conversation,
                                  load_chat_template, read_jsonl)
 from threefold.task import PretrainTask, Task
 
