@@ -118,3 +118,23 @@ def test_become_refuses_other_classes_and_undeclared_settings():
     with pytest.raises(TypeError, match="declares no degree"):
         become(attn, ContextParallelAttention, degree=2)
     assert type(attn).__name__ == "LlamaAttention"
+
+
+def test_tensor_parallelism_names_its_wrappers():
+    """Tensor parallelism (sizes only: the sharding asks no collective) turns the model, its
+    embedding, head, norms and a LoRA adapter into classes print(model) names."""
+    from threefold.config import LoRAConfig
+    from threefold.lora import apply_lora
+    from threefold.parallel.tensor import apply_tensor_parallel
+
+    cfg = ModelConfig(preset="tiny", vocab_size=128, hidden_size=32, intermediate_size=24,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      qk_norm=True).resolved()
+    model = apply_lora(LlamaForCausalLM(cfg), LoRAConfig(r=4))
+    model = apply_tensor_parallel(model, _SizesComm(tp=2), sequence_parallel=True)
+    text = str(model)
+    for name in ("TensorParallelCausalLM", "VocabParallelEmbedding", "VocabParallelHead",
+                 "SequenceParallelRMSNorm", "TensorParallelLoRALinear"):
+        assert name in text, name
+    assert "tp=2, sequence parallel" in text and "column-parallel adapter" in text
+    assert not _patched(model)
