@@ -16,7 +16,7 @@ from threefold.models.olmo2 import OLMO2
 from threefold.models.phi3 import PHI3
 from threefold.models.qwen import QWEN2, QWEN3
 from threefold.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
-from threefold.models.spec import Family, FamilyError, need
+from threefold.models.spec import LLAMA_TP_PLAN, Family, FamilyError, need
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2, GEMMA3, PHI3)}
@@ -33,7 +33,7 @@ REFUSED = {"gemma2": "Gemma 2",
            "gpt_oss": "GPT-OSS", "qwen3_next": "Qwen3-Next"}
 
 __all__ = ["FAMILIES", "Family", "FamilyError", "family_for", "fused_files", "need",
-           "spec_of"]
+           "spec_of", "tp_plan"]
 
 
 def family_for(c: dict, where: str = "config.json") -> Family:
@@ -82,3 +82,12 @@ def fused_files(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
             p = f"model.layers.{i}."
             out[p + fused + ".weight"] = tuple(p + part + ".weight" for part in parts)
     return out
+
+
+def tp_plan(cfg: ModelConfig) -> dict[str, str]:
+    """Tensor parallelism's plan for ``cfg``: its family's (the shared plan for a model
+    that names no family and fits none: such a model still trains, it only cannot export)."""
+    try:
+        return spec_of(cfg).tp_plan
+    except FamilyError:
+        return LLAMA_TP_PLAN

@@ -14,6 +14,20 @@ from typing import Any, Callable
 from threefold.config import ConfigError, ModelConfig
 
 
+# Tensor parallelism's plan, as data: module name pattern (relative to the model) -> style.
+# Column-parallel layers keep a slice of output rows (q/k/v by heads, gate/up by width, the
+# head by vocabulary), row-parallel ones a slice of input columns; the rest is replicated.
+# Every family built so far keeps threefold's (Hugging Face's Llama) module names in memory.
+LLAMA_TP_PLAN: dict[str, str] = {
+    r"model\.embed_tokens": "vocab_embedding",
+    r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)": "column",
+    r"model\.layers\.\d+\.self_attn\.o_proj": "row",
+    r"model\.layers\.\d+\.mlp\.(gate_proj|up_proj)": "column",
+    r"model\.layers\.\d+\.mlp\.down_proj": "row",
+    r"lm_head": "vocab_column",
+}
+
+
 class FamilyError(ConfigError):
     """A config.json this family cannot take, or a model that is not of the family; the
     message names the file or field."""
@@ -38,7 +52,8 @@ class Family:
     experts (True), never (False); ``expert_files`` how experts are named in files ("mixtral":
     ``block_sparse_moe.experts.N.w1``; "qwen": ``mlp.experts.N.gate_proj``). ``fused``: the
     layers a family's files fuse, each to threefold's layers in its row order (Phi-3's
-    ``self_attn.qkv_proj``: q_proj, k_proj, v_proj), split at import and joined at export."""
+    ``self_attn.qkv_proj``: q_proj, k_proj, v_proj), split at import and joined at export.
+    ``tp_plan``: tensor parallelism's plan (``LLAMA_TP_PLAN``'s form)."""
 
     model_type: str
     architecture: str
@@ -49,6 +64,7 @@ class Family:
     expert_files: str = ""
     check: Callable[[ModelConfig], str | None] = lambda cfg: None
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    tp_plan: dict[str, str] = field(default_factory=lambda: dict(LLAMA_TP_PLAN))
     doc: str = ""
 
     def distance(self, cfg: ModelConfig) -> int:

@@ -1,9 +1,10 @@
 """Megatron-style tensor parallelism (Shoeybi et al., arXiv 1909.08053 §3), with sequence
 parallelism (Korthikanti et al., arXiv 2205.05198 §4), applied to the plain model from outside.
 
-The plan is data (``TP_PLAN``): module name pattern -> style. Column-parallel layers keep a
-slice of output rows (q/k/v by heads, gate/up by the SwiGLU width, the LM head by vocabulary);
-row-parallel layers keep a slice of input columns (o, down). Megatron's conjugate operators
+The plan is data, the model family's (``threefold.models``: module name pattern -> style).
+Column-parallel layers keep a slice of output rows (q/k/v by heads, gate/up by the SwiGLU
+width, the LM head by vocabulary); row-parallel layers keep a slice of input columns (o,
+down). Megatron's conjugate operators
 wrap each sub-layer:
 
 - ``f``: identity forward, all-reduce of the gradient backward — at the input of attention,
@@ -41,20 +42,12 @@ from threefold.head_loss import LMHead, VocabShard
 from threefold.kernels import rms_norm
 from threefold.lora import LoRALinear
 from threefold.model import LlamaForCausalLM, RMSNorm
+from threefold.models import tp_plan
 from threefold.parallel.placement import place, tp_shard_dim  # noqa: F401 (re-exported)
 from threefold.parallel.wrap import become
 
 AXIS = "tp"
 
-# module-name pattern -> style; patterns are matched against names relative to the model root
-TP_PLAN: dict[str, str] = {
-    r"model\.embed_tokens": "vocab_embedding",
-    r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)": "column",
-    r"model\.layers\.\d+\.self_attn\.o_proj": "row",
-    r"model\.layers\.\d+\.mlp\.(gate_proj|up_proj)": "column",
-    r"model\.layers\.\d+\.mlp\.down_proj": "row",
-    r"lm_head": "vocab_column",
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,8 +278,8 @@ class TensorParallelCausalLM(LlamaForCausalLM):
         return f"tp={self.tp_size}" + (", sequence parallel" if self.sequence_parallel else "")
 
 
-def _style(name: str) -> str | None:
-    for pattern, style in TP_PLAN.items():
+def _style(name: str, plan: dict[str, str]) -> str | None:
+    for pattern, style in plan.items():
         if re.fullmatch(pattern, name):
             return style
     return None
@@ -298,8 +291,9 @@ def _shard_weights(model: LlamaForCausalLM, comm, sp: bool) -> None:
     cfg = model.cfg
     hd, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     vocab, vshard = cfg.vocab_size, math.ceil(cfg.vocab_size / t)
+    plan = tp_plan(cfg)  # the family's, as data
     for name, module in list(model.named_modules()):
-        style = _style(name)
+        style = _style(name, plan)
         if style is None or module is None:
             continue
         w = module.weight.detach()
