@@ -219,3 +219,47 @@ def test_the_planner_and_the_specs_need_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+ACTIVATION_CASES = {
+    "olmo2": dict(qk_norm=True, qk_norm_over="projection", norm_layout="post"),
+    "gemma3": dict(qk_norm=True, norm_layout="sandwich", norm_plus_one=True,
+                   hidden_act="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24,
+                   sliding_window=16, sliding_window_pattern=2, rope_local_theta=1e4),
+    "mistral": dict(sliding_window=16),
+}
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
+@pytest.mark.parametrize("family", list(ACTIVATION_CASES))
+def test_block_activation_bytes_equal_autograd_saved_tensors(family, tp, sp):
+    """What one block of each new family saves for backward (fp32, weights excluded) is the
+    planner's per-block count plus the fp32 RoPE tables, as tests/test_dryrun.py measures it
+    for Llama: OLMo 2's projection norms, Gemma 3's extra norms, (1 + w) gains and GeGLU,
+    and a sliding window's mask (the masked kernel's repeated K/V and converted mask; in
+    Gemma 3's local blocks only, the global ones unmasked) are all counted."""
+    from tests.test_dryrun import _Loopback
+    from tests.test_tp_layer import SavedBytes
+    from threefold.accounting import Layout, Workload
+    from threefold.attention import window_mask
+    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.plan.activations import model_layer_activation_bytes
+
+    cfg = ModelConfig(preset="tiny", vocab_size=512, **ACTIVATION_CASES[family]).resolved()
+    model = LlamaForCausalLM(cfg)
+    if tp > 1:
+        apply_tensor_parallel(model, _Loopback(tp), sp)
+    b, s, h = 2, 64, cfg.hidden_size
+    x = torch.randn(b, s // tp if sp else s, h, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+    total = 0
+    for block in model.model.layers[:2]:  # Gemma 3's: a sliding block, then a global one
+        mask = window_mask(None, s, block.self_attn.window, x.device)
+        with SavedBytes(list(model.parameters())) as saved:
+            block(x, cos, sin, mask)
+        total += saved.total
+    lay = Layout(tp=tp, sequence_parallel=sp, microbatch_size=b)
+    want = model_layer_activation_bytes(cfg, lay, Workload(s, b, precision="fp32",
+                                                           residual_bytes=4))
+    # the planner's is the blocks' average (+ RoPE's cos and sin, which the model keeps once)
+    assert total / 2 == want + 2 * 4 * b * s * cfg.head_dim

@@ -7,7 +7,7 @@ context parallelism's K/V, the head's logits, and the microbatches a schedule ke
 from __future__ import annotations
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len
-from threefold.accounting.shapes import tp_shard
+from threefold.accounting.shapes import norms_per_block, tp_shard
 from threefold.config import ModelConfig
 from threefold.models.shapes import chunk_tokens
 from threefold.parallel.pipeline.schedules import inflight_of, schedule_spec
@@ -196,6 +196,10 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
     if cfg.qk_norm:
         kept += qk_norm_bytes(b * local, sh.heads, sh.kv_heads, cfg.head_dim, work.act_bytes,
                               cfg.qk_norm_over == "head")
+        if cfg.qk_norm_over == "projection" and layout.tp > 1:
+            # tensor parallelism's projection norm (plain ops around its all-reduce) also
+            # keeps the normalised q and k (parallel.tensor.ProjectionParallelRMSNorm)
+            kept += b * local * (sh.heads + sh.kv_heads) * cfg.head_dim * work.act_bytes
     return kept
 
 
@@ -203,14 +207,19 @@ def gemma_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload, tokens: 
                       ffn: int) -> float:
     """What Gemma's block keeps beyond ``block_activation_bytes``'s count for ``tokens``:
     two more norms (the sandwich layout's post-sub-layer ones: input and 1/rms each, split
-    over tp under sequence parallelism) and GeGLU's tanh-GeLU output (the SwiGLU kernel
-    recomputes its activation; the plain GeLU keeps it), d·ffn per token."""
+    over tp under sequence parallelism), GeGLU's tanh-GeLU output (the SwiGLU kernel
+    recomputes its activation; the plain GeLU keeps it), d·ffn per token, and each (1 + w)
+    norm's gain, once per block (measured: tests/test_families.py)."""
     out = 0.0
     if cfg.norm_layout == "sandwich":
         r = work.resid_bytes or work.act_bytes
         out += tokens * 2 * (r * cfg.hidden_size + 4) / (layout.tp if layout.sp else 1)
     if cfg.hidden_act == "gelu_tanh" and not cfg.num_local_experts:
         out += tokens * work.act_bytes * ffn
+    if cfg.norm_plus_one:  # each norm keeps its 1 + w, a new tensor (not the parameter)
+        widths = norms_per_block(cfg) * cfg.hidden_size
+        widths += 2 * cfg.head_dim if cfg.qk_norm and cfg.qk_norm_over == "head" else 0
+        out += widths * work.weight_bytes
     return out
 
 
@@ -223,7 +232,13 @@ def block_document_mask_bytes(cfg: ModelConfig, layout: Layout, work: Workload) 
     if not (work.document_mask or window) or layout.cp > 1:
         return 0.0
     sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
-    return document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s, work.act_bytes)
+    out = document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s, work.act_bytes)
+    if not work.document_mask:  # a window alone: one (1, 1, T, T) mask for the whole batch,
+        out -= (b - 1) * s * s * work.act_bytes
+        n, every = cfg.num_hidden_layers, cfg.sliding_window_pattern
+        if every:  # in the sliding blocks only (Gemma 3: the global ones run unmasked), as
+            out *= (n - n // every) / n  # an average over the model's blocks
+    return out
 
 
 def qk_norm_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int,
