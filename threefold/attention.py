@@ -38,6 +38,8 @@ def rope_inverse_frequencies(cfg: ModelConfig, device=None, local: bool = False
         return inv
     if cfg.rope_scaling == "linear":
         return inv / cfg.rope_scaling_factor
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequencies(cfg, inv, d, theta)
     if cfg.rope_scaling != "llama3":
         raise ValueError(f"unknown rope_scaling {cfg.rope_scaling!r}; use none, llama3 or "
                          "linear")
@@ -51,9 +53,46 @@ def rope_inverse_frequencies(cfg: ModelConfig, device=None, local: bool = False
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_frequencies(cfg: ModelConfig, inv: torch.Tensor, d: int, theta: float
+                     ) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al., arXiv 2309.00071 §3.2): those that turn more than
+    ``yarn_beta_fast`` times over the original context are kept, those that turn fewer than
+    ``yarn_beta_slow`` times are divided by the factor, and a linear ramp between the two
+    (in whole dimensions, as DeepSeek's reference rounds them) blends them."""
+    factor, old = cfg.rope_scaling_factor, cfg.original_max_position_embeddings
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns this often
+        return d * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(math.floor(dim_of(cfg.yarn_beta_fast)), 0)
+    hi = min(math.ceil(dim_of(cfg.yarn_beta_slow)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv.device) - lo)
+            / ((hi - lo) or 0.001)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def yarn_mscale(factor: float, coefficient: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1·coefficient·ln(factor) + 1 (1 without scaling)."""
+    return 0.1 * coefficient * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rope_table_scale(cfg: ModelConfig) -> float:
+    """What YaRN multiplies the cos/sin tables by (1 for other RoPE): the temperature, or
+    with ``yarn_mscale_all_dim`` (DeepSeek) the ratio that leaves the scores' scale to
+    ``score_scale``."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    f = cfg.rope_scaling_factor
+    if cfg.yarn_mscale_all_dim:
+        return yarn_mscale(f, cfg.yarn_mscale) / yarn_mscale(f, cfg.yarn_mscale_all_dim)
+    return yarn_mscale(f)
+
+
 def rotary_dim(cfg: ModelConfig) -> int:
-    """The features of a head that RoPE rotates: all, or the first head_dim·partial_rotary_factor
-    (Phi-3), as transformers rounds it."""
+    """The features of a head that RoPE rotates: all, the first head_dim·partial_rotary_factor
+    (Phi-3), as transformers rounds it, or latent attention's ``qk_rope_head_dim``."""
+    if cfg.kv_lora_rank:
+        return cfg.qk_rope_head_dim
     return int(cfg.head_dim * cfg.partial_rotary_factor)
 
 
@@ -69,6 +108,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, local: bool = False):
         super().__init__()
         self.cfg, self.local = cfg, local
+        self.table_scale = 1.0 if local else rope_table_scale(cfg)  # (YaRN's)
         self.register_buffer("inv_freq", rope_inverse_frequencies(cfg, local=local),
                              persistent=False)
 
@@ -83,6 +123,8 @@ class RotaryEmbedding(nn.Module):
         rotate-half layout (frequencies repeated over the two halves of a head)."""
         freqs = position_ids[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.table_scale != 1.0:
+            return emb.cos() * self.table_scale, emb.sin() * self.table_scale
         return emb.cos(), emb.sin()
 
 
@@ -101,6 +143,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         turn, keep = x[..., :r], x[..., r:]
         return torch.cat((turn * cos + rotate_half(turn) * sin, keep), dim=-1)
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                           ) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3)... each turned by one frequency
+    (DeepSeek's layout), written out in the rotate-half order: the same numbers as
+    de-interleaving the features and rotating their halves."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :, :half].to(x.dtype), sin[:, None, :, :half].to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
 
 
 def document_mask(document_ids: torch.Tensor) -> torch.Tensor:

@@ -47,38 +47,73 @@ class HFError(CheckpointError):
 # --------------------------------------------------------------------------------------------
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every stored weight of a resolved config (``lm_head.weight`` only when
-    the head is not tied, as Hugging Face stores it)."""
-    h, d, f, v = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    the head is not tied, as Hugging Face stores it; DeepSeek's routing bias, a buffer,
+    included)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         out.update({p + name + ".weight": (h,) for name in block_norms(cfg)})
-        out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
-        if cfg.qkv_bias:  # Qwen2
-            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                        p + "self_attn.v_proj.bias": (kv,)})
-        if cfg.qk_norm:  # Qwen3: per head; OLMo 2: over the whole projection
-            whole = cfg.qk_norm_over == "projection"
-            out.update({p + "self_attn.q_norm.weight": (q if whole else d,),
-                        p + "self_attn.k_norm.weight": (kv if whole else d,)})
-        if cfg.num_local_experts:  # transformers 5's Mixtral layout (threefold.moe)
-            e = cfg.num_local_experts
-            out.update({p + "mlp.gate.weight": (e, h),
-                        p + "mlp.experts.gate_up_proj": (e, 2 * f, h),
-                        p + "mlp.experts.down_proj": (e, h, f)})
-            fs = cfg.shared_expert_intermediate_size
-            if fs:  # Qwen2-MoE's shared expert and its gate
-                out.update({p + "mlp.shared_expert.gate_proj.weight": (fs, h),
-                            p + "mlp.shared_expert.up_proj.weight": (fs, h),
-                            p + "mlp.shared_expert.down_proj.weight": (h, fs),
-                            p + "mlp.shared_expert_gate.weight": (1, h)})
-        else:
-            out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                        p + "mlp.down_proj.weight": (h, f)})
+        out.update(_latent_shapes(cfg, p) if cfg.kv_lora_rank else _attention_shapes(cfg, p))
+        out.update(_mlp_shapes(cfg, p, i))
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (v, h)
+    return out
+
+
+def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Grouped-query attention's weights in block prefix ``p``."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    out = {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
+    if cfg.qkv_bias:  # Qwen2
+        out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,)})
+    if cfg.qk_norm:  # Qwen3: per head; OLMo 2: over the whole projection
+        whole = cfg.qk_norm_over == "projection"
+        out.update({p + "self_attn.q_norm.weight": (q if whole else d,),
+                    p + "self_attn.k_norm.weight": (kv if whole else d,)})
+    return out
+
+
+def _latent_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Latent attention's weights (``threefold.mla``) in block prefix ``p``."""
+    h, a, r = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_rope_head_dim
+    c, q = cfg.kv_lora_rank, cfg.num_attention_heads * cfg.head_dim
+    s = p + "self_attn."
+    out = {s + "kv_a_proj_with_mqa.weight": (c + r, h), s + "kv_a_layernorm.weight": (c,),
+           s + "kv_b_proj.weight": (a * (cfg.qk_nope_head_dim + cfg.v_head_dim), c),
+           s + "o_proj.weight": (h, a * cfg.v_head_dim)}
+    if cfg.q_lora_rank:
+        out.update({s + "q_a_proj.weight": (cfg.q_lora_rank, h),
+                    s + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                    s + "q_b_proj.weight": (q, cfg.q_lora_rank)})
+    else:
+        out[s + "q_proj.weight"] = (q, h)
+    return out
+
+
+def _mlp_shapes(cfg: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """Block ``layer``'s MLP weights: dense, or a mixture of experts in transformers 5's
+    fused layout (``threefold.moe``) with its shared expert and router bias if any."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    if not cfg.num_local_experts or layer < cfg.first_k_dense_replace:
+        w = cfg.dense_intermediate_size if cfg.num_local_experts else f
+        return {p + "mlp.gate_proj.weight": (w, h), p + "mlp.up_proj.weight": (w, h),
+                p + "mlp.down_proj.weight": (h, w)}
+    e, fs = cfg.num_local_experts, cfg.shared_expert_intermediate_size
+    out = {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * f, h),
+           p + "mlp.experts.down_proj": (e, h, f)}
+    if cfg.moe_router == "sigmoid_grouped":
+        out[p + "mlp.gate.e_score_correction_bias"] = (e,)
+    shared = "shared_expert" if cfg.shared_expert_gate else "shared_experts"
+    if fs:  # Qwen2-MoE's shared expert and its gate, or DeepSeek's ungated ones
+        out.update({p + f"mlp.{shared}.gate_proj.weight": (fs, h),
+                    p + f"mlp.{shared}.up_proj.weight": (fs, h),
+                    p + f"mlp.{shared}.down_proj.weight": (h, fs)})
+        if cfg.shared_expert_gate:
+            out[p + "mlp.shared_expert_gate.weight"] = (1, h)
     return out
 
 

@@ -68,10 +68,9 @@ class LayerKV:
         end = start + k.shape[2]
         if end > self.cache.max_len:
             raise ValueError(f"KVCache: {end} positions exceed max_len={self.cache.max_len}")
-        if self.k is None:
-            shape = (k.shape[0], k.shape[1], self.cache.max_len, k.shape[3])
-            self.k = k.new_zeros(shape)
-            self.v = v.new_zeros(shape)
+        if self.k is None:  # (a value may be narrower than a key: latent attention's)
+            self.k = k.new_zeros((*k.shape[:2], self.cache.max_len, k.shape[3]))
+            self.v = v.new_zeros((*v.shape[:2], self.cache.max_len, v.shape[3]))
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]

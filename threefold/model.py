@@ -34,6 +34,7 @@ from threefold.config import ModelConfig
 from threefold.head_loss import LMHead
 from threefold.kernels import matmul_input, swiglu
 from threefold.kvcache import KVCache, LayerKV  # noqa: F401 (re-exported)
+from threefold.mla import LatentAttention
 from threefold.moe import SparseMoeBlock
 from threefold.norm import RMSNorm
 
@@ -42,9 +43,9 @@ class LlamaMLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) · up(x)), with silu (SwiGLU, Shazeer, arXiv
     2002.05202) or the tanh approximation of GeLU (GeGLU, Gemma) as ``cfg.hidden_act`` says."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int = 0):
         super().__init__()
-        h, f = cfg.hidden_size, cfg.intermediate_size
+        h, f = cfg.hidden_size, width or cfg.intermediate_size
         self.gate_proj = nn.Linear(h, f, bias=False)
         self.up_proj = nn.Linear(h, f, bias=False)
         self.down_proj = nn.Linear(f, h, bias=False)
@@ -56,6 +57,12 @@ class LlamaMLP(nn.Module):
         if self.gelu:
             return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def block_is_moe(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block ``layer``'s MLP is a mixture of experts: every block's in a mixture of
+    experts but the first ``first_k_dense_replace`` (DeepSeek-V3's dense ones)."""
+    return bool(cfg.num_local_experts) and layer >= cfg.first_k_dense_replace
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -78,11 +85,13 @@ class LlamaDecoderLayer(nn.Module):
         self.layout = layout
         if layout != "post":
             self.input_layernorm = RMSNorm(h, eps, one)
-        self.self_attn = LlamaAttention(cfg, layer)
+        self.self_attn = LatentAttention(cfg, layer) if cfg.kv_lora_rank else \
+            LlamaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(h, eps, one)
         if layout == "sandwich":
             self.pre_feedforward_layernorm = RMSNorm(h, eps, one)
-        self.mlp = SparseMoeBlock(cfg) if cfg.num_local_experts else LlamaMLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if block_is_moe(cfg, layer) else \
+            LlamaMLP(cfg, cfg.dense_intermediate_size if cfg.num_local_experts else 0)
         if layout != "pre":
             self.post_feedforward_layernorm = RMSNorm(h, eps, one)
 

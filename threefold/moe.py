@@ -70,15 +70,46 @@ def route(logits: torch.Tensor, top_k: int, normalise: bool = True
     return probs, weights, experts
 
 
+def route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int,
+                  top_groups: int, normalise: bool, scaling: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (arXiv 2412.19437 §2.1.2): scores sigmoid(logits) in fp32; the
+    choice adds the load-balancing ``bias`` to them, keeps the ``top_groups`` of ``groups``
+    expert groups whose two best biased scores sum highest, and takes the top-k there; each
+    chosen expert weighs its unbiased score, renormalised over the k (``normalise``), times
+    ``scaling``. Returns (scores normalised per token, the router losses' P; weights;
+    expert ids)."""
+    scores = torch.sigmoid(logits.float())
+    pick = scores + bias
+    n, e = pick.shape
+    best = pick.view(n, groups, e // groups).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(best).scatter_(1, best.topk(top_groups, dim=-1).indices, 1.0)
+    keep = keep.bool()[:, :, None].expand(n, groups, e // groups).reshape(n, e)
+    experts = pick.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if normalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores / scores.sum(-1, keepdim=True), weights * scaling, experts
+
+
 class TopKRouter(nn.Module):
-    """The router: logits = x · weightᵀ, one per expert (HF's ``mlp.gate``)."""
+    """The router: logits = x · weightᵀ, one per expert (HF's ``mlp.gate``). DeepSeek-V3's
+    (``moe_router`` sigmoid_grouped) computes them in fp32 and holds the load-balancing bias
+    ``e_score_correction_bias`` (a buffer, checkpointed: it moves outside the optimiser,
+    ``threefold.moe_balance``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_local_experts, cfg.hidden_size))
+        self.fp32 = cfg.moe_router == "sigmoid_grouped"
+        if self.fp32:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(cfg.num_local_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, h) -> logits (N, E)."""
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float())
         return F.linear(x, self.weight)
 
 
@@ -154,13 +185,17 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
         self.normalise = cfg.norm_topk_prob
+        self.grouped = (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) \
+            if cfg.moe_router == "sigmoid_grouped" else None
         self.gate = TopKRouter(cfg)
         self.experts = Experts(cfg)
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert = self.shared_expert_gate = self.shared_experts = None
+        fs = cfg.shared_expert_intermediate_size
+        if fs and cfg.shared_expert_gate:  # Qwen2-MoE's names
+            self.shared_expert = SharedExpert(cfg.hidden_size, fs)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+        elif fs:  # DeepSeek's: ungated
+            self.shared_experts = SharedExpert(cfg.hidden_size, fs)
         self.router_stats: RouterStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +203,12 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
-        probs, weights, experts = route(logits, self.top_k, self.normalise)
+        if self.grouped:
+            probs, weights, experts = route_grouped(
+                logits, self.gate.e_score_correction_bias, self.top_k, *self.grouped[:2],
+                self.normalise, self.grouped[2])
+        else:
+            probs, weights, experts = route(logits, self.top_k, self.normalise)
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         self.router_stats = RouterStats(probs.sum(0), counts,
                                         torch.logsumexp(logits.float(), -1).pow(2).sum(),
@@ -176,6 +216,8 @@ class SparseMoeBlock(nn.Module):
         y = self.experts(x, experts, weights, counts)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_experts is not None:
+            y = y + self.shared_experts(x)
         return y.reshape(shape)
 
 

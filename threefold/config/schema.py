@@ -19,7 +19,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dua
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.models.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
-                  "olmo2", "gemma3_text", "phi3")
+                  "olmo2", "gemma3_text", "phi3", "deepseek_v3")
 
 
 class ConfigError(ValueError):
@@ -54,8 +54,9 @@ class ModelConfig:
     num_key_value_heads: int | None = _f(None, "key/value heads (GQA); equal to heads for MHA")
     rms_norm_eps: float | None = _f(None, "RMSNorm epsilon")
     rope_theta: float | None = _f(None, "RoPE base frequency")
-    rope_scaling: str | None = _f(None, "RoPE scaling: none, llama3 or linear (positions "
-                                  "divided by the factor; Gemma 3's full-attention blocks)")
+    rope_scaling: str | None = _f(None, "RoPE scaling: none, llama3, linear (positions "
+                                  "divided by the factor; Gemma 3's full-attention blocks) or "
+                                  "yarn (DeepSeek-V3)")
     rope_scaling_factor: float | None = _f(None, "llama3 or linear RoPE scaling factor")
     low_freq_factor: float | None = _f(None, "llama3 RoPE low-frequency factor")
     high_freq_factor: float | None = _f(None, "llama3 RoPE high-frequency factor")
@@ -84,6 +85,23 @@ class ModelConfig:
     sliding_window_pattern: int = _f(0, "with a sliding window, every N-th block attends to "
                                      "the whole context instead (Gemma 3: 6); 0 = every "
                                      "block slides")
+    kv_lora_rank: int = _f(0, "multi-head latent attention (DeepSeek-V2/V3): keys and values "
+                           "from a latent of this width; 0 = grouped-query attention")
+    q_lora_rank: int = _f(0, "latent attention: queries through a latent of this width; 0 = "
+                          "one projection")
+    qk_nope_head_dim: int = _f(0, "latent attention: each head's query/key features without "
+                               "RoPE")
+    qk_rope_head_dim: int = _f(0, "latent attention: each head's query/key features with "
+                               "RoPE (the key's shared by every head)")
+    v_head_dim: int = _f(0, "latent attention: each head's value width")
+    rope_interleave: bool = _f(False, "RoPE rotates interleaved feature pairs (DeepSeek's "
+                               "layout) instead of the two halves")
+    yarn_beta_fast: float = _f(32.0, "YaRN: rotations above which frequencies are kept")
+    yarn_beta_slow: float = _f(1.0, "YaRN: rotations below which frequencies are divided by "
+                               "the factor")
+    yarn_mscale: float = _f(1.0, "YaRN: the cos/sin scale's coefficient")
+    yarn_mscale_all_dim: float = _f(0.0, "YaRN: the coefficient that also scales attention "
+                                    "scores (DeepSeek); 0 = none")
     partial_rotary_factor: float = _f(1.0, "share of each head's features RoPE rotates, "
                                       "the first ones (Phi-3); 1 = all")
     rope_local_theta: float = _f(0.0, "RoPE base of the sliding-window blocks (Gemma 3: "
@@ -105,6 +123,24 @@ class ModelConfig:
                                               "ones, every token through it, its output "
                                               "scaled by sigmoid(x · shared_expert_gate) "
                                               "(Qwen2-MoE); 0 = none (Mixtral)")
+    moe_router: str = _f("softmax", "how experts are chosen: softmax (top-k of the softmax, "
+                         "Mixtral/Qwen) or sigmoid_grouped (sigmoid scores, top-k within the "
+                         "best topk_group of n_group groups, a load-balancing bias added for "
+                         "the choice only: DeepSeek-V3)")
+    n_group: int = _f(1, "sigmoid_grouped routing: expert groups")
+    topk_group: int = _f(1, "sigmoid_grouped routing: groups a token may use")
+    routed_scaling_factor: float = _f(1.0, "routed experts' weights multiplied by this "
+                                      "(DeepSeek-V3: 2.5)")
+    router_bias_update_rate: float = _f(0.001, "sigmoid_grouped routing: each step the "
+                                        "load-balancing bias moves this much toward "
+                                        "under-loaded experts (DeepSeek-V3's gamma)")
+    shared_expert_gate: bool = _f(True, "a shared expert's output scaled by a sigmoid gate "
+                                  "(Qwen2-MoE's mlp.shared_expert); false: added as it is "
+                                  "(DeepSeek's mlp.shared_experts)")
+    first_k_dense_replace: int = _f(0, "the first blocks with a dense MLP of "
+                                    "dense_intermediate_size in a mixture of experts "
+                                    "(DeepSeek-V3: 3)")
+    dense_intermediate_size: int = _f(0, "the dense blocks' MLP width (first_k_dense_replace)")
     norm_topk_prob: bool = _f(True, "renormalise the k chosen router probabilities to sum to "
                               "one (Mixtral; false: the softmax values as they are, as "
                               "Qwen1.5-MoE's norm_topk_prob false)")
@@ -131,7 +167,9 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
+        """Width of one attention head (of its queries and keys under latent attention)."""
+        if self.kv_lora_rank:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
 

@@ -8,6 +8,7 @@ blocks exist is one spec file plus its test (docs/models.md).
 from __future__ import annotations
 
 from threefold.config import MODEL_FAMILIES, ModelConfig
+from threefold.models.deepseek_v3 import DEEPSEEK_V3
 from threefold.models.gemma3 import GEMMA3
 from threefold.models.llama import LLAMA
 from threefold.models.mistral import MISTRAL
@@ -19,7 +20,7 @@ from threefold.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from threefold.models.spec import LLAMA_TP_PLAN, Family, FamilyError, need
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2, GEMMA3, PHI3)}
+    LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2, GEMMA3, PHI3, DEEPSEEK_V3)}
 # config names the families so that it can check model.family without importing this
 if tuple(FAMILIES) != MODEL_FAMILIES:
     raise ImportError(f"threefold.config.MODEL_FAMILIES {MODEL_FAMILIES} must list the "
@@ -29,7 +30,7 @@ if tuple(FAMILIES) != MODEL_FAMILIES:
 REFUSED = {"gemma2": "Gemma 2",
            "gemma3": "Gemma 3's multimodal model (its text_config, model_type gemma3_text, "
                      "is built: save the text model alone)",
-           "deepseek_v3": "DeepSeek-V3", "granite": "Granite",
+           "granite": "Granite",
            "gpt_oss": "GPT-OSS", "qwen3_next": "Qwen3-Next"}
 
 __all__ = ["FAMILIES", "Family", "FamilyError", "family_for", "fused_files", "need",

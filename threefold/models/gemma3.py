@@ -4,6 +4,7 @@ norms (before and after each sub-layer) that scale by (1 + weight), per-head q/k
 and local sliding-window blocks, each with a RoPE base of its own, between global ones
 (``layer_types``, every ``sliding_window_pattern``-th block global)."""
 
+from threefold.models.llama import NOT_DEEPSEEK
 from threefold.models.spec import Family, need
 
 ROPE_TYPES = ("default", "linear")
@@ -88,7 +89,7 @@ def _check(cfg) -> str | None:
 
 
 GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", read=_read, write=_write,
-                fixed=dict(qkv_bias=False, qk_norm=True, qk_norm_over="head",
+                fixed=dict(**NOT_DEEPSEEK, qkv_bias=False, qk_norm=True, qk_norm_over="head",
                            norm_layout="sandwich", norm_plus_one=True, hidden_act="gelu_tanh",
                            embed_scale=True, partial_rotary_factor=1.0),
                 check=_check, doc="local/global attention, sandwich (1 + w) norms, GeGLU")
