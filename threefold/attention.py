@@ -228,6 +228,11 @@ class LlamaAttention(nn.Module):
             out = sdpa_attention(q, k, v, attn_mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def score_features(self) -> int:
+        """Query plus value features per token (H·d each): attention's FLOPs per token are
+        6·T times this (the pipeline's flops balance)."""
+        return 2 * self.q_proj.out_features
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_mask=None) -> torch.Tensor:
         """The attention core: q (B, heads, T, d), k/v (B, kv heads, T, d) after RoPE ->

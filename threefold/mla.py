@@ -90,6 +90,12 @@ class LatentAttention(nn.Module):
             out = sdpa_attention(q, k, v, attn_mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def score_features(self) -> int:
+        """Query plus value features per token, H·(nope + rope + v): attention's FLOPs per
+        token are 6·T times this (the pipeline's flops balance)."""
+        heads = self.kv_b_proj.out_features // (self.nope + self.v_dim)
+        return heads * (self.nope + self.rope + self.v_dim)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_mask=None) -> torch.Tensor:
         """The attention core: q, k (B, heads, T, nope + rope), v (B, heads, T, v width)."""

@@ -33,15 +33,43 @@ class LayoutError(ValueError):
 # --------------------------------------------------------------------------------------------
 # Parameters of the model (exact; unchanged API)
 # --------------------------------------------------------------------------------------------
+def attention_parameters(cfg: ModelConfig) -> int:
+    """A block's attention matmul weights: q, k, v, o; or latent attention's q_a, q_b (or
+    q), kv_a, kv_b and o (``threefold.mla``)."""
+    h, a = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.kv_lora_rank:
+        ql, c, r = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        q = ql * h + ql * a * cfg.head_dim if ql else h * a * cfg.head_dim
+        return q + (c + r) * h + c * a * (cfg.qk_nope_head_dim + cfg.v_head_dim) \
+            + a * cfg.v_head_dim * h
+    hd = cfg.head_dim
+    return 2 * h * a * hd + 2 * h * cfg.num_key_value_heads * hd
+
+
+def block_parameters(cfg: ModelConfig, layer: int) -> int:
+    """Weights of block ``layer``: attention, its MLP (SwiGLU of ``intermediate_size``; in a
+    mixture of experts the router and every expert, or in a dense first block a SwiGLU of
+    ``dense_intermediate_size``) and its norms."""
+    h = cfg.hidden_size
+    if cfg.num_local_experts and layer >= cfg.first_k_dense_replace:
+        mlp = moe_layer_parameters(cfg)
+    else:
+        mlp = 3 * h * (cfg.dense_intermediate_size if cfg.num_local_experts
+                       else cfg.intermediate_size)
+    return attention_parameters(cfg) + mlp + norms_per_block(cfg) * h + attention_extras(cfg)
+
+
 def layer_parameters(cfg: ModelConfig) -> int:
-    """Weights of one transformer block: attention, SwiGLU MLP (or, with
-    ``num_local_experts``, the router and every expert) and its two RMSNorms."""
-    h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q = h * cfg.num_attention_heads * hd
-    kv = 2 * h * cfg.num_key_value_heads * hd
-    o = cfg.num_attention_heads * hd * h
-    mlp = moe_layer_parameters(cfg) if cfg.num_local_experts else 3 * h * f
-    return q + kv + o + mlp + norms_per_block(cfg) * h + attention_extras(cfg)
+    """Weights of one transformer block (the last: a routed one where the first are dense)."""
+    return block_parameters(cfg, cfg.num_hidden_layers - 1)
+
+
+def blocks_parameters(cfg: ModelConfig) -> int:
+    """Weights of all the blocks."""
+    dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers) if cfg.num_local_experts \
+        else 0
+    return dense * block_parameters(cfg, 0) + (cfg.num_hidden_layers - dense) \
+        * layer_parameters(cfg)
 
 
 def norms_per_block(cfg: ModelConfig) -> int:
@@ -50,8 +78,11 @@ def norms_per_block(cfg: ModelConfig) -> int:
 
 
 def attention_extras(cfg: ModelConfig) -> int:
-    """A block's attention weights that are in no matmul: q/k/v biases (Qwen2) and the q/k
-    norms (Qwen3's per head, OLMo 2's over the whole projections)."""
+    """A block's attention weights that are in no matmul: q/k/v biases (Qwen2), the q/k
+    norms (Qwen3's per head, OLMo 2's over the whole projections), latent attention's
+    latent norms."""
+    if cfg.kv_lora_rank:
+        return cfg.q_lora_rank + cfg.kv_lora_rank
     hd = cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     bias = q + 2 * kv if cfg.qkv_bias else 0
@@ -64,7 +95,7 @@ def num_parameters(cfg: ModelConfig) -> int:
     """Exact parameter count of the model built from ``cfg`` (a resolved config)."""
     h, v = cfg.hidden_size, cfg.vocab_size
     head = 0 if cfg.tie_word_embeddings else v * h
-    return v * h + cfg.num_hidden_layers * layer_parameters(cfg) + h + head
+    return v * h + blocks_parameters(cfg) + h + head
 
 
 def active_parameters(cfg: ModelConfig) -> int:
@@ -78,17 +109,18 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     """Parameters that take part in a matrix multiply per token: every Linear weight (of a
     mixture of experts, the router and the token's k experts), the LM head included (tied or
     not); the embedding lookup and the norms excluded."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    return cfg.num_hidden_layers * (layer_parameters(cfg) - norms_per_block(cfg) * h
-                                    - attention_extras(cfg)) \
+    h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    return blocks_parameters(cfg) - n * (norms_per_block(cfg) * h + attention_extras(cfg)) \
         + v * h - inactive_parameters(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, PaLM (arXiv 2204.02311, App. B): 6N + 12·L·H·Q·T, with N the
-    matmul parameters, H heads, Q head dim, T the sequence length. Recomputation excluded, so
+    matmul parameters, H heads, Q head dim, T the sequence length; 6·L·H·(Q + V)·T when the
+    values are narrower than the queries (latent attention). Recomputation excluded, so
     this is the model-FLOPs (MFU) numerator, not the hardware-FLOPs one."""
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    v = cfg.v_head_dim if cfg.kv_lora_rank else cfg.head_dim
+    attn = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.head_dim + v) * seq_len
     return 6.0 * matmul_parameters(cfg) + attn
 
 
@@ -139,8 +171,14 @@ def layer_parameters_per_rank(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     whole on every tp rank and a token uses k of its experts: ``moe_matmul_parameters``)."""
     sh, h, hd = tp_shard(cfg, tp), cfg.hidden_size, cfg.head_dim
     mlp = 0 if cfg.num_local_experts else 3 * h * sh.ffn
-    sharded = 2 * h * sh.heads * hd + 2 * h * sh.kv_heads * hd + mlp
-    return sharded, norms_per_block(cfg) * h
+    if cfg.kv_lora_rank:  # latent attention: its latents are computed whole on every rank
+        ql, c, r, a = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, sh.heads
+        q = ql * h + ql * a * hd if ql else h * a * hd
+        attention = q + (c + r) * h + c * a * (cfg.qk_nope_head_dim + cfg.v_head_dim) \
+            + a * cfg.v_head_dim * h
+    else:
+        attention = 2 * h * sh.heads * hd + 2 * h * sh.kv_heads * hd
+    return attention + mlp, norms_per_block(cfg) * h
 
 
 def moe_key(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -159,4 +197,5 @@ def moe_matmul_parameters(cfg: ModelConfig) -> int:
     if not e:
         return 0
     h = cfg.hidden_size
-    return e * h + k * 3 * h * cfg.intermediate_size + (3 * h * fs + h if fs else 0)
+    gate = h if cfg.shared_expert_gate else 0
+    return e * h + k * 3 * h * cfg.intermediate_size + (3 * h * fs + gate if fs else 0)

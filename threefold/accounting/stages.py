@@ -16,28 +16,44 @@ from threefold.parallel.pipeline.balance import split_counts
 
 def shape_key(cfg: ModelConfig) -> tuple:
     """The numbers of ``cfg`` a stage's shapes depend on, as a hashable key for the caches:
-    the attention's extras ``attn`` = (head dim, q/k/v biases, q/k norms, norm layout) last."""
+    ``moe`` = (experts, top-k, shared width, dense first blocks, their width, shared expert
+    gated), then ``attn`` = (head dim, q/k/v biases, q/k norms, norm layout, latent
+    attention's widths) last."""
     h, a, e = cfg.hidden_size, cfg.num_attention_heads, cfg.num_local_experts
     # moe_key and attn_key written out: a search asks for this key about a million times
     return (h, a, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
             cfg.num_hidden_layers, bool(cfg.tie_word_embeddings),
-            (e, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size or 0) if e
-            else (0, 0, 0),
+            (e, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size or 0,
+             cfg.first_k_dense_replace, cfg.dense_intermediate_size,
+             bool(cfg.shared_expert_gate)) if e else (0, 0, 0, 0, 0, True),
             attn_key(cfg))
 
 
-def attn_key(cfg: ModelConfig) -> tuple[int, bool, str, str]:
-    """(head dim, q/k/v biases, q/k norms: "" none, "head" or "projection", the norm layout)
-    of ``cfg``'s block."""
+def attn_key(cfg: ModelConfig) -> tuple:
+    """(head dim, q/k/v biases, q/k norms: "" none, "head" or "projection", the norm layout,
+    latent attention's (q latent, kv latent, features without and with RoPE, value width) or
+    ()) of ``cfg``'s block."""
+    mla = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+           cfg.v_head_dim) if cfg.kv_lora_rank else ()
     return (cfg.head_dim, bool(cfg.qkv_bias), cfg.qk_norm_over if cfg.qk_norm else "",
-            cfg.norm_layout or "pre")
+            cfg.norm_layout or "pre", mla)
+
+
+def _latent_numels(h: int, heads: int, mla: tuple) -> tuple[int, ...]:
+    """Latent attention's parameters on a rank of ``heads`` heads, in registration order
+    (``threefold.mla``): q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa,
+    kv_a_layernorm (whole on every tp rank), kv_b_proj, o_proj (this rank's heads)."""
+    ql, c, nope, rope, v = mla
+    q_rows = heads * (nope + rope)
+    q = (ql * h, ql, q_rows * ql) if ql else (q_rows * h,)
+    return (*q, (c + rope) * h, c, heads * (nope + v) * c, h * heads * v)
 
 
 @lru_cache(maxsize=4096)
 def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
                   attn: tuple = ()) -> tuple[int, ...]:
     sh = tp_shard_for(h, a, kv, f, vocab, tp)
-    hd, bias, qk_norm, layout = attn or (h // a, False, "", "pre")
+    hd, bias, qk_norm, layout, mla = attn or (h // a, False, "", "pre", ())
     kv_rows = (kv * hd) if sh.kv_replicas > 1 else sh.kv_heads * hd  # replicated: whole
     q_rows = sh.heads * hd
     # registration order of threefold.model.LlamaDecoderLayer: input_layernorm (pre
@@ -47,7 +63,8 @@ def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
     proj = [(q_rows * h, q_rows), (kv_rows * h, kv_rows), (kv_rows * h, kv_rows)]
     qkv = tuple(x for w, b in proj for x in ((w, b) if bias else (w,)))
     norms = {"": (), "head": (hd, hd), "projection": (q_rows, sh.kv_heads * hd)}[qk_norm]
-    attention = (*qkv, h * q_rows, *norms, h)
+    attention = (*(_latent_numels(h, sh.heads, mla) if mla else (*qkv, h * q_rows, *norms)),
+                 h)
     mlp = (sh.ffn * h, sh.ffn * h, h * sh.ffn)
     if layout == "post":
         return (*attention, *mlp, h)
@@ -58,23 +75,25 @@ def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
 
 @lru_cache(maxsize=4096)
 def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tuple, ep: int,
-                  attn: tuple = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                  attn: tuple = (), dense: bool = False
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the block's parameters, its expert tensors held apart) on one tp and ep rank, in
-    registration order. Dense: (``_block_numels``, ()). A mixture of experts (HF Mixtral
+    registration order. Dense (a dense model's, or with ``dense`` a mixture's dense first
+    block, of its own width): (``_block_numels``, ()). A mixture of experts (HF Mixtral
     names, threefold.moe): the norms and attention, then ``mlp.gate`` (E·h),
     ``mlp.experts.gate_up_proj`` (E/ep·2f·h), ``mlp.experts.down_proj`` (E/ep·h·f), a shared
-    expert (gate/up/down, then its 1×h gate); the MoE is whole on every tp rank. With ep > 1
-    the two expert tensors are held apart (the runtime's engines treat them apart: their own
-    ZeRO unit, their own gradient buckets), else they are in the block."""
-    dense = _block_numels(h, a, kv, f, vocab, tp, attn)
-    e, _, fs = moe
-    if not e:
-        return dense, ()
+    expert (gate/up/down, then its 1×h gate when gated); the MoE is whole on every tp rank.
+    With ep > 1 the two expert tensors are held apart (the runtime's engines treat them
+    apart: their own ZeRO unit, their own gradient buckets), else they are in the block."""
+    e, _, fs, _, dense_f, gated = moe
+    if not e or dense:
+        return _block_numels(h, a, kv, dense_f if e else f, vocab, tp, attn), ()
+    block = _block_numels(h, a, kv, f, vocab, tp, attn)
     router = (e * h,)
     experts = ((e // ep) * 2 * f * h, (e // ep) * h * f)
-    shared = (fs * h, fs * h, h * fs, h) if fs else ()
+    shared = (fs * h, fs * h, h * fs, *((h,) if gated else ())) if fs else ()
     post = (h,) if attn and attn[3] != "pre" else ()  # the norm after the MLP
-    before = dense[:len(dense) - 3 - len(post)]
+    before = block[:len(block) - 3 - len(post)]
     if ep == 1:
         return before + router + experts + shared + post, ()
     return before + router + shared + post, experts
@@ -83,16 +102,41 @@ def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tup
 def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
     """Elements of each parameter of one block held by one tp rank, in the order the model
     registers them (a replicated k/v projection is held whole; a mixture of experts' every
-    expert, as without expert parallelism)."""
+    expert, as without expert parallelism; of a model with dense first blocks, a routed
+    one)."""
     h, a, kv, f, vocab, _, _, moe, attn = shape_key(cfg)
     return _layer_numels(h, a, kv, f, vocab, tp, moe, 1, attn)[0]
+
+
+def _dense(moe: tuple, layer: int) -> bool:
+    """Whether block ``layer`` of a mixture of experts is one of its dense first blocks."""
+    return bool(moe[0]) and layer < moe[3]
+
+
+def _block_flops(key: tuple, layer: int, t: int) -> float:
+    """Training FLOPs per token of block ``layer`` at sequence length ``t``, as the runtime's
+    ``stage_costs`` counts them: 6 per nn.Linear weight (of a mixture of experts, the
+    attention's and a shared expert's: the router and the 3-D expert tensors are not
+    Linears) and 6·T per query-and-value feature (12·H·Q·T when they are as wide)."""
+    h, a, kv, f, vocab, _, _, moe, attn = key
+    hd, mla = attn[0], attn[4]
+    if mla:
+        ql, c, nope, rope, v = mla
+        attention = (ql * h + ql * a * (nope + rope) if ql else h * a * (nope + rope)) \
+            + (c + rope) * h + c * a * (nope + v) + a * v * h
+        features = a * (nope + rope + v)
+    else:
+        attention, features = 2 * a * hd * h + 2 * kv * hd * h, 2 * a * hd
+    if not moe[0] or _dense(moe, layer):
+        mlp = 3 * h * (moe[4] if moe[0] else f)
+    else:
+        mlp = 3 * h * moe[2] + (h if moe[2] and moe[5] else 0) if moe[2] else 0
+    return 6.0 * (attention + mlp) + 6.0 * features * t
 
 
 @lru_cache(maxsize=4096)
 def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> tuple[int, ...]:
     h, a, kv, f, vocab, n_layers, tied, moe, attn = key
-    hd = attn[0]
-    layer = sum(_layer_numels(h, a, kv, f, vocab, 1, moe, 1, attn)[0])  # every expert
     emb = vocab * h
     if split.startswith("flops"):  # "flops:T", as stage.stage_costs counts them at length T
         try:
@@ -100,15 +144,11 @@ def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> t
         except (IndexError, ValueError):
             raise LayoutError(f"pipeline_split '{split}': the planner needs 'flops:SEQ_LEN'") \
                 from None
-        # stage_costs counts the nn.Linear weights: of a mixture of experts, the attention's
-        # and a shared expert's (the router and the 3-D expert tensors are not Linears)
-        attention = 2 * a * hd * h + 2 * kv * hd * h  # q, k, v, o weights
-        linear = attention + 3 * h * f if not moe[0] else \
-            attention + (3 * h * moe[2] + h if moe[2] else 0)
-        per_block = 6.0 * linear + 12.0 * a * hd * t
-        return split_counts("flops", [per_block] * n_layers, n_stages, 0.0, 6.0 * emb)
-    return split_counts(split, [float(layer)] * n_layers, n_stages, float(emb),
-                        float(h + (0 if tied else emb)))
+        return split_counts("flops", [_block_flops(key, i, t) for i in range(n_layers)],
+                            n_stages, 0.0, 6.0 * emb)
+    layers = [float(sum(_layer_numels(h, a, kv, f, vocab, 1, moe, 1, attn,
+                                      _dense(moe, i))[0])) for i in range(n_layers)]
+    return split_counts(split, layers, n_stages, float(emb), float(h + (0 if tied else emb)))
 
 
 def pipeline_layers(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
@@ -136,16 +176,35 @@ def _rank_layers(key: tuple, p: int, v: int, split: str, stage: int,
 
 
 @lru_cache(maxsize=65536)
+def _rank_layer_ids(key: tuple, p: int, v: int, split: str, stage: int,
+                    vshape: bool = False) -> tuple[int, ...]:
+    """The blocks one rank of ``stage`` holds, chunk by chunk (the order its merged model
+    registers them in)."""
+    counts = _virtual_stage_layers(key, p * v, split)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return tuple(i for c in range(v) for s in [rank_stage(stage, c, p, vshape)]
+                 for i in range(starts[s], starts[s] + counts[s]))
+
+
+def rank_dense_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    """Of the blocks one rank of ``stage`` holds, the dense first blocks of a mixture of
+    experts (DeepSeek-V3's ``first_k_dense_replace``); 0 for any other model."""
+    key = shape_key(cfg)
+    return sum(_dense(key[7], i) for i in _rank_layer_ids(
+        key, layout.pp, layout.vpp, layout.pipeline_split, stage, layout.vshape))
+
+
+@lru_cache(maxsize=65536)
 def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep: int = 1,
                  vshape: bool = False) -> tuple[tuple[int, ...], ...]:
     h, a, kv, f, vocab, n_layers, tied, moe, attn = key
     emb = tp_shard_for(h, a, kv, f, vocab, tp).vocab * h
-    block = _layer_numels(h, a, kv, f, vocab, tp, moe, ep, attn)[0]
     shared = tied and p == 1  # one weight; pipelined, the head is a copy (a V's on rank 0 too)
     units: list[tuple[int, ...]] = []
     if stage == 0 and not shared:
         units.append((emb,))
-    units += [block] * _rank_layers(key, p, v, split, stage, vshape)
+    units += [_layer_numels(h, a, kv, f, vocab, tp, moe, ep, attn, _dense(moe, i))[0]
+              for i in _rank_layer_ids(key, p, v, split, stage, vshape)]
     if stage == (0 if vshape else p - 1):
         units.append((h,))
         if not shared:
@@ -177,7 +236,7 @@ def stage_expert_units(cfg: ModelConfig, layout: Layout, stage: int
     experts = _layer_numels(h, a, kv, f, vocab, layout.tp, moe, layout.ep, attn)[1]
     if not experts:
         return ()
-    return (experts,) * rank_layers(cfg, layout, stage)
+    return (experts,) * (rank_layers(cfg, layout, stage) - rank_dense_layers(cfg, layout, stage))
 
 
 def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[int]:
@@ -244,7 +303,9 @@ def stage_representatives(key: tuple, p: int, v: int, split: str, vshape: bool =
     first: dict[tuple, int] = {}
     last = 0 if vshape else p - 1
     return tuple(first.setdefault((st == 0, st == last,
-                                   _rank_layers(key, p, v, split, st, vshape)), st)
+                                   _rank_layers(key, p, v, split, st, vshape),
+                                   sum(_dense(key[7], i) for i in _rank_layer_ids(
+                                       key, p, v, split, st, vshape))), st)
                  for st in range(p))
 
 

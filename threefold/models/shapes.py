@@ -14,11 +14,19 @@ def expert_parameters(cfg: ModelConfig) -> int:
 
 
 def moe_layer_parameters(cfg: ModelConfig) -> int:
-    """Weights of one MoE feed-forward: the router and all experts (and a shared expert with
-    its gate)."""
+    """Weights of one MoE feed-forward: the router and all experts (and a shared expert, with
+    its gate where it has one)."""
     h, fs = cfg.hidden_size, cfg.shared_expert_intermediate_size
-    shared = 3 * h * fs + h if fs else 0
+    shared = 3 * h * fs + (h if cfg.shared_expert_gate else 0) if fs else 0
     return cfg.num_local_experts * (h + expert_parameters(cfg)) + shared
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    """Blocks whose MLP is a mixture of experts: all of a mixture's but its dense first
+    ``first_k_dense_replace`` (DeepSeek-V3), none of a dense model's."""
+    if not cfg.num_local_experts:
+        return 0
+    return max(cfg.num_hidden_layers - cfg.first_k_dense_replace, 0)
 
 
 def inactive_parameters(cfg: ModelConfig) -> int:
@@ -27,7 +35,7 @@ def inactive_parameters(cfg: ModelConfig) -> int:
     if not cfg.num_local_experts:
         return 0
     idle = cfg.num_local_experts - cfg.num_experts_per_tok
-    return cfg.num_hidden_layers * idle * expert_parameters(cfg)
+    return moe_layers(cfg) * idle * expert_parameters(cfg)
 
 
 LOGITS_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk, at most (one token at least)

@@ -67,8 +67,9 @@ def stage_costs(model: LlamaForCausalLM, balance: str = "params",
     counted on the model's own modules (which may be on the meta device).
 
     ``params``: weights (the embedding's on the first stage; the final norm's and the head's
-    on the last). ``flops``: training FLOPs per token, 6 per matmul weight plus 12·H·Q·T for
-    attention at sequence length ``seq_len`` (default ``cfg.max_position_embeddings``); the
+    on the last). ``flops``: training FLOPs per token, 6 per matmul weight plus 6·T per
+    query and value feature (12·H·Q·T when they are as wide) for attention at sequence length
+    ``seq_len`` (default ``cfg.max_position_embeddings``); the
     embedding is a lookup (0), the head 6·V·h."""
     if balance not in BALANCES:
         raise ValueError(f"pipeline balance must be one of {', '.join(BALANCES)}, got "
@@ -80,7 +81,7 @@ def stage_costs(model: LlamaForCausalLM, balance: str = "params",
                 count(inner.norm) + (0.0 if model.cfg.tie_word_embeddings
                                      else count(model.lm_head)))
     t = seq_len or model.cfg.max_position_embeddings
-    layers = [6.0 * _linear_weights(layer) + 12.0 * layer.self_attn.q_proj.out_features * t
+    layers = [6.0 * _linear_weights(layer) + 6.0 * layer.self_attn.score_features() * t
               for layer in inner.layers]
     return layers, 0.0, 6.0 * model.lm_head.weight.numel()
 
