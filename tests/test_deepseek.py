@@ -79,3 +79,87 @@ def test_unsupported_fields_are_named():
                            "rope_parameters"), ({"scoring_func": "softmax"}, "scoring_func")):
         with pytest.raises(HFError, match=field):
             model_config_from_hf({**conf, **change})
+
+
+# the tiny DeepSeek-V3 as a training config: 3 blocks, the first dense (width 128), 8
+# experts of 64 in 4 groups (2 kept), top-2, one ungated shared expert, latent attention
+TRAIN = {"model__family": "deepseek_v3", "model__num_hidden_layers": 3,
+         "model__num_key_value_heads": 4, "model__kv_lora_rank": 32, "model__q_lora_rank": 48,
+         "model__qk_nope_head_dim": 16, "model__qk_rope_head_dim": 8, "model__v_head_dim": 16,
+         "model__rope_interleave": "true", "model__num_local_experts": 8,
+         "model__num_experts_per_tok": 2, "model__n_group": 4, "model__topk_group": 2,
+         "model__moe_router": "sigmoid_grouped", "model__routed_scaling_factor": 2.5,
+         "model__intermediate_size": 64, "model__shared_expert_intermediate_size": 64,
+         "model__shared_expert_gate": "false", "model__first_k_dense_replace": 1,
+         "model__dense_intermediate_size": 128, "model__router_aux_loss_coef": 0.0,
+         "model__router_aux_loss_per_layer": "true", "model__router_bias_update_rate": 0.01,
+         "train__micro_batch_size": 4, "train__steps": 3}
+
+
+def _overrides(corpus, cache, out, **extra):
+    from tests.conftest import tiny_overrides
+
+    return tiny_overrides(corpus, cache, out, **{**TRAIN, **extra})
+
+
+LAYOUTS = [("dp2", {}), ("zero3", {"parallel__zero_stage": 3}), ("tp2", {"parallel__tp": 2}),
+           ("pp2", {"parallel__pp": 2}), ("ep2", {"parallel__ep": 2})]
+
+
+@pytest.mark.slow
+def test_layouts_equal_single_process_and_the_planner_counts(corpus, cache_dir, tmp_path):
+    """DP, ZeRO-3, TP 2 (latent projections whole on each rank, the per-head expansions
+    split), PP 2 (the dense block and a routed one on the first stage) and EP 2 train as one
+    process does, the routing biases moving alike (their loads summed over the data ranks);
+    the planner's parameters and bytes per axis are the runtime's."""
+    import functools
+
+    from tests.conftest import final_weights, metrics
+    from tests.dist import run_distributed, train_runs
+    from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
+    from threefold.config import load_config
+    from threefold.plan.dryrun import predict
+    from threefold.train import train
+
+    over = functools.partial(_overrides, corpus, cache_dir)
+    _, run = train(load_config(None, over(tmp_path / "single")), return_run=True)
+    assert num_parameters(run.model_cfg) == sum(p.numel() for p in run.engine.model.parameters())
+    run_distributed(train_runs, 2, over, tmp_path, LAYOUTS, timeout=300)
+    ref, ref_w = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
+    assert any(v.abs().max() > 0 for k, v in ref_w.items() if k.endswith("correction_bias"))
+    for name, extra in LAYOUTS:
+        got = metrics(tmp_path / name)
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), \
+            name
+        w = final_weights(tmp_path / name)
+        for k, v in ref_w.items():
+            torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+        cfg = load_config(None, over(tmp_path / f"{name}-plan", **extra))
+        want = comm_bytes_per_step(cfg.model.resolved(cfg.data.vocab_size),
+                                   Layout.from_config(cfg, 2), Workload.from_config(cfg), 0)
+        moved = json.loads((tmp_path / name / "summary.json").read_text())
+        assert moved["comm_bytes_per_step"] == {a: v for a, v in want.items() if v}, name
+        assert predict(cfg, 2).comm_bytes == want, name
+
+
+def test_resume_restores_the_routing_bias(corpus, cache_dir, tmp_path):
+    """The routing bias is checkpointed: a run stopped after step 2 and resumed trains steps
+    3 and 4 as the uninterrupted run does, to the same biases."""
+    import shutil
+
+    from tests.conftest import final_weights, metrics
+    from threefold.config import load_config
+    from threefold.train import train
+
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train(load_config(None, _overrides(corpus, cache_dir, whole, train__steps=4)))
+    train(load_config(None, _overrides(corpus, cache_dir, part, train__steps=4,
+                                       checkpoint__interval=2)))
+    shutil.rmtree(part / "checkpoints" / "4")  # as if stopped after step 2
+    train(load_config(None, _overrides(corpus, cache_dir, part, train__steps=4,
+                                       checkpoint__resume="true")))
+    assert [r["loss"] for r in metrics(part)][-2:] == [r["loss"] for r in metrics(whole)][-2:]
+    a, b = final_weights(whole), final_weights(part)
+    for k in a:
+        if k.endswith("correction_bias"):
+            assert torch.equal(a[k], b[k]) and a[k].abs().max() > 0, k

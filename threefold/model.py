@@ -195,8 +195,10 @@ def _init_in_place(p: torch.Tensor, name: str, cfg: ModelConfig,
         from threefold.lora import init_adapter
         init_adapter(p, name, gen)
         return
-    if p.ndim == 1:  # biases 0; norm weights 1, or 0 where the norm adds 1 (Gemma)
-        (nn.init.zeros_ if name.endswith(".bias") or cfg.norm_plus_one else nn.init.ones_)(p)
+    if p.ndim == 1:  # biases 0 (DeepSeek's routing bias too); norm weights 1, or 0 where
+        # the norm adds 1 (Gemma)
+        zero = name.endswith((".bias", "e_score_correction_bias")) or cfg.norm_plus_one
+        (nn.init.zeros_ if zero else nn.init.ones_)(p)
         return
     std = cfg.init_std
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):

@@ -197,6 +197,7 @@ class SparseMoeBlock(nn.Module):
         elif fs:  # DeepSeek's: ungated
             self.shared_experts = SharedExpert(cfg.hidden_size, fs)
         self.router_stats: RouterStats | None = None
+        self.load: torch.Tensor | None = None  # this step's tokens per expert (grouped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, h) -> (B, T, h)."""
@@ -221,6 +222,26 @@ class SparseMoeBlock(nn.Module):
         return y.reshape(shape)
 
 
+@torch.no_grad()
+def balance_routers(model: nn.Module, sum_over_data, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437 §2.1.2), after each
+    optimiser step: every grouped router's bias moves by ``rate`` toward its under-loaded
+    experts, bias += rate · sign(mean load − load), the loads being the step's tokens per
+    expert summed over every data-parallel rank (``sum_over_data``: one all-reduce for the
+    rank's blocks together), so every replica moves its bias alike."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.grouped]
+    if not blocks:
+        return
+    loads = torch.stack([m.load if m.load is not None
+                         else torch.zeros(m.num_experts, dtype=torch.int64,
+                                          device=m.gate.weight.device) for m in blocks])
+    loads = sum_over_data(loads.double().cpu())
+    for m, load in zip(blocks, loads):
+        bias = m.gate.e_score_correction_bias
+        bias += rate * torch.sign(load.mean() - load).to(bias.device, bias.dtype)
+        m.load = None
+
+
 # --------------------------------------------------------------------------------------------
 # Router losses
 # --------------------------------------------------------------------------------------------
@@ -231,6 +252,10 @@ def take_router_stats(model: nn.Module) -> list[RouterStats]:
     for m in model.modules():
         if isinstance(m, SparseMoeBlock) and m.router_stats is not None:
             out.append(m.router_stats)
+            if m.grouped:  # the step's loads, for the routing bias (``balance_routers``):
+                # taken once per training forward, never from a recomputed one
+                c = m.router_stats.counts
+                m.load = c if m.load is None else m.load + c
             m.router_stats = None
     return out
 

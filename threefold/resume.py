@@ -12,6 +12,7 @@ import torch
 from threefold.checkpoint import (CheckpointError, NodeGroup, committed_steps, resolve_root,
                                   save_sharded, unwritable)
 from threefold.config import ConfigError
+from threefold.parallel.materialize import load_buffers
 from threefold.steps import lr_at
 from threefold.weights import open_sharded
 
@@ -85,6 +86,7 @@ def resume(run: Run) -> int:
                                   f"run has {getattr(run.model_cfg, key)}")
     # each rank reads the regions it holds, whatever layout wrote them
     run.engine.load_from(source, state["optim_step"])
+    load_buffers(run.engine.model, source)  # (DeepSeek's routing bias)
     run.memory["resume_bytes_read"] = source.bytes_read
     run.sampler.load_state_dict(state["sampler"])
     torch.set_rng_state(rng["cpu_rng"])

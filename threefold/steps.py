@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from threefold.config import Config
-from threefold.moe import RouterLog
+from threefold.moe import RouterLog, balance_routers
 from threefold.parallel.expert import take_rows_sent
 from threefold.parallel.pipeline.timeline import TraceRecord
 
@@ -112,6 +112,8 @@ def train_step(run: Run, step: int, trace: list | None = None
         norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
     with timed("optimizer step"):
         eng.step(lr_at(step, run.cfg))
+        if run.model_cfg.moe_router == "sigmoid_grouped":  # DeepSeek-V3's routing bias
+            balance_routers(eng.model, lay.sum_logged, run.model_cfg.router_bias_update_rate)
     loss, norm, metrics = _read_logged(run, loss_sum, norm, extras, n)
     if router is not None:  # sums over the data-parallel ranks (and pipeline stages)
         metrics.update(router.metrics(n, lambda v: sum_router(lay, v, scalar=True),

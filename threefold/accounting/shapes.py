@@ -72,6 +72,13 @@ def blocks_parameters(cfg: ModelConfig) -> int:
         * layer_parameters(cfg)
 
 
+def latent_replicated_numels(cfg: ModelConfig) -> tuple[int, ...]:
+    """Latent attention's weights every tp rank holds whole, in registration order: q_a_proj
+    and q_a_layernorm (with a query latent), kv_a_proj_with_mqa, kv_a_layernorm."""
+    h, ql, c = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
+    return (*((ql * h, ql) if ql else ()), (c + cfg.qk_rope_head_dim) * h, c)
+
+
 def norms_per_block(cfg: ModelConfig) -> int:
     """A block's norms over the residual width: 2, or 4 with Gemma's sandwich layout."""
     return 4 if cfg.norm_layout == "sandwich" else 2

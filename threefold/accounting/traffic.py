@@ -77,12 +77,14 @@ from dataclasses import dataclass
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
 from threefold.accounting.lora import lora_collectives, tp_reduced_numel
-from threefold.accounting.shapes import moe_key, norms_per_block, tp_shard
+from threefold.accounting.shapes import (latent_replicated_numels, moe_key, norms_per_block,
+                                         tp_shard)
 from threefold.accounting.stages import (
     cut_buckets,
     distinct_stages,
     gradient_buckets,
     owned_parameters,
+    rank_dense_layers,
     rank_layers,
     stage_expert_units,
     stage_units,
@@ -154,7 +156,8 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                       work.act_bytes, layers)
     e, k, _ = moe_key(cfg)
     if e and layout.ep > 1:
-        _ep_collectives(add, layout, work, e, tokens * k * cfg.hidden_size, layers)
+        _ep_collectives(add, layout, work, e, tokens * k * cfg.hidden_size,
+                        layers - rank_dense_layers(cfg, layout, stage))
     if work.lora_r:  # only the adapters' gradients move (no mixture of experts under LoRA)
         lora_collectives(add, cfg, layout, work, stage, g, pb, _zero_unit)
         return out
@@ -182,8 +185,10 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
     x = tokens * h
     first, last = int(stage == 0), int(stage == layout.last_stage)
     rec = layers if layout.recompute != "none" else 0  # selective re-runs them too
-    subs = 1 if cfg.num_local_experts else 2  # sub-layers with tp collectives: attention (and
-    # a dense MLP; a mixture of experts is whole on every tp rank)
+    # sub-layers with tp collectives: attention and a dense MLP (a mixture of experts is
+    # whole on every tp rank; DeepSeek's dense first blocks are dense)
+    dense = rank_dense_layers(cfg, layout, stage) if cfg.num_local_experts else layers
+    subs_layers = layers + dense
     # LoRA: the frozen embedding's output needs no gradient, so neither does the first
     # block's attention input: the backward collectives of both never run
     skip = first if work.lora_r else 0
@@ -197,9 +202,14 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
             add("tp", "all_reduce", h, g, norms_per_block(cfg) * layers + last, t, True,
                 "none")
     else:
-        add("tp", "all_reduce", x, r, subs * layers + first + last - skip, t, True, "none")
-        add("tp", "all_reduce", x, d, subs * layers + rec, t, True, "none")
+        add("tp", "all_reduce", x, r, subs_layers + first + last - skip, t, True, "none")
+        add("tp", "all_reduce", x, d, subs_layers + rec, t, True, "none")
     add("tp", "all_reduce", tokens, 4, 3 * last, t, True, "none")
+    if cfg.kv_lora_rank and not work.lora_r:
+        # latent attention's latents are whole on every tp rank (each rank's heads use
+        # them): their projections' and norms' gradients are summed over tp
+        for numel in latent_replicated_numels(cfg):
+            add("tp", "all_reduce", numel, g, layers, t, True, "none")
     if cfg.qk_norm and cfg.qk_norm_over == "head" and not work.lora_r:
         # per-head q and k norms (Qwen3, Gemma 3) see this rank's heads: their weights'
         # gradients are summed over tp

@@ -21,6 +21,8 @@ from threefold.config import ConfigError, ModelConfig
 LLAMA_TP_PLAN: dict[str, str] = {
     r"model\.embed_tokens": "vocab_embedding",
     r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)": "column",
+    # latent attention's per-head expansions (DeepSeek-V3), split by heads like q/k/v
+    r"model\.layers\.\d+\.self_attn\.(q_b_proj|kv_b_proj)": "column",
     r"model\.layers\.\d+\.self_attn\.o_proj": "row",
     r"model\.layers\.\d+\.mlp\.(gate_proj|up_proj)": "column",
     r"model\.layers\.\d+\.mlp\.down_proj": "row",

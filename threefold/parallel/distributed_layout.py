@@ -23,6 +23,7 @@ from threefold.liveness import Heartbeats
 from threefold.mesh import ParallelDims
 from threefold.parallel.checks import pipeline_microbatches, validate_layout
 from threefold.parallel.context import shard_batch
+from threefold.parallel.materialize import buffer_pieces
 from threefold.parallel.pipeline.executor import PipelineExecutor
 from threefold.parallel.pipeline.schedules import schedule_spec
 from threefold.parallel.pipeline.stage import rank_model, split_model, tied_head_replica
@@ -266,8 +267,12 @@ class Distributed(World):
         replicated tensor written once (``threefold.resharding.rank_pieces``, which sits
         below this package: it is given the placements and the engine's kind)."""
         placements = {n: placement(p) for n, p in engine.named_params}
-        return rank_pieces(engine, self.dims, self.rank, self.data_axis, placements,
-                           zero=isinstance(engine, ZeroEngine))
+        pieces = rank_pieces(engine, self.dims, self.rank, self.data_axis, placements,
+                             zero=isinstance(engine, ZeroEngine))
+        c = self.dims.coords(self.rank)
+        if c[self.data_axis] == 0 and c["tp"] == 0:  # buffers: whole on every such rank
+            pieces += buffer_pieces(engine.model)
+        return pieces
 
     def barrier(self) -> None:
         """Wait for every rank."""

@@ -12,6 +12,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from threefold.config import Config, ModelConfig
+from threefold.parallel.materialize import buffer_pieces
 from threefold.parallel.checks import (check_batch, pipeline_microbatches,  # noqa: F401
                                        validate_layout)
 
@@ -72,8 +73,9 @@ class World:
         return micro
 
     def checkpoint_pieces(self, engine) -> list:
-        """The pieces this rank writes (everything, for one process)."""
-        return engine.local_pieces()
+        """The pieces this rank writes (everything, for one process: its persistent buffers
+        too)."""
+        return engine.local_pieces() + buffer_pieces(engine.model)
 
     def barrier(self) -> None:
         """Wait for every rank (nothing to wait for here)."""

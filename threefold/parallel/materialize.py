@@ -26,7 +26,8 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.model import initial_weight
-from threefold.parallel.placement import logical_box, logical_shape, row_span, source_name
+from threefold.parallel.placement import (Piece, logical_box, logical_shape, row_span,
+                                         source_name)
 from threefold.weights.base import MissingTensor
 
 
@@ -186,9 +187,10 @@ def materialize_parameters(model: nn.Module, source, device: torch.device) -> No
     source.release()
 
 
-def materialize_buffers(model: nn.Module, device: torch.device) -> None:
-    """Buffers still on the meta device get storage, and modules that can recompute them do
-    (the RoPE frequencies)."""
+def materialize_buffers(model: nn.Module, device: torch.device, source=None) -> None:
+    """Buffers still on the meta device get storage; those a checkpoint keeps (persistent:
+    DeepSeek's routing bias, which moves outside the optimiser) are read from ``source``,
+    whole on every rank; modules that can recompute theirs do (the RoPE frequencies)."""
     for module in model.modules():
         bufs = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
         for n in bufs:
@@ -197,3 +199,29 @@ def materialize_buffers(model: nn.Module, device: torch.device) -> None:
         if bufs and hasattr(module, "reset_parameters") and not any(
                 True for _ in module.parameters(recurse=False)):
             module.reset_parameters()
+    if source is not None:
+        load_buffers(model, source)
+
+
+@torch.no_grad()
+def load_buffers(model: nn.Module, source) -> None:
+    """The persistent buffers of ``model`` (state a checkpoint keeps that is not a
+    parameter: DeepSeek's routing bias) read whole from ``source``."""
+    for name, b in model.named_buffers():
+        if name.rsplit(".", 1)[-1] not in _non_persistent(model, name):
+            b.copy_(source.read(name, [(0, k) for k in b.shape], shape=tuple(b.shape)))
+
+
+def buffer_pieces(model: nn.Module) -> list[Piece]:
+    """The persistent buffers of ``model`` as checkpoint pieces (whole tensors, "model"
+    kind): state that is not a parameter but must survive a restart (DeepSeek's routing
+    bias)."""
+    return [Piece(n, "model", b.detach().reshape(-1), 0, b.numel(), tuple(b.shape))
+            for n, b in model.named_buffers()
+            if n.rsplit(".", 1)[-1] not in _non_persistent(model, n)]
+
+
+def _non_persistent(model: nn.Module, name: str) -> set[str]:
+    """The non-persistent buffer names of the module holding buffer ``name``."""
+    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return owner._non_persistent_buffers_set

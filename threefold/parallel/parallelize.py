@@ -152,5 +152,5 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
         apply_recompute(model, cfg.train.recompute_mode)
     if cfg.train.compile and not frozen:                   # 6
         apply_compile(model)
-    materialize_buffers(model, device)
+    materialize_buffers(model, device, source)
     return build_engine(model, cfg, layout, source, device, frozen)  # 7

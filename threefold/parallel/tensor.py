@@ -44,108 +44,12 @@ from threefold.lora import LoRALinear
 from threefold.model import LlamaForCausalLM, RMSNorm
 from threefold.models import tp_plan
 from threefold.parallel.placement import place, tp_shard_dim  # noqa: F401 (re-exported)
+from threefold.parallel.tp_ops import (_CopyToTP, _GatherSeq, _ReduceFromTP,  # noqa: F401
+                                       _ReduceScatterSeq, _ScatterSeq, copy_to_tp)
 from threefold.parallel.wrap import become
 
 AXIS = "tp"
 
-
-
-# --------------------------------------------------------------------------------------------
-# Conjugate operators (autograd functions through the communication layer)
-# --------------------------------------------------------------------------------------------
-def copy_to_tp(x: torch.Tensor, comm) -> torch.Tensor:
-    """Megatron's f: ``x`` as it is forward, its gradient all-reduced over tp backward (a
-    replicated weight whose gradient each tp rank sees only part of)."""
-    return _CopyToTP.apply(x, comm)
-
-
-class _CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce backward. Also wraps a replicated weight whose
-    gradient each tp rank sees only part of (SP norms, replicated k/v)."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, AXIS)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        out = x.contiguous().clone()
-        comm.all_reduce(out, AXIS)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _gather_seq(x: torch.Tensor, comm) -> torch.Tensor:
-    t = comm.size(AXIS)
-    xs = x.transpose(0, 1).contiguous()  # (s/t, b, h): the sequence leads, chunks concatenate
-    out = torch.empty((xs.shape[0] * t, *xs.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, xs, AXIS)
-    # contiguous: q/k/v (gate/up) then share one saved copy of the gathered input instead of
-    # each saving its own
-    return out.transpose(0, 1).contiguous()
-
-
-def _reduce_scatter_seq(x: torch.Tensor, comm) -> torch.Tensor:
-    t = comm.size(AXIS)
-    xs = x.transpose(0, 1).contiguous()
-    out = torch.empty((xs.shape[0] // t, *xs.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.reduce_scatter(out, xs, AXIS)
-    return out.transpose(0, 1).contiguous()
-
-
-class _GatherSeq(torch.autograd.Function):
-    """f under sequence parallelism: all-gather on the sequence, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _gather_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.comm), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    """g under sequence parallelism: reduce-scatter on the sequence, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _reduce_scatter_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.comm), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    """Keep this rank's slice of the sequence (no communication); all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        t, r = comm.size(AXIS), comm.rank(AXIS)
-        n = x.shape[1] // t
-        return x[:, r * n:(r + 1) * n].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.comm), None
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,6 +113,21 @@ class ReplicatedKVLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rows [{self.head_rows.start}, {self.head_rows.stop})"
+
+
+class ReplicatedLinear(nn.Linear):
+    """A projection every tp rank holds and computes whole (latent attention's q_a_proj and
+    kv_a_proj_with_mqa: the latents each rank's heads expand): each rank's gradient comes
+    from its own heads only, so the weight's is summed over tp."""
+
+    comm = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole projection, its weight's gradient summed over tp."""
+        return F.linear(x, _CopyToTP.apply(self.weight, self.comm), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, whole on every tp rank"
 
 
 class SequenceParallelRMSNorm(RMSNorm):
@@ -343,6 +262,17 @@ def _shard_adapter(module: nn.Module, style: str, comm) -> None:
     become(module, TensorParallelLoRALinear, comm=comm, style=style)
 
 
+def _replicate_latents(attn: nn.Module, comm) -> list[RMSNorm]:
+    """Latent attention under tp: its latent projections stay whole on every rank, their
+    gradients summed over tp; returns its latent norms, which need the same."""
+    for proj in (getattr(attn, "q_a_proj", None), attn.kv_a_proj_with_mqa):
+        if proj is not None:
+            become(proj, ReplicatedLinear, comm=comm)
+            place(proj.weight, tp_grad_reduced=True)
+    return [n for n in (getattr(attn, "q_a_layernorm", None), attn.kv_a_layernorm)
+            if n is not None]
+
+
 def _shard_projection_norms(attn: nn.Module, comm) -> None:
     """OLMo 2's q and k norms split by rows as their projections are (the KV heads split
     over tp: ``threefold.mesh`` refuses a replicated k with such a norm)."""
@@ -387,6 +317,8 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
             out_proj.register_forward_hook(lambda _m, _a, out: leave(out, comm))
         if sp:
             norms += layer.residual_norms()
+        if hasattr(layer.self_attn, "kv_a_proj_with_mqa"):  # latent attention's latents
+            norms += _replicate_latents(layer.self_attn, comm)
         if layer.self_attn.qk_norm == "head":  # per-head norms over this rank's heads only
             norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         elif layer.self_attn.qk_norm == "projection":
