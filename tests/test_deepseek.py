@@ -137,8 +137,11 @@ def test_layouts_equal_single_process_and_the_planner_counts(corpus, cache_dir, 
         cfg = load_config(None, over(tmp_path / f"{name}-plan", **extra))
         want = comm_bytes_per_step(cfg.model.resolved(cfg.data.vocab_size),
                                    Layout.from_config(cfg, 2), Workload.from_config(cfg), 0)
-        moved = json.loads((tmp_path / name / "summary.json").read_text())
-        assert moved["comm_bytes_per_step"] == {a: v for a, v in want.items() if v}, name
+        moved = {a: v for a, v in json.loads((tmp_path / name / "summary.json").read_text())
+                 ["comm_bytes_per_step"].items() if v}
+        # ep's all-to-alls carry the rows the routing sends, which the planner takes as even
+        assert moved.pop("ep", 0) == pytest.approx(want["ep"], rel=0.1), name
+        assert moved == {a: v for a, v in want.items() if v and a != "ep"}, name
         assert predict(cfg, 2).comm_bytes == want, name
 
 
