@@ -166,3 +166,23 @@ def test_resume_restores_the_routing_bias(corpus, cache_dir, tmp_path):
     for k in a:
         if k.endswith("correction_bias"):
             assert torch.equal(a[k], b[k]) and a[k].abs().max() > 0, k
+
+
+def test_the_planner_ranks_deepseek_v3_on_2048_h100s(capsys):
+    """The ``deepseek-v3`` preset is the published model (671B without the multi-token
+    prediction module, 37B active per token), and the planner lays it out on 2,048 H100s with
+    DeepSeek-V3's own split (pipeline 16, experts over 64 ranks, ZeRO-1, DualPipeV): latent
+    attention, the experts and the dense first blocks counted."""
+    from threefold.accounting import active_parameters, num_parameters
+    from threefold.cli import main
+    from threefold.config import ModelConfig
+
+    cfg = ModelConfig(preset="deepseek-v3").resolved()
+    assert round(num_parameters(cfg) / 1e9, 2) == 671.03
+    assert round(active_parameters(cfg) / 1e9) == 38  # (the paper rounds to 37B)
+    assert main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--gpu", "h100",
+                 "--tp", "1", "--pp", "16", "--ep", "64", "--zero-stage", "1",
+                 "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "671.03B parameters (37.55B active: 256 experts, top-8)" in out
+    assert "layouts fit" in out and "schedule dualpipe-v" in out

@@ -54,6 +54,22 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                               rope_scaling="none", max_position_embeddings=4096,
                               tie_word_embeddings=False, num_local_experts=64,
                               num_experts_per_tok=8, family="mixtral"),
+    # deepseek-ai/DeepSeek-V3 config.json (arXiv 2412.19437): 671B parameters without the
+    # multi-token-prediction module, 37B active per token
+    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=2048,
+                        dense_intermediate_size=18432, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512,
+                        q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, rope_interleave=True, num_local_experts=256,
+                        num_experts_per_tok=8, n_group=8, topk_group=4,
+                        moe_router="sigmoid_grouped", routed_scaling_factor=2.5,
+                        shared_expert_intermediate_size=2048, shared_expert_gate=False,
+                        first_k_dense_replace=3, norm_topk_prob=True, router_aux_loss_coef=0.0,
+                        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling="yarn",
+                        rope_scaling_factor=40.0, original_max_position_embeddings=4096,
+                        yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
+                        max_position_embeddings=163840, tie_word_embeddings=False,
+                        family="deepseek_v3"),
 }
 
 # (params in billions as published, heads, hidden, layers) — Narayanan et al. 2021, Table 1.

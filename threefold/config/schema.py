@@ -150,7 +150,8 @@ class ModelConfig:
                                          "all layers first (transformers' Mixtral)")
 
     def resolved(self, vocab_size: int | None = None) -> "ModelConfig":
-        """A copy with every None filled from the preset (and vocab from the tokenizer)."""
+        """A copy with every None filled from the preset, and every field the preset sets
+        that was left at its own default (and vocab from the tokenizer)."""
         if self.preset not in MODEL_PRESETS:
             raise ConfigError(unknown_value("model.preset", self.preset, MODEL_PRESETS))
         base = dict(rope_scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -158,9 +159,14 @@ class ModelConfig:
                     num_experts_per_tok=2)
         base.update(MODEL_PRESETS[self.preset])
         out = dataclasses.replace(self)
+        preset = MODEL_PRESETS[self.preset]
         for f in dataclasses.fields(self):
             if getattr(out, f.name) is None:
                 setattr(out, f.name, base.get(f.name))
+            elif f.name in preset and getattr(out, f.name) == f.default:
+                # a field with a default of its own (DeepSeek-V3's latent attention, its
+                # routing): the preset's value where the field was left at that default
+                setattr(out, f.name, preset[f.name])
         if not out.vocab_size:
             out.vocab_size = vocab_size or 0
         return out
