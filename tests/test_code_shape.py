@@ -132,7 +132,7 @@ LAYERS = [
     ["liveness", "preempt", "faults", "hostmem"],
     ["accounting"],
     ["comm", "mesh", "axes", "distributed", "collective_check"],
-    ["model", "attention", "norm", "kernels", "head_loss", "moe", "kvcache", "lora"],
+    ["model", "attention", "mla", "norm", "kernels", "head_loss", "moe", "kvcache", "lora"],
     ["hub"],
     ["hardware", "metrics", "data", "models"],
     ["config"],

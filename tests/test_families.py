@@ -6,6 +6,7 @@ guesses a family."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -73,6 +74,11 @@ def test_logits_equal_transformers_and_convert_round_trips(family, tmp_path):
     with torch.no_grad():
         want = hf(ids).logits
         torch.testing.assert_close(model.eval()(ids), want, rtol=0, atol=1e-5)
+        # in bf16 too, rounded where transformers rounds (Gemma's and OLMo 2's norms multiply
+        # their weights in fp32, OLMo 2 turns RoPE in fp32)
+        half = copy.deepcopy(model).to(torch.bfloat16)(ids)
+        assert (half - copy.deepcopy(hf).to(torch.bfloat16)(ids).logits.float()).abs().max() \
+            <= 1e-3
         # each of the family's own pieces decides the logits: without it they differ
         for change in OWN[family]:
             plain = LlamaForCausalLM(dataclasses.replace(cfg, **change))
@@ -131,8 +137,9 @@ def test_registry_reads_by_model_type_and_never_guesses(tmp_path):
     qwen3 = ModelConfig(vocab_size=300, qk_norm=True).resolved()
     assert qwen3.family is None and family(qwen3)["model_type"] == "qwen3"
     assert family(ModelConfig(vocab_size=300).resolved())["model_type"] == "llama"
-    assert family(dataclasses.replace(qwen3, qk_norm_over="projection",
-                                      norm_layout="post"))["model_type"] == "olmo2"
+    assert family(dataclasses.replace(qwen3, qk_norm_over="projection", norm_layout="post",
+                                      norm_fp32_weight=True, rope_fp32=True)
+                  )["model_type"] == "olmo2"
     with pytest.raises(ConfigError, match="model.qk_norm: True, but llama has False"):
         family(dataclasses.replace(qwen3, family="llama"))
     with pytest.raises(ConfigError, match="model.q.*fit no family"):
@@ -147,11 +154,12 @@ GEMMA3 = {"model__family": "gemma3_text", "model__qk_norm": "true",
           "model__hidden_act": "gelu_tanh", "model__embed_scale": "true",
           "model__query_pre_attn_scalar": 24, "model__sliding_window": 9,
           "model__sliding_window_pattern": 2, "model__rope_local_theta": 10000.0,
-          "model__tie_word_embeddings": "true"}
+          "model__tie_word_embeddings": "true", "model__norm_fp32_weight": "true"}
 FAMILY_RUNS = {"mistral": {"model__family": "mistral", "model__sliding_window": 9},
                "gemma3_text": GEMMA3,
                "olmo2": {"model__family": "olmo2", "model__qk_norm": "true",
-                         "model__qk_norm_over": "projection", "model__norm_layout": "post"}}
+                         "model__qk_norm_over": "projection", "model__norm_layout": "post",
+                         "model__norm_fp32_weight": "true", "model__rope_fp32": "true"}}
 
 
 def _overrides(family, corpus, cache, out, **extra):
@@ -272,7 +280,7 @@ MEMORY_FAMILIES = {
     "gemma3_text": dict(family="gemma3_text", qk_norm=True, norm_layout="sandwich",
                         norm_plus_one=True, hidden_act="gelu_tanh", embed_scale=True,
                         query_pre_attn_scalar=64, sliding_window=64, sliding_window_pattern=2,
-                        rope_local_theta=1e4),
+                        rope_local_theta=1e4, norm_fp32_weight=True),
 }
 
 

@@ -134,9 +134,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               fp32: bool = False) -> torch.Tensor:
     """Rotate ``x`` (B, heads, T, d) by position: x·cos + rotate_half(x)·sin. Tables
-    narrower than d (a partial rotary factor, Phi-3) rotate the first features only."""
+    narrower than d (a partial rotary factor, Phi-3) rotate the first features only.
+    ``fp32``: rotate in fp32 and round once (OLMo 2's order; the same numbers in fp32)."""
+    if fp32 and x.dtype != torch.float32:
+        return apply_rope(x.float(), cos, sin).to(x.dtype)
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     r = cos.shape[-1]
     if r < x.shape[-1]:
@@ -192,11 +196,13 @@ class LlamaAttention(nn.Module):
         # do): per head (width d) or over the whole projection (OLMo 2)
         self.qk_norm = cfg.qk_norm and cfg.qk_norm_over
         if self.qk_norm:
-            whole, eps, one = self.qk_norm == "projection", cfg.rms_norm_eps, cfg.norm_plus_one
-            self.q_norm = RMSNorm(cfg.num_attention_heads * d if whole else d, eps, one)
-            self.k_norm = RMSNorm(cfg.num_key_value_heads * d if whole else d, eps, one)
+            whole, eps = self.qk_norm == "projection", cfg.rms_norm_eps
+            kind = (cfg.norm_plus_one, cfg.norm_fp32_weight)
+            self.q_norm = RMSNorm(cfg.num_attention_heads * d if whole else d, eps, *kind)
+            self.k_norm = RMSNorm(cfg.num_key_value_heads * d if whole else d, eps, *kind)
         # a sliding-window layer's window (0: the whole causal context)
         self.window = cfg.sliding_window if layer_is_sliding(cfg, layer) else 0
+        self.rope_fp32 = cfg.rope_fp32
         # the scores' scale: 1/sqrt(head width), or Gemma 3's 1/sqrt(query_pre_attn_scalar)
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
 
@@ -220,7 +226,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin, self.rope_fp32), apply_rope(k, cos, sin, self.rope_fp32)
         if cache is None:
             out = self.attend(q, k, v, attn_mask)
         else:

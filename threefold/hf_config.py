@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from threefold.checkpoint_verify import CheckpointError
 from threefold.config import ModelConfig
 from threefold.models import FamilyError, family_for, spec_of
+from threefold.models.spec import BLOCK_FIELDS
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -32,7 +33,7 @@ PAD_NAMES = ("<|pad|>", "<pad>", "<|finetune_right_pad_id|>")
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "tie_word_embeddings",
                 "rms_norm_eps", "rope_theta", "rope_scaling", "num_local_experts",
-                "num_experts_per_tok")
+                "num_experts_per_tok", *BLOCK_FIELDS)
 LLAMA3_FIELDS = ("rope_scaling_factor", "low_freq_factor", "high_freq_factor",
                  "original_max_position_embeddings")
 
@@ -241,7 +242,10 @@ def reward_hf_config(conf: dict, tokens: dict) -> dict:
     padding token, else end-of-text (``threefold.post.sft.pad_id``), and scores the rightmost
     token that is not padding, as transformers does."""
     pad = tokens.get("pad") or tokens.get("eos")
-    arch = [a.replace("ForCausalLM", "ForSequenceClassification") for a in conf["architectures"]]
+    # (Gemma 3's text classifier is Gemma3TextForSequenceClassification: Gemma3For... is
+    # the multimodal one)
+    arch = [a.replace("Gemma3ForCausalLM", "Gemma3TextForCausalLM")
+             .replace("ForCausalLM", "ForSequenceClassification") for a in conf["architectures"]]
     return {**conf, "architectures": arch, "id2label": {"0": "LABEL_0"},
             "label2id": {"LABEL_0": 0}, "pad_token_id": pad[1] if pad else None,
             "use_cache": False}

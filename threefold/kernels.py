@@ -54,41 +54,54 @@ class _RMSNormFunction(torch.autograd.Function):
     for those ops (mul, rsqrt, mean, pow, the casts), recomputing the normalised input."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                fp32_weight: bool = False) -> torch.Tensor:
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.fp32_weight = fp32_weight
+        if fp32_weight:  # (Gemma, OLMo 2: the weight multiplies in fp32, one rounding)
+            return (xf * rstd * weight.float()).to(x.dtype)
         return weight * (xf * rstd).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         xf = x.float()
-        normed = (xf * rstd).to(x.dtype)
-        gw = (grad * normed).sum_to_size(weight.shape) if ctx.needs_input_grad[1] else None
+        fp32 = ctx.fp32_weight
+        normed = xf * rstd if fp32 else (xf * rstd).to(x.dtype)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = (grad.float() * normed if fp32 else grad * normed).sum_to_size(
+                weight.shape).to(weight.dtype)
         if backward_half() == "weight" or weight.untyped_storage().nbytes() == 0:
             # a zero-bubble W asking for the weight's gradient alone (the executor's
             # SplitBackward), where autograd's own nodes skip the input's gradient too; the
             # weight may be released by then (ZeRO-3, after its unit's backward)
-            return None, gw, None
-        gn = (grad * weight).to(x.dtype).float()  # through weight * n, then the cast
+            return None, gw, None, None
+        # through weight * n (then the cast; in fp32 with ``fp32_weight``)
+        gn = grad.float() * weight.float() if fp32 else (grad * weight).to(x.dtype).float()
         # n = xf * rstd; rstd = rsqrt(mean(xf²) + eps): the two paths into xf
         gr = (gn * xf).sum(-1, keepdim=True)
         gsq = ((-0.5 * gr) * rstd.pow(3)).expand_as(xf) / xf.shape[-1]
         gx = gn * rstd + gsq * (2 * xf)
-        return gx.to(x.dtype), gw, None
+        return gx.to(x.dtype), gw, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight · (x / rms(x)) computed in fp32 and cast back to x's dtype before the weight,
-    keeping x and 1/rms for backward. Under ``torch.compile`` the same arithmetic as plain
-    ops, which the compiler fuses (with RoPE, SwiGLU and the residual adds) into one graph
-    per block and whose saved tensors its partitioner chooses: a custom backward would break
-    the graph at every norm."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             fp32_weight: bool = False) -> torch.Tensor:
+    """weight · (x / rms(x)) computed in fp32 and cast back to x's dtype before the weight
+    (with ``fp32_weight``: after it, the product rounded once), keeping x and 1/rms for
+    backward. Under ``torch.compile`` the same arithmetic as plain ops, which the compiler
+    fuses (with RoPE, SwiGLU and the residual adds) into one graph per block and whose saved
+    tensors its partitioner chooses: a custom backward would break the graph at every norm."""
     if torch.compiler.is_compiling():
         xf = x.float()
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return _RMSNormFunction.apply(x, weight, eps)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if fp32_weight:
+            return (normed * weight.float()).to(x.dtype)
+        return weight * normed.to(x.dtype)
+    return _RMSNormFunction.apply(x, weight, eps, fp32_weight)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -151,6 +151,11 @@ class ParallelDims:
             raise ConfigError(f"model.qk_norm_over: a k norm over the whole projection needs "
                               f"the {kv} KV heads split over parallel.tp={tp}, not replicated; "
                               f"use a tp that divides {kv}")
+        dense = getattr(m, "dense_intermediate_size", 0) if getattr(m, "first_k_dense_replace",
+                                                                    0) else 0
+        if dense % tp:
+            raise ConfigError(f"model.dense_intermediate_size: {dense} is not divisible by "
+                              f"parallel.tp={tp}")
         if m.intermediate_size % tp:
             raise ConfigError(f"model.intermediate_size: {m.intermediate_size} is not divisible"
                               f" by parallel.tp={tp}; this model splits over a tp in {fits}")

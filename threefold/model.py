@@ -80,20 +80,20 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        h, eps, one, layout = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one, \
-            cfg.norm_layout
+        h, eps, layout = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_layout
+        one = (cfg.norm_plus_one, cfg.norm_fp32_weight)
         self.layout = layout
         if layout != "post":
-            self.input_layernorm = RMSNorm(h, eps, one)
+            self.input_layernorm = RMSNorm(h, eps, *one)
         self.self_attn = LatentAttention(cfg, layer) if cfg.kv_lora_rank else \
             LlamaAttention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(h, eps, one)
+        self.post_attention_layernorm = RMSNorm(h, eps, *one)
         if layout == "sandwich":
-            self.pre_feedforward_layernorm = RMSNorm(h, eps, one)
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, *one)
         self.mlp = SparseMoeBlock(cfg) if block_is_moe(cfg, layer) else \
             LlamaMLP(cfg, cfg.dense_intermediate_size if cfg.num_local_experts else 0)
         if layout != "pre":
-            self.post_feedforward_layernorm = RMSNorm(h, eps, one)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, *one)
 
     def residual_norms(self) -> list[RMSNorm]:
         """The block's norms over the residual stream's width (sequence parallelism splits
@@ -124,7 +124,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i)
                                     for i in range(cfg.num_hidden_layers))
         self.window = cfg.sliding_window
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one,
+                            cfg.norm_fp32_weight)
         self.rotary = RotaryEmbedding(cfg)
         # sliding-window blocks with a RoPE base of their own (Gemma 3)
         self.rotary_local = RotaryEmbedding(cfg, local=True) if cfg.rope_local_theta else None

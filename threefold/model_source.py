@@ -31,17 +31,17 @@ from threefold.config.validation import check_against_model
 from threefold.data import load_tokenizer
 from threefold.data.sources import check_prepared
 from threefold.hub import Located, locate
+from threefold.models.spec import BLOCK_FIELDS
 
 FIELD = "checkpoint.init_from"
 SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
          "rope_scaling", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
-         "original_max_position_embeddings", "tie_word_embeddings", "attention_head_dim",
-         "qkv_bias", "qk_norm", "num_local_experts", "num_experts_per_tok",
-         "shared_expert_intermediate_size", "norm_topk_prob")
+         "original_max_position_embeddings", "tie_word_embeddings", "num_local_experts",
+         "num_experts_per_tok", *BLOCK_FIELDS)
 CONTEXT = "max_position_embeddings"
 SETTINGS = ("init_std", "router_aux_loss_coef", "router_z_loss_coef",
-            "router_aux_loss_per_layer")
+            "router_aux_loss_per_layer", "router_bias_update_rate")
 _DEFAULTS = ModelConfig()
 
 

@@ -324,12 +324,18 @@ def check_experts(cfg: ModelConfig, layout: Layout) -> None:
 def check_attention(cfg: ModelConfig, layout: Layout) -> None:
     """LayoutError for context parallelism with attention its ring does not compute: a
     sliding window (``model.sliding_window``) or another score scale
-    (``model.query_pre_attn_scalar``)."""
-    if layout.cp > 1 and (cfg.sliding_window or cfg.query_pre_attn_scalar):
-        field = "sliding_window" if cfg.sliding_window else "query_pre_attn_scalar"
-        raise LayoutError(f"model.{field}: {getattr(cfg, field)}: context parallelism "
-                          f"(parallel.cp={layout.cp}) does not compute it yet; set "
-                          "parallel.cp 1")
+    (``model.query_pre_attn_scalar``); and for OLMo 2's projection-wide k norm over KV
+    heads tp replicates (the runtime refuses it: ``threefold.mesh``)."""
+    if cfg.qk_norm and cfg.qk_norm_over == "projection" \
+            and tp_shard(cfg, layout.tp).kv_replicas > 1:
+        raise LayoutError(f"model.qk_norm_over: a k norm over the whole projection needs the "
+                          f"{cfg.num_key_value_heads} KV heads split over tp={layout.tp}, not "
+                          "replicated")
+    for field in ("sliding_window", "query_pre_attn_scalar", "kv_lora_rank"):
+        if layout.cp > 1 and getattr(cfg, field):
+            raise LayoutError(f"model.{field}: {getattr(cfg, field)}: context parallelism "
+                              f"(parallel.cp={layout.cp}) does not compute this attention "
+                              "yet; set parallel.cp 1")
 
 
 def local_seq_len(layout: Layout, work: Workload) -> int:

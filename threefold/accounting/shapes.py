@@ -188,19 +188,21 @@ def layer_parameters_per_rank(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return attention + mlp, norms_per_block(cfg) * h
 
 
-def moe_key(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(experts E, experts per token k, shared expert width), (0, 0, 0) for a dense model."""
+def moe_key(cfg: ModelConfig) -> tuple[int, int, int, int, int, bool]:
+    """(experts E, experts per token k, shared expert width, dense first blocks, their
+    width, shared expert gated), (0, 0, 0, 0, 0, True) for a dense model."""
     if not cfg.num_local_experts:
-        return (0, 0, 0)
+        return (0, 0, 0, 0, 0, True)
     return (cfg.num_local_experts, cfg.num_experts_per_tok,
-            getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+            cfg.shared_expert_intermediate_size or 0, cfg.first_k_dense_replace,
+            cfg.dense_intermediate_size, bool(cfg.shared_expert_gate))
 
 
 def moe_matmul_parameters(cfg: ModelConfig) -> int:
     """Weights of one MoE feed-forward that take part in a matmul per token: the router
     (E·h), the token's k experts (3·h·f each) and a shared expert with its gate. 0 for a
     dense model. Not split by tp (the runtime keeps the MoE whole on every tp rank)."""
-    e, k, fs = moe_key(cfg)
+    e, k, fs, *_ = moe_key(cfg)
     if not e:
         return 0
     h = cfg.hidden_size

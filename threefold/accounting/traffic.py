@@ -73,8 +73,8 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from dataclasses import dataclass
 
+from threefold.accounting.collective import Collective
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
 from threefold.accounting.lora import lora_collectives, tp_reduced_numel
 from threefold.accounting.shapes import (latent_replicated_numels, moe_key, norms_per_block,
@@ -93,45 +93,10 @@ from threefold.axes import AXES, COMM_AXES, EXPERT_AXES, FLATTENED
 from threefold.config import ModelConfig
 from threefold.parallel.pipeline.actions import rank_stage, stage_rank
 
+
 # --------------------------------------------------------------------------------------------
 # Collectives per step
 # --------------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Collective:
-    """One kind of collective a rank issues: ``count`` calls of ``op`` on a buffer of ``numel``
-    elements of ``elem`` bytes over ``group`` ranks of mesh axis ``axis``; per microbatch when
-    ``per_microbatch``. ``overlap`` says what may hide it: 'none' (on the critical path),
-    'hidden' (overlapped entirely), 'forward'/'backward' (that microbatch's compute, except one
-    bucket), 'last' (the last microbatch's backward, except one bucket), 'step' (after the
-    step, exposed), 'attention-forward'/'attention-backward' (each call behind the compute of
-    one ring-attention block, forward or backward)."""
-
-    axis: str
-    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
-    numel: int
-    elem: int
-    count: int
-    group: int
-    per_microbatch: bool
-    overlap: str
-
-    @property
-    def size(self) -> int:
-        """Bytes of the buffer (all_gather: the gathered output, reduce_scatter: the input)."""
-        return self.numel * self.elem
-
-    def bytes_sent(self, index: int = 0) -> int:
-        """Bytes the rank with coordinate ``index`` on the axis sends per call, exactly as
-        ``threefold.comm.Comm`` counts them."""
-        n, numel = self.group, self.numel
-        if self.op == "all_reduce":  # every chunk but its own, twice (tensor_split chunks)
-            q, r = divmod(numel, n)
-            return 2 * (numel - q - (1 if index < r else 0)) * self.elem
-        if self.op in ("all_gather", "reduce_scatter", "all_to_all"):  # all_to_all: even split
-            return (n - 1) * numel // n * self.elem
-        return numel * self.elem  # p2p
-
-
 def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                 grad_bytes: int | None = None, param_bytes: int | None = None
                 ) -> list[Collective]:
@@ -154,7 +119,7 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     if layout.cp > 1:
         _cp_attention(add, layout, tp_shard(cfg, layout.tp).kv_heads * cfg.head_dim, tokens,
                       work.act_bytes, layers)
-    e, k, _ = moe_key(cfg)
+    e, k, *_ = moe_key(cfg)
     if e and layout.ep > 1:
         _ep_collectives(add, layout, work, e, tokens * k * cfg.hidden_size,
                         layers - rank_dense_layers(cfg, layout, stage))
@@ -205,19 +170,7 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
         add("tp", "all_reduce", x, r, subs_layers + first + last - skip, t, True, "none")
         add("tp", "all_reduce", x, d, subs_layers + rec, t, True, "none")
     add("tp", "all_reduce", tokens, 4, 3 * last, t, True, "none")
-    if cfg.kv_lora_rank and not work.lora_r:
-        # latent attention's latents are whole on every tp rank (each rank's heads use
-        # them): their projections' and norms' gradients are summed over tp
-        for numel in latent_replicated_numels(cfg):
-            add("tp", "all_reduce", numel, g, layers, t, True, "none")
-    if cfg.qk_norm and cfg.qk_norm_over == "head" and not work.lora_r:
-        # per-head q and k norms (Qwen3, Gemma 3) see this rank's heads: their weights'
-        # gradients are summed over tp
-        add("tp", "all_reduce", cfg.head_dim, g, 2 * layers, t, True, "none")
-    if cfg.qk_norm and cfg.qk_norm_over == "projection":
-        # OLMo 2's q and k norms: each token's sum of squares over the whole projection,
-        # forward (again when recomputed) and backward
-        add("tp", "all_reduce", tokens, 4, 4 * layers + 2 * rec, t, True, "none")
+    _attention_norms(add, cfg, work, layers, tokens, rec, t, g)
     if work.lora_r:  # each adapted layer's whole factor, its gradient summed over tp
         add("tp", "all_reduce", tp_reduced_numel(cfg, work), work.weight_bytes, layers, t,
             True, "none")
@@ -225,6 +178,22 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
         add("tp", "all_reduce", cfg.num_key_value_heads * cfg.head_dim * h, g, 2 * layers, t,
             True, "none")
     add("tp", "all_reduce", 1, 4, 1, t, False, "step")  # gradient norm
+
+
+def _attention_norms(add, cfg: ModelConfig, work: Workload, layers: int, tokens: int,
+                     rec: int, t: int, g: int) -> None:
+    """tp: what attention's own weights add. Latent attention's latents are whole on every
+    rank (each rank's heads use them): their projections' and norms' gradients are summed
+    over tp; so are per-head q/k norms' (Qwen3, Gemma 3: each rank sees its heads). OLMo 2's
+    q/k norms sum each token's squares over the whole projection, forward (again when
+    recomputed) and backward. Frozen (LoRA) weights have no gradients to sum."""
+    if cfg.kv_lora_rank and not work.lora_r:
+        for numel in latent_replicated_numels(cfg):
+            add("tp", "all_reduce", numel, g, layers, t, True, "none")
+    if cfg.qk_norm and cfg.qk_norm_over == "head" and not work.lora_r:
+        add("tp", "all_reduce", cfg.head_dim, g, 2 * layers, t, True, "none")
+    if cfg.qk_norm and cfg.qk_norm_over == "projection":
+        add("tp", "all_reduce", tokens, 4, 4 * layers + 2 * rec, t, True, "none")
 
 
 def _pp_collectives(add, cfg: ModelConfig, layout: Layout, stage: int, x: int, r: int,

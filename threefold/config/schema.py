@@ -74,6 +74,9 @@ class ModelConfig:
                           "add, OLMo 2) or sandwich (both, Gemma 3)")
     norm_plus_one: bool = _f(False, "RMSNorms scale by (1 + weight), their weights starting "
                              "at 0 (Gemma)")
+    norm_fp32_weight: bool = _f(False, "RMSNorms multiply their weight in fp32 and round once "
+                                "(Gemma, OLMo 2); false: the normalised input is rounded "
+                                "first (Llama); the same in fp32")
     hidden_act: str = _f("silu", "the MLP's gate activation: silu (SwiGLU) or gelu_tanh "
                          "(GeGLU, Gemma)")
     embed_scale: bool = _f(False, "multiply the embeddings by sqrt(hidden_size) (Gemma)")
@@ -94,6 +97,8 @@ class ModelConfig:
     qk_rope_head_dim: int = _f(0, "latent attention: each head's query/key features with "
                                "RoPE (the key's shared by every head)")
     v_head_dim: int = _f(0, "latent attention: each head's value width")
+    rope_fp32: bool = _f(False, "RoPE rotates queries and keys in fp32, rounded once "
+                         "(OLMo 2); the same in fp32")
     rope_interleave: bool = _f(False, "RoPE rotates interleaved feature pairs (DeepSeek's "
                                "layout) instead of the two halves")
     yarn_beta_fast: float = _f(32.0, "YaRN: rotations above which frequencies are kept")

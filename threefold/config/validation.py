@@ -46,6 +46,9 @@ def check_against_model(cfg: Config, r: ModelConfig) -> None:
     _need(cfg.data.seq_len <= r.max_position_embeddings,
           f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="
           f"{r.max_position_embeddings}; lower it or raise the model's limit")
+    _need(r.hidden_act == "silu" or not r.num_local_experts,
+          f"model.hidden_act: {r.hidden_act}, but the experts of a mixture are SwiGLU; use "
+          "silu")
     _need(cfg.train.recompute != "selective" or not r.num_local_experts,
           "train.recompute: selective is not available for a mixture of experts "
           "(model.num_local_experts); use full or none")
@@ -71,10 +74,11 @@ def _check_model_settings(m: ModelConfig) -> None:
           "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
     _one_of("model.norm_layout", m.norm_layout, ["pre", "post", "sandwich"])
     _one_of("model.hidden_act", m.hidden_act, ["silu", "gelu_tanh"])
-    _need(0 < m.partial_rotary_factor <= 1, "model.partial_rotary_factor: must be in (0, 1]")
-    _need(m.query_pre_attn_scalar >= 0 and m.sliding_window_pattern >= 0
-          and m.rope_local_theta >= 0, "model.query_pre_attn_scalar/sliding_window_pattern/"
-          "rope_local_theta: must be >= 0 (0 = off)")
+    _need(0 < m.partial_rotary_factor <= 1, f"model.partial_rotary_factor: must be in (0, 1], "
+          f"got {m.partial_rotary_factor}")
+    for name in ("query_pre_attn_scalar", "sliding_window_pattern", "rope_local_theta"):
+        _need(getattr(m, name) >= 0, f"model.{name}: must be >= 0 (0 = off), got "
+              f"{getattr(m, name)}")
     _one_of("model.qk_norm_over", m.qk_norm_over, ["head", "projection"])
     _need(m.sliding_window >= 0, f"model.sliding_window: must be >= 0 (0 = none), got "
           f"{m.sliding_window}")
@@ -95,14 +99,36 @@ def _check_model(m: ModelConfig, vocab_size: int) -> ModelConfig:
           f"model.num_key_value_heads: {r.num_key_value_heads} must divide num_attention_heads="
           f"{r.num_attention_heads}")
     _need(r.head_dim % 2 == 0, f"model.hidden_size: head dim {r.head_dim} must be even for RoPE")
-    _one_of("model.rope_scaling", r.rope_scaling, ["none", "llama3", "linear"])
+    _one_of("model.rope_scaling", r.rope_scaling, ["none", "llama3", "linear", "yarn"])
     _need(r.num_local_experts >= 0,
           f"model.num_local_experts: must be >= 0 (0 = dense), got {r.num_local_experts}")
     if r.num_local_experts:
         _need(1 <= r.num_experts_per_tok <= r.num_local_experts,
               f"model.num_experts_per_tok: {r.num_experts_per_tok} must be between 1 and "
               f"model.num_local_experts={r.num_local_experts}")
+    _check_deepseek(r)
     return r
+
+
+def _check_deepseek(r: ModelConfig) -> None:
+    """DeepSeek-V3's fields: grouped routing's groups, latent attention's widths, the dense
+    first blocks' width."""
+    _one_of("model.moe_router", r.moe_router, ["softmax", "sigmoid_grouped"])
+    if r.num_local_experts and r.moe_router == "sigmoid_grouped":
+        per = r.num_local_experts // max(r.n_group, 1)
+        _need(r.n_group >= 1 and r.num_local_experts % r.n_group == 0 and per >= 2
+              and 1 <= r.topk_group <= r.n_group,
+              f"model.n_group: {r.n_group} groups of the {r.num_local_experts} experts (two or "
+              f"more each), topk_group={r.topk_group} of them kept, is not a valid split")
+    if r.kv_lora_rank:
+        _need(min(r.qk_nope_head_dim, r.qk_rope_head_dim, r.v_head_dim) > 0
+              and r.qk_rope_head_dim % 2 == 0,
+              "model.qk_rope_head_dim: latent attention needs qk_nope_head_dim, an even "
+              "qk_rope_head_dim and v_head_dim")
+    _need(not (r.num_local_experts and r.first_k_dense_replace)
+          or r.dense_intermediate_size > 0,
+          "model.dense_intermediate_size: the dense first blocks (first_k_dense_replace) "
+          "need a width")
 
 
 def _check_data(d: DataConfig) -> None:

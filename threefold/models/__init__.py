@@ -53,6 +53,9 @@ def spec_of(cfg: ModelConfig) -> Family:
     no family, or a checkpoint older than the field), the one registered family whose spec
     the fields meet, Llama when it does (a Mistral without a window is a Llama)."""
     if cfg.family:
+        if cfg.family not in FAMILIES:
+            raise FamilyError(f"model.family: unknown value '{cfg.family}'; threefold builds "
+                              f"{', '.join(FAMILIES)}")
         spec = FAMILIES[cfg.family]
         why = spec.refusal(cfg)
         if why:
@@ -60,8 +63,9 @@ def spec_of(cfg: ModelConfig) -> Family:
                               f"{', '.join(FAMILIES)}) or the field to the family's value")
         return spec
     fits = [f for f in FAMILIES.values() if f.refusal(cfg) is None]
-    if LLAMA in fits or len(fits) == 1:
-        return LLAMA if LLAMA in fits else fits[0]
+    plain = [f for f in fits if not f.fused]  # (a windowed Llama is a Mistral, not a Phi-3)
+    if LLAMA in fits or len(plain) == 1:
+        return LLAMA if LLAMA in fits else plain[0]
     if fits:
         raise FamilyError(f"model.family: unset, and the model fits "
                           f"{', '.join(f.model_type for f in fits)}; set model.family")

@@ -5,7 +5,7 @@ and local sliding-window blocks, each with a RoPE base of its own, between globa
 (``layer_types``, every ``sliding_window_pattern``-th block global)."""
 
 from threefold.models.llama import NOT_DEEPSEEK
-from threefold.models.spec import Family, need
+from threefold.models.spec import Family, FamilyError, need
 
 ROPE_TYPES = ("default", "linear")
 
@@ -17,31 +17,35 @@ def _pattern(c: dict, where: str) -> dict:
         "full_attention" if (i + 1) % c.get("sliding_window_pattern", 6) == 0
         else "sliding_attention" for i in range(n)]
     full = [k == "full_attention" for k in kinds]
-    need(c, where, len(kinds) == n and all(k in ("full_attention", "sliding_attention")
-                                           for k in kinds), "layer_types",
-         "one full_attention or sliding_attention per layer is needed")
-    window = c.get("sliding_window") or 0
+    if len(kinds) != n or any(k not in ("full_attention", "sliding_attention") for k in kinds):
+        raise FamilyError(f"{where}: layer_types is not supported (one full_attention or "
+                          f"sliding_attention per layer is needed)")
+    window = c.get("sliding_window", 4096) or 0  # (transformers' default when absent)
     if all(full) or not window:
         return dict(sliding_window=0, sliding_window_pattern=0)
     every = full.index(True) + 1 if any(full) else 0
-    need(c, where, all(f == bool(every and (i + 1) % every == 0) for i, f in enumerate(full)),
-         "layer_types", "global layers must recur every N layers (sliding_window_pattern)")
+    if any(f != bool(every and (i + 1) % every == 0) for i, f in enumerate(full)):
+        raise FamilyError(f"{where}: layer_types is not supported (global layers must recur "
+                          f"every N layers: sliding_window_pattern)")
     return dict(sliding_window=window, sliding_window_pattern=every)
 
 
 def _rope(c: dict, where: str) -> dict:
     """The RoPE fields: the global blocks' base (and linear scaling), the local blocks'."""
     params = c.get("rope_parameters") or {}
-    full = dict(params.get("full_attention") or {"rope_theta": c.get("rope_theta", 1e6),
-                                                  **(c.get("rope_scaling") or {})})
-    local = params.get("sliding_attention") or {"rope_theta":
-                                                c.get("rope_local_base_freq", 1e4)}
+    # each layer kind's parameters, their base falling back as transformers' does
+    full = {"rope_theta": c.get("rope_theta", 1e6),
+            **(params.get("full_attention") or c.get("rope_scaling") or {})}
+    local = {"rope_theta": c.get("rope_local_base_freq", 1e4),
+             **(params.get("sliding_attention") or {})}
     for key, rope in (("full_attention", full), ("sliding_attention", local)):
         kind = rope.get("rope_type", rope.get("type", "default"))
         need(c, where, kind in ROPE_TYPES and (key == "full_attention" or kind == "default"),
              "rope_parameters", f"{key}: rope_type {kind!r} is not built (default, or linear "
              "on full-attention layers)")
     linear = full.get("rope_type", full.get("type")) == "linear"
+    need(c, where, not linear or isinstance(full.get("factor"), (int, float)),
+         "rope_parameters", "linear scaling needs a factor")
     return dict(rope_theta=float(full.get("rope_theta", 1e6)),
                 rope_local_theta=float(local.get("rope_theta", 1e4)),
                 rope_scaling="linear" if linear else "none",
@@ -56,8 +60,8 @@ def _read(c: dict, where: str) -> dict:
     need(c, where, not c.get("use_bidirectional_attention"), "use_bidirectional_attention",
          "attention is causal")
     scalar = c.get("query_pre_attn_scalar", 256)
-    need(c, where, isinstance(scalar, (int, float)) and scalar > 0, "query_pre_attn_scalar",
-         "a positive number is needed")
+    need(c, where, isinstance(scalar, (int, float)) and scalar > 0 and scalar == int(scalar),
+         "query_pre_attn_scalar", "a positive whole number is needed")
     return dict(query_pre_attn_scalar=int(scalar), hidden_act="gelu_tanh",
                 **_pattern(c, where), **_rope(c, where))
 
@@ -71,9 +75,11 @@ def _write(cfg) -> dict:
         full.update(rope_type="linear", factor=float(cfg.rope_scaling_factor))
     local = {"rope_type": "default",
              "rope_theta": float(cfg.rope_local_theta or cfg.rope_theta)}
+    # (transformers' Gemma 3 builds a sliding mask even when every layer is global, so a
+    # window is always written: the context's, unused then)
     return {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
             "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
-            "sliding_window": window or None, "layer_types": kinds,
+            "sliding_window": window or cfg.max_position_embeddings, "layer_types": kinds,
             "rope_parameters": {"full_attention": full, "sliding_attention": local},
             "rope_theta": float(cfg.rope_theta), "rope_local_base_freq": local["rope_theta"],
             "rope_scaling": None if cfg.rope_scaling != "linear" else
@@ -85,11 +91,15 @@ def _write(cfg) -> dict:
 def _check(cfg) -> str | None:
     if cfg.rope_scaling == "llama3":
         return "model.rope_scaling: llama3, but gemma3_text scales RoPE linearly or not at all"
+    if cfg.sliding_window and not cfg.rope_local_theta:
+        return ("model.rope_local_theta: 0, but gemma3_text's sliding-window layers have a "
+                "RoPE base of their own (10000)")
     return None
 
 
 GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", read=_read, write=_write,
                 fixed=dict(**NOT_DEEPSEEK, qkv_bias=False, qk_norm=True, qk_norm_over="head",
                            norm_layout="sandwich", norm_plus_one=True, hidden_act="gelu_tanh",
-                           embed_scale=True, partial_rotary_factor=1.0),
+                           embed_scale=True, partial_rotary_factor=1.0,
+                           norm_fp32_weight=True, rope_fp32=False),
                 check=_check, doc="local/global attention, sandwich (1 + w) norms, GeGLU")

@@ -7,6 +7,8 @@ from threefold.models.spec import Family
 
 OLMO2 = Family("olmo2", "Olmo2ForCausalLM", read=lambda c, where: {},
                write=lambda cfg: {},
-               fixed=dict(**LLAMA_LIKE, qkv_bias=False, qk_norm=True, qk_norm_over="projection",
-                          norm_layout="post", sliding_window=0),
+               fixed={**LLAMA_LIKE, "norm_fp32_weight": True, "rope_fp32": True,
+                      "qkv_bias": False,
+                      "qk_norm": True, "qk_norm_over": "projection", "norm_layout": "post",
+                      "sliding_window": 0},
                doc="post-norm blocks, q/k norms over the projections")

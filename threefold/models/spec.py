@@ -30,6 +30,18 @@ LLAMA_TP_PLAN: dict[str, str] = {
 }
 
 
+# The ModelConfig fields the families' blocks read besides the widths: a difference in any
+# of them changes the function a checkpoint's weights compute (checked where weights load).
+BLOCK_FIELDS = ("attention_head_dim", "qkv_bias", "qk_norm", "qk_norm_over", "norm_layout",
+                "norm_plus_one", "norm_fp32_weight", "hidden_act", "embed_scale",
+                "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
+                "rope_local_theta", "rope_fp32", "partial_rotary_factor", "kv_lora_rank",
+                "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "rope_interleave", "moe_router", "n_group", "topk_group",
+                "routed_scaling_factor", "shared_expert_gate", "first_k_dense_replace",
+                "dense_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob")
+
+
 class FamilyError(ConfigError):
     """A config.json this family cannot take, or a model that is not of the family; the
     message names the file or field."""

@@ -91,12 +91,11 @@ def _check_experts(cfg: Config, dims: ParallelDims, mcfg: ModelConfig | None) ->
                           f"train under data, expert and tensor parallelism and ZeRO, not with "
                           f"{', '.join(model_axes)} yet: set those to 1 (false), or "
                           "model.num_local_experts 0 for a dense model")
-    window, scalar = (m.sliding_window, m.query_pre_attn_scalar) if mcfg is not None else \
-        (cfg.model.sliding_window, cfg.model.query_pre_attn_scalar)
-    if dims.cp > 1 and (window or scalar):
-        field = "sliding_window" if window else "query_pre_attn_scalar"
-        raise ConfigError(f"model.{field}: {window or scalar}: context parallelism "
-                          f"(parallel.cp={dims.cp}) does not compute it yet; set parallel.cp 1")
+    for field in ("sliding_window", "query_pre_attn_scalar", "kv_lora_rank"):
+        if dims.cp > 1 and getattr(m, field):
+            raise ConfigError(f"model.{field}: {getattr(m, field)}: context parallelism "
+                              f"(parallel.cp={dims.cp}) does not compute this attention yet; "
+                              "set parallel.cp 1")
     if dims.ep > 1 and not experts:
         raise ConfigError(f"parallel.ep: {dims.ep} needs a mixture of experts "
                           "(model.num_local_experts > 0, e.g. --model.preset tiny-moe); set "

@@ -138,7 +138,7 @@ class SequenceParallelRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise this rank's tokens."""
-        return rms_norm(x, self.gain(_CopyToTP.apply(self.weight, self.comm)), self.eps)
+        return self.normalise(x, _CopyToTP.apply(self.weight, self.comm))
 
 
 class ProjectionParallelRMSNorm(RMSNorm):
@@ -154,8 +154,10 @@ class ProjectionParallelRMSNorm(RMSNorm):
         xf = x.float()
         squares = _CopyToTP.apply(_ReduceFromTP.apply(xf.pow(2).sum(-1, keepdim=True),
                                                       self.comm), self.comm)
-        return self.gain(self.weight) * (xf * torch.rsqrt(squares / self.full + self.eps)
-                                         ).to(x.dtype)
+        normed = xf * torch.rsqrt(squares / self.full + self.eps)
+        if self.fp32_weight:  # (OLMo 2's: the weight multiplies in fp32, one rounding)
+            return (normed * self.gain(self.weight)).to(x.dtype)
+        return self.gain(self.weight) * normed.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"rows of {self.full}, sum of squares all-reduced over tp"

@@ -199,7 +199,9 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
         if cfg.qk_norm_over == "projection" and layout.tp > 1:
             # tensor parallelism's projection norm (plain ops around its all-reduce) also
             # keeps the normalised q and k (parallel.tensor.ProjectionParallelRMSNorm)
-            kept += b * local * (sh.heads + sh.kv_heads) * cfg.head_dim * work.act_bytes
+            # (and, below fp32, the fp32 copy of its input that squares it)
+            kept += b * local * (sh.heads + sh.kv_heads) * cfg.head_dim * (
+                work.act_bytes + (4 if work.act_bytes < 4 else 0))
     return kept
 
 
@@ -219,7 +221,7 @@ def gemma_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload, tokens: 
     if cfg.norm_plus_one:  # each norm keeps its 1 + w, a new tensor (not the parameter)
         widths = norms_per_block(cfg) * cfg.hidden_size
         widths += 2 * cfg.head_dim if cfg.qk_norm and cfg.qk_norm_over == "head" else 0
-        out += widths * work.weight_bytes
+        out += widths * (4 if cfg.norm_fp32_weight else work.weight_bytes)
     return out
 
 

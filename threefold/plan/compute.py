@@ -124,7 +124,7 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
     split = layout.tp if layout.sp else 1
     qk = (sh.heads + sh.kv_heads) * hd
     softmax = 0 if work.flash_attention else 2 * d * sh.heads * s
-    e, k, fs = moe_key(cfg)
+    e, k, fs, *_ = moe_key(cfg)
     ffn, moe_tok = sh.ffn, 0.0
     if e:
         ffn = k * cfg.intermediate_size + fs
