@@ -1,13 +1,13 @@
-"""Hugging Face Llama and Mixtral folders <-> threefold checkpoints, with nothing unpickled on
-the way. A mixture of experts (``model.num_local_experts``) is a ``MixtralForCausalLM``: in
+"""Hugging Face folders of the built families (``threefold.models``) <-> threefold checkpoints,
+with nothing unpickled on the way. Of a mixture of experts (``model.num_local_experts``), in
 memory threefold's names are transformers 5's (fused ``mlp.experts.gate_up_proj`` /
 ``down_proj``, router ``mlp.gate.weight``); files hold the published checkpoints' per-expert
 layout (``block_sparse_moe.experts.N.w1/w2/w3``), which transformers 5 itself writes and
 every version reads (``hub_tensors``); import takes either (``threefold.weights.HFSource``).
 
-threefold's parameter names are exactly those of ``transformers.LlamaForCausalLM`` (see
-``threefold.model``), so no tensor is renamed, split or permuted (but Phi-3's fused projections,
-joined by ``hub_tensors`` and split by ``HFSource``): export writes the checkpoint's whole
+threefold's parameter names are those of the family's transformers model (see
+``threefold.model``), so no tensor is permuted, and only experts (stored per expert) and
+Phi-3's fused projections are split or joined, by ``hub_tensors`` and ``HFSource``: export writes the checkpoint's whole
 tensors under their own names, import reads them back. What can still go wrong silently is
 the *configuration* (RoPE base, its Llama 3 rescaling, norm epsilon, tied head; the nanotron #79
 kind of mismatch), so every field is mapped explicitly, anything this model cannot express is
@@ -18,7 +18,7 @@ refused with the field's name, and shapes are checked against the config before 
   shards ``model-0000K-of-0000N.safetensors`` with ``model.safetensors.index.json``,
   generation_config.json, tokenizer.json, tokenizer_config.json). Written atomically, one shard
   in memory at a time. A reward model's checkpoint (``score.weight``, no LM head: ``threefold
-  reward``) becomes a ``LlamaForSequenceClassification`` with one label that
+  reward``) becomes a ``*ForSequenceClassification`` of its family with one label that
   ``AutoModelForSequenceClassification`` loads.
 - ``import_hf(folder)``: (ModelConfig, {name: fp32 tensor}, tokenizer.json or None) from a local
   folder with ``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (the
@@ -159,7 +159,7 @@ LORA_REFUSAL = ("{}: a LoRA run (lora.r > 0): its checkpoints hold only the adap
 
 
 def export_hf(ckpt_dir: Path, out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-    """Write checkpoint ``ckpt_dir`` (or a run directory's newest) as a Hugging Face Llama
+    """Write checkpoint ``ckpt_dir`` (or a run directory's newest) as a Hugging Face
     folder ``out_dir``; the checkpoint is verified first. ``out_dir`` must not exist or be
     empty; it appears complete or not at all (``write_hf_folder``). A LoRA run's
     adapter-only checkpoint is refused (``threefold.peft_export`` exports those)."""
@@ -274,7 +274,7 @@ def _shards(tensors: list[tuple[str, tuple[int, ...], Any]], max_bytes: int,
 # Import
 # --------------------------------------------------------------------------------------------
 def import_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path | None]:
-    """Read a local Hugging Face Llama folder: its resolved ModelConfig, its weights as whole
+    """Read a local Hugging Face folder of a built family: its resolved ModelConfig, its weights as whole
     fp32 tensors under threefold's (= HF's) names, checked against the config (a tied model's
     ``lm_head.weight`` is left out: the model takes it from the embedding), and the path of its
     tokenizer.json if it has one. HFError names the file, field or tensor at fault. Every

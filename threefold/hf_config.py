@@ -1,5 +1,5 @@
-"""What a Hugging Face Llama or Mixtral folder says besides its tensors, mapped field by field to
-and from threefold's ``ModelConfig``: ``config.json`` both ways (``hf_config``,
+"""What a Hugging Face folder of a built family (``threefold.models``) says besides its tensors,
+mapped field by field to and from threefold's ``ModelConfig``: ``config.json`` both ways (``hf_config``,
 ``model_config_from_hf``), the names and shapes of the stored weights (``expected_shapes``,
 ``check_shapes``; Mixtral's per-expert file names, ``hub_names``), the special tokens of a
 tokenizer.json and the ``tokenizer_config.json`` that makes ``AutoTokenizer`` load it.
@@ -187,7 +187,8 @@ def token_ids(tokenizer_json: Path | None) -> dict[str, tuple[str, int] | None]:
 
 
 def hf_config(cfg: ModelConfig, tokens: dict | None = None) -> dict:
-    """The config.json of a transformers ``LlamaForCausalLM`` equal to ``cfg`` (resolved).
+    """The config.json of the transformers model of ``cfg``'s family equal to ``cfg``
+    (resolved): the fields every family shares, then the family's own (``family``).
 
     RoPE is written both ways: ``rope_theta`` + ``rope_scaling`` (transformers 4.x) and
     ``rope_parameters`` (5.x); they say the same thing, so either reader gets the same model."""

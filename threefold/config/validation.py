@@ -9,9 +9,9 @@ import importlib.util
 
 from threefold.config.presets import MODEL_PRESETS
 from threefold.config.schema import (MODEL_FAMILIES, PIPELINE_SCHEDULES, CheckpointConfig,
-                                     Config, ConfigError, DataConfig, LoRAConfig, MetricsConfig, ModelConfig,
-                                     OptimConfig,
-                                     ParallelConfig, TrainConfig, unknown_value)
+                                     Config, ConfigError, DataConfig, LoRAConfig, MetricsConfig,
+                                     ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
+                                     unknown_value)
 
 
 def _need(cond: bool, msg: str) -> None:

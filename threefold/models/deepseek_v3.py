@@ -44,7 +44,8 @@ def _read(c: dict, where: str) -> dict:
     need(c, where, c.get("scoring_func", "sigmoid") == "sigmoid", "scoring_func",
          "DeepSeek-V3 routes by sigmoid scores")
     return dict(
-        attention_head_dim=0, kv_lora_rank=c["kv_lora_rank"], q_lora_rank=c.get("q_lora_rank") or 0,
+        attention_head_dim=0, kv_lora_rank=c["kv_lora_rank"],
+        q_lora_rank=c.get("q_lora_rank") or 0,
         qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
         v_head_dim=c["v_head_dim"], rope_interleave=bool(c.get("rope_interleave", True)),
         num_local_experts=e, num_experts_per_tok=k, n_group=groups, topk_group=top_groups,

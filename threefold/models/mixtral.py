@@ -27,7 +27,8 @@ def _write(cfg) -> dict:
 
 
 MIXTRAL = Family("mixtral", "MixtralForCausalLM", read=_read, write=_write,
-                 fixed=dict(**LLAMA_LIKE, qkv_bias=False, qk_norm=False, norm_layout="pre", sliding_window=0,
+                 fixed=dict(**LLAMA_LIKE, qkv_bias=False, qk_norm=False, norm_layout="pre",
+                            sliding_window=0,
                             norm_topk_prob=True, shared_expert_intermediate_size=0),
                  experts=True, expert_files="mixtral",
                  doc="every block a mixture of experts, top-k renormalised")

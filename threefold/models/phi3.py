@@ -1,7 +1,7 @@
-"""Phi-3 (``Phi3ForCausalLM``; Phi-3-mini/medium 4k, Phi-4-mini): Llama's block, with RoPE
-over the first ``partial_rotary_factor`` of each head (Phi-4-mini: 0.75) and an optional
-sliding window on every layer (transformers 5 masks it as Mistral's: a token sees itself and
-the ``sliding_window`` - 1 before it). Files fuse the projections: ``self_attn.qkv_proj``
+"""Phi-3 (``Phi3ForCausalLM``; Phi-3-mini/medium 4k; longrope's 128k variants and Phi-4-mini
+are refused by field): Llama's block, with RoPE over the first ``partial_rotary_factor`` of
+each head and an optional sliding window on every layer (transformers 5 masks it as
+Mistral's: a token sees itself and the ``sliding_window`` - 1 before it). Files fuse the projections: ``self_attn.qkv_proj``
 (q rows, then k, then v) and ``mlp.gate_up_proj`` (gate rows, then up); threefold keeps
 Llama's separate layers in memory and splits or joins them at the files' boundary only
 (``FUSED``: ``threefold.weights.HFSource`` reads each part as a region of the fused tensor,
@@ -82,4 +82,5 @@ _LLAMA = {k: v for k, v in LLAMA_LIKE.items() if k != "partial_rotary_factor"}  
 PHI3 = Family("phi3", "Phi3ForCausalLM", read=_read, write=_write,
               fixed=dict(**_LLAMA, qkv_bias=False, qk_norm=False, norm_layout="pre",
                          rope_scaling="none"),
-              fused=FUSED, doc="Llama with partial RoPE, a sliding window, fused qkv/gate_up files")
+              fused=FUSED,
+              doc="Llama with partial RoPE, a sliding window, fused qkv/gate_up files")

@@ -23,7 +23,8 @@ def _read(c: dict, where: str) -> dict:
 
 
 QWEN2 = Family("qwen2", "Qwen2ForCausalLM", read=_read, write=lambda cfg: dict(NO_WINDOW),
-               fixed=dict(**LLAMA_LIKE, qkv_bias=True, qk_norm=False, norm_layout="pre", sliding_window=0),
+               fixed=dict(**LLAMA_LIKE, qkv_bias=True, qk_norm=False, norm_layout="pre",
+                          sliding_window=0),
                doc="Llama with q/k/v biases")
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", read=_read, write=lambda cfg: dict(NO_WINDOW),
                fixed=dict(**LLAMA_LIKE, qkv_bias=False, qk_norm=True, qk_norm_over="head",

@@ -2,8 +2,8 @@
 Qwen3-MoE (per-head q/k norms, no shared expert): every block routed, experts of
 ``moe_intermediate_size``; files name experts ``mlp.experts.N.gate_proj/up_proj/down_proj``."""
 
-from threefold.models.qwen import NO_WINDOW, no_window
 from threefold.models.llama import LLAMA_LIKE
+from threefold.models.qwen import NO_WINDOW, no_window
 from threefold.models.spec import Family, need
 
 

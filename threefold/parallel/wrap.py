@@ -1,4 +1,5 @@
-"""The one way a parallelism changes a module: it turns the instance into a wrapper class.
+"""How a parallelism changes a module: it turns the instance into a wrapper class (tensor
+parallelism's f and g at each sub-layer's edges are forward hooks; nothing else is hooked).
 
 A wrapper is a subclass of the module's own class (``ContextParallelAttention`` of
 ``LlamaAttention``, ``ExpertParallelExperts`` of ``Experts``) that overrides a method and

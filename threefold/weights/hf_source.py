@@ -1,4 +1,4 @@
-"""A local Hugging Face Llama or Mixtral folder as a source of logical tensors (``HFSource``),
+"""A local Hugging Face folder of a built family as a source of logical tensors (``HFSource``),
 checked from its files' headers alone and read by region: which files hold the weights
 (``weight_files``: the index or the single file; pickle refused, never opened; index entries
 kept inside the folder), the published per-expert Mixtral layout served as the fused
@@ -131,7 +131,7 @@ def _split_fused(cfg: ModelConfig, parts: dict[str, _Part]) -> dict[str, _Part]:
 
 
 class HFSource(WeightSource):
-    """A local Hugging Face Llama or Mixtral folder (``config.json`` and ``model.safetensors``
+    """A local Hugging Face folder of a built family (``config.json`` and ``model.safetensors``
     or the shards of ``model.safetensors.index.json``), opened from the files' headers only.
 
     Opening performs every check ``threefold.hf.import_hf`` makes, with its messages: the
