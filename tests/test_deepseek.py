@@ -186,3 +186,21 @@ def test_the_planner_ranks_deepseek_v3_on_2048_h100s(capsys):
     out = capsys.readouterr().out
     assert "671.03B parameters (37.55B active: 256 experts, top-8)" in out
     assert "layouts fit" in out and "schedule dualpipe-v" in out
+
+
+def test_generation_equals_transformers(tmp_path):
+    """Latent attention with the KV cache (threefold caches the expanded keys and values,
+    transformers the latents): greedy tokens equal transformers'."""
+    from threefold.generate import generate
+    from threefold.hf import load_pretrained
+
+    hf = hf_deepseek()
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, weights = load_pretrained(tmp_path / "hf")
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(weights, strict=True)
+    prompt = torch.randint(0, 300, (1, 10))
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        got = generate(model.eval(), prompt.tolist(), max_new_tokens=12)
+    assert got.tokens == want[:, 10:].tolist()

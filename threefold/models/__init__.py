@@ -81,8 +81,12 @@ def fused_files(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     of ``cfg``'s family (Phi-3's ``model.layers.0.self_attn.qkv_proj.weight`` ->
     ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight`` of layer 0); empty for a family
     whose files hold threefold's layers as they are."""
+    try:
+        spec = spec_of(cfg)
+    except FamilyError:  # a model of no family (it trains; only export needs one)
+        return {}
     out = {}
-    for fused, parts in spec_of(cfg).fused.items():
+    for fused, parts in spec.fused.items():
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             out[p + fused + ".weight"] = tuple(p + part + ".weight" for part in parts)
