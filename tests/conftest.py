@@ -70,3 +70,24 @@ def final_weights(out: Path) -> dict:
 
     step = list_checkpoints(out / "checkpoints")[-1]
     return load_checkpoint(out / "checkpoints" / str(step))[0]["model"]
+
+
+def hf_twin(hf, folder: Path, prompt_len: int = 24):
+    """``hf`` (a transformers causal LM) saved to ``folder`` and read back as threefold's:
+    (its ModelConfig, its weights, threefold's model holding them, token ids of 2 rows of
+    ``prompt_len``, transformers' logits of them), the logits of both checked equal (fp32,
+    1e-5)."""
+    import torch
+
+    from threefold.hf import load_pretrained
+    from threefold.model import LlamaForCausalLM
+
+    hf.save_pretrained(folder)
+    cfg, weights = load_pretrained(folder)
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(weights, strict=True)
+    ids = torch.randint(0, cfg.vocab_size, (2, prompt_len))
+    with torch.no_grad():
+        want = hf(ids).logits
+        torch.testing.assert_close(model.eval()(ids), want, rtol=0, atol=1e-5)
+    return cfg, weights, model, ids, want

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.conftest import final_weights, metrics, tiny_overrides
+from tests.conftest import final_weights, hf_twin, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from threefold.config import ConfigError, load_config
 from threefold.model import LlamaForCausalLM
@@ -47,21 +47,15 @@ def _file_names(folder) -> set[str]:
 
 
 def test_logits_equal_transformers_and_convert_round_trips(tmp_path):
-    from threefold.hf import convert_from_hf, export_hf, load_pretrained
+    from threefold.hf import convert_from_hf, export_hf
     from threefold.hf_config import model_config_from_hf
     from threefold.weights import HFSource
 
     transformers = pytest.importorskip("transformers")
     hf = _hf_model()
-    hf.save_pretrained(tmp_path / "hf")
-    cfg, weights = load_pretrained(tmp_path / "hf")
+    cfg, weights, model, ids, want = hf_twin(hf, tmp_path / "hf")
     assert (cfg.family, cfg.partial_rotary_factor, cfg.sliding_window) == ("phi3", 0.5, WINDOW)
-    model = LlamaForCausalLM(cfg)
-    model.load_state_dict(weights, strict=True)
-    ids = torch.randint(0, 300, (2, 24))
     with torch.no_grad():
-        want = hf(ids).logits
-        torch.testing.assert_close(model.eval()(ids), want, rtol=0, atol=1e-5)
         for change in ({"partial_rotary_factor": 1.0}, {"sliding_window": 0}):
             plain = LlamaForCausalLM(dataclasses.replace(cfg, **change))
             plain.load_state_dict(weights, strict=True)
