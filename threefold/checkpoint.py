@@ -49,10 +49,9 @@ import torch
 from safetensors.torch import save_file
 
 from threefold import faults
-from threefold.parallel.placement import Piece
 # The reader's side of the format lives in checkpoint_verify; callers import it from here.
 from threefold.checkpoint_verify import (FORMAT_VERSION, MANIFEST, CheckpointError, NodeGroup,
-                                         committed_steps, list_checkpoints, part_name,
+                                         Piece, committed_steps, list_checkpoints, part_name,
                                          resolve_root, sha256_file, tensor_crc,
                                          verify_checkpoint)
 from threefold.weights import CheckpointSource, open_checkpoint, open_sharded

@@ -300,3 +300,20 @@ def _exchange(path: Path, parts: dict[str, dict], holders: dict[str, list[int]],
                 raise CheckpointError(f"{path}: {f} from node {holders[name][0]} does "
                                       "not match its part's digest")
     return received
+
+
+@dataclass
+class Piece:
+    """Part of one logical tensor held by a rank, as a checkpoint stores it
+    (``threefold.checkpoint``): a run of elements of its tensor-parallel slice. The engines
+    make them (``threefold.parallel``); they sit here, below both."""
+
+    name: str                 # HF parameter name
+    kind: str                 # "model", "exp_avg" or "exp_avg_sq"
+    data: torch.Tensor        # 1-D: elements [start, end) of the tp slice, flattened
+    start: int
+    end: int
+    shape: tuple              # logical (whole) shape
+    tp_dim: int | None = None  # dimension split over tensor parallelism, None = not split
+    tp_index: int = 0
+    tp_count: int = 1

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from threefold.checkpoint_verify import Piece  # noqa: F401 (re-exported: the engines' pieces)
+
 _ATTR = "_threefold_placement"
 
 
@@ -116,19 +118,3 @@ def row_span(shape: tuple[int, ...], start: int, end: int) -> tuple[int, int]:
         return 0, 1
     row = math.prod(shape[1:])
     return start // row, -(-end // row)
-
-
-@dataclass
-class Piece:
-    """Part of one logical tensor held by this rank, as a checkpoint stores it
-    (``threefold.checkpoint``): a run of elements of its tensor-parallel slice."""
-
-    name: str                 # HF parameter name
-    kind: str                 # "model", "exp_avg" or "exp_avg_sq"
-    data: torch.Tensor        # 1-D: elements [start, end) of the tp slice, flattened
-    start: int
-    end: int
-    shape: tuple              # logical (whole) shape
-    tp_dim: int | None = None  # dimension split over tensor parallelism, None = not split
-    tp_index: int = 0
-    tp_count: int = 1
