@@ -44,7 +44,7 @@ from bench.common import print_table, run_ranks  # noqa: E402
 from threefold.config import ModelConfig  # noqa: E402
 from threefold.model import LlamaForCausalLM  # noqa: E402
 from threefold.parallel.pipeline.executor import PipelineExecutor, idle_fraction  # noqa: E402
-from threefold.parallel.pipeline.simulate import measured_costs, simulate  # noqa: E402
+from threefold.schedules.simulate import measured_costs, simulate  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b@min", 2),
              ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2))
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_schedule(args, entry: str, v: int, comm) -> dict:
     """Train ``args.steps`` (+1 warm-up) steps under one schedule ("name" or "name@bound")
     on this rank; returns, on rank 0, the figures of the table (None elsewhere)."""
-    from threefold.parallel.pipeline.schedules import schedule_spec
+    from threefold.schedules.schedules import schedule_spec
 
     p, m, rank = args.pp, args.microbatches, dist.get_rank()
     name, _, bound = entry.partition("@")

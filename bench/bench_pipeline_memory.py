@@ -90,7 +90,7 @@ from bench.common import (peak_rss_bytes, report, run_ranks,  # noqa: E402
                           start_peak_rss_window)
 from threefold.config import ModelConfig  # noqa: E402
 from threefold.model import LlamaForCausalLM  # noqa: E402
-from threefold.parallel.pipeline.schedules import in_flight_chunks, peak_in_flight  # noqa: E402
+from threefold.schedules.schedules import in_flight_chunks, peak_in_flight  # noqa: E402
 from threefold.plan import activations, memory  # noqa: E402
 
 MIB = 2**20
@@ -103,7 +103,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-1f1b@min", "zb-h1
 def parse_schedule(entry: str, vpp: int, p: int) -> tuple[str, int, int, bool]:
     """(name, v, in-flight bound, V-shaped) of a ``--schedules`` entry ("name", "name@N" or
     "name@min")."""
-    from threefold.parallel.pipeline.schedules import schedule_spec
+    from threefold.schedules.schedules import schedule_spec
 
     name, _, bound = entry.partition("@")
     spec = schedule_spec(name)

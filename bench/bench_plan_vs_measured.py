@@ -58,7 +58,7 @@ from threefold.plan.calibrate import (
     matmul_flops,
     memory_bandwidth,
 )
-from threefold.plan.dryrun import resolved_model  # noqa: E402
+from threefold.dryrun import resolved_model  # noqa: E402
 from threefold.plan.hardware import Cluster  # noqa: E402
 from threefold.plan.memory import memory_per_gpu, stage_memory  # noqa: E402
 from threefold.plan.step import predict_step

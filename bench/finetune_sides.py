@@ -102,7 +102,7 @@ def run_threefold(a) -> dict:
 def dry_run_peak(a) -> float:
     """What ``threefold sft|dpo ... --dry-run`` predicts this process peaks at: the larger of
     its start-up and step peaks (the baseline included), for the same configuration."""
-    from threefold.plan.dryrun import as_rows, predict
+    from threefold.dryrun import as_rows, predict
     from threefold.post.cli import ROWS_PER_ITEM, build_config, parse_task_options
 
     _, rest = parse_task_options(a.task, threefold_argv(a))

@@ -124,7 +124,7 @@ LAYERS = [
     ["train"],
     ["steps", "runlog", "trackers", "resume"],
     ["run", "task"],
-    ["generate", "peft_export"],
+    ["generate", "peft_export", "dryrun"],
     ["parallel"],
     ["plan"],
     ["model_source"],
@@ -134,20 +134,13 @@ LAYERS = [
     ["comm", "mesh", "axes", "distributed", "collective_check"],
     ["model", "attention", "mla", "norm", "kernels", "head_loss", "moe", "kvcache", "lora"],
     ["hub"],
-    ["hardware", "metrics", "data", "models"],
+    ["hardware", "metrics", "data", "models", "schedules"],
     ["config"],
 ]
 
 # Arrows that still point up, each in files outside the change that made this table; the test
 # below fails once one is gone, so that the entry goes too. The cycle checks leave them out.
 ALLOWED_UPWARD = {
-    ("plan", "parallel"): "the planner reads the pipeline schedules (plan/step.py, "
-                          "activations.py) and the dry run builds the rank's model with "
-                          "parallel.tensor, expert, layout and pipeline.stage (plan/dryrun.py), "
-                          "being reworked",
-    ("accounting", "parallel"): "accounting/layout.py, stages.py and traffic.py read the "
-                                "pipeline schedules' specs, actions and stage balance "
-                                "(parallel/pipeline/); those tables belong below both",
 }
 
 

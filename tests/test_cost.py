@@ -301,7 +301,7 @@ def test_mesh_axes_and_nodes():
 # Pipeline bubble and in-flight microbatches against the schedule module
 # --------------------------------------------------------------------------------------------
 def test_bubble_closed_forms_match_the_simulator():
-    sim = pytest.importorskip("threefold.parallel.pipeline.simulate")
+    sim = pytest.importorskip("threefold.schedules.simulate")
     for name, p, m, v in [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 3, 1),
                           ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 2, 8, 4)]:
         closed, source = bubble_over_ideal(name, p, m, v)
@@ -316,7 +316,7 @@ def test_bubble_closed_forms_match_the_simulator():
 
 
 def test_inflight_microbatches_match_schedule_action_lists():
-    schedules = pytest.importorskip("threefold.parallel.pipeline.schedules")
+    schedules = pytest.importorskip("threefold.schedules.schedules")
     if not hasattr(schedules, "in_flight_chunks"):
         pytest.skip("schedule module has no in_flight_chunks yet")
     checked = 0
@@ -363,7 +363,7 @@ def test_one_layout_replays_its_own_stage_times():
 
 def test_head_inflight_matches_the_last_stage_in_the_action_lists():
     """Microbatches the last virtual stage holds (F until its BW or W), from the lists."""
-    from threefold.parallel.pipeline.schedules import (build_schedule, in_flight_chunks,
+    from threefold.schedules.schedules import (build_schedule, in_flight_chunks,
                                                        num_stages, schedule_spec, stage_rank)
     from threefold.plan.activations import head_inflight_microbatches
 

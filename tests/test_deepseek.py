@@ -111,7 +111,7 @@ def test_layouts_equal_single_process_and_the_planner_counts(corpus, cache_dir, 
     from tests.dist import run_distributed, train_runs
     from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
     from threefold.config import load_config
-    from threefold.plan.dryrun import predict
+    from threefold.dryrun import predict
     from threefold.train import train
 
     over = functools.partial(_overrides, corpus, cache_dir)

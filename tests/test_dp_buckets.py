@@ -33,7 +33,7 @@ def _dp_run(rank, world, corpus, cache, out):
 
 def test_gradients_are_bucket_views_and_all_reduces_overlap_backward(corpus, cache_dir,
                                                                       tmp_path):
-    from threefold.parallel.pipeline.timeline import read_chrome_trace
+    from threefold.schedules.timeline import read_chrome_trace
 
     out = tmp_path / "dp2"
     results = run_distributed(_dp_run, 2, corpus, cache_dir, out, timeout=300)

@@ -29,7 +29,7 @@ from threefold.cli import main as cli_main
 from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.model import LlamaForCausalLM
 from threefold.plan.activations import block_activation_bytes, model_layer_activation_bytes
-from threefold.plan.dryrun import _MetaComm, dry_run, meta_parameter_counts, predict
+from threefold.dryrun import _MetaComm, dry_run, meta_parameter_counts, predict
 
 LLAMA70B = [("model.preset", "llama3-70b"), ("data.seq_len", "4096"),
             ("train.global_batch_size", "8"), ("train.micro_batch_size", "1"),

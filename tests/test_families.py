@@ -166,7 +166,7 @@ def _overrides(family, corpus, cache, out, **extra):
 def test_tensor_parallel_equals_single_process_and_the_planner_counts(family, corpus,
                                                                      cache_dir, tmp_path):
     from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
-    from threefold.plan.dryrun import predict
+    from threefold.dryrun import predict
     from threefold.train import train
 
     over = functools.partial(_overrides, family, corpus, cache_dir)
@@ -289,7 +289,7 @@ def test_fine_tuning_each_family_peaks_as_the_dry_run_says(corpus, cache_dir, tm
     from threefold.data import prepare_data
     from threefold.hf import write_hf_folder
     from threefold.model import initial_weight
-    from threefold.plan.dryrun import predict
+    from threefold.dryrun import predict
 
     data = prepare_data(load_config(None, tiny_overrides(corpus, cache_dir,
                                                          tmp_path / "x")).data)

@@ -136,7 +136,7 @@ def _try_all(rank, world, corpus, cache, root, configs, only=None):
     from threefold.config import ConfigError, load_config
     from threefold.parallel.distributed_layout import Distributed
     from threefold.parallel.layout import validate_layout
-    from threefold.plan.dryrun import predict
+    from threefold.dryrun import predict
     from threefold.train import train
 
     local_object_collectives(dist)

@@ -20,7 +20,7 @@ from threefold.config import ConfigError, LoRAConfig, ModelConfig, load_config
 from threefold.lora import LoRALinear, adapters_off, apply_lora
 from threefold.model import LlamaForCausalLM, initial_weight
 from threefold.post.sft import SFTOptions, SFTTask
-from threefold.plan.dryrun import predict
+from threefold.dryrun import predict
 from threefold.train import train
 
 LORA = {"lora__r": "4", "lora__alpha": "8"}
@@ -236,7 +236,7 @@ def _states_measured_and_predicted(rank, world, over):
     """(bytes of weights, of AdamW state) this rank holds after a LoRA run, and the dry
     run's count of them."""
     from threefold.parallel.distributed_layout import Distributed
-    from threefold.plan.dryrun import predict
+    from threefold.dryrun import predict
 
     cfg = load_config(None, over)
     _, run = train(cfg, Distributed(cfg) if world > 1 else None, return_run=True)
@@ -271,7 +271,7 @@ def _meta_units(mcfg, lora, tp):
     applied, tensor parallelism slicing base and adapters, ZeRO's per-module grouping."""
     from threefold.parallel.parallelize import zero_units
     from threefold.parallel.tensor import apply_tensor_parallel
-    from threefold.plan.dryrun import _MetaComm
+    from threefold.dryrun import _MetaComm
 
     with torch.device("meta"):
         model = apply_lora(LlamaForCausalLM(mcfg), lora)

@@ -3,7 +3,7 @@
 sft``'s task from a Hugging Face folder (``checkpoint.init_from``), fully and with LoRA r16
 on every linear layer, as one process, one rank of ZeRO-3 × 2 and one rank of TP 3; each
 case's measured resident peaks (start-up, loading, step) are within 10% of the dry run's
-(``threefold.plan.dryrun.predict`` for the same configuration and world size).
+(``threefold.dryrun.predict`` for the same configuration and world size).
 
 TP 3, not 2: SmolLM2's 9 query heads cannot be split over 2 ranks (the layout is refused);
 3 is the smallest degree that divides its 9 and 3 heads.
@@ -238,7 +238,7 @@ def inputs(corpus, cache_dir, tmp_path_factory):
 
 def test_finetuning_a_smollm2_shape_peaks_as_predicted(inputs, tmp_path):
     from threefold.config import load_config
-    from threefold.plan.dryrun import predict
+    from threefold.dryrun import predict
 
     folder, chats = inputs
     specs, after, configs = {}, {}, {}

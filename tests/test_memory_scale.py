@@ -237,7 +237,7 @@ def _table(name: str, world: int, rank: int, got: dict, pred) -> tuple[str, list
 def test_one_rank_of_llama3_8b_on_64_ranks_peaks_as_predicted(corpus, cache_dir, tmp_path):
     from threefold.config import load_config
     from threefold.data import prepare_data
-    from threefold.plan.dryrun import predict
+    from threefold.dryrun import predict
 
     over = {name: overrides(corpus, cache_dir, tmp_path / f"out{i}", extra)
             for i, (name, (_, _, extra)) in enumerate(CASES.items())}

@@ -144,7 +144,7 @@ def _overrides(corpus, cache, out, **extra):
 def test_tensor_parallel_equals_single_process_and_the_planner_counts(corpus, cache_dir,
                                                                      tmp_path):
     from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
-    from threefold.plan.dryrun import predict
+    from threefold.dryrun import predict
     from threefold.train import train
 
     over = functools.partial(_overrides, corpus, cache_dir)  # (pickled to the ranks)

@@ -20,9 +20,9 @@ from threefold.parallel.pipeline.executor import (
     idle_fraction,
     pipeline_step,
 )
-from threefold.parallel.pipeline.schedules import build_schedule, schedule_spec
+from threefold.schedules.schedules import build_schedule, schedule_spec
 from threefold.parallel.pipeline.stage import partition, rank_model, split_model, stage_costs
-from threefold.parallel.pipeline.timeline import write_chrome_trace
+from threefold.schedules.timeline import write_chrome_trace
 
 SEED, VOCAB, SEQ, BATCH, STEPS, LR = 0, 320, 32, 8, 3, 3e-3
 
@@ -133,7 +133,7 @@ def test_split_refuses_impossible_layouts():
 
 
 def test_uniform_and_explicit_splits():
-    from threefold.parallel.pipeline.balance import split_counts, uniform_counts
+    from threefold.schedules.balance import split_counts, uniform_counts
 
     assert uniform_counts(8, 4) == (2, 2, 2, 2)
     assert uniform_counts(10, 4) == (2, 3, 3, 2)  # the remainder to the middle, not the ends

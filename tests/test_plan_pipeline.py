@@ -10,7 +10,7 @@ import pytest
 
 from threefold.accounting import Layout, Workload, pipeline_layers
 from threefold.config import ModelConfig
-from threefold.parallel.pipeline.balance import uniform_counts
+from threefold.schedules.balance import uniform_counts
 from threefold.plan.candidates import SearchSpace
 from threefold.plan.cli import load_model, main
 from threefold.plan.hardware import Cluster, get_hardware

@@ -142,7 +142,7 @@ def _overrides(family, corpus, cache, out, **extra):
 def test_layouts_equal_single_process_and_the_planner_counts(family, corpus, cache_dir,
                                                              tmp_path):
     from threefold.accounting import num_parameters
-    from threefold.plan.dryrun import predict
+    from threefold.dryrun import predict
 
     over = functools.partial(_overrides, family, corpus, cache_dir)
     _, run = train(load_config(None, over(tmp_path / "single")), return_run=True)

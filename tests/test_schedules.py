@@ -24,10 +24,10 @@ from threefold.parallel.pipeline import (
     peak_in_flight,
     simulate,
 )
-from threefold.parallel.pipeline.schedules import message_key
+from threefold.schedules.schedules import message_key
 from threefold.parallel.pipeline.command import main
-from threefold.parallel.pipeline.simulate import measured_costs
-from threefold.parallel.pipeline.timeline import TraceRecord, ascii_timeline, chrome_trace
+from threefold.schedules.simulate import measured_costs
+from threefold.schedules.timeline import TraceRecord, ascii_timeline, chrome_trace
 
 K = ActionKind
 SENDS = (K.SEND_FORWARD, K.SEND_BACKWARD)
@@ -412,8 +412,8 @@ def test_cli_png_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch, ca
 
 
 def test_the_pure_half_imports_no_torch():
-    code = ("import sys, threefold.parallel.pipeline as p, threefold.parallel.pipeline.check, "
-            "threefold.parallel.pipeline.timeline; assert 'torch' not in sys.modules")
+    code = ("import sys, threefold.parallel.pipeline as p, threefold.schedules.check, "
+            "threefold.schedules.timeline; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -421,7 +421,7 @@ def test_the_pure_half_imports_no_torch():
 # V-shaped schedules (ZB-V, DualPipeV)
 # --------------------------------------------------------------------------------------------
 def test_v_placement_puts_both_ends_on_rank_0():
-    from threefold.parallel.pipeline.actions import rank_stage, stage_rank
+    from threefold.schedules.actions import rank_stage, stage_rank
 
     for p in (1, 2, 3, 8):
         stages = [[rank_stage(r, c, p, vshape=True) for c in (0, 1)] for r in range(p)]
@@ -438,7 +438,7 @@ def test_v_schedules_bubble_and_memory_equal_their_closed_forms(name, m_from):
     stages and no overlap, F&B = F + B + W): (p - 1)/(6m) of the ideal, half ZB-H1's. In
     flight: 2p chunk activations on every rank for ZB-V (p microbatches of the rank's layers,
     1F1B's), 2p + 1 for DualPipeV (its published PP + 1)."""
-    from threefold.parallel.pipeline.schedules import in_flight_chunks, schedule_spec
+    from threefold.schedules.schedules import in_flight_chunks, schedule_spec
 
     spec = schedule_spec(name)
     checked = 0
@@ -481,8 +481,8 @@ def test_bounded_interleaved_holds_its_bound_and_trades_bubble(p, v, m):
     rank's peak is min(bound, Megatron's 2(p-r-1) + (v-1)p + 1); at a round trip's v·p the
     bubble is 2(p-1)/(3vm), below Megatron's (p-1)/(vm); the planner's estimate is within a
     third of the replay from halfway down; a smaller bound never has a smaller bubble."""
-    from threefold.parallel.pipeline.bounded import bubble_estimate, min_inflight
-    from threefold.parallel.pipeline.schedules import in_flight_chunks
+    from threefold.schedules.bounded import bubble_estimate, min_inflight
+    from threefold.schedules.schedules import in_flight_chunks
 
     megatron = 2 * (p - 1) + (v - 1) * p + 1
     last = None
@@ -518,7 +518,7 @@ def test_bounded_interleaved_refuses_what_cannot_run():
 def test_zb_h1_closed_form_is_exact_from_m_equal_p():
     """The planner's search takes split schedules' closed forms where they are exact (equal
     F, B and W): ZB-H1's (p-1)/(3m) from m = p on (the V schedules' from m = 2p: above)."""
-    from threefold.parallel.pipeline.schedules import schedule_spec
+    from threefold.schedules.schedules import schedule_spec
 
     for p in range(2, 9):
         for m in range(p, 4 * p + 1):

@@ -200,7 +200,7 @@ def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list
     """After validation: a dry run (``rows_per_item``: sequences each batch item puts through
     the model), or a re-launch under torchrun, or ``run()`` here."""
     if cfg.train.dry_run:
-        from threefold.plan.dryrun import dry_run  # the model and torch: see the docstring
+        from threefold.dryrun import dry_run  # the model and torch: see the docstring
 
         try:
             return dry_run(cfg, world, rows_per_item=rows_per_item)

@@ -16,8 +16,8 @@ from threefold.accounting.lora import lora_flops_per_token
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
                                peak_memory_bytes, raise_cpu_peak, truncate_metrics)
 from threefold.parallel.pipeline.executor import idle_fraction
-from threefold.parallel.pipeline.simulate import measured_costs, pipeline_records, simulate
-from threefold.parallel.pipeline.timeline import write_chrome_trace
+from threefold.schedules.simulate import measured_costs, pipeline_records, simulate
+from threefold.schedules.timeline import write_chrome_trace
 from threefold.steps import lr_at
 from threefold.trackers import flat_scalars, open_trackers
 

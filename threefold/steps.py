@@ -13,7 +13,7 @@ import torch
 from threefold.config import Config
 from threefold.moe import RouterLog, balance_routers
 from threefold.parallel.expert import take_rows_sent
-from threefold.parallel.pipeline.timeline import TraceRecord
+from threefold.schedules.timeline import TraceRecord
 
 if TYPE_CHECKING:  # annotations only
     from threefold.run import Run

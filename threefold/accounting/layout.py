@@ -21,7 +21,7 @@ from threefold.accounting.shapes import (
 from threefold.axes import FLATTENED, resolve_dp_shard
 from threefold.config import Config, ModelConfig, param_dtype
 from threefold.config.validation import lora_targets
-from threefold.parallel.pipeline.schedules import SCHEDULE_SPECS
+from threefold.schedules.schedules import SCHEDULE_SPECS
 
 # --------------------------------------------------------------------------------------------
 # Layout and workload

@@ -19,7 +19,7 @@ MESH_ORDER = AXES
 FLATTENED_AXES = FLATTENED
 CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE = ("none", "selective", "full")
-# the pipeline schedules' names, config's (parallel.pipeline.schedules registers one spec per
+# the pipeline schedules' names, config's (schedules.schedules registers one spec per
 # name and checks that they agree): the accounting sits below parallel
 SCHEDULES = PIPELINE_SCHEDULES
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}

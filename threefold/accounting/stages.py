@@ -1,4 +1,4 @@
-"""Parameters per rank: the pipeline split (the runtime's own, threefold.parallel.pipeline.balance),
+"""Parameters per rank: the pipeline split (the runtime's own, threefold.schedules.balance),
 the units ZeRO shards, the gradient buckets data parallelism all-reduces, and which pipeline
 stages differ. Exactly what the runtime builds, so the bytes it moves follow from these.
 """
@@ -10,8 +10,8 @@ from functools import lru_cache
 from threefold.accounting.layout import Layout
 from threefold.accounting.shapes import LayoutError, tp_shard, tp_shard_for
 from threefold.config import ModelConfig
-from threefold.parallel.pipeline.actions import rank_stage
-from threefold.parallel.pipeline.balance import split_counts
+from threefold.schedules.actions import rank_stage
+from threefold.schedules.balance import split_counts
 
 
 def shape_key(cfg: ModelConfig) -> tuple:

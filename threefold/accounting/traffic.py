@@ -91,7 +91,7 @@ from threefold.accounting.stages import (
 )
 from threefold.axes import AXES, COMM_AXES, EXPERT_AXES, FLATTENED
 from threefold.config import ModelConfig
-from threefold.parallel.pipeline.actions import rank_stage, stage_rank
+from threefold.schedules.actions import rank_stage, stage_rank
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 from threefold.config.presets import MODEL_PRESETS
 
 # The pipeline schedules' names: all config needs of them, as it imports nothing of threefold.
-# The registry, threefold.parallel.pipeline.schedules.SCHEDULE_SPECS, holds each schedule
+# The registry, threefold.schedules.schedules.SCHEDULE_SPECS, holds each schedule
 # (builder, bubble, activations in flight) and refuses to load unless it lists these names.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,

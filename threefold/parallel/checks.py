@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from threefold.config import Config, ConfigError, ModelConfig, param_dtype
 from threefold.mesh import ParallelDims
-from threefold.parallel.pipeline.balance import split_counts
-from threefold.parallel.pipeline.check import check_schedule
+from threefold.schedules.balance import split_counts
+from threefold.schedules.check import check_schedule
 
 
 def check_batch(cfg: Config, dp: int) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from threefold.config import OptimConfig
 from threefold.parallel.engine import LocalEngine
-from threefold.parallel.pipeline.timeline import TraceRecord
+from threefold.schedules.timeline import TraceRecord
 from threefold.parallel.placement import ep_sharded
 
 

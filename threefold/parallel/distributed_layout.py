@@ -25,7 +25,7 @@ from threefold.parallel.checks import pipeline_microbatches, validate_layout
 from threefold.parallel.context import shard_batch
 from threefold.parallel.materialize import buffer_pieces
 from threefold.parallel.pipeline.executor import PipelineExecutor
-from threefold.parallel.pipeline.schedules import schedule_spec
+from threefold.schedules.schedules import schedule_spec
 from threefold.parallel.pipeline.stage import rank_model, split_model, tied_head_replica
 from threefold.parallel.placement import placement
 from threefold.parallel.zero import ZeroEngine

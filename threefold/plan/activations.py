@@ -10,7 +10,7 @@ from threefold.accounting.layout import Layout, Workload, local_seq_len
 from threefold.accounting.shapes import norms_per_block, tp_shard
 from threefold.config import ModelConfig
 from threefold.models.shapes import chunk_tokens
-from threefold.parallel.pipeline.schedules import inflight_of, schedule_spec
+from threefold.schedules.schedules import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
 # Activations

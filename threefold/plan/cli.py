@@ -352,7 +352,7 @@ def _refuse_degrees(cfg: ModelConfig, args) -> None:
     would give (threefold.mesh.ParallelDims.validate_model), rather than silently searched
     away: tp must divide the GPUs and the attention heads (kv heads may replicate); pp the
     GPUs left by some tp, with at least one block per stage (any split of the layers that
-    pp does not divide is the runtime's own, threefold.parallel.pipeline.balance)."""
+    pp does not divide is the runtime's own, threefold.schedules.balance)."""
     tps = args.tp or [t for t in range(1, args.gpus + 1) if args.gpus % t == 0]
     for tp in args.tp or ():
         if tp < 1 or args.gpus % tp:

@@ -104,7 +104,7 @@ def _vpp_degrees(layers: int, pp: int, space: SearchSpace, reject) -> list[int]:
     """Model chunks per pipeline rank to try: ``space.vpp`` (None: 1 without a pipeline; with
     one, every v up to ``MAX_VPP`` and every divisor of layers // pp, as long as pp·v chunks
     get a block each). The runtime splits layers that pp·v does not divide
-    (threefold.parallel.pipeline.balance), and so does the accounting, so they are searched."""
+    (threefold.schedules.balance), and so does the accounting, so they are searched."""
     if space.vpp is None:
         if pp == 1:
             return [1]

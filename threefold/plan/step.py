@@ -1,5 +1,5 @@
 """The predicted step time: compute per stage, the pipeline bubble (closed forms, or the runtime's
-schedule replayed by threefold.parallel.pipeline.simulate), and each axis's communication with
+schedule replayed by threefold.schedules.simulate), and each axis's communication with
 what of it hides behind compute (``predict_step``, ``StepPrediction``).
 
 Time model, per pipeline stage and microbatch: compute = FLOPs / (peak · efficiency) +
@@ -38,9 +38,9 @@ from threefold.accounting.stages import (
 from threefold.accounting.traffic import Collective, bytes_per_axis, collectives
 from threefold.axes import AXES, COMM_AXES
 from threefold.config import ModelConfig
-from threefold.parallel.pipeline.schedules import bubble_of, schedule_spec
-from threefold.parallel.pipeline.simulate import Costs
-from threefold.parallel.pipeline.simulate import simulate as replay_schedule
+from threefold.schedules.schedules import bubble_of, schedule_spec
+from threefold.schedules.simulate import Costs
+from threefold.schedules.simulate import simulate as replay_schedule
 from threefold.plan.collectives import collective_time
 from threefold.plan.compute import (
     MATMUL_EFFICIENCY,
@@ -66,7 +66,7 @@ def bubble_over_ideal(schedule: str, p: int, m: int, v: int = 1,
 
     Closed forms from the schedule registry (``ScheduleSpec.bubble``: GPipe and 1F1B
     (p-1)/m, interleaved 1F1B (p-1)/(v·m), Narayanan et al. 2021 §2.2); the schedule
-    simulator (threefold.parallel.pipeline.simulate) replays the same action lists the
+    simulator (threefold.schedules.simulate) replays the same action lists the
     executor runs and gives exactly these values (tests/test_cost.py checks it), so they are
     used directly — the replay is far too slow for a search of thousands. A split-backward
     schedule's bubble (ZB-H1) depends on how backward splits into B and W, so it is simulated

@@ -1,23 +1,24 @@
-"""Pipeline parallelism. The pure half (no torch) is re-exported here: schedules as data
-(``schedules``), the pre-launch proof (``check``), the simulator (``simulate``) and the
-timeline writers (``timeline``). Modules that need torch are imported by their full name."""
+"""Pipeline parallelism: the executor that runs a schedule (``executor``), the stage split
+(``stage``), the zero-bubble split backward (``split_backward``) and the ``pipeline``
+command. The schedules as data (no torch) are ``threefold.schedules``, re-exported here."""
 
-from threefold.parallel.pipeline.check import (
-    DeadlockError,
-    ScheduleError,
-    check_actions,
-    check_schedule,
-)
-from threefold.parallel.pipeline.schedules import (
+from threefold.schedules import (  # noqa: F401 (re-exported)
     SCHEDULES,
     Action,
     ActionKind,
+    Costs,
+    DeadlockError,
+    ScheduleError,
+    SimResult,
     build_schedule,
+    check_actions,
+    check_schedule,
     get_schedule,
     num_stages,
     peak_in_flight,
+    replay,
+    simulate,
 )
-from threefold.parallel.pipeline.simulate import Costs, SimResult, replay, simulate
 
 __all__ = [
     "Action", "ActionKind", "Costs", "DeadlockError", "SCHEDULES", "ScheduleError", "SimResult",

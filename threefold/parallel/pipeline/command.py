@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from threefold.parallel.pipeline.check import check_schedule
-from threefold.parallel.pipeline.schedules import (
+from threefold.schedules.check import check_schedule
+from threefold.schedules.schedules import (
     SCHEDULES,
     SENDS,
     Action,
@@ -18,14 +18,14 @@ from threefold.parallel.pipeline.schedules import (
     in_flight_chunks,
     num_stages,
 )
-from threefold.parallel.pipeline.simulate import (
+from threefold.schedules.simulate import (
     Costs,
     SimResult,
     measured_costs,
     pipeline_records,
     simulate,
 )
-from threefold.parallel.pipeline.timeline import ascii_timeline, draw_png, write_chrome_trace
+from threefold.schedules.timeline import ascii_timeline, draw_png, write_chrome_trace
 
 # --------------------------------------------------------------------------------------------
 # threefold schedule --pp P --microbatches M --schedule NAME [--vpp V] [--json] [--png F] ...
@@ -89,7 +89,7 @@ def summary(name: str, p: int, m: int, v: int, costs: Costs, result: SimResult,
 def _costs_from_trace(path: str, n_stages: int) -> Costs:
     """Measured per-stage costs (in ms, the command's unit) from a run's trace; the run must
     have cut the model into the same number of stages."""
-    from threefold.parallel.pipeline.timeline import read_chrome_trace
+    from threefold.schedules.timeline import read_chrome_trace
 
     records, meta = read_chrome_trace(path)
     pipelines = meta.get("pipelines")  # a run with dp or tp > 1 traced every pipeline

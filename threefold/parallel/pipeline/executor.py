@@ -37,8 +37,8 @@ from typing import Callable, ContextManager, Sequence
 import torch
 from torch import nn
 
-from threefold.parallel.pipeline.check import check_schedule
-from threefold.parallel.pipeline.schedules import (
+from threefold.schedules.check import check_schedule
+from threefold.schedules.schedules import (
     RECEIVES,
     Action,
     ActionKind,
@@ -48,9 +48,9 @@ from threefold.parallel.pipeline.schedules import (
     schedule_spec,
     stage_rank,
 )
-from threefold.parallel.pipeline.simulate import replay
+from threefold.schedules.simulate import replay
 from threefold.parallel.pipeline.split_backward import SplitBackward
-from threefold.parallel.pipeline.timeline import TraceRecord
+from threefold.schedules.timeline import TraceRecord
 
 F, B, W, BW = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
                ActionKind.BACKWARD)

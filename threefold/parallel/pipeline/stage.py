@@ -29,8 +29,8 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.head_loss import LMHead
 from threefold.model import LlamaForCausalLM
-from threefold.parallel.pipeline.actions import rank_stage
-from threefold.parallel.pipeline.balance import partition, runs_of, split_counts
+from threefold.schedules.actions import rank_stage
+from threefold.schedules.balance import partition, runs_of, split_counts
 from threefold.parallel.placement import place
 
 BALANCES = ("params", "flops")

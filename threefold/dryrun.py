@@ -66,7 +66,7 @@ from threefold.model import LlamaForCausalLM
 from threefold.model_source import resolved_model
 from threefold.parallel.expert import apply_expert_parallel
 from threefold.parallel.layout import validate_layout
-from threefold.parallel.pipeline.schedules import schedule_spec
+from threefold.schedules.schedules import schedule_spec
 from threefold.parallel.pipeline.stage import rank_model, split_model
 from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.plan.calibrate import (cpu_baseline_bytes, hardware_from_calibration, load,

@@ -30,8 +30,8 @@ receives, and ``check.py`` proves the result before launch. Imports no torch.
 
 from __future__ import annotations
 
-from threefold.parallel.pipeline.actions import Action, ActionKind, rank_stage
-from threefold.parallel.pipeline.messages import Steps
+from threefold.schedules.actions import Action, ActionKind, rank_stage
+from threefold.schedules.messages import Steps
 
 F, B, W, BW = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
                ActionKind.BACKWARD)

@@ -16,7 +16,7 @@ import functools
 import math
 from typing import Callable
 
-from threefold.parallel.pipeline.actions import (
+from threefold.schedules.actions import (
     Action,
     ActionKind,
     completes,

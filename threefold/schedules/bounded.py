@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import functools
 
-from threefold.parallel.pipeline.actions import Action, ActionKind
-from threefold.parallel.pipeline.messages import Steps
+from threefold.schedules.actions import Action, ActionKind
+from threefold.schedules.messages import Steps
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 

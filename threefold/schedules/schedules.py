@@ -24,12 +24,12 @@ from typing import Callable
 
 from threefold.config import PIPELINE_SCHEDULES
 # the action vocabulary, re-exported: schedules.py is where callers have always found it
-from threefold.parallel.pipeline.actions import (COMPUTE_KINDS, RECEIVES, SENDS, Action,
+from threefold.schedules.actions import (COMPUTE_KINDS, RECEIVES, SENDS, Action,
                                                  ActionKind, carries, completes, message_key,
                                                  needs, rank_stage, stage_rank)
-from threefold.parallel.pipeline.messages import Steps, all_ranks, place_by_gap, place_by_step
-from threefold.parallel.pipeline.bounded import bounded_steps, bubble_estimate, validate_inflight
-from threefold.parallel.pipeline.vshape import dualpipe_v_steps, zb_v_steps
+from threefold.schedules.messages import Steps, all_ranks, place_by_gap, place_by_step
+from threefold.schedules.bounded import bounded_steps, bubble_estimate, validate_inflight
+from threefold.schedules.vshape import dualpipe_v_steps, zb_v_steps
 
 __all__ = [
     "COMPUTE_KINDS", "RECEIVES", "SCHEDULES", "SCHEDULE_SPECS", "SENDS", "Action", "ActionKind",

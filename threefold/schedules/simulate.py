@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
-from threefold.parallel.pipeline.actions import (
+from threefold.schedules.actions import (
     RECEIVES,
     SENDS,
     Action,
@@ -25,8 +25,8 @@ from threefold.parallel.pipeline.actions import (
     message_key,
     needs,
 )
-from threefold.parallel.pipeline.schedules import build_schedule, num_stages
-from threefold.parallel.pipeline.timeline import TraceRecord
+from threefold.schedules.schedules import build_schedule, num_stages
+from threefold.schedules.timeline import TraceRecord
 
 
 class ScheduleError(ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from threefold.parallel.pipeline.actions import (
+from threefold.schedules.actions import (
     RECEIVES,
     SENDS,
     Action,
@@ -24,8 +24,8 @@ from threefold.parallel.pipeline.actions import (
     message_key,
     stage_rank,
 )
-from threefold.parallel.pipeline.schedules import build_schedule, num_stages, schedule_spec
-from threefold.parallel.pipeline.simulate import (
+from threefold.schedules.schedules import build_schedule, num_stages, schedule_spec
+from threefold.schedules.simulate import (
     Costs,
     DeadlockError,
     ScheduleError,
