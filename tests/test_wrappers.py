@@ -122,7 +122,8 @@ def test_become_refuses_other_classes_and_undeclared_settings():
 
 def test_tensor_parallelism_names_its_wrappers():
     """Tensor parallelism (sizes only: the sharding asks no collective) turns the model, its
-    embedding, head, norms and a LoRA adapter into classes print(model) names."""
+    embedding, head, norms, sub-layers (with their f and g) and a LoRA adapter into classes
+    print(model) names; context parallelism's attention composes over its sub-layer."""
     from threefold.config import LoRAConfig
     from threefold.lora import apply_lora
     from threefold.parallel.tensor import apply_tensor_parallel
@@ -134,7 +135,15 @@ def test_tensor_parallelism_names_its_wrappers():
     model = apply_tensor_parallel(model, _SizesComm(tp=2), sequence_parallel=True)
     text = str(model)
     for name in ("TensorParallelCausalLM", "VocabParallelEmbedding", "VocabParallelHead",
-                 "SequenceParallelRMSNorm", "TensorParallelLoRALinear"):
+                 "SequenceParallelRMSNorm", "TensorParallelLoRALinear",
+                 "TensorParallelSublayer", "SequenceParallelModel"):
         assert name in text, name
     assert "tp=2, sequence parallel" in text and "column-parallel adapter" in text
+    assert "f: all-gather, g: reduce-scatter over tp" in text
     assert not _patched(model)
+    # f and g are the sub-layers' own (no hooks), and context parallelism composes over them
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    apply_context_parallel(model, _SizesComm(tp=2, cp=2))
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn, ContextParallelAttention) and "TensorParallelSublayer" in [
+        c.__name__ for c in type(attn).__mro__]

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from threefold.model import LlamaAttention, LlamaModel, sdpa_attention
-from threefold.parallel.wrap import become
+from threefold.parallel.wrap import wrap
 
 
 AXIS = "cp"
@@ -422,7 +422,7 @@ def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring"
         return model
     for mod in model.modules():
         if isinstance(mod, LlamaAttention):
-            become(mod, ContextParallelAttention, comm=comm, cp=n, algorithm=algorithm)
+            wrap(mod, ContextParallelAttention, comm=comm, cp=n, algorithm=algorithm)
         elif isinstance(mod, LlamaModel):
-            become(mod, ContextParallelModel, cp=n)
+            wrap(mod, ContextParallelModel, cp=n)
     return model

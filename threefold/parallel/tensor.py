@@ -46,7 +46,7 @@ from threefold.models import tp_plan
 from threefold.parallel.placement import place, tp_shard_dim  # noqa: F401 (re-exported)
 from threefold.parallel.tp_ops import (_CopyToTP, _GatherSeq, _ReduceFromTP,  # noqa: F401
                                        _ReduceScatterSeq, _ScatterSeq, copy_to_tp)
-from threefold.parallel.wrap import become
+from threefold.parallel.wrap import become, wrap
 
 AXIS = "tp"
 
@@ -182,9 +182,56 @@ class TensorParallelLoRALinear(LoRALinear):
         return f"{super().extra_repr()}, {self.style}-parallel adapter"
 
 
+class TensorParallelSublayer(nn.Module):
+    """A sub-layer (attention, a dense MLP) whose projections tensor parallelism split:
+    Megatron's ``f`` at its input (identity forward, the gradient all-reduced over tp; under
+    sequence parallelism an all-gather of the sequence) and ``g`` at its output, which its
+    row-parallel projection (o_proj, down_proj) makes (an all-reduce; under sequence
+    parallelism a reduce-scatter). Composed over the sub-layer's own class
+    (``threefold.parallel.wrap.wrap``)."""
+
+    comm = None
+    sequence_parallel = False
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The sub-layer between its two conjugate operators."""
+        sp = self.sequence_parallel
+        x = (_GatherSeq if sp else _CopyToTP).apply(x, self.comm)
+        out = super().forward(x, *args, **kwargs)
+        return (_ReduceScatterSeq if sp else _ReduceFromTP).apply(out, self.comm)
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + (", " if super().extra_repr() else "")
+                + ("f: all-gather, g: reduce-scatter" if self.sequence_parallel
+                   else "f: identity, g: all-reduce") + " over tp")
+
+
+class SequenceParallelModel(nn.Module):
+    """The decoder under sequence parallelism: each rank's blocks hold some of the tokens,
+    so RoPE's positions are the whole sequence's (the caller's when given: the pipeline
+    executor always passes them). Composed over the decoder's own class."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """The decoder with the whole sequence's positions."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device) \
+                .expand(input_ids.shape[0], -1)
+        return super().forward(input_ids, position_ids, document_ids, **kwargs)
+
+
 class VocabParallelHead(LMHead):
-    """The LM head holding one tp rank's vocabulary rows: its loss is the vocab-parallel
+    """The LM head holding one tp rank's vocabulary rows: its input through ``f`` (an
+    all-gather of the sequence under sequence parallelism), its loss the vocab-parallel
     cross-entropy (``threefold.head_loss``), its logits this rank's rows."""
+
+    comm = None
+    sequence_parallel = False
+
+    def forward(self, h: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """This rank's rows of the head over the whole (gathered) hidden states."""
+        h = (_GatherSeq if self.sequence_parallel else _CopyToTP).apply(h, self.comm)
+        return super().forward(h, *args, **kwargs)
 
     def extra_repr(self) -> str:
         s = self.shard
@@ -285,38 +332,20 @@ def _shard_projection_norms(attn: nn.Module, comm) -> None:
         become(norm, ProjectionParallelRMSNorm, comm=comm, full=w.shape[0])
 
 
-def _whole_sequence_positions(_m, args, kwargs):
-    """Rotary tables for the whole sequence when each rank holds only some tokens (the
-    caller's positions when given: the pipeline executor always passes them)."""
-    given = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
-    if given is not None:
-        return None
-    ids = args[0]
-    kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)
-              .expand(ids.shape[0], -1)}
-    if len(args) > 2:
-        kwargs["document_ids"] = args[2]
-    return args[:1], kwargs
-
-
 def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool = False):
-    """Shard ``model`` in place over the "tp" axis of ``comm`` and install the conjugate
-    operators. Returns the model; its head's loss is then vocab-parallel (``lm_head.shard``).
+    """Shard ``model`` in place over the "tp" axis of ``comm``, its sub-layers wrapped
+    between the conjugate operators (``TensorParallelSublayer``). Returns the model; its head's loss is then vocab-parallel (``lm_head.shard``).
     Weights are sliced from the full ones (or, on the meta device, only their shapes and
     placements change), so the sharded model computes exactly what the full one does."""
     sp = sequence_parallel
     _shard_weights(model, comm, sp)
-    enter = _GatherSeq.apply if sp else _CopyToTP.apply
-    leave = _ReduceScatterSeq.apply if sp else _ReduceFromTP.apply
     norms = [model.model.norm] if sp and model.model.norm is not None else []
     for layer in model.model.layers:
         # a mixture of experts stays whole on every tp rank: its input and output are the
         # replicated residual stream, so it needs no operator (threefold.parallel.expert)
-        dense_mlp = getattr(layer.mlp, "down_proj", None)  # None in a mixture of experts
-        for sub, out_proj in ((layer.self_attn, layer.self_attn.o_proj),
-                              *(((layer.mlp, dense_mlp),) if dense_mlp is not None else ())):
-            sub.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm), *a[1:]))
-            out_proj.register_forward_hook(lambda _m, _a, out: leave(out, comm))
+        dense = hasattr(layer.mlp, "down_proj")
+        for sub in (layer.self_attn, *((layer.mlp,) if dense else ())):
+            wrap(sub, TensorParallelSublayer, comm=comm, sequence_parallel=sp)
         if sp:
             norms += layer.residual_norms()
         if hasattr(layer.self_attn, "kv_a_proj_with_mqa"):  # latent attention's latents
@@ -329,11 +358,10 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
         become(norm, SequenceParallelRMSNorm, comm=comm)
         place(norm.weight, tp_grad_reduced=True)
     if sp:
-        model.model.register_forward_pre_hook(_whole_sequence_positions, with_kwargs=True)
+        wrap(model.model, SequenceParallelModel)
     if model.lm_head is not None:
-        model.lm_head.register_forward_pre_hook(lambda _m, a: (enter(a[0], comm), *a[1:]))
         rows = math.ceil(model.cfg.vocab_size / comm.size(AXIS))
-        become(model.lm_head, VocabParallelHead,
+        become(model.lm_head, VocabParallelHead, comm=comm, sequence_parallel=sp,
                shard=VocabShard(comm, AXIS, comm.rank(AXIS) * rows, model.cfg.vocab_size))
     # generation refuses sequence parallelism (its steps are 1 token)
     return become(model, TensorParallelCausalLM, tp_size=comm.size(AXIS), sequence_parallel=sp)

@@ -1,5 +1,4 @@
-"""How a parallelism changes a module: it turns the instance into a wrapper class (tensor
-parallelism's f and g at each sub-layer's edges are forward hooks; nothing else is hooked).
+"""The one way a parallelism changes a module: it turns the instance into a wrapper class.
 
 A wrapper is a subclass of the module's own class (``ContextParallelAttention`` of
 ``LlamaAttention``, ``ExpertParallelExperts`` of ``Experts``) that overrides a method and
@@ -31,3 +30,26 @@ def become(module: nn.Module, cls: type, **settings) -> nn.Module:
     for k, v in settings.items():
         setattr(module, k, v)
     return module
+
+
+_COMPOSED: dict[tuple[type, type], type] = {}
+
+
+def composed(wrapper: type, base: type) -> type:
+    """``wrapper`` over ``base``: ``wrapper`` itself when it already derives from ``base``,
+    else one class (made once) that is both, named as ``wrapper``, so that a module another
+    parallelism wrapped before keeps that wrapper's behaviour under this one (tensor
+    parallelism's sub-layer under context parallelism's attention)."""
+    if issubclass(wrapper, base):
+        return wrapper
+    if (wrapper, base) not in _COMPOSED:
+        _COMPOSED[wrapper, base] = type(wrapper.__name__, (wrapper, base),
+                                        {"__doc__": wrapper.__doc__,
+                                         "__module__": wrapper.__module__})
+    return _COMPOSED[wrapper, base]
+
+
+def wrap(module: nn.Module, wrapper: type, **settings) -> nn.Module:
+    """``become`` ``wrapper`` composed over the module's present class (``composed``)."""
+    return become(module, composed(wrapper, type(module)), **settings)
+
