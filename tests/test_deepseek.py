@@ -64,7 +64,7 @@ def test_logits_equal_transformers_and_convert_round_trips(rope, tmp_path):
 
 
 def test_unsupported_fields_are_named():
-    from threefold.hf_config import HFError, model_config_from_hf
+    from threefold.hf_config import HFError, check_shapes, expected_shapes, model_config_from_hf
 
     conf = hf_deepseek().config.to_dict()
     for change, field in (({"n_group": 3}, "n_group"), ({"kv_lora_rank": 0}, "kv_lora_rank"),
@@ -72,6 +72,12 @@ def test_unsupported_fields_are_named():
                            "rope_parameters"), ({"scoring_func": "softmax"}, "scoring_func")):
         with pytest.raises(HFError, match=field):
             model_config_from_hf({**conf, **change})
+    # a folder that keeps the multi-token-prediction module (layer L, as DeepSeek's does)
+    cfg = model_config_from_hf(conf)
+    shapes = {**expected_shapes(cfg), "model.layers.3.enorm.weight": (64,)}
+    with pytest.raises(HFError, match="model.layers.3.enorm.weight is past "
+                                      "num_hidden_layers=3.*num_nextn_predict_layers"):
+        check_shapes(cfg, shapes, "folder")
 
 
 # the tiny DeepSeek-V3 as a training config: 3 blocks, the first dense (width 128), 8

@@ -146,6 +146,12 @@ def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: st
         raise HFError(f"{where}: tensor {missing[0]} is missing")
     extra = sorted(set(shapes) - set(want))
     if extra:
+        past = [n for n in extra if n.startswith("model.layers.") and
+                int(n.split(".")[2]) >= cfg.num_hidden_layers]
+        if past:  # DeepSeek-V3's folders keep the multi-token-prediction module as layer L
+            raise HFError(f"{where}: tensor {past[0]} is past num_hidden_layers="
+                          f"{cfg.num_hidden_layers}: a multi-token-prediction module "
+                          "(num_nextn_predict_layers) is not built; save the model without it")
         raise HFError(f"{where}: unexpected tensor {extra[0]} (not part of this model)")
 
 

@@ -20,7 +20,8 @@ from threefold.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from threefold.models.spec import LLAMA_TP_PLAN, Family, FamilyError, need
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2, GEMMA3, PHI3, DEEPSEEK_V3)}
+    LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2, GEMMA3, PHI3,
+    DEEPSEEK_V3)}
 # config names the families so that it can check model.family without importing this
 if tuple(FAMILIES) != MODEL_FAMILIES:
     raise ImportError(f"threefold.config.MODEL_FAMILIES {MODEL_FAMILIES} must list the "

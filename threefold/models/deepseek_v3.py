@@ -4,8 +4,8 @@
 the optimiser) after ``first_k_dense_replace`` dense blocks, RoPE on interleaved pairs, and
 YaRN. config.json's ``intermediate_size`` is the dense blocks' width and
 ``moe_intermediate_size`` an expert's. The multi-token-prediction module
-(``num_nextn_predict_layers``) is not built, as in transformers: its tensors, where a folder
-holds them, are refused by name."""
+(``num_nextn_predict_layers``) is not built, as in transformers: a folder that holds its
+tensors (layer ``num_hidden_layers``) is refused, naming the field."""
 
 from threefold.models.llama import LLAMA_LIKE, NOT_DEEPSEEK
 from threefold.models.spec import Family, need
