@@ -153,6 +153,10 @@ class ModelConfig:
                                          "layers (Megatron/DeepSeek style; what pipeline "
                                          "parallelism needs), instead of f and P pooled over "
                                          "all layers first (transformers' Mixtral)")
+    moe_impl: str = field(default="grouped", compare=False, metadata={
+        "doc": "how a rank runs its local experts: grouped (one torch._grouped_mm over the "
+               "tokens sorted by expert) or loop (one matmul per expert, the reference); the "
+               "same values either way"})
 
     def resolved(self, vocab_size: int | None = None) -> "ModelConfig":
         """A copy with every None filled from the preset, and every field the preset sets
@@ -264,6 +268,10 @@ class ParallelConfig:
                                  "step's end, through the rendezvous store; a mismatch stops the "
                                  "run naming the group, the ranks and the first differing call "
                                  "(also on with THREEFOLD_CHECK_COLLECTIVES=1)")
+    tp_overlap: int = _f(0, "under sequence parallelism, split each all-gather before the "
+                         "column-parallel matmuls and each reduce-scatter after the row-parallel "
+                         "ones into this many chunks, each overlapping the neighbouring chunk's "
+                         "matmul (async TP); 0 or 1 = off")
     trace_buf_size: int = _f(20000, "CUDA: entries of NCCL's flight recorder per rank (dumped "
                              "to OUTPUT_DIR/comm_traces/ when a collective times out); 0 = off")
 
@@ -297,6 +305,9 @@ class TrainConfig:
     progress: str = _f("auto", "progress bar: auto (on a TTY), on or off")
     trace_step: int = _f(0, "write OUTPUT_DIR/trace.json, a Chrome/Perfetto trace of what every "
                          "rank did in this step (1-based; 0 = no trace)")
+    fp8: str = _f("none", "FP8 matmuls in the blocks' linear layers, scaled dynamically: none, "
+                  "tensorwise (one scale per tensor) or rowwise (per row of the input, per "
+                  "column of the weight); master weights, optimiser and head stay as they are")
     preemption_grace_s: float = _f(60.0, "on SIGTERM (a preemption notice) every rank finishes "
                                    "the step, saves a checkpoint and exits 0 within this many "
                                    "seconds; 0 = SIGTERM ends the run at once")
@@ -320,6 +331,9 @@ class CheckpointConfig:
                         "model's shape and tokenizer come with them")
     init_from_commit: str = _f("", "the hub snapshot init_from resolved to (set by the "
                                "launcher; every rank then reads that commit from the cache)")
+    async_save: bool = _f(False, "copy each rank's shard to host memory and write it from a "
+                          "background thread while training goes on; the commit (manifest, "
+                          "index) stays on the main thread at the next step")
     dir: str = _f("", "checkpoint root of each node; empty = OUTPUT_DIR/checkpoints. '{node}' "
                   "is replaced by the node rank (torchrun's GROUP_RANK). Nodes need not share "
                   "it: each writes its own ranks' files and manifest part, rank 0's root gets "
