@@ -120,7 +120,7 @@ def test_parallelisms_do_not_patch_instances():
 LAYERS = [
     ["__main__", "cli", "convert", "plot"],
     ["post"],
-    ["launch"],
+    ["launch", "slurm"],
     ["train"],
     ["steps", "runlog", "trackers", "resume"],
     ["run", "task"],
@@ -131,7 +131,7 @@ LAYERS = [
     ["weights", "checkpoint", "checkpoint_verify", "resharding", "hf", "hf_config"],
     ["liveness", "preempt", "faults", "hostmem"],
     ["accounting"],
-    ["comm", "mesh", "axes", "distributed", "collective_check"],
+    ["comm", "mesh", "axes", "distributed", "collective_check", "topology"],
     ["model", "attention", "mla", "norm", "kernels", "head_loss", "moe", "kvcache", "lora"],
     ["hub"],
     ["hardware", "metrics", "data", "models", "schedules"],

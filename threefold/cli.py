@@ -17,8 +17,9 @@ import sys
 from typing import NamedTuple
 
 from threefold.config import ConfigError, describe, parse_overrides
-from threefold.launch import (check_launch_layout, dispatch, fail, load_run_config,
-                              resolve_init_from, run_training, split_train_args, world_size_for)
+from threefold.launch import (check_launch_layout, cluster_launcher, dispatch, fail,
+                              load_run_config, resolve_init_from, run_training,
+                              split_train_args, world_size_for)
 
 
 class Command(NamedTuple):
@@ -61,6 +62,12 @@ COMMANDS = (
     Command("options", "", "list every configuration option with its default and meaning",
             "threefold.cli:cmd_options"),
 )
+MULTI_NODE_HELP = """on several nodes, the same command on each (torchrun's c10d rendezvous):
+  --nnodes N --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id ID] [--max-restarts K]
+inside a Slurm allocation (one srun task per node) --nproc-per-node G alone: --nnodes,
+  --node-rank, --rdzv-endpoint (first host, port 29500 or $THREEFOLD_RDZV_PORT) and --rdzv-id
+  come from SLURM_*; flags given win (docs/launching.md)
+"""
 HELP_COLUMN = 21  # where each command's description starts
 
 
@@ -80,10 +87,12 @@ USAGE = "\n".join(["usage: threefold <command> [args]", "", "commands:",
 def cmd_train(argv: list[str]) -> int:
     """`threefold train`: validate everything, then train here or under torchrun."""
     if argv and argv[0] in ("-h", "--help"):
-        print(usage_lines(COMMANDS[0])[0] + "\n\nrun `threefold options` for every --section.key")
+        print(usage_lines(COMMANDS[0])[0] + "\n\n" + MULTI_NODE_HELP
+              + "\nrun `threefold options` for every --section.key")
         return 0
     try:
         path, rest, nproc, launcher = split_train_args(argv)
+        launcher = cluster_launcher(nproc, launcher)
         cfg = load_run_config(path, parse_overrides(rest))
         argv = resolve_init_from(cfg, argv)
         world = world_size_for(nproc, launcher)

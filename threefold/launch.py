@@ -21,6 +21,7 @@ from pathlib import Path
 
 from threefold.config import ConfigError, load_config
 from threefold.parallel.checks import validate_layout
+from threefold.slurm import slurm_launch_flags
 
 
 def fail(msg: str) -> int:
@@ -63,6 +64,18 @@ def split_train_args(argv: list[str]) -> tuple[str | None, list[str], int | None
             raise ValueError(f"--nproc-per-node: '{nproc}' is not a positive integer")
         nproc = int(nproc)
     return path, rest, nproc, launcher
+
+
+def cluster_launcher(nproc: int | None, launcher: list[str]) -> list[str]:
+    """``launcher`` with what a Slurm allocation implies (``threefold.slurm``): when this
+    process is to start torchrun (``--nproc-per-node`` given, not inside a worker), the
+    flags the user left out are inferred from the allocation and said on the first line."""
+    if nproc is None or "LOCAL_RANK" in os.environ:
+        return launcher
+    launcher, line = slurm_launch_flags(os.environ, launcher)
+    if line:
+        print(line, flush=True)
+    return launcher
 
 
 def world_size_for(nproc: int | None, launcher: list[str]) -> int:

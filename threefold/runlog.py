@@ -51,6 +51,8 @@ class RunLog:
         self.say(f"threefold: {self.n_params / 1e6:.2f}M parameters{active}, {lay.describe()}, "
                  f"device {run.device}, dtype {cfg.train.dtype}, steps {start}->"
                  f"{cfg.train.steps}")
+        for line in lay.topology_lines():  # where the ranks run; tp or cp across nodes
+            self.say(line)
 
     def _open_outputs(self) -> None:
         run, start = self.run, self.start

@@ -26,6 +26,7 @@ from threefold.parallel.context import shard_batch
 from threefold.parallel.materialize import buffer_pieces
 from threefold.parallel.pipeline.executor import PipelineExecutor
 from threefold.schedules.schedules import schedule_spec
+from threefold.topology import gather_topology
 from threefold.parallel.pipeline.stage import rank_model, split_model, tied_head_replica
 from threefold.parallel.placement import placement
 from threefold.parallel.zero import ZeroEngine
@@ -76,6 +77,10 @@ class Distributed(World):
         # now and give them the run's, so that a stuck collective anywhere fails in time.
         if not self._fake:  # whose collectives return at once
             self.comm.set_timeout(cfg.parallel.timeout_s)
+        # where every rank runs, learnt once, the same call on every rank: the check that tp
+        # and cp stay inside a node, and summary.json's nodes; a rank alone on torch's fake
+        # group has no peers to hear from
+        self.topology = None if self._fake else gather_topology(self.control, self.local_rank)
         c = self.dims.coords(self.rank)
         self.dp_size = self.dims.dp_replicate * self.dims.dp_shard
         self.dp_rank = c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
@@ -326,12 +331,22 @@ class Distributed(World):
         return {"comm_bytes": counters}
 
     def summary_metrics(self) -> dict[str, Any]:
-        """Mean bytes sent per rank per step on each axis."""
+        """Mean bytes sent per rank per step on each axis; the nodes the ranks ran on."""
+        out = {} if self.topology is None else {"topology": self.topology.summary(self.dims)}
         if not self._steps:
-            return {"comm_bytes_per_step": {}}
+            return {**out, "comm_bytes_per_step": {}}
         axes = sorted({a for s in self._steps for a in s})
-        return {"comm_bytes_per_step": {a: sum(s.get(a, 0) for s in self._steps) / len(self._steps)
-                                        for a in axes}}
+        return {**out, "comm_bytes_per_step": {
+            a: sum(s.get(a, 0) for s in self._steps) / len(self._steps) for a in axes}}
+
+    def topology_lines(self) -> list[str]:
+        """The nodes the ranks run on, and a warning per axis (tp, cp) that leaves a node."""
+        if self.topology is None:
+            return []
+        t = self.topology
+        nodes = "; ".join(f"{h}: {n}" for h, n in zip(t.nodes, t.ranks_per_node))
+        return [f"threefold: {self.world_size} ranks on {t.describe()} ({nodes})",
+                *t.warnings(self.dims)]
 
     def describe(self) -> str:
         """One line for the log."""

@@ -119,6 +119,10 @@ class World:
         """Extra summary fields."""
         return {}
 
+    def topology_lines(self) -> list[str]:
+        """Log lines on the nodes the ranks run on (none for one process)."""
+        return []
+
     def describe(self) -> str:
         """One line for the log."""
         return "single process"

@@ -21,8 +21,9 @@ from types import ModuleType
 
 from threefold.config import ConfigError, parse_overrides, take_flag
 from threefold.data import DataError
-from threefold.launch import (check_launch_layout, dispatch, fail, load_run_config,
-                              resolve_init_from, run_training, split_train_args, world_size_for)
+from threefold.launch import (check_launch_layout, cluster_launcher, dispatch, fail,
+                              load_run_config, resolve_init_from, run_training,
+                              split_train_args, world_size_for)
 
 _COMMON = {"train.steps": "30", "optim.warmup_steps": "3", "optim.weight_decay": "0.0",
            "train.eval_batches": "1", "train.log_interval": "5",
@@ -220,6 +221,7 @@ def _main(cmd: str, argv: list[str]) -> int:
     try:
         opts, remaining = parse_task_options(cmd, argv)
         path, rest, nproc, launcher = split_train_args(remaining)
+        launcher = cluster_launcher(nproc, launcher)
         cfg = build_config(cmd, path, rest)
         _check_default_start(cmd, cfg)
         argv = resolve_init_from(cfg, argv)

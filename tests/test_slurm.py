@@ -1,0 +1,162 @@
+"""Multi-node launch the way clusters do it: the Slurm node list read as scontrol prints it,
+the torchrun flags an allocation implies (explicit flags win), each rank's node learnt at
+start-up and tp/cp across nodes flagged; and two launcher agents on 127.0.0.1 in a faked
+two-node Slurm allocation training to the single process's losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import metrics, tiny_overrides
+from tests.dist import run_checks
+from tests.test_launch import _args, _env, _free_port, wait_agents
+from threefold.config import load_config
+from threefold.mesh import ParallelDims
+from threefold.slurm import PORT_ENV, expand_hostlist, slurm_launch_flags
+from threefold.topology import TEST_HOSTNAME_ENV, Topology
+
+HOSTLISTS = [
+    ("node07", ["node07"]),
+    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+    ("a[1-2],b3", ["a1", "a2", "b3"]),
+    ("gpu-[001-003]-ib", ["gpu-001-ib", "gpu-002-ib", "gpu-003-ib"]),
+    ("node[8-10]", ["node8", "node9", "node10"]),       # no padding: widths grow
+    ("node[08-10]", ["node08", "node09", "node10"]),    # the lower bound's padding kept
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("x[3],y[1-2,5]z,w", ["x3", "y1z", "y2z", "y5z", "w"]),
+    ("127.0.0.1,127.0.0.1", ["127.0.0.1", "127.0.0.1"]),
+]
+
+
+@pytest.mark.parametrize("text,hosts", HOSTLISTS)
+def test_hostlist_forms_slurm_prints(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("node[01-04", "unbalanced"), ("node]1[", "unbalanced"), ("n[[1]]", "unbalanced"),
+    ("node[a-b]", "not numbers"), ("node[5-2]", "backwards"), ("a,,b", "empty name"),
+    ("", "empty"),
+])
+def test_hostlist_refuses_what_slurm_never_prints(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        expand_hostlist(text)
+
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2",
+         "SLURM_JOB_NODELIST": "gpu-[001-004]-ib"}
+
+
+def _by_parser(nodelist):
+    return expand_hostlist(nodelist), "parser"
+
+
+def test_slurm_allocation_gives_the_launcher_flags():
+    flags, line = slurm_launch_flags(SLURM, [], _by_parser)
+    assert flags == ["--nnodes", "4", "--node-rank", "2", "--rdzv-endpoint",
+                     "gpu-001-ib:29500", "--rdzv-id", "slurm4242"]
+    assert line.startswith("threefold: Slurm job 4242: --nnodes 4") and "by parser" in line
+    # explicit flags win, one by one; the port is overridable; a step's own nodes first
+    env = dict(SLURM, SLURM_STEP_NODELIST="gpu-[003-004]-ib", **{PORT_ENV: "31000"})
+    flags, _ = slurm_launch_flags(env, ["--nnodes", "2", "--rdzv-id", "mine"], _by_parser)
+    assert flags == ["--nnodes", "2", "--rdzv-id", "mine", "--node-rank", "2",
+                     "--rdzv-endpoint", "gpu-003-ib:31000"]
+    given = ["--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--rdzv-id", "x"]
+    assert slurm_launch_flags(SLURM, given, _by_parser) == (given, None)
+    assert slurm_launch_flags({}, ["--nnodes", "2"], _by_parser) == (["--nnodes", "2"], None)
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"SLURM_NNODES": "two"}, "SLURM_NNODES='two'"),
+    ({PORT_ENV: "99999"}, PORT_ENV),
+    ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NUM_NODES": "2"}, "--ntasks-per-node=1"),
+])
+def test_slurm_inference_refuses_in_one_line(env, needle):
+    with pytest.raises(ValueError, match=needle):
+        slurm_launch_flags(dict(SLURM, **env), [], _by_parser)
+
+
+def test_topology_flags_tp_and_cp_across_nodes_only():
+    two_by_two = Topology(("n1", "n1", "n2", "n2"), (0, 1, 0, 1))
+    assert two_by_two.describe() == "2 nodes × 2 ranks"
+    inside = ParallelDims(dp_replicate=2, dp_shard=1, tp=2, pp=1, world_size=4)
+    assert two_by_two.warnings(inside) == []
+    assert two_by_two.summary(inside) == {"nodes": 2, "ranks_per_node": [2, 2],
+                                          "node_names": ["n1", "n2"], "axes_across_nodes": []}
+    across = ParallelDims(dp_replicate=1, dp_shard=1, tp=4, pp=1, world_size=4)
+    [line] = two_by_two.warnings(across)
+    assert line.startswith("threefold: warning: tp=4 spans nodes") and "parallel.tp" in line
+    cp = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=4, cp=4)
+    assert [w.split()[2] for w in two_by_two.warnings(cp)] == ["cp=4"]
+    ragged = Topology(("a", "a", "a", "b"), (0, 1, 2, 0))
+    assert ragged.describe() == "2 nodes (3+1 ranks)"
+
+
+def _topology_on_node(rank, world, node_of_rank):
+    """A rank that reports itself on ``node_of_rank[rank]``: what the layout learnt."""
+    from threefold.config import Config, ParallelConfig
+    from threefold.parallel.distributed_layout import Distributed
+
+    os.environ[TEST_HOSTNAME_ENV] = node_of_rank[rank]
+    cfg = Config()
+    cfg.parallel = ParallelConfig(tp=world, dp_shard=1)
+    lay = Distributed(cfg)
+    return lay.topology, lay.topology_lines()
+
+
+def test_ranks_learn_their_nodes_at_start_up():
+    """Through the layout itself: two ranks on one node, then on two (tp=2 both times)."""
+    same, split = run_checks(2, [(_topology_on_node, (["n1", "n1"],)),
+                                 (_topology_on_node, (["n1", "n2"],))])
+    assert same[0][0] == same[1][0] == Topology(("n1", "n1"), (0, 1))
+    assert same[0][1] == ["threefold: 2 ranks on 1 node × 2 ranks (n1: 2)"]
+    assert split[0][0] == Topology(("n1", "n2"), (0, 1))
+    assert len(split[0][1]) == 2 and "tp=2 spans nodes" in split[0][1][1]
+
+
+@pytest.mark.slow
+def test_two_nodes_from_a_slurm_allocation(corpus, cache_dir, tmp_path):
+    """Two agents, each given only --nproc-per-node 1 inside a faked two-node allocation
+    (node list 127.0.0.1 twice; each agent's ranks named node1/node2 by the test-only
+    hostname), train tp=2 across the two "nodes" to the single process's losses; the run
+    says what it inferred, warns that tp spans nodes and records 2 nodes × 1 rank."""
+    steps = 2
+    ref = tmp_path / "ref"
+    from threefold.train import train
+
+    train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=steps)))
+    out, port, procs = tmp_path / "slurm", _free_port(), []
+    for node in range(2):
+        env = dict(_env(), SLURM_JOB_ID=f"7{port}", SLURM_NNODES="2", SLURM_NODEID=str(node),
+                   SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1", **{PORT_ENV: str(port)},
+                   **{TEST_HOSTNAME_ENV: f"node{node + 1}"})
+        cmd = [sys.executable, "-m", "threefold", "train", "--nproc-per-node", "1",
+               *_args(corpus, cache_dir, out, train__steps=steps, parallel__tp=2)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+        time.sleep(0.5)
+    outs = wait_agents(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    reader = "scontrol" if shutil.which("scontrol") else "parser"
+    for node, o in enumerate(outs):
+        assert o.splitlines()[0] == (
+            f"threefold: Slurm job 7{port}: --nnodes 2 --node-rank {node} "
+            f"--rdzv-endpoint 127.0.0.1:{port} --rdzv-id slurm7{port} (first of "
+            f"127.0.0.1,127.0.0.1, read by {reader}); flags given on the command line win"), o
+    log = "".join(outs)
+    assert "threefold: 2 ranks on 2 nodes × 1 rank (node" in log, log[-3000:]
+    assert log.count("threefold: warning: tp=2 spans nodes") == 1, log[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["topology"]["nodes"] == 2 and s["topology"]["ranks_per_node"] == [1, 1]
+    assert sorted(s["topology"]["node_names"]) == ["node1", "node2"]
+    assert s["topology"]["axes_across_nodes"] == ["tp"] and s["comm_bytes_per_step"]["tp"] > 0
+    losses = [r["loss"] for r in metrics(out)]
+    assert losses == pytest.approx([r["loss"] for r in metrics(ref)], rel=1e-5)
