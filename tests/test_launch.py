@@ -1,6 +1,6 @@
-"""Launching: `threefold train --nproc-per-node N` starts torchrun; two torchrun agents on
-127.0.0.1 act as two nodes (c10d rendezvous); impossible layouts are refused before any process
-starts."""
+"""Launching: `threefold train --nproc-per-node N` starts torchrun; impossible layouts are
+refused before any process starts. Two agents as two nodes: tests/test_slurm.py (and
+tests/test_checkpoint_nodes.py), with these helpers."""
 
 from __future__ import annotations
 
@@ -89,22 +89,6 @@ def test_no_process_group_thread_outlives_a_finished_run(corpus, cache_dir, tmp_
     assert len(reports) == 2 and not any("gloo" in x for x in reports), p.stdout
 
 
-def _two_agents(corpus, cache_dir, out, port):
-    """Two single-process agents as two nodes; (processes, outputs). Not retried: a hang is
-    a failure, reported with both agents' output (both killed)."""
-    procs = []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "threefold", "train", "--nnodes", "2", "--nproc-per-node",
-               "1", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"twonodes{port}",
-               *_args(corpus, cache_dir, out, train__steps=2, parallel__dp_replicate=2)]
-        procs.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
-        time.sleep(0.5)
-    return procs, wait_agents(procs)
-
-
 def wait_agents(procs, timeout: float = 240.0) -> list[str]:
     """The outputs of agents started in sessions of their own; a hang is a failure with both
     agents' output (their sessions killed: the agent and its worker)."""
@@ -116,17 +100,6 @@ def wait_agents(procs, timeout: float = 240.0) -> list[str]:
                 os.killpg(p.pid, signal.SIGKILL)
         tails = [(p.communicate()[0] or "")[-3000:] for p in procs]
         raise AssertionError("two agents hung:\n" + "\n----\n".join(tails)) from None
-
-
-@pytest.mark.slow
-def test_two_agents_as_two_nodes(corpus, cache_dir, tmp_path):
-    # no retry: a finished run exits 0 on every rank (threefold.distributed.shutdown); the
-    # hangs once retried here were an agent waiting for one whose worker aborted at exit
-    out = tmp_path / "two_nodes"
-    procs, outs = _two_agents(corpus, cache_dir, out, _free_port())
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
-    s = json.loads((out / "summary.json").read_text())
-    assert s["world_size"] == 2 and s["comm_bytes_per_step"]["dp"] > 0
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -60,14 +60,18 @@ def _by_parser(nodelist):
 
 def test_slurm_allocation_gives_the_launcher_flags():
     flags, line = slurm_launch_flags(SLURM, [], _by_parser)
-    assert flags == ["--nnodes", "4", "--node-rank", "2", "--rdzv-endpoint",
-                     "gpu-001-ib:29500", "--rdzv-id", "slurm4242"]
-    assert line.startswith("threefold: Slurm job 4242: --nnodes 4") and "by parser" in line
+    assert flags == ["--nnodes", "4", "--rdzv-endpoint", "gpu-001-ib:29500", "--rdzv-id",
+                     "slurm4242"]
+    assert line.startswith("threefold: Slurm job 4242, node 2: --nnodes 4") \
+        and "by parser" in line
+    # the static rendezvous takes the node's rank from the flag (c10d numbers nodes itself)
+    flags, _ = slurm_launch_flags(SLURM, ["--rdzv-backend", "static"], _by_parser)
+    assert flags[2:6] == ["--nnodes", "4", "--node-rank", "2"]
     # explicit flags win, one by one; the port is overridable; a step's own nodes first
     env = dict(SLURM, SLURM_STEP_NODELIST="gpu-[003-004]-ib", **{PORT_ENV: "31000"})
     flags, _ = slurm_launch_flags(env, ["--nnodes", "2", "--rdzv-id", "mine"], _by_parser)
-    assert flags == ["--nnodes", "2", "--rdzv-id", "mine", "--node-rank", "2",
-                     "--rdzv-endpoint", "gpu-003-ib:31000"]
+    assert flags == ["--nnodes", "2", "--rdzv-id", "mine", "--rdzv-endpoint",
+                     "gpu-003-ib:31000"]
     given = ["--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--rdzv-id", "x"]
     assert slurm_launch_flags(SLURM, given, _by_parser) == (given, None)
     assert slurm_launch_flags({}, ["--nnodes", "2"], _by_parser) == (["--nnodes", "2"], None)
@@ -123,40 +127,58 @@ def test_ranks_learn_their_nodes_at_start_up():
 
 @pytest.mark.slow
 def test_two_nodes_from_a_slurm_allocation(corpus, cache_dir, tmp_path):
-    """Two agents, each given only --nproc-per-node 1 inside a faked two-node allocation
-    (node list 127.0.0.1 twice; each agent's ranks named node1/node2 by the test-only
-    hostname), train tp=2 across the two "nodes" to the single process's losses; the run
-    says what it inferred, warns that tp spans nodes and records 2 nodes × 1 rank."""
-    steps = 2
-    ref = tmp_path / "ref"
+    """Two launcher agents on 127.0.0.1 in a faked two-node allocation (node list 127.0.0.1
+    twice; each agent's ranks named node1/node2 by the test-only hostname): node 0 given the
+    multi-node flags by hand (they win), node 1 only --nproc-per-node 1. They train tp=2
+    across the two "nodes" to the single process's losses; each says first what it inferred,
+    the run warns that tp spans nodes and records 2 nodes × 1 rank."""
     from threefold.train import train
 
+    steps = 2
+    ref = tmp_path / "ref"
     train(load_config(None, tiny_overrides(corpus, cache_dir, ref, train__steps=steps)))
     out, port, procs = tmp_path / "slurm", _free_port(), []
+    job, endpoint = f"7{port}", f"127.0.0.1:{port}"
+    by_hand = [["--nnodes", "2", "--rdzv-endpoint", endpoint], []]
     for node in range(2):
-        env = dict(_env(), SLURM_JOB_ID=f"7{port}", SLURM_NNODES="2", SLURM_NODEID=str(node),
+        env = dict(_env(), SLURM_JOB_ID=job, SLURM_NNODES="2", SLURM_NODEID=str(node),
                    SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1", **{PORT_ENV: str(port)},
                    **{TEST_HOSTNAME_ENV: f"node{node + 1}"})
         cmd = [sys.executable, "-m", "threefold", "train", "--nproc-per-node", "1",
-               *_args(corpus, cache_dir, out, train__steps=steps, parallel__tp=2)]
+               *by_hand[node], *_args(corpus, cache_dir, out, train__steps=steps,
+                                      parallel__tp=2)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
         time.sleep(0.5)
+    # no retry: a finished run exits 0 on every rank (threefold.distributed.shutdown); a hang
+    # is a failure, with both agents' output
     outs = wait_agents(procs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     reader = "scontrol" if shutil.which("scontrol") else "parser"
-    for node, o in enumerate(outs):
-        assert o.splitlines()[0] == (
-            f"threefold: Slurm job 7{port}: --nnodes 2 --node-rank {node} "
-            f"--rdzv-endpoint 127.0.0.1:{port} --rdzv-id slurm7{port} (first of "
-            f"127.0.0.1,127.0.0.1, read by {reader}); flags given on the command line win"), o
+    win = "; flags given on the command line win"
+    assert outs[0].splitlines()[0] == f"threefold: Slurm job {job}, node 0: --rdzv-id slurm{job}" \
+        + win, outs[0]
+    assert outs[1].splitlines()[0] == (
+        f"threefold: Slurm job {job}, node 1: --nnodes 2 --rdzv-endpoint {endpoint} --rdzv-id "
+        f"slurm{job} (first of 127.0.0.1,127.0.0.1, read by {reader})" + win), outs[1]
     log = "".join(outs)
     assert "threefold: 2 ranks on 2 nodes × 1 rank (node" in log, log[-3000:]
     assert log.count("threefold: warning: tp=2 spans nodes") == 1, log[-3000:]
     s = json.loads((out / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["comm_bytes_per_step"]["tp"] > 0
     assert s["topology"]["nodes"] == 2 and s["topology"]["ranks_per_node"] == [1, 1]
     assert sorted(s["topology"]["node_names"]) == ["node1", "node2"]
-    assert s["topology"]["axes_across_nodes"] == ["tp"] and s["comm_bytes_per_step"]["tp"] > 0
+    assert s["topology"]["axes_across_nodes"] == ["tp"]
     losses = [r["loss"] for r in metrics(out)]
     assert losses == pytest.approx([r["loss"] for r in metrics(ref)], rel=1e-5)
+
+def test_multi_node_flags_go_to_torchrun_only():
+    from threefold.launch import split_train_args
+
+    path, rest, nproc, launcher = split_train_args(
+        ["--nproc-per-node", "2", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-conf",
+         "join_timeout=900", "--train.steps", "3"])
+    assert (path, rest, nproc) == (None, ["--train.steps", "3"], 2)
+    assert launcher == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-conf",
+                        "join_timeout=900"]

@@ -64,6 +64,7 @@ COMMANDS = (
 )
 MULTI_NODE_HELP = """on several nodes, the same command on each (torchrun's c10d rendezvous):
   --nnodes N --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-id ID] [--max-restarts K]
+  [--rdzv-backend c10d|static] [--rdzv-conf join_timeout=900]
 inside a Slurm allocation (one srun task per node) --nproc-per-node G alone: --nnodes,
   --node-rank, --rdzv-endpoint (first host, port 29500 or $THREEFOLD_RDZV_PORT) and --rdzv-id
   come from SLURM_*; flags given win (docs/launching.md)

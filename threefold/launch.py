@@ -30,6 +30,13 @@ def fail(msg: str) -> int:
     return 2
 
 
+# torchrun's flags that `threefold train` passes on, each with its value: the multi-node ones
+# (docs/launching.md; --rdzv-backend defaults to c10d with an endpoint, --rdzv-conf carries
+# e.g. join_timeout=900 for nodes that start slowly) and restarts
+TORCHRUN_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-backend",
+                  "--rdzv-conf", "--max-restarts")
+
+
 def split_train_args(argv: list[str]) -> tuple[str | None, list[str], int | None, list[str]]:
     """(config path, override args, nproc, extra torchrun args) from train's argv."""
     path, rest, nproc, launcher = None, [], None, []
@@ -44,7 +51,7 @@ def split_train_args(argv: list[str]) -> tuple[str | None, list[str], int | None
         if a.startswith("--nproc-per-node=") or a.startswith("--nproc_per_node="):
             nproc, i = a.split("=", 1)[1], i + 1
             continue
-        if a in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "--rdzv-id"):
+        if a in TORCHRUN_FLAGS:
             if i + 1 >= len(argv):
                 raise ValueError(f"{a}: missing value")
             launcher += [a, argv[i + 1]]
@@ -138,8 +145,7 @@ def check_launch_layout(cfg, world_size: int) -> None:
     validate_layout(cfg, world_size, cfg.model.resolved(vocab_size=1))
 
 
-LAUNCHER_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",
-                  "--rdzv-endpoint", "--max-restarts", "--rdzv-id")
+LAUNCHER_FLAGS = ("--nproc-per-node", "--nproc_per_node", *TORCHRUN_FLAGS)
 
 
 def torchrun_accepts(flag: str) -> bool:
@@ -177,7 +183,7 @@ def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str],
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if "--nnodes" not in launcher:
         cmd += ["--standalone"]
-    elif "--rdzv-endpoint" in launcher:
+    elif "--rdzv-endpoint" in launcher and "--rdzv-backend" not in launcher:
         cmd += ["--rdzv-backend=c10d"]
     if grace_s > 0 and not any(a.startswith("--shutdown") for a in launcher) \
             and torchrun_accepts("--shutdown-timeout"):

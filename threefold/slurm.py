@@ -2,8 +2,8 @@
 
 Inside an allocation (``SLURM_JOB_ID`` set, one ``srun`` task per node running
 ``threefold train --nproc-per-node G``), ``slurm_launch_flags`` fills in the flags the user
-left out: ``--nnodes`` (``SLURM_NNODES``), ``--node-rank`` (``SLURM_NODEID``),
-``--rdzv-endpoint`` (the first host of the step's node list, port ``RDZV_PORT`` or
+left out: ``--nnodes`` (``SLURM_NNODES``), ``--node-rank`` (``SLURM_NODEID``, for the static
+rendezvous: c10d numbers the nodes itself), ``--rdzv-endpoint`` (the first host of the step's node list, port ``RDZV_PORT`` or
 ``$THREEFOLD_RDZV_PORT``) and ``--rdzv-id`` (the job id, which every node shares). Flags
 given on the command line win, one by one.
 
@@ -132,7 +132,10 @@ def slurm_launch_flags(env: Mapping[str, str], launcher: list[str],
     added: list[str] = []
     if "--nnodes" not in given:
         added += ["--nnodes", str(_env_count(env, "SLURM_NNODES"))]
-    if "--node-rank" not in given:
+    node = env.get("SLURM_NODEID", "?")  # said on the line; a flag only for static
+    # torchrun's c10d rendezvous numbers the nodes itself (and warns that a --node-rank is
+    # ignored); the static one takes each node's rank from the flag
+    if "--node-rank" not in given and _backend(launcher) == "static":
         added += ["--node-rank", str(_env_count(env, "SLURM_NODEID"))]
     source = ""
     if "--rdzv-endpoint" not in given:
@@ -153,5 +156,11 @@ def slurm_launch_flags(env: Mapping[str, str], launcher: list[str],
     if not added:
         return launcher, None
     shown = " ".join(added)
-    return launcher + added, (f"threefold: Slurm job {env['SLURM_JOB_ID']}: {shown}{source}; "
-                              "flags given on the command line win")
+    return launcher + added, (f"threefold: Slurm job {env['SLURM_JOB_ID']}, node {node}: "
+                              f"{shown}{source}; flags given on the command line win")
+
+
+def _backend(launcher: list[str]) -> str:
+    """The rendezvous backend torchrun will use: the flag's, else c10d."""
+    flags = dict(zip(launcher[::2], launcher[1::2]))
+    return flags.get("--rdzv-backend", "c10d")
