@@ -96,9 +96,15 @@ def test_topology_flags_tp_and_cp_across_nodes_only():
                                           "node_names": ["n1", "n2"], "axes_across_nodes": []}
     across = ParallelDims(dp_replicate=1, dp_shard=1, tp=4, pp=1, world_size=4)
     [line] = two_by_two.warnings(across)
-    assert line.startswith("threefold: warning: tp=4 spans nodes") and "parallel.tp" in line
+    assert line == ("threefold: warning: tp=4 spans nodes (ranks 0 on n1, 1 on n1, 2 on n2, "
+                    "3 on n2; 1 of 1 tp groups): its traffic goes over the network; choose "
+                    "parallel.tp dividing the 2 ranks of a node")
     cp = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=4, cp=4)
     assert [w.split()[2] for w in two_by_two.warnings(cp)] == ["cp=4"]
+    cp_tp = ParallelDims(dp_replicate=1, dp_shard=1, tp=2, pp=1, world_size=4, cp=2)
+    [line] = two_by_two.warnings(cp_tp)  # tp inside each node, cp across them
+    assert line.startswith("threefold: warning: cp=2 spans nodes (ranks 0 on n1, 2 on n2; 2 of "
+                           "2 cp groups)") and "parallel.cp × parallel.tp dividing" in line
     ragged = Topology(("a", "a", "a", "b"), (0, 1, 2, 0))
     assert ragged.describe() == "2 nodes (3+1 ranks)"
 

@@ -64,16 +64,18 @@ class Topology:
 
     def warnings(self, dims: ParallelDims) -> list[str]:
         """One line per axis of ``CHECKED_AXES`` that has a group across nodes."""
-        out = []
+        out, per_node = [], min(self.ranks_per_node)
+        # tp is the mesh's innermost axis and cp the next: torchrun numbers ranks node by
+        # node, so tp (cp·tp) dividing a node's ranks keeps every group inside one
+        fix = {"tp": "parallel.tp", "cp": "parallel.cp × parallel.tp"}
         for axis in CHECKED_AXES:
             groups = self.spanning_groups(dims, axis)
             if groups:
-                g = groups[0]
-                where = ", ".join(f"{r} on {self.hosts[r]}" for r in g)
+                where = ", ".join(f"{r} on {self.hosts[r]}" for r in groups[0])
                 out.append(f"threefold: warning: {axis}={dims.axis_size(axis)} spans nodes "
-                           f"({len(groups)} of its groups, e.g. ranks {where}): its traffic "
-                           f"goes over the network; keep {axis} within the "
-                           f"{min(self.ranks_per_node)} ranks of a node (parallel.{axis})")
+                           f"(ranks {where}; {len(groups)} of {len(dims.axis_groups(axis))} "
+                           f"{axis} groups): its traffic goes over the network; choose "
+                           f"{fix[axis]} dividing the {per_node} ranks of a node")
         return out
 
     def summary(self, dims: ParallelDims) -> dict:
