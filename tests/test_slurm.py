@@ -188,3 +188,17 @@ def test_multi_node_flags_go_to_torchrun_only():
     assert (path, rest, nproc) == (None, ["--train.steps", "3"], 2)
     assert launcher == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-conf",
                         "join_timeout=900"]
+
+
+def test_a_bad_allocation_is_one_line_before_any_process(monkeypatch, capsys, tmp_path):
+    from threefold.cli import main
+
+    for k, v in dict(SLURM, SLURM_NNODES="").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    out = tmp_path / "never"
+    assert main(["train", "--nproc-per-node", "2", "--train.output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["threefold: error: Slurm allocation: SLURM_NNODES='' is not a number; give "
+                   "--nnodes N on the command line"]
+    assert not out.exists()

@@ -107,11 +107,12 @@ def slurm_hosts(nodelist: str) -> tuple[list[str], str]:
     return (hosts, "scontrol") if hosts else (expand_hostlist(nodelist), "parser")
 
 
-def _env_count(env: Mapping[str, str], name: str) -> int:
+def _env_count(env: Mapping[str, str], name: str, flag: str) -> int:
+    """The number in ``env[name]``, which stands for torchrun's ``flag``."""
     value = env.get(name, "")
     if not value.isdigit():
-        raise ValueError(f"Slurm allocation: {name}='{value}' is not a number; pass --nnodes, "
-                         "--node-rank and --rdzv-endpoint yourself")
+        raise ValueError(f"Slurm allocation: {name}='{value}' is not a number; give {flag} "
+                         "on the command line")
     return int(value)
 
 
@@ -131,12 +132,12 @@ def slurm_launch_flags(env: Mapping[str, str], launcher: list[str],
     given = set(launcher[::2])
     added: list[str] = []
     if "--nnodes" not in given:
-        added += ["--nnodes", str(_env_count(env, "SLURM_NNODES"))]
+        added += ["--nnodes", str(_env_count(env, "SLURM_NNODES", "--nnodes N"))]
     node = env.get("SLURM_NODEID", "?")  # said on the line; a flag only for static
     # torchrun's c10d rendezvous numbers the nodes itself (and warns that a --node-rank is
     # ignored); the static one takes each node's rank from the flag
     if "--node-rank" not in given and _backend(launcher) == "static":
-        added += ["--node-rank", str(_env_count(env, "SLURM_NODEID"))]
+        added += ["--node-rank", str(_env_count(env, "SLURM_NODEID", "--node-rank R"))]
     source = ""
     if "--rdzv-endpoint" not in given:
         # the step's nodes when srun runs on part of the allocation, else the job's
