@@ -202,3 +202,36 @@ def test_a_bad_allocation_is_one_line_before_any_process(monkeypatch, capsys, tm
     assert err == ["threefold: error: Slurm allocation: SLURM_NNODES='' is not a number; give "
                    "--nnodes N on the command line"]
     assert not out.exists()
+
+
+def test_the_example_batch_script_launches_one_task_per_node(tmp_path):
+    """examples/slurm/train.sbatch under a stand-in srun (records its command) and scontrol
+    (the allocation's hosts): the rendezvous is the first host, every flag and option is one
+    threefold knows, and the layout fits 2 nodes × 8."""
+    from threefold.config import parse_overrides
+    from threefold.launch import split_train_args, world_size_for
+    from threefold.parallel.checks import validate_layout
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] '
+                                   "&& printf 'gpu07\\ngpu08\\n'\n")
+    (bin_ / "srun").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/srun.txt\n')
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_ID="555",
+               SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[07-08]")
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "slurm", "train.sbatch")
+    p = subprocess.run(["bash", script, "--train.steps", "3"], env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    argv = (tmp_path / "srun.txt").read_text().splitlines()
+    srun_opts = argv[:argv.index("threefold")]
+    assert "--ntasks-per-node=1" in srun_opts and argv[argv.index("threefold") + 1] == "train"
+    path, rest, nproc, launcher = split_train_args(argv[argv.index("train") + 1:])
+    assert path is None and nproc == 8
+    assert launcher[:6] == ["--nnodes", "2", "--rdzv-endpoint", "gpu07:29500", "--rdzv-id",
+                            "555"]
+    cfg = load_config(None, parse_overrides(rest))
+    assert cfg.train.steps == 3 and cfg.train.output_dir == "runs/slurm-555"
+    validate_layout(cfg, world_size_for(nproc, launcher), cfg.model.resolved(vocab_size=256))
