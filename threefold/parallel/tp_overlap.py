@@ -198,14 +198,45 @@ class _GatherColumns(torch.autograd.Function):
         return (dx.transpose(0, 1).contiguous(), None, None, None, *out)
 
 
+class _RowInput(torch.autograd.Function):
+    """The saved half of a row-parallel projection: keeps its input for the weight gradient
+    and passes it on, with a ``carrier`` (a zero-stride placeholder of the output's whole
+    shape) through which ``_RowScatter``'s backward hands back the gathered output gradient.
+    Apart so that the input is saved before the first reduce-scatter is issued: under
+    recompute torch's checkpoint stops once the last saved tensor is rebuilt, so, as without
+    overlap, a block's closing reduce-scatter is not re-run (``threefold.accounting.traffic``
+    counts it so)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        ctx.autocast, ctx.has_bias = _Autocast(x.device), bias is not None
+        ctx.save_for_backward(x)
+        carrier = torch.zeros((), dtype=dtype, device=x.device).expand(
+            *x.shape[:-1], weight.shape[0])
+        return x.view_as(x), carrier
+
+    @staticmethod
+    def backward(ctx, dx, full):
+        (x,) = ctx.saved_tensors
+        g2d = full.reshape(-1, full.shape[-1])  # the whole gathered gradient: one matmul
+        with ctx.autocast():
+            dw = g2d.t().mm(x.reshape(-1, x.shape[-1]))
+            db = g2d.sum(0) if ctx.has_bias else None
+        return dx, dw, db
+
+
 class _RowScatter(torch.autograd.Function):
     """A row-parallel matmul fused with the reduce-scatter of its output on the sequence:
     chunk i's reduce-scatter is in flight while chunk i+1 is multiplied. Backward: the output
     gradient all-gathered chunk by chunk, each chunk's input gradient computed while the next
-    arrives."""
+    arrives; the gathered gradient goes back through ``carrier`` to ``_RowInput``, which
+    makes the weight's. Saves nothing (see ``_RowInput``): the weight, a parameter that lives
+    anyway, is held as it is."""
 
     @staticmethod
-    def forward(ctx, x, comm, chunks, trace, weight, bias):
+    def forward(ctx, x, carrier, comm, chunks, trace, weight, bias):
         tp, log = comm.size(AXIS), _Trace(trace, comm)
         x = x.contiguous()
         b, s, _ = x.shape
@@ -226,15 +257,14 @@ class _RowScatter(torch.autograd.Function):
             handle.wait()
             log.waited(i, "reduce-scatter")
         ctx.comm, ctx.chunks, ctx.trace, ctx.autocast = comm, chunks, trace, _Autocast(x.device)
-        ctx.save_for_backward(x, weight, bias)
+        ctx.weight, ctx.x_shape, ctx.x_dtype = weight, x.shape, x.dtype
         return out.transpose(0, 1).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
         comm, chunks, log = ctx.comm, ctx.chunks, _Trace(ctx.trace, ctx.comm)
-        tp = comm.size(AXIS)
-        x, weight, bias = ctx.saved_tensors
-        b, s, k = x.shape
+        tp, weight = comm.size(AXIS), ctx.weight
+        b, s, k = ctx.x_shape
         c = s // tp // chunks
         gs = _seq_major(grad)  # (s/tp, b, h)
         h = gs.shape[-1]
@@ -261,10 +291,7 @@ class _RowScatter(torch.autograd.Function):
                 _put_rows(dx, d, tp, chunks, i)
                 log.span(f"row input grad chunk {i}", t0)
                 handle = nxt
-            g2d = full.reshape(-1, h)  # the whole gathered gradient: one weight matmul
-            dw = g2d.t().mm(x.reshape(-1, k)).to(weight.dtype)
-            db = None if bias is None else g2d.sum(0).to(bias.dtype)
-        return dx.to(x.dtype), None, None, None, dw, db
+        return dx.to(ctx.x_dtype), full, None, None, None, None, None
 
 
 class OverlappedRowLinear(nn.Linear):
@@ -281,7 +308,9 @@ class OverlappedRowLinear(nn.Linear):
         """This rank's tokens of the reduced output."""
         tp = self.comm.size(AXIS)
         self.used = overlap_chunks(x.shape[1] // tp, self.chunks)
-        return _RowScatter.apply(x, self.comm, self.used, self.trace, self.weight, self.bias)
+        x, carrier = _RowInput.apply(x, self.weight, self.bias)
+        return _RowScatter.apply(x, carrier, self.comm, self.used, self.trace, self.weight,
+                                 self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, reduce-scatter in {self.chunks} overlapped chunks"
