@@ -37,16 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from threefold.accounting.layout import overlap_chunks
 from threefold.schedules.timeline import TraceRecord
 
 AXIS = "tp"
-
-
-def overlap_chunks(local_tokens: int, wanted: int) -> int:
-    """The chunks each collective is cut into: the largest divisor of ``local_tokens`` (a
-    rank's tokens of one sequence under sequence parallelism) not above ``wanted``; 1 = no
-    overlap."""
-    return max(d for d in range(1, max(1, min(wanted, local_tokens)) + 1) if local_tokens % d == 0)
 
 
 class _Trace:

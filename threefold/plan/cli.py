@@ -169,6 +169,10 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
                    help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
                         "on for every layout, or search both (zero column marked 'o')")
+    p.add_argument("--tp-overlap", type=int, default=0,
+                   help="as parallel.tp_overlap: cut each sequence-parallel all-gather and "
+                   "reduce-scatter into this many chunks overlapping the next chunk's matmul "
+                   "(0 = off)")
     p.add_argument("--lora-r", type=int, default=0,
                    help="plan LoRA fine-tuning: adapters of this rank train, the base is "
                    "frozen (as lora.r; 0 = every weight trains); not for a mixture of experts")
@@ -309,6 +313,9 @@ def _setup(args):
                           "does not train with context parallelism yet; use --cp 1")
     splits = _choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform"))
     _refuse_degrees(cfg, args)
+    if args.tp_overlap < 0 or (args.tp_overlap >= 2 and args.lora_r):
+        raise ConfigError(f"--tp-overlap: {args.tp_overlap} must be >= 0 (0 = off), and 0 with "
+                          "--lora-r (adapted projections are not overlapped)")
     targets = _lora_options(cfg, args)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash",
@@ -322,7 +329,8 @@ def _setup(args):
                         pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
                                              for x in splits),
                         offload_optimizer={"off": (False,), "on": (True,),
-                                           "search": (False, True)}[args.offload_optimizer])
+                                           "search": (False, True)}[args.offload_optimizer],
+                        tp_overlap=args.tp_overlap)
     return cfg, cluster, work, space
 
 

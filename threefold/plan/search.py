@@ -91,7 +91,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                                      recompute=rc, cp=cp, cp_algorithm=alg,
                                      offload_optimizer=off, ep=ep, pipeline_split=psplit,
                                      sequence_parallel=not experts, schedule=sched,
-                                     pipeline_inflight=bound)
+                                     pipeline_inflight=bound, tp_overlap=space.tp_overlap)
                         try:
                             check_layout(cfg, lay, work)
                         except LayoutError as e:
