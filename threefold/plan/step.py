@@ -281,6 +281,17 @@ def call_time(c: Collective, where: Placement, size: float | None = None) -> flo
                            where.per_node, where.intra)
 
 
+def _chunked(c: Collective, where: Placement, chunks: int, matmul: float
+             ) -> tuple[float, float]:
+    """(seconds, exposed seconds) of the ``count`` calls of an overlapped sequence-parallel
+    collective (``parallel.tp_overlap``): each is ``chunks`` calls of 1/chunks of the size;
+    the first chunk of an all-gather (the last of a reduce-scatter) waits for no matmul, each
+    other hides behind a neighbouring chunk's ``matmul`` seconds and shows what exceeds it."""
+    piece = call_time(c, where, c.size / chunks)
+    return (c.count * chunks * piece,
+            c.count * (piece + (chunks - 1) * max(0.0, piece - matmul)))
+
+
 def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
                   bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0),
                   ledger: dict | None = None, tp_chunk: tuple[int, float] = (1, 0.0)
@@ -315,12 +326,10 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
             window = attention_block[0 if c.overlap == "attention-forward" else 1]
             exposed[kind] += c.count * max(0.0, one - window)
             note(c, one * c.count, c.count * max(0.0, one - window))
-        elif c.overlap == "tp-chunks":  # C calls of 1/C; all but one behind a chunk's matmul
-            chunks, matmul = tp_chunk
-            piece = call_time(c, where, c.size / chunks)
-            left = c.count * (piece + (chunks - 1) * max(0.0, piece - matmul))
+        elif c.overlap == "tp-chunks":
+            total, left = _chunked(c, where, *tp_chunk)
             exposed[kind] += left
-            note(c, piece * chunks * c.count, left)
+            note(c, total, left)
         elif c.overlap == "none":
             exposed[kind] += one * c.count
             note(c, one * c.count, one * c.count)
