@@ -3,8 +3,8 @@
 The search enumerates (dp_replicate, dp_shard, cp, cp_algorithm, tp, pp, vpp, zero_stage,
 microbatch_size, recompute) whose product is the world and which divide the model and the
 batch, drops those that do not fit in memory (keeping the reason), scores the rest with
-``threefold.accounting`` and ``threefold.plan.memory``, and explains the ranking. Imports no torch: the 1024-GPU search for a
-70B model takes a second or two.
+``threefold.accounting`` and ``threefold.plan.memory``, and explains the ranking. Imports no
+torch: the 1024-GPU search for a 70B model takes a second or two.
 
 Conventions: tensor parallelism runs with sequence parallelism; zero_stage 0 means plain data
 parallelism over dp_shard (dp_replicate = 1); vpp > 1 means interleaved 1F1B; mesh axes are
