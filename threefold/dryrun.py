@@ -59,6 +59,7 @@ from threefold.accounting import (
     pipeline_layers,
     stage_parameters,
 )
+from threefold.accounting.layout import tp_chunks
 from threefold.accounting.lora import lora_units
 from threefold.config import Config, ConfigError, LoRAConfig, ModelConfig
 from threefold.lora import apply_lora, is_adapter
@@ -389,7 +390,9 @@ def _step_line(r: DryRunResult, world: int) -> str:
                 f"FLOP/s unknown; set {ENV_HARDWARE})")
     mfu = f"{s.mfu:.1%}" if s.mfu is not None else "unknown"
     return (
-        f"step: {s.step_time_s:.4g} s (compute {s.compute_s:.3g}, tp {s.tp_exposed_s:.3g}, "
+        f"step: {s.step_time_s:.4g} s (compute {s.compute_s:.3g}, tp {s.tp_exposed_s:.3g}"
+        + (f" overlapped in {tp_chunks(lay, r.work)} chunks" if tp_chunks(lay, r.work) > 1
+           else "") + ", "
         + (f"cp {s.cp_exposed_s:.3g}, " if lay.cp > 1 else "")
         + (f"ep {s.ep_exposed_s:.3g}, " if lay.ep > 1 else "")
         + f"dp {s.dp_exposed_s:.3g}, pp {s.pp_exposed_s:.3g}, bubble {s.bubble_s:.3g}, "

@@ -16,6 +16,7 @@ from threefold.accounting.lora import lora_flops_per_token
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
                                peak_memory_bytes, raise_cpu_peak, truncate_metrics)
 from threefold.parallel.pipeline.executor import idle_fraction
+from threefold.parallel.tp_overlap import chunks_used
 from threefold.schedules.simulate import measured_costs, pipeline_records, simulate
 from threefold.schedules.timeline import write_chrome_trace
 from threefold.steps import lr_at
@@ -153,6 +154,8 @@ class RunLog:
         out.update({k: v for k, v in (("trace", self.trace_info), ("preempted", preempted))
                     if v})
         out.update(lay.summary_metrics())
+        if run.cfg.parallel.tp_overlap >= 2:  # what the shapes allowed (a divisor of the tokens)
+            out["tp_overlap_chunks"] = chunks_used(run.engine.model)
         for tracker in self.trackers:
             tracker.close()
         if self.writer:

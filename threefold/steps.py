@@ -13,6 +13,7 @@ import torch
 from threefold.config import Config
 from threefold.moe import RouterLog, balance_routers
 from threefold.parallel.expert import take_rows_sent
+from threefold.parallel.tp_overlap import set_trace
 from threefold.schedules.timeline import TraceRecord
 
 if TYPE_CHECKING:  # annotations only
@@ -82,6 +83,8 @@ def train_step(run: Run, step: int, trace: list | None = None
     timed = StepTracer(run, trace)
     if hasattr(eng, "comm_trace"):  # data parallel: each bucket's all-reduce, launch to wait
         eng.comm_trace = trace
+    if run.cfg.parallel.tp_overlap >= 2:  # overlapped tp: each chunk's collective and matmul
+        set_trace(eng.model, trace)
     batch = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
     n = lay.global_token_count(run.task.count(batch))
     micro = list(micro_batches(run, batch))

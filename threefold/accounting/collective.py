@@ -16,7 +16,9 @@ class Collective:
     'hidden' (overlapped entirely), 'forward'/'backward' (that microbatch's compute, except one
     bucket), 'last' (the last microbatch's backward, except one bucket), 'step' (after the
     step, exposed), 'attention-forward'/'attention-backward' (each call behind the compute of
-    one ring-attention block, forward or backward)."""
+    one ring-attention block, forward or backward), 'tp-chunks' (a sequence-parallel
+    collective cut into chunks, each but one behind a neighbouring chunk's matmul:
+    ``parallel.tp_overlap``)."""
 
     axis: str
     op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p

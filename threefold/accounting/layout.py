@@ -53,6 +53,8 @@ class Layout:
     # expert parallelism (``parallel.ep``, a mixture of experts only): each MoE layer's experts
     # split over ep ranks, the innermost ep of dp_shard
     ep: int = 1
+    # chunks wanted per sequence-parallel collective (``parallel.tp_overlap``; < 2 = off)
+    tp_overlap: int = 0
 
     @property
     def dp(self) -> int:
@@ -141,7 +143,7 @@ class Layout:
                    recompute=cfg.train.recompute_mode,
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
                    bucket_mb=p.bucket_mb, cp=p.cp, cp_algorithm=p.cp_algorithm,
-                   offload_optimizer=p.offload_optimizer, ep=p.ep,
+                   offload_optimizer=p.offload_optimizer, ep=p.ep, tp_overlap=p.tp_overlap,
                    pipeline_split=(f"flops:{cfg.data.seq_len}" if p.pipeline_split == "flops"
                                    else p.pipeline_split))
 
@@ -336,6 +338,23 @@ def check_attention(cfg: ModelConfig, layout: Layout) -> None:
             raise LayoutError(f"model.{field}: {getattr(cfg, field)}: context parallelism "
                               f"(parallel.cp={layout.cp}) does not compute this attention "
                               "yet; set parallel.cp 1")
+
+
+def overlap_chunks(local_tokens: int, wanted: int) -> int:
+    """The chunks overlapped tensor parallelism (``parallel.tp_overlap``) cuts each collective
+    into: the largest divisor of ``local_tokens`` (a rank's tokens of one sequence under
+    sequence parallelism) not above ``wanted``; 1 = no overlap. Shapes decide it, the same on
+    every rank."""
+    top = max(1, min(wanted, local_tokens))
+    return max(d for d in range(1, top + 1) if local_tokens % d == 0)
+
+
+def tp_chunks(layout: Layout, work: Workload) -> int:
+    """The chunks per sequence-parallel collective the runtime uses for ``layout`` and
+    ``work`` (``overlap_chunks`` of a rank's seq_len / cp / tp tokens); 1 = not overlapped."""
+    if not layout.sp or layout.tp_overlap < 2:
+        return 1
+    return overlap_chunks(local_seq_len(layout, work) // layout.tp, layout.tp_overlap)
 
 
 def local_seq_len(layout: Layout, work: Workload) -> int:

@@ -26,6 +26,9 @@ forward but stops as soon as the last tensor saved for backward is rebuilt
 (``torch.utils.checkpoint.set_checkpoint_early_stop``, on by default), so the attention's
 closing collective is repeated and the MLP's is not: +1 all-reduce per layer, or under SP
 +2 all-gathers and +1 reduce-scatter. The gradient-norm all-reduces one fp32 scalar over tp.
+With ``parallel.tp_overlap`` each sub-layer's gathers and scatters (not the embedding's, the
+head's or a recompute's) are issued in chunks with the same bytes in all; they are tagged
+"tp-chunks" for the planner's overlap model (``threefold.plan.step``).
 pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary, in
 the residual dtype; the gradient norm all-reduces 2 fp32 scalars over the stages (these
 pipeline figures are the planner's: not yet checked against the pipeline executor).
@@ -75,7 +78,8 @@ import math
 from collections import Counter
 
 from threefold.accounting.collective import Collective
-from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
+from threefold.accounting.layout import (Layout, Workload, local_seq_len, microbatches,
+                                         tp_chunks)
 from threefold.accounting.lora import lora_collectives, tp_reduced_numel
 from threefold.accounting.shapes import (latent_replicated_numels, moe_key, norms_per_block,
                                          tp_shard)
@@ -158,11 +162,20 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
     # block's attention input: the backward collectives of both never run
     skip = first if work.lora_r else 0
     if layout.sp:
-        add("tp", "all_gather", x, r, 2 * layers + 2 * rec + first + last - skip, t, True,
+        # per layer 2 each: the sub-layers' input gathers forward and their gradients'
+        # scatters backward, their output scatters forward and the gradients' gathers back
+        # (overlapped: the sub-layers' 2 per layer apart, tagged "tp-chunks")
+        sub = 2 * layers if tp_chunks(layout, work) > 1 else 0
+        add("tp", "all_gather", x, r, sub, t, True, "tp-chunks")
+        add("tp", "all_gather", x, r, 2 * layers - sub + 2 * rec + first + last - skip, t,
+            True, "none")
+        add("tp", "reduce_scatter", x, r, sub, t, True, "tp-chunks")
+        add("tp", "reduce_scatter", x, r, 2 * layers - sub + first + last - skip, t, True,
             "none")
-        add("tp", "reduce_scatter", x, r, 2 * layers + first + last - skip, t, True, "none")
-        add("tp", "reduce_scatter", x, d, 2 * layers + rec, t, True, "none")
-        add("tp", "all_gather", x, d, 2 * layers, t, True, "none")
+        add("tp", "reduce_scatter", x, d, sub, t, True, "tp-chunks")
+        add("tp", "reduce_scatter", x, d, 2 * layers - sub + rec, t, True, "none")
+        add("tp", "all_gather", x, d, sub, t, True, "tp-chunks")
+        add("tp", "all_gather", x, d, 2 * layers - sub, t, True, "none")
         if not work.lora_r:  # frozen norms have no gradient
             add("tp", "all_reduce", h, g, norms_per_block(cfg) * layers + last, t, True,
                 "none")

@@ -53,6 +53,16 @@ def check_against_model(cfg: Config, r: ModelConfig) -> None:
           "train.recompute: selective is not available for a mixture of experts "
           "(model.num_local_experts); use full or none")
     lo, p = cfg.lora, cfg.parallel
+    # the overlapped sub-layers fuse plain column/row projections with their collectives
+    # (threefold.parallel.tp_overlap): not adapters, latents or replicated k/v
+    plain = [why for cond, why in ((lo.r > 0, "LoRA adapters (lora.r > 0)"),
+                                   (r.kv_lora_rank, "latent attention (model.kv_lora_rank)"),
+                                   (p.tp > 1 and r.num_key_value_heads % p.tp,
+                                    f"k/v kept whole ({r.num_key_value_heads} KV heads < "
+                                    f"parallel.tp={p.tp})")) if cond]
+    _need(p.tp_overlap < 2 or not plain,
+          f"parallel.tp_overlap: {p.tp_overlap} cannot overlap the projections of "
+          f"{', '.join(plain)}; set parallel.tp_overlap 0")
     if lo.r <= 0:
         return
     _need(not r.num_local_experts, "lora.r: LoRA does not adapt a mixture of experts "
@@ -174,6 +184,13 @@ def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
           "counts per pipeline stage such as 7,9,9,7")
     _need(p.microbatches >= 0, f"parallel.microbatches: must be >= 0, got {p.microbatches}")
     _need(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
+    _need(p.tp_overlap >= 0, f"parallel.tp_overlap: must be >= 0 (chunks per collective; 0 = "
+          f"off), got {p.tp_overlap}")
+    _need(p.tp_overlap < 2 or (p.sequence_parallel and p.tp > 1),
+          f"parallel.tp_overlap: {p.tp_overlap} chunks overlap sequence parallelism's "
+          f"all-gathers and reduce-scatters, which parallel.tp={p.tp} with sequence_parallel="
+          f"{str(p.sequence_parallel).lower()} does not have; set parallel.tp > 1 and "
+          "parallel.sequence_parallel true, or parallel.tp_overlap 0")
 
 
 def _check_train(t: TrainConfig) -> None:

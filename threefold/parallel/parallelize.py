@@ -68,7 +68,8 @@ def apply_model_parallel(model: LlamaForCausalLM, cfg: Config, layout) -> LlamaF
     """Steps 2-4: tensor parallelism (and sequence parallelism) over "tp", context
     parallelism over "cp", expert parallelism over "ep", each when its degree is above 1."""
     if layout.tp_size > 1:
-        model = apply_tensor_parallel(model, layout.comm, cfg.parallel.sequence_parallel)
+        model = apply_tensor_parallel(model, layout.comm, cfg.parallel.sequence_parallel,
+                                      cfg.parallel.tp_overlap)
     if layout.cp_size > 1:
         model = apply_context_parallel(model, layout.comm, cfg.parallel.cp_algorithm)
     if layout.ep_size > 1:

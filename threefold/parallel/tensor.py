@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from threefold.config import ConfigError
 from threefold.head_loss import LMHead, VocabShard
 from threefold.kernels import rms_norm
 from threefold.lora import LoRALinear
@@ -46,6 +47,9 @@ from threefold.models import tp_plan
 from threefold.parallel.placement import place, tp_shard_dim  # noqa: F401 (re-exported)
 from threefold.parallel.tp_ops import (_CopyToTP, _GatherSeq, _ReduceFromTP,  # noqa: F401
                                        _ReduceScatterSeq, _ScatterSeq, copy_to_tp)
+from threefold.parallel.tp_overlap import (COLUMNS, ROWS, GatheredColumnLinear,
+                                           OverlappedRowLinear, fuse_columns, overlap_chunks,
+                                           overlappable, sublayer_kind)
 from threefold.parallel.wrap import become, wrap
 
 AXIS = "tp"
@@ -188,13 +192,24 @@ class TensorParallelSublayer(nn.Module):
     sequence parallelism an all-gather of the sequence) and ``g`` at its output, which its
     row-parallel projection (o_proj, down_proj) makes (an all-reduce; under sequence
     parallelism a reduce-scatter). Composed over the sub-layer's own class
-    (``threefold.parallel.wrap.wrap``)."""
+    (``threefold.parallel.wrap.wrap``). With ``tp_overlap`` chunks (``parallel.tp_overlap``,
+    sequence parallelism only) the all-gather is fused with the column projections and the
+    reduce-scatter with the row projection, chunk by chunk (``threefold.parallel.tp_overlap``).
+    """
 
     comm = None
     sequence_parallel = False
+    tp_overlap = 0  # chunks wanted per collective (0: the plain operators)
+    trace = None  # a traced step's record list (``tp_overlap.set_trace``)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """The sub-layer between its two conjugate operators."""
+        if self.tp_overlap:
+            # the column projections' outputs come with the gathered input; the row
+            # projection (OverlappedRowLinear) returns its output reduce-scattered
+            chunks = overlap_chunks(x.shape[1], self.tp_overlap)
+            x = fuse_columns(self, x, self.comm, chunks, self.trace)
+            return super().forward(x, *args, **kwargs)
         sp = self.sequence_parallel
         x = (_GatherSeq if sp else _CopyToTP).apply(x, self.comm)
         out = super().forward(x, *args, **kwargs)
@@ -332,20 +347,40 @@ def _shard_projection_norms(attn: nn.Module, comm) -> None:
         become(norm, ProjectionParallelRMSNorm, comm=comm, full=w.shape[0])
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool = False):
+def _overlap(sub: nn.Module, name: str, comm, chunks: int) -> None:
+    """``sub``'s projections fused with its collectives in ``chunks`` (``parallel.tp_overlap``);
+    a sub-layer whose projections are not plain Linears is refused before the first step."""
+    why = overlappable(sub)
+    if why:
+        raise ConfigError(f"parallel.tp_overlap: {chunks} cannot overlap {name}: {why}; set "
+                          "parallel.tp_overlap 0")
+    kind = sublayer_kind(sub)
+    for col in COLUMNS[kind]:
+        become(getattr(sub, col), GatheredColumnLinear)
+    become(getattr(sub, ROWS[kind]), OverlappedRowLinear, comm=comm, chunks=chunks)
+
+
+def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool = False,
+                          tp_overlap: int = 0):
     """Shard ``model`` in place over the "tp" axis of ``comm``, its sub-layers wrapped
     between the conjugate operators (``TensorParallelSublayer``). Returns the model; its head's loss is then vocab-parallel (``lm_head.shard``).
+    ``tp_overlap`` >= 2 (with sequence parallelism) fuses each sub-layer's all-gather and
+    reduce-scatter with its projections in that many chunks (``threefold.parallel.tp_overlap``).
     Weights are sliced from the full ones (or, on the meta device, only their shapes and
     placements change), so the sharded model computes exactly what the full one does."""
     sp = sequence_parallel
+    overlap = tp_overlap if sp and tp_overlap >= 2 else 0
     _shard_weights(model, comm, sp)
     norms = [model.model.norm] if sp and model.model.norm is not None else []
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         # a mixture of experts stays whole on every tp rank: its input and output are the
         # replicated residual stream, so it needs no operator (threefold.parallel.expert)
         dense = hasattr(layer.mlp, "down_proj")
         for sub in (layer.self_attn, *((layer.mlp,) if dense else ())):
-            wrap(sub, TensorParallelSublayer, comm=comm, sequence_parallel=sp)
+            if overlap:
+                _overlap(sub, f"block {i}'s {sublayer_kind(sub)}", comm, overlap)
+            wrap(sub, TensorParallelSublayer, comm=comm, sequence_parallel=sp,
+                 tp_overlap=overlap)
         if sp:
             norms += layer.residual_norms()
         if hasattr(layer.self_attn, "kv_a_proj_with_mqa"):  # latent attention's latents

@@ -32,6 +32,8 @@ class SearchSpace:
     # optimiser state in host memory (threefold.parallel.offload): (False,) = never, (True,)
     # = every layout offloads, (False, True) = search both
     offload_optimizer: tuple[bool, ...] = (False,)
+    # chunks per sequence-parallel collective (parallel.tp_overlap) of every layout; 0 = off
+    tp_overlap: int = 0
     # expert-parallel degrees (a mixture of experts only); None: every divisor of the experts
     # that divides dp_shard
     ep: tuple[int, ...] | None = None

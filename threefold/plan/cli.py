@@ -2,10 +2,9 @@
 
 The search enumerates (dp_replicate, dp_shard, cp, cp_algorithm, tp, pp, vpp, zero_stage,
 microbatch_size, recompute) whose product is the world and which divide the model and the
-batch, drops those
-that do not fit in memory (keeping the reason), scores the rest with ``threefold.accounting`` and
-``threefold.plan.memory``, and explains the ranking. Imports no torch: the 1024-GPU search for a
-70B model takes a second or two.
+batch, drops those that do not fit in memory (keeping the reason), scores the rest with
+``threefold.accounting`` and ``threefold.plan.memory``, and explains the ranking. Imports no
+torch: the 1024-GPU search for a 70B model takes a second or two.
 
 Conventions: tensor parallelism runs with sequence parallelism; zero_stage 0 means plain data
 parallelism over dp_shard (dp_replicate = 1); vpp > 1 means interleaved 1F1B; mesh axes are
@@ -169,6 +168,8 @@ def _add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
                    help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
                         "on for every layout, or search both (zero column marked 'o')")
+    p.add_argument("--tp-overlap", type=int, default=0, metavar="C", help="as parallel."
+                   "tp_overlap: sequence-parallel collectives in C overlapped chunks; 0 = off")
     p.add_argument("--lora-r", type=int, default=0,
                    help="plan LoRA fine-tuning: adapters of this rank train, the base is "
                    "frozen (as lora.r; 0 = every weight trains); not for a mixture of experts")
@@ -318,7 +319,7 @@ def _setup(args):
                       _levels(args, record), mesh_order=args.mesh_order)
     space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
-                        cp_algorithm=algorithms, ep=args.ep,
+                        cp_algorithm=algorithms, ep=args.ep, tp_overlap=args.tp_overlap,
                         pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
                                              for x in splits),
                         offload_optimizer={"off": (False,), "on": (True,),

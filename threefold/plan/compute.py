@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
+from threefold.accounting.layout import (Layout, Workload, local_seq_len, microbatches,
+                                         tp_chunks)
 from threefold.accounting.lora import adapter_numels, lora_flops_per_token, lora_units
 from threefold.accounting.shapes import (
     moe_key,
@@ -191,6 +192,23 @@ def offload_step_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
     link = hw.host_link_bw or hw.memory_bw or math.inf
     moved = sum(offload_bytes_per_step(cfg, layout, work).values())
     return ADAMW_ACCESSES_PER_PARAM * 4 * owned / host_bw, moved / link
+
+
+def tp_chunk_seconds(cfg: ModelConfig, layout: Layout, work: Workload,
+                     rate: float) -> tuple[int, float]:
+    """(chunks, seconds of one chunk's matmul) of overlapped tensor parallelism
+    (``parallel.tp_overlap``): a layer's four overlapped collectives each way hide behind the
+    projections next to them (q/k/v, o, gate/up, down forward; their input gradients, the
+    same FLOPs, backward), taken as a quarter of the layer's projection FLOPs each, cut in
+    ``chunks``. (1, 0) when not overlapped."""
+    chunks = tp_chunks(layout, work)
+    if chunks < 2:
+        return 1, 0.0
+    d, tokens = cfg.head_dim, layout.microbatch_size * local_seq_len(layout, work)
+    width = 2 * cfg.num_attention_heads * d + 2 * cfg.num_key_value_heads * d \
+        + 3 * cfg.intermediate_size  # q and o, k and v, gate, up and down
+    flops = 2 * tokens * cfg.hidden_size * width / layout.tp
+    return chunks, flops / 4 / chunks / rate
 
 
 def attention_block_seconds(cfg: ModelConfig, layout: Layout, work: Workload,

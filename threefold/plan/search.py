@@ -13,7 +13,7 @@ from typing import Iterator
 from threefold.accounting.layout import Layout, Workload, check_layout, microbatches
 from threefold.accounting.shapes import RECOMPUTE, LayoutError, tp_shard
 from threefold.accounting.stages import pipeline_layers
-from threefold.config import ModelConfig
+from threefold.config import ConfigError, ModelConfig
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.hardware import Cluster
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
@@ -91,7 +91,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                                      recompute=rc, cp=cp, cp_algorithm=alg,
                                      offload_optimizer=off, ep=ep, pipeline_split=psplit,
                                      sequence_parallel=not experts, schedule=sched,
-                                     pipeline_inflight=bound)
+                                     pipeline_inflight=bound, tp_overlap=space.tp_overlap)
                         try:
                             check_layout(cfg, lay, work)
                         except LayoutError as e:
@@ -313,6 +313,9 @@ def search(cfg: ModelConfig, cluster: Cluster, work: Workload,
     ``predict_kw`` go to ``predict_step`` (e.g. ``overlap_grad_reduce=False``). With
     ``space.cp`` None and a sequence shorter than ``CP_MIN_SEQ_LEN``, cp > 1 is searched only
     if nothing fits without it. When the best layout has cp > 1, ``notes`` says why."""
+    if space.tp_overlap < 0 or (space.tp_overlap >= 2 and work.lora_r):
+        raise ConfigError(f"--tp-overlap: {space.tp_overlap}: use >= 0 (0 = off), and 0 under "
+                          "LoRA (its adapted projections are not overlapped)")
     limit = cluster.hardware.memory_bytes if memory_limit is None else memory_limit
     result = _search(cfg, cluster, work, space, limit, keep, predict_kw)
     if not result.fits and space.cp is None and work.seq_len < CP_MIN_SEQ_LEN \

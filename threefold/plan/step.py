@@ -8,7 +8,11 @@ and pipeline sends are *not* overlapped (they sit between dependent matmuls); Ze
 and reduce-scatters overlap the forward/backward of their microbatch, except one bucket each;
 the data-parallel all-reduce and the ZeRO-2 reduce-scatter overlap the last microbatch's
 backward except one bucket; the ZeRO-1 reduce-scatter, the HSDP all-reduce over dp_replicate
-and the ZeRO-1/2 parameter all-gathers after the step are exposed. Context parallelism's cp
+and the ZeRO-1/2 parameter all-gathers after the step are exposed. With ``parallel.tp_overlap``
+(C chunks, sequence parallelism) a sub-layer's all-gather or reduce-scatter is C calls of
+1/C of the size, each but one behind a neighbouring chunk's matmul: exposed per collective is
+one chunk's time plus (C−1)·max(0, one chunk's time − one chunk's matmul), so about 1/C of
+the unoverlapped time while the matmuls are the longer. Context parallelism's cp
 traffic runs on the link the cp axis crosses: each ring hop of K/V hides behind the attention
 of one block (the rank's queries against one rank's keys: 1/cp of the layer's attention
 FLOPs), the dK/dV hops and the allgather algorithm's all-gather and reduce-scatter are
@@ -46,6 +50,7 @@ from threefold.plan.compute import (
     MATMUL_EFFICIENCY,
     attention_block_seconds,
     model_flops_per_step,
+    tp_chunk_seconds,
     offload_step_seconds,
     optimizer_seconds,
     stage_flops_per_microbatch,
@@ -148,6 +153,7 @@ OVERLAP_RULES = {
     "attention-forward": "one block's attention per hop",
     "attention-backward": "one block's attention per hop (dK/dV hops wait)",
     "paired": "the paired microbatch's forward and backward (DualPipeV), but for one message",
+    "tp-chunks": "the neighbouring chunk's matmul (parallel.tp_overlap), but for one chunk",
 }
 
 
@@ -218,7 +224,7 @@ def _stage_times(cfg: ModelConfig, layout: Layout, work: Workload, rate: float, 
         ledger: dict = {}
         exposed, step_dp = _exposed_comm(colls, links, *windows, bucket_bytes,
                                          attention_block_seconds(cfg, layout, work, rate),
-                                         ledger)
+                                         ledger, tp_chunk_seconds(cfg, layout, work, rate))
         per_mb[st] = t_f + t_b + sum(exposed.values())
         per_step[st] = step_dp
         parts[st] = (t_f + t_b, exposed, t_b / t_f, ledger)
@@ -275,15 +281,28 @@ def call_time(c: Collective, where: Placement, size: float | None = None) -> flo
                            where.per_node, where.intra)
 
 
+def _chunked(c: Collective, where: Placement, chunks: int, matmul: float
+             ) -> tuple[float, float]:
+    """(seconds, exposed seconds) of the ``count`` calls of an overlapped sequence-parallel
+    collective (``parallel.tp_overlap``): each is ``chunks`` calls of 1/chunks of the size;
+    the first chunk of an all-gather (the last of a reduce-scatter) waits for no matmul, each
+    other hides behind a neighbouring chunk's ``matmul`` seconds and shows what exceeds it."""
+    piece = call_time(c, where, c.size / chunks)
+    return (c.count * chunks * piece,
+            c.count * (piece + (chunks - 1) * max(0.0, piece - matmul)))
+
+
 def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
                   bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0),
-                  ledger: dict | None = None) -> tuple[dict[str, float], float]:
+                  ledger: dict | None = None, tp_chunk: tuple[int, float] = (1, 0.0)
+                  ) -> tuple[dict[str, float], float]:
     """({tp, pp, cp, ep, dp}: exposed seconds per microbatch, exposed dp seconds once per step)
     for one stage, applying the overlap rules of ``predict_step``; ``attention_block`` is
     the (forward, backward) time a ring hop may hide behind. ``ledger`` (if given) receives
     {(axis, op, overlap tag): [seconds, exposed seconds]}, per microbatch for the tags that
     repeat each microbatch, per step for "last" and "step"; a window's exposure is shared
-    among the collectives behind it in proportion to their time."""
+    among the collectives behind it in proportion to their time. ``tp_chunk``: (chunks, one
+    chunk's matmul seconds) for the "tp-chunks" collectives (``tp_chunk_seconds``)."""
     ledger = {} if ledger is None else ledger
 
     def note(c: Collective, total: float, left: float) -> None:
@@ -307,6 +326,10 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
             window = attention_block[0 if c.overlap == "attention-forward" else 1]
             exposed[kind] += c.count * max(0.0, one - window)
             note(c, one * c.count, c.count * max(0.0, one - window))
+        elif c.overlap == "tp-chunks":
+            total, left = _chunked(c, where, *tp_chunk)
+            exposed[kind] += left
+            note(c, total, left)
         elif c.overlap == "none":
             exposed[kind] += one * c.count
             note(c, one * c.count, one * c.count)
