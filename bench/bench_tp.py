@@ -83,7 +83,7 @@ def build_threefold(mcfg, ocfg, seed, dims, mesh):
     opt = make_adamw(model.parameters(), ocfg)
 
     def step(x, y, n_tokens):
-        loss = model.loss_function(model(x), y, reduction="sum") / n_tokens
+        loss = model(x, labels=y).sum() / n_tokens
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
