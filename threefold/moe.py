@@ -27,7 +27,8 @@ How a rank runs its local experts on those grouped rows (``model.moe_impl``):
   ``grouped_mm_unfit`` names a reason (dtype, widths, device; see there).
 
 Both give the same values and gradients (fp32 to rounding: tests/test_moe_grouped.py) and keep
-the same tensors for backward, so the planner's activation bytes hold for either.
+the same tensors for backward, grouped also its offsets (4 bytes per local expert), which the
+planner counts (``threefold.plan.memory.grouped_experts_run``).
 
 Router losses, from per-layer statistics each block records in its forward
 (``SparseMoeBlock.router_stats``, taken with ``take_router_stats``):
@@ -151,7 +152,7 @@ def grouped_mm_unfit(device: torch.device, dtype: torch.dtype, hidden: int, ffn:
       read from it when None)."""
     if dtype not in GROUPED_MM_DTYPES:
         return f"dtype {dtype} (grouped_mm takes float32, bfloat16, float16)"
-    unfit = grouped_widths_unfit(hidden, ffn, torch.empty((), dtype=dtype).element_size())
+    unfit = grouped_widths_unfit(hidden, ffn, dtype.itemsize)
     if unfit:
         return unfit
     if device.type == "cuda":
@@ -165,7 +166,7 @@ def grouped_mm_unfit(device: torch.device, dtype: torch.dtype, hidden: int, ffn:
     return None
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a matmul on ``x`` runs in: autocast's where it is on for x's device (autocast
     leaves ``_grouped_mm`` alone, so the grouped experts cast as F.linear would)."""
     kind = x.device.type
@@ -216,7 +217,7 @@ class Experts(nn.Module):
         gradients each step. Grouped (``impl``) where ``grouped_mm_unfit`` finds no reason
         against it, else the loop."""
         if self.impl == "grouped" and rows.shape[0] and grouped_mm_unfit(
-                rows.device, compute_dtype(rows), self.down_proj.shape[1],
+                rows.device, matmul_dtype(rows), self.down_proj.shape[1],
                 self.down_proj.shape[2]) is None:
             return self.compute_grouped(rows, counts)
         return self.compute_loop(rows, counts)
@@ -226,7 +227,7 @@ class Experts(nn.Module):
         ending at offset counts[0] + ... + counts[e]. Saves for backward what the loop does:
         the rows (cast), the first product (its gate and up halves share it), the SwiGLU
         output, and under autocast the cast expert weights."""
-        dtype = compute_dtype(rows)
+        dtype = matmul_dtype(rows)
         offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         offs = offs.to(rows.device, non_blocking=True)
         r = rows.to(dtype)
