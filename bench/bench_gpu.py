@@ -36,6 +36,22 @@ casts, norms, RoPE, SwiGLU, loss, clipping; on a CPU also the dispatch overhead)
 ``coverage`` says what share of all kernel time an op was found for.
 Printed: a table per round and mode (tokens/s of each side, ratio threefold/transformers), a
 table per mode and side (medians), and one JSON line (also written to ``--out``).
+
+Further rows (``--rows``, default all: base,fp8,moe), threefold alone, built by the same path
+(``make_config`` + ``build_run``) with config overrides, in each round and mode after the two
+sides above:
+
+- ``fp8``: ``train.fp8 tensorwise`` and ``train.fp8 rowwise``, each against the threefold bf16
+  row of the same round and mode (ratio fp8/bf16 of tokens/s). A row is skipped, with the
+  reason printed and kept in the JSON, when the configuration refuses ``train.fp8``, when the
+  device has no FP8 matmuls (a CPU, or CUDA compute capability below 8.9), or when the built
+  model holds no FP8 layer (a class named ``*fp8*``/``*float8*``: a checkout that does not
+  build FP8 yet). Their MFU divides by the device's FP8 peak (catalogue ``peak_flops_fp8``);
+- ``moe``: the shape as a mixture of experts (``MOE_SHAPES``: gpu 8 layers, 8 experts of
+  f 1408, top-2; tiny 4 experts of f 176, top-2) with ``model.moe_impl grouped`` and ``loop``
+  (ratio grouped/loop), MFU from the MoE's active FLOPs per token against the dtype's peak.
+
+    PYTHONPATH=$PWD python3 bench/bench_gpu.py --rows fp8,moe      # only the new rows' parts
 """
 
 from __future__ import annotations
@@ -54,8 +70,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, spread  # noqa: E402
 from threefold import accounting as cost  # noqa: E402
-from threefold.config import load_config  # noqa: E402
+from threefold.config import ConfigError, load_config  # noqa: E402
 from threefold.data import MixtureSampler, prepare_data  # noqa: E402
+from threefold.hardware import peak_flops_for_device_name  # noqa: E402
 from threefold.metrics import (device_peak_flops, peak_memory_bytes,  # noqa: E402
                                raise_cpu_peak, reset_peak_memory)
 from threefold.steps import lr_at, train_step  # noqa: E402
@@ -68,6 +85,13 @@ SHAPES = {  # model overrides, seq_len, micro-batch (= global batch)
     "tiny": (dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2), 64, 2),
 }
+MOE_SHAPES = {  # the shape's overrides that make it a mixture of experts (``moe`` rows)
+    "gpu": dict(num_hidden_layers=8, num_local_experts=8, num_experts_per_tok=2,
+                intermediate_size=1408),
+    "tiny": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=176),
+}
+FP8_RECIPES = ("tensorwise", "rowwise")
+ROW_GROUPS = ("base", "fp8", "moe")
 SIDES = ("threefold", "transformers")
 BUCKETS = ("matmul", "attention", "optimiser", "elementwise")
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
@@ -76,8 +100,9 @@ ATTENTION_KEYS = ("scaleddotproduct", "flashattention", "efficientattention",
                   "cudnnattention", "flashattn", "fmha")
 
 
-def make_config(args, out: str, compile_: bool):
-    """The run both sides share (threefold builds from it; transformers copies its shape)."""
+def make_config(args, out: str, compile_: bool, extra: list[tuple[str, str]] = ()):
+    """The run both sides share (threefold builds from it; transformers copies its shape);
+    ``extra``: a further row's overrides (``train.fp8``, the MoE shape), after ``--set``."""
     model, seq, mb = SHAPES[args.shape]
     steps = args.warmup + args.steps + 1
     pairs = [(f"model.{k}", str(v)) for k, v in model.items()]
@@ -87,7 +112,7 @@ def make_config(args, out: str, compile_: bool):
               ("train.compile", str(compile_).lower()), ("train.output_dir", out),
               ("train.eval_interval", "0"), ("train.progress", "off"),
               ("train.preemption_grace_s", "0"), ("checkpoint.save_final", "false")]
-    return load_config(None, pairs + [tuple(kv.split("=", 1)) for kv in args.set])
+    return load_config(None, pairs + [tuple(kv.split("=", 1)) for kv in args.set] + list(extra))
 
 
 def sync(device: torch.device) -> None:
@@ -99,9 +124,15 @@ def sync(device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------
 # The two sides: each returns (step(i) -> loss, model config, device, objects to release)
 # --------------------------------------------------------------------------------------------
-def threefold_side(cfg):
-    """threefold's own run and step."""
+def threefold_side(cfg, check=None):
+    """threefold's own run and step; ``check(run)`` may refuse the built run (``SkipRow``)."""
     run = build_run(cfg)
+    if check is not None:
+        try:
+            check(run)
+        except SkipRow:
+            release([run])
+            raise
     return (lambda i: train_step(run, i)[0]), run.model_cfg, run.device, run.dtype, [run]
 
 
@@ -154,6 +185,64 @@ def transformers_side(cfg, compile_: bool):
         return loss.item()
 
     return step, mcfg, device, dtype, [model, fwd, opt]
+
+
+# --------------------------------------------------------------------------------------------
+# The further rows: FP8 recipes and grouped/looped experts (threefold alone)
+# --------------------------------------------------------------------------------------------
+class SkipRow(Exception):
+    """A row that cannot run here; its message says why (printed, kept in the JSON)."""
+
+
+def extra_rows(args) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(row name, config overrides) of the rows ``--rows`` asks for beyond the base sides."""
+    rows = []
+    if "fp8" in args.rows:
+        rows += [(f"fp8-{r}", [("train.fp8", r)]) for r in FP8_RECIPES]
+    if "moe" in args.rows:
+        shape = [(f"model.{k}", str(v)) for k, v in MOE_SHAPES[args.shape].items()]
+        rows += [(f"moe-{impl}", shape + [("model.moe_impl", impl)])
+                 for impl in ("grouped", "loop")]
+    return rows
+
+
+def fp8_unavailable(device: torch.device, capability: tuple[int, int] | None = None
+                    ) -> str | None:
+    """Why ``device`` runs no FP8 matmuls (None: it does): FP8 tensor cores need CUDA compute
+    capability 8.9 (Ada) or above (``capability``: the device's, read when None)."""
+    if device.type != "cuda":
+        return f"{device.type} has no FP8 matmuls (CUDA compute capability >= 8.9 needed)"
+    cc = capability or torch.cuda.get_device_capability(device)
+    if tuple(cc) < (8, 9):
+        return f"compute capability {cc[0]}.{cc[1]} < 8.9 has no FP8 matmuls"
+    return None
+
+
+def check_fp8_built(run) -> None:
+    """Raise ``SkipRow`` when a run asked for ``train.fp8`` holds no FP8 layer (the setting
+    accepted but not built): its figures would be bf16's under an FP8 name."""
+    names = {type(m).__name__.lower() for m in run.model.modules()}
+    if not any("fp8" in n or "float8" in n for n in names):
+        raise SkipRow(f"train.fp8={run.cfg.train.fp8} accepted but the built model holds no FP8 "
+                      f"layer (no module class named *fp8*/*float8*)")
+
+
+def measure_row(name: str, extra: list[tuple[str, str]], args, out: str, compile_: bool
+                ) -> dict:
+    """One further row in one round and mode: its figures, or {"skipped": reason}."""
+    fp8 = name.startswith("fp8")
+    try:
+        cfg = make_config(args, out, compile_, extra)
+        if fp8:
+            reason = fp8_unavailable(torch.device(cfg.train.device))
+            if reason:
+                raise SkipRow(reason)
+        return measure("threefold", cfg, args, compile_, False,
+                       check=check_fp8_built if fp8 else None)
+    except ConfigError as e:  # the configuration refuses the row's setting
+        return {"skipped": f"refused: {e}"}
+    except SkipRow as e:
+        return {"skipped": str(e)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,10 +303,10 @@ def release(objs: list) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(name: str, cfg, args, compile_: bool, profile: bool) -> dict:
+def measure(name: str, cfg, args, compile_: bool, profile: bool, check=None) -> dict:
     """Build one side, run its warm-up and timed steps (and a profiled one): its figures."""
     t0 = time.perf_counter()
-    step, mcfg, device, dtype, objs = (threefold_side(cfg) if name == "threefold"
+    step, mcfg, device, dtype, objs = (threefold_side(cfg, check) if name == "threefold"
                                        else transformers_side(cfg, compile_))
     reset_peak_memory(device)
     loss0 = step(0)
@@ -255,10 +344,23 @@ def run_rounds(args, modes: list[str]) -> dict:
                 for side in order:
                     res = measure(side, cfg, args, mode == "compiled", r == args.rounds - 1)
                     got[(r, mode, side)] = res
-                    print(f"round {r} {mode:>8} {side:>12}: {res['tok_s']:,.0f} tok/s, "
-                          f"peak {res['peak_memory_bytes'] / 1e9:.3f} GB, first loss "
-                          f"{res['loss0']:.4f}, {res['wall_s']:.1f} s", flush=True)
+                    _print_row(r, mode, side, res)
+                rows = extra_rows(args)
+                for name, extra in (rows if (r + m) % 2 == 0 else rows[::-1]):
+                    res = measure_row(name, extra, args, str(Path(tmp) / f"{mode}{r}{name}"),
+                                      mode == "compiled")
+                    got[(r, mode, name)] = res
+                    _print_row(r, mode, name, res)
     return got
+
+
+def _print_row(r: int, mode: str, side: str, res: dict) -> None:
+    if "skipped" in res:
+        print(f"round {r} {mode:>8} {side:>14}: skipped: {res['skipped']}", flush=True)
+        return
+    print(f"round {r} {mode:>8} {side:>14}: {res['tok_s']:,.0f} tok/s, "
+          f"peak {res['peak_memory_bytes'] / 1e9:.3f} GB, first loss "
+          f"{res['loss0']:.4f}, {res['wall_s']:.1f} s", flush=True)
 
 
 def host_memory_setting(cfg) -> None:
@@ -269,23 +371,80 @@ def host_memory_setting(cfg) -> None:
     reuse_freed_host_memory(threshold_for(cfg.train.host_mmap_threshold_mb, 1))
 
 
-def peak_flops(got: dict, fpt: float) -> tuple[float | None, str]:
-    """The device's peak FLOP/s for MFU; on a CPU never below the best rate a side reached."""
-    any_res = next(iter(got.values()))
+def peak_flops(got: dict, fpt: float, rates: list[float] = ()) -> tuple[float | None, str]:
+    """The device's peak FLOP/s (its dtype's) for MFU; on a CPU never below the best rate a
+    base side (or one of ``rates``, FLOP/s the further rows reached) reached."""
+    any_res = next(r for (_, _, side), r in got.items() if side in SIDES)
     device, dtype = any_res["device"], any_res["dtype"]
     peak, src = device_peak_flops(device, dtype)
-    best = max(r["tok_s"] for r in got.values()) * fpt
+    best = max([r["tok_s"] * fpt for (_, _, side), r in got.items() if side in SIDES]
+               + list(rates))
     if device.type == "cpu" and peak is not None and best > peak:
         peak, src = raise_cpu_peak(dtype, best)
     return peak, src
 
 
+def fp8_peak(device: torch.device) -> tuple[float | None, str]:
+    """The device's dense FP8 peak FLOP/s from the catalogue (None where unknown)."""
+    if device.type != "cuda":
+        return None, "unknown"
+    name = torch.cuda.get_device_name(device)
+    peak = peak_flops_for_device_name(name, "fp8")
+    return (peak, f"catalogue:{name} fp8") if peak else (None, "unknown")
+
+
+def summarise_rows(args, modes: list[str], got: dict, seq: int) -> tuple[dict, list[float]]:
+    """The further rows per mode: median tokens/s, MFU (FP8 rows against the FP8 peak), and the
+    ratio per round against their reference (fp8: threefold's bf16 row; moe-grouped:
+    moe-loop), or the reason they were skipped; and the FLOP/s they reached (for a CPU's
+    peak)."""
+    out, rates = {}, []
+    for mode in modes:
+        entry = {}
+        for name, _ in extra_rows(args):
+            rs = [got[(r, mode, name)] for r in range(args.rounds)]
+            skipped = [x["skipped"] for x in rs if "skipped" in x]
+            if skipped:
+                entry[name] = {"skipped": skipped[0]}
+                continue
+            fpt = cost.flops_per_token(rs[0]["mcfg"], seq)
+            tok = statistics.median(x["tok_s"] for x in rs)
+            rates.append(max(x["tok_s"] for x in rs) * fpt)
+            ref = "threefold" if name.startswith("fp8") else \
+                ("moe-loop" if name == "moe-grouped" else None)
+            ratios = [got[(r, mode, name)]["tok_s"] / got[(r, mode, ref)]["tok_s"]
+                      for r in range(args.rounds)
+                      if ref and "skipped" not in got[(r, mode, ref)]]
+            entry[name] = {"tok_s": tok, "tok_s_rounds": [x["tok_s"] for x in rs],
+                           "flops_per_token": fpt, "versus": ref, "ratios": ratios,
+                           "ratio_median": statistics.median(ratios) if ratios else None,
+                           "peak_memory_bytes": max(x["peak_memory_bytes"] for x in rs),
+                           "loss0": rs[0]["loss0"]}
+        out[mode] = entry
+    return out, rates
+
+
+def rows_mfu(rows: dict, got: dict, peak: float | None, src: str) -> None:
+    """MFU of each further row against its dtype's peak: FP8 rows the FP8 peak, the others the
+    base run's (``peak``)."""
+    device = next(r for (_, _, side), r in got.items() if side in SIDES)["device"]
+    for entry in rows.values():
+        for name, e in entry.items():
+            if "skipped" in e:
+                continue
+            p, s = fp8_peak(device) if name.startswith("fp8") else (peak, src)
+            e["peak_flops"], e["peak_source"] = p, s
+            e["mfu"] = e["tok_s"] * e["flops_per_token"] / p if p else None
+
+
 def summarise(args, modes: list[str], got: dict) -> dict:
     """Medians per mode and side, the ratio's spread over rounds, the run's facts."""
-    first = next(iter(got.values()))
+    first = got[(0, modes[0], SIDES[0])]
     mcfg, seq = first["mcfg"], SHAPES[args.shape][1]
     fpt = cost.flops_per_token(mcfg, seq)
-    peak, src = peak_flops(got, fpt)
+    rows, rates = summarise_rows(args, modes, got, seq)
+    peak, src = peak_flops(got, fpt, rates)
+    rows_mfu(rows, got, peak, src)
     out = {"benchmark": "gpu", "shape": args.shape, "device": device_name(first["device"]),
            "dtype": str(first["dtype"]).replace("torch.", ""), "torch": torch.__version__,
            "transformers": hf_version(), "weights": "copied from threefold's initial weights",
@@ -304,6 +463,7 @@ def summarise(args, modes: list[str], got: dict) -> dict:
                            "peak_memory_bytes": max(x["peak_memory_bytes"] for x in rs),
                            "loss0": rs[0]["loss0"], "profile": rs[-1]["profile"]}
         out["modes"][mode] = entry
+    out["rows"] = rows
     comp = out["modes"].get("compiled")
     out["goal"] = 1.05  # issue 27: compiled threefold >= 1.05x transformers + torch.compile
     out["meets_goal"] = comp["ratio_median"] >= 1.05 if comp else None
@@ -347,6 +507,16 @@ def print_report(summary: dict, got: dict, modes: list[str], rounds: int) -> Non
     print(f"MFU against {summary['peak_flops'] or 0:.4g} FLOP/s ({summary['peak_source']}); "
           f"profile shares of {summary['modes'][modes[0]]['threefold']['profile']['basis']}:")
     print_table(rows, width=12)
+    further = [{"mode": m, "row": name, "tok_s": e.get("tok_s", "-"),
+                "mfu": e["mfu"] if e.get("mfu") is not None else "-",
+                "versus": e.get("versus") or "-",
+                "ratio": e["ratio_median"] if e.get("ratio_median") is not None else "-",
+                "skipped": e.get("skipped", "")[:60] or "-"}
+               for m in modes for name, e in summary["rows"].get(m, {}).items()]
+    if further:
+        print("further rows (threefold; FP8 MFU against the FP8 peak, ratio median over rounds "
+              "against 'versus'):")
+        print_table(further, width=14)
     print(json.dumps(summary), flush=True)
 
 
@@ -364,7 +534,15 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for both sides (e.g. data.cache_dir=DIR)")
     ap.add_argument("--out", help="also write the JSON to this file")
+    ap.add_argument("--rows", default=",".join(ROW_GROUPS),
+                    help="comma-separated row groups: base (threefold vs transformers, always "
+                         "run: the reference), fp8 (train.fp8 tensorwise/rowwise vs bf16), moe "
+                         "(grouped vs looped experts)")
     args = ap.parse_args(argv)
+    args.rows = set(args.rows.split(",")) | {"base"}
+    if args.rows - set(ROW_GROUPS):
+        ap.error(f"--rows: unknown {sorted(args.rows - set(ROW_GROUPS))}; "
+                 f"choose from {','.join(ROW_GROUPS)}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":

@@ -1,10 +1,11 @@
 """Mixture of experts on CPU (gloo): the MoE layer with expert parallelism against the same
-layer without it, and a training step of an MoE model against a dense one with the same
-active parameters per token.
+layer without it, a training step of an MoE model against a dense one with the same
+active parameters per token, and the grouped experts against the loop over experts.
 
     python3 bench/bench_moe.py                 # the defaults below (about 2 minutes on 2 cores)
     python3 bench/bench_moe.py --quick         # smaller sizes, 2 rounds (well under a minute)
     python3 bench/bench_moe.py --rounds 8 --ffn 1024 --no-model
+    python3 bench/bench_moe.py --impl-only     # part 3 alone, one process (no torchrun)
 
 Started without torchrun's environment, the script re-launches itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node N`` (gloo, one OpenMP thread
@@ -61,6 +62,16 @@ and each side's share of the step spent in clip + AdamW + zero_grad, which run o
 parameters (total/active times as many in the MoE: its weights and optimiser state are what
 expert parallelism shards).
 
+Part 3, one process (rank 0; the others wait; ``--impl-only``: this part alone, no launch),
+the experts' implementation (``model.moe_impl``): the MoE layer of ``--model-preset``
+(tiny-moe: h 256, 8 experts of f 344, top-2, softmax routing) forward + backward of a random
+output gradient on ``--impl-batch`` x ``--impl-seq-len`` tokens, fp32, ``--impl-threads``
+threads, two copies of the same weights, one running its local experts as two
+``torch._grouped_mm`` calls (``grouped``), the other one matmul pair per expert (``loop``, the
+reference). Reported: their outputs' and gradients' max abs difference, and tokens/s of grouped
+over loop per round (goal >= 1.0: one call instead of 2·E should not cost time; the
+benchmark's own goal).
+
 The output ends with one JSON line per ratio (``bench.common.report``), after a JSON line of
 everything else (``"benchmark": "moe_summary"``).
 """
@@ -113,12 +124,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--model-seq-len", type=int, default=256)
     g.add_argument("--model-steps", type=int, default=3, help="timed steps per side/round")
     g.add_argument("--model-warmup", type=int, default=1)
+    g = ap.add_argument_group("part 3: grouped vs looped experts (one process)")
+    g.add_argument("--no-impl", dest="impl", action="store_false", help="skip part 3")
+    g.add_argument("--impl-only", action="store_true",
+                   help="run part 3 alone in this process (no torchrun, parts 1-2 skipped)")
+    g.add_argument("--impl-batch", type=int, default=4)
+    g.add_argument("--impl-seq-len", type=int, default=256)
+    g.add_argument("--impl-threads", type=int, default=1,
+                   help="torch threads (1, as each rank of parts 1-2 has)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = min(args.rounds, 2)
         args.batch, args.seq_len, args.hidden, args.ffn = 2, 128, 128, 256
         args.steps, args.model_steps = 2, 2
         args.model_batch, args.model_seq_len, args.vocab = 2, 128, 1024
+        args.impl_batch, args.impl_seq_len = 2, 128
     if args.experts % args.ranks:
         ap.error(f"--experts {args.experts} must divide by --ranks {args.ranks} (the ep degree)")
     if not 1 <= args.top_k <= args.experts:
@@ -338,6 +358,74 @@ def model_part(args) -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------
+# Part 3: grouped vs looped experts, one process
+# --------------------------------------------------------------------------------------------
+IMPL_SIDES = ("grouped", "loop")
+
+
+def impl_part(args) -> dict:
+    """Both implementations on the same weights and tokens: their difference, then timed
+    forward+backward round by round (one process)."""
+    from threefold.moe import grouped_mm_unfit
+
+    cfg = ModelConfig(preset=args.model_preset, vocab_size=args.vocab).resolved()
+    if not cfg.num_local_experts:
+        raise SystemExit(f"--model-preset {args.model_preset} has no experts")
+    blocks = {side: whole_block(cfg, args.seed) for side in IMPL_SIDES}
+    for side, block in blocks.items():
+        block.experts.impl = side
+    g = torch.Generator().manual_seed(args.seed + 100)
+    shape = (args.impl_batch, args.impl_seq_len, cfg.hidden_size)
+    x, dy = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    unfit = grouped_mm_unfit(x.device, x.dtype, cfg.hidden_size, cfg.intermediate_size)
+    if unfit:
+        raise SystemExit(f"grouped would fall back to the loop here: {unfit}")
+    outs = {side: fwd_bwd(block, x, dy) for side, block in blocks.items()}
+    diff = {"y": float((outs["grouped"][0] - outs["loop"][0]).abs().max()),
+            "dx": float((outs["grouped"][1] - outs["loop"][1]).abs().max())}
+    for name, p in blocks["grouped"].named_parameters():
+        q = dict(blocks["loop"].named_parameters())[name]
+        diff["d_" + name] = float((p.grad - q.grad).abs().max())
+    results = []
+    for r in range(args.rounds):
+        order = IMPL_SIDES if r % 2 == 0 else IMPL_SIDES[::-1]
+        for side in order:
+            seconds, _ = time_steps(blocks[side], x, dy, args)
+            results.append((r, side, [{"seconds": seconds}]))
+    return {"cfg": cfg, "diff": diff, "results": results}
+
+
+def summarise_impl(args, impl: dict) -> list[dict]:
+    """Part 3's lines; its ratio rows (grouped over loop, tokens/s)."""
+    cfg = impl["cfg"]
+    tokens = args.impl_batch * args.impl_seq_len
+    print(f"\n== part 3: experts grouped (torch._grouped_mm) vs loop, {args.model_preset} layer "
+          f"(h {cfg.hidden_size}, {cfg.num_local_experts} experts x f {cfg.intermediate_size}, "
+          f"top-{cfg.num_experts_per_tok}), {args.impl_batch}x{args.impl_seq_len} = {tokens} "
+          f"tokens, fp32, {torch.get_num_threads()} thread(s), forward+backward, "
+          f"{args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds ==")
+    print("max abs diff grouped - loop: " + ", ".join(f"{k} {v:.2e}"
+                                                      for k, v in impl["diff"].items()))
+    rows = _ratio_rows(impl["results"], args.rounds, tokens * args.steps, "grouped", "loop")
+    print(f"tokens/s grouped/loop: {_spread([r['ratio'] for r in rows])}")
+    print(json.dumps({"benchmark": "moe_impl_summary", "revision": revision(),
+                      "preset": args.model_preset, "tokens": tokens,
+                      "threads": torch.get_num_threads(), "max_abs_diff": impl["diff"],
+                      "ratio": [r["ratio"] for r in rows]}))
+    return rows
+
+
+def run_impl_only(args) -> None:
+    """``--impl-only``: part 3 in this process, its report."""
+    torch.set_num_threads(args.impl_threads)
+    print(f"bench_moe part 3 only: threefold at {revision()}; 1-min load average "
+          f"{os.getloadavg()[0]:.1f}")
+    rows = summarise_impl(args, impl_part(args))
+    print("\ngrouped vs looped experts, one process (tokens/s ratio grouped/loop):")
+    report("moe_experts_grouped_vs_loop", rows, "ratio", 1.0)
+
+
+# --------------------------------------------------------------------------------------------
 # One launch
 # --------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
@@ -356,8 +444,14 @@ def worker(args: argparse.Namespace) -> None:
     load_start = os.getloadavg()[0]
     layer = layer_part(args, comm)
     model = model_part(args) if args.model else None
+    impl = None
+    if args.impl:  # rank 0 alone, the others wait
+        if env.rank == 0:
+            torch.set_num_threads(args.impl_threads)
+            impl = impl_part(args)
+        dist.barrier()
     if env.rank == 0:
-        summarise(args, world, layer, model, (load_start, os.getloadavg()[0]))
+        summarise(args, world, layer, model, (load_start, os.getloadavg()[0]), impl)
     shutdown()
 
 
@@ -380,7 +474,7 @@ def _ratio_rows(results, rounds: int, tokens: float, a: str, b: str) -> list[dic
     return rows
 
 
-def summarise(args, world, layer, model, load: tuple[float, float]) -> None:
+def summarise(args, world, layer, model, load: tuple[float, float], impl=None) -> None:
     """Rank 0: the tables and JSON lines (see the module doc). ``load``: the machine's 1-minute
     load average at the start and the end (other processes share the cores: ratios taken in
     the same run survive that, their spread shows it)."""
@@ -479,6 +573,7 @@ def summarise(args, world, layer, model, load: tuple[float, float]) -> None:
                             "ratio": [r["ratio"] for r in model_rows],
                             "fwd_bwd_ratio": [r["fwd_bwd_ratio"] for r in model_rows]}
     print(json.dumps(summary))
+    impl_rows = summarise_impl(args, impl) if impl else None
 
     print(f"\nep{ep} vs the same layer without ep on {ep} ranks (tokens/s ratio ep/noep):")
     report(f"moe_layer_ep{ep}_vs_noep{ep}", vs_noep, "ratio", 1.0)
@@ -488,11 +583,18 @@ def summarise(args, world, layer, model, load: tuple[float, float]) -> None:
         print("\nMoE vs dense with the same active parameters, one process (tokens/s ratio "
               "moe/dense):")
         report("moe_vs_dense_train_step", model_rows, "ratio", 0.8)
+    if impl_rows:
+        print("\ngrouped vs looped experts, one process (tokens/s ratio grouped/loop):")
+        report("moe_experts_grouped_vs_loop", impl_rows, "ratio", 1.0)
 
 
 def main() -> None:
-    """Re-launch under torchrun (4 ranks by default) when started plainly; else be one rank."""
+    """Re-launch under torchrun (4 ranks by default) when started plainly; else be one rank
+    (``--impl-only``: part 3 here, no launch)."""
     args = parse_args()
+    if args.impl_only:
+        run_impl_only(args)
+        return
     sys.exit(run_ranks(__file__, worker, args, [args.ranks]))
 
 

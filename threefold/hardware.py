@@ -56,14 +56,17 @@ class Hardware:
     # Achieved fraction of the peak for large matmuls; None = the cost model's calibrated
     # constant (datasheet peaks), 1.0 for a measured peak (it is already achieved FLOP/s).
     matmul_efficiency: float | None = None
+    peak_flops_fp8: float | None = None  # dense FP8 tensor-core FLOP/s; None = no FP8 (or unknown)
 
     def peak_flops(self, precision: str) -> float | None:
-        """Peak matmul FLOP/s for ``precision`` ('bf16' or 'fp32'); None if unknown."""
+        """Peak matmul FLOP/s for ``precision`` ('bf16', 'fp32' or 'fp8'); None if unknown."""
         if precision == "bf16":
             return self.peak_flops_16bit
         if precision == "fp32":
             return self.peak_flops_fp32
-        raise ValueError(f"precision '{precision}' is not bf16 or fp32")
+        if precision == "fp8":
+            return self.peak_flops_fp8
+        raise ValueError(f"precision '{precision}' is not bf16, fp32 or fp8")
 
     def link(self, inter_node: bool) -> tuple[float, float]:
         """(latency s, bandwidth bytes/s) of the link a collective group uses."""
@@ -88,8 +91,10 @@ class Hardware:
 
 
 def _gpu(name: str, tflops16: float, tflops32: float, memory_gb: float, hbm_gb_s: float,
-         nvlink_gb_both_ways: float, pcie_gb_both_ways: float) -> Hardware:
+         nvlink_gb_both_ways: float, pcie_gb_both_ways: float,
+         tflops8: float | None = None) -> Hardware:
     return Hardware(name=name, peak_flops_16bit=tflops16 * 1e12, peak_flops_fp32=tflops32 * 1e12,
+                    peak_flops_fp8=tflops8 * 1e12 if tflops8 else None,
                     memory_bytes=memory_gb * GB, intra_node_bw=nvlink_gb_both_ways / 2 * GB,
                     inter_node_bw=DEFAULT_INTER_NODE_GBITS / 8 * GB, memory_bw=hbm_gb_s * GB,
                     host_link_bw=pcie_gb_both_ways / 2 * GB,
@@ -97,6 +102,8 @@ def _gpu(name: str, tflops16: float, tflops32: float, memory_gb: float, hbm_gb_s
 
 
 # NVIDIA datasheets (SXM parts, dense). V100 has no bf16: its 16-bit figure is fp16 tensor cores.
+# FP8 (E4M3/E5M2 tensor cores, dense): H100 SXM 1979 TF/s, twice its bf16; H200 has the same
+# compute; V100 and A100 have no FP8 (compute capability 7.0 / 8.0, FP8 needs 8.9+).
 # HBM bandwidth: V100 900 GB/s, A100 80GB 2039, A100 40GB 1555, H100 SXM 3350, H200 4800.
 # PCIe to the host, both directions summed as the datasheets quote it: V100 Gen3 32 GB/s,
 # A100 Gen4 64 GB/s, H100/H200 SXM Gen5 128 GB/s (16 / 32 / 64 GB/s each way).
@@ -108,9 +115,9 @@ GPUS: dict[str, Hardware] = {
     "a100-40gb": _gpu("a100-40gb", tflops16=312, tflops32=19.5, memory_gb=40, hbm_gb_s=1555,
                       nvlink_gb_both_ways=600, pcie_gb_both_ways=64),
     "h100": _gpu("h100", tflops16=989, tflops32=67, memory_gb=80, hbm_gb_s=3350,
-                 nvlink_gb_both_ways=900, pcie_gb_both_ways=128),
+                 nvlink_gb_both_ways=900, pcie_gb_both_ways=128, tflops8=1979),
     "h200": _gpu("h200", tflops16=989, tflops32=67, memory_gb=141, hbm_gb_s=4800,
-                 nvlink_gb_both_ways=900, pcie_gb_both_ways=128),
+                 nvlink_gb_both_ways=900, pcie_gb_both_ways=128, tflops8=1979),
 }
 
 
@@ -138,7 +145,7 @@ def hardware_for_device_name(device_name: str) -> Hardware | None:
 
 
 def peak_flops_for_device_name(device_name: str, precision: str) -> float | None:
-    """Datasheet peak FLOP/s ('bf16' or 'fp32') of a CUDA device by name; None if unknown
+    """Datasheet peak FLOP/s ('bf16', 'fp32' or 'fp8') of a CUDA device by name; None if unknown
     (then MFU is reported as unknown, never guessed)."""
     hw = hardware_for_device_name(device_name)
     return hw.peak_flops(precision) if hw else None

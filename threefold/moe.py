@@ -18,6 +18,18 @@ each expert's contiguous slice, each expert runs one matmul pair on its own toke
 weighted rows are added back to their tokens (``index_add_``): compute is k/E of the dense
 all-experts product.
 
+How a rank runs its local experts on those grouped rows (``model.moe_impl``):
+
+- ``grouped`` (default): two ``torch._grouped_mm`` calls over all rows at once, the group
+  boundaries given as int32 offsets (the cumulative counts), straight on the stored (E, ·, ·)
+  tensors (a transposed view: no copy, the gradient lands on the same parameters);
+- ``loop``: one matmul pair per expert that got rows, the reference, and the fallback wherever
+  ``grouped_mm_unfit`` names a reason (dtype, widths, device; see there).
+
+Both give the same values and gradients (fp32 to rounding: tests/test_moe_grouped.py) and keep
+the same tensors for backward, grouped also its offsets (4 bytes per local expert), which the
+planner counts (``threefold.plan.memory.grouped_experts_run``).
+
 Router losses, from per-layer statistics each block records in its forward
 (``SparseMoeBlock.router_stats``, taken with ``take_router_stats``):
 
@@ -29,7 +41,8 @@ Router losses, from per-layer statistics each block records in its forward
 - router z-loss (Zoph et al., ST-MoE, arXiv 2202.08906, eq. 5): the mean over layers and
   tokens of logsumexp(router logits)², which keeps the logits small (bf16-safe).
 
-This module imports torch and the config only (it sits beside ``threefold.model``).
+This module imports torch, the config and the kernels only (it sits beside ``threefold.model``),
+and the plain-number width rule from ``threefold.models.shapes``.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels import swiglu
+from threefold.models.shapes import grouped_widths_unfit
 
 
 @dataclass
@@ -113,15 +127,81 @@ class TopKRouter(nn.Module):
         return F.linear(x, self.weight)
 
 
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_unfit(device: torch.device, dtype: torch.dtype, hidden: int, ffn: int,
+                     capability: tuple[int, int] | None = None) -> str | None:
+    """Why ``torch._grouped_mm`` should not run these experts (None: it should), from what
+    torch 2.13 checks (aten/src/ATen/native/GroupedMMUtils.h, ``_grouped_mm_validate_inputs``,
+    the same checks on CPU and CUDA) and where CUDA runs its own kernel (GroupedBlas.cpp,
+    ``_grouped_mm_cuda``):
+
+    - dtype float32, bfloat16 or float16 (anything else is refused);
+    - each operand has one unit stride and its other (leading) stride a multiple of 16 bytes.
+      The operands here, forward and backward, are rows (·, h), the first product (·, 2f), the
+      SwiGLU output (·, f) and the weights' transposed views, whose leading strides are h and
+      f: so h and f must be multiples of 16 / element size (4 in fp32, 8 in bf16/fp16;
+      tiny-moe's f 344 = 8 · 43 passes). Group offsets need no alignment: a group starts
+      ``offset`` leading strides into its operand, so it stays 16-byte aligned; an empty group
+      is allowed (its weight gradient is zero). The multiple-of-16-elements rule some guides
+      quote is ``_scaled_grouped_mm``'s (FP8), not this op's;
+    - on CUDA, torch's grouped kernel (CUTLASS) runs only for bf16 on compute capability 9.x or
+      10.x; elsewhere torch falls back to a per-group matmul loop after copying the offsets to
+      the host, no better than ours, so the loop runs there (``capability``: the device's,
+      read from it when None)."""
+    if dtype not in GROUPED_MM_DTYPES:
+        return f"dtype {dtype} (grouped_mm takes float32, bfloat16, float16)"
+    unfit = grouped_widths_unfit(hidden, ffn, dtype.itemsize)
+    if unfit:
+        return unfit
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return f"dtype {dtype} on CUDA (torch's grouped kernel is bf16 only)"
+        major = (capability or torch.cuda.get_device_capability(device))[0]
+        if major not in (9, 10):
+            return f"compute capability {major}.x (torch's grouped kernel needs 9.x or 10.x)"
+    elif device.type != "cpu":
+        return f"device {device.type} (grouped_mm checked on cpu and cuda only)"
+    return None
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` runs in: autocast's where it is on for x's device (autocast
+    leaves ``_grouped_mm`` alone, so the grouped experts cast as F.linear would)."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on its gradient made contiguous: ``_grouped_mm``'s
+    backward refuses a gradient with a zero stride (\"Invalid strides/sizes\", e.g. what
+    ``y.sum()`` sends back), so any loss may follow the grouped product."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
 class Experts(nn.Module):
     """E SwiGLU MLPs stored as two 3-D tensors (HF's ``mlp.experts``): expert e computes
-    down_e(silu(gate_e x) · up_e x), with [gate_e; up_e] = gate_up_proj[e]."""
+    down_e(silu(gate_e x) · up_e x), with [gate_e; up_e] = gate_up_proj[e]. ``impl`` is
+    ``model.moe_impl`` (see the module doc)."""
+
+    impl = "grouped"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, f))
+        self.impl = cfg.moe_impl
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert (``counts`` (E,) rows each, in order) -> each row through its
@@ -134,7 +214,31 @@ class Experts(nn.Module):
         """Rows grouped by this module's experts (``counts[e]`` rows for expert e, in order)
         -> each row through its expert's SwiGLU. Every expert tensor gets a gradient, zero
         where no row went (also when no row went anywhere), so every engine sees the same
-        gradients each step."""
+        gradients each step. Grouped (``impl``) where ``grouped_mm_unfit`` finds no reason
+        against it, else the loop."""
+        if self.impl == "grouped" and rows.shape[0] and grouped_mm_unfit(
+                rows.device, matmul_dtype(rows), self.down_proj.shape[1],
+                self.down_proj.shape[2]) is None:
+            return self.compute_grouped(rows, counts)
+        return self.compute_loop(rows, counts)
+
+    def compute_grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``compute`` as two grouped matmuls over every row (at least one), expert e's rows
+        ending at offset counts[0] + ... + counts[e]. Saves for backward what the loop does:
+        the rows (cast), the first product (its gate and up halves share it), the SwiGLU
+        output, and under autocast the cast expert weights."""
+        dtype = matmul_dtype(rows)
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offs = offs.to(rows.device, non_blocking=True)
+        r = rows.to(dtype)
+        gate_up = torch._grouped_mm(r, self.gate_up_proj.to(dtype).transpose(1, 2), offs=offs)
+        gate, up = _ContiguousGrad.apply(gate_up).chunk(2, dim=-1)
+        y = torch._grouped_mm(swiglu(gate, up), self.down_proj.to(dtype).transpose(1, 2),
+                              offs=offs)
+        return _ContiguousGrad.apply(y)
+
+    def compute_loop(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``compute`` one expert at a time (the reference)."""
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:

@@ -1,6 +1,7 @@
 """The shapes of a family's blocks as plain numbers, for the accounting and the planner (no
 torch): the weights of a mixture of experts' feed-forward, and how many tokens' logits the
-chunked head (``threefold.head_loss``) makes at once.
+chunked head (``threefold.head_loss``) makes at once, and whether the grouped experts'
+widths meet ``torch._grouped_mm``'s stride rule.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ def moe_layer_parameters(cfg: ModelConfig) -> int:
     h, fs = cfg.hidden_size, cfg.shared_expert_intermediate_size
     shared = 3 * h * fs + (h if cfg.shared_expert_gate else 0) if fs else 0
     return cfg.num_local_experts * (h + expert_parameters(cfg)) + shared
+
+
+def grouped_widths_unfit(h: int, f: int, element_size: int) -> str | None:
+    """Why the experts' widths h and f keep ``torch._grouped_mm`` off (None: they do not): every
+    operand it multiplies, forward and backward, has a leading stride of h or f elements (or
+    2f), which torch requires to be a multiple of 16 bytes (``threefold.moe.grouped_mm_unfit``
+    has the whole rule, dtype and device too)."""
+    align = 16 // element_size
+    if h % align or f % align:
+        return (f"hidden {h} and intermediate {f} must be multiples of {align} "
+                f"({element_size}-byte elements: 16-byte strides)")
+    return None
 
 
 def moe_layers(cfg: ModelConfig) -> int:

@@ -51,6 +51,7 @@ from threefold.accounting.stages import (
     stage_units,
 )
 from threefold.config import ModelConfig
+from threefold.models.shapes import grouped_widths_unfit
 from threefold.plan.activations import (
     adapter_activation_bytes,
     head_inflight_microbatches,
@@ -263,10 +264,13 @@ def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> f
     weight) + 32 (indices and weights); the router's fp32 probabilities and logits 8·E + 8; under autocast the
     router's cast input d·h. A shared expert adds a dense SwiGLU's 3·d·f_s + 3·d·h (not
     measured). Under ep a rank computes the rows routed to its experts: N·k in expectation
-    (uniform routing). 0 for a dense model. The MoE is whole on every tp rank."""
+    (uniform routing). 0 for a dense model. The MoE is whole on every tp rank. The grouped
+    experts (``grouped_experts_run``) also keep their int32 group offsets, 4 bytes per local
+    expert."""
     e, k = cfg.num_local_experts or 0, cfg.num_experts_per_tok or 0
     if not e:
         return 0.0
+    offsets = 4 * (e // layout.ep) if grouped_experts_run(cfg, work) else 0
     h, f, d, r = cfg.hidden_size, cfg.intermediate_size, work.act_bytes, work.resid_bytes
     fs = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
     tokens = layout.microbatch_size * local_seq_len(layout, work)
@@ -274,7 +278,21 @@ def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> f
     if fs:
         moe += 3 * d * fs + 3 * d * h
     dense = 3 * d * tp_shard(cfg, layout.tp).ffn + (0 if r == d else d * h)
-    return float(tokens * (moe - dense))
+    return float(tokens * (moe - dense) + offsets)
+
+
+def grouped_experts_run(cfg: ModelConfig, work: Workload) -> bool:
+    """Whether the runtime runs the experts grouped (``threefold.moe.grouped_mm_unfit``):
+    ``model.moe_impl`` grouped, widths that meet the 16-byte rule, and on a GPU bf16 (torch's
+    grouped kernel; the planner takes the GPU for one that has it, compute capability 9.x or
+    10.x: H100, H200; on A100 or V100 the runtime loops and keeps 4 bytes per local expert
+    and MoE layer less than predicted). On a CPU (``work.backend_copies``) any of fp32, bf16,
+    fp16 runs grouped."""
+    if getattr(cfg, "moe_impl", "grouped") != "grouped":
+        return False
+    if grouped_widths_unfit(cfg.hidden_size, cfg.intermediate_size, work.act_bytes):
+        return False
+    return work.backend_copies or work.precision == "bf16"
 
 
 def moe_cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
