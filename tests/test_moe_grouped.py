@@ -135,6 +135,9 @@ def test_grouped_mm_rule():
     assert grouped_mm_unfit(cuda, torch.bfloat16, 4096, 14336, capability=(10, 0)) is None
     assert "capability 8" in grouped_mm_unfit(cuda, torch.bfloat16, 4096, 14336, (8, 0))
     assert "bf16 only" in grouped_mm_unfit(cuda, torch.float32, 4096, 14336, (9, 0))
+    # traced by torch.compile, the op's meta function holds every device to CUDA's bf16 rule
+    assert "compile" in grouped_mm_unfit(cpu, torch.float32, 256, 344, compiling=True)
+    assert grouped_mm_unfit(cpu, torch.bfloat16, 256, 344, compiling=True) is None
 
 
 def test_bf16_autocast_grouped_matches_loop():
@@ -174,8 +177,13 @@ def test_grouped_keeps_its_offsets_more_as_the_planner_counts():
         saved[name] = s.total
     e = cfg.num_local_experts
     assert saved["grouped"] - saved["loop"] == 4 * e
-    work = Workload(seq_len=32, global_batch=2, precision="fp32", backend_copies=True)
+    work = Workload(seq_len=32, global_batch=2, precision="fp32", backend_copies=True,
+                    eager=True)
     lay = Layout(microbatch_size=2)
     loop_cfg = ModelConfig(preset="tiny-moe", vocab_size=512, moe_impl="loop").resolved()
     assert moe_block_extra_bytes(cfg, lay, work) - moe_block_extra_bytes(loop_cfg, lay, work) \
         == 4 * e
+    # compiled (eager False), fp32 experts loop: the planner counts no offsets
+    compiled = Workload(seq_len=32, global_batch=2, precision="fp32", backend_copies=True)
+    assert moe_block_extra_bytes(cfg, lay, compiled) == moe_block_extra_bytes(loop_cfg, lay,
+                                                                              compiled)

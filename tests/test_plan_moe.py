@@ -298,8 +298,9 @@ def test_moe_block_activation_bytes_equal_autograd_saved_tensors(e, k, dtype):
     d = 2 if dtype == torch.bfloat16 else 4
     sh = tp_shard(cfg, 1)
     work = Workload(seq_len=s, global_batch=b, precision="bf16" if d == 2 else "fp32",
-                    residual_bytes=4, master_bytes=4, backend_copies=True)  # a CPU's run:
-    lay = Layout(microbatch_size=b)  # its experts grouped in fp32 too (grouped_experts_run)
+                    residual_bytes=4, master_bytes=4, backend_copies=True,  # a CPU's eager
+                    eager=True)  # run: its experts grouped in fp32 too (grouped_experts_run)
+    lay = Layout(microbatch_size=b)
     want = block_activation_bytes(b * s, h, sh.heads, sh.kv_heads, cfg.head_dim, sh.ffn, 1,
                                   False, act_bytes=d, residual_bytes=4)
     want += moe_block_extra_bytes(cfg, lay, work)

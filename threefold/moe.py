@@ -131,7 +131,8 @@ GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def grouped_mm_unfit(device: torch.device, dtype: torch.dtype, hidden: int, ffn: int,
-                     capability: tuple[int, int] | None = None) -> str | None:
+                     capability: tuple[int, int] | None = None,
+                     compiling: bool = False) -> str | None:
     """Why ``torch._grouped_mm`` should not run these experts (None: it should), from what
     torch 2.13 checks (aten/src/ATen/native/GroupedMMUtils.h, ``_grouped_mm_validate_inputs``,
     the same checks on CPU and CUDA) and where CUDA runs its own kernel (GroupedBlas.cpp,
@@ -149,12 +150,16 @@ def grouped_mm_unfit(device: torch.device, dtype: torch.dtype, hidden: int, ffn:
     - on CUDA, torch's grouped kernel (CUTLASS) runs only for bf16 on compute capability 9.x or
       10.x; elsewhere torch falls back to a per-group matmul loop after copying the offsets to
       the host, no better than ours, so the loop runs there (``capability``: the device's,
-      read from it when None)."""
+      read from it when None);
+    - under torch.compile (``compiling``) the op's meta function checks CUDA's rule on every
+      device (bf16 only), so a traced fp32 block would fail to compile: the loop runs there."""
     if dtype not in GROUPED_MM_DTYPES:
         return f"dtype {dtype} (grouped_mm takes float32, bfloat16, float16)"
     unfit = grouped_widths_unfit(hidden, ffn, dtype.itemsize)
     if unfit:
         return unfit
+    if compiling and dtype != torch.bfloat16:
+        return f"dtype {dtype} under torch.compile (grouped_mm's meta function takes bf16 only)"
     if device.type == "cuda":
         if dtype != torch.bfloat16:
             return f"dtype {dtype} on CUDA (torch's grouped kernel is bf16 only)"
@@ -218,7 +223,7 @@ class Experts(nn.Module):
         against it, else the loop."""
         if self.impl == "grouped" and rows.shape[0] and grouped_mm_unfit(
                 rows.device, matmul_dtype(rows), self.down_proj.shape[1],
-                self.down_proj.shape[2]) is None:
+                self.down_proj.shape[2], compiling=torch.compiler.is_compiling()) is None:
             return self.compute_grouped(rows, counts)
         return self.compute_loop(rows, counts)
 

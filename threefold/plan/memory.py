@@ -287,12 +287,14 @@ def grouped_experts_run(cfg: ModelConfig, work: Workload) -> bool:
     grouped kernel; the planner takes the GPU for one that has it, compute capability 9.x or
     10.x: H100, H200; on A100 or V100 the runtime loops and keeps 4 bytes per local expert
     and MoE layer less than predicted). On a CPU (``work.backend_copies``) any of fp32, bf16,
-    fp16 runs grouped."""
+    fp16 runs grouped, except fp32 under compile (``work.eager`` false), which loops."""
     if getattr(cfg, "moe_impl", "grouped") != "grouped":
         return False
     if grouped_widths_unfit(cfg.hidden_size, cfg.intermediate_size, work.act_bytes):
         return False
-    return work.backend_copies or work.precision == "bf16"
+    if work.precision == "bf16":
+        return True
+    return work.backend_copies and work.eager
 
 
 def moe_cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
