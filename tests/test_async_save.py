@@ -20,7 +20,7 @@ from threefold.config import ConfigError, load_config
 from threefold.train import train
 
 ZERO = {"parallel__zero_stage": 1, "checkpoint__interval": 2, "train__steps": 4}
-SLOW = "slowsave:0:2:0.5"  # rank 0's writer of checkpoint 2 sleeps 0.5 s: still in flight at 4
+SLOW = "slowsave:0:2:0.5"  # rank 0's writer of checkpoint 2 sleeps: still in flight after step 3
 
 
 def _sync_and_async(rank, world, corpus, cache, root):

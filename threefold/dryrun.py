@@ -284,8 +284,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     if on_cpu and world_size == 1 and cfg.train.host_mmap_threshold_mb > 1:
         notes.append(_heap_note(cfg.train.host_mmap_threshold_mb))
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
-                        comm, notes,
-                        startup_peaks(mcfg, layout, work),
+                        comm, notes, startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work),
                         cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0,
                         async_save_copy_bytes(owned, work) if cfg.checkpoint.async_save else 0)
