@@ -32,7 +32,9 @@ cut by ``apply_expert_parallel`` too), memory counts them and the MoE activation
 
 With ``parallel.offload_optimizer`` the report adds host memory per rank (and per node, the
 ranks of a node sharing it) apart from the device's, and the bytes each rank moves between
-device and host per step.
+device and host per step. With ``checkpoint.async_save`` it adds the host copy rank 0 holds
+while a save is written in the background (``async_save_copy_bytes``; on a CPU that copy is on
+top of the peak of the step it overlaps).
 """
 
 from __future__ import annotations
