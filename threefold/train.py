@@ -197,7 +197,7 @@ def _loop(run: Run, preempt, return_run: bool):
         if stop:
             preempted = {"step": step + 1}
             break
-    if saver is not None:  # the last interval's save, if still in flight: the run ends
+    if saver is not None and saver.pending_step is not None:  # the last save: the run ends
         with lay.phase(f"commit {saver.pending_step}"):
             _commit(run, saver, log)
     wall = time.perf_counter() - wall0
