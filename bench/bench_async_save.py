@@ -1,6 +1,5 @@
 """What a checkpoint costs the training loop, saved synchronously and with
-``checkpoint.async_save`` (issue 39), against the same run saving nothing, in the same process,
-the three orders rotated every round to share the noise.
+``checkpoint.async_save`` (issue 39), in the same process, the order alternated every round.
 
     python3 bench/bench_async_save.py [--rounds 3] [--steps 13] [--interval 4]
     python3 bench/bench_async_save.py --hidden 256 --layers 4    # a smaller checkpoint
@@ -8,7 +7,7 @@ the three orders rotated every round to share the noise.
 Each run is one process (world size 1), the default data (``--seq-len`` 128, ``--batch`` 4
 sequences per step), a Llama of ``--hidden`` × ``--layers``
 (fp32 weights and AdamW moments: 12 bytes per parameter in a checkpoint), ``--steps`` steps, a
-checkpoint every ``--interval`` steps (none in the ``none`` run; no final save in any), kept
+checkpoint every ``--interval`` steps (no final save), kept
 ``checkpoint.keep_last 1``, written under ``--dir`` (default: a temporary directory).
 
 Figures per run (from its metrics.jsonl and summary.json):
@@ -17,12 +16,13 @@ Figures per run (from its metrics.jsonl and summary.json):
   that do not follow a save; ``overlap_step_s``: of the steps right after a save (under
   async_save the background writer runs during them, competing for the cores and memory
   bandwidth; synchronously nothing runs then);
-- ``stall_per_save_s``: how long each save holds the loop outside the steps: the run's wall time
-  minus its steps' time, minus the ``none`` run's same figure, per save (synchronously the whole
-  write; under async_save the host copy, the commit and any wait for the writer);
+- ``stall_per_save_s``: how long each save holds the loop, timed around the loop's calls
+  (``threefold.train.save`` and, under async_save, ``threefold.train._commit``, wrapped by this
+  script): synchronously the whole write; under async_save the host copy, the directory's
+  preparation, any wait for the writer and the commit;
 - ``cost_per_save_s``: the stall plus the slow-down of the step after the save over the run's
-  other steps (``overlap_step_s`` - ``step_s``, both from the same run, so that the machine's
-  load between runs cancels): what a save costs the run in all.
+  other steps (``overlap_step_s`` - ``step_s``): what a save costs the run in all. Every figure
+  comes from within one run, so the machine's load changing between runs does not enter it.
 
 The ratio reported is ``cost_per_save_s`` sync ÷ async for each round (how many times less a
 save costs the run under async_save; the goal is > 1), and the overlapped step's slow-down
@@ -38,18 +38,19 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import report  # noqa: E402
 from threefold.config import load_config  # noqa: E402
-from threefold.train import train  # noqa: E402
+import threefold.train as tt  # noqa: E402
 
-MODES = ("none", "sync", "async")
+MODES = ("sync", "async")
 
 
 def config(out: Path, args, mode: str):
-    """The run of ``mode``: none (no checkpoint), sync or async saves every ``interval``."""
+    """The run of ``mode``: sync or async saves every ``interval``."""
     over = {"train.steps": args.steps, "train.output_dir": out, "train.eval_batches": 1,
             "train.eval_interval": 0, "train.progress": "off", "train.log_interval": 1000,
             "model.hidden_size": args.hidden, "model.intermediate_size": args.hidden * 4,
@@ -58,27 +59,44 @@ def config(out: Path, args, mode: str):
             "train.global_batch_size": args.batch, "train.micro_batch_size": args.batch,
             "checkpoint.save_final": "false",
             "checkpoint.keep_last": 1,
-            "checkpoint.interval": 0 if mode == "none" else args.interval,
+            "checkpoint.interval": args.interval,
             "checkpoint.async_save": "true" if mode == "async" else "false"}
     return load_config(None, [(k, str(v)) for k, v in over.items()])
 
 
 def measure(work: Path, args, mode: str) -> dict:
-    """Train one run of ``mode``; its step times and the time spent outside the steps."""
+    """Train one run of ``mode``; its step times and the time its saves held the loop."""
     out = work / mode
     shutil.rmtree(out, ignore_errors=True)
-    summary = train(config(out, args, mode))
+    held = []
+
+    def timed(fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                held.append(time.perf_counter() - t0)
+        return call
+    originals = {name: getattr(tt, name) for name in ("save", "_commit")}
+    for name, fn in originals.items():
+        setattr(tt, name, timed(fn))
+    try:
+        summary = tt.train(config(out, args, mode))
+    finally:
+        for name, fn in originals.items():
+            setattr(tt, name, fn)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     tok = summary["tokens_per_step"]
     secs = {r["step"]: tok / r["tokens_per_second"] for r in recs}
-    saves = [s for s in secs if mode != "none" and s % args.interval == 0]
+    saves = [s for s in secs if s % args.interval == 0]
     after = {s + 1 for s in saves if s + 1 in secs}
     # the first step warms up (allocator, kernels): neither figure counts it
     plain = [t for s, t in secs.items() if s not in after and s > 1]
     shutil.rmtree(out, ignore_errors=True)
     return {"step_s": statistics.mean(plain),
             "overlap_step_s": statistics.mean([secs[s] for s in after]) if after else None,
-            "outside_s": summary["wall_time_s"] - sum(secs.values()), "saves": len(saves),
+            "held_s": sum(held), "saves": len(saves),
             "copy_bytes": summary["memory"].get("async_save_copy_bytes")}
 
 
@@ -97,17 +115,16 @@ def main() -> int:
     work = args.dir or Path(tmp.name)
     rows = []
     for rnd in range(args.rounds):
-        order = MODES[rnd % 3:] + MODES[:rnd % 3]
+        order = MODES[rnd % 2:] + MODES[:rnd % 2]
         got = {mode: measure(work, args, mode) for mode in order}
-        base = got["none"]
         row = {"round": rnd}
         for mode in ("sync", "async"):
             g = got[mode]
-            stall = (g["outside_s"] - base["outside_s"]) / g["saves"]
+            stall = g["held_s"] / g["saves"]
             row[f"{mode}_stall_per_save_s"] = stall
             row[f"{mode}_cost_per_save_s"] = stall + g["overlap_step_s"] - g["step_s"]
         a = got["async"]
-        row.update(step_s=base["step_s"], async_overlap_step_s=a["overlap_step_s"],
+        row.update(async_step_s=a["step_s"], async_overlap_step_s=a["overlap_step_s"],
                    overlap_slowdown=a["overlap_step_s"] / a["step_s"],
                    copy_gb=a["copy_bytes"] / 1e9,
                    sync_over_async=row["sync_cost_per_save_s"] / row["async_cost_per_save_s"])
