@@ -2,7 +2,8 @@
 synchronous save's byte for byte at the same step, under ZeRO on two ranks; a save still being
 written when the next is due is waited for with one log line; the host copy is what the dry
 run predicts; a writer that fails surfaces on the main thread, commits nothing, and the run
-resumes from the previous checkpoint to the same losses."""
+resumes from the previous checkpoint to the same losses; a preemption commits the save it
+starts before the run stops."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 
 from tests.conftest import metrics, tiny_overrides
 from tests.dist import run_distributed
-from threefold.checkpoint import CheckpointError, list_checkpoints, sha256_file
+from threefold.checkpoint import (CheckpointError, list_checkpoints, sha256_file,
+                                  verify_checkpoint)
 from threefold.config import ConfigError, load_config
 from threefold.train import train
 
@@ -25,21 +27,25 @@ SLOW = "slowsave:0:2:0.5"  # rank 0's writer of checkpoint 2 sleeps: still in fl
 
 def _sync_and_async(rank, world, corpus, cache, root):
     """On each rank: the same ZeRO-1 run saved synchronously, then in the background with
-    rank 0's writer slowed down; returns rank 0's log and each rank's host copy."""
+    rank 0's writer slowed down, then in the background with rank 1 sent SIGTERM before step
+    4 (a preemption at a save point); returns each run's log, host copy and preemption."""
     from threefold.parallel.distributed_layout import Distributed
 
     out = {}
     # the first run of a process leaves the CPU RNG elsewhere than later ones (a one-time
     # draw), and the RNG state is in the checkpoint: a first run makes the two comparable
-    runs = (("first", {"train__steps": 1, "checkpoint__save_final": "false"}), ("sync", {}),
-            ("async", {"checkpoint__async_save": "true"}))
-    for name, extra in runs:
+    asyn = {"checkpoint__async_save": "true"}
+    runs = (("first", {"train__steps": 1, "checkpoint__save_final": "false"}, ""),
+            ("sync", {}, ""), ("async", asyn, SLOW),
+            ("preempt", {**asyn, "train__steps": 6}, "term:1:4"))
+    for name, extra, fault in runs:
         cfg = load_config(None, tiny_overrides(corpus, cache, root / name, **{**ZERO, **extra}))
-        os.environ["THREEFOLD_FAULT"] = SLOW if name == "async" else ""
+        os.environ["THREEFOLD_FAULT"] = fault
         log = io.StringIO()
         with contextlib.redirect_stdout(log):
             summary = train(cfg, Distributed(cfg))
-        out[name] = (log.getvalue(), summary["memory"].get("async_save_copy_bytes"))
+        out[name] = (log.getvalue(), summary["memory"].get("async_save_copy_bytes"),
+                     summary.get("preempted"))
     os.environ.pop("THREEFOLD_FAULT")
     return out
 
@@ -68,6 +74,10 @@ def test_async_checkpoints_equal_sync_ones_and_wait_when_due(corpus, cache_dir, 
                                            checkpoint__async_save="true"))
     assert per_rank[0]["async"][1] == predict(cfg, 2).async_copy > 0
     assert per_rank[0]["sync"][1] is None
+    # SIGTERM before step 4: the save started after step 4 is committed before the exit
+    assert [r[2] for r in per_rank[0].values()] == [None, None, None, {"step": 4}]
+    assert list_checkpoints(tmp_path / "preempt" / "checkpoints") == [2, 4]
+    verify_checkpoint(tmp_path / "preempt" / "checkpoints" / "4")
 
 
 def test_failed_background_write_raises_keeps_previous_and_resumes(corpus, cache_dir, tmp_path,
@@ -100,3 +110,4 @@ def test_async_save_without_interval_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="^checkpoint.async_save: .*checkpoint.interval is 0"):
         load_config(None, [("checkpoint.async_save", "true"),
                            ("train.output_dir", str(tmp_path))])
+

@@ -58,7 +58,7 @@ from threefold.weights import CheckpointSource, open_checkpoint, open_sharded
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "CheckpointError", "NodeGroup", "Piece",
            "committed_steps", "finish_save", "fsync_path", "list_checkpoints",
-           "load_checkpoint", "load_sharded", "part_name", "prepare_save", "resolve_root",
+           "load_checkpoint", "load_sharded", "part_name", "prepare_save", "rank_digests", "resolve_root",
            "save_checkpoint", "save_sharded", "save_streamed", "sha256_file", "tensor_crc",
            "unwritable", "verify_checkpoint", "whole_pieces", "write_rank"]
 
@@ -120,15 +120,16 @@ def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piec
 
 
 def finish_save(root: Path, step: int, rank: int, world: int, owner: bool, keep_last: int,
-                g: NodeGroup) -> Path:
+                g: NodeGroup, digests: dict | None = None) -> Path:
     """Steps 3 to 5 of a collective save, once every rank's files of ``step`` are written
     (``write_rank``; ``owner`` from ``prepare_save``): describe each node's files, rename,
     write the index (the commit) and prune. ``threefold.checkpoint_async`` calls it after its
-    background writers are done."""
+    background writers are done, with ``digests``: every rank's ``rank_digests``, which the
+    writers took, so that the node's leader does not read the files again."""
     node = g.node_of[rank]
     g.barrier()
     # 3. each node's leader describes its node's files; rank 0 collects the parts' digests
-    record = _describe_node(root / f".tmp-{step}", step, node, g.ranks_of(node)) \
+    record = _describe_node(root / f".tmp-{step}", step, node, g.ranks_of(node), digests) \
         if g.is_leader(rank) else None
     records = g.gather(record)
     g.barrier()
@@ -223,13 +224,27 @@ def _write_rank(tmp: Path, rank: int, pieces: list[Piece], rank_tensors: dict[st
         fsync_path(tmp / "state.json")
 
 
-def _describe_node(tmp: Path, step: int, node: int, ranks: list[int]) -> dict:
-    """Step 3, on a node's leader: hash the files of ``ranks`` into the node's manifest part;
-    return the part's record for the index."""
-    names = [f"rank{r}{ext}" for r in ranks for ext in (".json", ".safetensors")]
-    names += ["state.json"] if 0 in ranks else []
-    files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
-             for n in sorted(names)}
+def _rank_files(rank: int) -> list[str]:
+    """The files rank ``rank`` writes into a checkpoint."""
+    return [f"rank{rank}.json", f"rank{rank}.safetensors"] + (["state.json"] if rank == 0
+                                                              else [])
+
+
+def rank_digests(tmp: Path, rank: int) -> dict[str, dict]:
+    """Size and SHA-256 of each file rank ``rank`` wrote into ``tmp``, as a part lists them."""
+    return {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
+            for n in _rank_files(rank)}
+
+
+def _describe_node(tmp: Path, step: int, node: int, ranks: list[int],
+                   digests: dict | None = None) -> dict:
+    """Step 3, on a node's leader: hash the files of ``ranks`` (those not in ``digests``
+    already) into the node's manifest part; return the part's record for the index."""
+    known = digests or {}
+    files = {}
+    for r in ranks:
+        files.update(known.get(r) or rank_digests(tmp, r))
+    files = dict(sorted(files.items()))
     _write_json(tmp / part_name(node), {"format_version": FORMAT_VERSION, "step": step,
                                         "node": node, "ranks": ranks, "files": files})
     pf = tmp / part_name(node)

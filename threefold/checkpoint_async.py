@@ -5,8 +5,10 @@ temporary directory (collective), each rank writing its own files (no collective
 commit (collective: node parts, rename, index, prune). ``AsyncSaver`` runs the middle part on
 a background thread, one per rank: at the save point the main thread prepares the directory
 and copies what the rank writes to host memory, so the step after it may update the
-parameters and the optimiser's moments in place while the copy is written; at the commit
-point the main thread waits for its writer and runs the commit's collectives.
+parameters and the optimiser's moments in place while the copy is written; the writer also
+takes its files' SHA-256 (which a synchronous save's node leader reads the files again for);
+at the commit point the main thread waits for its writer and runs the commit's collectives,
+the writers' digests and errors gathered in one all-gather.
 
 When the commit happens is the caller's to fix from the step count alone, the same on every
 rank (the training loop commits at the end of the step after the save, before another save,
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from threefold.checkpoint import (CheckpointError, NodeGroup, Piece, finish_save, prepare_save,
-                                  write_rank)
+                                  rank_digests, write_rank)
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +74,7 @@ class _Pending:
     group: NodeGroup
     thread: threading.Thread
     error: BaseException | None = None
+    digests: dict | None = None  # this rank's files' sizes and SHA-256, taken by the writer
 
 
 class AsyncSaver:
@@ -108,6 +111,7 @@ class AsyncSaver:
         def write() -> None:
             try:
                 write_rank(tmp, step, rank, copied, extra, state)
+                pending.digests = rank_digests(tmp, rank)  # off the main thread too
             except BaseException as e:  # handed to the main thread at the commit
                 pending.error = e
             finally:
@@ -131,14 +135,15 @@ class AsyncSaver:
         t0, in_flight = time.perf_counter(), p.thread.is_alive()
         p.thread.join()
         waited = time.perf_counter() - t0 if in_flight else None
-        failed = p.group.all_gather(None if p.error is None
-                                    else f"{type(p.error).__name__}: {p.error}")
-        bad = [(r, e) for r, e in enumerate(failed) if e is not None]
+        mine = (None if p.error is None else f"{type(p.error).__name__}: {p.error}", p.digests)
+        gathered = p.group.all_gather(mine)
+        bad = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
         if bad:
             raise CheckpointError(
                 f"checkpoint {p.step}: the background write failed on "
                 + "; ".join(f"rank {r} ({e})" for r, e in bad)
                 + "; it was not committed, the previous checkpoint stays the newest") \
                 from p.error
-        finish_save(p.root, p.step, p.rank, p.world, p.owner, p.keep_last, p.group)
+        finish_save(p.root, p.step, p.rank, p.world, p.owner, p.keep_last, p.group,
+                    digests={r: d for r, (_, d) in enumerate(gathered)})
         return p.step, waited
