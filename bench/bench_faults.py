@@ -39,7 +39,8 @@ script as the entry point (``--worker``: drops ``stall`` from ``THREEFOLD_FAULT`
 code a rank of `threefold train` runs); the trial's fault column says ``stall1``.
 ``--stall-mode every`` launches stall trials through `threefold train` like the others, with
 the fault as threefold.faults defines it (those trials are expected to fail: "stalled again").
-Kill, killsave and killasync trials always run `threefold train --nproc-per-node 4 --max-restarts K`.
+Kill, killsave and killasync trials always run
+`threefold train --nproc-per-node 4 --max-restarts K`.
 
 A trial passes when: the command exits 0; summary.json says at least one restart;
 metrics.jsonl has exactly one record per step 1..steps with the uninterrupted run's losses

@@ -58,9 +58,9 @@ from threefold.weights import CheckpointSource, open_checkpoint, open_sharded
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "CheckpointError", "NodeGroup", "Piece",
            "committed_steps", "finish_save", "fsync_path", "list_checkpoints",
-           "load_checkpoint", "load_sharded", "part_name", "prepare_save", "rank_digests", "resolve_root",
-           "save_checkpoint", "save_sharded", "save_streamed", "sha256_file", "tensor_crc",
-           "unwritable", "verify_checkpoint", "whole_pieces", "write_rank"]
+           "load_checkpoint", "load_sharded", "part_name", "prepare_save", "rank_digests",
+           "resolve_root", "save_checkpoint", "save_sharded", "save_streamed", "sha256_file",
+           "tensor_crc", "unwritable", "verify_checkpoint", "whole_pieces", "write_rank"]
 
 
 def fsync_path(path: Path) -> None:

@@ -72,7 +72,7 @@ class _Pending:
     owner: bool
     keep_last: int
     group: NodeGroup
-    thread: threading.Thread
+    thread: threading.Thread | None = None
     error: BaseException | None = None
     digests: dict | None = None  # this rank's files' sizes and SHA-256, taken by the writer
 
@@ -106,7 +106,7 @@ class AsyncSaver:
         copied, extra, nbytes = snapshot(pieces, rank_tensors)
         self.copy_bytes = max(self.copy_bytes, nbytes)
         tmp = root / f".tmp-{step}"
-        pending = _Pending(root, step, rank, world, owner, keep_last, group, thread=None)
+        pending = _Pending(root, step, rank, world, owner, keep_last, group)
 
         def write() -> None:
             try:
@@ -127,7 +127,8 @@ class AsyncSaver:
     def finish(self) -> tuple[int, float | None] | None:
         """Collective: wait for the save in flight, then commit it (every rank, at the same
         point). Returns (its step, seconds this rank waited for its writer, None when the
-        writer had already finished), or None when no save was in flight. Raises ``CheckpointError`` on every rank if any rank's writer failed."""
+        writer had already finished), or None when no save was in flight. Raises
+        ``CheckpointError`` on every rank if any rank's writer failed."""
         p = self._pending
         if p is None:
             return None
