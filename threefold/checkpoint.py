@@ -20,7 +20,9 @@ directory is renamed into place, then rank 0 writes the index: that is the commi
 step directory without an index (on rank 0's root) is not a checkpoint, and another node's
 root alone never holds one (``list_checkpoints`` counts indexed steps only). A crash during a
 save leaves the previous checkpoint untouched on every node; old checkpoints are pruned after
-the commit.
+the commit. A save is three parts — ``prepare_save`` (collective), ``write_rank`` (no
+collective) and ``finish_save`` (collective: parts, rename, index, prune) — so that
+``threefold.checkpoint_async`` can run the middle one on a background thread.
 
 Loading reads logical tensors from the pieces by name, whatever layout wrote them, so a run
 resumes under any other layout: ``threefold.weights.CheckpointSource`` reads any region of a
