@@ -24,9 +24,11 @@ Figures per run (from its metrics.jsonl and summary.json):
   other steps (``overlap_step_s`` - ``step_s``): what a save costs the run in all. Every figure
   comes from within one run, so the machine's load changing between runs does not enter it.
 
-The ratio reported is ``cost_per_save_s`` sync ÷ async for each round (how many times less a
-save costs the run under async_save; the goal is > 1), and the overlapped step's slow-down
-``overlap_step_s`` ÷ ``step_s`` under async_save is printed beside it. The host copy one save
+The ratio reported is ``stall_per_save_s`` sync ÷ async for each round (how many times less
+long a save holds the loop under async_save; the goal is > 1). The overlapped step's slow-down
+``overlap_step_s`` ÷ ``step_s`` under async_save and ``cost_per_save_s`` are printed beside it:
+on a shared machine whose load moves step times by more than a save costs they are noise,
+which the table shows. The host copy one save
 holds (``copy_gb``) is what ``threefold train --dry-run`` predicts for the same run.
 """
 
@@ -127,7 +129,7 @@ def main() -> int:
         row.update(async_step_s=a["step_s"], async_overlap_step_s=a["overlap_step_s"],
                    overlap_slowdown=a["overlap_step_s"] / a["step_s"],
                    copy_gb=a["copy_bytes"] / 1e9,
-                   sync_over_async=row["sync_cost_per_save_s"] / row["async_cost_per_save_s"])
+                   sync_over_async=row["sync_stall_per_save_s"] / row["async_stall_per_save_s"])
         rows.append(row)
         print(json.dumps({"round": rnd, "order": order, **got}), flush=True)
     report("async_save", rows, "sync_over_async", goal=1.0)
