@@ -77,7 +77,7 @@ from threefold.plan.hardware import (Cluster, Hardware, get_hardware,
                                      hardware_for_device_name)
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import StartupMemory, startup_peaks
-from threefold.plan.states import RUNTIME_OVERHEAD_BYTES, state_bytes_for
+from threefold.plan.states import RUNTIME_OVERHEAD_BYTES, async_save_copy_bytes
 from threefold.plan.step import StepPrediction, predict_step
 from threefold.plan.terms import memory_terms
 
@@ -107,7 +107,7 @@ class DryRunResult:
     offload_bytes: dict[str, int] | None = None  # {"down", "up"} per rank per step, offload
     baseline: int = 0  # a CPU process's own resident bytes (interpreter, torch), else 0
     # checkpoint.async_save: rank 0's host copy of what it writes, held while a save is in
-    # flight (``async_save_copy_bytes``)
+    # flight (``plan.states.async_save_copy_bytes``)
     async_copy: int = 0
 
     @property
@@ -117,17 +117,6 @@ class DryRunResult:
         return {"startup": self.baseline + self.startup.startup,
                 "loading": self.baseline + self.startup.loading,
                 "step": self.baseline + self.memory.total}
-
-
-def async_save_copy_bytes(owned: int, work: Workload) -> int:
-    """The host copy one rank holds while a ``checkpoint.async_save`` save is in flight
-    (``threefold.checkpoint_async.snapshot``): what the rank writes, ``owned`` parameters
-    (rank 0 writes every element it owns: replicated tensors are written by the first
-    replica, which it is) at the weights' bytes plus AdamW's two fp32 moments, and its CPU
-    RNG state. Persistent buffers (DeepSeek's routing bias) are not counted."""
-    state = state_bytes_for(work)
-    moments = 8  # exp_avg and exp_avg_sq, fp32, as the optimiser keeps them
-    return int(owned * (state.param + moments)) + torch.get_rng_state().nbytes
 
 
 class _MetaComm:
@@ -289,7 +278,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
                         comm, notes, startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work),
                         cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0,
-                        async_save_copy_bytes(owned, work) if cfg.checkpoint.async_save else 0)
+                        async_save_copy_bytes(cfg, owned, adapters))
 
 
 def _lora_note(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload,
