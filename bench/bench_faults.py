@@ -7,6 +7,7 @@ layout and with no half-written checkpoint left behind.
     python3 bench/bench_faults.py                          # 10 trials, seed 0 (~15 min, 2 cores)
     python3 bench/bench_faults.py --trials 4 --seed 3
     python3 bench/bench_faults.py --layouts zero2 --kinds kill,killsave
+    python3 bench/bench_faults.py --kinds killasync --trials 3   # kills during async saves
     python3 bench/bench_faults.py --stall-mode every       # stalls as threefold.faults has them
     python3 bench/bench_faults.py --exits                  # clean runs' exits: 20 + 20 runs
     python3 bench/bench_faults.py --exits --quick          # 3 + 3 runs (~2 min, 2 cores)
@@ -21,6 +22,11 @@ each a fresh output directory, with one fault from a seeded RNG (``--seed``) thr
 - ``kill:R:S``      rank R SIGKILLs itself just before step S (S uniform in 1..steps);
 - ``killsave:R:S``  rank R SIGKILLs itself while writing checkpoint S (its files written, the
   checkpoint not committed; S one of the checkpoint steps);
+- ``killasync:R:S`` the same kill under ``--checkpoint.async_save true``: rank R's background
+  writer SIGKILLs the process once its files of checkpoint S are written, while the step after
+  S runs (``killsave:R:S`` in ``THREEFOLD_FAULT``); the checkpoint is not committed, so the
+  restarted group must resume from the one before (the trial fails unless it lost at least
+  ``--interval`` steps) and end with the uninterrupted (synchronous) run's losses and weights;
 - ``stall:R:S:T``   rank R sleeps T s (``--stall-s``, 60) before step S (3..steps), far longer
   than ``--parallel.step_timeout_s`` (``--step-timeout-s``, 5): the other ranks' collectives
   time out, they report the stuck rank and exit, torchrun tears the group down and restarts it.
@@ -33,7 +39,8 @@ script as the entry point (``--worker``: drops ``stall`` from ``THREEFOLD_FAULT`
 code a rank of `threefold train` runs); the trial's fault column says ``stall1``.
 ``--stall-mode every`` launches stall trials through `threefold train` like the others, with
 the fault as threefold.faults defines it (those trials are expected to fail: "stalled again").
-Kill and killsave trials always run `threefold train --nproc-per-node 4 --max-restarts K`.
+Kill, killsave and killasync trials always run
+`threefold train --nproc-per-node 4 --max-restarts K`.
 
 A trial passes when: the command exits 0; summary.json says at least one restart;
 metrics.jsonl has exactly one record per step 1..steps with the uninterrupted run's losses
@@ -274,7 +281,7 @@ def plan_trials(args) -> list[dict]:
     weights (kill most), shuffled; random rank, step and layout."""
     rng = random.Random(args.seed)
     kinds = args.kinds.split(",")
-    weight = {"kill": 6, "killsave": 2, "stall": 2}
+    weight = {"kill": 6, "killsave": 2, "killasync": 2, "stall": 2}
     total = sum(weight[k] for k in kinds)
     # every kind at least once (when there are enough trials), the first kind takes the rest
     counts = {k: max(1, round(args.trials * weight[k] / total)) for k in kinds[1:]}
@@ -288,7 +295,7 @@ def plan_trials(args) -> list[dict]:
         rank = rng.randrange(NPROC)
         if kind == "kill":
             step = rng.randint(1, args.steps)
-        elif kind == "killsave":
+        elif kind in ("killsave", "killasync"):
             step = rng.choice(ckpt_steps)
         else:  # the step timeout is armed after step 1
             step = rng.randint(3, args.steps)
@@ -300,7 +307,8 @@ def plan_trials(args) -> list[dict]:
 def fault_spec(t: dict, stall_s: float) -> str:
     if t["kind"] == "stall":
         return f"stall:{t['rank']}:{t['step']}:{stall_s:g}"
-    return f"{t['kind']}:{t['rank']}:{t['step']}"
+    kind = "killsave" if t["kind"] == "killasync" else t["kind"]
+    return f"{kind}:{t['rank']}:{t['step']}"
 
 
 def launch_cmd(args, targs: list[str], kind: str) -> list[str]:
@@ -464,7 +472,8 @@ def main() -> int:
     ap.add_argument("--layouts", default="zero2,zero3,tp2",
                     help=f"comma-separated, of {','.join(LAYOUTS)}; trials cycle through them")
     ap.add_argument("--kinds", default="kill,killsave,stall",
-                    help="fault kinds to draw (weights kill 6, killsave 2, stall 2)")
+                    help="fault kinds to draw (weights kill 6, killsave 2, killasync 2, "
+                         "stall 2)")
     ap.add_argument("--max-restarts", type=int, default=2)
     ap.add_argument("--step-timeout-s", type=float, default=5.0)
     ap.add_argument("--stall-s", type=float, default=60.0)
@@ -534,7 +543,10 @@ def main() -> int:
         out = work / f"trial{t['trial']}"
         shutil.rmtree(out, ignore_errors=True)
         fault = fault_spec(t, args.stall_s)
-        cmd = launch_cmd(args, train_args(args, corpus, cache, out, t["layout"]), t["kind"])
+        targs = train_args(args, corpus, cache, out, t["layout"])
+        if t["kind"] == "killasync":
+            targs += ["--checkpoint.async_save", "true"]
+        cmd = launch_cmd(args, targs, t["kind"])
         res = run_logged(cmd, fault, work / f"trial{t['trial']}.log", args.trial_timeout_s)
         ref = clean[t["layout"]]
         problems = []
@@ -551,6 +563,10 @@ def main() -> int:
                 problems.append(f"metrics steps {[r['step'] for r in m]}")
             elif any(abs(r["loss"] - x) > 1e-6 * abs(x) for r, x in zip(m, ref["losses"])):
                 problems.append("losses differ from the uninterrupted run")
+            if t["kind"] == "killasync" and summary.get("lost_steps", 0) < args.interval:
+                # the uncommitted checkpoint must not have been resumed from
+                problems.append(f"lost {summary.get('lost_steps')} steps: resumed from the "
+                                "checkpoint whose background write was killed?")
         ok_w, identical, msg = (compare_weights(out, ref["model"], args.steps)
                                 if res["rc"] == 0 else (False, False, ""))
         if res["rc"] == 0 and not ok_w:

@@ -208,6 +208,28 @@ def test_nodes_protocol_in_threads(tmp_path):
                and "rank1.safetensors" in str(e) for e in errs), errs
 
 
+def test_async_save_across_nodes_equals_the_sync_one(tmp_path):
+    """checkpoint.async_save on two nodes without a shared directory: the writers' digests
+    make the same node parts and index as a synchronous save's leaders reading the files."""
+    from threefold.checkpoint import Piece, sha256_file
+    from threefold.checkpoint_async import AsyncSaver
+
+    sync, asyn = [tmp_path / "s0", tmp_path / "s1"], [tmp_path / "a0", tmp_path / "a1"]
+    _save_two(sync, 2)
+
+    def one(rank, g):
+        piece = Piece("w", "model", W[rank * 6:(rank + 1) * 6], rank * 6, rank * 6 + 6, (3, 4))
+        saver = AsyncSaver()
+        saver.start(asyn[rank], 2, rank, 2, [piece], {"cpu_rng": torch.ones(2) * rank},
+                    {"step": 2} if rank == 0 else None, 1, g)
+        return saver.finish()[0]
+    assert _in_threads(one) == [2, 2]
+    for s, a in zip(sync, asyn):
+        assert _names(a / "2") == _names(s / "2")
+        for f in _names(s / "2"):
+            assert sha256_file(a / "2" / f) == sha256_file(s / "2" / f), f
+
+
 def test_nodes_sharing_one_directory(tmp_path):
     root = tmp_path / "shared"
     _save_two([root, root], 3)

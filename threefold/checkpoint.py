@@ -20,7 +20,9 @@ directory is renamed into place, then rank 0 writes the index: that is the commi
 step directory without an index (on rank 0's root) is not a checkpoint, and another node's
 root alone never holds one (``list_checkpoints`` counts indexed steps only). A crash during a
 save leaves the previous checkpoint untouched on every node; old checkpoints are pruned after
-the commit.
+the commit. A save is three parts — ``prepare_save`` (collective), ``write_rank`` (no
+collective) and ``finish_save`` (collective: parts, rename, index, prune) — so that
+``threefold.checkpoint_async`` can run the middle one on a background thread.
 
 Loading reads logical tensors from the pieces by name, whatever layout wrote them, so a run
 resumes under any other layout: ``threefold.weights.CheckpointSource`` reads any region of a
@@ -57,10 +59,10 @@ from threefold.checkpoint_verify import (FORMAT_VERSION, MANIFEST, CheckpointErr
 from threefold.weights import CheckpointSource, open_checkpoint, open_sharded
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "CheckpointError", "NodeGroup", "Piece",
-           "committed_steps", "fsync_path", "list_checkpoints", "load_checkpoint",
-           "load_sharded", "part_name", "resolve_root", "save_checkpoint", "save_sharded",
-           "save_streamed", "sha256_file", "tensor_crc", "unwritable", "verify_checkpoint",
-           "whole_pieces"]
+           "committed_steps", "finish_save", "fsync_path", "list_checkpoints",
+           "load_checkpoint", "load_sharded", "part_name", "prepare_save", "rank_digests",
+           "resolve_root", "save_checkpoint", "save_sharded", "save_streamed", "sha256_file",
+           "tensor_crc", "unwritable", "verify_checkpoint", "whole_pieces", "write_rank"]
 
 
 def fsync_path(path: Path) -> None:
@@ -113,14 +115,24 @@ def save_sharded(root: Path, step: int, rank: int, world: int, pieces: list[Piec
     share a filesystem are detected by probe files); then rank 0 writes the global index
     ``manifest.json`` — the commit point — and old checkpoints are pruned on every node."""
     g = group or NodeGroup(node_of=[0] * world, barrier=barrier)
-    node = g.node_of[rank]
-    tmp, owner = _prepare(root, step, rank, g)
+    tmp, owner = prepare_save(root, step, rank, g)
     # 2. every rank writes its own files
-    _write_rank(tmp, rank, pieces, rank_tensors, state)
-    faults.during_save(rank, step)
+    write_rank(tmp, step, rank, pieces, rank_tensors, state)
+    return finish_save(root, step, rank, world, owner, keep_last, g)
+
+
+def finish_save(root: Path, step: int, rank: int, world: int, owner: bool, keep_last: int,
+                g: NodeGroup, digests: dict | None = None) -> Path:
+    """Steps 3 to 5 of a collective save, once every rank's files of ``step`` are written
+    (``write_rank``; ``owner`` from ``prepare_save``): describe each node's files, rename,
+    write the index (the commit) and prune. ``threefold.checkpoint_async`` calls it after its
+    background writers are done, with ``digests``: every rank's ``rank_digests``, which the
+    writers took, so that the node's leader does not read the files again."""
+    node = g.node_of[rank]
     g.barrier()
     # 3. each node's leader describes its node's files; rank 0 collects the parts' digests
-    record = _describe_node(tmp, step, node, g.ranks_of(node)) if g.is_leader(rank) else None
+    record = _describe_node(root / f".tmp-{step}", step, node, g.ranks_of(node), digests) \
+        if g.is_leader(rank) else None
     records = g.gather(record)
     g.barrier()
     return _commit(root, step, rank, world, owner, records, keep_last, g)
@@ -137,7 +149,7 @@ def save_streamed(root: Path, step: int, batches: Iterable[list[Piece]],
     files: loading reassembles tensors by name, so this loads, and resumes, under any layout.
     Atomic and checksummed like ``save_sharded``."""
     g = NodeGroup()
-    tmp, _ = _prepare(root, step, 0, g)
+    tmp, _ = prepare_save(root, step, 0, g)
     try:
         world = 0
         for r, pieces in enumerate(batches):
@@ -154,7 +166,7 @@ def save_streamed(root: Path, step: int, batches: Iterable[list[Piece]],
     return _commit(root, step, 0, world, True, [record], keep_last, g)
 
 
-def _prepare(root: Path, step: int, rank: int, g: NodeGroup) -> tuple[Path, bool]:
+def prepare_save(root: Path, step: int, rank: int, g: NodeGroup) -> tuple[Path, bool]:
     """Step 1 of a save: find which nodes share ``root`` (each leader drops a probe, then
     looks for the others'), and let the first of them empty ``root/.tmp-<step>``. Returns
     (the temporary directory, whether this rank owns it: prepares, renames and prunes)."""
@@ -177,6 +189,16 @@ def _prepare(root: Path, step: int, rank: int, g: NodeGroup) -> tuple[Path, bool
         tmp.mkdir()
     g.barrier()
     return tmp, owner
+
+
+def write_rank(tmp: Path, step: int, rank: int, pieces: list[Piece],
+               rank_tensors: dict[str, torch.Tensor], state: dict[str, Any] | None) -> None:
+    """Step 2 of a collective save, no collective in it (``threefold.checkpoint_async`` runs
+    it on a background thread): this rank's files of checkpoint ``step`` into ``tmp``, then
+    the test-only faults of a save (``threefold.faults``)."""
+    faults.before_write(rank, step)
+    _write_rank(tmp, rank, pieces, rank_tensors, state)
+    faults.during_save(rank, step)
 
 
 def _write_rank(tmp: Path, rank: int, pieces: list[Piece], rank_tensors: dict[str, torch.Tensor],
@@ -204,13 +226,27 @@ def _write_rank(tmp: Path, rank: int, pieces: list[Piece], rank_tensors: dict[st
         fsync_path(tmp / "state.json")
 
 
-def _describe_node(tmp: Path, step: int, node: int, ranks: list[int]) -> dict:
-    """Step 3, on a node's leader: hash the files of ``ranks`` into the node's manifest part;
-    return the part's record for the index."""
-    names = [f"rank{r}{ext}" for r in ranks for ext in (".json", ".safetensors")]
-    names += ["state.json"] if 0 in ranks else []
-    files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
-             for n in sorted(names)}
+def _rank_files(rank: int) -> list[str]:
+    """The files rank ``rank`` writes into a checkpoint."""
+    return [f"rank{rank}.json", f"rank{rank}.safetensors"] + (["state.json"] if rank == 0
+                                                              else [])
+
+
+def rank_digests(tmp: Path, rank: int) -> dict[str, dict]:
+    """Size and SHA-256 of each file rank ``rank`` wrote into ``tmp``, as a part lists them."""
+    return {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
+            for n in _rank_files(rank)}
+
+
+def _describe_node(tmp: Path, step: int, node: int, ranks: list[int],
+                   digests: dict | None = None) -> dict:
+    """Step 3, on a node's leader: hash the files of ``ranks`` (those not in ``digests``
+    already) into the node's manifest part; return the part's record for the index."""
+    known = digests or {}
+    files = {}
+    for r in ranks:
+        files.update(known.get(r) or rank_digests(tmp, r))
+    files = dict(sorted(files.items()))
     _write_json(tmp / part_name(node), {"format_version": FORMAT_VERSION, "step": step,
                                         "node": node, "ranks": ranks, "files": files})
     pf = tmp / part_name(node)

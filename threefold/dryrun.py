@@ -32,7 +32,9 @@ cut by ``apply_expert_parallel`` too), memory counts them and the MoE activation
 
 With ``parallel.offload_optimizer`` the report adds host memory per rank (and per node, the
 ranks of a node sharing it) apart from the device's, and the bytes each rank moves between
-device and host per step.
+device and host per step. With ``checkpoint.async_save`` it adds the host copy rank 0 holds
+while a save is written in the background (``async_save_copy_bytes``; on a CPU that copy is on
+top of the peak of the step it overlaps).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ from threefold.plan.hardware import (Cluster, Hardware, get_hardware,
                                      hardware_for_device_name)
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import StartupMemory, startup_peaks
-from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
+from threefold.plan.states import RUNTIME_OVERHEAD_BYTES, async_save_copy_bytes
 from threefold.plan.step import StepPrediction, predict_step
 from threefold.plan.terms import memory_terms
 
@@ -105,6 +107,9 @@ class DryRunResult:
     startup: StartupMemory  # before the first step: building and loading
     offload_bytes: dict[str, int] | None = None  # {"down", "up"} per rank per step, offload
     baseline: int = 0  # a CPU process's own resident bytes (interpreter, torch), else 0
+    # checkpoint.async_save: rank 0's host copy of what it writes, held while a save is in
+    # flight (``plan.states.async_save_copy_bytes``)
+    async_copy: int = 0
 
     @property
     def peaks(self) -> dict[str, float]:
@@ -271,10 +276,10 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     if on_cpu and world_size == 1 and cfg.train.host_mmap_threshold_mb > 1:
         notes.append(_heap_note(cfg.train.host_mmap_threshold_mb))
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
-                        comm, notes,
-                        startup_peaks(mcfg, layout, work),
+                        comm, notes, startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work),
-                        cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0)
+                        cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0,
+                        async_save_copy_bytes(cfg, owned, adapters))
 
 
 def _lora_note(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload,
@@ -370,6 +375,12 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
         f"{_gb(pk['loading'])}, step {_gb(pk['step'])}"
         + (f"; each includes this CPU process's own {_gb(r.baseline)} (Python, torch)"
            if r.baseline else ""))
+    if r.async_copy:
+        lines.append(
+            f"checkpoint.async_save: rank 0 copies {_gb(r.async_copy)} GB to host memory at "
+            "each save and holds it until written (the next step)"
+            + (f": that step's peak is {_gb(pk['step'] + r.async_copy)}" if r.baseline else
+               ""))
     if r.layout.offload_optimizer:
         per_node = r.cluster.gpus_per_node
         moved = r.offload_bytes or {"down": 0, "up": 0}

@@ -7,12 +7,15 @@ variable so that no test-only code path changes what a normal run does.
 - ``stall:RANK:STEP:SECONDS`` — that rank sleeps SECONDS before step STEP;
 - ``killsave:RANK:STEP`` — that rank sends itself SIGKILL in the middle of writing the
   checkpoint of step STEP (its own files written, the checkpoint not yet renamed into place);
+- ``slowsave:RANK:STEP:SECONDS`` — that rank sleeps SECONDS before writing its files of the
+  checkpoint of step STEP (a slow disk; under ``checkpoint.async_save`` the background writer
+  sleeps, and the save is still in flight when the next one is due);
 - ``term:RANK:STEP`` — that rank's process gets SIGTERM (a preemption notice) before step STEP;
 - ``extra:RANK:AXIS`` — at the end of start-up that rank issues one all-reduce on AXIS that its
   peers do not (a desynchronised group, which the collective check and the hang report name).
 
 Kills, terms and extras fire on the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a run
-restarted by torchrun goes on; stalls fire on every attempt.
+restarted by torchrun goes on; stalls and slow saves fire on every attempt.
 """
 
 from __future__ import annotations
@@ -51,6 +54,14 @@ def at_step(rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "term" and _first_attempt():
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def before_write(rank: int, step: int) -> None:
+    """Called by every rank before it writes its files of checkpoint ``step`` (on the
+    background writer under ``checkpoint.async_save``): fire ``slowsave`` faults."""
+    for kind, args in _faults():
+        if kind == "slowsave" and int(args[0]) == rank and int(args[1]) == step:
+            time.sleep(float(args[2]))
 
 
 def during_save(rank: int, step: int) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from threefold.checkpoint import (CheckpointError, NodeGroup, committed_steps, resolve_root,
                                   save_sharded, unwritable)
+from threefold.checkpoint_async import AsyncSaver
 from threefold.config import ConfigError
 from threefold.parallel.materialize import load_buffers
 from threefold.steps import lr_at
@@ -37,9 +38,11 @@ def node_group(lay) -> NodeGroup:
     return _GROUPS[lay]
 
 
-def save(run: Run, step: int) -> None:
+def save(run: Run, step: int, saver: AsyncSaver | None = None) -> None:
     """Collective: every rank writes what it holds into its node's checkpoint root; rank 0
-    adds the run's state and, once every node's part is in place, the global index."""
+    adds the run's state and, once every node's part is in place, the global index. With
+    ``saver`` (``checkpoint.async_save``) the files are written in the background from a host
+    copy and the commit is ``saver.finish()``, which the caller runs at a point it fixes."""
     lay = run.layout
     group = node_group(lay)
     ckroot = resolve_root(run.cfg.checkpoint.dir, run.out, group.node_of[lay.rank])
@@ -49,10 +52,15 @@ def save(run: Run, step: int) -> None:
                  "sampler": run.sampler.state_dict(), "config": run.cfg.to_dict(),
                  "model_config": vars(run.model_cfg), "layout": lay.describe(),
                  "scheduler": {"last_step": step, "lr": lr_at(step - 1, run.cfg) if step else 0.0}}
+    pieces, rng = lay.checkpoint_pieces(run.engine), {"cpu_rng": torch.get_rng_state()}
     with lay.phase(f"save {step}"):
-        save_sharded(ckroot, step, lay.rank, lay.world_size,
-                     lay.checkpoint_pieces(run.engine), {"cpu_rng": torch.get_rng_state()},
-                     state, run.cfg.checkpoint.keep_last, lay.barrier, group)
+        if saver is None:
+            save_sharded(ckroot, step, lay.rank, lay.world_size, pieces, rng, state,
+                         run.cfg.checkpoint.keep_last, lay.barrier, group)
+        else:
+            saver.start(ckroot, step, lay.rank, lay.world_size, pieces, rng, state,
+                        run.cfg.checkpoint.keep_last, group)
+            run.memory["async_save_copy_bytes"] = saver.copy_bytes
 
 
 def resume(run: Run) -> int:

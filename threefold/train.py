@@ -16,6 +16,7 @@ import torch
 
 from threefold import faults
 from threefold.checkpoint import CheckpointError
+from threefold.checkpoint_async import AsyncSaver
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import prepare_data
 from threefold.hostmem import release_free_heap, reuse_freed_host_memory, threshold_for
@@ -178,6 +179,7 @@ def _loop(run: Run, preempt, return_run: bool):
     lay.check_collectives("loading")
     initial_val = evaluate(run)[0] if start == 0 else None
     val_loss, loss, preempted = initial_val, float("nan"), None
+    saver = AsyncSaver() if run.cfg.checkpoint.async_save else None
     wall0 = time.perf_counter()
     for step in range(start, t.steps):
         trace = [] if step + 1 == t.trace_step else None
@@ -190,11 +192,14 @@ def _loop(run: Run, preempt, return_run: bool):
             rec = log.record(step, loss, norm, extras, seconds,
                              validate=functools.partial(evaluate, run) if due else None)
             val_loss = rec.get("validation_loss", val_loss)
-            stop = _checkpoint_or_stop(run, preempt, step, log)
+            stop = _checkpoint_or_stop(run, preempt, step, log, saver)
         lay.check_collectives(f"step {step + 1}")
         if stop:
             preempted = {"step": step + 1}
             break
+    if saver is not None and saver.pending_step is not None:  # the last save: the run ends
+        with lay.phase(f"commit {saver.pending_step}"):
+            _commit(run, saver, log)
     wall = time.perf_counter() - wall0
     if not preempted and t.steps > start:  # a preemption's grace period is for the checkpoint
         c = run.cfg.checkpoint
@@ -238,17 +243,40 @@ def _step(run: Run, preempt, step: int, trace: list | None):
     return loss, norm, extras, time.perf_counter() - t0
 
 
-def _checkpoint_or_stop(run: Run, preempt, step: int, log: RunLog) -> bool:
+def _checkpoint_or_stop(run: Run, preempt, step: int, log: RunLog,
+                        saver: AsyncSaver | None = None) -> bool:
     """Save every ``checkpoint.interval`` steps; after SIGTERM (the same answer on every
-    rank) save and say to stop."""
+    rank) save and say to stop. Under ``checkpoint.async_save`` (``saver``) a save started
+    after one step is committed after the next (or before the next save, the preemption's
+    save or the end of the run, whichever comes first): a point fixed by the step count, so
+    every rank commits together, however long its own writer takes."""
     c, t = run.cfg.checkpoint, run.cfg.train
     saved = bool(c.interval and (step + 1) % c.interval == 0)
+    if saver is not None and saver.pending_step is not None:
+        _commit(run, saver, log, f"checkpoint {step + 1} is due" if saved
+                else f"its commit after step {step + 1}")
     if saved:
-        save(run, step + 1)
+        save(run, step + 1, saver)
     if preempt.requested(run.layout) and step + 1 < t.steps:
-        if not saved:
+        if saved and saver is not None:  # the notice's checkpoint must be whole before exit
+            _commit(run, saver, log)
+        elif not saved:
             save(run, step + 1)
         log.say(f"step {step + 1:>6} preempted (SIGTERM): checkpoint {step + 1} saved; resume "
                 "with --checkpoint.resume true")
         return True
     return False
+
+
+def _commit(run: Run, saver: AsyncSaver, log: RunLog, why: str | None = None) -> None:
+    """Collective: wait for the save in flight and commit it; one log line when this rank's
+    writer was still running at a commit point in the middle of the run (``why``: what
+    could not go on without it). The end of the run and a preemption wait for the save they
+    have just started: no line."""
+    done = saver.finish()
+    if done is None:
+        return
+    step, waited = done
+    if waited is not None and why is not None:
+        log.say(f"checkpoint {step}: still being written when {why}; waited {waited:.2f} s "
+                "for it (checkpoint.async_save)")

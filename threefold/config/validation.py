@@ -233,11 +233,16 @@ def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
-    """Checkpoint interval, retention and directory pattern."""
+    """Checkpoint interval, retention, directory pattern and background saves."""
     _need(c.interval >= 0, f"checkpoint.interval: must be >= 0, got {c.interval}")
     _need(c.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {c.keep_last}")
     _need("{" not in c.dir.replace("{node}", "") and "}" not in c.dir.replace("{node}", ""),
           f"checkpoint.dir: '{c.dir}' has a placeholder other than {{node}}")
+    # the final save ends the run, so it is always waited for: only interval saves overlap
+    _need(not c.async_save or c.interval > 0,
+          "checkpoint.async_save: true writes the checkpoint.interval saves while training "
+          "goes on, but checkpoint.interval is 0 (only the final save, which the run waits "
+          "for anyway); set checkpoint.interval > 0 or checkpoint.async_save false")
 
 
 def _check_metrics(m: MetricsConfig) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.accounting.layout import Workload
+from threefold.config import Config
 
 # threefold.parallel.zero (stages 2 and 3) starts each unit's reduce-scatter from a backward
 # hook; its input, a full flat copy of the unit's gradient, lives until the reduce-scatter is
@@ -22,6 +23,10 @@ HOST_GRAD_BYTES = 4
 # CUDA context, NCCL buffers, allocator fragmentation and kernels' workspaces: a flat allowance
 # per GPU on top of what the formulas count (the planner's fit test includes it).
 RUNTIME_OVERHEAD_BYTES = 2e9
+# A checkpoint holds, per trained element, the fp32 weight (or its fp32 master) and AdamW's two
+# fp32 moments; each rank adds its CPU RNG state (torch's generator: mt19937 and its extras).
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+CPU_RNG_STATE_BYTES = 5056
 
 
 @dataclass(frozen=True)
@@ -85,3 +90,15 @@ def zero3_working_bytes(largest_unit_params: float, state: StateBytes = MIXED_AD
     """ZeRO-3's transient full-size buffers: the gathered weights and the not yet
     reduce-scattered gradients of the largest unit (DeepSpeed: 4·largest_layer in 16-bit)."""
     return largest_unit_params * (state.param + state.grad)
+
+
+def async_save_copy_bytes(cfg: Config, owned: int, adapters: int) -> int:
+    """The host copy rank 0 holds while a ``checkpoint.async_save`` save is in flight (0
+    without it; ``threefold.checkpoint_async.snapshot``): what it writes — every element it
+    owns (``owned``; replicated tensors are written by the first replica, which it is), or
+    under LoRA its ``adapters`` only — and its RNG state. Persistent buffers (DeepSeek's
+    routing bias) are not counted."""
+    if not cfg.checkpoint.async_save:
+        return 0
+    trained = adapters if cfg.lora.r else owned
+    return trained * CHECKPOINT_BYTES_PER_PARAMETER + CPU_RNG_STATE_BYTES
