@@ -191,6 +191,7 @@ def _check_train(t: TrainConfig) -> None:
           f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
           f"train.micro_batch_size={t.micro_batch_size}")
     _one_of("train.dtype", t.dtype, ["float32", "bfloat16"])
+    _one_of("train.fp8", t.fp8, ["none", "tensorwise", "rowwise"])
     _one_of("train.device", t.device, ["auto", "cpu", "cuda"])
     _one_of("train.progress", t.progress, ["auto", "on", "off"])
     _need(t.log_interval >= 1, f"train.log_interval: must be >= 1, got {t.log_interval}")

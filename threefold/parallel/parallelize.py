@@ -37,6 +37,7 @@ from threefold.parallel.context import apply_context_parallel
 from threefold.parallel.data import DataParallelEngine
 from threefold.parallel.engine import LocalEngine
 from threefold.parallel.expert import apply_expert_parallel
+from threefold.parallel.fp8 import apply_fp8
 from threefold.parallel.recompute import apply_recompute
 from threefold.parallel.materialize import materialize_buffers, materialize_parameters
 from threefold.parallel.tensor import apply_tensor_parallel
@@ -148,6 +149,8 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
         model = apply_lora(model, cfg.lora, trainable)
     model = layout.split_pipeline(model)           # 1
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
+    if not frozen:  # FP8 over the (sliced) projections, before recompute wraps the blocks
+        apply_fp8(model, cfg.train.fp8, layout.comm if layout.tp_size > 1 else None)
     if not frozen:                                        # 5
         apply_recompute(model, cfg.train.recompute_mode)
     if cfg.train.compile and not frozen:                   # 6

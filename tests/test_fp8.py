@@ -1,0 +1,155 @@
+"""FP8 training (``train.fp8``, threefold/parallel/fp8.py): each layer within the error its
+recipe's casts allow, against an exact (float64) matmul; the model trains as bf16 does; every
+parallel layout equals one process under the same recipe; bad combinations are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.conftest import final_weights, metrics, tiny_overrides
+from tests.dist import run_distributed
+from threefold.config import ConfigError, load_config
+from threefold.parallel.fp8 import Float8Linear, apply_fp8, fp8_linear
+from threefold.train import train
+
+STEPS = 3
+
+
+def _bound(a: torch.Tensor, b: torch.Tensor, rel_a: float, rel_b: float, tiny_a: float,
+           tiny_b: float) -> torch.Tensor:
+    """The largest error of a·b when each element of a (b) is cast with a relative error of
+    at most rel_a (rel_b) or, below the format's normal range, an absolute one of tiny_a
+    (tiny_b): |Δ(a·b)| ≤ (rel_a + rel_b + rel_a·rel_b)·|a|·|b| + tiny_a·(1+rel_b)·1·|b|
+    + tiny_b·(1+rel_a)·|a|·1 + tiny_a·tiny_b·k, plus float32 accumulation (k·2⁻²⁴·|a|·|b|)."""
+    aa, ab = a.abs().double(), b.abs().double()
+    k = a.shape[1]
+    return ((rel_a + rel_b + rel_a * rel_b + k * 2.0 ** -24) * (aa @ ab)
+            + tiny_a * (1 + rel_b) * ab.sum(0, keepdim=True)
+            + tiny_b * (1 + rel_a) * aa.sum(1, keepdim=True) + tiny_a * tiny_b * k)
+
+
+# e4m3 keeps 3 mantissa bits (rounding: relative error ≤ 2⁻⁴), e5m2 2 (≤ 2⁻³); below the
+# normal range the step is the smallest subnormal (e4m3 2⁻⁹, e5m2 2⁻¹⁶) in scaled units, so
+# half of it divided by the scale (448/amax or 57344/amax; a rowwise scale is at most 2×
+# smaller than its tensor's: rounded down to a power of 2 of a row's amax ≤ the tensor's)
+E4M3 = (2.0 ** -4, 2.0 ** -10 / 448 * 2)
+E5M2 = (2.0 ** -3, 2.0 ** -17 / 57344 * 2)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_layer_forward_and_gradients_within_the_recipes_error(recipe):
+    torch.manual_seed(0)
+    x = (torch.randn(48, 64) * torch.logspace(-2, 1, 64)).requires_grad_()  # uneven columns
+    w = (torch.randn(32, 64) * 0.05).requires_grad_()
+    b = torch.randn(32, requires_grad=True)
+    dy = torch.randn(48, 32)
+    y = fp8_linear(x, w, b, recipe)
+    y.backward(dy)
+    x64, w64 = x.detach().double(), w.detach().double()
+    g = E5M2 if recipe == "tensorwise" else E4M3  # the output gradient's format
+    ax, aw, ag = x.abs().max().item(), w.abs().max().item(), dy.abs().max().item()
+    checks = [
+        (y.detach() - b.detach(), x64 @ w64.T, _bound(x, w.T, E4M3[0], E4M3[0],
+                                                        E4M3[1] * ax, E4M3[1] * aw)),
+        (x.grad, dy.double() @ w64, _bound(dy, w, g[0], E4M3[0], g[1] * ag, E4M3[1] * aw)),
+        (w.grad, dy.double().T @ x64, _bound(dy.T, x, g[0], E4M3[0], g[1] * ag, E4M3[1] * ax)),
+    ]
+    for name, (got, want, bound) in zip(["y", "dx", "dW"], checks):
+        err = (got.double() - want).abs()
+        assert (err <= bound).all(), (recipe, name, float((err / bound).max()))
+        # and the casts did round: FP8 ran, not the float32 matmul
+        assert err.max() > 1e-4 * want.abs().max(), (recipe, name)
+
+
+def test_layers_made_fp8_print_and_odd_widths_stay_high_precision():
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.ModuleDict({
+        "q_proj": nn.Linear(64, 64), "o_proj": nn.Linear(64, 40), "router": nn.Linear(64, 64)})])
+    kept = apply_fp8(model, "rowwise")
+    layer = model.model.layers[0]
+    assert type(layer["q_proj"]) is Float8Linear and "fp8 rowwise" in repr(model)
+    # 40 output features: not a multiple of 16 (torch._scaled_mm's CUDA rule): kept, and
+    # neither a router nor anything outside TARGETS is touched
+    assert kept == ["0.o_proj"] and type(layer["o_proj"]) is nn.Linear
+    assert type(layer["router"]) is nn.Linear
+    x = torch.randn(5, 64)  # 5 tokens: the weight gradient's matmul takes the fp32 path
+    y = layer["q_proj"](x.requires_grad_())
+    y.sum().backward()
+    ref = F.linear(x, layer["q_proj"].weight, layer["q_proj"].bias)
+    torch.testing.assert_close(y, ref, rtol=0.2, atol=0.2)
+    assert not torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("train.fp8", "e4m3", "train.fp8"),
+])
+def test_bad_fp8_settings_are_refused_by_field(field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [(field, value)])
+
+
+def _run(corpus, cache, out, **extra):
+    cfg = load_config(None, tiny_overrides(corpus, cache, out, **extra))
+    train(cfg)
+    return [r["loss"] for r in metrics(out)]
+
+
+def test_tiny_trains_with_fp8_as_with_bf16(corpus, cache_dir, tmp_path):
+    """30 steps of the tiny model: each recipe's final loss within 3% of bf16's."""
+    common = dict(train__steps=30, train__dtype="bfloat16")
+    bf16 = _run(corpus, cache_dir, tmp_path / "bf16", **common)
+    for recipe in ("tensorwise", "rowwise"):
+        fp8 = _run(corpus, cache_dir, tmp_path / recipe, train__fp8=recipe, **common)
+        assert fp8[-1] == pytest.approx(bf16[-1], rel=0.03), recipe
+        assert fp8 != bf16, recipe  # FP8 ran: the losses differ from bf16's
+
+
+# Each layout's single-process reference runs the micro-batches the layout's ranks run (a
+# micro-batch's amax is its own: DP's ranks scale their own samples, as torchao does)
+RUNS_2 = [
+    ("dp2_tensorwise", {"train__fp8": "tensorwise"}, 4),
+    ("zero3_rowwise", {"train__fp8": "rowwise", "parallel__zero_stage": 3}, 4),
+    ("tp2_sp_tensorwise", {"train__fp8": "tensorwise", "parallel__tp": 2,
+                           "parallel__sequence_parallel": "true"}, 8),
+    ("tp2_rowwise", {"train__fp8": "rowwise", "parallel__tp": 2}, 8),
+    ("tp2_sp_rowwise_compile_ac", {"train__fp8": "rowwise", "parallel__tp": 2,
+                                   "parallel__sequence_parallel": "true",
+                                   "train__compile": "true", "train__recompute": "full"}, 8),
+    ("pp2_tensorwise", {"train__fp8": "tensorwise", "parallel__pp": 2,
+                        "train__micro_batch_size": 2}, 2),
+]
+
+
+def _layouts(rank, world, corpus, cache, root, runs):
+    from threefold.parallel.distributed_layout import Distributed
+
+    out = {}
+    for name, extra, _ in runs:
+        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, train__steps=STEPS,
+                                               **extra))
+        layout = Distributed(cfg)
+        train(cfg, layout)
+        out[name] = layout.comm.totals()
+    return out
+
+
+def test_layouts_equal_one_process_under_fp8(corpus, cache_dir, tmp_path):
+    results = run_distributed(_layouts, 2, corpus, cache_dir, tmp_path, RUNS_2, timeout=400)
+    refs = {}
+    for name, extra, micro in RUNS_2:
+        key = (extra["train__fp8"], micro)
+        if key not in refs:
+            out = tmp_path / f"ref_{key[0]}_{micro}"
+            refs[key] = (_run(corpus, cache_dir, out, train__steps=STEPS, train__fp8=key[0],
+                              train__micro_batch_size=micro), final_weights(out))
+        losses, weights = refs[key]
+        assert [r["loss"] for r in metrics(tmp_path / name)] == \
+            pytest.approx(losses, rel=1e-5), name
+        got = final_weights(tmp_path / name)
+        for k, ref in weights.items():
+            torch.testing.assert_close(got[k], ref, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+    print(results[0])
