@@ -225,3 +225,53 @@ def test_layouts_equal_one_process_under_fp8(corpus, cache_dir, tmp_path):
         assert [r["loss"] for r in metrics(tmp_path / name)] == \
             pytest.approx(losses, rel=1e-5), name
         _check_weights(name, final_weights(tmp_path / name), weights, steps)
+
+
+def test_the_planner_times_fp8_at_the_fp8_peak_and_refuses_gpus_without_it():
+    from dataclasses import replace
+
+    from threefold.accounting import Layout
+    from threefold.plan.cli import load_model
+    from threefold.plan.compute import fp8_flops_fraction, matmul_peak
+    from threefold.plan.hardware import Cluster, get_hardware
+    from threefold.plan.step import predict_step
+    from threefold.accounting import Workload
+
+    cfg, h100 = load_model("llama3-8b"), get_hardware("h100")
+    assert h100.peak_flops("fp8") == 1979e12 and h100.peak_flops("bf16") == 989e12
+    work = Workload(seq_len=4096, global_batch=64)
+    fp8 = replace(work, fp8="tensorwise")
+    f = fp8_flops_fraction(cfg, work)
+    assert 0.5 < f < 1  # the projections dominate an 8B model's FLOPs; attention/head do not
+    # one rate for the mix: FP8's share at 1979 TF/s, the rest at 989
+    assert matmul_peak(cfg, fp8, h100) == pytest.approx(1 / (f / 1979e12 + (1 - f) / 989e12))
+    layout = Layout(tp=8, dp_shard=1)
+    cluster = Cluster(h100, 8, 8)
+    a, b = predict_step(cfg, layout, work, cluster), predict_step(cfg, layout, fp8, cluster)
+    assert b.compute_s < a.compute_s
+    for gpu in ("a100", "v100"):
+        with pytest.raises(ValueError, match=f"train.fp8 tensorwise: {gpu} has no FP8"):
+            predict_step(cfg, layout, fp8, Cluster(get_hardware(gpu), 8, 8))
+
+
+def test_a_blocks_saved_bytes_under_fp8_are_the_planners():
+    """FP8 keeps what the plain block keeps (the input and weight, cast again in backward)
+    and, tensorwise, two fp32 scales per projection: the planner's count, to the byte."""
+    from tests.test_tp_layer import SavedBytes
+    from threefold.accounting import Layout, Workload
+    from threefold.config import ModelConfig
+    from threefold.model import LlamaForCausalLM
+    from threefold.plan.activations import model_layer_activation_bytes
+
+    cfg = ModelConfig(preset="tiny", vocab_size=256, num_hidden_layers=1).resolved()
+    b, s = 2, 32
+    x = torch.randn(b, s, cfg.hidden_size, requires_grad=True)
+    for recipe in ("none", "tensorwise", "rowwise"):
+        model = LlamaForCausalLM(cfg)
+        apply_fp8(model, recipe)
+        cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+        with SavedBytes(list(model.parameters())) as saved:
+            model.model.layers[0](x, cos, sin, None)
+        want = model_layer_activation_bytes(cfg, Layout(microbatch_size=b), Workload(
+            s, b, precision="fp32", residual_bytes=4, fp8=recipe))
+        assert saved.total == want + 2 * 4 * b * s * cfg.head_dim, recipe  # + RoPE's tables

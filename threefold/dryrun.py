@@ -71,7 +71,7 @@ from threefold.parallel.pipeline.stage import rank_model, split_model
 from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.plan.calibrate import (cpu_baseline_bytes, hardware_from_calibration, load,
                                       machine_ram, matmul_flops)
-from threefold.plan.hardware import (Cluster, Hardware, get_hardware,
+from threefold.plan.hardware import (GPUS, Cluster, Hardware, get_hardware,
                                      hardware_for_device_name)
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import StartupMemory, startup_peaks
@@ -261,8 +261,11 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
                      + ("; bytes on ep are the uniform-routing expectation (each rank sends "
                         "(ep-1)/ep of its token-expert rows each way; real routing varies)"
                         if ep > 1 else ""))
-    step = None
-    if cluster.hardware.peak_flops(work.precision):
+    step, hw = None, cluster.hardware
+    if work.fp8 != "none" and not hw.peak_flops("fp8") and hw.name in GPUS:
+        raise ConfigError(f"train.fp8 {work.fp8}: {hw.name} has no FP8 tensor cores (no FP8 "
+                          "peak in the catalogue); set train.fp8 none or plan an H100/H200")
+    if hw.peak_flops(work.precision) and (work.fp8 == "none" or hw.peak_flops("fp8")):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     comm = comm_bytes_per_step(mcfg, layout, work, stage=0)  # rank 0's
     if cfg.lora.r:

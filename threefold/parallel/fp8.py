@@ -72,10 +72,12 @@ def _mm8(a8, b8, sa, sb, out_dtype):
     (m, k), n = a8.shape, b8.shape[1]
     if k % ALIGN or n % ALIGN:
         return ((a8.float() @ b8.float()) / (sa * sb)).to(out_dtype)
+    # CUDA's rowwise kernel writes bf16 only: under float32 it is widened after
+    mm_dtype = torch.bfloat16 if a8.is_cuda and sa.dim() else out_dtype
     return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(),
                             scale_a=(1 / sa).reshape(-1, 1) if sa.dim() else 1 / sa,
                             scale_b=(1 / sb).reshape(1, -1) if sb.dim() else 1 / sb,
-                            out_dtype=out_dtype)
+                            out_dtype=mm_dtype).to(out_dtype)
 
 
 def _max_over_tp(comm, *amaxes: torch.Tensor) -> list[torch.Tensor]:
