@@ -275,3 +275,17 @@ def test_a_blocks_saved_bytes_under_fp8_are_the_planners():
         want = model_layer_activation_bytes(cfg, Layout(microbatch_size=b), Workload(
             s, b, precision="fp32", residual_bytes=4, fp8=recipe))
         assert saved.total == want + 2 * 4 * b * s * cfg.head_dim, recipe  # + RoPE's tables
+
+
+def test_the_dry_run_refuses_fp8_on_a_gpu_without_it(monkeypatch, tmp_path):
+    from threefold.dryrun import dry_run
+
+    overrides = [("model.preset", "tiny"), ("data.vocab_size", "512"), ("train.fp8", "rowwise"),
+                 ("train.dtype", "bfloat16"), ("train.output_dir", str(tmp_path))]
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "a100")
+    with pytest.raises(ConfigError, match="train.fp8 rowwise: a100 has no FP8 tensor cores"):
+        dry_run(load_config(None, overrides), 1, out=lambda _: None)
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    lines: list[str] = []
+    assert dry_run(load_config(None, overrides), 1, out=lines.append) == 0
+    assert "\nstep: " in "\n".join(lines)  # timed, at the FP8 mix's peak

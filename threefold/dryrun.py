@@ -261,11 +261,8 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
                      + ("; bytes on ep are the uniform-routing expectation (each rank sends "
                         "(ep-1)/ep of its token-expert rows each way; real routing varies)"
                         if ep > 1 else ""))
-    step, hw = None, cluster.hardware
-    if work.fp8 != "none" and not hw.peak_flops("fp8") and hw.name in GPUS:
-        raise ConfigError(f"train.fp8 {work.fp8}: {hw.name} has no FP8 tensor cores (no FP8 "
-                          "peak in the catalogue); set train.fp8 none or plan an H100/H200")
-    if hw.peak_flops(work.precision) and (work.fp8 == "none" or hw.peak_flops("fp8")):
+    step = None
+    if _peaks_known(work, cluster.hardware):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     comm = comm_bytes_per_step(mcfg, layout, work, stage=0)  # rank 0's
     if cfg.lora.r:
@@ -384,11 +381,22 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
     return lines
 
 
+def _peaks_known(work: Workload, hw: Hardware) -> bool:
+    """Whether the step can be timed: the matmul dtype's peak, and under ``train.fp8`` the
+    FP8 peak (this CPU's is not measured). A catalogue GPU without FP8 refuses FP8."""
+    if work.fp8 != "none" and not hw.peak_flops("fp8") and hw.name in GPUS:
+        raise ConfigError(f"train.fp8 {work.fp8}: {hw.name} has no FP8 tensor cores (no FP8 "
+                          "peak in the catalogue); set train.fp8 none or plan an H100/H200")
+    return bool(hw.peak_flops(work.precision)) and (work.fp8 == "none"
+                                                    or bool(hw.peak_flops("fp8")))
+
+
 def _step_line(r: DryRunResult, world: int) -> str:
     """The report's step line: time by part, tokens/s and MFU (unknown without a peak)."""
     s, lay = r.step, r.layout
     if s is None:
-        return (f"step time: unknown ({r.cluster.hardware.name}: peak {r.work.precision} "
+        fp8 = " or fp8" if r.work.fp8 != "none" else ""
+        return (f"step time: unknown ({r.cluster.hardware.name}: peak {r.work.precision}{fp8} "
                 f"FLOP/s unknown; set {ENV_HARDWARE})")
     mfu = f"{s.mfu:.1%}" if s.mfu is not None else "unknown"
     return (
