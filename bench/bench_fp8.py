@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
+        root.mkdir(parents=True, exist_ok=True)
         corpus = sample_corpus(root / "corpus.txt", 400)
         rows = [run(r, args, root, corpus) for r in RECIPES]
     base = rows[0]
