@@ -95,6 +95,28 @@ def test_layers_made_fp8_print_and_odd_widths_stay_high_precision():
     assert not torch.equal(y, ref)
 
 
+def test_a_lora_layer_runs_its_frozen_base_in_fp8_and_its_adapter_as_before():
+    from threefold.config import LoRAConfig
+    from threefold.lora import apply_lora
+    from threefold.parallel.fp8 import Float8LoRALinear
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.ModuleDict({"v_proj": nn.Linear(64, 32)})])
+    apply_lora(model, LoRAConfig(r=4, target_modules="v_proj"))
+    apply_fp8(model, "tensorwise")
+    layer = model.model.layers[0]["v_proj"]
+    assert isinstance(layer, Float8LoRALinear) and "lora r=4, scale" in repr(layer)
+    torch.nn.init.normal_(layer.lora_B.weight)  # (B starts at zero: make the adapter count)
+    x = torch.randn(16, 64)
+    y = layer(x)
+    y.sum().backward()
+    a, b = layer.lora_A.weight, layer.lora_B.weight
+    want = fp8_linear(x, layer.weight, layer.bias, "tensorwise") + x @ a.T @ b.T * layer.lora_scale
+    torch.testing.assert_close(y, want)
+    assert layer.weight.grad is None and layer.lora_A.weight.grad is not None
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("train.fp8", "e4m3", "train.fp8"),
 ])
