@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="train.seed: init and data order")
     ap.add_argument("--out", help="folder for the runs (default: a temporary one)")
     return ap.parse_args(argv)
 
@@ -63,7 +64,7 @@ def run(recipe: str, args, root: Path, corpus: Path) -> dict:
         ("train.dtype", "bfloat16"), ("train.fp8", recipe), ("train.output_dir", str(out)),
         ("train.eval_interval", "0"), ("train.eval_batches", "4"),
         ("train.log_interval", str(max(1, args.steps // 4))), ("train.progress", "off"),
-        ("optim.lr", "1e-3"), ("optim.warmup_steps", str(max(1, args.steps // 10))),
+        ("train.seed", str(args.seed)), ("optim.lr", "1e-3"), ("optim.warmup_steps", str(max(1, args.steps // 10))),
         ("checkpoint.save_final", "false")])
     summary = train(cfg)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         r["tok_s_ratio"] = r["tok_s"] / base["tok_s"]
     print_table(rows)
     worst = max(abs(r["val_gap"]) for r in rows)
-    out = {"benchmark": "fp8", "preset": args.preset, "steps": args.steps,
+    out = {"benchmark": "fp8", "preset": args.preset, "steps": args.steps, "seed": args.seed,
            "threads": args.threads, "rows": rows, "largest_val_gap": worst, "goal": 0.01,
            "meets_goal": worst <= 0.01}
     print(json.dumps(out), flush=True)
