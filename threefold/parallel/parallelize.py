@@ -9,6 +9,8 @@ this order:
 2. tensor parallelism (and sequence parallelism), which slices weights by placement;
 3. context parallelism (attention only; no weights change);
 4. expert parallelism: this rank's run of experts;
+   then, under ``train.fp8``, the blocks' projections become FP8 layers
+   (``threefold.parallel.fp8``), each keeping its tensor-parallel split;
 5. activation recomputation, full or selective (``threefold.parallel.recompute``: each block
    becomes its recomputing subclass);
 6. torch.compile of each block, and of the head with its loss;
@@ -44,7 +46,7 @@ from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.parallel.zero import ZeroEngine
 
 ORDER = ("pipeline split", "tensor + sequence parallel", "context parallel", "expert parallel",
-         "activation recompute", "compile", "engine (ZeRO / data parallel / offload): "
+         "FP8 projections (train.fp8)", "activation recompute", "compile", "engine (ZeRO / data parallel / offload): "
          "allocate and fill this rank's tensors")
 
 
