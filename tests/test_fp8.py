@@ -11,6 +11,7 @@ from torch import nn
 
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
+from threefold.accounting import Layout, Workload, comm_bytes_per_step
 from threefold.config import ConfigError, load_config
 from threefold.parallel.fp8 import Float8Linear, apply_fp8, fp8_linear
 from threefold.train import train
@@ -117,12 +118,14 @@ def test_a_lora_layer_runs_its_frozen_base_in_fp8_and_its_adapter_as_before():
     assert layer.weight.grad is None and layer.lora_A.weight.grad is not None
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("train.fp8", "e4m3", "train.fp8"),
+@pytest.mark.parametrize("overrides,match", [
+    ([("train.fp8", "e4m3")], "train.fp8: unknown value 'e4m3'"),
+    ([("train.fp8", "rowwise"), ("lora.r", "8"), ("parallel.tp", "2")],
+     "train.fp8: rowwise with lora.r > 0 and parallel.tp > 1"),
 ])
-def test_bad_fp8_settings_are_refused_by_field(field, value, match):
+def test_bad_fp8_settings_are_refused_by_field(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(None, [(field, value)])
+        load_config(None, overrides)
 
 
 def _run(corpus, cache, out, **extra):
@@ -211,9 +214,7 @@ def _layouts(rank, world, corpus, cache, root, runs):
     for name, extra, _, steps in runs:
         cfg = load_config(None, tiny_overrides(corpus, cache, root / name, train__steps=steps,
                                                **extra))
-        layout = Distributed(cfg)
-        train(cfg, layout)
-        out[name] = layout.comm.totals()
+        out[name] = train(cfg, Distributed(cfg))["comm_bytes_per_step"]
     return out
 
 
@@ -247,6 +248,13 @@ def test_layouts_equal_one_process_under_fp8(corpus, cache_dir, tmp_path):
         assert [r["loss"] for r in metrics(tmp_path / name)] == \
             pytest.approx(losses, rel=1e-5), name
         _check_weights(name, final_weights(tmp_path / name), weights, steps)
+        # the bytes rank 0 sent per step, the amaxes' all-reduces over tp included, are the
+        # planner's (and the dry run's)
+        cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / name, **extra))
+        want = comm_bytes_per_step(cfg.model.resolved(cfg.data.vocab_size),
+                                   Layout.from_config(cfg, 2), Workload.from_config(cfg), stage=0)
+        assert {a: results[0][name].get(a, 0) for a in want} == \
+            {a: float(v) for a, v in want.items()}, name
 
 
 def test_the_planner_times_fp8_at_the_fp8_peak_and_refuses_gpus_without_it():

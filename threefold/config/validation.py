@@ -36,6 +36,10 @@ def validate(cfg: Config) -> None:
     _check_checkpoint(cfg.checkpoint)
     _check_metrics(cfg.metrics)
     _check_lora(cfg.lora, cfg.parallel)
+    _need(not (cfg.train.fp8 != "none" and cfg.lora.r and cfg.parallel.tp > 1),
+          f"train.fp8: {cfg.train.fp8} with lora.r > 0 and parallel.tp > 1 is not available "
+          "(which frozen layers run backward, and so agree their amaxes over tp, is not "
+          "modelled); set train.fp8 none or parallel.tp 1")
     if not cfg.checkpoint.init_from:  # else the checkpoint's shape, once read (model_source)
         check_against_model(cfg, _check_model(cfg.model, cfg.data.vocab_size))
 
