@@ -192,10 +192,7 @@ def _fp8_amaxes(add, cfg: ModelConfig, layout: Layout, recipe: str, blocks: tupl
     backward. ``blocks``: (blocks, of which with a dense MLP)."""
     t, h, hd, sh = layout.tp, cfg.hidden_size, cfg.head_dim, tp_shard(cfg, layout.tp)
     layers, dense = blocks
-
-    def ok(*dims: int) -> bool:
-        return all(x % 16 == 0 for x in dims)
-
+    ok = lambda *dims: all(x % 16 == 0 for x in dims)  # noqa: E731
     cols = layers * (ok(sh.heads * hd, h) + 2 * (sh.kv_replicas == 1 and ok(sh.kv_heads * hd)))
     rows = layers * ok(sh.heads * hd, h)
     cols, rows = cols + dense * 2 * ok(sh.ffn, h), rows + dense * ok(sh.ffn, h)
