@@ -36,10 +36,7 @@ def validate(cfg: Config) -> None:
     _check_checkpoint(cfg.checkpoint)
     _check_metrics(cfg.metrics)
     _check_lora(cfg.lora, cfg.parallel)
-    _need(not (cfg.train.fp8 != "none" and cfg.lora.r and cfg.parallel.tp > 1),
-          f"train.fp8: {cfg.train.fp8} with lora.r > 0 and parallel.tp > 1 is not available "
-          "(which frozen layers run backward, and so agree their amaxes over tp, is not "
-          "modelled); set train.fp8 none or parallel.tp 1")
+    _check_fp8(cfg.train, cfg.lora, cfg.parallel)
     if not cfg.checkpoint.init_from:  # else the checkpoint's shape, once read (model_source)
         check_against_model(cfg, _check_model(cfg.model, cfg.data.vocab_size))
 
@@ -195,7 +192,6 @@ def _check_train(t: TrainConfig) -> None:
           f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
           f"train.micro_batch_size={t.micro_batch_size}")
     _one_of("train.dtype", t.dtype, ["float32", "bfloat16"])
-    _one_of("train.fp8", t.fp8, ["none", "tensorwise", "rowwise"])
     _one_of("train.device", t.device, ["auto", "cpu", "cuda"])
     _one_of("train.progress", t.progress, ["auto", "on", "off"])
     _need(t.log_interval >= 1, f"train.log_interval: must be >= 1, got {t.log_interval}")
@@ -205,6 +201,15 @@ def _check_train(t: TrainConfig) -> None:
           f"{t.trace_step}")
     _need(t.eval_batches >= 1, f"train.eval_batches: must be >= 1, got {t.eval_batches}")
     _need(bool(t.output_dir), "train.output_dir: must not be empty")
+
+
+def _check_fp8(t: TrainConfig, lo: LoRAConfig, p: ParallelConfig) -> None:
+    """FP8 (threefold.parallel.fp8) and what it does not run with."""
+    _one_of("train.fp8", t.fp8, ["none", "tensorwise", "rowwise"])
+    _need(not (t.fp8 != "none" and lo.r and p.tp > 1),
+          f"train.fp8: {t.fp8} with lora.r > 0 and parallel.tp > 1 is not available (which "
+          "frozen layers run backward, and so agree their amaxes over tp, is not modelled); "
+          "set train.fp8 none or parallel.tp 1")
 
 
 def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:

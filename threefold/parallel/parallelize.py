@@ -46,8 +46,8 @@ from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.parallel.zero import ZeroEngine
 
 ORDER = ("pipeline split", "tensor + sequence parallel", "context parallel", "expert parallel",
-         "FP8 projections (train.fp8)", "activation recompute", "compile", "engine (ZeRO / data parallel / offload): "
-         "allocate and fill this rank's tensors")
+         "FP8 projections (train.fp8)", "activation recompute", "compile",
+         "engine (ZeRO / data parallel / offload): allocate and fill this rank's tensors")
 
 
 def apply_compile(model: LlamaForCausalLM) -> None:
@@ -153,8 +153,7 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
     if not frozen:  # FP8 over the (sliced) projections, before recompute wraps the blocks
         apply_fp8(model, cfg.train.fp8, layout.comm if layout.tp_size > 1 else None)
-    if not frozen:                                        # 5
-        apply_recompute(model, cfg.train.recompute_mode)
+        apply_recompute(model, cfg.train.recompute_mode)  # 5
     if cfg.train.compile and not frozen:                   # 6
         apply_compile(model)
     materialize_buffers(model, device, source)
