@@ -74,7 +74,7 @@ from threefold.parallel.pipeline.stage import rank_model, split_model
 from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.plan.calibrate import (cpu_baseline_bytes, hardware_from_calibration, load,
                                       machine_ram, matmul_flops)
-from threefold.plan.hardware import (Cluster, Hardware, get_hardware,
+from threefold.plan.hardware import (GPUS, Cluster, Hardware, get_hardware,
                                      hardware_for_device_name)
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import StartupMemory, startup_peaks
@@ -268,7 +268,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
                         "(ep-1)/ep of its token-expert rows each way; real routing varies)"
                         if ep > 1 else ""))
     step = None
-    if cluster.hardware.peak_flops(work.precision):
+    if _peaks_known(work, cluster.hardware):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
     comm = comm_bytes_per_step(mcfg, layout, work, stage=0)  # rank 0's
     if cfg.lora.r:
@@ -393,11 +393,22 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
     return lines
 
 
+def _peaks_known(work: Workload, hw: Hardware) -> bool:
+    """Whether the step can be timed: the matmul dtype's peak, and under ``train.fp8`` the
+    FP8 peak (this CPU's is not measured). A catalogue GPU without FP8 refuses FP8."""
+    if work.fp8 != "none" and not hw.peak_flops("fp8") and hw.name in GPUS:
+        raise ConfigError(f"train.fp8 {work.fp8}: {hw.name} has no FP8 tensor cores (no FP8 "
+                          "peak in the catalogue); set train.fp8 none or plan an H100/H200")
+    return bool(hw.peak_flops(work.precision)) and (work.fp8 == "none"
+                                                    or bool(hw.peak_flops("fp8")))
+
+
 def _step_line(r: DryRunResult, world: int) -> str:
     """The report's step line: time by part, tokens/s and MFU (unknown without a peak)."""
     s, lay = r.step, r.layout
     if s is None:
-        return (f"step time: unknown ({r.cluster.hardware.name}: peak {r.work.precision} "
+        fp8 = " or fp8" if r.work.fp8 != "none" else ""
+        return (f"step time: unknown ({r.cluster.hardware.name}: peak {r.work.precision}{fp8} "
                 f"FLOP/s unknown; set {ENV_HARDWARE})")
     mfu = f"{s.mfu:.1%}" if s.mfu is not None else "unknown"
     return (

@@ -56,16 +56,17 @@ class Hardware:
     # Achieved fraction of the peak for large matmuls; None = the cost model's calibrated
     # constant (datasheet peaks), 1.0 for a measured peak (it is already achieved FLOP/s).
     matmul_efficiency: float | None = None
-    peak_flops_fp8: float | None = None  # dense FP8 tensor-core FLOP/s; None = no FP8 (or unknown)
+    # dense FP8 (e4m3/e5m2) tensor-core FLOP/s; None: no FP8 units (A100, V100) or unknown
+    peak_flops_fp8: float | None = None
 
     def peak_flops(self, precision: str) -> float | None:
         """Peak matmul FLOP/s for ``precision`` ('bf16', 'fp32' or 'fp8'); None if unknown."""
+        if precision == "fp8":
+            return self.peak_flops_fp8
         if precision == "bf16":
             return self.peak_flops_16bit
         if precision == "fp32":
             return self.peak_flops_fp32
-        if precision == "fp8":
-            return self.peak_flops_fp8
         raise ValueError(f"precision '{precision}' is not bf16, fp32 or fp8")
 
     def link(self, inter_node: bool) -> tuple[float, float]:
@@ -114,6 +115,8 @@ GPUS: dict[str, Hardware] = {
                  nvlink_gb_both_ways=600, pcie_gb_both_ways=64),
     "a100-40gb": _gpu("a100-40gb", tflops16=312, tflops32=19.5, memory_gb=40, hbm_gb_s=1555,
                       nvlink_gb_both_ways=600, pcie_gb_both_ways=64),
+    # FP8: the SXM datasheets' 3,958 TF/s is with 2:4 sparsity; dense is half (V100 and A100
+    # have no FP8 tensor cores)
     "h100": _gpu("h100", tflops16=989, tflops32=67, memory_gb=80, hbm_gb_s=3350,
                  nvlink_gb_both_ways=900, pcie_gb_both_ways=128, tflops8=1979),
     "h200": _gpu("h200", tflops16=989, tflops32=67, memory_gb=141, hbm_gb_s=4800,

@@ -44,9 +44,14 @@ class LoRALinear(nn.Linear):
         gradient over tp)."""
         return self.lora_A.weight, self.lora_B.weight
 
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen layer's output (FP8's wrapper, ``threefold.parallel.fp8``, runs it in
+        FP8)."""
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The base output plus the adapter's."""
-        out = F.linear(x, self.weight, self.bias)
+        out = self.base(x)
         if not self.lora_enabled:
             return out
         a, b = self.factors()

@@ -188,6 +188,9 @@ class Workload:
     # the weights start from files (checkpoint.init_from): start-up reads each rank's regions
     # instead of drawing whole tensors (plan.startup)
     init_from: bool = False
+    # train.fp8: the blocks' linear layers multiply in FP8 (none, tensorwise, rowwise); the
+    # planner times their FLOPs at the FP8 peak (plan.compute.matmul_peak)
+    fp8: str = "none"
 
     @property
     def tokens(self) -> int:
@@ -234,7 +237,7 @@ class Workload:
                    reduce_bytes=reduce if cfg.parallel.zero_stage else 0,
                    document_mask=cfg.data.document_mask, lora_r=cfg.lora.r,
                    lora_targets=lora_targets(cfg.lora) if cfg.lora.r else (),
-                   init_from=bool(cfg.checkpoint.init_from))
+                   init_from=bool(cfg.checkpoint.init_from), fp8=cfg.train.fp8)
 
 
 def _check_lora(cfg: ModelConfig, layout: Layout, work: Workload) -> None:

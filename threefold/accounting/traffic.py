@@ -184,6 +184,8 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
         add("tp", "all_reduce", x, d, subs_layers + rec, t, True, "none")
     add("tp", "all_reduce", tokens, 4, 3 * last, t, True, "none")
     _attention_norms(add, cfg, work, layers, tokens, rec, t, g)
+    if work.fp8 != "none":
+        _fp8_amaxes(add, cfg, layout, work.fp8, (layers, dense), tokens, rec)
     if work.lora_r:  # each adapted layer's whole factor, its gradient summed over tp
         add("tp", "all_reduce", tp_reduced_numel(cfg, work), work.weight_bytes, layers, t,
             True, "none")
@@ -191,6 +193,29 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
         add("tp", "all_reduce", cfg.num_key_value_heads * cfg.head_dim * h, g, 2 * layers, t,
             True, "none")
     add("tp", "all_reduce", 1, 4, 1, t, False, "step")  # gradient norm
+
+
+def _fp8_amaxes(add, cfg: ModelConfig, layout: Layout, recipe: str, blocks: tuple[int, int],
+                tokens: int, rec: int) -> None:
+    """tp, per microbatch: ``train.fp8``'s amaxes agreed over tp (``threefold.parallel.fp8``),
+    fp32, for each projection FP8 runs (local in and out features multiples of 16; k/v
+    replicated over tp stay high precision). Tensorwise: 2 (x, W) per layer forward, again
+    under recompute, and 1 (dy) backward; rowwise: a row-parallel layer's b·s + h (per token,
+    per output row) forward, a column-parallel one's b·s + h (per token, per input column)
+    backward. ``blocks``: (blocks, of which with a dense MLP)."""
+    t, h, hd, sh = layout.tp, cfg.hidden_size, cfg.head_dim, tp_shard(cfg, layout.tp)
+    layers, dense = blocks
+    ok = lambda *dims: all(x % 16 == 0 for x in dims)  # noqa: E731
+    cols = layers * (ok(sh.heads * hd, h) + 2 * (sh.kv_replicas == 1 and ok(sh.kv_heads * hd)))
+    rows = layers * ok(sh.heads * hd, h)
+    cols, rows = cols + dense * 2 * ok(sh.ffn, h), rows + dense * ok(sh.ffn, h)
+    runs = 2 if rec else 1  # a recomputed block's forward agrees its amaxes again
+    if recipe == "tensorwise":
+        add("tp", "all_reduce", 2, 4, (rows + cols) * runs, t, True, "none")
+        add("tp", "all_reduce", 1, 4, rows + cols, t, True, "none")
+        return
+    add("tp", "all_reduce", tokens + h, 4, rows * runs, t, True, "none")
+    add("tp", "all_reduce", tokens + h, 4, cols, t, True, "none")
 
 
 def _attention_norms(add, cfg: ModelConfig, work: Workload, layers: int, tokens: int,

@@ -36,6 +36,7 @@ def validate(cfg: Config) -> None:
     _check_checkpoint(cfg.checkpoint)
     _check_metrics(cfg.metrics)
     _check_lora(cfg.lora, cfg.parallel)
+    _check_fp8(cfg.train, cfg.lora, cfg.parallel)
     if not cfg.checkpoint.init_from:  # else the checkpoint's shape, once read (model_source)
         check_against_model(cfg, _check_model(cfg.model, cfg.data.vocab_size))
 
@@ -218,6 +219,15 @@ def _check_train(t: TrainConfig) -> None:
           f"{t.trace_step}")
     _need(t.eval_batches >= 1, f"train.eval_batches: must be >= 1, got {t.eval_batches}")
     _need(bool(t.output_dir), "train.output_dir: must not be empty")
+
+
+def _check_fp8(t: TrainConfig, lo: LoRAConfig, p: ParallelConfig) -> None:
+    """FP8 (threefold.parallel.fp8) and what it does not run with."""
+    _one_of("train.fp8", t.fp8, ["none", "tensorwise", "rowwise"])
+    _need(not (t.fp8 != "none" and lo.r and p.tp > 1),
+          f"train.fp8: {t.fp8} with lora.r > 0 and parallel.tp > 1 is not available (which "
+          "frozen layers run backward, and so agree their amaxes over tp, is not modelled); "
+          "set train.fp8 none or parallel.tp 1")
 
 
 def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:

@@ -9,6 +9,8 @@ this order:
 2. tensor parallelism (and sequence parallelism), which slices weights by placement;
 3. context parallelism (attention only; no weights change);
 4. expert parallelism: this rank's run of experts;
+   then, under ``train.fp8``, the blocks' projections become FP8 layers
+   (``threefold.parallel.fp8``), each keeping its tensor-parallel split;
 5. activation recomputation, full or selective (``threefold.parallel.recompute``: each block
    becomes its recomputing subclass);
 6. torch.compile of each block, and of the head with its loss;
@@ -37,14 +39,15 @@ from threefold.parallel.context import apply_context_parallel
 from threefold.parallel.data import DataParallelEngine
 from threefold.parallel.engine import LocalEngine
 from threefold.parallel.expert import apply_expert_parallel
+from threefold.parallel.fp8 import apply_fp8
 from threefold.parallel.recompute import apply_recompute
 from threefold.parallel.materialize import materialize_buffers, materialize_parameters
 from threefold.parallel.tensor import apply_tensor_parallel
 from threefold.parallel.zero import ZeroEngine
 
 ORDER = ("pipeline split", "tensor + sequence parallel", "context parallel", "expert parallel",
-         "activation recompute", "compile", "engine (ZeRO / data parallel / offload): "
-         "allocate and fill this rank's tensors")
+         "FP8 projections (train.fp8)", "activation recompute", "compile",
+         "engine (ZeRO / data parallel / offload): allocate and fill this rank's tensors")
 
 
 def apply_compile(model: LlamaForCausalLM) -> None:
@@ -149,8 +152,9 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
         model = apply_lora(model, cfg.lora, trainable)
     model = layout.split_pipeline(model)           # 1
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
-    if not frozen:                                        # 5
-        apply_recompute(model, cfg.train.recompute_mode)
+    if not frozen:  # FP8 over the (sliced) projections, before recompute wraps the blocks
+        apply_fp8(model, cfg.train.fp8, layout.comm if layout.tp_size > 1 else None)
+        apply_recompute(model, cfg.train.recompute_mode)  # 5
     if cfg.train.compile and not frozen:                   # 6
         apply_compile(model)
     materialize_buffers(model, device, source)

@@ -170,6 +170,16 @@ def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, se
     raise ValueError(f"unknown cp algorithm {algorithm!r}; use ring or allgather")
 
 
+def fp8_scale_bytes(cfg: ModelConfig, work: Workload) -> int:
+    """What ``train.fp8`` adds to a block's saved tensors (``threefold.parallel.fp8``): it
+    keeps the input and weight a plain linear keeps and casts again in backward, so only
+    tensorwise's two fp32 scales per projection (q, k, v, o and a dense MLP's gate, up,
+    down); rowwise recomputes its per-row scales."""
+    if work.fp8 != "tensorwise":
+        return 0
+    return 2 * 4 * (4 + (0 if cfg.num_local_experts else 3))
+
+
 def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
                                  recompute: str | None = None) -> float:
     """Bytes one block keeps per rank per microbatch under ``layout``: ``block_activation_bytes``
@@ -192,6 +202,7 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
                                   layout.cp_algorithm)
     kept += block_document_mask_bytes(cfg, layout, work)
+    kept += fp8_scale_bytes(cfg, work)
     kept += gemma_extra_bytes(cfg, layout, work, b * local, sh.ffn)
     if cfg.qk_norm:
         kept += qk_norm_bytes(b * local, sh.heads, sh.kv_heads, cfg.head_dim, work.act_bytes,

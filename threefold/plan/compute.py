@@ -48,6 +48,37 @@ def model_flops_per_step(cfg: ModelConfig, work: Workload) -> float:
     return lora_flops_per_token(cfg, work) * work.tokens
 
 
+def fp8_flops_fraction(cfg: ModelConfig, work: Workload) -> float:
+    """The share of a token's forward FLOPs that ``train.fp8`` runs in FP8: the blocks'
+    q/k/v/o and dense gate/up/down projections, against attention's core, a mixture of
+    experts' experts (grouped weights, not linear layers) and the head, which stay in the
+    compute dtype."""
+    h, hd, s = cfg.hidden_size, cfg.head_dim, work.seq_len
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    attn = h * hd * (2 * heads + 2 * kv)
+    mlp = 0 if cfg.num_local_experts else 3 * h * cfg.intermediate_size
+    linear = 2 * (attn + mlp) * cfg.num_hidden_layers
+    rest = (4 * s * heads * hd + 2 * moe_matmul_parameters(cfg)) * cfg.num_hidden_layers \
+        + 2 * cfg.vocab_size * h
+    return linear / (linear + rest)
+
+
+def matmul_peak(cfg: ModelConfig, work: Workload, hw) -> float | None:
+    """The matmul peak FLOP/s a step runs at: the ``work.precision`` peak, or under FP8 one
+    rate for the mix (time = FP8 share / FP8 peak + the rest / the 16-bit peak); None when a
+    needed peak is unknown. A GPU without FP8 units refuses FP8 (ValueError naming
+    train.fp8)."""
+    peak = hw.peak_flops(work.precision)
+    if work.fp8 == "none" or not peak:
+        return peak
+    fp8 = hw.peak_flops("fp8")
+    if not fp8:
+        raise ValueError(f"train.fp8 {work.fp8}: {hw.name} has no FP8 peak (V100 and A100 have "
+                         "no FP8 tensor cores); set train.fp8 none, or plan for an H100/H200")
+    f = fp8_flops_fraction(cfg, work)
+    return 1.0 / (f / fp8 + (1 - f) / peak)
+
+
 def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
                                stage: int) -> tuple[float, float]:
     """(forward, backward + recompute) FLOPs one rank of ``stage`` executes per microbatch,

@@ -49,6 +49,7 @@ from threefold.plan.collectives import collective_time
 from threefold.plan.compute import (
     MATMUL_EFFICIENCY,
     attention_block_seconds,
+    matmul_peak,
     model_flops_per_step,
     tp_chunk_seconds,
     offload_step_seconds,
@@ -168,7 +169,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     Megatron-LM of 2021; ``simulate`` replays the schedule (a single layout, e.g. a dry
     run)."""
     hw = cluster.hardware
-    peak = hw.peak_flops(work.precision)
+    peak = matmul_peak(cfg, work, hw)
     if not peak:
         raise ValueError(f"{hw.name}: peak {work.precision} FLOP/s unknown; give --peak-tflops")
     eff = efficiency if efficiency is not None else (hw.matmul_efficiency or MATMUL_EFFICIENCY)
@@ -360,7 +361,7 @@ def compute_bound_step_time(cfg: ModelConfig, layout: Layout, work: Workload, cl
     enough to order and prune a search. Without ``bubble``, the pipeline's bubble is left
     out too: a looser bound that never replays a schedule."""
     hw = cluster.hardware
-    rate = hw.peak_flops(work.precision) * (efficiency if efficiency is not None else
+    rate = matmul_peak(cfg, work, hw) * (efficiency if efficiency is not None else
                                             (hw.matmul_efficiency or MATMUL_EFFICIENCY))
     m = microbatches(layout, work)
     stages = distinct_stages(cfg, layout)
