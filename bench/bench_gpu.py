@@ -45,8 +45,8 @@ sides above:
   row of the same round and mode (ratio fp8/bf16 of tokens/s). A row is skipped, with the
   reason printed and kept in the JSON, when the configuration refuses ``train.fp8``, when the
   device has no FP8 matmuls (a CPU, or CUDA compute capability below 8.9), or when the built
-  model holds no FP8 layer (a class named ``*fp8*``/``*float8*``: a checkout that does not
-  build FP8 yet). Their MFU divides by the device's FP8 peak (catalogue ``peak_flops_fp8``);
+  model holds no FP8 layer (``threefold.parallel.fp8``'s wrappers; e.g. every width off
+  ``_scaled_mm``'s rule). Their MFU divides by the device's FP8 peak (catalogue ``peak_flops_fp8``);
 - ``moe``: the shape as a mixture of experts (``MOE_SHAPES``: gpu 8 layers, 8 experts of
   f 1408, top-2; tiny 4 experts of f 176, top-2) with ``model.moe_impl grouped`` and ``loop``
   (ratio grouped/loop), MFU from the MoE's active FLOPs per token against the dtype's peak.
@@ -221,10 +221,11 @@ def fp8_unavailable(device: torch.device, capability: tuple[int, int] | None = N
 def check_fp8_built(run) -> None:
     """Raise ``SkipRow`` when a run asked for ``train.fp8`` holds no FP8 layer (the setting
     accepted but not built): its figures would be bf16's under an FP8 name."""
-    names = {type(m).__name__.lower() for m in run.model.modules()}
-    if not any("fp8" in n or "float8" in n for n in names):
+    from threefold.parallel.fp8 import Float8Linear, Float8LoRALinear
+
+    if not any(isinstance(m, (Float8Linear, Float8LoRALinear)) for m in run.model.modules()):
         raise SkipRow(f"train.fp8={run.cfg.train.fp8} accepted but the built model holds no FP8 "
-                      f"layer (no module class named *fp8*/*float8*)")
+                      f"layer (threefold.parallel.fp8's wrappers)")
 
 
 def measure_row(name: str, extra: list[tuple[str, str]], args, out: str, compile_: bool
