@@ -134,7 +134,7 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     if layout.zero_stage == 0:
         _data_parallel(add, cfg, layout, stage, experts, g)
     else:
-        _zero(add, cfg, layout, stage, experts, g, pb)
+        _zero(add, cfg, layout, stage, experts, g, pb, work)
     return out
 
 
@@ -285,10 +285,24 @@ def _data_parallel(add, cfg: ModelConfig, layout: Layout, stage: int,
         add("ep", "all_reduce", 1, 4, 1, layout.ep, False, "step")  # experts' share of the norm
 
 
+def fp8_gathered_numels(cfg: ModelConfig) -> tuple[int, ...]:
+    """The sizes of a block's weights ``parallel.fp8_all_gather`` gathers in e4m3 (tp 1,
+    ``threefold.parallel.fp8.fp8_eligible``): q, k, v, o when their widths are multiples of
+    16, and a dense MLP's gate, up and down."""
+    h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    ok = lambda *dims: all(x % 16 == 0 for x in dims)  # noqa: E731
+    out = [q * h] * ok(q, h) + [kv * h] * (2 * ok(kv, h)) + [q * h] * ok(q, h)
+    if not moe_key(cfg)[0]:
+        out += [f * h] * (3 * ok(f, h))
+    return tuple(out)
+
+
 def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: int,
-          pb: int) -> None:
-    """ZeRO 1-3: every unit's collectives over the shard axis (``_zero_unit``), the experts'
-    over edp_shard, and the gradient norm."""
+          pb: int, work: Workload) -> None:
+    """ZeRO 1-3: every unit's collectives over the shard axis (``_zero_unit``; a block's
+    under ``parallel.fp8_all_gather``: ``_fp8_block_unit``), the experts' over edp_shard,
+    and the gradient norm."""
     ns, nr, z = layout.shard_size, layout.dp_replicate, layout.zero_stage
     units = list(stage_units(cfg, layout, stage))
     # a tied root unit (``ZeroEngine``'s last) stays gathered from the step's first forward
@@ -298,6 +312,12 @@ def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: i
     # forward only (``ZeroEngine``)
     embedding = units.pop(0) if stage == 0 and root is None else None
     ax = layout.shard_axis
+    fp8 = fp8_gathered_numels(cfg) if work.fp8_gather and z == 3 else ()
+    if fp8:
+        n = rank_layers(cfg, layout, stage)
+        blocks, units = units[:n], units[n:]
+        for unit, count in Counter(blocks).items():
+            _fp8_block_unit(add, ax, unit, count, fp8, ns, nr, g, pb)
     for unit, count in Counter(-(-sum(u) // ns) * ns for u in units).items():
         _zero_unit(add, ax, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
     if embedding is not None:
@@ -351,6 +371,23 @@ def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int
         add(axis, "all_gather", padded, pb, count, ns, True, "forward")
         add(axis, "all_gather", padded, pb, count * (backward_gathers + extra_gathers), ns,
             True, "backward")
+    add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
+
+
+def _fp8_block_unit(add, axis: str, unit: tuple[int, ...], count: int, fp8: tuple[int, ...],
+                    ns: int, nr: int, g: int, pb: int) -> None:
+    """``count`` stage-3 block units gathered by ``parallel.fp8_all_gather``
+    (``threefold.parallel.fp8_gather``), per microbatch, forward and backward: the FP8
+    weights' amaxes all-reduced (max, fp32), the whole padded unit all-gathered as bytes,
+    the other elements all-reduced in ``pb``; the gradient as any unit's."""
+    padded = -(-sum(unit) // ns) * ns
+    rest = sum(unit) - sum(fp8)
+    add(axis, "reduce_scatter", padded, g, count, ns, True, "backward")
+    for phase in ("forward", "backward"):
+        add(axis, "all_reduce", len(fp8), 4, count, ns, True, "none")  # the cast waits
+        add(axis, "all_gather", padded, 1, count, ns, True, phase)
+        if rest:
+            add(axis, "all_reduce", rest, pb, count, ns, True, phase)
     add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
 
 
