@@ -78,6 +78,7 @@ import math
 from collections import Counter
 
 from threefold.accounting.collective import Collective
+from threefold.accounting.fp8 import fp8_amaxes, fp8_block_unit, fp8_gathered_numels
 from threefold.accounting.layout import (Layout, Workload, local_seq_len, microbatches,
                                          tp_chunks)
 from threefold.accounting.lora import lora_collectives, tp_reduced_numel
@@ -185,7 +186,7 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
     add("tp", "all_reduce", tokens, 4, 3 * last, t, True, "none")
     _attention_norms(add, cfg, work, layers, tokens, rec, t, g)
     if work.fp8 != "none":
-        _fp8_amaxes(add, cfg, layout, work.fp8, (layers, dense), tokens, rec)
+        fp8_amaxes(add, cfg, layout, work.fp8, (layers, dense), tokens, rec)
     if work.lora_r:  # each adapted layer's whole factor, its gradient summed over tp
         add("tp", "all_reduce", tp_reduced_numel(cfg, work), work.weight_bytes, layers, t,
             True, "none")
@@ -193,29 +194,6 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
         add("tp", "all_reduce", cfg.num_key_value_heads * cfg.head_dim * h, g, 2 * layers, t,
             True, "none")
     add("tp", "all_reduce", 1, 4, 1, t, False, "step")  # gradient norm
-
-
-def _fp8_amaxes(add, cfg: ModelConfig, layout: Layout, recipe: str, blocks: tuple[int, int],
-                tokens: int, rec: int) -> None:
-    """tp, per microbatch: ``train.fp8``'s amaxes agreed over tp (``threefold.parallel.fp8``),
-    fp32, for each projection FP8 runs (local in and out features multiples of 16; k/v
-    replicated over tp stay high precision). Tensorwise: 2 (x, W) per layer forward, again
-    under recompute, and 1 (dy) backward; rowwise: a row-parallel layer's b·s + h (per token,
-    per output row) forward, a column-parallel one's b·s + h (per token, per input column)
-    backward. ``blocks``: (blocks, of which with a dense MLP)."""
-    t, h, hd, sh = layout.tp, cfg.hidden_size, cfg.head_dim, tp_shard(cfg, layout.tp)
-    layers, dense = blocks
-    ok = lambda *dims: all(x % 16 == 0 for x in dims)  # noqa: E731
-    cols = layers * (ok(sh.heads * hd, h) + 2 * (sh.kv_replicas == 1 and ok(sh.kv_heads * hd)))
-    rows = layers * ok(sh.heads * hd, h)
-    cols, rows = cols + dense * 2 * ok(sh.ffn, h), rows + dense * ok(sh.ffn, h)
-    runs = 2 if rec else 1  # a recomputed block's forward agrees its amaxes again
-    if recipe == "tensorwise":
-        add("tp", "all_reduce", 2, 4, (rows + cols) * runs, t, True, "none")
-        add("tp", "all_reduce", 1, 4, rows + cols, t, True, "none")
-        return
-    add("tp", "all_reduce", tokens + h, 4, rows * runs, t, True, "none")
-    add("tp", "all_reduce", tokens + h, 4, cols, t, True, "none")
 
 
 def _attention_norms(add, cfg: ModelConfig, work: Workload, layers: int, tokens: int,
@@ -285,23 +263,10 @@ def _data_parallel(add, cfg: ModelConfig, layout: Layout, stage: int,
         add("ep", "all_reduce", 1, 4, 1, layout.ep, False, "step")  # experts' share of the norm
 
 
-def fp8_gathered_numels(cfg: ModelConfig) -> tuple[int, ...]:
-    """The sizes of a block's weights ``parallel.fp8_all_gather`` gathers in e4m3 (tp 1,
-    ``threefold.parallel.fp8.fp8_eligible``): q, k, v, o when their widths are multiples of
-    16, and a dense MLP's gate, up and down."""
-    h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    ok = lambda *dims: all(x % 16 == 0 for x in dims)  # noqa: E731
-    out = [q * h] * ok(q, h) + [kv * h] * (2 * ok(kv, h)) + [q * h] * ok(q, h)
-    if not moe_key(cfg)[0]:
-        out += [f * h] * (3 * ok(f, h))
-    return tuple(out)
-
-
 def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: int,
           pb: int, work: Workload) -> None:
     """ZeRO 1-3: every unit's collectives over the shard axis (``_zero_unit``; a block's
-    under ``parallel.fp8_all_gather``: ``_fp8_block_unit``), the experts' over edp_shard,
+    under ``parallel.fp8_all_gather``: ``fp8_block_unit``), the experts' over edp_shard,
     and the gradient norm."""
     ns, nr, z = layout.shard_size, layout.dp_replicate, layout.zero_stage
     units = list(stage_units(cfg, layout, stage))
@@ -317,7 +282,7 @@ def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: i
         n = rank_layers(cfg, layout, stage)
         blocks, units = units[:n], units[n:]
         for unit, count in Counter(blocks).items():
-            _fp8_block_unit(add, ax, unit, count, fp8, ns, nr, g, pb)
+            fp8_block_unit(add, ax, unit, count, fp8, ns, nr, g, pb)
     for unit, count in Counter(-(-sum(u) // ns) * ns for u in units).items():
         _zero_unit(add, ax, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
     if embedding is not None:
@@ -371,23 +336,6 @@ def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int
         add(axis, "all_gather", padded, pb, count, ns, True, "forward")
         add(axis, "all_gather", padded, pb, count * (backward_gathers + extra_gathers), ns,
             True, "backward")
-    add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
-
-
-def _fp8_block_unit(add, axis: str, unit: tuple[int, ...], count: int, fp8: tuple[int, ...],
-                    ns: int, nr: int, g: int, pb: int) -> None:
-    """``count`` stage-3 block units gathered by ``parallel.fp8_all_gather``
-    (``threefold.parallel.fp8_gather``), per microbatch, forward and backward: the FP8
-    weights' amaxes all-reduced (max, fp32), the whole padded unit all-gathered as bytes,
-    the other elements all-reduced in ``pb``; the gradient as any unit's."""
-    padded = -(-sum(unit) // ns) * ns
-    rest = sum(unit) - sum(fp8)
-    add(axis, "reduce_scatter", padded, g, count, ns, True, "backward")
-    for phase in ("forward", "backward"):
-        add(axis, "all_reduce", len(fp8), 4, count, ns, True, "none")  # the cast waits
-        add(axis, "all_gather", padded, 1, count, ns, True, phase)
-        if rest:
-            add(axis, "all_reduce", rest, pb, count, ns, True, phase)
     add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")
 
 

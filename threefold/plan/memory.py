@@ -44,7 +44,7 @@ from functools import lru_cache
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
 from threefold.accounting.lora import lora_units
-from threefold.accounting.traffic import fp8_gathered_numels
+from threefold.accounting.fp8 import fp8_gathered_numels
 from threefold.accounting.shapes import layer_parameters_per_rank, tp_shard
 from threefold.accounting.stages import (
     distinct_stages,
