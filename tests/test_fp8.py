@@ -162,9 +162,11 @@ RUNS_2 = [  # name, overrides, the reference's micro-batch, steps
     ("zero3_rowwise", {"train__fp8": "rowwise", "parallel__zero_stage": 3}, 4, STEPS),
     ("pp2_tensorwise", {"train__fp8": "tensorwise", "parallel__pp": 2,
                         "train__micro_batch_size": 2}, 2, STEPS),
-    # parallel.fp8_all_gather (on by default here): the weights gathered in e4m3
-    ("zero3_tensorwise_8bit_gather", {"train__fp8": "tensorwise", "parallel__zero_stage": 3,
-                                      "train__micro_batch_size": 2}, 2, STEPS),
+    # parallel.fp8_all_gather (on by default here): the weights gathered in e4m3, read
+    # again by the recomputed forward inside backward
+    ("zero3_tensorwise_8bit_gather_ac", {"train__fp8": "tensorwise", "parallel__zero_stage": 3,
+                                         "train__micro_batch_size": 2,
+                                         "train__recompute": "full"}, 2, STEPS),
     ("tp2_sp_tensorwise_compile_ac", {"train__fp8": "tensorwise", "parallel__tp": 2,
                                       "parallel__sequence_parallel": "true",
                                       "train__compile": "true", "train__recompute": "full"},
