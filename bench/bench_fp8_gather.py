@@ -7,8 +7,9 @@ dp_shard per step (counted by ``threefold.comm``), tokens/s and the final losses
 
 Both sides train ``train.fp8 tensorwise``, ``train.dtype bfloat16`` (bf16 gathers: the
 reference is FSDP2-style 16-bit ZeRO-3), ``parallel.zero_stage 3`` from the same seed on
-the same data; only ``parallel.fp8_all_gather`` differs. The sides alternate within each
-round, so a busy moment on the shared machine does not fall on one side only. On a CPU the
+the same data; only ``parallel.fp8_all_gather`` differs. Each run is its own torchrun
+launch (``--side``, ``--round``: the script re-launches itself); the sides alternate within
+each round, so a busy moment on the shared machine does not fall on one side only. On a CPU the
 gather is a memory copy and the cast to e4m3 costs more than the bytes it saves, so the
 tokens/s ratio is a CPU reading; the bytes ratio is what a network sees.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import print_table, run_ranks, under_torchrun  # noqa: E402
+from bench.common import print_table, relaunch_with_torchrun, under_torchrun  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 
 
@@ -39,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=4, help="sequences per step (both ranks)")
     ap.add_argument("--out", default="/tmp/threefold_bench_fp8_gather",
                     help="folder for the runs and the corpus (shared by the ranks)")
+    ap.add_argument("--side", choices=["param_dtype", "8bit"], help=argparse.SUPPRESS)
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.preset = args.preset or ("tiny" if args.quick else "small")
     args.steps = args.steps or (10 if args.quick else 40)
@@ -71,21 +74,23 @@ def run(args, root: Path, gather8: bool, rnd: int) -> dict:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank: both sides each round; rank 0 prints the table and one JSON line."""
+    """One rank of one run (``--side``, ``--round``); rank 0 writes the run's result."""
     import os
 
     torch.set_num_threads(1)
     root = Path(args.out)
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for rnd in range(args.rounds):
-        for side in (False, True):
-            runs[side].append(run(args, root, side, rnd))
-    if os.environ.get("RANK", "0") != "0":  # (the trainer has closed its process group)
-        return
-    rows = []
-    for side in (False, True):
-        r = runs[side]
-        rows.append({"gather": "e4m3 (8-bit)" if side else "param_dtype (bf16)",
+    res = run(args, root, args.side == "8bit", args.round)
+    if os.environ.get("RANK", "0") == "0":
+        (root / f"{args.side}_{args.round}" / "result.json").write_text(json.dumps(res))
+
+
+def summarise(args: argparse.Namespace) -> None:
+    """The table and one JSON line from the runs' results."""
+    root, rows = Path(args.out), []
+    for side in ("param_dtype", "8bit"):
+        r = [json.loads((root / f"{side}_{k}" / "result.json").read_text())
+             for k in range(args.rounds)]
+        rows.append({"gather": "e4m3 (8-bit)" if side == "8bit" else "param_dtype (bf16)",
                      "dp_shard_bytes": r[0]["dp_shard_bytes"],
                      "tok_s": statistics.median(x["tok_s"] for x in r),
                      "loss": r[-1]["loss"], "val_loss": r[-1]["val_loss"]})
@@ -98,14 +103,23 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    """Write the corpus once, then re-launch under torchrun (2 ranks); inside, be one rank."""
+    """Write the corpus once, launch every run under torchrun (2 ranks), summarise; inside
+    torchrun, be one rank of one run."""
     args = parse_args()
-    if not under_torchrun():
-        from threefold.data.corpus import sample_corpus
+    if under_torchrun():
+        worker(args)
+        return
+    from threefold.data.corpus import sample_corpus
 
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        sample_corpus(Path(args.out) / "corpus.txt", 400)
-    sys.exit(run_ranks(__file__, worker, args, [2]))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    sample_corpus(Path(args.out) / "corpus.txt", 400)
+    for rnd in range(args.rounds):
+        for side in ("param_dtype", "8bit"):
+            code = relaunch_with_torchrun(str(Path(__file__).resolve()),
+                                          sys.argv[1:] + ["--side", side, "--round", str(rnd)], 2)
+            if code:
+                sys.exit(code)
+    summarise(args)
 
 
 if __name__ == "__main__":
