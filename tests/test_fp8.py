@@ -122,6 +122,11 @@ def test_a_lora_layer_runs_its_frozen_base_in_fp8_and_its_adapter_as_before():
     ([("train.fp8", "e4m3")], "train.fp8: unknown value 'e4m3'"),
     ([("train.fp8", "rowwise"), ("lora.r", "8"), ("parallel.tp", "2")],
      "train.fp8: rowwise with lora.r > 0 and parallel.tp > 1"),
+    ([("train.fp8", "rowwise"), ("parallel.zero_stage", "3"), ("parallel.fp8_all_gather", "true")],
+     "parallel.fp8_all_gather: true does not apply with train.fp8 rowwise"),
+    ([("train.fp8", "tensorwise"), ("parallel.zero_stage", "2"),
+      ("parallel.fp8_all_gather", "true")],
+     "parallel.fp8_all_gather: true does not apply with parallel.zero_stage 2"),
 ])
 def test_bad_fp8_settings_are_refused_by_field(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -157,6 +162,11 @@ RUNS_2 = [  # name, overrides, the reference's micro-batch, steps
     ("zero3_rowwise", {"train__fp8": "rowwise", "parallel__zero_stage": 3}, 4, STEPS),
     ("pp2_tensorwise", {"train__fp8": "tensorwise", "parallel__pp": 2,
                         "train__micro_batch_size": 2}, 2, STEPS),
+    # parallel.fp8_all_gather (on by default here): the weights gathered in e4m3, read
+    # again by the recomputed forward inside backward
+    ("zero3_tensorwise_8bit_gather_ac", {"train__fp8": "tensorwise", "parallel__zero_stage": 3,
+                                         "train__micro_batch_size": 2,
+                                         "train__recompute": "full"}, 2, STEPS),
     ("tp2_sp_tensorwise_compile_ac", {"train__fp8": "tensorwise", "parallel__tp": 2,
                                       "parallel__sequence_parallel": "true",
                                       "train__compile": "true", "train__recompute": "full"},
@@ -166,9 +176,9 @@ RUNS_2 = [  # name, overrides, the reference's micro-batch, steps
 ]
 
 
-def _grads(x, w, dy, recipe, comm=None, split=""):
+def _grads(x, w, dy, recipe, comm=None, split="", weight8=None):
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = fp8_linear(x, w, None, recipe, comm, split)
+    y = fp8_linear(x, w, None, recipe, comm, split, weight8)
     y.backward(dy)
     return y.detach(), x.grad, w.grad
 
@@ -319,3 +329,51 @@ def test_the_dry_run_refuses_fp8_on_a_gpu_without_it(monkeypatch, tmp_path):
     lines: list[str] = []
     assert dry_run(load_config(None, overrides), 1, out=lines.append) == 0
     assert "\nstep: " in "\n".join(lines)  # timed, at the FP8 mix's peak
+
+
+def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_bytes(
+        corpus, cache_dir, tmp_path):
+    """One process (a shard axis of one): a block's ZeRO-3 unit under parallel.fp8_all_gather
+    holds its FP8 weights in e4m3 and the rest in float32, the bytes the planner's gathered
+    unit term predicts; each FP8 layer's output and input gradient from the gathered e4m3
+    weight and scale are bit-identical to casting the float32 weight itself."""
+    from threefold.accounting import stage_units
+    from threefold.accounting.fp8 import fp8_gathered_numels
+    from threefold.comm import Comm
+    from threefold.mesh import ParallelDims
+    from threefold.model import LlamaForCausalLM
+    from threefold.parallel.fp8_gather import Fp8FlatUnit, GatheredWeight
+    from threefold.plan.memory import gathered_unit_bytes
+
+    cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path, train__fp8="tensorwise",
+                                           parallel__zero_stage=3))
+    mcfg = cfg.model.resolved(cfg.data.vocab_size)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(mcfg)
+    apply_fp8(model, "tensorwise")
+    block = model.model.layers[0]
+    layers = {id(m.weight): m for m in block.modules() if isinstance(m, Float8Linear)}
+    plain = {i: m.weight.detach().clone() for i, m in layers.items()}
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+    comm = Comm(dims, dims.build_mesh("cpu"))
+    unit = Fp8FlatUnit("block0", list(block.named_parameters()), comm, "dp_shard", 3,
+                       set(layers))
+    unit.wait_gather()
+    held = unit.full.untyped_storage().nbytes() + unit.rest_full.untyped_storage().nbytes()
+    predicted = gathered_unit_bytes(stage_units(mcfg, Layout.from_config(cfg, 1), 0)[1], 1, 4,
+                                    fp8_gathered_numels(mcfg))
+    assert held == predicted < 4 * sum(p.numel() for p in block.parameters())
+    assert len(unit.fp8_index) == 7 == len(fp8_gathered_numels(mcfg))
+    x = torch.randn(24, mcfg.hidden_size)
+    for j in unit.fp8_index:
+        layer = layers[id(unit.params[j])]
+        xi = x if layer.in_features == x.shape[1] else torch.randn(24, layer.in_features)
+        dy = torch.randn(24, layer.out_features)
+        got = _grads(xi, layer.weight.detach(), dy, "tensorwise",
+                     weight8=GatheredWeight(unit, j))
+        want = _grads(xi, plain[id(layer.weight)], dy, "tensorwise")
+        for a, b in zip(got[:2], want[:2]):  # y and dx bit for bit
+            assert torch.equal(a, b), unit.names[j]
+        torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)  # dW as before
+    unit.release()
+    assert unit.full.untyped_storage().nbytes() == 0 == unit.rest_full.untyped_storage().nbytes()

@@ -19,7 +19,7 @@ from threefold.accounting.shapes import (
     tp_shard,
 )
 from threefold.axes import FLATTENED, resolve_dp_shard
-from threefold.config import Config, ModelConfig, param_dtype
+from threefold.config import Config, ModelConfig, fp8_all_gather, param_dtype
 from threefold.config.validation import lora_targets
 from threefold.schedules.schedules import SCHEDULE_SPECS
 
@@ -191,6 +191,8 @@ class Workload:
     # train.fp8: the blocks' linear layers multiply in FP8 (none, tensorwise, rowwise); the
     # planner times their FLOPs at the FP8 peak (plan.compute.matmul_peak)
     fp8: str = "none"
+    # parallel.fp8_all_gather resolved: ZeRO-3 gathers the FP8 weights in e4m3 (1 byte each)
+    fp8_gather: bool = False
 
     @property
     def tokens(self) -> int:
@@ -237,7 +239,8 @@ class Workload:
                    reduce_bytes=reduce if cfg.parallel.zero_stage else 0,
                    document_mask=cfg.data.document_mask, lora_r=cfg.lora.r,
                    lora_targets=lora_targets(cfg.lora) if cfg.lora.r else (),
-                   init_from=bool(cfg.checkpoint.init_from), fp8=cfg.train.fp8)
+                   init_from=bool(cfg.checkpoint.init_from), fp8=cfg.train.fp8,
+                   fp8_gather=fp8_all_gather(cfg))
 
 
 def _check_lora(cfg: ModelConfig, layout: Layout, work: Workload) -> None:

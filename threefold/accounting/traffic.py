@@ -78,6 +78,7 @@ import math
 from collections import Counter
 
 from threefold.accounting.collective import Collective
+from threefold.accounting.fp8 import fp8_amaxes, fp8_block_unit, fp8_gathered_numels
 from threefold.accounting.layout import (Layout, Workload, local_seq_len, microbatches,
                                          tp_chunks)
 from threefold.accounting.lora import lora_collectives, tp_reduced_numel
@@ -134,7 +135,7 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     if layout.zero_stage == 0:
         _data_parallel(add, cfg, layout, stage, experts, g)
     else:
-        _zero(add, cfg, layout, stage, experts, g, pb)
+        _zero(add, cfg, layout, stage, experts, g, pb, work)
     return out
 
 
@@ -185,7 +186,7 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
     add("tp", "all_reduce", tokens, 4, 3 * last, t, True, "none")
     _attention_norms(add, cfg, work, layers, tokens, rec, t, g)
     if work.fp8 != "none":
-        _fp8_amaxes(add, cfg, layout, work.fp8, (layers, dense), tokens, rec)
+        fp8_amaxes(add, cfg, layout, work.fp8, (layers, dense), tokens, rec)
     if work.lora_r:  # each adapted layer's whole factor, its gradient summed over tp
         add("tp", "all_reduce", tp_reduced_numel(cfg, work), work.weight_bytes, layers, t,
             True, "none")
@@ -193,29 +194,6 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
         add("tp", "all_reduce", cfg.num_key_value_heads * cfg.head_dim * h, g, 2 * layers, t,
             True, "none")
     add("tp", "all_reduce", 1, 4, 1, t, False, "step")  # gradient norm
-
-
-def _fp8_amaxes(add, cfg: ModelConfig, layout: Layout, recipe: str, blocks: tuple[int, int],
-                tokens: int, rec: int) -> None:
-    """tp, per microbatch: ``train.fp8``'s amaxes agreed over tp (``threefold.parallel.fp8``),
-    fp32, for each projection FP8 runs (local in and out features multiples of 16; k/v
-    replicated over tp stay high precision). Tensorwise: 2 (x, W) per layer forward, again
-    under recompute, and 1 (dy) backward; rowwise: a row-parallel layer's b·s + h (per token,
-    per output row) forward, a column-parallel one's b·s + h (per token, per input column)
-    backward. ``blocks``: (blocks, of which with a dense MLP)."""
-    t, h, hd, sh = layout.tp, cfg.hidden_size, cfg.head_dim, tp_shard(cfg, layout.tp)
-    layers, dense = blocks
-    ok = lambda *dims: all(x % 16 == 0 for x in dims)  # noqa: E731
-    cols = layers * (ok(sh.heads * hd, h) + 2 * (sh.kv_replicas == 1 and ok(sh.kv_heads * hd)))
-    rows = layers * ok(sh.heads * hd, h)
-    cols, rows = cols + dense * 2 * ok(sh.ffn, h), rows + dense * ok(sh.ffn, h)
-    runs = 2 if rec else 1  # a recomputed block's forward agrees its amaxes again
-    if recipe == "tensorwise":
-        add("tp", "all_reduce", 2, 4, (rows + cols) * runs, t, True, "none")
-        add("tp", "all_reduce", 1, 4, rows + cols, t, True, "none")
-        return
-    add("tp", "all_reduce", tokens + h, 4, rows * runs, t, True, "none")
-    add("tp", "all_reduce", tokens + h, 4, cols, t, True, "none")
 
 
 def _attention_norms(add, cfg: ModelConfig, work: Workload, layers: int, tokens: int,
@@ -286,9 +264,10 @@ def _data_parallel(add, cfg: ModelConfig, layout: Layout, stage: int,
 
 
 def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: int,
-          pb: int) -> None:
-    """ZeRO 1-3: every unit's collectives over the shard axis (``_zero_unit``), the experts'
-    over edp_shard, and the gradient norm."""
+          pb: int, work: Workload) -> None:
+    """ZeRO 1-3: every unit's collectives over the shard axis (``_zero_unit``; a block's
+    under ``parallel.fp8_all_gather``: ``fp8_block_unit``), the experts' over edp_shard,
+    and the gradient norm."""
     ns, nr, z = layout.shard_size, layout.dp_replicate, layout.zero_stage
     units = list(stage_units(cfg, layout, stage))
     # a tied root unit (``ZeroEngine``'s last) stays gathered from the step's first forward
@@ -298,6 +277,12 @@ def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: i
     # forward only (``ZeroEngine``)
     embedding = units.pop(0) if stage == 0 and root is None else None
     ax = layout.shard_axis
+    fp8 = fp8_gathered_numels(cfg) if work.fp8_gather and z == 3 else ()
+    if fp8:
+        n = rank_layers(cfg, layout, stage)
+        blocks, units = units[:n], units[n:]
+        for unit, count in Counter(blocks).items():
+            fp8_block_unit(add, ax, unit, count, fp8, ns, nr, g, pb)
     for unit, count in Counter(-(-sum(u) // ns) * ns for u in units).items():
         _zero_unit(add, ax, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
     if embedding is not None:

@@ -34,6 +34,7 @@ from threefold.config.schema import (
     ParallelConfig,
     TrainConfig,
     describe,
+    fp8_all_gather,
     param_dtype,
     unknown_value,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "LoRAConfig", "MetricsConfig", "MODEL_FAMILIES", "ModelConfig", "OptimConfig",
     "PIPELINE_SCHEDULES", "ParallelConfig",
     "TrainConfig",
-    "apply_mapping", "describe", "load_config", "param_dtype", "parse_overrides", "take_flag",
+    "apply_mapping", "describe", "fp8_all_gather", "load_config", "param_dtype",
+    "parse_overrides", "take_flag",
     "unknown_value", "validate",
 ]

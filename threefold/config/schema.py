@@ -259,6 +259,10 @@ class ParallelConfig:
                           "(FSDP2-style mixed precision; the float32 master shards stay with "
                           "their owners): auto (bfloat16 under ZeRO-3 with train.dtype "
                           "bfloat16, else float32), float32 or bfloat16")
+    fp8_all_gather: bool | None = _f(None, "ZeRO-3 gathers the FP8 projections' weights in 8 "
+                                     "bits (e4m3, scales from one amax all-reduce) under "
+                                     "train.fp8 tensorwise; unset = on where it applies "
+                                     "(zero_stage 3, tp 1, no LoRA)")
     reduce_dtype: str = _f("float32", "dtype ZeRO reduce-scatters gradients in: float32 or "
                            "bfloat16 (half the bytes, a looser sum)")
     timeout_s: float = _f(600.0, "collective timeout during start-up and the first step, s")
@@ -389,6 +393,15 @@ def param_dtype(cfg: Config) -> str:
     if p.param_dtype == "auto":
         return "bfloat16" if cfg.train.dtype == "bfloat16" and p.zero_stage == 3 else "float32"
     return p.param_dtype
+
+
+def fp8_all_gather(cfg: Config) -> bool:
+    """``parallel.fp8_all_gather`` resolved: whether ZeRO-3 gathers the FP8 weights in 8 bits
+    (unset: wherever it applies; validation refuses it set where it does not)."""
+    p = cfg.parallel
+    applies = cfg.train.fp8 == "tensorwise" and p.zero_stage == 3 and p.tp == 1 \
+        and not cfg.lora.r
+    return applies and p.fp8_all_gather is not False
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:

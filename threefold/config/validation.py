@@ -228,6 +228,15 @@ def _check_fp8(t: TrainConfig, lo: LoRAConfig, p: ParallelConfig) -> None:
           f"train.fp8: {t.fp8} with lora.r > 0 and parallel.tp > 1 is not available (which "
           "frozen layers run backward, and so agree their amaxes over tp, is not modelled); "
           "set train.fp8 none or parallel.tp 1")
+    if p.fp8_all_gather:  # set on: refused by field where the 8-bit gather does not apply
+        for bad, why in ((t.fp8 != "tensorwise", f"train.fp8 {t.fp8} (it needs tensorwise: "
+                          "one scale per weight)"),
+                         (p.zero_stage != 3, f"parallel.zero_stage {p.zero_stage} (only ZeRO-3 "
+                          "gathers weights around use)"),
+                         (p.tp > 1, f"parallel.tp {p.tp} (a tp shard's amax is not modelled)"),
+                         (bool(lo.r), "lora.r > 0 (frozen units gather in param_dtype)")):
+            _need(not bad, f"parallel.fp8_all_gather: true does not apply with {why}; "
+                  "unset it or set it false")
 
 
 def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:

@@ -91,14 +91,20 @@ class _TensorwiseMatmul(torch.autograd.Function):
     """y = x·Wᵀ with one scale per tensor (module doc); x is (tokens, in)."""
 
     @staticmethod
-    def forward(ctx, x, w, out_dtype, comm):
-        ax, aw = x.detach().abs().amax(), w.detach().abs().amax()
-        if comm is not None:
-            ax, aw = _max_over_tp(comm, ax, aw)
-        sx, sw = _scale(ax, E4M3, False), _scale(aw, E4M3, False)
+    def forward(ctx, x, w, out_dtype, comm, weight8):
+        if weight8 is not None:  # ZeRO-3 gathered W in e4m3 with its scale: used as it is
+            ax = x.detach().abs().amax()
+            w8, sw = weight8.get()
+            sx = _scale(ax, E4M3, False)
+        else:
+            ax, aw = x.detach().abs().amax(), w.detach().abs().amax()
+            if comm is not None:
+                ax, aw = _max_over_tp(comm, ax, aw)
+            sx, sw = _scale(ax, E4M3, False), _scale(aw, E4M3, False)
+            w8 = _cast(w, sw, E4M3)
         ctx.save_for_backward(x, w, sx, sw)
-        ctx.comm = comm
-        return _mm8(_cast(x, sx, E4M3), _cast(w, sw, E4M3).t(), sx, sw, out_dtype)
+        ctx.comm, ctx.weight8 = comm, weight8
+        return _mm8(_cast(x, sx, E4M3), w8.t(), sx, sw, out_dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -107,10 +113,13 @@ class _TensorwiseMatmul(torch.autograd.Function):
         if ctx.comm is not None:
             (ag,) = _max_over_tp(ctx.comm, ag)
         sg = _scale(ag, E5M2, False)
-        g8, x8, w8 = _cast(dy, sg, E5M2), _cast(x, sx, E4M3), _cast(w, sw, E4M3)
-        dx = _mm8(g8, w8, sg, sw, x.dtype) if ctx.needs_input_grad[0] else None
+        g8, x8 = _cast(dy, sg, E5M2), _cast(x, sx, E4M3)
+        dx = None
+        if ctx.needs_input_grad[0]:  # (re-gathered for backward: the same bytes and scale)
+            w8 = ctx.weight8.get()[0] if ctx.weight8 is not None else _cast(w, sw, E4M3)
+            dx = _mm8(g8, w8, sg, sw, x.dtype)
         dw = _mm8(g8.t(), x8, sg, sx, w.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class _RowwiseMatmul(torch.autograd.Function):
@@ -145,16 +154,18 @@ class _RowwiseMatmul(torch.autograd.Function):
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: str,
-               comm=None, split: str = "") -> torch.Tensor:
+               comm=None, split: str = "", weight8=None) -> torch.Tensor:
     """F.linear(x, w, bias) with its matmul in FP8 by ``recipe``; ``split``: "column" or
-    "row" when tp splits the layer (its amaxes then agree over tp through ``comm``). The
-    output's dtype is autocast's when it is on, else x's."""
+    "row" when tp splits the layer (its amaxes then agree over tp through ``comm``);
+    ``weight8`` (tensorwise under ZeRO-3's 8-bit gather, ``fp8_gather.GatheredWeight``):
+    W's gathered e4m3 values and scale, which replace casting ``w``. The output's dtype is
+    autocast's when it is on, else x's."""
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     with torch.autocast(dev, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])
         if recipe == "tensorwise":
-            y = _TensorwiseMatmul.apply(x2, w, out_dtype, comm if split else None)
+            y = _TensorwiseMatmul.apply(x2, w, out_dtype, comm if split else None, weight8)
         else:
             y = _RowwiseMatmul.apply(x2, w, out_dtype, comm, split == "row", split == "column")
         y = y.reshape(*x.shape[:-1], w.shape[0])
@@ -167,14 +178,17 @@ class Float8Linear(nn.Linear):
     recipe = "tensorwise"
     comm = None
     split = ""  # "column" / "row": tensor parallelism's split of this layer
+    weight8 = None  # ZeRO-3's 8-bit gather of W (threefold.parallel.fp8_gather), when on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x·Wᵀ + b in FP8."""
-        return fp8_linear(x, self.weight, self.bias, self.recipe, self.comm, self.split)
+        return fp8_linear(x, self.weight, self.bias, self.recipe, self.comm, self.split,
+                          self.weight8)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8 {self.recipe}" + \
-            (f", amax over tp ({self.split})" if self.split else "")
+            (f", amax over tp ({self.split})" if self.split else "") + \
+            (", gathered in 8 bits" if self.weight8 is not None else "")
 
 
 class Float8LoRALinear(LoRALinear):

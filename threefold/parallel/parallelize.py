@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from threefold.config import Config, ModelConfig, param_dtype
+from threefold.config import Config, ModelConfig, fp8_all_gather, param_dtype
 from threefold.lora import apply_lora
 from threefold.model import LlamaForCausalLM
 from threefold.parallel.context import apply_context_parallel
@@ -132,7 +132,7 @@ def build_engine(model: nn.Module, cfg: Config, layout, source=None,
     return ZeroEngine(model, units, cfg.optim, layout.comm, p.zero_stage,
                       shard_axis=layout.shard_axis, offload=off, unit_axes=axes,
                       source=source, device=device, param_dtype=param_dtype,
-                      reduce_dtype=reduce_dtype)
+                      reduce_dtype=reduce_dtype, fp8_gather=fp8_all_gather(cfg) and not frozen)
 
 
 def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.device,

@@ -41,6 +41,8 @@ from threefold.head_loss import LMHead
 from threefold.parallel.engine import (OptimizerSlot, global_sq_norm,
                                        trained_named_parameters, unique_named_parameters)
 from threefold.parallel.flat import FlatUnit  # noqa: F401 (re-exported)
+from threefold.parallel.fp8 import Float8Linear
+from threefold.parallel.fp8_gather import Fp8FlatUnit, GatheredWeight
 from threefold.parallel.materialize import fill_flat, fill_local, hollow_parameters
 from threefold.parallel.placement import Piece
 
@@ -107,10 +109,11 @@ class ZeroEngine:
                  offload: bool = False, unit_axes: dict[int, str] | None = None,
                  source=None, device: torch.device | None = None,
                  param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, fp8_gather: bool = False):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         self.model, self.cfg, self.comm, self.stage = model, cfg, comm, stage
+        self.fp8_gather = fp8_gather and stage == 3
         self.shard_axis, self.replicate_axis = shard_axis, replicate_axis
         if source is not None:  # meta parameters: shapes only, until the shards are filled
             hollow_parameters(model, device or torch.device("cpu"))
@@ -168,9 +171,22 @@ class ZeroEngine:
         groups, root = _group_parameters(modules, named)
         fgroups, froot = _group_parameters(modules, frozen)
         comm, stage, axis = self.comm, self.stage, self.shard_axis
+        # parallel.fp8_all_gather: the tensorwise FP8 layers' weights, gathered in 8 bits
+        fp8 = {id(q.weight): q for q in model.modules()
+               if isinstance(q, Float8Linear) and q.recipe == "tensorwise"} \
+            if self.fp8_gather else {}
+
+        def unit(name: str, g: list, i: int, frozen: bool) -> FlatUnit:
+            ids = {id(p) for _, p in g} & fp8.keys()
+            if not ids or frozen:
+                return FlatUnit(name, g, comm, axes.get(i, axis), stage, frozen=frozen, **kw)
+            made = Fp8FlatUnit(name, g, comm, axes.get(i, axis), stage, ids, **kw)
+            for j in made.fp8_index:
+                fp8[id(made.params[j])].weight8 = GatheredWeight(made, j)
+            return made
+
         self.unit_modules = [
-            (m, FlatUnit(f"unit{i}{tag}", g, comm, axes.get(i, axis), stage,
-                         frozen=bool(tag), **kw))
+            (m, unit(f"unit{i}{tag}", g, i, bool(tag)))
             for i, (m, fg, g) in enumerate(zip(modules, fgroups, groups))
             for tag, g in ((".frozen", fg), ("", g)) if g]
         self.frozen_root = FlatUnit("root.frozen", froot, comm, axis, stage, frozen=True,

@@ -16,7 +16,8 @@ N = dp_shard·cp, the ZeRO group, m = microbatches, bytes per element from ``Sta
   stage 2 frees each unit's .grad once copied for its reduce-scatter, holding the shard
   and ``ZERO_REDUCES_IN_FLIGHT`` + 1 units' full copies;
 - ZeRO 3: Ψ/N weights, Ψ/N optimiser state, gradients as stage 2; two gathered units
-  (the one in use and the one prefetched) while computing.
+  (the one in use and the one prefetched) while computing; under ``parallel.fp8_all_gather``
+  a block's FP8 weights are gathered at one byte each (``gathered_unit_bytes``).
 While accumulating (m > 1), the gradients of earlier microbatches are held when the last
 backward starts: Ψ, or the Ψ/N shard under stage 3. ZeRO over one rank (N = 1) is the same
 engine with nothing to shard.
@@ -43,6 +44,7 @@ from functools import lru_cache
 
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
 from threefold.accounting.lora import lora_units
+from threefold.accounting.fp8 import fp8_gathered_numels
 from threefold.accounting.shapes import layer_parameters_per_rank, tp_shard
 from threefold.accounting.stages import (
     distinct_stages,
@@ -180,7 +182,8 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     extra = microbatch_extra_bytes(cfg, layout, work)
     out = []
     for stage in stages:
-        states = _model_states(layout, work, state, stage_units(cfg, layout, stage), m)
+        states = _model_states(layout, work, state, stage_units(cfg, layout, stage), m,
+                               fp8_gathered_numels(cfg) if work.fp8_gather else ())
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage, layout.pipeline_inflight)
         layers = rank_layers(cfg, layout, stage)
@@ -198,11 +201,24 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     return out
 
 
+def gathered_unit_bytes(unit: tuple[int, ...], n: int, param: float,
+                        fp8: tuple[int, ...] = ()) -> float:
+    """Bytes of one ZeRO-3 unit while gathered: its parameters in ``param`` bytes, or under
+    ``parallel.fp8_all_gather`` (``fp8``: a block's FP8 weights, ``fp8_gathered_numels``) a
+    block's whole padded unit as bytes (e4m3 for those weights) plus its other elements in
+    ``param`` bytes (``threefold.parallel.fp8_gather``). A block is a unit of several
+    tensors (the embedding, final norm and head are units of one)."""
+    if not fp8 or len(unit) == 1:
+        return sum(unit) * param
+    return -(-sum(unit) // n) * n + (sum(unit) - sum(fp8)) * param
+
+
 def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tuple,
-                  m: int) -> dict[str, float]:
+                  m: int, fp8: tuple[int, ...] = ()) -> dict[str, float]:
     """The ``MemoryBreakdown`` fields of one stage's model states (its ZeRO ``units``, ``m``
-    microbatches): weights, gradients, optimiser state, the engine's buffers and working
-    copies, and the host's share under offload (``_offload``)."""
+    microbatches; ``fp8`` a block's weights gathered in 8 bits): weights, gradients,
+    optimiser state, the engine's buffers and working copies, and the host's share under
+    offload (``_offload``)."""
     z, n = layout.zero_stage, layout.shard_size
     psi, padded, largest = _unit_totals(units, n if z else 1)
     buffers, zero3, in_bwd, unit_grad = 0.0, 0.0, 0.0, 0.0
@@ -225,13 +241,14 @@ def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tupl
         params, opt = padded / n * state.param, padded / n * state.optimizer
         grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
         in_bwd = padded / n * state.grad if m > 1 else 0.0
-        zero3 = 2 * largest * state.param  # the unit in use and the one prefetched
+        gathered = max(gathered_unit_bytes(u, n, state.param, fp8) for u in units)
+        zero3 = 2 * gathered  # the unit in use and the one prefetched
         temp = 2 * -(-largest // n) * state.param
         rb = work.grad_reduce_bytes
         unit_grad = largest * state.grad + (largest * rb if rb != state.grad else 0) \
             + -(-largest // n) * rb
         if work.backend_copies:  # the reduce-scatter's copy, the prefetch's gather copy
-            unit_grad += largest * rb + largest * state.param
+            unit_grad += largest * rb + gathered
     out = dict(params=params, optimizer=opt, grads=grads, buffers=buffers,
                grads_in_backward=in_bwd, zero3_working=zero3, optimizer_working=temp,
                zero3_grad_working=unit_grad, host=0.0, host_working=0.0)
