@@ -127,10 +127,26 @@ def test_a_lora_layer_runs_its_frozen_base_in_fp8_and_its_adapter_as_before():
     ([("train.fp8", "tensorwise"), ("parallel.zero_stage", "2"),
       ("parallel.fp8_all_gather", "true")],
      "parallel.fp8_all_gather: true does not apply with parallel.zero_stage 2"),
+    ([("model.preset", "tiny-moe"), ("train.fp8", "tensorwise"), ("parallel.zero_stage", "3"),
+      ("parallel.fp8_all_gather", "true")],
+     "parallel.fp8_all_gather: true is not available for a mixture of experts"),
 ])
 def test_bad_fp8_settings_are_refused_by_field(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+def test_fp8_all_gather_is_on_where_it_applies_and_off_for_a_mixture_of_experts():
+    """Unset, the 8-bit gather resolves on for a dense model under tensorwise and ZeRO-3, off
+    for a mixture of experts (which gathers in param_dtype) and off when set false."""
+    from threefold.config import fp8_all_gather
+
+    on = [("train.fp8", "tensorwise"), ("parallel.zero_stage", "3")]
+    assert fp8_all_gather(load_config(None, on))
+    assert not fp8_all_gather(load_config(None, on + [("model.preset", "tiny-moe")]))
+    assert not fp8_all_gather(load_config(None, on + [("parallel.fp8_all_gather", "false")]))
+    assert not fp8_all_gather(load_config(None, [("train.fp8", "rowwise"),
+                                                 ("parallel.zero_stage", "3")]))
 
 
 def _run(corpus, cache, out, **extra):

@@ -53,6 +53,10 @@ def check_against_model(cfg: Config, r: ModelConfig) -> None:
     _need(cfg.train.recompute != "selective" or not r.num_local_experts,
           "train.recompute: selective is not available for a mixture of experts "
           "(model.num_local_experts); use full or none")
+    _need(not (cfg.parallel.fp8_all_gather and r.num_local_experts),
+          "parallel.fp8_all_gather: true is not available for a mixture of experts "
+          "(model.num_local_experts; its dense blocks' 8-bit units are not modelled); unset it "
+          "or set it false")
     lo, p = cfg.lora, cfg.parallel
     # the overlapped sub-layers fuse plain column/row projections with their collectives
     # (threefold.parallel.tp_overlap): not adapters, latents or replicated k/v
