@@ -170,7 +170,11 @@ def test_two_nodes_from_a_slurm_allocation(corpus, cache_dir, tmp_path):
         f"slurm{job} (first of 127.0.0.1,127.0.0.1, read by {reader})" + win), outs[1]
     log = "".join(outs)
     assert "threefold: 2 ranks on 2 nodes × 1 rank (node" in log, log[-3000:]
-    assert log.count("threefold: warning: tp=2 spans nodes") == 1, log[-3000:]
+    # each launcher warns before torchrun (nodes as its flags number them), rank 0 once more
+    # at start-up (nodes by hostname)
+    planned = "threefold: warning: tp=2 spans nodes (ranks 0 on node 0, 1 on node 1;"
+    assert log.count(planned) == 2, log[-3000:]
+    assert log.count("threefold: warning: tp=2 spans nodes") == 3, log[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["world_size"] == 2 and s["comm_bytes_per_step"]["tp"] > 0
     assert s["topology"]["nodes"] == 2 and s["topology"]["ranks_per_node"] == [1, 1]
@@ -202,6 +206,32 @@ def test_a_bad_allocation_is_one_line_before_any_process(monkeypatch, capsys, tm
     assert err == ["threefold: error: Slurm allocation: SLURM_NNODES='' is not a number; give "
                    "--nnodes N on the command line"]
     assert not out.exists()
+
+
+def test_tp_across_the_nodes_asked_for_is_warned_before_launch(monkeypatch, capsys):
+    """The launcher sees the trap from its flags (nodes × --nproc-per-node, ranks numbered
+    node by node) before torchrun starts: tp 4 over nodes of 2 ranks is warned, in a dry
+    run too; tp 2, one node, or a worker (WORLD_SIZE set) is not."""
+    from threefold.cli import main
+    from threefold.config import load_config
+    from threefold.launch import node_span_warnings
+
+    for k in ("WORLD_SIZE", "LOCAL_RANK", *SLURM):
+        monkeypatch.delenv(k, raising=False)
+    tp4 = load_config(None, [("parallel.tp", "4")])
+    two_nodes = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500"]
+    [line] = node_span_warnings(tp4, 2, two_nodes)
+    assert line.startswith("threefold: warning: tp=4 spans nodes (ranks 0 on node 0, 1 on node 0, "
+                           "2 on node 1, 3 on node 1") and "parallel.tp dividing the 2" in line
+    assert node_span_warnings(load_config(None, [("parallel.tp", "2")]), 2, two_nodes) == []
+    assert node_span_warnings(tp4, 4, []) == []
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert node_span_warnings(tp4, 2, two_nodes) == []
+    monkeypatch.delenv("WORLD_SIZE")
+    assert main(["train", "--dry-run", "--nproc-per-node", "2", *two_nodes,
+                 "--parallel.tp", "4"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("threefold: warning: tp=4 spans nodes") == 1, err
 
 
 def test_the_example_batch_script_launches_one_task_per_node(tmp_path):

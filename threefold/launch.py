@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 from threefold.config import ConfigError, load_config
+from threefold.mesh import ParallelDims
 from threefold.parallel.checks import validate_layout
 from threefold.slurm import slurm_launch_flags
+from threefold.topology import Topology
 
 
 def fail(msg: str) -> int:
@@ -94,6 +96,18 @@ def world_size_for(nproc: int | None, launcher: list[str]) -> int:
     if "--nnodes" in launcher:
         nnodes = int(launcher[launcher.index("--nnodes") + 1].split(":")[-1])
     return (nproc or 1) * nnodes
+
+
+def node_span_warnings(cfg, nproc: int | None, launcher: list[str]) -> list[str]:
+    """Before launch, the trap the running job would warn of at start-up (``threefold.topology``):
+    tp or cp·tp groups across nodes, for the nodes the flags ask for (torchrun numbers ranks
+    node by node, ``nproc`` each). Empty on one node or inside a worker."""
+    world = world_size_for(nproc, launcher)
+    if nproc is None or "WORLD_SIZE" in os.environ or world <= nproc:
+        return []
+    planned = Topology(tuple(f"node {r // nproc}" for r in range(world)),
+                       tuple(r % nproc for r in range(world)))
+    return planned.warnings(ParallelDims.from_config(cfg.parallel, world))
 
 
 def resolve_init_from(cfg, argv: list[str]) -> list[str]:
