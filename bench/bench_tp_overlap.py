@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import report, run_ranks  # noqa: E402
+from bench.common import report, run_ranks, tp_rank  # noqa: E402
 from threefold.accounting import num_parameters  # noqa: E402
-from threefold.config import ModelConfig, OptimConfig  # noqa: E402
+from threefold.config import OptimConfig  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
 from threefold.train import build_model  # noqa: E402
 
@@ -88,19 +88,10 @@ def run_side(chunks: int, mcfg, args, dims, mesh, batch) -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: the tp mesh, the batch, every side each round; rank 0 summarises."""
-    from threefold.distributed import init_distributed, shutdown
-    from threefold.mesh import ParallelDims
+    from threefold.distributed import shutdown
 
-    torch.set_num_threads(1)
-    env = init_distributed(device="cpu")
+    env, dims, mesh, mcfg, batch = tp_rank(args)
     world = env.world_size
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world, pp=1, world_size=world)
-    mesh = dims.build_mesh("cpu")
-    mcfg = ModelConfig(preset=args.preset, vocab_size=args.vocab).resolved()
-    dims.validate_model(mcfg)
-    gen = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(mcfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
-    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     sides = [0] + [int(c) for c in args.chunks.split(",")]
     results = []  # (round, chunks, per-rank dicts)
     for r in range(args.rounds):

@@ -155,3 +155,26 @@ def revision() -> str:
     if not rev:
         return "unknown revision"
     return f"{rev}{' + uncommitted changes in threefold/' if dirty else ''}"
+
+
+def tp_rank(args):
+    """One rank of a tensor-parallel bench under torchrun (bench_tp, bench_tp_overlap): one
+    thread, the whole world as the tp axis, ``args.preset``'s model with ``args.vocab``, and
+    one batch of ``args.batch`` × ``args.seq_len`` random tokens from ``args.seed`` (inputs,
+    targets). Returns (env, dims, mesh, model config, batch)."""
+    import torch
+
+    from threefold.config import ModelConfig
+    from threefold.distributed import init_distributed
+    from threefold.mesh import ParallelDims
+
+    torch.set_num_threads(1)
+    env = init_distributed(device="cpu")
+    world = env.world_size
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world, pp=1, world_size=world)
+    mesh = dims.build_mesh("cpu")
+    mcfg = ModelConfig(preset=args.preset, vocab_size=args.vocab).resolved()
+    dims.validate_model(mcfg)
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(mcfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
+    return env, dims, mesh, mcfg, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
