@@ -220,13 +220,13 @@ def test_tp_across_the_nodes_asked_for_is_warned_before_launch(monkeypatch, caps
         monkeypatch.delenv(k, raising=False)
     tp4 = load_config(None, [("parallel.tp", "4")])
     two_nodes = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500"]
-    [line] = node_span_warnings(tp4, 2, two_nodes)
+    [line] = node_span_warnings(tp4, 4, 2)
     assert line.startswith("threefold: warning: tp=4 spans nodes (ranks 0 on node 0, 1 on node 0, "
                            "2 on node 1, 3 on node 1") and "parallel.tp dividing the 2" in line
-    assert node_span_warnings(load_config(None, [("parallel.tp", "2")]), 2, two_nodes) == []
-    assert node_span_warnings(tp4, 4, []) == []
+    assert node_span_warnings(load_config(None, [("parallel.tp", "2")]), 4, 2) == []
+    assert node_span_warnings(tp4, 4, 4) == []
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert node_span_warnings(tp4, 2, two_nodes) == []
+    assert node_span_warnings(tp4, 4, 2) == []
     monkeypatch.delenv("WORLD_SIZE")
     assert main(["train", "--dry-run", "--nproc-per-node", "2", *two_nodes,
                  "--parallel.tp", "4"]) == 0

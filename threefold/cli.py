@@ -17,9 +17,8 @@ import sys
 from typing import NamedTuple
 
 from threefold.config import ConfigError, describe, parse_overrides
-from threefold.launch import (check_launch_layout, cluster_launcher, dispatch, fail,
-                              load_run_config, node_span_warnings, resolve_init_from, run_training,
-                              split_train_args, world_size_for)
+from threefold.launch import (check_launch, cluster_launcher, dispatch, fail, load_run_config,
+                              resolve_init_from, run_training, split_train_args)
 
 
 class Command(NamedTuple):
@@ -96,10 +95,7 @@ def cmd_train(argv: list[str]) -> int:
         launcher = cluster_launcher(nproc, launcher)
         cfg = load_run_config(path, parse_overrides(rest))
         argv = resolve_init_from(cfg, argv)
-        world = world_size_for(nproc, launcher)
-        check_launch_layout(cfg, world)
-        for line in node_span_warnings(cfg, nproc, launcher):
-            print(line, file=sys.stderr)
+        world = check_launch(cfg, nproc, launcher)
     except (ConfigError, ValueError) as e:
         return fail(str(e))
     return dispatch(cfg, world, nproc, launcher, argv, ["threefold", "train"],

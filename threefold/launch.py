@@ -98,16 +98,26 @@ def world_size_for(nproc: int | None, launcher: list[str]) -> int:
     return (nproc or 1) * nnodes
 
 
-def node_span_warnings(cfg, nproc: int | None, launcher: list[str]) -> list[str]:
+def node_span_warnings(cfg, world: int, nproc: int | None) -> list[str]:
     """Before launch, the trap the running job would warn of at start-up (``threefold.topology``):
-    tp or cp·tp groups across nodes, for the nodes the flags ask for (torchrun numbers ranks
-    node by node, ``nproc`` each). Empty on one node or inside a worker."""
-    world = world_size_for(nproc, launcher)
+    tp or cp·tp groups across nodes, for the ``world`` ranks the flags ask for (torchrun
+    numbers ranks node by node, ``nproc`` each). Empty on one node or inside a worker."""
     if nproc is None or "WORLD_SIZE" in os.environ or world <= nproc:
         return []
     planned = Topology(tuple(f"node {r // nproc}" for r in range(world)),
                        tuple(r % nproc for r in range(world)))
     return planned.warnings(ParallelDims.from_config(cfg.parallel, world))
+
+
+def check_launch(cfg, nproc: int | None, launcher: list[str]) -> int:
+    """The world size the flags ask for, once the layout is checked for it (an error raises)
+    and the nodes it would span are warned of on stderr: what every training command does
+    before it dispatches."""
+    world = world_size_for(nproc, launcher)
+    check_launch_layout(cfg, world)
+    for line in node_span_warnings(cfg, world, nproc):
+        print(line, file=sys.stderr)
+    return world
 
 
 def resolve_init_from(cfg, argv: list[str]) -> list[str]:

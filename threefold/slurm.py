@@ -88,13 +88,13 @@ def expand_hostlist(text: str) -> list[str]:
     return hosts
 
 
-def scontrol_hostnames(nodelist: str, run: Callable = subprocess.run) -> list[str] | None:
+def scontrol_hostnames(nodelist: str) -> list[str] | None:
     """``scontrol show hostnames NODELIST`` when scontrol is on PATH and answers, else None."""
     if shutil.which("scontrol") is None:
         return None
     try:
-        p = run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                timeout=30)
+        p = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                           text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     hosts = p.stdout.split()

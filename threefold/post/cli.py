@@ -21,9 +21,8 @@ from types import ModuleType
 
 from threefold.config import ConfigError, parse_overrides, take_flag
 from threefold.data import DataError
-from threefold.launch import (check_launch_layout, cluster_launcher, dispatch, fail,
-                              load_run_config, node_span_warnings, resolve_init_from, run_training,
-                              split_train_args, world_size_for)
+from threefold.launch import (check_launch, cluster_launcher, dispatch, fail, load_run_config,
+                              resolve_init_from, run_training, split_train_args)
 
 _COMMON = {"train.steps": "30", "optim.warmup_steps": "3", "optim.weight_decay": "0.0",
            "train.eval_batches": "1", "train.log_interval": "5",
@@ -225,10 +224,7 @@ def _main(cmd: str, argv: list[str]) -> int:
         cfg = build_config(cmd, path, rest)
         _check_default_start(cmd, cfg)
         argv = resolve_init_from(cfg, argv)
-        world = world_size_for(nproc, launcher)
-        check_launch_layout(cfg, world)
-        for line in node_span_warnings(cfg, nproc, launcher):
-            print(line, file=sys.stderr)
+        world = check_launch(cfg, nproc, launcher)
         _check_inputs(cmd, cfg, opts)
     except (ConfigError, DataError, ValueError) as e:
         return fail(str(e))
