@@ -102,10 +102,9 @@ class AsyncSaver:
         if self._pending is not None:
             raise RuntimeError(f"checkpoint {self._pending.step} is still in flight; finish "
                                f"it before starting checkpoint {step}")
-        _, owner = prepare_save(root, step, rank, group)
+        tmp, owner = prepare_save(root, step, rank, group)
         copied, extra, nbytes = snapshot(pieces, rank_tensors)
         self.copy_bytes = max(self.copy_bytes, nbytes)
-        tmp = root / f".tmp-{step}"
         pending = _Pending(root, step, rank, world, owner, keep_last, group)
 
         def write() -> None:
