@@ -34,17 +34,20 @@ def backward_half() -> str | None:
     return _HALF[0]
 
 
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` runs in: autocast's where it is on for x's device, else
+    x's (for the matmuls autocast does not see: grouped experts, FP8, the fused overlap)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 def matmul_input(x: torch.Tensor) -> torch.Tensor:
     """``x`` cast once to the autocast dtype when autocast is on and ``x`` is wider (the fp32
     residual stream under bf16 autocast), else ``x``: the projections that read it (q, k, v;
     gate, up; the head) then share one saved copy for backward, where autocast would cast,
     and keep, a copy per projection. The same values reach the matmuls either way."""
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        dtype = torch.get_autocast_dtype(kind)
-        if x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-    return x
+    dtype = matmul_dtype(x)
+    return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
 
 
 class _RMSNormFunction(torch.autograd.Function):

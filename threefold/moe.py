@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.kernels import swiglu
+from threefold.kernels import matmul_dtype, swiglu
 from threefold.models.shapes import grouped_widths_unfit
 
 
@@ -169,15 +169,6 @@ def grouped_mm_unfit(device: torch.device, dtype: torch.dtype, hidden: int, ffn:
     elif device.type != "cpu":
         return f"device {device.type} (grouped_mm checked on cpu and cuda only)"
     return None
-
-
-def matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a matmul on ``x`` runs in: autocast's where it is on for x's device (autocast
-    leaves ``_grouped_mm`` alone, so the grouped experts cast as F.linear would)."""
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -83,7 +83,8 @@ def train_step(run: Run, step: int, trace: list | None = None
     timed = StepTracer(run, trace)
     if hasattr(eng, "comm_trace"):  # data parallel: each bucket's all-reduce, launch to wait
         eng.comm_trace = trace
-    if run.cfg.parallel.tp_overlap >= 2:  # overlapped tp: each chunk's collective and matmul
+    overlap_traced = trace is not None and run.cfg.parallel.tp_overlap >= 2
+    if overlap_traced:  # overlapped tp: each chunk's collective and matmul, this step only
         set_trace(eng.model, trace)
     batch = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
     n = lay.global_token_count(run.task.count(batch))
@@ -117,6 +118,8 @@ def train_step(run: Run, step: int, trace: list | None = None
         eng.step(lr_at(step, run.cfg))
         if run.model_cfg.moe_router == "sigmoid_grouped":  # DeepSeek-V3's routing bias
             balance_routers(eng.model, lay.sum_logged, run.model_cfg.router_bias_update_rate)
+    if overlap_traced:
+        set_trace(eng.model, None)
     loss, norm, metrics = _read_logged(run, loss_sum, norm, extras, n)
     if router is not None:  # sums over the data-parallel ranks (and pipeline stages)
         metrics.update(router.metrics(n, lambda v: sum_router(lay, v, scalar=True),

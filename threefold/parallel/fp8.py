@@ -38,9 +38,9 @@ multiplies the same fp8 values dequantised to fp32 (``_mm8``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from threefold.kernels import matmul_dtype
 from threefold.lora import LoRALinear
 from threefold.parallel.placement import tp_shard_dim
 from threefold.parallel.tensor import TensorParallelLoRALinear
@@ -69,7 +69,7 @@ def _mm8(a8, b8, sa, sb, out_dtype):
     """a8 @ b8 with a8 = a·sa and b8 = b·sb scaled (sa (M,1) or (), sb (1,N) or ()):
     ``torch._scaled_mm`` (its right operand column-major) where the shapes meet its CUDA
     rule, else the same fp8 values dequantised and multiplied in fp32."""
-    (m, k), n = a8.shape, b8.shape[1]
+    k, n = a8.shape[1], b8.shape[1]
     if k % ALIGN or n % ALIGN:
         return ((a8.float() @ b8.float()) / (sa * sb)).to(out_dtype)
     # CUDA's rowwise kernel writes bf16 only: under float32 it is widened after
@@ -113,12 +113,13 @@ class _TensorwiseMatmul(torch.autograd.Function):
         if ctx.comm is not None:
             (ag,) = _max_over_tp(ctx.comm, ag)
         sg = _scale(ag, E5M2, False)
-        g8, x8 = _cast(dy, sg, E5M2), _cast(x, sx, E4M3)
-        dx = None
+        g8 = _cast(dy, sg, E5M2)
+        dx = dw = None
         if ctx.needs_input_grad[0]:  # (re-gathered for backward: the same bytes and scale)
             w8 = ctx.weight8.get()[0] if ctx.weight8 is not None else _cast(w, sw, E4M3)
             dx = _mm8(g8, w8, sg, sw, x.dtype)
-        dw = _mm8(g8.t(), x8, sg, sx, w.dtype) if ctx.needs_input_grad[1] else None
+        if ctx.needs_input_grad[1]:  # not for a frozen base (LoRA): x is cast only here
+            dw = _mm8(g8.t(), _cast(x, sx, E4M3), sg, sx, w.dtype)
         return dx, dw, None, None, None
 
 
@@ -161,7 +162,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, reci
     W's gathered e4m3 values and scale, which replace casting ``w``. The output's dtype is
     autocast's when it is on, else x's."""
     dev = x.device.type
-    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    out_dtype = matmul_dtype(x)
     with torch.autocast(dev, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])
         if recipe == "tensorwise":

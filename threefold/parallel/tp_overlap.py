@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.accounting.layout import overlap_chunks
+from threefold.kernels import matmul_dtype
 from threefold.schedules.timeline import TraceRecord
 
 AXIS = "tp"
@@ -142,7 +143,7 @@ class _GatherColumns(torch.autograd.Function):
             log.span(f"column matmuls chunk {i}", t0)
             handle = nxt
         ctx.comm, ctx.chunks, ctx.trace, ctx.autocast = comm, chunks, trace, _Autocast(x.device)
-        ctx.x_dtype, ctx.n = x.dtype, len(weights)
+        ctx.x_dtype = x.dtype
         ctx.save_for_backward(gathered, *params)
         ctx.mark_non_differentiable(gathered)
         ctx.set_materialize_grads(False)
@@ -203,8 +204,7 @@ class _RowInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        kind = x.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        dtype = matmul_dtype(x)
         ctx.autocast, ctx.has_bias = _Autocast(x.device), bias is not None
         ctx.save_for_backward(x)
         carrier = torch.zeros((), dtype=dtype, device=x.device).expand(
