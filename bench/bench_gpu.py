@@ -72,7 +72,6 @@ from bench.common import print_table, spread  # noqa: E402
 from threefold import accounting as cost  # noqa: E402
 from threefold.config import ConfigError, load_config  # noqa: E402
 from threefold.data import MixtureSampler, prepare_data  # noqa: E402
-from threefold.hardware import peak_flops_for_device_name  # noqa: E402
 from threefold.metrics import (device_peak_flops, peak_memory_bytes,  # noqa: E402
                                raise_cpu_peak, reset_peak_memory)
 from threefold.steps import lr_at, train_step  # noqa: E402
@@ -385,15 +384,6 @@ def peak_flops(got: dict, fpt: float, rates: list[float] = ()) -> tuple[float | 
     return peak, src
 
 
-def fp8_peak(device: torch.device) -> tuple[float | None, str]:
-    """The device's dense FP8 peak FLOP/s from the catalogue (None where unknown)."""
-    if device.type != "cuda":
-        return None, "unknown"
-    name = torch.cuda.get_device_name(device)
-    peak = peak_flops_for_device_name(name, "fp8")
-    return (peak, f"catalogue:{name} fp8") if peak else (None, "unknown")
-
-
 def summarise_rows(args, modes: list[str], got: dict, seq: int) -> tuple[dict, list[float]]:
     """The further rows per mode: median tokens/s, MFU (FP8 rows against the FP8 peak), and the
     ratio per round against their reference (fp8: threefold's bf16 row; moe-grouped:
@@ -433,7 +423,8 @@ def rows_mfu(rows: dict, got: dict, peak: float | None, src: str) -> None:
         for name, e in entry.items():
             if "skipped" in e:
                 continue
-            p, s = fp8_peak(device) if name.startswith("fp8") else (peak, src)
+            p, s = device_peak_flops(device, torch.bfloat16, "fp8") if name.startswith("fp8") \
+                else (peak, src)
             e["peak_flops"], e["peak_source"] = p, s
             e["mfu"] = e["tok_s"] * e["flops_per_token"] / p if p else None
 

@@ -358,6 +358,7 @@ def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_by
     from threefold.comm import Comm
     from threefold.mesh import ParallelDims
     from threefold.model import LlamaForCausalLM
+    from threefold.parallel.fp8 import E4M3, _cast, _scale
     from threefold.parallel.fp8_gather import Fp8FlatUnit, GatheredWeight
     from threefold.plan.memory import gathered_unit_bytes
 
@@ -391,5 +392,10 @@ def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_by
         for a, b in zip(got[:2], want[:2]):  # y and dx bit for bit
             assert torch.equal(a, b), unit.names[j]
         torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)  # dW as before
+        # the gathered bytes are the layer's own cast: scale from the whole weight's amax
+        w8, scale = unit.fp8_weight(j)
+        w = plain[id(layer.weight)]
+        assert torch.equal(scale, _scale(w.abs().amax(), E4M3, False)), unit.names[j]
+        assert torch.equal(w8.view(torch.uint8), _cast(w, scale, E4M3).view(torch.uint8))
     unit.release()
     assert unit.full.untyped_storage().nbytes() == 0 == unit.rest_full.untyped_storage().nbytes()

@@ -25,15 +25,21 @@ __all__ = ["MetricsWriter", "cpu_matmul_flops", "current_memory_bytes", "device_
 _CPU_PEAKS: dict[tuple[torch.dtype, int], float] = {}
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
-    """(peak FLOP/s, where the figure came from). CUDA devices come from the hardware
+def device_peak_flops(device: torch.device, dtype: torch.dtype, precision: str | None = None
+                      ) -> tuple[float | None, str]:
+    """(peak FLOP/s, where the figure came from) for matmuls in ``dtype``, or in
+    ``precision`` ('fp8': FP8 matmuls) where given. CUDA devices come from the hardware
     catalogue by name; CPUs are probed, once per process for each dtype and thread count
-    (half a second each: runs after the first in a process reuse it); anything else is
-    unknown."""
+    (half a second each: runs after the first in a process reuse it), and have no FP8 peak;
+    anything else is unknown."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = peak_flops_for_device_name(name, "bf16" if dtype == torch.bfloat16 else "fp32")
-        return (peak, f"catalogue:{name}") if peak else (None, "unknown")
+        precision = precision or ("bf16" if dtype == torch.bfloat16 else "fp32")
+        peak = peak_flops_for_device_name(name, precision)
+        where = f"catalogue:{name}" + (" fp8" if precision == "fp8" else "")
+        return (peak, where) if peak else (None, "unknown")
+    if precision == "fp8":
+        return None, "unknown"
     if device.type == "cpu":
         key = (dtype, torch.get_num_threads())
         if key not in _CPU_PEAKS:

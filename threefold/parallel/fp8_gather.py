@@ -29,6 +29,7 @@ import math
 import torch
 from torch import nn
 
+from threefold.comm import Handle
 from threefold.parallel.flat import FlatUnit
 from threefold.parallel.fp8 import E4M3, _cast, _scale
 
@@ -43,17 +44,6 @@ class GatheredWeight:
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the e4m3 weight, its scale), valid while the unit is gathered."""
         return self.unit.fp8_weight(self.index)
-
-
-class _Both:
-    """The gather's two asynchronous collectives as one handle."""
-
-    def __init__(self, handles: list):
-        self.handles = handles
-
-    def wait(self) -> None:
-        for h in self.handles:
-            h.wait()
 
 
 class Fp8FlatUnit(FlatUnit):
@@ -138,4 +128,4 @@ class Fp8FlatUnit(FlatUnit):
                 o = self.rest_offsets[j] + (a + lo - self.offsets[j])
                 rest[o:o + b - a].copy_(src[a:b])
             handles.append(self.comm.all_reduce(rest, self.axis, async_op=True))
-        self.gather_handle = _Both(handles)
+        self.gather_handle = Handle(handles)  # both collectives, waited as one

@@ -12,6 +12,7 @@ from threefold.accounting.layout import (Layout, Workload, local_seq_len, microb
                                          tp_chunks)
 from threefold.accounting.lora import adapter_numels, lora_flops_per_token, lora_units
 from threefold.accounting.shapes import (
+    flops_per_token,
     moe_key,
     layer_parameters_per_rank,
     moe_matmul_parameters,
@@ -25,6 +26,7 @@ from threefold.accounting.stages import (
 )
 from threefold.accounting.traffic import offload_bytes_per_step
 from threefold.config import ModelConfig
+from threefold.models.shapes import moe_layers
 
 # The one calibration constant: achieved matmul FLOP/s as a fraction of the datasheet peak.
 # Fitted once to Narayanan et al. 2021 Table 1 (ten GPT runs, 1.7B-1T on up to 3072 A100s;
@@ -49,18 +51,21 @@ def model_flops_per_step(cfg: ModelConfig, work: Workload) -> float:
 
 
 def fp8_flops_fraction(cfg: ModelConfig, work: Workload) -> float:
-    """The share of a token's forward FLOPs that ``train.fp8`` runs in FP8: the blocks'
-    q/k/v/o and dense gate/up/down projections, against attention's core, a mixture of
-    experts' experts (grouped weights, not linear layers) and the head, which stay in the
-    compute dtype."""
-    h, hd, s = cfg.hidden_size, cfg.head_dim, work.seq_len
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    attn = h * hd * (2 * heads + 2 * kv)
-    mlp = 0 if cfg.num_local_experts else 3 * h * cfg.intermediate_size
-    linear = 2 * (attn + mlp) * cfg.num_hidden_layers
-    rest = (4 * s * heads * hd + 2 * moe_matmul_parameters(cfg)) * cfg.num_hidden_layers \
-        + 2 * cfg.vocab_size * h
-    return linear / (linear + rest)
+    """The share of a token's forward FLOPs (``flops_per_token`` / 3) that ``train.fp8`` runs
+    in FP8: the blocks' q/k/v/o and dense gate/up/down projections (``parallel.fp8.TARGETS``;
+    under latent attention only o, and q without a query latent), against attention's core,
+    a mixture of experts' experts, the latents and the head, which stay in the compute
+    dtype."""
+    h, hd, heads = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+    if cfg.kv_lora_rank:
+        attn = h * heads * cfg.v_head_dim + (0 if cfg.q_lora_rank else h * heads * hd)
+    else:
+        attn = h * hd * (2 * heads + 2 * cfg.num_key_value_heads)
+    dense = cfg.num_hidden_layers - moe_layers(cfg)
+    ffn = (cfg.dense_intermediate_size or cfg.intermediate_size) if cfg.num_local_experts \
+        else cfg.intermediate_size
+    linear = 2 * (attn * cfg.num_hidden_layers + 3 * h * ffn * dense)
+    return linear / (flops_per_token(cfg, work.seq_len) / 3)
 
 
 def matmul_peak(cfg: ModelConfig, work: Workload, hw) -> float | None:
