@@ -1,5 +1,5 @@
 """What a checkpoint costs the training loop, saved synchronously and with
-``checkpoint.async_save`` (issue 39), in the same process, the order alternated every round.
+``checkpoint.async_save``, in the same process, the order alternated every round.
 
     python3 bench/bench_async_save.py [--rounds 3] [--steps 13] [--interval 4]
     python3 bench/bench_async_save.py --hidden 256 --layers 4    # a smaller checkpoint

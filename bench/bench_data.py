@@ -1,4 +1,4 @@
-"""Throughput of ``threefold data prepare`` (issue 28 item 3) against the tokenizers library on
+"""Throughput of ``threefold data prepare`` against the tokenizers library on
 the same text with the same number of processes, side by side in one run; and the training
 loader's cost per step.
 

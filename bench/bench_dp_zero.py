@@ -31,7 +31,7 @@ is only the engine:
 
 Speed launch: tokens/s per timed step (the slowest rank's time) and the ratios tf_dp/ddp and
 tf_z3/fsdp2 per step, their median in the JSON lines and the ratio over all timed steps
-(goal >= 1.0, issue 3 item 7; issue 16 item 1 at 2 and 4 ranks), with their spread over the
+(goal >= 1.0 at 2 and 4 ranks), with their spread over the
 timed steps (quartiles, min, max); the loss of step 1 of every
 configuration (they must agree: same weights, same batch); the bytes threefold's ``Comm``
 counted per step, against ZeRO's formulas (2Ψ(N−1)/N and 3Ψ(N−1)/N elements per rank).

@@ -1,7 +1,7 @@
-"""CPU proxies for the memory-bound work of one transformer block (issue 27, item 2): how many
+"""CPU proxies for the memory-bound work of one transformer block: how many
 non-matmul kernels one block's forward + backward launches, and how many bytes they read and
 write per token, from torch's profiler. On a GPU these kernels are the step's elementwise share
-(a third of the H200 step in GPU-NOTES); on a CPU their count and bytes are what a fused kernel
+(a third of the H200 step that bench_gpu.py profiled, docs/benchmarks.md); on a CPU their count and bytes are what a fused kernel
 or a compiled block removes, so a change is measured here before and after.
 
     python3 bench/bench_elementwise.py                    # the 1.11B GPU shape's block, b 1

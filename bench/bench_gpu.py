@@ -1,10 +1,10 @@
 """threefold against transformers' ``LlamaForCausalLM`` on one device, eager and compiled:
-tokens/s, MFU, peak memory and where one step's time goes (issue 27).
+tokens/s, MFU, peak memory and where one step's time goes.
 
     PYTHONPATH=$PWD python3 bench/bench_gpu.py [--out gpu.json]     # on one GPU: < 5 minutes
     python3 bench/bench_gpu.py --shape tiny --device cpu            # what the CPU test runs
 
-Shapes: ``gpu`` (default) is GPU-NOTES.md's: h 2048, FFN 8192, 16 layers, 32/8 heads, vocab
+Shapes: ``gpu`` (default) is the one measured on an H200 (docs/benchmarks.md): h 2048, FFN 8192, 16 layers, 32/8 heads, vocab
 32768 (1.11B), seq 2048, micro-batch 8 (= the batch), bf16 autocast over fp32 weights.
 ``tiny``: 2 layers, h 128, seq 64, micro-batch 2, the tokenizer's vocabulary, for CPUs.
 ``--dtype auto`` is bfloat16 on CUDA and float32 (threefold's CPU default) on a CPU.
@@ -457,7 +457,7 @@ def summarise(args, modes: list[str], got: dict) -> dict:
         out["modes"][mode] = entry
     out["rows"] = rows
     comp = out["modes"].get("compiled")
-    out["goal"] = 1.05  # issue 27: compiled threefold >= 1.05x transformers + torch.compile
+    out["goal"] = 1.05  # the goal: compiled threefold >= 1.05x transformers + torch.compile
     out["meets_goal"] = comp["ratio_median"] >= 1.05 if comp else None
     return out
 

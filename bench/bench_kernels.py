@@ -5,7 +5,7 @@ heads of 32, vocabulary 4096), forward and backward, fp32, on this machine's CPU
     python3 bench/bench_kernels.py [--rounds 5] [--reps 10] [--threads 2]
     python3 bench/bench_kernels.py --reuse-host-memory   # with threefold's glibc setting
 
-Issue 16 item 2 named fused projections, SDPA paths and fewer copies in the loss as levers;
+Fused projections, SDPA paths and fewer copies in the loss are the usual levers;
 this is what each of them measures here, so that what the model does is a measured choice:
 
 - ``gate_up``: SwiGLU's gate and up projections as two matmuls (threefold, HF's layout) vs

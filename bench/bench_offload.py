@@ -1,4 +1,4 @@
-"""Optimiser offload on the host (issue 27 item 3): the host AdamW kernels per parameter, and
+"""Optimiser offload on the host: the host AdamW kernels per parameter, and
 the offloaded training step against the on-device one, side by side in one run.
 
     python3 bench/bench_offload.py [--preset small] [--rounds 7]

@@ -22,7 +22,7 @@ communication batch with its wait, on the machine's one monotonic clock) are gat
   when given this machine's costs;
 - ``unit``: the textbook bubble (every action one unit, free messages), for reference.
 
-The goal (issue 5): measured within 10% of simulated (``|measured − simulated| / simulated``),
+The goal: measured within 10% of simulated (``|measured − simulated| / simulated``),
 reported per schedule with the median of the steps. Caveat: with more ranks than cores
 (``--pp 4`` on 2 cores) a waiting rank hands its core to a computing one, so action times
 depend on what the neighbours do and no per-action cost model can be exact; use pp ≤ cores.

@@ -15,7 +15,7 @@ minute, so right before each run the matmul rate is measured again with as many 
 multiplying at once as the run has ranks, and the memory bandwidth too (`--no-remeasure`
 keeps the calibration's).
 
-Goals (issue 6): bytes exact; peak memory within ±10%; step time within ±25%.
+Goals: bytes exact; peak memory within ±10%; step time within ±25%.
 
 How each measured figure is made:
 - bytes: `comm_bytes_per_step` of summary.json (rank 0, training traffic only), against the

@@ -5,9 +5,9 @@ with ``--compile``, threefold eager against threefold with ``train.compile true`
     python3 bench/bench_train_overhead.py [--steps 30] [--rounds 3]
     python3 bench/bench_train_overhead.py --compile [--steps 20] [--rounds 3] [--warmup 3]
 
-Goal (issue 2): ratio threefold / plain >= 0.98.
+Goal: ratio threefold / plain >= 0.98.
 
-``--compile`` (issue 16): each round trains the same run eagerly and compiled (the order
+``--compile``: each round trains the same run eagerly and compiled (the order
 flipped every round); throughput is the mean tokens/s of the steps after the first
 ``--warmup`` (compilation, and any recompilation, happens in the first steps and in the initial
 validation pass); the compile time is the compiled run's extra wall time over the eager run's

@@ -1,4 +1,4 @@
-"""bench/bench_elementwise.py at the tiny shape: the CPU proxies of issue 27 item 2 (non-matmul
+"""bench/bench_elementwise.py at the tiny shape: the CPU proxies of the memory-bound work (non-matmul
 kernels per block and their bytes per token) are counted, and they react as they must."""
 
 from __future__ import annotations

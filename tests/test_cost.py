@@ -1,4 +1,4 @@
-"""The cost and memory models against published figures (REFERENCE.md) and against the
+"""The cost and memory models against published figures (docs/planner.md lists the sources) and against the
 pipeline schedules' own action lists. Pure arithmetic: no torch, well under a second each."""
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def test_bubble_closed_forms_match_the_simulator():
         assert closed == pytest.approx(replay), (name, p, m, v)
         forced, src = bubble_over_ideal(name, p, m, v, simulate=True)
         assert src == "simulated" and forced == pytest.approx(closed)
-    # REFERENCE: p = 4, m = 8 -> 3/8 of the ideal time, 3/11 of the whole step
+    # the published bubble: p = 4, m = 8 -> 3/8 of the ideal time, 3/11 of the whole step
     assert bubble_over_ideal("1f1b", 4, 8)[0] == pytest.approx(3 / 8)
     assert bubble_over_ideal("zb-h1", 4, 8, simulate=False)[0] == pytest.approx(1 / 8)
 

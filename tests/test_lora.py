@@ -1,4 +1,4 @@
-"""LoRA (issue 29 item 1): adapters on the named layers, only they train, reduce and
+"""LoRA: adapters on the named layers, only they train, reduce and
 checkpoint; DP2, ZeRO-2×2, ZeRO-3×2 and TP2(+SP) equal one process; resume is bit-identical from
 adapter-only checkpoints; GRPO's reference is the base with adapters off; SFT equals PEFT +
 TRL's SFTTrainer from the same initial adapters."""

@@ -1,4 +1,4 @@
-"""Training reads prepared shards and mixtures (issue 28 item 2): the allocation of sequences to
+"""Training reads prepared shards and mixtures: the allocation of sequences to
 sources, epochs without replacement, document masking, held-out validation per source,
 refusals, metrics, resume and data-parallel equivalence."""
 

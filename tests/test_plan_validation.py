@@ -168,7 +168,7 @@ def test_megatron_block_is_korthikantis_count_adapted_to_llama():
     assert full == s * 2 * h / 8
 
 
-# GPU-NOTES.md, 2026-12-04: threefold's own runtime on one H200 (torch 2.11), h 2048, FFN 8192,
+# Measured 2026-12-04 (docs/benchmarks.md, bench_gpu.py): threefold's own runtime on one H200 (torch 2.11), h 2048, FFN 8192,
 # 16 layers, 32/8 heads, vocab 32768, seq 2048, micro-batch 8, bf16 autocast over fp32 weights
 # and residual stream: 54,256 tokens/s eager, 61,600 with train.compile (per block).
 H200_RUNTIME = [("eager", "false", 54256), ("compiled", "true", 61600)]
@@ -176,7 +176,7 @@ H200_RUNTIME = [("eager", "false", 54256), ("compiled", "true", 61600)]
 
 @pytest.mark.parametrize("row", H200_RUNTIME, ids=[r[0] for r in H200_RUNTIME])
 def test_dry_run_prediction_on_one_h200_within_10_percent_of_the_runtime(row):
-    """What ``train --dry-run`` predicts for the configuration GPU-NOTES measured (the
+    """What ``train --dry-run`` predicts for the configuration bench_gpu.py measured (the
     runtime's workload: fp32 weights and residual stream, elementwise work eager or fused by
     compile, at the H200's HBM bandwidth) is within 10% of the measured tokens/s."""
     from threefold.accounting.layout import Layout

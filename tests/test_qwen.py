@@ -1,5 +1,5 @@
-"""Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, a head width of its own) and Qwen3-MoE
-(issue 29 item 2): logits equal transformers' classes, import and export both ways, every layout
+"""Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, a head width of its own) and Qwen3-MoE:
+logits equal transformers' classes, import and export both ways, every layout
 trains as one process, and the planner counts the new weights exactly."""
 
 from __future__ import annotations
