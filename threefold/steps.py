@@ -4,6 +4,7 @@ engine (``threefold.parallel``) hides the layout, the task (``threefold.task``) 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from typing import TYPE_CHECKING
@@ -115,7 +116,7 @@ def _micro_steps(run, micro: list[dict], n: int, router, timed
             with timed(f"F mb{i}"):
                 total, more = run.task.loss(run, mb)
                 loss = total / n
-                term = router.add(eng.model, lambda: run.task.count(mb))
+                term = router.add(eng.model, functools.partial(run.task.count, mb))
                 objective = loss if term is None else (total + term) / n
             with timed(f"BW mb{i}"):  # with the gradient reductions it starts
                 objective.backward()
