@@ -46,6 +46,65 @@ def test_the_loop_does_not_probe_layouts_or_tasks():
 
 
 # --------------------------------------------------------------------------------------------
+# The training step knows no layout and no model family: it calls the world's, the engine's,
+# the task's and the router log's hooks (threefold.steps)
+# --------------------------------------------------------------------------------------------
+_PROBES = ("hasattr", "getattr")
+# what a step would read to tell layouts or families apart: the parallel config, the pipeline,
+# model-parallel degrees, the model config (its router kind, its experts)
+_LAYOUT_OR_FAMILY = ("parallel", "pipeline", "chunks", "tp_overlap", "ep_size", "tp_size",
+                     "cp_size", "model_cfg", "moe_router", "num_local_experts")
+_LAYOUT_OR_FAMILY_MODULES = ("threefold.parallel", "threefold.moe", "threefold.models",
+                             "threefold.mesh")
+
+
+def _layout_or_family_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) of every probe call (``hasattr``, ``getattr``), read of an attribute that
+    names a layout or a model family, and import of a layout's or a family's module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in _PROBES:
+            found.append((node.lineno, f"{node.func.id}()"))
+        elif isinstance(node, ast.Attribute) and node.attr in _LAYOUT_OR_FAMILY:
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names]
+            found += [(node.lineno, f"import {n}") for n in names
+                      if any(n == m or n.startswith(m + ".") for m in _LAYOUT_OR_FAMILY_MODULES)]
+    return sorted(found)
+
+
+def test_the_step_branches_on_no_layout_or_family():
+    """threefold.steps reads no layout (the parallel config, the pipeline, a degree) and no
+    model family (the router kind, the experts), probes nothing with ``hasattr``/``getattr``
+    and imports no parallelism or family: what differs is behind declared hooks
+    (``World.traced``/``forward_backward``/``forward_only``, ``Engine.begin_step``/
+    ``step_metrics``, ``RouterLog``)."""
+    hits = _layout_or_family_reads(ast.parse((PACKAGE / "steps.py").read_text()))
+    assert not hits, f"threefold/steps.py names a layout or a family: {hits}"
+    # the scan itself finds what it is for, and passes what is fine
+    bad = ("from threefold.parallel.expert import take_rows_sent\n"
+           "import threefold.moe\n"
+           "def step(run, eng, lay):\n"
+           "    if hasattr(eng, 'comm_trace'):\n"
+           "        pass\n"
+           "    x = run.cfg.parallel.tp_overlap\n"
+           "    if lay.pipeline is not None or lay.ep_size > 1:\n"
+           "        pass\n"
+           "    if run.model_cfg.moe_router == 'sigmoid_grouped':\n"
+           "        getattr(lay, 'chunks', None)\n")
+    assert sorted({line for line, _ in _layout_or_family_reads(ast.parse(bad))}) == \
+        [1, 2, 4, 6, 7, 9, 10]
+    fine = ("from threefold.config import Config\n"
+            "def step(run, lay, eng):\n"
+            "    lay.forward_backward(run.micro, run.cfg.train.steps, None, None)\n"
+            "    eng.step_metrics()\n    run.router_log.balance(lay.sum_logged)\n")
+    assert _layout_or_family_reads(ast.parse(fine)) == []
+
+
+# --------------------------------------------------------------------------------------------
 # Parallelisms change a module one way: into a wrapper class (threefold.parallel.wrap.become)
 # --------------------------------------------------------------------------------------------
 _REPLACED_METHODS = ("attend", "attention_mask", "dispatch", "forward")

@@ -111,6 +111,9 @@ class Comm:
         self.ledger = ledger if ledger is not None else Ledger(self.global_rank, history=history)
         self._recent = self.ledger.recent  # shared with the Comms of the same ledger
         self._counted_as: dict[str, str] = {}  # add_axis axis -> the axis its bytes count under
+        # a traced step's records (World.traced; else None), for the callers that time their
+        # own async collectives (data parallel's buckets, overlapped tp's chunks) to append to
+        self.trace: list | None = None
 
     # ---------------------------------------------------------------- axes and groups
     def add_axis(self, axis: str, rank_lists: list[list[int]], counted_as: str | None = None

@@ -323,13 +323,13 @@ class SparseMoeBlock(nn.Module):
 
 
 @torch.no_grad()
-def balance_routers(model: nn.Module, sum_over_data, rate: float) -> None:
+def balance_routers(blocks: list[SparseMoeBlock], sum_over_data, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437 §2.1.2), after each
-    optimiser step: every grouped router's bias moves by ``rate`` toward its under-loaded
-    experts, bias += rate · sign(mean load − load), the loads being the step's tokens per
-    expert summed over every data-parallel rank (``sum_over_data``: one all-reduce for the
-    rank's blocks together), so every replica moves its bias alike."""
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.grouped]
+    optimiser step: every grouped router's bias (``blocks``: their MoE blocks) moves by
+    ``rate`` toward its under-loaded experts, bias += rate · sign(mean load − load), the loads
+    being the step's tokens per expert summed over every data-parallel rank
+    (``sum_over_data``: one all-reduce for the rank's blocks together), so every replica
+    moves its bias alike."""
     if not blocks:
         return
     loads = torch.stack([m.load if m.load is not None
@@ -386,7 +386,10 @@ def router_z_loss(stats: list[RouterStats], layers: int | None = None) -> torch.
 
 
 class RouterLog:
-    """The router terms of one optimiser step, micro-batch by micro-batch.
+    """The router terms of a run's optimiser steps, micro-batch by micro-batch (``restart``
+    begins a step): what a mixture of experts adds to a step, on the model's side (a dense
+    model's adds and logs nothing). Given the rank's ``model``, ``balance`` also moves the
+    grouped routers' biases after each optimiser step.
 
     Gradient accumulation: the aux and z losses are statistics of the tokens one forward
     routes, so each micro-batch's are computed on its own (as Megatron and transformers do per
@@ -396,20 +399,28 @@ class RouterLog:
     count-weighted mean of theirs (not the loss of the pooled batch, whose f_i would need every
     micro-batch's routing before the first backward)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, model: nn.Module | None = None):
         self.cfg = cfg
-        self.aux = self.z = 0.0
-        self.counts = torch.zeros(cfg.num_local_experts, dtype=torch.int64)
+        self.routed = bool(cfg.num_local_experts)
+        self.biased = [m for m in (model.modules() if model is not None else ())  # found once
+                       if isinstance(m, SparseMoeBlock) and m.grouped]
+        self.restart()
 
-    def add(self, model: nn.Module, count: int, part: bool = False) -> torch.Tensor:
+    def restart(self) -> None:
+        """Begin a step: no terms, no assignments yet."""
+        self.aux = self.z = 0.0
+        self.counts = torch.zeros(self.cfg.num_local_experts, dtype=torch.int64)
+
+    def add(self, model: nn.Module, count, part: bool = False) -> torch.Tensor | None:
         """Take the blocks' statistics of the forward just run; return the router term to add
-        to that micro-batch's summed loss (count = its loss units, e.g. target tokens).
-        ``part``: ``model`` holds only some of the layers (a pipeline chunk, which needs the
-        per-layer loss); its terms are shares of the whole model's, to be summed over the
-        chunks."""
-        stats = take_router_stats(model)
-        if not stats:  # a chunk without MoE layers
+        to that micro-batch's summed loss (``count``: its loss units, e.g. target tokens, or
+        a function giving them, called only if something routed: no device read for a dense
+        model), or None (a dense model, a chunk without MoE layers). ``part``: ``model``
+        holds some of the layers (a pipeline chunk: per-layer terms, shares of the model's)."""
+        stats = take_router_stats(model) if self.routed else None  # (dense: no walk)
+        if not stats:
             return None
+        count = count() if callable(count) else count
         layers = self.cfg.num_hidden_layers if part else None
         aux = load_balancing_loss(stats, self.cfg.num_local_experts,
                                   self.cfg.router_aux_loss_per_layer, layers)
@@ -419,12 +430,18 @@ class RouterLog:
         self.counts += torch.stack([s.counts for s in stats]).sum(0).cpu()
         return (self.cfg.router_aux_loss_coef * aux + self.cfg.router_z_loss_coef * z) * count
 
+    def balance(self, sum_over_data) -> None:
+        """After the optimiser step: the grouped routers' bias update (``balance_routers``)."""
+        balance_routers(self.biased, sum_over_data, self.cfg.router_bias_update_rate)
+
     def metrics(self, n: int, sum_scalar=float, sum_vector=lambda v: v) -> dict:
         """For metrics.jsonl: the count-weighted mean aux and z losses (unscaled by their
         coefficients), the step's assignments per expert summed over layers and micro-batches
         (they sum to tokens × k × layers), and their imbalance max / mean (1 = even). ``n`` is
         the global count; ``sum_scalar`` / ``sum_vector`` sum a rank's figures over the
-        data-parallel ranks (identity in one process)."""
+        data-parallel ranks (identity in one process); {} for a dense model (no sums)."""
+        if not self.routed:
+            return {}
         counts = sum_vector(self.counts.clone()).tolist()
         mean = sum(counts) / len(counts)
         aux, z = (torch.tensor(x, dtype=torch.float64) for x in (self.aux, self.z))

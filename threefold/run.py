@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ContextManager, Protocol
@@ -21,12 +22,12 @@ import torch
 from torch import nn
 
 from threefold.config import Config, ModelConfig
+from threefold.moe import RouterLog
 from threefold.parallel.materialize import ChainSource, InitSource
 from threefold.parallel.parallelize import parallelize
 
 if TYPE_CHECKING:  # annotations only: the fields' types
     from threefold.data import DataBundle
-    from threefold.moe import RouterLog
     from threefold.parallel.layout import World
     from threefold.task import Task
     from threefold.weights import WeightSource
@@ -34,12 +35,18 @@ if TYPE_CHECKING:  # annotations only: the fields' types
 
 class Engine(Protocol):
     """What the loop, the layouts and the checkpoints use of an engine (``LocalEngine``,
-    ``DataParallelEngine``, ``ZeroEngine``: ``threefold.parallel``). A data-parallel engine
-    also takes a ``comm_trace`` list (each bucket's all-reduce), which the step sets only
-    where the engine has one."""
+    ``DataParallelEngine``, ``ZeroEngine``: ``threefold.parallel``). What a traced step
+    records of the engine's collectives goes through the communication layer
+    (``World.traced``), not through the engine."""
 
     model: nn.Module
     named_params: list[tuple[str, nn.Parameter]]  # what it trains, under logical names
+
+    def begin_step(self) -> None:
+        """Before a step's first forward: the engine's per-step counts restart."""
+
+    def step_metrics(self) -> dict:
+        """The step's figures of the engine's own traffic (expert parallelism's rows)."""
 
     def micro_step(self, last: bool) -> ContextManager[None]:
         """Context for one micro-batch's backward; ``last`` marks the accumulation boundary."""
@@ -102,10 +109,16 @@ class Run:
     layout: World
     out: Path
     task: Task | None = None  # build_run always gives one (pre-training's by default)
-    router_log: RouterLog | None = None  # the step's RouterLog of a mixture of experts
     pretrained: WeightSource | None = None  # checkpoint.init_from's weights, opened once
     # bytes held before the model, and the peaks of start-up, loading and the steps
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def router_log(self) -> RouterLog:
+        """What routing adds to the steps (``threefold.moe.RouterLog``: a mixture of experts'
+        router losses and their log, the grouped routers' bias update; nothing for a dense
+        model), made once for this rank's model."""
+        return RouterLog(self.model_cfg, self.engine.model)
 
     def forward(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model on a micro-batch dict (positions and document ids when it has them)."""

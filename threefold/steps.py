@@ -4,6 +4,7 @@ engine (``threefold.parallel``) hides the layout, the task (``threefold.task``) 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from typing import TYPE_CHECKING
@@ -11,9 +12,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from threefold.config import Config
-from threefold.moe import RouterLog, balance_routers
-from threefold.parallel.expert import take_rows_sent
-from threefold.parallel.tp_overlap import set_trace
 from threefold.schedules.timeline import TraceRecord
 
 if TYPE_CHECKING:  # annotations only
@@ -62,94 +60,70 @@ class StepTracer:
         self.trace.append(TraceRecord(self.rank, name, t0, time.perf_counter(), category))
 
 
-def pipeline_micro_batches(run: Run, micro: list[dict]) -> list[dict]:
-    """Micro-batches as the pipeline executor takes them: the task's ``pipeline_micro``
-    (e.g. DPO's chosen and rejected rows as one "input_ids"/"labels" batch, its own fields
-    kept for its loss on the last stage) or as they are."""
-    return [run.task.pipeline_micro(mb) for mb in micro]
-
-
 def train_step(run: Run, step: int, trace: list | None = None
                ) -> tuple[float, float, dict[str, float]]:
     """One optimiser step over the global batch of ``step``; returns (mean loss, grad norm,
     extra metrics). The loss is the sum over the global batch divided by the true number of
     units (target tokens, pairs) in it, so accumulation and data parallelism give the
-    single-process gradient. A mixture of experts also optimises its router losses (added
-    per micro-batch, see ``threefold.moe.RouterLog``); they are reported among the extra
-    metrics, not in the loss. With a ``trace`` list, this rank's timed phases are appended to
-    it (the pipeline's every action, or each micro-batch's forward and backward; gradient
-    synchronisation, clipping, the optimiser)."""
-    lay, eng = run.layout, run.engine
+    single-process gradient. What the model adds (a mixture of experts' router losses, per
+    micro-batch, and its routing-bias update: ``run.router_log``) is reported among the
+    extra metrics, not in the loss. With a ``trace`` list, this rank's timed phases are
+    appended to it (each micro-batch's forward and backward, or the pipeline's every
+    action; the collectives that time themselves; gradient synchronisation, clipping, the
+    optimiser). Everything layout-specific is a hook of the world or the engine, everything
+    model-specific one of ``run.router_log``: the step names neither."""
+    lay, eng, router = run.layout, run.engine, run.router_log
     timed = StepTracer(run, trace)
-    if hasattr(eng, "comm_trace"):  # data parallel: each bucket's all-reduce, launch to wait
-        eng.comm_trace = trace
-    overlap_traced = trace is not None and run.cfg.parallel.tp_overlap >= 2
-    if overlap_traced:  # overlapped tp: each chunk's collective and matmul, this step only
-        set_trace(eng.model, trace)
-    batch = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
-    n = lay.global_token_count(run.task.count(batch))
-    micro = list(micro_batches(run, batch))
-    loss_sum = torch.zeros((), dtype=torch.float32, device=run.device)
-    extras: dict[str, torch.Tensor] = {}
-    pipe = lay.pipeline
-    # a mixture of experts adds its router losses (threefold.moe.RouterLog: per micro-batch,
-    # weighted by its loss units; in a pipeline per chunk, _pipeline_router_term); the
-    # logged loss stays the task's own
-    router = RouterLog(run.model_cfg) if run.model_cfg.num_local_experts else None
-    run.router_log = router
-    ep = lay.ep_size > 1
-    if ep:  # count this step's rows only (not evaluation's)
-        take_rows_sent(eng.model)
-    if pipe is not None:  # the schedule runs every micro-batch's forward and backward
-        # a traced step waits for the device after each action (execution, not queueing)
-        pipe.sync_timing = trace is not None and run.device.type == "cuda"
-        loss_sum += pipe.run(pipeline_micro_batches(run, micro), n)
-        extras = {k: torch.tensor(v, dtype=torch.float64) for k, v in pipe.metrics.items()}
-        if trace is not None:
-            trace.extend(pipe.records)
-        micro = []
-    loss_sum += _micro_steps(run, micro, n, router, timed, extras)
-    with timed("finish gradients", "comm"):
-        eng.finish_gradients()
-        lay.reduce_tied_gradients(eng)
-    with timed("clip gradients", "comm"):
-        norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
-    with timed("optimizer step"):
-        eng.step(lr_at(step, run.cfg))
-        if run.model_cfg.moe_router == "sigmoid_grouped":  # DeepSeek-V3's routing bias
-            balance_routers(eng.model, lay.sum_logged, run.model_cfg.router_bias_update_rate)
-    if overlap_traced:
-        set_trace(eng.model, None)
+    with lay.traced(trace):
+        batch = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
+        n = lay.global_token_count(run.task.count(batch))
+        micro = list(micro_batches(run, batch))
+        router.restart()
+        eng.begin_step()  # counts this step's traffic only (not evaluation's or sampling's)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=run.device)
+        done, extras = lay.forward_backward(
+            micro, n, lambda mbs: _micro_steps(run, mbs, n, router, timed), trace)
+        loss_sum += done
+        with timed("finish gradients", "comm"):
+            eng.finish_gradients()
+            lay.reduce_tied_gradients(eng)
+        with timed("clip gradients", "comm"):
+            norm = eng.clip_grad_norm(run.cfg.optim.grad_clip)
+        with timed("optimizer step"):
+            eng.step(lr_at(step, run.cfg))
+            router.balance(lay.sum_logged)
     loss, norm, metrics = _read_logged(run, loss_sum, norm, extras, n)
-    if router is not None:  # sums over the data-parallel ranks (and pipeline stages)
-        metrics.update(router.metrics(n, lambda v: sum_router(lay, v, scalar=True),
-                                      lambda v: sum_router(lay, v)))
-        if ep:  # this rank's (the log's: rank 0's)
-            metrics["ep_rows_sent"] = take_rows_sent(eng.model)
+    # sums over the data-parallel ranks (and pipeline stages); nothing for a dense model
+    metrics.update(router.metrics(n, lambda v: sum_router(lay, v, scalar=True),
+                                  lambda v: sum_router(lay, v)))
+    metrics.update(eng.step_metrics())  # this rank's (the log's: rank 0's)
     metrics.update(run.task.step_metrics())  # figures of the step as a whole (GRPO's rewards)
     metrics.update(run.task.data_metrics(run, step))  # tokens and epoch of each source
     return loss, norm, metrics
 
 
-def _micro_steps(run, micro: list[dict], n: int, router, timed, extras: dict) -> torch.Tensor:
+def _micro_steps(run, micro: list[dict], n: int, router, timed
+                 ) -> tuple[torch.Tensor, dict]:
     """Forward and backward of every micro-batch (without a pipeline), each loss divided by
-    the step's ``n`` units; the engine synchronises gradients on the last. Sums the task's
-    extra metrics into ``extras``; returns the summed loss (a device tensor)."""
+    the step's ``n`` units, the router term of the model's (``RouterLog.add``) in the
+    objective; the engine synchronises gradients on the last. Returns the summed loss (a
+    device tensor) and the task's extra metrics, summed."""
     eng = run.engine
     loss_sum = torch.zeros((), dtype=torch.float32, device=run.device)
+    extras: dict[str, torch.Tensor] = {}
     for i, mb in enumerate(micro):
         with eng.micro_step(last=i == len(micro) - 1):
             with timed(f"F mb{i}"):
                 total, more = run.task.loss(run, mb)
                 loss = total / n
-                if router is not None:
-                    objective = (total + router.add(eng.model, run.task.count(mb))) / n
+                term = router.add(eng.model, functools.partial(run.task.count, mb))
+                objective = loss if term is None else (total + term) / n
             with timed(f"BW mb{i}"):  # with the gradient reductions it starts
-                (loss if router is None else objective).backward()
+                objective.backward()
         loss_sum += loss.detach()
         for k, v in more.items():
             extras[k] = extras.get(k, 0) + v.detach().double()
-    return loss_sum
+    return loss_sum, extras
 
 
 def _read_logged(run, loss_sum: torch.Tensor, norm: torch.Tensor, extras: dict, n: int
@@ -193,11 +167,8 @@ def _evaluate_set(run: Run, sampler) -> float:
     count = 0
     for k in range(run.cfg.train.eval_batches):
         batch = sampler.local_batch(k, lay.dp_rank, lay.dp_size)
-        if lay.pipeline is not None:
-            mbs = pipeline_micro_batches(run, list(micro_batches(run, batch)))
-            total += lay.pipeline.evaluate(mbs)
-        else:
-            for mb in micro_batches(run, batch):
-                total += run.task.loss(run, mb)[0].double()
+        total += lay.forward_only(list(micro_batches(run, batch)),
+                                  lambda mbs: sum(run.task.loss(run, mb)[0].double()
+                                                  for mb in mbs))
         count += lay.global_token_count(run.task.count(batch))
     return lay.sum_over_dp(total) / count

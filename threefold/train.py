@@ -123,6 +123,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
                               task_loss=(lambda out, mb: task_loss(run, out, mb))
                               if task_loss else None,
                               metric_names=task.metric_names if task_loss else (),
+                              micro_input=task.pipeline_micro,
                               extra_loss=_pipeline_router_term(run)
                               if mcfg.num_local_experts else None)
     task.setup(run)

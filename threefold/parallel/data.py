@@ -68,9 +68,9 @@ class DataParallelEngine(LocalEngine):
     parallelism (``expert_axis``, "edp") a rank's experts are replicated over that axis only:
     their gradients go in buckets of their own, all-reduced there.
 
-    ``comm_trace``: a list to append ``TraceRecord``s of each bucket's all-reduce to (launch →
-    the wait in ``finish_gradients`` returned), or None; ``threefold.train`` sets it for the
-    traced step."""
+    On a traced step (``comm.trace`` a list, ``World.traced``) each bucket's all-reduce is
+    a ``TraceRecord`` there, from its launch to the return of its wait in
+    ``finish_gradients``."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, comm, bucket_mb: float,
                  axis: str = "dp", offload: bool = False, expert_axis: str | None = None):
@@ -93,7 +93,6 @@ class DataParallelEngine(LocalEngine):
                 p.register_post_accumulate_grad_hook(
                     lambda q, me=me: (on_grad := me()) is not None and on_grad(q))
         self._sync = True
-        self.comm_trace: list | None = None
         self._attach()
         self._broadcast_parameters()
 
@@ -155,9 +154,9 @@ class DataParallelEngine(LocalEngine):
                 raise RuntimeError("a gradient bucket was never reduced: some parameter got no "
                                    "gradient this step (unused parameter?)")
             bucket.handle.wait()
-            if self.comm_trace is not None:
+            if self.comm.trace is not None:
                 mib = bucket.flat.numel() * bucket.flat.element_size() / 2**20
-                self.comm_trace.append(TraceRecord(
+                self.comm.trace.append(TraceRecord(
                     self.comm.rank("world"),
                     f"all-reduce bucket {k} ({bucket.axis}, {mib:.1f} MiB)",
                     bucket.launched, time.perf_counter(), "comm"))

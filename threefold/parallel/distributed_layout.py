@@ -213,12 +213,15 @@ class Distributed(World):
         return rank_model(self.chunks)
 
     def build_pipeline(self, engine, micro_context, hidden: int,
-                       task_loss=None, metric_names=(), extra_loss=None) -> None:
+                       task_loss=None, metric_names=(), extra_loss=None,
+                       micro_input: Callable[[dict], dict] = lambda mb: mb) -> None:
         """The executor of this rank's schedule (pp > 1), once the engine exists;
         ``task_loss``/``metric_names`` as ``PipelineExecutor`` takes them (a task's own loss
-        on the last stage)."""
+        on the last stage); ``micro_input`` turns a step's micro-batch into the executor's
+        (a task's ``pipeline_micro``: e.g. DPO's chosen and rejected rows as one batch)."""
         if self.chunks is None:
             return
+        self._micro_input = micro_input
         p = self.cfg.parallel
         split = self.dims.tp if p.sequence_parallel and self.dims.tp > 1 else 1
         if self.chunks[0].cfg.tie_word_embeddings:
@@ -230,6 +233,26 @@ class Distributed(World):
             activation_shape=lambda ids: (ids.shape[0], ids.shape[1] // split, hidden),
             task_loss=task_loss, metric_names=metric_names, extra_loss=extra_loss,
             inflight=p.pipeline_inflight)
+
+    def forward_backward(self, micro: list[dict], n: int, plain: Callable,
+                         trace: list | None) -> tuple[torch.Tensor | float, dict]:
+        """``World.forward_backward``: under pipeline parallelism the schedule runs every
+        micro-batch's forward and backward (each action a trace record of a traced step, timed
+        to the device's end on a GPU: execution, not queueing); otherwise ``plain``."""
+        pipe = self.pipeline
+        if pipe is None:
+            return plain(micro)
+        pipe.sync_timing = trace is not None and self.device.type == "cuda"
+        loss = pipe.run([self._micro_input(mb) for mb in micro], n)
+        if trace is not None:
+            trace.extend(pipe.records)
+        return loss, {k: torch.tensor(v, dtype=torch.float64) for k, v in pipe.metrics.items()}
+
+    def forward_only(self, micro: list[dict], plain: Callable) -> torch.Tensor | float:
+        """``World.forward_only``: the pipeline's forward-only schedule, or ``plain``."""
+        if self.pipeline is None:
+            return plain(micro)
+        return self.pipeline.evaluate([self._micro_input(mb) for mb in micro])
 
     def _tie_pipeline_ends(self, model) -> None:
         """Tied embeddings under pipeline parallelism (Megatron's embedding group): the first

@@ -10,6 +10,10 @@ training loop drives every layout with the same five calls:
     engine.step(lr)                    # AdamW, then re-materialise what the layout needs
     engine.state_dict()                # logical (unsharded, HF-named) tensors for checkpoints
 
+and around each step ``engine.begin_step()`` / ``engine.step_metrics()`` (what the engine
+counts of the step's own traffic: expert parallelism's rows), with ``optim_step`` once for
+every engine (``EngineBase``).
+
 ``LocalEngine`` is the single-process reference every parallel engine is proven equal to.
 What the loop, the layouts and the checkpoints use of an engine is declared once, as a
 protocol, above this package: ``threefold.run.Engine`` (tests/test_code_shape.py checks that
@@ -19,6 +23,7 @@ every engine has its methods).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Iterator
 
@@ -28,6 +33,7 @@ from torch import nn
 from threefold.config import OptimConfig
 # make_adamw is imported from here by the benchmarks too
 from threefold.parallel.adamw import adamw_step, make_adamw  # noqa: F401
+from threefold.parallel.expert import ExpertParallelExperts, take_rows
 from threefold.parallel.materialize import fill_local
 from threefold.parallel.offload import HostOptimizer
 from threefold.parallel.placement import Piece, ep_sharded, tied_replica, tp_shard_dim
@@ -152,7 +158,44 @@ def _fold_grad(p: nn.Parameter, master: nn.Parameter | None) -> None:
     p.grad = None
 
 
-class LocalEngine:
+class EngineBase:
+    """What every engine does alike, whatever it holds (``model``, ``optimizer``, ``comm``):
+    the optimiser's step count, and what it counts per step of its own traffic (expert
+    parallelism's all-to-all rows)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    comm = None
+
+    def optim_step(self) -> int:
+        """Optimiser steps taken so far."""
+        for st in self.optimizer.state.values():
+            return int(st["step"])
+        return 0
+
+    @functools.cached_property
+    def _dispatchers(self) -> list:
+        """The all-to-all dispatchers of the model's expert-parallel layers (found once: a
+        step does not walk the model)."""
+        return [m.dispatcher for m in self.model.modules()
+                if isinstance(m, ExpertParallelExperts)]
+
+    def begin_step(self) -> None:
+        """Before a step's first forward: what the engine counts per step restarts, so that
+        evaluation's or generation's traffic is not counted as the step's."""
+        take_rows(self._dispatchers)
+
+    def step_metrics(self) -> dict[str, int]:
+        """The step's figures of the engine's own traffic: under expert parallelism the rows
+        this rank's MoE layers sent to other ep ranks since ``begin_step`` (``ep_rows_sent``:
+        dispatch and combine, forwards only; ``threefold.parallel.expert.take_rows_sent``);
+        nothing elsewhere."""
+        if self.comm is None or self.comm.size("ep") == 1:
+            return {}
+        return {"ep_rows_sent": take_rows(self._dispatchers)}
+
+
+class LocalEngine(EngineBase):
     """One process holds everything: plain AdamW over the model's parameters (its state in
     host memory with ``offload``, ``threefold.parallel.offload``).
 
@@ -275,12 +318,6 @@ class LocalEngine:
                     out.append(Piece(n, kind, st[kind].reshape(-1), 0, p.numel(),
                                      tuple(p.shape)))
         return out
-
-    def optim_step(self) -> int:
-        """Optimiser steps taken so far."""
-        for st in self.optimizer.state.values():
-            return int(st["step"])
-        return 0
 
     @torch.no_grad()
     def load_from(self, source, optim_step: int = 0) -> None:

@@ -137,11 +137,15 @@ def take_rows_sent(model: nn.Module) -> int:
     only, recomputed ones included) since the last call; the counters restart at 0. Each
     backward sends the same rows again, so the step's all-to-all bytes on ep are
     (forward rows + backward rows) · h · element size + the count exchanges."""
+    return take_rows([m.dispatcher for m in model.modules()
+                      if isinstance(m, ExpertParallelExperts)])
+
+
+def take_rows(dispatchers: list[Dispatcher]) -> int:
+    """``take_rows_sent`` of the layers whose ``dispatchers`` an engine found once."""
     total = 0
-    for m in model.modules():
-        if isinstance(m, ExpertParallelExperts):
-            d = m.dispatcher
-            total, d.rows_sent = total + d.rows_sent, 0
+    for d in dispatchers:
+        total, d.rows_sent = total + d.rows_sent, 0
     return total
 
 

@@ -7,7 +7,7 @@ wraps the mesh and the communication layer; the training loop talks to both the 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -55,6 +55,34 @@ class World:
     def pipeline_groups(self) -> list[list[int]]:
         """The ranks of each pipeline (none without pipeline parallelism)."""
         return []
+
+    @contextlib.contextmanager
+    def traced(self, records: list | None) -> Iterator[None]:
+        """Inside, the collectives that time themselves (``threefold.comm.Comm.trace``: data
+        parallel's buckets, overlapped tensor parallelism's chunks) append their records to
+        ``records``, a traced step's list (None: an untraced step; one process has no
+        collectives to trace)."""
+        if self.comm is None:
+            yield
+            return
+        before, self.comm.trace = self.comm.trace, records
+        try:
+            yield
+        finally:
+            self.comm.trace = before
+
+    def forward_backward(self, micro: list[dict], n: int, plain: Callable,
+                         trace: list | None) -> tuple[torch.Tensor | float, dict]:
+        """Forward and backward of this rank's micro-batches of one step, each loss divided by
+        the step's ``n`` units: (summed loss, the task's summed metrics {name: tensor}). Here
+        ``plain(micro)``, the step's own micro-steps; a pipeline runs its schedule instead
+        (``threefold.parallel.distributed_layout``)."""
+        return plain(micro)
+
+    def forward_only(self, micro: list[dict], plain: Callable) -> torch.Tensor | float:
+        """The summed loss of this rank's micro-batches without a graph (evaluation): here
+        ``plain(micro)``; a pipeline runs its forward-only schedule instead."""
+        return plain(micro)
 
 
     def first_rank_first(self, fn: Callable[[], Any]) -> Any:

@@ -200,7 +200,6 @@ class TensorParallelSublayer(nn.Module):
     comm = None
     sequence_parallel = False
     tp_overlap = 0  # chunks wanted per collective (0: the plain operators)
-    trace = None  # a traced step's record list (``tp_overlap.set_trace``)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """The sub-layer between its two conjugate operators."""
@@ -208,7 +207,8 @@ class TensorParallelSublayer(nn.Module):
             # the column projections' outputs come with the gathered input; the row
             # projection (OverlappedRowLinear) returns its output reduce-scattered
             chunks = overlap_chunks(x.shape[1], self.tp_overlap)
-            x = fuse_columns(self, x, self.comm, chunks, self.trace)
+            # (a traced step's records go to the communication layer's list: Comm.trace)
+            x = fuse_columns(self, x, self.comm, chunks, self.comm.trace)
             return super().forward(x, *args, **kwargs)
         sp = self.sequence_parallel
         x = (_GatherSeq if sp else _CopyToTP).apply(x, self.comm)

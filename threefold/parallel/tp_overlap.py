@@ -296,15 +296,14 @@ class OverlappedRowLinear(nn.Linear):
     comm = None
     chunks = 0  # the wanted count; ``used`` is what the last call's shapes allowed
     used = 0
-    trace = None  # a traced step's record list (``set_trace``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of the reduced output."""
         tp = self.comm.size(AXIS)
         self.used = overlap_chunks(x.shape[1] // tp, self.chunks)
         x, carrier = _RowInput.apply(x, self.weight, self.bias)
-        return _RowScatter.apply(x, carrier, self.comm, self.used, self.trace, self.weight,
-                                 self.bias)
+        return _RowScatter.apply(x, carrier, self.comm, self.used, self.comm.trace,
+                                 self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, reduce-scatter in {self.chunks} overlapped chunks"
@@ -360,14 +359,6 @@ def fuse_columns(sub: nn.Module, x: torch.Tensor, comm, chunks: int, trace) -> t
     for proj, out in zip(projs, outs):
         proj.ready = out
     return gathered
-
-
-def set_trace(model: nn.Module, records: list | None) -> None:
-    """Record the overlapped collectives and matmuls of the next steps into ``records`` (a
-    traced step's list), or stop (None)."""
-    for m in model.modules():
-        if hasattr(m, "tp_overlap") or isinstance(m, OverlappedRowLinear):
-            m.trace = records
 
 
 def chunks_used(model: nn.Module) -> int:

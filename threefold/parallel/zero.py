@@ -38,7 +38,7 @@ from torch import nn
 
 from threefold.config import OptimConfig
 from threefold.head_loss import LMHead
-from threefold.parallel.engine import (OptimizerSlot, global_sq_norm,
+from threefold.parallel.engine import (EngineBase, OptimizerSlot, global_sq_norm,
                                        trained_named_parameters, unique_named_parameters)
 from threefold.parallel.flat import FlatUnit  # noqa: F401 (re-exported)
 from threefold.parallel.fp8 import Float8Linear
@@ -91,7 +91,7 @@ def _fill_frozen(model: nn.Module, trained: list, source, device, param_dtype) -
             p.data = p.data.to(param_dtype)
 
 
-class ZeroEngine:
+class ZeroEngine(EngineBase):
     """ZeRO stage 1, 2 or 3 over ``shard_axis``, optionally replicated over ``replicate_axis``.
 
     ``modules`` lists, in forward order, the modules that become units (for the Llama model:
@@ -417,12 +417,6 @@ class ZeroEngine:
                     out.append(Piece(n, kind, flat[a - lo:b - lo], a - off, b - off,
                                      tuple(shape)))
         return out
-
-    def optim_step(self) -> int:
-        """Optimiser steps taken so far."""
-        for st in self.optimizer.state.values():
-            return int(st["step"])
-        return 0
 
     @torch.no_grad()
     def load_from(self, source, optim_step: int = 0) -> None:
