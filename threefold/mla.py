@@ -68,7 +68,7 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerKV | None = None
                 ) -> torch.Tensor:
-        """x (B, T, h) -> (B, T, h); ``attn_mask`` and ``cache`` as ``LlamaAttention``'s
+        """x (B, T, h) -> (B, T, h); ``attn_mask`` and ``cache`` as ``Attention``'s
         (the cache holds the expanded keys and values)."""
         x = matmul_input(x)
         b, t = x.shape[:2]
