@@ -63,7 +63,7 @@ def test_logits_equal_transformers_and_convert_round_trips(family, tmp_path):
     transformers = pytest.importorskip("transformers")
     hf = _hf_model(family)
     cfg, weights, model, ids, want = hf_twin(hf, tmp_path / "hf")
-    assert cfg.family == family
+    assert cfg.family == family and type(model).__name__ == type(hf).__name__  # its own name
     assert cfg.sliding_window == (0 if family == "olmo2" else WINDOW)
     assert (cfg.norm_layout, cfg.qk_norm) == {"olmo2": ("post", True), "mistral": ("pre", False),
                                               "gemma3_text": ("sandwich", True)}[family]
