@@ -1,7 +1,7 @@
 """Generation from the policy with the training model's own code: a KV cache, greedy decoding
 and sampling (temperature, top-k, top-p), batched left-padded prompts, stop on EOS.
 
-``generate(model, prompt_ids, max_new_tokens, ...)`` runs ``threefold.model.LlamaForCausalLM``
+``generate(model, prompt_ids, max_new_tokens, ...)`` runs ``threefold.model.CausalLM``
 with a ``KVCache`` (one prefill of the padded prompts, then one token per step); there is no
 second model implementation. Left padding: row b's first ``pad[b]`` slots are hidden from
 every query and its real tokens take positions 0, 1, ... as if it were alone, so a prompt

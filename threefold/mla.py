@@ -10,7 +10,7 @@ is 0. A head's query and key are its features without RoPE, then its RoPE featur
 scores are scaled by 1/sqrt(query width), times YaRN's temperature squared when the config
 scales RoPE that way (``score_scale``).
 
-Like ``threefold.attention.LlamaAttention`` it knows nothing of ranks: head counts come from
+Like ``threefold.attention.Attention`` it knows nothing of ranks: head counts come from
 what ``q_b_proj`` and ``kv_b_proj`` return, so a tensor-parallel shard holding some heads runs
 the same code.
 """
