@@ -11,7 +11,7 @@ per rank; N = ``--ranks``, default 4, all one cp group). Within the launch the t
 alternate round by round (A B, then B A, ...) so that noise from the shared machine falls on
 both sides of each ratio.
 
-Both sides train threefold's ``LlamaForCausalLM`` from the same weights (``build_model`` with
+Both sides train threefold's ``CausalLM`` from the same weights (``build_model`` with
 one seed, rebuilt every round) on the same batch (random token ids from a fixed seed), fp32,
 and take the same steps: forward, summed token cross-entropy of the rank's tokens divided by
 the whole batch's token count, backward, one all-reduce of the flattened gradients over the

@@ -175,12 +175,12 @@ def profile_block(shape: str, batch: int, dtype: torch.dtype, compiled: bool = F
     ``compiled`` the block goes through ``torch.compile`` (inductor) first; its fused kernels
     (inductor's kernel profiling names them) count one each, their bytes are not known."""
     from threefold.config import ModelConfig
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
 
     dims = dict(SHAPES[shape])
     seq = dims.pop("seq")
     cfg = ModelConfig(preset="tiny", vocab_size=256, num_hidden_layers=1, **dims).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     block = model.model.layers[0]
     if compiled:
         import torch._inductor.config as inductor_config

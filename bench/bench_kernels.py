@@ -119,11 +119,11 @@ def _saved_bytes_per_token(dtype: torch.dtype) -> tuple[float, float]:
 
     from threefold.accounting import layer_parameters_per_rank
     from threefold.config import ModelConfig
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
     from threefold.plan.activations import block_activation_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     x = torch.randn(B, T, H, requires_grad=True)
     cos, sin = model.model.rotary(torch.arange(T).expand(B, T))
     skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), cos, sin)}
@@ -168,12 +168,12 @@ def _selective_bytes_per_token(dtype: torch.dtype) -> tuple[float, float]:
     what its forward leaves allocated, per token between two lengths; what
     ``selective_block_bytes`` counts for it, less the block's input, made outside)."""
     from threefold.config import ModelConfig
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
     from threefold.parallel.recompute import apply_recompute
     from threefold.plan.activations import selective_block_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     apply_recompute(model, "selective")
     held = []
     for t in (T, 2 * T):

@@ -48,7 +48,7 @@ cores/1, not by ep). Also:
   again), and the expectation under uniform routing, N·k·(ep−1)/ep rows each way.
 
 Part 2, one process (rank 0; the others wait), a whole training step of
-``threefold.model.LlamaForCausalLM`` (``build_model``, fp32): forward, summed token
+``threefold.model.CausalLM`` (``build_model``, fp32): forward, summed token
 cross-entropy over the batch's token count plus the router terms (``RouterLog.add``, as the
 trainer adds them), backward, gradient clipping, AdamW (``make_adamw``), zero_grad; the MoE
 preset (``--model-preset``, default tiny-moe: 8 experts of width 344, top-2) against the

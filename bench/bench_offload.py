@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, report, revision  # noqa: E402
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
-from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
+from threefold.model import CausalLM, causal_lm_loss  # noqa: E402
 from threefold.parallel.adamw import KERNELS, make_adamw  # noqa: E402
 from threefold.parallel.engine import LocalEngine  # noqa: E402
 from threefold.parallel.offload import HostOptimizer  # noqa: E402
@@ -59,9 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build(preset: str, seed: int = 0) -> LlamaForCausalLM:
+def build(preset: str, seed: int = 0) -> CausalLM:
     """The ``preset`` model, initialised from ``seed``."""
-    model = LlamaForCausalLM(ModelConfig(preset=preset).resolved(VOCAB))
+    model = CausalLM(ModelConfig(preset=preset).resolved(VOCAB))
     model.init_weights(seed)
     return model
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, run_ranks  # noqa: E402
 from threefold.config import ModelConfig  # noqa: E402
-from threefold.model import LlamaForCausalLM  # noqa: E402
+from threefold.model import CausalLM  # noqa: E402
 from threefold.parallel.pipeline.executor import PipelineExecutor, idle_fraction  # noqa: E402
 from threefold.schedules.simulate import measured_costs, simulate  # noqa: E402
 
@@ -82,7 +82,7 @@ def run_schedule(args, entry: str, v: int, comm) -> dict:
                       num_key_value_heads=2).resolved(args.vocab)
     from threefold.parallel.pipeline.stage import split_model
 
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.init_weights(0)
     chunks = split_model(model, p, v, rank, vshape=schedule_spec(name).vshape)
     del model

@@ -89,7 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (peak_rss_bytes, report, run_ranks,  # noqa: E402
                           start_peak_rss_window)
 from threefold.config import ModelConfig  # noqa: E402
-from threefold.model import LlamaForCausalLM  # noqa: E402
+from threefold.model import CausalLM  # noqa: E402
 from threefold.schedules.schedules import in_flight_chunks, peak_in_flight  # noqa: E402
 from threefold.plan import activations, memory  # noqa: E402
 
@@ -301,7 +301,7 @@ def worker(args: argparse.Namespace) -> None:
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, tie_word_embeddings=False,
                       max_position_embeddings=max(1024, args.seq_len)).resolved(args.vocab)
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.init_weights(args.seed)
     schedules = {e: parse_schedule(e, args.vpp, p) for e in args.schedules.split(",")}
     shapes = {(v, vshape) for _, v, _, vshape in schedules.values()}  # one split per shape

@@ -12,7 +12,7 @@ when other work runs on the machine; read the median ratio, not one round.
 
 Started without torchrun's environment, the script re-launches itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node 4`` (gloo, one OpenMP thread
-per rank). Every rank is one pipeline stage: the model (threefold ``LlamaForCausalLM``) is cut
+per rank). Every rank is one pipeline stage: the model (threefold ``CausalLM``) is cut
 into 4 stages by ``split_model`` (balanced by parameters, or by FLOPs with ``--balance
 flops``) and rank r holds stage r.
 
@@ -70,7 +70,7 @@ from bench.common import (ab_rows, peak_rss_bytes, report, run_ranks,  # noqa: E
                           start_peak_rss_window)
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
 from threefold.accounting import num_parameters  # noqa: E402
-from threefold.model import LlamaForCausalLM, causal_lm_loss  # noqa: E402
+from threefold.model import CausalLM, causal_lm_loss  # noqa: E402
 from threefold.parallel.engine import make_adamw  # noqa: E402
 from threefold.parallel.pipeline.stage import split_model  # noqa: E402
 
@@ -117,10 +117,10 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def build_stage(mcfg: ModelConfig, seed: int, pp_rank: int, pp: int,
-                balance: str = "params") -> LlamaForCausalLM:
+                balance: str = "params") -> CausalLM:
     """This rank's chunk of the whole model initialised from ``seed`` (the same on both
     sides: initialisation is by parameter name)."""
-    model = LlamaForCausalLM(mcfg)
+    model = CausalLM(mcfg)
     model.init_weights(seed)
     (chunk,) = split_model(model, pp, 1, pp_rank, balance, mcfg.max_position_embeddings)
     return chunk
@@ -169,7 +169,7 @@ class _WithPositions(nn.Module):
     """A chunk whose forward takes only its input (what PipelineStage passes on) and supplies
     the position ids 0..T-1 itself, as the threefold executor does for a plain microbatch."""
 
-    def __init__(self, chunk: LlamaForCausalLM):
+    def __init__(self, chunk: CausalLM):
         super().__init__()
         self.chunk = chunk
 

@@ -80,11 +80,11 @@ def hf_twin(hf, folder: Path, prompt_len: int = 24):
     import torch
 
     from threefold.hf import load_pretrained
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
 
     hf.save_pretrained(folder)
     cfg, weights = load_pretrained(folder)
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.load_state_dict(weights, strict=True)
     ids = torch.randint(0, cfg.vocab_size, (2, prompt_len))
     with torch.no_grad():

@@ -16,7 +16,7 @@ def test_folder_and_conversations_agree_with_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("jinja2")
     from threefold.hf import import_hf, init_from_hf
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
     from threefold.data.chat import encode_conversation
     from threefold.post.sft import pack
 
@@ -29,7 +29,7 @@ def test_folder_and_conversations_agree_with_transformers(tmp_path):
     assert (cfg.num_hidden_layers, cfg.vocab_size, cfg.head_dim, cfg.num_key_value_heads,
             cfg.tie_word_embeddings, cfg.rope_theta) == (1, 49152, 64, 3, True, 1e5)
     assert tok_path == hf / "tokenizer.json"
-    ours = LlamaForCausalLM(cfg).eval()
+    ours = CausalLM(cfg).eval()
     init_from_hf(ours, hf)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))

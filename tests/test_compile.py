@@ -67,10 +67,10 @@ def test_a_block_is_one_graph(dtype):
     import torch
 
     from threefold.config import ModelConfig
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     x = torch.randn(2, 32, cfg.hidden_size, requires_grad=True)
     cos, sin = model.model.rotary(torch.arange(32).expand(2, 32))
     auto = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" \

@@ -463,7 +463,7 @@ def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
     adds one of those per microbatch in flight beyond the one in backward (GPipe: m - 1)."""
     import torch
 
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
     from threefold.plan.activations import block_activation_bytes
     from threefold.plan.memory import stage_memory
     from tests.test_tp_layer import SavedBytes
@@ -472,7 +472,7 @@ def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
     b, s = 2, 16
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2).resolved(96)
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.init_weights(0)
     last = split_model(model, 2, 1, 1)[0]
     x = torch.randn(b, s, 32, requires_grad=True)

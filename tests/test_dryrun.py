@@ -27,7 +27,7 @@ from threefold.accounting import (
 )
 from threefold.cli import main as cli_main
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 from threefold.plan.activations import block_activation_bytes, model_layer_activation_bytes
 from threefold.dryrun import _MetaComm, dry_run, meta_parameter_counts, predict
 
@@ -46,7 +46,7 @@ def warm():
     """Pay once for what torch imports the first time the meta device is used (seconds, not
     related to the model's size), so the 70B check times the dry run itself."""
     with torch.device("meta"):
-        LlamaForCausalLM(ModelConfig(preset="tiny", vocab_size=256).resolved())
+        CausalLM(ModelConfig(preset="tiny", vocab_size=256).resolved())
 
 
 def test_llama70b_on_64_ranks_without_allocating(warm, monkeypatch):
@@ -188,7 +188,7 @@ def test_meta_model_matches_planner_parameter_order(warm, tp, tied):
 
     cfg = ModelConfig(preset="tiny", vocab_size=1001, tie_word_embeddings=tied).resolved()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
     if tp > 1:
         apply_tensor_parallel(model, _MetaComm(tp), sequence_parallel=True)
     sizes = [p.numel() for p in model.parameters()]
@@ -217,7 +217,7 @@ def test_planner_splits_the_pipeline_as_the_runtime_does(warm, preset, pp, vpp, 
     lay = Layout(pp=pp, vpp=vpp, schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
                  pipeline_split=f"flops:{seq}" if split == "flops" else split)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
     blocks = []
     for rank in range(pp):
         chunks = split_model(model, pp, vpp, rank, balance=split, seq_len=seq)
@@ -264,7 +264,7 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, qwen, dtype
     extra = {"qwen3": {"qk_norm": True, "attention_head_dim": 24},
              "qwen2": {"qkv_bias": True}}.get(qwen, {})
     cfg = ModelConfig(preset="tiny", vocab_size=512, **extra).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     if tp > 1:
         apply_tensor_parallel(model, _Loopback(tp), sp)
     b, s, h = 2, 64, cfg.hidden_size
@@ -299,7 +299,7 @@ def test_document_mask_bytes_equal_what_masked_attention_adds(tp, sp, dtype):
     from threefold.plan.activations import document_mask_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     if tp > 1:
         apply_tensor_parallel(model, _Loopback(tp), sp)
     b, s = 2, 64
@@ -337,7 +337,7 @@ def test_selective_block_bytes_equal_what_the_block_holds(tp, sp, dtype):
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     if tp > 1:
         apply_tensor_parallel(model, _Loopback(tp), sp)
     block, b, h = model.model.layers[0], 2, cfg.hidden_size
@@ -378,7 +378,7 @@ def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
     comm = Comm(dims, dims.build_mesh("cpu"))
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_key_value_heads=kv_heads).resolved()
     torch.manual_seed(0)
-    model = apply_context_parallel(LlamaForCausalLM(cfg), comm, algorithm)
+    model = apply_context_parallel(CausalLM(cfg), comm, algorithm)
     b, s = 2, 64
     whole = torch.zeros(b, s, dtype=torch.long)
     micro = shard_batch({"input_ids": whole, "labels": whole}, world, comm.rank("cp"))
@@ -434,7 +434,7 @@ def test_head_saved_bytes_equal_autograd_saved_tensors(tp, sp):
     from threefold.plan.activations import head_saved_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=500, num_hidden_layers=1).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.model.layers = torch.nn.ModuleList()  # only the norm, the head and the loss
     if tp > 1:
         apply_tensor_parallel(model, _Loopback(tp), sp)

@@ -18,7 +18,7 @@ import torch
 from tests.conftest import final_weights, hf_twin, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -63,7 +63,7 @@ def test_logits_equal_transformers_and_convert_round_trips(family, tmp_path):
     transformers = pytest.importorskip("transformers")
     hf = _hf_model(family)
     cfg, weights, model, ids, want = hf_twin(hf, tmp_path / "hf")
-    assert cfg.family == family
+    assert cfg.family == family and type(model).__name__ == type(hf).__name__  # its own name
     assert cfg.sliding_window == (0 if family == "olmo2" else WINDOW)
     assert (cfg.norm_layout, cfg.qk_norm) == {"olmo2": ("post", True), "mistral": ("pre", False),
                                               "gemma3_text": ("sandwich", True)}[family]
@@ -75,7 +75,7 @@ def test_logits_equal_transformers_and_convert_round_trips(family, tmp_path):
             <= 1e-3
         # each of the family's own pieces decides the logits: without it they differ
         for change in OWN[family]:
-            plain = LlamaForCausalLM(dataclasses.replace(cfg, **change))
+            plain = CausalLM(dataclasses.replace(cfg, **change))
             plain.load_state_dict(weights, strict=False)
             assert (plain.eval()(ids) - want).abs().max() > 1e-2, change
     run = tmp_path / "run"
@@ -99,7 +99,7 @@ def test_sliding_window_generation_equals_transformers(tmp_path):
     hf = _hf_model("mistral")
     hf.save_pretrained(tmp_path / "hf")
     cfg, weights = load_pretrained(tmp_path / "hf")
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.load_state_dict(weights, strict=True)
     prompt = torch.randint(0, 300, (1, 10))
     with torch.no_grad():
@@ -249,7 +249,7 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(family, tp, sp):
     from threefold.plan.activations import model_layer_activation_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, **ACTIVATION_CASES[family]).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     if tp > 1:
         apply_tensor_parallel(model, _Loopback(tp), sp)
     b, s, h = 2, 64, cfg.hidden_size
@@ -298,7 +298,7 @@ def test_fine_tuning_each_family_peaks_as_the_dry_run_says(corpus, cache_dir, tm
     for name, fields in MEMORY_FAMILIES.items():
         cfg = ModelConfig(**{**SMOL, "num_hidden_layers": LAYERS, **fields}).resolved()
         with torch.device("meta"):
-            shapes = [(n, tuple(p.shape)) for n, p in LlamaForCausalLM(cfg).named_parameters()]
+            shapes = [(n, tuple(p.shape)) for n, p in CausalLM(cfg).named_parameters()]
         write_hf_folder(tmp_path / name, [(n, s, lambda n=n, s=s: initial_weight(n, s, cfg, 0))
                                           for n, s in shapes], cfg, Path(data.tokenizer_path))
         over = finetune_overrides(tmp_path / name, tmp_path / f"{name}-run", seq=SEQ, world=1,

@@ -316,14 +316,14 @@ def test_a_blocks_saved_bytes_under_fp8_are_the_planners():
     from tests.test_tp_layer import SavedBytes
     from threefold.accounting import Layout, Workload
     from threefold.config import ModelConfig
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
     from threefold.plan.activations import model_layer_activation_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=256, num_hidden_layers=1).resolved()
     b, s = 2, 32
     x = torch.randn(b, s, cfg.hidden_size, requires_grad=True)
     for recipe in ("none", "tensorwise", "rowwise"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
         apply_fp8(model, recipe)
         cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
         with SavedBytes(list(model.parameters())) as saved:
@@ -357,7 +357,7 @@ def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_by
     from threefold.accounting.fp8 import fp8_gathered_numels
     from threefold.comm import Comm
     from threefold.mesh import ParallelDims
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
     from threefold.parallel.fp8 import E4M3, _cast, _scale
     from threefold.parallel.fp8_gather import Fp8FlatUnit, GatheredWeight
     from threefold.plan.memory import gathered_unit_bytes
@@ -366,7 +366,7 @@ def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_by
                                            parallel__zero_stage=3))
     mcfg = cfg.model.resolved(cfg.data.vocab_size)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(mcfg)
+    model = CausalLM(mcfg)
     apply_fp8(model, "tensorwise")
     block = model.model.layers[0]
     layers = {id(m.weight): m for m in block.modules() if isinstance(m, Float8Linear)}

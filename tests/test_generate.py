@@ -17,7 +17,7 @@ from tests.conftest import tiny_overrides
 from tests.dist import run_checks
 from tests.test_model import hf_model, perturb_norms, tiny
 from threefold.generate import dp_share, filter_logits, generate
-from threefold.model import KVCache, LlamaForCausalLM
+from threefold.model import CausalLM, KVCache
 
 VOCAB = 300
 NEW = 10
@@ -35,10 +35,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _model(cfg, seed: int = 3) -> LlamaForCausalLM:
+def _model(cfg, seed: int = 3) -> CausalLM:
     """Our model with a large init (peaked attention: position or mask errors change tokens)
     and non-trivial norm weights."""
-    model = LlamaForCausalLM(dataclasses.replace(cfg, init_std=0.1)).eval()
+    model = CausalLM(dataclasses.replace(cfg, init_std=0.1)).eval()
     model.init_weights(seed=seed)
     perturb_norms(model)
     return model

@@ -16,7 +16,7 @@ from conftest import tiny_overrides
 from threefold import convert, hf
 from threefold.checkpoint import list_checkpoints, load_checkpoint
 from threefold.config import ModelConfig, load_config
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,10 +33,10 @@ def trained(corpus, cache_dir, tmp_path_factory):
     return root, summary
 
 
-def _ours_from_checkpoint(run: Path) -> LlamaForCausalLM:
+def _ours_from_checkpoint(run: Path) -> CausalLM:
     step = list_checkpoints(run / "checkpoints")[-1]
     tensors, state = load_checkpoint(run / "checkpoints" / str(step))
-    model = LlamaForCausalLM(ModelConfig(**state["model_config"]))
+    model = CausalLM(ModelConfig(**state["model_config"]))
     model.load_state_dict(tensors["model"], strict=True)
     return model.eval()
 
@@ -103,7 +103,7 @@ def test_tied_llama3_model_round_trips(tmp_path):
         (True, "llama3", 4.0)
     assert (cfg.rope_theta, cfg.original_max_position_embeddings, tok) == (5e4, 16, None)
     assert "lm_head.weight" not in weights
-    ours = LlamaForCausalLM(cfg).eval()
+    ours = CausalLM(cfg).eval()
     hf.init_from_hf(ours, tmp_path / "src")
     # 64 positions: past the original context of 16, where the Llama 3 rescaling matters.
     ids = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -113,7 +113,7 @@ def test_tied_llama3_model_round_trips(tmp_path):
         # HF -> threefold checkpoint -> HF again gives the same model to transformers.
         assert_round_trip(tmp_path, ids, want)
     # A wrong RoPE base is named, not loaded into a model that would silently differ.
-    other = LlamaForCausalLM(ModelConfig(**{**vars(cfg), "rope_theta": 1e4}))
+    other = CausalLM(ModelConfig(**{**vars(cfg), "rope_theta": 1e4}))
     with pytest.raises(hf.HFError, match="rope_theta"):
         hf.init_from_hf(other, tmp_path / "src")
 

@@ -18,7 +18,7 @@ from tests.test_sft import OPTIM, TRL_CONVS, base, trl_args, trl_stack  # noqa: 
 from threefold.accounting import Layout, Workload, comm_bytes_per_step
 from threefold.config import ConfigError, LoRAConfig, ModelConfig, load_config
 from threefold.lora import LoRALinear, adapters_off, apply_lora
-from threefold.model import LlamaForCausalLM, initial_weight
+from threefold.model import CausalLM, initial_weight
 from threefold.post.sft import SFTOptions, SFTTask
 from threefold.dryrun import predict
 from threefold.train import train
@@ -29,7 +29,7 @@ LORA = {"lora__r": "4", "lora__alpha": "8"}
 def test_adapters_start_at_the_base_and_only_they_train():
     cfg = ModelConfig(preset="tiny", vocab_size=300).resolved()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     ids = torch.randint(0, 300, (2, 16))
     before = model(ids)
     apply_lora(model, LoRAConfig(r=4, alpha=8, target_modules="q_proj,down_proj"),
@@ -274,7 +274,7 @@ def _meta_units(mcfg, lora, tp):
     from threefold.dryrun import _MetaComm
 
     with torch.device("meta"):
-        model = apply_lora(LlamaForCausalLM(mcfg), lora)
+        model = apply_lora(CausalLM(mcfg), lora)
     if tp > 1:
         apply_tensor_parallel(model, _MetaComm(tp), True)
     modules, _ = zero_units(model, 1)

@@ -88,11 +88,11 @@ def make_folder(out: Path, layers: int, tokenizer: Path, seed: int = 0) -> Path:
 
     from threefold.config import ModelConfig
     from threefold.hf import write_hf_folder
-    from threefold.model import LlamaForCausalLM, initial_weight
+    from threefold.model import CausalLM, initial_weight
 
     cfg = ModelConfig(**{**SMOL, "num_hidden_layers": layers}).resolved()
     with torch.device("meta"):
-        shapes = [(n, tuple(p.shape)) for n, p in LlamaForCausalLM(cfg).named_parameters()]
+        shapes = [(n, tuple(p.shape)) for n, p in CausalLM(cfg).named_parameters()]
     # a tied head is stored once, as the embedding (named_parameters lists it once already)
     tensors = [(n, s, lambda n=n, s=s: initial_weight(n, s, cfg, seed)) for n, s in shapes]
     write_hf_folder(out, tensors, cfg, tokenizer)

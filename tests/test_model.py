@@ -13,7 +13,7 @@ from torch import nn
 from threefold.accounting import num_parameters
 from threefold.config import MODEL_PRESETS, ModelConfig
 from threefold.attention import document_position_ids, rope_inverse_frequencies
-from threefold.model import LlamaForCausalLM, causal_lm_loss, count_target_tokens
+from threefold.model import CausalLM, causal_lm_loss, count_target_tokens
 
 VOCAB = 300
 
@@ -73,7 +73,7 @@ def test_logits_match_huggingface(case):
     # move the logits well past the tolerance.
     cfg = dataclasses.replace(HF_CASES[case], init_std=0.1)
     torch.manual_seed(0)
-    ours = LlamaForCausalLM(cfg).eval()
+    ours = CausalLM(cfg).eval()
     ours.init_weights(seed=3)
     perturb_norms(ours)
     ref = hf_model(cfg)
@@ -102,7 +102,7 @@ def test_llama3_rope_scaling_hits_every_regime():
 
 def test_tied_weights_share_storage_and_load_hf_style():
     cfg = HF_CASES["mha-tied"]
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     sd = model.state_dict()
     assert "lm_head.weight" in sd  # HF's state_dict also has both names
@@ -120,7 +120,7 @@ def count(model: nn.Module) -> int:
 
 def test_parameter_count_tiny():
     for cfg in HF_CASES.values():
-        assert count(LlamaForCausalLM(cfg)) == num_parameters(cfg)
+        assert count(CausalLM(cfg)) == num_parameters(cfg)
 
 
 @pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b", "llama3-405b", "gpt-7.5b"])
@@ -128,7 +128,7 @@ def test_parameter_count_presets_on_meta(preset):
     cfg = ModelConfig(preset=preset).resolved()
     t0 = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
     assert time.perf_counter() - t0 < 10
     n = count(model)
     assert n == num_parameters(cfg)
@@ -148,7 +148,7 @@ def test_document_position_ids():
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_packed_documents_equal_separate_runs(kv_heads):
     cfg = tiny(num_key_value_heads=kv_heads)
-    model = LlamaForCausalLM(cfg).eval()
+    model = CausalLM(cfg).eval()
     model.init_weights(seed=0)
     g = torch.Generator().manual_seed(0)
     a, b = torch.randint(0, VOCAB, (1, 9), generator=g), torch.randint(0, VOCAB, (1, 14),
@@ -174,13 +174,13 @@ def test_meta_to_empty_init_is_deterministic_and_sane():
 
     def build(seed):
         with torch.device("meta"):
-            m = LlamaForCausalLM(cfg)
+            m = CausalLM(cfg)
         m.to_empty(device="cpu")
         m.init_weights(seed=seed)
         return m
 
     m1, m2, m3 = build(7), build(7), build(8)
-    eager = LlamaForCausalLM(cfg)
+    eager = CausalLM(cfg)
     eager.init_weights(seed=7)
     s1, s2, s3, se = (m.state_dict() for m in (m1, m2, m3, eager))
     for k in s1:
@@ -225,7 +225,7 @@ def test_head_sharded_layers_sum_to_the_whole():
     o/down by input columns; each shard runs the unchanged modules with fewer heads, and the
     shards' outputs add up to the full layer's output."""
     cfg = tiny()
-    model = LlamaForCausalLM(cfg).eval()
+    model = CausalLM(cfg).eval()
     model.init_weights(seed=1)
     layer = model.model.layers[0]
     x = torch.randn(2, 10, cfg.hidden_size)
@@ -249,7 +249,7 @@ def test_head_sharded_layers_sum_to_the_whole():
 def test_pipeline_stages_compose_to_the_whole():
     """Stages without embedding / norm / head (set to None) chain to the full forward."""
     cfg = tiny(num_hidden_layers=4)
-    model = LlamaForCausalLM(cfg).eval()
+    model = CausalLM(cfg).eval()
     model.init_weights(seed=2)
     first, last = copy.deepcopy(model), copy.deepcopy(model)
     first.model.layers = first.model.layers[:2]

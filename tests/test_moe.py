@@ -20,7 +20,7 @@ from tests.test_hf import assert_round_trip
 from threefold import convert, hf
 from threefold.accounting import active_parameters, flops_per_token, num_parameters
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 from threefold.moe import (RouterLog, SparseMoeBlock, load_balancing_loss, route,
                            router_z_loss, take_router_stats)
 
@@ -51,9 +51,9 @@ def mixtral(cfg: ModelConfig):
     return transformers.MixtralForCausalLM(hcfg).eval()
 
 
-def ours_random(cfg: ModelConfig, seed: int = 3) -> LlamaForCausalLM:
+def ours_random(cfg: ModelConfig, seed: int = 3) -> CausalLM:
     """Our model with a large init (peaked attention and routing) and random norm weights."""
-    model = LlamaForCausalLM(dataclasses.replace(cfg, init_std=0.1)).eval()
+    model = CausalLM(dataclasses.replace(cfg, init_std=0.1)).eval()
     model.init_weights(seed=seed)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -239,7 +239,7 @@ def test_export_loads_in_transformers_and_imports_back(moe_run, tmp_path):
     assert conf["model_type"] == "mixtral" and conf["architectures"] == ["MixtralForCausalLM"]
     assert (conf["num_local_experts"], conf["num_experts_per_tok"]) == (4, 2)
     cfg, weights = hf.load_pretrained(root / "run")
-    ours = LlamaForCausalLM(cfg).eval()
+    ours = CausalLM(cfg).eval()
     ours.load_state_dict(weights, strict=True)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(root / "exported").eval()
     assert type(theirs).__name__ == "MixtralForCausalLM"
@@ -285,7 +285,7 @@ def test_hf_made_mixtral_round_trips(tmp_path):
     theirs.save_pretrained(tmp_path / "src")
     got, weights, _ = hf.import_hf(tmp_path / "src")
     assert (got.num_local_experts, got.num_experts_per_tok) == (4, 2)
-    ours = LlamaForCausalLM(got).eval()
+    ours = CausalLM(got).eval()
     hf.init_from_hf(ours, tmp_path / "src")
     ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -293,7 +293,7 @@ def test_hf_made_mixtral_round_trips(tmp_path):
         assert (ours(ids) - want).abs().max().item() <= 1e-5
         assert_round_trip(tmp_path, ids, want)
     # another expert count is named, not loaded
-    other = LlamaForCausalLM(dataclasses.replace(got, num_local_experts=8))
+    other = CausalLM(dataclasses.replace(got, num_local_experts=8))
     with pytest.raises(hf.HFError, match="num_local_experts"):
         hf.init_from_hf(other, tmp_path / "src")
 
@@ -344,7 +344,7 @@ PRESET_COUNTS = {"mixtral-8x7b": (46_702_792_704, 12_879_925_248),
 def test_preset_parameter_counts_on_meta(preset):
     cfg = ModelConfig(preset=preset).resolved(vocab_size=4096)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     idle = experts * (cfg.num_local_experts - cfg.num_experts_per_tok) // cfg.num_local_experts
@@ -360,7 +360,7 @@ def test_preset_parameter_counts_on_meta(preset):
 def test_dense_presets_are_unchanged():
     cfg = ModelConfig(preset="llama3-8b").resolved()
     assert cfg.num_local_experts == 0 and active_parameters(cfg) == num_parameters(cfg)
-    assert not any(isinstance(m, SparseMoeBlock) for m in LlamaForCausalLM(
+    assert not any(isinstance(m, SparseMoeBlock) for m in CausalLM(
         ModelConfig(preset="tiny").resolved(320)).modules())
 
 
@@ -462,7 +462,7 @@ def test_shared_expert_block_equals_qwen2_moe(normalise):
     assert num_parameters(full) == num_parameters(moe_cfg()) + 2 * shared
     assert active_parameters(full) == active_parameters(moe_cfg()) + 2 * shared
     with torch.device("meta"):
-        assert sum(p.numel() for p in LlamaForCausalLM(full).parameters()) == num_parameters(full)
+        assert sum(p.numel() for p in CausalLM(full).parameters()) == num_parameters(full)
     # a shared expert exports as Qwen2-MoE; unrenormalised top-k weights alone have no family
     assert hf.family(full)["model_type"] == "qwen2_moe"
     with pytest.raises(ConfigError, match="model.norm_topk_prob"):

@@ -179,7 +179,7 @@ def _overlap_run(rank, world, stage, micro):
     from threefold.comm import Comm
     from threefold.config import ModelConfig, OptimConfig
     from threefold.mesh import ParallelDims
-    from threefold.model import LlamaForCausalLM, causal_lm_loss
+    from threefold.model import CausalLM, causal_lm_loss
     from threefold.parallel.zero import ZeroEngine
 
     dims = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, pp=1, world_size=world)
@@ -190,7 +190,7 @@ def _overlap_run(rank, world, stage, micro):
     ids = torch.randint(0, 320, (2 * micro, 17), generator=g)
     engines, events = {}, []
     for off in (False, True):
-        model = LlamaForCausalLM(mcfg)
+        model = CausalLM(mcfg)
         model.init_weights(0)
         units = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
         eng = engines[off] = ZeroEngine(model, units, OptimConfig(), comm, stage, offload=off)

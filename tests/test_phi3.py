@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tests.conftest import final_weights, hf_twin, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from threefold.config import ConfigError, load_config
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -57,7 +57,7 @@ def test_logits_equal_transformers_and_convert_round_trips(tmp_path):
     assert (cfg.family, cfg.partial_rotary_factor, cfg.sliding_window) == ("phi3", 0.5, WINDOW)
     with torch.no_grad():
         for change in ({"partial_rotary_factor": 1.0}, {"sliding_window": 0}):
-            plain = LlamaForCausalLM(dataclasses.replace(cfg, **change))
+            plain = CausalLM(dataclasses.replace(cfg, **change))
             plain.load_state_dict(weights, strict=True)
             assert (plain.eval()(ids) - want).abs().max() > 1e-3, change  # 100 x atol
     # a projection is read as its region of the fused file tensor, and only that region

@@ -13,7 +13,7 @@ import torch
 
 from tests.dist import run_distributed
 from threefold.config import ConfigError, ModelConfig, OptimConfig
-from threefold.model import LlamaForCausalLM, causal_lm_loss
+from threefold.model import CausalLM, causal_lm_loss
 from threefold.parallel.pipeline.executor import (
     PipelineExecutor,
     SplitBackward,
@@ -34,10 +34,10 @@ def _cfg(layers: int = 8, **kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw}).resolved(VOCAB)
 
 
-def _model(cfg: ModelConfig) -> LlamaForCausalLM:
+def _model(cfg: ModelConfig) -> CausalLM:
     """The whole model, initialised by name from SEED. (Built on the CPU: initialising on the
     meta device imports torch's compiler stack, seconds in every test process.)"""
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.init_weights(SEED)
     return model
 
@@ -164,7 +164,7 @@ def test_tied_head_on_another_rank_is_a_copy_of_the_embedding():
     assert last.lm_head.weight is not model.model.embed_tokens.weight  # its own storage
     assert torch.equal(last.lm_head.weight, model.model.embed_tokens.weight)
     # built alone and initialised by name, the copy starts from the embedding's values
-    alone = _materialise(split_model(LlamaForCausalLM(cfg), p=2, pp_rank=1))[0]
+    alone = _materialise(split_model(CausalLM(cfg), p=2, pp_rank=1))[0]
     assert torch.equal(alone.lm_head.weight, model.model.embed_tokens.weight)
     # all stages on one rank (p = 1, v = 2): the head stays the embedding itself
     chunks = split_model(model, p=1, v=2)

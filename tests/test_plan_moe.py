@@ -23,7 +23,7 @@ from threefold.accounting import (
     tp_shard,
 )
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 from threefold.plan.activations import block_activation_bytes
 from threefold.plan.candidates import SearchSpace
 from threefold.plan.cli import main
@@ -287,7 +287,7 @@ def test_moe_block_activation_bytes_equal_autograd_saved_tensors(e, k, dtype):
     torch.manual_seed(0)
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_local_experts=e,
                       num_experts_per_tok=k).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     b, s, h = 2, 64, cfg.hidden_size
     x = torch.randn(b, s, h, requires_grad=True)
     cos, sin = model.model.rotary(torch.arange(s).expand(b, s))

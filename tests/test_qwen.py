@@ -14,7 +14,7 @@ import torch
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from threefold.config import load_config
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 from threefold.train import train
 
 FAMILIES = {"qwen2": {"model__qkv_bias": "true"},
@@ -77,7 +77,7 @@ def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path
     assert (cfg.qkv_bias, cfg.qk_norm) == (qwen2, not qwen2)
     assert cfg.num_local_experts == (4 if family.endswith("moe") else 0)
     assert cfg.shared_expert_intermediate_size == (80 if family == "qwen2_moe" else 0)
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.load_state_dict(weights, strict=True)
     ids = torch.randint(0, 300, (2, 24))
     with torch.no_grad():

@@ -156,12 +156,12 @@ def test_pack_and_sampler_are_deterministic_exact_and_resumable():
 
 
 def test_packed_rows_compute_each_conversation_as_if_alone(data):
-    from threefold.model import LlamaForCausalLM, causal_lm_loss
+    from threefold.model import CausalLM, causal_lm_loss
 
     cfg = load_config(None, tiny_overrides("c", "c", "x", data__seq_len=256))
     task = SFTTask(SFTOptions(data=str(example_path("sft.jsonl"))))
     sampler, _ = task.samplers(cfg, data)
-    model = LlamaForCausalLM(cfg.model.resolved(data.vocab_size))
+    model = CausalLM(cfg.model.resolved(data.vocab_size))
     model.init_weights(seed=0)
     row = sampler.local_batch(0, 0, 4)  # 2 of the step's 8 rows
     with torch.no_grad():

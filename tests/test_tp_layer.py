@@ -129,12 +129,12 @@ class SavedBytes:
 
 def _model(kv: int):
     from threefold.config import ModelConfig
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
 
     cfg = ModelConfig(preset="tiny", vocab_size=96, hidden_size=H, intermediate_size=FFN,
                       num_hidden_layers=1, num_attention_heads=HEADS,
                       num_key_value_heads=kv).resolved()
-    model = LlamaForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.init_weights(seed=SEED)
     return model
 

@@ -302,7 +302,7 @@ def _run_checkpoint(root: Path, cfg: ModelConfig, w: dict) -> Path:
 @pytest.mark.parametrize("cfg", [LLAMA, MIXTRAL], ids=["llama", "mixtral"])
 def test_sharded_export_and_multi_file_import_round_trip(tmp_path, cfg):
     transformers = pytest.importorskip("transformers")
-    from threefold.model import LlamaForCausalLM
+    from threefold.model import CausalLM
 
     w = _weights(cfg)
     _run_checkpoint(tmp_path / "run", cfg, w)
@@ -318,7 +318,7 @@ def test_sharded_export_and_multi_file_import_round_trip(tmp_path, cfg):
     assert all(s <= 6000 or len(safe_open(str(tmp_path / "hf" / n), "pt").keys()) == 1
                for s, n in zip(sizes, shards))
     # transformers loads the shards: the same logits as threefold's model
-    ours = LlamaForCausalLM(cfg).eval()
+    ours = CausalLM(cfg).eval()
     ours.load_state_dict(w, strict=True)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=GEN)

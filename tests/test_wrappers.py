@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from threefold.config import ModelConfig
-from threefold.model import LlamaForCausalLM
-from threefold.parallel.context import (CPMask, ContextParallelAttention, ContextParallelModel,
-                                        apply_context_parallel)
+from threefold.model import CausalLM, MixtralModel, Qwen3ForCausalLM
+from threefold.parallel.context import (CPMask, ContextParallelAttention,
+                                        ContextParallelDecoderModel, apply_context_parallel)
 from threefold.parallel.expert import ExpertParallelExperts, apply_expert_parallel, take_rows_sent
 from threefold.parallel.recompute import apply_recompute
 from threefold.parallel.wrap import become
@@ -47,8 +47,8 @@ def _cfg() -> ModelConfig:
                        num_local_experts=4, num_experts_per_tok=2).resolved()
 
 
-def _model() -> LlamaForCausalLM:
-    model = LlamaForCausalLM(_cfg())
+def _model() -> CausalLM:
+    model = CausalLM(_cfg())
     model.init_weights(seed=0)
     return model
 
@@ -62,18 +62,21 @@ def _patched(model) -> list[str]:
 @pytest.mark.parametrize("algorithm", ["ring", "allgather"])
 def test_cp_and_ep_are_wrapper_classes_print_model_names(algorithm):
     model = _model()
+    assert type(model).__name__ == "MixtralForCausalLM"  # the config's family
     names = [n for n, _ in model.named_parameters()]
     apply_context_parallel(model, _SizesComm(cp=2), algorithm)
     apply_expert_parallel(model, _SizesComm(ep=2))
     apply_recompute(model, "full")  # swaps the blocks' classes on top of the wrappers
     text = repr(model)
-    assert re.search(r"ContextParallelModel\(\s+cp=2, masks from the whole sequence's", text)
+    # a wrapper over a family's class keeps the family's name after its own prefix
+    assert re.search(r"ContextParallelMixtralModel\(\s+cp=2, masks from the whole sequence's",
+                     text)
     for layer in model.model.layers:  # (print(model) folds equal layers into one)
         # a module with children prints its settings on the line after its name
         got = repr(layer)
         assert re.search(rf"ContextParallelAttention\(\s+cp=2, {algorithm}\n", got)
         assert "ExpertParallelExperts(experts [0, 2) of 4, ep=2, all-to-all)" in got
-        assert got.startswith("CheckpointedLlamaDecoderLayer(")
+        assert got.startswith("CheckpointedMixtralDecoderLayer(")
     assert [n for n, _ in model.named_parameters()] == names
     assert not _patched(model)
     assert isinstance(model.model.attention_mask(None), CPMask)
@@ -82,7 +85,8 @@ def test_cp_and_ep_are_wrapper_classes_print_model_names(algorithm):
         assert layer.self_attn.algorithm == algorithm and layer.self_attn.cp == 2
         assert type(layer.mlp.experts) is ExpertParallelExperts
         assert layer.mlp.experts.gate_up_proj.shape[0] == 2
-    assert type(model.model) is ContextParallelModel
+    assert isinstance(model.model, ContextParallelDecoderModel)
+    assert type(model.model).__mro__[1:3] == (ContextParallelDecoderModel, MixtralModel)
     # wrappers are module-level classes: pickled by name, kept by a deep copy
     assert pickle.loads(pickle.dumps(ContextParallelAttention)) is ContextParallelAttention
     twin = copy.deepcopy(model)
@@ -117,7 +121,7 @@ def test_become_refuses_other_classes_and_undeclared_settings():
     attn = model.model.layers[0].self_attn
     with pytest.raises(TypeError, match="declares no degree"):
         become(attn, ContextParallelAttention, degree=2)
-    assert type(attn).__name__ == "LlamaAttention"
+    assert type(attn).__name__ == "Attention"
 
 
 def test_tensor_parallelism_names_its_wrappers():
@@ -126,18 +130,20 @@ def test_tensor_parallelism_names_its_wrappers():
     print(model) names; context parallelism's attention composes over its sub-layer."""
     from threefold.config import LoRAConfig
     from threefold.lora import apply_lora
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.parallel.tensor import TensorParallelCausalLM, apply_tensor_parallel
 
     cfg = ModelConfig(preset="tiny", vocab_size=128, hidden_size=32, intermediate_size=24,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       qk_norm=True).resolved()
-    model = apply_lora(LlamaForCausalLM(cfg), LoRAConfig(r=4))
+    model = apply_lora(CausalLM(cfg), LoRAConfig(r=4))
     model = apply_tensor_parallel(model, _SizesComm(tp=2), sequence_parallel=True)
     text = str(model)
-    for name in ("TensorParallelCausalLM", "VocabParallelEmbedding", "VocabParallelHead",
+    # (the config is a Qwen3's: the model's wrappers keep the family's name)
+    for name in ("TensorParallelQwen3ForCausalLM", "VocabParallelEmbedding", "VocabParallelHead",
                  "SequenceParallelRMSNorm", "TensorParallelLoRALinear",
-                 "TensorParallelSublayer", "SequenceParallelModel"):
+                 "TensorParallelSublayer", "SequenceParallelQwen3Model", "Qwen3DecoderLayer"):
         assert name in text, name
+    assert isinstance(model, TensorParallelCausalLM) and isinstance(model, Qwen3ForCausalLM)
     assert "tp=2, sequence parallel" in text and "column-parallel adapter" in text
     assert "f: all-gather, g: reduce-scatter over tp" in text
     assert not _patched(model)

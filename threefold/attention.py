@@ -181,7 +181,7 @@ def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return idx - start_idx
 
 
-class LlamaAttention(nn.Module):
+class Attention(nn.Module):
     """Causal grouped-query self-attention (Ainslie et al., arXiv 2305.13245) with RoPE."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
@@ -244,7 +244,7 @@ class LlamaAttention(nn.Module):
         """The attention core: q (B, heads, T, d), k/v (B, kv heads, T, d) after RoPE ->
         (B, heads, T, d). Context parallelism overrides it (``ContextParallelAttention``: its
         queries and keys are the rank's share of a longer sequence); ``attn_mask`` is what
-        ``LlamaModel.attention_mask`` made."""
+        ``DecoderModel.attention_mask`` made."""
         return sdpa_attention(q, k, v, attn_mask, self.scale)
 
 

@@ -65,7 +65,7 @@ from threefold.accounting.layout import tp_chunks
 from threefold.accounting.lora import lora_units
 from threefold.config import Config, ConfigError, LoRAConfig, ModelConfig
 from threefold.lora import apply_lora, is_adapter
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 from threefold.model_source import resolved_model
 from threefold.parallel.expert import apply_expert_parallel
 from threefold.parallel.layout import validate_layout
@@ -147,7 +147,7 @@ def meta_parameter_counts(mcfg: ModelConfig, tp: int, sequence_parallel: bool,
     weight is allocated. The first two leave the adapters out (``lora``: applied as a run
     applies it; 0 adapters without)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(mcfg)
+        model = CausalLM(mcfg)
         if lora is not None:
             model = apply_lora(model, lora)
     total, _ = _base_and_adapters(model)  # tied weights once

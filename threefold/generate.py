@@ -1,7 +1,7 @@
 """Generation from the policy with the training model's own code: a KV cache, greedy decoding
 and sampling (temperature, top-k, top-p), batched left-padded prompts, stop on EOS.
 
-``generate(model, prompt_ids, max_new_tokens, ...)`` runs ``threefold.model.LlamaForCausalLM``
+``generate(model, prompt_ids, max_new_tokens, ...)`` runs ``threefold.model.CausalLM``
 with a ``KVCache`` (one prefill of the padded prompts, then one token per step); there is no
 second model implementation. Left padding: row b's first ``pad[b]`` slots are hidden from
 every query and its real tokens take positions 0, 1, ... as if it were alone, so a prompt
@@ -43,7 +43,7 @@ from threefold.data.tokenizer import eot_id, load_tokenizer
 from threefold.distributed import pick_device
 from threefold.hf import find_checkpoint, load_pretrained
 from threefold.hub import locate
-from threefold.model import KVCache, LlamaForCausalLM
+from threefold.model import CausalLM, KVCache
 from threefold.parallel.tensor import gather_full
 from threefold.peft_export import load_lora_model, lora_checkpoint
 from threefold.data.chat import BuiltinTemplate, encode_text, end_of_turn, load_chat_template
@@ -124,7 +124,7 @@ def _tp(model, comm) -> int:
     return t
 
 
-def _last_logits(model: LlamaForCausalLM, ids: torch.Tensor, cache: KVCache, comm,
+def _last_logits(model: CausalLM, ids: torch.Tensor, cache: KVCache, comm,
                  tp: int) -> torch.Tensor:
     """fp32 logits (B, V) of the last position of ``ids`` after it is added to ``cache``."""
     h = model.forward_hidden(ids, cache=cache)[:, -1:]
@@ -178,7 +178,7 @@ def _synchronize(device: torch.device) -> None:
 class _Decoding:
     """One batch's decoding: the model, its tp layout, the left padding and the cache."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     comm: object
     tp: int
     pad: torch.Tensor  # padding slots per row
@@ -246,7 +246,7 @@ def _result(prompt_ids: Sequence[Sequence[int]], out: torch.Tensor, counts: torc
 # inference mode, not no_grad: nothing here is differentiated, and without autograd's version
 # counters and view tracking a step's many small ops cost less (bench/bench_generate.py)
 @torch.inference_mode()
-def generate(model: LlamaForCausalLM, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
+def generate(model: CausalLM, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              eos_id: int | Sequence[int] | None = None, seed: int = 0,
              prompt_indices: Sequence[int] | None = None, comm=None, use_cache: bool = True,
@@ -297,7 +297,7 @@ def load_for_generation(path, device: str = "cpu"):
         model = load_lora_model(path)
     else:
         cfg, weights = load_pretrained(path)
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
         model.load_state_dict(weights, strict=True)
     model.to(device).eval()
     places = [path]

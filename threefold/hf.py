@@ -292,7 +292,7 @@ def load_pretrained(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def init_from_hf(model: torch.nn.Module, path: Path) -> None:
-    """Load pretrained weights into a freshly built, not yet parallelised ``LlamaForCausalLM``
+    """Load pretrained weights into a freshly built, not yet parallelised ``CausalLM``
     (strict: every parameter, nothing extra). ``path`` is a Hugging Face folder or a threefold
     checkpoint/run directory. The model's config must match the weights' in every field that
     changes the function (shape, norm epsilon, RoPE); HFError names the first that differs."""

@@ -10,7 +10,7 @@ import torch
 class KVCache:
     """Keys and values of the positions seen so far, per layer, for incremental decoding.
 
-    ``LlamaForCausalLM.forward(ids, cache=cache)`` attends the new tokens to every cached
+    ``CausalLM.forward(ids, cache=cache)`` attends the new tokens to every cached
     position and to themselves (causally), then appends their keys and values; without a cache
     the model is the training model, untouched. Buffers are allocated on first use with the
     shape the projections return (so a tensor-parallel shard caches its own heads) and

@@ -10,7 +10,7 @@ is 0. A head's query and key are its features without RoPE, then its RoPE featur
 scores are scaled by 1/sqrt(query width), times YaRN's temperature squared when the config
 scales RoPE that way (``score_scale``).
 
-Like ``threefold.attention.LlamaAttention`` it knows nothing of ranks: head counts come from
+Like ``threefold.attention.Attention`` it knows nothing of ranks: head counts come from
 what ``q_b_proj`` and ``kv_b_proj`` return, so a tensor-parallel shard holding some heads runs
 the same code.
 """
@@ -68,7 +68,7 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerKV | None = None
                 ) -> torch.Tensor:
-        """x (B, T, h) -> (B, T, h); ``attn_mask`` and ``cache`` as ``LlamaAttention``'s
+        """x (B, T, h) -> (B, T, h); ``attn_mask`` and ``cache`` as ``Attention``'s
         (the cache holds the expanded keys and values)."""
         x = matmul_input(x)
         b, t = x.shape[:2]

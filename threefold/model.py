@@ -1,9 +1,17 @@
-"""A Llama-style decoder in plain PyTorch: RMSNorm, RoPE (with Llama-3 frequency scaling),
-grouped-query attention through ``scaled_dot_product_attention``, SwiGLU, and the loss.
+"""The decoder every family builds, in plain PyTorch: RMSNorm, RoPE (with Llama-3 frequency
+scaling), grouped-query attention through ``scaled_dot_product_attention``, SwiGLU, and the
+loss.
 
-Parameter names are exactly those of Hugging Face ``LlamaForCausalLM``, so a state dict moves
-between the two without renaming. The model knows nothing of devices or ranks; parallelism is
-applied from outside, which is why:
+Parameter names are exactly those of the family's Hugging Face model (transformers'
+``LlamaForCausalLM``, ``Gemma3ForCausalLM``...), so a state dict moves between the two without
+renaming. The classes here are family-neutral (``CausalLM``, ``DecoderModel``,
+``DecoderLayer``); each family has its own subclasses, named as Hugging Face names them
+(``Gemma3ForCausalLM``, ``Gemma3Model``, ``Gemma3DecoderLayer``), which ``CausalLM(cfg)``
+builds for ``cfg``'s family so that ``print(model)`` says what the model is. They add nothing
+but the name.
+
+The model knows nothing of devices or ranks; parallelism is applied from outside, which is
+why:
 
 - every piece is its own reachable ``nn.Module`` (tensor parallel swaps or shards the Linear
   layers, the embedding and the head; pipeline parallel splits ``model.layers`` and may set
@@ -27,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.attention import (LlamaAttention, RotaryEmbedding, apply_rope,  # noqa: F401
+from threefold.attention import (Attention, RotaryEmbedding, apply_rope,  # noqa: F401
                                  document_mask, document_position_ids, rotate_half,
                                  sdpa_attention, window_cache_mask, window_mask)
 from threefold.config import ModelConfig
@@ -35,11 +43,12 @@ from threefold.head_loss import LMHead
 from threefold.kernels import matmul_input, swiglu
 from threefold.kvcache import KVCache, LayerKV  # noqa: F401 (re-exported)
 from threefold.mla import LatentAttention
+from threefold.models import FAMILIES, Family, FamilyError, spec_of
 from threefold.moe import SparseMoeBlock
 from threefold.norm import RMSNorm
 
 
-class LlamaMLP(nn.Module):
+class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) · up(x)), with silu (SwiGLU, Shazeer, arXiv
     2002.05202) or the tanh approximation of GeLU (GeGLU, Gemma) as ``cfg.hidden_act`` says."""
 
@@ -65,7 +74,7 @@ def block_is_moe(cfg: ModelConfig, layer: int) -> bool:
     return bool(cfg.num_local_experts) and layer >= cfg.first_k_dense_replace
 
 
-class LlamaDecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
     """One block, its norms placed as ``cfg.norm_layout`` says:
 
     - "pre" (Llama): x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm(·));
@@ -78,6 +87,8 @@ class LlamaDecoderLayer(nn.Module):
     ``cfg.num_local_experts``. ``layer`` is the block's index (a sliding window may depend
     on it)."""
 
+    family = ""  # the Hugging Face model_type of a family's classes
+
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         h, eps, layout = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_layout
@@ -86,12 +97,12 @@ class LlamaDecoderLayer(nn.Module):
         if layout != "post":
             self.input_layernorm = RMSNorm(h, eps, *one)
         self.self_attn = LatentAttention(cfg, layer) if cfg.kv_lora_rank else \
-            LlamaAttention(cfg, layer)
+            Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(h, eps, *one)
         if layout == "sandwich":
             self.pre_feedforward_layernorm = RMSNorm(h, eps, *one)
         self.mlp = SparseMoeBlock(cfg) if block_is_moe(cfg, layer) else \
-            LlamaMLP(cfg, cfg.dense_intermediate_size if cfg.num_local_experts else 0)
+            MLP(cfg, cfg.dense_intermediate_size if cfg.num_local_experts else 0)
         if layout != "pre":
             self.post_feedforward_layernorm = RMSNorm(h, eps, *one)
 
@@ -115,13 +126,17 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(m))
 
 
-class LlamaModel(nn.Module):
-    """Embedding, the stack of blocks and the final norm (HF's ``model.`` prefix)."""
+class DecoderModel(nn.Module):
+    """Embedding, the stack of blocks and the final norm (HF's ``model.`` prefix). The blocks
+    are ``block_class``'s (a family's own ``DecoderLayer``)."""
+
+    block_class: type = DecoderLayer
+    family = ""  # the Hugging Face model_type of a family's classes
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i)
+        self.layers = nn.ModuleList(self.block_class(cfg, i)
                                     for i in range(cfg.num_hidden_layers))
         self.window = cfg.sliding_window
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one,
@@ -159,7 +174,7 @@ class LlamaModel(nn.Module):
                 x = layer(x, *(local if slide else rope), near if slide else mask)
         else:
             if document_ids is not None:
-                raise ValueError("LlamaModel: document_ids and a KV cache do not combine")
+                raise ValueError("DecoderModel: document_ids and a KV cache do not combine")
             mask = cache.attention_mask(t)
             near = window_cache_mask(mask, cache.length, self.window)
             for i, layer in enumerate(self.layers):
@@ -171,8 +186,8 @@ class LlamaModel(nn.Module):
 
     def attention_mask(self, document_ids: torch.Tensor | None):
         """What every block's attention gets as ``attn_mask``: None (causal) or the packed
-        documents' mask. Context parallelism overrides it (``ContextParallelModel``: its ranks
-        need the whole sequence's document ids, not a local square mask)."""
+        documents' mask. Context parallelism overrides it (``ContextParallelDecoderModel``: its
+        ranks need the whole sequence's document ids, not a local square mask)."""
         return document_mask(document_ids) if document_ids is not None else None
 
 
@@ -190,7 +205,7 @@ def fill_tied_head(weights: dict, prefix: str = "", suffixes: tuple[str, ...] = 
 
 def _init_in_place(p: torch.Tensor, name: str, cfg: ModelConfig,
                    gen: torch.Generator | None) -> None:
-    """The initialisation rule (see ``LlamaForCausalLM.init_weights``) applied to ``p``; a
+    """The initialisation rule (see ``CausalLM.init_weights``) applied to ``p``; a
     LoRA adapter's as PEFT draws it (``threefold.lora.init_adapter``)."""
     if name.endswith(("lora_A.weight", "lora_B.weight")):
         from threefold.lora import init_adapter
@@ -222,10 +237,10 @@ def initial_weight(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: in
     return out
 
 
-class LlamaForCausalLM(nn.Module):
-    """The decoder plus the LM head; ``forward`` returns fp32 logits, or with ``labels`` each
-    token's fp32 loss from the chunked head loss (``threefold.head_loss``: the logits of the
-    whole batch never exist).
+class CausalLM(nn.Module):
+    """The decoder (``model_class``'s) plus the LM head; ``forward`` returns fp32 logits, or
+    with ``labels`` each token's fp32 loss from the chunked head loss (``threefold.head_loss``:
+    the logits of the whole batch never exist).
 
     ``cfg`` must be resolved (every field set, ``vocab_size > 0``). With
     ``cfg.tie_word_embeddings`` the head shares the embedding's weight; the state dict then
@@ -233,20 +248,31 @@ class LlamaForCausalLM(nn.Module):
     saves tied checkpoints) loads too.
 
     Tensor parallelism (``threefold.parallel.tensor``) sets its degree, whether activations
-    between sub-layers are split on the sequence, and the head's vocabulary shard."""
+    between sub-layers are split on the sequence, and the head's vocabulary shard.
+
+    ``CausalLM(cfg)`` is a model of ``cfg``'s family (``family_class``): a
+    ``Gemma3ForCausalLM`` for a Gemma 3; a model that fits no family stays a ``CausalLM``."""
 
     tp_size = 1
     sequence_parallel = False
+    model_class: type = DecoderModel
+    family = ""  # the Hugging Face model_type of a family's classes
+
+    def __new__(cls, cfg: ModelConfig | None = None):
+        # (no cfg: copy and pickle make an instance of the class they already know)
+        if cls is CausalLM and cfg is not None:
+            cls = family_class(cfg)
+        return super().__new__(cls)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if not cfg.vocab_size or cfg.vocab_size <= 0:
             raise ValueError("ModelConfig.vocab_size must be set (resolve the config first)")
         self.cfg = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.model_class(cfg)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
-        self.register_load_state_dict_pre_hook(LlamaForCausalLM._fill_tied_head)
+        self.register_load_state_dict_pre_hook(CausalLM._fill_tied_head)
         self.init_weights()
 
     def tie_weights(self) -> None:
@@ -276,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
         exist (a pipeline stage initialised alone equals the same layers of the whole model);
         values are reproducible per device type (CPU and CUDA generators differ). Without
         ``seed`` the global RNG is used. Parameters still on the meta device are skipped, so
-        this works after ``LlamaForCausalLM(cfg)`` under ``torch.device("meta")`` followed by
+        this works after ``CausalLM(cfg)`` under ``torch.device("meta")`` followed by
         ``to_empty(device=...)``."""
         self.tie_weights()
         # a pipeline stage with a tied head but no embedding holds a copy of the embedding
@@ -319,6 +345,39 @@ class LlamaForCausalLM(nn.Module):
         if labels is not None:
             return self.lm_head(h, labels=labels, temperature=temperature)
         return self.lm_head(h).float()
+
+
+def _family_classes(spec: Family) -> type:
+    """``spec``'s family's own ``CausalLM``, ``DecoderModel`` and ``DecoderLayer``, named as
+    Hugging Face names them (``Gemma3ForCausalLM``, ``Gemma3Model``, ``Gemma3DecoderLayer``)
+    and made module attributes here, so that they pickle by name; returns the first. They
+    add nothing but the name: parameters, state dicts and results are the neutral ones'."""
+    prefix = spec.architecture.removesuffix("ForCausalLM")
+
+    def made(name: str, base: type, **attrs) -> type:
+        cls = type(name, (base,), {"__module__": __name__, "__qualname__": name,
+                                   "__doc__": f"{base.__name__} of {spec.model_type} "
+                                              f"({spec.doc}).",
+                                   "family": spec.model_type, **attrs})
+        globals()[name] = cls
+        return cls
+
+    layer = made(f"{prefix}DecoderLayer", DecoderLayer)
+    model = made(f"{prefix}Model", DecoderModel, block_class=layer)
+    return made(spec.architecture, CausalLM, model_class=model)
+
+
+# made once at import: two models of a family have the same classes
+FAMILY_MODELS: dict[str, type] = {t: _family_classes(spec) for t, spec in FAMILIES.items()}
+
+
+def family_class(cfg: ModelConfig) -> type:
+    """The ``CausalLM`` class of ``cfg``'s family (``threefold.models.spec_of``); the neutral
+    ``CausalLM`` for a model that fits no family (it trains; only export needs one)."""
+    try:
+        return FAMILY_MODELS[spec_of(cfg).model_type]
+    except FamilyError:
+        return CausalLM
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,

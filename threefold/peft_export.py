@@ -46,7 +46,7 @@ from threefold.hf import (MAX_SHARD_BYTES, atomic_folder, check_new_folder, hub_
 from threefold.hf_config import SHAPE_FIELDS, HFError, model_config_from_state
 from threefold.hub import locate
 from threefold.lora import apply_lora, is_adapter
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 from threefold.models import fused_files, spec_of
 from threefold.parallel.materialize import InitSource
 from threefold.weights import CheckpointSource, MissingTensor, WeightSource, find_checkpoint
@@ -135,7 +135,7 @@ def _base_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the plain model of ``cfg`` (built on the meta device: no
     memory), shared ones once."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = CausalLM(cfg)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
@@ -329,11 +329,11 @@ def export_merged(run_or_ckpt: Path | str, out: Path | str,
                     tok, max_shard_bytes=max_shard_bytes)
 
 
-def load_lora_model(path: Path | str, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+def load_lora_model(path: Path | str, device: torch.device | str = "cpu") -> CausalLM:
     """The model of LoRA run (or checkpoint) ``path`` with its adapters (``apply_lora``, as
     the run trained it), base and adapters loaded strictly, on ``device``, in eval mode."""
     run = open_lora(path)
-    model = apply_lora(LlamaForCausalLM(run.model_cfg), run.lora)
+    model = apply_lora(CausalLM(run.model_cfg), run.lora)
     weights = {n: run.read_base(n) for n in run.base_shapes}
     weights.update(run.adapters)
     model.load_state_dict(weights, strict=True)

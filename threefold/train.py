@@ -21,7 +21,7 @@ from threefold.config import Config, ConfigError, ModelConfig
 from threefold.data import prepare_data
 from threefold.hostmem import release_free_heap, reuse_freed_host_memory, threshold_for
 from threefold.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 from threefold.model_source import choose_tokenizer, init_from_model, locate_init_from
 from threefold.parallel.layout import SingleProcess
 from threefold.parallel.parallelize import parallelize
@@ -57,14 +57,14 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 
 def build_model(mcfg: ModelConfig, device: torch.device, seed: int,
-                split=None) -> LlamaForCausalLM:
+                split=None) -> CausalLM:
     """The whole plain model, built on the meta device then materialised and initialised from
     ``seed`` (for references and benchmarks; a run never builds the whole model, see
     ``threefold.parallel.parallelize``). ``split`` (pipeline parallelism) keeps only some
     stages; initialisation is by parameter name, so they equal the same layers of the whole
     model."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(mcfg)
+        model = CausalLM(mcfg)
     if split is not None:
         model = split(model)
     model.to_empty(device=device)

@@ -56,7 +56,7 @@ def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
     hd, bias, qk_norm, layout, mla = attn or (h // a, False, "", "pre", ())
     kv_rows = (kv * hd) if sh.kv_replicas > 1 else sh.kv_heads * hd  # replicated: whole
     q_rows = sh.heads * hd
-    # registration order of threefold.model.LlamaDecoderLayer: input_layernorm (pre
+    # registration order of threefold.model.DecoderLayer: input_layernorm (pre
     # layout), q/k/v_proj (each weight, then its bias), o_proj, q/k_norm (per head: d; over
     # the projection: this rank's rows), post_attention_layernorm, gate/up/down_proj,
     # post_feedforward_layernorm (post and sandwich layouts)

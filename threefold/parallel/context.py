@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from threefold.model import LlamaAttention, LlamaModel, sdpa_attention
+from threefold.model import Attention, DecoderModel, sdpa_attention
 from threefold.parallel.wrap import wrap
 
 
@@ -257,7 +257,7 @@ class _Ring:
 
 class RingAttention(torch.autograd.Function):
     """Causal (optionally per-document) attention of this rank's queries over the whole
-    sequence, K/V passed around the cp ring. Inputs as ``LlamaAttention.attend`` gets them."""
+    sequence, K/V passed around the cp ring. Inputs as ``Attention.attend`` gets them."""
 
     @staticmethod
     def forward(ctx, q, k, v, docs, comm, seq_len):
@@ -366,12 +366,12 @@ def allgather_attention(q, k, v, docs, comm, seq_len):
 # --------------------------------------------------------------------------------------------
 # Applying it
 # --------------------------------------------------------------------------------------------
-class ContextParallelAttention(LlamaAttention):
-    """A ``LlamaAttention`` whose queries, keys and values are this cp rank's share of a
+class ContextParallelAttention(Attention):
+    """An ``Attention`` whose queries, keys and values are this cp rank's share of a
     sequence ``cp`` times longer (``apply_context_parallel`` turns each attention into one,
     in place): its core attends over the whole sequence with ``algorithm`` (ring or
     allgather) on ``comm``'s "cp" axis. Its mask is the ``CPMask`` that
-    ``ContextParallelModel`` makes."""
+    ``ContextParallelDecoderModel`` makes."""
 
     comm = None
     cp = 1
@@ -391,8 +391,8 @@ class ContextParallelAttention(LlamaAttention):
         return f"cp={self.cp}, {self.algorithm}"
 
 
-class ContextParallelModel(LlamaModel):
-    """A ``LlamaModel`` whose blocks run on this cp rank's share of every sequence: the mask
+class ContextParallelDecoderModel(DecoderModel):
+    """A ``DecoderModel`` whose blocks run on this cp rank's share of every sequence: the mask
     it gives each attention is the whole sequence's document ids (``CPMask``), from which
     ``ContextParallelAttention`` masks the pairs of tokens it meets; a local square mask
     would not say which documents other ranks' tokens belong to."""
@@ -411,8 +411,8 @@ def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring"
                            ) -> torch.nn.Module:
     """Make every attention of ``model`` (a whole model or a pipeline rank's chunks) attend
     over the whole sequence from this cp rank's share of it, with ``algorithm`` (ring or
-    allgather): each ``LlamaAttention`` becomes a ``ContextParallelAttention`` and each
-    ``LlamaModel`` a ``ContextParallelModel``. In place; parameter names do not change.
+    allgather): each ``Attention`` becomes a ``ContextParallelAttention`` and each
+    ``DecoderModel`` a ``ContextParallelDecoderModel``. In place; parameter names do not change.
     Micro-batches must be cut with ``shard_batch`` (positions explicit, ``document_ids``
     whole)."""
     if algorithm not in ALGORITHMS:
@@ -421,8 +421,8 @@ def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring"
     if n == 1:
         return model
     for mod in model.modules():
-        if isinstance(mod, LlamaAttention):
+        if isinstance(mod, Attention):
             wrap(mod, ContextParallelAttention, comm=comm, cp=n, algorithm=algorithm)
-        elif isinstance(mod, LlamaModel):
-            wrap(mod, ContextParallelModel, cp=n)
+        elif isinstance(mod, DecoderModel):
+            wrap(mod, ContextParallelDecoderModel, cp=n)
     return model

@@ -6,7 +6,7 @@ engine then allocates what the rank keeps — whole local tensors, or only its Z
 and fills it from a *source* of logical tensors:
 
 - ``InitSource``: the initial values, drawn per logical tensor by name exactly as
-  ``LlamaForCausalLM.init_weights`` draws them (``threefold.model.initial_weight``), so a
+  ``CausalLM.init_weights`` draws them (``threefold.model.initial_weight``), so a
   rank's slice equals the same slice of a model initialised whole, on every layout;
 - a checkpoint or a Hugging Face folder (``threefold.weights``): only the region the rank
   owns is read from the file.

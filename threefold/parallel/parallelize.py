@@ -34,7 +34,7 @@ from torch import nn
 
 from threefold.config import Config, ModelConfig, fp8_all_gather, param_dtype
 from threefold.lora import apply_lora
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 from threefold.parallel.context import apply_context_parallel
 from threefold.parallel.data import DataParallelEngine
 from threefold.parallel.engine import LocalEngine
@@ -50,7 +50,7 @@ ORDER = ("pipeline split", "tensor + sequence parallel", "context parallel", "ex
          "engine (ZeRO / data parallel / offload): allocate and fill this rank's tensors")
 
 
-def apply_compile(model: LlamaForCausalLM) -> None:
+def apply_compile(model: CausalLM) -> None:
     """torch.compile each block in place (names unchanged; each is one graph), and the head
     with its chunked loss where its vocabulary is whole (a vocab-parallel loss's all-reduces
     would break its graph)."""
@@ -67,7 +67,7 @@ def dtypes(cfg: Config) -> tuple[torch.dtype | None, torch.dtype]:
     return pd, getattr(torch, cfg.parallel.reduce_dtype)
 
 
-def apply_model_parallel(model: LlamaForCausalLM, cfg: Config, layout) -> LlamaForCausalLM:
+def apply_model_parallel(model: CausalLM, cfg: Config, layout) -> CausalLM:
     """Steps 2-4: tensor parallelism (and sequence parallelism) over "tp", context
     parallelism over "cp", expert parallelism over "ep", each when its degree is above 1."""
     if layout.tp_size > 1:
@@ -80,7 +80,7 @@ def apply_model_parallel(model: LlamaForCausalLM, cfg: Config, layout) -> LlamaF
     return model
 
 
-def zero_units(model: LlamaForCausalLM, ep: int) -> tuple[list[nn.Module], dict[int, str]]:
+def zero_units(model: CausalLM, ep: int) -> tuple[list[nn.Module], dict[int, str]]:
     """ZeRO's units in forward order (the embedding, each block, the final norm, the head:
     what a pipeline stage holds of them) and the axis of those that do not shard over
     dp_shard: under expert parallelism each block's experts are a unit of their own over
@@ -145,7 +145,7 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
     ``frozen``: a model that never trains (a reference): no checkpointing, no compile, no
     optimiser's buffers (see ``build_engine``)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(mcfg)
+        model = CausalLM(mcfg)
     if adapt is not None:
         model = adapt(model)
     if not frozen:  # LoRA: adapters on the named layers, the rest (but ``trainable``) frozen

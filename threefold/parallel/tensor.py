@@ -42,7 +42,7 @@ from threefold.config import ConfigError
 from threefold.head_loss import LMHead, VocabShard
 from threefold.kernels import rms_norm
 from threefold.lora import LoRALinear
-from threefold.model import LlamaForCausalLM, RMSNorm
+from threefold.model import CausalLM, DecoderModel, RMSNorm
 from threefold.models import tp_plan
 from threefold.parallel.placement import place, tp_shard_dim  # noqa: F401 (re-exported)
 from threefold.parallel.tp_ops import (_CopyToTP, _GatherSeq, _ReduceFromTP,  # noqa: F401
@@ -221,7 +221,7 @@ class TensorParallelSublayer(nn.Module):
                    else "f: identity, g: all-reduce") + " over tp")
 
 
-class SequenceParallelModel(nn.Module):
+class SequenceParallelDecoderModel(DecoderModel):
     """The decoder under sequence parallelism: each rank's blocks hold some of the tokens,
     so RoPE's positions are the whole sequence's (the caller's when given: the pipeline
     executor always passes them). Composed over the decoder's own class."""
@@ -253,7 +253,7 @@ class VocabParallelHead(LMHead):
         return f"{super().extra_repr()}, vocabulary rows from {s.offset} of {s.vocab}"
 
 
-class TensorParallelCausalLM(LlamaForCausalLM):
+class TensorParallelCausalLM(CausalLM):
     """The model after tensor parallelism: its degree and whether activations between
     sub-layers are split on the sequence (generation reads both)."""
 
@@ -268,7 +268,7 @@ def _style(name: str, plan: dict[str, str]) -> str | None:
     return None
 
 
-def _shard_weights(model: LlamaForCausalLM, comm, sp: bool) -> None:
+def _shard_weights(model: CausalLM, comm, sp: bool) -> None:
     """Slice every weight of the plan to this rank's part (placements recorded)."""
     t, r = comm.size(AXIS), comm.rank(AXIS)
     cfg = model.cfg
@@ -360,7 +360,7 @@ def _overlap(sub: nn.Module, name: str, comm, chunks: int) -> None:
     become(getattr(sub, ROWS[kind]), OverlappedRowLinear, comm=comm, chunks=chunks)
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool = False,
+def apply_tensor_parallel(model: CausalLM, comm, sequence_parallel: bool = False,
                           tp_overlap: int = 0):
     """Shard ``model`` in place over the "tp" axis of ``comm``, its sub-layers wrapped
     between the conjugate operators (``TensorParallelSublayer``). Returns the model; its head's loss is then vocab-parallel (``lm_head.shard``).
@@ -393,13 +393,13 @@ def apply_tensor_parallel(model: LlamaForCausalLM, comm, sequence_parallel: bool
         become(norm, SequenceParallelRMSNorm, comm=comm)
         place(norm.weight, tp_grad_reduced=True)
     if sp:
-        wrap(model.model, SequenceParallelModel)
+        wrap(model.model, SequenceParallelDecoderModel)
     if model.lm_head is not None:
         rows = math.ceil(model.cfg.vocab_size / comm.size(AXIS))
         become(model.lm_head, VocabParallelHead, comm=comm, sequence_parallel=sp,
                shard=VocabShard(comm, AXIS, comm.rank(AXIS) * rows, model.cfg.vocab_size))
     # generation refuses sequence parallelism (its steps are 1 token)
-    return become(model, TensorParallelCausalLM, tp_size=comm.size(AXIS), sequence_parallel=sp)
+    return wrap(model, TensorParallelCausalLM, tp_size=comm.size(AXIS), sequence_parallel=sp)
 
 
 def gather_full(local: torch.Tensor, dim: int | None, full: int, comm) -> torch.Tensor:

@@ -70,7 +70,7 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
                            act_bytes: int = 2, residual_bytes: int = 0,
                            flash_attention: bool = True, seq_len: int = 0, cp: int = 1,
                            cp_algorithm: str = "ring") -> float:
-    """Bytes threefold's block (``threefold.model.LlamaDecoderLayer`` under
+    """Bytes threefold's block (``threefold.model.DecoderLayer`` under
     ``threefold.parallel.tensor`` and ``threefold.parallel.context``) keeps for backward on
     one rank for ``tokens`` = b·s/cp tokens (this cp rank's share of b sequences of
     ``seq_len``).

@@ -266,11 +266,11 @@ def hardware_from_calibration(record: dict, ranks_on_machine: int = 1,
 # two steps of a one-block model of width 64 (the second under a document mask), then dropped
 _TINY_STEP = (
     "from threefold.config import ModelConfig\n"
-    "from threefold.model import LlamaForCausalLM\n"
+    "from threefold.model import CausalLM\n"
     "cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,\n"
     "                  num_hidden_layers=1, num_attention_heads=4,\n"
     "                  num_key_value_heads=2).resolved()\n"
-    "model = LlamaForCausalLM(cfg)\n"
+    "model = CausalLM(cfg)\n"
     "model.init_weights(0)\n"
     "opt = torch.optim.AdamW(model.parameters())\n"
     "ids = torch.randint(0, 256, (1, 32))\n"

@@ -17,7 +17,7 @@ import torch
 
 from threefold.data import DataError
 from threefold.hf import load_pretrained
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM
 from threefold.data.chat import read_jsonl
 from threefold.post.reward import add_score_head
 
@@ -161,7 +161,7 @@ def reward_model_scorer(path: str, device):
     if "score.weight" not in weights:
         raise DataError(f"grpo.reward_model: '{path}' has no score head (score.weight); give "
                         "the output of `threefold reward`")
-    model = add_score_head(LlamaForCausalLM(cfg), 0)
+    model = add_score_head(CausalLM(cfg), 0)
     own = dict(model.named_parameters())
     model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=True)
     model.to(device).eval().requires_grad_(False)

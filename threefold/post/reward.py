@@ -119,7 +119,7 @@ class _GatherScores(torch.autograd.Function):
 
 
 def add_score_head(model: nn.Module, seed: int) -> nn.Module:
-    """``model`` (a not yet parallelised ``LlamaForCausalLM``) as a reward model in place: no
+    """``model`` (a not yet parallelised ``CausalLM``) as a reward model in place: no
     LM head (its forward returns the final hidden states) and ``score``, a hidden -> 1 linear
     without bias, drawn from normal(0, init_std) by a generator seeded by (seed, its name) as
     ``init_weights`` draws every weight."""

@@ -6,7 +6,7 @@ of at least one block; the embedding goes with the first run, the final norm and
 with the last. Virtual stage ``s`` lives on rank ``s % p`` as its chunk ``s // p``, so chunk
 ``c`` of rank ``r`` is stage ``c·p + r``.
 
-A chunk is a ``LlamaForCausalLM`` holding only its own modules (the same module objects as
+A chunk is a ``CausalLM`` holding only its own modules (the same module objects as
 the model it was cut from): ``model.embed_tokens``, ``model.norm`` and ``lm_head`` are None
 where the chunk does not own them (the model then skips that step and takes hidden states as
 input), and ``model.layers`` keeps the blocks under their global indices, so every parameter
@@ -28,7 +28,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.head_loss import LMHead
-from threefold.model import LlamaForCausalLM
+from threefold.model import CausalLM, family_class
 from threefold.schedules.actions import rank_stage
 from threefold.schedules.balance import partition, runs_of, split_counts
 from threefold.parallel.placement import place
@@ -61,7 +61,7 @@ def _linear_weights(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
-def stage_costs(model: LlamaForCausalLM, balance: str = "params",
+def stage_costs(model: CausalLM, balance: str = "params",
                 seq_len: int | None = None) -> tuple[list[float], float, float]:
     """(cost of each block, extra cost of the first stage, extra cost of the last stage),
     counted on the model's own modules (which may be on the meta device).
@@ -86,7 +86,7 @@ def stage_costs(model: LlamaForCausalLM, balance: str = "params",
     return layers, 0.0, 6.0 * model.lm_head.weight.numel()
 
 
-def stage_layers(model: LlamaForCausalLM, n_stages: int, balance: str = "params",
+def stage_layers(model: CausalLM, n_stages: int, balance: str = "params",
                  seq_len: int | None = None) -> list[range]:
     """The blocks of each virtual stage: balanced by ``balance`` "params" or "flops" (see
     ``stage_costs``), or split as ``parallel.pipeline_split`` says ("uniform", or explicit
@@ -98,23 +98,26 @@ def stage_layers(model: LlamaForCausalLM, n_stages: int, balance: str = "params"
     return partition(layers, n_stages, first, last)
 
 
-def _shell(cfg: ModelConfig) -> LlamaForCausalLM:
-    """A LlamaForCausalLM whose modules the caller replaces. Built for a minimal shape (one
+def _shell(cfg: ModelConfig) -> CausalLM:
+    """A CausalLM whose modules the caller replaces. Built for a minimal shape (one
     block, few-element weights) and then given the real configuration: nothing of size is
     allocated, and the constructor is the model's own. (Building it on the meta device would
     do the same, but meta initialisation imports torch's compiler stack, seconds per process.)"""
     tiny = dataclasses.replace(cfg, vocab_size=1, hidden_size=2, intermediate_size=1,
                                num_hidden_layers=1, num_attention_heads=1,
                                num_key_value_heads=1, tie_word_embeddings=False)
+    # the class of the whole model's family (the minimal shape is not asked which it meets)
+    cls = family_class(cfg)
     with torch.random.fork_rng(devices=[]):  # leave the caller's random stream as it was
-        shell = LlamaForCausalLM(tiny)
+        shell = cls.__new__(cls)
+        shell.__init__(tiny)
     shell.cfg = cfg
     return shell
 
 
-def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
-                stage: int | None = None, tied_replica: bool = False) -> LlamaForCausalLM:
-    """A LlamaForCausalLM made of ``model``'s own modules: the blocks in ``layers``, the
+def build_chunk(model: CausalLM, layers: range, first: bool, last: bool,
+                stage: int | None = None, tied_replica: bool = False) -> CausalLM:
+    """A CausalLM made of ``model``'s own modules: the blocks in ``layers``, the
     embedding if ``first``, the final norm and head if ``last`` (None otherwise), and the
     RoPE module; ``pipeline_stage`` records the virtual stage. ``tied_replica`` (a tied head
     on another rank than the embedding) gives the head its own weight, a copy of the
@@ -143,9 +146,9 @@ def build_chunk(model: LlamaForCausalLM, layers: range, first: bool, last: bool,
     return chunk
 
 
-def split_model(model: LlamaForCausalLM, p: int, v: int = 1, pp_rank: int = 0,
+def split_model(model: CausalLM, p: int, v: int = 1, pp_rank: int = 0,
                 balance: str = "params", seq_len: int | None = None,
-                vshape: bool = False) -> list[LlamaForCausalLM]:
+                vshape: bool = False) -> list[CausalLM]:
     """This rank's chunks of ``model`` for ``p`` pipeline ranks with ``v`` chunks each:
     chunk ``c`` is virtual stage ``c·p + pp_rank`` (Megatron's interleaved assignment), or in
     a V (``vshape``: ZB-V, DualPipeV) chunk 1 is stage ``2p - 1 - pp_rank``. Works
@@ -177,7 +180,7 @@ def split_model(model: LlamaForCausalLM, p: int, v: int = 1, pp_rank: int = 0,
             for s in (rank_stage(pp_rank, c, p, vshape) for c in range(v))]
 
 
-def tied_head_replica(model: LlamaForCausalLM) -> torch.nn.Parameter | None:
+def tied_head_replica(model: CausalLM) -> torch.nn.Parameter | None:
     """The head weight of a pipeline rank that holds a tied LM head but not the embedding (a
     copy of the embedding's weight, ``split_model``), else None. Its gradient is summed with
     the embedding's on the first stage; it is counted once in the gradient norm and left out
@@ -188,7 +191,7 @@ def tied_head_replica(model: LlamaForCausalLM) -> torch.nn.Parameter | None:
     return None
 
 
-def rank_model(chunks: list[LlamaForCausalLM]) -> LlamaForCausalLM:
+def rank_model(chunks: list[CausalLM]) -> CausalLM:
     """One module over all of a rank's chunks (shared modules, HF names), for what wants a
     single model: the engines (optimiser, gradient sync, ZeRO units), tensor parallelism and
     checkpoints. Only the chunks are run; calling this module's forward would run the
