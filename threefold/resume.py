@@ -86,6 +86,8 @@ def resume(run: Run) -> int:
         return 0
     if not steps:
         return 0
+    if steps[-1] >= run.cfg.train.steps:  # a finished run: nothing to load (``train._finished``)
+        return steps[-1]
     source, state, rng = open_sharded(ckroot, steps[-1], lay.rank, group)
     saved = state["model_config"]
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
@@ -98,4 +100,22 @@ def resume(run: Run) -> int:
     run.memory["resume_bytes_read"] = source.bytes_read
     run.sampler.load_state_dict(state["sampler"])
     torch.set_rng_state(rng["cpu_rng"])
+    note = schedule_change(state, run.cfg)
+    if note and lay.is_writer:
+        print(f"threefold: {note}", flush=True)
     return int(state["step"])
+
+
+def schedule_change(state: dict, cfg) -> str | None:
+    """What a changed ``train.steps`` does to the learning rate on a resume (None when it is
+    unchanged). The schedule (``steps.lr_at``) is a function of ``train.steps``: the resumed
+    run follows the new length's warmup and cosine from the checkpoint's step on, as if it had
+    been planned that long, so raising the steps of a finished run lifts the learning rate
+    from where it had decayed to and decays it again to the new last step."""
+    saved = state.get("config", {}).get("train", {}).get("steps", cfg.train.steps)
+    step = int(state["step"])
+    if saved == cfg.train.steps or not step:  # (an imported checkpoint has run no step)
+        return None
+    return (f"train.steps {saved} -> {cfg.train.steps}: the learning-rate schedule now spans "
+            f"{cfg.train.steps} steps; step {step + 1} runs at lr {lr_at(step, cfg):.2e} "
+            f"(step {step} ran at {state.get('scheduler', {}).get('lr', 0.0):.2e})")

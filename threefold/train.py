@@ -28,7 +28,7 @@ from threefold.parallel.parallelize import parallelize
 from threefold.preempt import Preemption
 from threefold.resume import resume, save
 from threefold.run import Run, autocast, weights_source
-from threefold.runlog import RunLog
+from threefold.runlog import RunLog, read_summary
 # the step and evaluation are imported from here too
 from threefold.steps import evaluate, train_step  # noqa: F401
 from threefold.task import PretrainTask
@@ -175,6 +175,8 @@ def _loop(run: Run, preempt, return_run: bool):
     t, lay = run.cfg.train, run.layout
     with lay.phase("loading"):
         start = _load(run)
+        if start >= t.steps and start:
+            return _finished(run, start, return_run)
         log = RunLog(run, start)
     lay.check_collectives("loading")
     initial_val = evaluate(run)[0] if start == 0 else None
@@ -208,6 +210,20 @@ def _loop(run: Run, preempt, return_run: bool):
                 save(run, t.steps)
     with lay.phase("summary"):
         summary = log.summary(loss, val_loss, initial_val, wall, preempted)
+    lay.close()
+    return (summary, run) if return_run else summary
+
+
+def _finished(run: Run, step: int, return_run: bool):
+    """The newest checkpoint is at or past ``train.steps``: no step, one line, nothing written
+    (summary.json, metrics.jsonl and the checkpoints stay the finished run's). Returns the
+    stored summary with ``already_finished`` (the step) added."""
+    t, lay = run.cfg.train, run.layout
+    if lay.is_writer:
+        past = "" if step == t.steps else f" (past --train.steps {t.steps})"
+        print(f"threefold: run already finished at step {step}{past}; raise --train.steps "
+              f"above {step} to continue", flush=True)
+    summary = {**read_summary(run.out / "summary.json"), "already_finished": step}
     lay.close()
     return (summary, run) if return_run else summary
 
