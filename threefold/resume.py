@@ -63,6 +63,19 @@ def save(run: Run, step: int, saver: AsyncSaver | None = None) -> None:
             run.memory["async_save_copy_bytes"] = saver.copy_bytes
 
 
+def finished_step(cfg, lay) -> int | None:
+    """Collective: the step of the newest committed checkpoint when the run resumes and that
+    step is at or past ``train.steps`` (a finished run: nothing to do), else None. Read before
+    the run is built, so that a finished run loads no data, model or weights."""
+    c = cfg.checkpoint
+    if not (c.resume or lay.restarts):
+        return None
+    group = node_group(lay)
+    steps = committed_steps(resolve_root(c.dir, cfg.train.output_dir, group.node_of[lay.rank]),
+                            lay.rank, group)
+    return steps[-1] if steps and steps[-1] >= cfg.train.steps else None
+
+
 def resume(run: Run) -> int:
     """Load the newest committed checkpoint if asked; return the step to start from.
     Collective: every node's checkpoint root is checked (writable, when the run will save),
@@ -86,8 +99,6 @@ def resume(run: Run) -> int:
         return 0
     if not steps:
         return 0
-    if steps[-1] >= run.cfg.train.steps:  # a finished run: nothing to load (``train._finished``)
-        return steps[-1]
     source, state, rng = open_sharded(ckroot, steps[-1], lay.rank, group)
     saved = state["model_config"]
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):

@@ -26,7 +26,7 @@ from threefold.model_source import choose_tokenizer, init_from_model, locate_ini
 from threefold.parallel.layout import SingleProcess
 from threefold.parallel.parallelize import parallelize
 from threefold.preempt import Preemption
-from threefold.resume import resume, save
+from threefold.resume import finished_step, resume, save
 from threefold.run import Run, autocast, weights_source
 from threefold.runlog import RunLog, read_summary
 # the step and evaluation are imported from here too
@@ -159,6 +159,9 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
     then says ``preempted``."""
     layout = layout or SingleProcess()
     with layout.phase("start-up"):
+        done = finished_step(cfg, layout)
+        if done is not None:  # before anything is built or read: a finished run stays so
+            return _finished(cfg, layout, done, return_run)
         run = build_run(cfg, layout, task)
         faults.at_startup(layout)  # test-only: a rank that issues one collective too many
     layout.check_collectives("start-up")
@@ -175,8 +178,6 @@ def _loop(run: Run, preempt, return_run: bool):
     t, lay = run.cfg.train, run.layout
     with lay.phase("loading"):
         start = _load(run)
-        if start >= t.steps and start:
-            return _finished(run, start, return_run)
         log = RunLog(run, start)
     lay.check_collectives("loading")
     initial_val = evaluate(run)[0] if start == 0 else None
@@ -214,18 +215,19 @@ def _loop(run: Run, preempt, return_run: bool):
     return (summary, run) if return_run else summary
 
 
-def _finished(run: Run, step: int, return_run: bool):
-    """The newest checkpoint is at or past ``train.steps``: no step, one line, nothing written
-    (summary.json, metrics.jsonl and the checkpoints stay the finished run's). Returns the
-    stored summary with ``already_finished`` (the step) added."""
-    t, lay = run.cfg.train, run.layout
-    if lay.is_writer:
-        past = "" if step == t.steps else f" (past --train.steps {t.steps})"
+def _finished(cfg: Config, layout, step: int, return_run: bool):
+    """The newest checkpoint is at or past ``train.steps``: no step, one line, nothing built,
+    read or written (summary.json, metrics.jsonl and the checkpoints stay the finished
+    run's). Returns the stored summary with ``already_finished`` (the step) added, and no
+    ``Run`` when ``return_run``."""
+    if layout.is_writer:
+        past = "" if step == cfg.train.steps else f" (past --train.steps {cfg.train.steps})"
         print(f"threefold: run already finished at step {step}{past}; raise --train.steps "
               f"above {step} to continue", flush=True)
-    summary = {**read_summary(run.out / "summary.json"), "already_finished": step}
-    lay.close()
-    return (summary, run) if return_run else summary
+    summary = {**read_summary(Path(cfg.train.output_dir) / "summary.json"),
+               "already_finished": step}
+    layout.close()
+    return (summary, None) if return_run else summary
 
 
 def _load(run: Run) -> int:
