@@ -117,3 +117,38 @@ def test_summary_is_written_atomically_and_never_replaced_by_a_worse_one(tmp_pat
     assert write_summary(tmp_path / "fresh.json", empty, did_steps=False)
     assert write_summary(path, {**good, "final_loss": 4.7}, did_steps=True)
     assert json.loads(path.read_text())["final_loss"] == 4.7
+
+
+def test_a_resumed_summary_accounts_for_every_earlier_step(tmp_path):
+    """The earlier sessions as the resumed summary counts them: a session that ran past the
+    checkpoint resumed from (its later steps were lost) keeps its steps up to it with an
+    unknown wall time, steps no summary accounts for (a crash) become a session of their own,
+    and the throughput sums leave out each session's first step."""
+    from threefold.runlog import read_prior
+
+    recs = [{"step": k, "tokens_per_second": 100.0 * k, "mfu": 0.01 * k} for k in range(1, 9)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "initial_validation_loss": 8.4, "sessions": [
+            {"from_step": 0, "to_step": 4, "wall_time_s": 10.0},
+            {"from_step": 4, "to_step": 6, "wall_time_s": 5.0}]}))
+    # resumed at 8: steps 7-8 ran in a session that left no summary
+    p = read_prior(tmp_path, 8)
+    assert p.sessions == [{"from_step": 0, "to_step": 4, "wall_time_s": 10.0},
+                          {"from_step": 4, "to_step": 6, "wall_time_s": 5.0},
+                          {"from_step": 6, "to_step": 8, "wall_time_s": None}]
+    timed = [k for k in range(1, 9) if k not in (1, 5, 7)]
+    assert p.steps == len(timed) and p.tps_sum == pytest.approx(100.0 * sum(timed))
+    assert p.mfu_sum == pytest.approx(0.01 * sum(timed))
+    assert p.initial_validation_loss == 8.4
+    # resumed at 5, inside the second session: its time past step 5 is not this life's
+    p = read_prior(tmp_path, 5)
+    assert p.sessions == [{"from_step": 0, "to_step": 4, "wall_time_s": 10.0},
+                          {"from_step": 4, "to_step": 5, "wall_time_s": None}]
+    # no summary at all (the first session crashed), one record's MFU unknown
+    (tmp_path / "summary.json").unlink()
+    recs[2]["mfu"] = None
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[:4]))
+    p = read_prior(tmp_path, 4)
+    assert p.sessions == [{"from_step": 0, "to_step": 4, "wall_time_s": None}]
+    assert p.steps == 3 and p.mfu_sum is None and p.initial_validation_loss is None

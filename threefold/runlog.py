@@ -178,50 +178,40 @@ class RunLog:
         MFU over the steps in ``throughput_steps`` (each session's first step, which pays
         for warm-up, left out). MFU is against this session's final peak for its own steps
         (a CPU probe may have been raised during the run) and as recorded for earlier ones."""
-        lay = self.run.layout
-        now = {"from_step": self.start, "to_step": self.start + len(self.history),
-               "wall_time_s": wall}
-        sessions = [*self.prior.sessions, now]
-        firsts = {s["from_step"] + 1 for s in sessions}
-        before = [r for r in self.prior.records if r["step"] not in firsts]
-        mine = self.history[1:] or self.history
-        if not before and not mine:  # nothing timed: every step there is
-            before = list(self.prior.records)
-        n = len(before) + len(mine)
-        tps = sum(r["tokens_per_second"] for r in before + mine) / n if n else None
+        prior, lay = self.prior, self.run.layout
+        sessions = [*prior.sessions, {"from_step": self.start, "wall_time_s": wall,
+                                      "to_step": self.start + len(self.history)}]
+        mine = self.history[1:] or self.history  # the first step pays for warm-up
+        n = prior.steps + len(mine)
+        tps = sum(r["tokens_per_second"] for r in mine)
         mfu = None
-        if n and self.peak and all(r.get("mfu") is not None for r in before):
-            scale = self.flops_tok / (self.peak * lay.world_size)
-            mfu = (sum(r["mfu"] for r in before)
-                   + sum(r["tokens_per_second"] for r in mine) * scale) / n
+        if n and self.peak and prior.mfu_sum is not None:
+            mfu = (prior.mfu_sum + tps * self.flops_tok / (self.peak * lay.world_size)) / n
         walls = [s["wall_time_s"] for s in sessions if s["wall_time_s"] is not None]
-        return {"wall_time_s": sum(walls), "sessions": sessions, "tokens_per_second": tps,
-                "mfu": mfu, "throughput_steps": n}
+        return {"wall_time_s": sum(walls), "sessions": sessions,
+                "tokens_per_second": (prior.tps_sum + tps) / n if n else None, "mfu": mfu,
+                "throughput_steps": n}
 
 
 @dataclasses.dataclass
 class Prior:
-    """What a resumed run's earlier sessions left: their metrics.jsonl records (up to the
-    step resumed from), their sessions and the first one's initial validation loss."""
+    """What a resumed run's earlier sessions left: their sessions, the first one's initial
+    validation loss, and the sums of tokens/s and MFU over their timed steps (each
+    session's first left out; every step when none is left) from metrics.jsonl. ``mfu_sum``
+    is None when a record's MFU is unknown."""
 
-    records: list = dataclasses.field(default_factory=list)
     sessions: list = dataclasses.field(default_factory=list)
     initial_validation_loss: float | None = None
+    steps: int = 0
+    tps_sum: float = 0.0
+    mfu_sum: float | None = 0.0
 
 
 def read_prior(out: Path, start: int) -> Prior:
-    """The earlier sessions of the run in ``out`` resumed at ``start``: its metrics.jsonl
-    records (already cut back to ``start``) and, from the summary.json the last of them
-    wrote, the sessions up to ``start``. Steps no summary accounts for (a session that
-    crashed) become one session with an unknown (null) wall time."""
-    records = []
-    metrics = out / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
+    """The earlier sessions of the run in ``out`` resumed at ``start``: from the summary.json
+    the last of them wrote, the sessions up to ``start`` (steps no summary accounts for, as
+    after a crash, become one session with an unknown, null, wall time); from metrics.jsonl
+    (already cut back to ``start``) their throughput sums."""
     old = read_summary(out / "summary.json")
     sessions = old.get("sessions") or ([{  # a summary written before sessions were recorded
         "from_step": old.get("resumed_from_step", 0),
@@ -239,7 +229,19 @@ def read_prior(out: Path, start: int) -> Prior:
         kept.append({"from_step": end, "to_step": start, "wall_time_s": None})
     initial = old.get("initial_validation_loss") if sessions and sessions[0]["from_step"] == 0 \
         else None
-    return Prior(records, kept, initial)
+    firsts = {s["from_step"] + 1 for s in kept}
+    sums = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}  # timed or not: steps, tok/s, MFU
+    metrics = out / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        acc = sums[r["step"] not in firsts]
+        acc[0], acc[1] = acc[0] + 1, acc[1] + r["tokens_per_second"]
+        acc[2] = None if acc[2] is None or r.get("mfu") is None else acc[2] + r["mfu"]
+    steps, tps, mfu = sums[True] if sums[True][0] else sums[False]
+    return Prior(kept, initial, steps, tps, mfu)
 
 
 def read_summary(path: Path) -> dict:
