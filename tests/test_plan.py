@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -351,3 +352,51 @@ def test_lora_plan_refuses_what_lora_does_not_run_with(capsys, argv, needle):
     assert rc == 2 and needle in err
     rc, _, err = run(capsys, "--model", "mixtral-8x7b", "--gpus", "8", "--lora-r", "8")
     assert rc == 2 and "mixture of experts" in err
+
+
+# --------------------------------------------------------------------------------------------
+# The table: each header stands over its own column
+# --------------------------------------------------------------------------------------------
+_SPACED = {"mem GB (states+act+other)": "mem_GB_(states+act+other)", "step s": "step_s",
+           "GB sent per step: ": "GB_sent_per_step:_", " (ep: uniform routing)": ""}
+
+
+def _fields(line: str) -> list[tuple[int, int, str]]:
+    """(start, end, text) of each whitespace-separated field; a field with spaces inside (a
+    header's name, a memory figure's parts) is kept whole."""
+    for spaced, joined in _SPACED.items():
+        line = line.replace(spaced, joined)
+    line = re.sub(r" \(([\d.+]+)\)", r"_(\1)", line)  # "74.0 (17.6+50.7+5.7)"
+    return [(m.start(), m.end(), m.group()) for m in re.finditer(r"\S+", line)]
+
+
+@pytest.mark.parametrize("model,gpus", [("llama3-8b", 16), ("mixtral-8x7b", 16)])
+def test_table_headers_stand_over_their_columns(model, gpus):
+    """Every row of `threefold plan`'s table has one value under each header name, overlapping
+    it, and the headers that name several values (memory parts, bytes sent per axis) name as
+    many as the row gives, in the row's order."""
+    from threefold.plan.report import SENT_AXES, format_table, sent_per_axis
+
+    cluster = Cluster(get_hardware("h100"), gpus, 8)
+    ranked = search(load_model(model), cluster, Workload(seq_len=4096, global_batch=64),
+                    keep=4).ranked[:4]
+    lines = format_table(ranked).splitlines()
+    head = _fields(lines[0])
+    rows = [line for line in lines[1:] if re.match(r"\s*\d+ ", line)]
+    assert len(rows) == len(ranked)
+    for c, row in zip(ranked, rows):
+        values = _fields(row)
+        assert len(values) == len(head), (lines[0], row)
+        for (hs, he, name), (vs, ve, value) in zip(head, values):
+            assert hs < ve and vs < he, f"'{value}' is not under '{name}'"
+        names = head[-1][2].split(":_")[1]
+        sent = values[-1][2].split("/")
+        assert len(re.split(r"[/|]", names)) == len(sent)
+        expected = sent_per_axis(c.step.comm_bytes)
+        assert sent == [f"{expected[a] / 1e9:.1f}" for a in names.split("/")]
+        assert set(names.split("/")) <= set(SENT_AXES)
+        mem = re.findall(r"[\d.]+", values[head.index(next(h for h in head
+                                                             if h[2].startswith("mem")))][2])
+        total, *parts = map(float, mem)  # the peak, then states + act + other
+        assert len(parts) == 3 and sum(parts) == pytest.approx(total, abs=0.16)
+    assert ("ep" in head[-1][2].split(":_")[1].split("/")) == any(c.layout.ep > 1 for c in ranked)

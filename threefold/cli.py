@@ -7,12 +7,16 @@ module is imported when that command runs, so `threefold options` or `threefold 
 loads the trainer.
 
 Bad input becomes one line on stderr and exit code 2, before any process starts and before
-anything is written to the output directory.
+anything is written to the output directory. Output piped into a reader that stops early
+(`head`, a pager) ends the command quietly, as it ends a Unix tool.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import select
+import signal
 import sys
 from typing import NamedTuple
 
@@ -87,8 +91,8 @@ USAGE = "\n".join(["usage: threefold <command> [args]", "", "commands:",
 def cmd_train(argv: list[str]) -> int:
     """`threefold train`: validate everything, then train here or under torchrun."""
     if argv and argv[0] in ("-h", "--help"):
-        print(usage_lines(COMMANDS[0])[0] + "\n\n" + MULTI_NODE_HELP
-              + "\nrun `threefold options` for every --section.key")
+        print(f"usage: threefold train {COMMANDS[0].args}\n\n{COMMANDS[0].help}\n\n"
+              f"{MULTI_NODE_HELP}\nrun `threefold options` for every --section.key")
         return 0
     try:
         path, rest, nproc, launcher = split_train_args(argv)
@@ -104,13 +108,45 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_options(argv: list[str]) -> int:
     """Print every option with its default and doc."""
+    if argv:
+        print("usage: threefold options\n\nlist every configuration option (--section.key) "
+              "with its default and meaning", file=sys.stdout if argv[0] in ("-h", "--help")
+              else sys.stderr)
+        return 0 if argv[0] in ("-h", "--help") else 2
     for name, default, doc in describe():
         print(f"--{name:<40} {default:<22} {doc}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``threefold <command>``: run the ``COMMANDS`` entry's function."""
+    """Dispatch ``threefold <command>``: run the ``COMMANDS`` entry's function. When the reader
+    of standard output has gone (``threefold options | head``) the command ends quietly with
+    128 + SIGPIPE, the status a Unix tool killed by the closed pipe has."""
+    try:
+        code = _dispatch(argv)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        if not _stdout_closed():  # another pipe or socket: a real error
+            raise
+        # nothing more can be said on stdout; /dev/null takes the interpreter's last flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll reports an error on
+    it), so that a BrokenPipeError came from our output and not from a socket."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _dispatch(argv: list[str] | None) -> int:
+    """Run ``threefold <command>``'s function; the help text for none or --help."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

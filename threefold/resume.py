@@ -63,6 +63,19 @@ def save(run: Run, step: int, saver: AsyncSaver | None = None) -> None:
             run.memory["async_save_copy_bytes"] = saver.copy_bytes
 
 
+def finished_step(cfg, lay) -> int | None:
+    """Collective: the step of the newest committed checkpoint when the run resumes and that
+    step is at or past ``train.steps`` (a finished run: nothing to do), else None. Read before
+    the run is built, so that a finished run loads no data, model or weights."""
+    c = cfg.checkpoint
+    if not (c.resume or lay.restarts):
+        return None
+    group = node_group(lay)
+    steps = committed_steps(resolve_root(c.dir, cfg.train.output_dir, group.node_of[lay.rank]),
+                            lay.rank, group)
+    return steps[-1] if steps and steps[-1] >= cfg.train.steps else None
+
+
 def resume(run: Run) -> int:
     """Load the newest committed checkpoint if asked; return the step to start from.
     Collective: every node's checkpoint root is checked (writable, when the run will save),
@@ -98,4 +111,22 @@ def resume(run: Run) -> int:
     run.memory["resume_bytes_read"] = source.bytes_read
     run.sampler.load_state_dict(state["sampler"])
     torch.set_rng_state(rng["cpu_rng"])
+    note = schedule_change(state, run.cfg)
+    if note and lay.is_writer:
+        print(f"threefold: {note}", flush=True)
     return int(state["step"])
+
+
+def schedule_change(state: dict, cfg) -> str | None:
+    """What a changed ``train.steps`` does to the learning rate on a resume (None when it is
+    unchanged). The schedule (``steps.lr_at``) is a function of ``train.steps``: the resumed
+    run follows the new length's warmup and cosine from the checkpoint's step on, as if it had
+    been planned that long, so raising the steps of a finished run lifts the learning rate
+    from where it had decayed to and decays it again to the new last step."""
+    saved = state.get("config", {}).get("train", {}).get("steps", cfg.train.steps)
+    step = int(state["step"])
+    if saved == cfg.train.steps or not step:  # (an imported checkpoint has run no step)
+        return None
+    return (f"train.steps {saved} -> {cfg.train.steps}: the learning-rate schedule now spans "
+            f"{cfg.train.steps} steps; step {step + 1} runs at lr {lr_at(step, cfg):.2e} "
+            f"(step {step} ran at {state.get('scheduler', {}).get('lr', 0.0):.2e})")

@@ -112,6 +112,9 @@ class Run:
     pretrained: WeightSource | None = None  # checkpoint.init_from's weights, opened once
     # bytes held before the model, and the peaks of start-up, loading and the steps
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    # files the task adds to the output directory (name -> text), written with config.json
+    # when the run opens its outputs, so that a run that has no step to do writes none
+    outputs: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def router_log(self) -> RouterLog:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 from threefold import accounting
 from threefold.accounting.lora import lora_flops_per_token
+from threefold.checkpoint import fsync_path
 from threefold.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
                                peak_memory_bytes, raise_cpu_peak, truncate_metrics)
 from threefold.parallel.pipeline.executor import idle_fraction
@@ -36,6 +39,7 @@ class RunLog:
         cfg, lay = run.cfg, run.layout
         self.run, self.start, self.history, self.trace_info = run, start, [], None
         self.writer, self.lost, self.trackers = None, 0, []
+        self.prior = Prior()  # the earlier sessions of a resumed run (the writer's)
         if lay.is_writer:
             self._open_outputs()
         self.peak, self.peak_src = device_peak_flops(run.device, run.dtype)
@@ -62,10 +66,13 @@ class RunLog:
         if start or run.layout.restarts:
             self.lost = max(0, last_logged_step(metrics) - start)
             truncate_metrics(metrics, start)
+            self.prior = read_prior(run.out, start)
         self.writer = MetricsWriter(metrics, append=start > 0)
         if Path(run.data.tokenizer_path).resolve() != (run.out / "tokenizer.json").resolve():
             shutil.copyfile(run.data.tokenizer_path, run.out / "tokenizer.json")
         (run.out / "config.json").write_text(json.dumps(run.cfg.to_dict(), indent=1))
+        for name, text in run.outputs.items():  # the task's (a chat template)
+            (run.out / name).write_text(text, encoding="utf-8")
         self.trackers = open_trackers(run.out, run.cfg.to_dict())
 
     def say(self, line: str) -> None:
@@ -133,24 +140,24 @@ class RunLog:
     def summary(self, loss: float, val_loss, initial_val, wall: float,
                 preempted: dict | None) -> dict:
         """Collective: the run's summary (every rank's memory phases gathered), written to
-        summary.json by the writer, with the closing log line."""
-        run, lay, peak = self.run, self.run.layout, self.peak
+        summary.json by the writer, with the closing log line. A resumed run's summary covers
+        its whole life (``whole_life``): the earlier sessions' steps, wall time and initial
+        validation loss with this session's."""
+        run, lay = self.run, self.run.layout
         if self.bar:
             self.bar.close()
-        timed = self.history[1:] or self.history  # the first step pays for warm-up
-        mean = (lambda k: sum(r[k] for r in timed) / len(timed)) if timed else (lambda k: None)
         out = {
             "final_loss": loss, "validation_loss": val_loss,
             "initial_validation_loss": initial_val, "parameters": self.n_params,
             "active_parameters": self.n_active, "steps": run.cfg.train.steps,
-            "resumed_from_step": self.start, "tokens_per_step": self.tokens_per_step,
-            "wall_time_s": wall, "tokens_per_second": mean("tokens_per_second"),
-            # against the final peak (a CPU probe may have been raised during the run)
-            "mfu": (mean("tokens_per_second") * self.flops_tok / (peak * lay.world_size)
-                    if peak and timed else None), "peak_flops_per_device": peak,
-            "peak_flops_source": self.peak_src, "flops_per_token": self.flops_tok,
-            "world_size": lay.world_size, "layout": lay.describe(), "restarts": lay.restarts,
-            "lost_steps": self.lost, "memory": memory_summary(run, self.history)}
+            "resumed_from_step": self.start, "tokens_per_step": self.tokens_per_step}
+        out.update(self.whole_life(wall))
+        if self.start and initial_val is None:  # evaluated before the first session's step 1
+            out["initial_validation_loss"] = self.prior.initial_validation_loss
+        out.update({"peak_flops_per_device": self.peak, "peak_flops_source": self.peak_src,
+                    "flops_per_token": self.flops_tok, "world_size": lay.world_size,
+                    "layout": lay.describe(), "restarts": lay.restarts,
+                    "lost_steps": self.lost, "memory": memory_summary(run, self.history)})
         out.update({k: v for k, v in (("trace", self.trace_info), ("preempted", preempted))
                     if v})
         out.update(lay.summary_metrics())
@@ -160,11 +167,125 @@ class RunLog:
             tracker.close()
         if self.writer:
             self.writer.close()
-            (run.out / "summary.json").write_text(json.dumps(out, indent=1))
-            self.say(f"done: loss {loss:.4f}, validation {val_loss:.4f}"
-                     + (f" (from {initial_val:.4f})" if initial_val is not None else "")
-                     + f", {wall:.1f}s")
+            write_summary(run.out / "summary.json", out, did_steps=bool(self.history))
+            self.say(done_line(out))
         return out
+
+    def whole_life(self, wall: float) -> dict:
+        """The summary's figures over every step the run has logged: its sessions (each one
+        start to stop of the command: ``from_step``, ``to_step``, ``wall_time_s``, null where
+        an earlier session left no summary), the summed wall time, and the mean tokens/s and
+        MFU over the steps in ``throughput_steps`` (each session's first step, which pays
+        for warm-up, left out). MFU is against this session's final peak for its own steps
+        (a CPU probe may have been raised during the run) and as recorded for earlier ones."""
+        prior, lay = self.prior, self.run.layout
+        sessions = [*prior.sessions, {"from_step": self.start, "wall_time_s": wall,
+                                      "to_step": self.start + len(self.history)}]
+        mine = self.history[1:] or self.history  # the first step pays for warm-up
+        n = prior.steps + len(mine)
+        tps = sum(r["tokens_per_second"] for r in mine)
+        mfu = None
+        if n and self.peak and prior.mfu_sum is not None:
+            mfu = (prior.mfu_sum + tps * self.flops_tok / (self.peak * lay.world_size)) / n
+        walls = [s["wall_time_s"] for s in sessions if s["wall_time_s"] is not None]
+        return {"wall_time_s": sum(walls), "sessions": sessions,
+                "tokens_per_second": (prior.tps_sum + tps) / n if n else None, "mfu": mfu,
+                "throughput_steps": n}
+
+
+@dataclasses.dataclass
+class Prior:
+    """What a resumed run's earlier sessions left: their sessions, the first one's initial
+    validation loss, and the sums of tokens/s and MFU over their timed steps (each
+    session's first left out; every step when none is left) from metrics.jsonl. ``mfu_sum``
+    is None when a record's MFU is unknown."""
+
+    sessions: list = dataclasses.field(default_factory=list)
+    initial_validation_loss: float | None = None
+    steps: int = 0
+    tps_sum: float = 0.0
+    mfu_sum: float | None = 0.0
+
+
+def read_prior(out: Path, start: int) -> Prior:
+    """The earlier sessions of the run in ``out`` resumed at ``start``: from the summary.json
+    the last of them wrote, the sessions up to ``start`` (steps no summary accounts for, as
+    after a crash, become one session with an unknown, null, wall time); from metrics.jsonl
+    (already cut back to ``start``) their throughput sums."""
+    old = read_summary(out / "summary.json")
+    sessions = old.get("sessions") or ([{  # a summary written before sessions were recorded
+        "from_step": old.get("resumed_from_step", 0),
+        "to_step": (old.get("preempted") or {}).get("step", old.get("steps", 0)),
+        "wall_time_s": old.get("wall_time_s")}] if old else [])
+    kept = []
+    for s in sessions:
+        if s["from_step"] >= start:
+            break
+        if s["to_step"] > start:  # it ran past the checkpoint resumed from: its time is unknown
+            s = {**s, "to_step": start, "wall_time_s": None}
+        kept.append(s)
+    end = kept[-1]["to_step"] if kept else 0
+    if end < start:
+        kept.append({"from_step": end, "to_step": start, "wall_time_s": None})
+    initial = old.get("initial_validation_loss") if sessions and sessions[0]["from_step"] == 0 \
+        else None
+    firsts = {s["from_step"] + 1 for s in kept}
+    sums = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}  # timed or not: steps, tok/s, MFU
+    metrics = out / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        acc = sums[r["step"] not in firsts]
+        acc[0], acc[1] = acc[0] + 1, acc[1] + r["tokens_per_second"]
+        acc[2] = None if acc[2] is None or r.get("mfu") is None else acc[2] + r["mfu"]
+    steps, tps, mfu = sums[True] if sums[True][0] else sums[False]
+    return Prior(kept, initial, steps, tps, mfu)
+
+
+def read_summary(path: Path) -> dict:
+    """A summary.json's object ({} when there is none or it cannot be read)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return old if isinstance(old, dict) else {}
+
+
+def write_summary(path: Path, out: dict, did_steps: bool) -> bool:
+    """Write summary.json atomically (a sibling temp file, fsynced, renamed: a crash leaves
+    the old file or the new one, never half of one). A session that did no step keeps a
+    summary that has figures. Returns whether it wrote."""
+    if not did_steps and read_summary(path).get("tokens_per_second") is not None:
+        return False
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    return True
+
+
+def done_line(s: dict) -> str:
+    """The closing log line: losses, tokens/s, MFU and wall time, as the summary has them
+    (a figure the run does not have is left out)."""
+    parts = [f"loss {s['final_loss']:.4f}"] if _known(s["final_loss"]) else []
+    if _known(s["validation_loss"]):
+        initial = s["initial_validation_loss"]
+        parts.append(f"validation {s['validation_loss']:.4f}"
+                     + (f" (from {initial:.4f})" if _known(initial) else ""))
+    if s["tokens_per_second"] is not None:
+        parts.append(f"{s['tokens_per_second']:,.0f} tok/s")
+    if s["mfu"] is not None:
+        parts.append(f"MFU {s['mfu']:.1%}")
+    parts.append(f"{s['wall_time_s']:.1f} s")
+    steps = "" if len(s["sessions"]) == 1 else f" (steps 1-{s['sessions'][-1]['to_step']}, " \
+        f"{len(s['sessions'])} sessions)"
+    return "done: " + ", ".join(parts) + steps
+
+
+def _known(x) -> bool:
+    return x is not None and math.isfinite(x)
 
 
 def _progress(run: Run, start: int):

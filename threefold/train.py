@@ -26,9 +26,9 @@ from threefold.model_source import choose_tokenizer, init_from_model, locate_ini
 from threefold.parallel.layout import SingleProcess
 from threefold.parallel.parallelize import parallelize
 from threefold.preempt import Preemption
-from threefold.resume import resume, save
+from threefold.resume import finished_step, resume, save
 from threefold.run import Run, autocast, weights_source
-from threefold.runlog import RunLog
+from threefold.runlog import RunLog, read_summary
 # the step and evaluation are imported from here too
 from threefold.steps import evaluate, train_step  # noqa: F401
 from threefold.task import PretrainTask
@@ -160,6 +160,9 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
     then says ``preempted``."""
     layout = layout or SingleProcess()
     with layout.phase("start-up"):
+        done = finished_step(cfg, layout)
+        if done is not None:  # before anything is built or read: a finished run stays so
+            return _finished(cfg, layout, done, return_run)
         run = build_run(cfg, layout, task)
         faults.at_startup(layout)  # test-only: a rank that issues one collective too many
     layout.check_collectives("start-up")
@@ -211,6 +214,21 @@ def _loop(run: Run, preempt, return_run: bool):
         summary = log.summary(loss, val_loss, initial_val, wall, preempted)
     lay.close()
     return (summary, run) if return_run else summary
+
+
+def _finished(cfg: Config, layout, step: int, return_run: bool):
+    """The newest checkpoint is at or past ``train.steps``: no step, one line, nothing built,
+    read or written (summary.json, metrics.jsonl and the checkpoints stay the finished
+    run's). Returns the stored summary with ``already_finished`` (the step) added, and no
+    ``Run`` when ``return_run``."""
+    if layout.is_writer:
+        past = "" if step == cfg.train.steps else f" (past --train.steps {cfg.train.steps})"
+        print(f"threefold: run already finished at step {step}{past}; raise --train.steps "
+              f"above {step} to continue", flush=True)
+    summary = {**read_summary(Path(cfg.train.output_dir) / "summary.json"),
+               "already_finished": step}
+    layout.close()
+    return (summary, None) if return_run else summary
 
 
 def _load(run: Run) -> int:

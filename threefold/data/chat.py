@@ -43,7 +43,6 @@ from typing import Any, Callable
 from tokenizers import Tokenizer
 
 from threefold.data import DataError
-from threefold.data.cache import atomic_open
 from threefold.data.tokenizer import eot_id
 
 GENERATION_PROMPT = "<|assistant|>\n"
@@ -192,24 +191,18 @@ def end_of_turn(template: ChatTemplate, tok: Tokenizer) -> int | None:
     return next((i for i in tail if i in special), None)
 
 
-def save_template(template: ChatTemplate, out_dir: str | Path) -> None:
-    """Write the template as ``chat_template.jinja`` into a run directory, next to the
-    tokenizer.json the loop copies there: a run started from this one (``checkpoint.init_from``)
-    then renders conversations the same way, and ``transformers`` reads the file from a
-    Hugging Face folder that holds it."""
-    with atomic_open(Path(out_dir) / "chat_template.jinja", "w") as fh:
-        fh.write(template.text)
-
-
 # --------------------------------------------------------------------------------------------
 # Records and encoding
 # --------------------------------------------------------------------------------------------
 def announce(run, template: ChatTemplate, head: str, stats: dict, dropped_why: str) -> None:
-    """On the writer rank: save the chat template into the run directory and print ``head``
-    followed by how many examples were truncated or dropped (and why)."""
+    """On the writer rank: print ``head`` followed by how many examples were truncated or
+    dropped (and why), and give the run the chat template to save as ``chat_template.jinja``
+    in its directory (``Run.outputs``), next to the tokenizer.json the loop copies there: a
+    run started from this one (``checkpoint.init_from``) then renders conversations the same
+    way, and ``transformers`` reads the file from a Hugging Face folder that holds it."""
     if not run.layout.is_writer:
         return
-    save_template(template, run.out)
+    run.outputs["chat_template.jinja"] = template.text
     print(head + (f", {stats['truncated']} truncated" if stats.get("truncated") else "")
           + (f", {stats['dropped']} dropped ({dropped_why})" if stats.get("dropped") else ""),
           flush=True)

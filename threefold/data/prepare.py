@@ -355,9 +355,7 @@ def _finish(out: Path, inputs: list[Path], index: dict) -> None:
                         for p, f in zip(inputs, files)]
     index["source_digest"] = hashlib.sha256(
         "".join(f["sha256"] for f in files).encode()).hexdigest()
-    index["documents"] = sum(f["documents"] for f in files)
-    index["tokens"] = sum(f["tokens"] for f in files)
-    index["bad_records"] = sum(f["bad_records"] for f in files)
+    index.update({k: sum(f[k] for f in files) for k in ("documents", "tokens", "bad_records")})
     index["complete"] = True
     _save_index(out, index)
 
@@ -426,6 +424,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """`threefold data prepare ...`: exit 0 when done, 2 on bad input or a failed write."""
+    if argv[:1] in (["-h"], ["--help"]):  # the one subcommand's usage and options
+        return _parser().print_help() or 0
     if not argv or argv[0] != "prepare":
         print("usage: threefold data prepare SOURCES... --out DIR [options] (--help for them)",
               file=sys.stderr)

@@ -134,6 +134,20 @@ def schedule_name(lay) -> str:
     return lay.pipeline_schedule + bound
 
 
+# the table's "GB sent per step" columns, in order (the header names them from this list)
+SENT_AXES = ("tp", "cp", "pp", "ep", "dp_s", "dp_r")
+SENT_AXES_DENSE = tuple(a for a in SENT_AXES if a != "ep")
+
+
+def sent_per_axis(b: dict[str, float]) -> dict[str, float]:
+    """Bytes per step of the table's columns (``SENT_AXES``) from the step's per-axis bytes:
+    ``dp_s`` is every data-parallel group's but the replicas' (dp_shard, merged with cp, the
+    experts' data axes), ``dp_r`` the replicas' (HSDP)."""
+    data = b["dp"] + b["dp_shard"] + b["dp_cp"] + b["dp_shard_cp"] + b["edp"] + b["edp_shard"]
+    return {"tp": b["tp"], "cp": b["cp"], "pp": b["pp"], "ep": b["ep"], "dp_s": data,
+            "dp_r": b["dp_replicate"]}
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
 
@@ -148,19 +162,15 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
             + (f"{'ep':>3} " if moe else "")
             + f"{'zero':>4} {'mbs':>3} {'recomp':<9} {'mem GB (states+act+other)':<26} "
             f"{'step s':>8} {'tok/s/GPU':>9} {'TF/s':>6} {'MFU':>5} {'bubble':>6}  "
-            + ("GB sent per step: tp/cp/pp/ep/dp|dp_s/dp_r (ep: uniform routing)" if moe else
-               "GB sent per step: tp/cp/pp/dp|dp_s/dp_r"))
+            + "GB sent per step: " + "/".join(SENT_AXES if moe else SENT_AXES_DENSE)
+            + (" (ep: uniform routing)" if moe else ""))
     lines = [head]
     for i, c in enumerate(cands, 1):
         lay, s, m = c.layout, c.step, c.memory
         states, act, other = peak_parts(m)
         mem = f"{_gb(m.total)} ({_gb(states)}+{_gb(act)}+{_gb(other)})"
-        b = s.comm_bytes
-        data = b["dp"] + b["dp_shard"] + b["dp_cp"] + b["dp_shard_cp"] + b["edp"] \
-            + b["edp_shard"]
-        sent = (b["tp"], b["cp"], b["pp"]) + ((b["ep"],) if moe else ()) + \
-            (data, b["dp_replicate"])
-        comm = "/".join(_gb(x) for x in sent)
+        sent = sent_per_axis(s.comm_bytes)
+        comm = "/".join(_gb(sent[a]) for a in (SENT_AXES if moe else SENT_AXES_DENSE))
         cp = f"{lay.cp}{'r' if lay.cp_algorithm == 'ring' else 'ag'}" if lay.cp > 1 else "1"
         lines.append(
             f"{i:>2} {lay.tp:>3} {cp:>6} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
