@@ -371,11 +371,12 @@ def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
     sequences of 64 tokens), weights excluded, with the block's attention under
     ``algorithm``; run forward and backward on every rank (the ring needs all of them)."""
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.parallel.context import apply_context_parallel, shard_batch
 
-    dims = ParallelDims(1, 1, 1, 1, world, cp=world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(cp=world)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_key_value_heads=kv_heads).resolved()
     torch.manual_seed(0)
     model = apply_context_parallel(LlamaForCausalLM(cfg), comm, algorithm)
