@@ -16,35 +16,43 @@ from threefold.schedules.check import check_schedule
 
 def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     """Raise LayoutError naming the first rule ``layout`` breaks for this model and batch.
-    Selective recompute is threefold's: a Megatron block (``work.block``) keeps its own."""
+    Selective recompute is threefold's: a Megatron block (``work.block``) keeps its own. The
+    planner calls this for every layout it searches, so each group of rules is called only
+    where one of them could refuse (tp, cp, ep, experts, a pipeline above 1)."""
     lay, e = layout, cfg.num_local_experts or 0
-    if work.block != "megatron":
+    if lay.recompute == "selective" and work.block != "megatron":
         rules.selective_without_cp(lay.recompute, lay.cp)
         rules.selective_without_experts(lay.recompute, e)
-    rules.seq_len_over_cp(work.seq_len, lay.cp)
-    rules.heads_over_tp(cfg.num_attention_heads, cfg.num_key_value_heads,
-                        cfg.intermediate_size, lay.tp)
-    rules.kv_heads_over_tp(cfg.num_attention_heads, cfg.num_key_value_heads,
-                           cfg.intermediate_size, lay.tp)
-    rules.ep_needs_experts(lay.ep, e)
-    rules.ep_divides_experts(lay.ep, e, lay.dp_shard)
-    rules.ep_divides_dp_shard(lay.ep, lay.dp_shard)
-    rules.experts_without_cp(e, lay.cp)
-    rules.experts_without_sequence_parallel(e, lay.tp, lay.sequence_parallel)
-    rules.k_norm_needs_split_kv(cfg, lay.tp)
-    rules.cp_attention(cfg, lay.cp)
+    if lay.cp > 1:
+        rules.seq_len_over_cp(work.seq_len, lay.cp)
+    if lay.tp > 1:
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        rules.heads_over_tp(heads, kv, cfg.intermediate_size, lay.tp)
+        rules.kv_heads_over_tp(heads, kv, cfg.intermediate_size, lay.tp)
+    if e or lay.ep != 1:
+        rules.ep_needs_experts(lay.ep, e)
+        rules.ep_divides_experts(lay.ep, e, lay.dp_shard)
+        rules.ep_divides_dp_shard(lay.ep, lay.dp_shard)
+        rules.experts_without_cp(e, lay.cp)
+        rules.experts_without_sequence_parallel(e, lay.tp, lay.sequence_parallel)
+    if lay.tp > 1:
+        rules.k_norm_needs_split_kv(cfg, lay.tp)
+    if lay.cp > 1:
+        rules.cp_attention(cfg, lay.cp)
     if work.lora_r:
         rules.lora_without_experts(work.lora_r, e)
-        rules.lora_without_ep(work.lora_r, lay.ep)
         rules.lora_kv_needs_split_kv(work.lora_targets, cfg.num_key_value_heads, lay.tp)
+    rules.vpp_needs_pp(lay.pp, lay.vpp)
     rules.layers_fill_chunks(cfg.num_hidden_layers, lay.pp, lay.vpp)
-    rules.schedule_chunks(lay.pipeline_schedule, lay.pp, lay.vpp)
-    rules.batch_over_dp(work.global_batch, lay.dp)
-    rules.micro_batch_divides(work.global_batch, lay.dp, lay.microbatch_size)
+    m, rem = divmod(work.global_batch, lay.dp * lay.microbatch_size)
+    if rem or not m:
+        rules.batch_over_dp(work.global_batch, lay.dp)
+        rules.micro_batch_divides(work.global_batch, lay.dp, lay.microbatch_size)
     if lay.pp > 1:  # no pipeline: the schedule is not used (as the runtime ignores it)
-        m = work.global_batch // (lay.dp * lay.microbatch_size)
-        rules.interleaved_microbatches(lay.pipeline_schedule, lay.pp, m)
-        rules.pipeline_inflight(lay.pipeline_schedule, lay.pp, lay.vpp, lay.pipeline_inflight)
+        schedule = lay.pipeline_schedule
+        rules.schedule_chunks(schedule, lay.pp, lay.vpp)
+        rules.interleaved_microbatches(schedule, lay.pp, m)
+        rules.pipeline_inflight(schedule, lay.pp, lay.vpp, lay.pipeline_inflight)
 
 
 def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = None) -> Layout:
@@ -59,7 +67,6 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     rules.sequence_parallel_tokens(cfg.data.seq_len, layout.cp, layout.tp,
                                    p.sequence_parallel)
     rules.bf16_params_need_zero(param_dtype(cfg), p.zero_stage, layout.dp * layout.cp)
-    rules.vpp_needs_pp(layout.pp, p.vpp)
     rules.block_counts_need_pp(layout.pp, p.pipeline_split)
     check_layout(m, layout, Workload.from_config(cfg))
     rules.ffn_over_tp(m, layout.tp)  # the planner pads these widths instead

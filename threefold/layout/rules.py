@@ -367,14 +367,6 @@ def lora_without_experts(lora_r: int, experts: int) -> None:
 
 
 @rule
-def lora_without_ep(lora_r: int, ep: int) -> None:
-    """LoRA runs without expert parallelism."""
-    if lora_r and ep > 1:
-        raise LayoutError(f"parallel.ep: LoRA does not run with ep={ep} yet; use parallel.ep 1 "
-                          "(or lora.r 0)")
-
-
-@rule
 def lora_kv_needs_split_kv(targets: tuple[str, ...], kv: int, tp: int) -> None:
     """Adapters on k/v need the kv heads sharded over tp, not replicated."""
     if kv % tp and {"k_proj", "v_proj"} & set(targets):
