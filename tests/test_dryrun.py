@@ -164,15 +164,16 @@ def test_bad_layouts_raise_config_error(warm, monkeypatch, overrides, world, mat
 
 
 def test_more_pipeline_stages_than_layers_is_refused(warm, monkeypatch):
-    """The dry run refuses it (the runtime's layout check, a ConfigError), and so does the
-    planner's own check on its Layout (a LayoutError)."""
+    """The dry run refuses it, and so does the planner's check of its Layout, with the rule
+    book's one message."""
     from threefold.accounting import LayoutError, check_layout
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, [("parallel.pp", "5")])  # 4 layers
-    with pytest.raises(ValueError, match="pp"):
+    said = "4 layers cannot fill pp·vpp = 5·1 = 5 pipeline chunks"
+    with pytest.raises(LayoutError, match=said):
         dry_run(cfg, 5, out=lambda s: None)
-    with pytest.raises(LayoutError, match="pp·vpp=5"):
+    with pytest.raises(LayoutError, match=said):
         check_layout(ModelConfig(preset="tiny", vocab_size=320).resolved(), Layout(pp=5),
                      Workload(seq_len=64, global_batch=8))
 

@@ -240,7 +240,7 @@ def test_the_example_batch_script_launches_one_task_per_node(tmp_path):
     threefold knows, and the layout fits 2 nodes × 8."""
     from threefold.config import parse_overrides
     from threefold.launch import split_train_args, world_size_for
-    from threefold.parallel.checks import validate_layout
+    from threefold.layout import validate_layout
 
     bin_ = tmp_path / "bin"
     bin_.mkdir()
