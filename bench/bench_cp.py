@@ -444,13 +444,14 @@ def worker(args: argparse.Namespace) -> None:
     """One rank: the cp mesh, the batch, both sides each round, rank 0 summarises."""
     from threefold.comm import Comm
     from threefold.distributed import init_distributed, shutdown
-    from threefold.mesh import ParallelDims, submesh
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh, submesh
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")
     world = env.world_size
-    dims = ParallelDims(1, 1, 1, 1, world, cp=world)
-    mesh = dims.build_mesh("cpu")
+    dims = Layout(cp=world)
+    mesh = build_mesh(dims, "cpu")
     comm = Comm(dims, mesh)
     cp_mesh = submesh(mesh, "cp")
     ctx = {"comm": comm, "cp_mesh": cp_mesh, "group": comm.group("cp"), "cp": world,

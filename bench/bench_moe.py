@@ -10,7 +10,7 @@ active parameters per token, and the grouped experts against the loop over exper
 Started without torchrun's environment, the script re-launches itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node N`` (gloo, one OpenMP thread
 per rank; N = ``--ranks``, default 4 = the ep degree, all one ep group; the mesh is
-``ParallelDims(1, N, 1, 1, N, 1, N)`` with the expert axes added, as tests/test_expert_parallel.py
+``Layout(dp_shard=N, ep=N)`` with the expert axes added, as tests/test_expert_parallel.py
 builds it). Within the launch the sides alternate round by round (A B C, then C B A, ...) so
 that noise from the shared machine falls on every side of each ratio; ratios are taken per
 round and their median reported, never absolute times across runs.
@@ -432,13 +432,15 @@ def worker(args: argparse.Namespace) -> None:
     """One rank: the ep mesh, part 1 on every rank, part 2 on rank 0, rank 0 summarises."""
     from threefold.comm import Comm
     from threefold.distributed import init_distributed, shutdown
-    from threefold.mesh import EXPERT_AXES, ParallelDims
+    from threefold.layout import Layout
+    from threefold.axes import EXPERT_AXES
+    from threefold.mesh import build_mesh
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")
     world = env.world_size
-    dims = ParallelDims(1, world, 1, 1, world, 1, world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(dp_shard=world, ep=world)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     for axis in EXPERT_AXES:
         comm.add_axis(axis, dims.axis_groups(axis))
     load_start = os.getloadavg()[0]

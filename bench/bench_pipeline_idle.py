@@ -131,13 +131,14 @@ def run_schedule(args, entry: str, v: int, comm) -> dict:
 def worker(args) -> None:
     """One rank: every schedule in turn; rank 0 prints the table and a JSON line."""
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     p = dist.get_world_size()
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=p, world_size=p)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(tp=1, pp=p)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     wanted = args.schedules.split(",")
     rows = [run_schedule(args, name, v, comm) for name, v in SCHEDULES if name in wanted]
     if dist.get_rank() == 0:

@@ -289,14 +289,15 @@ def worker(args: argparse.Namespace) -> None:
     every schedule's step; rank 0 prints the tables."""
     from threefold.comm import Comm
     from threefold.distributed import init_distributed, shutdown
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.parallel.pipeline.stage import split_model
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")
     p, rank, m = env.world_size, env.rank, args.microbatches
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=p, world_size=p)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(tp=1, pp=p)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     cfg = ModelConfig(hidden_size=args.hidden, intermediate_size=args.ffn,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, tie_word_embeddings=False,

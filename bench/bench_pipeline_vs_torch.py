@@ -259,15 +259,16 @@ def worker(args: argparse.Namespace) -> None:
     """One rank = one stage: the agreement check, the rounds, rank 0 summarises."""
     from threefold.comm import Comm
     from threefold.distributed import init_distributed, shutdown
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")
     PP = args.pp
     if env.world_size != PP:
         raise SystemExit(f"bench_pipeline_vs_torch: needs {PP} ranks, got {env.world_size}")
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=PP, world_size=PP)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(tp=1, pp=PP)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     pp_rank = comm.rank("pp")
     mcfg = model_config(args)
     gen = torch.Generator().manual_seed(args.seed)

@@ -166,15 +166,16 @@ def tp_rank(args):
 
     from threefold.config import ModelConfig
     from threefold.distributed import init_distributed
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout, Workload, check_layout
+    from threefold.mesh import build_mesh
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")
     world = env.world_size
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world, pp=1, world_size=world)
-    mesh = dims.build_mesh("cpu")
+    dims = Layout(tp=world)
+    mesh = build_mesh(dims, "cpu")
     mcfg = ModelConfig(preset=args.preset, vocab_size=args.vocab).resolved()
-    dims.validate_model(mcfg)
+    check_layout(mcfg, dims, Workload(seq_len=args.seq_len, global_batch=1))
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(mcfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
     return env, dims, mesh, mcfg, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())

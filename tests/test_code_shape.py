@@ -191,9 +191,10 @@ LAYERS = [
      "hf_config"],
     ["liveness", "preempt", "faults", "hostmem"],
     ["accounting"],
-    ["comm", "mesh", "axes", "distributed", "collective_check", "topology"],
+    ["comm", "mesh", "distributed", "collective_check", "topology"],
     ["model", "attention", "mla", "norm", "kernels", "head_loss", "moe", "kvcache", "lora"],
     ["hub"],
+    ["layout", "axes"],
     ["hardware", "metrics", "data", "models", "schedules"],
     ["config"],
 ]

@@ -13,15 +13,16 @@ from tests.dist import run_checks, run_distributed
 from threefold.comm import Comm
 from threefold.config import ParallelConfig
 from threefold.distributed import init_distributed, set_timeout
-from threefold.mesh import ParallelDims
+from threefold.layout import Layout
+from threefold.mesh import build_mesh
 
 F32 = 4  # bytes per fp32 element
 
 
 def make_comm(world: int, **kw) -> Comm:
     """A Comm over ParallelConfig(**kw) on the running process group."""
-    dims = ParallelDims.from_config(ParallelConfig(**kw), world)
-    return Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout.from_parallel(ParallelConfig(**kw), world)
+    return Comm(dims, build_mesh(dims, "cpu"))
 
 
 def chunk(numel: int, n: int, i: int) -> int:
@@ -232,8 +233,8 @@ def test_world_of_one_needs_no_process_group(monkeypatch):
     env = init_distributed(timeout_s=5, device="cpu")
     assert (env.rank, env.world_size, env.backend, env.is_distributed) == (0, 1, None, False)
     assert env.device == torch.device("cpu") and not torch.distributed.is_initialized()
-    dims = ParallelDims.from_config(ParallelConfig(), 1)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout.from_parallel(ParallelConfig(), 1)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     t = torch.arange(4.0)
     assert comm.all_reduce(t, "dp", op="avg") is None and t.tolist() == [0, 1, 2, 3]
     assert comm.all_reduce(t, "world", async_op=True).is_completed()
@@ -255,7 +256,7 @@ def test_world_of_one_needs_no_process_group(monkeypatch):
     with pytest.raises(KeyError, match="unknown mesh axis"):
         comm.size("xp")
     with pytest.raises(ValueError, match="needs a mesh"):
-        Comm(ParallelDims.from_config(ParallelConfig(), 2))
+        Comm(Layout.from_parallel(ParallelConfig(), 2))
 
 
 def test_launcher_reports_the_failing_rank_and_stops_the_rest():

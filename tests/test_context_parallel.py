@@ -46,12 +46,13 @@ def test_chunks_are_balanced_and_cover_the_sequence():
 def _attention_check(rank, world, algorithm, packed):
     """This cp rank's output and gradients against SDPA over the whole sequence."""
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.model import document_mask, sdpa_attention
     from threefold.parallel.context import RingAttention, allgather_attention
 
-    dims = ParallelDims(1, 1, 1, 1, world, cp=world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(cp=world)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     gen = torch.Generator().manual_seed(0)
     b, h, kvh, t, d = 2, 4, 2, 16, 8  # grouped-query: 2 query heads per key head
     q, k, v = (torch.randn(b, n, t, d, generator=gen).requires_grad_() for n in (h, kvh, kvh))

@@ -164,15 +164,16 @@ def test_bad_layouts_raise_config_error(warm, monkeypatch, overrides, world, mat
 
 
 def test_more_pipeline_stages_than_layers_is_refused(warm, monkeypatch):
-    """The dry run refuses it (the runtime's layout check, a ConfigError), and so does the
-    planner's own check on its Layout (a LayoutError)."""
+    """The dry run refuses it, and so does the planner's check of its Layout, with the rule
+    book's one message."""
     from threefold.accounting import LayoutError, check_layout
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, [("parallel.pp", "5")])  # 4 layers
-    with pytest.raises(ValueError, match="pp"):
+    said = "4 layers cannot fill pp·vpp = 5·1 = 5 pipeline chunks"
+    with pytest.raises(LayoutError, match=said):
         dry_run(cfg, 5, out=lambda s: None)
-    with pytest.raises(LayoutError, match="pp·vpp=5"):
+    with pytest.raises(LayoutError, match=said):
         check_layout(ModelConfig(preset="tiny", vocab_size=320).resolved(), Layout(pp=5),
                      Workload(seq_len=64, global_batch=8))
 
@@ -371,11 +372,12 @@ def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
     sequences of 64 tokens), weights excluded, with the block's attention under
     ``algorithm``; run forward and backward on every rank (the ring needs all of them)."""
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.parallel.context import apply_context_parallel, shard_batch
 
-    dims = ParallelDims(1, 1, 1, 1, world, cp=world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(cp=world)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_key_value_heads=kv_heads).resolved()
     torch.manual_seed(0)
     model = apply_context_parallel(CausalLM(cfg), comm, algorithm)

@@ -13,7 +13,8 @@ import torch
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.mesh import ParallelDims
+from threefold.layout import Layout
+from threefold.mesh import build_mesh
 
 MOE = dict(model__num_local_experts=4, model__num_experts_per_tok=2,
            model__intermediate_size=64, model__router_z_loss_coef=0.001)
@@ -29,7 +30,7 @@ def test_expert_axes_partition_dp_shard(layout):
     ranks that share all other coordinates; edp holds the ranks with the same experts."""
     rep, shard, tp, pp, ep = layout
     world = rep * shard * tp * pp
-    d = ParallelDims(rep, shard, tp, pp, world, 1, ep)
+    d = Layout(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, ep=ep)
     for r in range(world):
         c = d.coords(r)
         assert c["dp_shard"] == c["edp_shard"] * ep + c["ep"]
@@ -48,15 +49,15 @@ def test_expert_axes_partition_dp_shard(layout):
 
 def test_ep_layouts_are_checked_before_launch():
     base = [("model.preset", "tiny-moe")]
-    with pytest.raises(ConfigError, match="parallel.ep: 3 does not divide parallel.dp_shard"):
-        ParallelDims.from_config(load_config(None, base + [("parallel.ep", "3")]).parallel, 4)
-    with pytest.raises(ConfigError, match="parallel.ep: 2 with parallel.cp=2"):
-        ParallelDims.from_config(load_config(None, base + [("parallel.ep", "2"),
-                                                           ("parallel.cp", "2")]).parallel, 4)
     from threefold.parallel.layout import validate_layout
 
     def check(*kv, world=4, mcfg=None):
         validate_layout(load_config(None, base + list(kv)), world, mcfg)
+
+    with pytest.raises(ConfigError, match="parallel.ep: 4 does not divide parallel.dp_shard=2"):
+        check(("parallel.ep", "4"), ("parallel.dp_replicate", "2"))
+    with pytest.raises(ConfigError, match="parallel.cp: 2 with a mixture of experts"):
+        check(("parallel.ep", "2"), ("parallel.cp", "2"))
 
     check(("parallel.ep", "4"))  # 4 experts over 4 ranks
     with pytest.raises(ConfigError, match="parallel.ep: 2 needs a mixture of experts"):
@@ -80,14 +81,14 @@ def _layer(rank, world, tokens):
     """Each rank: its tokens through the ep layer and through the whole single-process
     layer; outputs, input gradients and expert gradients, and the bytes counted on ep."""
     from threefold.comm import Comm
-    from threefold.mesh import EXPERT_AXES
+    from threefold.axes import EXPERT_AXES
     from threefold.moe import SparseMoeBlock
     from threefold.parallel.expert import apply_expert_parallel
 
     cfg = ModelConfig(preset="tiny", hidden_size=16, intermediate_size=24,
                       num_local_experts=8, num_experts_per_tok=2).resolved(64)
-    dims = ParallelDims(1, world, 1, 1, world, 1, world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(dp_shard=world, ep=world)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     for axis in EXPERT_AXES:
         comm.add_axis(axis, dims.axis_groups(axis))
     torch.manual_seed(0)

@@ -199,16 +199,15 @@ def test_tensor_parallel_equals_single_process_and_the_planner_counts(family, co
 
 
 def test_projection_norms_need_split_kv_heads():
-    from threefold.mesh import ParallelDims
+    from threefold.layout import rules
 
     cfg = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                       qk_norm=True, qk_norm_over="projection", norm_layout="post",
                       family="olmo2").resolved()
-    dims = functools.partial(ParallelDims, dp_replicate=1, pp=1, world_size=2)
     with pytest.raises(ConfigError, match="model.qk_norm_over"):
-        dims(tp=2, dp_shard=1).validate_model(cfg)
-    dims(tp=1, dp_shard=2).validate_model(cfg)
+        rules.k_norm_needs_split_kv(cfg, 2)
+    rules.k_norm_needs_split_kv(cfg, 1)
 
 
 def test_the_planner_and_the_specs_need_no_torch():

@@ -204,10 +204,11 @@ def _split_layer_errors(rank: int, world: int) -> dict:
     relative error of y, dx and dW, with the amaxes agreed over tp ("synced") and with each
     rank's own ("own", what the agreement is for)."""
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world, pp=1, world_size=world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(tp=world)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, 64, generator=gen) * torch.linspace(0.1, 3, 64)  # shards' amaxes differ
     w = torch.randn(48, 64, generator=gen) * torch.linspace(3, 0.1, 48)[:, None]
@@ -356,7 +357,8 @@ def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_by
     from threefold.accounting import stage_units
     from threefold.accounting.fp8 import fp8_gathered_numels
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.model import CausalLM
     from threefold.parallel.fp8 import E4M3, _cast, _scale
     from threefold.parallel.fp8_gather import Fp8FlatUnit, GatheredWeight
@@ -371,8 +373,8 @@ def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_by
     block = model.model.layers[0]
     layers = {id(m.weight): m for m in block.modules() if isinstance(m, Float8Linear)}
     plain = {i: m.weight.detach().clone() for i, m in layers.items()}
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(tp=1)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     unit = Fp8FlatUnit("block0", list(block.named_parameters()), comm, "dp_shard", 3,
                        set(layers))
     unit.wait_gather()

@@ -261,10 +261,11 @@ def test_chat_without_template_or_end_of_text_is_refused(tmp_path, capsys):
 # --------------------------------------------------------------------------------------------
 def _dp_check(rank: int, world: int, kw: dict) -> dict:
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, pp=1, world_size=world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(dp_shard=world, tp=1)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     model = _model(tiny())
     prompts = _prompts(lengths=(5, 11, 1, 8, 3))
     whole = generate(model, prompts, NEW, **kw).tokens
@@ -277,11 +278,12 @@ def _dp_check(rank: int, world: int, kw: dict) -> dict:
 
 def _tp_check(rank: int, world: int, cfg_kw: dict, kw: dict) -> dict:
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.parallel.tensor import apply_tensor_parallel
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world, pp=1, world_size=world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(tp=world)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     cfg_kw = dict(cfg_kw)
     cfg = _moe_cfg(**cfg_kw) if cfg_kw.pop("moe", False) else tiny(**cfg_kw)
     prompts = _prompts(vocab=cfg.vocab_size)

@@ -90,11 +90,12 @@ def test_chunk_budget():
 def _vocab_parallel(rank: int, world: int, vocab: int) -> dict:
     """On each tp rank: its shard of the head and the loss, against the whole head."""
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.head_loss import VocabShard
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world, pp=1, world_size=world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(tp=world)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     h, _, labels, weights = _inputs(3)
     w = torch.randn(vocab, H, generator=torch.Generator().manual_seed(4))
     labels = labels.clamp(max=vocab - 1)

@@ -57,12 +57,17 @@ def test_adapters_start_at_the_base_and_only_they_train():
 def test_bad_lora_settings_are_refused_by_field():
     for over, needle in (({"lora.r": "-1"}, "lora.r"), ({"lora.r": "4", "lora.dropout": "1"},
                                                         "lora.dropout"),
-                         ({"lora.r": "4", "lora.target_modules": "qkv"}, "lora.target_modules"),
-                         ({"lora.r": "4", "parallel.ep": "2", "model.num_local_experts": "4"},
-                          "parallel.ep"),
-                         ({"lora.r": "4", "model.num_local_experts": "4"}, "lora.r")):
+                         ({"lora.r": "4", "lora.target_modules": "qkv"}, "lora.target_modules")):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, list(over.items()))
+    # what LoRA runs with is the rule book's, checked against the layout before launch
+    from threefold.layout import validate_layout
+
+    for over, needle in (({"lora.r": "4", "parallel.ep": "2", "model.preset": "tiny-moe"},
+                          "lora.r: LoRA does not adapt a mixture of experts"),
+                         ({"lora.r": "4", "model.num_local_experts": "4"}, "lora.r")):
+        with pytest.raises(ConfigError, match=needle):
+            validate_layout(load_config(None, list(over.items())), 2)
 
 
 def lora_overrides(corpus, cache, out, **extra):

@@ -1,4 +1,5 @@
-"""ParallelDims: resolution, every refusal, rank arithmetic, and agreement with DeviceMesh."""
+"""A Layout on a world: resolution, every refusal of its degrees and shapes (the rule book's),
+rank arithmetic, and agreement with DeviceMesh."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import warnings
 import pytest
 from tests.dist import run_distributed
 from threefold.config import ConfigError, ModelConfig, ParallelConfig
-from threefold.mesh import AXES, ParallelDims, submesh
+from threefold.axes import AXES
+from threefold.layout import Layout, rules
+from threefold.mesh import build_mesh, submesh
 
 
-def dims(world: int, **kw) -> ParallelDims:
-    """ParallelDims of ParallelConfig(**kw) over ``world`` ranks."""
-    return ParallelDims.from_config(ParallelConfig(**kw), world)
+def dims(world: int, **kw) -> Layout:
+    """The Layout of ParallelConfig(**kw) over ``world`` ranks."""
+    return Layout.from_parallel(ParallelConfig(**kw), world)
 
 
 # ------------------------------------------------------------------ resolution and refusals
@@ -46,8 +49,10 @@ def test_from_config_resolves_the_rest(kw, expect):
                                   "times dp_shard=2 is 4, not world size 8; set "
                                   "parallel.dp_shard to 4 or -1 (the rest)"),
     (8, {"cp": 3}, "parallel.cp: 3 does not divide world size 8; valid cp values: 1, 2, 4, 8"),
-    (8, {"tp": 0}, "parallel.tp: must be >= 1, got 0"),
-    (8, {"dp_shard": 0}, "parallel.dp_shard: must be >= 1 or -1 (the rest), got 0"),
+    (8, {"tp": 0}, "parallel.tp: 0 does not divide world size 8; valid tp values: 1, 2, 4, 8"),
+    (8, {"dp_shard": 0}, "parallel.dp_shard: pp·dp_replicate·cp·tp = 1·1·1·1 = 1, times "
+                         "dp_shard=0 is 0, not world size 8; set parallel.dp_shard to 8 or -1 "
+                         "(the rest)"),
     (0, {}, "world size must be >= 1, got 0"),
 ])
 def test_from_config_refuses_with_field_and_fix(world, kw, message):
@@ -57,16 +62,11 @@ def test_from_config_refuses_with_field_and_fix(world, kw, message):
 
 
 def test_zero_over_one_rank_is_allowed_with_a_note():
-    assert dims(4, tp=4, zero_stage=2).notes == (
+    assert dims(4, tp=4, zero_stage=2).notes() == [
         "parallel.zero_stage=2 with dp_shard=1 shards over one rank: no memory saving (raise "
-        "parallel.dp_shard to shard)",)
-    assert dims(4, tp=2, zero_stage=2).notes == ()
-    assert dims(4, tp=4).notes == ()
-
-
-def test_direct_construction_checks_the_product():
-    with pytest.raises(ConfigError, match="must equal world size 8"):
-        ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, world_size=8)
+        "parallel.dp_shard to shard)"]
+    assert dims(4, tp=2, zero_stage=2).notes() == []
+    assert dims(4, tp=4).notes() == []
 
 
 # ------------------------------------------------------------------ model divisibility
@@ -75,16 +75,20 @@ def tiny(**kw) -> ModelConfig:
     return ModelConfig(**kw).resolved(vocab_size=321)
 
 
-def test_validate_model_splits_heads_ffn_layers_and_pads_vocab():
-    s = dims(2, tp=2).validate_model(tiny())
-    assert (s.heads_per_rank, s.kv_heads_per_rank, s.kv_replicas) == (4, 2, 1)
-    assert s.intermediate_per_rank == 344 and s.padded_vocab_size == 322
-    assert s.layers_per_chunk == [4]
-    s = dims(8, tp=8).validate_model(tiny())  # 4 KV heads over 8 ranks: each held twice
-    assert (s.heads_per_rank, s.kv_heads_per_rank, s.kv_replicas) == (1, 1, 2)
-    assert s.intermediate_per_rank == 86 and s.padded_vocab_size == 328
-    assert dims(4, pp=2).validate_model(tiny(num_hidden_layers=5)).layers_per_chunk == [3, 2]
-    assert dims(2, pp=2).validate_model(tiny(), vpp=2).layers_per_chunk == [1, 1, 1, 1]
+def check_model(d: Layout, m: ModelConfig, vpp: int = 1) -> None:
+    """The rule book's rules on the model's shape over ``d``'s tp and pp·vpp."""
+    heads, kv, ffn = m.num_attention_heads, m.num_key_value_heads, m.intermediate_size
+    rules.heads_over_tp(heads, kv, ffn, d.tp)
+    rules.kv_heads_over_tp(heads, kv, ffn, d.tp)
+    rules.ffn_over_tp(m, d.tp)
+    rules.layers_fill_chunks(m.num_hidden_layers, d.pp, vpp)
+
+
+def test_model_shapes_that_split_pass():
+    check_model(dims(2, tp=2), tiny())
+    check_model(dims(8, tp=8), tiny())  # 4 KV heads over 8 ranks: each held twice
+    check_model(dims(4, pp=2), tiny(num_hidden_layers=5))  # uneven splits are the runtime's
+    check_model(dims(2, pp=2), tiny(), vpp=2)
 
 
 @pytest.mark.parametrize("world, kw, model, vpp, message", [
@@ -104,7 +108,7 @@ def test_validate_model_splits_heads_ffn_layers_and_pads_vocab():
 ])
 def test_validate_model_refuses_with_field_and_fix(world, kw, model, vpp, message):
     with pytest.raises(ConfigError) as e:
-        dims(world, **kw).validate_model(tiny(**model), vpp=vpp)
+        check_model(dims(world, **kw), tiny(**model), vpp=vpp)
     assert str(e.value) == message
 
 
@@ -143,7 +147,7 @@ def test_coords_and_groups_of_a_2x2x2_layout():
                                 {"dp_replicate": 2, "cp": 2, "tp": 2},
                                 {"pp": 2, "dp_shard": 2, "cp": 2}])
 def test_groups_partition_the_world_and_agree_with_coords(kw):
-    from threefold.mesh import DERIVED_AXES, FLATTENED
+    from threefold.axes import DERIVED_AXES, FLATTENED
 
     d = dims(8, **kw)
     for axis in AXES + tuple(FLATTENED):
@@ -175,9 +179,9 @@ def test_axis_spans_nodes_keeps_tp_inside_a_node():
 
 
 def test_world_of_one_builds_no_mesh():
-    assert dims(1).build_mesh("cpu") is None
+    assert build_mesh(dims(1), "cpu") is None
     with pytest.raises(RuntimeError, match="needs a process group"):
-        dims(2).build_mesh("cpu")
+        build_mesh(dims(2), "cpu")
 
 
 # ------------------------------------------------------------------ against the real DeviceMesh
@@ -191,10 +195,11 @@ def mesh_groups(rank: int, world: int, layouts: list) -> list[dict]:
 
     out = []
     for layout in layouts:
-        d = ParallelDims(*layout[:4], world_size=world, cp=(layout[4:] or (1,))[0])
+        d = Layout(dp_replicate=layout[0], dp_shard=layout[1], tp=layout[2], pp=layout[3],
+                   cp=(layout[4:] or (1,))[0])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            mesh = d.build_mesh("cpu")
+            mesh = build_mesh(d, "cpu")
             got = {}
             for axis in AXES + ("dp", "dp_cp", "dp_shard_cp"):
                 sub = submesh(mesh, axis)
@@ -209,7 +214,8 @@ def test_arithmetic_matches_device_mesh_on_8_ranks():
     results = run_distributed(mesh_groups, 8, LAYOUTS, timeout=120)
     for rank, per_layout in enumerate(results):
         for layout, got in zip(LAYOUTS, per_layout):
-            d = ParallelDims(*layout[:4], world_size=8, cp=(layout[4:] or (1,))[0])
+            d = Layout(dp_replicate=layout[0], dp_shard=layout[1], tp=layout[2], pp=layout[3],
+                       cp=(layout[4:] or (1,))[0])
             assert got["names"] == AXES and got["dp_cached"]
             assert got["warnings"] == []
             for axis, (ranks, local) in got["groups"].items():

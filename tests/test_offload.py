@@ -178,12 +178,13 @@ def _overlap_run(rank, world, stage, micro):
     copy — and the largest relative difference of the shards after the step."""
     from threefold.comm import Comm
     from threefold.config import ModelConfig, OptimConfig
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.model import CausalLM, causal_lm_loss
     from threefold.parallel.zero import ZeroEngine
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=world, tp=1, pp=1, world_size=world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(dp_shard=world, tp=1)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     mcfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2).resolved(320)
     g = torch.Generator().manual_seed(rank)

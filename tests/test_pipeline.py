@@ -327,13 +327,14 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False, in
     ``ac``. Returns losses, this rank's final
     whole weights (dp rank 0 only) and the last step's measured trace."""
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.parallel.data import DataParallelEngine
     from threefold.parallel.engine import LocalEngine
     from threefold.parallel.zero import ZeroEngine
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=world // p, tp=1, pp=p, world_size=world)
-    comm = Comm(dims, dims.build_mesh("cpu"))
+    dims = Layout(dp_shard=world // p, tp=1, pp=p)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
     pp_rank, dp_rank, dp = comm.rank("pp"), comm.rank("dp"), comm.size("dp")
     chunks = split_model(_model(_cfg()), p, v, pp_rank, vshape=schedule_spec(schedule).vshape)
     model = rank_model(chunks)

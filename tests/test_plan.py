@@ -277,9 +277,9 @@ def test_cp_is_searched_only_for_long_sequences_or_when_nothing_fits():
     assert any("no layout with cp = 1 fits" in n for n in fallback.notes)
 
 
-@pytest.mark.parametrize("argv,field", [
-    (["--cp", "3"], "--cp"), (["--cp", "0"], "--cp"), (["--cp-algorithm", "tree"],
-                                                         "--cp-algorithm")])
+@pytest.mark.parametrize("argv,field", [  # degrees by the rule book: the field they set
+    (["--cp", "3"], "parallel.cp"), (["--cp", "0"], "parallel.cp"),
+    (["--cp-algorithm", "tree"], "--cp-algorithm")])
 def test_bad_cp_input_names_the_option(capsys, argv, field):
     rc, _, err = run(capsys, "--model", "llama3-8b", "--gpus", "8", *argv)
     assert rc == 2 and err.startswith(f"threefold plan: error: {field}:")
@@ -344,7 +344,7 @@ def test_lora_plan_counts_adapters_and_a_frozen_base(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--ep", "2"], "--ep"), (["--lora-targets", "lm_head"],
+    (["--ep", "2"], "parallel.ep"), (["--lora-targets", "lm_head"],
                                                         "--lora-targets"),
     (["--offload-optimizer", "on"], "--offload-optimizer"), (["--lora-r", "-1"], "--lora-r")])
 def test_lora_plan_refuses_what_lora_does_not_run_with(capsys, argv, needle):

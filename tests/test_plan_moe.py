@@ -224,15 +224,16 @@ def test_planner_searches_ep_for_mixtral_on_64_gpus():
 
 def test_plan_cli_for_moe(capsys):
     """``threefold plan`` ranks MoE layouts with an ep column and says the ep figures are
-    the uniform-routing expectation; --cp > 1 and a bad --ep are refused by name."""
+    the uniform-routing expectation; --cp > 1 and a bad --ep are refused by the rule book's
+    messages (the fields they set)."""
     assert main(["--model", "olmoe-shape-1b-7b", "--gpus", "16", "--gpu", "h100",
                  "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "1.28B active" in out and " ep " in out and "uniform-routing" in out
     assert main(["--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100", "--cp", "2"]) == 2
-    assert "--cp" in capsys.readouterr().err
+    assert "parallel.cp: 2 with a mixture of experts" in capsys.readouterr().err
     assert main(["--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100", "--ep", "3"]) == 2
-    assert "--ep" in capsys.readouterr().err
+    assert "parallel.ep: 3 does not divide model.num_local_experts=8" in capsys.readouterr().err
 
 
 def _pairs(argv: list[str]) -> list[tuple[str, str]]:

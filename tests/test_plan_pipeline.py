@@ -54,17 +54,19 @@ def test_more_stages_than_layers_is_refused_by_name():
     cfg, work = small(6), Workload(seq_len=1024, global_batch=64)
     invalid: dict[str, int] = {}
     lays = list(enumerate_layouts(cfg, 8, work, SearchSpace(tp=(1,), pp=(8,)), invalid))
-    assert not lays and any("pp=8 is more than the 6 layers" in k for k in invalid)
+    assert not lays and any("6 layers cannot fill pp·vpp = 8·1" in k for k in invalid)
     invalid = {}
     list(enumerate_layouts(cfg, 8, work, SearchSpace(tp=(1,), pp=(4,), vpp=(2,)), invalid))
-    assert any("pp·vpp=8 is more than the 6 layers" in k for k in invalid)
+    assert any("6 layers cannot fill pp·vpp = 4·2" in k for k in invalid)
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--tp", "3"], "--tp: 3 does not divide --gpus 64"),
-    (["--tp", "64", "--model", "llama3-8b"], "--tp: tp=64 does not divide the 32 attention"),
-    (["--pp", "5"], "--pp: 5 does not divide"),
-    (["--pp", "64", "--tp", "1", "--model", "llama3-8b"], "need at least one of the model's 32"),
+    (["--tp", "3"], "parallel.tp: 3 does not divide world size 64"),
+    (["--tp", "64", "--model", "llama3-8b"],
+     "model.num_attention_heads: 32 is not divisible by parallel.tp=64"),
+    (["--pp", "5"], "parallel.pp: 5 does not divide world size 64"),
+    (["--pp", "64", "--tp", "1", "--model", "llama3-8b"],
+     "model.num_hidden_layers: 32 layers cannot fill pp·vpp = 64·1"),
 ])
 def test_explicit_degrees_are_refused_with_the_reason(capsys, argv, says):
     args = ["--model", "llama3-70b", "--gpus", "64", "--gpu", "h100"] + argv

@@ -463,7 +463,8 @@ def test_v_schedules_refuse_other_chunk_counts():
         with pytest.raises(ValueError, match=f"{name} runs two model chunks per rank in a V: "
                                              "set vpp=2"):
             build_schedule(name, 4, 8, 1)
-        with pytest.raises(Exception, match="vpp must be 2"):
+        with pytest.raises(ValueError, match=f"parallel.schedule: {name} runs two model chunks "
+                                             "per rank in a V: set parallel.vpp 2"):
             check_layout(ModelConfig(preset="llama3-8b").resolved(),
                          Layout(pp=4, vpp=3, schedule=name),
                          Workload(seq_len=4096, global_batch=32))

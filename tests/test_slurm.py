@@ -18,7 +18,7 @@ from tests.conftest import metrics, tiny_overrides
 from tests.dist import run_checks
 from tests.test_launch import _args, _env, _free_port, wait_agents
 from threefold.config import load_config
-from threefold.mesh import ParallelDims
+from threefold.layout import Layout
 from threefold.slurm import PORT_ENV, expand_hostlist, slurm_launch_flags
 from threefold.topology import TEST_HOSTNAME_ENV, Topology
 
@@ -90,18 +90,18 @@ def test_slurm_inference_refuses_in_one_line(env, needle):
 def test_topology_flags_tp_and_cp_across_nodes_only():
     two_by_two = Topology(("n1", "n1", "n2", "n2"), (0, 1, 0, 1))
     assert two_by_two.describe() == "2 nodes × 2 ranks"
-    inside = ParallelDims(dp_replicate=2, dp_shard=1, tp=2, pp=1, world_size=4)
+    inside = Layout(dp_replicate=2, tp=2)
     assert two_by_two.warnings(inside) == []
     assert two_by_two.summary(inside) == {"nodes": 2, "ranks_per_node": [2, 2],
                                           "node_names": ["n1", "n2"], "axes_across_nodes": []}
-    across = ParallelDims(dp_replicate=1, dp_shard=1, tp=4, pp=1, world_size=4)
+    across = Layout(tp=4)
     [line] = two_by_two.warnings(across)
     assert line == ("threefold: warning: tp=4 spans nodes (ranks 0 on n1, 1 on n1, 2 on n2, "
                     "3 on n2; 1 of 1 tp groups): its traffic goes over the network; choose "
                     "parallel.tp dividing the 2 ranks of a node")
-    cp = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=4, cp=4)
+    cp = Layout(tp=1, cp=4)
     assert [w.split()[2] for w in two_by_two.warnings(cp)] == ["cp=4"]
-    cp_tp = ParallelDims(dp_replicate=1, dp_shard=1, tp=2, pp=1, world_size=4, cp=2)
+    cp_tp = Layout(tp=2, cp=2)
     [line] = two_by_two.warnings(cp_tp)  # tp inside each node, cp across them
     assert line.startswith("threefold: warning: cp=2 spans nodes (ranks 0 on n1, 2 on n2; 2 of "
                            "2 cp groups)") and "parallel.cp × parallel.tp dividing" in line
@@ -240,7 +240,7 @@ def test_the_example_batch_script_launches_one_task_per_node(tmp_path):
     threefold knows, and the layout fits 2 nodes × 8."""
     from threefold.config import parse_overrides
     from threefold.launch import split_train_args, world_size_for
-    from threefold.parallel.checks import validate_layout
+    from threefold.layout import validate_layout
 
     bin_ = tmp_path / "bin"
     bin_.mkdir()

@@ -172,11 +172,12 @@ def _run_block(model, x, dy, comm=None):
 def _cases(rank: int, world: int, cases: list[tuple[str, int, bool]]) -> dict:
     """On each rank: the unsharded block, then each (name, kv heads, sp) case under TP."""
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
+    from threefold.mesh import build_mesh
     from threefold.parallel.tensor import apply_tensor_parallel
 
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=world, pp=1, world_size=world)
-    mesh = dims.build_mesh("cpu")
+    dims = Layout(tp=world)
+    mesh = build_mesh(dims, "cpu")
     gen = torch.Generator().manual_seed(SEED)
     x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
     n = S // world

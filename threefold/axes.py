@@ -1,17 +1,15 @@
-"""The mesh axes, named once: the runtime's mesh (``threefold.mesh``) and the accounting
-(``threefold.accounting``) both read these tables, and ``resolve_dp_shard`` is the one place
-``parallel.dp_shard = -1`` ("the rest of the world") becomes a number.
+"""The mesh axes, named once: the layout's rank arithmetic (``threefold.layout.ranks``), the
+runtime's mesh (``threefold.mesh``) and the accounting (``threefold.accounting``) all read
+these tables, from here alone.
 
 Axis order, outermost (largest rank stride) to innermost (stride 1), is ``AXES``: tp innermost
 so that its ranks are neighbours (same node, NVLink), then cp, then dp_shard, then
 dp_replicate and pp outermost, where traffic is lightest (DESIGN.md, topology rule).
 
-Imports nothing of threefold but ``config`` (for ``ConfigError``).
+Imports nothing of threefold.
 """
 
 from __future__ import annotations
-
-from threefold.config import ConfigError, ParallelConfig
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh axes, outermost (largest rank stride) to innermost (stride 1)."""
@@ -36,22 +34,3 @@ DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, "world")
 
 COMM_AXES = AXES + tuple(FLATTENED) + EXPERT_AXES
 """Axes communication is counted on (the keys of ``comm_bytes_per_step``)."""
-
-
-def resolve_dp_shard(pcfg: ParallelConfig, world_size: int) -> int:
-    """``parallel.dp_shard`` with -1 resolved to the rest of the world: world_size /
-    (pp·dp_replicate·cp·tp). ConfigError when those do not divide the world, or when an
-    explicit dp_shard does not fill it exactly."""
-    fixed = pcfg.tp * pcfg.pp * pcfg.dp_replicate * pcfg.cp
-    named = (f"pp·dp_replicate·cp·tp = {pcfg.pp}·{pcfg.dp_replicate}·{pcfg.cp}·{pcfg.tp} "
-             f"= {fixed}")
-    if world_size % fixed:
-        raise ConfigError(f"parallel: {named} does not divide world size {world_size}; "
-                          f"lower one of them or launch a multiple of {fixed} ranks")
-    rest = world_size // fixed
-    dp_shard = rest if pcfg.dp_shard == -1 else pcfg.dp_shard
-    if dp_shard != rest:
-        raise ConfigError(f"parallel.dp_shard: {named}, times dp_shard={dp_shard} is "
-                          f"{fixed * dp_shard}, not world size {world_size}; set "
-                          f"parallel.dp_shard to {rest} or -1 (the rest)")
-    return dp_shard

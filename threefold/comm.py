@@ -43,7 +43,8 @@ import torch.distributed as dist
 from threefold.axes import AXES, FLATTENED
 from threefold.collective_check import Ledger
 from threefold.distributed import set_timeout
-from threefold.mesh import ParallelDims, submesh
+from threefold.layout import Layout
+from threefold.mesh import submesh
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "SUM"}
 
@@ -95,7 +96,7 @@ class Comm:
     groups share one, since the order that must agree is the groups'.
     """
 
-    def __init__(self, dims: ParallelDims, mesh=None, history: int = 64,
+    def __init__(self, dims: Layout, mesh=None, history: int = 64,
                  ledger: Ledger | None = None):
         if mesh is None and dims.world_size > 1:
             raise ValueError(f"Comm: a world of {dims.world_size} ranks needs a mesh")

@@ -4,8 +4,8 @@ planner's prediction for exactly its layout.
 Nothing is allocated: the model is built on the meta device (shapes, no storage), tensor
 parallelism is applied to it there as the runtime would on rank 0, and the parameters each
 rank holds are counted from it (and checked against the planner's own count). The layout is
-checked as the launcher and the trainer check it (``ParallelDims.from_config``,
-``validate_model``, ``check_batch``, sequence-parallel divisibility); then ``threefold.accounting``
+checked as the launcher and the trainer check it (the rule book,
+``threefold.layout.validate_layout``, which builds its ``Layout``); then ``threefold.accounting``
 and ``threefold.plan.memory`` predict memory per rank, step time, tokens/s, MFU and the bytes each
 mesh axis carries per step.
 
@@ -52,7 +52,6 @@ from threefold.accounting import (
     Layout,
     Workload,
     active_parameters,
-    check_layout,
     comm_bytes_per_step,
     microbatches,
     num_parameters,
@@ -68,7 +67,7 @@ from threefold.lora import apply_lora, is_adapter
 from threefold.model import CausalLM
 from threefold.model_source import resolved_model
 from threefold.parallel.expert import apply_expert_parallel
-from threefold.parallel.layout import validate_layout
+from threefold.layout import validate_layout
 from threefold.schedules.schedules import schedule_spec
 from threefold.parallel.pipeline.stage import rank_model, split_model
 from threefold.parallel.tensor import apply_tensor_parallel
@@ -225,25 +224,24 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     ``backend_copies``: whether collectives copy through whole-size temporaries (default: on
     a CPU, as gloo does; a test's fake process group does not)."""
     mcfg = resolved_model(cfg, said := [])  # what the checkpoint's model says, if any
-    dims = validate_layout(cfg, world_size, mcfg)
-    notes = said + list(dims.notes)
-    layout, work = Layout.from_config(cfg, world_size), Workload.from_config(cfg)
-    check_layout(mcfg, layout, work)
+    layout = validate_layout(cfg, world_size, mcfg)
+    notes = said + layout.notes()
+    work = Workload.from_config(cfg)
     p = cfg.parallel
     total, local, adapters = meta_parameter_counts(
-        mcfg, dims.tp, p.sequence_parallel, dims.pp, p.vpp, p.pipeline_split, cfg.data.seq_len,
-        dims.ep, layout.vshape, cfg.lora)
+        mcfg, layout.tp, p.sequence_parallel, layout.pp, p.vpp, p.pipeline_split, cfg.data.seq_len,
+        layout.ep, layout.vshape, cfg.lora)
     if total != num_parameters(mcfg) or local != stage_parameters(mcfg, layout, 0):
         raise RuntimeError(f"the planner counts {stage_parameters(mcfg, layout, 0)} parameters "
                            f"on rank 0 but the meta model holds {local}: cost.py has drifted "
                            "from threefold.model / parallel.tensor / parallel.pipeline")
     owned = owned_parameters(mcfg, layout, 0)
-    if dims.pp > 1:
+    if layout.pp > 1:
         counts = pipeline_layers(mcfg, layout)
         notes.append("pipeline blocks per virtual stage: " + ", ".join(map(str, counts))
                      + f" (parallel.pipeline_split {p.pipeline_split}); parameters per rank "
                      + ", ".join(_count(stage_parameters(mcfg, layout, st))
-                                 for st in range(dims.pp)))
+                                 for st in range(layout.pp)))
         if schedule_spec(p.schedule).split_backward and cfg.train.recompute_mode != "none":
             notes.append(f"{p.schedule} with activation checkpointing: each W (weight "
                          "gradients) recomputes its blocks once per weight it splits off (up to "
@@ -256,7 +254,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     memory = memory_per_rank(mcfg, layout, work,
                              overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES)
     if mcfg.num_local_experts:
-        e, ep = mcfg.num_local_experts, dims.ep
+        e, ep = mcfg.num_local_experts, layout.ep
         notes.append(f"mixture of experts: {e} experts per block, top-{mcfg.num_experts_per_tok}"
                      f", {_count(active_parameters(mcfg))} of {_count(total)} parameters active "
                      f"per token (FLOPs and MFU count these); ep {ep}: {e // ep} experts per "

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 from threefold.config import ConfigError, load_config
-from threefold.mesh import ParallelDims
-from threefold.parallel.checks import validate_layout
+from threefold.layout import Layout, validate_layout
 from threefold.slurm import slurm_launch_flags
 from threefold.topology import Topology
 
@@ -106,7 +105,7 @@ def node_span_warnings(cfg, world: int, nproc: int | None) -> list[str]:
         return []
     planned = Topology(tuple(f"node {r // nproc}" for r in range(world)),
                        tuple(r % nproc for r in range(world)))
-    return planned.warnings(ParallelDims.from_config(cfg.parallel, world))
+    return planned.warnings(Layout.from_config(cfg, world))
 
 
 def check_launch(cfg, nproc: int | None, launcher: list[str]) -> int:

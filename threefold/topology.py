@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only
     from threefold.comm import Comm
-    from threefold.mesh import ParallelDims
+    from threefold.layout import Layout
 
 TEST_HOSTNAME_ENV = "THREEFOLD_TEST_HOSTNAME"  # test-only: this process's node name
 CHECKED_AXES = ("tp", "cp")  # axes whose traffic is meant to stay inside a node
@@ -56,13 +56,13 @@ class Topology:
             return f"{nodes} × {per[0]} rank{'s' if per[0] > 1 else ''}"
         return f"{nodes} ({'+'.join(map(str, per))} ranks)"
 
-    def spanning_groups(self, dims: ParallelDims, axis: str) -> list[list[int]]:
+    def spanning_groups(self, dims: Layout, axis: str) -> list[list[int]]:
         """The groups of ``axis`` whose ranks sit on more than one node."""
         if dims.axis_size(axis) == 1:
             return []
         return [g for g in dims.axis_groups(axis) if len({self.hosts[r] for r in g}) > 1]
 
-    def warnings(self, dims: ParallelDims) -> list[str]:
+    def warnings(self, dims: Layout) -> list[str]:
         """One line per axis of ``CHECKED_AXES`` that has a group across nodes."""
         out, per_node = [], min(self.ranks_per_node)
         # tp is the mesh's innermost axis and cp the next: torchrun numbers ranks node by
@@ -78,7 +78,7 @@ class Topology:
                            f"{fix[axis]} dividing the {per_node} ranks of a node")
         return out
 
-    def summary(self, dims: ParallelDims) -> dict:
+    def summary(self, dims: Layout) -> dict:
         """What summary.json records: nodes × ranks per node, the axes across nodes."""
         return {"nodes": len(self.nodes), "ranks_per_node": self.ranks_per_node,
                 "node_names": self.nodes,

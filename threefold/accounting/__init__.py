@@ -1,5 +1,6 @@
 """The accounting: closed forms that the runtime logs and the planner predicts, one definition
-each. Parameters and FLOPs (``shapes``), the layout and workload and their checks (``layout``),
+each. Parameters and FLOPs (``shapes``), what a layout and a workload imply (``layout``; the two
+themselves are ``threefold.layout``'s, the one description, and so are the rules),
 parameters per rank, ZeRO units and gradient buckets (``stages``), and every collective a rank
 issues with its bytes per mesh axis (``traffic``). Pure functions of the configuration; no
 torch, so the planner evaluates a 1T-parameter layout in microseconds. The runtime, the
@@ -7,8 +8,8 @@ benchmarks and the tests import these names from here.
 
 Conventions (every function below follows them):
 - A *layout* splits the world into pp × dp_replicate × dp_shard × cp × tp. Mesh axes are
-  ordered outermost first as ``MESH_ORDER`` (``threefold.axes.AXES``: every axis table here
-  is ``threefold.axes``'s, the runtime's): tp innermost (NVLink), then cp, then dp_shard, then
+  ordered outermost first as ``threefold.axes.AXES`` (every axis table here is
+  ``threefold.axes``'s, the runtime's): tp innermost (NVLink), then cp, then dp_shard, then
   dp_replicate and pp outermost (DESIGN.md, topology rule). A group that does not fit inside
   one aligned node crosses the network.
 - Context parallelism is threefold's (``threefold.parallel.context``): each cp rank holds
@@ -41,20 +42,11 @@ Conventions (every function below follows them):
 from threefold.accounting.layout import (
     Layout,
     Workload,
-    check_experts,
     check_layout,
     local_seq_len,
     microbatches,
 )
 from threefold.accounting.shapes import (
-    CP_ALGORITHMS,
-    DEFAULT_BUCKET_MB,
-    DTYPE_BYTES,
-    FLATTENED_AXES,
-    MESH_ORDER,
-    RECOMPUTE,
-    SCHEDULES,
-    LayoutError,
     TPShard,
     active_parameters,
     flops_per_token,
@@ -90,16 +82,18 @@ from threefold.accounting.traffic import (
 )
 
 from threefold.axes import COMM_AXES, EXPERT_AXES
+from threefold.layout.description import DEFAULT_BUCKET_MB, DTYPE_BYTES
+from threefold.layout.rules import LayoutError
 
 __all__ = [
     "active_parameters", "axis_crosses_nodes", "axis_stride", "axis_stride_and_span",
     "block_parameter_numels",
-    "check_experts", "check_layout", "Collective", "collectives", "COMM_AXES",
-    "comm_bytes_per_step", "CP_ALGORITHMS", "cp_bytes_per_attention", "DEFAULT_BUCKET_MB",
-    "DTYPE_BYTES", "EXPERT_AXES", "FLATTENED_AXES", "flops_per_token", "gradient_buckets",
+    "check_layout", "Collective", "collectives", "COMM_AXES",
+    "comm_bytes_per_step", "cp_bytes_per_attention", "DEFAULT_BUCKET_MB",
+    "DTYPE_BYTES", "EXPERT_AXES", "flops_per_token", "gradient_buckets",
     "largest_unit_parameters", "layer_parameters", "layer_parameters_per_rank", "Layout",
-    "LayoutError", "local_seq_len", "matmul_parameters", "MESH_ORDER", "microbatches",
+    "LayoutError", "local_seq_len", "matmul_parameters", "microbatches",
     "moe_matmul_parameters", "num_parameters", "offload_bytes_per_step", "owned_parameters",
-    "padded_vocab", "parameter_numels", "pipeline_layers", "rank_layers", "RECOMPUTE", "SCHEDULES",
+    "padded_vocab", "parameter_numels", "pipeline_layers", "rank_layers",
     "stage_expert_units", "stage_parameters", "stage_units", "tp_shard", "TPShard", "Workload",
 ]

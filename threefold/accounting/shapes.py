@@ -1,6 +1,6 @@
 """Parameters and FLOPs of a model: exact counts of the weights threefold's model builds, the
-PaLM FLOPs per token, and how tensor parallelism shards each weight. Also the constants every
-accounting module shares (the axis tables are ``threefold.axes``'s). Pure functions of the
+PaLM FLOPs per token, and how tensor parallelism shards each weight. The value sets
+and axis tables are ``threefold.config``'s and ``threefold.axes``'s. Pure functions of the
 configuration, no torch.
 """
 
@@ -9,25 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from threefold.axes import AXES, FLATTENED
-from threefold.config import PIPELINE_SCHEDULES, ModelConfig
+from threefold.config import ModelConfig
+from threefold.layout import rules
 from threefold.models.shapes import inactive_parameters, moe_layer_parameters
-
-# The axis tables are threefold.axes's (one home for the runtime and the accounting), under
-# the accounting's names: MESH_ORDER is AXES (outermost first), FLATTENED_AXES is FLATTENED.
-MESH_ORDER = AXES
-FLATTENED_AXES = FLATTENED
-CP_ALGORITHMS = ("ring", "allgather")
-RECOMPUTE = ("none", "selective", "full")
-# the pipeline schedules' names, config's (schedules.schedules registers one spec per
-# name and checks that they agree): the accounting sits below parallel
-SCHEDULES = PIPELINE_SCHEDULES
-DTYPE_BYTES = {"bf16": 2, "fp32": 4}
-DEFAULT_BUCKET_MB = 25.0  # = ParallelConfig.bucket_mb: data-parallel gradient buckets, MiB
-
-
-class LayoutError(ValueError):
-    """A layout that does not divide the world, the model or the batch."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,14 +135,12 @@ def padded_vocab(cfg: ModelConfig, tp: int) -> int:
 def tp_shard_for(h: int, a: int, kv: int, f: int, vocab: int, tp: int) -> TPShard:
     """``tp_shard`` of hidden size h, a heads, kv heads, SwiGLU width f and vocabulary
     ``vocab`` (cached); LayoutError if tp does not fit."""
-    if a % tp:
-        raise LayoutError(f"tp={tp} does not divide the {a} attention heads")
+    rules.heads_over_tp(a, kv, f, tp)
+    rules.kv_heads_over_tp(a, kv, f, tp)
     if kv % tp == 0:
         kv_r, reps = kv // tp, 1
-    elif tp % kv == 0:
-        kv_r, reps = 1, tp // kv  # each kv head replicated on tp/kv ranks
     else:
-        raise LayoutError(f"tp={tp} neither divides nor is a multiple of the {kv} kv heads")
+        kv_r, reps = 1, tp // kv  # each kv head replicated on tp/kv ranks
     return TPShard(a // tp, kv_r, reps, -(-f // tp), -(-vocab // tp))
 
 

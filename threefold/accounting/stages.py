@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from threefold.accounting.layout import Layout
-from threefold.accounting.shapes import LayoutError, tp_shard, tp_shard_for
+from threefold.accounting.shapes import tp_shard, tp_shard_for
 from threefold.config import ModelConfig
 from threefold.schedules.actions import rank_stage
 from threefold.schedules.balance import split_counts
@@ -142,7 +142,7 @@ def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> t
         try:
             t = int(split.split(":")[1])
         except (IndexError, ValueError):
-            raise LayoutError(f"pipeline_split '{split}': the planner needs 'flops:SEQ_LEN'") \
+            raise ValueError(f"pipeline_split '{split}': the planner needs 'flops:SEQ_LEN'") \
                 from None
         return split_counts("flops", [_block_flops(key, i, t) for i in range(n_layers)],
                             n_stages, 0.0, 6.0 * emb)

@@ -401,7 +401,7 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXE
     the expert axes divide dp_shard as ``threefold.mesh`` does: "ep" is its innermost ep ranks
     (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate."""
     def stride(a: str) -> int:
-        return math.prod(layout.size(x) for x in order[order.index(a) + 1:])
+        return math.prod(layout.axis_size(x) for x in order[order.index(a) + 1:])
 
     if axis in EXPERT_AXES:
         base = stride("dp_shard")
@@ -411,9 +411,9 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXE
             return base * layout.ep, base * layout.dp_shard
         return base * layout.ep, max(base * layout.dp_shard,
                                      stride("dp_replicate") * layout.dp_replicate)
-    parts = [a for a in FLATTENED.get(axis, (axis,)) if layout.size(a) > 1] \
+    parts = [a for a in FLATTENED.get(axis, (axis,)) if layout.axis_size(a) > 1] \
         or [FLATTENED.get(axis, (axis,))[-1]]
-    return min(stride(a) for a in parts), max(stride(a) * layout.size(a) for a in parts)
+    return min(stride(a) for a in parts), max(stride(a) * layout.axis_size(a) for a in parts)
 
 
 def axis_stride(layout: Layout, axis: str, order: tuple[str, ...] = AXES) -> int:
@@ -425,8 +425,8 @@ def axis_crosses_nodes(layout: Layout, axis: str, gpus_per_node: int) -> bool:
     """True when a group of ``axis`` is not contained in one node (it then runs at the
     network's bandwidth): its ranks span stride·size consecutive ranks, which must fit in and
     tile a node."""
-    span = axis_stride(layout, axis) * layout.size(axis)
-    return layout.size(axis) > 1 and (span > gpus_per_node or gpus_per_node % span != 0)
+    span = axis_stride(layout, axis) * layout.axis_size(axis)
+    return layout.axis_size(axis) > 1 and (span > gpus_per_node or gpus_per_node % span != 0)
 
 
 def offload_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> dict[str, int]:

@@ -21,8 +21,10 @@ from threefold.config.loading import (
 )
 from threefold.config.presets import GPT_SHAPES, MODEL_PRESETS
 from threefold.config.schema import (
+    CP_ALGORITHMS,
     MODEL_FAMILIES,
     PIPELINE_SCHEDULES,
+    RECOMPUTE_MODES,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -43,7 +45,7 @@ from threefold.config.validation import validate
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
     "LoRAConfig", "MetricsConfig", "MODEL_FAMILIES", "ModelConfig", "OptimConfig",
-    "PIPELINE_SCHEDULES", "ParallelConfig",
+    "CP_ALGORITHMS", "PIPELINE_SCHEDULES", "ParallelConfig", "RECOMPUTE_MODES",
     "TrainConfig",
     "apply_mapping", "describe", "fp8_all_gather", "load_config", "param_dtype",
     "parse_overrides", "take_flag",

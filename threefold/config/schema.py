@@ -16,6 +16,11 @@ from threefold.config.presets import MODEL_PRESETS
 # The registry, threefold.schedules.schedules.SCHEDULE_SPECS, holds each schedule
 # (builder, bubble, activations in flight) and refuses to load unless it lists these names.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
+# Context-parallel attention algorithms (threefold.parallel.context) and recompute modes
+# (threefold.parallel.recompute): named once here, at the bottom, for validation, the rule
+# book, the planner's options and the runtime.
+CP_ALGORITHMS = ("ring", "allgather")
+RECOMPUTE_MODES = ("none", "selective", "full")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.models.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
@@ -233,7 +238,8 @@ class ParallelConfig:
     cp: int = _f(1, "context-parallel degree: each sequence split over this many ranks "
                  "(between tp and dp_shard in the mesh)")
     cp_algorithm: str = _f("ring", "context-parallel attention: ring (K/V blocks passed "
-                           "around the cp ranks) or allgather (K/V all-gathered; suits GQA)")
+                           "around the cp ranks) or allgather (K/V all-gathered; suits GQA); "
+                           "one of " + ", ".join(CP_ALGORITHMS))
     pp: int = _f(1, "pipeline stages")
     ep: int = _f(1, "expert-parallel degree (mixture of experts): each expert lives on one of "
                  "this many data-parallel ranks (the innermost part of dp_shard), tokens reach "

@@ -1,6 +1,8 @@
-"""Validation that needs no world size (the mesh checks the layout against the world size:
-``threefold.parallel.checks``): one function per section, in the order ``validate`` runs
-them, each raising ``ConfigError`` with the field, the value and what would be valid.
+"""Validation of each field's own values, which needs no world size: one function per
+section, in the order ``validate`` runs them, each raising ``ConfigError`` with the field, the
+value and what would be valid. The rules that refuse a layout (parallel degrees against the
+world, the model, the batch, recompute, LoRA) are the rule book's,
+``threefold.layout.rules``, which every command calls before launch.
 """
 
 from __future__ import annotations
@@ -8,7 +10,8 @@ from __future__ import annotations
 import importlib.util
 
 from threefold.config.presets import MODEL_PRESETS
-from threefold.config.schema import (MODEL_FAMILIES, PIPELINE_SCHEDULES, CheckpointConfig,
+from threefold.config.schema import (CP_ALGORITHMS, MODEL_FAMILIES, PIPELINE_SCHEDULES,
+                                     RECOMPUTE_MODES, CheckpointConfig,
                                      Config, ConfigError, DataConfig, LoRAConfig, MetricsConfig,
                                      ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
                                      unknown_value)
@@ -32,10 +35,10 @@ def validate(cfg: Config) -> None:
     _check_optim(cfg.optim)
     _check_parallel(cfg.parallel, cfg.train)
     _check_train(cfg.train)
-    _check_recompute(cfg.train, cfg.parallel)
+    _check_recompute(cfg.train)
     _check_checkpoint(cfg.checkpoint)
     _check_metrics(cfg.metrics)
-    _check_lora(cfg.lora, cfg.parallel)
+    _check_lora(cfg.lora)
     _check_fp8(cfg.train, cfg.lora, cfg.parallel)
     if not cfg.checkpoint.init_from:  # else the checkpoint's shape, once read (model_source)
         check_against_model(cfg, _check_model(cfg.model, cfg.data.vocab_size))
@@ -43,16 +46,13 @@ def validate(cfg: Config) -> None:
 
 def check_against_model(cfg: Config, r: ModelConfig) -> None:
     """The rules that need the model's shape ``r`` (resolved): the sequence fits its
-    context, and selective recompute and LoRA meet what they do not run with."""
+    context, the experts' activation, the 8-bit gather and the overlapped projections."""
     _need(cfg.data.seq_len <= r.max_position_embeddings,
           f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="
           f"{r.max_position_embeddings}; lower it or raise the model's limit")
     _need(r.hidden_act == "silu" or not r.num_local_experts,
           f"model.hidden_act: {r.hidden_act}, but the experts of a mixture are SwiGLU; use "
           "silu")
-    _need(cfg.train.recompute != "selective" or not r.num_local_experts,
-          "train.recompute: selective is not available for a mixture of experts "
-          "(model.num_local_experts); use full or none")
     _need(not (cfg.parallel.fp8_all_gather and r.num_local_experts),
           "parallel.fp8_all_gather: true is not available for a mixture of experts "
           "(model.num_local_experts; its dense blocks' 8-bit units are not modelled); unset it "
@@ -68,14 +68,6 @@ def check_against_model(cfg: Config, r: ModelConfig) -> None:
     _need(p.tp_overlap < 2 or not plain,
           f"parallel.tp_overlap: {p.tp_overlap} cannot overlap the projections of "
           f"{', '.join(plain)}; set parallel.tp_overlap 0")
-    if lo.r <= 0:
-        return
-    _need(not r.num_local_experts, "lora.r: LoRA does not adapt a mixture of experts "
-          "(model.num_local_experts > 0); use lora.r 0")
-    kv_split = p.tp == 1 or r.num_key_value_heads % p.tp == 0
-    _need(kv_split or not {"k_proj", "v_proj"} & set(lora_targets(lo)),
-          f"lora.target_modules: k_proj/v_proj stay whole when parallel.tp={p.tp} exceeds the "
-          f"{r.num_key_value_heads} KV heads; leave them out or lower parallel.tp")
 
 
 def _check_model_settings(m: ModelConfig) -> None:
@@ -171,7 +163,7 @@ def _check_optim(o: OptimConfig) -> None:
 def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
     """Degrees and choices of ``parallel`` (bfloat16 parameters against ``train.dtype``);
     writes ``pipeline_split`` without spaces."""
-    for name in ("dp_replicate", "tp", "pp", "vpp", "cp"):
+    for name in ("dp_replicate", "tp", "pp", "vpp", "cp", "ep"):
         _need(getattr(p, name) >= 1, f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
     _need(p.dp_shard == -1 or p.dp_shard >= 1,
           f"parallel.dp_shard: must be >= 1 or -1 (the rest), got {p.dp_shard}")
@@ -182,7 +174,7 @@ def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
     _need(p.param_dtype != "bfloat16" or t.dtype == "bfloat16",
           "parallel.param_dtype: bfloat16 parameters need bfloat16 compute; set train.dtype "
           "bfloat16 or parallel.param_dtype auto")
-    _one_of("parallel.cp_algorithm", p.cp_algorithm, ["ring", "allgather"])
+    _one_of("parallel.cp_algorithm", p.cp_algorithm, list(CP_ALGORITHMS))
     p.pipeline_split = p.pipeline_split.replace(" ", "")  # "7, 9, 9, 7" as "7,9,9,7"
     _need(p.pipeline_split in ("params", "flops", "uniform")
           or all(x.isdigit() for x in p.pipeline_split.split(",")),
@@ -243,16 +235,13 @@ def _check_fp8(t: TrainConfig, lo: LoRAConfig, p: ParallelConfig) -> None:
                   "unset it or set it false")
 
 
-def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:
-    """The recompute mode, and the layouts selective recompute does not take."""
-    _one_of("train.recompute", t.recompute, ["none", "selective", "full"])
+def _check_recompute(t: TrainConfig) -> None:
+    """The recompute mode (the layouts selective recompute does not take are the rule
+    book's)."""
+    _one_of("train.recompute", t.recompute, list(RECOMPUTE_MODES))
     _need(not (t.activation_checkpointing and t.recompute != "none"),
           "train.activation_checkpointing: true means train.recompute full; set only "
           f"train.recompute ({t.recompute})")
-    if t.recompute != "selective":
-        return
-    _need(p.cp == 1, "train.recompute: selective is not available with parallel.cp > 1 (ring "
-          "attention's per-hop results would all be kept); use full or none")
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
@@ -286,8 +275,8 @@ def lora_targets(lora: LoRAConfig) -> tuple[str, ...]:
     return LORA_TARGETS if names == ("all-linear",) else names
 
 
-def _check_lora(lo: LoRAConfig, p: ParallelConfig) -> None:
-    """The adapters' settings, and the layouts and models they run with (before launch)."""
+def _check_lora(lo: LoRAConfig) -> None:
+    """The adapters' settings (the layouts and models they run with are the rule book's)."""
     if lo.r == 0:
         return
     _need(lo.r > 0, f"lora.r: must be >= 0 (0 = no LoRA), got {lo.r}")
@@ -298,6 +287,4 @@ def _check_lora(lo: LoRAConfig, p: ParallelConfig) -> None:
     _need(bool(names) and not bad,
           f"lora.target_modules: {', '.join(bad) or 'nothing'} is not one of "
           f"{', '.join(LORA_TARGETS)} (or 'all-linear')")
-    _need(p.ep == 1, f"parallel.ep: LoRA does not run with ep={p.ep} yet; use parallel.ep 1 "
-          "(or lora.r 0)")
 

@@ -20,8 +20,9 @@ from threefold.collective_check import CHECK_ENV, GroupCheck, Ledger, check_grou
 from threefold.comm import Comm
 from threefold.distributed import c10d_store, init_distributed, set_timeout, shutdown
 from threefold.liveness import Heartbeats
-from threefold.mesh import ParallelDims
-from threefold.parallel.checks import pipeline_microbatches, validate_layout
+from threefold.layout import Layout, validate_layout
+from threefold.layout.checks import pipeline_microbatches
+from threefold.mesh import build_mesh
 from threefold.parallel.context import shard_batch
 from threefold.parallel.materialize import buffer_pieces
 from threefold.parallel.pipeline.executor import PipelineExecutor
@@ -56,8 +57,8 @@ class Distributed(World):
                                     Path(cfg.train.output_dir) / "comm_traces")
         self.rank, self.world_size = self.env.rank, self.env.world_size
         self.local_rank = self.env.local_rank
-        self.dims = ParallelDims.from_config(cfg.parallel, self.world_size)
-        self.mesh = self.dims.build_mesh(self.env.device.type)
+        self.dims = Layout.from_config(cfg, self.world_size)  # the one description
+        self.mesh = build_mesh(self.dims, self.env.device.type)
         # One ledger for both channels: they reach the same process groups, whose order of
         # calls is what must agree across ranks (threefold.collective_check).
         # On torch's fake process group (one rank of a large layout, alone) there are no
@@ -155,7 +156,7 @@ class Distributed(World):
         return fn()
 
     def check(self, cfg: Config, mcfg: ModelConfig) -> None:
-        """The layout's rules against the model (``parallel.layout.validate_layout``)."""
+        """The rule book against the model (``threefold.layout.validate_layout``)."""
         validate_layout(cfg, self.world_size, mcfg)
 
     @property

@@ -13,8 +13,7 @@ import torch
 
 from threefold.config import Config, ModelConfig
 from threefold.parallel.materialize import buffer_pieces
-from threefold.parallel.checks import (check_batch, pipeline_microbatches,  # noqa: F401
-                                       validate_layout)
+from threefold.layout import validate_layout
 
 
 class World:
@@ -90,7 +89,9 @@ class World:
         return fn()
 
     def check(self, cfg: Config, mcfg: ModelConfig) -> None:
-        """Layout rules against the model (nothing to check for one process)."""
+        """The rule book against the model, for one process (selective recompute and LoRA
+        meet a mixture of experts here too)."""
+        validate_layout(cfg, 1, mcfg)
 
     def split_pipeline(self, model: torch.nn.Module) -> torch.nn.Module:
         """This rank's pipeline stages (the whole model: one process has no pipeline)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from threefold.accounting.layout import Layout
-from threefold.accounting.shapes import CP_ALGORITHMS
+from threefold.config import CP_ALGORITHMS
 from threefold.plan.memory import MemoryBreakdown
 from threefold.plan.step import StepPrediction
 

@@ -36,25 +36,20 @@ the link the ep axis crosses (an ep group that leaves the node is flagged).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
 from pathlib import Path
 
-from threefold.accounting.layout import Workload
-from threefold.accounting.shapes import (
-    CP_ALGORITHMS,
-    RECOMPUTE,
-    LayoutError,
-    active_parameters,
-    num_parameters,
-    tp_shard,
-)
+from threefold.accounting.shapes import active_parameters, num_parameters, tp_shard
 from threefold.checkpoint_verify import read_json
-from threefold.config import MODEL_PRESETS, ConfigError, LoRAConfig, ModelConfig, load_config
+from threefold.config import (CP_ALGORITHMS, MODEL_PRESETS, RECOMPUTE_MODES, ConfigError,
+                              LoRAConfig, ModelConfig, ParallelConfig, load_config)
 from threefold.config.validation import LORA_TARGETS, lora_targets
 from threefold.hf_config import HFError, model_config_from_hf
 from threefold.hub import hub_id, locate
+from threefold.layout import Workload, rules
 from threefold.model_source import read_model
 from threefold.plan.calibrate import (DEFAULT_PATH, calibrate, hardware_from_calibration, load,
                                       save)
@@ -292,24 +287,12 @@ def _setup(args):
     if args.global_batch_tokens % seq:
         raise ConfigError(f"--global-batch-tokens: {args.global_batch_tokens} is not a multiple "
                           f"of --seq-len {seq}")
-    recompute = _choices("--recompute", args.recompute, RECOMPUTE)
+    recompute = _choices("--recompute", args.recompute, RECOMPUTE_MODES)
     if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
         raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
-    for cp in args.cp or ():
-        if cp < 1 or args.gpus % cp or (cp > 1 and seq % (2 * cp)):
-            raise ConfigError(f"--cp: {cp} must be >= 1, divide --gpus {args.gpus} and (above 1)"
-                              f" split --seq-len {seq} into 2·cp equal chunks")
     algorithms = _choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
-    experts = cfg.num_local_experts or 0
-    for ep in args.ep or ():
-        if ep < 1 or (ep > 1 and (not experts or experts % ep)):
-            raise ConfigError(f"--ep: {ep} must be >= 1 and divide model.num_local_experts="
-                              f"{experts}" + ("" if experts else " (a dense model: ep 1 only)"))
-    if experts and any(cp > 1 for cp in args.cp or ()):
-        raise ConfigError(f"--cp: a mixture of experts (model.num_local_experts={experts}) "
-                          "does not train with context parallelism yet; use --cp 1")
     splits = _choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform"))
-    _refuse_degrees(cfg, args)
+    _refuse_degrees(cfg, args, seq)
     targets = _lora_options(cfg, args)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash",
@@ -339,36 +322,39 @@ def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:
     if bad or not targets:
         raise ConfigError(f"--lora-targets: {', '.join(bad) or 'nothing'} is not one of "
                           f"{', '.join(LORA_TARGETS)} (or all-linear)")
-    if cfg.num_local_experts:
-        raise ConfigError("--lora-r: LoRA does not adapt a mixture of experts "
-                          f"(model.num_local_experts={cfg.num_local_experts})")
+    rules.lora_without_experts(args.lora_r, cfg.num_local_experts or 0)
     if args.offload_optimizer != "off":
         raise ConfigError("--offload-optimizer: not planned under LoRA (the adapters' "
                           "optimizer state is small); use off")
     return targets
 
 
-def _refuse_degrees(cfg: ModelConfig, args) -> None:
-    """Explicit --tp and --pp are taken as given, or refused here with the reason the runtime
-    would give (threefold.mesh.ParallelDims.validate_model), rather than silently searched
-    away: tp must divide the GPUs and the attention heads (kv heads may replicate); pp the
-    GPUs left by some tp, with at least one block per stage (any split of the layers that
-    pp does not divide is the runtime's own, threefold.schedules.balance)."""
-    tps = args.tp or [t for t in range(1, args.gpus + 1) if args.gpus % t == 0]
+def _refuse_degrees(cfg: ModelConfig, args, seq: int) -> None:
+    """Explicit --tp, --pp, --cp and --ep are taken as given, or refused here by the rule book
+    (``threefold.layout.rules``) with the message the runtime gives, rather than silently
+    searched away: each must fit the GPUs (together, for tp, cp and pp), tp the attention
+    heads (kv heads may replicate), pp the layers, cp the sequence and the model, ep the
+    experts (any split of the layers that pp does not divide is the runtime's own,
+    threefold.schedules.balance)."""
+    experts = cfg.num_local_experts or 0
+    for name in ("tp", "pp", "cp"):
+        for v in getattr(args, name) or ():
+            rules.divides_world(name, v, args.gpus)
     for tp in args.tp or ():
-        if tp < 1 or args.gpus % tp:
-            raise ConfigError(f"--tp: {tp} does not divide --gpus {args.gpus}")
-        try:
-            tp_shard(cfg, tp)
-        except LayoutError as e:
-            raise ConfigError(f"--tp: {e}") from None
+        tp_shard(cfg, tp)
     for pp in args.pp or ():
-        if pp < 1 or not any((args.gpus // tp) % pp == 0 for tp in tps):
-            raise ConfigError(f"--pp: {pp} does not divide the GPUs left by tp "
-                              f"({', '.join(str(args.gpus // t) for t in tps)})")
-        if pp > cfg.num_hidden_layers:
-            raise ConfigError(f"--pp: {pp} stages need at least one of the model's "
-                              f"{cfg.num_hidden_layers} layers each")
+        rules.layers_fill_chunks(cfg.num_hidden_layers, pp, 1)
+    for cp in args.cp or ():
+        rules.experts_without_cp(experts, cp)
+        rules.seq_len_over_cp(seq, cp)
+    combos = [ParallelConfig(tp=tp, cp=cp, pp=pp) for tp, cp, pp in itertools.product(
+        args.tp or (1,), args.cp or (1,), args.pp or (1,))]
+    if not any(c.tp * c.cp * c.pp <= args.gpus and args.gpus % (c.tp * c.cp * c.pp) == 0
+               for c in combos):  # none of the degrees asked for fit together
+        rules.fills_world(combos[0], args.gpus)
+    for ep in args.ep or ():
+        rules.ep_needs_experts(ep, experts)
+        rules.ep_divides_experts(ep, experts, args.gpus)
 
 
 def _calibrate(args) -> int:

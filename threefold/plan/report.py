@@ -25,7 +25,7 @@ def exposed_breakdown(c: Candidate) -> str:
     axis_of = {"tp comm": "tp", "pp comm": "pp", "cp comm": "cp", "ep comm": "ep"}
     parts = [f"compute {t['compute']:.3f}", f"bubble {t['bubble']:.3f}"]
     for k, a in axis_of.items():
-        if c.layout.size(a) > 1:
+        if c.layout.axis_size(a) > 1:
             parts.append(f"{k} {t[k]:.3f} ({where.get(a, '?')})")
     dp_axes = [f"{a} {lvl}" for a, lvl in s.axis_levels if a in ("dp_replicate", "dp_shard")]
     if dp_axes:
@@ -98,7 +98,7 @@ def _cause(best: Candidate, other: Candidate, term: str) -> str:
             (" across nodes" if "ep" in other.step.inter_node_axes else "")
     if term == "dp comm":
         axis = o.data_axis if o.zero_stage == 0 else o.shard_axis
-        return f"zero_stage {o.zero_stage} over {axis}={o.size(axis)}" + \
+        return f"zero_stage {o.zero_stage} over {axis}={o.axis_size(axis)}" + \
                (" across nodes" if axis in other.step.inter_node_axes else "")
     return ""
 

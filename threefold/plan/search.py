@@ -1,6 +1,9 @@
 """The search: every layout (dp_replicate, dp_shard, ep, cp, cp_algorithm, tp, pp, vpp,
 zero_stage, microbatch size, recompute) whose product is the world and which the runtime
 accepts, dropped when it does not fit in memory (with the reason), scored by ``predict_step``.
+A layout the runtime refuses is skipped by the rule book's rule (``threefold.layout.rules``),
+counted under that rule: one summary line per rule, with its message for the first layout it
+refused.
 """
 
 from __future__ import annotations
@@ -10,10 +13,11 @@ import heapq
 import itertools
 from typing import Iterator
 
-from threefold.accounting.layout import Layout, Workload, check_layout, microbatches
-from threefold.accounting.shapes import RECOMPUTE, LayoutError, tp_shard
+from threefold.accounting.layout import microbatches
+from threefold.accounting.shapes import tp_shard
 from threefold.accounting.stages import pipeline_layers
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import RECOMPUTE_MODES, ConfigError, ModelConfig, ParallelConfig
+from threefold.layout import Layout, LayoutError, Workload, check_layout, rule_of, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.hardware import Cluster
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
@@ -42,36 +46,29 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                       space: SearchSpace = SearchSpace(),
                       invalid: dict[str, int] | None = None) -> Iterator[Layout]:
     """Every layout in ``space`` that uses exactly ``world`` ranks and passes
-    ``check_layout``; the reasons others fail are counted into ``invalid``."""
-    invalid = {} if invalid is None else invalid
-
-    def reject(reason: str, n: int = 1) -> None:  # count n layouts skipped for reason
-        invalid[reason] = invalid.get(reason, 0) + n
-
+    ``check_layout``; the others are counted into ``invalid`` by rule (``_rejecter``)."""
+    reject = _rejecter({} if invalid is None else invalid)
     recompute, dropped = _recompute_options(space, work)
     experts = cfg.num_local_experts or 0
     for tp in space.tp or _divisors(world):
-        if world % tp:
-            reject(f"tp={tp} does not divide {world} GPUs")
-            continue
         try:
+            rules.divides_world("tp", tp, world)
             tp_shard(cfg, tp)
         except LayoutError as e:
-            reject(str(e))
+            reject(e)
             continue
-        for cp in _cp_degrees(world // tp, tp, work, space, reject, bool(experts)):
+        for cp in _cp_degrees(world // tp, tp, work, space, reject, experts):
             algorithms = ("ring",) if cp == 1 else space.cp_algorithm
             for pp in space.pp or _divisors(world // (tp * cp)):
-                if (world // (tp * cp)) % pp:
-                    reject(f"tp·cp·pp={tp * cp * pp} does not divide {world} GPUs")
-                    continue
-                if pp > cfg.num_hidden_layers:  # the runtime's rule: a block per stage
-                    reject(f"pp={pp} is more than the {cfg.num_hidden_layers} layers")
+                try:
+                    _fits_world(tp, cp, pp, world)
+                    rules.layers_fill_chunks(cfg.num_hidden_layers, pp, 1)
+                    rules.batch_over_dp(work.global_batch, world // (tp * cp * pp))
+                except LayoutError as e:
+                    reject(e)
                     continue
                 dp = world // (tp * cp * pp)
-                per_replica = _per_replica(work.global_batch, dp, reject)
-                if not per_replica:
-                    continue
+                per_replica = work.global_batch // dp
                 vpps = _vpp_degrees(cfg.num_hidden_layers, pp, space, reject)
                 splits = list(_dp_splits(dp, space, cp))
                 sizes = space.microbatch_size or [b for b in _divisors(per_replica)
@@ -95,9 +92,21 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                         try:
                             check_layout(cfg, lay, work)
                         except LayoutError as e:
-                            reject(_generic(str(e)))
+                            reject(e)
                             continue
                         yield lay
+
+
+def _rejecter(invalid: dict[str, int]):
+    """``reject(reason, n=1)``: count n skipped layouts in ``invalid`` under the rule that
+    refused them (``rules.rule_of``), keyed by its message for the first layout it refused."""
+    first: dict[str, str] = {}  # rule -> its line in ``invalid``
+
+    def reject(reason: LayoutError | str, n: int = 1) -> None:
+        key = first.setdefault(rule_of(reason) if isinstance(reason, LayoutError) else reason,
+                               str(reason))
+        invalid[key] = invalid.get(key, 0) + n
+    return reject
 
 
 def _vpp_degrees(layers: int, pp: int, space: SearchSpace, reject) -> list[int]:
@@ -112,12 +121,12 @@ def _vpp_degrees(layers: int, pp: int, space: SearchSpace, reject) -> list[int]:
         return sorted({v for v in range(1, fit + 1) if v <= MAX_VPP or fit % v == 0})
     out = []
     for v in space.vpp:
-        if v > 1 and pp == 1:
-            reject(f"vpp={v} needs pp > 1")
-        elif pp * v > layers:
-            reject(f"pp·vpp={pp * v} is more than the {layers} layers (each chunk needs one)")
-        else:
+        try:
+            rules.vpp_needs_pp(pp, v)
+            rules.layers_fill_chunks(layers, pp, v)
             out.append(v)
+        except LayoutError as e:
+            reject(e)
     return out
 
 
@@ -146,13 +155,9 @@ def _fitting_bound(cfg: ModelConfig, lay: Layout, work: Workload, limit: float,
     return best
 
 
-def _per_replica(batch: int, dp: int, reject) -> int:
-    """Sequences per data-parallel replica, 0 (counted as skipped) when dp does not divide."""
-    per_replica, rem = divmod(batch, dp)
-    if rem or not per_replica:
-        reject(f"dp={dp} does not divide the global batch of {batch}")
-        return 0
-    return per_replica
+def _fits_world(tp: int, cp: int, pp: int, world: int) -> None:
+    """The rule book's world rule for the degrees the search fixes (dp takes the rest)."""
+    rules.fills_world(ParallelConfig(tp=tp, cp=cp, pp=pp), world)
 
 
 def _schedules(pp: int, vpp: int, space: SearchSpace) -> list[tuple[str, int]]:
@@ -183,32 +188,34 @@ def _ep_degrees(experts: int, dp_shard: int, space: SearchSpace, reject) -> list
         return [1]
     out = []
     for ep in space.ep or _divisors(experts):
-        if experts % ep == 0 and dp_shard % ep == 0:
+        try:
+            rules.ep_divides_experts(ep, experts, dp_shard)
+            rules.ep_divides_dp_shard(ep, dp_shard)
             out.append(ep)
-        elif space.ep:
-            reject(f"ep={ep} does not divide both the {experts} experts and dp_shard")
+        except LayoutError as e:
+            if space.ep:
+                reject(e)
     return out
 
 
 def _cp_degrees(rest: int, tp: int, work: Workload, space: SearchSpace, reject,
-                moe: bool = False) -> list[int]:
+                experts: int = 0) -> list[int]:
     """cp degrees to try with ``tp``: ``space.cp`` (None: 1, and with ``seq_len >=
     CP_MIN_SEQ_LEN`` every divisor of ``rest`` = world/tp) less those the sequence does not
     split into (seq_len a multiple of 2·cp, each cp rank's seq_len/cp of tp for sequence
     parallelism). A mixture of experts takes no cp (the runtime refuses it)."""
-    wanted = space.cp or ([1] if work.seq_len < CP_MIN_SEQ_LEN or moe else _divisors(rest))
+    wanted = space.cp or ([1] if work.seq_len < CP_MIN_SEQ_LEN or experts
+                          else _divisors(rest))
     out = []
     for cp in wanted:
-        if moe and cp > 1:
-            reject("parallel.cp: cp > 1 with a mixture of experts (not supported yet)")
-        elif rest % cp:
-            reject(f"tp·cp={tp * cp} does not divide the GPUs")
-        elif cp > 1 and work.seq_len % (2 * cp):
-            reject(f"cp={cp}: seq_len {work.seq_len} is not a multiple of 2·cp")
-        elif tp > 1 and not moe and (work.seq_len // cp) % tp:
-            reject(f"cp={cp}: seq_len/cp is not a multiple of tp={tp} (sequence parallel)")
-        else:
+        try:
+            rules.experts_without_cp(experts, cp)
+            rules.fills_world(ParallelConfig(tp=tp, cp=cp), rest * tp)
+            rules.seq_len_over_cp(work.seq_len, cp)
+            rules.sequence_parallel_tokens(work.seq_len, cp, tp, not experts)
             out.append(cp)
+        except LayoutError as e:
+            reject(e)
     return out
 
 
@@ -220,19 +227,9 @@ def _recompute_options(space: SearchSpace, work: Workload) -> tuple[tuple[str, .
     if space.recompute:
         return space.recompute, ""
     if work.flash_attention and work.block == "megatron":
-        return tuple(r for r in RECOMPUTE if r != "selective"), \
+        return tuple(r for r in RECOMPUTE_MODES if r != "selective"), \
             "selective recompute: no memory saved under flash attention (never better than none)"
-    return RECOMPUTE, ""
-
-
-def _generic(reason: str) -> str:
-    """Group reasons that differ only in their numbers (for the summary)."""
-    if reason.startswith("interleaved"):
-        return "interleaved 1F1B needs microbatches a multiple of pp"
-    if reason.startswith("LoRA on k_proj/v_proj"):
-        return ("LoRA on k_proj/v_proj needs tp to divide the KV heads (--lora-targets "
-                "without them searches those tp too)")
-    return reason
+    return RECOMPUTE_MODES, ""
 
 
 def _dp_splits(dp: int, space: SearchSpace, cp: int = 1) -> Iterator[tuple[int, int]]:
@@ -286,7 +283,7 @@ def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: S
     over = {lv.name: lv.oversubscription for lv in cluster.topology()}
     for axis, level in step.axis_levels:
         if axis in ("dp_replicate", "dp_shard") and over.get(level, 1.0) > 1:
-            out.append(f"{axis}={lay.size(axis)} collectives cross the {level} level, "
+            out.append(f"{axis}={lay.axis_size(axis)} collectives cross the {level} level, "
                        f"oversubscribed 1:{over[level]:g}")
     if step.bubble_fraction > BUBBLE_WARN:
         out.append(f"pipeline bubble {step.bubble_fraction:.0%} > {BUBBLE_WARN:.0%}")

@@ -190,7 +190,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     stated = tuple((axis, op, rule, tot * (1 if rule in ("last", "step") else m),
                     left * (1 if rule in ("last", "step") else m))
                    for (axis, op, rule), (tot, left) in ledger.items())
-    n = layout.world
+    n = layout.world_size
     mf = model_flops_per_step(cfg, work)
     hf = hw_flops * m * layout.tp * layout.dp * layout.cp
     return StepPrediction(
@@ -204,7 +204,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         inter_node_axes=tuple(a for a in COMM_AXES if links[a].index > 0),
         cp_exposed_s=m * exp["cp"], ep_exposed_s=m * exp["ep"],
         axis_levels=tuple((a, links[a].level) for a in AXES + ("ep",)
-                          if layout.size(a) > 1), overlap=stated)
+                          if layout.axis_size(a) > 1), overlap=stated)
 
 
 def _stage_times(cfg: ModelConfig, layout: Layout, work: Workload, rate: float, hbm: float,

@@ -55,7 +55,7 @@ class Placement:
 def place(layout: Layout, axis: str, cluster: Cluster) -> Placement:
     """Where ``axis``'s groups run on ``cluster`` (see the module docstring)."""
     levels = cluster.topology()
-    size = layout.size(axis)
+    size = layout.axis_size(axis)
     stride, span = axis_stride_and_span(layout, axis, MESH_ORDERS[cluster.mesh_order])
     node = levels[0]
     intra = Link(node.latency_s, node.effective_bandwidth)

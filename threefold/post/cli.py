@@ -21,6 +21,7 @@ from types import ModuleType
 
 from threefold.config import ConfigError, parse_overrides, take_flag
 from threefold.data import DataError
+from threefold.layout import task_layout
 from threefold.launch import (check_launch, cluster_launcher, dispatch, fail, load_run_config,
                               resolve_init_from, run_training, split_train_args)
 
@@ -192,10 +193,7 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
     task_cls, mod = task_class(cmd), _module(cmd)
     if cmd == "dpo":
         task_cls(opts)  # checks beta and label smoothing
-        if cfg.parallel.cp > 1:  # its sequence log-probs would be partial sums per cp rank
-            raise ConfigError(f"parallel.cp: DPO does not run under context parallelism yet "
-                              f"(got cp={cfg.parallel.cp}); use parallel.cp 1 and shard over "
-                              "dp_shard or tp instead")
+        task_layout(cmd, cfg)  # the rule book's refusals for this task
     if cmd == "grpo":
         for key in ("prompts", "val_prompts", "reward_model"):
             value = getattr(opts, key)

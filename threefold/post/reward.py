@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.config import ConfigError
+from threefold.layout import task_layout
 from threefold.data import DataError
 from threefold.model import initial_weight
 from threefold.parallel.tensor import copy_to_tp, gather_full
@@ -150,14 +150,7 @@ class RewardTask(Task):
     @staticmethod
     def check_layout(cfg) -> None:
         """ConfigError for the layouts reward training does not run under."""
-        p = cfg.parallel
-        if p.pp > 1:
-            raise ConfigError(f"parallel.pp: reward training does not run under pipeline "
-                              f"parallelism yet (got pp={p.pp}); use parallel.pp 1 and shard "
-                              "over dp_shard (ZeRO) or tp instead")
-        if p.cp > 1:
-            raise ConfigError(f"parallel.cp: reward training does not run under context "
-                              f"parallelism yet (got cp={p.cp}); use parallel.cp 1")
+        task_layout("reward", cfg)  # the rule book's
 
     def samplers(self, cfg, data) -> tuple[RewardSampler, RewardSampler]:
         """Training pairs (shuffled per epoch) and validation pairs (in order)."""

@@ -1,0 +1,238 @@
+"""The rule book (``threefold.layout.rules``) as one table: for every rule, a layout that breaks
+it, and the one message it is refused with, by ``threefold train`` before launch (exit 2, one
+line, no process started), by the dry run (``--dry-run`` and ``threefold.dryrun.predict``) and,
+where ``threefold plan`` can express the layout (``--tp/--cp/--pp/--ep/--recompute/--lora-r``,
+``--seq-len``, ``--global-batch-tokens``, the model as a TOML file), by the planner: exit 2 with
+that line, or exit 1 with its search skipping every layout under that rule. A row plan cannot
+express says why. Every rule has a row (``test_every_rule_has_a_row``). In-process calls only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from threefold import cli, launch
+from threefold.layout import RULES, LayoutError, rule_of
+
+
+@dataclass(frozen=True)
+class Row:
+    rule: str
+    settings: dict  # dotted config fields -> values (the model's go to plan's TOML too)
+    world: int
+    message: str
+    plan: tuple[str, ...] | str  # plan's flags for the layout, or why plan cannot express it
+    command: str = "train"
+
+
+MOE = {"model.preset": "tiny-moe"}
+NO_PLAN_SP = "plan runs a mixture of experts without sequence parallelism (no flag sets it)"
+NO_PLAN_PIPE = "plan has no --vpp, --schedule or block counts: the search chooses them"
+NO_PLAN_BATCH = "plan chooses micro-batches that divide a rank's share"
+ROWS = [
+    Row("divides_world", {"parallel.tp": 3}, 4,
+        "parallel.tp: 3 does not divide world size 4; valid tp values: 1, 2, 4", ("--tp", "3")),
+    Row("fills_world", {"parallel.tp": 2, "parallel.cp": 2, "parallel.pp": 2}, 4,
+        "parallel: pp·dp_replicate·cp·tp = 2·1·2·2 = 8 does not divide world size 4; lower one "
+        "of them or launch a multiple of 8 ranks", ("--tp", "2", "--cp", "2", "--pp", "2")),
+    Row("ep_needs_experts", {"parallel.ep": 2}, 2,
+        "parallel.ep: 2 needs a mixture of experts (model.num_local_experts > 0, e.g. "
+        "--model.preset tiny-moe); set parallel.ep 1 for a dense model", ("--ep", "2")),
+    Row("ep_divides_experts", {**MOE, "parallel.ep": 3}, 3,
+        "parallel.ep: 3 does not divide model.num_local_experts=8; use an ep in 1",
+        ("--ep", "3")),
+    Row("ep_divides_dp_shard", {**MOE, "parallel.ep": 4}, 2,
+        "parallel.ep: 4 does not divide parallel.dp_shard=2 (expert-parallel ranks are "
+        "data-parallel ranks of one shard group); valid ep values: 1, 2",
+        ("--ep", "4", "--zero-stage", "0")),
+    Row("experts_without_cp", {**MOE, "parallel.cp": 2}, 2,
+        "parallel.cp: 2 with a mixture of experts (model.num_local_experts=8) is not built yet "
+        "(the router and the expert all-to-alls take whole sequences per rank); set "
+        "parallel.cp 1, or model.num_local_experts 0 for a dense model", ("--cp", "2")),
+    Row("experts_without_sequence_parallel",
+        {**MOE, "parallel.tp": 2, "parallel.sequence_parallel": True}, 2,
+        "parallel.sequence_parallel: tp=2 with a mixture of experts (model.num_local_experts=8) "
+        "runs without sequence parallelism; set parallel.sequence_parallel false", NO_PLAN_SP),
+    Row("experts_balance_per_layer", {**MOE, "parallel.pp": 2}, 2,
+        "model.router_aux_loss_per_layer: parallel.pp=2 with a mixture of experts needs the "
+        "load-balancing loss per layer (a stage cannot pool f and P over the other stages' "
+        "layers): set model.router_aux_loss_per_layer true, or model.router_aux_loss_coef 0",
+        "a training-config field of the model: plan notes it under pp > 1 instead"),
+    Row("seq_len_over_cp", {"parallel.cp": 2, "data.seq_len": 250}, 2,
+        "data.seq_len: 250 is not divisible by 2·parallel.cp = 4 (each cp rank holds two "
+        "balanced chunks of every sequence); use a multiple of 4, e.g. 252", ("--cp", "2")),
+    Row("sequence_parallel_tokens",
+        {"parallel.tp": 2, "parallel.sequence_parallel": True, "data.seq_len": 255}, 2,
+        "data.seq_len: 255 is not divisible by parallel.tp=2, which sequence parallelism needs; "
+        "use a data.seq_len that is a multiple of 2", ("--tp", "2")),
+    Row("selective_without_cp", {"parallel.cp": 2, "train.recompute": "selective"}, 2,
+        "train.recompute: selective is not available with parallel.cp > 1 (ring attention's "
+        "per-hop results would all be kept); use full or none",
+        ("--cp", "2", "--recompute", "selective")),
+    Row("selective_without_experts", {**MOE, "train.recompute": "selective"}, 1,
+        "train.recompute: selective is not available for a mixture of experts "
+        "(model.num_local_experts); use full or none", ("--recompute", "selective")),
+    Row("cp_attention", {"model.sliding_window": 64, "parallel.cp": 2}, 2,
+        "model.sliding_window: 64: context parallelism (parallel.cp=2) does not compute this "
+        "attention yet; set parallel.cp 1", ("--cp", "2")),
+    Row("heads_over_tp", {"parallel.tp": 16}, 16,
+        "model.num_attention_heads: 8 is not divisible by parallel.tp=16; this model splits "
+        "over a tp in 1, 2, 4, 8 (with a world size that tp divides)", ("--tp", "16")),
+    Row("kv_heads_over_tp", {"model.num_attention_heads": 12, "model.num_key_value_heads": 3,
+                             "model.hidden_size": 384, "parallel.tp": 2}, 2,
+        "model.num_key_value_heads: 3 neither divides nor is divisible by parallel.tp=2; this "
+        "model splits over a tp in 1", ("--tp", "2")),
+    Row("k_norm_needs_split_kv", {"model.qk_norm": True, "model.qk_norm_over": "projection",
+                                  "model.num_key_value_heads": 2, "parallel.tp": 4}, 4,
+        "model.qk_norm_over: a k norm over the whole projection needs the 2 KV heads split over "
+        "parallel.tp=4, not replicated; use a tp that divides 2", ("--tp", "4")),
+    Row("ffn_over_tp", {"model.intermediate_size": 690, "parallel.tp": 4}, 4,
+        "model.intermediate_size: 690 is not divisible by parallel.tp=4; this model splits over "
+        "a tp in 1, 2", "plan pads the SwiGLU width (as published Megatron runs do) and warns"),
+    Row("layers_fill_chunks", {"parallel.pp": 8}, 8,
+        "model.num_hidden_layers: 4 layers cannot fill pp·vpp = 8·1 = 8 pipeline chunks; lower "
+        "parallel.pp or parallel.vpp", ("--pp", "8")),
+    Row("vpp_needs_pp", {"parallel.vpp": 2}, 1,
+        "parallel.vpp: 2 model chunks per stage need pipeline stages; set parallel.pp > 1 or "
+        "parallel.vpp 1", NO_PLAN_PIPE),
+    Row("block_counts_need_pp", {"parallel.pipeline_split": "2,2"}, 1,
+        "parallel.pipeline_split: block counts '2,2' need pipeline stages; set parallel.pp > 1 "
+        "or leave pipeline_split params", NO_PLAN_PIPE),
+    Row("schedule_chunks", {"parallel.pp": 2, "parallel.vpp": 2}, 2,
+        "parallel.schedule: 1f1b runs one model chunk per rank: set parallel.vpp 1, or "
+        "parallel.schedule interleaved-1f1b for vpp=2", NO_PLAN_PIPE),
+    Row("interleaved_microbatches",
+        {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "interleaved-1f1b",
+         "train.global_batch_size": 3, "train.micro_batch_size": 1}, 2,
+        "parallel.schedule: interleaved-1f1b needs microbatches a multiple of parallel.pp=2 (got "
+        "3: global batch / (dp · micro batch)); change train.global_batch_size or "
+        "train.micro_batch_size, or use schedule 1f1b", NO_PLAN_PIPE),
+    Row("pipeline_inflight", {"parallel.pp": 2, "parallel.pipeline_inflight": 3}, 2,
+        "parallel.pipeline_inflight: 3 bounds interleaved-1f1b only, not 1f1b; set it to 0",
+        NO_PLAN_PIPE),
+    Row("batch_over_dp", {"train.global_batch_size": 3, "train.micro_batch_size": 1}, 2,
+        "train.global_batch_size: 3 does not split over 2 data-parallel ranks; use a multiple "
+        "of 2", ("--tp", "1", "--pp", "1", "--cp", "1")),
+    Row("micro_batch_divides", {"train.global_batch_size": 12, "train.micro_batch_size": 4}, 2,
+        "train.micro_batch_size: 4 does not divide the 6 sequences each rank gets; use a "
+        "divisor of 6", NO_PLAN_BATCH),
+    Row("microbatches_agree", {"parallel.pp": 2, "parallel.microbatches": 3,
+                               "train.micro_batch_size": 1}, 2,
+        "parallel.microbatches: 3, but train.micro_batch_size=1 makes 8 per step; set "
+        "train.micro_batch_size to 2 or parallel.microbatches 0", NO_PLAN_BATCH),
+    Row("bf16_params_need_zero", {"parallel.param_dtype": "bfloat16",
+                                  "train.dtype": "bfloat16"}, 2,
+        "parallel.param_dtype: bfloat16 parameters under data parallelism need ZeRO (the 16-bit "
+        "copies are what ZeRO gathers); set parallel.zero_stage 1, 2 or 3, or "
+        "parallel.param_dtype float32", "plan has no parameter dtype: it plans the published "
+        "numerics"),
+    Row("lora_without_experts", {**MOE, "lora.r": 4}, 1,
+        "lora.r: LoRA does not adapt a mixture of experts (model.num_local_experts=8); use "
+        "lora.r 0", ("--lora-r", "4")),
+    Row("lora_kv_needs_split_kv", {"lora.r": 4, "parallel.tp": 8}, 8,
+        "lora.target_modules: k_proj/v_proj stay whole when parallel.tp=8 exceeds the 4 KV "
+        "heads; leave them out or lower parallel.tp", ("--tp", "8", "--lora-r", "4")),
+    Row("task_layout", {"parallel.cp": 2}, 2,
+        "parallel.cp: DPO does not run under context parallelism yet (got cp=2); use "
+        "parallel.cp 1 and shard over dp_shard or tp instead",
+        "plan plans pre-training layouts, not DPO's", command="dpo"),
+    Row("task_layout", {"parallel.pp": 2}, 2,
+        "parallel.pp: reward training does not run under pipeline parallelism yet (got pp=2); "
+        "use parallel.pp 1 and shard over dp_shard (ZeRO) or tp instead",
+        "plan plans pre-training layouts, not a reward model's", command="reward"),
+]
+IDS = [f"{r.rule}-{r.command}" for r in ROWS]
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _argv(row: Row, out) -> list[str]:
+    argv = ["--nproc-per-node", str(row.world), "--train.output_dir", str(out)]
+    if row.command != "train":
+        argv += ["--checkpoint.init_from", ""]
+    for key, value in row.settings.items():
+        argv += [f"--{key}", _text(value)]
+    return argv
+
+
+def _run(row: Row, argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
+    """The command in this process; a refusal must come before dispatch (no launch)."""
+    from threefold.post import cli as post_cli
+
+    def no_launch(*_a, **_k):
+        raise AssertionError(f"{row.rule}: the layout reached dispatch")
+
+    monkeypatch.setattr(cli, "dispatch", no_launch)
+    monkeypatch.setattr(post_cli, "dispatch", no_launch)
+    monkeypatch.setattr(launch, "launch", no_launch)
+    main = {"train": cli.cmd_train, "dpo": post_cli.dpo_main,
+            "reward": post_cli.reward_main}[row.command]
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_train_and_the_dry_run_refuse_with_the_rule_message(row, capsys, monkeypatch, tmp_path):
+    for extra in ([], ["--dry-run"]):
+        rc, err = _run(row, _argv(row, tmp_path) + extra, capsys, monkeypatch)
+        assert (rc, err) == (2, f"threefold: error: {row.message}\n"), extra
+    if row.command != "train":
+        return  # the task's own refusal: the dry run of the task refused it above
+    from threefold.config import load_config
+    from threefold.dryrun import predict
+
+    cfg = load_config(None, [(k, _text(v)) for k, v in row.settings.items()]
+                      + [("train.output_dir", str(tmp_path))])
+    with pytest.raises(LayoutError) as e:
+        predict(cfg, row.world)
+    assert str(e.value) == row.message and rule_of(e.value) == row.rule
+
+
+def _plan_model(row: Row, tmp_path) -> str:
+    """The row's model as a TOML file ``threefold plan --model`` reads (its [model] table)."""
+    lines = ["[model]"] + [
+        f"{k.split('.', 1)[1]} = " + (_text(v) if isinstance(v, (bool, int)) else f'"{v}"')
+        for k, v in row.settings.items() if k.startswith("model.")]
+    path = tmp_path / "model.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if not isinstance(r.plan, str)],
+                         ids=[i for i, r in zip(IDS, ROWS) if not isinstance(r.plan, str)])
+def test_plan_refuses_what_it_can_express_with_the_rule_message(row, capsys, tmp_path):
+    from threefold.plan.cli import main
+
+    seq = row.settings.get("data.seq_len", 256)
+    batch = row.settings.get("train.global_batch_size", 8)
+    rc = main(["--model", _plan_model(row, tmp_path), "--gpus", str(row.world),
+               "--gpus-per-node", str(row.world), "--seq-len", str(seq),
+               "--global-batch-tokens", str(seq * batch), "--top", "1", *row.plan])
+    out = capsys.readouterr()
+    if rc == 2:  # a degree refused as given
+        assert out.err == f"threefold plan: error: {row.message}\n"
+    else:  # searched: no layout fits, most of them skipped under the rule (its first line)
+        assert rc == 1 and re.fullmatch(r"threefold plan: no layout fits; \d+ skipped: "
+                                        + re.escape(row.message) + "\n", out.err), out.err
+
+
+def test_every_rule_has_a_row_and_every_row_a_rule():
+    assert {r.rule for r in ROWS} == set(RULES)
+    for r in ROWS:
+        assert isinstance(r.plan, tuple) or len(r.plan) > 20, f"{r.rule}: say why plan cannot"
+
+
+def test_the_moe_and_cp_refusal_is_written_once():
+    """The text of the rule that refuses a mixture of experts under cp is in one file."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "threefold"
+    needle = "with a mixture of experts (model.num_local_experts"
+    holders = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
+               if needle in p.read_text()}
+    assert holders == {"layout/rules.py"}

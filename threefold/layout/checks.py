@@ -1,0 +1,102 @@
+"""The rule book's callers' one order: ``check_layout`` (a ``Layout`` against the model and
+the batch: what the planner asks of every layout it searches) and ``validate_layout`` (a
+training config on a world size: what the launcher asks before any process starts, the dry
+run and the trainer; ``check_layout`` and the rules only a run's config can break). The rules
+themselves, and their messages, are ``threefold.layout.rules``'s.
+"""
+
+from __future__ import annotations
+
+from threefold.config import Config, ModelConfig, param_dtype
+from threefold.layout import rules
+from threefold.layout.description import Layout, Workload
+from threefold.schedules.balance import split_counts
+from threefold.schedules.check import check_schedule
+
+
+def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
+    """Raise LayoutError naming the first rule ``layout`` breaks for this model and batch.
+    Selective recompute is threefold's: a Megatron block (``work.block``) keeps its own. The
+    planner calls this for every layout it searches, so each group of rules is called only
+    where one of them could refuse (tp, cp, ep, experts, a pipeline above 1)."""
+    lay, e = layout, cfg.num_local_experts or 0
+    if lay.recompute == "selective" and work.block != "megatron":
+        rules.selective_without_cp(lay.recompute, lay.cp)
+        rules.selective_without_experts(lay.recompute, e)
+    if lay.cp > 1:
+        rules.seq_len_over_cp(work.seq_len, lay.cp)
+    if lay.tp > 1:
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        rules.heads_over_tp(heads, kv, cfg.intermediate_size, lay.tp)
+        rules.kv_heads_over_tp(heads, kv, cfg.intermediate_size, lay.tp)
+    if e or lay.ep != 1:
+        rules.ep_needs_experts(lay.ep, e)
+        rules.ep_divides_experts(lay.ep, e, lay.dp_shard)
+        rules.ep_divides_dp_shard(lay.ep, lay.dp_shard)
+        rules.experts_without_cp(e, lay.cp)
+        rules.experts_without_sequence_parallel(e, lay.tp, lay.sequence_parallel)
+    if lay.tp > 1:
+        rules.k_norm_needs_split_kv(cfg, lay.tp)
+    if lay.cp > 1:
+        rules.cp_attention(cfg, lay.cp)
+    if work.lora_r:
+        rules.lora_without_experts(work.lora_r, e)
+        rules.lora_kv_needs_split_kv(work.lora_targets, cfg.num_key_value_heads, lay.tp)
+    rules.vpp_needs_pp(lay.pp, lay.vpp)
+    rules.layers_fill_chunks(cfg.num_hidden_layers, lay.pp, lay.vpp)
+    m, rem = divmod(work.global_batch, lay.dp * lay.microbatch_size)
+    if rem or not m:
+        rules.batch_over_dp(work.global_batch, lay.dp)
+        rules.micro_batch_divides(work.global_batch, lay.dp, lay.microbatch_size)
+    if lay.pp > 1:  # no pipeline: the schedule is not used (as the runtime ignores it)
+        schedule = lay.pipeline_schedule
+        rules.schedule_chunks(schedule, lay.pp, lay.vpp)
+        rules.interleaved_microbatches(schedule, lay.pp, m)
+        rules.pipeline_inflight(schedule, lay.pp, lay.vpp, lay.pipeline_inflight)
+
+
+def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = None) -> Layout:
+    """Every rule a run's layout must meet, for the launcher (before any process starts), the
+    dry run and the trainer; returns the Layout. ``mcfg`` is the model's shape (the
+    checkpoint's, when the weights bring it; else the preset's). Raises LayoutError naming
+    the field and a value that works."""
+    m = mcfg if mcfg is not None else cfg.model.resolved(vocab_size=1)
+    p = cfg.parallel
+    layout = Layout.from_config(cfg, world_size)
+    rules.experts_balance_per_layer(m, layout.pp)
+    rules.sequence_parallel_tokens(cfg.data.seq_len, layout.cp, layout.tp,
+                                   p.sequence_parallel)
+    rules.bf16_params_need_zero(param_dtype(cfg), p.zero_stage, layout.dp * layout.cp)
+    rules.block_counts_need_pp(layout.pp, p.pipeline_split)
+    check_layout(m, layout, Workload.from_config(cfg))
+    rules.ffn_over_tp(m, layout.tp)  # the planner pads these widths instead
+    if layout.pp > 1:
+        _check_pipeline(cfg, layout, m)
+    return layout
+
+
+def _check_pipeline(cfg: Config, layout: Layout, m: ModelConfig) -> None:
+    """The block counts fit the model's layers, ``parallel.microbatches`` agrees with the
+    batch, and the schedule is complete and free of deadlock for its microbatches."""
+    p = cfg.parallel
+    split_counts(p.pipeline_split, [0.0] * m.num_hidden_layers, layout.pp * p.vpp)
+    local = cfg.train.global_batch_size // layout.dp
+    rules.microbatches_agree(p.microbatches, cfg.train.micro_batch_size, local)
+    try:
+        check_schedule(p.schedule, layout.pp, pipeline_microbatches(cfg, layout.dp), p.vpp,
+                       p.pipeline_inflight)
+    except rules.LayoutError:
+        raise
+    except ValueError as e:
+        raise rules.LayoutError(f"parallel.schedule: {e}") from None
+
+
+def pipeline_microbatches(cfg: Config, dp: int) -> int:
+    """Pipeline microbatches per step: a rank's sequences / train.micro_batch_size."""
+    local = cfg.train.global_batch_size // dp
+    return local // min(cfg.train.micro_batch_size, local)
+
+
+def task_layout(task: str, cfg: Config) -> None:
+    """The layouts a post-training task does not run under (``rules.task_layout``)."""
+    rules.task_layout(task, cfg.parallel.pp, cfg.parallel.cp)
