@@ -13,8 +13,7 @@ Bytes are those a rank sends in a ring implementation, N = ranks on the axis (Ze
   "own" being this rank's index on the axis. When N divides numel this is exactly
   2·(N−1)/N·nbytes; otherwise ranks differ by at most 2 elements, and the sum over ranks is
   still exactly 2·(N−1)·nbytes.
-- reduce_scatter: (N−1)/N · input nbytes. all_gather: (N−1)/N · output nbytes (exact: the
-  sizes are multiples of N by contract).
+- reduce_scatter: (N−1)/N · input nbytes; all_gather: (N−1)/N · output nbytes (N divides both).
 - broadcast: a chain from the source; every rank but the last in the chain forwards nbytes
   once (the last is the rank just before the source), so the sum is (N−1)·nbytes.
 - all_to_all_single: the rows sent to other ranks.
