@@ -87,7 +87,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
                                               layout.world_size))
     dtype = compute_dtype(cfg, device)
     pretrained = _pretrained(cfg, layout) if cfg.checkpoint.init_from else None
-    data = layout.first_rank_first(lambda: prepare_data(cfg.data))
+    data = layout.first_rank_first(lambda: prepare_data(cfg.data, task.token_stream))
     mcfg = pretrained[0] if pretrained else cfg.model.resolved(vocab_size=data.vocab_size)
     if mcfg.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
@@ -98,6 +98,8 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     # operation loads torch's meta kernels, ~70 MB, as the dry run's baseline counts), then
     # the build's peak
     torch.empty(1, device="meta").add_(1)
+    if device.type == "cpu":  # tokenizing a corpus the first time leaves its freed text
+        release_free_heap()   # and encodings resident: the run does not hold them
     memory = {"baseline_bytes": current_memory_bytes(device)}
     reset_peak_memory(device)
     source = weights_source(cfg, mcfg, device, pretrained[1] if pretrained else None,
