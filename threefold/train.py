@@ -98,6 +98,9 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     # operation loads torch's meta kernels, ~70 MB, as the dry run's baseline counts), then
     # the build's peak
     torch.empty(1, device="meta").add_(1)
+    # the task's rows (its records tokenized, packed, indexed) before the baseline, which the
+    # dry run's baseline counts them in
+    sampler, val_sampler = task.samplers(cfg, data)
     if device.type == "cpu":  # tokenizing a corpus the first time leaves its freed text
         release_free_heap()   # and encodings resident: the run does not hold them
     memory = {"baseline_bytes": current_memory_bytes(device)}
@@ -115,7 +118,6 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         release_free_heap()
     if pretrained:  # what this rank read of the pretrained files: its regions only
         memory["init_from_bytes_read"] = source.bytes_read
-    sampler, val_sampler = task.samplers(cfg, data)
     run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
               Path(cfg.train.output_dir), task, memory=memory,
               pretrained=pretrained[1] if pretrained else None)

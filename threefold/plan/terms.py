@@ -92,10 +92,13 @@ def states_lines(cfg: ModelConfig, layout: Layout, work: Workload, mem: MemoryBr
 
 
 def memory_terms(cfg: ModelConfig, layout: Layout, work: Workload, mem: MemoryBreakdown,
-                 baseline: float) -> list[str]:
-    """The step peak's terms, one a line (bytes in GB), summed the way the peak is."""
+                 baseline: float, parts=None) -> list[str]:
+    """The step peak's terms, one a line (bytes in GB), summed the way the peak is;
+    ``parts``: the baseline by part (``plan.baseline.Baseline``), each a line."""
     lines = [f"step peak per rank, term by term, GB (pipeline stage {mem.stage}):"]
-    if baseline:
+    if parts is not None:
+        lines += parts.lines(_gb)
+    elif baseline:
         lines.append(f"  baseline {_gb(baseline)}: this process before any model (Python, "
                      "torch, the kernels a step loads)")
     lines += states_lines(cfg, layout, work, mem)
