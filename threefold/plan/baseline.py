@@ -176,14 +176,28 @@ def records_bytes(path: str, seq_len: int, rows_per_item: int) -> int:
     return total
 
 
+def corpus_bytes(corpus: str, cap: int) -> int:
+    """Bytes of text a raw corpus gives (a file's or a directory's files'), at most ``cap``
+    (``data.max_corpus_mb``; 'stdlib' is larger than any cap)."""
+    path = Path(corpus).expanduser()
+    if corpus == "stdlib" or not path.exists():
+        return cap
+    total = 0
+    for f in [path] if path.is_file() else path.rglob("*"):
+        if total >= cap:
+            break
+        total += f.stat().st_size if f.is_file() else 0
+    return min(total, cap)
+
+
 def stream_bytes(data, rows_read: int, itemsize: int) -> tuple[int, str]:
     """(bytes, how) of the token stream's resident state: a raw corpus's token file whole;
     prepared shards' document ends and the pages ``rows_read`` rows touch."""
     entries = mix_entries(data.corpus, data.mix)
     if entries is None:
-        file = int(data.max_corpus_mb * 1e6) * itemsize
-        return file, (f"the token file's pages, at most one token per byte of "
-                      f"data.max_corpus_mb {data.max_corpus_mb:g}")
+        text = corpus_bytes(data.corpus, int(data.max_corpus_mb * 1e6))
+        return text * itemsize, (f"the token file's pages, at most one token per byte of the "
+                                 f"corpus's {text:,} bytes read")
     ends = pages = files = 0
     per_row = (-(-(data.seq_len + 1) * itemsize // PAGE) + 1) * PAGE
     for _, where, _ in entries:
