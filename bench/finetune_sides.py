@@ -104,10 +104,12 @@ def dry_run_peak(a) -> float:
     its start-up and step peaks (the baseline included), for the same configuration."""
     from threefold.dryrun import as_rows, predict
     from threefold.post.cli import ROWS_PER_ITEM, build_config, parse_task_options
+    from threefold.post.inputs import task_data
 
-    _, rest = parse_task_options(a.task, threefold_argv(a))
-    cfg = as_rows(build_config(a.task, None, rest), ROWS_PER_ITEM.get(a.task, 1))
-    peaks = predict(cfg, 1).peaks
+    opts, rest = parse_task_options(a.task, threefold_argv(a))
+    rows = ROWS_PER_ITEM.get(a.task, 1)
+    cfg = as_rows(build_config(a.task, None, rest), rows)
+    peaks = predict(cfg, 1, task=task_data(a.task, opts, rows)).peaks
     return max(peaks["startup"], peaks["step"])
 
 

@@ -289,6 +289,7 @@ def test_fine_tuning_each_family_peaks_as_the_dry_run_says(corpus, cache_dir, tm
     from threefold.hf import write_hf_folder
     from threefold.model import initial_weight
     from threefold.dryrun import predict
+    from threefold.plan.baseline import TaskData
 
     data = prepare_data(load_config(None, tiny_overrides(corpus, cache_dir,
                                                          tmp_path / "x")).data)
@@ -312,7 +313,8 @@ def test_fine_tuning_each_family_peaks_as_the_dry_run_says(corpus, cache_dir, tm
     for name, over in configs.items():
         got = {"startup": results[name]["startup"], "step": max(results[name]["steps"]),
                "loading": results[name + " (resumed)"]["loading"]}
-        table, bad = compare(name, got, predict(load_config(None, over), 1))
+        table, bad = compare(name, got, predict(load_config(None, over), 1,
+                                                task=TaskData(str(chats), "auto")))
         lines += table
         failures += bad
     print("\n" + "\n".join(lines))

@@ -239,6 +239,7 @@ def inputs(corpus, cache_dir, tmp_path_factory):
 def test_finetuning_a_smollm2_shape_peaks_as_predicted(inputs, tmp_path):
     from threefold.config import load_config
     from threefold.dryrun import predict
+    from threefold.plan.baseline import TaskData
 
     folder, chats = inputs
     specs, after, configs = {}, {}, {}
@@ -263,7 +264,8 @@ def test_finetuning_a_smollm2_shape_peaks_as_predicted(inputs, tmp_path):
     failures = []
     for name, (world, over) in configs.items():
         pred = predict(load_config(None, over), world,
-                       backend_copies=None if world == 1 else False)
+                       backend_copies=None if world == 1 else False,
+                       task=TaskData(str(chats), "auto"))
         got = {"startup": results[name]["startup"], "step": max(results[name]["steps"])}
         if name + " (resumed)" in results:
             got["loading"] = results[name + " (resumed)"]["loading"]
@@ -274,3 +276,97 @@ def test_finetuning_a_smollm2_shape_peaks_as_predicted(inputs, tmp_path):
     print("\n" + "\n".join(lines))
     assert not failures, (f"measured peaks differ from the dry run's by more than "
                           f"{TOLERANCE:.0%}: {', '.join(failures)}\n" + "\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------------
+# A large vocabulary: the tokenizer is part of the baseline
+# --------------------------------------------------------------------------------------------
+BIG_VOCAB = 200_000
+BIG = {"vocab_size": BIG_VOCAB + 8, "hidden_size": 64, "intermediate_size": 128,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+       "max_position_embeddings": 512}
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes (a byte-level BPE's base tokens)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    return [chr(c) for c in keep] + [chr(256 + i) for i in range(len(extra))]
+
+
+def write_large_tokenizer(path: Path, n_vocab: int) -> Path:
+    """A byte-level BPE tokenizer.json of ``n_vocab`` tokens written directly (training one
+    this large takes minutes): the two special tokens, the 256 bytes, then every byte pair,
+    then triples, each a merge of a shorter token and a byte."""
+    alpha = byte_alphabet()
+    vocab = {"<|endoftext|>": 0, "<|pad|>": 1}
+    merges, level = [], [""]
+    while len(vocab) < n_vocab:
+        nxt = []
+        for left in level:
+            for c in alpha:
+                if len(vocab) >= n_vocab:
+                    break
+                vocab[left + c] = len(vocab)
+                if left:
+                    merges.append(f"{left} {c}")
+                nxt.append(left + c)
+        level = nxt
+    special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True} for t, i in list(vocab.items())[:2]]
+    level_cfg = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                 "use_regex": True}
+    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
+           "normalizer": None, "pre_tokenizer": level_cfg, "post_processor": None,
+           "decoder": level_cfg,
+           "model": {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False,
+                     "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                     "byte_fallback": False, "vocab": vocab, "merges": merges}}
+    path.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def test_a_large_vocabulary_peaks_as_predicted(tmp_path):
+    """A folder whose tokenizer has 200,000 tokens (a narrow model, so its embedding stays
+    small next to the tokenizer), fine-tuned with LoRA as one process: start-up, loading
+    and the step within 10% of the dry run, whose baseline measured the tokenizer."""
+    import torch
+
+    from threefold.config import ModelConfig, load_config
+    from threefold.data.tokenizer import load_tokenizer
+    from threefold.dryrun import predict
+    from threefold.hf import write_hf_folder
+    from threefold.model import LlamaForCausalLM, initial_weight
+    from threefold.plan.baseline import TOKENIZER_BYTES, TaskData
+
+    tok = write_large_tokenizer(tmp_path / "tokenizer.json", BIG_VOCAB)
+    assert load_tokenizer(tok).get_vocab_size(with_added_tokens=True) == BIG_VOCAB
+    cfg = ModelConfig(**{**BIG, "num_hidden_layers": LAYERS}).resolved()
+    with torch.device("meta"):
+        shapes = [(n, tuple(p.shape)) for n, p in LlamaForCausalLM(cfg).named_parameters()]
+    write_hf_folder(tmp_path / "hf", [(n, s, lambda n=n, s=s: initial_weight(n, s, cfg, 0))
+                                      for n, s in shapes], cfg, tok)
+    chats = write_conversations(tmp_path / "chats.jsonl")
+    over = finetune_overrides(tmp_path / "hf", tmp_path / "run", seq=SEQ, world=1,
+                              extra={"train.host_mmap_threshold_mb": "1", **LORA})
+    spec = {"world": 1, "rank": 0, "overrides": over, "conversations": str(chats),
+            "resume": False, "save": True}
+    results = run_children({"run": spec, "resumed": {**spec, "resume": True, "save": False}},
+                           {"resumed": "run"})
+    pred = predict(load_config(None, over), 1, task=TaskData(str(chats), "auto"))
+    parts = pred.baseline_parts
+    # measured, not the formula: the formula's bytes only bound it to the same order
+    formula = TOKENIZER_BYTES["vocab"] * BIG_VOCAB + TOKENIZER_BYTES["merges"] * (
+        BIG_VOCAB - 258)
+    assert "measured" in parts.said["tokenizer"] and formula / 2 < parts.tokenizer < 2 * formula
+    assert parts.tokenizer > 0.1 * pred.peaks["startup"]  # a share a 10% promise must count
+    got = {"startup": results["run"]["startup"], "step": max(results["run"]["steps"]),
+           "loading": results["resumed"]["loading"]}
+    lines, bad = compare("200k vocabulary, lora", got, pred)
+    lines.append(f"  baseline measured {_gb(results['run']['baseline'])}, predicted "
+                 f"{_gb(pred.baseline)} = " + ", ".join(
+                     f"{k} {_gb(getattr(parts, k)).strip()}"
+                     for k in ("process", "tokenizer", "chat", "data")))
+    print("\n" + "\n".join(lines))
+    assert not bad, "\n".join(lines)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from tests.test_generate import CHATML  # ChatML, as transformers renders it
+from threefold.plan.terms import count_text
 from threefold import hf_config
 from threefold.cli import main
 from threefold.config import ConfigError, ModelConfig
@@ -189,7 +190,7 @@ def test_dry_run_plan_and_layout_checks_read_the_checkpoint(hub, tmp_path, capsy
         rc, out, err = _first_lines(capsys, ["plan", "--model", spec, "--gpus", "2",
                                              "--top", "1", "--seq-len", "128"])
         assert rc == 0, err
-        assert out[0] == (f"{spec}: {n / 1e6:.1f}M parameters, vocab 512 (padded to a "
+        assert out[0] == (f"{spec}: {count_text(n)} parameters, vocab 512 (padded to a "
                           "multiple of tp), seq 128, 32768 sequences per step, bf16")
 
 

@@ -20,8 +20,7 @@ The hardware it predicts for (no config field names it):
   ``plan.calibrate.matmul_flops``), ``LOOPBACK_BANDWIDTH`` / ``LOOPBACK_LATENCY_S`` for the
   gloo links (CPU-NOTES.md: about 1 GB/s and 0.3 ms between two local processes), the
   machine's memory shared by the ranks, memory bandwidth not modelled. Memory figures on a CPU
-  are what the model, its gradients, optimiser and activations need, over the process's own
-  footprint (interpreter, torch, data), which is not counted.
+  add the process's baseline: interpreter, torch, tokenizer, data (``plan.baseline``).
 
 A mixture of experts (``model.num_local_experts``) is predicted as the runtime runs it
 (``threefold.parallel.expert``): rank 0 holds its E/ep experts per block (the meta model is
@@ -71,8 +70,8 @@ from threefold.layout import validate_layout
 from threefold.schedules.schedules import schedule_spec
 from threefold.parallel.pipeline.stage import rank_model, split_model
 from threefold.parallel.tensor import apply_tensor_parallel
-from threefold.plan.calibrate import (cpu_baseline_bytes, hardware_from_calibration, load,
-                                      machine_ram, matmul_flops)
+from threefold.plan.baseline import Baseline, TaskData, heap_note, run_baseline
+from threefold.plan.calibrate import hardware_from_calibration, load, machine_ram, matmul_flops
 from threefold.plan.hardware import (GPUS, Cluster, Hardware, get_hardware,
                                      hardware_for_device_name)
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
@@ -105,7 +104,8 @@ class DryRunResult:
     notes: list[str]
     startup: StartupMemory  # before the first step: building and loading
     offload_bytes: dict[str, int] | None = None  # {"down", "up"} per rank per step, offload
-    baseline: int = 0  # a CPU process's own resident bytes (interpreter, torch), else 0
+    baseline: int = 0  # a CPU process's own resident bytes (interpreter, torch, tokenizer, data)
+    baseline_parts: Baseline | None = None  # the same by part (plan.baseline), on a CPU
     # checkpoint.async_save: rank 0's host copy of what it writes, held while a save is in
     # flight (``plan.states.async_save_copy_bytes``)
     async_copy: int = 0
@@ -219,10 +219,12 @@ def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
                                           f"{LOOPBACK_BANDWIDTH / 1e9:.0f} GB/s assumed")
 
 
-def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) -> DryRunResult:
+def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
+            task: TaskData | None = None) -> DryRunResult:
     """Check ``cfg`` on ``world_size`` ranks and predict its step (no printing).
     ``backend_copies``: whether collectives copy through whole-size temporaries (default: on
-    a CPU, as gloo does; a test's fake process group does not)."""
+    a CPU, as gloo does; a test's fake process group does not); ``task``: the data a
+    post-training task reads instead of the token stream (the baseline's data share)."""
     mcfg = resolved_model(cfg, said := [])  # what the checkpoint's model says, if any
     layout = validate_layout(cfg, world_size, mcfg)
     notes = said + layout.notes()
@@ -254,17 +256,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     memory = memory_per_rank(mcfg, layout, work,
                              overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES)
     if mcfg.num_local_experts:
-        e, ep = mcfg.num_local_experts, layout.ep
-        notes.append(f"mixture of experts: {e} experts per block, top-{mcfg.num_experts_per_tok}"
-                     f", {_count(active_parameters(mcfg))} of {_count(total)} parameters active "
-                     f"per token (FLOPs and MFU count these); ep {ep}: {e // ep} experts per "
-                     "rank" + (", expert gradients over edp (dp/ep)"
-                               if ep > 1 and not p.zero_stage else
-                               ", each block's experts a ZeRO unit over edp_shard (dp_shard/ep)"
-                               if ep > 1 else "")
-                     + ("; bytes on ep are the uniform-routing expectation (each rank sends "
-                        "(ep-1)/ep of its token-expert rows each way; real routing varies)"
-                        if ep > 1 else ""))
+        notes.append(_moe_note(mcfg, layout, total, p))
     step = None
     if _peaks_known(work, cluster.hardware):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
@@ -272,12 +264,28 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None) ->
     if cfg.lora.r:
         notes.append(_lora_note(cfg, mcfg, layout, work, adapters))
     if on_cpu and world_size == 1 and cfg.train.host_mmap_threshold_mb > 1:
-        notes.append(_heap_note(cfg.train.host_mmap_threshold_mb))
+        notes.append(heap_note(cfg.train.host_mmap_threshold_mb))
+    parts = run_baseline(cfg, layout.dp * layout.cp, mcfg.vocab_size, _cpu_threads(world_size),
+                         task) if on_cpu else None
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm, notes, startup_peaks(mcfg, layout, work),
-                        offload_bytes_per_step(mcfg, layout, work),
-                        cpu_baseline_bytes(_cpu_threads(world_size)) if on_cpu else 0,
-                        async_save_copy_bytes(cfg, owned, adapters))
+                        offload_bytes_per_step(mcfg, layout, work), parts.total if parts else 0,
+                        parts, async_save_copy_bytes(cfg, owned, adapters))
+
+
+def _moe_note(mcfg: ModelConfig, dims, total: int, p) -> str:
+    """The note on a mixture of experts: experts per rank, active parameters, ep's bytes."""
+    e, ep = mcfg.num_local_experts, dims.ep
+    return (f"mixture of experts: {e} experts per block, top-{mcfg.num_experts_per_tok}"
+            f", {_count(active_parameters(mcfg))} of {_count(total)} parameters active "
+            f"per token (FLOPs and MFU count these); ep {ep}: {e // ep} experts per "
+            "rank" + (", expert gradients over edp (dp/ep)"
+                      if ep > 1 and not p.zero_stage else
+                      ", each block's experts a ZeRO unit over edp_shard (dp_shard/ep)"
+                      if ep > 1 else "")
+            + ("; bytes on ep are the uniform-routing expectation (each rank sends "
+               "(ep-1)/ep of its token-expert rows each way; real routing varies)"
+               if ep > 1 else ""))
 
 
 def _lora_note(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload,
@@ -293,17 +301,6 @@ def _lora_note(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload,
             "adapter parameters train on this rank, the base is frozen")
 
 
-def _heap_note(threshold_mb: float) -> str:
-    """One CPU process keeps freed blocks below ``train.host_mmap_threshold_mb`` in its heap
-    (threefold.hostmem): what it holds then exceeds its live tensors by what the heap keeps,
-    which no count of tensors predicts."""
-    return (f"one process on a CPU keeps freed blocks below {threshold_mb:g} MiB for reuse "
-            "(train.host_mmap_threshold_mb): its resident step peak can exceed the prediction "
-            "by what the heap keeps (SmolLM2-135M fine-tuned at seq 2048: +1.4 GiB fully, "
-            "+2.4 GiB with LoRA); --train.host_mmap_threshold_mb 1 holds the prediction, "
-            "steps run slower")
-
-
 def _count(n: float) -> str:
     return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.2f}M"
 
@@ -317,7 +314,8 @@ def format_report(r: DryRunResult, world: int) -> str:
     mem, hw = r.memory, r.cluster.hardware
     fits = mem.total <= hw.memory_bytes if hw.memory_bytes else True
     lines = _layout_lines(r, world) + _memory_lines(r, fits) \
-        + memory_terms(r.model, r.layout, r.work, mem, r.baseline) + [_step_line(r, world)]
+        + memory_terms(r.model, r.layout, r.work, mem, r.baseline, r.baseline_parts) \
+        + [_step_line(r, world)]
     sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes.get(a))
     lines.append("bytes sent per step by rank 0: " + (sent or "none (one rank)"))
     lines += [f"note: {n}" for n in r.notes]
@@ -371,7 +369,7 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
         f"peak per rank by phase, GB: start-up {_gb(pk['startup'])} (building: kept "
         f"{_gb(r.startup.kept)}, filling {_gb(r.startup.filling)}), loading a checkpoint "
         f"{_gb(pk['loading'])}, step {_gb(pk['step'])}"
-        + (f"; each includes this CPU process's own {_gb(r.baseline)} (Python, torch)"
+        + (f"; each includes this CPU process's baseline {_gb(r.baseline)} (below)"
            if r.baseline else ""))
     if r.async_copy:
         lines.append(
@@ -434,11 +432,12 @@ def as_rows(cfg: Config, rows_per_item: int) -> Config:
     return out
 
 
-def dry_run(cfg: Config, world_size: int, out=print, rows_per_item: int = 1) -> int:
+def dry_run(cfg: Config, world_size: int, out=print, rows_per_item: int = 1,
+            task: TaskData | None = None) -> int:
     """Check ``cfg`` for ``world_size`` ranks on the meta device and print the prediction
     (``rows_per_item``: ``as_rows``). Returns 0; raises ConfigError (or ValueError) for a
     configuration that cannot run."""
-    out(format_report(predict(as_rows(cfg, rows_per_item), world_size), world_size))
+    out(format_report(predict(as_rows(cfg, rows_per_item), world_size, task=task), world_size))
     if rows_per_item > 1:
         out(f"note: each of the {cfg.train.global_batch_size} items of a step is "
             f"{rows_per_item} sequences through the model (chosen and rejected), counted above "

@@ -238,14 +238,15 @@ def _preempted_since(out: Path, t0: float) -> bool:
 
 
 def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list[str],
-             target: list[str], run, rows_per_item: int = 1) -> int:
+             target: list[str], run, rows_per_item: int = 1, task_data=None) -> int:
     """After validation: a dry run (``rows_per_item``: sequences each batch item puts through
-    the model), or a re-launch under torchrun, or ``run()`` here."""
+    the model; ``task_data``: a post-training task's records, ``plan.baseline.TaskData``), or a
+    re-launch under torchrun, or ``run()`` here."""
     if cfg.train.dry_run:
         from threefold.dryrun import dry_run  # the model and torch: see the docstring
 
         try:
-            return dry_run(cfg, world, rows_per_item=rows_per_item)
+            return dry_run(cfg, world, rows_per_item=rows_per_item, task=task_data)
         except (ConfigError, ValueError) as e:
             return fail(str(e))
     if nproc is not None and "LOCAL_RANK" not in os.environ:

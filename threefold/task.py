@@ -41,6 +41,10 @@ class Task:
     # ``loss`` cannot run as is there: ``pipeline_loss(run, token_losses, micro) -> (sum,
     # metrics)``, from the last stage's per-token losses (B, T)
     pipeline_loss = None
+    # whether it samples the tokenized corpus (``data.sources``): tasks that train on their own
+    # records load the tokenizer alone, and hold no token stream (nor tokenize one on a
+    # machine's first run, which left its freed text resident)
+    token_stream = False
 
     def adapt_model(self, model):
         """The plain (meta) causal LM as this task trains it (unchanged here)."""
@@ -83,6 +87,7 @@ class PretrainTask(Task):
     """Next-token prediction on windows of the token stream."""
 
     name = "pretrain"
+    token_stream = True
 
     def samplers(self, cfg, data) -> tuple[Any, Any]:
         """Windows of the sources' training tokens, in epochs and in proportion; the fixed

@@ -87,7 +87,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
                                               layout.world_size))
     dtype = compute_dtype(cfg, device)
     pretrained = _pretrained(cfg, layout) if cfg.checkpoint.init_from else None
-    data = layout.first_rank_first(lambda: prepare_data(cfg.data))
+    data = layout.first_rank_first(lambda: prepare_data(cfg.data, task.token_stream))
     mcfg = pretrained[0] if pretrained else cfg.model.resolved(vocab_size=data.vocab_size)
     if mcfg.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
@@ -98,6 +98,11 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     # operation loads torch's meta kernels, ~70 MB, as the dry run's baseline counts), then
     # the build's peak
     torch.empty(1, device="meta").add_(1)
+    # the task's rows (its records tokenized, packed, indexed) before the baseline, which the
+    # dry run's baseline counts them in
+    sampler, val_sampler = task.samplers(cfg, data)
+    if device.type == "cpu":  # tokenizing a corpus the first time leaves its freed text
+        release_free_heap()   # and encodings resident: the run does not hold them
     memory = {"baseline_bytes": current_memory_bytes(device)}
     reset_peak_memory(device)
     source = weights_source(cfg, mcfg, device, pretrained[1] if pretrained else None,
@@ -113,7 +118,6 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         release_free_heap()
     if pretrained:  # what this rank read of the pretrained files: its regions only
         memory["init_from_bytes_read"] = source.bytes_read
-    sampler, val_sampler = task.samplers(cfg, data)
     run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
               Path(cfg.train.output_dir), task, memory=memory,
               pretrained=pretrained[1] if pretrained else None)

@@ -111,13 +111,14 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir).expanduser()
 
 
-def get_tokenizer(cfg: DataConfig, corpus: Corpus) -> tuple[Tokenizer, Path]:
+def get_tokenizer(cfg: DataConfig, corpus: Corpus | None) -> tuple[Tokenizer, Path]:
     """The tokenizer ``cfg`` asks for and the path of its tokenizer.json.
 
     A BPE is trained once per (corpus digest, vocab size, training cap, algorithm version) and
     cached as ``<cache_dir>/tokenizers/bpe-<fingerprint>.json``; the corpus digest already
     reflects the size cap, since it hashes exactly the text that was read. It is always loaded
     back from that file so that every rank, and every later run, uses the identical tokenizer.
+    ``corpus`` may be None for a tokenizer.json (nothing is trained).
     """
     if cfg.tokenizer != "bpe":
         path = Path(cfg.tokenizer).expanduser().resolve()

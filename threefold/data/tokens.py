@@ -136,13 +136,20 @@ def cached_tokens(cfg: DataConfig, corpus: Corpus, tok: Tokenizer, tok_path: Pat
     return tokens, bin_path
 
 
-def prepare_data(cfg: DataConfig) -> DataBundle:
+def prepare_data(cfg: DataConfig, stream: bool = True) -> DataBundle:
     """The sources ``cfg`` names, with their tokenizer: the prepared directories of
     ``data.mix`` or ``data.corpus`` as they are, or a raw corpus read, tokenized (both cached)
-    and made a source of one shard."""
+    and made a source of one shard. Without ``stream`` (a task that trains on its own records:
+    conversations, preference pairs, prompts) only the tokenizer: a raw corpus is read only
+    to train a BPE and never tokenized, so the run holds no token stream it does not use."""
     entries = mix_entries(cfg.corpus, cfg.mix)
     if entries is not None:
         return _prepared(cfg, entries)
+    if not stream and cfg.tokenizer != "bpe":
+        tok, tok_path = get_tokenizer(cfg, None)
+        return DataBundle(tokenizer=tok, vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                          sources=[], eot_id=eot_id(tok, tok_path), tokenizer_path=tok_path,
+                          corpus="none (the task's own records)")
     corpus = read_corpus(cfg)
     tok, tok_path = get_tokenizer(cfg, corpus)
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -150,6 +157,9 @@ def prepare_data(cfg: DataConfig) -> DataBundle:
     # anyway so the model matches what the configuration (and the planner) said.
     vocab_size = max(cfg.vocab_size, n_vocab) if cfg.tokenizer == "bpe" else n_vocab
     eot = eot_id(tok, tok_path)
+    if not stream:
+        return DataBundle(tokenizer=tok, vocab_size=vocab_size, sources=[], eot_id=eot,
+                          tokenizer_path=tok_path, corpus="none (the task's own records)")
     tokens, bin_path = cached_tokens(cfg, corpus, tok, tok_path, eot, vocab_size)
     source = stream_source(tokens, eot, corpus.name, corpus.digest, file_sha256(tok_path),
                            cfg.val_fraction, cfg.seq_len)

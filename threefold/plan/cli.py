@@ -57,6 +57,7 @@ from threefold.plan.candidates import SearchSpace
 from threefold.plan.hardware import GPUS, Cluster, Hardware, Level, get_hardware
 from threefold.plan.report import summary_lines, format_table, to_json_rows
 from threefold.plan.search import CP_MIN_SEQ_LEN, moe_notes, search
+from threefold.plan.terms import count_text
 from threefold.plan.topology import CLUSTERS, levels_from_record
 
 # --------------------------------------------------------------------------------------------
@@ -369,11 +370,6 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _count(n: int) -> str:
-    """Parameters in billions, or in millions for a small model (a small checkpoint's)."""
-    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
-
-
 def main(argv: list[str]) -> int:
     """``threefold plan ...``: print the top layouts (table or --json). Exit 0 on success,
     1 when no layout fits, 2 on bad input (one line on stderr). ``--calibrate`` measures this
@@ -398,7 +394,7 @@ def main(argv: list[str]) -> int:
         hw = cluster.hardware
         moe = (f" ({active_parameters(cfg) / 1e9:.2f}B active: {cfg.num_local_experts} experts,"
                f" top-{cfg.num_experts_per_tok})" if cfg.num_local_experts else "")
-        print(f"{args.model}: {_count(num_parameters(cfg))} parameters{moe}, vocab "
+        print(f"{args.model}: {count_text(num_parameters(cfg))} parameters{moe}, vocab "
               f"{cfg.vocab_size} (padded to a multiple of tp), "
               f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
         print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "

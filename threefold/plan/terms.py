@@ -10,6 +10,8 @@ the peak. Every figure is one the prediction itself uses (``plan.memory``,
 
 from __future__ import annotations
 
+import math
+
 from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
 from threefold.accounting.lora import lora_units
 from threefold.accounting.shapes import tp_shard
@@ -20,6 +22,14 @@ from threefold.plan.activations import (adapter_activation_bytes, block_document
                                         head_saved_bytes, inflight_microbatches,
                                         microbatch_extra_bytes, model_layer_activation_bytes)
 from threefold.plan.memory import MemoryBreakdown
+
+
+def count_text(n: float) -> str:
+    """A parameter count to three significant digits, in millions or billions (688,800 is
+    0.689M: one digit would say 0.7M)."""
+    value, unit = (n / 1e9, "B") if n >= 1e9 else (n / 1e6, "M")
+    digits = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
+    return f"{value:.{digits}f}{unit}"
 
 
 def _gb(x: float) -> str:
@@ -92,10 +102,13 @@ def states_lines(cfg: ModelConfig, layout: Layout, work: Workload, mem: MemoryBr
 
 
 def memory_terms(cfg: ModelConfig, layout: Layout, work: Workload, mem: MemoryBreakdown,
-                 baseline: float) -> list[str]:
-    """The step peak's terms, one a line (bytes in GB), summed the way the peak is."""
+                 baseline: float, parts=None) -> list[str]:
+    """The step peak's terms, one a line (bytes in GB), summed the way the peak is;
+    ``parts``: the baseline by part (``plan.baseline.Baseline``), each a line."""
     lines = [f"step peak per rank, term by term, GB (pipeline stage {mem.stage}):"]
-    if baseline:
+    if parts is not None:
+        lines += parts.lines(_gb)
+    elif baseline:
         lines.append(f"  baseline {_gb(baseline)}: this process before any model (Python, "
                      "torch, the kernels a step loads)")
     lines += states_lines(cfg, layout, work, mem)

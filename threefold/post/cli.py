@@ -22,6 +22,7 @@ from types import ModuleType
 from threefold.config import ConfigError, parse_overrides, take_flag
 from threefold.data import DataError
 from threefold.layout import task_layout
+from threefold.post.inputs import task_data
 from threefold.launch import (check_launch, cluster_launcher, dispatch, fail, load_run_config,
                               resolve_init_from, run_training, split_train_args)
 
@@ -228,7 +229,8 @@ def _main(cmd: str, argv: list[str]) -> int:
         return fail(str(e))
     return dispatch(cfg, world, nproc, launcher, argv, ["threefold.post.cli", cmd],
                     lambda: run_training(cfg, lambda: task_class(cmd)(opts)),
-                    ROWS_PER_ITEM.get(cmd, 1))
+                    ROWS_PER_ITEM.get(cmd, 1),
+                    task_data(cmd, opts, ROWS_PER_ITEM.get(cmd, 1)))
 
 
 def sft_main(argv: list[str]) -> int:

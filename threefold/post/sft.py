@@ -265,6 +265,7 @@ class SFTTask(PretrainTask):
     # its rows are conversations, not the pre-training sources: one validation set
     data_metrics = Task.data_metrics
     val_sets = Task.val_sets
+    token_stream = False
 
     def __init__(self, options: SFTOptions | None = None):
         self.options = options or SFTOptions()
