@@ -273,9 +273,9 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
                         parts, async_save_copy_bytes(cfg, owned, adapters))
 
 
-def _moe_note(mcfg: ModelConfig, dims, total: int, p) -> str:
+def _moe_note(mcfg: ModelConfig, layout, total: int, p) -> str:
     """The note on a mixture of experts: experts per rank, active parameters, ep's bytes."""
-    e, ep = mcfg.num_local_experts, dims.ep
+    e, ep = mcfg.num_local_experts, layout.ep
     return (f"mixture of experts: {e} experts per block, top-{mcfg.num_experts_per_tok}"
             f", {_count(active_parameters(mcfg))} of {_count(total)} parameters active "
             f"per token (FLOPs and MFU count these); ep {ep}: {e // ep} experts per "
