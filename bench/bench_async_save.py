@@ -17,7 +17,7 @@ Figures per run (from its metrics.jsonl and summary.json):
   async_save the background writer runs during them, competing for the cores and memory
   bandwidth; synchronously nothing runs then);
 - ``stall_per_save_s``: how long each save holds the loop, timed around the loop's calls
-  (``threefold.train.save`` and, under async_save, ``threefold.train._commit``, wrapped by this
+  (``threefold.training.train.save`` and, under async_save, ``threefold.training.train._commit``, wrapped by this
   script): synchronously the whole write; under async_save the host copy, the directory's
   preparation, any wait for the writer and the commit;
 - ``cost_per_save_s``: the stall plus the slow-down of the step after the save over the run's
@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import report  # noqa: E402
 from threefold.config import load_config  # noqa: E402
-import threefold.train as tt  # noqa: E402
+import threefold.training.train as tt  # noqa: E402
 
 MODES = ("sync", "async")
 

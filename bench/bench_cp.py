@@ -82,8 +82,8 @@ from bench.common import (ab_rows, peak_rss_bytes, print_table, report,  # noqa:
                           revision, run_ranks, start_peak_rss_window)
 from threefold.accounting import num_parameters  # noqa: E402
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
-from threefold.parallel.engine import make_adamw  # noqa: E402
-from threefold.train import build_model  # noqa: E402
+from threefold.parallel.engines.adamw import make_adamw
+from threefold.training.train import build_model  # noqa: E402
 
 SIDES = ("threefold", "torch")
 MIB = 2**20
@@ -262,7 +262,7 @@ def make_step(side: str, algorithm: str, mcfg, ocfg, seed, ctx):
     threefold, torch, or single (the plain model on this process alone)."""
     model = build_model(mcfg, torch.device("cpu"), seed)
     if side == "threefold":
-        from threefold.parallel.context import apply_context_parallel
+        from threefold.parallel.transforms.context import apply_context_parallel
 
         apply_context_parallel(model, ctx["comm"], algorithm)
     elif side == "torch":
@@ -285,7 +285,7 @@ def make_step(side: str, algorithm: str, mcfg, ocfg, seed, ctx):
                 loss = loss_of(ids, labels, None, n_tokens)
             loss.backward()
         elif side == "threefold":
-            from threefold.parallel.context import shard_batch
+            from threefold.parallel.transforms.context import shard_batch
 
             micro = shard_batch({"input_ids": ids, "labels": labels}, cp, rank)
             with hooks:
@@ -442,10 +442,10 @@ def longest(side, algorithm, mcfg, ocfg, args, ctx, world_size) -> dict:
 # --------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
     """One rank: the cp mesh, the batch, both sides each round, rank 0 summarises."""
-    from threefold.comm import Comm
-    from threefold.distributed import init_distributed, shutdown
+    from threefold.comm.counted import Comm
+    from threefold.comm.distributed import init_distributed, shutdown
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh, submesh
+    from threefold.comm.mesh import build_mesh, submesh
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")

@@ -122,7 +122,7 @@ def _texts(path: Path):
 
 def make_tokenizer(corpus: Path, out: Path, vocab_size: int, sample_mb: float) -> Path:
     """A byte-level BPE trained with threefold's trainer on the corpus's leading text."""
-    from threefold.data.tokenizer import train_bpe
+    from threefold.data import train_bpe
 
     docs, used = [], 0
     for path in sorted(corpus.glob("*.jsonl")):
@@ -309,7 +309,7 @@ def loader_cost(prepared: Path, step_seconds: float | None, draws: int = 200) ->
     """Median seconds for the training sampler to draw one default-config batch (every row,
     in epochs) from the ``prepared`` directory, read as training reads it."""
     from threefold.config import load_config
-    from threefold.data.sampler import MixtureSampler
+    from threefold.data import MixtureSampler
     from threefold.data.sources import open_prepared
 
     cfg = load_config(None, [])

@@ -81,10 +81,10 @@ from bench.common import (peak_rss_bytes, relaunch_with_torchrun, report,  # noq
 from threefold import accounting as cost  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 from threefold.data import MixtureSampler, prepare_data  # noqa: E402
-from threefold.model import causal_lm_loss  # noqa: E402
-from threefold.parallel.engine import make_adamw  # noqa: E402
-from threefold.steps import lr_at  # noqa: E402
-from threefold.train import build_model  # noqa: E402
+from threefold.model.decoder import causal_lm_loss  # noqa: E402
+from threefold.parallel.engines.adamw import make_adamw
+from threefold.training.steps import lr_at  # noqa: E402
+from threefold.training.train import build_model  # noqa: E402
 
 CONFIGS = ("tf_dp", "ddp", "tf_z3", "fsdp2")
 PAIRS = (("tf_dp", "ddp"), ("tf_z3", "fsdp2"))
@@ -171,9 +171,9 @@ def build(name: str, cfg, mcfg, lay) -> Setup:
 def build_threefold(name: str, cfg, mcfg, lay):
     """threefold's engine as the trainer builds it (distributed_layout.build_engine), but
     with its own ``Comm`` so that its bytes are counted apart from the other runs."""
-    from threefold.comm import Comm
-    from threefold.parallel.data import DataParallelEngine
-    from threefold.parallel.zero import ZeroEngine
+    from threefold.comm.counted import Comm
+    from threefold.parallel.engines.data_parallel import DataParallelEngine
+    from threefold.parallel.engines.zero import ZeroEngine
 
     model = build_model(mcfg, torch.device("cpu"), cfg.train.seed)
     comm = Comm(lay.dims, lay.mesh)
@@ -188,7 +188,7 @@ def build_threefold(name: str, cfg, mcfg, lay):
     mb = cfg.train.micro_batch_size
 
     def step(x, y, n_tokens, lr, probe):
-        # the shape of threefold.train.train_step, without its logging all-reduces
+        # the shape of threefold.training.train.train_step, without its logging all-reduces
         micro = _micro(x, y, mb)
         total = 0.0
         for i, (xi, yi) in enumerate(micro):
@@ -211,7 +211,7 @@ def build_threefold(name: str, cfg, mcfg, lay):
 
 def build_torch(name: str, cfg, mcfg, lay, world: int):
     """torch's reference: DDP over the dp group, or FSDP2 per block then the root."""
-    from threefold.mesh import submesh
+    from threefold.comm.mesh import submesh
 
     model = build_model(mcfg, torch.device("cpu"), cfg.train.seed)
     if name == "ddp":
@@ -350,7 +350,7 @@ def prewarm(cfg, mcfg, batches) -> None:
 def worker(args: argparse.Namespace) -> None:
     """One rank: build the layout, prepare the batches once, run the phase's configurations,
     gather the figures on rank 0 and print them."""
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     torch.set_num_threads(1)
     memory = args.phase == "memory"

@@ -20,7 +20,7 @@ read and write is not recorded) and the aten calls left outside them.
 
 The LM head and its loss are measured the same way, side by side in one run: the logits path
 threefold ran before (the head's whole logits, widened to fp32, then ``F.cross_entropy``) and
-the chunked head loss it runs now (``threefold.head_loss``), each with its non-matmul kernels,
+the chunked head loss it runs now (``threefold.model.head_loss``), each with its non-matmul kernels,
 bytes per token, the peak memory its forward + backward adds (the allocator's peak on a GPU,
 the resident high-water mark on a CPU) and the planner's count of the latter
 (``activations.logits_bytes``, for the chunked path):
@@ -123,13 +123,14 @@ def _autocast(dtype: torch.dtype):
 
 def profile_head(shape: str, batch: int, dtype: torch.dtype, path: str) -> dict:
     """The head and its loss, forward + backward, as ``path`` runs them: "logits" (whole fp32
-    logits, then cross-entropy) or "chunked" (``threefold.head_loss``)."""
+    logits, then cross-entropy) or "chunked" (``threefold.model.head_loss``)."""
     import torch.nn.functional as F
 
-    from threefold.accounting.layout import Layout, Workload
+    from threefold.layout import Layout, Workload
     from threefold.config import ModelConfig
-    from threefold.head_loss import LMHead
-    from threefold.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
+    from threefold.model.head_loss import LMHead
+    from threefold.hardware.metrics import (current_memory_bytes, peak_memory_bytes,
+                                            reset_peak_memory)
     from threefold.plan.activations import logits_bytes
 
     h, vocab, seq = SHAPES[shape]["hidden_size"], VOCAB[shape], SHAPES[shape]["seq"]
@@ -175,7 +176,7 @@ def profile_block(shape: str, batch: int, dtype: torch.dtype, compiled: bool = F
     ``compiled`` the block goes through ``torch.compile`` (inductor) first; its fused kernels
     (inductor's kernel profiling names them) count one each, their bytes are not known."""
     from threefold.config import ModelConfig
-    from threefold.model import CausalLM
+    from threefold.model.decoder import CausalLM
 
     dims = dict(SHAPES[shape])
     seq = dims.pop("seq")

@@ -8,7 +8,7 @@ layout and with no half-written checkpoint left behind.
     python3 bench/bench_faults.py --trials 4 --seed 3
     python3 bench/bench_faults.py --layouts zero2 --kinds kill,killsave
     python3 bench/bench_faults.py --kinds killasync --trials 3   # kills during async saves
-    python3 bench/bench_faults.py --stall-mode every       # stalls as threefold.faults has them
+    python3 bench/bench_faults.py --stall-mode every       # stalls as threefold.comm.faults has them
     python3 bench/bench_faults.py --exits                  # clean runs' exits: 20 + 20 runs
     python3 bench/bench_faults.py --exits --quick          # 3 + 3 runs (~2 min, 2 cores)
 
@@ -17,7 +17,7 @@ small corpus, ``--steps`` steps (16), a checkpoint every ``--interval`` steps (4
 thread per rank. First one uninterrupted run per layout in ``--layouts`` (``zero2`` = dp_shard 4
 ZeRO-2, ``zero3`` = dp_shard 4 ZeRO-3, ``tp2`` = tp 2 × dp_shard 2 ZeRO-1), then the trials,
 each a fresh output directory, with one fault from a seeded RNG (``--seed``) through
-``THREEFOLD_FAULT`` (threefold/faults.py):
+``THREEFOLD_FAULT`` (threefold/comm/faults.py):
 
 - ``kill:R:S``      rank R SIGKILLs itself just before step S (S uniform in 1..steps);
 - ``killsave:R:S``  rank R SIGKILLs itself while writing checkpoint S (its files written, the
@@ -31,14 +31,14 @@ each a fresh output directory, with one fault from a seeded RNG (``--seed``) thr
   than ``--parallel.step_timeout_s`` (``--step-timeout-s``, 5): the other ranks' collectives
   time out, they report the stuck rank and exit, torchrun tears the group down and restarts it.
 
-threefold.faults fires kills on the first attempt only but stalls on *every* attempt, so a
+threefold.comm.faults fires kills on the first attempt only but stalls on *every* attempt, so a
 restarted run would stall again at the same step and no number of restarts could recover it.
 By default (``--stall-mode first``) a stall trial therefore runs under torchrun with this
 script as the entry point (``--worker``: drops ``stall`` from ``THREEFOLD_FAULT`` when
-``TORCHELASTIC_RESTART_COUNT`` > 0, then runs ``threefold.cli.main(["train", ...])``, the same
+``TORCHELASTIC_RESTART_COUNT`` > 0, then runs ``threefold.commands.main.main(["train", ...])``, the same
 code a rank of `threefold train` runs); the trial's fault column says ``stall1``.
 ``--stall-mode every`` launches stall trials through `threefold train` like the others, with
-the fault as threefold.faults defines it (those trials are expected to fail: "stalled again").
+the fault as threefold.comm.faults defines it (those trials are expected to fail: "stalled again").
 Kill, killsave and killasync trials always run
 `threefold train --nproc-per-node 4 --max-restarts K`.
 
@@ -90,7 +90,7 @@ Each run is classified: ``ok`` (every command exits 0, summary.json written), ``
 worker died of SIGABRT or printed "terminate called"), ``hang`` (not done within
 ``--exit-timeout-s``, 120 s: every process killed), ``failed`` (any other non-zero exit).
 The abort is a race at interpreter exit (a gloo thread that frees its last work after the
-main thread has begun finalising, ``threefold.distributed.shutdown``): it shows more often
+main thread has begun finalising, ``threefold.comm.distributed.shutdown``): it shows more often
 on a busy machine, so ``--busy`` (2) processes spin on the CPU throughout, as a shared CI
 machine's other jobs do. One table row per case (counts, mean and max wall time), then one
 JSON line (``goal``: no abort and no hang). Outputs of runs that were not ``ok`` are kept in
@@ -132,12 +132,12 @@ HEADER = re.compile(r"^threefold: \S+ parameters[ ,]")  # rank 0's first line of
 # --------------------------------------------------------------------------------------------
 def worker(train_args: list[str]) -> int:
     """One rank: drop ``stall`` faults after a restart, then run `threefold train` in-process
-    (under torchrun's environment ``threefold.cli`` trains here instead of re-launching)."""
+    (under torchrun's environment ``threefold.commands.main`` trains here instead of re-launching)."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         spec = os.environ.get("THREEFOLD_FAULT", "")
         os.environ["THREEFOLD_FAULT"] = ",".join(
             s for s in spec.split(",") if s.strip() and not s.strip().startswith("stall:"))
-    from threefold.cli import main as cli_main
+    from threefold.commands.main import main as cli_main
 
     return cli_main(["train", *train_args])
 
@@ -233,7 +233,8 @@ def step_seconds(metrics: list[dict], tokens_per_step: int) -> float:
 def check_checkpoints(root: Path) -> list[str]:
     """Problems with the checkpoint directory: a listed checkpoint that does not verify, a
     temporary directory left behind."""
-    from threefold.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+    from threefold.weights.checkpoint_verify import (CheckpointError, list_checkpoints,
+        verify_checkpoint)
 
     problems = []
     for step in list_checkpoints(root):
@@ -253,7 +254,7 @@ def compare_weights(out: Path, ref: dict, steps: int) -> tuple[bool, bool, str]:
     model tensors against ``ref``."""
     import torch
 
-    from threefold.checkpoint import load_checkpoint
+    from threefold.weights.checkpoint import load_checkpoint
 
     try:
         got = load_checkpoint(out / "checkpoints" / str(steps))[0]["model"]
@@ -479,7 +480,7 @@ def main() -> int:
     ap.add_argument("--stall-s", type=float, default=60.0)
     ap.add_argument("--stall-mode", choices=("first", "every"), default="first",
                     help="stall on the first attempt only (worker wrapper) or on every "
-                         "attempt (threefold.faults as is)")
+                         "attempt (threefold.comm.faults as is)")
     ap.add_argument("--trial-timeout-s", type=float, default=400.0)
     ap.add_argument("--workdir", type=Path, default=None, help="keep runs here")
     ap.add_argument("--exits", action="store_true",
@@ -499,7 +500,7 @@ def main() -> int:
 
     import torch
 
-    from threefold.checkpoint import load_checkpoint
+    from threefold.weights.checkpoint import load_checkpoint
 
     tmp = None
     if args.workdir is None:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 from threefold.data.corpus import sample_corpus  # noqa: E402
-from threefold.train import train  # noqa: E402
+from threefold.training.train import train  # noqa: E402
 
 RECIPES = ("none", "tensorwise", "rowwise")
 

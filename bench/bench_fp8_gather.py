@@ -1,6 +1,6 @@
 """ZeRO-3's FP8 all-gather (``parallel.fp8_all_gather``) against the param_dtype gather on
 this CPU, 2 ranks (gloo), side by side in one invocation: the bytes each rank sends over
-dp_shard per step (counted by ``threefold.comm``), tokens/s and the final losses.
+dp_shard per step (counted by ``threefold.comm.counted``), tokens/s and the final losses.
 
     python3 bench/bench_fp8_gather.py            # small preset, 40 steps, 2 rounds
     python3 bench/bench_fp8_gather.py --quick    # tiny preset, 10 steps, 1 round
@@ -51,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args, root: Path, gather8: bool, rnd: int) -> dict:
     """One 2-rank training run; rank 0's bytes, tokens/s and losses."""
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     out = root / f"{'8bit' if gather8 else 'param_dtype'}_{rnd}"
     cfg = load_config(None, [

@@ -1,4 +1,4 @@
-"""Tokens/s of `threefold generate` (``threefold.generate.generate``, its KV cache) against
+"""Tokens/s of `threefold generate` (``threefold.generation.generate.generate``, its KV cache) against
 transformers' ``generate`` with its KV cache, on the same Hugging Face folder, the same prompts
 and greedy decoding; the generated token ids must be identical.
 
@@ -76,7 +76,7 @@ def prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 
 def _threefold_side(folder: Path):
     """A function (prompts, new tokens) -> generated ids, on threefold's model."""
-    from threefold.generate import generate, load_for_generation
+    from threefold.generation.generate import generate, load_for_generation
 
     model, _, _ = load_for_generation(folder)
     return lambda ps, n: generate(model, ps, n).tokens

@@ -9,11 +9,11 @@ Shapes: ``gpu`` (default) is the one measured on an H200 (docs/benchmarks.md): h
 ``tiny``: 2 layers, h 128, seq 64, micro-batch 2, the tokenizer's vocabulary, for CPUs.
 ``--dtype auto`` is bfloat16 on CUDA and float32 (threefold's CPU default) on a CPU.
 
-threefold: ``threefold.train.build_run`` from a config (``train.compile true`` when compiled:
-each block compiled) and ``threefold.steps.train_step``, the loop's own step (its sampler,
+threefold: ``threefold.training.train.build_run`` from a config (``train.compile true`` when compiled:
+each block compiled) and ``threefold.training.steps.train_step``, the loop's own step (its sampler,
 loss, clipping at ``optim.grad_clip``, its AdamW, learning-rate schedule, one host read).
 transformers: ``LlamaForCausalLM`` (SDPA attention, no KV cache) of threefold's config
-(``threefold.hf_config.hf_config``) with threefold's initial weights **copied** in by name
+(``threefold.weights.hf_config.hf_config``) with threefold's initial weights **copied** in by name
 (threefold's names are transformers'), fed the same batches from the same sampler, so the
 first step's losses agree (printed). Its loop: forward under autocast, fp32 cross-entropy summed
 over the tokens / their count, backward, ``clip_grad_norm_``, AdamW (``fused=True`` on CUDA,
@@ -23,9 +23,9 @@ torch's default on a CPU) at threefold's schedule, the loss read each step; comp
 Each round runs every mode (eager, compiled) and in it both sides, the order flipped every round
 and mode. A side is built fresh, runs ``--warmup`` untimed steps (compilation), then ``--steps``
 timed ones: tokens/s = timed tokens / wall time between device synchronisations. Peak memory:
-from the first step to the last timed one (``threefold.metrics.peak_memory_bytes``: allocator
+from the first step to the last timed one (``threefold.hardware.metrics.peak_memory_bytes``: allocator
 peak on CUDA, the process's peak RSS on a CPU, reset before each side). MFU = tokens/s ×
-``threefold.accounting.flops_per_token`` / ``threefold.metrics.device_peak_flops`` (CUDA: the
+``threefold.accounting.flops_per_token`` / ``threefold.hardware.metrics.device_peak_flops`` (CUDA: the
 datasheet catalogue; CPU: the matmul probe, raised to the highest rate seen if a side beats it).
 Profile: one step after the timed ones in the last round (torch.profiler, CPU and CUDA
 activities): shares of self device time (self CPU time on a CPU) of torch ops in matmul
@@ -45,7 +45,7 @@ sides above:
   row of the same round and mode (ratio fp8/bf16 of tokens/s). A row is skipped, with the
   reason printed and kept in the JSON, when the configuration refuses ``train.fp8``, when the
   device has no FP8 matmuls (a CPU, or CUDA compute capability below 8.9), or when the built
-  model holds no FP8 layer (``threefold.parallel.fp8``'s wrappers; e.g. every width off
+  model holds no FP8 layer (``threefold.parallel.transforms.fp8_linear``'s wrappers; e.g. every width off
   ``_scaled_mm``'s rule). Their MFU divides by the device's FP8 peak (catalogue ``peak_flops_fp8``);
 - ``moe``: the shape as a mixture of experts (``MOE_SHAPES``: gpu 8 layers, 8 experts of
   f 1408, top-2; tiny 4 experts of f 176, top-2) with ``model.moe_impl grouped`` and ``loop``
@@ -72,10 +72,10 @@ from bench.common import print_table, spread  # noqa: E402
 from threefold import accounting as cost  # noqa: E402
 from threefold.config import ConfigError, load_config  # noqa: E402
 from threefold.data import MixtureSampler, prepare_data  # noqa: E402
-from threefold.metrics import (device_peak_flops, peak_memory_bytes,  # noqa: E402
+from threefold.hardware.metrics import (device_peak_flops, peak_memory_bytes,  # noqa: E402
                                raise_cpu_peak, reset_peak_memory)
-from threefold.steps import lr_at, train_step  # noqa: E402
-from threefold.train import build_model, build_run  # noqa: E402
+from threefold.training.steps import lr_at, train_step  # noqa: E402
+from threefold.training.train import build_model, build_run  # noqa: E402
 
 SHAPES = {  # model overrides, seq_len, micro-batch (= global batch)
     "gpu": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -139,7 +139,7 @@ def hf_model(mcfg, device: torch.device, seed: int):
     """transformers' Llama of ``mcfg`` holding threefold's initial weights of ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from threefold.hf_config import hf_config
+    from threefold.weights.hf_config import hf_config
 
     fields = {k: v for k, v in hf_config(mcfg).items() if k not in ("architectures", "model_type")}
     fields["use_cache"] = False
@@ -153,7 +153,7 @@ def hf_model(mcfg, device: torch.device, seed: int):
 
 def transformers_side(cfg, compile_: bool):
     """A plain loop on transformers' model, same weights, batches and optimiser settings."""
-    from threefold.train import compute_dtype, pick_device
+    from threefold.training.train import compute_dtype, pick_device
 
     device = pick_device(cfg)
     dtype = compute_dtype(cfg, device)
@@ -220,11 +220,11 @@ def fp8_unavailable(device: torch.device, capability: tuple[int, int] | None = N
 def check_fp8_built(run) -> None:
     """Raise ``SkipRow`` when a run asked for ``train.fp8`` holds no FP8 layer (the setting
     accepted but not built): its figures would be bf16's under an FP8 name."""
-    from threefold.parallel.fp8 import Float8Linear, Float8LoRALinear
+    from threefold.parallel.transforms.fp8_linear import Float8Linear, Float8LoRALinear
 
     if not any(isinstance(m, (Float8Linear, Float8LoRALinear)) for m in run.model.modules()):
         raise SkipRow(f"train.fp8={run.cfg.train.fp8} accepted but the built model holds no FP8 "
-                      f"layer (threefold.parallel.fp8's wrappers)")
+                      f"layer (threefold.parallel.transforms.fp8_linear's wrappers)")
 
 
 def measure_row(name: str, extra: list[tuple[str, str]], args, out: str, compile_: bool
@@ -366,7 +366,7 @@ def _print_row(r: int, mode: str, side: str, res: dict) -> None:
 def host_memory_setting(cfg) -> None:
     """On a CPU, the host-memory setting ``build_run`` makes (process-wide once made) is
     made before either side runs, so both run with it."""
-    from threefold.hostmem import reuse_freed_host_memory, threshold_for
+    from threefold.training.hostmem import reuse_freed_host_memory, threshold_for
 
     reuse_freed_host_memory(threshold_for(cfg.train.host_mmap_threshold_mb, 1))
 

@@ -10,22 +10,22 @@ this is what each of them measures here, so that what the model does is a measur
 
 - ``gate_up``: SwiGLU's gate and up projections as two matmuls (threefold, HF's layout) vs
   one matmul of the concatenated weights (the fused kernel layout, split after), both then
-  through ``threefold.kernels.swiglu``;
+  through ``threefold.model.kernels.swiglu``;
 - ``qkv``: q, k and v projections as three matmuls vs one of the concatenated weights;
 - ``attention``: SDPA's flash kernel for CPU with grouped-query attention (threefold) vs
   SDPA's math path (K/V repeated to every query head);
 - ``loss``: the head's matmul and cross-entropy as one chunked function
-  (``threefold.head_loss``, which recomputes the logits in backward and keeps none) vs the
+  (``threefold.model.head_loss``, which recomputes the logits in backward and keeps none) vs the
   whole logits widened to fp32 and ``F.cross_entropy`` (what threefold ran before).
 
 Each round times ``--reps`` forward+backward calls of both sides of every pair, alternating
 which goes first; the table gives each pair's ratio (alternative time / threefold time: above
 1 means threefold's choice is faster) per round, with its median and spread
-(``bench.common.report``). ``--reuse-host-memory`` first applies ``threefold.hostmem`` (the
+(``bench.common.report``). ``--reuse-host-memory`` first applies ``threefold.training.hostmem`` (the
 setting ``threefold train`` makes on a CPU), under which the 32 MiB logits buffers are reused
 rather than faulted in afresh every call.
 
-Last, the memory side of the same choices (``threefold.kernels``, ``model.matmul_input``): the
+Last, the memory side of the same choices (``threefold.model.kernels``, ``model.matmul_input``): the
 bytes one tiny block keeps for backward per token, measured from autograd's saved tensors,
 fp32 and under bf16 autocast, next to what ``plan.activations.block_activation_bytes`` counts.
 """
@@ -44,8 +44,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import report  # noqa: E402
-from threefold.head_loss import linear_cross_entropy  # noqa: E402
-from threefold.kernels import swiglu  # noqa: E402
+from threefold.model.head_loss import linear_cross_entropy  # noqa: E402
+from threefold.model.kernels import swiglu  # noqa: E402
 
 B, T, H, FF, HEADS, KV, D, V = 8, 256, 256, 688, 8, 4, 32, 4096
 
@@ -119,7 +119,7 @@ def _saved_bytes_per_token(dtype: torch.dtype) -> tuple[float, float]:
 
     from threefold.accounting import layer_parameters_per_rank
     from threefold.config import ModelConfig
-    from threefold.model import CausalLM
+    from threefold.model.decoder import CausalLM
     from threefold.plan.activations import block_activation_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
@@ -168,8 +168,8 @@ def _selective_bytes_per_token(dtype: torch.dtype) -> tuple[float, float]:
     what its forward leaves allocated, per token between two lengths; what
     ``selective_block_bytes`` counts for it, less the block's input, made outside)."""
     from threefold.config import ModelConfig
-    from threefold.model import CausalLM
-    from threefold.parallel.recompute import apply_recompute
+    from threefold.model.decoder import CausalLM
+    from threefold.parallel.transforms.recompute import apply_recompute
     from threefold.plan.activations import selective_block_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
@@ -223,11 +223,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="timed calls per side and round")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--reuse-host-memory", action="store_true",
-                    help="apply threefold.hostmem first, as threefold train does on a CPU")
+                    help="apply threefold.training.hostmem first, as threefold train does on a CPU")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.reuse_host_memory:
-        from threefold.hostmem import reuse_freed_host_memory
+        from threefold.training.hostmem import reuse_freed_host_memory
 
         print("host memory reuse:", reuse_freed_host_memory(256.0))
     pairs = _pairs()

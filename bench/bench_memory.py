@@ -21,7 +21,7 @@ conversations of ``--seq`` tokens (default 2048) under the document mask, ``--mi
 sequences per rank (default 1), on 1 and 2 ranks (ZeRO-3 × 2); the configuration is
 ``tests/test_memory_finetune.finetune_overrides``'s, the test's own at 2 layers.
 
-Predicted: ``threefold.dryrun.predict``
+Predicted: ``threefold.launch.dryrun.predict``
 for the same configuration and world size — the worst rank's start-up and step peaks, each
 with the baseline (a fresh process's own resident bytes with torch and threefold imported,
 measured once) — what ``threefold train --dry-run`` prints. Goal: every ratio within ±10%.
@@ -94,7 +94,7 @@ def measure(row: str, ranks: int, steps: int, root: Path, loading: bool = False)
 
 def predicted(row: str, ranks: int, steps: int, root: Path) -> dict:
     """The dry run's prediction for the row on ``ranks`` ranks."""
-    from threefold.dryrun import predict
+    from threefold.launch.dryrun import predict
 
     argv = _args(row, ranks, steps, root / "dry")
     cfg = load_config(None, parse_overrides(argv))
@@ -133,7 +133,7 @@ def smol_inputs(root: Path) -> Path:
 
 def smol_row(row: str, ranks: int, a, root: Path) -> dict:
     """Predicted and measured peaks of one fine-tune row."""
-    from threefold.dryrun import predict
+    from threefold.launch.dryrun import predict
 
     chats = smol_inputs(root)
     args = smol_args(row, ranks, a.steps, root, a.seq, a.micro)

@@ -8,7 +8,7 @@ MFU that ``threefold train`` reports on a CPU), and a torch.profiler table of on
 Each round runs one fresh process per source tree (``--src``; default this checkout), the
 order flipped every round so that load on a shared machine falls on both alike. A process
 builds the default run (``tiny`` preset, data.seq_len 256, batch 8, AdamW; no evaluation),
-runs two untimed steps, then ``--steps`` timed calls of ``threefold.train.train_step`` (the
+runs two untimed steps, then ``--steps`` timed calls of ``threefold.training.train.train_step`` (the
 loop's step: forward, backward, clipping, optimiser, the logged metrics). MFU = tokens/s ×
 ``cost.flops_per_token`` ÷ the probe's FLOP/s, the probe (``metrics.cpu_matmul_flops``, best of
 0.5 s of 1024² fp32 matmuls, as train.py uses) run in the same process right after the steps.
@@ -39,8 +39,8 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from threefold import accounting as cost
 from threefold.config import load_config
-from threefold.metrics import cpu_matmul_flops
-from threefold.train import build_run, train_step
+from threefold.hardware.metrics import cpu_matmul_flops
+from threefold.training.train import build_run, train_step
 steps, profile, cpu = int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 overrides = [tuple(kv) for kv in json.loads(sys.argv[5])]
 clock = time.process_time if cpu else time.perf_counter

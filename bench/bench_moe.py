@@ -15,14 +15,14 @@ builds it). Within the launch the sides alternate round by round (A B C, then C 
 that noise from the shared machine falls on every side of each ratio; ratios are taken per
 round and their median reported, never absolute times across runs.
 
-Part 1, the layer (``threefold.moe.SparseMoeBlock``: router, top-k, dropless routing sorted
+Part 1, the layer (``threefold.model.moe.SparseMoeBlock``: router, top-k, dropless routing sorted
 by expert, a loop over experts), forward + backward of a random output gradient, fp32, all
 three sides from the same weights (one seed) on the same tokens (rank r's tokens from seed
 ``seed + r``), no optimiser step and no gradient reduction (the layer only):
 
 - ``ep``: ``apply_expert_parallel(block, comm)``: each rank keeps E/ep experts, routes its own
   N = batch·seq tokens, exchanges the counts, dispatches rows to the experts' owners and
-  combines them back by all-to-all (``threefold.parallel.expert``);
+  combines them back by all-to-all (``threefold.parallel.transforms.expert``);
 - ``noep``: the same layer whole on every rank, each rank its own N tokens, no all-to-all
   (every rank holds all E experts: ep× the expert weights, and each expert's matmuls get 1/ep
   of the rows the ep side gives them);
@@ -48,7 +48,7 @@ cores/1, not by ep). Also:
   again), and the expectation under uniform routing, N·k·(ep−1)/ep rows each way.
 
 Part 2, one process (rank 0; the others wait), a whole training step of
-``threefold.model.CausalLM`` (``build_model``, fp32): forward, summed token
+``threefold.model.decoder.CausalLM`` (``build_model``, fp32): forward, summed token
 cross-entropy over the batch's token count plus the router terms (``RouterLog.add``, as the
 trainer adds them), backward, gradient clipping, AdamW (``make_adamw``), zero_grad; the MoE
 preset (``--model-preset``, default tiny-moe: 8 experts of width 344, top-2) against the
@@ -157,7 +157,7 @@ def layer_config(args) -> ModelConfig:
 
 def whole_block(cfg: ModelConfig, seed: int):
     """The whole layer, every weight normal(0, 0.02) from ``seed`` (the model's init_std)."""
-    from threefold.moe import SparseMoeBlock
+    from threefold.model.moe import SparseMoeBlock
 
     block = SparseMoeBlock(cfg)
     gen = torch.Generator().manual_seed(seed)
@@ -197,7 +197,7 @@ def time_steps(block, x, dy, args) -> tuple[float, tuple]:
 
 def run_layer_side(side, blocks, data, args, comm) -> dict:
     """One side on every rank (collective); this rank's figures."""
-    from threefold.parallel.expert import take_rows_sent
+    from threefold.parallel.transforms.expert import take_rows_sent
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()
@@ -263,7 +263,7 @@ def closed_form(counts: list[list[int]], rank: int, ep: int, h: int) -> dict:
 
 def layer_part(args, comm) -> dict:
     """Build the three sides, check them equal, time them round by round (collective)."""
-    from threefold.parallel.expert import apply_expert_parallel
+    from threefold.parallel.transforms.expert import apply_expert_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = layer_config(args)
@@ -307,10 +307,10 @@ def model_configs(args) -> tuple[ModelConfig, ModelConfig]:
 
 def train_steps(mcfg: ModelConfig, args, batch) -> dict:
     """Build the model, warm-up + timed full training steps; seconds and losses."""
-    from threefold.model import causal_lm_loss
-    from threefold.moe import RouterLog
-    from threefold.parallel.engine import make_adamw
-    from threefold.train import build_model
+    from threefold.model.decoder import causal_lm_loss
+    from threefold.model.moe import RouterLog
+    from threefold.parallel.engines.adamw import make_adamw
+    from threefold.training.train import build_model
 
     ocfg = OptimConfig()
     model = build_model(mcfg, torch.device("cpu"), args.seed)
@@ -366,7 +366,7 @@ IMPL_SIDES = ("grouped", "loop")
 def impl_part(args) -> dict:
     """Both implementations on the same weights and tokens: their difference, then timed
     forward+backward round by round (one process)."""
-    from threefold.moe import grouped_mm_unfit
+    from threefold.model.moe import grouped_mm_unfit
 
     cfg = ModelConfig(preset=args.model_preset, vocab_size=args.vocab).resolved()
     if not cfg.num_local_experts:
@@ -430,11 +430,11 @@ def run_impl_only(args) -> None:
 # --------------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
     """One rank: the ep mesh, part 1 on every rank, part 2 on rank 0, rank 0 summarises."""
-    from threefold.comm import Comm
-    from threefold.distributed import init_distributed, shutdown
+    from threefold.comm.counted import Comm
+    from threefold.comm.distributed import init_distributed, shutdown
     from threefold.layout import Layout
-    from threefold.axes import EXPERT_AXES
-    from threefold.mesh import build_mesh
+    from threefold.layout.axes import EXPERT_AXES
+    from threefold.comm.mesh import build_mesh
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")

@@ -7,7 +7,7 @@ the offloaded training step against the on-device one, side by side in one run.
 Part 1, kernels. The same tensors (every parameter of the ``--preset`` model, fp32, with a
 fixed random gradient) stepped by each AdamW kernel in turn, the order flipped every round:
 torch's single-tensor kernel (what the on-device engines run, for bit-identical layouts),
-``foreach``, ``fused`` (the host optimiser's, ``threefold.parallel.adamw.HOST_KERNEL``),
+``foreach``, ``fused`` (the host optimiser's, ``threefold.parallel.engines.adamw.HOST_KERNEL``),
 DeepSpeed's ``DeepSpeedCPUAdam`` when ``deepspeed`` imports and its CPU Adam builds (its
 JIT build takes about 40 s once; ``--no-deepspeed`` skips it), and threefold's whole
 ``HostOptimizer.step`` (gradient copied down, fused AdamW, parameter copied up). Per kernel:
@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, report, revision  # noqa: E402
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
-from threefold.model import CausalLM, causal_lm_loss  # noqa: E402
-from threefold.parallel.adamw import KERNELS, make_adamw  # noqa: E402
-from threefold.parallel.engine import LocalEngine  # noqa: E402
-from threefold.parallel.offload import HostOptimizer  # noqa: E402
+from threefold.model.decoder import CausalLM, causal_lm_loss  # noqa: E402
+from threefold.parallel.engines.adamw import KERNELS, make_adamw  # noqa: E402
+from threefold.parallel.engines.engine import LocalEngine  # noqa: E402
+from threefold.parallel.engines.offload import HostOptimizer  # noqa: E402
 from threefold.plan.calibrate import memory_bandwidth  # noqa: E402
 
 BYTES_PER_PARAM = 28  # AdamW: reads p, g, m, v (16 bytes), writes p, m, v (12)

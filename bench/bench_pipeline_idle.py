@@ -42,9 +42,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, run_ranks  # noqa: E402
 from threefold.config import ModelConfig  # noqa: E402
-from threefold.model import CausalLM  # noqa: E402
+from threefold.model.decoder import CausalLM  # noqa: E402
 from threefold.parallel.pipeline.executor import PipelineExecutor, idle_fraction  # noqa: E402
-from threefold.schedules.simulate import measured_costs, simulate  # noqa: E402
+from threefold.schedules.simulate import measured_costs
+from threefold.schedules import simulate
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b@min", 2),
              ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2))
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_schedule(args, entry: str, v: int, comm) -> dict:
     """Train ``args.steps`` (+1 warm-up) steps under one schedule ("name" or "name@bound")
     on this rank; returns, on rank 0, the figures of the table (None elsewhere)."""
-    from threefold.schedules.schedules import schedule_spec
+    from threefold.schedules.registry import schedule_spec
 
     p, m, rank = args.pp, args.microbatches, dist.get_rank()
     name, _, bound = entry.partition("@")
@@ -130,9 +131,9 @@ def run_schedule(args, entry: str, v: int, comm) -> dict:
 
 def worker(args) -> None:
     """One rank: every schedule in turn; rank 0 prints the table and a JSON line."""
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
+    from threefold.comm.mesh import build_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

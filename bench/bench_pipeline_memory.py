@@ -89,8 +89,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (peak_rss_bytes, report, run_ranks,  # noqa: E402
                           start_peak_rss_window)
 from threefold.config import ModelConfig  # noqa: E402
-from threefold.model import CausalLM  # noqa: E402
-from threefold.schedules.schedules import in_flight_chunks, peak_in_flight  # noqa: E402
+from threefold.model.decoder import CausalLM  # noqa: E402
+from threefold.schedules.registry import in_flight_chunks
+from threefold.schedules import peak_in_flight
 from threefold.plan import activations, memory  # noqa: E402
 
 MIB = 2**20
@@ -103,7 +104,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-1f1b@min", "zb-h1
 def parse_schedule(entry: str, vpp: int, p: int) -> tuple[str, int, int, bool]:
     """(name, v, in-flight bound, V-shaped) of a ``--schedules`` entry ("name", "name@N" or
     "name@min")."""
-    from threefold.schedules.schedules import schedule_spec
+    from threefold.schedules.registry import schedule_spec
 
     name, _, bound = entry.partition("@")
     spec = schedule_spec(name)
@@ -195,7 +196,7 @@ class SavedActivations:
 # --------------------------------------------------------------------------------------------
 def planner_shape(args, p: int, v: int = 1, name: str = "1f1b", bound: int = 0):
     """(Layout, Workload) of this bench's run as the planner sees it: fp32 throughout."""
-    from threefold.accounting import Layout, Workload
+    from threefold.layout import Layout, Workload
 
     return (Layout(pp=p, vpp=v, microbatch_size=args.micro_batch, schedule=name,
                    pipeline_inflight=bound),
@@ -287,10 +288,10 @@ def run_schedule(name, chunks, p, m, v, rank, comm, tracker, micro, n_tokens,
 def worker(args: argparse.Namespace) -> None:
     """One rank = one pipeline stage: split the model, measure one microbatch per chunk, then
     every schedule's step; rank 0 prints the tables."""
-    from threefold.comm import Comm
-    from threefold.distributed import init_distributed, shutdown
+    from threefold.comm.counted import Comm
+    from threefold.comm.distributed import init_distributed, shutdown
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
+    from threefold.comm.mesh import build_mesh
     from threefold.parallel.pipeline.stage import split_model
 
     torch.set_num_threads(1)

@@ -70,8 +70,8 @@ from bench.common import (ab_rows, peak_rss_bytes, report, run_ranks,  # noqa: E
                           start_peak_rss_window)
 from threefold.config import ModelConfig, OptimConfig  # noqa: E402
 from threefold.accounting import num_parameters  # noqa: E402
-from threefold.model import CausalLM, causal_lm_loss  # noqa: E402
-from threefold.parallel.engine import make_adamw  # noqa: E402
+from threefold.model.decoder import CausalLM, causal_lm_loss  # noqa: E402
+from threefold.parallel.engines.adamw import make_adamw
 from threefold.parallel.pipeline.stage import split_model  # noqa: E402
 
 CONFIGS = ("threefold", "torch")
@@ -257,10 +257,10 @@ def timed_steps(step, busy, args) -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank = one stage: the agreement check, the rounds, rank 0 summarises."""
-    from threefold.comm import Comm
-    from threefold.distributed import init_distributed, shutdown
+    from threefold.comm.counted import Comm
+    from threefold.comm.distributed import init_distributed, shutdown
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
+    from threefold.comm.mesh import build_mesh
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")

@@ -48,7 +48,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from threefold.accounting import COMM_AXES, Layout, Workload, comm_bytes_per_step
+from threefold.layout.axes import COMM_AXES
+from threefold.layout import Layout, Workload
+from threefold.accounting import comm_bytes_per_step
 from threefold.config import load_config, parse_overrides  # noqa: E402
 from threefold.plan.calibrate import (
     calibrate,
@@ -58,8 +60,8 @@ from threefold.plan.calibrate import (
     matmul_flops,
     memory_bandwidth,
 )
-from threefold.dryrun import resolved_model  # noqa: E402
-from threefold.plan.hardware import Cluster  # noqa: E402
+from threefold.weights.model_source import resolved_model
+from threefold.plan.cluster import Cluster  # noqa: E402
 from threefold.plan.memory import memory_per_gpu, stage_memory  # noqa: E402
 from threefold.plan.step import predict_step
 

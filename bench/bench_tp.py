@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import ab_rows, report, run_ranks, tp_rank  # noqa: E402
 from threefold.accounting import num_parameters  # noqa: E402
 from threefold.config import OptimConfig  # noqa: E402
-from threefold.parallel.engine import make_adamw  # noqa: E402
-from threefold.train import build_model  # noqa: E402
+from threefold.parallel.engines.adamw import make_adamw
+from threefold.training.train import build_model  # noqa: E402
 
 CONFIGS = ("threefold", "torch")
 
@@ -75,8 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------
 def build_threefold(mcfg, ocfg, seed, dims, mesh):
     """threefold's TP: ``apply_tensor_parallel`` and its vocab-parallel loss."""
-    from threefold.comm import Comm
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.comm.counted import Comm
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
 
     comm = Comm(dims, mesh)
     model = apply_tensor_parallel(build_model(mcfg, torch.device("cpu"), seed), comm)
@@ -128,7 +128,7 @@ def build_torch(mcfg, ocfg, seed, dims, mesh):
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from threefold.mesh import submesh
+    from threefold.comm.mesh import submesh
 
     model = build_model(mcfg, torch.device("cpu"), seed)
     torch_tp_plan(model, submesh(mesh, "tp"))
@@ -184,7 +184,7 @@ def run_config(name, mcfg, ocfg, args, dims, mesh, batch) -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: the tp mesh, the batch, every configuration each round, rank 0 summarises."""
-    from threefold.distributed import shutdown
+    from threefold.comm.distributed import shutdown
 
     env, dims, mesh, mcfg, batch = tp_rank(args)
     world = env.world_size

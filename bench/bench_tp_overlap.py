@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import report, run_ranks, tp_rank  # noqa: E402
 from threefold.accounting import num_parameters  # noqa: E402
 from threefold.config import OptimConfig  # noqa: E402
-from threefold.parallel.engine import make_adamw  # noqa: E402
-from threefold.train import build_model  # noqa: E402
+from threefold.parallel.engines.adamw import make_adamw
+from threefold.training.train import build_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_side(chunks: int, mcfg, args, dims, mesh, batch) -> dict:
     """A fresh sequence-parallel model with ``tp_overlap`` = ``chunks`` (0: plain): warm-up
     and timed steps; this rank's seconds, losses and tp bytes per step."""
-    from threefold.comm import Comm
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.comm.counted import Comm
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
 
     comm = Comm(dims, mesh)
     model = apply_tensor_parallel(build_model(mcfg, torch.device("cpu"), args.seed), comm,
@@ -88,7 +88,7 @@ def run_side(chunks: int, mcfg, args, dims, mesh, batch) -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: the tp mesh, the batch, every side each round; rank 0 summarises."""
-    from threefold.distributed import shutdown
+    from threefold.comm.distributed import shutdown
 
     env, dims, mesh, mcfg, batch = tp_rank(args)
     world = env.world_size

@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import report  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 from threefold.data import MixtureSampler, prepare_data  # noqa: E402
-from threefold.model import causal_lm_loss  # noqa: E402
-from threefold.steps import lr_at  # noqa: E402
-from threefold.train import build_model, train  # noqa: E402
+from threefold.model.decoder import causal_lm_loss  # noqa: E402
+from threefold.training.steps import lr_at  # noqa: E402
+from threefold.training.train import build_model, train  # noqa: E402
 
 
 def plain_loop(cfg, steps: int) -> float:
@@ -127,7 +127,7 @@ def main() -> None:
         if args.compile:
             compare_compile(args, tmp)
             return
-        from threefold.hostmem import reuse_freed_host_memory
+        from threefold.training.hostmem import reuse_freed_host_memory
 
         for r in range(args.rounds):
             cfg = config(Path(tmp) / f"run{r}", args.steps)

@@ -6,7 +6,7 @@ import json
 import statistics
 import sys
 
-from threefold.metrics import proc_status_kib
+from threefold.hardware.metrics import proc_status_kib
 
 
 def print_table(rows: list[dict], width: int = 18) -> None:
@@ -165,9 +165,9 @@ def tp_rank(args):
     import torch
 
     from threefold.config import ModelConfig
-    from threefold.distributed import init_distributed
+    from threefold.comm.distributed import init_distributed
     from threefold.layout import Layout, Workload, check_layout
-    from threefold.mesh import build_mesh
+    from threefold.comm.mesh import build_mesh
 
     torch.set_num_threads(1)
     env = init_distributed(device="cpu")

@@ -37,7 +37,7 @@ BETA = 0.1
 
 def vm_hwm() -> int:
     """This process's resident high-water mark in bytes (Linux VmHWM)."""
-    from threefold.metrics import proc_status_kib
+    from threefold.hardware.metrics import proc_status_kib
 
     return (proc_status_kib("VmHWM") or 0) * 1024
 
@@ -76,8 +76,8 @@ def threefold_argv(a) -> list[str]:
 def run_threefold(a) -> dict:
     """``threefold sft|dpo`` in this process; per-step seconds and losses from its
     metrics.jsonl (seconds = tokens_per_step / tokens_per_second, the step's own clock)."""
-    import threefold.train as tt
-    from threefold.post.cli import dpo_main, sft_main
+    import threefold.training.train as tt
+    from threefold.commands.posttrain import dpo_main, sft_main
 
     peak = [0]
     reset = tt.reset_peak_memory
@@ -102,8 +102,8 @@ def run_threefold(a) -> dict:
 def dry_run_peak(a) -> float:
     """What ``threefold sft|dpo ... --dry-run`` predicts this process peaks at: the larger of
     its start-up and step peaks (the baseline included), for the same configuration."""
-    from threefold.dryrun import as_rows, predict
-    from threefold.post.cli import ROWS_PER_ITEM, build_config, parse_task_options
+    from threefold.launch.dryrun import as_rows, predict
+    from threefold.commands.posttrain import ROWS_PER_ITEM, build_config, parse_task_options
     from threefold.post.inputs import task_data
 
     opts, rest = parse_task_options(a.task, threefold_argv(a))
@@ -134,7 +134,7 @@ def trl_model(a):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from threefold.model import initial_weight
+    from threefold.model.decoder import initial_weight
 
     model = AutoModelForCausalLM.from_pretrained(Path(a.root) / "hf", dtype=torch.float32)
     if a.mode != "lora":

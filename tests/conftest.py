@@ -14,7 +14,7 @@ faulthandler.enable(file=sys.stderr)
 
 # Every distributed run of the suite, in this process and in the ones it starts (test
 # launcher, torchrun), compares its ranks' collectives at start-up's end and each step's end
-# (threefold.collective_check): a process-dependent order fails the test that meets it.
+# (threefold.comm.collective_check): a process-dependent order fails the test that meets it.
 os.environ.setdefault("THREEFOLD_CHECK_COLLECTIVES", "1")
 
 
@@ -66,7 +66,8 @@ def metrics(out: Path) -> list[dict]:
 
 def final_weights(out: Path) -> dict:
     """The model tensors of a run's newest checkpoint."""
-    from threefold.checkpoint import list_checkpoints, load_checkpoint
+    from threefold.weights.checkpoint_verify import list_checkpoints
+    from threefold.weights.checkpoint import load_checkpoint
 
     step = list_checkpoints(out / "checkpoints")[-1]
     return load_checkpoint(out / "checkpoints" / str(step))[0]["model"]
@@ -79,8 +80,8 @@ def hf_twin(hf, folder: Path, prompt_len: int = 24):
     1e-5)."""
     import torch
 
-    from threefold.hf import load_pretrained
-    from threefold.model import CausalLM
+    from threefold.weights.hf import load_pretrained
+    from threefold.model.decoder import CausalLM
 
     hf.save_pretrained(folder)
     cfg, weights = load_pretrained(folder)

@@ -1,7 +1,7 @@
 """Run a function on N local processes joined by a gloo process group (the test launcher).
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, each joins the
-group through ``threefold.distributed.init_distributed`` (as under torchrun: this process
+group through ``threefold.comm.distributed.init_distributed`` (as under torchrun: this process
 serves the store, the children are its clients) and calls ``fn(rank, world_size, *args)``.
 It returns the per-rank results ordered by rank, or raises AssertionError with the failing
 rank's traceback, or, on timeout, with the ranks that did not finish and their stacks.
@@ -48,7 +48,7 @@ def _context(method: str):
     ctx = mp.get_context(method)
     if method == "forkserver":
         # Takes effect only if this process has not started its forkserver yet.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "threefold.distributed"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "threefold.comm.distributed"])
     return ctx
 
 
@@ -67,7 +67,7 @@ def _child(rank: int, world_size: int, port: int, timeout: float, blob: bytes, p
     import torch
     import torch.distributed as dist
 
-    from threefold.distributed import init_distributed, shutdown
+    from threefold.comm.distributed import init_distributed, shutdown
 
     # read at ``import torch``, which the forkserver did before the launcher's environment
     # was taken: TORCH_DISTRIBUTED_DEBUG=DETAIL checks op and shapes of every collective
@@ -243,8 +243,8 @@ def train_runs(rank: int, world: int, overrides: Callable, root: Path, runs: lis
     config overrides ``overrides(out, **extra)`` (e.g. a ``functools.partial`` of
     ``conftest.tiny_overrides``) and the task ``task()`` (pre-training when None)."""
     from threefold.config import load_config
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     for name, extra in runs:
         cfg = load_config(None, overrides(Path(root) / name, **extra))

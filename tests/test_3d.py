@@ -13,9 +13,9 @@ import torch
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from tests.test_dp_zero import STEPS
-from threefold.checkpoint import load_checkpoint
+from threefold.weights.checkpoint import load_checkpoint
 from threefold.config import load_config
-from threefold.train import train
+from threefold.training.train import train
 
 DEEP = {"model__num_hidden_layers": 4}
 

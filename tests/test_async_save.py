@@ -16,10 +16,10 @@ import pytest
 
 from tests.conftest import metrics, tiny_overrides
 from tests.dist import run_distributed
-from threefold.checkpoint import (CheckpointError, list_checkpoints, sha256_file,
-                                  verify_checkpoint)
+from threefold.weights.checkpoint_verify import (CheckpointError, list_checkpoints, sha256_file,
+    verify_checkpoint)
 from threefold.config import ConfigError, load_config
-from threefold.train import train
+from threefold.training.train import train
 
 ZERO = {"parallel__zero_stage": 1, "checkpoint__interval": 2, "train__steps": 4}
 SLOW = "slowsave:0:2:0.5"  # rank 0's writer of checkpoint 2 sleeps: still in flight after step 3
@@ -29,7 +29,7 @@ def _sync_and_async(rank, world, corpus, cache, root):
     """On each rank: the same ZeRO-1 run saved synchronously, then in the background with
     rank 0's writer slowed down, then in the background with rank 1 sent SIGTERM before step
     4 (a preemption at a save point); returns each run's log, host copy and preemption."""
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     out = {}
     # the first run of a process leaves the CPU RNG elsewhere than later ones (a one-time
@@ -51,7 +51,7 @@ def _sync_and_async(rank, world, corpus, cache, root):
 
 
 def test_async_checkpoints_equal_sync_ones_and_wait_when_due(corpus, cache_dir, tmp_path):
-    from threefold.dryrun import predict
+    from threefold.launch.dryrun import predict
 
     per_rank = run_distributed(_sync_and_async, 2, corpus, cache_dir, tmp_path, timeout=300)
     sync, asyn = tmp_path / "sync" / "checkpoints", tmp_path / "async" / "checkpoints"
@@ -82,7 +82,7 @@ def test_async_checkpoints_equal_sync_ones_and_wait_when_due(corpus, cache_dir, 
 
 def test_failed_background_write_raises_keeps_previous_and_resumes(corpus, cache_dir, tmp_path,
                                                                    monkeypatch):
-    import threefold.checkpoint as ck
+    import threefold.weights.checkpoint as ck
 
     out = tmp_path / "run"
     over = dict(checkpoint__interval=2, checkpoint__async_save="true", train__steps=4,

@@ -21,7 +21,7 @@ def test_parameter_counts_have_three_significant_digits():
 
 
 def test_your_model_lists_the_registered_families():
-    from threefold.models import FAMILIES
+    from threefold.families import FAMILIES
 
     text = (ROOT / "docs" / "your-model.md").read_text()
     said = re.search(r"families that import \(.*?\) are (.*?); any other", text, re.S).group(1)

@@ -15,8 +15,8 @@ from bench.finetune_setup import (Lengths, sft_data, stdlib_text, words, write_m
 def test_folder_and_conversations_agree_with_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("jinja2")
-    from threefold.hf import import_hf, init_from_hf
-    from threefold.model import CausalLM
+    from threefold.weights.hf import import_hf, init_from_hf
+    from threefold.model.decoder import CausalLM
     from threefold.data.chat import encode_conversation
     from threefold.post.sft import pack
 

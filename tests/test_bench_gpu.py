@@ -68,7 +68,7 @@ def test_fp8_rows_need_compute_capability_8_9():
 
     sys.path.insert(0, str(ROOT))
     from bench.bench_gpu import fp8_unavailable
-    from threefold.hardware import get_hardware
+    from threefold.hardware.catalogue import get_hardware
 
     cuda = torch.device("cuda")
     assert fp8_unavailable(cuda, (9, 0)) is None and fp8_unavailable(cuda, (8, 9)) is None

@@ -12,10 +12,11 @@ import torch
 
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
-from threefold.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint,
-                                  save_checkpoint, verify_checkpoint)
+from threefold.weights.checkpoint_verify import (CheckpointError, list_checkpoints,
+    verify_checkpoint)
+from threefold.weights.checkpoint import load_checkpoint, save_checkpoint
 from threefold.config import load_config
-from threefold.train import train
+from threefold.training.train import train
 
 STEPS = 6
 
@@ -25,7 +26,7 @@ def _losses(out):
 
 
 def _segment(rank, world, corpus, cache, out, extra, steps):
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     cfg = load_config(None, tiny_overrides(corpus, cache, out, train__steps=steps,
                                            checkpoint__interval=3, checkpoint__resume="true",
@@ -123,7 +124,7 @@ def test_manifest_cannot_escape(tmp_path):
 
 def test_crash_during_save_keeps_previous(tmp_path, monkeypatch):
     good = _small_ckpt(tmp_path, 1)
-    import threefold.checkpoint as ck
+    import threefold.weights.checkpoint as ck
 
     def boom(*a, **k):
         raise OSError("disk died mid-write")
@@ -135,7 +136,7 @@ def test_crash_during_save_keeps_previous(tmp_path, monkeypatch):
 
 
 def test_resume_refuses_damaged_checkpoint(corpus, cache_dir, tmp_path, capsys):
-    from threefold.cli import main
+    from threefold.commands.main import main
 
     out = tmp_path / "run"
     train(load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=2)))

@@ -17,16 +17,17 @@ import torch
 
 from tests.conftest import tiny_overrides
 from tests.test_launch import _args, _env, _free_port, _losses, wait_agents
-from threefold.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from threefold.weights.checkpoint_verify import CheckpointError, list_checkpoints
+from threefold.weights.checkpoint import load_checkpoint
 from threefold.config import ConfigError, load_config
-from threefold.train import train
+from threefold.training.train import train
 
 TWO_NODE = {"parallel__zero_stage": 2, "checkpoint__interval": 3}  # each node holds half
 
 
 def _two_agents(corpus, cache, out, disks, steps, **extra):
     """Run two torchrun agents (one process each) as two nodes; return (rcs, outputs). Not
-    retried: a finished run exits 0 on every rank (threefold.distributed.shutdown), and an
+    retried: a finished run exits 0 on every rank (threefold.comm.distributed.shutdown), and an
     agent whose worker failed leaves the other in torchrun's exit barrier for 300 s, so a
     hang here is a failure, reported with both agents' output."""
     port, procs = _free_port(), []
@@ -118,7 +119,7 @@ def test_single_process_with_checkpoint_dir(corpus, cache_dir, tmp_path):
     """One node: the checkpoint root holds rank files, node 0's part and the index; resume
     reads it back from there, and the run directory still names its checkpoints for a
     Hugging Face export and ``checkpoint.init_from`` (through its config.json)."""
-    from threefold.hf import export_hf, load_pretrained
+    from threefold.weights.hf import export_hf, load_pretrained
 
     disk = tmp_path / "disk{node}"
     over = dict(train__steps=2, checkpoint__dir=str(disk))
@@ -145,7 +146,7 @@ def test_single_process_with_checkpoint_dir(corpus, cache_dir, tmp_path):
 def _thread_groups(n):
     import threading
 
-    from threefold.checkpoint import NodeGroup
+    from threefold.weights.checkpoint_verify import NodeGroup
 
     bar, slots = threading.Barrier(n), [None] * n
 
@@ -181,7 +182,8 @@ W = torch.arange(12.0)
 
 
 def _save_two(roots, step):
-    from threefold.checkpoint import Piece, save_sharded
+    from threefold.weights.checkpoint_verify import Piece
+    from threefold.weights.checkpoint import save_sharded
 
     def one(rank, g):
         piece = Piece("w", "model", W[rank * 6:(rank + 1) * 6], rank * 6, rank * 6 + 6, (3, 4))
@@ -191,7 +193,7 @@ def _save_two(roots, step):
 
 
 def test_nodes_protocol_in_threads(tmp_path):
-    from threefold.checkpoint import load_sharded
+    from threefold.weights.checkpoint import load_sharded
 
     roots = [tmp_path / "n0", tmp_path / "n1"]
     _save_two(roots, 1)
@@ -212,9 +214,9 @@ def test_async_save_across_nodes_equals_the_sync_one(tmp_path, monkeypatch):
     """checkpoint.async_save on two nodes without a shared directory: the writers' digests
     make the same node parts and index as a synchronous save's leaders reading the files,
     and the leaders read none again."""
-    import threefold.checkpoint as checkpoint
-    from threefold.checkpoint import Piece, sha256_file
-    from threefold.checkpoint_async import AsyncSaver
+    import threefold.weights.checkpoint as checkpoint
+    from threefold.weights.checkpoint_verify import Piece, sha256_file
+    from threefold.weights.checkpoint_async import AsyncSaver
 
     sync, asyn = [tmp_path / "s0", tmp_path / "s1"], [tmp_path / "a0", tmp_path / "a1"]
     _save_two(sync, 2)
@@ -245,7 +247,8 @@ def test_nodes_sharing_one_directory(tmp_path):
 
 
 def test_version_2_still_loads(tmp_path):
-    from threefold.checkpoint import save_checkpoint, sha256_file
+    from threefold.weights.checkpoint import save_checkpoint
+    from threefold.weights.checkpoint_verify import sha256_file
 
     path = save_checkpoint(tmp_path / "ck", 1, {"model": {"w": W.view(3, 4)}, "optim": {},
                                                "rng": {}}, {"step": 1}, 1)

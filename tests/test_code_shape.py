@@ -1,8 +1,8 @@
 """The shape of the code, kept by a test so that every change keeps it: no file in threefold/
 over 450 lines, no function over 60 (from its ``def`` to its last line, docstring included),
 the training loop never probes a layout or task with ``getattr(..., default)`` (their
-interfaces are declared: ``threefold.parallel.layout.World``, ``threefold.task.Task``,
-``threefold.run.Engine``), and imports point down a table of layers with no circles (the
+interfaces are declared: ``threefold.parallel.world.World``, ``threefold.training.task.Task``,
+``threefold.training.run.Engine``), and imports point down a table of layers with no circles (the
 table is docs/architecture.md's)."""
 
 from __future__ import annotations
@@ -47,15 +47,15 @@ def test_the_loop_does_not_probe_layouts_or_tasks():
 
 # --------------------------------------------------------------------------------------------
 # The training step knows no layout and no model family: it calls the world's, the engine's,
-# the task's and the router log's hooks (threefold.steps)
+# the task's and the router log's hooks (threefold.training.steps)
 # --------------------------------------------------------------------------------------------
 _PROBES = ("hasattr", "getattr")
 # what a step would read to tell layouts or families apart: the parallel config, the pipeline,
 # model-parallel degrees, the model config (its router kind, its experts)
 _LAYOUT_OR_FAMILY = ("parallel", "pipeline", "chunks", "tp_overlap", "ep_size", "tp_size",
                      "cp_size", "model_cfg", "moe_router", "num_local_experts")
-_LAYOUT_OR_FAMILY_MODULES = ("threefold.parallel", "threefold.moe", "threefold.models",
-                             "threefold.mesh")
+_LAYOUT_OR_FAMILY_MODULES = ("threefold.parallel", "threefold.model.moe", "threefold.families",
+                             "threefold.comm.mesh")
 
 
 def _layout_or_family_reads(tree: ast.AST) -> list[tuple[int, str]]:
@@ -77,16 +77,16 @@ def _layout_or_family_reads(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_the_step_branches_on_no_layout_or_family():
-    """threefold.steps reads no layout (the parallel config, the pipeline, a degree) and no
+    """threefold.training.steps reads no layout (the parallel config, the pipeline, a degree) and no
     model family (the router kind, the experts), probes nothing with ``hasattr``/``getattr``
     and imports no parallelism or family: what differs is behind declared hooks
     (``World.traced``/``forward_backward``/``forward_only``, ``Engine.begin_step``/
     ``step_metrics``, ``RouterLog``)."""
-    hits = _layout_or_family_reads(ast.parse((PACKAGE / "steps.py").read_text()))
-    assert not hits, f"threefold/steps.py names a layout or a family: {hits}"
+    hits = _layout_or_family_reads(ast.parse((PACKAGE / "training" / "steps.py").read_text()))
+    assert not hits, f"threefold/training/steps.py names a layout or a family: {hits}"
     # the scan itself finds what it is for, and passes what is fine
-    bad = ("from threefold.parallel.expert import take_rows_sent\n"
-           "import threefold.moe\n"
+    bad = ("from threefold.parallel.transforms.expert import take_rows_sent\n"
+           "import threefold.model.moe\n"
            "def step(run, eng, lay):\n"
            "    if hasattr(eng, 'comm_trace'):\n"
            "        pass\n"
@@ -105,7 +105,7 @@ def test_the_step_branches_on_no_layout_or_family():
 
 
 # --------------------------------------------------------------------------------------------
-# Parallelisms change a module one way: into a wrapper class (threefold.parallel.wrap.become)
+# Parallelisms change a module one way: into a wrapper class (threefold.parallel.transforms.wrap.become)
 # --------------------------------------------------------------------------------------------
 _REPLACED_METHODS = ("attend", "attention_mask", "dispatch", "forward")
 
@@ -149,7 +149,7 @@ def _instance_patches(tree: ast.AST) -> list[tuple[int, str]]:
 def test_parallelisms_do_not_patch_instances():
     """No code in threefold/parallel/ sets a function on a module instance or replaces one of
     the methods wrappers override from outside: a parallelism turns the module into its
-    wrapper class (``threefold.parallel.wrap.become``), which ``print(model)`` shows."""
+    wrapper class (``threefold.parallel.transforms.wrap.become``), which ``print(model)`` shows."""
     found = {}
     for p in sorted((PACKAGE / "parallel").rglob("*.py")):
         hits = _instance_patches(ast.parse(p.read_text()))
@@ -177,25 +177,19 @@ def test_parallelisms_do_not_patch_instances():
 # --------------------------------------------------------------------------------------------
 
 LAYERS = [
-    ["__main__", "cli", "convert", "plot"],
+    ["__main__", "commands"],
+    ["launch"],
     ["post"],
-    ["launch", "slurm"],
-    ["train"],
-    ["steps", "runlog", "trackers", "resume"],
-    ["run", "task"],
-    ["generate", "peft_export", "dryrun"],
+    ["training"],
+    ["generation"],
     ["parallel"],
     ["plan"],
-    ["model_source"],
-    ["weights", "checkpoint", "checkpoint_async", "checkpoint_verify", "resharding", "hf",
-     "hf_config"],
-    ["liveness", "preempt", "faults", "hostmem"],
+    ["weights"],
     ["accounting"],
-    ["comm", "mesh", "distributed", "collective_check", "topology"],
-    ["model", "attention", "mla", "norm", "kernels", "head_loss", "moe", "kvcache", "lora"],
-    ["hub"],
-    ["layout", "axes"],
-    ["hardware", "metrics", "data", "models", "schedules"],
+    ["comm"],
+    ["model"],
+    ["layout"],
+    ["families", "schedules", "hardware", "data"],
     ["config"],
 ]
 
@@ -325,14 +319,14 @@ def test_no_import_cycles_among_files():
 
 
 def test_engines_meet_the_engine_protocol():
-    """Each engine of threefold.parallel has every method of ``threefold.run.Engine`` (the
+    """Each engine of threefold.parallel has every method of ``threefold.training.run.Engine`` (the
     interface the loop, the layouts and the checkpoints use), with the same parameters."""
     import inspect
 
-    from threefold.parallel.data import DataParallelEngine
-    from threefold.parallel.engine import LocalEngine
-    from threefold.parallel.zero import ZeroEngine
-    from threefold.run import Engine
+    from threefold.parallel.engines.data_parallel import DataParallelEngine
+    from threefold.parallel.engines.engine import LocalEngine
+    from threefold.parallel.engines.zero import ZeroEngine
+    from threefold.training.run import Engine
 
     wanted = {name: list(inspect.signature(f).parameters) for name, f in vars(Engine).items()
               if inspect.isfunction(f) and not name.startswith("_")}
@@ -340,7 +334,7 @@ def test_engines_meet_the_engine_protocol():
     for cls in (LocalEngine, DataParallelEngine, ZeroEngine):
         have = {name: list(inspect.signature(getattr(cls, name)).parameters)
                 for name in wanted if hasattr(cls, name)}
-        assert have == wanted, f"{cls.__name__} differs from threefold.run.Engine"
+        assert have == wanted, f"{cls.__name__} differs from threefold.training.run.Engine"
 
 
 def test_the_architecture_page_lists_the_same_layers():
@@ -354,3 +348,105 @@ def test_the_architecture_page_lists_the_same_layers():
         cell = line.split("|")[1]
         rows.append([re.sub(r"(\.py|/)$", "", name) for name in re.findall(r"`([^`]+)`", cell)])
     assert rows == LAYERS
+
+
+# --------------------------------------------------------------------------------------------
+# One name, one place: no two modules share a file name, and every name of threefold is
+# imported through one path: the module that defines it, or the package whose __init__ gathers
+# it (a facade), never both.
+# --------------------------------------------------------------------------------------------
+
+def test_no_module_name_repeats():
+    stems: dict[str, list[str]] = {}
+    for p in _sources():
+        if p.stem not in ("__init__", "__main__"):
+            stems.setdefault(p.stem, []).append(str(p.relative_to(PACKAGE)))
+    packages = {p.parent.name for p in _sources() if p.name == "__init__.py"} - {"threefold"}
+    repeated = {s: ps for s, ps in stems.items() if len(ps) > 1 or s in packages}
+    assert not repeated, f"module names used twice (or as a package's): {repeated}"
+
+
+def _defined_names(path: Path) -> set[str]:
+    """Names a module defines at its top level (classes, functions, assignments), not those it
+    imports."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                out |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return out
+
+
+DEFINED = {m: _defined_names(p) for m, p in MODULES.items()}
+FACADES = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+
+
+def _name_imports(roots=("threefold", "tests", "bench")):
+    """(importing file, module imported from, name) for every ``from threefold... import name``
+    of a name that is not a module."""
+    root = PACKAGE.parent
+    for d in roots:
+        for p in sorted((root / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                        and node.module.split(".")[0] == "threefold" and node.module in MODULES:
+                    for a in node.names:
+                        if f"{node.module}.{a.name}" not in MODULES:
+                            yield str(p.relative_to(root)), node.module, a.name
+
+
+def _origin(module: str, name: str) -> tuple[str, str]:
+    """The module that defines ``name`` as imported from ``module``, following re-imports."""
+    for _ in range(10):
+        if name in DEFINED[module]:
+            break
+        src = next((n for n in ast.parse(MODULES[module].read_text()).body
+                    if isinstance(n, ast.ImportFrom) and n.module in MODULES
+                    and any((a.asname or a.name) == name for a in n.names)), None)
+        if src is None:
+            break
+        name = next(a.name for a in src.names if (a.asname or a.name) == name)
+        module = src.module
+    return module, name
+
+
+def test_every_name_has_one_import_path():
+    """A name comes from the module that defines it, or from a package that gathers it in its
+    __init__; a name a package gathers is not also imported from its defining module outside
+    that package; and no plain module passes on a name it imported."""
+    gathered = {}  # (defining module, name) -> the package that gathers it
+    for f in FACADES:
+        for node in ast.parse(MODULES[f].read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module in MODULES:
+                for a in node.names:
+                    home = _origin(node.module, a.name)
+                    if home[0].startswith(f + "."):  # its own modules' names only
+                        gathered[home] = f
+    wrong = []
+    for where, module, name in _name_imports():
+        home, real = _origin(module, name)
+        facade = gathered.get((home, real))
+        inside = facade and where.replace("/", ".").startswith(facade + ".")
+        path = facade if facade and not inside else home
+        if module != path:
+            wrong.append(f"{where}: {name} from {module}; its one path is {path}")
+    assert not wrong, "names imported through a second path:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_module_passes_on_another_packages_names():
+    """``__all__`` lists a module's own names, or, for a package, its own modules' names:
+    nothing defined in another package is offered a second path."""
+    wrong = []
+    for m, p in MODULES.items():
+        for node in ast.parse(p.read_text()).body:
+            if not (isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)):
+                continue
+            for name in (e.value for e in node.value.elts):
+                home, _ = _origin(m, name)
+                own = home == m or (m in FACADES and home.startswith(m + "."))
+                if not own:
+                    wrong.append(f"{m}: {name} (defined in {home})")
+    assert not wrong, "names offered through a second path:\n" + "\n".join(wrong)

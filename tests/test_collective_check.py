@@ -1,4 +1,4 @@
-"""The collective check (``threefold.collective_check``) and the hang report: ranks whose
+"""The collective check (``threefold.comm.collective_check``) and the hang report: ranks whose
 collectives differ are stopped with one message naming the group, the ranks and the first
 differing call; a rank stuck in a collective its peers never issue is named, with its axis,
 within the collective timeout."""
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
-from threefold.collective_check import (CollectiveHang, CollectiveMismatch, GroupCheck, Ledger,
+from threefold.comm.collective_check import (CollectiveHang, CollectiveMismatch, GroupCheck, Ledger,
                                         first_difference)
 
 
@@ -93,8 +93,8 @@ def test_first_difference_reads_positions():
 def _extra_collective(rank, world, corpus, cache, out):
     """A 2-rank run in which rank 1 issues an all-reduce on dp that rank 0 never does."""
     from threefold.config import load_config
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     cfg = load_config(None, tiny_overrides(corpus, cache, out, parallel__timeout_s=4,
                                            parallel__check_collectives="true"))
@@ -122,8 +122,8 @@ def test_extra_collective_at_startup_is_named(corpus, cache_dir, tmp_path, monke
 def test_flight_recorder_environment(monkeypatch, tmp_path):
     """On CUDA the NCCL flight recorder is turned on with the run's buffer size and dump
     folder; variables the user set win; 0 turns it off; the hang report names the folder."""
-    from threefold.distributed import flight_recorder_env
-    from threefold.liveness import torch_cuda_flight_recorder
+    from threefold.comm.distributed import flight_recorder_env
+    from threefold.comm.liveness import torch_cuda_flight_recorder
 
     for k in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
               "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):

@@ -31,9 +31,8 @@ from tests.dist import run_distributed
 ROOT = Path(__file__).resolve().parent.parent / "threefold"
 
 # The modules on a path that issues collectives or decides what a rank sends.
-CHECKED = ("comm.py", "parallel", "checkpoint.py", "checkpoint_verify.py", "resharding.py",
-           "weights", "liveness.py", "train.py", "steps.py", "resume.py", "post",
-           "generate.py", "distributed.py", "collective_check.py")
+CHECKED = ("comm", "parallel", "weights", "training/train.py", "training/steps.py",
+           "training/resume.py", "post", "generation/generate.py")
 
 # (module relative to threefold/, enclosing function) -> why iterating there is safe.
 ALLOWED: dict[tuple[str, str], str] = {}
@@ -319,7 +318,7 @@ MODELS = {"dense": {}, "moe": MOE, "lora": LORA}
 
 
 def _task(model: str):
-    from threefold.post.sft import SFTTask
+    from threefold.post import SFTTask
 
     return SFTTask() if model == "lora" else None
 
@@ -329,8 +328,8 @@ def _seeded_runs(rank, world, corpus, cache, root):
     import torch.distributed as dist
 
     from threefold.config import load_config
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     assert dist.get_debug_level() == dist.DebugLevel.DETAIL
     for name, model, extra in SEEDED_RUNS:
@@ -356,7 +355,7 @@ def test_layouts_train_under_different_hash_seeds_and_torch_debug(corpus, cache_
     on at every step."""
     from tests.conftest import metrics
     from threefold.config import load_config
-    from threefold.train import train
+    from threefold.training.train import train
 
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     got = run_distributed(_seeded_runs, 4, corpus, cache_dir, tmp_path, timeout=400,

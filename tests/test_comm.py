@@ -10,11 +10,11 @@ import warnings
 import pytest
 import torch
 from tests.dist import run_checks, run_distributed
-from threefold.comm import Comm
+from threefold.comm.counted import Comm
 from threefold.config import ParallelConfig
-from threefold.distributed import init_distributed, set_timeout
+from threefold.comm.distributed import init_distributed, set_timeout
 from threefold.layout import Layout
-from threefold.mesh import build_mesh
+from threefold.comm.mesh import build_mesh
 
 F32 = 4  # bytes per fp32 element
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from threefold.cli import COMMANDS, main
+from threefold.commands.main import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -54,6 +54,6 @@ def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch):
     def boom(argv):
         raise BrokenPipeError("a socket")
 
-    monkeypatch.setattr("threefold.cli.cmd_options", boom)
+    monkeypatch.setattr("threefold.commands.main.cmd_options", boom)
     with pytest.raises(BrokenPipeError):
         main(["options"])

@@ -26,8 +26,8 @@ LAYOUTS = {
 def _eager_and_compiled(rank, world, corpus, cache, root):
     """Every layout eagerly, then compiled; returns whether each compiled run's blocks were
     compiled."""
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     compiled = {}
     for name, extra in LAYOUTS.items():
@@ -61,13 +61,13 @@ def test_compiled_blocks_train_as_eager_under_every_engine(corpus, cache_dir, tm
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_block_is_one_graph(dtype):
     """Dynamo traces a whole block without a graph break: under torch.compile the lean
-    kernels (threefold.kernels) are plain ops, so inductor can fuse across them."""
+    kernels (threefold.model.kernels) are plain ops, so inductor can fuse across them."""
     import contextlib
 
     import torch
 
     from threefold.config import ModelConfig
-    from threefold.model import CausalLM
+    from threefold.model.decoder import CausalLM
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
     model = CausalLM(cfg)
@@ -82,10 +82,10 @@ def test_a_block_is_one_graph(dtype):
 
 
 def test_the_head_and_its_loss_are_one_graph():
-    """The chunked head loss (threefold.head_loss) traces as one graph, chunks and all."""
+    """The chunked head loss (threefold.model.head_loss) traces as one graph, chunks and all."""
     import torch
 
-    from threefold.head_loss import LMHead
+    from threefold.model.head_loss import LMHead
 
     head = LMHead(32, 96)
     head.chunk = 5

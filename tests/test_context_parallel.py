@@ -15,8 +15,8 @@ from tests.dist import run_checks, run_distributed
 from tests.test_dp_zero import _check_equal
 from threefold.config import ConfigError, load_config
 from threefold.accounting import cp_bytes_per_attention
-from threefold.parallel.context import chunk_index, shard_batch
-from threefold.train import train
+from threefold.parallel.transforms.context import chunk_index, shard_batch
+from threefold.training.train import train
 
 STEPS = 4
 ALGORITHMS = ("ring", "allgather")
@@ -45,11 +45,11 @@ def test_chunks_are_balanced_and_cover_the_sequence():
 
 def _attention_check(rank, world, algorithm, packed):
     """This cp rank's output and gradients against SDPA over the whole sequence."""
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
-    from threefold.model import document_mask, sdpa_attention
-    from threefold.parallel.context import RingAttention, allgather_attention
+    from threefold.comm.mesh import build_mesh
+    from threefold.model.attention import document_mask, sdpa_attention
+    from threefold.parallel.transforms.context import RingAttention, allgather_attention
 
     dims = Layout(cp=world)
     comm = Comm(dims, build_mesh(dims, "cpu"))
@@ -88,7 +88,7 @@ def test_cp_attention_equals_whole_sequence_attention(world):
 def test_ring_piece_math_path_equals_the_fused_kernel(causal, packed):
     """The math path (used off CPU) computes the fused kernel's output, log-sum-exp and
     gradients, fully masked rows included."""
-    from threefold.parallel.context import Piece, _piece_backward, _piece_forward
+    from threefold.parallel.transforms.context import Piece, _piece_backward, _piece_forward
 
     gen = torch.Generator().manual_seed(1)
     q, do = (torch.randn(2, 4, 8, 16, generator=gen) for _ in range(2))
@@ -124,7 +124,7 @@ def test_cp_byte_closed_forms():
 # Training equals one process
 # --------------------------------------------------------------------------------------------
 def _runs(rank, world, corpus, cache, root, runs):
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     out = {}
     for name, extra in runs:
@@ -198,7 +198,7 @@ def test_sft_packed_under_cp_equals_single_process(corpus, cache_dir, tmp_path):
     over cp ranks: the masks see the whole sequence's document ids."""
     from tests.dist import train_runs
     from tests.test_sft import post_overrides
-    from threefold.post.sft import SFTTask
+    from threefold.post import SFTTask
 
     train(load_config(None, post_overrides(corpus, cache_dir, tmp_path / "single")),
           task=SFTTask())
@@ -228,7 +228,7 @@ def test_sft_packed_under_cp_equals_single_process(corpus, cache_dir, tmp_path):
     (2, {"parallel__cp_algorithm": "rings"}, r"parallel.cp_algorithm: unknown value 'rings'"),
 ])
 def test_impossible_cp_layouts_are_refused(world, extra, match, corpus, cache_dir, tmp_path):
-    from threefold.parallel.layout import validate_layout
+    from threefold.layout import validate_layout
 
     with pytest.raises(ConfigError, match=match):
         cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path, **extra))

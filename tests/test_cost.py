@@ -8,19 +8,9 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 
-from threefold.accounting import (
-    Layout,
-    LayoutError,
-    Workload,
-    axis_crosses_nodes,
-    check_layout,
-    comm_bytes_per_step,
-    flops_per_token,
-    num_parameters,
-    rank_layers,
-    stage_parameters,
-    tp_shard,
-)
+from threefold.layout import Layout, LayoutError, Workload, check_layout
+from threefold.accounting import (axis_crosses_nodes, comm_bytes_per_step, flops_per_token,
+    num_parameters, rank_layers, stage_parameters, tp_shard)
 from threefold.config import Config, ModelConfig
 from threefold.plan.activations import (
     head_saved_bytes,
@@ -31,13 +21,8 @@ from threefold.plan.activations import (
 )
 from threefold.plan.candidates import SearchSpace
 from threefold.plan.compute import MATMUL_EFFICIENCY, hardware_flops_per_step, model_flops_per_step
-from threefold.plan.hardware import (
-    GPUS,
-    Cluster,
-    Hardware,
-    get_hardware,
-    peak_flops_for_device_name,
-)
+from threefold.hardware.catalogue import GPUS, Hardware, get_hardware, peak_flops_for_device_name
+from threefold.plan.cluster import Cluster
 from threefold.plan.memory import memory_per_gpu, stage_memory
 from threefold.plan.search import search
 from threefold.plan.states import (
@@ -180,7 +165,7 @@ def test_offload_moves_optimizer_state_to_host(zero, n, numerics):
     import dataclasses
 
     from threefold.accounting import offload_bytes_per_step, owned_parameters
-    from threefold.plan.hardware import DEFAULT_HOST_MEMORY_BW
+    from threefold.hardware.catalogue import DEFAULT_HOST_MEMORY_BW
 
     cfg = preset("llama3-8b")
     work = Workload(1024, 64) if numerics == "published" else \
@@ -313,7 +298,7 @@ def test_bubble_closed_forms_match_the_simulator():
 
 
 def test_inflight_microbatches_match_schedule_action_lists():
-    schedules = pytest.importorskip("threefold.schedules.schedules")
+    schedules = pytest.importorskip("threefold.schedules.registry")
     if not hasattr(schedules, "in_flight_chunks"):
         pytest.skip("schedule module has no in_flight_chunks yet")
     checked = 0
@@ -360,8 +345,9 @@ def test_one_layout_replays_its_own_stage_times():
 
 def test_head_inflight_matches_the_last_stage_in_the_action_lists():
     """Microbatches the last virtual stage holds (F until its BW or W), from the lists."""
-    from threefold.schedules.schedules import (build_schedule, in_flight_chunks,
-                                                       num_stages, schedule_spec, stage_rank)
+    from threefold.schedules import build_schedule, num_stages
+    from threefold.schedules.registry import in_flight_chunks, schedule_spec
+    from threefold.schedules.actions import stage_rank
     from threefold.plan.activations import head_inflight_microbatches
 
     for name, vs in (("gpipe", [1]), ("1f1b", [1]), ("zb-h1", [1]),
@@ -460,7 +446,7 @@ def test_last_stage_keeps_head_and_loss_per_microbatch_in_flight():
     adds one of those per microbatch in flight beyond the one in backward (GPipe: m - 1)."""
     import torch
 
-    from threefold.model import CausalLM
+    from threefold.model.decoder import CausalLM
     from threefold.plan.activations import block_activation_bytes
     from threefold.plan.memory import stage_memory
     from tests.test_tp_layer import SavedBytes

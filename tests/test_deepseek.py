@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (threefold.models.deepseek_v3): multi-head latent attention, DeepSeekMoE's
+"""DeepSeek-V3 (threefold.families.deepseek_v3): multi-head latent attention, DeepSeekMoE's
 grouped sigmoid routing with its load-balancing bias, ungated shared experts, dense first
 blocks, interleaved RoPE and YaRN give transformers' logits, and convert both ways."""
 
@@ -39,8 +39,8 @@ def hf_deepseek(**over):
 
 @pytest.mark.parametrize("rope", ["default", "yarn"])
 def test_logits_equal_transformers_and_convert_round_trips(rope, tmp_path):
-    from threefold.convert import main as convert
-    from threefold.hf_config import model_config_from_hf
+    from threefold.commands.convert import main as convert
+    from threefold.weights.hf_config import model_config_from_hf
 
     transformers = pytest.importorskip("transformers")
     hf = hf_deepseek(**({"rope_parameters": YARN} if rope == "yarn" else {}))
@@ -64,7 +64,8 @@ def test_logits_equal_transformers_and_convert_round_trips(rope, tmp_path):
 
 
 def test_unsupported_fields_are_named():
-    from threefold.hf_config import HFError, check_shapes, expected_shapes, model_config_from_hf
+    from threefold.weights.hf_config import (HFError, check_shapes, expected_shapes,
+                                             model_config_from_hf)
 
     conf = hf_deepseek().config.to_dict()
     for change, field in (({"n_group": 3}, "n_group"), ({"kv_lora_rank": 0}, "kv_lora_rank"),
@@ -115,10 +116,11 @@ def test_layouts_equal_single_process_and_the_planner_counts(corpus, cache_dir, 
 
     from tests.conftest import final_weights, metrics
     from tests.dist import run_distributed, train_runs
-    from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
+    from threefold.layout import Layout, Workload
+    from threefold.accounting import comm_bytes_per_step, num_parameters
     from threefold.config import load_config
-    from threefold.dryrun import predict
-    from threefold.train import train
+    from threefold.launch.dryrun import predict
+    from threefold.training.train import train
 
     over = functools.partial(_overrides, corpus, cache_dir)
     _, run = train(load_config(None, over(tmp_path / "single")), return_run=True)
@@ -151,7 +153,7 @@ def test_resume_restores_the_routing_bias(corpus, cache_dir, tmp_path):
 
     from tests.conftest import final_weights, metrics
     from threefold.config import load_config
-    from threefold.train import train
+    from threefold.training.train import train
 
     whole, part = tmp_path / "whole", tmp_path / "part"
     train(load_config(None, _overrides(corpus, cache_dir, whole, train__steps=4)))
@@ -173,7 +175,7 @@ def test_the_planner_ranks_deepseek_v3_on_2048_h100s(capsys):
     DeepSeek-V3's own split (pipeline 16, experts over 64 ranks, ZeRO-1, DualPipeV): latent
     attention, the experts and the dense first blocks counted."""
     from threefold.accounting import active_parameters, num_parameters
-    from threefold.cli import main
+    from threefold.commands.main import main
     from threefold.config import ModelConfig
 
     cfg = ModelConfig(preset="deepseek-v3").resolved()
@@ -190,7 +192,7 @@ def test_the_planner_ranks_deepseek_v3_on_2048_h100s(capsys):
 def test_generation_equals_transformers(tmp_path):
     """Latent attention with the KV cache (threefold caches the expanded keys and values,
     transformers the latents): greedy tokens equal transformers'."""
-    from threefold.generate import generate
+    from threefold.generation.generate import generate
 
     _, _, model, _, _ = hf_twin(hf_deepseek(), tmp_path / "hf")
     prompt = torch.randint(0, 300, (1, 10))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
 from threefold.config import load_config
-from threefold.train import train
+from threefold.training.train import train
 
 
 def _dp_run(rank, world, corpus, cache, out):
@@ -14,7 +14,7 @@ def _dp_run(rank, world, corpus, cache, out):
     the gradients and the buckets share storage."""
     import torch
 
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     cfg = load_config(None, tiny_overrides(corpus, cache, out, train__steps=3,
                                            train__micro_batch_size=2, train__trace_step=2,

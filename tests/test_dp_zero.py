@@ -12,7 +12,7 @@ from tests.dist import run_distributed
 from tests.test_comm import chunk
 from threefold.config import load_config
 from threefold.accounting import num_parameters
-from threefold.train import train
+from threefold.training.train import train
 
 STEPS = 4
 
@@ -20,7 +20,7 @@ STEPS = 4
 def _layouts(rank, world, corpus, cache, root, runs):
     """Each rank: train every run in ``runs`` in this process group; report what the tests
     need from every rank (replica checksums, byte counters, state sizes)."""
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     out = {}
     for name, extra in runs:

@@ -19,8 +19,9 @@ from tests.test_sft import (OPTIM, base, data, post_overrides, trl_args,  # noqa
 from threefold.config import load_config
 from threefold.data import DataError
 from threefold.data.chat import BuiltinTemplate
-from threefold.post.dpo import DPOOptions, DPOTask, dpo_loss, sequence, tokenize_pair
-from threefold.train import train
+from threefold.post import DPOOptions, DPOTask, dpo_loss
+from threefold.post.dpo import sequence, tokenize_pair
+from threefold.training.train import train
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 LN2 = math.log(2)
@@ -93,7 +94,7 @@ RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_b
 
 @pytest.mark.slow
 def test_dpo_step0_is_ln2_learns_and_layouts_equal_single_process(corpus, cache_dir, tmp_path):
-    from threefold.hf import export_hf
+    from threefold.weights.hf import export_hf
 
     write_pairs(tmp_path)
     summary = train(load_config(None, post_overrides(corpus, cache_dir, tmp_path / "single")),
@@ -205,7 +206,7 @@ def test_dpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, m
     runs/dpo on the built-in pairs; bad options fail in one line."""
     import shutil
 
-    from threefold.post.cli import dpo_main
+    from threefold.commands.posttrain import dpo_main
 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(base / "run", "runs/default")  # what `threefold train` leaves

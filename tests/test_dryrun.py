@@ -14,22 +14,14 @@ import torch
 from tests.conftest import tiny_overrides
 from tests.dist import run_distributed
 from tests.test_tp_layer import SavedBytes
-from threefold.accounting import (
-    Layout,
-    Workload,
-    comm_bytes_per_step,
-    layer_parameters_per_rank,
-    num_parameters,
-    parameter_numels,
-    stage_parameters,
-    stage_units,
-    tp_shard,
-)
-from threefold.cli import main as cli_main
+from threefold.layout import Layout, Workload
+from threefold.accounting import (comm_bytes_per_step, layer_parameters_per_rank, num_parameters,
+    parameter_numels, stage_parameters, stage_units, tp_shard)
+from threefold.commands.main import main as cli_main
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.model import CausalLM
+from threefold.model.decoder import CausalLM
 from threefold.plan.activations import block_activation_bytes, model_layer_activation_bytes
-from threefold.dryrun import _MetaComm, dry_run, meta_parameter_counts, predict
+from threefold.launch.dryrun import _MetaComm, dry_run, meta_parameter_counts, predict
 
 LLAMA70B = [("model.preset", "llama3-70b"), ("data.seq_len", "4096"),
             ("train.global_batch_size", "8"), ("train.micro_batch_size", "1"),
@@ -166,7 +158,7 @@ def test_bad_layouts_raise_config_error(warm, monkeypatch, overrides, world, mat
 def test_more_pipeline_stages_than_layers_is_refused(warm, monkeypatch):
     """The dry run refuses it, and so does the planner's check of its Layout, with the rule
     book's one message."""
-    from threefold.accounting import LayoutError, check_layout
+    from threefold.layout import LayoutError, check_layout
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, [("parallel.pp", "5")])  # 4 layers
@@ -185,7 +177,7 @@ def test_more_pipeline_stages_than_layers_is_refused(warm, monkeypatch):
 def test_meta_model_matches_planner_parameter_order(warm, tp, tied):
     """Per-rank parameter sizes in registration order (the order gradient buckets are cut
     in) equal the meta model's after tensor parallelism; tp 8 replicates the 4 kv heads."""
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
 
     cfg = ModelConfig(preset="tiny", vocab_size=1001, tie_word_embeddings=tied).resolved()
     with torch.device("meta"):
@@ -259,7 +251,7 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(tp, sp, qwen, dtype
     ``block_activation_bytes`` counts, plus the RoPE tables (fp32) or the autocast weight
     copies (bf16). Under SP the sub-layer inputs are kept gathered, at full size. Qwen3's
     q/k norms (with a head width of its own) add ``qk_norm_bytes``; Qwen2's biases nothing."""
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
     from threefold.plan.activations import qk_norm_bytes
 
     extra = {"qwen3": {"qk_norm": True, "attention_head_dim": 24},
@@ -295,8 +287,8 @@ def test_document_mask_bytes_equal_what_masked_attention_adds(tp, sp, dtype):
     """With packed documents (``data.document_mask``) a block saves, beyond the unmasked
     count, exactly ``document_mask_bytes``: K/V repeated to the query heads and the mask as
     the kernel converts it; the Workload of such a config says so."""
-    from threefold.model import document_mask
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.model.attention import document_mask
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
     from threefold.plan.activations import document_mask_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
@@ -318,7 +310,7 @@ def test_document_mask_bytes_equal_what_masked_attention_adds(tp, sp, dtype):
     d = 2 if dtype == torch.bfloat16 else 4
     assert saved[True] - saved[False] == document_mask_bytes(b * s, sh.heads, sh.kv_heads,
                                                              cfg.head_dim, s, d) > 0
-    from threefold.accounting.layout import Workload
+    from threefold.layout import Workload
     work = Workload.from_config(load_config(None, [("data.document_mask", "true")]))
     assert work.document_mask
 
@@ -332,8 +324,8 @@ def test_selective_block_bytes_equal_what_the_block_holds(tp, sp, dtype):
     the tokens (the profiler's and the checkpoint's own) drops out; the block's gradients
     equal those without recompute."""
     from bench.bench_kernels import held_after_forward
-    from threefold.parallel.recompute import apply_recompute
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.parallel.transforms.recompute import apply_recompute
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
     from threefold.plan.activations import selective_block_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
@@ -371,10 +363,10 @@ def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
     """What autograd saves in one block of the tiny model on this cp rank (its share of 2
     sequences of 64 tokens), weights excluded, with the block's attention under
     ``algorithm``; run forward and backward on every rank (the ring needs all of them)."""
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
-    from threefold.parallel.context import apply_context_parallel, shard_batch
+    from threefold.comm.mesh import build_mesh
+    from threefold.parallel.transforms.context import apply_context_parallel, shard_batch
 
     dims = Layout(cp=world)
     comm = Comm(dims, build_mesh(dims, "cpu"))
@@ -432,7 +424,7 @@ def test_block_activation_bytes_under_cp_equal_autograd_saved_tensors():
 def test_head_saved_bytes_equal_autograd_saved_tensors(tp, sp):
     """What the final norm, the head and the (vocab-parallel) chunked loss keep for backward,
     per microbatch, is ``head_saved_bytes``: fp32, with and without tp and SP."""
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
     from threefold.plan.activations import head_saved_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=500, num_hidden_layers=1).resolved()
@@ -507,8 +499,8 @@ EXACT_RUNS_4 = [
 
 def _bytes_of_runs(rank, world, corpus, cache, root, runs):
     """Each rank trains every run in this process group; returns rank 0's summaries."""
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     out = {}
     for name, extra in runs:

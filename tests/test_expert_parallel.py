@@ -1,4 +1,4 @@
-"""Expert parallelism (threefold.parallel.expert): the mesh's expert axes, the all-to-all MoE
+"""Expert parallelism (threefold.parallel.transforms.expert): the mesh's expert axes, the all-to-all MoE
 layer equal to the single-process layer (forward, backward, bytes to the closed form for the
 measured routing), training runs on ep layouts equal to one process, checkpoints that move
 between ep layouts, and the layout refusals."""
@@ -14,7 +14,7 @@ from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
 from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.layout import Layout
-from threefold.mesh import build_mesh
+from threefold.comm.mesh import build_mesh
 
 MOE = dict(model__num_local_experts=4, model__num_experts_per_tok=2,
            model__intermediate_size=64, model__router_z_loss_coef=0.001)
@@ -49,7 +49,7 @@ def test_expert_axes_partition_dp_shard(layout):
 
 def test_ep_layouts_are_checked_before_launch():
     base = [("model.preset", "tiny-moe")]
-    from threefold.parallel.layout import validate_layout
+    from threefold.layout import validate_layout
 
     def check(*kv, world=4, mcfg=None):
         validate_layout(load_config(None, base + list(kv)), world, mcfg)
@@ -80,10 +80,10 @@ def test_ep_layouts_are_checked_before_launch():
 def _layer(rank, world, tokens):
     """Each rank: its tokens through the ep layer and through the whole single-process
     layer; outputs, input gradients and expert gradients, and the bytes counted on ep."""
-    from threefold.comm import Comm
-    from threefold.axes import EXPERT_AXES
-    from threefold.moe import SparseMoeBlock
-    from threefold.parallel.expert import apply_expert_parallel
+    from threefold.comm.counted import Comm
+    from threefold.layout.axes import EXPERT_AXES
+    from threefold.model.moe import SparseMoeBlock
+    from threefold.parallel.transforms.expert import apply_expert_parallel
 
     cfg = ModelConfig(preset="tiny", hidden_size=16, intermediate_size=24,
                       num_local_experts=8, num_experts_per_tok=2).resolved(64)
@@ -143,8 +143,8 @@ def test_dispatch_equals_the_single_process_layer_and_counts_its_bytes(world, to
 # Training
 # --------------------------------------------------------------------------------------------
 def _runs(rank, world, corpus, cache, root, runs):
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     for name, extra in runs:
         cfg = load_config(None, tiny_overrides(corpus, cache, root / name,
@@ -153,7 +153,7 @@ def _runs(rank, world, corpus, cache, root, runs):
 
 
 def _single(corpus, cache, out, micro):
-    from threefold.train import train
+    from threefold.training.train import train
 
     train(load_config(None, tiny_overrides(corpus, cache, out, **{
         **MOE, "train__steps": 3, "train__micro_batch_size": micro})))
@@ -245,7 +245,7 @@ def test_ep2_with_pp2_trains_as_one_process(corpus, cache_dir, tmp_path):
     """ep2 × pp2 (1F1B; and zero-bubble with ZeRO-1), the load-balancing loss per layer:
     each stage adds its layers' router terms in its own backward; the logged router losses
     and counts are summed over the stages. dp 2, two micro-batches of 2 per rank."""
-    from threefold.train import train
+    from threefold.training.train import train
 
     per_layer = {"model__router_aux_loss_per_layer": "true", "train__micro_batch_size": 2}
     ref = tmp_path / "single"
@@ -263,7 +263,7 @@ def test_ep2_with_pp2_trains_as_one_process(corpus, cache_dir, tmp_path):
 def test_ep2_with_a_v_schedule_trains_as_one_process(corpus, cache_dir, tmp_path):
     """ep2 × pp2 under ZB-V (4 blocks, two chunks per rank in a V, rank 0 holding the first
     and the last): every chunk adds its layers' router terms in its own backward."""
-    from threefold.train import train
+    from threefold.training.train import train
 
     deep = {"model__router_aux_loss_per_layer": "true", "train__micro_batch_size": 2,
             "model__num_hidden_layers": 4}
@@ -292,8 +292,8 @@ def test_ep2_with_tp2_trains_as_one_process(corpus, cache_dir, tmp_path):
 # Checkpoints
 # --------------------------------------------------------------------------------------------
 def _segment(rank, world, corpus, cache, out, extra, steps):
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     cfg = load_config(None, _ck_overrides(corpus, cache, out, steps, extra))
     train(cfg, Distributed(cfg))
@@ -315,8 +315,9 @@ def test_checkpoints_reshard_across_ep_layouts(first, second, corpus, cache_dir,
     """Three steps on one layout, three more on another from its checkpoint: the losses and
     the final weights and optimiser state equal six single-process steps (experts saved by
     their ep ranks into whole tensors, read back as any other layout's slices)."""
-    from threefold.checkpoint import list_checkpoints, load_checkpoint
-    from threefold.train import train
+    from threefold.weights.checkpoint_verify import list_checkpoints
+    from threefold.weights.checkpoint import load_checkpoint
+    from threefold.training.train import train
 
     ref = tmp_path / "single"
     train(load_config(None, _ck_overrides(corpus, cache_dir, ref, 6, {})))
@@ -344,7 +345,7 @@ def test_per_layer_load_balancing_splits_over_stages():
     """The per-layer loss is the mean of each layer's E·Σ f·P (each layer alone pooled);
     computed on two halves of the layers with the model's layer count, the halves add up
     to it (what each pipeline stage contributes); the z-loss likewise."""
-    from threefold.moe import RouterStats, load_balancing_loss, router_z_loss
+    from threefold.model.moe import RouterStats, load_balancing_loss, router_z_loss
 
     g = torch.Generator().manual_seed(0)
     stats = []
@@ -369,7 +370,7 @@ def test_shared_expert_under_ep_trains_as_one_process(corpus, cache_dir, tmp_pat
     layer's ZeRO unit), the routed experts are split."""
     qwen = {"model__shared_expert_intermediate_size": 48, "model__norm_topk_prob": "false"}
     ref = tmp_path / "single"
-    from threefold.train import train
+    from threefold.training.train import train
 
     train(load_config(None, tiny_overrides(corpus, cache_dir, ref, **{
         **MOE, **qwen, "train__steps": 3, "train__micro_batch_size": 4})))

@@ -1,4 +1,4 @@
-"""Model families as specs (threefold.models): Mistral's sliding window and OLMo 2's post-norms
+"""Model families as specs (threefold.families): Mistral's sliding window and OLMo 2's post-norms
 and projection-wide q/k norms give transformers' logits, convert both ways as their own
 family, train under tensor parallelism as one process, and are counted by the planner as the
 runtime holds them; the registry reads and writes config.json by ``model_type`` and never
@@ -18,7 +18,7 @@ import torch
 from tests.conftest import final_weights, hf_twin, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.model import CausalLM
+from threefold.model.decoder import CausalLM
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -57,8 +57,8 @@ OWN = {"mistral": [{"sliding_window": 0}], "olmo2": [{"norm_layout": "pre"}],
 
 @pytest.mark.parametrize("family", ["mistral", "olmo2", "gemma3_text"])
 def test_logits_equal_transformers_and_convert_round_trips(family, tmp_path):
-    from threefold.hf import convert_from_hf, export_hf
-    from threefold.hf_config import model_config_from_hf
+    from threefold.weights.hf import convert_from_hf, export_hf
+    from threefold.weights.hf_config import model_config_from_hf
 
     transformers = pytest.importorskip("transformers")
     hf = _hf_model(family)
@@ -93,8 +93,8 @@ def test_logits_equal_transformers_and_convert_round_trips(family, tmp_path):
 
 def test_sliding_window_generation_equals_transformers(tmp_path):
     """The KV cache's mask keeps the window: greedy tokens past the window equal HF's."""
-    from threefold.generate import generate
-    from threefold.hf import load_pretrained
+    from threefold.generation.generate import generate
+    from threefold.weights.hf import load_pretrained
 
     hf = _hf_model("mistral")
     hf.save_pretrained(tmp_path / "hf")
@@ -109,9 +109,9 @@ def test_sliding_window_generation_equals_transformers(tmp_path):
 
 
 def test_registry_reads_by_model_type_and_never_guesses(tmp_path):
-    from threefold.hf_config import HFError, family, model_config_from_hf, \
+    from threefold.weights.hf_config import HFError, family, model_config_from_hf, \
         model_config_from_state
-    from threefold.models import FAMILIES
+    from threefold.families import FAMILIES
 
     conf = _hf_model("mistral").config.to_dict()
     for kind, name in (("gemma3", "multimodal"), ("granite", "Granite"),
@@ -165,9 +165,10 @@ def _overrides(family, corpus, cache, out, **extra):
 @pytest.mark.parametrize("family", list(FAMILY_RUNS))
 def test_tensor_parallel_equals_single_process_and_the_planner_counts(family, corpus,
                                                                      cache_dir, tmp_path):
-    from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
-    from threefold.dryrun import predict
-    from threefold.train import train
+    from threefold.layout import Layout, Workload
+    from threefold.accounting import comm_bytes_per_step, num_parameters
+    from threefold.launch.dryrun import predict
+    from threefold.training.train import train
 
     over = functools.partial(_overrides, family, corpus, cache_dir)
     _, run = train(load_config(None, over(tmp_path / "single")), return_run=True)
@@ -215,7 +216,7 @@ def test_the_planner_and_the_specs_need_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys\nimport threefold.models, threefold.accounting, threefold.plan.search, "
+    code = ("import sys\nimport threefold.families, threefold.accounting, threefold.plan.search, "
             "threefold.plan.step, threefold.plan.memory, threefold.plan.report\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -242,9 +243,9 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(family, tp, sp):
     Gemma 3's local blocks only, the global ones unmasked) are all counted."""
     from tests.test_dryrun import _Loopback
     from tests.test_tp_layer import SavedBytes
-    from threefold.accounting import Layout, Workload
-    from threefold.attention import window_mask
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.layout import Layout, Workload
+    from threefold.model.attention import window_mask
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
     from threefold.plan.activations import model_layer_activation_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, **ACTIVATION_CASES[family]).resolved()
@@ -286,9 +287,9 @@ def test_fine_tuning_each_family_peaks_as_the_dry_run_says(corpus, cache_dir, tm
                                             run_children, write_conversations)
     from threefold.config import load_config
     from threefold.data import prepare_data
-    from threefold.hf import write_hf_folder
-    from threefold.model import initial_weight
-    from threefold.dryrun import predict
+    from threefold.weights.hf import write_hf_folder
+    from threefold.model.decoder import initial_weight
+    from threefold.launch.dryrun import predict
     from threefold.plan.baseline import TaskData
 
     data = prepare_data(load_config(None, tiny_overrides(corpus, cache_dir,

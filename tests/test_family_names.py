@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from threefold.config import ModelConfig
-from threefold.model import CausalLM, DecoderLayer, DecoderModel
-from threefold.models import FAMILIES, spec_of
-from threefold.parallel.recompute import apply_recompute
+from threefold.model.decoder import CausalLM, DecoderLayer, DecoderModel
+from threefold.families import FAMILIES, spec_of
+from threefold.parallel.transforms.recompute import apply_recompute
 
 SHAPE = dict(preset="tiny", vocab_size=64, hidden_size=32, intermediate_size=16,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -1,4 +1,4 @@
-"""FP8 training (``train.fp8``, threefold/parallel/fp8.py): each layer within the error its
+"""FP8 training (``train.fp8``, threefold/parallel/transforms/fp8_linear.py): each layer within the error its
 recipe's casts allow, against an exact (float64) matmul; the model trains as bf16 does; every
 parallel layout equals one process under the same recipe; bad combinations are refused."""
 
@@ -11,10 +11,11 @@ from torch import nn
 
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
-from threefold.accounting import Layout, Workload, comm_bytes_per_step
+from threefold.layout import Layout, Workload
+from threefold.accounting import comm_bytes_per_step
 from threefold.config import ConfigError, load_config
-from threefold.parallel.fp8 import Float8Linear, apply_fp8, fp8_linear
-from threefold.train import train
+from threefold.parallel.transforms.fp8_linear import Float8Linear, apply_fp8, fp8_linear
+from threefold.training.train import train
 
 STEPS = 2
 
@@ -98,8 +99,8 @@ def test_layers_made_fp8_print_and_odd_widths_stay_high_precision():
 
 def test_a_lora_layer_runs_its_frozen_base_in_fp8_and_its_adapter_as_before():
     from threefold.config import LoRAConfig
-    from threefold.lora import apply_lora
-    from threefold.parallel.fp8 import Float8LoRALinear
+    from threefold.model.lora import apply_lora
+    from threefold.parallel.transforms.fp8_linear import Float8LoRALinear
 
     model = nn.Module()
     model.model = nn.Module()
@@ -203,9 +204,9 @@ def _split_layer_errors(rank: int, world: int) -> dict:
     """One layer split by columns and by rows over tp against the whole layer: the largest
     relative error of y, dx and dW, with the amaxes agreed over tp ("synced") and with each
     rank's own ("own", what the agreement is for)."""
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
+    from threefold.comm.mesh import build_mesh
 
     dims = Layout(tp=world)
     comm = Comm(dims, build_mesh(dims, "cpu"))
@@ -235,7 +236,7 @@ def _split_layer_errors(rank: int, world: int) -> dict:
 
 
 def _layouts(rank, world, corpus, cache, root, runs):
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     out = {"split_layer": _split_layer_errors(rank, world)}
     for name, extra, _, steps in runs:
@@ -287,12 +288,13 @@ def test_layouts_equal_one_process_under_fp8(corpus, cache_dir, tmp_path):
 def test_the_planner_times_fp8_at_the_fp8_peak_and_refuses_gpus_without_it():
     from dataclasses import replace
 
-    from threefold.accounting import Layout
-    from threefold.plan.cli import load_model
+    from threefold.layout import Layout
+    from threefold.commands.planning import load_model
     from threefold.plan.compute import fp8_flops_fraction, matmul_peak
-    from threefold.plan.hardware import Cluster, get_hardware
+    from threefold.plan.cluster import Cluster
+    from threefold.hardware.catalogue import get_hardware
     from threefold.plan.step import predict_step
-    from threefold.accounting import Workload
+    from threefold.layout import Workload
 
     cfg, h100 = load_model("llama3-8b"), get_hardware("h100")
     assert h100.peak_flops("fp8") == 1979e12 and h100.peak_flops("bf16") == 989e12
@@ -315,9 +317,9 @@ def test_a_blocks_saved_bytes_under_fp8_are_the_planners():
     """FP8 keeps what the plain block keeps (the input and weight, cast again in backward)
     and, tensorwise, two fp32 scales per projection: the planner's count, to the byte."""
     from tests.test_tp_layer import SavedBytes
-    from threefold.accounting import Layout, Workload
+    from threefold.layout import Layout, Workload
     from threefold.config import ModelConfig
-    from threefold.model import CausalLM
+    from threefold.model.decoder import CausalLM
     from threefold.plan.activations import model_layer_activation_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=256, num_hidden_layers=1).resolved()
@@ -335,7 +337,7 @@ def test_a_blocks_saved_bytes_under_fp8_are_the_planners():
 
 
 def test_the_dry_run_refuses_fp8_on_a_gpu_without_it(monkeypatch, tmp_path):
-    from threefold.dryrun import dry_run
+    from threefold.launch.dryrun import dry_run
 
     overrides = [("model.preset", "tiny"), ("data.vocab_size", "512"), ("train.fp8", "rowwise"),
                  ("train.dtype", "bfloat16"), ("train.output_dir", str(tmp_path))]
@@ -356,12 +358,12 @@ def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_by
     weight and scale are bit-identical to casting the float32 weight itself."""
     from threefold.accounting import stage_units
     from threefold.accounting.fp8 import fp8_gathered_numels
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
-    from threefold.model import CausalLM
-    from threefold.parallel.fp8 import E4M3, _cast, _scale
-    from threefold.parallel.fp8_gather import Fp8FlatUnit, GatheredWeight
+    from threefold.comm.mesh import build_mesh
+    from threefold.model.decoder import CausalLM
+    from threefold.parallel.transforms.fp8_linear import E4M3, _cast, _scale
+    from threefold.parallel.engines.fp8_gather import Fp8FlatUnit, GatheredWeight
     from threefold.plan.memory import gathered_unit_bytes
 
     cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path, train__fp8="tensorwise",

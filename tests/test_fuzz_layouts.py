@@ -134,10 +134,10 @@ def _try_all(rank, world, corpus, cache, root, configs, only=None):
     import torch.distributed as dist
 
     from threefold.config import ConfigError, load_config
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.parallel.layout import validate_layout
-    from threefold.dryrun import predict
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.layout import validate_layout
+    from threefold.launch.dryrun import predict
+    from threefold.training.train import train
 
     local_object_collectives(dist)
     pick = random.Random(SEED + 1)

@@ -1,4 +1,4 @@
-"""Generation (threefold.generate) with the training model's code and a KV cache: greedy
+"""Generation (threefold.generation.generate) with the training model's code and a KV cache: greedy
 tokens equal transformers' ``generate`` on the same weights (Llama with GQA, Mixtral), batched
 left-padded prompts give each prompt's single-prompt tokens, the cache gives the uncached
 tokens and logits, sampling is reproducible per prompt, EOS stops a row, and DP2 / TP2 give
@@ -16,8 +16,9 @@ from tokenizers import Tokenizer
 from tests.conftest import tiny_overrides
 from tests.dist import run_checks
 from tests.test_model import hf_model, perturb_norms, tiny
-from threefold.generate import dp_share, filter_logits, generate
-from threefold.model import CausalLM, KVCache
+from threefold.generation.generate import dp_share, filter_logits, generate
+from threefold.model.decoder import CausalLM
+from threefold.model.kvcache import KVCache
 
 VOCAB = 300
 NEW = 10
@@ -144,9 +145,9 @@ def test_sampling_filters_seeds_and_eos():
 
 
 def test_cli_generates_from_a_training_run(corpus, cache_dir, tmp_path, capsys):
-    from threefold.cli import main
+    from threefold.commands.main import main
     from threefold.config import load_config
-    from threefold.train import train
+    from threefold.training.train import train
 
     run = tmp_path / "run"
     train(load_config(None, tiny_overrides(corpus, cache_dir, run, train__steps=2)))
@@ -211,7 +212,7 @@ def _save_hf(ours, folder) -> None:
 
 
 def test_chat_renders_like_transformers_and_stops_at_im_end(tmp_path, capsys):
-    from threefold.generate import main
+    from threefold.generation.generate import main
 
     transformers = pytest.importorskip("transformers")
     folder = tmp_path / "hf"
@@ -244,7 +245,7 @@ def test_chat_renders_like_transformers_and_stops_at_im_end(tmp_path, capsys):
 
 
 def test_chat_without_template_or_end_of_text_is_refused(tmp_path, capsys):
-    from threefold.generate import main
+    from threefold.generation.generate import main
 
     folder = tmp_path / "hf"
     # no template and none of the end-of-text names (<|im_end|> would be one)
@@ -260,9 +261,9 @@ def test_chat_without_template_or_end_of_text_is_refused(tmp_path, capsys):
 # DP2 and TP2: each rank builds the same model and compares with its own one-process result
 # --------------------------------------------------------------------------------------------
 def _dp_check(rank: int, world: int, kw: dict) -> dict:
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
+    from threefold.comm.mesh import build_mesh
 
     dims = Layout(dp_shard=world, tp=1)
     comm = Comm(dims, build_mesh(dims, "cpu"))
@@ -277,10 +278,10 @@ def _dp_check(rank: int, world: int, kw: dict) -> dict:
 
 
 def _tp_check(rank: int, world: int, cfg_kw: dict, kw: dict) -> dict:
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.comm.mesh import build_mesh
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
 
     dims = Layout(tp=world)
     comm = Comm(dims, build_mesh(dims, "cpu"))

@@ -18,9 +18,11 @@ from tests.dist import run_distributed, train_runs
 from tests.test_sft import OPTIM, base, trl_stack  # noqa: F401 (fixture)
 from threefold.config import ConfigError, load_config
 from threefold.data import DataError
-from threefold.post.grpo import (GRPOOptions, GRPOTask, advantages, arithmetic_reward,
-                                 builtin_prompts, call_reward, grpo_token_loss, load_reward)
-from threefold.train import train
+from threefold.post.grpo import GRPOOptions, GRPOTask
+from threefold.post.grpo_loss import advantages, grpo_token_loss
+from threefold.post.grpo_rewards import (arithmetic_reward, builtin_prompts, call_reward,
+    load_reward)
+from threefold.training.train import train
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -223,7 +225,7 @@ def test_grpo_step_losses_and_weights_equal_trl(corpus, cache_dir, base, tmp_pat
     of TRL's loss types, and with two updates per generation (num_iterations 2: the second
     step reuses the first's completions, its ratio against the sampling policy)."""
     trl, datasets, transformers = trl_stack()
-    from threefold.generate import generate, load_for_generation
+    from threefold.generation.generate import generate, load_for_generation
 
     hf_dir, g, n_prompts, new = base / "hf", 4, 2, 6
     records = builtin_prompts(200)[:8]
@@ -299,7 +301,7 @@ def test_grpo_step_losses_and_weights_equal_trl(corpus, cache_dir, base, tmp_pat
 def test_grpo_refuses_bad_input_before_launch(corpus, cache_dir, base, tmp_path, monkeypatch):
     """A reward function that raises, returns the wrong number of values or NaN, an
     impossible batch or layout: one line naming it, exit code 2, nothing written."""
-    from threefold.post.cli import grpo_main
+    from threefold.commands.posttrain import grpo_main
 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(base / "run", "runs/default")
@@ -325,7 +327,7 @@ def test_grpo_refuses_bad_input_before_launch(corpus, cache_dir, base, tmp_path,
 def test_grpo_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, monkeypatch):
     """`threefold grpo` with no data or init option: runs/default -> runs/grpo on the
     built-in sums, with the TRL metric names and a checkpoint."""
-    from threefold.post.cli import grpo_main
+    from threefold.commands.posttrain import grpo_main
 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(base / "run", "runs/default")
@@ -343,7 +345,7 @@ def test_grpo_rewards_from_a_reward_model(corpus, cache_dir, base, tmp_path):
     """grpo.reward_model: the logged reward is the mean score the reward run's model gives
     prompt + completion (computed here by a fresh copy of that model)."""
     from tests.test_reward import our_scores, reward_overrides
-    from threefold.hf import load_pretrained
+    from threefold.weights.hf import load_pretrained
     from threefold.post.reward import RewardOptions, RewardTask
 
     train(load_config(None, reward_overrides(corpus, cache_dir, tmp_path / "rm", train__steps=2,

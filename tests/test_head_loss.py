@@ -1,4 +1,4 @@
-"""The chunked head loss (``threefold.head_loss``) against cross-entropy on whole logits: the
+"""The chunked head loss (``threefold.model.head_loss``) against cross-entropy on whole logits: the
 same per-token losses and gradients in fp32 for any chunking, temperature and ignored labels;
 its two backward halves (a zero-bubble B and W) add up to the whole; under tensor
 parallelism, vocabulary shards (padded when tp does not divide the vocabulary) give what the
@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist import run_distributed
-from threefold.head_loss import LMHead, chunk_tokens, linear_cross_entropy
-from threefold.kernels import computing_half
+from threefold.model.head_loss import LMHead, linear_cross_entropy
+from threefold.families.shapes import chunk_tokens
+from threefold.model.kernels import computing_half
 
 N, H, V = 37, 16, 50
 
@@ -89,10 +90,10 @@ def test_chunk_budget():
 
 def _vocab_parallel(rank: int, world: int, vocab: int) -> dict:
     """On each tp rank: its shard of the head and the loss, against the whole head."""
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
-    from threefold.head_loss import VocabShard
+    from threefold.comm.mesh import build_mesh
+    from threefold.model.head_loss import VocabShard
 
     dims = Layout(tp=world)
     comm = Comm(dims, build_mesh(dims, "cpu"))

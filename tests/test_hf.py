@@ -13,10 +13,12 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import tiny_overrides
-from threefold import convert, hf
-from threefold.checkpoint import list_checkpoints, load_checkpoint
+from threefold.commands import convert
+from threefold.weights import hf
+from threefold.weights.checkpoint_verify import list_checkpoints
+from threefold.weights.checkpoint import load_checkpoint
 from threefold.config import ModelConfig, load_config
-from threefold.model import CausalLM
+from threefold.model.decoder import CausalLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def trained(corpus, cache_dir, tmp_path_factory):
     """A 2-step threefold run and its export to a Hugging Face folder."""
-    from threefold.train import train
+    from threefold.training.train import train
 
     root = tmp_path_factory.mktemp("hf")
     summary = train(load_config(None, tiny_overrides(corpus, cache_dir, root / "run",
@@ -193,7 +195,8 @@ def test_unsupported_configs_are_named(change, field):
 
 
 def test_convert_from_hf_then_training_starts_from_it(trained, corpus, cache_dir, capsys):
-    from threefold.train import build_run, evaluate, train, train_step
+    from threefold.training.train import build_run, train
+    from threefold.training.steps import evaluate, train_step
 
     root, first = trained
     imp = root / "imported"

@@ -1,4 +1,4 @@
-"""threefold.kernels: RMSNorm and SwiGLU keep fewer tensors for backward than the plain ops,
+"""threefold.model.kernels: RMSNorm and SwiGLU keep fewer tensors for backward than the plain ops,
 with the same forward and bit-identical gradients, and a zero-bubble W still gets the norm
 weight's gradient after ZeRO-3 released the weight."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_tp_layer import SavedBytes
-from threefold.kernels import rms_norm, swiglu
+from threefold.model.kernels import rms_norm, swiglu
 
 
 def _plain_rms_norm(x, w, eps):

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import tiny_overrides
 from threefold.config import load_config
-from threefold.train import train
+from threefold.training.train import train
 
 
 def _args(corpus, cache, out, **extra) -> list[str]:
@@ -59,8 +59,8 @@ def test_nproc_per_node_starts_torchrun(corpus, cache_dir, tmp_path):
 _THREADS_AFTER_A_RUN = """
 import os, sys
 from threefold.config import load_config, parse_overrides
-from threefold.parallel.distributed_layout import Distributed
-from threefold.train import train
+from threefold.parallel.distributed_world import Distributed
+from threefold.training.train import train
 
 cfg = load_config(None, parse_overrides(sys.argv[1:]))
 train(cfg, Distributed(cfg))
@@ -77,7 +77,7 @@ def test_no_process_group_thread_outlives_a_finished_run(corpus, cache_dir, tmp_
     """After a run ends, every gloo group is destroyed and its threads ("pt_gloo_runloop",
     "gloo_tcp_loop") joined, before interpreter exit, where such a thread aborted finished
     runs now and then ("terminate called without an active exception";
-    threefold.distributed.shutdown). Deterministic, where the abort is a race."""
+    threefold.comm.distributed.shutdown). Deterministic, where the abort is a race."""
     script = tmp_path / "threads_after_a_run.py"
     script.write_text(_THREADS_AFTER_A_RUN)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

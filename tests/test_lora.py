@@ -15,13 +15,14 @@ import torch
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from tests.test_sft import OPTIM, TRL_CONVS, base, trl_args, trl_stack  # noqa: F401
-from threefold.accounting import Layout, Workload, comm_bytes_per_step
+from threefold.layout import Layout, Workload
+from threefold.accounting import comm_bytes_per_step
 from threefold.config import ConfigError, LoRAConfig, ModelConfig, load_config
-from threefold.lora import LoRALinear, adapters_off, apply_lora
-from threefold.model import CausalLM, initial_weight
-from threefold.post.sft import SFTOptions, SFTTask
-from threefold.dryrun import predict
-from threefold.train import train
+from threefold.model.lora import LoRALinear, adapters_off, apply_lora
+from threefold.model.decoder import CausalLM, initial_weight
+from threefold.post import SFTOptions, SFTTask
+from threefold.launch.dryrun import predict
+from threefold.training.train import train
 
 LORA = {"lora__r": "4", "lora__alpha": "8"}
 
@@ -240,8 +241,8 @@ def test_lora_under_dpo_reward_and_grpo(corpus, cache_dir, base, tmp_path):
 def _states_measured_and_predicted(rank, world, over):
     """(bytes of weights, of AdamW state) this rank holds after a LoRA run, and the dry
     run's count of them."""
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.dryrun import predict
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.launch.dryrun import predict
 
     cfg = load_config(None, over)
     _, run = train(cfg, Distributed(cfg) if world > 1 else None, return_run=True)
@@ -275,8 +276,8 @@ def _meta_units(mcfg, lora, tp):
     """(adapter units, frozen units) read off the meta model as the runtime builds it: LoRA
     applied, tensor parallelism slicing base and adapters, ZeRO's per-module grouping."""
     from threefold.parallel.parallelize import zero_units
-    from threefold.parallel.tensor import apply_tensor_parallel
-    from threefold.dryrun import _MetaComm
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
+    from threefold.launch.dryrun import _MetaComm
 
     with torch.device("meta"):
         model = apply_lora(CausalLM(mcfg), lora)
@@ -303,7 +304,7 @@ def test_lora_units_closed_forms_are_the_meta_models(tp, targets, extra):
     """accounting.lora's units (what the planner, dry run and bytes build on) equal the meta
     model's, per unit and in order; a tied weight's root unit is listed last, as
     ``ZeroEngine`` keeps it."""
-    from threefold.accounting.lora import lora_units
+    from threefold.accounting.lora_counts import lora_units
     from threefold.config.validation import lora_targets
 
     mcfg = ModelConfig(preset="tiny", vocab_size=512, **extra).resolved()

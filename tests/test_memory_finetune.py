@@ -3,7 +3,7 @@
 sft``'s task from a Hugging Face folder (``checkpoint.init_from``), fully and with LoRA r16
 on every linear layer, as one process, one rank of ZeRO-3 × 2 and one rank of TP 3; each
 case's measured resident peaks (start-up, loading, step) are within 10% of the dry run's
-(``threefold.dryrun.predict`` for the same configuration and world size).
+(``threefold.launch.dryrun.predict`` for the same configuration and world size).
 
 TP 3, not 2: SmolLM2's 9 query heads cannot be split over 2 ranks (the layout is refused);
 3 is the smallest degree that divides its 9 and 3 heads.
@@ -46,7 +46,7 @@ SMOL = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
         "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True,
         "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192}
 LAYOUTS = {  # name: (world, rank, overrides)
-    # one process keeps freed blocks below 256 MiB in its heap by default (threefold.hostmem,
+    # one process keeps freed blocks below 256 MiB in its heap by default (threefold.training.hostmem,
     # for speed), which no count of tensors predicts and the dry run says so in a note; with
     # the multi-rank setting its resident set follows its live tensors as the ranks' do
     "one process": (1, 0, {"train.host_mmap_threshold_mb": "1"}),
@@ -87,8 +87,8 @@ def make_folder(out: Path, layers: int, tokenizer: Path, seed: int = 0) -> Path:
     import torch
 
     from threefold.config import ModelConfig
-    from threefold.hf import write_hf_folder
-    from threefold.model import CausalLM, initial_weight
+    from threefold.weights.hf import write_hf_folder
+    from threefold.model.decoder import CausalLM, initial_weight
 
     cfg = ModelConfig(**{**SMOL, "num_hidden_layers": layers}).resolved()
     with torch.device("meta"):
@@ -126,7 +126,7 @@ def _layout(world: int, rank: int, cfg):
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
 
     from tests.test_memory_scale import _FillingCollectives
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
     _FillingCollectives(dist).install()
@@ -138,10 +138,11 @@ def child_main() -> None:
     the baseline, the start-up peak, the loading peak (resume) or each step's peak."""
     spec = json.loads(sys.argv[1])
     from threefold.config import load_config
-    from threefold.metrics import peak_memory_bytes, reset_peak_memory
-    from threefold.post.sft import SFTOptions, SFTTask
-    from threefold.resume import save
-    from threefold.train import _load, build_run, train_step
+    from threefold.hardware.metrics import peak_memory_bytes, reset_peak_memory
+    from threefold.post import SFTOptions, SFTTask
+    from threefold.training.resume import save
+    from threefold.training.train import _load, build_run
+    from threefold.training.steps import train_step
 
     over = [tuple(kv) for kv in spec["overrides"]]
     if spec["resume"]:
@@ -238,7 +239,7 @@ def inputs(corpus, cache_dir, tmp_path_factory):
 
 def test_finetuning_a_smollm2_shape_peaks_as_predicted(inputs, tmp_path):
     from threefold.config import load_config
-    from threefold.dryrun import predict
+    from threefold.launch.dryrun import predict
     from threefold.plan.baseline import TaskData
 
     folder, chats = inputs
@@ -334,10 +335,10 @@ def test_a_large_vocabulary_peaks_as_predicted(tmp_path):
     import torch
 
     from threefold.config import ModelConfig, load_config
-    from threefold.data.tokenizer import load_tokenizer
-    from threefold.dryrun import predict
-    from threefold.hf import write_hf_folder
-    from threefold.model import LlamaForCausalLM, initial_weight
+    from threefold.data import load_tokenizer
+    from threefold.launch.dryrun import predict
+    from threefold.weights.hf import write_hf_folder
+    from threefold.model.decoder import LlamaForCausalLM, initial_weight
     from threefold.plan.baseline import TOKENIZER_BYTES, TaskData
 
     tok = write_large_tokenizer(tmp_path / "tokenizer.json", BIG_VOCAB)

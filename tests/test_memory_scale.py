@@ -9,7 +9,7 @@ side, one CPU thread each, as torchrun's ranks would (OMP_NUM_THREADS=1; the dry
 baseline is measured the same way).
 
 One rank of 64 in one process: torch's fake process group, with the collectives that
-``threefold.comm`` calls replaced by ``_FillingCollectives``: the fake group moves nothing and
+``threefold.comm.counted`` calls replaced by ``_FillingCollectives``: the fake group moves nothing and
 writes nothing, so the pages a real collective writes (every slot of an all-gather's output,
 a reduce-scatter's output chunk, ...) would never become resident and the measurement would
 be too low. The values are not the real job's (an all-gather repeats this rank's shard), the
@@ -67,7 +67,7 @@ def overrides(corpus: Path, cache: Path, out: Path, extra: dict) -> list[tuple[s
 # In the child: a fake process group whose collectives write their outputs
 # --------------------------------------------------------------------------------------------
 class _Done:
-    """A completed work handle (what an async c10d op returns; ``threefold.comm.Handle``
+    """A completed work handle (what an async c10d op returns; ``threefold.comm.counted.Handle``
     calls ``wait``)."""
 
     def wait(self, *_a, **_k) -> bool:
@@ -82,13 +82,13 @@ def _result(async_op: bool):
 
 
 class _FillingCollectives:
-    """The ``torch.distributed`` functions ``threefold.comm`` calls, as a real collective
+    """The ``torch.distributed`` functions ``threefold.comm.counted`` calls, as a real collective
     leaves memory: every byte of the output written (the fake op itself is skipped: it
     writes nothing). Values: this rank's data stands in for every peer's."""
 
     def __init__(self, dist):
         self.dist = dist
-        self.calls: dict[str, int] = {}  # op -> calls (proof that threefold.comm used these)
+        self.calls: dict[str, int] = {}  # op -> calls (proof that threefold.comm.counted used these)
 
     def _n_me(self, group):
         return self.dist.get_world_size(group), self.dist.get_rank(group)
@@ -127,7 +127,7 @@ class _FillingCollectives:
         return [_Done() for _ in p2p_op_list]
 
     def install(self) -> None:
-        """Replace the functions on ``torch.distributed`` (where ``threefold.comm`` looks them
+        """Replace the functions on ``torch.distributed`` (where ``threefold.comm.counted`` looks them
         up at each call), and the object collectives (``tests.dist.local_object_collectives``:
         pickles cannot cross a fake group, every rank gets its own object)."""
         for name in ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast",
@@ -154,9 +154,11 @@ def child_main() -> None:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
 
     from threefold.config import load_config
-    from threefold.metrics import current_memory_bytes, peak_memory_bytes, reset_peak_memory
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import build_run, train_step
+    from threefold.hardware.metrics import (current_memory_bytes, peak_memory_bytes,
+                                            reset_peak_memory)
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import build_run
+    from threefold.training.steps import train_step
 
     dist.init_process_group("fake", store=dist.HashStore(), rank=r, world_size=w)
     filling = _FillingCollectives(dist)
@@ -237,7 +239,7 @@ def _table(name: str, world: int, rank: int, got: dict, pred) -> tuple[str, list
 def test_one_rank_of_llama3_8b_on_64_ranks_peaks_as_predicted(corpus, cache_dir, tmp_path):
     from threefold.config import load_config
     from threefold.data import prepare_data
-    from threefold.dryrun import predict
+    from threefold.launch.dryrun import predict
 
     over = {name: overrides(corpus, cache_dir, tmp_path / f"out{i}", extra)
             for i, (name, (_, _, extra)) in enumerate(CASES.items())}

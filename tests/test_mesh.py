@@ -8,9 +8,9 @@ import warnings
 import pytest
 from tests.dist import run_distributed
 from threefold.config import ConfigError, ModelConfig, ParallelConfig
-from threefold.axes import AXES
+from threefold.layout.axes import AXES
 from threefold.layout import Layout, rules
-from threefold.mesh import build_mesh, submesh
+from threefold.comm.mesh import build_mesh, submesh
 
 
 def dims(world: int, **kw) -> Layout:
@@ -147,7 +147,7 @@ def test_coords_and_groups_of_a_2x2x2_layout():
                                 {"dp_replicate": 2, "cp": 2, "tp": 2},
                                 {"pp": 2, "dp_shard": 2, "cp": 2}])
 def test_groups_partition_the_world_and_agree_with_coords(kw):
-    from threefold.axes import DERIVED_AXES, FLATTENED
+    from threefold.layout.axes import DERIVED_AXES, FLATTENED
 
     d = dims(8, **kw)
     for axis in AXES + tuple(FLATTENED):

@@ -15,7 +15,8 @@ import torch
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
 from tests.test_comm import chunk
-from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
+from threefold.layout import Layout, Workload
+from threefold.accounting import comm_bytes_per_step, num_parameters
 from threefold.config import load_config
 
 STEPS = 4
@@ -26,8 +27,8 @@ BF16 = {"train__dtype": "bfloat16", "optim__grad_clip": "0"}
 
 
 def _runs(rank, world, corpus, cache, root, runs):
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     out = {}
     for name, extra in runs:

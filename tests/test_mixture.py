@@ -16,11 +16,12 @@ import torch
 from threefold.config import ConfigError, DataConfig, load_config
 from threefold.data import DataError, prepare_data
 from threefold.data import prepare as prep
-from threefold.data.sampler import (HeldOutSampler, MixtureSampler, Permutation, allocation,
-                                    integer_weights)
-from threefold.data.sources import TokenSource, TokenStream, _Shard, parse_mix
-from threefold.data.tokenizer import train_bpe
-from threefold.launch import load_run_config
+from threefold.data import HeldOutSampler, MixtureSampler
+from threefold.data.sampler import Permutation, allocation, integer_weights
+from threefold.data import TokenSource
+from threefold.data.sources import TokenStream, _Shard, parse_mix
+from threefold.data import train_bpe
+from threefold.launch.launcher import load_run_config
 
 from conftest import metrics, tiny_overrides
 from dist import run_distributed
@@ -293,7 +294,7 @@ def _mix_run(prepared, out, **extra):
 
 
 def test_mixture_run_records_sources_and_resumes_bit_identically(prepared, tmp_path):
-    from threefold.train import train
+    from threefold.training.train import train
 
     full = tmp_path / "full"
     s = train(_mix_run(prepared, full, train__eval_interval=2))
@@ -314,14 +315,14 @@ def test_mixture_run_records_sources_and_resumes_bit_identically(prepared, tmp_p
 
 
 def _dp_losses(rank, world, cfg):
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     return [train(cfg, Distributed(cfg))["final_loss"]]
 
 
 def test_data_parallel_reads_disjoint_rows_and_trains_as_one_process(prepared, tmp_path):
-    from threefold.train import train
+    from threefold.training.train import train
 
     one = train(_mix_run(prepared, tmp_path / "one"))
     cfg = _mix_run(prepared, tmp_path / "dp", parallel__dp_shard=2)

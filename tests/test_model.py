@@ -12,8 +12,8 @@ from torch import nn
 
 from threefold.accounting import num_parameters
 from threefold.config import MODEL_PRESETS, ModelConfig
-from threefold.attention import document_position_ids, rope_inverse_frequencies
-from threefold.model import CausalLM, causal_lm_loss, count_target_tokens
+from threefold.model.attention import document_position_ids, rope_inverse_frequencies
+from threefold.model.decoder import CausalLM, causal_lm_loss, count_target_tokens
 
 VOCAB = 300
 

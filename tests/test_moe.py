@@ -1,4 +1,4 @@
-"""Mixture of experts (threefold.moe): logits equal transformers' MixtralForCausalLM, dropless
+"""Mixture of experts (threefold.model.moe): logits equal transformers' MixtralForCausalLM, dropless
 sorted routing equals the dense all-experts sum, the router losses equal a direct computation
 and transformers' load_balancing_loss_func, Hugging Face export/import, a training run that
 logs per-expert counts, exact parameter counts of the presets, and the layout refusal."""
@@ -17,11 +17,12 @@ from torch import nn
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
 from tests.test_hf import assert_round_trip
-from threefold import convert, hf
+from threefold.commands import convert
+from threefold.weights import hf
 from threefold.accounting import active_parameters, flops_per_token, num_parameters
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.model import CausalLM
-from threefold.moe import (RouterLog, SparseMoeBlock, load_balancing_loss, route,
+from threefold.model.decoder import CausalLM
+from threefold.model.moe import (RouterLog, SparseMoeBlock, load_balancing_loss, route,
                            router_z_loss, take_router_stats)
 
 transformers = pytest.importorskip("transformers")
@@ -176,7 +177,7 @@ MOE_RUN = dict(model__num_local_experts=4, model__num_experts_per_tok=2,
 @pytest.fixture(scope="module")
 def moe_run(corpus, cache_dir, tmp_path_factory):
     """A 6-step MoE run and its export to a Hugging Face folder."""
-    from threefold.train import train
+    from threefold.training.train import train
 
     root = tmp_path_factory.mktemp("moe")
     summary = train(load_config(None, tiny_overrides(corpus, cache_dir, root / "run",
@@ -203,7 +204,7 @@ def test_training_decreases_loss_and_logs_expert_counts(moe_run):
 def test_resume_is_bit_identical(moe_run, corpus, cache_dir, tmp_path):
     import shutil
 
-    from threefold.train import train
+    from threefold.training.train import train
 
     root, _ = moe_run
     part = tmp_path / "part"
@@ -218,7 +219,7 @@ def test_resume_is_bit_identical(moe_run, corpus, cache_dir, tmp_path):
 
 def test_router_losses_reach_the_gradient_and_recompute_changes_nothing(corpus, cache_dir,
                                                                         tmp_path):
-    from threefold.train import train
+    from threefold.training.train import train
 
     def losses(name, **kw):
         train(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / name,
@@ -365,8 +366,8 @@ def test_dense_presets_are_unchanged():
 
 
 def test_moe_is_refused_with_model_parallelism_and_bad_shapes_are_named(capsys):
-    from threefold.cli import main
-    from threefold.parallel.layout import validate_layout
+    from threefold.commands.main import main
+    from threefold.layout import validate_layout
 
     cfg = load_config(None, [("model.preset", "tiny-moe")])
     validate_layout(cfg, 1, cfg.model.resolved(320))
@@ -394,8 +395,8 @@ def test_moe_is_refused_with_model_parallelism_and_bad_shapes_are_named(capsys):
 # --------------------------------------------------------------------------------------------
 def _dp_runs(rank, world, corpus, cache, root, runs):
     """Each rank: train every run of ``runs`` in this process group."""
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import train
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
 
     for name, extra in runs:
         cfg = load_config(None, tiny_overrides(corpus, cache, root / name,
@@ -406,7 +407,7 @@ def _dp_runs(rank, world, corpus, cache, root, runs):
 def test_data_parallel_and_zero_train_as_one_process(corpus, cache_dir, tmp_path):
     """Two ranks of 4 sequences each route what one process routes with micro-batches of 4
     (the router losses are per micro-batch), so every ZeRO stage equals that run."""
-    from threefold.train import train
+    from threefold.training.train import train
 
     ref = tmp_path / "single"
     train(load_config(None, tiny_overrides(corpus, cache_dir, ref, **{

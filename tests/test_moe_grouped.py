@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.moe import Experts, SparseMoeBlock, grouped_mm_unfit
+from threefold.model.moe import Experts, SparseMoeBlock, grouped_mm_unfit
 
 TOL = 1e-5
 
@@ -164,7 +164,7 @@ def test_grouped_keeps_its_offsets_more_as_the_planner_counts():
     """What autograd saves for one MoE block: the grouped impl keeps the loop's tensors plus
     its int32 offsets (4 bytes per expert), and the planner's block bytes differ by that."""
     from tests.test_tp_layer import SavedBytes
-    from threefold.accounting.layout import Layout, Workload
+    from threefold.layout import Layout, Workload
     from threefold.plan.memory import moe_block_extra_bytes
 
     cfg = ModelConfig(preset="tiny-moe", vocab_size=512).resolved()

@@ -1,4 +1,4 @@
-"""Optimiser offload (``parallel.offload_optimizer``, threefold.parallel.offload): on this CPU
+"""Optimiser offload (``parallel.offload_optimizer``, threefold.parallel.engines.offload): on this CPU
 machine host and device are the same memory, so these tests prove the offloaded code path —
 host fp32 masters and AdamW state, gradients copied down, parameters copied up — trains to the
 same losses and weights as the on-device optimiser, for one process, data parallelism, ZeRO
@@ -13,7 +13,7 @@ import torch
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed
 from threefold.config import load_config
-from threefold.train import train
+from threefold.training.train import train
 
 STEPS = 3
 HOST = torch.device("cpu")
@@ -38,7 +38,7 @@ def _state_apart(engine) -> dict:
             "host_bytes": off.host_bytes() if off is not None else 0}
 
 
-# The host optimiser runs torch's fused CPU AdamW (threefold.parallel.adamw.HOST_KERNEL, the
+# The host optimiser runs torch's fused CPU AdamW (threefold.parallel.engines.adamw.HOST_KERNEL, the
 # fastest on the host), the on-device engines the single-tensor kernel: the same formula,
 # rounded differently in the last bits. So an offloaded run equals the on-device one to fp32
 # tolerance, as the other equivalence tests compare (1e-5 relative on the losses).
@@ -81,7 +81,7 @@ def test_offload_single_process_equals_on_device(corpus, cache_dir, tmp_path):
 
 def _pairs(rank, world, corpus, cache, root, runs):
     """Each rank: train every (name, overrides) run; report where the optimiser state is."""
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     out = {}
     for name, extra in runs:
@@ -96,7 +96,7 @@ def _pairs(rank, world, corpus, cache, root, runs):
 
 def _planned(cfg, mcfg, world, stage=0):
     """The planner's memory breakdown of this run's layout, for a rank of pipeline ``stage``."""
-    from threefold.accounting import Layout, Workload
+    from threefold.layout import Layout, Workload
     from threefold.plan.memory import stage_memory
 
     return stage_memory(mcfg, Layout.from_config(cfg, world), Workload.from_config(cfg), stage)
@@ -140,7 +140,7 @@ def test_offload_equals_on_device(world, layouts, corpus, cache_dir, tmp_path):
 def test_offload_checkpoint_resumes_either_way(corpus, cache_dir, tmp_path):
     """A ZeRO-2 run that saves at step 2 with offload resumes without it, and one saved
     without resumes with it; both end where an uninterrupted run ends."""
-    from threefold.checkpoint import load_checkpoint
+    from threefold.weights.checkpoint import load_checkpoint
 
     runs = {"ref": [(None, 4)], "off_then_on": [("true", 2), ("false", 4)],
             "on_then_off": [("false", 2), ("true", 4)]}
@@ -163,7 +163,7 @@ def test_offload_checkpoint_resumes_either_way(corpus, cache_dir, tmp_path):
 
 
 def _resume_segment(rank, world, corpus, cache, out, extra, steps):
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     cfg = load_config(None, tiny_overrides(corpus, cache, out, train__steps=steps,
                                            checkpoint__interval=2, checkpoint__resume="true",
@@ -176,12 +176,12 @@ def _overlap_run(rank, world, stage, micro):
     Returns the offloaded engine's events in order — ("micro", last) at each micro-batch's
     start, ("bwd", unit) at each unit's backward start, ("d2h", unit) at each early gradient
     copy — and the largest relative difference of the shards after the step."""
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.config import ModelConfig, OptimConfig
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
-    from threefold.model import CausalLM, causal_lm_loss
-    from threefold.parallel.zero import ZeroEngine
+    from threefold.comm.mesh import build_mesh
+    from threefold.model.decoder import CausalLM, causal_lm_loss
+    from threefold.parallel.engines.zero import ZeroEngine
 
     dims = Layout(dp_shard=world, tp=1)
     comm = Comm(dims, build_mesh(dims, "cpu"))

@@ -1,4 +1,4 @@
-"""A LoRA run out of threefold (``threefold.peft_export``): its adapters as a PEFT folder that
+"""A LoRA run out of threefold (``threefold.generation.peft_export``): its adapters as a PEFT folder that
 ``PeftModel.from_pretrained`` puts on the HF base, and merged into a Hugging Face folder; both
 give threefold's LoRA model's logits (``load_for_generation``) to 1e-5 in fp32. The CLI:
 ``convert --to peft [--merge]``, and the refusals (a LoRA run ``--to hf``, a plain run
@@ -13,14 +13,15 @@ import torch
 
 from tests.conftest import final_weights, tiny_overrides
 from tests.test_sft import OPTIM, TRL_CONVS, base  # noqa: F401
-from threefold import convert, hf
+from threefold.commands import convert
+from threefold.weights import hf
 from threefold.config import load_config
-from threefold.generate import load_for_generation
-from threefold.generate import main as generate_main
-from threefold.peft_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, export_merged,
-                                   export_peft)
-from threefold.post.sft import SFTOptions, SFTTask
-from threefold.train import train
+from threefold.generation.generate import load_for_generation
+from threefold.generation.generate import main as generate_main
+from threefold.generation.peft_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX,
+                                              export_merged, export_peft)
+from threefold.post import SFTOptions, SFTTask
+from threefold.training.train import train
 
 LORA = {"lora__r": "4", "lora__alpha": "8"}
 

@@ -1,4 +1,4 @@
-"""Phi-3 (threefold.models.phi3): partial RoPE and a sliding window give transformers' logits;
+"""Phi-3 (threefold.families.phi3): partial RoPE and a sliding window give transformers' logits;
 the files' fused qkv_proj/gate_up_proj are split at import (each projection read as a region
 of the fused tensor) and joined at export, so convert round-trips to a folder transformers
 loads; longrope and dropout are refused by field; tensor parallelism trains as one process,
@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tests.conftest import final_weights, hf_twin, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from threefold.config import ConfigError, load_config
-from threefold.model import CausalLM
+from threefold.model.decoder import CausalLM
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -47,8 +47,8 @@ def _file_names(folder) -> set[str]:
 
 
 def test_logits_equal_transformers_and_convert_round_trips(tmp_path):
-    from threefold.hf import convert_from_hf, export_hf
-    from threefold.hf_config import model_config_from_hf
+    from threefold.weights.hf import convert_from_hf, export_hf
+    from threefold.weights.hf_config import model_config_from_hf
     from threefold.weights import HFSource
 
     transformers = pytest.importorskip("transformers")
@@ -87,7 +87,7 @@ def test_logits_equal_transformers_and_convert_round_trips(tmp_path):
 
 
 def test_longrope_dropout_and_other_rope_refused_by_field():
-    from threefold.hf_config import HFError, family, model_config_from_hf
+    from threefold.weights.hf_config import HFError, family, model_config_from_hf
 
     conf = _hf_model().config.to_dict()
     long = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
@@ -116,7 +116,7 @@ def test_longrope_dropout_and_other_rope_refused_by_field():
 def test_misshapen_or_missing_fused_tensor_is_named(tmp_path):
     from safetensors.torch import save_file
 
-    from threefold.hf_config import HFError
+    from threefold.weights.hf_config import HFError
     from threefold.weights import HFSource
 
     hf = _hf_model()
@@ -143,9 +143,10 @@ def _overrides(corpus, cache, out, **extra):
 @pytest.mark.slow
 def test_tensor_parallel_equals_single_process_and_the_planner_counts(corpus, cache_dir,
                                                                      tmp_path):
-    from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
-    from threefold.dryrun import predict
-    from threefold.train import train
+    from threefold.layout import Layout, Workload
+    from threefold.accounting import comm_bytes_per_step, num_parameters
+    from threefold.launch.dryrun import predict
+    from threefold.training.train import train
 
     over = functools.partial(_overrides, corpus, cache_dir)  # (pickled to the ranks)
     _, run = train(load_config(None, over(tmp_path / "single")), return_run=True)
@@ -171,8 +172,8 @@ def test_tensor_parallel_equals_single_process_and_the_planner_counts(corpus, ca
 def _base_folder(run_dir, out):
     """The Phi-3 folder of a LoRA run's base (the seed's weights), written by export's
     tensor mapping."""
-    from threefold.hf import hub_tensors, write_hf_folder
-    from threefold.peft_export import open_lora
+    from threefold.weights.hf import hub_tensors, write_hf_folder
+    from threefold.generation.peft_export import open_lora
     from threefold.weights import DictSource
 
     run = open_lora(run_dir)
@@ -186,10 +187,10 @@ def test_lora_adapters_load_onto_the_fused_layers_with_peft(corpus, cache_dir, t
     """q, v, o, gate, up adapted (k and down not): qkv_proj gets rank 2r with k's rows zero,
     gate_up_proj rank 2r, o_proj rank r; PEFT's model gives threefold's logits, and so does
     the merged folder."""
-    from threefold.generate import load_for_generation
-    from threefold.convert import main as convert
-    from threefold.peft_export import ADAPTER_CONFIG, PEFT_PREFIX
-    from threefold.train import train
+    from threefold.generation.generate import load_for_generation
+    from threefold.commands.convert import main as convert
+    from threefold.generation.peft_export import ADAPTER_CONFIG, PEFT_PREFIX
+    from threefold.training.train import train
 
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")

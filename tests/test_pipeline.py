@@ -13,15 +13,13 @@ import torch
 
 from tests.dist import run_distributed
 from threefold.config import ConfigError, ModelConfig, OptimConfig
-from threefold.model import CausalLM, causal_lm_loss
-from threefold.parallel.pipeline.executor import (
-    PipelineExecutor,
-    SplitBackward,
-    idle_fraction,
-    pipeline_step,
-)
-from threefold.schedules.schedules import build_schedule, schedule_spec
-from threefold.parallel.pipeline.stage import partition, rank_model, split_model, stage_costs
+from threefold.model.decoder import CausalLM, causal_lm_loss
+from threefold.parallel.pipeline.executor import PipelineExecutor, idle_fraction, pipeline_step
+from threefold.parallel.pipeline.split_backward import SplitBackward
+from threefold.schedules import build_schedule
+from threefold.schedules.registry import schedule_spec
+from threefold.schedules.balance import partition
+from threefold.parallel.pipeline.stage import rank_model, split_model, stage_costs
 from threefold.schedules.timeline import write_chrome_trace
 
 SEED, VOCAB, SEQ, BATCH, STEPS, LR = 0, 320, 32, 8, 3, 3e-3
@@ -207,7 +205,7 @@ def test_chunks_keep_names_own_the_ends_and_compose_to_the_model():
 def test_split_backward_equals_one_backward(variant):
     """B (input grad) then W (weight grads) gives exactly what one backward gives, on a middle
     stage whose input requires grad and on the last stage (loss)."""
-    from threefold.parallel.recompute import apply_recompute
+    from threefold.parallel.transforms.recompute import apply_recompute
 
     cfg = _cfg(layers=4)
     chunk = split_model(_model(cfg), 2, 1, 1)[0]  # layers 2-3, norm, head
@@ -269,7 +267,7 @@ def test_one_rank_pipeline_is_gradient_accumulation(schedule, v):
 def test_dict_microbatches_carry_packed_documents():
     """train.py's micro-batch dicts: document ids and restarting positions reach every chunk
     (here two chunks on one rank), so packed sequences keep attention inside documents."""
-    from threefold.model import document_position_ids
+    from threefold.model.attention import document_position_ids
 
     cfg = _cfg(layers=4)
     ids, labels = _batch(2)
@@ -304,7 +302,7 @@ def test_executor_refuses_mismatched_chunks_and_microbatches():
 # Every schedule on several ranks equals one process
 # --------------------------------------------------------------------------------------------
 def _train_single(cfg: ModelConfig):
-    from threefold.parallel.engine import LocalEngine
+    from threefold.parallel.engines.engine import LocalEngine
 
     model = _model(cfg)
     engine = LocalEngine(model, _optim())
@@ -326,12 +324,12 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False, in
     (0: plain AdamW or bucketed all-reduce; 1-3: ZeRO), blocks recomputed in backward with
     ``ac``. Returns losses, this rank's final
     whole weights (dp rank 0 only) and the last step's measured trace."""
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
-    from threefold.parallel.data import DataParallelEngine
-    from threefold.parallel.engine import LocalEngine
-    from threefold.parallel.zero import ZeroEngine
+    from threefold.comm.mesh import build_mesh
+    from threefold.parallel.engines.data_parallel import DataParallelEngine
+    from threefold.parallel.engines.engine import LocalEngine
+    from threefold.parallel.engines.zero import ZeroEngine
 
     dims = Layout(dp_shard=world // p, tp=1, pp=p)
     comm = Comm(dims, build_mesh(dims, "cpu"))
@@ -339,7 +337,7 @@ def _train_pipeline(rank, world, name, schedule, p, m, v=1, zero=0, ac=False, in
     chunks = split_model(_model(_cfg()), p, v, pp_rank, vshape=schedule_spec(schedule).vshape)
     model = rank_model(chunks)
     if ac:
-        from threefold.parallel.recompute import apply_recompute
+        from threefold.parallel.transforms.recompute import apply_recompute
 
         apply_recompute(model, "full" if ac is True else ac)
     if zero:

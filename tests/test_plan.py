@@ -8,14 +8,16 @@ import time
 
 import pytest
 
-from threefold.accounting import Layout, Workload, comm_bytes_per_step, num_parameters
-from threefold.accounting.shapes import flops_per_token, matmul_parameters
-from threefold.accounting.shapes import moe_key
+from threefold.layout import Layout, Workload
+from threefold.accounting import comm_bytes_per_step, num_parameters
+from threefold.accounting import flops_per_token, matmul_parameters
+from threefold.accounting.counts import moe_key
 from threefold.accounting.stages import attn_key, shape_key
 from threefold.config import ModelConfig
 from threefold.plan.candidates import SearchSpace
-from threefold.plan.cli import load_model, main
-from threefold.plan.hardware import Cluster, get_hardware
+from threefold.commands.planning import load_model, main
+from threefold.plan.cluster import Cluster
+from threefold.hardware.catalogue import get_hardware
 from threefold.plan.report import explain
 from threefold.plan.search import JSON_KEYS, search
 
@@ -289,9 +291,10 @@ def test_table_memory_parts_add_up_to_the_peak_and_are_never_negative():
     """The table's 'mem GB (states+act+other)' splits the peak at the moment it happens, so
     its three parts are non-negative and sum to it, whichever moment (the last backward's
     start, or the optimiser step) is the peak."""
-    from threefold.accounting import Workload
-    from threefold.plan.cli import load_model
-    from threefold.plan.hardware import Cluster, get_hardware
+    from threefold.layout import Workload
+    from threefold.commands.planning import load_model
+    from threefold.plan.cluster import Cluster
+    from threefold.hardware.catalogue import get_hardware
     from threefold.plan.report import peak_parts
     from threefold.plan.search import search
     from threefold.plan.candidates import SearchSpace
@@ -316,7 +319,7 @@ def test_lora_plan_counts_adapters_and_a_frozen_base(capsys):
     """--lora-r: the model states are the frozen base's weights and the adapters' training
     state, the FLOPs 4N + 6·adapters per token (no weight gradients for the base), plain data
     parallelism all-reduces the adapters' gradients only; pp and cp stay 1."""
-    from threefold.accounting.lora import adapter_parameters, lora_flops_per_token
+    from threefold.accounting.lora_counts import adapter_parameters, lora_flops_per_token
     from threefold.plan.compute import model_flops_per_step
     from threefold.plan.memory import memory_per_rank
 

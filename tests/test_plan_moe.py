@@ -7,27 +7,17 @@ import contextlib
 import pytest
 import torch
 
-from threefold.accounting import (
-    Layout,
-    LayoutError,
-    Workload,
-    active_parameters,
-    check_layout,
-    comm_bytes_per_step,
-    flops_per_token,
-    layer_parameters_per_rank,
-    matmul_parameters,
-    num_parameters,
-    owned_parameters,
-    stage_parameters,
-    tp_shard,
-)
+from threefold.layout import Layout, LayoutError, Workload, check_layout
+from threefold.accounting import (active_parameters, comm_bytes_per_step, flops_per_token,
+    layer_parameters_per_rank, matmul_parameters, num_parameters, owned_parameters,
+    stage_parameters, tp_shard)
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.model import CausalLM
+from threefold.model.decoder import CausalLM
 from threefold.plan.activations import block_activation_bytes
 from threefold.plan.candidates import SearchSpace
-from threefold.plan.cli import main
-from threefold.plan.hardware import Cluster, get_hardware
+from threefold.commands.planning import main
+from threefold.plan.cluster import Cluster
+from threefold.hardware.catalogue import get_hardware
 from threefold.plan.memory import (
     memory_per_gpu,
     memory_per_rank,
@@ -245,7 +235,7 @@ def test_dry_run_of_mixtral_with_ep(monkeypatch, tmp_path):
     """The dry run of Mixtral on 64 ranks with ep 8: rank 0's parameters counted on the meta
     model cut by apply_expert_parallel equal the planner's, the bytes on ep are the closed
     form, MFU counts active parameters."""
-    from threefold.dryrun import format_report, predict
+    from threefold.launch.dryrun import format_report, predict
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, _pairs(["--model.preset", "mixtral-8x7b", "--parallel.ep", "8",
@@ -269,7 +259,7 @@ def test_dry_run_of_mixtral_with_ep(monkeypatch, tmp_path):
 
 
 def test_dry_run_refuses_moe_with_cp_by_name(monkeypatch, tmp_path):
-    from threefold.dryrun import predict
+    from threefold.launch.dryrun import predict
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, _pairs(["--model.preset", "mixtral-8x7b", "--parallel.cp", "2",

@@ -8,12 +8,14 @@ import json
 
 import pytest
 
-from threefold.accounting import Layout, Workload, pipeline_layers
+from threefold.layout import Layout, Workload
+from threefold.accounting import pipeline_layers
 from threefold.config import ModelConfig
 from threefold.schedules.balance import uniform_counts
 from threefold.plan.candidates import SearchSpace
-from threefold.plan.cli import load_model, main
-from threefold.plan.hardware import Cluster, get_hardware
+from threefold.commands.planning import load_model, main
+from threefold.plan.cluster import Cluster
+from threefold.hardware.catalogue import get_hardware
 from threefold.plan.search import enumerate_layouts, search
 
 

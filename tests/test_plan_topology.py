@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from threefold.accounting import Layout, Workload
-from threefold.plan.cli import load_model, main
+from threefold.layout import Layout, Workload
+from threefold.commands.planning import load_model, main
 from threefold.plan.collectives import (
     Link,
     all_reduce_time,
@@ -17,9 +17,10 @@ from threefold.plan.collectives import (
     ring_time,
     tree_all_reduce_time,
 )
-from threefold.plan.hardware import Cluster, Level, get_hardware
+from threefold.plan.cluster import Cluster, Level
+from threefold.hardware.catalogue import get_hardware
 from threefold.plan.step import predict_step
-from threefold.plan.topology import CLUSTERS, levels_from_record, place
+from threefold.plan.network import CLUSTERS, levels_from_record, place
 
 NET = Link(latency_s=6e-6, bandwidth=50e9)
 NVL = Link(latency_s=2e-6, bandwidth=450e9)

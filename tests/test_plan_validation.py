@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import pytest
 
-from threefold.accounting import Workload
+from threefold.layout import Workload
 from threefold.plan.candidates import SearchSpace
-from threefold.plan.cli import load_model
+from threefold.commands.planning import load_model
 from threefold.plan.compute import MATMUL_EFFICIENCY
-from threefold.plan.hardware import Cluster, get_hardware
+from threefold.plan.cluster import Cluster
+from threefold.hardware.catalogue import get_hardware
 from threefold.plan.search import search
 
 SELENE = get_hardware("a100").with_overrides(inter_node_bw=200 / 8 * 1e9)
@@ -85,7 +86,7 @@ def _distinct_tp_pp(ranked) -> list[tuple[int, int]]:
 
 
 def _llama3(gpus: int):
-    from threefold.plan.topology import CLUSTERS, levels_from_record
+    from threefold.plan.network import CLUSTERS, levels_from_record
 
     cluster = Cluster(get_hardware("h100"), gpus, 8,
                       levels_from_record(CLUSTERS["llama3-24k"], 8), mesh_order="dp-outer")
@@ -95,7 +96,7 @@ def _llama3(gpus: int):
 
 @pytest.mark.parametrize("row", LLAMA3, ids=[r[0] for r in LLAMA3])
 def test_llama3_405b_published_layout_within_20_percent(row):
-    from threefold.accounting.layout import Layout
+    from threefold.layout import Layout
     from threefold.plan.step import predict_step
 
     _, gpus, published = row
@@ -131,7 +132,7 @@ def test_llama3_405b_default_search_ranks_pp16_in_the_top_5():
     every feature searched): pipelines whose degree does not divide the 126 layers are
     evaluated, and Meta's (tp 8, pp 16) is among the 5 best distinct (tp, pp), each of them
     with tp inside the node."""
-    from threefold.plan.topology import CLUSTERS, levels_from_record
+    from threefold.plan.network import CLUSTERS, levels_from_record
 
     cluster = Cluster(get_hardware("h100"), 16384, 8,
                       levels_from_record(CLUSTERS["llama3-24k"], 8))
@@ -149,10 +150,10 @@ def test_megatron_block_is_korthikantis_count_adapted_to_llama():
     output 2·2·h/t, K and V 2·2·h·(8/128)/t, the fused SwiGLU's three f-wide tensors 3·2·f/t,
     the log-sum-exp 4·a/t: (12.25·h + 6·f)/t + 64 bytes, 533 MB per layer at 8192 tokens;
     threefold's own block keeps 1.90 times that (mostly its sub-layer inputs, kept whole
-    under SP: 2·2·h against 2·2·h/t; it kept 2.35 times before threefold.kernels dropped the
+    under SP: 2·2·h against 2·2·h/t; it kept 2.35 times before threefold.model.kernels dropped the
     norms' fp32 copies and silu(gate)). Full recompute keeps the block input, 2·h/t bytes per
     token."""
-    from threefold.accounting.layout import Layout
+    from threefold.layout import Layout
     from threefold.plan.activations import model_layer_activation_bytes
 
     cfg, _, work = _llama3(16384)
@@ -179,7 +180,7 @@ def test_dry_run_prediction_on_one_h200_within_10_percent_of_the_runtime(row):
     """What ``train --dry-run`` predicts for the configuration bench_gpu.py measured (the
     runtime's workload: fp32 weights and residual stream, elementwise work eager or fused by
     compile, at the H200's HBM bandwidth) is within 10% of the measured tokens/s."""
-    from threefold.accounting.layout import Layout
+    from threefold.layout import Layout
     from threefold.config import load_config
     from threefold.plan.step import predict_step
 

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 from tests.conftest import tiny_overrides
-from threefold.cli import main
+from threefold.commands.main import main
 from threefold.config import load_config
-from threefold.plot import PANELS, figure
-from threefold.train import train
+from threefold.commands.plot import PANELS, figure
+from threefold.training.train import train
 
 
 @pytest.fixture(scope="module")

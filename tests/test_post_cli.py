@@ -1,4 +1,4 @@
-"""The post-training launcher (``threefold.post.cli``) imports a task's module only once its
+"""The post-training launcher (``threefold.commands.posttrain``) imports a task's module only once its
 command is chosen: parsing ``threefold sft``'s arguments loads no trainer."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
-from threefold.post import cli
+from threefold.commands import posttrain as cli
 
 
 def test_parsing_arguments_loads_only_the_chosen_task():
     code = """
 import sys
-from threefold.post import cli
+from threefold.commands import posttrain as cli
 def loaded():
-    return {"threefold.train", "threefold.post.grpo", "threefold.post.reward"} & set(sys.modules)
+    return {"threefold.training.train", "threefold.post.grpo", "threefold.post.reward"} & set(sys.modules)
 assert not loaded(), loaded()
 opts, rest = cli.parse_task_options("sft", ["--sft.data", "x.jsonl", "--a.b", "1"])
 assert opts.data == "x.jsonl" and rest == ["--a.b", "1"]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from threefold.data import prepare as prep
-from threefold.data.errors import DataError
-from threefold.data.tokenizer import eot_id, load_tokenizer, train_bpe
+from threefold.data import DataError
+from threefold.data import eot_id, load_tokenizer, train_bpe
 
 WORDS = "alpha beta gamma delta épsilon zeta eta théta iota kappa λ mu 数据 nu".split()
 

@@ -20,11 +20,11 @@ from tokenizers import Tokenizer
 
 from tests.test_generate import CHATML  # ChatML, as transformers renders it
 from threefold.plan.terms import count_text
-from threefold import hf_config
-from threefold.cli import main
+from threefold.weights import hf_config
+from threefold.commands.main import main
 from threefold.config import ConfigError, ModelConfig
-from threefold.data.tokenizer import train_bpe
-from threefold.hub import locate
+from threefold.data import train_bpe
+from threefold.weights.hub import locate
 
 REPO = "tf-test/smol-9-3"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -99,7 +99,7 @@ def test_the_launcher_resolves_once_and_ranks_read_that_commit_without_the_hub(h
     import huggingface_hub.constants as constants
 
     from threefold.config import load_config
-    from threefold.launch import resolve_init_from
+    from threefold.launch.launcher import resolve_init_from
 
     cfg = load_config(None, [("checkpoint.init_from", REPO)])
     argv = resolve_init_from(cfg, ["--checkpoint.init_from", REPO])

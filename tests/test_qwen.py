@@ -14,8 +14,8 @@ import torch
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_distributed, train_runs
 from threefold.config import load_config
-from threefold.model import CausalLM
-from threefold.train import train
+from threefold.model.decoder import CausalLM
+from threefold.training.train import train
 
 FAMILIES = {"qwen2": {"model__qkv_bias": "true"},
             "qwen3": {"model__qk_norm": "true", "model__attention_head_dim": "32"},
@@ -66,8 +66,8 @@ def _hf_model(family: str, tied: bool):
 @pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False),
                                          ("qwen2_moe", False), ("qwen3_moe", False)])
 def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path):
-    from threefold.hf import export_hf, load_pretrained
-    from threefold.hf_config import model_config_from_hf
+    from threefold.weights.hf import export_hf, load_pretrained
+    from threefold.weights.hf_config import model_config_from_hf
 
     transformers = pytest.importorskip("transformers")
     hf = _hf_model(family, tied)
@@ -84,7 +84,7 @@ def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path
         want = hf(ids).logits
         torch.testing.assert_close(model.eval()(ids), want, rtol=0, atol=1e-5)
     # HF -> threefold checkpoint -> HF: loads as the same family, the same logits
-    from threefold.hf import convert_from_hf
+    from threefold.weights.hf import convert_from_hf
     run = tmp_path / "run"
     convert_from_hf(tmp_path / "hf", run)
     export_hf(run, tmp_path / "out")
@@ -105,7 +105,7 @@ def test_logits_equal_transformers_and_export_round_trips(family, tied, tmp_path
 
 
 def test_sliding_window_is_refused_only_when_on(tmp_path):
-    from threefold.hf_config import HFError, model_config_from_hf
+    from threefold.weights.hf_config import HFError, model_config_from_hf
 
     conf = _hf_model("qwen2", True).config.to_dict()
     conf["sliding_window"] = 4096  # Qwen2's configs carry one, with use_sliding_window false
@@ -142,7 +142,7 @@ def _overrides(family, corpus, cache, out, **extra):
 def test_layouts_equal_single_process_and_the_planner_counts(family, corpus, cache_dir,
                                                              tmp_path):
     from threefold.accounting import num_parameters
-    from threefold.dryrun import predict
+    from threefold.launch.dryrun import predict
 
     over = functools.partial(_overrides, family, corpus, cache_dir)
     _, run = train(load_config(None, over(tmp_path / "single")), return_run=True)

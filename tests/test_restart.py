@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from threefold.checkpoint import load_checkpoint
+from threefold.weights.checkpoint import load_checkpoint
 
 
 def _cmd(corpus, cache, out, *extra, steps=6):
@@ -90,7 +90,7 @@ def test_dead_rank_without_restarts_fails_naming_it(corpus, cache_dir, tmp_path)
 
 
 def _verified_steps(out):
-    from threefold.checkpoint import list_checkpoints, verify_checkpoint
+    from threefold.weights.checkpoint_verify import list_checkpoints, verify_checkpoint
 
     steps = list_checkpoints(out / "checkpoints")
     for s in steps:
@@ -156,7 +156,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_within_the_grace(corpus, cach
 
 _PREEMPT_SCRIPT = """
 import os, signal, sys, time
-from threefold.preempt import Preemption
+from threefold.training.preempt import Preemption
 p = Preemption(30.0)
 for _ in range(3):  # three healthy steps of ~0.05 s: the stuck limit is ~5.15 s
     p.step_started(); time.sleep(0.05); p.step_finished()

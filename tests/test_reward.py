@@ -20,7 +20,7 @@ from tests.test_sft import base, data  # noqa: F401
 from threefold.config import load_config
 from threefold.post.reward import (RewardOptions, RewardTask, add_score_head,
                                    bradley_terry_loss, last_token_index)
-from threefold.train import train
+from threefold.training.train import train
 
 KEYS = ("loss", "accuracy", "margin", "mean_reward", "grad_norm")
 
@@ -73,7 +73,7 @@ RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_b
 
 def our_scores(weights: dict, mcfg, ids: torch.Tensor, pad: int) -> torch.Tensor:
     """Scores of ``ids`` by a fresh reward model holding ``weights`` (one process)."""
-    from threefold.train import build_model
+    from threefold.training.train import build_model
 
     model = add_score_head(build_model(mcfg, torch.device("cpu"), 0), 0)
     model.load_state_dict(weights, strict=True)
@@ -86,8 +86,8 @@ def our_scores(weights: dict, mcfg, ids: torch.Tensor, pad: int) -> torch.Tensor
 def test_reward_learns_layouts_equal_single_process_and_export_scores_equal(
         corpus, cache_dir, base, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from threefold.hf import export_hf
-    from threefold.train import build_run
+    from threefold.weights.hf import export_hf
+    from threefold.training.train import build_run
 
     write_pairs(tmp_path)
     # from a pre-trained LM, as `threefold reward` starts. (From random weights some gradient
@@ -142,7 +142,7 @@ def test_reward_cli_out_of_the_box_after_train_and_bad_input(corpus, cache_dir, 
     """`threefold train` then `threefold reward` with no data or init option: runs/default ->
     runs/reward on the built-in pairs. A malformed pairs file and pp > 1 fail in one line,
     exit 2, before anything is written."""
-    from threefold.cli import main as cli_main
+    from threefold.commands.main import main as cli_main
 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(base / "run", "runs/default")  # what `threefold train` leaves

@@ -1,6 +1,6 @@
 """The rule book (``threefold.layout.rules``) as one table: for every rule, a layout that breaks
 it, and the one message it is refused with, by ``threefold train`` before launch (exit 2, one
-line, no process started), by the dry run (``--dry-run`` and ``threefold.dryrun.predict``) and,
+line, no process started), by the dry run (``--dry-run`` and ``threefold.launch.dryrun.predict``) and,
 where ``threefold plan`` can express the layout (``--tp/--cp/--pp/--ep/--recompute/--lora-r``,
 ``--seq-len``, ``--global-batch-tokens``, the model as a TOML file), by the planner: exit 2 with
 that line, or exit 1 with its search skipping every layout under that rule. A row plan cannot
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from threefold import cli, launch
+from threefold.commands import main as cli
+from threefold.launch import launcher as launch
 from threefold.layout import RULES, LayoutError, rule_of
 
 
@@ -162,7 +163,7 @@ def _argv(row: Row, out) -> list[str]:
 
 def _run(row: Row, argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
     """The command in this process; a refusal must come before dispatch (no launch)."""
-    from threefold.post import cli as post_cli
+    from threefold.commands import posttrain as post_cli
 
     def no_launch(*_a, **_k):
         raise AssertionError(f"{row.rule}: the layout reached dispatch")
@@ -184,7 +185,7 @@ def test_train_and_the_dry_run_refuse_with_the_rule_message(row, capsys, monkeyp
     if row.command != "train":
         return  # the task's own refusal: the dry run of the task refused it above
     from threefold.config import load_config
-    from threefold.dryrun import predict
+    from threefold.launch.dryrun import predict
 
     cfg = load_config(None, [(k, _text(v)) for k, v in row.settings.items()]
                       + [("train.output_dir", str(tmp_path))])
@@ -206,7 +207,7 @@ def _plan_model(row: Row, tmp_path) -> str:
 @pytest.mark.parametrize("row", [r for r in ROWS if not isinstance(r.plan, str)],
                          ids=[i for i, r in zip(IDS, ROWS) if not isinstance(r.plan, str)])
 def test_plan_refuses_what_it_can_express_with_the_rule_message(row, capsys, tmp_path):
-    from threefold.plan.cli import main
+    from threefold.commands.planning import main
 
     seq = row.settings.get("data.seq_len", 256)
     batch = row.settings.get("train.global_batch_size", 8)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import metrics, tiny_overrides
-from threefold.cli import main
+from threefold.commands.main import main
 from threefold.config import load_config
-from threefold.runlog import write_summary
-from threefold.steps import lr_at
+from threefold.training.runlog import write_summary
+from threefold.training.steps import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,7 @@ def test_a_resumed_summary_accounts_for_every_earlier_step(tmp_path):
     checkpoint resumed from (its later steps were lost) keeps its steps up to it with an
     unknown wall time, steps no summary accounts for (a crash) become a session of their own,
     and the throughput sums leave out each session's first step."""
-    from threefold.runlog import read_prior
+    from threefold.training.runlog import read_prior
 
     recs = [{"step": k, "tokens_per_second": 100.0 * k, "mfu": 0.01 * k} for k in range(1, 9)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))

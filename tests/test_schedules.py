@@ -10,21 +10,9 @@ from collections import Counter
 
 import pytest
 
-from threefold.parallel.pipeline import (
-    SCHEDULES,
-    Action,
-    ActionKind,
-    Costs,
-    DeadlockError,
-    ScheduleError,
-    build_schedule,
-    check_actions,
-    check_schedule,
-    num_stages,
-    peak_in_flight,
-    simulate,
-)
-from threefold.schedules.schedules import message_key
+from threefold.schedules import (SCHEDULES, Action, ActionKind, Costs, DeadlockError, ScheduleError,
+    build_schedule, check_actions, check_schedule, num_stages, peak_in_flight, simulate)
+from threefold.schedules.actions import message_key
 from threefold.parallel.pipeline.command import main
 from threefold.schedules.simulate import measured_costs
 from threefold.schedules.timeline import TraceRecord, ascii_timeline, chrome_trace
@@ -438,7 +426,7 @@ def test_v_schedules_bubble_and_memory_equal_their_closed_forms(name, m_from):
     stages and no overlap, F&B = F + B + W): (p - 1)/(6m) of the ideal, half ZB-H1's. In
     flight: 2p chunk activations on every rank for ZB-V (p microbatches of the rank's layers,
     1F1B's), 2p + 1 for DualPipeV (its published PP + 1)."""
-    from threefold.schedules.schedules import in_flight_chunks, schedule_spec
+    from threefold.schedules.registry import in_flight_chunks, schedule_spec
 
     spec = schedule_spec(name)
     checked = 0
@@ -456,7 +444,7 @@ def test_v_schedules_bubble_and_memory_equal_their_closed_forms(name, m_from):
 
 
 def test_v_schedules_refuse_other_chunk_counts():
-    from threefold.accounting import Layout, Workload, check_layout
+    from threefold.layout import Layout, Workload, check_layout
     from threefold.config import ModelConfig
 
     for name in V_SHAPED:
@@ -483,7 +471,7 @@ def test_bounded_interleaved_holds_its_bound_and_trades_bubble(p, v, m):
     bubble is 2(p-1)/(3vm), below Megatron's (p-1)/(vm); the planner's estimate is within a
     third of the replay from halfway down; a smaller bound never has a smaller bubble."""
     from threefold.schedules.bounded import bubble_estimate, min_inflight
-    from threefold.schedules.schedules import in_flight_chunks
+    from threefold.schedules.registry import in_flight_chunks
 
     megatron = 2 * (p - 1) + (v - 1) * p + 1
     last = None
@@ -519,7 +507,7 @@ def test_bounded_interleaved_refuses_what_cannot_run():
 def test_zb_h1_closed_form_is_exact_from_m_equal_p():
     """The planner's search takes split schedules' closed forms where they are exact (equal
     F, B and W): ZB-H1's (p-1)/(3m) from m = p on (the V schedules' from m = 2p: above)."""
-    from threefold.schedules.schedules import schedule_spec
+    from threefold.schedules.registry import schedule_spec
 
     for p in range(2, 9):
         for m in range(p, 4 * p + 1):

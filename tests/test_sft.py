@@ -19,9 +19,9 @@ from threefold.config import load_config
 from threefold.data import DataError, prepare_data
 from threefold.data.chat import (BUILTIN_TEMPLATE, BuiltinTemplate, JinjaTemplate,
                                  encode_conversation, load_chat_template)
-from threefold.post.sft import (PackedSampler, SFTOptions, SFTTask, epoch_order, example_path,
-                                pack, to_conversation)
-from threefold.train import train
+from threefold.post.sft import PackedSampler, epoch_order, pack, to_conversation
+from threefold.post import SFTOptions, SFTTask, example_path
+from threefold.training.train import train
 
 CONV = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2+2?"},
@@ -45,7 +45,7 @@ HF_TEMPLATE = "{# threefold's built-in chat format #}" + BUILTIN_TEMPLATE
 def base(corpus, cache_dir, tmp_path_factory) -> Path:
     """A pretrained starting point: ``base/run``, a 1-step threefold run of the tiny model,
     and ``base/hf``, its Hugging Face export whose tokenizer_config.json carries HF_TEMPLATE."""
-    from threefold.hf import export_hf
+    from threefold.weights.hf import export_hf
 
     root = tmp_path_factory.mktemp("base")
     train(load_config(None, tiny_overrides(corpus, cache_dir, root / "run", train__steps=1,
@@ -156,7 +156,7 @@ def test_pack_and_sampler_are_deterministic_exact_and_resumable():
 
 
 def test_packed_rows_compute_each_conversation_as_if_alone(data):
-    from threefold.model import CausalLM, causal_lm_loss
+    from threefold.model.decoder import CausalLM, causal_lm_loss
 
     cfg = load_config(None, tiny_overrides("c", "c", "x", data__seq_len=256))
     task = SFTTask(SFTOptions(data=str(example_path("sft.jsonl"))))
@@ -269,7 +269,7 @@ RUNS = [("dp2_accum", {"train__micro_batch_size": 2}),
 
 @pytest.mark.slow
 def test_sft_layouts_equal_single_process_and_export(corpus, cache_dir, tmp_path):
-    from threefold.hf import export_hf
+    from threefold.weights.hf import export_hf
 
     train(load_config(None, post_overrides(corpus, cache_dir, tmp_path / "single")),
           task=SFTTask())
@@ -297,7 +297,7 @@ def test_sft_layouts_equal_single_process_and_export(corpus, cache_dir, tmp_path
 def test_sft_cli_out_of_the_box_after_train(corpus, cache_dir, base, tmp_path, monkeypatch):
     """`threefold train` then `threefold sft` with no data or init option: runs/default ->
     runs/sft on the built-in examples; resuming continues; bad options fail in one line."""
-    from threefold.post.cli import sft_main
+    from threefold.commands.posttrain import sft_main
 
     monkeypatch.chdir(tmp_path)
     shutil.copytree(base / "run", "runs/default")  # what `threefold train` leaves

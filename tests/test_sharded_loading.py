@@ -25,8 +25,8 @@ SHAPE = dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hid
 def _write_hf(folder) -> tuple[int, int]:
     """A bf16 Llama folder of SHAPE with random weights; (file bytes, largest tensor bytes)."""
     from threefold.config import ModelConfig
-    from threefold.data.tokenizer import train_bpe
-    from threefold.hf import expected_shapes, hf_config
+    from threefold.data import train_bpe
+    from threefold.weights.hf_config import expected_shapes, hf_config
 
     cfg = ModelConfig(**SHAPE).resolved()
     gen = torch.Generator().manual_seed(0)
@@ -51,8 +51,8 @@ def _load_every_rank(rank, world, corpus, cache, root, hf_dir):
 
     from tests.dist import local_object_collectives
     from threefold.config import load_config
-    from threefold.parallel.distributed_layout import Distributed
-    from threefold.train import build_run
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import build_run
 
     local_object_collectives(dist)
     out = []

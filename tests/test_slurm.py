@@ -19,8 +19,8 @@ from tests.dist import run_checks
 from tests.test_launch import _args, _env, _free_port, wait_agents
 from threefold.config import load_config
 from threefold.layout import Layout
-from threefold.slurm import PORT_ENV, expand_hostlist, slurm_launch_flags
-from threefold.topology import TEST_HOSTNAME_ENV, Topology
+from threefold.launch.slurm import PORT_ENV, expand_hostlist, slurm_launch_flags
+from threefold.comm.topology import TEST_HOSTNAME_ENV, Topology
 
 HOSTLISTS = [
     ("node07", ["node07"]),
@@ -112,7 +112,7 @@ def test_topology_flags_tp_and_cp_across_nodes_only():
 def _topology_on_node(rank, world, node_of_rank):
     """A rank that reports itself on ``node_of_rank[rank]``: what the layout learnt."""
     from threefold.config import Config, ParallelConfig
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     os.environ[TEST_HOSTNAME_ENV] = node_of_rank[rank]
     cfg = Config()
@@ -138,7 +138,7 @@ def test_two_nodes_from_a_slurm_allocation(corpus, cache_dir, tmp_path):
     multi-node flags by hand (they win), node 1 only --nproc-per-node 1. They train tp=2
     across the two "nodes" to the single process's losses; each says first what it inferred,
     the run warns that tp spans nodes and records 2 nodes × 1 rank."""
-    from threefold.train import train
+    from threefold.training.train import train
 
     steps = 2
     ref = tmp_path / "ref"
@@ -157,7 +157,7 @@ def test_two_nodes_from_a_slurm_allocation(corpus, cache_dir, tmp_path):
                                       stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True))
         time.sleep(0.5)
-    # no retry: a finished run exits 0 on every rank (threefold.distributed.shutdown); a hang
+    # no retry: a finished run exits 0 on every rank (threefold.comm.distributed.shutdown); a hang
     # is a failure, with both agents' output
     outs = wait_agents(procs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
@@ -184,7 +184,7 @@ def test_two_nodes_from_a_slurm_allocation(corpus, cache_dir, tmp_path):
     assert losses == pytest.approx([r["loss"] for r in metrics(ref)], rel=1e-5)
 
 def test_multi_node_flags_go_to_torchrun_only():
-    from threefold.launch import split_train_args
+    from threefold.launch.launcher import split_train_args
 
     path, rest, nproc, launcher = split_train_args(
         ["--nproc-per-node", "2", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-conf",
@@ -195,7 +195,7 @@ def test_multi_node_flags_go_to_torchrun_only():
 
 
 def test_a_bad_allocation_is_one_line_before_any_process(monkeypatch, capsys, tmp_path):
-    from threefold.cli import main
+    from threefold.commands.main import main
 
     for k, v in dict(SLURM, SLURM_NNODES="").items():
         monkeypatch.setenv(k, v)
@@ -212,9 +212,9 @@ def test_tp_across_the_nodes_asked_for_is_warned_before_launch(monkeypatch, caps
     """The launcher sees the trap from its flags (nodes × --nproc-per-node, ranks numbered
     node by node) before torchrun starts: tp 4 over nodes of 2 ranks is warned, in a dry
     run too; tp 2, one node, or a worker (WORLD_SIZE set) is not."""
-    from threefold.cli import main
+    from threefold.commands.main import main
     from threefold.config import load_config
-    from threefold.launch import node_span_warnings
+    from threefold.launch.launcher import node_span_warnings
 
     for k in ("WORLD_SIZE", "LOCAL_RANK", *SLURM):
         monkeypatch.delenv(k, raising=False)
@@ -239,7 +239,7 @@ def test_the_example_batch_script_launches_one_task_per_node(tmp_path):
     (the allocation's hosts): the rendezvous is the first host, every flag and option is one
     threefold knows, and the layout fits 2 nodes × 8."""
     from threefold.config import parse_overrides
-    from threefold.launch import split_train_args, world_size_for
+    from threefold.launch.launcher import split_train_args, world_size_for
     from threefold.layout import validate_layout
 
     bin_ = tmp_path / "bin"

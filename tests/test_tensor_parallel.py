@@ -12,11 +12,11 @@ from tests.dist import run_distributed
 from tests.test_dp_zero import STEPS, _check_equal
 from threefold.config import load_config
 from threefold.schedules.timeline import read_chrome_trace
-from threefold.train import train
+from threefold.training.train import train
 
 
 def _runs(rank, world, corpus, cache, root, runs):
-    from threefold.parallel.distributed_layout import Distributed
+    from threefold.parallel.distributed_world import Distributed
 
     out = {}
     for name, extra in runs:

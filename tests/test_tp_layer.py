@@ -50,7 +50,7 @@ def block_saved_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ffn: in
     term to this block (RMSNorm, RoPE, GQA with k kv heads, SwiGLU of width f, no dropout), as
     measured:
 
-    - each RMSNorm (``threefold.kernels.rms_norm``) keeps its input x and 1/rms (fp32, s·b),
+    - each RMSNorm (``threefold.model.kernels.rms_norm``) keeps its input x and 1/rms (fp32, s·b),
       recomputing the normalised x in backward: 2·(d·sbh + 4·sb), split over the sequence
       under SP;
     - the column-parallel linears keep their input, the norm's output: 2·d·sbh. Under SP this is
@@ -62,7 +62,7 @@ def block_saved_bytes(s: int, b: int, h: int, heads: int, kv_heads: int, ffn: in
     - the a·s/h term: torch's CPU SDPA with ``is_causal`` is the flash kernel, which keeps the
       fp32 log-sum-exp per head and query, 4·a·s·b bytes, never the s×s scores: 5as/h per
       sbh becomes 4a/h (independent of s);
-    - SwiGLU (``threefold.kernels.swiglu``) keeps gate(x), up(x) and their product (the down
+    - SwiGLU (``threefold.model.kernels.swiglu``) keeps gate(x), up(x) and their product (the down
       projection's input), recomputing silu(gate(x)): 3·d·s·b·f (GPT: 2 tensors of 4h,
       16·sbh);
     - all of attention and MLP is split over tp; with kv heads replicated (k < t) each rank
@@ -129,7 +129,7 @@ class SavedBytes:
 
 def _model(kv: int):
     from threefold.config import ModelConfig
-    from threefold.model import CausalLM
+    from threefold.model.decoder import CausalLM
 
     cfg = ModelConfig(preset="tiny", vocab_size=96, hidden_size=H, intermediate_size=FFN,
                       num_hidden_layers=1, num_attention_heads=HEADS,
@@ -171,10 +171,10 @@ def _run_block(model, x, dy, comm=None):
 
 def _cases(rank: int, world: int, cases: list[tuple[str, int, bool]]) -> dict:
     """On each rank: the unsharded block, then each (name, kv heads, sp) case under TP."""
-    from threefold.comm import Comm
+    from threefold.comm.counted import Comm
     from threefold.layout import Layout
-    from threefold.mesh import build_mesh
-    from threefold.parallel.tensor import apply_tensor_parallel
+    from threefold.comm.mesh import build_mesh
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
 
     dims = Layout(tp=world)
     mesh = build_mesh(dims, "cpu")

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from threefold.accounting import Layout, Workload
-from threefold.accounting.collective import Collective
-from threefold.accounting.layout import overlap_chunks, tp_chunks
+from threefold.layout import Layout, Workload
+from threefold.accounting import Collective
+from threefold.accounting.batches import overlap_chunks, tp_chunks
 from threefold.config import ConfigError, load_config
-from threefold.dryrun import dry_run, predict
-from threefold.plan.hardware import Cluster, get_hardware
+from threefold.launch.dryrun import dry_run, predict
+from threefold.plan.cluster import Cluster
+from threefold.hardware.catalogue import get_hardware
 from threefold.plan.step import _exposed_comm, call_time
-from threefold.plan.topology import place
+from threefold.plan.network import place
 
 BASE = [("model.preset", "llama3-8b"), ("data.seq_len", "4096"),
         ("train.global_batch_size", "8"), ("train.micro_batch_size", "1"),

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import metrics, tiny_overrides
-from threefold.cli import main
+from threefold.commands.main import main
 from threefold.config import ConfigError, load_config
-from threefold.trackers import flat_scalars
-from threefold.train import train
+from threefold.training.trackers import flat_scalars
+from threefold.training.train import train
 
 
 def test_flat_scalars_flattens_axes_and_drops_unknowns():

@@ -8,10 +8,10 @@ import math
 import pytest
 from tests.conftest import metrics, tiny_overrides
 from threefold.accounting import num_parameters
-from threefold.cli import main
+from threefold.commands.main import main
 from threefold.config import load_config
-from threefold.steps import lr_at
-from threefold.train import train
+from threefold.training.steps import lr_at
+from threefold.training.train import train
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_second", "mfu", "peak_memory_bytes"}
 
@@ -145,7 +145,7 @@ def _host_reads_in_step(run, step: int) -> list[tuple[int, str]]:
     the step's first forward matmul, between it and the optimiser's last update, or after."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from threefold.train import train_step
+    from threefold.training.steps import train_step
 
     counters = {id(st["step"]) for st in run.engine.optimizer.state.values()}
     ops: list[tuple[str, bool]] = []
@@ -173,7 +173,8 @@ def test_one_host_read_per_step_after_the_optimizer(corpus, cache_dir, tmp_path,
     token count is read from the host batch before the forward, and the loss, the gradient
     norm and the task's metrics come back in one read after the optimiser step, whether
     clipping scales the gradients (1e-4), may leave them (1.0) or is off (0)."""
-    from threefold.train import build_run, train_step
+    from threefold.training.train import build_run
+    from threefold.training.steps import train_step
 
     cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "r",
                                            optim__grad_clip=clip))
@@ -195,7 +196,7 @@ def test_host_allocator_setting(monkeypatch):
     import sys
 
     from threefold.config import ConfigError
-    from threefold.hostmem import reuse_freed_host_memory
+    from threefold.training.hostmem import reuse_freed_host_memory
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert reuse_freed_host_memory(0) is False
@@ -221,7 +222,7 @@ def test_mfu_never_reads_above_one_when_the_cpu_probe_ran_busy(corpus, cache_dir
     its peak came from."""
     import torch
 
-    from threefold import metrics as m
+    from threefold.hardware import metrics as m
 
     def no_probe(*args, **kwargs):
         raise AssertionError("the CPU was probed again inside the training loop")
@@ -243,7 +244,7 @@ def test_mfu_never_reads_above_one_when_the_cpu_probe_ran_busy(corpus, cache_dir
 def test_launcher_passes_only_flags_torchrun_knows():
     """torch 2.11's torchrun has no --shutdown-timeout: the launcher reads the installed
     torchrun's own source (without importing torch) before passing a flag."""
-    from threefold.launch import torchrun_accepts
+    from threefold.launch.launcher import torchrun_accepts
 
     assert torchrun_accepts("--nproc-per-node") and torchrun_accepts("--standalone")
     assert not torchrun_accepts("--no-such-flag-in-torchrun")
@@ -255,8 +256,8 @@ def test_reference_engine_is_frozen_and_holds_no_optimiser_buffers(corpus, cache
     gradients, no float32 masters and no checkpointing wrappers: only what it computes with."""
     import torch
 
-    from threefold.run import reference_engine
-    from threefold.train import build_run
+    from threefold.training.run import reference_engine
+    from threefold.training.train import build_run
 
     cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "ref",
                                            train__dtype="bfloat16",

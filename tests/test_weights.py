@@ -16,9 +16,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from threefold import hf, weights
-from threefold.checkpoint import (CheckpointError, Piece, list_checkpoints, load_checkpoint,
-                                  save_checkpoint, save_streamed)
+from threefold.weights import hf
+from threefold import weights
+from threefold.weights.checkpoint_verify import CheckpointError, Piece, list_checkpoints
+from threefold.weights.checkpoint import load_checkpoint, save_checkpoint, save_streamed
 from threefold.config import ModelConfig
 from threefold.weights import CheckpointSource, DictSource, HFSource
 
@@ -302,7 +303,7 @@ def _run_checkpoint(root: Path, cfg: ModelConfig, w: dict) -> Path:
 @pytest.mark.parametrize("cfg", [LLAMA, MIXTRAL], ids=["llama", "mixtral"])
 def test_sharded_export_and_multi_file_import_round_trip(tmp_path, cfg):
     transformers = pytest.importorskip("transformers")
-    from threefold.model import CausalLM
+    from threefold.model.decoder import CausalLM
 
     w = _weights(cfg)
     _run_checkpoint(tmp_path / "run", cfg, w)
@@ -347,7 +348,7 @@ def test_sharded_export_and_multi_file_import_round_trip(tmp_path, cfg):
 def test_imported_multi_file_checkpoint_resumes_training(corpus, cache_dir, tmp_path):
     from conftest import tiny_overrides
     from threefold.config import load_config
-    from threefold.train import train
+    from threefold.training.train import train
 
     first = train(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "run",
                                                    train__steps=2)))

@@ -1,4 +1,4 @@
-"""Parallelisms change modules one way (``threefold.parallel.wrap.become``): context and
+"""Parallelisms change modules one way (``threefold.parallel.transforms.wrap.become``): context and
 expert parallelism turn attentions, the model and MoE experts into wrapper classes that
 ``print(model)`` names, with their settings, and leave no function on an instance; the
 wrappers survive recompute on top of them and deep copies, and expert parallelism's on one
@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from threefold.config import ModelConfig
-from threefold.model import CausalLM, MixtralModel, Qwen3ForCausalLM
-from threefold.parallel.context import (CPMask, ContextParallelAttention,
+from threefold.model.decoder import CausalLM, MixtralModel, Qwen3ForCausalLM
+from threefold.parallel.transforms.context import (CPMask, ContextParallelAttention,
                                         ContextParallelDecoderModel, apply_context_parallel)
-from threefold.parallel.expert import ExpertParallelExperts, apply_expert_parallel, take_rows_sent
-from threefold.parallel.recompute import apply_recompute
-from threefold.parallel.wrap import become
+from threefold.parallel.transforms.expert import (ExpertParallelExperts, apply_expert_parallel,
+                                                  take_rows_sent)
+from threefold.parallel.transforms.recompute import apply_recompute
+from threefold.parallel.transforms.wrap import become
 
 
 class _SizesComm:
@@ -129,8 +130,8 @@ def test_tensor_parallelism_names_its_wrappers():
     embedding, head, norms, sub-layers (with their f and g) and a LoRA adapter into classes
     print(model) names; context parallelism's attention composes over its sub-layer."""
     from threefold.config import LoRAConfig
-    from threefold.lora import apply_lora
-    from threefold.parallel.tensor import TensorParallelCausalLM, apply_tensor_parallel
+    from threefold.model.lora import apply_lora
+    from threefold.parallel.transforms.tensor import TensorParallelCausalLM, apply_tensor_parallel
 
     cfg = ModelConfig(preset="tiny", vocab_size=128, hidden_size=32, intermediate_size=24,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

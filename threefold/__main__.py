@@ -2,6 +2,6 @@
 
 import sys
 
-from threefold.cli import main
+from threefold.commands.main import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """The accounting: closed forms that the runtime logs and the planner predicts, one definition
-each. Parameters and FLOPs (``shapes``), what a layout and a workload imply (``layout``; the two
-themselves are ``threefold.layout``'s, the one description, and so are the rules),
+each. Parameters and FLOPs (``counts``), what a layout and a workload imply (``batches``; the
+two themselves are ``threefold.layout``'s, the one description, and so are the rules),
 parameters per rank, ZeRO units and gradient buckets (``stages``), and every collective a rank
 issues with its bytes per mesh axis (``traffic``). Pure functions of the configuration; no
 torch, so the planner evaluates a 1T-parameter layout in microseconds. The runtime, the
@@ -8,17 +8,17 @@ benchmarks and the tests import these names from here.
 
 Conventions (every function below follows them):
 - A *layout* splits the world into pp × dp_replicate × dp_shard × cp × tp. Mesh axes are
-  ordered outermost first as ``threefold.axes.AXES`` (every axis table here is
-  ``threefold.axes``'s, the runtime's): tp innermost (NVLink), then cp, then dp_shard, then
+  ordered outermost first as ``threefold.layout.axes.AXES`` (every axis table here is
+  ``threefold.layout.axes``'s, the runtime's): tp innermost (NVLink), then cp, then dp_shard, then
   dp_replicate and pp outermost (DESIGN.md, topology rule). A group that does not fit inside
   one aligned node crosses the network.
-- Context parallelism is threefold's (``threefold.parallel.context``): each cp rank holds
+- Context parallelism is threefold's (``threefold.parallel.transforms.context``): each cp rank holds
   seq_len/cp tokens of every sequence, so every per-token figure (FLOPs, memory traffic,
   activations, tp and pp messages) is that of seq_len/cp tokens, while attention still looks
   at all seq_len keys. Weights are replicated over cp: plain data parallelism all-reduces over
   dp·cp ranks ("dp_cp"), ZeRO shards over dp_shard·cp ("dp_shard_cp"). Each attention moves
   K/V on "cp" (``cp_bytes_per_attention``).
-- Tensor parallelism is threefold's (``threefold.parallel.tensor``, after Megatron, Shoeybi et
+- Tensor parallelism is threefold's (``threefold.parallel.transforms.tensor``, after Megatron, Shoeybi et
   al. 2019): q/k/v/gate/up column-parallel, o/down row-parallel, vocab-parallel embedding and
   head. RMSNorm weights are *replicated* over tp (under sequence parallelism their gradients
   are all-reduced over tp in every backward). When kv heads < tp, k/v projections stay whole
@@ -31,7 +31,7 @@ Conventions (every function below follows them):
   (Megatron's interleaved layout); rank 0 also holds the embedding, rank p-1 the final norm
   and LM head; with tied embeddings and pp > 1 both ends hold a copy, whose gradients are
   all-reduced between them once per step.
-- Bytes are those one rank *sends*, counted exactly as ``threefold.comm.Comm`` counts them (ring
+- Bytes are those one rank *sends*, counted exactly as ``threefold.comm.counted.Comm`` counts them (ring
   algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
   elements, point-to-point all of it. For the rank with coordinate 0 on every axis (global
   rank 0, the one that writes summary.json); other ranks differ by at most 2 elements per
@@ -39,14 +39,8 @@ Conventions (every function below follows them):
   published 2(n−1)/n·S and (n−1)/n·S.
 """
 
-from threefold.accounting.layout import (
-    Layout,
-    Workload,
-    check_layout,
-    local_seq_len,
-    microbatches,
-)
-from threefold.accounting.shapes import (
+from threefold.accounting.batches import local_seq_len, microbatches
+from threefold.accounting.counts import (
     TPShard,
     active_parameters,
     flops_per_token,
@@ -70,30 +64,17 @@ from threefold.accounting.stages import (
     stage_parameters,
     stage_units,
 )
-from threefold.accounting.traffic import (
-    Collective,
-    axis_crosses_nodes,
-    axis_stride,
-    axis_stride_and_span,
-    collectives,
-    comm_bytes_per_step,
-    cp_bytes_per_attention,
-    offload_bytes_per_step,
-)
+from threefold.accounting.collective import Collective
+from threefold.accounting.traffic import (axis_crosses_nodes, axis_stride, axis_stride_and_span,
+    collectives, comm_bytes_per_step, cp_bytes_per_attention, offload_bytes_per_step)
 
-from threefold.axes import COMM_AXES, EXPERT_AXES
-from threefold.layout.description import DEFAULT_BUCKET_MB, DTYPE_BYTES
-from threefold.layout.rules import LayoutError
 
 __all__ = [
     "active_parameters", "axis_crosses_nodes", "axis_stride", "axis_stride_and_span",
-    "block_parameter_numels",
-    "check_layout", "Collective", "collectives", "COMM_AXES",
-    "comm_bytes_per_step", "cp_bytes_per_attention", "DEFAULT_BUCKET_MB",
-    "DTYPE_BYTES", "EXPERT_AXES", "flops_per_token", "gradient_buckets",
-    "largest_unit_parameters", "layer_parameters", "layer_parameters_per_rank", "Layout",
-    "LayoutError", "local_seq_len", "matmul_parameters", "microbatches",
-    "moe_matmul_parameters", "num_parameters", "offload_bytes_per_step", "owned_parameters",
-    "padded_vocab", "parameter_numels", "pipeline_layers", "rank_layers",
-    "stage_expert_units", "stage_parameters", "stage_units", "tp_shard", "TPShard", "Workload",
+    "block_parameter_numels", "Collective", "collectives", "comm_bytes_per_step",
+    "cp_bytes_per_attention", "flops_per_token", "gradient_buckets", "largest_unit_parameters",
+    "layer_parameters", "layer_parameters_per_rank", "local_seq_len", "matmul_parameters",
+    "microbatches", "moe_matmul_parameters", "num_parameters", "offload_bytes_per_step",
+    "owned_parameters", "padded_vocab", "parameter_numels", "pipeline_layers", "rank_layers",
+    "stage_expert_units", "stage_parameters", "stage_units", "tp_shard", "TPShard",
 ]

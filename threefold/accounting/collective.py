@@ -1,5 +1,5 @@
 """One kind of collective a rank issues, and the bytes each call sends as threefold's counted
-communication layer (``threefold.comm.Comm``) counts them: the unit every traffic figure of
+communication layer (``threefold.comm.counted.Comm``) counts them: the unit every traffic figure of
 the accounting is made of.
 """
 
@@ -36,7 +36,7 @@ class Collective:
 
     def bytes_sent(self, index: int = 0) -> int:
         """Bytes the rank with coordinate ``index`` on the axis sends per call, exactly as
-        ``threefold.comm.Comm`` counts them."""
+        ``threefold.comm.counted.Comm`` counts them."""
         n, numel = self.group, self.numel
         if self.op == "all_reduce":  # every chunk but its own, twice (tensor_split chunks)
             q, r = divmod(numel, n)

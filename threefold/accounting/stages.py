@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from threefold.accounting.layout import Layout
-from threefold.accounting.shapes import tp_shard, tp_shard_for
+from threefold.layout import Layout
+from threefold.accounting.counts import tp_shard, tp_shard_for
 from threefold.config import ModelConfig
 from threefold.schedules.actions import rank_stage
 from threefold.schedules.balance import split_counts
@@ -41,7 +41,7 @@ def attn_key(cfg: ModelConfig) -> tuple:
 
 def _latent_numels(h: int, heads: int, mla: tuple) -> tuple[int, ...]:
     """Latent attention's parameters on a rank of ``heads`` heads, in registration order
-    (``threefold.mla``): q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa,
+    (``threefold.model.mla``): q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa,
     kv_a_layernorm (whole on every tp rank), kv_b_proj, o_proj (this rank's heads)."""
     ql, c, nope, rope, v = mla
     q_rows = heads * (nope + rope)
@@ -56,7 +56,7 @@ def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
     hd, bias, qk_norm, layout, mla = attn or (h // a, False, "", "pre", ())
     kv_rows = (kv * hd) if sh.kv_replicas > 1 else sh.kv_heads * hd  # replicated: whole
     q_rows = sh.heads * hd
-    # registration order of threefold.model.DecoderLayer: input_layernorm (pre
+    # registration order of threefold.model.decoder.DecoderLayer: input_layernorm (pre
     # layout), q/k/v_proj (each weight, then its bias), o_proj, q/k_norm (per head: d; over
     # the projection: this rank's rows), post_attention_layernorm, gate/up/down_proj,
     # post_feedforward_layernorm (post and sandwich layouts)
@@ -80,7 +80,7 @@ def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tup
     """(the block's parameters, its expert tensors held apart) on one tp and ep rank, in
     registration order. Dense (a dense model's, or with ``dense`` a mixture's dense first
     block, of its own width): (``_block_numels``, ()). A mixture of experts (HF Mixtral
-    names, threefold.moe): the norms and attention, then ``mlp.gate`` (E·h),
+    names, threefold.model.moe): the norms and attention, then ``mlp.gate`` (E·h),
     ``mlp.experts.gate_up_proj`` (E/ep·2f·h), ``mlp.experts.down_proj`` (E/ep·h·f), a shared
     expert (gate/up/down, then its 1×h gate when gated); the MoE is whole on every tp rank.
     With ep > 1 the two expert tensors are held apart (the runtime's engines treat them
@@ -242,7 +242,7 @@ def stage_expert_units(cfg: ModelConfig, layout: Layout, stage: int
 def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[int]:
     """Sizes of the parameters one rank of ``stage`` holds, in the model's registration order
     (embedding, blocks, final norm, LM head; a tied weight once, first): the order
-    ``threefold.parallel.data`` cuts gradient buckets in."""
+    ``threefold.parallel.engines.data_parallel`` cuts gradient buckets in."""
     units = list(stage_units(cfg, layout, stage))
     if cfg.tie_word_embeddings and layout.pp == 1:
         units = [units[-1]] + units[:-1]
@@ -251,7 +251,7 @@ def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[i
 
 def owned_parameters(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """Parameters one rank of ``stage`` updates: all it holds, or under ZeRO its shard of
-    each unit (padded to a multiple of dp_shard·cp, as ``threefold.parallel.zero`` pads; an
+    each unit (padded to a multiple of dp_shard·cp, as ``threefold.parallel.engines.zero`` pads; an
     expert unit to a multiple of dp_shard/ep, its shard group)."""
     n = layout.shard_size if layout.zero_stage else 1
     ne = layout.edp_shard if layout.zero_stage else 1
@@ -289,7 +289,7 @@ def cut_buckets(numels: tuple[int, ...], elem: int, bucket_bytes: int) -> tuple[
 
 def gradient_buckets(cfg: ModelConfig, layout: Layout, elem_bytes: int, stage: int = 0
                      ) -> tuple[int, ...]:
-    """Elements of each data-parallel gradient bucket, cut as ``threefold.parallel.data``
+    """Elements of each data-parallel gradient bucket, cut as ``threefold.parallel.engines.data_parallel``
     cuts them: parameters in reverse registration order, a bucket closed once it reaches
     ``layout.bucket_bytes``."""
     return cut_buckets(tuple(parameter_numels(cfg, layout, stage)), elem_bytes, layout.bucket_bytes)

@@ -4,14 +4,14 @@ axis, operation, message size and count per microbatch or per step. The bytes pe
 K/V traffic of context parallelism, the optimiser-offload traffic, and which link an axis
 crosses (mesh order, tp innermost).
 
-Bytes are those one rank *sends*, counted exactly as ``threefold.comm.Comm`` counts them (ring
+Bytes are those one rank *sends*, counted exactly as ``threefold.comm.counted.Comm`` counts them (ring
 algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
 elements, point-to-point all of it; for global rank 0.
 
 What each axis carries (``collectives``; x = b·s·h elements of one microbatch's activation,
 L = layers on the stage):
 
-tp (``threefold.parallel.tensor``; Megatron §3, Korthikanti et al. §4.2.2), per microbatch:
+tp (``threefold.parallel.transforms.tensor``; Megatron §3, Korthikanti et al. §4.2.2), per microbatch:
 without SP each layer all-reduces its two sub-layer outputs forward (matmul dtype) and its
 two sub-layer input gradients backward (residual dtype): 8·x·(t-1)/t elements per layer.
 With SP each "all-reduce" becomes an all-gather plus a reduce-scatter — the same bytes;
@@ -32,7 +32,7 @@ head's or a recompute's) are issued in chunks with the same bytes in all; they a
 pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary, in
 the residual dtype; the gradient norm all-reduces 2 fp32 scalars over the stages (these
 pipeline figures are the planner's: not yet checked against the pipeline executor).
-dp (``threefold.parallel.data`` / ``zero``; ZeRO arXiv 1910.02054 §7): stage 0 all-reduces
+dp (``threefold.parallel.engines.data_parallel`` / ``zero``; ZeRO arXiv 1910.02054 §7): stage 0 all-reduces
 the gradient buckets over the flattened "dp" group once per step (no sync while
 accumulating), overlapped with the last backward; ZeRO works per unit (embedding, each
 block, final norm, head; each padded to a multiple of dp_shard): stages 1 and 2
@@ -44,7 +44,7 @@ forward to the end of the step: one gather per step). Then, with
 dp_replicate > 1, every unit's gradient shard is all-reduced over dp_replicate, and the
 gradient norm all-reduces 2 fp32 scalars over dp_shard. Weights and gradients move in
 ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say otherwise.
-Mixture of experts (``threefold.moe``, ``threefold.parallel.expert``): the MoE is whole on
+Mixture of experts (``threefold.model.moe``, ``threefold.parallel.transforms.expert``): the MoE is whole on
 every tp rank, so only the attention has tp collectives (one all-reduce per layer each
 way, and the recomputed attention's). With ep > 1, per MoE layer and microbatch, on "ep"
 (all-to-alls, on the critical path): the count exchange, E int64 split evenly over the ep
@@ -61,7 +61,7 @@ own over "edp_shard" (dp_shard/ep), padded to a multiple of it, with the dense u
 collectives (stage 3 under full recompute gathers it a third time: the recomputed forward
 runs before the unit's backward hook) and, with dp_replicate > 1, its shard gradient
 all-reduced over dp_replicate.
-cp (``threefold.parallel.context``), per microbatch and layer: the attention's K/V moves,
+cp (``threefold.parallel.transforms.context``), per microbatch and layer: the attention's K/V moves,
 ``cp_bytes_per_attention`` of this rank's K and V (2·b·kv heads per tp rank·s/cp·head_dim
 in the matmul dtype), its forward twice under recompute. Ring: point-to-point hops of the
 K/V block, posted before the block in hand is computed (each hides behind one block's
@@ -79,10 +79,10 @@ from collections import Counter
 
 from threefold.accounting.collective import Collective
 from threefold.accounting.fp8 import fp8_amaxes, fp8_block_unit, fp8_gathered_numels
-from threefold.accounting.layout import (Layout, Workload, local_seq_len, microbatches,
-                                         tp_chunks)
-from threefold.accounting.lora import lora_collectives, tp_reduced_numel
-from threefold.accounting.shapes import (latent_replicated_numels, moe_key, norms_per_block,
+from threefold.layout import Layout, Workload
+from threefold.accounting.batches import local_seq_len, microbatches, tp_chunks
+from threefold.accounting.lora_counts import lora_collectives, tp_reduced_numel
+from threefold.accounting.counts import (latent_replicated_numels, moe_key, norms_per_block,
                                          tp_shard)
 from threefold.accounting.stages import (
     cut_buckets,
@@ -94,7 +94,7 @@ from threefold.accounting.stages import (
     stage_expert_units,
     stage_units,
 )
-from threefold.axes import AXES, COMM_AXES, EXPERT_AXES, FLATTENED
+from threefold.layout.axes import AXES, COMM_AXES, EXPERT_AXES, FLATTENED
 from threefold.config import ModelConfig
 from threefold.schedules.actions import rank_stage, stage_rank
 
@@ -398,7 +398,7 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXE
     covers) when ranks are laid out in ``order`` (outermost first; the runtime's is ``AXES``,
     a planner may compare with a published system's). A flattened axis ("dp", "dp_cp",
     "dp_shard_cp") takes its innermost part's stride and its outermost part's reach;
-    the expert axes divide dp_shard as ``threefold.mesh`` does: "ep" is its innermost ep ranks
+    the expert axes divide dp_shard as ``threefold.comm.mesh`` does: "ep" is its innermost ep ranks
     (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate."""
     def stride(a: str) -> int:
         return math.prod(layout.axis_size(x) for x in order[order.index(a) + 1:])
@@ -431,7 +431,7 @@ def axis_crosses_nodes(layout: Layout, axis: str, gpus_per_node: int) -> bool:
 
 def offload_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> dict[str, int]:
     """Bytes one rank of the busiest stage moves between device and host per step under
-    optimiser offload (threefold.parallel.offload): its owned parameters' gradients down and
+    optimiser offload (threefold.parallel.engines.offload): its owned parameters' gradients down and
     their updated values up, each ``work.weight_bytes`` per element (fp32 in threefold's
     runtime: 4 + 4 bytes per owned parameter; 2 + 2 with 16-bit weights, ZeRO-Offload's
     2Ψ + 2Ψ, Ren et al. arXiv 2101.06840). Owned = Ψ of the stage, Ψ/N under ZeRO (padded

@@ -31,7 +31,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                        num_attention_heads=64, num_key_value_heads=8, **_LLAMA3_ROPE),
     "llama3-405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                         num_attention_heads=128, num_key_value_heads=8, **_LLAMA3_ROPE),
-    # Mixture of experts (threefold.moe). tiny-moe: the CPU MoE (8 experts of half tiny's MLP
+    # Mixture of experts (threefold.model.moe). tiny-moe: the CPU MoE (8 experts of half tiny's MLP
     # width, top-2, so a token's MLP work is tiny's). mixtral-8x7b: mistralai/Mixtral-8x7B-v0.1
     # config.json (46,702,792,704 parameters, 12,879,925,248 active per token).
     # olmoe-shape-1b-7b: OLMoE-1B-7B's shape (Muennighoff et al., arXiv 2409.02060: 64 experts,

@@ -13,16 +13,16 @@ from typing import Any
 from threefold.config.presets import MODEL_PRESETS
 
 # The pipeline schedules' names: all config needs of them, as it imports nothing of threefold.
-# The registry, threefold.schedules.schedules.SCHEDULE_SPECS, holds each schedule
+# The registry, threefold.schedules.registry.SCHEDULE_SPECS, holds each schedule
 # (builder, bubble, activations in flight) and refuses to load unless it lists these names.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
-# Context-parallel attention algorithms (threefold.parallel.context) and recompute modes
-# (threefold.parallel.recompute): named once here, at the bottom, for validation, the rule
+# Context-parallel attention algorithms (threefold.parallel.transforms.context) and recompute modes
+# (threefold.parallel.transforms.recompute): named once here, at the bottom, for validation, the rule
 # book, the planner's options and the runtime.
 CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
-# threefold.models.FAMILIES, holds each family's spec and refuses to load unless it lists these.
+# threefold.families.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
                   "olmo2", "gemma3_text", "phi3", "deepseek_v3")
 
@@ -118,7 +118,7 @@ class ModelConfig:
                                  "10000); 0 = rope_theta")
     # (not compared: two configs that differ only in the name compute the same model)
     family: str | None = field(default=None, compare=False, metadata={
-        "doc": "the Hugging Face model_type this model is and exports as (threefold.models "
+        "doc": "the Hugging Face model_type this model is and exports as (threefold.families "
                "lists them); unset = the preset's, else the one family whose spec the "
                "fields meet (llama when it does)"})
     init_std: float = _f(0.02, "std of the normal init of weights")
@@ -303,7 +303,7 @@ class TrainConfig:
     compile: bool = _f(False, "torch.compile each block")
     host_mmap_threshold_mb: float = _f(256.0, "CPU runs: glibc keeps freed blocks below this "
                                        "many MiB for reuse instead of mapping fresh pages "
-                                       "each step (threefold/hostmem.py; 1 MiB at most with "
+                                       "each step (threefold/training/hostmem.py; 1 MiB at most with "
                                        "several ranks, whose heaps would fragment); 0 = "
                                        "glibc's default")
     device: str = _f("auto", "auto, cpu or cuda")

@@ -59,7 +59,7 @@ def check_against_model(cfg: Config, r: ModelConfig) -> None:
           "or set it false")
     lo, p = cfg.lora, cfg.parallel
     # the overlapped sub-layers fuse plain column/row projections with their collectives
-    # (threefold.parallel.tp_overlap): not adapters, latents or replicated k/v
+    # (threefold.parallel.transforms.tp_overlap): not adapters, latents or replicated k/v
     plain = [why for cond, why in ((lo.r > 0, "LoRA adapters (lora.r > 0)"),
                                    (r.kv_lora_rank, "latent attention (model.kv_lora_rank)"),
                                    (p.tp > 1 and r.num_key_value_heads % p.tp,
@@ -147,7 +147,7 @@ def _check_data(d: DataConfig) -> None:
     _need(0 < d.val_fraction < 0.5, f"data.val_fraction: {d.val_fraction} must be in (0, 0.5)")
     _need(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be positive, got {d.max_corpus_mb}")
     # Prepared sources (complete, one tokenizer) are the data layer's to check, from their
-    # files: ``threefold.launch.load_run_config``, right after this, before any process starts.
+    # files: ``threefold.launch.launcher.load_run_config``, right after this, before any process starts.
 
 
 def _check_optim(o: OptimConfig) -> None:
@@ -218,7 +218,7 @@ def _check_train(t: TrainConfig) -> None:
 
 
 def _check_fp8(t: TrainConfig, lo: LoRAConfig, p: ParallelConfig) -> None:
-    """FP8 (threefold.parallel.fp8) and what it does not run with."""
+    """FP8 (threefold.parallel.transforms.fp8_linear) and what it does not run with."""
     _one_of("train.fp8", t.fp8, ["none", "tensorwise", "rowwise"])
     _need(not (t.fp8 != "none" and lo.r and p.tp > 1),
           f"train.fp8: {t.fp8} with lora.r > 0 and parallel.tp > 1 is not available (which "

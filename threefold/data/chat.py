@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from tokenizers import Tokenizer
 
-from threefold.data import DataError
+from threefold.data.errors import DataError
 from threefold.data.tokenizer import eot_id
 
 GENERATION_PROMPT = "<|assistant|>\n"

@@ -11,7 +11,7 @@ from threefold.config import Config, ModelConfig, param_dtype
 from threefold.layout import rules
 from threefold.layout.description import Layout, Workload
 from threefold.schedules.balance import split_counts
-from threefold.schedules.check import check_schedule
+from threefold.schedules import check_schedule
 
 
 def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:

@@ -2,7 +2,7 @@
 ZeRO stage, the pipeline's chunks and schedule, recompute, sequence parallelism, the cp
 algorithm) and ``Workload`` (the batch, the sequence, the numerics).
 
-The runtime (``threefold.parallel.distributed_layout``: its mesh, ``threefold.mesh.build_mesh``,
+The runtime (``threefold.parallel.distributed_world``: its mesh, ``threefold.comm.mesh.build_mesh``,
 and its communication layer read one), the launcher and the dry run (``Layout.from_config``,
 checked by ``threefold.layout.checks.validate_layout``) and the planner (which builds millions
 of them) all read this class; the rules a layout must meet are ``threefold.layout.rules``'s.
@@ -20,7 +20,7 @@ from threefold.config import Config, ParallelConfig, fp8_all_gather, param_dtype
 from threefold.config.validation import lora_targets
 from threefold.layout.ranks import Ranks
 from threefold.layout.rules import fills_world
-from threefold.schedules.schedules import SCHEDULE_SPECS
+from threefold.schedules.registry import SCHEDULE_SPECS
 
 DEFAULT_BUCKET_MB = 25.0  # = ParallelConfig.bucket_mb: data-parallel gradient buckets, MiB
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -48,7 +48,7 @@ class Layout(Ranks):
     cp: int = 1
     cp_algorithm: str = "ring"
     # AdamW's state and the fp32 master in host memory, the step run there
-    # (``parallel.offload_optimizer``, threefold.parallel.offload)
+    # (``parallel.offload_optimizer``, threefold.parallel.engines.offload)
     offload_optimizer: bool = False
     # expert parallelism (``parallel.ep``, a mixture of experts only): each MoE layer's experts
     # split over ep ranks, the innermost ep of dp_shard
@@ -102,7 +102,7 @@ class Layout(Ranks):
 
     @property
     def bucket_bytes(self) -> int:
-        """Gradient bucket size in bytes, as ``threefold.parallel.data`` computes it."""
+        """Gradient bucket size in bytes, as ``threefold.parallel.engines.data_parallel`` computes it."""
         return int(self.bucket_mb * 2**20)
 
     @property
@@ -188,7 +188,7 @@ class Workload:
     backend_copies: bool = False
     # packed documents (data.document_mask): attention under a mask, which keeps more
     document_mask: bool = False
-    # LoRA (``lora.r``, threefold.accounting.lora): only adapters of rank lora_r on the named
+    # LoRA (``lora.r``, threefold.accounting.lora_counts): only adapters of rank lora_r on the named
     # linear layers train; the base is frozen
     lora_r: int = 0
     lora_targets: tuple[str, ...] = ()

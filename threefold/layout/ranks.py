@@ -1,10 +1,10 @@
 """Rank arithmetic on a ``Layout`` (``threefold.layout.description``): a rank's place in the
 mesh is pure arithmetic on its global rank, so the coordinates, the groups of every axis and
 the node-spanning test work without any process group (the launcher and the planner check a
-layout before a process starts; ``threefold.mesh.build_mesh`` turns the same layout into the
+layout before a process starts; ``threefold.comm.mesh.build_mesh`` turns the same layout into the
 torch DeviceMesh whose named axes reach the process groups).
 
-Axis order, outermost to innermost, is ``threefold.axes.AXES``: tp innermost so that its ranks
+Axis order, outermost to innermost, is ``threefold.layout.axes.AXES``: tp innermost so that its ranks
 are neighbours (same node, NVLink), then cp, dp_shard, and dp_replicate and pp outermost, where
 traffic is lightest. Imports no torch.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from threefold.axes import AXES, DERIVED_AXES, EXPERT_AXES, FLATTENED
+from threefold.layout.axes import AXES, DERIVED_AXES, EXPERT_AXES, FLATTENED
 
 
 class Ranks:

@@ -5,7 +5,7 @@ The launcher (before any process starts), the dry run and the trainer call them 
 ``threefold.layout.checks.validate_layout``; the planner through ``checks.check_layout`` (a
 million layouts a search: each rule is a few comparisons, its message formatted only when it
 refuses) and, for the degrees it takes from the command line, directly
-(``threefold.plan.cli``); the post-training commands through ``task_layout``. A refusal is a
+(``threefold.commands.planning``); the post-training commands through ``task_layout``. A refusal is a
 ``LayoutError``, a ``ConfigError``: one line, exit code 2. ``rule_of`` names the rule that
 refused (the planner groups its skipped layouts by it).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Callable
 
 from threefold.config import ConfigError, ModelConfig, ParallelConfig
-from threefold.schedules.schedules import SCHEDULE_SPECS
+from threefold.schedules.registry import SCHEDULE_SPECS
 
 RULES: dict[str, Callable] = {}
 

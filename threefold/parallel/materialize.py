@@ -6,7 +6,7 @@ engine then allocates what the rank keeps — whole local tensors, or only its Z
 and fills it from a *source* of logical tensors:
 
 - ``InitSource``: the initial values, drawn per logical tensor by name exactly as
-  ``CausalLM.init_weights`` draws them (``threefold.model.initial_weight``), so a
+  ``CausalLM.init_weights`` draws them (``threefold.model.decoder.initial_weight``), so a
   rank's slice equals the same slice of a model initialised whole, on every layout;
 - a checkpoint or a Hugging Face folder (``threefold.weights``): only the region the rank
   owns is read from the file.
@@ -25,14 +25,14 @@ import torch
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.model import initial_weight
-from threefold.parallel.placement import (Piece, logical_box, logical_shape, row_span,
-                                         source_name)
-from threefold.weights.base import MissingTensor
+from threefold.model.decoder import initial_weight
+from threefold.weights.checkpoint_verify import Piece
+from threefold.parallel.placement import logical_box, logical_shape, row_span, source_name
+from threefold.weights import MissingTensor
 
 
 class InitSource:
-    """The initial value of every logical tensor (``threefold.model.initial_weight``: seeded
+    """The initial value of every logical tensor (``threefold.model.decoder.initial_weight``: seeded
     by (seed, name)), read by region like a file. The last tensor drawn is kept, so the
     regions of one tensor that several calls ask for cost one draw."""
 

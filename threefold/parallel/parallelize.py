@@ -2,7 +2,7 @@
 values come from.
 
 ``parallelize`` builds the plain model on the meta device (shapes, no storage), adapts it
-(a task's head; LoRA's adapters with the rest frozen, ``threefold.lora``) and applies, in
+(a task's head; LoRA's adapters with the rest frozen, ``threefold.model.lora``) and applies, in
 this order:
 
 1. the pipeline split: this rank keeps its stages' modules (the rest is never built);
@@ -10,8 +10,8 @@ this order:
 3. context parallelism (attention only; no weights change);
 4. expert parallelism: this rank's run of experts;
    then, under ``train.fp8``, the blocks' projections become FP8 layers
-   (``threefold.parallel.fp8``), each keeping its tensor-parallel split;
-5. activation recomputation, full or selective (``threefold.parallel.recompute``: each block
+   (``threefold.parallel.transforms.fp8_linear``), each keeping its tensor-parallel split;
+5. activation recomputation, full or selective (``threefold.parallel.transforms.recompute``: each block
    becomes its recomputing subclass);
 6. torch.compile of each block, and of the head with its loss;
 7. the engine — ZeRO, data parallel or one process, the optimiser on the device or the host —
@@ -33,17 +33,17 @@ import torch
 from torch import nn
 
 from threefold.config import Config, ModelConfig, fp8_all_gather, param_dtype
-from threefold.lora import apply_lora
-from threefold.model import CausalLM
-from threefold.parallel.context import apply_context_parallel
-from threefold.parallel.data import DataParallelEngine
-from threefold.parallel.engine import LocalEngine
-from threefold.parallel.expert import apply_expert_parallel
-from threefold.parallel.fp8 import apply_fp8
-from threefold.parallel.recompute import apply_recompute
+from threefold.model.lora import apply_lora
+from threefold.model.decoder import CausalLM
+from threefold.parallel.transforms.context import apply_context_parallel
+from threefold.parallel.engines.data_parallel import DataParallelEngine
+from threefold.parallel.engines.engine import LocalEngine
+from threefold.parallel.transforms.expert import apply_expert_parallel
+from threefold.parallel.transforms.fp8_linear import apply_fp8
+from threefold.parallel.transforms.recompute import apply_recompute
 from threefold.parallel.materialize import materialize_buffers, materialize_parameters
-from threefold.parallel.tensor import apply_tensor_parallel
-from threefold.parallel.zero import ZeroEngine
+from threefold.parallel.transforms.tensor import apply_tensor_parallel
+from threefold.parallel.engines.zero import ZeroEngine
 
 ORDER = ("pipeline split", "tensor + sequence parallel", "context parallel", "expert parallel",
          "FP8 projections (train.fp8)", "activation recompute", "compile",

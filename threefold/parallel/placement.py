@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from threefold.checkpoint_verify import Piece  # noqa: F401 (re-exported: the engines' pieces)
 
 _ATTR = "_threefold_placement"
 

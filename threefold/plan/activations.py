@@ -6,11 +6,13 @@ context parallelism's K/V, the head's logits, and the microbatches a schedule ke
 
 from __future__ import annotations
 
-from threefold.accounting.layout import Layout, Workload, local_seq_len
-from threefold.accounting.shapes import norms_per_block, tp_shard
+from threefold.layout import Layout, Workload
+from threefold.accounting import local_seq_len
+from threefold.accounting.counts import norms_per_block
+from threefold.accounting import tp_shard
 from threefold.config import ModelConfig
-from threefold.models.shapes import chunk_tokens
-from threefold.schedules.schedules import inflight_of, schedule_spec
+from threefold.families.shapes import chunk_tokens
+from threefold.schedules.registry import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
 # Activations
@@ -70,28 +72,28 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
                            act_bytes: int = 2, residual_bytes: int = 0,
                            flash_attention: bool = True, seq_len: int = 0, cp: int = 1,
                            cp_algorithm: str = "ring") -> float:
-    """Bytes threefold's block (``threefold.model.DecoderLayer`` under
-    ``threefold.parallel.tensor`` and ``threefold.parallel.context``) keeps for backward on
+    """Bytes threefold's block (``threefold.model.decoder.DecoderLayer`` under
+    ``threefold.parallel.transforms.tensor`` and ``threefold.parallel.transforms.context``) keeps for backward on
     one rank for ``tokens`` = b·s/cp tokens (this cp rank's share of b sequences of
     ``seq_len``).
     ``heads``, ``kv_heads`` and ``ffn`` are per rank; d = ``act_bytes`` (matmul dtype), r =
     ``residual_bytes`` (0 = d). Per token, what autograd saves:
 
-    - each RMSNorm (``threefold.kernels.rms_norm``): its input and 1/rms (4 bytes): r·h + 4,
+    - each RMSNorm (``threefold.model.kernels.rms_norm``): its input and 1/rms (4 bytes): r·h + 4,
       split over tp under sequence parallelism (norms then see 1/t of the tokens);
     - each sub-layer input as its linears keep it, at full size (all-gathered under SP, not
       re-gathered in backward): d·h, the input itself when r = d, else the one autocast copy
-      ``threefold.model.matmul_input`` makes for the sub-layer's linears (the wider input
+      ``threefold.model.decoder.matmul_input`` makes for the sub-layer's linears (the wider input
       itself is then not kept);
     - attention: q and k after RoPE, v, the output (which o_proj reuses), the log-sum-exp of
       the flash kernel (4 bytes per head); materialised attention adds d·s per head;
     - RoPE's cos/sin cast to d when d ≠ 4 (4 tables of head_dim, for q and for k);
-    - SwiGLU (``threefold.kernels.swiglu``): gate, up and their product (the down
+    - SwiGLU (``threefold.model.kernels.swiglu``): gate, up and their product (the down
       projection's input), 3·d·ffn; silu(gate) is recomputed in backward.
 
     This is more than Korthikanti's count (``layer_activation_bytes``: norms keep 2 bytes/h,
     RoPE and flash attention did not exist there), and under SP the attention and MLP inputs
-    stay whole, which their 34/t does not assume. (Before ``threefold.kernels``, autograd
+    stay whole, which their 34/t does not assume. (Before ``threefold.model.kernels``, autograd
     also kept each norm's fp32 input copy and normalised input, 4·h more per norm, and
     silu(gate), d·ffn more; autocast's own casts, one per linear, kept 3·d·h for q/k/v and
     2·d·h for gate/up where ``matmul_input``'s single copies keep 2·d·h in all.)
@@ -118,7 +120,7 @@ def selective_block_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_d
                           act_bytes: int = 2, residual_bytes: int = 0,
                           flash_attention: bool = True) -> float:
     """Bytes threefold's block keeps for backward under selective recompute
-    (``threefold.parallel.recompute``: the outputs of its matmuls and of the fused attention
+    (``threefold.parallel.transforms.recompute``: the outputs of its matmuls and of the fused attention
     kernel kept, everything else recomputed), per rank, for ``tokens`` tokens; arguments as
     ``block_activation_bytes``'s. Per token:
 
@@ -146,7 +148,7 @@ def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, se
                        cp: int, algorithm: str, act_bytes: int) -> float:
     """Bytes one block's attention keeps for backward under context parallelism, on one rank
     for its ``tokens`` = b·seq_len/cp tokens (heads and kv heads per tp rank, d =
-    ``act_bytes``), as ``threefold.parallel.context`` runs it (measured to the byte in
+    ``act_bytes``), as ``threefold.parallel.transforms.context`` runs it (measured to the byte in
     tests/test_dryrun.py):
 
     - ring (``RingAttention``): the local q (after RoPE), k and v, its output (cast to q's
@@ -171,7 +173,7 @@ def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, se
 
 
 def fp8_scale_bytes(cfg: ModelConfig, work: Workload) -> int:
-    """What ``train.fp8`` adds to a block's saved tensors (``threefold.parallel.fp8``): it
+    """What ``train.fp8`` adds to a block's saved tensors (``threefold.parallel.transforms.fp8_linear``): it
     keeps the input and weight a plain linear keeps and casts again in backward, so only
     tensorwise's two fp32 scales per projection (q, k, v, o and a dense MLP's gate, up,
     down); rowwise recomputes its per-row scales."""
@@ -279,7 +281,7 @@ def adapter_activation_bytes(layout: Layout, work: Workload) -> float:
 def document_mask_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
                         act_bytes: int) -> float:
     """What threefold's block keeps in addition, without recompute, when attention stays
-    inside packed documents (``data.document_mask``: ``threefold.model.sdpa_attention`` under
+    inside packed documents (``data.document_mask``: ``threefold.model.decoder.sdpa_attention`` under
     a mask), for ``tokens`` tokens of sequences of ``seq_len`` (heads per rank): K and V
     repeated to the query heads, since the masked kernels take no grouped K/V,
     2·d·(heads − kv_heads)·head_dim per token; and the boolean mask, which the kernel keeps
@@ -357,7 +359,7 @@ def head_inflight_microbatches(schedule: str, p: int, m: int) -> int:
 def logits_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """The last stage's peak for one microbatch beyond its blocks, while the loss runs: what
     the head and loss keep for backward (``head_saved_bytes``) plus the chunked head loss's
-    working set (``threefold.head_loss``): one chunk's fp32 logits over the vocabulary shard
+    working set (``threefold.model.head_loss``): one chunk's fp32 logits over the vocabulary shard
     (4·V/t per token of the chunk) and, where the matmul dtype d is narrower than fp32, the
     same logits as the matmul gives them or the gradient cast back for the matmuls (d·V/t
     more); and where the weights are wider than d, the head weight's cast (d·V/t·h; a
@@ -387,7 +389,7 @@ def head_saved_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """What the last stage keeps for backward per microbatch beyond its blocks, from its
     forward until its backward: the final norm's saved tensors (r·h + 4, /t under SP), the
     LM head's input (d·h), and the chunked loss's labels (int64) and fp32 log-sum-exp,
-    12 bytes a token, with or without tp (``threefold.head_loss``; the weight is a
+    12 bytes a token, with or without tp (``threefold.model.head_loss``; the weight is a
     parameter). A pipeline's last stage holds this for every microbatch in flight
     (``head_inflight_microbatches``); ``logits_bytes`` adds the working set of the one whose
     loss is running. tests/test_dryrun.py measures it to the byte (fp32, with tp and SP);

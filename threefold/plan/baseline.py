@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from threefold.data.cache import file_sha256
-from threefold.data.errors import DataError
+from threefold.data import DataError
 from threefold.data.sources import mix_entries, read_index
 
 # bytes a loaded tokenizer holds per vocabulary entry, merge and added token, fitted on
@@ -219,7 +219,7 @@ def stream_bytes(data, rows_read: int, itemsize: int) -> tuple[int, str]:
 def run_tokenizer(cfg) -> Path | None:
     """The tokenizer.json a run of ``cfg`` loads: ``data.tokenizer``, else the one that comes
     with ``checkpoint.init_from``; None for a BPE trained on the corpus."""
-    from threefold.model_source import locate_init_from, run_tokenizer_of
+    from threefold.weights.model_source import locate_init_from, run_tokenizer_of
 
     if cfg.data.tokenizer != "bpe":
         return Path(cfg.data.tokenizer).expanduser()
@@ -253,7 +253,7 @@ def run_baseline(cfg, dp: int, vocab_size: int, threads: int,
 
 def heap_note(threshold_mb: float) -> str:
     """One CPU process keeps freed blocks below ``train.host_mmap_threshold_mb`` in its heap
-    (threefold.hostmem): what it holds then exceeds its live tensors by what the heap keeps,
+    (threefold.training.hostmem): what it holds then exceeds its live tensors by what the heap keeps,
     which no count of tensors predicts."""
     return (f"one process on a CPU keeps freed blocks below {threshold_mb:g} MiB for reuse "
             "(train.host_mmap_threshold_mb): its resident step peak can exceed the prediction "

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from threefold.hardware import Hardware, cpu_matmul_flops
+from threefold.hardware.catalogue import Hardware, cpu_matmul_flops
 
 DEFAULT_PATH = Path("~/.cache/threefold/calibration.json")
 ALLREDUCE_BYTES = (4, 64 * 1024, 1 << 20, 4 << 20, 16 << 20)
@@ -49,7 +49,7 @@ def matmul_flops(dtype_name: str, threads: int, seconds: float = 0.3,
     """Measured matmul FLOP/s at ``dtype_name`` ('fp32' or 'bf16') on ``threads`` threads, over
     ``seconds`` of back-to-back square products. ``statistic`` 'median' is the sustained rate a
     training step sees on a shared machine (what the planner needs); 'best' is the peak
-    ``threefold.hardware.cpu_matmul_flops`` reports (what MFU divides by). The matrix size
+    ``threefold.hardware.catalogue.cpu_matmul_flops`` reports (what MFU divides by). The matrix size
     adapts to the rate: CPUs without bf16 instructions multiply bf16 a hundred times slower
     than fp32, and one 1024² product must not take seconds."""
     before = torch.get_num_threads()
@@ -266,7 +266,7 @@ def hardware_from_calibration(record: dict, ranks_on_machine: int = 1,
 # two steps of a one-block model of width 64 (the second under a document mask), then dropped
 _TINY_STEP = (
     "from threefold.config import ModelConfig\n"
-    "from threefold.model import CausalLM\n"
+    "from threefold.model.decoder import CausalLM\n"
     "cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,\n"
     "                  num_hidden_layers=1, num_attention_heads=4,\n"
     "                  num_key_value_heads=2).resolved()\n"
@@ -297,8 +297,8 @@ def cpu_baseline_bytes(threads: int = 1, path: str | Path = DEFAULT_PATH) -> int
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        code = ("import torch, threefold.train, threefold.parallel.distributed_layout\n"
-                "from threefold.metrics import current_memory_bytes\n"
+        code = ("import torch, threefold.training.train, threefold.parallel.distributed_world\n"
+                "from threefold.hardware.metrics import current_memory_bytes\n"
                 f"torch.set_num_threads({int(threads)})\n"
                 "torch.empty(1, device='meta') + 1\n"
                 "torch.ones(64, 64) @ torch.ones(64, 64)\n" + _TINY_STEP +

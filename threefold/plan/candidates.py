@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from threefold.accounting.layout import Layout
+from threefold.layout import Layout
 from threefold.config import CP_ALGORITHMS
 from threefold.plan.memory import MemoryBreakdown
 from threefold.plan.step import StepPrediction
@@ -29,7 +29,7 @@ class SearchSpace:
     # nothing fits without cp; see ``search``)
     cp: tuple[int, ...] | None = None
     cp_algorithm: tuple[str, ...] = CP_ALGORITHMS
-    # optimiser state in host memory (threefold.parallel.offload): (False,) = never, (True,)
+    # optimiser state in host memory (threefold.parallel.engines.offload): (False,) = never, (True,)
     # = every layout offloads, (False, True) = search both
     offload_optimizer: tuple[bool, ...] = (False,)
     # chunks per sequence-parallel collective (parallel.tp_overlap) of every layout; 0 = off

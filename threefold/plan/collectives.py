@@ -23,7 +23,7 @@ the input):
 The planner takes, per call, the fastest of the algorithms that apply (``collective_time``):
 flat ring and tree over the slowest link the group crosses, and the hierarchical form when
 the group has several ranks per node. These are the closed forms only; the constants (α, β
-per level) are in ``threefold.plan.hardware`` and may be measured (``--calibrate``).
+per level) are in ``threefold.plan.cluster`` and may be measured (``--calibrate``).
 """
 
 from __future__ import annotations

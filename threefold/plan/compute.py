@@ -8,25 +8,18 @@ from __future__ import annotations
 
 import math
 
-from threefold.accounting.layout import (Layout, Workload, local_seq_len, microbatches,
-                                         tp_chunks)
-from threefold.accounting.lora import adapter_numels, lora_flops_per_token, lora_units
-from threefold.accounting.shapes import (
-    flops_per_token,
-    moe_key,
-    layer_parameters_per_rank,
-    moe_matmul_parameters,
-    tp_shard,
-)
-from threefold.accounting.stages import (
-    distinct_stages,
-    stage_multiplicity,
-    owned_parameters,
-    rank_layers,
-)
-from threefold.accounting.traffic import offload_bytes_per_step
+from threefold.layout import Layout, Workload
+from threefold.accounting import local_seq_len, microbatches
+from threefold.accounting.batches import tp_chunks
+from threefold.accounting.lora_counts import adapter_numels, lora_flops_per_token, lora_units
+from threefold.accounting import (flops_per_token, layer_parameters_per_rank, moe_matmul_parameters,
+    tp_shard)
+from threefold.accounting.counts import moe_key
+from threefold.accounting.stages import distinct_stages, stage_multiplicity
+from threefold.accounting import owned_parameters, rank_layers
+from threefold.accounting import offload_bytes_per_step
 from threefold.config import ModelConfig
-from threefold.models.shapes import moe_layers
+from threefold.families.shapes import moe_layers
 
 # The one calibration constant: achieved matmul FLOP/s as a fraction of the datasheet peak.
 # Fitted once to Narayanan et al. 2021 Table 1 (ten GPT runs, 1.7B-1T on up to 3072 A100s;
@@ -140,7 +133,7 @@ def stage_memory_traffic_per_microbatch(cfg: ModelConfig, layout: Layout, work: 
 
     Materialised attention adds a softmax that reads and writes a·s scores. Recompute, full
     or selective, repeats the forward's memory-bound work. The last stage (``stage`` None:
-    the last) adds the chunked head loss over its vocabulary shard (``threefold.head_loss``;
+    the last) adds the chunked head loss over its vocabulary shard (``threefold.model.head_loss``;
     Megatron's fused block: 3 passes of 4·V/t bytes forward, 5 backward):
     forward widens the matmul's logits to fp32 (d + 4 bytes per logit when d ≠ 4) and takes
     their log-sum-exp in place (max 4, subtract 8, exponentiate 8, sum 4); backward widens

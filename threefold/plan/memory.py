@@ -8,7 +8,7 @@ N = dp_shard·cp, the ZeRO group, m = microbatches, bytes per element from ``Sta
 
 - plain / data parallel: Ψ weights, Ψ gradients (freed after every step), the optimiser
   state; data parallel adds its flat gradient buckets, Ψ, for good;
-- ZeRO 1/2 (``threefold.parallel.zero``): the full weights live in per-unit flat buffers
+- ZeRO 1/2 (``threefold.parallel.engines.zero``): the full weights live in per-unit flat buffers
   and the owned shard is a separate parameter (a copy of Ψ/N unless it is the fp32 master
   the optimiser state already counts); the optimiser state is Ψ/N; at the end of backward
   stage 1 holds the full .grad (Ψ) and, in ``finish_gradients``, one unit's flat copy
@@ -22,7 +22,7 @@ While accumulating (m > 1), the gradients of earlier microbatches are held when 
 backward starts: Ψ, or the Ψ/N shard under stage 3. ZeRO over one rank (N = 1) is the same
 engine with nothing to shard.
 
-With ``layout.offload_optimizer`` (threefold.parallel.offload) the optimiser state and the
+With ``layout.offload_optimizer`` (threefold.parallel.engines.offload) the optimiser state and the
 step's temporaries leave the device: ``optimizer`` and ``optimizer_working`` are 0 and
 ``host`` holds, per owned parameter (Ψ, or Ψ/N under ZeRO), the optimiser state plus an
 fp32 master when the state did not include it, plus the fp32 gradient buffer: 16 bytes
@@ -42,18 +42,15 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
-from threefold.accounting.lora import lora_units
+from threefold.layout import Layout, Workload
+from threefold.accounting import local_seq_len, microbatches
+from threefold.accounting.lora_counts import lora_units
 from threefold.accounting.fp8 import fp8_gathered_numels
-from threefold.accounting.shapes import layer_parameters_per_rank, tp_shard
-from threefold.accounting.stages import (
-    distinct_stages,
-    rank_layers,
-    stage_expert_units,
-    stage_units,
-)
+from threefold.accounting import layer_parameters_per_rank, tp_shard
+from threefold.accounting.stages import distinct_stages
+from threefold.accounting import rank_layers, stage_expert_units, stage_units
 from threefold.config import ModelConfig
-from threefold.models.shapes import grouped_widths_unfit
+from threefold.families.shapes import grouped_widths_unfit
 from threefold.plan.activations import (
     adapter_activation_bytes,
     head_inflight_microbatches,
@@ -206,7 +203,7 @@ def gathered_unit_bytes(unit: tuple[int, ...], n: int, param: float,
     """Bytes of one ZeRO-3 unit while gathered: its parameters in ``param`` bytes, or under
     ``parallel.fp8_all_gather`` (``fp8``: a block's FP8 weights, ``fp8_gathered_numels``) a
     block's whole padded unit as bytes (e4m3 for those weights) plus its other elements in
-    ``param`` bytes (``threefold.parallel.fp8_gather``). A block is a unit of several
+    ``param`` bytes (``threefold.parallel.engines.fp8_gather``). A block is a unit of several
     tensors (the embedding, final norm and head are units of one)."""
     if not fp8 or len(unit) == 1:
         return sum(unit) * param
@@ -274,9 +271,9 @@ def _offload(states: dict[str, float], z: int, owned: float, state: StateBytes) 
 def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """Bytes one MoE block keeps for backward per microbatch on one rank beyond what
     ``activations.block_activation_bytes`` counts for a dense block (whose SwiGLU term
-    3·d·f and MLP-input casts it replaces). Measured on ``threefold.moe.SparseMoeBlock``
+    3·d·f and MLP-input casts it replaces). Measured on ``threefold.model.moe.SparseMoeBlock``
     (autograd's saved tensors, fp32 and bf16 autocast; tests/test_plan_moe.py), per token:
-    k rows of 3·d·f (its experts' SwiGLU, ``threefold.kernels.swiglu``) + (4 + 2d)·h (the
+    k rows of 3·d·f (its experts' SwiGLU, ``threefold.model.kernels.swiglu``) + (4 + 2d)·h (the
     rows as the experts' matmul keeps them, their output, the fp32 product with the router
     weight) + 32 (indices and weights); the router's fp32 probabilities and logits 8·E + 8; under autocast the
     router's cast input d·h. A shared expert adds a dense SwiGLU's 3·d·f_s + 3·d·h (not
@@ -299,7 +296,7 @@ def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> f
 
 
 def grouped_experts_run(cfg: ModelConfig, work: Workload) -> bool:
-    """Whether the runtime runs the experts grouped (``threefold.moe.grouped_mm_unfit``):
+    """Whether the runtime runs the experts grouped (``threefold.model.moe.grouped_mm_unfit``):
     ``model.moe_impl`` grouped, widths that meet the 16-byte rule, and on a GPU bf16 (torch's
     grouped kernel; the planner takes the GPU for one that has it, compute capability 9.x or
     10.x: H100, H200; on A100 or V100 the runtime loops and keeps 4 bytes per local expert

@@ -13,13 +13,13 @@ import heapq
 import itertools
 from typing import Iterator
 
-from threefold.accounting.layout import microbatches
-from threefold.accounting.shapes import tp_shard
-from threefold.accounting.stages import pipeline_layers
+from threefold.accounting import microbatches
+from threefold.accounting import tp_shard
+from threefold.accounting import pipeline_layers
 from threefold.config import RECOMPUTE_MODES, ConfigError, ModelConfig, ParallelConfig
 from threefold.layout import Layout, LayoutError, Workload, check_layout, rule_of, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
-from threefold.plan.hardware import Cluster
+from threefold.plan.cluster import Cluster
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import startup_peaks
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
@@ -223,7 +223,7 @@ def _recompute_options(space: SearchSpace, work: Workload) -> tuple[tuple[str, .
     """(recompute modes to try, why one was dropped or ''). Megatron's selective recompute
     under flash attention keeps exactly what no recompute keeps (the attention core is
     already recomputed) at more FLOPs, so it can never win there and is skipped unless asked
-    for; threefold's (``threefold.parallel.recompute``) keeps less, and is searched."""
+    for; threefold's (``threefold.parallel.transforms.recompute``) keeps less, and is searched."""
     if space.recompute:
         return space.recompute, ""
     if work.flash_attention and work.block == "megatron":

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from threefold.accounting.layout import Layout, Workload
-from threefold.accounting.lora import lora_units
-from threefold.accounting.shapes import tp_shard
-from threefold.accounting.stages import (distinct_stages, rank_layers, shape_key,
-                                         stage_expert_units, stage_units)
+from threefold.layout import Layout, Workload
+from threefold.accounting.lora_counts import lora_units
+from threefold.accounting import tp_shard
+from threefold.accounting.stages import distinct_stages, shape_key
+from threefold.accounting import rank_layers, stage_expert_units, stage_units
 from threefold.config import ModelConfig
 from threefold.plan.states import HOST_GRAD_BYTES, HOST_MASTER_BYTES
 

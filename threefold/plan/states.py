@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from threefold.accounting.layout import Workload
+from threefold.layout import Workload
 from threefold.config import Config
 
-# threefold.parallel.zero (stages 2 and 3) starts each unit's reduce-scatter from a backward
+# threefold.parallel.engines.zero (stages 2 and 3) starts each unit's reduce-scatter from a backward
 # hook; its input, a full flat copy of the unit's gradient, lives until the reduce-scatter is
 # finished, and the engine lets at most this many wait (ZeroEngine.MAX_INFLIGHT), so
 # MAX_INFLIGHT + 1 full unit gradients exist at once at most.
 ZERO_REDUCES_IN_FLIGHT = 2
-# Optimiser offload (threefold.parallel.offload) keeps, per parameter the rank updates, an fp32
+# Optimiser offload (threefold.parallel.engines.offload) keeps, per parameter the rank updates, an fp32
 # master copy and an fp32 gradient buffer in host memory beside AdamW's state.
 HOST_MASTER_BYTES = 4
 HOST_GRAD_BYTES = 4
@@ -94,7 +94,7 @@ def zero3_working_bytes(largest_unit_params: float, state: StateBytes = MIXED_AD
 
 def async_save_copy_bytes(cfg: Config, owned: int, adapters: int) -> int:
     """The host copy rank 0 holds while a ``checkpoint.async_save`` save is in flight (0
-    without it; ``threefold.checkpoint_async.snapshot``): what it writes — every element it
+    without it; ``threefold.weights.checkpoint_async.snapshot``): what it writes — every element it
     owns (``owned``; replicated tensors are written by the first replica, which it is), or
     under LoRA its ``adapters`` only — and its RNG state. Persistent buffers (DeepSeek's
     routing bias) are not counted."""

@@ -32,19 +32,21 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from threefold.accounting.layout import Layout, Workload, microbatches
+from threefold.layout import Layout, Workload
+from threefold.accounting import microbatches
 from threefold.accounting.stages import (
     distinct_stages,
     shape_key,
     stage_multiplicity,
     stage_representatives,
 )
-from threefold.accounting.traffic import Collective, bytes_per_axis, collectives
-from threefold.axes import AXES, COMM_AXES
+from threefold.accounting import Collective, collectives
+from threefold.accounting.traffic import bytes_per_axis
+from threefold.layout.axes import AXES, COMM_AXES
 from threefold.config import ModelConfig
-from threefold.schedules.schedules import bubble_of, schedule_spec
-from threefold.schedules.simulate import Costs
-from threefold.schedules.simulate import simulate as replay_schedule
+from threefold.schedules.registry import bubble_of, schedule_spec
+from threefold.schedules import Costs
+from threefold.schedules import simulate as replay_schedule
 from threefold.plan.collectives import collective_time
 from threefold.plan.compute import (
     MATMUL_EFFICIENCY,
@@ -57,7 +59,7 @@ from threefold.plan.compute import (
     stage_flops_per_microbatch,
     stage_memory_traffic_per_microbatch,
 )
-from threefold.plan.topology import Placement, place
+from threefold.plan.network import Placement, place
 
 # --------------------------------------------------------------------------------------------
 # Pipeline bubble
@@ -161,7 +163,7 @@ OVERLAP_RULES = {
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
                  efficiency: float | None = None, bucket_bytes: float | None = None,
                  simulate: bool = False, overlap_grad_reduce: bool = True) -> StepPrediction:
-    """Predicted step of ``layout`` on ``cluster`` (a ``threefold.plan.hardware.Cluster``), by
+    """Predicted step of ``layout`` on ``cluster`` (a ``threefold.plan.cluster.Cluster``), by
     the time model of the module docstring: each stage's microbatch (``_stage_times``), the
     pipeline's m·T_slowest plus its bubble (``_pipeline_span``), then the step's exposed
     data-parallel traffic, the optimiser step and the offload traffic. With

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 
-from threefold.accounting.layout import Layout, Workload, local_seq_len, microbatches
-from threefold.accounting.lora import lora_units
-from threefold.accounting.shapes import tp_shard
-from threefold.accounting.stages import rank_layers
+from threefold.layout import Layout, Workload
+from threefold.accounting import local_seq_len, microbatches
+from threefold.accounting.lora_counts import lora_units
+from threefold.accounting import tp_shard
+from threefold.accounting import rank_layers
 from threefold.config import ModelConfig
-from threefold.models.shapes import chunk_tokens
+from threefold.families.shapes import chunk_tokens
 from threefold.plan.activations import (adapter_activation_bytes, block_document_mask_bytes,
                                         head_saved_bytes, inflight_microbatches,
                                         microbatch_extra_bytes, model_layer_activation_bytes)

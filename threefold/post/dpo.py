@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from threefold.data import DataError
-from threefold.task import Task
+from threefold.training.task import Task
 from threefold.data.chat import (ChatTemplate, announce, check_messages, encode_text,
                                  eot_token, load_chat_template)
 from threefold.post.sft import (IGNORE, EpochSampler, fingerprint, pad_id, split_records,

@@ -2,7 +2,7 @@
 the ``GRPOTask`` that ``threefold grpo`` runs in the training loop.
 
 Each step, every data-parallel rank samples ``grpo.num_generations`` completions of its own
-prompts with ``threefold.generate`` (whole groups, seeded by their place in the run, so they
+prompts with ``threefold.generation.generate`` (whole groups, seeded by their place in the run, so they
 do not depend on the layout), scores them (``threefold.post.grpo_rewards``), normalises the
 rewards in each group (``advantages``) and builds training rows with the reference model's
 log-probs. The loss is TRL's clipped-ratio token loss with a k3 KL to the reference
@@ -25,17 +25,17 @@ import torch
 from threefold.config import ConfigError
 from threefold.data import DataError
 from threefold.data.sampler import rank_rows
-from threefold.generate import generate
-from threefold.lora import adapters_off, has_adapters
+from threefold.generation.generate import generate
+from threefold.model.lora import adapters_off, has_adapters
 from threefold.data.chat import check_messages, encode_text, eot_token, load_chat_template
-from threefold.post.grpo_loss import (  # noqa: F401 (re-exported)
+from threefold.post.grpo_loss import (
     LOSS_TYPES, advantages, grpo_token_loss, loss_units, reduce_token_loss)
-from threefold.post.grpo_rewards import (  # noqa: F401 (re-exported: grpo's public names)
-    BUILTIN_REWARDS, arithmetic_reward, builtin_prompts, call_reward, check_reward_function,
-    columns_of, load_reward, prompt_records, reward_model_scorer, split_prompts)
+from threefold.post.grpo_rewards import (
+    call_reward, check_reward_function,
+    columns_of, load_reward, reward_model_scorer, split_prompts)
 from threefold.post.sft import IGNORE, EpochSampler, fingerprint, pad_id
-from threefold.task import Task
-from threefold.run import autocast, reference_engine
+from threefold.training.task import Task
+from threefold.training.run import autocast, reference_engine
 
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from threefold.data import DataError
-from threefold.hf import load_pretrained
-from threefold.model import CausalLM
+from threefold.weights.hf import load_pretrained
+from threefold.model.decoder import CausalLM
 from threefold.data.chat import read_jsonl
 from threefold.post.reward import add_score_head
 
@@ -64,7 +64,7 @@ def load_reward(spec: str):
             module = importlib.import_module(where)
     except DataError:
         raise
-    except Exception as e:  # noqa: BLE001 - the user's code: say which and why
+    except Exception as e:
         raise DataError(f"grpo.reward: cannot load '{where}': {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
@@ -78,7 +78,7 @@ def call_reward(fn, spec: str, prompts: list[str], completions: list[str],
     raises, returns another number of values, or a value that is not a finite number."""
     try:
         got = fn(prompts, completions, **columns)
-    except Exception as e:  # noqa: BLE001 - the user's code
+    except Exception as e:
         raise DataError(f"grpo.reward: '{spec}' raised {type(e).__name__}: {e}") from None
     try:
         values = np.asarray(list(got), dtype=np.float64)

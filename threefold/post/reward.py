@@ -40,12 +40,13 @@ from torch import nn
 
 from threefold.layout import task_layout
 from threefold.data import DataError
-from threefold.model import initial_weight
-from threefold.parallel.tensor import copy_to_tp, gather_full
+from threefold.model.decoder import initial_weight
+from threefold.parallel.transforms.tp_ops import copy_to_tp
+from threefold.parallel.transforms.tensor import gather_full
 from threefold.data.chat import announce, read_jsonl
 from threefold.post.dpo import PairSampler, load_pairs
-from threefold.task import Task
-from threefold.run import autocast
+from threefold.training.task import Task
+from threefold.training.run import autocast
 
 
 @dataclass

@@ -38,10 +38,10 @@ import torch
 
 from threefold.data import DataError
 from threefold.data.sampler import rank_rows
-from threefold.data.tokenizer import PAD
+from threefold.data import PAD
 from threefold.data.chat import (announce, check_messages, encode_conversation,
                                  load_chat_template, read_jsonl)
-from threefold.task import PretrainTask, Task
+from threefold.training.task import PretrainTask, Task
 
 IGNORE = -100
 

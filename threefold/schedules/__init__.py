@@ -6,21 +6,11 @@ simulator (``simulate``), the stage balance (``balance``) and the timeline write
 need torch, are ``threefold.parallel.pipeline``'s. The planner and the accounting read these
 tables without importing the runtime."""
 
-from threefold.schedules.check import (
-    DeadlockError,
-    ScheduleError,
-    check_actions,
-    check_schedule,
-)
-from threefold.schedules.schedules import (
-    SCHEDULES,
-    Action,
-    ActionKind,
-    build_schedule,
-    get_schedule,
-    num_stages,
-    peak_in_flight,
-)
+from threefold.schedules.simulate import DeadlockError, ScheduleError
+from threefold.schedules.check import check_actions, check_schedule
+from threefold.schedules.registry import (SCHEDULES, build_schedule, get_schedule, num_stages,
+    peak_in_flight)
+from threefold.schedules.actions import Action, ActionKind
 from threefold.schedules.simulate import Costs, SimResult, replay, simulate
 
 __all__ = [

@@ -24,16 +24,15 @@ from threefold.schedules.actions import (
     message_key,
     stage_rank,
 )
-from threefold.schedules.schedules import build_schedule, num_stages, schedule_spec
+from threefold.schedules.registry import build_schedule, num_stages, schedule_spec
 from threefold.schedules.simulate import (
     Costs,
-    DeadlockError,
     ScheduleError,
     SimResult,
     replay,
 )
 
-__all__ = ["check_schedule", "check_actions", "ScheduleError", "DeadlockError"]
+__all__ = ["check_schedule", "check_actions"]
 
 F, B, W, BW = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT,
                ActionKind.BACKWARD)

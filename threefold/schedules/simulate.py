@@ -25,7 +25,7 @@ from threefold.schedules.actions import (
     message_key,
     needs,
 )
-from threefold.schedules.schedules import build_schedule, num_stages
+from threefold.schedules.registry import build_schedule, num_stages
 from threefold.schedules.timeline import TraceRecord
 
 

@@ -137,7 +137,7 @@ class WeightSource:
 
 class DictSource(WeightSource):
     """Tensors in memory: ``{name: tensor}``, or ``{"model": {name: t}, "optim":
-    {"name.exp_avg": t, ...}}`` as ``threefold.checkpoint.load_checkpoint`` returns them.
+    {"name.exp_avg": t, ...}}`` as ``threefold.weights.checkpoint.load_checkpoint`` returns them.
     ``bytes_read`` counts the bytes copied out, as if they came from a file."""
 
     def __init__(self, tensors: Mapping[str, Any]):

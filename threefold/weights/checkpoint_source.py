@@ -1,5 +1,5 @@
 """A threefold checkpoint directory as a source of logical tensors (``CheckpointSource``; the
-format is ``threefold.checkpoint``'s), read by region from only the pieces, and the parts of
+format is ``threefold.weights.checkpoint``'s), read by region from only the pieces, and the parts of
 pieces, that hold the region; ``open_checkpoint`` (one directory) and ``open_sharded`` (the
 collective open for resuming, each node with its own root) verify before they open.
 """
@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_bytes
 
-from threefold.checkpoint_verify import CheckpointError, NodeGroup, fetch_parts, verify_checkpoint
+from threefold.weights.checkpoint_verify import (CheckpointError, NodeGroup, fetch_parts,
+                                                 verify_checkpoint)
 from threefold.weights.base import DTYPES, WeightSource, blocks, box_index, extent
 
 
@@ -62,7 +63,7 @@ class _Tensor:
 
 
 class CheckpointSource(WeightSource):
-    """A threefold checkpoint directory (format: ``threefold.checkpoint``), read by region;
+    """A threefold checkpoint directory (format: ``threefold.weights.checkpoint``), read by region;
     ``state`` is its state.json. Opening verifies it (``verify_checkpoint``: index, parts,
     sizes, SHA-256) unless ``files`` maps every file name to a path or to a received file's
     bytes, verified by the caller (``open_sharded``; received rank files are loaded whole),
@@ -253,7 +254,7 @@ def open_checkpoint(path: Path | str, rank: int = 0
 def open_sharded(root: Path | str, step: int, rank: int, group: NodeGroup
                  ) -> tuple[CheckpointSource, dict[str, Any], dict[str, torch.Tensor]]:
     """Collective open of checkpoint ``step`` for resuming, with ``load_sharded``'s contract
-    (``threefold.checkpoint_verify.fetch_parts``): each node's leader verifies the parts it holds, a
+    (``threefold.weights.checkpoint_verify.fetch_parts``): each node's leader verifies the parts it holds, a
     part on no node is an error naming it, parts a node lacks are sent to it over the control
     channel. Returns (source, state, this rank's per-rank tensors, rank 0's if absent).
 

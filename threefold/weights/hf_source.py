@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from threefold.checkpoint_verify import read_json
+from threefold.weights.checkpoint_verify import read_json
 from threefold.config import ModelConfig
-from threefold.hf_config import (INDEX, SINGLE, HFError, check_shapes, expected_shapes,
+from threefold.weights.hf_config import (INDEX, SINGLE, HFError, check_shapes, expected_shapes,
                                  hub_names, hub_router, model_config_from_hf, qwen_layout)
-from threefold.models import fused_files
+from threefold.families import fused_files
 from threefold.weights.base import DTYPES, HEAD, WeightSource, blocks, box_index, extent
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -99,7 +99,7 @@ class _HFTensor:
 
 
 def _split_fused(cfg: ModelConfig, parts: dict[str, _Part]) -> dict[str, _Part]:
-    """``parts`` with each fused file tensor of the family (``threefold.models.fused_files``:
+    """``parts`` with each fused file tensor of the family (``threefold.families.fused_files``:
     Phi-3's ``qkv_proj``, ``gate_up_proj``) replaced, in place in the order, by the logical
     tensors it holds, each a region of its rows; HFError names a fused tensor that is
     missing or of another shape than its parts make."""
@@ -134,7 +134,7 @@ class HFSource(WeightSource):
     """A local Hugging Face folder of a built family (``config.json`` and ``model.safetensors``
     or the shards of ``model.safetensors.index.json``), opened from the files' headers only.
 
-    Opening performs every check ``threefold.hf.import_hf`` makes, with its messages: the
+    Opening performs every check ``threefold.weights.hf.import_hf`` makes, with its messages: the
     config maps to a ``ModelConfig`` (``config``), pickle files are refused, index entries
     stay inside the folder, each listed tensor is present and floating point, every expected
     tensor has the config's shape and nothing else is there. ``rotary_emb.inv_freq`` is

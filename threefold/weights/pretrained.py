@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from threefold.checkpoint_verify import list_checkpoints, read_json, resolve_root
+from threefold.weights.checkpoint_verify import list_checkpoints, read_json, resolve_root
 from threefold.config import ModelConfig
-from threefold.hf_config import HFError, model_config_from_hf, model_config_from_state
+from threefold.weights.hf_config import HFError, model_config_from_hf, model_config_from_state
 from threefold.weights.base import WeightSource
 from threefold.weights.checkpoint_source import CheckpointSource
 from threefold.weights.hf_source import HFSource

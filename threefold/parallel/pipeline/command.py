@@ -9,22 +9,12 @@ import argparse
 import json
 import sys
 
-from threefold.schedules.check import check_schedule
-from threefold.schedules.schedules import (
-    SCHEDULES,
-    SENDS,
-    Action,
-    build_schedule,
-    in_flight_chunks,
-    num_stages,
-)
-from threefold.schedules.simulate import (
-    Costs,
-    SimResult,
-    measured_costs,
-    pipeline_records,
-    simulate,
-)
+from threefold.schedules import check_schedule
+from threefold.schedules import SCHEDULES, Action, build_schedule, num_stages
+from threefold.schedules.actions import SENDS
+from threefold.schedules.registry import in_flight_chunks
+from threefold.schedules import Costs, SimResult, simulate
+from threefold.schedules.simulate import measured_costs, pipeline_records
 from threefold.schedules.timeline import ascii_timeline, draw_png, write_chrome_trace
 
 # --------------------------------------------------------------------------------------------
@@ -125,7 +115,7 @@ def main(argv: list[str]) -> int:
             raise _UsageError("--t-f, --t-b, --t-w and --t-comm must be >= 0")
         if args.png:
             try:
-                import matplotlib  # noqa: F401  (only to fail before any work is done)
+                import matplotlib
             except ImportError:
                 raise _UsageError("--png needs matplotlib: pip install matplotlib") from None
         check_schedule(args.schedule, args.pp, args.microbatches, args.vpp, args.inflight)

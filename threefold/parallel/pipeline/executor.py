@@ -37,18 +37,11 @@ from typing import Callable, ContextManager, Sequence
 import torch
 from torch import nn
 
-from threefold.schedules.check import check_schedule
-from threefold.schedules.schedules import (
-    RECEIVES,
-    Action,
-    ActionKind,
-    build_schedule,
-    num_stages,
-    rank_stage,
-    schedule_spec,
-    stage_rank,
-)
-from threefold.schedules.simulate import replay
+from threefold.schedules import check_schedule
+from threefold.schedules.actions import RECEIVES, rank_stage, stage_rank
+from threefold.schedules import Action, ActionKind, build_schedule, num_stages
+from threefold.schedules.registry import schedule_spec
+from threefold.schedules import replay
 from threefold.parallel.pipeline.split_backward import SplitBackward
 from threefold.schedules.timeline import TraceRecord
 
@@ -119,7 +112,7 @@ class PipelineExecutor:
 
     ``chunks[c]`` is this rank's model chunk ``c`` (virtual stage ``c·p + pp_rank``, see
     stage.split_model). The last stage is called with the microbatch's ``labels`` and returns
-    each token's loss (``threefold.head_loss``: the logits are never whole), which it sums.
+    each token's loss (``threefold.model.head_loss``: the logits are never whole), which it sums.
     ``micro_context()`` is entered around
     every forward (e.g. autocast); ``grad_sync(last)`` around every backward that makes weight
     gradients (e.g. ``engine.micro_step``), with ``last`` True for each chunk's final one.
@@ -138,7 +131,7 @@ class PipelineExecutor:
     durations, at the cost of any overlap).
     ``extra_loss(chunk, microbatch)``, when given, is called after every training forward of
     a chunk and returns None or a scalar to add to the objective there (a mixture of
-    experts' router losses of that chunk's layers, ``threefold.moe.RouterLog``), divided by
+    experts' router losses of that chunk's layers, ``threefold.model.moe.RouterLog``), divided by
     the step's count like the loss: on the last stage it joins the loss, elsewhere it
     enters the backward through the chunk's output (``_AddInBackward``); the logged loss
     leaves it out.
@@ -275,7 +268,7 @@ class PipelineExecutor:
             x = self._handoff_f.pop(key) if key in self._handoff_f else self._recv_f.pop(key)
             x = x.detach().requires_grad_(not self._forward_only)
         last = a.stage == self.n - 1
-        if last:  # the last stage returns each token's loss (threefold.head_loss)
+        if last:  # the last stage returns each token's loss (threefold.model.head_loss)
             extra = {**extra, "labels": labels}
         with self.micro_context():
             out = self.chunks[a.chunk](x, **extra)

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from torch.autograd.graph import GradientEdge
 
-from threefold.kernels import computing_half
+from threefold.model.kernels import computing_half
 
 
 class SplitBackward:

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.head_loss import LMHead
-from threefold.model import CausalLM, family_class
+from threefold.model.head_loss import LMHead
+from threefold.model.decoder import CausalLM, family_class
 from threefold.schedules.actions import rank_stage
 from threefold.schedules.balance import partition, runs_of, split_counts
 from threefold.parallel.placement import place
@@ -76,7 +76,7 @@ def stage_costs(model: CausalLM, balance: str = "params",
                          f"{balance!r}")
     inner = model.model
     if balance == "params":
-        count = lambda m: float(sum(q.numel() for q in m.parameters()))  # noqa: E731
+        count = lambda m: float(sum(q.numel() for q in m.parameters()))
         return ([count(layer) for layer in inner.layers], count(inner.embed_tokens),
                 count(inner.norm) + (0.0 if model.cfg.tie_word_embeddings
                                      else count(model.lm_head)))

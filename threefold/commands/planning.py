@@ -1,0 +1,433 @@
+"""`threefold plan`: rank every parallel layout of a model on a cluster by predicted step time.
+
+The search enumerates (dp_replicate, dp_shard, cp, cp_algorithm, tp, pp, vpp, zero_stage,
+microbatch_size, recompute) whose product is the world and which divide the model and the
+batch, drops those that do not fit in memory (keeping the reason), scores the rest with
+``threefold.accounting`` and ``threefold.plan.memory``, and explains the ranking. Imports no
+torch: the 1024-GPU search for a 70B model takes a second or two.
+
+Conventions: tensor parallelism runs with sequence parallelism; zero_stage 0 means plain data
+parallelism over dp_shard (dp_replicate = 1); vpp > 1 means interleaved 1F1B; mesh axes are
+ordered pp, dp_replicate, dp_shard, cp, tp (outermost first), so tp stays inside a node when it
+can, and a layout whose tp group crosses nodes is flagged.
+
+Context parallelism (cp > 1, each sequence split over cp ranks) multiplies the search by the
+cp degrees times the two algorithms, and only pays at long sequences, so it is searched only
+when ``seq_len >= CP_MIN_SEQ_LEN``, or when no layout without it fits in memory (the search
+then runs again with it), or when asked for (``SearchSpace.cp``, ``--cp``). cp takes the
+divisors of world/tp for which seq_len divides by 2·cp and each cp rank's tokens by tp. When
+the best layout uses cp, ``PlanResult.notes`` says why: no cp = 1 layout fits (and what the
+smallest needs), or how much slower the best one without cp is. Memory is threefold's runtime's
+(``threefold.plan.memory``), numerics the published mixed-precision ones (``Workload``).
+
+The hardware is a catalogue GPU (``--gpu``, overridable) or this machine as measured by
+``--calibrate`` (``threefold.plan.calibrate``), read back with ``--hardware-file``.
+
+A mixture of experts (``model.num_local_experts``, threefold.model.moe) is planned as the runtime
+runs it (threefold.parallel.transforms.expert): the search adds the expert-parallel degree ep (every
+divisor of the experts that divides dp_shard, ``SearchSpace.ep``, ``--ep``); tp runs without
+sequence parallelism (the MoE is whole on every tp rank) and cp is not searched (the runtime
+refuses MoE with cp). Memory counts every expert a rank holds (E/ep per block, sharded by
+ZeRO over dp_shard/ep: ``memory_per_rank``); FLOPs and MFU the active parameters (the router
+and k experts per token); the ep all-to-alls are the uniform-routing expectation, exposed on
+the link the ep axis crosses (an ep group that leaves the node is flagged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+from threefold.accounting import active_parameters, num_parameters, tp_shard
+from threefold.weights.checkpoint_verify import read_json
+from threefold.config import (CP_ALGORITHMS, MODEL_PRESETS, RECOMPUTE_MODES, ConfigError,
+                              LoRAConfig, ModelConfig, ParallelConfig, load_config)
+from threefold.config.validation import LORA_TARGETS, lora_targets
+from threefold.weights.hf_config import HFError, model_config_from_hf
+from threefold.weights.hub import hub_id, locate
+from threefold.layout import Workload, rules
+from threefold.weights.model_source import read_model
+from threefold.plan.calibrate import (DEFAULT_PATH, calibrate, hardware_from_calibration, load,
+                                      save)
+from threefold.plan.candidates import SearchSpace
+from threefold.hardware.catalogue import GPUS, Hardware, get_hardware
+from threefold.plan.cluster import Cluster, Level
+from threefold.plan.report import summary_lines, format_table, to_json_rows
+from threefold.plan.search import CP_MIN_SEQ_LEN, moe_notes, search
+from threefold.plan.terms import count_text
+from threefold.plan.network import CLUSTERS, levels_from_record
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line and exit 2 (through main) instead of argparse's usage + message."""
+        raise _UsageError(message)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers")
+
+
+def _choices(flag: str, text: str | None, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated subset of ``allowed`` (all of them when ``text`` is empty);
+    ConfigError naming ``flag`` for anything else."""
+    if not text:
+        return allowed
+    chosen = tuple(text.split(","))
+    bad = [c for c in chosen if c not in allowed]
+    if bad:
+        raise ConfigError(f"{flag}: '{bad[0]}' is not one of {', '.join(allowed)}")
+    return chosen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``threefold plan`` options."""
+    p = _Parser(prog="threefold plan", description="Rank parallel layouts by predicted step "
+                "time. Throughput counts recomputation (hardware TF/s, as Narayanan et al. "
+                "report); MFU does not (PaLM's definition).")
+    _add_cluster_options(p)
+    _add_workload_options(p)
+    _add_search_options(p)
+    _add_output_options(p)
+    return p
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """The model and the cluster: how many GPUs, which, and overrides of its figures."""
+    p.add_argument("--model", default="llama3-8b",
+                   help="a Hugging Face folder, config.json or hub id org/name[@revision] "
+                   f"(its config alone is read), a preset ({', '.join(MODEL_PRESETS)}) or a "
+                   "TOML file with [model]")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in total")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink")
+    p.add_argument("--gpu", default="h100", help=f"catalogue entry: {', '.join(GPUS)}")
+    p.add_argument("--peak-tflops", type=float, help="override: dense peak TF/s at --precision")
+    p.add_argument("--memory-gb", type=float, help="override: GPU memory, GB (1e9 bytes)")
+    p.add_argument("--intra-bw-gbps", type=float,
+                   help="override: NVLink GB/s per GPU as datasheets state it (both directions"
+                   " summed, e.g. 900 for H100)")
+    p.add_argument("--inter-bw-gbps", type=float,
+                   help="override: network Gb/s (bits) per GPU per direction, e.g. 400")
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    """The batch, the sequence, the numerics, whose block, how ranks sit on the network."""
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default min(4096, model))")
+    p.add_argument("--global-batch-tokens", type=int, default=4 * 1024 * 1024,
+                   help="tokens per optimiser step (a multiple of --seq-len)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 mixed precision with fp32 Adam (16 bytes/param), or fp32")
+    p.add_argument("--attention", choices=("flash", "eager"), default="flash",
+                   help="flash: attention probabilities not stored; eager: stored")
+    p.add_argument("--block", choices=("threefold", "megatron"), default="threefold",
+                   help="whose transformer block keeps the activations: threefold's own (as "
+                   "its autograd saves them) or a fused Megatron-Core block (Korthikanti et "
+                   "al.'s count for RMSNorm, GQA, SwiGLU: sharded inputs under sequence "
+                   "parallelism, fused norms and SwiGLU), to plan or check published runs")
+    p.add_argument("--mesh-order", choices=("threefold", "dp-outer"), default="threefold",
+                   help="how ranks are laid out on the network: threefold's mesh (pp "
+                   "outermost, tp innermost) or dp-outer (Llama 3's [TP, CP, PP, DP]: "
+                   "pipelines inside a pod, data parallelism across), for published runs")
+
+
+def _add_search_options(p: argparse.ArgumentParser) -> None:
+    """What the search may try: degrees, ZeRO stages, cp, ep, recompute, offload."""
+    p.add_argument("--top", type=int, default=5, help="layouts to show")
+    p.add_argument("--tp", type=_int_list, help="only these tp degrees (comma list)")
+    p.add_argument("--pp", type=_int_list, help="only these pp degrees")
+    p.add_argument("--pipeline-split", default="params",
+                   help="the runtime's parallel.pipeline_split values to search with pp > 1 "
+                   "(comma list): params (default; the first and last stages take fewer "
+                   "blocks, for the embedding and head), flops, uniform")
+    p.add_argument("--zero-stage", type=_int_list, help="only these ZeRO stages")
+    p.add_argument("--cp", type=_int_list,
+                   help="only these context-parallel degrees (default: 1, and every one that "
+                   f"splits the sequence when --seq-len >= {CP_MIN_SEQ_LEN} or nothing fits "
+                   "without)")
+    p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather")
+    p.add_argument("--ep", type=_int_list,
+                   help="only these expert-parallel degrees (a mixture of experts; default: "
+                   "every divisor of the experts that divides dp_shard)")
+    p.add_argument("--recompute", help="only these: none,selective,full")
+    p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
+                   help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
+                        "on for every layout, or search both (zero column marked 'o')")
+    p.add_argument("--tp-overlap", type=int, default=0, metavar="C", help="as parallel."
+                   "tp_overlap: sequence-parallel collectives in C overlapped chunks; 0 = off")
+    p.add_argument("--lora-r", type=int, default=0,
+                   help="plan LoRA fine-tuning: adapters of this rank train, the base is "
+                   "frozen (as lora.r; 0 = every weight trains); not for a mixture of experts")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="with --lora-r: the adapted layers, as lora.target_modules "
+                   "(default all-linear)")
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """What is printed, and the measured or published hardware to plan for instead."""
+    p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
+    p.add_argument("--explain", action="store_true", help="say why each loses to the best")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul FLOP/s, memory and gloo all-reduce "
+                   "bandwidth between local processes), print and save it, and exit")
+    p.add_argument("--calibrate-out", default=None,
+                   help="where --calibrate saves its JSON (default ~/.cache/threefold/"
+                   "calibration.json)")
+    p.add_argument("--calibrate-ranks", type=int, default=2,
+                   help="local processes the all-reduce is measured between")
+    p.add_argument("--hardware-file", default=None,
+                   help="plan for the machine measured by --calibrate (that JSON) instead of "
+                   "--gpu (every rank of a node shares its cores, memory and bandwidth); or a "
+                   'cluster: {"gpu": "h100", "levels": [{"name": "nvlink", "gpus": 8, '
+                   '"gb_s_per_gpu": 450, "latency_us": 2}, {"name": "spine", "gpus": 0, '
+                   '"gbits_per_gpu": 400, "latency_us": 8, "oversubscription": 7}]}')
+    p.add_argument("--cluster", default=None,
+                   help="a published cluster's network levels: " + ", ".join(CLUSTERS))
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A resolved ModelConfig from ``--model``, tried in this order: an existing path (a TOML
+    file's [model] and [data] tables; a Hugging Face ``config.json``; a Hugging Face folder or
+    a threefold run or checkpoint directory), a preset, a hub id ``org/name[@revision]``
+    (its config.json alone is fetched). Only configurations are read, never weights."""
+    path, vocab = Path(spec).expanduser(), 0
+    if path.is_file() and path.suffix == ".toml":
+        full = load_config(spec, validate_now=False)
+        cfg, vocab = full.model.resolved(full.data.vocab_size), full.data.vocab_size
+    elif path.exists() or hub_id(spec):  # (no preset is written org/name)
+        cfg = _pretrained_model(spec, path)
+    elif spec in MODEL_PRESETS:
+        cfg = ModelConfig(preset=spec).resolved()
+    else:
+        raise ConfigError(f"--model: '{spec}' is neither a path, a preset "
+                          f"({', '.join(MODEL_PRESETS)}) nor a Hugging Face hub id "
+                          "(org/name[@revision])")
+    if not cfg.vocab_size:
+        # presets without a vocabulary use the tokenizer's; plan with the default BPE size
+        cfg.vocab_size = vocab or 4096
+    return cfg
+
+
+def _pretrained_model(spec: str, path: Path) -> ModelConfig:
+    """The model of a config.json file, or of a folder or hub id (``threefold.weights.model_source``)."""
+    if path.is_file():
+        try:
+            conf = read_json(path, HFError, "", "neither TOML nor JSON")
+            return model_config_from_hf(conf, str(path))
+        except HFError as e:
+            raise ConfigError(f"--model: {e}") from None
+    located = locate(spec, "--model", config_only=True)
+    return read_model(located.path, located.name, "--model")
+
+
+def _hardware_record(args) -> dict | None:
+    """The --hardware-file JSON: a --calibrate record, or a cluster description
+    ({"gpu": catalogue name, "levels": [...]}, see ``plan.topology.levels_from_record``)."""
+    if not args.hardware_file:
+        return None
+    try:
+        record = json.loads(Path(args.hardware_file).expanduser().read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--hardware-file: cannot read {args.hardware_file}: {e}") from None
+    if isinstance(record, dict) and "levels" in record:
+        return record
+    return load(args.hardware_file)
+
+
+def _levels(args, record: dict | None) -> tuple[Level, ...]:
+    """Topology levels: the hardware file's ``levels``, or --cluster's, or none (one network)."""
+    if record and "levels" in record:
+        return levels_from_record(record["levels"], args.gpus_per_node)
+    if args.cluster:
+        if args.cluster not in CLUSTERS:
+            raise ConfigError(f"--cluster: unknown '{args.cluster}'; known: "
+                              f"{', '.join(CLUSTERS)}")
+        return levels_from_record(CLUSTERS[args.cluster], args.gpus_per_node)
+    return ()
+
+
+def _hardware(args, record: dict | None = None) -> Hardware:
+    if record and "levels" in record:
+        hw = get_hardware(record.get("gpu", args.gpu))
+    elif record:
+        hw = hardware_from_calibration(record, min(args.gpus, args.gpus_per_node))
+    else:
+        hw = get_hardware(args.gpu)
+    peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
+    return hw.with_overrides(
+        peak_flops_16bit=peak if args.precision == "bf16" else None,
+        peak_flops_fp32=peak if args.precision == "fp32" else None,
+        memory_bytes=None if args.memory_gb is None else args.memory_gb * 1e9,
+        intra_node_bw=None if args.intra_bw_gbps is None else args.intra_bw_gbps / 2 * 1e9,
+        inter_node_bw=None if args.inter_bw_gbps is None else args.inter_bw_gbps / 8 * 1e9)
+
+
+def _setup(args):
+    cfg = load_model(args.model)
+    for name in ("gpus", "gpus_per_node", "top", "global_batch_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
+    for name in ("peak_tflops", "memory_gb", "intra_bw_gbps", "inter_bw_gbps"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be positive")
+    seq = args.seq_len or min(4096, cfg.max_position_embeddings)
+    if seq < 1 or seq > cfg.max_position_embeddings:
+        raise ConfigError(f"--seq-len: {seq} is outside 1..{cfg.max_position_embeddings} "
+                          f"(the model's max_position_embeddings)")
+    if args.global_batch_tokens % seq:
+        raise ConfigError(f"--global-batch-tokens: {args.global_batch_tokens} is not a multiple "
+                          f"of --seq-len {seq}")
+    recompute = _choices("--recompute", args.recompute, RECOMPUTE_MODES)
+    if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
+        raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
+    algorithms = _choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
+    splits = _choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform"))
+    _refuse_degrees(cfg, args, seq)
+    targets = _lora_options(cfg, args)
+    work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
+                    precision=args.precision, flash_attention=args.attention == "flash",
+                    block=args.block, lora_r=args.lora_r, lora_targets=targets)
+    record = _hardware_record(args)
+    cluster = Cluster(_hardware(args, record), args.gpus, min(args.gpus_per_node, args.gpus),
+                      _levels(args, record), mesh_order=args.mesh_order)
+    space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
+                        recompute=recompute if args.recompute else None, cp=args.cp,
+                        cp_algorithm=algorithms, ep=args.ep, tp_overlap=args.tp_overlap,
+                        pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
+                                             for x in splits),
+                        offload_optimizer={"off": (False,), "on": (True,),
+                                           "search": (False, True)}[args.offload_optimizer])
+    return cfg, cluster, work, space
+
+
+def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:
+    """--lora-r's targets, or () without LoRA; what LoRA does not run with refused by
+    option."""
+    if args.lora_r < 0:
+        raise ConfigError(f"--lora-r: must be >= 0 (0 = no LoRA), got {args.lora_r}")
+    if not args.lora_r:
+        return ()
+    targets = lora_targets(LoRAConfig(r=args.lora_r, target_modules=args.lora_targets))
+    bad = [t for t in targets if t not in LORA_TARGETS]
+    if bad or not targets:
+        raise ConfigError(f"--lora-targets: {', '.join(bad) or 'nothing'} is not one of "
+                          f"{', '.join(LORA_TARGETS)} (or all-linear)")
+    rules.lora_without_experts(args.lora_r, cfg.num_local_experts or 0)
+    if args.offload_optimizer != "off":
+        raise ConfigError("--offload-optimizer: not planned under LoRA (the adapters' "
+                          "optimizer state is small); use off")
+    return targets
+
+
+def _refuse_degrees(cfg: ModelConfig, args, seq: int) -> None:
+    """Explicit --tp, --pp, --cp and --ep are taken as given, or refused here by the rule book
+    (``threefold.layout.rules``) with the message the runtime gives, rather than silently
+    searched away: each must fit the GPUs (together, for tp, cp and pp), tp the attention
+    heads (kv heads may replicate), pp the layers, cp the sequence and the model, ep the
+    experts (any split of the layers that pp does not divide is the runtime's own,
+    threefold.schedules.balance)."""
+    experts = cfg.num_local_experts or 0
+    for name in ("tp", "pp", "cp"):
+        for v in getattr(args, name) or ():
+            rules.divides_world(name, v, args.gpus)
+    for tp in args.tp or ():
+        tp_shard(cfg, tp)
+    for pp in args.pp or ():
+        rules.layers_fill_chunks(cfg.num_hidden_layers, pp, 1)
+    for cp in args.cp or ():
+        rules.experts_without_cp(experts, cp)
+        rules.seq_len_over_cp(seq, cp)
+    combos = [ParallelConfig(tp=tp, cp=cp, pp=pp) for tp, cp, pp in itertools.product(
+        args.tp or (1,), args.cp or (1,), args.pp or (1,))]
+    if not any(c.tp * c.cp * c.pp <= args.gpus and args.gpus % (c.tp * c.cp * c.pp) == 0
+               for c in combos):  # none of the degrees asked for fit together
+        rules.fills_world(combos[0], args.gpus)
+    for ep in args.ep or ():
+        rules.ep_needs_experts(ep, experts)
+        rules.ep_divides_experts(ep, experts, args.gpus)
+
+
+def _calibrate(args) -> int:
+    """``--calibrate``: measure, print, save."""
+    if args.calibrate_ranks < 2:
+        print("threefold plan: error: --calibrate-ranks: must be >= 2", file=sys.stderr)
+        return 2
+    record = calibrate(args.calibrate_ranks)
+    path = save(record, args.calibrate_out or DEFAULT_PATH)
+    print(f"saved {path}; use it with: threefold plan --hardware-file {path} --gpus N "
+          f"--gpus-per-node N (N processes on this machine)")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``threefold plan ...``: print the top layouts (table or --json). Exit 0 on success,
+    1 when no layout fits, 2 on bad input (one line on stderr). ``--calibrate`` measures this
+    machine instead (see ``threefold.plan.calibrate``)."""
+    try:
+        args = build_parser().parse_args(argv)
+        if args.calibrate:
+            return _calibrate(args)
+        cfg, cluster, work, space = _setup(args)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except (_UsageError, ConfigError, ValueError) as e:
+        print(f"threefold plan: error: {e}", file=sys.stderr)
+        return 2
+    cpu = time.process_time()
+    result = search(cfg, cluster, work, space, keep=args.top)
+    cpu = time.process_time() - cpu
+    top = result.ranked[:args.top]
+    if args.json:
+        print(json.dumps(to_json_rows(top), indent=1))
+    else:
+        hw = cluster.hardware
+        moe = (f" ({active_parameters(cfg) / 1e9:.2f}B active: {cfg.num_local_experts} experts,"
+               f" top-{cfg.num_experts_per_tok})" if cfg.num_local_experts else "")
+        print(f"{args.model}: {count_text(num_parameters(cfg))} parameters{moe}, vocab "
+              f"{cfg.vocab_size} (padded to a multiple of tp), "
+              f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
+        print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
+              f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "
+              f"{hw.memory_bytes / 1e9:.0f} GB, NVLink {hw.intra_node_bw * 2 / 1e9:.0f} GB/s, "
+              f"network {hw.inter_node_bw * 8 / 1e9:.0f} Gb/s per GPU")
+        if cluster.levels:
+            print("network levels: " + "; ".join(
+                f"{lv.name} {lv.gpus or cluster.num_gpus} GPUs, "
+                f"{lv.bandwidth * 8 / 1e9:.0f} Gb/s per GPU"
+                + (f" 1:{lv.oversubscription:g}" if lv.oversubscription > 1 else "")
+                for lv in cluster.levels))
+        print(f"{result.fits} layouts fit (searched in {cpu:.1f} s of CPU); top {len(top)} by "
+              "predicted step time:")
+        if top:
+            print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts)))
+        summary = summary_lines(result)
+        if summary:
+            print(summary)
+        notes = result.notes + moe_notes(cfg, top)
+        if cluster.mesh_order != "threefold":
+            notes.append(f"mesh order {cluster.mesh_order}: not threefold's runtime's (pp, "
+                         "dp_replicate, dp_shard, cp, tp outermost first); for comparing "
+                         "with a published run")
+        if work.block != "threefold":
+            notes.append(f"activations of a {work.block} block, not threefold's own "
+                         "(which keeps more: its sub-layer inputs whole under sequence "
+                         "parallelism, the RoPE tables)")
+        for note in notes:
+            print(f"note: {note}")
+    if not result.fits:
+        print("threefold plan: no layout fits; " + (summary_lines(result).splitlines() or [""])[0],
+              file=sys.stderr)
+        return 1
+    return 0

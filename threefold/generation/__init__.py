@@ -1,0 +1,2 @@
+"""Generation with the training model and its KV cache, and LoRA adapters exported for PEFT.
+"""

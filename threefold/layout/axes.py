@@ -1,0 +1,36 @@
+"""The mesh axes, named once: the layout's rank arithmetic (``threefold.layout.ranks``), the
+runtime's mesh (``threefold.comm.mesh``) and the accounting (``threefold.accounting``) all read
+these tables, from here alone.
+
+Axis order, outermost (largest rank stride) to innermost (stride 1), is ``AXES``: tp innermost
+so that its ranks are neighbours (same node, NVLink), then cp, then dp_shard, then
+dp_replicate and pp outermost, where traffic is lightest (DESIGN.md, topology rule).
+
+Imports nothing of threefold.
+"""
+
+from __future__ import annotations
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh axes, outermost (largest rank stride) to innermost (stride 1)."""
+
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             "dp_shard_cp": ("dp_shard", "cp")}
+"""Axes made of mesh axes (outermost first): ``dp`` the data ranks (where plain data
+parallelism all-reduces with cp = 1), ``dp_cp`` the data and context ranks (which hold the
+same weights: gradients are reduced over them with cp > 1), and ``dp_shard_cp`` the ZeRO shard
+group (as torchtitan folds cp into its FSDP axis). With cp = 1 these are dp and dp_shard."""
+
+EXPERT_AXES = ("ep", "edp_shard", "edp")
+"""Axes of a mixture of experts, carved out of dp_shard (which is edp_shard × ep, ep
+innermost): ``ep`` the ranks whose experts together make a layer's E experts (tokens travel
+between them by all-to-all), ``edp_shard`` the ranks of one shard group that hold the same
+experts (ZeRO shards the experts over them), ``edp`` those with dp_replicate too (plain data
+parallelism sums the experts' gradients over them). With ep = 1, edp is dp and edp_shard is
+dp_shard."""
+
+DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, "world")
+"""Axes made of other axes, plus ``world`` (every rank)."""
+
+COMM_AXES = AXES + tuple(FLATTENED) + EXPERT_AXES
+"""Axes communication is counted on (the keys of ``comm_bytes_per_step``)."""

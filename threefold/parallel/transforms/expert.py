@@ -1,0 +1,164 @@
+"""Expert parallelism: each MoE layer's E experts split over the "ep" ranks, tokens moved to
+their experts and back by all-to-all (GShard, Lepikhin et al., arXiv 2006.16668; Switch
+Transformer, Fedus et al., arXiv 2101.03961).
+
+The ep ranks are data-parallel ranks (the innermost part of dp_shard, ``threefold.comm.mesh``):
+each routes its own tokens, so an all-to-all carries every (token, expert) assignment to the
+rank that holds the expert. Rank r of ep holds experts [r·E/ep, (r+1)·E/ep).
+
+One layer's forward on one rank (dropless, as the single-process layer in ``threefold.model.moe``):
+
+1. the assignments are already sorted by expert (``Experts.forward``), so the rows for each
+   destination rank are one contiguous run: ``counts`` (E,) cut into ep runs of E/ep;
+2. the counts are exchanged first (an all-to-all of E int64 per rank), so every rank knows how
+   many rows it gets from each source for each of its experts (uneven splits);
+3. dispatch: all-to-all of the rows (sizes from 2); what arrives is grouped by source, then
+   by expert; it is permuted to expert-major order, each local expert runs one matmul pair
+   on its rows, and the results are permuted back;
+4. combine: the reverse all-to-all returns every row to the rank (and position) it came from,
+   where the router weights multiply it and it is added to its token.
+
+Backward runs the two all-to-alls the other way (the gradient of a dispatch is a combine).
+Bytes per layer per forward, rank r: the count exchange E·8·(ep−1)/ep, the rows r sends to
+other ranks in dispatch plus those it returns in combine, times h · element size; backward
+the same rows again. Under uniform routing the expectation is N·k·(ep−1)/ep rows each way.
+
+Gradients: the router and every dense weight are the same on all data ranks, reduced over
+"dp" as always; an expert is held by the ranks of "edp" (same ep index), so its gradient is
+summed over those only (the parameter's placement tells the engines). Tensor
+parallelism leaves the experts whole on every tp rank (each computes them: redundant, not
+split), and the all-to-alls run between ranks of the same tp index.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from threefold.model.moe import Experts
+from threefold.parallel.placement import place
+from threefold.parallel.transforms.wrap import become
+
+AXIS = "ep"
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` cut by ``send`` go to the ep ranks in order; ``recv`` rows come back
+    from each. The gradient takes the reverse trip."""
+
+    @staticmethod
+    def forward(ctx, x, comm, recv: list[int], send: list[int]):
+        ctx.comm, ctx.recv, ctx.send = comm, recv, send
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        comm.all_to_all_single(out, x.contiguous(), AXIS, recv, send)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out = g.new_empty((sum(ctx.send), *g.shape[1:]))
+        ctx.comm.all_to_all_single(out, g.contiguous(), AXIS, ctx.send, ctx.recv)
+        return out, None, None, None
+
+
+class Dispatcher:
+    """The all-to-all routing of one expert-parallel MoE layer (see the module doc): rows
+    grouped by global expert in, each row through its expert (on whichever rank holds it)
+    out, in the same order. Counts the rows this rank sends to other ranks."""
+
+    def __init__(self, comm, num_experts: int):
+        self.comm, self.ep = comm, comm.size(AXIS)
+        self.local = num_experts // self.ep
+        self.rows_sent = 0  # rows this rank sent to other ranks, dispatch and combine
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
+        ep, local = self.ep, self.local
+        send_counts = counts.reshape(ep, local).contiguous()
+        recv_counts = torch.empty_like(send_counts)
+        self.comm.all_to_all_single(recv_counts, send_counts, AXIS)  # (source, local expert)
+        send = send_counts.sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        me = self.comm.rank(AXIS)
+        self.rows_sent += sum(send) - send[me] + sum(recv) - recv[me]
+        got = _AllToAll.apply(rows, self.comm, recv, send)  # grouped by source, then expert
+        # source-major -> expert-major: segment (s, e) starts at starts[s, e] in `got`; in
+        # expert-major order the segments are (e, s), position i of segment j taking row
+        # starts[j] + (i - where segment j begins there)
+        flat = recv_counts.reshape(-1)
+        starts = (torch.cumsum(flat, 0) - flat).reshape(ep, local).t().reshape(-1)
+        lengths = recv_counts.t().reshape(-1)
+        begins = torch.cumsum(lengths, 0) - lengths
+        total = int(flat.sum())
+        perm = (torch.arange(total, device=rows.device)
+                + torch.repeat_interleave(starts - begins, lengths).to(rows.device))
+        y = compute(got[perm], recv_counts.sum(0).tolist())
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(total, device=rows.device)
+        return _AllToAll.apply(y[back], self.comm, send, recv)
+
+
+class ExpertParallelExperts(Experts):
+    """An ``Experts`` holding only this ep rank's E/ep experts (``apply_expert_parallel``
+    turns each layer's experts into one, in place), whose ``dispatch`` sends every row to the
+    rank that holds its expert and brings the result back (``dispatcher``)."""
+
+    dispatcher: Dispatcher | None = None
+    first = 0  # the global index of this rank's first expert
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by global expert (``counts`` (E,)) -> each through its expert, on
+        whichever ep rank holds it, in the same order."""
+        return self.dispatcher(rows, counts, self.compute)
+
+    def extra_repr(self) -> str:
+        d = self.dispatcher
+        return (f"experts [{self.first}, {self.first + d.local}) of {d.local * d.ep}, "
+                f"ep={d.ep}, all-to-all")
+
+
+def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
+    """Keep this rank's E/ep experts of every MoE layer of ``model`` (whole weights in, as
+    initialised or loaded) and route through a ``Dispatcher``: each ``Experts`` becomes an
+    ``ExpertParallelExperts``. Marks each expert tensor with its slice of dim 0 in its
+    placement (``threefold.parallel.placement``)."""
+    ep, r = comm.size(AXIS), comm.rank(AXIS)
+    for m in model.modules():
+        if isinstance(m, Experts):
+            e = m.gate_up_proj.shape[0]
+            n = e // ep
+            for p in (m.gate_up_proj, m.down_proj):
+                p.data = p.data[r * n:(r + 1) * n].clone()
+                place(p, ep_index=r, ep_count=ep)
+            become(m, ExpertParallelExperts, dispatcher=Dispatcher(comm, e), first=r * n)
+    return model
+
+
+def take_rows_sent(model: nn.Module) -> int:
+    """Rows this rank's MoE layers sent to other ep ranks (dispatch and combine, forwards
+    only, recomputed ones included) since the last call; the counters restart at 0. Each
+    backward sends the same rows again, so the step's all-to-all bytes on ep are
+    (forward rows + backward rows) · h · element size + the count exchanges."""
+    return take_rows([m.dispatcher for m in model.modules()
+                      if isinstance(m, ExpertParallelExperts)])
+
+
+def take_rows(dispatchers: list[Dispatcher]) -> int:
+    """``take_rows_sent`` of the layers whose ``dispatchers`` an engine found once."""
+    total = 0
+    for d in dispatchers:
+        total, d.rows_sent = total + d.rows_sent, 0
+    return total
+
+
+def gather_experts(local: torch.Tensor, comm) -> torch.Tensor:
+    """The whole (E, ...) expert tensor from every ep rank's slice (collective over ep)."""
+    ep = comm.size(AXIS)
+    out = local.new_empty((local.shape[0] * ep, *local.shape[1:]))
+    comm.all_gather(out, local.contiguous(), AXIS)
+    return out
+
+
+def take_experts(whole: torch.Tensor, comm) -> torch.Tensor:
+    """This ep rank's slice of a whole (E, ...) expert tensor."""
+    ep, r = comm.size(AXIS), comm.rank(AXIS)
+    n = whole.shape[0] // ep
+    return whole[r * n:(r + 1) * n].clone()
