@@ -38,7 +38,7 @@ def test_no_function_over_the_limit():
 
 
 def test_the_loop_does_not_probe_layouts_or_tasks():
-    probe = re.compile(r"getattr\(\s*(lay|layout|run\.layout|self\.run\.layout|task|run\.task)"
+    probe = re.compile(r"getattr\(\s*(lay|layout|world|run\.world|self\.run\.world|task|run\.task)"
                        r"\s*,\s*\"[a-z_]+\"\s*,")
     found = {str(p.relative_to(PACKAGE)): probe.findall(p.read_text()) for p in _sources()}
     found = {k: v for k, v in found.items() if v}

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from conftest import tiny_overrides
 from threefold.commands import convert
 from threefold.weights import hf
+from threefold.weights import hf_config
 from threefold.weights.checkpoint_verify import list_checkpoints
 from threefold.weights.checkpoint import load_checkpoint
 from threefold.config import ModelConfig, load_config
@@ -116,7 +117,7 @@ def test_tied_llama3_model_round_trips(tmp_path):
         assert_round_trip(tmp_path, ids, want)
     # A wrong RoPE base is named, not loaded into a model that would silently differ.
     other = CausalLM(ModelConfig(**{**vars(cfg), "rope_theta": 1e4}))
-    with pytest.raises(hf.HFError, match="rope_theta"):
+    with pytest.raises(hf_config.HFError, match="rope_theta"):
         hf.init_from_hf(other, tmp_path / "src")
 
 
@@ -131,15 +132,15 @@ def hf_folders(tmp_path):
 
 def test_sharded_index_imports_the_same_tensors(hf_folders):
     shards = sorted(p.name for p in (hf_folders / "sharded").glob("model-*.safetensors"))
-    assert len(shards) > 1 and (hf_folders / "sharded" / hf.INDEX).is_file()
+    assert len(shards) > 1 and (hf_folders / "sharded" / hf_config.INDEX).is_file()
     _, whole, _ = hf.import_hf(hf_folders / "whole")
     cfg, sharded, _ = hf.import_hf(hf_folders / "sharded")
-    assert set(whole) == set(sharded) == set(hf.expected_shapes(cfg))
+    assert set(whole) == set(sharded) == set(hf_config.expected_shapes(cfg))
     assert all(torch.equal(whole[k], sharded[k]) for k in whole)
 
 
 def _refused(folder: Path, capsys, *words: str) -> None:
-    with pytest.raises(hf.HFError) as e:
+    with pytest.raises(hf_config.HFError) as e:
         hf.import_hf(folder)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
@@ -163,9 +164,9 @@ def test_index_cannot_point_outside_the_folder(hf_folders, capsys, entry):
     folder = hf_folders / "sharded"
     # A real, valid file sits outside: it must not be read even though it exists.
     save_file({"model.norm.weight": torch.ones(32)}, str(hf_folders / "outside.safetensors"))
-    index = json.loads((folder / hf.INDEX).read_text())
+    index = json.loads((folder / hf_config.INDEX).read_text())
     index["weight_map"]["model.norm.weight"] = entry
-    (folder / hf.INDEX).write_text(json.dumps(index))
+    (folder / hf_config.INDEX).write_text(json.dumps(index))
     _refused(folder, capsys, entry)
 
 
@@ -188,9 +189,9 @@ def test_shape_mismatch_and_truncation_name_file_and_tensor(hf_folders, capsys):
 ])
 def test_unsupported_configs_are_named(change, field):
     base = _perturbed_hf_model().config.to_dict()
-    assert hf.model_config_from_hf(base).hidden_size == 32
-    with pytest.raises(hf.HFError, match=field) as e:
-        hf.model_config_from_hf({**base, **change})
+    assert hf_config.model_config_from_hf(base).hidden_size == 32
+    with pytest.raises(hf_config.HFError, match=field) as e:
+        hf_config.model_config_from_hf({**base, **change})
     assert "\n" not in str(e.value)
 
 
@@ -230,10 +231,10 @@ def test_transformers_4_style_rope_fields_import():
     base = _perturbed_hf_model().config.to_dict()
     base.pop("rope_parameters")
     legacy = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
-    cfg = hf.model_config_from_hf({**base, "rope_theta": 5e4, "rope_scaling": legacy})
+    cfg = hf_config.model_config_from_hf({**base, "rope_theta": 5e4, "rope_scaling": legacy})
     assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor) == (5e4, "llama3", 4.0)
-    assert hf.model_config_from_hf({**base, "rope_theta": 2e4}).rope_scaling == "none"
+    assert hf_config.model_config_from_hf({**base, "rope_theta": 2e4}).rope_scaling == "none"
     # Export writes both spellings, which read back the same.
-    conf = hf.hf_config(cfg)
-    assert hf.model_config_from_hf({**conf, "rope_parameters": None}) == cfg
-    assert hf.model_config_from_hf(conf) == cfg
+    conf = hf_config.hf_config(cfg)
+    assert hf_config.model_config_from_hf({**conf, "rope_parameters": None}) == cfg
+    assert hf_config.model_config_from_hf(conf) == cfg

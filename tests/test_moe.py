@@ -19,6 +19,7 @@ from tests.dist import run_distributed
 from tests.test_hf import assert_round_trip
 from threefold.commands import convert
 from threefold.weights import hf
+from threefold.weights import hf_config
 from threefold.accounting import active_parameters, flops_per_token, num_parameters
 from threefold.config import ConfigError, ModelConfig, load_config
 from threefold.model.decoder import CausalLM
@@ -253,7 +254,7 @@ def test_export_loads_in_transformers_and_imports_back(moe_run, tmp_path):
     # the file holds the published per-expert layout (what save_pretrained writes)
     from safetensors import safe_open
 
-    with safe_open(str(root / "exported" / hf.SINGLE), "pt") as f:
+    with safe_open(str(root / "exported" / hf_config.SINGLE), "pt") as f:
         keys = set(f.keys())
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in keys
     assert not any(".mlp." in k for k in keys)
@@ -261,18 +262,18 @@ def test_export_loads_in_transformers_and_imports_back(moe_run, tmp_path):
     fused = tmp_path / "fused"
     fused.mkdir()
     (fused / "config.json").write_text(json.dumps(conf))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(fused / hf.SINGLE),
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(fused / hf_config.SINGLE),
               metadata={"format": "pt"})
     _, fw, _ = hf.import_hf(fused)
     assert all(torch.equal(fw[k], weights[k]) for k in weights)
     # a missing expert is named
-    with safe_open(str(root / "exported" / hf.SINGLE), "pt") as f:
+    with safe_open(str(root / "exported" / hf_config.SINGLE), "pt") as f:
         partial = {k: f.get_tensor(k) for k in keys if ".experts.2.w3" not in k}
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps(conf))
-    save_file(partial, str(broken / hf.SINGLE), metadata={"format": "pt"})
-    with pytest.raises(hf.HFError, match=r"experts\.2\.w3\.weight is missing"):
+    save_file(partial, str(broken / hf_config.SINGLE), metadata={"format": "pt"})
+    with pytest.raises(hf_config.HFError, match=r"experts\.2\.w3\.weight is missing"):
         hf.import_hf(broken)
 
 
@@ -295,7 +296,7 @@ def test_hf_made_mixtral_round_trips(tmp_path):
         assert_round_trip(tmp_path, ids, want)
     # another expert count is named, not loaded
     other = CausalLM(dataclasses.replace(got, num_local_experts=8))
-    with pytest.raises(hf.HFError, match="num_local_experts"):
+    with pytest.raises(hf_config.HFError, match="num_local_experts"):
         hf.init_from_hf(other, tmp_path / "src")
 
 
@@ -313,12 +314,12 @@ MIXTRAL_8X7B_CONFIG = {
 
 
 def test_published_mixtral_config_imports_as_the_preset():
-    got = hf.model_config_from_hf(MIXTRAL_8X7B_CONFIG)
+    got = hf_config.model_config_from_hf(MIXTRAL_8X7B_CONFIG)
     want = ModelConfig(preset="mixtral-8x7b").resolved()
-    for name in hf.SHAPE_FIELDS + ("max_position_embeddings", "router_aux_loss_coef"):
+    for name in hf_config.SHAPE_FIELDS + ("max_position_embeddings", "router_aux_loss_coef"):
         assert getattr(got, name) == getattr(want, name), name
     assert num_parameters(got) == 46_702_792_704
-    assert hf.model_config_from_hf(hf.hf_config(got)) == got  # and back
+    assert hf_config.model_config_from_hf(hf_config.hf_config(got)) == got  # and back
 
 
 @pytest.mark.parametrize("change,field", [({"sliding_window": 4096}, "sliding_window"),
@@ -326,9 +327,9 @@ def test_published_mixtral_config_imports_as_the_preset():
                                           ({"num_experts_per_tok": 9}, "num_experts_per_tok")])
 def test_unsupported_mixtral_configs_are_named(change, field):
     base = mixtral(CASES["gqa-top2"]).config.to_dict()
-    assert hf.model_config_from_hf(base).num_local_experts == 4
-    with pytest.raises(hf.HFError, match=field):
-        hf.model_config_from_hf({**base, **change})
+    assert hf_config.model_config_from_hf(base).num_local_experts == 4
+    with pytest.raises(hf_config.HFError, match=field):
+        hf_config.model_config_from_hf({**base, **change})
 
 
 # --------------------------------------------------------------------------------------------
@@ -465,6 +466,6 @@ def test_shared_expert_block_equals_qwen2_moe(normalise):
     with torch.device("meta"):
         assert sum(p.numel() for p in CausalLM(full).parameters()) == num_parameters(full)
     # a shared expert exports as Qwen2-MoE; unrenormalised top-k weights alone have no family
-    assert hf.family(full)["model_type"] == "qwen2_moe"
+    assert hf_config.family(full)["model_type"] == "qwen2_moe"
     with pytest.raises(ConfigError, match="model.norm_topk_prob"):
-        hf.family(moe_cfg(norm_topk_prob=False))
+        hf_config.family(moe_cfg(norm_topk_prob=False))

@@ -90,7 +90,7 @@ def _pairs(rank, world, corpus, cache, root, runs):
         _, run = train(cfg, Distributed(cfg), return_run=True)
         out[name] = _state_apart(run.engine)
         out[name]["planned_host"] = _planned(cfg, run.model_cfg, world,
-                                             getattr(run.layout, "pp_rank", 0)).host
+                                             getattr(run.world, "pp_rank", 0)).host
     return out
 
 

@@ -15,6 +15,7 @@ from tests.conftest import final_weights, tiny_overrides
 from tests.test_sft import OPTIM, TRL_CONVS, base  # noqa: F401
 from threefold.commands import convert
 from threefold.weights import hf
+from threefold.weights import hf_config
 from threefold.config import load_config
 from threefold.generation.generate import load_for_generation
 from threefold.generation.generate import main as generate_main
@@ -92,7 +93,7 @@ def test_merged_export_is_a_plain_hf_model(lora_run, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         assert (ours - model(ids).logits).abs().max() <= 1e-5
-    with pytest.raises(hf.HFError, match="not empty"):
+    with pytest.raises(hf_config.HFError, match="not empty"):
         export_merged(lora_run, out)
 
 

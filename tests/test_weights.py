@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from threefold.weights import hf
+from threefold.weights import hf_config
 from threefold import weights
 from threefold.weights.checkpoint_verify import CheckpointError, Piece, list_checkpoints
 from threefold.weights.checkpoint import load_checkpoint, save_checkpoint, save_streamed
@@ -88,16 +89,16 @@ MIXTRAL = dataclasses.replace(LLAMA, num_local_experts=4, num_experts_per_tok=2)
 
 
 def _weights(cfg, dtype=torch.float32):
-    return {n: _rand(*s, dtype=dtype) for n, s in hf.expected_shapes(cfg).items()}
+    return {n: _rand(*s, dtype=dtype) for n, s in hf_config.expected_shapes(cfg).items()}
 
 
 def _hf_folder(path: Path, cfg, tensors: dict, files: int = 1) -> Path:
     """A Hugging Face folder holding ``tensors`` in ``files`` files (an index if more)."""
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(hf.hf_config(cfg)))
+    (path / "config.json").write_text(json.dumps(hf_config.hf_config(cfg)))
     names = list(tensors)
     if files == 1:
-        save_file(tensors, str(path / hf.SINGLE), metadata={"format": "pt"})
+        save_file(tensors, str(path / hf_config.SINGLE), metadata={"format": "pt"})
         return path
     wmap = {}
     for k in range(files):
@@ -105,7 +106,7 @@ def _hf_folder(path: Path, cfg, tensors: dict, files: int = 1) -> Path:
         part = {n: tensors[n] for n in names[k::files]}
         save_file(part, str(path / file), metadata={"format": "pt"})
         wmap.update(dict.fromkeys(part, file))
-    (path / hf.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+    (path / hf_config.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
     return path
 
 
@@ -118,7 +119,7 @@ def _per_expert(cfg, fused: dict) -> dict:
             out[f"model.layers.{layer}.block_sparse_moe.gate.weight"] = t
         elif rest.startswith("mlp.experts."):
             for e in range(cfg.num_local_experts):
-                w1, w3, w2 = hf.hub_names(int(layer), e)
+                w1, w3, w2 = hf_config.hub_names(int(layer), e)
                 if rest.endswith("down_proj"):
                     out[w2] = t[e].clone()
                 else:
@@ -159,14 +160,14 @@ def test_hf_source_checks_headers_only(tmp_path):
     too; a missing expert is named."""
     w = _weights(LLAMA)
     bad = {**w, "model.layers.1.mlp.up_proj.weight": torch.zeros(5, 16)}
-    with pytest.raises(hf.HFError, match=r"model\.safetensors: tensor model\.layers\.1\.mlp\."
+    with pytest.raises(hf_config.HFError, match=r"model\.safetensors: tensor model\.layers\.1\.mlp\."
                                          r"up_proj\.weight has shape \(5, 16\)"):
         HFSource(_hf_folder(tmp_path / "a", LLAMA, bad))
-    with pytest.raises(hf.HFError, match="torch.int64, not floating point"):
+    with pytest.raises(hf_config.HFError, match="torch.int64, not floating point"):
         HFSource(_hf_folder(tmp_path / "b", LLAMA, {**w, "x": torch.zeros(2, dtype=torch.int64)}))
     per = _per_expert(MIXTRAL, _weights(MIXTRAL))
     per.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight")
-    with pytest.raises(hf.HFError, match=r"experts\.3\.w2\.weight is missing"):
+    with pytest.raises(hf_config.HFError, match=r"experts\.3\.w2\.weight is missing"):
         HFSource(_hf_folder(tmp_path / "c", MIXTRAL, per))
 
 
@@ -309,8 +310,8 @@ def test_sharded_export_and_multi_file_import_round_trip(tmp_path, cfg):
     _run_checkpoint(tmp_path / "run", cfg, w)
     hf.export_hf(tmp_path / "run", tmp_path / "hf", max_shard_bytes=6000)
     shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
-    index = json.loads((tmp_path / "hf" / hf.INDEX).read_text())
-    assert len(shards) > 3 and not (tmp_path / "hf" / hf.SINGLE).exists()
+    index = json.loads((tmp_path / "hf" / hf_config.INDEX).read_text())
+    assert len(shards) > 3 and not (tmp_path / "hf" / hf_config.SINGLE).exists()
     assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert sorted(set(index["weight_map"].values())) == shards
     sizes = [sum(math.prod(safe_open(str(tmp_path / "hf" / s), "pt").get_slice(k).get_shape())
@@ -353,7 +354,7 @@ def test_imported_multi_file_checkpoint_resumes_training(corpus, cache_dir, tmp_
     first = train(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "run",
                                                    train__steps=2)))
     hf.export_hf(tmp_path / "run", tmp_path / "hf", max_shard_bytes=40_000)
-    assert (tmp_path / "hf" / hf.INDEX).is_file()
+    assert (tmp_path / "hf" / hf_config.INDEX).is_file()
     imp = tmp_path / "imported"
     ckpt = hf.convert_from_hf(tmp_path / "hf", imp, max_file_bytes=40_000)
     assert len(list(ckpt.glob("rank*.json"))) > 2 and list_checkpoints(imp / "checkpoints") == [0]

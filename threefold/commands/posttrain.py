@@ -203,8 +203,9 @@ def _check_inputs(cmd: str, cfg, opts) -> None:
         task = task_cls(opts)  # the options, the reward function loaded
         task.check(cfg)  # layout and batch
         if task.reward_fn is not None:  # called on probes: raises, wrong count, NaN
-            mod.check_reward_function(task.reward_fn, opts.reward,
-                                      mod.prompt_records(opts.prompts)[0])
+            rewards = importlib.import_module("threefold.post.grpo_rewards")
+            rewards.check_reward_function(task.reward_fn, opts.reward,
+                                          rewards.prompt_records(opts.prompts)[0])
     if cmd == "reward":
         task_cls(opts).check_layout(cfg)  # and the options
         for key in ("data", "val_data"):  # every rank would fail on it after launch

@@ -200,7 +200,7 @@ def announce(run, template: ChatTemplate, head: str, stats: dict, dropped_why: s
     in its directory (``Run.outputs``), next to the tokenizer.json the loop copies there: a
     run started from this one (``checkpoint.init_from``) then renders conversations the same
     way, and ``transformers`` reads the file from a Hugging Face folder that holds it."""
-    if not run.layout.is_writer:
+    if not run.world.is_writer:
         return
     run.outputs["chat_template.jinja"] = template.text
     print(head + (f", {stats['truncated']} truncated" if stats.get("truncated") else "")

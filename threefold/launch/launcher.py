@@ -4,7 +4,7 @@ under torchrun. Below both ``threefold.commands.main`` and ``threefold.commands.
 (neither imports the other).
 
 The trainer (and torch with it) is imported only when a run starts in this process
-(``run_training``, ``layout_from_env``, a dry run): the process that validates and hands a run
+(``run_training``, ``world_from_env``, a dry run): the process that validates and hands a run
 to torchrun stays small for the whole run, beside its workers.
 """
 
@@ -265,13 +265,13 @@ def run_training(cfg, make_task=None) -> int:
 
     try:
         task = make_task() if make_task is not None else None
-        train(cfg, layout_from_env(cfg), task=task)
+        train(cfg, world_from_env(cfg), task=task)
     except (ConfigError, DataError, CheckpointError) as e:
         return fail(str(e))
     return 0
 
 
-def layout_from_env(cfg):
+def world_from_env(cfg):
     """The layout of this process: ``Distributed`` under torchrun (WORLD_SIZE > 1), else
     None (one process)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:

@@ -325,7 +325,7 @@ class DPOTask(Task):
         rank i mod dp; every rank runs the same number of forwards, the last ones repeats,
         so ZeRO-3's gathers stay in step) and the scores summed over dp (a rank's rows are
         zero elsewhere): the data set is scored once, not once per rank."""
-        lay = run.layout
+        lay = run.world
         mb = min(run.cfg.train.micro_batch_size, run.cfg.train.global_batch_size // lay.dp_size)
         out = np.zeros((sampler.n, 2), dtype=np.float64)
         micros = []
@@ -369,7 +369,7 @@ class DPOTask(Task):
                 if idx and j in pipe.task_outputs:  # the last stage only
                     for col, logps in enumerate(halves(pipe.task_outputs[j]["logps"])):
                         out[idx[0]:idx[-1] + 1, col] = logps[:len(idx)].double().cpu().numpy()
-        lay = run.layout
+        lay = run.world
         ref = torch.from_numpy(out).to(run.device)
         lay.control.broadcast(ref, lay.last_stage_rank, "pp")
         return ref.cpu().numpy()

@@ -235,7 +235,7 @@ class GRPOTask(Task):
             self.reference = run.engine if self.base_is_reference else reference_engine(run)
         if o.reward_model:
             self.score = reward_model_scorer(o.reward_model, run.device)
-        lay = run.layout
+        lay = run.world
         batch = self.train.local_batch(0, lay.dp_rank, lay.dp_size)  # (also kept for μ > 1)
         self.train.cached = (0, lay.dp_rank, batch, self.train.figures)
         self.train.step = 0
@@ -266,7 +266,7 @@ class GRPOTask(Task):
         res = generate(model, prompt_ids, o.max_completion_length,
                        temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
                        eos_id=self.eos, seed=sampler.seed, prompt_indices=indices,
-                       comm=run.layout.comm if tp > 1 else None, pad_id=self.pad)
+                       comm=run.world.comm if tp > 1 else None, pad_id=self.pad)
         self.generation = (res.seconds, sum(res.lengths))
         return res.tokens
 
@@ -331,7 +331,7 @@ class GRPOTask(Task):
         """``values`` reduced over the data-parallel ranks (logging channel; as is in one
         process)."""
         t = torch.from_numpy(values.astype(np.float64))
-        return self.run.layout.reduce_over_dp(t, op).numpy()
+        return self.run.world.reduce_over_dp(t, op).numpy()
 
     def _rows(self, prompts: list[list[int]], comps: list[list[int]],
               adv: np.ndarray) -> dict[str, torch.Tensor]:

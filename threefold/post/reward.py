@@ -184,7 +184,7 @@ class RewardTask(Task):
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         with autocast(run):
             if model.sequence_parallel:  # this rank holds positions [r·T/t, (r+1)·T/t)
-                comm = run.layout.comm
+                comm = run.world.comm
                 # each rank scores its own positions: the replicated head's gradient is
                 # the sum over tp, as for sequence-parallel norms
                 per_pos = F.linear(hidden, copy_to_tp(model.score.weight, comm))

@@ -44,7 +44,7 @@ def save(run: Run, step: int, saver: AsyncSaver | None = None) -> None:
     adds the run's state and, once every node's part is in place, the global index. With
     ``saver`` (``checkpoint.async_save``) the files are written in the background from a host
     copy and the commit is ``saver.finish()``, which the caller runs at a point it fixes."""
-    lay = run.layout
+    lay = run.world
     group = node_group(lay)
     ckroot = resolve_root(run.cfg.checkpoint.dir, run.out, group.node_of[lay.rank])
     state = None
@@ -81,7 +81,7 @@ def resume(run: Run) -> int:
     """Load the newest committed checkpoint if asked; return the step to start from.
     Collective: every node's checkpoint root is checked (writable, when the run will save),
     rank 0's index decides the step, and each node's part must be on some node."""
-    lay, c = run.layout, run.cfg.checkpoint
+    lay, c = run.world, run.cfg.checkpoint
     group = node_group(lay)
     ckroot = resolve_root(c.dir, run.out, group.node_of[lay.rank])
     field = "checkpoint.dir" if c.dir else "train.output_dir"

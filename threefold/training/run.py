@@ -106,7 +106,7 @@ class Run:
     device: torch.device
     dtype: torch.dtype
     engine: Engine
-    layout: World
+    world: World
     out: Path
     task: Task | None = None  # build_run always gives one (pre-training's by default)
     pretrained: WeightSource | None = None  # checkpoint.init_from's weights, opened once
@@ -165,7 +165,7 @@ def reference_engine(run: Run):
     The pretrained weights are read again from the source the run opened (``run.pretrained``),
     not opened a second time."""
     cfg = run.cfg
-    engine = parallelize(run.model_cfg, cfg, run.layout,
+    engine = parallelize(run.model_cfg, cfg, run.world,
                          weights_source(cfg, run.model_cfg, run.device, run.pretrained),
                          run.device, frozen=True)
     engine.model.eval().requires_grad_(False)

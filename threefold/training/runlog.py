@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from threefold import accounting
+from threefold.layout import Workload
 from threefold.accounting.lora_counts import lora_flops_per_token
 from threefold.weights.checkpoint import fsync_path
 from threefold.hardware.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
@@ -37,7 +38,7 @@ class RunLog:
     (tokens per step, FLOPs per token, the device's peak for MFU)."""
 
     def __init__(self, run: Run, start: int):
-        cfg, lay = run.cfg, run.layout
+        cfg, lay = run.cfg, run.world
         self.run, self.start, self.history, self.trace_info = run, start, [], None
         self.writer, self.lost, self.trackers = None, 0, []
         self.prior = Prior()  # the earlier sessions of a resumed run (the writer's)
@@ -46,7 +47,7 @@ class RunLog:
         self.peak, self.peak_src = device_peak_flops(run.device, run.dtype)
         # a row's positions: data.seq_len, or fewer where the task makes shorter rows (GRPO)
         row = run.task.row_length or cfg.data.seq_len
-        work = dataclasses.replace(accounting.Workload.from_config(cfg), seq_len=row)
+        work = dataclasses.replace(Workload.from_config(cfg), seq_len=row)
         self.flops_tok = lora_flops_per_token(run.model_cfg, work)  # under LoRA: 4N + 6·A
         self.tokens_per_step = cfg.train.global_batch_size * row
         self.bar = _progress(run, start)
@@ -64,7 +65,7 @@ class RunLog:
         run, start = self.run, self.start
         run.out.mkdir(parents=True, exist_ok=True)
         metrics = run.out / "metrics.jsonl"
-        if start or run.layout.restarts:
+        if start or run.world.restarts:
             self.lost = max(0, last_logged_step(metrics) - start)
             truncate_metrics(metrics, start)
             self.prior = read_prior(run.out, start)
@@ -80,7 +81,7 @@ class RunLog:
         """A log line (the writer rank's; through the progress bar when there is one)."""
         if self.bar:
             self.bar.write(line)
-        elif self.run.layout.is_writer:
+        elif self.run.world.is_writer:
             print(line, flush=True)
 
     def record(self, step: int, loss: float, norm: float, extras: dict, seconds: float,
@@ -96,12 +97,12 @@ class RunLog:
                "tokens_per_second": tps, "mfu": self._mfu(tps),
                "peak_memory_bytes": peak_memory_bytes(run.device)}
         rec.update(extras)
-        rec.update(run.layout.step_metrics())
+        rec.update(run.world.step_metrics())
         if validate is not None:
             rec["validation_loss"], by_source = validate()
             if by_source:
                 rec["validation_loss_by_source"] = by_source
-            run.layout.step_metrics(count=False)  # evaluation's traffic is not training's
+            run.world.step_metrics(count=False)  # evaluation's traffic is not training's
         self.history.append(rec)
         if self.writer:
             self.writer.write(rec)
@@ -123,7 +124,7 @@ class RunLog:
         (``metrics.raise_cpu_peak``), so MFU never reads above 1."""
         if not self.peak:
             return None
-        achieved = tokens_per_second * self.flops_tok / self.run.layout.world_size
+        achieved = tokens_per_second * self.flops_tok / self.run.world.world_size
         if achieved > self.peak and self.run.device.type == "cpu":
             self.peak, self.peak_src = raise_cpu_peak(self.run.dtype, achieved)
         return achieved / self.peak
@@ -144,7 +145,7 @@ class RunLog:
         summary.json by the writer, with the closing log line. A resumed run's summary covers
         its whole life (``whole_life``): the earlier sessions' steps, wall time and initial
         validation loss with this session's."""
-        run, lay = self.run, self.run.layout
+        run, lay = self.run, self.run.world
         if self.bar:
             self.bar.close()
         out = {
@@ -179,7 +180,7 @@ class RunLog:
         MFU over the steps in ``throughput_steps`` (each session's first step, which pays
         for warm-up, left out). MFU is against this session's final peak for its own steps
         (a CPU probe may have been raised during the run) and as recorded for earlier ones."""
-        prior, lay = self.prior, self.run.layout
+        prior, lay = self.prior, self.run.world
         sessions = [*prior.sessions, {"from_step": self.start, "wall_time_s": wall,
                                       "to_step": self.start + len(self.history)}]
         mine = self.history[1:] or self.history  # the first step pays for warm-up
@@ -292,7 +293,7 @@ def _known(x) -> bool:
 def _progress(run: Run, start: int):
     mode = run.cfg.train.progress
     on = mode == "on" or (mode == "auto" and sys.stderr.isatty())
-    if not (on and run.layout.is_writer):
+    if not (on and run.world.is_writer):
         return None
     from tqdm import tqdm  # only when a bar is shown
 
@@ -304,7 +305,7 @@ def memory_summary(run: Run, history: list[dict]) -> dict:
     loading and the steps), and every rank's (``per_rank``, on the writer)."""
     mine = {**run.memory, "step_peak_bytes": max((r["peak_memory_bytes"] for r in history),
                                                  default=None)}
-    ranks = run.layout.gather_object(mine)
+    ranks = run.world.gather_object(mine)
     return {**mine, "per_rank": ranks} if ranks else mine
 
 
@@ -316,7 +317,7 @@ def write_trace(run: Run, step: int, records: list) -> dict | None:
     process's ``time.perf_counter``, one clock on one machine; ranks on several nodes have
     unrelated clocks, so their rows are not aligned (and the pipeline figures, which compare
     ranks, only hold within a node)."""
-    lay = run.layout
+    lay = run.world
     gathered = lay.gather_object(records)
     if not lay.is_writer:
         return None

@@ -35,7 +35,7 @@ def micro_batches(run: Run, batch: dict[str, torch.Tensor]):
     n = next(iter(batch.values())).shape[0]
     mb = min(run.cfg.train.micro_batch_size, n)
     for i in range(0, n, mb):
-        yield run.layout.split_sequence({k: v[i:i + mb].to(run.device)
+        yield run.world.split_sequence({k: v[i:i + mb].to(run.device)
                                          for k, v in batch.items()})
 
 
@@ -45,7 +45,7 @@ class StepTracer:
     trace shows execution, not queueing."""
 
     def __init__(self, run: Run, trace: list | None):
-        self.trace, self.rank = trace, run.layout.rank
+        self.trace, self.rank = trace, run.world.rank
         self.cuda = run.device.type == "cuda"
 
     @contextlib.contextmanager
@@ -72,7 +72,7 @@ def train_step(run: Run, step: int, trace: list | None = None
     action; the collectives that time themselves; gradient synchronisation, clipping, the
     optimiser). Everything layout-specific is a hook of the world or the engine, everything
     model-specific one of ``run.router_log``: the step names neither."""
-    lay, eng, router = run.layout, run.engine, run.router_log
+    lay, eng, router = run.world, run.engine, run.router_log
     timed = StepTracer(run, trace)
     with lay.traced(trace):
         batch = run.sampler.local_batch(step, lay.dp_rank, lay.dp_size)
@@ -135,7 +135,7 @@ def _read_logged(run, loss_sum: torch.Tensor, norm: torch.Tensor, extras: dict, 
     logged = torch.stack([loss_sum.double(), norm.detach().double().to(loss_sum.device)]
                          + [extras[k].reshape(()).to(loss_sum.device) for k in names])
     logged = logged.cpu()
-    summed = run.layout.sum_logged(torch.cat([logged[:1], logged[2:]]))
+    summed = run.world.sum_logged(torch.cat([logged[:1], logged[2:]]))
     metrics = {k: float(v) / n for k, v in zip(names, summed[1:].tolist())}
     return float(summed[0]), float(logged[1]), metrics
 
@@ -153,7 +153,7 @@ def evaluate(run: Run) -> tuple[float, dict[str, float]]:
     (``Task.val_sets``: each pre-training source's held-out tokens) weighted sum, and each
     set's own loss by name when there are several."""
     sets = run.task.val_sets(run)
-    with run.layout.phase("evaluation"):
+    with run.world.phase("evaluation"):
         losses = {name: _evaluate_set(run, sampler) for name, _, sampler in sets}
         run.engine.release_roots()  # nothing gathered for evaluation outlives it
     total = sum(weight * losses[name] for name, weight, _ in sets)
@@ -162,7 +162,7 @@ def evaluate(run: Run) -> tuple[float, dict[str, float]]:
 
 def _evaluate_set(run: Run, sampler) -> float:
     """Mean loss per unit over ``train.eval_batches`` batches of one validation sampler."""
-    lay = run.layout
+    lay = run.world
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     count = 0
     for k in range(run.cfg.train.eval_batches):

@@ -72,27 +72,27 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int,
     return model
 
 
-def build_run(cfg: Config, layout=None, task=None) -> Run:
+def build_run(cfg: Config, world=None, task=None) -> Run:
     """Check and build a run. Nothing is written to the output directory here, so bad input
     leaves no half-made run behind. The model is never whole on a rank: ``parallelize``
     slices it on the meta device and the engine fills only what the rank keeps, from the
     seed's initial values or from ``checkpoint.init_from`` (only the rank's regions read)."""
-    layout = layout or SingleProcess()
+    world = world or SingleProcess()
     task = task or PretrainTask()
     if cfg.train.eval_batches * cfg.train.global_batch_size == 0:
         raise ConfigError("train.eval_batches: must be positive")
-    device = pick_device(cfg, layout.local_rank)
+    device = pick_device(cfg, world.local_rank)
     if device.type == "cpu":  # reuse the step's large blocks instead of faulting in new pages
         reuse_freed_host_memory(threshold_for(cfg.train.host_mmap_threshold_mb,
-                                              layout.world_size))
+                                              world.world_size))
     dtype = compute_dtype(cfg, device)
-    pretrained = _pretrained(cfg, layout) if cfg.checkpoint.init_from else None
-    data = layout.first_rank_first(lambda: prepare_data(cfg.data, task.token_stream))
+    pretrained = _pretrained(cfg, world) if cfg.checkpoint.init_from else None
+    data = world.first_rank_first(lambda: prepare_data(cfg.data, task.token_stream))
     mcfg = pretrained[0] if pretrained else cfg.model.resolved(vocab_size=data.vocab_size)
     if mcfg.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size: {mcfg.vocab_size} is smaller than the tokenizer's "
                           f"{data.vocab_size}; leave it unset (0) or raise it")
-    layout.check(cfg, mcfg)
+    world.check(cfg, mcfg)
     torch.manual_seed(cfg.train.seed)
     # what the process holds before the model (interpreter, torch, data; the first meta-device
     # operation loads torch's meta kernels, ~70 MB, as the dry run's baseline counts), then
@@ -108,7 +108,7 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
     source = weights_source(cfg, mcfg, device, pretrained[1] if pretrained else None,
                             task.new_weights)
     try:
-        engine = parallelize(mcfg, cfg, layout, source, device,
+        engine = parallelize(mcfg, cfg, world, source, device,
                              adapt=task.adapt_model, trainable=task.new_weights)
     except MissingTensor as e:
         raise CheckpointError(f"checkpoint.init_from: '{cfg.checkpoint.init_from}' lacks "
@@ -118,12 +118,12 @@ def build_run(cfg: Config, layout=None, task=None) -> Run:
         release_free_heap()
     if pretrained:  # what this rank read of the pretrained files: its regions only
         memory["init_from_bytes_read"] = source.bytes_read
-    run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, layout,
+    run = Run(cfg, mcfg, data, sampler, val_sampler, device, dtype, engine, world,
               Path(cfg.train.output_dir), task, memory=memory,
               pretrained=pretrained[1] if pretrained else None)
-    if layout.chunks is not None:  # before setup, which may use it
+    if world.chunks is not None:  # before setup, which may use it
         task_loss = task.pipeline_loss
-        layout.build_pipeline(engine, lambda: autocast(run), mcfg.hidden_size,
+        world.build_pipeline(engine, lambda: autocast(run), mcfg.hidden_size,
                               task_loss=(lambda out, mb: task_loss(run, out, mb))
                               if task_loss else None,
                               metric_names=task.metric_names if task_loss else (),
@@ -143,7 +143,7 @@ def _pipeline_router_term(run: Run):
     return term
 
 
-def _pretrained(cfg: Config, layout):
+def _pretrained(cfg: Config, world):
     """(model config, weight source) of ``checkpoint.init_from`` (a Hugging Face folder or
     hub id, a threefold run or checkpoint: ``threefold.weights.model_source``; tensors are read by
     region later, as each rank needs them). The checkpoint defines the model (``--model.*``
@@ -151,26 +151,26 @@ def _pretrained(cfg: Config, layout):
     located = locate_init_from(cfg)
     mcfg, notes, _ = init_from_model(cfg, located)
     choose_tokenizer(cfg, located)
-    if layout.rank == 0:
+    if world.rank == 0:
         for note in notes:
             print(f"threefold: {note}", flush=True)
     return mcfg, open_pretrained(located.path)[1]
 
 
-def train(cfg: Config, layout=None, return_run: bool = False, task=None):
+def train(cfg: Config, world=None, return_run: bool = False, task=None):
     """Run training as configured; returns the summary (also written to summary.json), and
-    the ``Run`` (engine, layout) too when ``return_run``. On SIGTERM (``train.preemption_grace_s``
+    the ``Run`` (engine, world) too when ``return_run``. On SIGTERM (``train.preemption_grace_s``
     > 0) every rank stops after the same step, saves a checkpoint and returns; the summary
     then says ``preempted``."""
-    layout = layout or SingleProcess()
-    with layout.phase("start-up"):
-        done = finished_step(cfg, layout)
+    world = world or SingleProcess()
+    with world.phase("start-up"):
+        done = finished_step(cfg, world)
         if done is not None:  # before anything is built or read: a finished run stays so
-            return _finished(cfg, layout, done, return_run)
-        run = build_run(cfg, layout, task)
-        faults.at_startup(layout)  # test-only: a rank that issues one collective too many
-    layout.check_collectives("start-up")
-    preempt = Preemption(cfg.train.preemption_grace_s, run.layout.rank)
+            return _finished(cfg, world, done, return_run)
+        run = build_run(cfg, world, task)
+        faults.at_startup(world)  # test-only: a rank that issues one collective too many
+    world.check_collectives("start-up")
+    preempt = Preemption(cfg.train.preemption_grace_s, run.world.rank)
     try:
         return _loop(run, preempt, return_run)
     finally:
@@ -180,7 +180,7 @@ def train(cfg: Config, layout=None, return_run: bool = False, task=None):
 def _loop(run: Run, preempt, return_run: bool):
     """Resume if asked, then the steps with their logging, validation, checkpoints and
     preemption; then the final validation, checkpoint and summary."""
-    t, lay = run.cfg.train, run.layout
+    t, lay = run.cfg.train, run.world
     with lay.phase("loading"):
         start = _load(run)
         log = RunLog(run, start)
@@ -220,18 +220,18 @@ def _loop(run: Run, preempt, return_run: bool):
     return (summary, run) if return_run else summary
 
 
-def _finished(cfg: Config, layout, step: int, return_run: bool):
+def _finished(cfg: Config, world, step: int, return_run: bool):
     """The newest checkpoint is at or past ``train.steps``: no step, one line, nothing built,
     read or written (summary.json, metrics.jsonl and the checkpoints stay the finished
     run's). Returns the stored summary with ``already_finished`` (the step) added, and no
     ``Run`` when ``return_run``."""
-    if layout.is_writer:
+    if world.is_writer:
         past = "" if step == cfg.train.steps else f" (past --train.steps {cfg.train.steps})"
         print(f"threefold: run already finished at step {step}{past}; raise --train.steps "
               f"above {step} to continue", flush=True)
     summary = {**read_summary(Path(cfg.train.output_dir) / "summary.json"),
                "already_finished": step}
-    layout.close()
+    world.close()
     return (summary, None) if return_run else summary
 
 
@@ -252,12 +252,12 @@ def _step(run: Run, preempt, step: int, trace: list | None):
     """``train_step`` timed (on a GPU, to the device's end); a failed collective is
     reported with who and where before it propagates."""
     preempt.step_started()
-    run.layout.before_step(step)
+    run.world.before_step(step)
     t0 = time.perf_counter()
     # A failed collective is reported with who and where; after SIGTERM (torchrun stopping
     # the group, or a preemption) without the wait for the others' reports, which would only
     # hold the restart back.
-    with run.layout.phase(f"step {step + 1}",
+    with run.world.phase(f"step {step + 1}",
                           grace_s=lambda: 0.0 if preempt.received_at else 3.0):
         loss, norm, extras = train_step(run, step, trace)
     if run.device.type == "cuda":
@@ -280,7 +280,7 @@ def _checkpoint_or_stop(run: Run, preempt, step: int, log: RunLog,
                 else f"its commit after step {step + 1}")
     if saved:
         save(run, step + 1, saver)
-    if preempt.requested(run.layout) and step + 1 < t.steps:
+    if preempt.requested(run.world) and step + 1 < t.steps:
         if saved and saver is not None:  # the notice's checkpoint must be whole before exit
             _commit(run, saver, log)
         elif not saved:
