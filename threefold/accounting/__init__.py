@@ -10,7 +10,7 @@ Conventions (every function below follows them):
 - A *layout* splits the world into pp × dp_replicate × dp_shard × cp × tp. Mesh axes are
   ordered outermost first as ``threefold.layout.axes.AXES`` (every axis table here is
   ``threefold.layout.axes``'s, the runtime's): tp innermost (NVLink), then cp, then dp_shard, then
-  dp_replicate and pp outermost (DESIGN.md, topology rule). A group that does not fit inside
+  dp_replicate and pp outermost (heaviest traffic on the fastest links). A group that does not fit inside
   one aligned node crosses the network.
 - Context parallelism is threefold's (``threefold.parallel.transforms.context``): each cp rank holds
   seq_len/cp tokens of every sequence, so every per-token figure (FLOPs, memory traffic,

@@ -28,7 +28,7 @@ GB = 1e9  # datasheets use decimal gigabytes
 # from --calibrate replaces them.
 NVLINK_LATENCY_S = 2e-6
 NETWORK_LATENCY_S = 6e-6
-DEFAULT_INTER_NODE_GBITS = 400.0  # per GPU, InfiniBand NDR / RoCE (REFERENCE.md)
+DEFAULT_INTER_NODE_GBITS = 400.0  # per GPU: one 400 Gb/s NIC (InfiniBand NDR, RoCE)
 # Host memory bandwidth of one node, for an optimiser step run on the host
 # (``parallel.offload_optimizer``). Not a GPU datasheet figure but an assumed host: two
 # sockets of 8 DDR5-4800 channels, 4800 MT/s × 8 bytes = 38.4 GB/s per channel (JEDEC

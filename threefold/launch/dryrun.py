@@ -18,7 +18,7 @@ The hardware it predicts for (no config field names it):
 - otherwise this CPU: every rank on this machine, its matmul rate measured now at the threads
   each rank gets (``threefold.hardware.catalogue.cpu_matmul_flops`` through
   ``plan.calibrate.matmul_flops``), ``LOOPBACK_BANDWIDTH`` / ``LOOPBACK_LATENCY_S`` for the
-  gloo links (CPU-NOTES.md: about 1 GB/s and 0.3 ms between two local processes), the
+  gloo links (measured: about 1 GB/s and 0.3 ms between two local processes), the
   machine's memory shared by the ranks, memory bandwidth not modelled. Memory figures on a CPU
   add the process's baseline: interpreter, torch, tokenizer, data (``plan.baseline``).
 

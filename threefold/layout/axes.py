@@ -4,7 +4,8 @@ these tables, from here alone.
 
 Axis order, outermost (largest rank stride) to innermost (stride 1), is ``AXES``: tp innermost
 so that its ranks are neighbours (same node, NVLink), then cp, then dp_shard, then
-dp_replicate and pp outermost, where traffic is lightest (DESIGN.md, topology rule).
+dp_replicate and pp outermost, where traffic is lightest (a mesh's inner axes carry the most
+bytes, so they stay on the fastest links: docs/parallelisms.md, the mesh).
 
 Imports nothing of threefold.
 """

@@ -147,18 +147,3 @@ def take_rows(dispatchers: list[Dispatcher]) -> int:
     for d in dispatchers:
         total, d.rows_sent = total + d.rows_sent, 0
     return total
-
-
-def gather_experts(local: torch.Tensor, comm) -> torch.Tensor:
-    """The whole (E, ...) expert tensor from every ep rank's slice (collective over ep)."""
-    ep = comm.size(AXIS)
-    out = local.new_empty((local.shape[0] * ep, *local.shape[1:]))
-    comm.all_gather(out, local.contiguous(), AXIS)
-    return out
-
-
-def take_experts(whole: torch.Tensor, comm) -> torch.Tensor:
-    """This ep rank's slice of a whole (E, ...) expert tensor."""
-    ep, r = comm.size(AXIS), comm.rank(AXIS)
-    n = whole.shape[0] // ep
-    return whole[r * n:(r + 1) * n].clone()

@@ -411,13 +411,3 @@ def gather_full(local: torch.Tensor, dim: int | None, full: int, comm) -> torch.
     out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather(out, x, AXIS)
     return out[:full].movedim(0, dim).contiguous()
-
-
-def take_shard(whole: torch.Tensor, dim: int | None, comm) -> torch.Tensor:
-    """This rank's tp slice of a whole tensor (padded to a multiple of tp along ``dim``)."""
-    if dim is None or comm.size(AXIS) == 1:
-        return whole
-    t, r = comm.size(AXIS), comm.rank(AXIS)
-    x = whole.movedim(dim, 0)
-    n = math.ceil(x.shape[0] / t)
-    return _shard_rows(x, r, t, n * t).movedim(0, dim).contiguous()

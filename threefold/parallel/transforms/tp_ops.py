@@ -93,18 +93,3 @@ class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_seq(grad, ctx.comm), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    """Keep this rank's slice of the sequence (no communication); all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        t, r = comm.size(AXIS), comm.rank(AXIS)
-        n = x.shape[1] // t
-        return x[:, r * n:(r + 1) * n].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.comm), None
