@@ -144,6 +144,25 @@ ROWS = [
         "parallel.pp: reward training does not run under pipeline parallelism yet (got pp=2); "
         "use parallel.pp 1 and shard over dp_shard (ZeRO) or tp instead",
         "plan plans pre-training layouts, not a reward model's", command="reward"),
+    Row("tp_overlap_needs_sequence_parallel", {"parallel.tp_overlap": 4}, 1,
+        "parallel.tp_overlap: 4 chunks overlap sequence parallelism's all-gathers and "
+        "reduce-scatters, which parallel.tp=1 with sequence_parallel=false does not have; set "
+        "parallel.tp > 1 and parallel.sequence_parallel true, or parallel.tp_overlap 0",
+        "plan overlaps only what sequence parallelism has: a layout without it is not "
+        "overlapped, never refused"),
+    Row("tp_overlap_plain_projections", {"parallel.tp": 2, "parallel.sequence_parallel": True,
+                                         "parallel.tp_overlap": 4, "lora.r": 4}, 2,
+        "parallel.tp_overlap: 4 cannot overlap the projections of LoRA adapters (lora.r > 0); "
+        "set parallel.tp_overlap 0", "plan has no overlapped LoRA: it plans the adapters "
+        "unoverlapped"),
+    Row("generation_layout", {"parallel.pp": 2}, 2,
+        "parallel.pp: GRPO does not run with pp=2 (generation runs the whole model on each "
+        "rank); use parallel.pp 1", "plan plans pre-training layouts, not GRPO's generation",
+        command="grpo"),
+    Row("generation_layout", {"parallel.tp": 2, "parallel.sequence_parallel": True}, 2,
+        "parallel.sequence_parallel: GRPO's generation decodes one token a step, which cannot "
+        "be split over tp ranks; set it false",
+        "plan plans pre-training layouts, not GRPO's generation", command="grpo"),
 ]
 IDS = [f"{r.rule}-{r.command}" for r in ROWS]
 
@@ -172,7 +191,7 @@ def _run(row: Row, argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
     monkeypatch.setattr(post_cli, "dispatch", no_launch)
     monkeypatch.setattr(launch, "launch", no_launch)
     main = {"train": cli.cmd_train, "dpo": post_cli.dpo_main,
-            "reward": post_cli.reward_main}[row.command]
+            "reward": post_cli.reward_main, "grpo": post_cli.grpo_main}[row.command]
     rc = main(argv)
     return rc, capsys.readouterr().err
 

@@ -31,8 +31,12 @@ BASE = [("model.preset", "llama3-8b"), ("data.seq_len", "4096"),
     ([("parallel.tp_overlap", "4"), ("model.num_key_value_heads", "4")], "k/v kept whole"),
 ])
 def test_refused_with_one_line_naming_the_field(extra, says):
+    """A value out of range is refused as the configuration loads; a layout it does not apply
+    to by the rule book, before launch (8 ranks here)."""
+    from threefold.layout import validate_layout
+
     with pytest.raises(ConfigError) as e:
-        load_config(None, BASE + extra)
+        validate_layout(load_config(None, BASE + extra), 8)
     msg = str(e.value)
     assert msg.startswith("parallel.tp_overlap:") and says in msg and "\n" not in msg
     assert "set parallel" in msg or "got -1" in msg

@@ -46,7 +46,7 @@ def validate(cfg: Config) -> None:
 
 def check_against_model(cfg: Config, r: ModelConfig) -> None:
     """The rules that need the model's shape ``r`` (resolved): the sequence fits its
-    context, the experts' activation, the 8-bit gather and the overlapped projections."""
+    context, the experts' activation and the 8-bit gather."""
     _need(cfg.data.seq_len <= r.max_position_embeddings,
           f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="
           f"{r.max_position_embeddings}; lower it or raise the model's limit")
@@ -57,17 +57,6 @@ def check_against_model(cfg: Config, r: ModelConfig) -> None:
           "parallel.fp8_all_gather: true is not available for a mixture of experts "
           "(model.num_local_experts; its dense blocks' 8-bit units are not modelled); unset it "
           "or set it false")
-    lo, p = cfg.lora, cfg.parallel
-    # the overlapped sub-layers fuse plain column/row projections with their collectives
-    # (threefold.parallel.transforms.tp_overlap): not adapters, latents or replicated k/v
-    plain = [why for cond, why in ((lo.r > 0, "LoRA adapters (lora.r > 0)"),
-                                   (r.kv_lora_rank, "latent attention (model.kv_lora_rank)"),
-                                   (p.tp > 1 and r.num_key_value_heads % p.tp,
-                                    f"k/v kept whole ({r.num_key_value_heads} KV heads < "
-                                    f"parallel.tp={p.tp})")) if cond]
-    _need(p.tp_overlap < 2 or not plain,
-          f"parallel.tp_overlap: {p.tp_overlap} cannot overlap the projections of "
-          f"{', '.join(plain)}; set parallel.tp_overlap 0")
 
 
 def _check_model_settings(m: ModelConfig) -> None:
@@ -184,11 +173,6 @@ def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
     _need(p.bucket_mb > 0, f"parallel.bucket_mb: must be positive, got {p.bucket_mb}")
     _need(p.tp_overlap >= 0, f"parallel.tp_overlap: must be >= 0 (chunks per collective; 0 = "
           f"off), got {p.tp_overlap}")
-    _need(p.tp_overlap < 2 or (p.sequence_parallel and p.tp > 1),
-          f"parallel.tp_overlap: {p.tp_overlap} chunks overlap sequence parallelism's "
-          f"all-gathers and reduce-scatters, which parallel.tp={p.tp} with sequence_parallel="
-          f"{str(p.sequence_parallel).lower()} does not have; set parallel.tp > 1 and "
-          "parallel.sequence_parallel true, or parallel.tp_overlap 0")
 
 
 def _check_train(t: TrainConfig) -> None:

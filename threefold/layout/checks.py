@@ -68,6 +68,8 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
                                    p.sequence_parallel)
     rules.bf16_params_need_zero(param_dtype(cfg), p.zero_stage, layout.dp * layout.cp)
     rules.block_counts_need_pp(layout.pp, p.pipeline_split)
+    rules.tp_overlap_needs_sequence_parallel(p.tp_overlap, layout.tp, p.sequence_parallel)
+    rules.tp_overlap_plain_projections(p.tp_overlap, cfg.lora.r, m, layout.tp)
     check_layout(m, layout, Workload.from_config(cfg))
     rules.ffn_over_tp(m, layout.tp)  # the planner pads these widths instead
     if layout.pp > 1:
@@ -99,4 +101,7 @@ def pipeline_microbatches(cfg: Config, dp: int) -> int:
 
 def task_layout(task: str, cfg: Config) -> None:
     """The layouts a post-training task does not run under (``rules.task_layout``)."""
-    rules.task_layout(task, cfg.parallel.pp, cfg.parallel.cp)
+    p = cfg.parallel
+    rules.task_layout(task, p.pp, p.cp)
+    if task == "grpo":  # generation with the training model
+        rules.generation_layout(p.pp, p.cp, p.ep, p.tp, p.sequence_parallel)

@@ -388,3 +388,49 @@ def task_layout(task: str, pp: int, cp: int) -> None:
     if task == "reward" and cp > 1:
         raise LayoutError(f"parallel.cp: reward training does not run under context "
                           f"parallelism yet (got cp={cp}); use parallel.cp 1")
+
+
+@rule
+def generation_layout(pp: int, cp: int, ep: int, tp: int, sequence_parallel: bool) -> None:
+    """GRPO generates with the training model: each rank decodes whole sequences of its own
+    prompts, one token a step, so no pipeline, context or expert parallelism, and no sequence
+    parallelism."""
+    for name, value, why in (("pp", pp, "generation runs the whole model on each rank"),
+                             ("cp", cp, "generation decodes whole sequences"),
+                             ("ep", ep, "a rank decodes as many steps as its prompts need, so "
+                                        "the ep all-to-alls would not match")):
+        if value > 1:
+            raise LayoutError(f"parallel.{name}: GRPO does not run with {name}={value} ({why}); "
+                              f"use parallel.{name} 1")
+    if tp > 1 and sequence_parallel:
+        raise LayoutError("parallel.sequence_parallel: GRPO's generation decodes one token a "
+                          "step, which cannot be split over tp ranks; set it false")
+
+
+@rule
+def tp_overlap_needs_sequence_parallel(chunks: int, tp: int, sequence_parallel: bool) -> None:
+    """Overlapped tensor parallelism (``parallel.tp_overlap``) cuts sequence parallelism's
+    all-gathers and reduce-scatters into chunks: it needs tp > 1 with sequence parallelism."""
+    if chunks >= 2 and not (sequence_parallel and tp > 1):
+        raise LayoutError(f"parallel.tp_overlap: {chunks} chunks overlap sequence parallelism's "
+                          f"all-gathers and reduce-scatters, which parallel.tp={tp} with "
+                          f"sequence_parallel={str(sequence_parallel).lower()} does not have; "
+                          "set parallel.tp > 1 and parallel.sequence_parallel true, or "
+                          "parallel.tp_overlap 0")
+
+
+@rule
+def tp_overlap_plain_projections(chunks: int, lora_r: int, m: ModelConfig, tp: int) -> None:
+    """The overlapped sub-layers fuse plain column and row projections with their
+    collectives: not LoRA adapters, latent attention or k/v kept whole over tp."""
+    if chunks < 2:
+        return
+    kv = m.num_key_value_heads
+    plain = [why for cond, why in ((lora_r > 0, "LoRA adapters (lora.r > 0)"),
+                                   (m.kv_lora_rank, "latent attention (model.kv_lora_rank)"),
+                                   (tp > 1 and kv % tp,
+                                    f"k/v kept whole ({kv} KV heads < parallel.tp={tp})"))
+             if cond]
+    if plain:
+        raise LayoutError(f"parallel.tp_overlap: {chunks} cannot overlap the projections of "
+                          f"{', '.join(plain)}; set parallel.tp_overlap 0")

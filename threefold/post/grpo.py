@@ -26,6 +26,7 @@ from threefold.config import ConfigError
 from threefold.data import DataError
 from threefold.data.sampler import rank_rows
 from threefold.generation.generate import generate
+from threefold.layout import task_layout
 from threefold.model.lora import adapters_off, has_adapters
 from threefold.data.chat import check_messages, encode_text, eot_token, load_chat_template
 from threefold.post.grpo_loss import (
@@ -147,16 +148,7 @@ class GRPOTask(Task):
     def check(self, cfg) -> None:
         """ConfigError for a layout or batch GRPO does not run with."""
         p, t, g = cfg.parallel, cfg.train, self.options.num_generations
-        for name, value, why in (("pp", p.pp, "generation runs the whole model on each rank"),
-                                 ("cp", p.cp, "generation decodes whole sequences"),
-                                 ("ep", p.ep, "a rank decodes as many steps as its prompts "
-                                              "need, so the ep all-to-alls would not match")):
-            if value > 1:
-                raise ConfigError(f"parallel.{name}: GRPO does not run with {name}={value} "
-                                  f"({why}); use parallel.{name} 1")
-        if p.tp > 1 and p.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel: GRPO's generation decodes one token "
-                              "a step, which cannot be split over tp ranks; set it false")
+        task_layout("grpo", cfg)  # the rule book's
         mu, every = self.options.num_iterations, cfg.checkpoint.interval
         if mu > 1 and every % mu:
             raise ConfigError(f"checkpoint.interval: {every} is not a multiple of "
