@@ -169,7 +169,7 @@ def build(name: str, cfg, mcfg, lay) -> Setup:
 
 
 def build_threefold(name: str, cfg, mcfg, lay):
-    """threefold's engine as the trainer builds it (distributed_layout.build_engine), but
+    """threefold's engine as the trainer builds it (distributed_world.build_engine), but
     with its own ``Comm`` so that its bytes are counted apart from the other runs."""
     from threefold.comm.counted import Comm
     from threefold.parallel.engines.data_parallel import DataParallelEngine

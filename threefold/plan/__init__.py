@@ -1,11 +1,13 @@
 """The planner (``threefold plan``, ``threefold train --dry-run``): predicts what a layout costs
-before launch, from the accounting (``threefold.accounting``) and the hardware.
+before launch, from the accounting (``threefold.accounting``), the rule book
+(``threefold.layout``) and the hardware (``threefold.hardware``).
 
-Modules, bottom up: ``hardware`` (catalogue GPUs, clusters), ``calibrate`` (this machine
-measured), ``compute`` (FLOPs and compute time), ``step`` (the step time: bubble, communication
-and overlap), ``states`` / ``activations`` / ``memory`` (bytes per rank), ``candidates`` and
-``search`` (the layouts searched and ranked), ``report`` (table, JSON, explanations),
-``dryrun`` (one configuration checked before launch) and ``cli`` (the command). Nothing is
-imported here, so that a module that needs one part (the runtime's MFU needs ``hardware``)
-loads only that part.
+Modules, bottom up: ``cluster`` (clusters of catalogue GPUs), ``network`` (where each mesh
+axis runs), ``collectives`` (their times), ``calibrate`` (this machine measured), ``baseline``
+(a CPU process's own bytes: interpreter, torch, tokenizer, data), ``compute`` (FLOPs and
+compute time), ``step`` (the step time: bubble, communication and overlap), ``states`` /
+``activations`` / ``memory`` / ``startup`` / ``terms`` (bytes per rank), ``candidates`` and
+``search`` (the layouts searched and ranked), ``report`` (table, JSON, explanations). The
+command is ``threefold.commands.planning``, the dry run ``threefold.launch.dryrun``. Nothing
+is imported here, so that a module that needs one part loads only that part.
 """

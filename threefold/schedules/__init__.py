@@ -1,5 +1,5 @@
 """Pipeline schedules as data, with no torch: the actions each rank runs (``actions``), the
-schedules' registry and builders (``schedules``, ``vshape``, ``bounded``, ``messages``), the
+schedules' registry and builders (``registry``, ``vshape``, ``bounded``, ``messages``), the
 pre-launch proof that a schedule neither deadlocks nor mismatches its sends (``check``), the
 simulator (``simulate``), the stage balance (``balance``) and the timeline writers
 (``timeline``). The executor that runs them, the stage split and the zero-bubble split, which

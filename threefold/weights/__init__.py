@@ -13,6 +13,12 @@ opens either kind of folder for ``checkpoint.init_from``.
 Where: ``base`` (the interface, ``DictSource``, boxes and blocks), ``hf_source``,
 ``checkpoint_source``, ``pretrained`` (finding and opening pretrained weights).
 
+The folder also holds what writes and names those files: ``checkpoint`` (sharded, atomic,
+checksummed checkpoints; ``checkpoint_async`` saves them in the background,
+``checkpoint_verify`` checks them, ``resharding`` says where each piece sits), ``hf`` and
+``hf_config`` (Hugging Face export and import; config.json through the families' specs),
+``hub`` (hub ids into the local cache) and ``model_source`` (which model a run builds).
+
 The bound: reading a box takes exactly the box's elements, each once, so ``bytes_read`` (bytes
 of tensor data taken from files, in the files' dtype) grows by exactly ``box elements × stored
 element size``, whichever pieces or files hold them. Memory: the result (the box, in the dtype
