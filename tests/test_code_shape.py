@@ -2,8 +2,9 @@
 over 450 lines, no function over 60 (from its ``def`` to its last line, docstring included),
 the training loop never probes a layout or task with ``getattr(..., default)`` (their
 interfaces are declared: ``threefold.parallel.world.World``, ``threefold.training.task.Task``,
-``threefold.training.run.Engine``), and imports point down a table of layers with no circles (the
-table is docs/architecture.md's)."""
+``threefold.training.run.Engine``), the step branches on no layout or family, the folders are
+the layers and imports point down them with no circles (the table is docs/architecture.md's),
+no two modules share a name, and every name has one import path."""
 
 from __future__ import annotations
 
@@ -170,8 +171,8 @@ def test_parallelisms_do_not_patch_instances():
 
 
 # --------------------------------------------------------------------------------------------
-# Imports point down. A room is a top-level module or package of threefold/ (a package such as
-# parallel/ or post/ is one room); the layers run from the top (the command line) down to
+# Imports point down. A room is a folder of threefold/ (with everything under it), plus
+# __main__.py; the folders read top to bottom are the layers, from the command line down to
 # config/, which imports nothing of threefold. A room may import rooms of its own layer or of a
 # layer below. docs/architecture.md's table of rooms is this table.
 # --------------------------------------------------------------------------------------------
