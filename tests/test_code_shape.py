@@ -280,6 +280,13 @@ def _layer_of() -> dict[str, int]:
     return {room: i for i, layer in enumerate(LAYERS) for room in layer}
 
 
+def test_the_rooms_are_folders():
+    """threefold/ holds folders and its entry points only: a new module goes in the folder of
+    its layer."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py"], f"modules outside a folder: {loose}"
+
+
 def test_every_room_has_one_layer():
     rooms = {_room(m) for m in MODULES if m != "threefold"}
     listed = [room for layer in LAYERS for room in layer]
