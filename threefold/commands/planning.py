@@ -393,7 +393,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(to_json_rows(top), indent=1))
     else:
         hw = cluster.hardware
-        moe = (f" ({active_parameters(cfg) / 1e9:.2f}B active: {cfg.num_local_experts} experts,"
+        moe = (f" ({count_text(active_parameters(cfg))} active: {cfg.num_local_experts} experts,"
                f" top-{cfg.num_experts_per_tok})" if cfg.num_local_experts else "")
         print(f"{args.model}: {count_text(num_parameters(cfg))} parameters{moe}, vocab "
               f"{cfg.vocab_size} (padded to a multiple of tp), "
