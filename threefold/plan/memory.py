@@ -14,7 +14,8 @@ N = dp_shard·cp, the ZeRO group, m = microbatches, bytes per element from ``Sta
   stage 1 holds the full .grad (Ψ) and, in ``finish_gradients``, one unit's flat copy
   while the .grad of the units not yet reduced give way to the Ψ/N shard;
   stage 2 frees each unit's .grad once copied for its reduce-scatter, holding the shard
-  and ``ZERO_REDUCES_IN_FLIGHT`` + 1 units' full copies;
+  and ``ZERO_REDUCES_IN_FLIGHT`` + 1 units' full copies at the end of backward, and the
+  shard alone at the optimiser step (the copies are reduced and freed before it);
 - ZeRO 3: Ψ/N weights, Ψ/N optimiser state, gradients as stage 2; two gathered units
   (the one in use and the one prefetched) while computing; under ``parallel.fp8_all_gather``
   a block's FP8 weights are gathered at one byte each (``gathered_unit_bytes``).
@@ -42,33 +43,20 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from threefold.layout import Layout, Workload
-from threefold.accounting import local_seq_len, microbatches
-from threefold.accounting.lora_counts import lora_units
+from threefold.accounting import (layer_parameters_per_rank, local_seq_len, microbatches,
+                                  rank_layers, stage_expert_units, stage_units, tp_shard)
 from threefold.accounting.fp8 import fp8_gathered_numels
-from threefold.accounting import layer_parameters_per_rank, tp_shard
+from threefold.accounting.lora_counts import lora_units
 from threefold.accounting.stages import distinct_stages
-from threefold.accounting import rank_layers, stage_expert_units, stage_units
 from threefold.config import ModelConfig
 from threefold.families.shapes import grouped_widths_unfit
-from threefold.plan.activations import (
-    adapter_activation_bytes,
-    head_inflight_microbatches,
-    head_saved_bytes,
-    inflight_microbatches,
-    logits_bytes,
-    microbatch_extra_bytes,
-    model_layer_activation_bytes,
-    recompute_working_bytes,
-)
-from threefold.plan.states import (
-    HOST_GRAD_BYTES,
-    HOST_MASTER_BYTES,
-    RUNTIME_OVERHEAD_BYTES,
-    ZERO_REDUCES_IN_FLIGHT,
-    StateBytes,
-    state_bytes_for,
-)
+from threefold.layout import Layout, Workload
+from threefold.plan.activations import (adapter_activation_bytes, head_inflight_microbatches,
+                                        head_saved_bytes, inflight_microbatches, logits_bytes,
+                                        microbatch_extra_bytes, model_layer_activation_bytes,
+                                        recompute_working_bytes)
+from threefold.plan.states import (HOST_GRAD_BYTES, HOST_MASTER_BYTES, RUNTIME_OVERHEAD_BYTES,
+                                   ZERO_REDUCES_IN_FLIGHT, StateBytes, state_bytes_for)
 
 def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
     """Under autocast with weights wider than the matmul dtype (threefold's fp32 weights under
@@ -117,6 +105,10 @@ class MemoryBreakdown:
     # ZeRO-3: the gradient of the unit whose backward runs (its flat buffer, the cast to
     # parallel.reduce_dtype, the reduce-scatter's output and a CPU backend's copy)
     zero3_grad_working: float = 0.0
+    # ZeRO-2/3: the gradient bytes the optimiser step sees, the shards alone (the full unit
+    # gradients in flight at the end of backward are reduced and freed before the step); None:
+    # ``grads`` (no ZeRO, ZeRO-1: the gradients the step reads are those backward left)
+    grads_at_step: float | None = None
 
     @property
     def host_total(self) -> float:
@@ -136,10 +128,18 @@ class MemoryBreakdown:
                 + self.zero3_grad_working)
 
     @property
+    def step_peak(self) -> float:
+        """What is transient at the end of backward or during the optimiser step, whichever
+        is larger: every gradient backward left (ZeRO-2/3's in-flight reductions too), or the
+        gradients the step reads and its temporaries."""
+        at_step = self.grads if self.grads_at_step is None else self.grads_at_step
+        return max(self.grads, at_step + self.optimizer_working)
+
+    @property
     def total(self) -> float:
-        """The peak: what always exists plus the larger of the two transient moments."""
+        """The peak: what always exists plus the larger of the transient moments."""
         return (self.params + self.optimizer + self.buffers + self.overhead
-                + max(self.activation_peak, self.grads + self.optimizer_working))
+                + max(self.activation_peak, self.step_peak))
 
 
 def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
@@ -218,7 +218,7 @@ def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tupl
     offload (``_offload``)."""
     z, n = layout.zero_stage, layout.shard_size
     psi, padded, largest = _unit_totals(units, n if z else 1)
-    buffers, zero3, in_bwd, unit_grad = 0.0, 0.0, 0.0, 0.0
+    buffers, zero3, in_bwd, unit_grad, at_step = 0.0, 0.0, 0.0, 0.0, None
     if z == 0:
         params, opt, grads = psi * state.param, psi * state.optimizer, psi * state.grad
         buffers = psi * state.grad if layout.dp * layout.cp > 1 else 0.0
@@ -230,6 +230,7 @@ def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tupl
         grads = (padded + largest) * state.grad
         if z == 2:
             grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
+            at_step = padded / n * state.grad
         if work.backend_copies:  # the reduce-scatter's whole-unit copy
             grads += largest * state.grad
         in_bwd = psi * state.grad if m > 1 else 0.0
@@ -237,6 +238,7 @@ def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tupl
     else:
         params, opt = padded / n * state.param, padded / n * state.optimizer
         grads = (padded / n + (ZERO_REDUCES_IN_FLIGHT + 1) * largest) * state.grad
+        at_step = padded / n * state.grad
         in_bwd = padded / n * state.grad if m > 1 else 0.0
         gathered = max(gathered_unit_bytes(u, n, state.param, fp8) for u in units)
         zero3 = 2 * gathered  # the unit in use and the one prefetched
@@ -248,7 +250,8 @@ def _model_states(layout: Layout, work: Workload, state: StateBytes, units: tupl
             unit_grad += largest * rb + gathered
     out = dict(params=params, optimizer=opt, grads=grads, buffers=buffers,
                grads_in_backward=in_bwd, zero3_working=zero3, optimizer_working=temp,
-               zero3_grad_working=unit_grad, host=0.0, host_working=0.0)
+               zero3_grad_working=unit_grad, grads_at_step=at_step, host=0.0,
+               host_working=0.0)
     if layout.offload_optimizer:
         _offload(out, z, psi if z == 0 else padded / n, state)
     return out
@@ -377,9 +380,8 @@ def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
         bigger = max(0, unit - largest)  # the largest unit, if an expert unit is larger
         bigger_shard = max(0, -(-unit // ne) - -(-largest // n))
         owned = psi if z == 0 else padded / ne
-        params, opt = mem.params, mem.optimizer
+        params, opt, buffers, temp = mem.params, mem.optimizer, mem.buffers, mem.optimizer_working
         grads, in_bwd, zero3 = mem.grads, mem.grads_in_backward, mem.zero3_working
-        buffers, temp = mem.buffers, mem.optimizer_working
         opt_e = owned * o
         if z == 0:
             params += psi * p
@@ -399,6 +401,7 @@ def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
             in_bwd += owned * g if m > 1 else 0.0
             zero3 += unit * p  # the block's experts, gathered beside its dense unit
             temp_e = 2 * bigger_shard * p
+        at_step = None if mem.grads_at_step is None else mem.grads_at_step + owned * g
         host, host_temp = mem.host, mem.host_working
         if layout.offload_optimizer:
             if z in (1, 2) and state.master_in_optimizer:
@@ -407,9 +410,9 @@ def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
                              + (0 if state.master_in_optimizer else HOST_MASTER_BYTES))
             host_temp += temp_e / p * HOST_MASTER_BYTES
             opt_e = temp_e = 0.0
-        ch.update(params=params, optimizer=opt + opt_e, grads=grads, grads_in_backward=in_bwd,
-                  zero3_working=zero3, buffers=buffers, optimizer_working=temp + temp_e,
-                  host=host, host_working=host_temp)
+        ch.update(params=params, optimizer=opt + opt_e, grads=grads, grads_at_step=at_step,
+                  grads_in_backward=in_bwd, zero3_working=zero3, buffers=buffers,
+                  optimizer_working=temp + temp_e, host=host, host_working=host_temp)
     return dataclasses.replace(mem, **ch)
 
 

@@ -49,8 +49,9 @@ def peak_parts(m) -> tuple[float, float, float]:
     alive (weights, optimiser state, the gradients held at that moment), activations, and the
     rest (buffers, runtime overhead, logits, gathered ZeRO-3 units, autocast copies,
     recomputation or the optimiser's temporaries); the three add up to the peak."""
-    at_backward = m.activation_peak >= m.grads + m.optimizer_working
-    states = m.params + m.optimizer + (m.grads_in_backward if at_backward else m.grads)
+    at_backward = m.activation_peak >= m.step_peak
+    held = m.step_peak - m.optimizer_working if m.step_peak > m.grads else m.grads
+    states = m.params + m.optimizer + (m.grads_in_backward if at_backward else held)
     act = m.activations if at_backward else 0.0
     return states, act, m.total - states - act
 

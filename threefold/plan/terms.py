@@ -121,11 +121,12 @@ def memory_terms(cfg: ModelConfig, layout: Layout, work: Workload, mem: MemoryBr
         ("engine buffers (gradient buckets)", mem.buffers),
         ("runtime overhead (allocator, communication)", mem.overhead)) if value]
     lines += [f"  {name} {_gb(value)}" for name, value in extra]
-    backward, step = mem.activation_peak, mem.grads + mem.optimizer_working
+    backward, step = mem.activation_peak, mem.step_peak
     lines.append(
         f"  = always held (weights, optimizer state, buffers, overhead) "
         f"{_gb(mem.params + mem.optimizer + mem.buffers + mem.overhead)} + the larger of the "
-        f"last backward's start {_gb(backward)} and the optimizer step (gradients + AdamW's "
-        f"temporaries {_gb(mem.optimizer_working)}) {_gb(step)} -> {_gb(mem.total)}"
+        f"last backward's start {_gb(backward)} and the end of backward or the optimizer step "
+        f"(gradients, + AdamW's temporaries {_gb(mem.optimizer_working)}) {_gb(step)} -> "
+        f"{_gb(mem.total)}"
         + (f", {_gb(mem.total + baseline)} with the baseline" if baseline else ""))
     return lines
