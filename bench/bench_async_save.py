@@ -17,9 +17,9 @@ Figures per run (from its metrics.jsonl and summary.json):
   async_save the background writer runs during them, competing for the cores and memory
   bandwidth; synchronously nothing runs then);
 - ``stall_per_save_s``: how long each save holds the loop, timed around the loop's calls
-  (``threefold.training.train.save`` and, under async_save, ``threefold.training.train._commit``, wrapped by this
-  script): synchronously the whole write; under async_save the host copy, the directory's
-  preparation, any wait for the writer and the commit;
+  (``threefold.training.train.save`` and, under async_save, ``threefold.training.train._commit``,
+  wrapped by this script): synchronously the whole write; under async_save the host copy, the
+  directory's preparation, any wait for the writer and the commit;
 - ``cost_per_save_s``: the stall plus the slow-down of the step after the save over the run's
   other steps (``overlap_step_s`` - ``step_s``): what a save costs the run in all. Every figure
   comes from within one run, so the machine's load changing between runs does not enter it.

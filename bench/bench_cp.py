@@ -55,8 +55,8 @@ Reported:
 4. longest sequence (batch 1) for which one training step (build, forward, backward, AdamW)
    grows the process's peak RSS by at most ``--budget-mib`` on every rank: on 1 rank (plain
    model, SDPA's CPU flash kernel) and on the N cp ranks (threefold ring, and torch ring
-   unless ``--no-longest-torch``). Doubling from ``--longest-start``, then one bisection step between
-   the last length that fit and the first that did not. Measured, not modelled: every
+   unless ``--no-longest-torch``). Doubling from ``--longest-start``, then one bisection step
+   between the last length that fit and the first that did not. Measured, not modelled: every
    candidate runs a real step. The budget is a measured peak rather than an enforced cap
    (``RLIMIT_AS``) so that a rank over budget does not die in the middle of a ring and leave
    the others waiting. For this phase glibc serves allocations of 128 KiB and more by mmap

@@ -1,8 +1,9 @@
 """CPU proxies for the memory-bound work of one transformer block: how many
 non-matmul kernels one block's forward + backward launches, and how many bytes they read and
 write per token, from torch's profiler. On a GPU these kernels are the step's elementwise share
-(a third of the H200 step that bench_gpu.py profiled, docs/benchmarks.md); on a CPU their count and bytes are what a fused kernel
-or a compiled block removes, so a change is measured here before and after.
+(a third of the H200 step that bench_gpu.py profiled, docs/benchmarks.md); on a CPU their count and
+bytes are what a fused kernel or a compiled block removes, so a change is measured here before and
+after.
 
     python3 bench/bench_elementwise.py                    # the 1.11B GPU shape's block, b 1
     python3 bench/bench_elementwise.py --shape tiny       # seconds; what the test runs
@@ -10,10 +11,10 @@ or a compiled block removes, so a change is measured here before and after.
 Counted: every outermost aten call of the block's forward and of its backward (one the
 dispatcher or autograd makes, not one inside another aten call), less matmuls and the attention
 kernel (``MATMUL``) and less calls that move no data (views, shape changes, allocation:
-``FREE``; a cast to the dtype a tensor has). Bytes per call: its tensor inputs, read once (the profiler's recorded shapes and
-dtypes), plus its largest input again as the output it writes, an estimate (exact for an
-elementwise op; a reduction writes less, a cat the sum of its inputs). Under ``--dtype
-bfloat16`` the block runs under CPU autocast with fp32 weights, as threefold trains.
+``FREE``; a cast to the dtype a tensor has). Bytes per call: its tensor inputs, read once (the
+profiler's recorded shapes and dtypes), plus its largest input again as the output it writes, an
+estimate (exact for an elementwise op; a reduction writes less, a cat the sum of its inputs). Under
+``--dtype bfloat16`` the block runs under CPU autocast with fp32 weights, as threefold trains.
 Output: a table by op and one JSON line (kernels per block, bytes per token). ``--compile``
 counts the block as ``torch.compile`` runs it: inductor's fused kernels (one each; what they
 read and write is not recorded) and the aten calls left outside them.

@@ -8,8 +8,8 @@ layout and with no half-written checkpoint left behind.
     python3 bench/bench_faults.py --trials 4 --seed 3
     python3 bench/bench_faults.py --layouts zero2 --kinds kill,killsave
     python3 bench/bench_faults.py --kinds killasync --trials 3   # kills during async saves
-    python3 bench/bench_faults.py --stall-mode every       # stalls as threefold.comm.faults has them
-    python3 bench/bench_faults.py --exits                  # clean runs' exits: 20 + 20 runs
+    python3 bench/bench_faults.py --stall-mode every       # stalls as threefold.comm.faults has
+    them python3 bench/bench_faults.py --exits                  # clean runs' exits: 20 + 20 runs
     python3 bench/bench_faults.py --exits --quick          # 3 + 3 runs (~2 min, 2 cores)
 
 How: a tiny model (2 layers, 64 wide, seq 32, vocab 320; the tests' ``tiny_overrides``) on a
@@ -35,8 +35,8 @@ threefold.comm.faults fires kills on the first attempt only but stalls on *every
 restarted run would stall again at the same step and no number of restarts could recover it.
 By default (``--stall-mode first``) a stall trial therefore runs under torchrun with this
 script as the entry point (``--worker``: drops ``stall`` from ``THREEFOLD_FAULT`` when
-``TORCHELASTIC_RESTART_COUNT`` > 0, then runs ``threefold.commands.main.main(["train", ...])``, the same
-code a rank of `threefold train` runs); the trial's fault column says ``stall1``.
+``TORCHELASTIC_RESTART_COUNT`` > 0, then runs ``threefold.commands.main.main(["train", ...])``, the
+same code a rank of `threefold train` runs); the trial's fault column says ``stall1``.
 ``--stall-mode every`` launches stall trials through `threefold train` like the others, with
 the fault as threefold.comm.faults defines it (those trials are expected to fail: "stalled again").
 Kill, killsave and killasync trials always run

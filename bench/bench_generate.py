@@ -26,8 +26,8 @@ alike): prefill and ``--new-tokens`` decoding steps, no end-of-sequence token on
 process per round and alternates them generation by generation (the order flipped every
 rep): fair too, since each side's weights (0.5 GB, far beyond any cache) stream from memory
 at every step whichever side ran before, and it follows load that changes within seconds,
-which separate processes (started seconds apart) cannot. A batch holds prompts of different lengths, left-padded
-(threefold's padding, transformers' attention mask), as GRPO's rollouts are.
+which separate processes (started seconds apart) cannot. A batch holds prompts of different lengths,
+left-padded (threefold's padding, transformers' attention mask), as GRPO's rollouts are.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ tokens/s, MFU, peak memory and where one step's time goes.
     PYTHONPATH=$PWD python3 bench/bench_gpu.py [--out gpu.json]     # on one GPU: < 5 minutes
     python3 bench/bench_gpu.py --shape tiny --device cpu            # what the CPU test runs
 
-Shapes: ``gpu`` (default) is the one measured on an H200 (docs/benchmarks.md): h 2048, FFN 8192, 16 layers, 32/8 heads, vocab
-32768 (1.11B), seq 2048, micro-batch 8 (= the batch), bf16 autocast over fp32 weights.
-``tiny``: 2 layers, h 128, seq 64, micro-batch 2, the tokenizer's vocabulary, for CPUs.
-``--dtype auto`` is bfloat16 on CUDA and float32 (threefold's CPU default) on a CPU.
+Shapes: ``gpu`` (default) is the one measured on an H200 (docs/benchmarks.md): h 2048, FFN 8192, 16
+layers, 32/8 heads, vocab 32768 (1.11B), seq 2048, micro-batch 8 (= the batch), bf16 autocast over
+fp32 weights. ``tiny``: 2 layers, h 128, seq 64, micro-batch 2, the tokenizer's vocabulary, for
+CPUs. ``--dtype auto`` is bfloat16 on CUDA and float32 (threefold's CPU default) on a CPU.
 
-threefold: ``threefold.training.train.build_run`` from a config (``train.compile true`` when compiled:
-each block compiled) and ``threefold.training.steps.train_step``, the loop's own step (its sampler,
-loss, clipping at ``optim.grad_clip``, its AdamW, learning-rate schedule, one host read).
+threefold: ``threefold.training.train.build_run`` from a config (``train.compile true`` when
+compiled: each block compiled) and ``threefold.training.steps.train_step``, the loop's own step (its
+sampler, loss, clipping at ``optim.grad_clip``, its AdamW, learning-rate schedule, one host read).
 transformers: ``LlamaForCausalLM`` (SDPA attention, no KV cache) of threefold's config
 (``threefold.weights.hf_config.hf_config``) with threefold's initial weights **copied** in by name
 (threefold's names are transformers'), fed the same batches from the same sampler, so the
@@ -23,10 +23,10 @@ torch's default on a CPU) at threefold's schedule, the loss read each step; comp
 Each round runs every mode (eager, compiled) and in it both sides, the order flipped every round
 and mode. A side is built fresh, runs ``--warmup`` untimed steps (compilation), then ``--steps``
 timed ones: tokens/s = timed tokens / wall time between device synchronisations. Peak memory:
-from the first step to the last timed one (``threefold.hardware.metrics.peak_memory_bytes``: allocator
-peak on CUDA, the process's peak RSS on a CPU, reset before each side). MFU = tokens/s ×
-``threefold.accounting.flops_per_token`` / ``threefold.hardware.metrics.device_peak_flops`` (CUDA: the
-datasheet catalogue; CPU: the matmul probe, raised to the highest rate seen if a side beats it).
+from the first step to the last timed one (``threefold.hardware.metrics.peak_memory_bytes``:
+allocator peak on CUDA, the process's peak RSS on a CPU, reset before each side). MFU = tokens/s ×
+``threefold.accounting.flops_per_token`` / ``threefold.hardware.metrics.device_peak_flops`` (CUDA:
+the datasheet catalogue; CPU: the matmul probe, raised to the highest rate seen if a side beats it).
 Profile: one step after the timed ones in the last round (torch.profiler, CPU and CUDA
 activities): shares of self device time (self CPU time on a CPU) of torch ops in matmul
 (aten::mm/addmm/bmm/matmul/linear, inductor mm templates), attention (scaled_dot_product /
@@ -45,8 +45,9 @@ sides above:
   row of the same round and mode (ratio fp8/bf16 of tokens/s). A row is skipped, with the
   reason printed and kept in the JSON, when the configuration refuses ``train.fp8``, when the
   device has no FP8 matmuls (a CPU, or CUDA compute capability below 8.9), or when the built
-  model holds no FP8 layer (``threefold.parallel.transforms.fp8_linear``'s wrappers; e.g. every width off
-  ``_scaled_mm``'s rule). Their MFU divides by the device's FP8 peak (catalogue ``peak_flops_fp8``);
+  model holds no FP8 layer (``threefold.parallel.transforms.fp8_linear``'s wrappers; e.g. every
+  width off ``_scaled_mm``'s rule). Their MFU divides by the device's FP8 peak (catalogue
+  ``peak_flops_fp8``);
 - ``moe``: the shape as a mixture of experts (``MOE_SHAPES``: gpu 8 layers, 8 experts of
   f 1408, top-2; tiny 4 experts of f 176, top-2) with ``model.moe_impl grouped`` and ``loop``
   (ratio grouped/loop), MFU from the MoE's active FLOPs per token against the dtype's peak.

@@ -13,11 +13,11 @@ high-water mark, reset between phases through /proc/self/clear_refs): ``startup_
 while the engine builds and fills the rank's tensors, ``step_peak_bytes`` over the steps (the
 first validation included), the largest over ranks; with ``--loading`` the run is resumed
 from its checkpoint for one more step and ``loading_peak_bytes`` (reading the weights and
-AdamW's moments) is compared too. With ``--smol`` the rows are fine-tunes instead (``smol_full``, ``smol_lora``): SmolLM2-135M's
-shape (30 layers, tied vocabulary of 49,152, 9/3 heads of 64; random weights written once as
-a Hugging Face folder under the bench's directory) fine-tuned by ``threefold sft`` from that
-folder (``checkpoint.init_from``), fully and with LoRA r16 on every linear layer, fp32, packed
-conversations of ``--seq`` tokens (default 2048) under the document mask, ``--micro``
+AdamW's moments) is compared too. With ``--smol`` the rows are fine-tunes instead (``smol_full``,
+``smol_lora``): SmolLM2-135M's shape (30 layers, tied vocabulary of 49,152, 9/3 heads of 64; random
+weights written once as a Hugging Face folder under the bench's directory) fine-tuned by ``threefold
+sft`` from that folder (``checkpoint.init_from``), fully and with LoRA r16 on every linear layer,
+fp32, packed conversations of ``--seq`` tokens (default 2048) under the document mask, ``--micro``
 sequences per rank (default 1), on 1 and 2 ranks (ZeRO-3 × 2); the configuration is
 ``tests/test_memory_finetune.finetune_overrides``'s, the test's own at 2 layers.
 

@@ -15,10 +15,11 @@ loop's step: forward, backward, clipping, optimiser, the logged metrics). MFU = 
 ``--with KEY=VALUE`` (repeatable) adds a side: the last tree with those overrides (e.g. the
 host-memory setting off), so one tree's option is A/B'd the same way.
 Printed: MFU and peak RSS (the process's, build included) per round and side, the MFU's spread
-over rounds, and with two sides the ratio (last / first) per round with its spread. ``--profile``: the top ops of one step (self CPU time)
-of each tree, after the timed steps. ``--cpu-time``: one thread, and the steps and the probe
-(best single 1024² matmul) timed by the process's CPU time rather than the wall clock, so
-that other work on a shared machine, which takes cores away, does not enter the figure.
+over rounds, and with two sides the ratio (last / first) per round with its spread. ``--profile``:
+the top ops of one step (self CPU time) of each tree, after the timed steps. ``--cpu-time``: one
+thread, and the steps and the probe (best single 1024² matmul) timed by the process's CPU time
+rather than the wall clock, so that other work on a shared machine, which takes cores away, does not
+enter the figure.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def test_the_step_branches_on_no_layout_or_family():
 
 
 # --------------------------------------------------------------------------------------------
-# Parallelisms change a module one way: into a wrapper class (threefold.parallel.transforms.wrap.become)
+# Parallelisms change a module one way: into a wrapper class
+# (threefold.parallel.transforms.wrap.become)
 # --------------------------------------------------------------------------------------------
 _REPLACED_METHODS = ("attend", "attention_mask", "dispatch", "forward")
 

@@ -349,10 +349,10 @@ def test_layouts_train_under_different_hash_seeds_and_torch_debug(corpus, cache_
     """Ranks started with PYTHONHASHSEED 0, 1, 1, 0, so that every group of two ranks on
     these layouts (tp, cp, pp, edp: {0, 1}, {2, 3}, {0, 2}, {1, 3}) holds one rank of each seed
     and sees sets of strings in opposite orders (with 0, 1, 0, 1 the edp pairs {0, 2} and
-    {1, 3} would agree, and DP's old replica check over {"dp", "edp"} would not deadlock), and torch's TORCH_DISTRIBUTED_DEBUG=DETAIL (which checks
-    the op and shapes of every collective across the group) train ep × dp under ZeRO 0 and 3,
-    tp × pp, cp × dp and LoRA under ZeRO-3 to one process's losses, with the collective check
-    on at every step."""
+    {1, 3} would agree, and DP's old replica check over {"dp", "edp"} would not deadlock), and
+    torch's TORCH_DISTRIBUTED_DEBUG=DETAIL (which checks the op and shapes of every collective
+    across the group) train ep × dp under ZeRO 0 and 3, tp × pp, cp × dp and LoRA under ZeRO-3 to
+    one process's losses, with the collective check on at every step."""
     from tests.conftest import metrics
     from threefold.config import load_config
     from threefold.training.train import train

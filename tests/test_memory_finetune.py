@@ -46,9 +46,10 @@ SMOL = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
         "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True,
         "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192}
 LAYOUTS = {  # name: (world, rank, overrides)
-    # one process keeps freed blocks below 256 MiB in its heap by default (threefold.training.hostmem,
-    # for speed), which no count of tensors predicts and the dry run says so in a note; with
-    # the multi-rank setting its resident set follows its live tensors as the ranks' do
+    # one process keeps freed blocks below 256 MiB in its heap by default
+    # (threefold.training.hostmem, for speed), which no count of tensors predicts and the dry run
+    # says so in a note; with the multi-rank setting its resident set follows its live tensors as
+    # the ranks' do
     "one process": (1, 0, {"train.host_mmap_threshold_mb": "1"}),
     "zero3 x 2": (2, 1, {"parallel.dp_shard": "2", "parallel.zero_stage": "3"}),
     "tp 3": (3, 1, {"parallel.tp": "3"}),

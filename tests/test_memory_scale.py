@@ -9,8 +9,8 @@ side, one CPU thread each, as torchrun's ranks would (OMP_NUM_THREADS=1; the dry
 baseline is measured the same way).
 
 One rank of 64 in one process: torch's fake process group, with the collectives that
-``threefold.comm.counted`` calls replaced by ``_FillingCollectives``: the fake group moves nothing and
-writes nothing, so the pages a real collective writes (every slot of an all-gather's output,
+``threefold.comm.counted`` calls replaced by ``_FillingCollectives``: the fake group moves nothing
+and writes nothing, so the pages a real collective writes (every slot of an all-gather's output,
 a reduce-scatter's output chunk, ...) would never become resident and the measurement would
 be too low. The values are not the real job's (an all-gather repeats this rank's shard), the
 bytes written are.

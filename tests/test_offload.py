@@ -2,8 +2,8 @@
 machine host and device are the same memory, so these tests prove the offloaded code path —
 host fp32 masters and AdamW state, gradients copied down, parameters copied up — trains to the
 same losses and weights as the on-device optimiser, for one process, data parallelism, ZeRO
-1/2/3, a pipeline of two stages and ZeRO-3 × tp2; that the optimiser state is held apart from the parameters; and that
-checkpoints move between the two."""
+1/2/3, a pipeline of two stages and ZeRO-3 × tp2; that the optimiser state is held apart from the
+parameters; and that checkpoints move between the two."""
 
 from __future__ import annotations
 

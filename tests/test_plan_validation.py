@@ -169,9 +169,10 @@ def test_megatron_block_is_korthikantis_count_adapted_to_llama():
     assert full == s * 2 * h / 8
 
 
-# Measured 2026-12-04 (docs/benchmarks.md, bench_gpu.py): threefold's own runtime on one H200 (torch 2.11), h 2048, FFN 8192,
-# 16 layers, 32/8 heads, vocab 32768, seq 2048, micro-batch 8, bf16 autocast over fp32 weights
-# and residual stream: 54,256 tokens/s eager, 61,600 with train.compile (per block).
+# Measured 2026-12-04 (docs/benchmarks.md, bench_gpu.py): threefold's own runtime on one H200 (torch
+# 2.11), h 2048, FFN 8192, 16 layers, 32/8 heads, vocab 32768, seq 2048, micro-batch 8, bf16
+# autocast over fp32 weights and residual stream: 54,256 tokens/s eager, 61,600 with train.compile
+# (per block).
 H200_RUNTIME = [("eager", "false", 54256), ("compiled", "true", 61600)]
 
 

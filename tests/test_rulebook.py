@@ -1,7 +1,7 @@
 """The rule book (``threefold.layout.rules``) as one table: for every rule, a layout that breaks
 it, and the one message it is refused with, by ``threefold train`` before launch (exit 2, one
-line, no process started), by the dry run (``--dry-run`` and ``threefold.launch.dryrun.predict``) and,
-where ``threefold plan`` can express the layout (``--tp/--cp/--pp/--ep/--recompute/--lora-r``,
+line, no process started), by the dry run (``--dry-run`` and ``threefold.launch.dryrun.predict``)
+and, where ``threefold plan`` can express the layout (``--tp/--cp/--pp/--ep/--recompute/--lora-r``,
 ``--seq-len``, ``--global-batch-tokens``, the model as a TOML file), by the planner: exit 2 with
 that line, or exit 1 with its search skipping every layout under that rule. A row plan cannot
 express says why. Every rule has a row (``test_every_rule_has_a_row``). In-process calls only.

@@ -309,10 +309,10 @@ def _planner_check(name: str, kv: int, tp: int, sp: bool, got: int) -> None:
 
     The planner's formula is Korthikanti's, adapted the same way for attention and SwiGLU, and
     agrees with the measurement except for what this block keeps that it does not count
-    (``planner_gap_bytes``): (1) each RMSNorm also keeps 1/rms (+2·4·sb, /t under SP); (2) under SP the linears keep the whole all-gathered
-    input, not the 1/t shard (+2·d·sbh·(t−1)/t). If the planner or the block changes (e.g.
-    tensor.py re-gathers the input in backward as Korthikanti §4.2.2 do), this says by how
-    much, and ``planner_gap_bytes`` must change with it."""
+    (``planner_gap_bytes``): (1) each RMSNorm also keeps 1/rms (+2·4·sb, /t under SP); (2) under SP
+    the linears keep the whole all-gathered input, not the 1/t shard (+2·d·sbh·(t−1)/t). If the
+    planner or the block changes (e.g. tensor.py re-gathers the input in backward as Korthikanti
+    §4.2.2 do), this says by how much, and ``planner_gap_bytes`` must change with it."""
     from threefold.plan import activations  # here: the planner changes, the rest need not wait
 
     planner = activations.layer_activation_bytes(

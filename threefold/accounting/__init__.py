@@ -10,17 +10,17 @@ Conventions (every function below follows them):
 - A *layout* splits the world into pp × dp_replicate × dp_shard × cp × tp. Mesh axes are
   ordered outermost first as ``threefold.layout.axes.AXES`` (every axis table here is
   ``threefold.layout.axes``'s, the runtime's): tp innermost (NVLink), then cp, then dp_shard, then
-  dp_replicate and pp outermost (heaviest traffic on the fastest links). A group that does not fit inside
-  one aligned node crosses the network.
+  dp_replicate and pp outermost (heaviest traffic on the fastest links). A group that does not fit
+  inside one aligned node crosses the network.
 - Context parallelism is threefold's (``threefold.parallel.transforms.context``): each cp rank holds
   seq_len/cp tokens of every sequence, so every per-token figure (FLOPs, memory traffic,
   activations, tp and pp messages) is that of seq_len/cp tokens, while attention still looks
   at all seq_len keys. Weights are replicated over cp: plain data parallelism all-reduces over
   dp·cp ranks ("dp_cp"), ZeRO shards over dp_shard·cp ("dp_shard_cp"). Each attention moves
   K/V on "cp" (``cp_bytes_per_attention``).
-- Tensor parallelism is threefold's (``threefold.parallel.transforms.tensor``, after Megatron, Shoeybi et
-  al. 2019): q/k/v/gate/up column-parallel, o/down row-parallel, vocab-parallel embedding and
-  head. RMSNorm weights are *replicated* over tp (under sequence parallelism their gradients
+- Tensor parallelism is threefold's (``threefold.parallel.transforms.tensor``, after Megatron,
+  Shoeybi et al. 2019): q/k/v/gate/up column-parallel, o/down row-parallel, vocab-parallel embedding
+  and head. RMSNorm weights are *replicated* over tp (under sequence parallelism their gradients
   are all-reduced over tp in every backward). When kv heads < tp, k/v projections stay whole
   on every tp rank, each rank computing the one kv head its query heads use, and their weight
   gradients are all-reduced over tp in every backward. The vocabulary is padded to a multiple
@@ -31,8 +31,8 @@ Conventions (every function below follows them):
   (Megatron's interleaved layout); rank 0 also holds the embedding, rank p-1 the final norm
   and LM head; with tied embeddings and pp > 1 both ends hold a copy, whose gradients are
   all-reduced between them once per step.
-- Bytes are those one rank *sends*, counted exactly as ``threefold.comm.counted.Comm`` counts them (ring
-  algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
+- Bytes are those one rank *sends*, counted exactly as ``threefold.comm.counted.Comm`` counts them
+  (ring algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
   elements, point-to-point all of it. For the rank with coordinate 0 on every axis (global
   rank 0, the one that writes summary.json); other ranks differ by at most 2 elements per
   all-reduce whose size the group does not divide. With n dividing every size these are the

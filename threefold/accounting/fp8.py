@@ -34,8 +34,8 @@ def fp8_amaxes(add, cfg: ModelConfig, layout: Layout, recipe: str, blocks: tuple
 
 def fp8_gathered_numels(cfg: ModelConfig) -> tuple[int, ...]:
     """The sizes of a block's weights ``parallel.fp8_all_gather`` gathers in e4m3 (tp 1,
-    ``threefold.parallel.transforms.fp8_linear.fp8_eligible``): q, k, v, o when their widths are multiples of
-    16, and a dense MLP's gate, up and down."""
+    ``threefold.parallel.transforms.fp8_linear.fp8_eligible``): q, k, v, o when their widths are
+    multiples of 16, and a dense MLP's gate, up and down."""
     h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     ok = lambda *dims: all(x % 16 == 0 for x in dims)

@@ -4,16 +4,16 @@ axis, operation, message size and count per microbatch or per step. The bytes pe
 K/V traffic of context parallelism, the optimiser-offload traffic, and which link an axis
 crosses (mesh order, tp innermost).
 
-Bytes are those one rank *sends*, counted exactly as ``threefold.comm.counted.Comm`` counts them (ring
-algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
+Bytes are those one rank *sends*, counted exactly as ``threefold.comm.counted.Comm`` counts them
+(ring algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
 elements, point-to-point all of it; for global rank 0.
 
 What each axis carries (``collectives``; x = b·s·h elements of one microbatch's activation,
 L = layers on the stage):
 
-tp (``threefold.parallel.transforms.tensor``; Megatron §3, Korthikanti et al. §4.2.2), per microbatch:
-without SP each layer all-reduces its two sub-layer outputs forward (matmul dtype) and its
-two sub-layer input gradients backward (residual dtype): 8·x·(t-1)/t elements per layer.
+tp (``threefold.parallel.transforms.tensor``; Megatron §3, Korthikanti et al. §4.2.2), per
+microbatch: without SP each layer all-reduces its two sub-layer outputs forward (matmul dtype) and
+its two sub-layer input gradients backward (residual dtype): 8·x·(t-1)/t elements per layer.
 With SP each "all-reduce" becomes an all-gather plus a reduce-scatter — the same bytes;
 the q/k/v and gate/up linears keep the gathered input for backward, so there is no
 re-gather — plus an all-reduce of each RMSNorm weight gradient (h elements, 2 per layer
@@ -32,8 +32,8 @@ head's or a recompute's) are issued in chunks with the same bytes in all; they a
 pp: b·s·h (/t under SP) to the next stage and back per microbatch per chunk boundary, in
 the residual dtype; the gradient norm all-reduces 2 fp32 scalars over the stages (these
 pipeline figures are the planner's: not yet checked against the pipeline executor).
-dp (``threefold.parallel.engines.data_parallel`` / ``zero``; ZeRO arXiv 1910.02054 §7): stage 0 all-reduces
-the gradient buckets over the flattened "dp" group once per step (no sync while
+dp (``threefold.parallel.engines.data_parallel`` / ``zero``; ZeRO arXiv 1910.02054 §7): stage 0
+all-reduces the gradient buckets over the flattened "dp" group once per step (no sync while
 accumulating), overlapped with the last backward; ZeRO works per unit (embedding, each
 block, final norm, head; each padded to a multiple of dp_shard): stages 1 and 2
 reduce-scatter every unit once per step (stage 2 from backward hooks) and all-gather it
@@ -44,8 +44,8 @@ forward to the end of the step: one gather per step). Then, with
 dp_replicate > 1, every unit's gradient shard is all-reduced over dp_replicate, and the
 gradient norm all-reduces 2 fp32 scalars over dp_shard. Weights and gradients move in
 ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say otherwise.
-Mixture of experts (``threefold.model.moe``, ``threefold.parallel.transforms.expert``): the MoE is whole on
-every tp rank, so only the attention has tp collectives (one all-reduce per layer each
+Mixture of experts (``threefold.model.moe``, ``threefold.parallel.transforms.expert``): the MoE is
+whole on every tp rank, so only the attention has tp collectives (one all-reduce per layer each
 way, and the recomputed attention's). With ep > 1, per MoE layer and microbatch, on "ep"
 (all-to-alls, on the critical path): the count exchange, E int64 split evenly over the ep
 ranks; dispatch, the rank's N·k (token, expert) rows (N = b·s tokens) of h elements in the

@@ -10,7 +10,8 @@ first attempt's keys in the agent's store sees stale addresses; with two launche
 every time, and prefixing the keys with the attempt number fixed it (3 of 3 runs passed).
 
 This module holds no state: the process group is torch's, and everything above it reaches
-groups through the mesh (``threefold.comm.mesh``) and the communication layer (``threefold.comm.counted``).
+groups through the mesh (``threefold.comm.mesh``) and the communication layer
+(``threefold.comm.counted``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`threefold convert`: a run's checkpoints to and from Hugging Face folders, and a LoRA run's
 adapters for PEFT. The command only parses its arguments and calls the libraries:
-``threefold.weights.hf`` (``export_hf``, ``convert_from_hf``) and ``threefold.generation.peft_export``
-(``export_peft``, ``export_merged``), so neither library imports the other for it.
+``threefold.weights.hf`` (``export_hf``, ``convert_from_hf``) and
+``threefold.generation.peft_export`` (``export_peft``, ``export_merged``), so neither library
+imports the other for it.
 """
 
 from __future__ import annotations

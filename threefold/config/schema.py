@@ -17,8 +17,8 @@ from threefold.config.presets import MODEL_PRESETS
 # (builder, bubble, activations in flight) and refuses to load unless it lists these names.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
 # Context-parallel attention algorithms (threefold.parallel.transforms.context) and recompute modes
-# (threefold.parallel.transforms.recompute): named once here, at the bottom, for validation, the rule
-# book, the planner's options and the runtime.
+# (threefold.parallel.transforms.recompute): named once here, at the bottom, for validation, the
+# rule book, the planner's options and the runtime.
 CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,

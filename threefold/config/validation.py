@@ -136,7 +136,8 @@ def _check_data(d: DataConfig) -> None:
     _need(0 < d.val_fraction < 0.5, f"data.val_fraction: {d.val_fraction} must be in (0, 0.5)")
     _need(d.max_corpus_mb > 0, f"data.max_corpus_mb: must be positive, got {d.max_corpus_mb}")
     # Prepared sources (complete, one tokenizer) are the data layer's to check, from their
-    # files: ``threefold.launch.launcher.load_run_config``, right after this, before any process starts.
+    # files: ``threefold.launch.launcher.load_run_config``, right after this, before any process
+    # starts.
 
 
 def _check_optim(o: OptimConfig) -> None:

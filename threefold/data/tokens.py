@@ -7,9 +7,9 @@ written once per (tokenizer, corpus digest) to ``<cache_dir>/tokens/<fingerprint
 when the vocabulary fits, else uint32) with a ``.json`` description written after it; an entry
 is trusted only if the description exists and the file has exactly the length it records.
 
-Validation split (``threefold.data.sources.train_split``): the last ``val_fraction`` of the token stream (at least ``seq_len + 1`` tokens,
-one full window), so the split is exact for any corpus, even a single document; the cost is that
-one document may straddle the boundary.
+Validation split (``threefold.data.sources.train_split``): the last ``val_fraction`` of the token
+stream (at least ``seq_len + 1`` tokens, one full window), so the split is exact for any corpus,
+even a single document; the cost is that one document may straddle the boundary.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Phi-3 (``Phi3ForCausalLM``; Phi-3-mini/medium 4k; longrope's 128k variants and Phi-4-mini
 are refused by field): Llama's block, with RoPE over the first ``partial_rotary_factor`` of
 each head and an optional sliding window on every layer (transformers 5 masks it as
-Mistral's: a token sees itself and the ``sliding_window`` - 1 before it). Files fuse the projections: ``self_attn.qkv_proj``
-(q rows, then k, then v) and ``mlp.gate_up_proj`` (gate rows, then up); threefold keeps
-Llama's separate layers in memory and splits or joins them at the files' boundary only
-(``FUSED``: ``threefold.weights.HFSource`` reads each part as a region of the fused tensor,
-``threefold.weights.hf.hub_tensors`` writes the fused tensors, ``threefold.generation.peft_export`` fuses the
-adapters). The long-context models' ``longrope`` RoPE (Phi-3-mini-128k) is not built and is
-refused by field."""
+Mistral's: a token sees itself and the ``sliding_window`` - 1 before it). Files fuse the
+projections: ``self_attn.qkv_proj`` (q rows, then k, then v) and ``mlp.gate_up_proj`` (gate rows,
+then up); threefold keeps Llama's separate layers in memory and splits or joins them at the files'
+boundary only (``FUSED``: ``threefold.weights.HFSource`` reads each part as a region of the fused
+tensor, ``threefold.weights.hf.hub_tensors`` writes the fused tensors,
+``threefold.generation.peft_export`` fuses the adapters). The long-context models' ``longrope`` RoPE
+(Phi-3-mini-128k) is not built and is refused by field."""
 
 from __future__ import annotations
 

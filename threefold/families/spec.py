@@ -1,9 +1,10 @@
 """What a model family is, as data: ``Family``. A family is a Hugging Face ``model_type``
-(``config.json``'s) that threefold's decoder (``threefold.model.decoder``, built from the shared blocks
-of ``threefold.model.attention``, ``threefold.model.norm`` and ``threefold.model.moe``) computes exactly. Its spec
-says how its ``config.json`` maps to and from ``ModelConfig`` fields, which fields the family
-fixes (what export checks before it writes the family's name), and how its experts are named
-in files. No torch here: the planner and the launcher read specs before any process starts.
+(``config.json``'s) that threefold's decoder (``threefold.model.decoder``, built from the shared
+blocks of ``threefold.model.attention``, ``threefold.model.norm`` and ``threefold.model.moe``)
+computes exactly. Its spec says how its ``config.json`` maps to and from ``ModelConfig`` fields,
+which fields the family fixes (what export checks before it writes the family's name), and how its
+experts are named in files. No torch here: the planner and the launcher read specs before any
+process starts.
 """
 
 from __future__ import annotations

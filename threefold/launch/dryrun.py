@@ -23,8 +23,8 @@ The hardware it predicts for (no config field names it):
   add the process's baseline: interpreter, torch, tokenizer, data (``plan.baseline``).
 
 A mixture of experts (``model.num_local_experts``) is predicted as the runtime runs it
-(``threefold.parallel.transforms.expert``): rank 0 holds its E/ep experts per block (the meta model is
-cut by ``apply_expert_parallel`` too), memory counts them and the MoE activations
+(``threefold.parallel.transforms.expert``): rank 0 holds its E/ep experts per block (the meta model
+is cut by ``apply_expert_parallel`` too), memory counts them and the MoE activations
 (``threefold.plan.memory_per_rank``), FLOPs and MFU the active parameters, and the bytes on
 "ep" are the uniform-routing expectation of the all-to-alls (the runtime's measured figure,
 ``ep_rows_sent`` in metrics.jsonl, varies with the routing).

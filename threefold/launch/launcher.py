@@ -1,7 +1,7 @@
 """Launching a run: the command-line arguments shared by every training command (`train`,
 `sft`, `dpo`, `reward`, `grpo`), the layout check before any process starts, and the re-launch
-under torchrun. Below both ``threefold.commands.main`` and ``threefold.commands.posttrain``, which import it
-(neither imports the other).
+under torchrun. Below both ``threefold.commands.main`` and ``threefold.commands.posttrain``, which
+import it (neither imports the other).
 
 The trainer (and torch with it) is imported only when a run starts in this process
 (``run_training``, ``world_from_env``, a dry run): the process that validates and hands a run

@@ -3,9 +3,9 @@
 Inside an allocation (``SLURM_JOB_ID`` set, one ``srun`` task per node running
 ``threefold train --nproc-per-node G``), ``slurm_launch_flags`` fills in the flags the user
 left out: ``--nnodes`` (``SLURM_NNODES``), ``--node-rank`` (``SLURM_NODEID``, for the static
-rendezvous: c10d numbers the nodes itself), ``--rdzv-endpoint`` (the first host of the step's node list, port ``RDZV_PORT`` or
-``$THREEFOLD_RDZV_PORT``) and ``--rdzv-id`` (the job id, which every node shares). Flags
-given on the command line win, one by one.
+rendezvous: c10d numbers the nodes itself), ``--rdzv-endpoint`` (the first host of the step's node
+list, port ``RDZV_PORT`` or ``$THREEFOLD_RDZV_PORT``) and ``--rdzv-id`` (the job id, which every
+node shares). Flags given on the command line win, one by one.
 
 The node list is expanded by ``scontrol show hostnames`` when it is on PATH (Slurm's own
 reading), else by ``expand_hostlist``, which reads the compressed form Slurm prints:

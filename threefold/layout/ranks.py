@@ -4,9 +4,9 @@ the node-spanning test work without any process group (the launcher and the plan
 layout before a process starts; ``threefold.comm.mesh.build_mesh`` turns the same layout into the
 torch DeviceMesh whose named axes reach the process groups).
 
-Axis order, outermost to innermost, is ``threefold.layout.axes.AXES``: tp innermost so that its ranks
-are neighbours (same node, NVLink), then cp, dp_shard, and dp_replicate and pp outermost, where
-traffic is lightest. Imports no torch.
+Axis order, outermost to innermost, is ``threefold.layout.axes.AXES``: tp innermost so that its
+ranks are neighbours (same node, NVLink), then cp, dp_shard, and dp_replicate and pp outermost,
+where traffic is lightest. Imports no torch.
 """
 
 from __future__ import annotations

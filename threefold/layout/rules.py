@@ -5,8 +5,8 @@ The launcher (before any process starts), the dry run and the trainer call them 
 ``threefold.layout.checks.validate_layout``; the planner through ``checks.check_layout`` (a
 million layouts a search: each rule is a few comparisons, its message formatted only when it
 refuses) and, for the degrees it takes from the command line, directly
-(``threefold.commands.planning``); the post-training commands through ``task_layout``. A refusal is a
-``LayoutError``, a ``ConfigError``: one line, exit code 2. ``rule_of`` names the rule that
+(``threefold.commands.planning``); the post-training commands through ``task_layout``. A refusal is
+a ``LayoutError``, a ``ConfigError``: one line, exit code 2. ``rule_of`` names the rule that
 refused (the planner groups its skipped layouts by it).
 
 Each rule takes plain numbers or the model's shape (a resolved ``ModelConfig``), never a

@@ -237,16 +237,16 @@ def initial_weight(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: in
 
 class CausalLM(nn.Module):
     """The decoder (``model_class``'s) plus the LM head; ``forward`` returns fp32 logits, or
-    with ``labels`` each token's fp32 loss from the chunked head loss (``threefold.model.head_loss``:
-    the logits of the whole batch never exist).
+    with ``labels`` each token's fp32 loss from the chunked head loss
+    (``threefold.model.head_loss``: the logits of the whole batch never exist).
 
     ``cfg`` must be resolved (every field set, ``vocab_size > 0``). With
     ``cfg.tie_word_embeddings`` the head shares the embedding's weight; the state dict then
     still holds both names (as HF's does) and a state dict without ``lm_head.weight`` (as HF
     saves tied checkpoints) loads too.
 
-    Tensor parallelism (``threefold.parallel.transforms.tensor``) sets its degree, whether activations
-    between sub-layers are split on the sequence, and the head's vocabulary shard.
+    Tensor parallelism (``threefold.parallel.transforms.tensor``) sets its degree, whether
+    activations between sub-layers are split on the sequence, and the head's vocabulary shard.
 
     ``CausalLM(cfg)`` is a model of ``cfg``'s family (``family_class``): a
     ``Gemma3ForCausalLM`` for a Gemma 3; a model that fits no family stays a ``CausalLM``."""
@@ -335,8 +335,8 @@ class CausalLM(nn.Module):
         computed in chunks. ``position_ids`` default to 0..T-1; with ``document_ids`` (B, T)
         attention stays within each packed document (pass positions that restart per
         document, e.g. from ``document_position_ids``). With a ``KVCache`` the tokens
-        continue the cached sequence (see ``threefold.generation.generate``). A pipeline stage without
-        the head returns its hidden states."""
+        continue the cached sequence (see ``threefold.generation.generate``). A pipeline stage
+        without the head returns its hidden states."""
         h = self.forward_hidden(input_ids, position_ids, document_ids, cache)
         if self.lm_head is None:
             return h

@@ -11,8 +11,8 @@ Face names and load from any source as before. Engines then optimise, reduce and
 only what requires a gradient (``threefold.parallel.engines.engine.trained_named_parameters``).
 
 Under tensor parallelism the adapter is split the way its layer is
-(``threefold.parallel.transforms.tensor``): a column-parallel layer keeps its rows of B and a whole A
-(whose gradient each rank sees part of: summed over tp), a row-parallel layer its columns of A
+(``threefold.parallel.transforms.tensor``): a column-parallel layer keeps its rows of B and a whole
+A (whose gradient each rank sees part of: summed over tp), a row-parallel layer its columns of A
 and a whole B (likewise summed). ``adapters_off`` runs the base alone: the DPO/GRPO reference
 without a second copy of the model.
 """

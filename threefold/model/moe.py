@@ -41,8 +41,8 @@ Router losses, from per-layer statistics each block records in its forward
 - router z-loss (Zoph et al., ST-MoE, arXiv 2202.08906, eq. 5): the mean over layers and
   tokens of logsumexp(router logits)², which keeps the logits small (bf16-safe).
 
-This module imports torch, the config and the kernels only (it sits beside ``threefold.model.decoder``),
-and the plain-number width rule from ``threefold.families.shapes``.
+This module imports torch, the config and the kernels only (it sits beside
+``threefold.model.decoder``), and the plain-number width rule from ``threefold.families.shapes``.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ this order:
 4. expert parallelism: this rank's run of experts;
    then, under ``train.fp8``, the blocks' projections become FP8 layers
    (``threefold.parallel.transforms.fp8_linear``), each keeping its tensor-parallel split;
-5. activation recomputation, full or selective (``threefold.parallel.transforms.recompute``: each block
-   becomes its recomputing subclass);
+5. activation recomputation, full or selective (``threefold.parallel.transforms.recompute``:
+   each block becomes its recomputing subclass);
 6. torch.compile of each block, and of the head with its loss;
 7. the engine — ZeRO, data parallel or one process, the optimiser on the device or the host —
    which allocates what the rank keeps and fills it from the source, one logical tensor at a

@@ -73,8 +73,8 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
                            flash_attention: bool = True, seq_len: int = 0, cp: int = 1,
                            cp_algorithm: str = "ring") -> float:
     """Bytes threefold's block (``threefold.model.decoder.DecoderLayer`` under
-    ``threefold.parallel.transforms.tensor`` and ``threefold.parallel.transforms.context``) keeps for backward on
-    one rank for ``tokens`` = b·s/cp tokens (this cp rank's share of b sequences of
+    ``threefold.parallel.transforms.tensor`` and ``threefold.parallel.transforms.context``) keeps
+    for backward on one rank for ``tokens`` = b·s/cp tokens (this cp rank's share of b sequences of
     ``seq_len``).
     ``heads``, ``kv_heads`` and ``ffn`` are per rank; d = ``act_bytes`` (matmul dtype), r =
     ``residual_bytes`` (0 = d). Per token, what autograd saves:
@@ -120,9 +120,9 @@ def selective_block_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_d
                           act_bytes: int = 2, residual_bytes: int = 0,
                           flash_attention: bool = True) -> float:
     """Bytes threefold's block keeps for backward under selective recompute
-    (``threefold.parallel.transforms.recompute``: the outputs of its matmuls and of the fused attention
-    kernel kept, everything else recomputed), per rank, for ``tokens`` tokens; arguments as
-    ``block_activation_bytes``'s. Per token:
+    (``threefold.parallel.transforms.recompute``: the outputs of its matmuls and of the fused
+    attention kernel kept, everything else recomputed), per rank, for ``tokens`` tokens; arguments
+    as ``block_activation_bytes``'s. Per token:
 
     - the block's input, which the checkpoint keeps: r·h (/t under sequence parallelism);
     - the q, k and v projections' outputs (before RoPE): d·(heads + 2·kv heads)·head_dim;
@@ -281,8 +281,8 @@ def adapter_activation_bytes(layout: Layout, work: Workload) -> float:
 def document_mask_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
                         act_bytes: int) -> float:
     """What threefold's block keeps in addition, without recompute, when attention stays
-    inside packed documents (``data.document_mask``: ``threefold.model.decoder.sdpa_attention`` under
-    a mask), for ``tokens`` tokens of sequences of ``seq_len`` (heads per rank): K and V
+    inside packed documents (``data.document_mask``: ``threefold.model.decoder.sdpa_attention``
+    under a mask), for ``tokens`` tokens of sequences of ``seq_len`` (heads per rank): K and V
     repeated to the query heads, since the masked kernels take no grouped K/V,
     2·d·(heads − kv_heads)·head_dim per token; and the boolean mask, which the kernel keeps
     converted to d bytes, d·seq_len per token (d·b·s² in all, on every tp rank). Selective

@@ -253,8 +253,8 @@ def run_baseline(cfg, dp: int, vocab_size: int, threads: int,
 
 def heap_note(threshold_mb: float) -> str:
     """One CPU process keeps freed blocks below ``train.host_mmap_threshold_mb`` in its heap
-    (threefold.training.hostmem): what it holds then exceeds its live tensors by what the heap keeps,
-    which no count of tensors predicts."""
+    (threefold.training.hostmem): what it holds then exceeds its live tensors by what the heap
+    keeps, which no count of tensors predicts."""
     return (f"one process on a CPU keeps freed blocks below {threshold_mb:g} MiB for reuse "
             "(train.host_mmap_threshold_mb): its resident step peak can exceed the prediction "
             "by what the heap keeps (SmolLM2-135M fine-tuned at seq 2048: +1.4 GiB fully, "

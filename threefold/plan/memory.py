@@ -278,8 +278,8 @@ def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> f
     (autograd's saved tensors, fp32 and bf16 autocast; tests/test_plan_moe.py), per token:
     k rows of 3·d·f (its experts' SwiGLU, ``threefold.model.kernels.swiglu``) + (4 + 2d)·h (the
     rows as the experts' matmul keeps them, their output, the fp32 product with the router
-    weight) + 32 (indices and weights); the router's fp32 probabilities and logits 8·E + 8; under autocast the
-    router's cast input d·h. A shared expert adds a dense SwiGLU's 3·d·f_s + 3·d·h (not
+    weight) + 32 (indices and weights); the router's fp32 probabilities and logits 8·E + 8; under
+    autocast the router's cast input d·h. A shared expert adds a dense SwiGLU's 3·d·f_s + 3·d·h (not
     measured). Under ep a rank computes the rows routed to its experts: N·k in expectation
     (uniform routing). 0 for a dense model. The MoE is whole on every tp rank. The grouped
     experts (``grouped_experts_run``) also keep their int32 group offsets, 4 bytes per local

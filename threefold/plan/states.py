@@ -16,8 +16,8 @@ from threefold.config import Config
 # finished, and the engine lets at most this many wait (ZeroEngine.MAX_INFLIGHT), so
 # MAX_INFLIGHT + 1 full unit gradients exist at once at most.
 ZERO_REDUCES_IN_FLIGHT = 2
-# Optimiser offload (threefold.parallel.engines.offload) keeps, per parameter the rank updates, an fp32
-# master copy and an fp32 gradient buffer in host memory beside AdamW's state.
+# Optimiser offload (threefold.parallel.engines.offload) keeps, per parameter the rank updates, an
+# fp32 master copy and an fp32 gradient buffer in host memory beside AdamW's state.
 HOST_MASTER_BYTES = 4
 HOST_GRAD_BYTES = 4
 # CUDA context, NCCL buffers, allocator fragmentation and kernels' workspaces: a flat allowance

@@ -33,8 +33,8 @@ at step 0, so ``setup`` scores every pair (training and validation) once with th
 policy, before any update, with no gradient, through ``run.token_losses``: the same
 code as training, so it works under every layout (the data-parallel ranks share the pairs
 out and sum their scores: each pair is scored by one dp rank, with its tp / pipeline peers)
-and needs no second model in memory. On resume the reference is scored again from the same initial weights
-(``checkpoint.init_from``, or the seed's initialisation), before the checkpoint is loaded.
+and needs no second model in memory. On resume the reference is scored again from the same initial
+weights (``checkpoint.init_from``, or the seed's initialisation), before the checkpoint is loaded.
 At step 0, then, Δ = 0 and the loss is ln 2 for any β and ε. Scoring costs one forward per
 pair over the whole data set at start-up.
 

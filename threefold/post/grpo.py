@@ -2,8 +2,8 @@
 the ``GRPOTask`` that ``threefold grpo`` runs in the training loop.
 
 Each step, every data-parallel rank samples ``grpo.num_generations`` completions of its own
-prompts with ``threefold.generation.generate`` (whole groups, seeded by their place in the run, so they
-do not depend on the layout), scores them (``threefold.post.grpo_rewards``), normalises the
+prompts with ``threefold.generation.generate`` (whole groups, seeded by their place in the run, so
+they do not depend on the layout), scores them (``threefold.post.grpo_rewards``), normalises the
 rewards in each group (``advantages``) and builds training rows with the reference model's
 log-probs. The loss is TRL's clipped-ratio token loss with a k3 KL to the reference
 (``grpo_token_loss``), summed over completion tokens; ``count`` is those tokens, so the loop

@@ -44,10 +44,10 @@ def grpo_token_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps, be
     """Per-token GRPO loss ℓ = −min(r·A, clip(r, 1−ε, 1+ε)·A) + β·KL, r = π / π_old,
     KL = exp(log π_ref − log π) − (log π_ref − log π) − 1 (Schulman's k3), and, per token,
     the KL and whether the ratio was clipped below (low) or above (high); ``advantages``
-    broadcast over the tokens of each row. ``old_logps`` defaults to ``logps`` detached (one update per generation).
-    ``kl_bias_correction`` weighs the KL term by the ratio (TRL's ``use_bias_correction_kl``:
-    the same value at one update per generation, a gradient with KL·∇log π added; the KL
-    returned is then the weighted one, as TRL logs it)."""
+    broadcast over the tokens of each row. ``old_logps`` defaults to ``logps`` detached (one update
+    per generation). ``kl_bias_correction`` weighs the KL term by the ratio (TRL's
+    ``use_bias_correction_kl``: the same value at one update per generation, a gradient with KL·∇log
+    π added; the KL returned is then the weighted one, as TRL logs it)."""
     old = logps.detach() if old_logps is None else old_logps
     ratio = torch.exp(logps - old)
     a = advantages[:, None]

@@ -23,10 +23,11 @@ pairs: ``accuracy`` (share of pairs with r_c > r_r), ``margin`` (r_c − r_r), `
 
 Model: ``build_run`` builds the reward model directly (``RewardTask.adapt_model`` puts the
 ``score`` head in place of the LM head on the meta model; the decoder comes from
-``checkpoint.init_from`` as for SFT and DPO, the head from the seed, ``new_weights``). Under tensor parallelism the score head is replicated: without
-sequence parallelism its input is the replicated residual stream; with it, each rank scores
-its own positions and the (B, T) scores are all-gathered (the weight's gradient summed over
-tp, as for sequence-parallel norms). Pipeline and context parallelism are refused.
+``checkpoint.init_from`` as for SFT and DPO, the head from the seed, ``new_weights``). Under tensor
+parallelism the score head is replicated: without sequence parallelism its input is the replicated
+residual stream; with it, each rank scores its own positions and the (B, T) scores are all-gathered
+(the weight's gradient summed over tp, as for sequence-parallel norms). Pipeline and context
+parallelism are refused.
 """
 
 from __future__ import annotations

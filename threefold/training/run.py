@@ -5,8 +5,8 @@ pretrained weights as a source, a frozen reference engine).
 
 This module sits below ``threefold.training.train`` (which builds a ``Run`` and loops over it) and
 below everything that takes one: the step (``threefold.training.steps``), what a run reports
-(``threefold.training.runlog``), its checkpoints (``threefold.training.resume``) and the tasks of ``post/``. None
-of them imports the trainer.
+(``threefold.training.runlog``), its checkpoints (``threefold.training.resume``) and the tasks of
+``post/``. None of them imports the trainer.
 """
 
 from __future__ import annotations

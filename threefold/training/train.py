@@ -1,9 +1,9 @@
 """The training loop: build mesh -> data -> model -> parallelise -> optimiser -> steps -> log ->
 checkpoint. Everything layout-specific lives behind the engine (threefold.parallel); this file
 reads the same for one process and for many. It only orchestrates: the ``Run`` it builds and
-the engine interface are ``threefold.training.run``, the step itself ``threefold.training.steps``, what a run
-reports ``threefold.training.runlog``, its checkpoints ``threefold.training.resume``; none of them imports this
-module.
+the engine interface are ``threefold.training.run``, the step itself ``threefold.training.steps``,
+what a run reports ``threefold.training.runlog``, its checkpoints ``threefold.training.resume``;
+none of them imports this module.
 """
 
 from __future__ import annotations

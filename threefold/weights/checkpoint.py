@@ -122,8 +122,8 @@ def finish_save(root: Path, step: int, rank: int, world: int, owner: bool, keep_
                 g: NodeGroup, digests: dict | None = None) -> Path:
     """Steps 3 to 5 of a collective save, once every rank's files of ``step`` are written
     (``write_rank``; ``owner`` from ``prepare_save``): describe each node's files, rename,
-    write the index (the commit) and prune. ``threefold.weights.checkpoint_async`` calls it after its
-    background writers are done, with ``digests``: every rank's ``rank_digests``, which the
+    write the index (the commit) and prune. ``threefold.weights.checkpoint_async`` calls it after
+    its background writers are done, with ``digests``: every rank's ``rank_digests``, which the
     writers took, so that the node's leader does not read the files again."""
     node = g.node_of[rank]
     g.barrier()

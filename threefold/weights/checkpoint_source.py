@@ -254,9 +254,9 @@ def open_checkpoint(path: Path | str, rank: int = 0
 def open_sharded(root: Path | str, step: int, rank: int, group: NodeGroup
                  ) -> tuple[CheckpointSource, dict[str, Any], dict[str, torch.Tensor]]:
     """Collective open of checkpoint ``step`` for resuming, with ``load_sharded``'s contract
-    (``threefold.weights.checkpoint_verify.fetch_parts``): each node's leader verifies the parts it holds, a
-    part on no node is an error naming it, parts a node lacks are sent to it over the control
-    channel. Returns (source, state, this rank's per-rank tensors, rank 0's if absent).
+    (``threefold.weights.checkpoint_verify.fetch_parts``): each node's leader verifies the parts it
+    holds, a part on no node is an error naming it, parts a node lacks are sent to it over the
+    control channel. Returns (source, state, this rank's per-rank tensors, rank 0's if absent).
 
     Files on this node's disk are read by region. A rank file received from another node (a
     multi-node run without a shared filesystem, where this node lacks that part) arrives

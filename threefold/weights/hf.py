@@ -7,11 +7,12 @@ every version reads (``hub_tensors``); import takes either (``threefold.weights.
 
 threefold's parameter names are those of the family's transformers model (see
 ``threefold.model.decoder``), so no tensor is permuted, and only experts (stored per expert) and
-Phi-3's fused projections are split or joined, by ``hub_tensors`` and ``HFSource``: export writes the checkpoint's whole
-tensors under their own names, import reads them back. What can still go wrong silently is
-the *configuration* (RoPE base, its Llama 3 rescaling, norm epsilon, tied head; the nanotron #79
-kind of mismatch), so every field is mapped explicitly, anything this model cannot express is
-refused with the field's name, and shapes are checked against the config before a tensor is used.
+Phi-3's fused projections are split or joined, by ``hub_tensors`` and ``HFSource``: export writes
+the checkpoint's whole tensors under their own names, import reads them back. What can still go
+wrong silently is the *configuration* (RoPE base, its Llama 3 rescaling, norm epsilon, tied head;
+the nanotron #79 kind of mismatch), so every field is mapped explicitly, anything this model cannot
+express is refused with the field's name, and shapes are checked against the config before a tensor
+is used.
 
 - ``export_hf(ckpt, out)``: a checkpoint (or a run directory: its newest checkpoint) to a folder
   that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load (config.json, model.safetensors or
@@ -31,9 +32,9 @@ refused with the field's name, and shapes are checked against the config before 
   tensors in memory). The command, ``threefold convert``, is ``threefold.commands.convert``; a LoRA
   run's adapter-only checkpoints are exported by ``threefold.generation.peft_export``.
 
-The mapping of config.json, tokenizer files and tensor names is ``threefold.weights.hf_config``; reading
-a folder by region, and finding pretrained weights, ``threefold.weights``. Both are re-exported
-here, the import path callers use.
+The mapping of config.json, tokenizer files and tensor names is ``threefold.weights.hf_config``;
+reading a folder by region, and finding pretrained weights, ``threefold.weights``. Both are
+re-exported here, the import path callers use.
 """
 
 from __future__ import annotations

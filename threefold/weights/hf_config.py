@@ -1,8 +1,8 @@
 """What a Hugging Face folder of a built family (``threefold.families``) says besides its tensors,
-mapped field by field to and from threefold's ``ModelConfig``: ``config.json`` both ways (``hf_config``,
-``model_config_from_hf``), the names and shapes of the stored weights (``expected_shapes``,
-``check_shapes``; Mixtral's per-expert file names, ``hub_names``), the special tokens of a
-tokenizer.json and the ``tokenizer_config.json`` that makes ``AutoTokenizer`` load it.
+mapped field by field to and from threefold's ``ModelConfig``: ``config.json`` both ways
+(``hf_config``, ``model_config_from_hf``), the names and shapes of the stored weights
+(``expected_shapes``, ``check_shapes``; Mixtral's per-expert file names, ``hub_names``), the special
+tokens of a tokenizer.json and the ``tokenizer_config.json`` that makes ``AutoTokenizer`` load it.
 
 Every field is mapped explicitly and anything this model cannot express is refused with the
 field's name: a mismatch in RoPE base, its Llama 3 rescaling, norm epsilon or tied head changes

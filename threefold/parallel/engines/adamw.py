@@ -30,8 +30,8 @@ def make_adamw(params, cfg: OptimConfig, kernel: str = "single") -> torch.optim.
                              weight_decay=cfg.weight_decay, **KERNELS[kernel])
 
 
-# The host optimiser's kernel (``threefold.parallel.engines.offload``). torch's fused CPU AdamW is one
-# vectorised, multi-threaded pass over each tensor: on this project's 2-core CPU it runs at
+# The host optimiser's kernel (``threefold.parallel.engines.offload``). torch's fused CPU AdamW is
+# one vectorised, multi-threaded pass over each tensor: on this project's 2-core CPU it runs at
 # the memory's copy bandwidth, about 4× the single-tensor kernel and level with DeepSpeed's
 # CPU Adam (bench/bench_offload.py). Its rounding differs from the single-tensor kernel's in
 # the last bits, so an offloaded run equals an on-device one to fp32 tolerance, not exactly.

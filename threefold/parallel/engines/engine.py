@@ -16,8 +16,8 @@ every engine (``EngineBase``).
 
 ``LocalEngine`` is the single-process reference every parallel engine is proven equal to.
 What the loop, the layouts and the checkpoints use of an engine is declared once, as a
-protocol, above this package: ``threefold.training.run.Engine`` (tests/test_code_shape.py checks that
-every engine has its methods).
+protocol, above this package: ``threefold.training.run.Engine`` (tests/test_code_shape.py checks
+that every engine has its methods).
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ class EngineBase:
     def step_metrics(self) -> dict[str, int]:
         """The step's figures of the engine's own traffic: under expert parallelism the rows
         this rank's MoE layers sent to other ep ranks since ``begin_step`` (``ep_rows_sent``:
-        dispatch and combine, forwards only; ``threefold.parallel.transforms.expert.take_rows_sent``);
-        nothing elsewhere."""
+        dispatch and combine, forwards only;
+        ``threefold.parallel.transforms.expert.take_rows_sent``); nothing elsewhere."""
         if self.comm is None or self.comm.size("ep") == 1:
             return {}
         return {"ep_rows_sent": take_rows(self._dispatchers)}

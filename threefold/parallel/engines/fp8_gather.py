@@ -1,6 +1,6 @@
 """ZeRO-3's FP8 all-gather (``parallel.fp8_all_gather``): a unit holding the weights of
-tensorwise FP8 layers (``threefold.parallel.transforms.fp8_linear``) gathers those weights in 8 bits, as
-torchao's ``enable_fsdp_float8_all_gather`` does for FSDP2.
+tensorwise FP8 layers (``threefold.parallel.transforms.fp8_linear``) gathers those weights in 8
+bits, as torchao's ``enable_fsdp_float8_all_gather`` does for FSDP2.
 
 Each rank takes the amax of its shard's part of every FP8 weight (of the shard rounded to
 ``param_dtype`` first, the values the layer would otherwise cast); one all-reduce (max) over

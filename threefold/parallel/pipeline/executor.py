@@ -120,8 +120,8 @@ class PipelineExecutor:
     Comm to keep logging traffic out of the training counters). ``task_loss(outputs,
     microbatch)``, when given, replaces the sum on the last stage: it gets the token losses
     and the microbatch as passed to ``run`` (a dict: a task such as DPO puts its own fields
-    there) and returns (summed loss, {name: value}); the values named in ``metric_names`` are summed over
-    microbatches and left in ``self.metrics`` after each step, on every rank, and every
+    there) and returns (summed loss, {name: value}); the values named in ``metric_names`` are summed
+    over microbatches and left in ``self.metrics`` after each step, on every rank, and every
     microbatch's dict stays in ``self.task_outputs[microbatch]`` on the last stage.
     ``activation_shape(inputs)`` is the shape of a stage-boundary activation for a
     microbatch of token ids ``inputs`` (default (batch, seq, hidden); pass (batch, seq/tp,

@@ -192,9 +192,10 @@ class TensorParallelSublayer(nn.Module):
     sequence parallelism an all-gather of the sequence) and ``g`` at its output, which its
     row-parallel projection (o_proj, down_proj) makes (an all-reduce; under sequence
     parallelism a reduce-scatter). Composed over the sub-layer's own class
-    (``threefold.parallel.transforms.wrap.wrap``). With ``tp_overlap`` chunks (``parallel.tp_overlap``,
-    sequence parallelism only) the all-gather is fused with the column projections and the
-    reduce-scatter with the row projection, chunk by chunk (``threefold.parallel.transforms.tp_overlap``).
+    (``threefold.parallel.transforms.wrap.wrap``). With ``tp_overlap`` chunks
+    (``parallel.tp_overlap``, sequence parallelism only) the all-gather is fused with the column
+    projections and the reduce-scatter with the row projection, chunk by chunk
+    (``threefold.parallel.transforms.tp_overlap``).
     """
 
     comm = None
@@ -363,11 +364,11 @@ def _overlap(sub: nn.Module, name: str, comm, chunks: int) -> None:
 def apply_tensor_parallel(model: CausalLM, comm, sequence_parallel: bool = False,
                           tp_overlap: int = 0):
     """Shard ``model`` in place over the "tp" axis of ``comm``, its sub-layers wrapped
-    between the conjugate operators (``TensorParallelSublayer``). Returns the model; its head's loss is then vocab-parallel (``lm_head.shard``).
-    ``tp_overlap`` >= 2 (with sequence parallelism) fuses each sub-layer's all-gather and
-    reduce-scatter with its projections in that many chunks (``threefold.parallel.transforms.tp_overlap``).
-    Weights are sliced from the full ones (or, on the meta device, only their shapes and
-    placements change), so the sharded model computes exactly what the full one does."""
+    between the conjugate operators (``TensorParallelSublayer``). Returns the model; its head's loss
+    is then vocab-parallel (``lm_head.shard``). ``tp_overlap`` >= 2 (with sequence parallelism)
+    fuses each sub-layer's all-gather and reduce-scatter with its projections in that many chunks
+    (``threefold.parallel.transforms.tp_overlap``). Weights are sliced from the full ones (or, on
+    the meta device, only their shapes and placements change), so the sharded model computes exactly what the full one does."""
     sp = sequence_parallel
     overlap = tp_overlap if sp and tp_overlap >= 2 else 0
     _shard_weights(model, comm, sp)
