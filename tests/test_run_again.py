@@ -58,6 +58,22 @@ def test_readme_command_twice_then_raised_steps(corpus, cache_dir, tmp_path, mon
     assert (out / "summary.json").read_bytes() == summary
     assert _files(out) == before  # nothing written, not even config.json or metrics.jsonl
 
+    # a session killed after its last checkpoint but before summary.json: the next run
+    # rebuilds the summary from metrics.jsonl, and the one after that writes nothing
+    (out / "summary.json").unlink()
+    assert main([*readme, *_args(corpus, cache_dir, train__steps=3)]) == 0
+    assert "summary.json rebuilt from metrics.jsonl" in capsys.readouterr().out
+    rebuilt, recs = json.loads((out / "summary.json").read_text()), metrics(out)
+    assert rebuilt["rebuilt_from"] == "metrics.jsonl" and rebuilt["throughput_steps"] == 2
+    assert rebuilt["final_loss"] == recs[-1]["loss"]
+    assert rebuilt["validation_loss"] == recs[-1]["validation_loss"]
+    assert rebuilt["tokens_per_second"] == pytest.approx(
+        sum(r["tokens_per_second"] for r in recs[1:]) / 2)
+    kept = (out / "summary.json").read_bytes()
+    assert main([*readme, *_args(corpus, cache_dir, train__steps=3)]) == 0
+    assert (out / "summary.json").read_bytes() == kept
+    (out / "summary.json").write_bytes(summary)  # the first session's, for what follows
+
     # raising the steps continues it: the schedule is the 5-step one from step 4 on
     first_summary = json.loads(summary)
     assert main([*readme, *_args(corpus, cache_dir, train__steps=5)]) == 0

@@ -246,6 +246,33 @@ def read_prior(out: Path, start: int) -> Prior:
     return Prior(kept, initial, steps, tps, mfu)
 
 
+def rebuilt_summary(out: Path, step: int, steps: int) -> dict:
+    """A finished run's summary from its metrics.jsonl, for a session that stopped after its
+    last checkpoint but before it wrote summary.json: the last step's loss and the last
+    validation loss, the sessions and the throughput means (``read_prior``). Memory, trace
+    and layout are not known and left out; ``rebuilt_from`` says so. {} without records."""
+    path = out / "metrics.jsonl"
+    recs = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            recs.append(json.loads(line))
+        except ValueError:
+            continue
+    if not recs:
+        return {}
+    prior = read_prior(out, step)
+    n = prior.steps
+    walls = [s["wall_time_s"] for s in prior.sessions if s["wall_time_s"] is not None]
+    return {"final_loss": recs[-1]["loss"],
+            "validation_loss": next((r["validation_loss"] for r in reversed(recs)
+                                     if "validation_loss" in r), None),
+            "initial_validation_loss": prior.initial_validation_loss, "steps": steps,
+            "sessions": prior.sessions, "wall_time_s": sum(walls),
+            "tokens_per_second": prior.tps_sum / n if n else None,
+            "mfu": prior.mfu_sum / n if n and prior.mfu_sum is not None else None,
+            "throughput_steps": n, "rebuilt_from": "metrics.jsonl"}
+
+
 def read_summary(path: Path) -> dict:
     """A summary.json's object ({} when there is none or it cannot be read)."""
     try:

@@ -28,8 +28,7 @@ from threefold.parallel.parallelize import parallelize
 from threefold.training.preempt import Preemption
 from threefold.training.resume import finished_step, resume, save
 from threefold.training.run import Run, autocast, weights_source
-from threefold.training.runlog import RunLog, read_summary
-# the step and evaluation are imported from here too
+from threefold.training.runlog import RunLog, read_summary, rebuilt_summary, write_summary
 from threefold.training.steps import evaluate, train_step
 from threefold.training.task import PretrainTask
 from threefold.weights import MissingTensor, open_pretrained
@@ -223,14 +222,22 @@ def _loop(run: Run, preempt, return_run: bool):
 def _finished(cfg: Config, world, step: int, return_run: bool):
     """The newest checkpoint is at or past ``train.steps``: no step, one line, nothing built,
     read or written (summary.json, metrics.jsonl and the checkpoints stay the finished
-    run's). Returns the stored summary with ``already_finished`` (the step) added, and no
-    ``Run`` when ``return_run``."""
+    run's; a summary the finishing session never wrote is rebuilt from metrics.jsonl).
+    Returns the stored summary with ``already_finished`` (the step) added, and no ``Run``
+    when ``return_run``."""
     if world.is_writer:
         past = "" if step == cfg.train.steps else f" (past --train.steps {cfg.train.steps})"
         print(f"threefold: run already finished at step {step}{past}; raise --train.steps "
               f"above {step} to continue", flush=True)
-    summary = {**read_summary(Path(cfg.train.output_dir) / "summary.json"),
-               "already_finished": step}
+    path = Path(cfg.train.output_dir) / "summary.json"
+    summary = read_summary(path)
+    if world.is_writer and summary.get("tokens_per_second") is None:  # stopped before it
+        rebuilt = rebuilt_summary(path.parent, step, cfg.train.steps)  # wrote its summary
+        if rebuilt and write_summary(path, rebuilt, did_steps=False):
+            print("threefold: summary.json rebuilt from metrics.jsonl (the session that "
+                  "finished the run stopped before writing it)", flush=True)
+            summary = rebuilt
+    summary = {**summary, "already_finished": step}
     world.close()
     return (summary, None) if return_run else summary
 
