@@ -277,7 +277,7 @@ def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: i
     # forward only (``ZeroEngine``)
     embedding = units.pop(0) if stage == 0 and root is None else None
     ax = layout.shard_axis
-    fp8 = fp8_gathered_numels(cfg) if work.fp8_gather and z == 3 else ()
+    fp8 = fp8_gathered_numels(cfg) if work.fp8_gathers(layout) else ()
     if fp8:
         n = rank_layers(cfg, layout, stage)
         blocks, units = units[:n], units[n:]

@@ -130,6 +130,8 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="tokens per optimiser step (a multiple of --seq-len)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                    help="bf16 mixed precision with fp32 Adam (16 bytes/param), or fp32")
+    p.add_argument("--fp8", choices=("none", "tensorwise", "rowwise"), default="none",
+                   help="as train.fp8: the blocks' projections in FP8, at the GPU's FP8 peak")
     p.add_argument("--attention", choices=("flash", "eager"), default="flash",
                    help="flash: attention probabilities not stored; eager: stored")
     p.add_argument("--block", choices=("threefold", "megatron"), default="threefold",
@@ -298,11 +300,17 @@ def _setup(args):
     targets = _lora_options(cfg, args)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash",
-                    block=args.block, lora_r=args.lora_r, lora_targets=targets)
+                    block=args.block, lora_r=args.lora_r, lora_targets=targets, fp8=args.fp8,
+                    fp8_gather=args.fp8 == "tensorwise" and not args.lora_r
+                    and not cfg.num_local_experts)
     record = _hardware_record(args)
     cluster = Cluster(_hardware(args, record), args.gpus, min(args.gpus_per_node, args.gpus),
                       _levels(args, record), mesh_order=args.mesh_order)
-    space = SearchSpace(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
+    if args.fp8 != "none" and not cluster.hardware.peak_flops("fp8"):
+        raise ConfigError(f"--fp8: {cluster.hardware.name} has no FP8 peak; use --fp8 none or "
+                          "--gpu h100, h200 or b200")
+    tp = (1,) if args.fp8 != "none" and args.lora_r else args.tp  # FP8 under LoRA: tp 1
+    space = SearchSpace(tp=tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
                         cp_algorithm=algorithms, ep=args.ep, tp_overlap=args.tp_overlap,
                         pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
@@ -325,6 +333,9 @@ def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:
         raise ConfigError(f"--lora-targets: {', '.join(bad) or 'nothing'} is not one of "
                           f"{', '.join(LORA_TARGETS)} (or all-linear)")
     rules.lora_without_experts(args.lora_r, cfg.num_local_experts or 0)
+    if args.fp8 != "none" and any(t > 1 for t in args.tp or ()):  # as train.fp8's validation
+        raise ConfigError(f"--fp8: {args.fp8} with --lora-r and --tp > 1 is not available "
+                          "(the frozen layers' amaxes over tp are not modelled); use --tp 1")
     if args.offload_optimizer != "off":
         raise ConfigError("--offload-optimizer: not planned under LoRA (the adapters' "
                           "optimizer state is small); use off")
@@ -392,42 +403,48 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(to_json_rows(top), indent=1))
     else:
-        hw = cluster.hardware
-        moe = (f" ({count_text(active_parameters(cfg))} active: {cfg.num_local_experts} experts,"
-               f" top-{cfg.num_experts_per_tok})" if cfg.num_local_experts else "")
-        print(f"{args.model}: {count_text(num_parameters(cfg))} parameters{moe}, vocab "
-              f"{cfg.vocab_size} (padded to a multiple of tp), "
-              f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}")
-        print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
-              f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "
-              f"{hw.memory_bytes / 1e9:.0f} GB, NVLink {hw.intra_node_bw * 2 / 1e9:.0f} GB/s, "
-              f"network {hw.inter_node_bw * 8 / 1e9:.0f} Gb/s per GPU")
-        if cluster.levels:
-            print("network levels: " + "; ".join(
-                f"{lv.name} {lv.gpus or cluster.num_gpus} GPUs, "
-                f"{lv.bandwidth * 8 / 1e9:.0f} Gb/s per GPU"
-                + (f" 1:{lv.oversubscription:g}" if lv.oversubscription > 1 else "")
-                for lv in cluster.levels))
-        print(f"{result.fits} layouts fit (searched in {cpu:.1f} s of CPU); top {len(top)} by "
-              "predicted step time:")
-        if top:
-            print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts)))
-        summary = summary_lines(result)
-        if summary:
-            print(summary)
-        notes = result.notes + moe_notes(cfg, top)
-        if cluster.mesh_order != "threefold":
-            notes.append(f"mesh order {cluster.mesh_order}: not threefold's runtime's (pp, "
-                         "dp_replicate, dp_shard, cp, tp outermost first); for comparing "
-                         "with a published run")
-        if work.block != "threefold":
-            notes.append(f"activations of a {work.block} block, not threefold's own "
-                         "(which keeps more: its sub-layer inputs whole under sequence "
-                         "parallelism, the RoPE tables)")
-        for note in notes:
-            print(f"note: {note}")
+        _print_table(args, cfg, cluster, work, result, cpu)
     if not result.fits:
         print("threefold plan: no layout fits; " + (summary_lines(result).splitlines() or [""])[0],
               file=sys.stderr)
         return 1
     return 0
+
+
+def _print_table(args, cfg: ModelConfig, cluster: Cluster, work: Workload, result, cpu):
+    """The text report: the model, the cluster, the top layouts, the notes."""
+    top = result.ranked[:args.top]
+    hw = cluster.hardware
+    fp8 = "" if work.fp8 == "none" else f" + fp8 {work.fp8} ({hw.peak_flops_fp8 / 1e12:.0f} TF/s)"
+    moe = (f" ({count_text(active_parameters(cfg))} active: {cfg.num_local_experts} experts,"
+           f" top-{cfg.num_experts_per_tok})" if cfg.num_local_experts else "")
+    print(f"{args.model}: {count_text(num_parameters(cfg))} parameters{moe}, vocab "
+          f"{cfg.vocab_size} (padded to a multiple of tp), "
+          f"seq {work.seq_len}, {work.global_batch} sequences per step, {work.precision}{fp8}")
+    print(f"{cluster.num_gpus} x {hw.name} ({cluster.gpus_per_node} per node): peak "
+          f"{(hw.peak_flops(work.precision) or 0) / 1e12:.0f} TF/s, "
+          f"{hw.memory_bytes / 1e9:.0f} GB, NVLink {hw.intra_node_bw * 2 / 1e9:.0f} GB/s, "
+          f"network {hw.inter_node_bw * 8 / 1e9:.0f} Gb/s per GPU")
+    if cluster.levels:
+        print("network levels: " + "; ".join(
+            f"{lv.name} {lv.gpus or cluster.num_gpus} GPUs, "
+            f"{lv.bandwidth * 8 / 1e9:.0f} Gb/s per GPU"
+            + (f" 1:{lv.oversubscription:g}" if lv.oversubscription > 1 else "")
+            for lv in cluster.levels))
+    print(f"{result.fits} layouts fit (searched in {cpu:.1f} s of CPU); top {len(top)} by "
+          "predicted step time:")
+    if top:
+        print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts)))
+    if summary := summary_lines(result):
+        print(summary)
+    notes = result.notes + moe_notes(cfg, top, work)
+    if cluster.mesh_order != "threefold":
+        notes.append(f"mesh order {cluster.mesh_order}: not threefold's runtime's (pp, "
+                     "dp_replicate, dp_shard, cp, tp outermost first); for comparing "
+                     "with a published run")
+    if work.block != "threefold":
+        notes.append(f"activations of a {work.block} block, not threefold's own "
+                     "(which keeps more: its sub-layer inputs whole under sequence "
+                     "parallelism, the RoPE tables)")
+    for note in notes:
+        print(f"note: {note}")

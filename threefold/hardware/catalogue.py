@@ -121,6 +121,12 @@ GPUS: dict[str, Hardware] = {
                  nvlink_gb_both_ways=900, pcie_gb_both_ways=128, tflops8=1979),
     "h200": _gpu("h200", tflops16=989, tflops32=67, memory_gb=141, hbm_gb_s=4800,
                  nvlink_gb_both_ways=900, pcie_gb_both_ways=128, tflops8=1979),
+    # NVIDIA HGX B200 datasheet, for its 8 GPUs: FP8 72 PFLOPS and FP16/BF16 36 PFLOPS with
+    # 2:4 sparsity (dense is half: 4.5 and 2.25 PF per GPU), FP32 600 TFLOPS, 1,440 GB of
+    # HBM3e at 64 TB/s (180 GB and 8 TB/s per GPU); fifth-generation NVLink 1.8 TB/s per GPU,
+    # both directions summed; the host link PCIe Gen5 x16
+    "b200": _gpu("b200", tflops16=2250, tflops32=75, memory_gb=180, hbm_gb_s=8000,
+                 nvlink_gb_both_ways=1800, pcie_gb_both_ways=128, tflops8=4500),
 }
 
 
@@ -135,11 +141,12 @@ def get_hardware(name: str) -> Hardware:
 def hardware_for_device_name(device_name: str) -> Hardware | None:
     """The catalogue entry for a CUDA device name (``torch.cuda.get_device_name``), or None
     when the name is not one whose datasheet peak we know: PCIe and NVL variants of H100/H200
-    and V100 have lower peaks than the SXM parts listed here, so they are not guessed."""
+    and V100 have lower peaks than the SXM parts listed here, and GB200's B200 (the Grace
+    board, run at a higher power) a higher one than HGX B200's, so they are not guessed."""
     name = device_name.upper()
-    if any(variant in name for variant in ("PCIE", "NVL")) and "A100" not in name:
+    if any(variant in name for variant in ("PCIE", "NVL", "GB200")) and "A100" not in name:
         return None  # (A100 PCIe has the SXM part's 312 TF/s; the others do not)
-    for key, marker in (("h200", "H200"), ("h100", "H100"), ("v100", "V100")):
+    for key, marker in (("b200", "B200"), ("h200", "H200"), ("h100", "H100"), ("v100", "V100")):
         if marker in name:
             return GPUS[key]
     if "A100" in name:

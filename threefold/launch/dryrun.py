@@ -65,6 +65,7 @@ from threefold.plan.baseline import Baseline, TaskData, heap_note, run_baseline
 from threefold.plan.calibrate import hardware_from_calibration, load, machine_ram, matmul_flops
 from threefold.hardware.catalogue import GPUS, Hardware, get_hardware, hardware_for_device_name
 from threefold.plan.cluster import Cluster
+from threefold.plan.compute import fp8_expert_note
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import StartupMemory, startup_peaks
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES, async_save_copy_bytes
@@ -248,6 +249,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
                              overhead_bytes=0.0 if on_cpu else RUNTIME_OVERHEAD_BYTES)
     if mcfg.num_local_experts:
         notes.append(_moe_note(mcfg, layout, total, p))
+    notes += [n for n in (fp8_expert_note(mcfg, work),) if n]  # (a mixture's only)
     step = None
     if _peaks_known(work, cluster.hardware):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)
@@ -385,7 +387,8 @@ def _peaks_known(work: Workload, hw: Hardware) -> bool:
     FP8 peak (this CPU's is not measured). A catalogue GPU without FP8 refuses FP8."""
     if work.fp8 != "none" and not hw.peak_flops("fp8") and hw.name in GPUS:
         raise ConfigError(f"train.fp8 {work.fp8}: {hw.name} has no FP8 tensor cores (no FP8 "
-                          "peak in the catalogue); set train.fp8 none or plan an H100/H200")
+                          "peak in the catalogue); set train.fp8 none or plan an H100, H200 "
+                          "or B200")
     return bool(hw.peak_flops(work.precision)) and (work.fp8 == "none"
                                                     or bool(hw.peak_flops("fp8")))
 

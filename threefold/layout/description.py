@@ -201,6 +201,13 @@ class Workload:
     # parallel.fp8_all_gather resolved: ZeRO-3 gathers the FP8 weights in e4m3 (1 byte each)
     fp8_gather: bool = False
 
+    def fp8_gathers(self, layout: Layout) -> bool:
+        """Whether ZeRO-3 gathers ``layout``'s FP8 weights in e4m3: ``fp8_gather`` where the
+        runtime's gather applies (stage 3, tp 1). The dry run resolves ``fp8_gather`` for its
+        own layout; ``threefold plan`` sets it as ``parallel.fp8_all_gather`` unset does
+        (tensorwise, no LoRA, no experts) for every layout it searches."""
+        return self.fp8_gather and layout.zero_stage == 3 and layout.tp == 1
+
     @property
     def tokens(self) -> int:
         """Tokens per step."""

@@ -175,11 +175,13 @@ def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, se
 def fp8_scale_bytes(cfg: ModelConfig, work: Workload) -> int:
     """What ``train.fp8`` adds to a block's saved tensors (``threefold.parallel.transforms.fp8_linear``): it
     keeps the input and weight a plain linear keeps and casts again in backward, so only
-    tensorwise's two fp32 scales per projection (q, k, v, o and a dense MLP's gate, up,
-    down); rowwise recomputes its per-row scales."""
+    tensorwise's two fp32 scales per projection (q, k, v, o and a dense MLP's or a shared
+    expert's gate, up, down; the routed experts are no FP8 layers); rowwise recomputes its
+    per-row scales."""
     if work.fp8 != "tensorwise":
         return 0
-    return 2 * 4 * (4 + (0 if cfg.num_local_experts else 3))
+    mlp = 3 if not cfg.num_local_experts or cfg.shared_expert_intermediate_size else 0
+    return 2 * 4 * (4 + mlp)
 
 
 def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,

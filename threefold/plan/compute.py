@@ -45,10 +45,11 @@ def model_flops_per_step(cfg: ModelConfig, work: Workload) -> float:
 
 def fp8_flops_fraction(cfg: ModelConfig, work: Workload) -> float:
     """The share of a token's forward FLOPs (``flops_per_token`` / 3) that ``train.fp8`` runs
-    in FP8: the blocks' q/k/v/o and dense gate/up/down projections (``parallel.fp8.TARGETS``;
-    under latent attention only o, and q without a query latent), against attention's core,
-    a mixture of experts' experts, the latents and the head, which stay in the compute
-    dtype."""
+    in FP8: the blocks' q/k/v/o, dense gate/up/down and shared-expert gate/up/down projections
+    (``parallel.fp8.TARGETS``, plain linear layers; under latent attention only o, and q
+    without a query latent), against attention's core, the routed experts (one 3-D tensor
+    per projection, multiplied in the compute dtype: ``fp8_expert_note``), the routers, the
+    latents and the head, which stay in the compute dtype."""
     h, hd, heads = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
     if cfg.kv_lora_rank:
         attn = h * heads * cfg.v_head_dim + (0 if cfg.q_lora_rank else h * heads * hd)
@@ -57,8 +58,20 @@ def fp8_flops_fraction(cfg: ModelConfig, work: Workload) -> float:
     dense = cfg.num_hidden_layers - moe_layers(cfg)
     ffn = (cfg.dense_intermediate_size or cfg.intermediate_size) if cfg.num_local_experts \
         else cfg.intermediate_size
-    linear = 2 * (attn * cfg.num_hidden_layers + 3 * h * ffn * dense)
+    shared = moe_key(cfg)[2] * moe_layers(cfg)  # every MoE block's shared expert, if any
+    linear = 2 * (attn * cfg.num_hidden_layers + 3 * h * (ffn * dense + shared))
     return linear / (flops_per_token(cfg, work.seq_len) / 3)
+
+
+def fp8_expert_note(cfg: ModelConfig, work: Workload) -> str | None:
+    """What a mixture of experts under ``train.fp8`` should know: its routed experts run in
+    the compute dtype, so their FLOPs are timed at that peak; None otherwise."""
+    if work.fp8 == "none" or not cfg.num_local_experts:
+        return None
+    return (f"train.fp8 {work.fp8}: the routed experts run in {work.precision} (their grouped "
+            "matmuls are not FP8 layers), so their FLOPs are timed at the "
+            f"{work.precision} peak; FP8 runs the attention projections, the dense blocks' "
+            "MLPs and the shared experts")
 
 
 def matmul_peak(cfg: ModelConfig, work: Workload, hw) -> float | None:
@@ -72,7 +85,8 @@ def matmul_peak(cfg: ModelConfig, work: Workload, hw) -> float | None:
     fp8 = hw.peak_flops("fp8")
     if not fp8:
         raise ValueError(f"train.fp8 {work.fp8}: {hw.name} has no FP8 peak (V100 and A100 have "
-                         "no FP8 tensor cores); set train.fp8 none, or plan for an H100/H200")
+                         "no FP8 tensor cores); set train.fp8 none, or plan for an H100, H200 "
+                         "or B200")
     f = fp8_flops_fraction(cfg, work)
     return 1.0 / (f / fp8 + (1 - f) / peak)
 

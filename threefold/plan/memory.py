@@ -180,7 +180,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     out = []
     for stage in stages:
         states = _model_states(layout, work, state, stage_units(cfg, layout, stage), m,
-                               fp8_gathered_numels(cfg) if work.fp8_gather else ())
+                               fp8_gathered_numels(cfg) if work.fp8_gathers(layout) else ())
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage, layout.pipeline_inflight)
         layers = rank_layers(cfg, layout, stage)

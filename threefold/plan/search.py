@@ -20,6 +20,7 @@ from threefold.config import RECOMPUTE_MODES, ConfigError, ModelConfig, Parallel
 from threefold.layout import Layout, LayoutError, Workload, check_layout, rule_of, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.cluster import Cluster
+from threefold.plan.compute import fp8_expert_note
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import startup_peaks
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
@@ -245,7 +246,7 @@ def _dp_splits(dp: int, space: SearchSpace, cp: int = 1) -> Iterator[tuple[int, 
                 yield zero, dp_r
 
 
-def moe_notes(cfg: ModelConfig, top: list[Candidate]) -> list[str]:
+def moe_notes(cfg: ModelConfig, top: list[Candidate], work: Workload) -> list[str]:
     """What a user of a mixture of experts should know about the planned figures."""
     if not cfg.num_local_experts:
         return []
@@ -253,6 +254,7 @@ def moe_notes(cfg: ModelConfig, top: list[Candidate]) -> list[str]:
              "expectation (each rank sends (ep-1)/ep of its N·k token-expert rows each way); "
              "real routing is uneven; tp runs without sequence parallelism (the MoE is whole "
              "on every tp rank)"]
+    notes += [n for n in (fp8_expert_note(cfg, work),) if n]
     if any(c.layout.pp > 1 for c in top) and cfg.router_aux_loss_coef > 0 \
             and not cfg.router_aux_loss_per_layer:
         notes.append("pp > 1 with a mixture of experts: set model.router_aux_loss_per_layer "
