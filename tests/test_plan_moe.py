@@ -301,3 +301,55 @@ def test_moe_block_activation_bytes_equal_autograd_saved_tensors(e, k, dtype):
         want += d * layer_parameters_per_rank(cfg, 1)[0] \
             + moe_cast_weight_bytes(cfg, lay, work, 0) / cfg.num_hidden_layers
     assert saved.total == want
+
+
+def _kept_bytes(kept: list, skip: list) -> int:
+    """Bytes of the distinct storages among the tensors a selective block kept."""
+    seen = {t.untyped_storage().data_ptr() for t in skip}
+    total = 0
+    for _op, out, _v in kept:
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_selective_moe_block_bytes_equal_what_the_block_keeps(monkeypatch, impl, dtype):
+    """Under selective recompute an MoE block keeps its input and what its ``_Keep`` holds
+    (the matmuls' outputs, the router's choice), nothing autograd saves besides but the RoPE
+    tables: together,
+    to the byte, the dry run's selective count (``model_layer_activation_bytes``, MoE terms
+    ``selective_moe_extra_bytes``); full recompute's count stays the block's input."""
+    from threefold.parallel.transforms import recompute
+    from threefold.plan.activations import model_layer_activation_bytes
+
+    keeps = []
+    init = recompute._Keep.__init__
+    monkeypatch.setattr(recompute._Keep, "__init__",
+                        lambda self, kept: (keeps.append(kept), init(self, kept))[1])
+    torch.manual_seed(0)
+    cfg = ModelConfig(preset="tiny", vocab_size=512, num_local_experts=8, num_experts_per_tok=2,
+                      moe_impl=impl).resolved()
+    model = CausalLM(cfg)
+    recompute.apply_recompute(model, "selective")
+    b, s, h = 2, 64, cfg.hidden_size
+    x = torch.randn(b, s, h, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+        contextlib.nullcontext()
+    with SavedBytes(list(model.parameters())) as saved, auto:
+        model.model.layers[0](x, cos, sin)
+    rope = 2 * 4 * b * s * cfg.head_dim  # the cos and sin tables, checkpoint inputs too
+    assert saved.total == 4 * b * s * h + rope  # autograd saves the checkpoint's inputs only
+    d = 2 if dtype == torch.bfloat16 else 4
+    work = Workload(seq_len=s, global_batch=b, precision="bf16" if d == 2 else "fp32",
+                    residual_bytes=4, master_bytes=4, flash_attention=True)
+    lay = Layout(microbatch_size=b, recompute="selective")
+    assert len(keeps) == 1 and keeps[0]
+    got = saved.total + _kept_bytes(keeps[0], [x, *model.parameters()])
+    assert got - rope == model_layer_activation_bytes(cfg, lay, work)
+    full = Layout(microbatch_size=b, recompute="full")
+    assert model_layer_activation_bytes(cfg, full, work) == 4 * b * s * h

@@ -361,7 +361,7 @@ def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
     m = microbatches(layout, work)
     inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage,
                                      layout.pipeline_inflight)
-    extra = moe_block_extra_bytes(cfg, layout, work)
+    extra = 0.0 if layout.recompute == "selective" else moe_block_extra_bytes(cfg, layout, work)
     ch: dict[str, float] = {}
     if layout.recompute == "full":  # blocks keep their input; the recomputed one all of it
         ch["recompute_working"] = mem.recompute_working + extra
