@@ -143,8 +143,8 @@ def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
 
 def take_rows_sent(model: nn.Module) -> int:
     """Rows this rank's MoE layers sent to other ep ranks (dispatch and combine, forwards
-    only, recomputed ones included) since the last call; the counters restart at 0. Each
-    backward sends the same rows again, so the step's all-to-all bytes on ep are
+    only, full recompute's included; selective's recompute sends none) since the last call;
+    the counters restart at 0. Each backward sends the same rows again, so the step's all-to-all bytes on ep are
     (forward rows + backward rows) · h · element size + the count exchanges."""
     return take_rows([m.dispatcher for m in model.modules()
                       if isinstance(m, ExpertParallelExperts)])
