@@ -381,3 +381,66 @@ def test_shared_expert_under_ep_trains_as_one_process(corpus, cache_dir, tmp_pat
     run_distributed(_runs, 2, corpus, cache_dir, tmp_path, runs)
     for name, _ in runs:
         _assert_equal(tmp_path / name, want, weights, name)
+
+
+def _recomputed_blocks(rank, world):
+    """On each rank (ep = world, or one process when world is 1): a 2-block MoE model's
+    loss and gradients under recompute none, selective and full, and the rows sent on ep."""
+    from threefold.comm.counted import Comm
+    from threefold.layout.axes import EXPERT_AXES
+    from threefold.model.decoder import CausalLM
+    from threefold.parallel.transforms.expert import apply_expert_parallel, take_rows_sent
+    from threefold.parallel.transforms.recompute import apply_recompute
+
+    cfg = ModelConfig(preset="tiny", vocab_size=256, hidden_size=64, intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      num_local_experts=4, num_experts_per_tok=2).resolved()
+    comm = None
+    if world > 1:
+        dims = Layout(dp_shard=world, ep=world)
+        comm = Comm(dims, build_mesh(dims, "cpu"))
+        for axis in EXPERT_AXES:
+            comm.add_axis(axis, dims.axis_groups(axis))
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = CausalLM(cfg)
+        if comm is not None:
+            apply_expert_parallel(model, comm)
+        apply_recompute(model, mode)
+        loss = model.model(ids).pow(2).mean()
+        loss.backward()
+        rows = take_rows_sent(model)
+        out[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()}, rows)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_selective_recompute_equals_no_recompute(world):
+    """Selective recompute of MoE blocks (grouped experts) gives the loss and every gradient
+    of no recompute, in one process and under ep 2; its recompute sends no row (the forward's
+    all-to-all results are kept), where full recompute sends every forward row again."""
+    res = [_recomputed_blocks(0, 1)] if world == 1 else run_distributed(_recomputed_blocks,
+                                                                         world)
+    for out in res:
+        loss, grads, rows = out["none"]
+        for mode in ("selective", "full"):
+            torch.testing.assert_close(out[mode][0], loss, rtol=1e-5, atol=0)
+            for name, g in grads.items():
+                torch.testing.assert_close(out[mode][1][name], g, rtol=1e-5, atol=1e-7,
+                                           msg=f"{mode}: {name}")
+        assert out["selective"][2] == rows
+        assert out["full"][2] == 2 * rows
+        assert (rows > 0) == (world > 1)
+
+
+def test_ep2_with_selective_recompute_trains_as_one_process(corpus, cache_dir, tmp_path):
+    """2 ranks, ep 2, selective recompute: losses, router losses, expert counts and weights
+    equal the single-process run without recompute, and every step's bytes on ep are those
+    of no recompute (the recompute repeats no all-to-all)."""
+    want, weights = _single(corpus, cache_dir, tmp_path / "single", 4)
+    runs = [("ep2_selective", {"parallel__ep": 2, "train__recompute": "selective"})]
+    run_distributed(_runs, 2, corpus, cache_dir, tmp_path, runs)
+    _assert_equal(tmp_path / "ep2_selective", want, weights, "ep2_selective")
+    _assert_exact_bytes(tmp_path / "ep2_selective", 2, 2, 1, False)

@@ -93,10 +93,12 @@ def test_dense_memory_and_bytes_are_those_of_threefold_memory():
 
 
 @pytest.mark.parametrize("ep,world,recompute,mbs", [(2, 2, "none", 4), (2, 2, "full", 2),
+                                                     (2, 2, "selective", 2),
                                                      (4, 4, "none", 2), (2, 4, "none", 2)])
 def test_ep_bytes_equal_the_uniform_routing_closed_form(ep, world, recompute, mbs):
     """Per MoE layer and microbatch of N = b·s tokens, rank 0 sends on "ep"
-    4·N·k·(ep−1)/ep·h·4 + E·8·(ep−1)/ep bytes (fp32), 6·… + 2·E·8·… under full recompute;
+    4·N·k·(ep−1)/ep·h·4 + E·8·(ep−1)/ep bytes (fp32), 6·… + 2·E·8·… under full recompute
+    (selective keeps the all-to-alls' results: no recompute's bytes);
     its experts' gradients all-reduce over edp = dp/ep, the dense ones over dp (the closed
     forms tests/test_expert_parallel.py checks against the runtime's measured bytes)."""
     cfg = _small_moe()
@@ -196,19 +198,25 @@ def test_moe_layouts_the_runtime_refuses_are_refused_by_name():
 
 def test_planner_searches_ep_for_mixtral_on_64_gpus():
     """Every layout ranked is one the runtime takes (ep dividing the experts and dp_shard, no
-    SP, no cp) and fits; ep > 1 is searched, and it wins: holding 1/ep of the experts leaves
-    room that ep = 1 (every expert on every rank, or gathered by ZeRO-3) does not."""
+    SP, no cp) and fits; ep > 1 is searched, and, keeping every activation or recomputing
+    whole blocks, it wins: holding 1/ep of the experts leaves room that ep = 1 (every expert
+    on every rank, or gathered by ZeRO-3) does not. (Selective recompute makes room at ep 1
+    too: a near tie, within 0.1%.)"""
     cluster = Cluster(H100, 64, 8)
     work = Workload(seq_len=4096, global_batch=1024)
-    res = search(MIXTRAL, cluster, work, keep=5)
+    with_selective = search(MIXTRAL, cluster, work, keep=5).ranked[0]
+    res = search(MIXTRAL, cluster, work, SearchSpace(recompute=("none", "full")), keep=5)
     assert res.ranked and res.fits > 0
     for c in res.ranked:
         lay = c.layout
         assert 8 % lay.ep == 0 and lay.dp_shard % lay.ep == 0 and lay.cp == 1 and not lay.sp
         assert c.memory.total <= H100.memory_bytes
     best = res.ranked[0]
-    only1 = search(MIXTRAL, cluster, work, SearchSpace(ep=(1,)), keep=1).ranked[0]
+    only1 = search(MIXTRAL, cluster, work, SearchSpace(ep=(1,), recompute=("none", "full")),
+                   keep=1).ranked[0]
     assert best.layout.ep > 1 and best.step.step_time_s < only1.step.step_time_s
+    assert with_selective.step.step_time_s <= best.step.step_time_s < \
+        1.001 * with_selective.step.step_time_s
     assert best.step.comm_bytes["ep"] > 0
 
 
@@ -301,3 +309,55 @@ def test_moe_block_activation_bytes_equal_autograd_saved_tensors(e, k, dtype):
         want += d * layer_parameters_per_rank(cfg, 1)[0] \
             + moe_cast_weight_bytes(cfg, lay, work, 0) / cfg.num_hidden_layers
     assert saved.total == want
+
+
+def _kept_bytes(kept: list, skip: list) -> int:
+    """Bytes of the distinct storages among the tensors a selective block kept."""
+    seen = {t.untyped_storage().data_ptr() for t in skip}
+    total = 0
+    for _op, out, _v in kept:
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_selective_moe_block_bytes_equal_what_the_block_keeps(monkeypatch, impl, dtype):
+    """Under selective recompute an MoE block keeps its input and what its ``_Keep`` holds
+    (the matmuls' outputs, the router's choice), nothing autograd saves besides but the RoPE
+    tables: together,
+    to the byte, the dry run's selective count (``model_layer_activation_bytes``, MoE terms
+    ``selective_moe_extra_bytes``); full recompute's count stays the block's input."""
+    from threefold.parallel.transforms import recompute
+    from threefold.plan.activations import model_layer_activation_bytes
+
+    keeps = []
+    init = recompute._Keep.__init__
+    monkeypatch.setattr(recompute._Keep, "__init__",
+                        lambda self, kept: (keeps.append(kept), init(self, kept))[1])
+    torch.manual_seed(0)
+    cfg = ModelConfig(preset="tiny", vocab_size=512, num_local_experts=8, num_experts_per_tok=2,
+                      moe_impl=impl).resolved()
+    model = CausalLM(cfg)
+    recompute.apply_recompute(model, "selective")
+    b, s, h = 2, 64, cfg.hidden_size
+    x = torch.randn(b, s, h, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+        contextlib.nullcontext()
+    with SavedBytes(list(model.parameters())) as saved, auto:
+        model.model.layers[0](x, cos, sin)
+    rope = 2 * 4 * b * s * cfg.head_dim  # the cos and sin tables, checkpoint inputs too
+    assert saved.total == 4 * b * s * h + rope  # autograd saves the checkpoint's inputs only
+    d = 2 if dtype == torch.bfloat16 else 4
+    work = Workload(seq_len=s, global_batch=b, precision="bf16" if d == 2 else "fp32",
+                    residual_bytes=4, master_bytes=4, flash_attention=True)
+    lay = Layout(microbatch_size=b, recompute="selective")
+    assert len(keeps) == 1 and keeps[0]
+    got = saved.total + _kept_bytes(keeps[0], [x, *model.parameters()])
+    assert got - rope == model_layer_activation_bytes(cfg, lay, work)
+    full = Layout(microbatch_size=b, recompute="full")
+    assert model_layer_activation_bytes(cfg, full, work) == 4 * b * s * h

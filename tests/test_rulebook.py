@@ -73,9 +73,6 @@ ROWS = [
         "train.recompute: selective is not available with parallel.cp > 1 (ring attention's "
         "per-hop results would all be kept); use full or none",
         ("--cp", "2", "--recompute", "selective")),
-    Row("selective_without_experts", {**MOE, "train.recompute": "selective"}, 1,
-        "train.recompute: selective is not available for a mixture of experts "
-        "(model.num_local_experts); use full or none", ("--recompute", "selective")),
     Row("cp_attention", {"model.sliding_window": 64, "parallel.cp": 2}, 2,
         "model.sliding_window: 64: context parallelism (parallel.cp=2) does not compute this "
         "attention yet; set parallel.cp 1", ("--cp", "2")),

@@ -99,7 +99,6 @@ def test_lr_schedule_warmup_then_cosine():
      "train.activation_checkpointing"),
     (["--train.recompute", "selective", "--parallel.cp", "2", "--nproc-per-node", "2"],
      "train.recompute"),  # refused before any process starts
-    (["--train.recompute", "selective", "--model.num_local_experts", "4"], "train.recompute"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(corpus, cache_dir, tmp_path, capsys, extra, needle):
     bad_tok = tmp_path / "bad_tokenizer.json"

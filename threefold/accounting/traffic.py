@@ -53,7 +53,8 @@ residual dtype (the MLP's input) to the experts' ranks, and combine, the rows ba
 matmul dtype (the experts' output); backward, their gradients, the same sizes. Bytes sent
 are the uniform-routing expectation, (ep−1)/ep of the rows leaving the rank each way:
 4·N·k·(ep−1)/ep·h elements + E·8·(ep−1)/ep bytes per layer, or under full recompute (the
-forward's three all-to-alls again) 6·N·k·(ep−1)/ep·h + 2·E·8·(ep−1)/ep; real routing
+forward's three all-to-alls again) 6·N·k·(ep−1)/ep·h + 2·E·8·(ep−1)/ep (selective recompute
+keeps what they returned and runs none again: the bytes of no recompute); real routing
 varies around it. The expert tensors' gradients: ZeRO-0 all-reduces them over "edp"
 (dp/ep) in buckets of their own (the dense ones over "dp" as always) and the gradient
 norm all-reduces one fp32 over "ep"; ZeRO 1-3 makes each block's experts a unit of its
@@ -234,8 +235,9 @@ def _pp_collectives(add, cfg: ModelConfig, layout: Layout, stage: int, x: int, r
 def _ep_collectives(add, layout: Layout, work: Workload, experts: int, rows: int,
                     layers: int) -> None:
     """ep, per MoE layer and microbatch: the count exchange, then dispatch and combine of the
-    ``rows`` (token, expert) elements, forward (again under full recompute) and backward."""
-    ep, forwards, tag = layout.ep, 2 if layout.recompute != "none" else 1, _paired(layout)
+    ``rows`` (token, expert) elements, forward (again under full recompute; selective keeps
+    what they returned) and backward."""
+    ep, forwards, tag = layout.ep, 2 if layout.recompute == "full" else 1, _paired(layout)
     add("ep", "all_to_all", experts, 8, layers * forwards, ep, True, tag)  # counts
     add("ep", "all_to_all", rows, work.resid_bytes, layers * (forwards + 1), ep, True, tag)
     add("ep", "all_to_all", rows, work.act_bytes, layers * (forwards + 1), ep, True, tag)

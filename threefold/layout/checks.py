@@ -22,7 +22,6 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     lay, e = layout, cfg.num_local_experts or 0
     if lay.recompute == "selective" and work.block != "megatron":
         rules.selective_without_cp(lay.recompute, lay.cp)
-        rules.selective_without_experts(lay.recompute, e)
     if lay.cp > 1:
         rules.seq_len_over_cp(work.seq_len, lay.cp)
     if lay.tp > 1:

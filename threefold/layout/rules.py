@@ -179,14 +179,6 @@ def selective_without_cp(recompute: str, cp: int) -> None:
 
 
 @rule
-def selective_without_experts(recompute: str, experts: int) -> None:
-    """Selective recompute does not know a mixture of experts' operations."""
-    if recompute == "selective" and experts:
-        raise LayoutError("train.recompute: selective is not available for a mixture of experts "
-                          "(model.num_local_experts); use full or none")
-
-
-@rule
 def cp_attention(m: ModelConfig, cp: int) -> None:
     """Context parallelism's attention computes neither a sliding window, another score scale
     nor latent attention."""

@@ -144,6 +144,32 @@ def selective_block_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_d
     return tokens * (r * h / norm_div + attn + 2 * d * h + 2 * d * ffn)
 
 
+def selective_moe_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload, tokens: int,
+                              ffn: int) -> float:
+    """What a mixture-of-experts block keeps under selective recompute beyond
+    ``selective_block_bytes``, whose dense MLP outputs (gate, up and down_proj's: d·(2·ffn + h)
+    per token) it replaces (``threefold.parallel.transforms.recompute``), for ``tokens``
+    tokens: per token the router's logits d·E and its choice (top-k's fp32 weights and int64
+    ids, 12 bytes each; the grouped router's group top-2 and group choice also), the k
+    experts' products d·(2f + h) each, a shared expert's gate, up and down d·(2f_s + h) (and
+    its gate, d); under ep the dispatched rows r·h (N·k in expectation, uniform routing), the
+    rows combined back d·h, and the count exchange's 8·E per block. 0 for a dense model."""
+    e, k = cfg.num_local_experts or 0, cfg.num_experts_per_tok or 0
+    if not e:
+        return 0.0
+    h, f, d, r = cfg.hidden_size, cfg.intermediate_size, work.act_bytes, work.resid_bytes
+    fs = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    choice = k
+    if getattr(cfg, "moe_router", "softmax") == "sigmoid_grouped":
+        choice += 2 * cfg.n_group + cfg.topk_group
+    moe = d * e + 12 * choice + k * d * (2 * f + h)
+    if fs:
+        moe += d * (2 * fs + h) + (d if getattr(cfg, "shared_expert_gate", False) else 0)
+    if layout.ep > 1:
+        moe += k * (r + d) * h
+    return tokens * (moe - d * (2 * ffn + h)) + (8 * e if layout.ep > 1 else 0)
+
+
 def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
                        cp: int, algorithm: str, act_bytes: int) -> float:
     """Bytes one block's attention keeps for backward under context parallelism, on one rank
@@ -200,7 +226,8 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
     if mode == "selective":
         return selective_block_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                      cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
-                                     work.resid_bytes, work.flash_attention)
+                                     work.resid_bytes, work.flash_attention) \
+            + selective_moe_extra_bytes(cfg, layout, work, b * local, sh.ffn)
     kept = block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, work.flash_attention, s, layout.cp,

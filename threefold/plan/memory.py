@@ -361,11 +361,10 @@ def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
     m = microbatches(layout, work)
     inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage,
                                      layout.pipeline_inflight)
-    extra = moe_block_extra_bytes(cfg, layout, work)
-    ch: dict[str, float] = {}
-    if layout.recompute == "full":  # blocks keep their input; the recomputed one all of it
+    extra, ch = moe_block_extra_bytes(cfg, layout, work), {}
+    if layout.recompute != "none":  # the recomputed block holds its MoE's tensors again
         ch["recompute_working"] = mem.recompute_working + extra
-    else:
+    if layout.recompute == "none":  # (selective's kept MoE tensors: in mem.activations)
         ch["activations"] = mem.activations + extra * rank_layers(cfg, layout, stage) * inflight
     ch["cast_weights"] = mem.cast_weights + moe_cast_weight_bytes(cfg, layout, work,
                                                                   stage) * inflight

@@ -37,6 +37,7 @@ from torch import nn
 
 from threefold.model.moe import Experts
 from threefold.parallel.placement import place
+from threefold.parallel.transforms.recompute import replayed
 from threefold.parallel.transforms.wrap import become
 
 AXIS = "ep"
@@ -73,13 +74,11 @@ class Dispatcher:
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
         ep, local = self.ep, self.local
         send_counts = counts.reshape(ep, local).contiguous()
-        recv_counts = torch.empty_like(send_counts)
-        self.comm.all_to_all_single(recv_counts, send_counts, AXIS)  # (source, local expert)
+        # each exchange is ``replayed``: a selective block's recompute gets its result back
+        recv_counts = replayed(self._exchange, send_counts)  # (source, local expert)
         send = send_counts.sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
-        me = self.comm.rank(AXIS)
-        self.rows_sent += sum(send) - send[me] + sum(recv) - recv[me]
-        got = _AllToAll.apply(rows, self.comm, recv, send)  # grouped by source, then expert
+        got = replayed(self._move, rows, recv, send)  # grouped by source, then expert
         # source-major -> expert-major: segment (s, e) starts at starts[s, e] in `got`; in
         # expert-major order the segments are (e, s), position i of segment j taking row
         # starts[j] + (i - where segment j begins there)
@@ -93,7 +92,17 @@ class Dispatcher:
         y = compute(got[perm], recv_counts.sum(0).tolist())
         back = torch.empty_like(perm)
         back[perm] = torch.arange(total, device=rows.device)
-        return _AllToAll.apply(y[back], self.comm, send, recv)
+        return replayed(self._move, y[back], send, recv)
+
+    def _exchange(self, send_counts: torch.Tensor) -> torch.Tensor:
+        recv_counts = torch.empty_like(send_counts)
+        self.comm.all_to_all_single(recv_counts, send_counts, AXIS)
+        return recv_counts
+
+    def _move(self, rows: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
+        """The all-to-all of ``rows`` (``send`` to each rank, ``recv`` from each), counted."""
+        self.rows_sent += sum(send) - send[self.comm.rank(AXIS)]
+        return _AllToAll.apply(rows, self.comm, recv, send)
 
 
 class ExpertParallelExperts(Experts):
@@ -134,8 +143,8 @@ def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
 
 def take_rows_sent(model: nn.Module) -> int:
     """Rows this rank's MoE layers sent to other ep ranks (dispatch and combine, forwards
-    only, recomputed ones included) since the last call; the counters restart at 0. Each
-    backward sends the same rows again, so the step's all-to-all bytes on ep are
+    only, full recompute's included; selective's recompute sends none) since the last call;
+    the counters restart at 0. Each backward sends the same rows again, so the step's all-to-all bytes on ep are
     (forward rows + backward rows) · h · element size + the count exchanges."""
     return take_rows([m.dispatcher for m in model.modules()
                       if isinstance(m, ExpertParallelExperts)])

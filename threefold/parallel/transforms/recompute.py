@@ -15,10 +15,15 @@ parameter names, checkpoints and the modules pipeline chunks share do not change
   attention core (arXiv 2205.05198 §5). What a block then keeps per token is
   ``threefold.plan.activations.selective_block_bytes``, which the planner and dry run use.
 
-Collectives inside a block (tensor parallelism's, expert parallelism's) are not kept: the
-recomputed forward runs them again, as under full recompute, and the accounting counts them
-so. Context parallelism and mixtures of experts are refused for selective (config
-validation names them).
+A mixture-of-experts block keeps, beyond its matmuls' outputs (the router's logits, every
+expert's, grouped or looped: ``aten._grouped_mm`` or ``aten.mm``), the router's choice (the
+outputs of ``aten.topk``), so the recompute routes exactly as the forward did (the sort by
+expert and the counts are recomputed from it, identically), and the results of expert
+parallelism's count exchange, dispatch and combine (``replayed``): the recompute runs no
+all-to-all. Tensor parallelism's collectives are not kept: the recomputed forward runs them
+again, as under full recompute (which runs a block's all-to-alls again too), and the
+accounting counts them so. Context parallelism is refused for selective (the rule book names
+it).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 # ops whose outputs selective recompute keeps; names a torch build lacks are skipped
-_KEPT_NAMES = ("mm", "addmm", "_scaled_mm", "_scaled_dot_product_flash_attention_for_cpu",
+_KEPT_NAMES = ("mm", "addmm", "_scaled_mm", "_grouped_mm", "topk", "_scaled_dot_product_flash_attention_for_cpu",
                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_cudnn_attention")
 
@@ -53,21 +58,61 @@ def _policy(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _Keep(TorchDispatchMode):
-    """The forward half: runs every op and keeps the outputs of ``kept_ops`` in call order."""
+# the selective block calls under way (their _Keep or _Reuse), innermost last
+_TAPES: list = []
+
+
+def replayed(fn, *args):
+    """``fn(*args)``, run once per selective block call: in a selective block's forward its
+    output is kept (with the matmuls', in call order) and the block's recompute gets it back
+    without running ``fn`` (expert parallelism's all-to-alls, which then move nothing twice).
+    Outside a selective block (no recompute, full recompute, torch.compile's policy) it
+    simply runs."""
+    return _TAPES[-1].replay(fn, args) if _TAPES else fn(*args)
+
+
+def _key(fn):
+    return getattr(fn, "__func__", fn)  # a bound method is a new object at every access
+
+
+class _Tape(TorchDispatchMode):
+    """A dispatch mode that is also the innermost selective block call while entered."""
+
+    def __enter__(self):
+        _TAPES.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _TAPES.remove(self)
+        return super().__exit__(*exc)
+
+
+class _Keep(_Tape):
+    """The forward half: runs every op and keeps the outputs of ``kept_ops`` (and of
+    ``replayed`` calls) in call order."""
 
     def __init__(self, kept: list):
         super().__init__()
-        self.kept, self.ops = kept, kept_ops()
+        self.kept, self.ops, self.paused = kept, kept_ops(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self.ops:
+        if func in self.ops and not self.paused:
             self.kept.append((func, out, _versions(out)))
         return out
 
+    def replay(self, fn, args):
+        """Run ``fn`` and keep its output; what it runs inside is not kept on its own."""
+        self.paused += 1
+        try:
+            out = fn(*args)
+        finally:
+            self.paused -= 1
+        self.kept.append((_key(fn), out, _versions(out)))
+        return out
 
-class _Reuse(TorchDispatchMode):
+
+class _Reuse(_Tape):
     """The recompute half: the kept ops give back what the forward kept (in the same order),
     every other op runs again. Unlike torch's own selective checkpoint, the kept outputs
     stay for a second recompute: a zero-bubble W re-enters a block after its B did."""
@@ -83,12 +128,24 @@ class _Reuse(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in self.ops:
             return func(*args, **(kwargs or {}))
+        return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach,
+                                                 self._take(func))
+
+    def replay(self, fn, args):
+        """What ``fn`` gave the forward, without running it. Above autograd, unlike the ops
+        below: a fresh leaf that requires grad where the kept output did, so the recomputed
+        ops after it save for backward what the forward's did."""
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad),
+            self._take(_key(fn)))
+
+    def _take(self, func):
         op, out, versions = self.kept[self.next]
         self.next += 1
         if op is not func or _versions(out) != versions:
             raise RuntimeError(f"selective recompute: {func} does not replay the forward's "
                                f"{op} (or its output was changed in place since)")
-        return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        return out
 
 
 def _versions(out) -> list:
