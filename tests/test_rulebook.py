@@ -121,6 +121,12 @@ ROWS = [
                                "train.micro_batch_size": 1}, 2,
         "parallel.microbatches: 3, but train.micro_batch_size=1 makes 8 per step; set "
         "train.micro_batch_size to 2 or parallel.microbatches 0", NO_PLAN_BATCH),
+    Row("selective_experts_eager", {**MOE, "train.recompute": "selective",
+                                    "train.compile": True, "parallel.ep": 2}, 2,
+        "train.compile: selective recompute of a mixture of experts under expert parallelism "
+        "(parallel.ep=2) runs eagerly only (a compiled block could send its all-to-alls "
+        "again); set train.compile false or train.recompute full",
+        "plan has no compile flag: it plans eager and compiled runs alike"),
     Row("bf16_params_need_zero", {"parallel.param_dtype": "bfloat16",
                                   "train.dtype": "bfloat16"}, 2,
         "parallel.param_dtype: bfloat16 parameters under data parallelism need ZeRO (the 16-bit "

@@ -66,6 +66,8 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     rules.sequence_parallel_tokens(cfg.data.seq_len, layout.cp, layout.tp,
                                    p.sequence_parallel)
     rules.bf16_params_need_zero(param_dtype(cfg), p.zero_stage, layout.dp * layout.cp)
+    rules.selective_experts_eager(cfg.train.recompute, m.num_local_experts or 0, layout.ep,
+                                  cfg.train.compile)
     rules.block_counts_need_pp(layout.pp, p.pipeline_split)
     rules.tp_overlap_needs_sequence_parallel(p.tp_overlap, layout.tp, p.sequence_parallel)
     rules.tp_overlap_plain_projections(p.tp_overlap, cfg.lora.r, m, layout.tp)

@@ -426,3 +426,14 @@ def tp_overlap_plain_projections(chunks: int, lora_r: int, m: ModelConfig, tp: i
     if plain:
         raise LayoutError(f"parallel.tp_overlap: {chunks} cannot overlap the projections of "
                           f"{', '.join(plain)}; set parallel.tp_overlap 0")
+
+
+@rule
+def selective_experts_eager(recompute: str, experts: int, ep: int, compiled: bool) -> None:
+    """Selective recompute hands a mixture of experts' all-to-alls their kept outputs back in
+    eager mode; a compiled block could send them again, which no test covers yet."""
+    if recompute == "selective" and experts and ep > 1 and compiled:
+        raise LayoutError(f"train.compile: selective recompute of a mixture of experts under "
+                          f"expert parallelism (parallel.ep={ep}) runs eagerly only (a compiled "
+                          "block could send its all-to-alls again); set train.compile false or "
+                          "train.recompute full")
