@@ -276,6 +276,18 @@ def test_dry_run_refuses_moe_with_cp_by_name(monkeypatch, tmp_path):
         predict(cfg, 8)
 
 
+def _first_block_saved(model, b: int, s: int, h: int, dtype):
+    """(the bytes autograd saves, the input) of the first block's forward on random (b, s, h)
+    input under ``dtype``'s autocast (``SavedBytes``)."""
+    x = torch.randn(b, s, h, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+        contextlib.nullcontext()
+    with SavedBytes(list(model.parameters())) as saved, auto:
+        model.model.layers[0](x, cos, sin)
+    return saved, x
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("e,k", [(8, 2), (16, 4)])
 def test_moe_block_activation_bytes_equal_autograd_saved_tensors(e, k, dtype):
@@ -288,12 +300,7 @@ def test_moe_block_activation_bytes_equal_autograd_saved_tensors(e, k, dtype):
                       num_experts_per_tok=k).resolved()
     model = CausalLM(cfg)
     b, s, h = 2, 64, cfg.hidden_size
-    x = torch.randn(b, s, h, requires_grad=True)
-    cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
-    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
-        contextlib.nullcontext()
-    with SavedBytes(list(model.parameters())) as saved, auto:
-        model.model.layers[0](x, cos, sin)
+    saved, x = _first_block_saved(model, b, s, h, dtype)
     d = 2 if dtype == torch.bfloat16 else 4
     sh = tp_shard(cfg, 1)
     work = Workload(seq_len=s, global_batch=b, precision="bf16" if d == 2 else "fp32",
@@ -344,12 +351,7 @@ def test_selective_moe_block_bytes_equal_what_the_block_keeps(monkeypatch, impl,
     model = CausalLM(cfg)
     recompute.apply_recompute(model, "selective")
     b, s, h = 2, 64, cfg.hidden_size
-    x = torch.randn(b, s, h, requires_grad=True)
-    cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
-    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
-        contextlib.nullcontext()
-    with SavedBytes(list(model.parameters())) as saved, auto:
-        model.model.layers[0](x, cos, sin)
+    saved, x = _first_block_saved(model, b, s, h, dtype)
     rope = 2 * 4 * b * s * cfg.head_dim  # the cos and sin tables, checkpoint inputs too
     assert saved.total == 4 * b * s * h + rope  # autograd saves the checkpoint's inputs only
     d = 2 if dtype == torch.bfloat16 else 4
