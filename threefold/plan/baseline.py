@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,32 +112,22 @@ def tokenizer_counts(path: Path) -> dict[str, int]:
 
 def measured_tokenizer(path: Path, chat: str | None, cache: Path) -> tuple[int, int] | None:
     """(tokenizer bytes, chat template bytes) of loading ``path`` (and rendering a probe
-    conversation with ``chat``) in a fresh process, cached in ``cache`` by the file's hash;
-    None where it cannot be measured."""
+    conversation with ``chat``) in a fresh process, measured once per file hash
+    (``calibrate.measured_once``, kept in ``cache``'s file); None where it cannot be
+    measured."""
     import tokenizers
 
+    from threefold.plan.calibrate import measured_once
+
     key = f"tokenizer|{sys.executable}|{tokenizers.__version__}|{file_sha256(path)}|{chat}"
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key not in known:
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-        try:
-            out = subprocess.run([sys.executable, "-c", _MEASURE, str(path), chat or ""],
-                                 capture_output=True, text=True, timeout=120, check=True,
-                                 env=env).stdout.split()
-            known[key] = [max(0, int(out[-2])), max(0, int(out[-1]))]
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            return None
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(known))
-        except OSError:
-            pass  # a read-only home: measured again next time
-    return tuple(known[key])
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    got = measured_once(key, [sys.executable, "-c", _MEASURE, str(path), chat or ""], env,
+                        cache)
+    if not got or len(got) < 2:
+        return None
+    return max(0, got[-2]), max(0, got[-1])
 
 
 def tokenizer_part(path: Path | None, vocab_size: int, chat: str | None,

@@ -288,31 +288,42 @@ def cpu_baseline_bytes(threads: int = 1, path: str | Path = DEFAULT_PATH) -> int
     mask) and dropped it: what every rank holds besides its model (torchrun gives each of
     several ranks one thread) — the code a step runs (autograd, the kernels) is loaded once
     and stays, ~14 MB on torch 2.13, whatever the model.
-    Measured once per machine, Python and torch (a subprocess, seconds) and kept in the
-    calibration file's directory (``baseline.json``); 0 where it cannot be measured."""
-    cache = Path(path).expanduser().with_name("baseline.json")
+    Measured once per machine, Python and torch (``measured_once``); 0 where it cannot be
+    measured."""
+    code = ("import torch, threefold.training.train, threefold.parallel.distributed_world\n"
+            "from threefold.hardware.metrics import current_memory_bytes\n"
+            f"torch.set_num_threads({int(threads)})\n"
+            "torch.empty(1, device='meta') + 1\n"
+            "torch.ones(64, 64) @ torch.ones(64, 64)\n" + _TINY_STEP +
+            "print(current_memory_bytes(torch.device('cpu')))\n")
     key = f"step|{sys.executable}|{torch.__version__}|{int(threads)}"  # step: with _TINY_STEP
+    env = {**os.environ, "OMP_NUM_THREADS": str(int(threads))}
+    got = measured_once(key, [sys.executable, "-c", code], env, path)
+    return got[-1] if got else 0
+
+
+def measured_once(key: str, argv: list[str], env: dict, path: str | Path = DEFAULT_PATH
+                  ) -> list[int] | None:
+    """The integers a fresh process (``argv``, ``env``) prints, measured once and kept by
+    ``key`` in the calibration file's directory (``baseline.json``: the process's own bytes,
+    each tokenizer's); None where the process fails. A read-only home measures again next
+    time."""
+    cache = Path(path).expanduser().with_name("baseline.json")
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        code = ("import torch, threefold.training.train, threefold.parallel.distributed_world\n"
-                "from threefold.hardware.metrics import current_memory_bytes\n"
-                f"torch.set_num_threads({int(threads)})\n"
-                "torch.empty(1, device='meta') + 1\n"
-                "torch.ones(64, 64) @ torch.ones(64, 64)\n" + _TINY_STEP +
-                "print(current_memory_bytes(torch.device('cpu')))\n")
-        env = {**os.environ, "OMP_NUM_THREADS": str(int(threads))}
         try:
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 timeout=120, check=True, env=env).stdout
-            known[key] = int(out.split()[-1])
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                                 check=True, env=env).stdout
+            known[key] = [int(x) for x in out.strip().splitlines()[-1].split()]
         except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            return 0
+            return None
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(known))
         except OSError:
-            pass  # a read-only home: measured again next time
-    return known[key]
+            pass
+    value = known[key]
+    return value if isinstance(value, list) else [value]

@@ -1,7 +1,7 @@
 """Clusters the planner predicts for: ``Level`` (one level of the network) and ``Cluster``
 (copies of one accelerator and the network between them). The accelerators themselves
 (``Hardware``, the catalogue ``GPUS``) live in ``threefold.hardware.catalogue``, below both the
-planner and the runtime's MFU, and are re-exported here.
+planner and the runtime's MFU.
 """
 
 from __future__ import annotations

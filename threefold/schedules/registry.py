@@ -23,9 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from threefold.config import PIPELINE_SCHEDULES
-# the action vocabulary, re-exported: schedules.py is where callers have always found it
-from threefold.schedules.actions import (Action,
-                                                 ActionKind)
+from threefold.schedules.actions import Action, ActionKind
 from threefold.schedules.messages import Steps, all_ranks, place_by_gap, place_by_step
 from threefold.schedules.bounded import bounded_steps, bubble_estimate, validate_inflight
 from threefold.schedules.vshape import dualpipe_v_steps, zb_v_steps

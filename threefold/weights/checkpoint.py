@@ -34,7 +34,7 @@ part is verified where it lies, a part on no node is an error naming that node a
 before any tensor is read, and parts a node lacks travel to it over the control channel).
 ``save_streamed`` writes a checkpoint from one process batch by batch (``threefold convert``).
 Loading always verifies the index, the parts, sizes and checksums first and names the damaged
-file (and tensor): ``threefold.weights.checkpoint_verify``, re-exported here. Version-2 checkpoints
+file (and tensor): ``threefold.weights.checkpoint_verify``. Version-2 checkpoints
 (one manifest listing every file) still load.
 """
 

@@ -33,8 +33,7 @@ is used.
   run's adapter-only checkpoints are exported by ``threefold.generation.peft_export``.
 
 The mapping of config.json, tokenizer files and tensor names is ``threefold.weights.hf_config``;
-reading a folder by region, and finding pretrained weights, ``threefold.weights``. Both are
-re-exported here, the import path callers use.
+reading a folder by region, and finding pretrained weights, ``threefold.weights``.
 """
 
 from __future__ import annotations

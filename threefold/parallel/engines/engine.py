@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from threefold.config import OptimConfig
-# make_adamw is imported from here by the benchmarks too
 from threefold.parallel.engines.adamw import adamw_step, make_adamw
 from threefold.parallel.transforms.expert import ExpertParallelExperts, take_rows
 from threefold.parallel.materialize import fill_local
