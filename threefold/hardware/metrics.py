@@ -139,14 +139,21 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(k + "\n" for k in keep))
 
 
+def logged_records(path: Path):
+    """metrics.jsonl's records one at a time (a line cut short by a crash is passed over;
+    none when the file does not exist)."""
+    if not path.exists():
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "step" in record:
+                yield record
+
+
 def last_logged_step(path: Path) -> int:
     """The highest step recorded in metrics.jsonl (0 if none)."""
-    if not path.exists():
-        return 0
-    last = 0
-    for line in path.read_text().splitlines():
-        try:
-            last = max(last, int(json.loads(line)["step"]))
-        except (ValueError, KeyError):
-            continue
-    return last
+    return max((int(r["step"]) for r in logged_records(path)), default=0)

@@ -18,7 +18,8 @@ from threefold.layout import Workload
 from threefold.accounting.lora_counts import lora_flops_per_token
 from threefold.weights.checkpoint import fsync_path
 from threefold.hardware.metrics import (MetricsWriter, device_peak_flops, last_logged_step,
-                               peak_memory_bytes, raise_cpu_peak, truncate_metrics)
+                                        logged_records, peak_memory_bytes, raise_cpu_peak,
+                                        truncate_metrics)
 from threefold.parallel.pipeline.executor import idle_fraction
 from threefold.parallel.transforms.tp_overlap import chunks_used
 from threefold.schedules.simulate import measured_costs, pipeline_records
@@ -233,12 +234,7 @@ def read_prior(out: Path, start: int) -> Prior:
         else None
     firsts = {s["from_step"] + 1 for s in kept}
     sums = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}  # timed or not: steps, tok/s, MFU
-    metrics = out / "metrics.jsonl"
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
+    for r in logged_records(out / "metrics.jsonl"):
         acc = sums[r["step"] not in firsts]
         acc[0], acc[1] = acc[0] + 1, acc[1] + r["tokens_per_second"]
         acc[2] = None if acc[2] is None or r.get("mfu") is None else acc[2] + r["mfu"]
@@ -251,13 +247,7 @@ def rebuilt_summary(out: Path, step: int, steps: int) -> dict:
     last checkpoint but before it wrote summary.json: the last step's loss and the last
     validation loss, the sessions and the throughput means (``read_prior``). Memory, trace
     and layout are not known and left out; ``rebuilt_from`` says so. {} without records."""
-    path = out / "metrics.jsonl"
-    recs = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            recs.append(json.loads(line))
-        except ValueError:
-            continue
+    recs = list(logged_records(out / "metrics.jsonl"))
     if not recs:
         return {}
     prior = read_prior(out, step)
