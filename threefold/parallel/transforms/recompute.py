@@ -37,7 +37,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 # ops whose outputs selective recompute keeps; names a torch build lacks are skipped
-_KEPT_NAMES = ("mm", "addmm", "_scaled_mm", "_grouped_mm", "topk", "_scaled_dot_product_flash_attention_for_cpu",
+_KEPT_NAMES = ("mm", "addmm", "_scaled_mm", "_grouped_mm", "topk",
+               "_scaled_dot_product_flash_attention_for_cpu",
                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_cudnn_attention")
 
