@@ -366,7 +366,7 @@ IMPL_SIDES = ("grouped", "loop")
 def impl_part(args) -> dict:
     """Both implementations on the same weights and tokens: their difference, then timed
     forward+backward round by round (one process)."""
-    from threefold.model.moe import grouped_mm_unfit
+    from threefold.model.experts import grouped_mm_unfit
 
     cfg = ModelConfig(preset=args.model_preset, vocab_size=args.vocab).resolved()
     if not cfg.num_local_experts:

@@ -8,7 +8,8 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 
-from threefold.layout import Layout, LayoutError, Workload, check_layout
+from threefold.layout import Layout, Workload, check_layout
+from threefold.layout.rules import LayoutError
 from threefold.accounting import (axis_crosses_nodes, comm_bytes_per_step, flops_per_token,
     num_parameters, rank_layers, stage_parameters, tp_shard)
 from threefold.config import Config, ModelConfig

@@ -158,7 +158,8 @@ def test_bad_layouts_raise_config_error(warm, monkeypatch, overrides, world, mat
 def test_more_pipeline_stages_than_layers_is_refused(warm, monkeypatch):
     """The dry run refuses it, and so does the planner's check of its Layout, with the rule
     book's one message."""
-    from threefold.layout import LayoutError, check_layout
+    from threefold.layout import check_layout
+    from threefold.layout.rules import LayoutError
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, [("parallel.pp", "5")])  # 4 layers

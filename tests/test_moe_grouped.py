@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from threefold.config import ConfigError, ModelConfig, load_config
-from threefold.model.moe import Experts, SparseMoeBlock, grouped_mm_unfit
+from threefold.model.experts import Experts, grouped_mm_unfit
+from threefold.model.moe import SparseMoeBlock
 
 TOL = 1e-5
 

@@ -7,7 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from threefold.layout import Layout, LayoutError, Workload, check_layout
+from threefold.layout import Layout, Workload, check_layout
+from threefold.layout.rules import LayoutError
 from threefold.accounting import (active_parameters, comm_bytes_per_step, flops_per_token,
     layer_parameters_per_rank, matmul_parameters, num_parameters, owned_parameters,
     stage_parameters, tp_shard)

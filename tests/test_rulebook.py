@@ -16,7 +16,7 @@ import pytest
 
 from threefold.commands import main as cli
 from threefold.launch import launcher as launch
-from threefold.layout import RULES, LayoutError, rule_of
+from threefold.layout.rules import RULES, LayoutError, rule_of
 
 
 @dataclass(frozen=True)
@@ -258,4 +258,4 @@ def test_the_moe_and_cp_refusal_is_written_once():
     needle = "with a mixture of experts (model.num_local_experts"
     holders = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
                if needle in p.read_text()}
-    assert holders == {"layout/rules.py"}
+    assert holders == {"layout/rules/expert_rules.py"}

@@ -6,7 +6,7 @@ then ``validate`` checks it before anything is allocated or any process starts. 
 ``ConfigError`` with the field, the value and what would be valid; the CLI turns them into a
 one-line message and exit code 2.
 
-The package: ``schema`` (the dataclasses, ``ConfigError``, ``describe``), ``presets`` (named
+The package: ``fields`` (``ConfigError``, the documented field), ``model_shape`` (``ModelConfig``), ``schema`` (the other dataclasses, ``describe``), ``presets`` (named
 model shapes), ``loading`` (TOML and overrides), ``validation`` (``validate``). Every public
 name is imported here, the one path callers use (``threefold.config``).
 
@@ -19,6 +19,8 @@ from threefold.config.loading import (
     parse_overrides,
     take_flag,
 )
+from threefold.config.fields import ConfigError, unknown_value
+from threefold.config.model_shape import ModelConfig
 from threefold.config.presets import GPT_SHAPES, MODEL_PRESETS
 from threefold.config.schema import (
     CP_ALGORITHMS,
@@ -27,18 +29,15 @@ from threefold.config.schema import (
     RECOMPUTE_MODES,
     CheckpointConfig,
     Config,
-    ConfigError,
     DataConfig,
     LoRAConfig,
     MetricsConfig,
-    ModelConfig,
     OptimConfig,
     ParallelConfig,
     TrainConfig,
     describe,
     fp8_all_gather,
     param_dtype,
-    unknown_value,
 )
 from threefold.config.validation import validate
 

@@ -11,7 +11,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from threefold.config.schema import Config, ConfigError, unknown_value
+from threefold.config.fields import ConfigError, unknown_value
+from threefold.config.schema import Config
 from threefold.config.validation import validate
 
 

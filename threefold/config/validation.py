@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 
+from threefold.config.fields import ConfigError, unknown_value
+from threefold.config.model_shape import ModelConfig
 from threefold.config.presets import MODEL_PRESETS
 from threefold.config.schema import (CP_ALGORITHMS, MODEL_FAMILIES, PIPELINE_SCHEDULES,
                                      RECOMPUTE_MODES, CheckpointConfig,
-                                     Config, ConfigError, DataConfig, LoRAConfig, MetricsConfig,
-                                     ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
-                                     unknown_value)
+                                     Config, DataConfig, LoRAConfig, MetricsConfig,
+                                     OptimConfig, ParallelConfig, TrainConfig)
 
 
 def _need(cond: bool, msg: str) -> None:

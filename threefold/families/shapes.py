@@ -25,7 +25,7 @@ def moe_layer_parameters(cfg: ModelConfig) -> int:
 def grouped_widths_unfit(h: int, f: int, element_size: int) -> str | None:
     """Why the experts' widths h and f keep ``torch._grouped_mm`` off (None: they do not): every
     operand it multiplies, forward and backward, has a leading stride of h or f elements (or
-    2f), which torch requires to be a multiple of 16 bytes (``threefold.model.moe.grouped_mm_unfit``
+    2f), which torch requires to be a multiple of 16 bytes (``threefold.model.experts.grouped_mm_unfit``
     has the whole rule, dtype and device too)."""
     align = 16 // element_size
     if h % align or f % align:

@@ -2,14 +2,13 @@
 
 ``description``: ``Layout`` (the degrees of every parallel axis and how a step runs on them)
 and ``Workload`` (what a step trains), read by the runtime, the launcher, the dry run and the
-planner; ``ranks``: the rank arithmetic on a layout; ``rules``: every rule that refuses a
-layout, one function and one message each; ``checks``: the order the commands call them in.
+planner; ``ranks``: the rank arithmetic on a layout; ``rules`` (a package): every rule that
+refuses a layout, one function and one message each; ``checks``: the order the commands call
+them in.
 Imports no torch.
 """
 
 from threefold.layout.checks import check_layout, task_layout, validate_layout
 from threefold.layout.description import Layout, Workload
-from threefold.layout.rules import RULES, LayoutError, rule_of
 
-__all__ = ["Layout", "LayoutError", "RULES", "Workload", "check_layout", "rule_of",
-           "task_layout", "validate_layout"]
+__all__ = ["Layout", "Workload", "check_layout", "task_layout", "validate_layout"]

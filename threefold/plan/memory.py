@@ -299,7 +299,7 @@ def moe_block_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> f
 
 
 def grouped_experts_run(cfg: ModelConfig, work: Workload) -> bool:
-    """Whether the runtime runs the experts grouped (``threefold.model.moe.grouped_mm_unfit``):
+    """Whether the runtime runs the experts grouped (``threefold.model.experts.grouped_mm_unfit``):
     ``model.moe_impl`` grouped, widths that meet the 16-byte rule, and on a GPU bf16 (torch's
     grouped kernel; the planner takes the GPU for one that has it, compute capability 9.x or
     10.x: H100, H200; on A100 or V100 the runtime loops and keeps 4 bytes per local expert

@@ -17,7 +17,7 @@ from threefold.accounting import microbatches
 from threefold.accounting import tp_shard
 from threefold.accounting import pipeline_layers
 from threefold.config import RECOMPUTE_MODES, ConfigError, ModelConfig, ParallelConfig
-from threefold.layout import Layout, LayoutError, Workload, check_layout, rule_of, rules
+from threefold.layout import Layout, Workload, check_layout, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.cluster import Cluster
 from threefold.plan.compute import fp8_expert_note
@@ -55,7 +55,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
         try:
             rules.divides_world("tp", tp, world)
             tp_shard(cfg, tp)
-        except LayoutError as e:
+        except rules.LayoutError as e:
             reject(e)
             continue
         for cp in _cp_degrees(world // tp, tp, work, space, reject, experts):
@@ -65,7 +65,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                     _fits_world(tp, cp, pp, world)
                     rules.layers_fill_chunks(cfg.num_hidden_layers, pp, 1)
                     rules.batch_over_dp(work.global_batch, world // (tp * cp * pp))
-                except LayoutError as e:
+                except rules.LayoutError as e:
                     reject(e)
                     continue
                 dp = world // (tp * cp * pp)
@@ -92,7 +92,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                                      pipeline_inflight=bound, tp_overlap=space.tp_overlap)
                         try:
                             check_layout(cfg, lay, work)
-                        except LayoutError as e:
+                        except rules.LayoutError as e:
                             reject(e)
                             continue
                         yield lay
@@ -103,8 +103,8 @@ def _rejecter(invalid: dict[str, int]):
     refused them (``rules.rule_of``), keyed by its message for the first layout it refused."""
     first: dict[str, str] = {}  # rule -> its line in ``invalid``
 
-    def reject(reason: LayoutError | str, n: int = 1) -> None:
-        key = first.setdefault(rule_of(reason) if isinstance(reason, LayoutError) else reason,
+    def reject(reason: rules.LayoutError | str, n: int = 1) -> None:
+        key = first.setdefault(rules.rule_of(reason) if isinstance(reason, rules.LayoutError) else reason,
                                str(reason))
         invalid[key] = invalid.get(key, 0) + n
     return reject
@@ -126,7 +126,7 @@ def _vpp_degrees(layers: int, pp: int, space: SearchSpace, reject) -> list[int]:
             rules.vpp_needs_pp(pp, v)
             rules.layers_fill_chunks(layers, pp, v)
             out.append(v)
-        except LayoutError as e:
+        except rules.LayoutError as e:
             reject(e)
     return out
 
@@ -193,7 +193,7 @@ def _ep_degrees(experts: int, dp_shard: int, space: SearchSpace, reject) -> list
             rules.ep_divides_experts(ep, experts, dp_shard)
             rules.ep_divides_dp_shard(ep, dp_shard)
             out.append(ep)
-        except LayoutError as e:
+        except rules.LayoutError as e:
             if space.ep:
                 reject(e)
     return out
@@ -215,7 +215,7 @@ def _cp_degrees(rest: int, tp: int, work: Workload, space: SearchSpace, reject,
             rules.seq_len_over_cp(work.seq_len, cp)
             rules.sequence_parallel_tokens(work.seq_len, cp, tp, not experts)
             out.append(cp)
-        except LayoutError as e:
+        except rules.LayoutError as e:
             reject(e)
     return out
 

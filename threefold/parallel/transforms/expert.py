@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from threefold.model.moe import Experts
+from threefold.model.experts import Experts
 from threefold.parallel.placement import place
 from threefold.parallel.transforms.recompute import replayed
 from threefold.parallel.transforms.wrap import become

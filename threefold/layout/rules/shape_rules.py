@@ -1,0 +1,64 @@
+"""The rule book: the model's shape over tp and pp."""
+
+from __future__ import annotations
+
+from threefold.config import ModelConfig
+from threefold.layout.rules.book import LayoutError, divisors, listed, rule
+
+
+def _tp_fits(heads: int, kv: int, ffn: int) -> str:
+    """Every tp this shape splits over (heads, kv heads, SwiGLU width)."""
+    return listed(t for t in divisors(heads) if not (kv % t and t % kv) and ffn % t == 0)
+
+
+@rule
+def heads_over_tp(heads: int, kv: int, ffn: int, tp: int) -> None:
+    """The query heads divide by tp."""
+    if heads % tp:
+        raise LayoutError(f"model.num_attention_heads: {heads} is not divisible by parallel.tp="
+                          f"{tp}; this model splits over a tp in {_tp_fits(heads, kv, ffn)} "
+                          "(with a world size that tp divides)")
+
+
+@rule
+def kv_heads_over_tp(heads: int, kv: int, ffn: int, tp: int) -> None:
+    """Key/value heads divide by tp (sharded) or divide tp (each on tp / kv ranks)."""
+    if kv % tp and tp % kv:
+        raise LayoutError(f"model.num_key_value_heads: {kv} neither divides nor is divisible by "
+                          f"parallel.tp={tp}; this model splits over a tp in "
+                          f"{_tp_fits(heads, kv, ffn)}")
+
+
+@rule
+def k_norm_needs_split_kv(m: ModelConfig, tp: int) -> None:
+    """A k norm over the whole projection (OLMo 2) needs the kv heads sharded, not
+    replicated."""
+    kv = m.num_key_value_heads
+    if kv % tp and m.qk_norm and m.qk_norm_over == "projection":
+        raise LayoutError(f"model.qk_norm_over: a k norm over the whole projection needs the "
+                          f"{kv} KV heads split over parallel.tp={tp}, not replicated; use a tp "
+                          f"that divides {kv}")
+
+
+@rule
+def ffn_over_tp(m: ModelConfig, tp: int) -> None:
+    """The SwiGLU widths (and the dense first blocks') divide by tp. The planner pads them
+    instead, as published Megatron runs do."""
+    dense = m.dense_intermediate_size if m.first_k_dense_replace else 0
+    ffn = m.intermediate_size
+    if dense % tp:
+        raise LayoutError(f"model.dense_intermediate_size: {dense} is not divisible by "
+                          f"parallel.tp={tp}")
+    if ffn % tp:
+        raise LayoutError(f"model.intermediate_size: {ffn} is not divisible by "
+                          f"parallel.tp={tp}; this model splits over a tp in "
+                          f"{_tp_fits(m.num_attention_heads, m.num_key_value_heads, ffn)}")
+
+
+@rule
+def layers_fill_chunks(layers: int, pp: int, vpp: int) -> None:
+    """Every pipeline chunk (pp·vpp of them) gets at least one layer."""
+    if layers < pp * vpp:
+        raise LayoutError(f"model.num_hidden_layers: {layers} layers cannot fill pp·vpp = "
+                          f"{pp}·{vpp} = {pp * vpp} pipeline chunks; lower parallel.pp or "
+                          "parallel.vpp")

@@ -1,0 +1,95 @@
+"""The rule book: loRA and the post-training tasks."""
+
+from __future__ import annotations
+
+from threefold.config import ModelConfig
+from threefold.layout.rules.book import LayoutError, rule
+
+
+@rule
+def lora_without_experts(lora_r: int, experts: int) -> None:
+    """LoRA adapts dense layers only."""
+    if lora_r and experts:
+        raise LayoutError("lora.r: LoRA does not adapt a mixture of experts "
+                          f"(model.num_local_experts={experts}); use lora.r 0")
+
+
+@rule
+def lora_kv_needs_split_kv(targets: tuple[str, ...], kv: int, tp: int) -> None:
+    """Adapters on k/v need the kv heads sharded over tp, not replicated."""
+    if kv % tp and {"k_proj", "v_proj"} & set(targets):
+        raise LayoutError(f"lora.target_modules: k_proj/v_proj stay whole when parallel.tp={tp} "
+                          f"exceeds the {kv} KV heads; leave them out or lower parallel.tp")
+
+
+@rule
+def task_layout(task: str, pp: int, cp: int) -> None:
+    """DPO and reward models score whole sequences per rank (no cp); reward training runs
+    no pipeline."""
+    if task == "dpo" and cp > 1:  # its sequence log-probs would be partial sums per cp rank
+        raise LayoutError(f"parallel.cp: DPO does not run under context parallelism yet (got "
+                          f"cp={cp}); use parallel.cp 1 and shard over dp_shard or tp instead")
+    if task == "reward" and pp > 1:
+        raise LayoutError(f"parallel.pp: reward training does not run under pipeline "
+                          f"parallelism yet (got pp={pp}); use parallel.pp 1 and shard over "
+                          "dp_shard (ZeRO) or tp instead")
+    if task == "reward" and cp > 1:
+        raise LayoutError(f"parallel.cp: reward training does not run under context "
+                          f"parallelism yet (got cp={cp}); use parallel.cp 1")
+
+
+@rule
+def generation_layout(pp: int, cp: int, ep: int, tp: int, sequence_parallel: bool) -> None:
+    """GRPO generates with the training model: each rank decodes whole sequences of its own
+    prompts, one token a step, so no pipeline, context or expert parallelism, and no sequence
+    parallelism."""
+    for name, value, why in (("pp", pp, "generation runs the whole model on each rank"),
+                             ("cp", cp, "generation decodes whole sequences"),
+                             ("ep", ep, "a rank decodes as many steps as its prompts need, so "
+                                        "the ep all-to-alls would not match")):
+        if value > 1:
+            raise LayoutError(f"parallel.{name}: GRPO does not run with {name}={value} ({why}); "
+                              f"use parallel.{name} 1")
+    if tp > 1 and sequence_parallel:
+        raise LayoutError("parallel.sequence_parallel: GRPO's generation decodes one token a "
+                          "step, which cannot be split over tp ranks; set it false")
+
+
+@rule
+def tp_overlap_needs_sequence_parallel(chunks: int, tp: int, sequence_parallel: bool) -> None:
+    """Overlapped tensor parallelism (``parallel.tp_overlap``) cuts sequence parallelism's
+    all-gathers and reduce-scatters into chunks: it needs tp > 1 with sequence parallelism."""
+    if chunks >= 2 and not (sequence_parallel and tp > 1):
+        raise LayoutError(f"parallel.tp_overlap: {chunks} chunks overlap sequence parallelism's "
+                          f"all-gathers and reduce-scatters, which parallel.tp={tp} with "
+                          f"sequence_parallel={str(sequence_parallel).lower()} does not have; "
+                          "set parallel.tp > 1 and parallel.sequence_parallel true, or "
+                          "parallel.tp_overlap 0")
+
+
+@rule
+def tp_overlap_plain_projections(chunks: int, lora_r: int, m: ModelConfig, tp: int) -> None:
+    """The overlapped sub-layers fuse plain column and row projections with their
+    collectives: not LoRA adapters, latent attention or k/v kept whole over tp."""
+    if chunks < 2:
+        return
+    kv = m.num_key_value_heads
+    plain = [why for cond, why in ((lora_r > 0, "LoRA adapters (lora.r > 0)"),
+                                   (m.kv_lora_rank, "latent attention (model.kv_lora_rank)"),
+                                   (tp > 1 and kv % tp,
+                                    f"k/v kept whole ({kv} KV heads < parallel.tp={tp})"))
+             if cond]
+    if plain:
+        raise LayoutError(f"parallel.tp_overlap: {chunks} cannot overlap the projections of "
+                          f"{', '.join(plain)}; set parallel.tp_overlap 0")
+
+
+@rule
+def selective_experts_eager(recompute: str, experts: int, ep: int, compiled: bool) -> None:
+    """Selective recompute hands a mixture of experts' all-to-alls their kept outputs back in
+    eager mode; a compiled block could send them again, which no test covers yet."""
+    if recompute == "selective" and experts and ep > 1 and compiled:
+        raise LayoutError(f"train.compile: selective recompute of a mixture of experts under "
+                          f"expert parallelism (parallel.ep={ep}) runs eagerly only (a compiled "
+                          "block could send its all-to-alls again); set train.compile false or "
+                          "train.recompute full")

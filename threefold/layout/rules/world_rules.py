@@ -1,0 +1,35 @@
+"""The rule book: the world."""
+
+from __future__ import annotations
+
+from threefold.config import ParallelConfig
+from threefold.layout.rules.book import LayoutError, divisors, listed, rule
+
+
+@rule
+def divides_world(name: str, value: int, world: int) -> None:
+    """Each of tp, pp, dp_replicate and cp divides the world size."""
+    if value < 1 or world % value:
+        raise LayoutError(f"parallel.{name}: {value} does not divide world size {world}; valid "
+                          f"{name} values: {listed(divisors(world))}")
+
+
+@rule
+def fills_world(p: ParallelConfig, world: int) -> int:
+    """pp·dp_replicate·dp_shard·cp·tp is the world size; returns dp_shard, -1 resolved to the
+    rest of the world: world / (pp·dp_replicate·cp·tp)."""
+    if world < 1:
+        raise LayoutError(f"world size must be >= 1, got {world}")
+    for name in ("tp", "pp", "dp_replicate", "cp"):
+        divides_world(name, getattr(p, name), world)
+    fixed = p.tp * p.pp * p.dp_replicate * p.cp
+    named = f"pp·dp_replicate·cp·tp = {p.pp}·{p.dp_replicate}·{p.cp}·{p.tp} = {fixed}"
+    if world % fixed:
+        raise LayoutError(f"parallel: {named} does not divide world size {world}; lower one "
+                          f"of them or launch a multiple of {fixed} ranks")
+    rest = world // fixed
+    if p.dp_shard not in (-1, rest):
+        raise LayoutError(f"parallel.dp_shard: {named}, times dp_shard={p.dp_shard} is "
+                          f"{fixed * p.dp_shard}, not world size {world}; set parallel.dp_shard "
+                          f"to {rest} or -1 (the rest)")
+    return rest
