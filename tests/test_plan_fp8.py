@@ -7,7 +7,8 @@ import json
 import pytest
 
 from threefold.accounting import comm_bytes_per_step
-from threefold.commands.planning import _setup, build_parser, main
+from threefold.commands.plan_options import build_parser
+from threefold.commands.planning import _setup, main
 from threefold.config import load_config
 from threefold.hardware.catalogue import GPUS, peak_flops_for_device_name
 from threefold.launch.dryrun import predict

@@ -2,7 +2,8 @@
 each. Parameters and FLOPs (``counts``), what a layout and a workload imply (``batches``; the
 two themselves are ``threefold.layout``'s, the one description, and so are the rules),
 parameters per rank, ZeRO units and gradient buckets (``stages``), and every collective a rank
-issues with its bytes per mesh axis (``traffic``). Pure functions of the configuration; no
+issues with its bytes per mesh axis (``traffic``), and which link each axis crosses
+(``links``). Pure functions of the configuration; no
 torch, so the planner evaluates a 1T-parameter layout in microseconds. The runtime, the
 benchmarks and the tests import these names from here.
 
@@ -65,8 +66,9 @@ from threefold.accounting.stages import (
     stage_units,
 )
 from threefold.accounting.collective import Collective
-from threefold.accounting.traffic import (axis_crosses_nodes, axis_stride, axis_stride_and_span,
-    collectives, comm_bytes_per_step, cp_bytes_per_attention, offload_bytes_per_step)
+from threefold.accounting.links import axis_crosses_nodes, axis_stride, axis_stride_and_span
+from threefold.accounting.traffic import (collectives, comm_bytes_per_step, cp_bytes_per_attention,
+    offload_bytes_per_step)
 
 
 __all__ = [

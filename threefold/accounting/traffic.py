@@ -1,8 +1,8 @@
 """Every collective one rank issues in a step, as the runtime issues it (``collectives``): its
 axis, operation, message size and count per microbatch or per step. The bytes per mesh axis
 (``comm_bytes_per_step``, which the runtime's counted communication layer must equal), the
-K/V traffic of context parallelism, the optimiser-offload traffic, and which link an axis
-crosses (mesh order, tp innermost).
+K/V traffic of context parallelism and the optimiser-offload traffic (which link an axis
+crosses is ``threefold.accounting.links``'s).
 
 Bytes are those one rank *sends*, counted exactly as ``threefold.comm.counted.Comm`` counts them
 (ring algorithms): all-reduce 2·(numel − own chunk), reduce-scatter and all-gather (n−1)·numel/n
@@ -75,7 +75,6 @@ ranks) and ZeRO over "dp_shard_cp" (dp_shard·cp ranks, units padded to a multip
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter
 
 from threefold.accounting.collective import Collective
@@ -95,7 +94,7 @@ from threefold.accounting.stages import (
     stage_expert_units,
     stage_units,
 )
-from threefold.layout.axes import AXES, COMM_AXES, EXPERT_AXES, FLATTENED
+from threefold.layout.axes import COMM_AXES
 from threefold.config import ModelConfig
 from threefold.schedules.actions import rank_stage, stage_rank
 
@@ -389,46 +388,6 @@ def bytes_per_axis(lists: list[list[Collective]], m: int) -> dict[str, int]:
         for axis in COMM_AXES:
             out[axis] = max(out[axis], per[axis])
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Topology: which link each mesh axis crosses
-# --------------------------------------------------------------------------------------------
-def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXES
-                         ) -> tuple[int, int]:
-    """(rank distance between neighbours of ``axis``, consecutive ranks one of its groups
-    covers) when ranks are laid out in ``order`` (outermost first; the runtime's is ``AXES``,
-    a planner may compare with a published system's). A flattened axis ("dp", "dp_cp",
-    "dp_shard_cp") takes its innermost part's stride and its outermost part's reach;
-    the expert axes divide dp_shard as ``threefold.comm.mesh`` does: "ep" is its innermost ep ranks
-    (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate."""
-    def stride(a: str) -> int:
-        return math.prod(layout.axis_size(x) for x in order[order.index(a) + 1:])
-
-    if axis in EXPERT_AXES:
-        base = stride("dp_shard")
-        if axis == "ep":
-            return base, base * layout.ep
-        if axis == "edp_shard":
-            return base * layout.ep, base * layout.dp_shard
-        return base * layout.ep, max(base * layout.dp_shard,
-                                     stride("dp_replicate") * layout.dp_replicate)
-    parts = [a for a in FLATTENED.get(axis, (axis,)) if layout.axis_size(a) > 1] \
-        or [FLATTENED.get(axis, (axis,))[-1]]
-    return min(stride(a) for a in parts), max(stride(a) * layout.axis_size(a) for a in parts)
-
-
-def axis_stride(layout: Layout, axis: str, order: tuple[str, ...] = AXES) -> int:
-    """Rank distance between neighbours of ``axis`` (``axis_stride_and_span``'s first)."""
-    return axis_stride_and_span(layout, axis, order)[0]
-
-
-def axis_crosses_nodes(layout: Layout, axis: str, gpus_per_node: int) -> bool:
-    """True when a group of ``axis`` is not contained in one node (it then runs at the
-    network's bandwidth): its ranks span stride·size consecutive ranks, which must fit in and
-    tile a node."""
-    span = axis_stride(layout, axis) * layout.axis_size(axis)
-    return layout.axis_size(axis) > 1 and (span > gpus_per_node or gpus_per_node % span != 0)
 
 
 def offload_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload) -> dict[str, int]:

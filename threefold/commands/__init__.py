@@ -1,3 +1,3 @@
 """The command line: `threefold <command>` (``main``), `threefold convert`, `threefold plot`,
-the post-training commands (``posttrain``) and `threefold plan` (``planning``).
+the post-training commands (``posttrain``) and `threefold plan` (``planning``, its options in ``plan_options``).
 """

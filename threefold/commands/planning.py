@@ -35,7 +35,6 @@ the link the ep axis crosses (an ep group that leaves the node is flagged).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -54,150 +53,13 @@ from threefold.weights.model_source import read_model
 from threefold.plan.calibrate import (DEFAULT_PATH, calibrate, hardware_from_calibration, load,
                                       save)
 from threefold.plan.candidates import SearchSpace
-from threefold.hardware.catalogue import GPUS, Hardware, get_hardware
+from threefold.hardware.catalogue import Hardware, get_hardware
 from threefold.plan.cluster import Cluster, Level
 from threefold.plan.report import summary_lines, format_table, to_json_rows
-from threefold.plan.search import CP_MIN_SEQ_LEN, moe_notes, search
+from threefold.plan.search import moe_notes, search
 from threefold.plan.terms import count_text
 from threefold.plan.network import CLUSTERS, levels_from_record
-
-# --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """One line and exit 2 (through main) instead of argparse's usage + message."""
-        raise _UsageError(message)
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers")
-
-
-def _choices(flag: str, text: str | None, allowed: tuple[str, ...]) -> tuple[str, ...]:
-    """A comma-separated subset of ``allowed`` (all of them when ``text`` is empty);
-    ConfigError naming ``flag`` for anything else."""
-    if not text:
-        return allowed
-    chosen = tuple(text.split(","))
-    bad = [c for c in chosen if c not in allowed]
-    if bad:
-        raise ConfigError(f"{flag}: '{bad[0]}' is not one of {', '.join(allowed)}")
-    return chosen
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``threefold plan`` options."""
-    p = _Parser(prog="threefold plan", description="Rank parallel layouts by predicted step "
-                "time. Throughput counts recomputation (hardware TF/s, as Narayanan et al. "
-                "report); MFU does not (PaLM's definition).")
-    _add_cluster_options(p)
-    _add_workload_options(p)
-    _add_search_options(p)
-    _add_output_options(p)
-    return p
-
-
-def _add_cluster_options(p: argparse.ArgumentParser) -> None:
-    """The model and the cluster: how many GPUs, which, and overrides of its figures."""
-    p.add_argument("--model", default="llama3-8b",
-                   help="a Hugging Face folder, config.json or hub id org/name[@revision] "
-                   f"(its config alone is read), a preset ({', '.join(MODEL_PRESETS)}) or a "
-                   "TOML file with [model]")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs in total")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink")
-    p.add_argument("--gpu", default="h100", help=f"catalogue entry: {', '.join(GPUS)}")
-    p.add_argument("--peak-tflops", type=float, help="override: dense peak TF/s at --precision")
-    p.add_argument("--memory-gb", type=float, help="override: GPU memory, GB (1e9 bytes)")
-    p.add_argument("--intra-bw-gbps", type=float,
-                   help="override: NVLink GB/s per GPU as datasheets state it (both directions"
-                   " summed, e.g. 900 for H100)")
-    p.add_argument("--inter-bw-gbps", type=float,
-                   help="override: network Gb/s (bits) per GPU per direction, e.g. 400")
-
-
-def _add_workload_options(p: argparse.ArgumentParser) -> None:
-    """The batch, the sequence, the numerics, whose block, how ranks sit on the network."""
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default min(4096, model))")
-    p.add_argument("--global-batch-tokens", type=int, default=4 * 1024 * 1024,
-                   help="tokens per optimiser step (a multiple of --seq-len)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16 mixed precision with fp32 Adam (16 bytes/param), or fp32")
-    p.add_argument("--fp8", choices=("none", "tensorwise", "rowwise"), default="none",
-                   help="as train.fp8: the blocks' projections in FP8, at the GPU's FP8 peak")
-    p.add_argument("--attention", choices=("flash", "eager"), default="flash",
-                   help="flash: attention probabilities not stored; eager: stored")
-    p.add_argument("--block", choices=("threefold", "megatron"), default="threefold",
-                   help="whose transformer block keeps the activations: threefold's own (as "
-                   "its autograd saves them) or a fused Megatron-Core block (Korthikanti et "
-                   "al.'s count for RMSNorm, GQA, SwiGLU: sharded inputs under sequence "
-                   "parallelism, fused norms and SwiGLU), to plan or check published runs")
-    p.add_argument("--mesh-order", choices=("threefold", "dp-outer"), default="threefold",
-                   help="how ranks are laid out on the network: threefold's mesh (pp "
-                   "outermost, tp innermost) or dp-outer (Llama 3's [TP, CP, PP, DP]: "
-                   "pipelines inside a pod, data parallelism across), for published runs")
-
-
-def _add_search_options(p: argparse.ArgumentParser) -> None:
-    """What the search may try: degrees, ZeRO stages, cp, ep, recompute, offload."""
-    p.add_argument("--top", type=int, default=5, help="layouts to show")
-    p.add_argument("--tp", type=_int_list, help="only these tp degrees (comma list)")
-    p.add_argument("--pp", type=_int_list, help="only these pp degrees")
-    p.add_argument("--pipeline-split", default="params",
-                   help="the runtime's parallel.pipeline_split values to search with pp > 1 "
-                   "(comma list): params (default; the first and last stages take fewer "
-                   "blocks, for the embedding and head), flops, uniform")
-    p.add_argument("--zero-stage", type=_int_list, help="only these ZeRO stages")
-    p.add_argument("--cp", type=_int_list,
-                   help="only these context-parallel degrees (default: 1, and every one that "
-                   f"splits the sequence when --seq-len >= {CP_MIN_SEQ_LEN} or nothing fits "
-                   "without)")
-    p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather")
-    p.add_argument("--ep", type=_int_list,
-                   help="only these expert-parallel degrees (a mixture of experts; default: "
-                   "every divisor of the experts that divides dp_shard)")
-    p.add_argument("--recompute", help="only these: none,selective,full")
-    p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
-                   help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
-                        "on for every layout, or search both (zero column marked 'o')")
-    p.add_argument("--tp-overlap", type=int, default=0, metavar="C", help="as parallel."
-                   "tp_overlap: sequence-parallel collectives in C overlapped chunks; 0 = off")
-    p.add_argument("--lora-r", type=int, default=0,
-                   help="plan LoRA fine-tuning: adapters of this rank train, the base is "
-                   "frozen (as lora.r; 0 = every weight trains); not for a mixture of experts")
-    p.add_argument("--lora-targets", default="all-linear",
-                   help="with --lora-r: the adapted layers, as lora.target_modules "
-                   "(default all-linear)")
-
-
-def _add_output_options(p: argparse.ArgumentParser) -> None:
-    """What is printed, and the measured or published hardware to plan for instead."""
-    p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
-    p.add_argument("--explain", action="store_true", help="say why each loses to the best")
-    p.add_argument("--calibrate", action="store_true",
-                   help="measure this machine (matmul FLOP/s, memory and gloo all-reduce "
-                   "bandwidth between local processes), print and save it, and exit")
-    p.add_argument("--calibrate-out", default=None,
-                   help="where --calibrate saves its JSON (default ~/.cache/threefold/"
-                   "calibration.json)")
-    p.add_argument("--calibrate-ranks", type=int, default=2,
-                   help="local processes the all-reduce is measured between")
-    p.add_argument("--hardware-file", default=None,
-                   help="plan for the machine measured by --calibrate (that JSON) instead of "
-                   "--gpu (every rank of a node shares its cores, memory and bandwidth); or a "
-                   'cluster: {"gpu": "h100", "levels": [{"name": "nvlink", "gpus": 8, '
-                   '"gb_s_per_gpu": 450, "latency_us": 2}, {"name": "spine", "gpus": 0, '
-                   '"gbits_per_gpu": 400, "latency_us": 8, "oversubscription": 7}]}')
-    p.add_argument("--cluster", default=None,
-                   help="a published cluster's network levels: " + ", ".join(CLUSTERS))
-
+from threefold.commands.plan_options import UsageError, build_parser, choices
 
 def load_model(spec: str) -> ModelConfig:
     """A resolved ModelConfig from ``--model``, tried in this order: an existing path (a TOML
@@ -291,11 +153,11 @@ def _setup(args):
     if args.global_batch_tokens % seq:
         raise ConfigError(f"--global-batch-tokens: {args.global_batch_tokens} is not a multiple "
                           f"of --seq-len {seq}")
-    recompute = _choices("--recompute", args.recompute, RECOMPUTE_MODES)
+    recompute = choices("--recompute", args.recompute, RECOMPUTE_MODES)
     if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
         raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
-    algorithms = _choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
-    splits = _choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform"))
+    algorithms = choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
+    splits = choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform"))
     _refuse_degrees(cfg, args, seq)
     targets = _lora_options(cfg, args)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
@@ -393,7 +255,7 @@ def main(argv: list[str]) -> int:
         cfg, cluster, work, space = _setup(args)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except (_UsageError, ConfigError, ValueError) as e:
+    except (UsageError, ConfigError, ValueError) as e:
         print(f"threefold plan: error: {e}", file=sys.stderr)
         return 2
     cpu = time.process_time()
