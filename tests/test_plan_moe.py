@@ -244,7 +244,8 @@ def test_dry_run_of_mixtral_with_ep(monkeypatch, tmp_path):
     """The dry run of Mixtral on 64 ranks with ep 8: rank 0's parameters counted on the meta
     model cut by apply_expert_parallel equal the planner's, the bytes on ep are the closed
     form, MFU counts active parameters."""
-    from threefold.launch.dryrun import format_report, predict
+    from threefold.launch.dryrun import predict
+    from threefold.launch.dryrun_report import format_report
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, _pairs(["--model.preset", "mixtral-8x7b", "--parallel.ep", "8",
