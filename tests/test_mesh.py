@@ -118,7 +118,8 @@ def test_coords_and_groups_of_a_2x2x2_layout():
     # rank = dp_replicate·4 + dp_shard·2 + tp (tp innermost): rank 5 = (1, 0, 1)
     assert d.coords(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1, "dp": 2,
                            "dp_cp": 2, "dp_shard_cp": 0, "world": 5,
-                           "ep": 0, "edp_shard": 0, "edp": 2}  # ep 1: edp is dp
+                           "ep": 0, "edp_shard": 0, "edp": 2,  # ep 1: edp is dp
+                           "ep_inter": 0, "ep_intra": 0}
     assert d.axis_ranks(5, "tp") == [4, 5]
     assert d.axis_ranks(5, "dp_shard") == [5, 7]
     assert d.axis_ranks(5, "dp_replicate") == [1, 5]
@@ -128,13 +129,13 @@ def test_coords_and_groups_of_a_2x2x2_layout():
     d = dims(8, pp=2, dp_shard=2, tp=2)
     assert d.coords(6) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0, "dp": 1,
                            "dp_cp": 1, "dp_shard_cp": 1, "world": 6,
-                           "ep": 0, "edp_shard": 1, "edp": 1}
+                           "ep": 0, "edp_shard": 1, "edp": 1, "ep_inter": 0, "ep_intra": 0}
     assert d.axis_ranks(6, "pp") == [2, 6] and d.axis_ranks(6, "dp") == [4, 6]
     # cp between dp_shard and tp: rank = dp_shard·4 + cp·2 + tp
     d = dims(8, dp_shard=2, cp=2, tp=2)
     assert d.coords(7) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 1, "tp": 1, "dp": 1,
                            "dp_cp": 3, "dp_shard_cp": 3, "world": 7,
-                           "ep": 0, "edp_shard": 1, "edp": 1}
+                           "ep": 0, "edp_shard": 1, "edp": 1, "ep_inter": 0, "ep_intra": 0}
     assert d.axis_ranks(7, "cp") == [5, 7] and d.axis_ranks(7, "dp") == [3, 7]
     assert d.axis_ranks(7, "dp_cp") == [1, 3, 5, 7] == d.axis_ranks(7, "dp_shard_cp")
     assert d.describe() == "pp 1 × dp_replicate 1 × dp_shard 2 × cp 2 × tp 2 = 8 ranks"
@@ -161,7 +162,8 @@ def test_groups_partition_the_world_and_agree_with_coords(kw):
                 others = {a: v for a, v in d.coords(r).items()
                           if a in AXES and a not in FLATTENED.get(axis, (axis,))}
                 assert others == {a: v for a, v in d.coords(g[0]).items() if a in others}
-    assert set(DERIVED_AXES) == {*FLATTENED, "ep", "edp", "edp_shard", "world"}
+    assert set(DERIVED_AXES) == {*FLATTENED, "ep", "edp", "edp_shard", "ep_inter", "ep_intra",
+                                 "world"}
     with pytest.raises(ValueError, match="outside world size 8"):
         d.coords(8)
     with pytest.raises(KeyError, match="unknown mesh axis 'xp'"):

@@ -49,6 +49,21 @@ ROWS = [
         "parallel.ep: 4 does not divide parallel.dp_shard=2 (expert-parallel ranks are "
         "data-parallel ranks of one shard group); valid ep values: 1, 2",
         ("--ep", "4", "--zero-stage", "0")),
+    Row("ep_nodes_tile", {**MOE, "parallel.ep": 2, "parallel.ep_dispatch": "hierarchical",
+                          "parallel.gpus_per_node": 3}, 4,
+        "parallel.gpus_per_node: nodes of 3 ranks do not tile the ep=2 ranks (cp·tp=1 apart) "
+        "for parallel.ep_dispatch hierarchical; use ranks per node a multiple of 1 whose "
+        "quotient divides 2 or is a multiple of it, or parallel.ep_dispatch flat",
+        ("--ep", "2", "--ep-dispatch", "hierarchical", "--gpus-per-node", "3")),
+    Row("ep_groups_map_to_nodes",
+        {**MOE, "model.num_local_experts": 6, "model.moe_router": "sigmoid_grouped",
+         "model.n_group": 3, "model.topk_group": 1, "parallel.ep": 2,
+         "parallel.ep_dispatch": "hierarchical", "parallel.gpus_per_node": 1}, 4,
+        "model.n_group: 3 routing groups do not map to the 2 nodes an ep group spans under "
+        "parallel.ep_dispatch hierarchical (a node must hold whole groups, so that a token "
+        "reaches at most topk_group=1 nodes); choose parallel.ep or the ranks per node so that "
+        "the nodes divide 3, or parallel.ep_dispatch flat",
+        ("--ep", "2", "--ep-dispatch", "hierarchical", "--gpus-per-node", "1")),
     Row("experts_without_cp", {**MOE, "parallel.cp": 2}, 2,
         "parallel.cp: 2 with a mixture of experts (model.num_local_experts=8) is not built yet "
         "(the router and the expert all-to-alls take whole sequences per rank); set "

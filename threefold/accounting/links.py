@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from threefold.layout import Layout
-from threefold.layout.axes import AXES, EXPERT_AXES, FLATTENED
+from threefold.layout.axes import AXES, EP_LEVELS, EXPERT_AXES, FLATTENED
 
 def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXES
                          ) -> tuple[int, int]:
@@ -16,10 +16,17 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXE
     a planner may compare with a published system's). A flattened axis ("dp", "dp_cp",
     "dp_shard_cp") takes its innermost part's stride and its outermost part's reach;
     the expert axes divide dp_shard as ``threefold.comm.mesh`` does: "ep" is its innermost ep ranks
-    (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate."""
+    (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate;
+    the hierarchical dispatch's levels divide ep: "ep_intra" its innermost ep_intra ranks,
+    "ep_inter" the rest."""
     def stride(a: str) -> int:
         return math.prod(layout.axis_size(x) for x in order[order.index(a) + 1:])
 
+    if axis in EP_LEVELS:
+        base = stride("dp_shard")
+        if axis == "ep_intra":
+            return base, base * layout.ep_intra
+        return base * layout.ep_intra, base * layout.ep
     if axis in EXPERT_AXES:
         base = stride("dp_shard")
         if axis == "ep":

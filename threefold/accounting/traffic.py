@@ -55,12 +55,13 @@ are the uniform-routing expectation, (ep−1)/ep of the rows leaving the rank ea
 4·N·k·(ep−1)/ep·h elements + E·8·(ep−1)/ep bytes per layer, or under full recompute (the
 forward's three all-to-alls again) 6·N·k·(ep−1)/ep·h + 2·E·8·(ep−1)/ep (selective recompute
 keeps what they returned and runs none again: the bytes of no recompute); real routing
-varies around it. The expert tensors' gradients: ZeRO-0 all-reduces them over "edp"
-(dp/ep) in buckets of their own (the dense ones over "dp" as always) and the gradient
-norm all-reduces one fp32 over "ep"; ZeRO 1-3 makes each block's experts a unit of its
-own over "edp_shard" (dp_shard/ep), padded to a multiple of it, with the dense units'
-collectives (stage 3 under full recompute gathers it a third time: the recomputed forward
-runs before the unit's backward hook) and, with dp_replicate > 1, its shard gradient
+varies around it. The hierarchical dispatch (``parallel.ep_dispatch``) moves them on
+"ep_inter" and "ep_intra" instead (``threefold.accounting.ep_levels``). The expert tensors'
+gradients: ZeRO-0 all-reduces them over "edp" (dp/ep) in buckets of their own (the dense
+ones over "dp" as always) and the gradient norm all-reduces one fp32 over "ep"; ZeRO 1-3
+makes each block's experts a unit of its own over "edp_shard" (dp_shard/ep), padded to a
+multiple of it, with the dense units' collectives (stage 3 under full recompute gathers it
+a third time: the recomputed forward runs before the unit's backward hook) and, with dp_replicate > 1, its shard gradient
 all-reduced over dp_replicate.
 cp (``threefold.parallel.transforms.context``), per microbatch and layer: the attention's K/V moves,
 ``cp_bytes_per_attention`` of this rank's K and V (2·b·kv heads per tp rank·s/cp·head_dim
@@ -78,11 +79,12 @@ import functools
 from collections import Counter
 
 from threefold.accounting.collective import Collective
+from threefold.accounting.ep_levels import ep_level_collectives
 from threefold.accounting.fp8 import fp8_amaxes, fp8_block_unit, fp8_gathered_numels
 from threefold.layout import Layout, Workload
 from threefold.accounting.batches import local_seq_len, microbatches, tp_chunks
 from threefold.accounting.lora_counts import lora_collectives, tp_reduced_numel
-from threefold.accounting.counts import (latent_replicated_numels, moe_key, norms_per_block,
+from threefold.accounting.counts import (latent_replicated_numels, norms_per_block,
                                          tp_shard)
 from threefold.accounting.stages import (
     cut_buckets,
@@ -124,9 +126,8 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     if layout.cp > 1:
         _cp_attention(add, layout, tp_shard(cfg, layout.tp).kv_heads * cfg.head_dim, tokens,
                       work.act_bytes, layers)
-    e, k, *_ = moe_key(cfg)
-    if e and layout.ep > 1:
-        _ep_collectives(add, layout, work, e, tokens * k * cfg.hidden_size,
+    if cfg.num_local_experts and layout.ep > 1:
+        _ep_collectives(add, cfg, layout, work, tokens,
                         layers - rank_dense_layers(cfg, layout, stage))
     if work.lora_r:  # only the adapters' gradients move (no mixture of experts under LoRA)
         lora_collectives(add, cfg, layout, work, stage, g, pb, _zero_unit)
@@ -231,12 +232,17 @@ def _pp_collectives(add, cfg: ModelConfig, layout: Layout, stage: int, x: int, r
     add("pp", "all_reduce", 2, 4, 1, p, False, "step")  # gradient norm over stages
 
 
-def _ep_collectives(add, layout: Layout, work: Workload, experts: int, rows: int,
+def _ep_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, tokens: int,
                     layers: int) -> None:
-    """ep, per MoE layer and microbatch: the count exchange, then dispatch and combine of the
-    ``rows`` (token, expert) elements, forward (again under full recompute; selective keeps
-    what they returned) and backward."""
+    """ep, per MoE layer and microbatch of ``tokens``: the count exchange, then dispatch and
+    combine of the N·k (token, expert) rows, forward (again under full recompute; selective
+    keeps what they returned) and backward; the hierarchical dispatch's per level
+    (``ep_levels``)."""
     ep, forwards, tag = layout.ep, 2 if layout.recompute == "full" else 1, _paired(layout)
+    if layout.ep_dispatch == "hierarchical":
+        ep_level_collectives(add, cfg, layout, work, tokens, layers, forwards, tag)
+        return
+    experts, rows = cfg.num_local_experts, tokens * cfg.num_experts_per_tok * cfg.hidden_size
     add("ep", "all_to_all", experts, 8, layers * forwards, ep, True, tag)  # counts
     add("ep", "all_to_all", rows, work.resid_bytes, layers * (forwards + 1), ep, True, tag)
     add("ep", "all_to_all", rows, work.act_bytes, layers * (forwards + 1), ep, True, tag)

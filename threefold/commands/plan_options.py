@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from threefold.config import MODEL_PRESETS, ConfigError
+from threefold.config import EP_DISPATCHES, MODEL_PRESETS, ConfigError
 from threefold.hardware.catalogue import GPUS
 from threefold.plan.network import CLUSTERS
 from threefold.plan.search import CP_MIN_SEQ_LEN
@@ -112,6 +112,10 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int_list,
                    help="only these expert-parallel degrees (a mixture of experts; default: "
                    "every divisor of the experts that divides dp_shard)")
+    p.add_argument("--ep-dispatch", choices=EP_DISPATCHES, default="flat",
+                   help="as parallel.ep_dispatch: flat (one all-to-all over ep) or "
+                   "hierarchical (over the network once per destination node, then NVLink "
+                   "inside it; ep split by --gpus-per-node)")
     p.add_argument("--recompute", help="only these: none,selective,full")
     p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
                    help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "

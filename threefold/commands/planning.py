@@ -175,6 +175,7 @@ def _setup(args):
     space = SearchSpace(tp=tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
                         cp_algorithm=algorithms, ep=args.ep, tp_overlap=args.tp_overlap,
+                        ep_dispatch=args.ep_dispatch, gpus_per_node=cluster.gpus_per_node,
                         pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
                                              for x in splits),
                         offload_optimizer={"off": (False,), "on": (True,),

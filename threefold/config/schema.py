@@ -21,6 +21,8 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dua
 # rule book, the planner's options and the runtime.
 CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE_MODES = ("none", "selective", "full")
+# How expert parallelism's all-to-alls travel (threefold.parallel.transforms.expert_dispatch).
+EP_DISPATCHES = ("flat", "hierarchical")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.families.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
@@ -78,6 +80,12 @@ class ParallelConfig:
     ep: int = _f(1, "expert-parallel degree (mixture of experts): each expert lives on one of "
                  "this many data-parallel ranks (the innermost part of dp_shard), tokens reach "
                  "it by all-to-all")
+    ep_dispatch: str = _f("flat", "how tokens reach their experts: flat (one all-to-all over "
+                          "the ep ranks) or hierarchical (each token crosses the network once "
+                          "per destination node, to its peer there, then fans out inside the "
+                          "node, as DeepSeek-V3 and DeepEP do)")
+    gpus_per_node: int = _f(0, "ranks per node for the hierarchical ep dispatch; 0 = the "
+                            "launcher's --nproc-per-node (torchrun's LOCAL_WORLD_SIZE)")
     zero_stage: int = _f(0, "ZeRO stage over dp_shard: 0 none, 1 optimiser, 2 +grads, 3 +params")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence within tp")
     schedule: str = _f("1f1b", "pipeline schedule: " + ", ".join(PIPELINE_SCHEDULES))

@@ -113,6 +113,8 @@ def check_launch(cfg, nproc: int | None, launcher: list[str]) -> int:
     and the nodes it would span are warned of on stderr: what every training command does
     before it dispatches."""
     world = world_size_for(nproc, launcher)
+    if nproc and not cfg.parallel.gpus_per_node and "LOCAL_WORLD_SIZE" not in os.environ:
+        cfg.parallel.gpus_per_node = nproc  # what each worker reads from LOCAL_WORLD_SIZE
     check_launch_layout(cfg, world)
     for line in node_span_warnings(cfg, world, nproc):
         print(line, file=sys.stderr)

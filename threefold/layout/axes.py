@@ -30,8 +30,15 @@ experts (ZeRO shards the experts over them), ``edp`` those with dp_replicate too
 parallelism sums the experts' gradients over them). With ep = 1, edp is dp and edp_shard is
 dp_shard."""
 
-DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, "world")
+EP_LEVELS = ("ep_inter", "ep_intra")
+"""The two levels of the hierarchical expert dispatch (``parallel.ep_dispatch hierarchical``),
+ep = ep_inter × ep_intra, ep_intra innermost: ``ep_intra`` the ep ranks of one node (tokens
+fan out over NVLink among them), ``ep_inter`` the ep ranks with the same local index on every
+node the ep group spans (each token crosses the network once per destination node between
+them). Under the flat dispatch ep_intra is ep and ep_inter 1."""
+
+DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, *EP_LEVELS, "world")
 """Axes made of other axes, plus ``world`` (every rank)."""
 
-COMM_AXES = AXES + tuple(FLATTENED) + EXPERT_AXES
+COMM_AXES = AXES + tuple(FLATTENED) + EXPERT_AXES + EP_LEVELS
 """Axes communication is counted on (the keys of ``comm_bytes_per_step``)."""

@@ -31,6 +31,8 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if e or lay.ep != 1:
         rules.ep_needs_experts(lay.ep, e)
         rules.ep_divides_experts(lay.ep, e, lay.dp_shard)
+        rules.ep_nodes_tile(lay.ep, lay.ep_dispatch, lay.gpus_per_node, lay.cp * lay.tp)
+        rules.ep_groups_map_to_nodes(cfg, lay.ep_inter)
         rules.ep_divides_dp_shard(lay.ep, lay.dp_shard)
         rules.experts_without_cp(e, lay.cp)
         rules.experts_without_sequence_parallel(e, lay.tp, lay.sequence_parallel)

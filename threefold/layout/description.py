@@ -13,6 +13,7 @@ Imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -24,6 +25,13 @@ from threefold.schedules.registry import SCHEDULE_SPECS
 
 DEFAULT_BUCKET_MB = 25.0  # = ParallelConfig.bucket_mb: data-parallel gradient buckets, MiB
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def node_ranks(p: ParallelConfig, world_size: int) -> int:
+    """Ranks per node: ``parallel.gpus_per_node``, else torchrun's LOCAL_WORLD_SIZE (the
+    launcher's --nproc-per-node, the same on every rank), else the world (one node)."""
+    return p.gpus_per_node or min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                                  world_size)
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,11 @@ class Layout(Ranks):
     # expert parallelism (``parallel.ep``, a mixture of experts only): each MoE layer's experts
     # split over ep ranks, the innermost ep of dp_shard
     ep: int = 1
+    # how tokens reach their experts (``parallel.ep_dispatch``): "flat" or "hierarchical"
+    # (threefold.parallel.transforms.expert_dispatch), the latter over nodes of
+    # ``gpus_per_node`` consecutive ranks
+    ep_dispatch: str = "flat"
+    gpus_per_node: int = 0
     # chunks wanted per sequence-parallel collective (``parallel.tp_overlap``; < 2 = off)
     tp_overlap: int = 0
 
@@ -117,6 +130,21 @@ class Layout(Ranks):
         all-reduces the expert gradients over them)."""
         return self.dp // self.ep
 
+    @property
+    def ep_intra(self) -> int:
+        """ep ranks of one node under the hierarchical dispatch: ep ranks are cp·tp apart
+        (the innermost part of dp_shard), so a node of gpus_per_node ranks holds
+        gpus_per_node/(cp·tp) of them, or all ep when that is more; ep (one level) under the
+        flat dispatch. ``rules.ep_nodes_tile`` refuses a node size that does not tile ep."""
+        if self.ep_dispatch != "hierarchical" or self.gpus_per_node < 1:
+            return self.ep
+        return max(1, min(self.ep, self.gpus_per_node // (self.cp * self.tp)))
+
+    @property
+    def ep_inter(self) -> int:
+        """Nodes one ep group spans under the hierarchical dispatch (1 under flat)."""
+        return self.ep // self.ep_intra
+
     @classmethod
     def from_parallel(cls, p: ParallelConfig, world_size: int) -> "Layout":
         """The degrees the ``parallel`` section describes on ``world_size`` ranks, dp_shard = -1
@@ -124,6 +152,7 @@ class Layout(Ranks):
         ``rules.fills_world``)."""
         return cls(tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate,
                    dp_shard=fills_world(p, world_size), cp=p.cp, ep=p.ep,
+                   ep_dispatch=p.ep_dispatch, gpus_per_node=node_ranks(p, world_size),
                    zero_stage=p.zero_stage, vpp=p.vpp, pipeline_inflight=p.pipeline_inflight,
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
                    bucket_mb=p.bucket_mb, cp_algorithm=p.cp_algorithm,

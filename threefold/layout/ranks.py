@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from threefold.layout.axes import AXES, DERIVED_AXES, EXPERT_AXES, FLATTENED
+from threefold.layout.axes import AXES, DERIVED_AXES, EP_LEVELS, EXPERT_AXES, FLATTENED
 
 
 class Ranks:
@@ -36,6 +36,8 @@ class Ranks:
             return math.prod(getattr(self, a) for a in FLATTENED[axis])
         if axis == "world":
             return self.world_size
+        if axis in EP_LEVELS:
+            return self.ep_intra if axis == "ep_intra" else self.ep // self.ep_intra
         if axis in EXPERT_AXES:
             return {"ep": self.ep, "edp_shard": self.dp_shard // self.ep,
                     "edp": self.dp_replicate * self.dp_shard // self.ep}[axis]
@@ -62,6 +64,7 @@ class Ranks:
                 idx = idx * getattr(self, a) + out[a]
             out[name] = idx
         out["edp_shard"], out["ep"] = divmod(out["dp_shard"], self.ep)
+        out["ep_inter"], out["ep_intra"] = divmod(out["ep"], self.ep_intra)
         out["edp"] = out["dp_replicate"] * (self.dp_shard // self.ep) + out["edp_shard"]
         out["world"] = rank
         return out
@@ -72,6 +75,10 @@ class Ranks:
         if axis == "world":
             return list(range(self.world_size))
         c, st = self.coords(rank), self._strides()
+        if axis in EP_LEVELS:  # ep index = ep_inter · ep_intra + ep_intra index
+            ep, b = self.axis_ranks(rank, "ep"), self.ep_intra
+            return ep[c["ep_inter"] * b:(c["ep_inter"] + 1) * b] if axis == "ep_intra" \
+                else ep[c["ep_intra"]::b]
         if axis in EXPERT_AXES:  # dp_shard index = edp_shard · ep + ep index
             base = rank - c["dp_shard"] * st["dp_shard"]
             if axis == "ep":

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.comm import faults
-from threefold.layout.axes import EXPERT_AXES
+from threefold.layout.axes import EP_LEVELS, EXPERT_AXES
 from threefold.weights.checkpoint_verify import CheckpointError
 from threefold.comm.collective_check import CHECK_ENV, GroupCheck, Ledger, check_groups
 from threefold.comm.counted import Comm
@@ -71,7 +71,8 @@ class Distributed(World):
         # `comm` holds exactly what training itself moves.
         self.control = Comm(self.dims, self.mesh, ledger=self.ledger)
         if self.dims.ep > 1:  # expert parallelism: groups carved out of dp_shard
-            for axis in EXPERT_AXES:
+            hierarchical = self.dims.ep_dispatch == "hierarchical"
+            for axis in EXPERT_AXES + (EP_LEVELS if hierarchical else ()):
                 self.comm.add_axis(axis, self.dims.axis_groups(axis))
         # Groups made after the default one (the mesh's, flattened axes', expert axes') get
         # torch's default timeout (30 min for gloo), not the start-up timeout: make them all

@@ -39,6 +39,7 @@ from threefold.parallel.transforms.context import apply_context_parallel
 from threefold.parallel.engines.data_parallel import DataParallelEngine
 from threefold.parallel.engines.engine import LocalEngine
 from threefold.parallel.transforms.expert import apply_expert_parallel
+from threefold.parallel.transforms.expert_dispatch import apply_hierarchical_dispatch
 from threefold.parallel.transforms.fp8_linear import apply_fp8
 from threefold.parallel.transforms.recompute import apply_recompute
 from threefold.parallel.materialize import materialize_buffers, materialize_parameters
@@ -77,6 +78,8 @@ def apply_model_parallel(model: CausalLM, cfg: Config, layout) -> CausalLM:
         model = apply_context_parallel(model, layout.comm, cfg.parallel.cp_algorithm)
     if layout.ep_size > 1:
         model = apply_expert_parallel(model, layout.comm)
+        if cfg.parallel.ep_dispatch == "hierarchical":
+            model = apply_hierarchical_dispatch(model, layout.comm)
     return model
 
 

@@ -37,6 +37,10 @@ class SearchSpace:
     # expert-parallel degrees (a mixture of experts only); None: every divisor of the experts
     # that divides dp_shard
     ep: tuple[int, ...] | None = None
+    # how the ep all-to-alls travel (parallel.ep_dispatch) and the cluster's ranks per node
+    # that the hierarchical dispatch splits ep by
+    ep_dispatch: str = "flat"
+    gpus_per_node: int = 0
     # the runtime's parallel.pipeline_split values to search (pp > 1): "params" balances the
     # parameters, the embedding and head included (so the first and last stages take fewer
     # blocks), "flops:SEQ" the training FLOPs at SEQ, "uniform" Megatron's even split

@@ -89,7 +89,9 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                                      recompute=rc, cp=cp, cp_algorithm=alg,
                                      offload_optimizer=off, ep=ep, pipeline_split=psplit,
                                      sequence_parallel=not experts, schedule=sched,
-                                     pipeline_inflight=bound, tp_overlap=space.tp_overlap)
+                                     pipeline_inflight=bound, tp_overlap=space.tp_overlap,
+                                     ep_dispatch=space.ep_dispatch,
+                                     gpus_per_node=space.gpus_per_node)
                         try:
                             check_layout(cfg, lay, work)
                         except rules.LayoutError as e:

@@ -42,7 +42,7 @@ from threefold.accounting.stages import (
 )
 from threefold.accounting import Collective, collectives
 from threefold.accounting.traffic import bytes_per_axis
-from threefold.layout.axes import AXES, COMM_AXES
+from threefold.layout.axes import AXES, COMM_AXES, EP_LEVELS
 from threefold.config import ModelConfig
 from threefold.schedules.registry import bubble_of, schedule_spec
 from threefold.schedules import Costs
@@ -205,8 +205,9 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         offload_s=off_s,
         inter_node_axes=tuple(a for a in COMM_AXES if links[a].index > 0),
         cp_exposed_s=m * exp["cp"], ep_exposed_s=m * exp["ep"],
-        axis_levels=tuple((a, links[a].level) for a in AXES + ("ep",)
-                          if layout.axis_size(a) > 1), overlap=stated)
+        axis_levels=tuple((a, links[a].level) for a in AXES + ("ep",) + (
+            EP_LEVELS if layout.ep_dispatch == "hierarchical" else ())
+            if layout.axis_size(a) > 1), overlap=stated)
 
 
 def _stage_times(cfg: ModelConfig, layout: Layout, work: Workload, rate: float, hbm: float,
@@ -295,6 +296,12 @@ def _chunked(c: Collective, where: Placement, chunks: int, matmul: float
             c.count * (piece + (chunks - 1) * max(0.0, piece - matmul)))
 
 
+def _exposure_kind(axis: str) -> str:
+    """Which exposed term an axis's time goes to: tp, pp, cp, ep (the hierarchical dispatch's
+    levels too) or dp (the data axes)."""
+    return "ep" if axis in EP_LEVELS else axis if axis in ("tp", "pp", "cp", "ep") else "dp"
+
+
 def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
                   bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0),
                   ledger: dict | None = None, tp_chunk: tuple[int, float] = (1, 0.0)
@@ -324,7 +331,7 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
             continue
         where = links[c.axis]
         one = call_time(c, where)
-        kind = c.axis if c.axis in ("tp", "pp", "cp", "ep") else "dp"
+        kind = _exposure_kind(c.axis)
         if c.overlap.startswith("attention-"):  # each hop behind one block's attention
             window = attention_block[0 if c.overlap == "attention-forward" else 1]
             exposed[kind] += c.count * max(0.0, one - window)

@@ -32,7 +32,7 @@ from torch import nn
 
 from threefold.config import OptimConfig
 from threefold.parallel.engines.adamw import adamw_step, make_adamw
-from threefold.parallel.transforms.expert import ExpertParallelExperts, take_rows
+from threefold.parallel.transforms.expert import ExpertParallelExperts, take_counts
 from threefold.parallel.materialize import fill_local
 from threefold.parallel.engines.offload import HostOptimizer
 from threefold.weights.checkpoint_verify import Piece
@@ -183,16 +183,17 @@ class EngineBase:
     def begin_step(self) -> None:
         """Before a step's first forward: what the engine counts per step restarts, so that
         evaluation's or generation's traffic is not counted as the step's."""
-        take_rows(self._dispatchers)
+        take_counts(self._dispatchers)
 
     def step_metrics(self) -> dict[str, int]:
         """The step's figures of the engine's own traffic: under expert parallelism the rows
         this rank's MoE layers sent to other ep ranks since ``begin_step`` (``ep_rows_sent``:
         dispatch and combine, forwards only;
-        ``threefold.parallel.transforms.expert.take_rows_sent``); nothing elsewhere."""
+        ``threefold.parallel.transforms.expert.take_rows_sent``; the hierarchical dispatch's
+        per level, ``threefold.parallel.transforms.expert_dispatch``); nothing elsewhere."""
         if self.comm is None or self.comm.size("ep") == 1:
             return {}
-        return {"ep_rows_sent": take_rows(self._dispatchers)}
+        return take_counts(self._dispatchers)
 
 
 class LocalEngine(EngineBase):

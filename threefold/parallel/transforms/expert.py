@@ -43,31 +43,33 @@ from threefold.parallel.transforms.wrap import become
 AXIS = "ep"
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of ``x`` cut by ``send`` go to the ep ranks in order; ``recv`` rows come back
-    from each. The gradient takes the reverse trip."""
+class AllToAll(torch.autograd.Function):
+    """Rows of ``x`` cut by ``send`` go to the ranks of ``axis`` in order; ``recv`` rows come
+    back from each. The gradient takes the reverse trip."""
 
     @staticmethod
-    def forward(ctx, x, comm, recv: list[int], send: list[int]):
-        ctx.comm, ctx.recv, ctx.send = comm, recv, send
+    def forward(ctx, x, comm, recv: list[int], send: list[int], axis: str = AXIS):
+        ctx.comm, ctx.recv, ctx.send, ctx.axis = comm, recv, send, axis
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        comm.all_to_all_single(out, x.contiguous(), AXIS, recv, send)
+        comm.all_to_all_single(out, x.contiguous(), axis, recv, send)
         return out
 
     @staticmethod
     def backward(ctx, g):
         out = g.new_empty((sum(ctx.send), *g.shape[1:]))
-        ctx.comm.all_to_all_single(out, g.contiguous(), AXIS, ctx.send, ctx.recv)
-        return out, None, None, None
+        ctx.comm.all_to_all_single(out, g.contiguous(), ctx.axis, ctx.send, ctx.recv)
+        return out, None, None, None, None
 
 
 class Dispatcher:
     """The all-to-all routing of one expert-parallel MoE layer (see the module doc): rows
     grouped by global expert in, each row through its expert (on whichever rank holds it)
-    out, in the same order. Counts the rows this rank sends to other ranks."""
+    out, in the same order. Counts the rows this rank sends to other ranks. ``axis``: the ranks
+    the ``num_experts`` experts are spread over ("ep"; the hierarchical dispatch's node level
+    "ep_intra" with a node's experts)."""
 
-    def __init__(self, comm, num_experts: int):
-        self.comm, self.ep = comm, comm.size(AXIS)
+    def __init__(self, comm, num_experts: int, axis: str = AXIS):
+        self.comm, self.axis, self.ep = comm, axis, comm.size(axis)
         self.local = num_experts // self.ep
         self.rows_sent = 0  # rows this rank sent to other ranks, dispatch and combine
 
@@ -96,13 +98,18 @@ class Dispatcher:
 
     def _exchange(self, send_counts: torch.Tensor) -> torch.Tensor:
         recv_counts = torch.empty_like(send_counts)
-        self.comm.all_to_all_single(recv_counts, send_counts, AXIS)
+        self.comm.all_to_all_single(recv_counts, send_counts, self.axis)
         return recv_counts
 
     def _move(self, rows: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
         """The all-to-all of ``rows`` (``send`` to each rank, ``recv`` from each), counted."""
-        self.rows_sent += sum(send) - send[self.comm.rank(AXIS)]
-        return _AllToAll.apply(rows, self.comm, recv, send)
+        self.rows_sent += sum(send) - send[self.comm.rank(self.axis)]
+        return AllToAll.apply(rows, self.comm, recv, send, self.axis)
+
+    def take_counts(self) -> dict[str, int]:
+        """The step's figure (``ep_rows_sent``) since the last call; restarts it."""
+        rows, self.rows_sent = self.rows_sent, 0
+        return {"ep_rows_sent": rows}
 
 
 class ExpertParallelExperts(Experts):
@@ -148,6 +155,16 @@ def take_rows_sent(model: nn.Module) -> int:
     (forward rows + backward rows) · h · element size + the count exchanges."""
     return take_rows([m.dispatcher for m in model.modules()
                       if isinstance(m, ExpertParallelExperts)])
+
+
+def take_counts(dispatchers: list) -> dict[str, int]:
+    """Every figure the ``dispatchers`` counted since the last call, summed over them
+    (``ep_rows_sent``; the hierarchical dispatch's per level); the counters restart at 0."""
+    out: dict[str, int] = {}
+    for d in dispatchers:
+        for key, n in d.take_counts().items():
+            out[key] = out.get(key, 0) + n
+    return out
 
 
 def take_rows(dispatchers: list[Dispatcher]) -> int:

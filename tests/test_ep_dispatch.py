@@ -1,0 +1,182 @@
+"""The hierarchical expert dispatch (threefold.parallel.transforms.expert_dispatch): ep split into
+nodes ("ep_inter") and the ranks of a node ("ep_intra"), the closed form of the bytes per level
+(threefold.accounting.ep_levels) against enumeration and against the runtime's measured routing,
+training equal to the flat dispatch and one process, and recompute sending nothing twice
+(selective) or everything twice (full, counted)."""
+
+from __future__ import annotations
+
+import itertools
+from fractions import Fraction
+
+import pytest
+import torch
+
+from tests.conftest import final_weights, metrics, tiny_overrides
+from tests.dist import run_checks
+from threefold.accounting import axis_crosses_nodes, nodes_per_token
+from threefold.config import ModelConfig, load_config
+from threefold.layout import Layout
+
+GROUPED = dict(model__num_local_experts=8, model__num_experts_per_tok=3,
+               model__moe_router="sigmoid_grouped", model__n_group=4, model__topk_group=2,
+               model__intermediate_size=64, model__router_z_loss_coef=0.001)
+HIER = {"parallel__ep": 4, "parallel__ep_dispatch": "hierarchical",
+        "parallel__gpus_per_node": 2}
+
+
+@pytest.mark.parametrize("kw,gpn", [(dict(dp_shard=8, ep=8), 4), (dict(dp_shard=4, tp=2, ep=4), 4),
+                                    (dict(dp_replicate=2, dp_shard=4, ep=4), 2),
+                                    (dict(dp_shard=8, ep=4), 2)])
+def test_ep_levels_split_ep_into_nodes(kw, gpn):
+    """ep = ep_inter × ep_intra: every ep_intra group is the ep ranks of one node, every
+    ep_inter group one rank of each node the ep group spans, with the same local index;
+    the planner places ep_intra inside a node and ep_inter across nodes."""
+    d = Layout(**kw, ep_dispatch="hierarchical", gpus_per_node=gpn)
+    assert d.ep_intra * d.ep_inter == d.ep and d.ep_inter > 1
+    for r in range(d.world_size):
+        c, ep = d.coords(r), d.axis_ranks(r, "ep")
+        assert c["ep"] == c["ep_inter"] * d.ep_intra + c["ep_intra"]
+        intra, inter = d.axis_ranks(r, "ep_intra"), d.axis_ranks(r, "ep_inter")
+        assert intra[c["ep_intra"]] == r and inter[c["ep_inter"]] == r
+        assert set(intra) | set(inter) <= set(ep) and set(intra) & set(inter) == {r}
+        assert {q // gpn for q in intra} == {r // gpn}
+        assert len({q // gpn for q in inter}) == d.ep_inter
+        assert len({q % gpn for q in inter}) == 1
+    assert not axis_crosses_nodes(d, "ep_intra", gpn) and axis_crosses_nodes(d, "ep_inter", gpn)
+    flat = Layout(**kw)  # one level: ep_intra is ep
+    assert (flat.ep_intra, flat.ep_inter) == (flat.ep, 1)
+
+
+def _enumerated_nodes(e, k, groups, chosen, nodes):
+    """The mean distinct nodes over every uniform choice of ``chosen`` groups and then of k
+    experts among theirs (experts contiguous: expert x on node x // (e / nodes))."""
+    per_group, per_node, total, count = e // groups, e // nodes, Fraction(0), 0
+    for gs in itertools.combinations(range(groups), chosen):
+        pool = [g * per_group + i for g in gs for i in range(per_group)]
+        for ex in itertools.combinations(pool, k):
+            total += len({x // per_node for x in ex})
+            count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("e,k,groups,chosen,nodes", [(8, 3, 4, 2, 2), (16, 4, 8, 3, 4),
+                                                     (8, 2, 1, 1, 4), (12, 3, 6, 2, 3)])
+def test_nodes_per_token_is_the_enumerated_expectation(e, k, groups, chosen, nodes):
+    """D, the expected distinct destination nodes per token, equals enumeration, at most
+    topk_group (grouped) or k; DeepSeek-V3's 8 groups on 8 nodes, 4 kept, 8 of 128 experts:
+    3.62 nodes of at most 4."""
+    grouped = groups > 1
+    cfg = ModelConfig(num_local_experts=e, num_experts_per_tok=k, n_group=groups,
+                      topk_group=chosen, moe_router="sigmoid_grouped" if grouped else "softmax")
+    d = nodes_per_token(cfg, nodes)
+    assert d == (_enumerated_nodes(e, k, groups, chosen, nodes) if grouped
+                 else _enumerated_nodes(e, k, e, k, nodes))
+    assert 1 <= d <= min(nodes, chosen if grouped else k)
+    ds = nodes_per_token(ModelConfig(preset="deepseek-v3").resolved(), 8)
+    assert 3.6 < ds < 3.65
+
+
+def _runs(rank, world, corpus, cache, root, runs):
+    """Training runs on these ranks (``world`` 4: ep 4, flat and as 2 nodes × 2)."""
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import train
+
+    for name, extra in runs:
+        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, **{
+            **GROUPED, "train__steps": 2, "train__micro_batch_size": 2, **extra}))
+        train(cfg, Distributed(cfg))
+
+
+def _recomputed(rank, world):
+    """A 2-block MoE model (grouped routing) under ep 4 as 2 nodes × 2: loss, gradients and
+    rows sent per level under recompute none, selective and full."""
+    from threefold.comm.counted import Comm
+    from threefold.comm.mesh import build_mesh
+    from threefold.layout.axes import EP_LEVELS, EXPERT_AXES
+    from threefold.model.decoder import CausalLM
+    from threefold.parallel.transforms.expert import apply_expert_parallel
+    from threefold.parallel.transforms.expert_dispatch import (HierarchicalExperts,
+                                                               apply_hierarchical_dispatch)
+    from threefold.parallel.transforms.recompute import apply_recompute
+
+    cfg = ModelConfig(preset="tiny", vocab_size=256, hidden_size=64, intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      num_local_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                      moe_router="sigmoid_grouped").resolved()
+    dims = Layout(dp_shard=world, ep=world, ep_dispatch="hierarchical", gpus_per_node=2)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
+    for axis in EXPERT_AXES + EP_LEVELS:
+        comm.add_axis(axis, dims.axis_groups(axis))
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = CausalLM(cfg)
+        apply_hierarchical_dispatch(apply_expert_parallel(model, comm), comm)
+        apply_recompute(model, mode)
+        loss = model.model(ids).pow(2).mean()
+        loss.backward()
+        counts = [m.dispatcher.take_counts() for m in model.modules()
+                  if isinstance(m, HierarchicalExperts)]
+        sent = {k: sum(c[k] for c in counts) for k in counts[0]}
+        out[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sent)
+    return out
+
+
+def _assert_level_bytes(run_dir, forwards):
+    """Rank 0's bytes of every step on each level equal the closed form with its measured
+    routing: on ep_inter, per layer and forward the counts 2·8·(A−1), each pair row sent
+    (dispatch and combine, forwards) h·4 bytes and again in backward, each assignment sent
+    its id (8) and weight (4), each received its weight's gradient back (4); on ep_intra
+    the node's flat dispatch: counts (B−1)·(E/ep)·8 and its rows h·4 each way."""
+    layers, h, a, b, local = 2, 64, 2, 2, 2
+    for rec in metrics(run_dir):
+        pairs, intra = rec["ep_inter_rows_sent"], rec["ep_intra_rows_sent"]
+        sent, got = rec["ep_inter_assignments_sent"], rec["ep_inter_assignments_received"]
+        assert pairs > 0 and intra > 0 and sent > 0 and got % forwards == 0
+        assert rec["comm_bytes"]["ep_inter"] == (
+            layers * forwards * 16 * (a - 1) + (pairs + pairs // forwards) * h * 4
+            + sent * (8 + 4) + got // forwards * 4)
+        assert rec["comm_bytes"]["ep_intra"] == (
+            layers * forwards * (b - 1) * local * 8 + (intra + intra // forwards) * h * 4)
+        # nothing else on ep: rank 0 sends no byte of the norm's one-element all-reduce
+        assert rec["comm_bytes"].get("ep", 0) == 0
+
+
+def test_hierarchical_dispatch_trains_as_flat_and_one_process(corpus, cache_dir, tmp_path):
+    """4 ranks as 2 nodes × 2, ep 4, grouped routing (8 experts in 4 groups, 2 kept, top-3):
+    the hierarchical dispatch's losses, router losses, expert counts and weights equal the
+    flat dispatch's and one process's, with no recompute and with full recompute (which
+    sends every forward exchange again, counted); every step's bytes per level equal the
+    closed form with the measured routing; a model's selective recompute gives the loss and
+    gradients of no recompute and sends no row twice, full sends every row twice."""
+    from threefold.training.train import train
+
+    runs = [("flat", {"parallel__ep": 4}), ("hier", HIER),
+            ("hier_full", {**HIER, "train__recompute": "full"})]
+    res = run_checks(4, [(_runs, (corpus, cache_dir, tmp_path, runs)), (_recomputed, ())],
+                     timeout=300)
+    train(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "single", **{
+        **GROUPED, "train__steps": 2, "train__micro_batch_size": 2})))
+    want, weights = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
+    for name, _ in runs:
+        got = metrics(tmp_path / name)
+        for key in ("loss", "router_z_loss", "grad_norm"):
+            assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), \
+                (name, key)
+        assert [r["expert_counts"] for r in got] == [r["expert_counts"] for r in want], name
+        for k, w in final_weights(tmp_path / name).items():
+            torch.testing.assert_close(w, weights[k], rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+    _assert_level_bytes(tmp_path / "hier", 1)
+    _assert_level_bytes(tmp_path / "hier_full", 2)
+    for out in res[1]:  # each rank's recompute check
+        loss, grads, sent = out["none"]
+        for mode in ("selective", "full"):
+            torch.testing.assert_close(out[mode][0], loss, rtol=1e-5, atol=0)
+            for name, g in grads.items():
+                torch.testing.assert_close(out[mode][1][name], g, rtol=1e-5, atol=1e-7,
+                                           msg=f"{mode}: {name}")
+        assert out["selective"][2] == sent
+        assert out["full"][2] == {k: 2 * v for k, v in sent.items()}
+        assert sent["ep_inter_rows_sent"] + sent["ep_intra_rows_sent"] > 0
