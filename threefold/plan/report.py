@@ -143,9 +143,11 @@ SENT_AXES_DENSE = tuple(a for a in SENT_AXES if a != "ep")
 def sent_per_axis(b: dict[str, float]) -> dict[str, float]:
     """Bytes per step of the table's columns (``SENT_AXES``) from the step's per-axis bytes:
     ``dp_s`` is every data-parallel group's but the replicas' (dp_shard, merged with cp, the
-    experts' data axes), ``dp_r`` the replicas' (HSDP)."""
+    experts' data axes), ``dp_r`` the replicas' (HSDP); ``ep`` the hierarchical dispatch's
+    two levels too."""
     data = b["dp"] + b["dp_shard"] + b["dp_cp"] + b["dp_shard_cp"] + b["edp"] + b["edp_shard"]
-    return {"tp": b["tp"], "cp": b["cp"], "pp": b["pp"], "ep": b["ep"], "dp_s": data,
+    ep = b["ep"] + b.get("ep_inter", 0) + b.get("ep_intra", 0)
+    return {"tp": b["tp"], "cp": b["cp"], "pp": b["pp"], "ep": ep, "dp_s": data,
             "dp_r": b["dp_replicate"]}
 
 

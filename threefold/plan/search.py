@@ -283,7 +283,10 @@ def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: S
                    "per node): K/V move over the network")
     if "ep" in step.inter_node_axes:
         out.append(f"ep crosses nodes (ep·tp={lay.ep * lay.tp} > {cluster.gpus_per_node} GPUs "
-                   "per node): the all-to-alls of every MoE layer go over the network")
+                   "per node): " + ("each token crosses the network once per destination node"
+                                    " (hierarchical dispatch)" if lay.ep_dispatch ==
+                                    "hierarchical" else "the all-to-alls of every MoE layer "
+                                    "go over the network"))
     over = {lv.name: lv.oversubscription for lv in cluster.topology()}
     for axis, level in step.axis_levels:
         if axis in ("dp_replicate", "dp_shard") and over.get(level, 1.0) > 1:
