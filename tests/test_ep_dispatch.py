@@ -237,3 +237,18 @@ def test_planner_puts_the_levels_on_their_links_for_deepseek_v3():
     assert (levels["ep_inter"], levels["ep_intra"]) == ("network", "nvlink")
     assert sent["hierarchical"]["ep_inter"] < 0.5 * sent["flat"]["ep"]
     assert steps["hierarchical"].ep_exposed_s < 0.7 * steps["flat"].ep_exposed_s
+
+
+def test_a_node_level_across_real_nodes_is_warned_of():
+    """The running job's hosts check the node level: parallel.gpus_per_node 4 on two hosts
+    of 2 ranks puts each ep_intra group on both (warned, naming the field); 2 matches them."""
+    from threefold.comm.topology import Topology
+
+    hosts = Topology(("a", "a", "b", "b"), (0, 1, 0, 1))
+    wrong = hosts.warnings(Layout(dp_shard=4, ep=4, ep_dispatch="hierarchical",
+                                  gpus_per_node=4))
+    assert len(wrong) == 1 and "ep_intra=4 spans nodes" in wrong[0] \
+        and "parallel.gpus_per_node" in wrong[0]
+    assert hosts.warnings(Layout(dp_shard=4, ep=4, ep_dispatch="hierarchical",
+                                 gpus_per_node=2)) == []
+    assert hosts.warnings(Layout(dp_shard=4, ep=4)) == []  # flat: one level

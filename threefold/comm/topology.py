@@ -63,12 +63,15 @@ class Topology:
         return [g for g in dims.axis_groups(axis) if len({self.hosts[r] for r in g}) > 1]
 
     def warnings(self, dims: Layout) -> list[str]:
-        """One line per axis of ``CHECKED_AXES`` that has a group across nodes."""
+        """One line per axis of ``CHECKED_AXES`` that has a group across nodes (and the
+        hierarchical ep dispatch's node level, whose nodes ``parallel.gpus_per_node`` says)."""
         out, per_node = [], min(self.ranks_per_node)
         # tp is the mesh's innermost axis and cp the next: torchrun numbers ranks node by
         # node, so tp (cp·tp) dividing a node's ranks keeps every group inside one
-        fix = {"tp": "parallel.tp", "cp": "parallel.cp × parallel.tp"}
-        for axis in CHECKED_AXES:
+        fix = {"tp": "parallel.tp", "cp": "parallel.cp × parallel.tp",
+               "ep_intra": "parallel.gpus_per_node"}
+        hierarchical = dims.ep > 1 and dims.ep_dispatch == "hierarchical"
+        for axis in CHECKED_AXES + (("ep_intra",) if hierarchical else ()):
             groups = self.spanning_groups(dims, axis)
             if groups:
                 where = ", ".join(f"{r} on {self.hosts[r]}" for r in groups[0])
