@@ -157,8 +157,11 @@ def test_hierarchical_dispatch_trains_as_flat_and_one_process(corpus, cache_dir,
             ("hier_full", {**HIER, "train__recompute": "full"})]
     res = run_checks(4, [(_runs, (corpus, cache_dir, tmp_path, runs)), (_recomputed, ())],
                      timeout=300)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs: a shared machine's threads would thrash
     train(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "single", **{
         **GROUPED, "train__steps": 2, "train__micro_batch_size": 2})))
+    torch.set_num_threads(old)
     want, weights = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
     for name, _ in runs:
         got = metrics(tmp_path / name)
