@@ -242,7 +242,11 @@ def _moe_note(mcfg: ModelConfig, layout, total: int, p) -> str:
                       if ep > 1 else "")
             + ("; bytes on ep are the uniform-routing expectation (each rank sends "
                "(ep-1)/ep of its token-expert rows each way; real routing varies)"
-               if ep > 1 else ""))
+               if ep > 1 and layout.ep_dispatch == "flat" else "")
+            + (f"; hierarchical dispatch over {layout.ep_inter} node(s) × {layout.ep_intra}: "
+               "bytes on ep_inter (each token once per destination node) and ep_intra are "
+               "the uniform-routing expectation (real routing varies)"
+               if ep > 1 and layout.ep_dispatch == "hierarchical" else ""))
 
 
 def _lora_note(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload,

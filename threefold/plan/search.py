@@ -256,6 +256,11 @@ def moe_notes(cfg: ModelConfig, top: list[Candidate], work: Workload) -> list[st
              "expectation (each rank sends (ep-1)/ep of its N·k token-expert rows each way); "
              "real routing is uneven; tp runs without sequence parallelism (the MoE is whole "
              "on every tp rank)"]
+    if any(c.layout.ep_dispatch == "hierarchical" and c.layout.ep_inter > 1 for c in top):
+        notes.append("hierarchical ep dispatch: ep_inter (the network) carries each token "
+                     "once per destination node, the expected distinct nodes under uniform "
+                     "routing among the chosen groups (at most topk_group); ep_intra (NVLink) "
+                     "fans out inside the node")
     notes += [n for n in (fp8_expert_note(cfg, work),) if n]
     if any(c.layout.pp > 1 for c in top) and cfg.router_aux_loss_coef > 0 \
             and not cfg.router_aux_loss_per_layer:
