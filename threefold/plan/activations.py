@@ -9,7 +9,7 @@ from __future__ import annotations
 from threefold.layout import Layout, Workload
 from threefold.accounting import local_seq_len
 from threefold.accounting.counts import norms_per_block
-from threefold.accounting import tp_shard
+from threefold.accounting import nodes_per_token, tp_shard
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
 from threefold.schedules.registry import inflight_of, schedule_spec
@@ -153,7 +153,10 @@ def selective_moe_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload, 
     ids, 12 bytes each; the grouped router's group top-2 and group choice also), the k
     experts' products d·(2f + h) each, a shared expert's gate, up and down d·(2f_s + h) (and
     its gate, d); under ep the dispatched rows r·h (N·k in expectation, uniform routing), the
-    rows combined back d·h, and the count exchange's 8·E per block. 0 for a dense model."""
+    rows combined back d·h, and the count exchange's 8·E per block; under the hierarchical
+    dispatch also the network level's pair rows received and returned, (r + d)·h for each
+    of the D expected nodes per token (``nodes_per_token``), the assignments' ids and weights
+    (12·k), and the counts 16·A and 8·E/A instead. 0 for a dense model."""
     e, k = cfg.num_local_experts or 0, cfg.num_experts_per_tok or 0
     if not e:
         return 0.0
@@ -165,9 +168,14 @@ def selective_moe_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload, 
     moe = d * e + 12 * choice + k * d * (2 * f + h)
     if fs:
         moe += d * (2 * fs + h) + (d if getattr(cfg, "shared_expert_gate", False) else 0)
+    counts = 8 * e if layout.ep > 1 else 0
     if layout.ep > 1:
         moe += k * (r + d) * h
-    return tokens * (moe - d * (2 * ffn + h)) + (8 * e if layout.ep > 1 else 0)
+    if layout.ep > 1 and layout.ep_dispatch == "hierarchical":
+        a = layout.ep_inter
+        moe += float(nodes_per_token(cfg, a)) * (r + d) * h + 12 * k
+        counts = 16 * a + 8 * e // a
+    return tokens * (moe - d * (2 * ffn + h)) + counts
 
 
 def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
