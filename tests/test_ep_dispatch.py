@@ -7,6 +7,7 @@ training equal to the flat dispatch and one process, and recompute sending nothi
 from __future__ import annotations
 
 import itertools
+import json
 from fractions import Fraction
 
 import pytest
@@ -78,10 +79,15 @@ def test_nodes_per_token_is_the_enumerated_expectation(e, k, groups, chosen, nod
 
 
 def _runs(rank, world, corpus, cache, root, runs):
-    """Training runs on these ranks (``world`` 4: ep 4, flat and as 2 nodes × 2)."""
+    """Training runs on these ranks (``world`` 4: ep 4, flat and as 2 nodes × 2), ranks 0-1
+    and 2-3 on two faked hosts (``THREEFOLD_TEST_HOSTNAME``), as the dispatch's nodes."""
+    import os
+
+    from threefold.comm.topology import TEST_HOSTNAME_ENV
     from threefold.parallel.distributed_world import Distributed
     from threefold.training.train import train
 
+    os.environ[TEST_HOSTNAME_ENV] = f"node{rank // 2}"
     for name, extra in runs:
         cfg = load_config(None, tiny_overrides(corpus, cache, root / name, **{
             **GROUPED, "train__steps": 2, "train__micro_batch_size": 2, **extra}))
@@ -169,6 +175,8 @@ def test_hierarchical_dispatch_trains_as_flat_and_one_process(corpus, cache_dir,
             assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), \
                 (name, key)
         assert [r["expert_counts"] for r in got] == [r["expert_counts"] for r in want], name
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["topology"]["ranks_per_node"] == [2, 2], name
         for k, w in final_weights(tmp_path / name).items():
             torch.testing.assert_close(w, weights[k], rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
     _assert_level_bytes(tmp_path / "hier", 1)
