@@ -159,7 +159,9 @@ def test_hierarchical_dispatch_trains_as_flat_and_one_process(corpus, cache_dir,
     gradients of no recompute and sends no row twice, full sends every row twice."""
     from threefold.training.train import train
 
-    runs = [("flat", {"parallel__ep": 4}), ("hier", HIER),
+    # the hierarchical run compares every rank's collectives at each step's end
+    runs = [("flat", {"parallel__ep": 4}),
+            ("hier", {**HIER, "parallel__check_collectives": True}),
             ("hier_full", {**HIER, "train__recompute": "full"})]
     res = run_checks(4, [(_runs, (corpus, cache_dir, tmp_path, runs)), (_recomputed, ())],
                      timeout=300)
