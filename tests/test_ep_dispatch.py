@@ -265,3 +265,24 @@ def test_a_node_level_across_real_nodes_is_warned_of():
     assert hosts.warnings(Layout(dp_shard=4, ep=4, ep_dispatch="hierarchical",
                                  gpus_per_node=2)) == []
     assert hosts.warnings(Layout(dp_shard=4, ep=4)) == []  # flat: one level
+
+
+def test_the_launcher_gives_the_dispatch_its_nodes(monkeypatch):
+    """parallel.gpus_per_node 0 is the launcher's --nproc-per-node: 2 nodes of 1 rank make ep 2
+    span 2 nodes, which 3 routing groups cannot map to (refused before launch); 2 ranks per
+    node keep ep 2 on one node (accepted)."""
+    from threefold.launch.launcher import check_launch
+    from threefold.layout.rules import LayoutError
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    over = [("model.preset", "tiny-moe"), ("model.num_local_experts", "6"),
+            ("model.moe_router", "sigmoid_grouped"), ("model.n_group", "3"),
+            ("model.topk_group", "1"), ("parallel.ep", "2"),
+            ("parallel.ep_dispatch", "hierarchical"), ("parallel.dp_shard", "2")]
+    cfg = load_config(None, over)
+    with pytest.raises(LayoutError, match="model.n_group: 3 routing groups do not map"):
+        check_launch(cfg, 1, ["--nnodes", "2"])
+    assert cfg.parallel.gpus_per_node == 1
+    cfg = load_config(None, over)
+    assert check_launch(cfg, 2, []) == 2 and cfg.parallel.gpus_per_node == 2
