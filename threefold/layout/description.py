@@ -28,10 +28,13 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
 def node_ranks(p: ParallelConfig, world_size: int) -> int:
-    """Ranks per node: ``parallel.gpus_per_node``, else torchrun's LOCAL_WORLD_SIZE (the
-    launcher's --nproc-per-node, the same on every rank), else the world (one node)."""
-    return p.gpus_per_node or min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-                                  world_size)
+    """Ranks per node for the hierarchical ep dispatch: ``parallel.gpus_per_node``, else
+    torchrun's LOCAL_WORLD_SIZE (the launcher's --nproc-per-node, the same on every rank),
+    else the world (one node). Read only under that dispatch (else the field as given), so
+    a flat layout does not depend on the environment."""
+    if p.gpus_per_node or p.ep_dispatch != "hierarchical":
+        return p.gpus_per_node
+    return min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size)
 
 
 @dataclass(frozen=True)
