@@ -103,11 +103,6 @@ class HierarchicalDispatcher:
         back = replayed(self._move, summed.to(y_dtype), pairs_out, pairs_in)
         return torch.zeros_like(x).index_add_(0, route.pair_token, back.to(x.dtype))
 
-    @property
-    def rows_on_node(self) -> int:
-        """Rows the node level sent (the inner dispatcher's count)."""
-        return self.inner.rows_sent
-
     def _exchange(self, counts: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(counts)
         self.comm.all_to_all_single(out, counts, NET)
@@ -165,5 +160,5 @@ def apply_hierarchical_dispatch(model: nn.Module, comm) -> nn.Module:
     for m in model.modules():
         if isinstance(m, ExpertParallelExperts):
             become(m, HierarchicalExperts, dispatcher=HierarchicalDispatcher(
-                comm, m.dispatcher.local * m.dispatcher.ep), first=m.first)
+                comm, m.dispatcher.local * m.dispatcher.ep))
     return model
