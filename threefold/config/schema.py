@@ -20,6 +20,8 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dua
 # (threefold.parallel.transforms.recompute): named once here, at the bottom, for validation, the
 # rule book, the planner's options and the runtime.
 CP_ALGORITHMS = ("ring", "allgather")
+# How packed rows are split over cp ranks (threefold.accounting.cp_balance).
+CP_BALANCES = ("documents", "causal")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.families.FAMILIES, holds each family's spec and refuses to load unless it lists these.
@@ -80,6 +82,10 @@ class ParallelConfig:
                  "it by all-to-all")
     zero_stage: int = _f(0, "ZeRO stage over dp_shard: 0 none, 1 optimiser, 2 +grads, 3 +params")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence within tp")
+    cp_balance: str = _f("documents", "how packed rows split over the cp ranks: documents "
+                         "(each document head-tail split, equal attention work under "
+                         "data.document_mask) or causal (the whole row head-tail split); one "
+                         "of " + ", ".join(CP_BALANCES))
     schedule: str = _f("1f1b", "pipeline schedule: " + ", ".join(PIPELINE_SCHEDULES))
     microbatches: int = _f(0, "pipeline microbatches per step; 0 = from the batch")
     vpp: int = _f(1, "model chunks per pipeline stage (interleaved 1F1B; 2 for zb-v and "

@@ -12,8 +12,8 @@ import importlib.util
 from threefold.config.fields import ConfigError, unknown_value
 from threefold.config.model_shape import ModelConfig
 from threefold.config.presets import MODEL_PRESETS
-from threefold.config.schema import (CP_ALGORITHMS, MODEL_FAMILIES, PIPELINE_SCHEDULES,
-                                     RECOMPUTE_MODES, CheckpointConfig,
+from threefold.config.schema import (CP_ALGORITHMS, CP_BALANCES, MODEL_FAMILIES,
+                                     PIPELINE_SCHEDULES, RECOMPUTE_MODES, CheckpointConfig,
                                      Config, DataConfig, LoRAConfig, MetricsConfig,
                                      OptimConfig, ParallelConfig, TrainConfig)
 
@@ -166,6 +166,7 @@ def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
           "parallel.param_dtype: bfloat16 parameters need bfloat16 compute; set train.dtype "
           "bfloat16 or parallel.param_dtype auto")
     _one_of("parallel.cp_algorithm", p.cp_algorithm, list(CP_ALGORITHMS))
+    _one_of("parallel.cp_balance", p.cp_balance, list(CP_BALANCES))
     p.pipeline_split = p.pipeline_split.replace(" ", "")  # "7, 9, 9, 7" as "7,9,9,7"
     _need(p.pipeline_split in ("params", "flops", "uniform")
           or all(x.isdigit() for x in p.pipeline_split.split(",")),
