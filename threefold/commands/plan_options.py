@@ -81,6 +81,9 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="bf16 mixed precision with fp32 Adam (16 bytes/param), or fp32")
     p.add_argument("--fp8", choices=("none", "tensorwise", "rowwise"), default="none",
                    help="as train.fp8: the blocks' projections in FP8, at the GPU's FP8 peak")
+    p.add_argument("--mlp-tiles", type=int, default=1, metavar="N",
+                   help="as train.mlp_tiles: each dense MLP over the sequence in N tiles, "
+                   "recomputed in backward (its activations stop growing with length)")
     p.add_argument("--attention", choices=("flash", "eager"), default="flash",
                    help="flash: attention probabilities not stored; eager: stored")
     p.add_argument("--block", choices=("threefold", "megatron"), default="threefold",

@@ -140,7 +140,7 @@ def _hardware(args, record: dict | None = None) -> Hardware:
 
 def _setup(args):
     cfg = load_model(args.model)
-    for name in ("gpus", "gpus_per_node", "top", "global_batch_tokens"):
+    for name in ("gpus", "gpus_per_node", "top", "global_batch_tokens", "mlp_tiles"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
     for name in ("peak_tflops", "memory_gb", "intra_bw_gbps", "inter_bw_gbps"):
@@ -163,6 +163,7 @@ def _setup(args):
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash",
                     block=args.block, lora_r=args.lora_r, lora_targets=targets, fp8=args.fp8,
+                    mlp_tiles=args.mlp_tiles,
                     fp8_gather=args.fp8 == "tensorwise" and not args.lora_r
                     and not cfg.num_local_experts)
     record = _hardware_record(args)

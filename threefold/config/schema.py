@@ -141,6 +141,9 @@ class TrainConfig:
                         "and attention outputs kept, norms, RoPE, SwiGLU and casts recomputed); "
                         "full (each block from its input)")
     compile: bool = _f(False, "torch.compile each block")
+    mlp_tiles: int = _f(1, "run each dense MLP over the sequence in this many tiles, each "
+                        "recomputed in backward (ALST's tiled MLP): its activations stop "
+                        "growing with the length; 1 = off")
     host_mmap_threshold_mb: float = _f(256.0, "CPU runs: glibc keeps freed blocks below this "
                                        "many MiB for reuse instead of mapping fresh pages "
                                        "each step (threefold/training/hostmem.py; 1 MiB at most with "

@@ -167,6 +167,7 @@ def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
           "bfloat16 or parallel.param_dtype auto")
     _one_of("parallel.cp_algorithm", p.cp_algorithm, list(CP_ALGORITHMS))
     _one_of("parallel.cp_balance", p.cp_balance, list(CP_BALANCES))
+    _need(t.mlp_tiles >= 1, f"train.mlp_tiles: must be >= 1 (1 = untiled), got {t.mlp_tiles}")
     p.pipeline_split = p.pipeline_split.replace(" ", "")  # "7, 9, 9, 7" as "7,9,9,7"
     _need(p.pipeline_split in ("params", "flops", "uniform")
           or all(x.isdigit() for x in p.pipeline_split.split(",")),

@@ -40,6 +40,7 @@ from threefold.parallel.engines.data_parallel import DataParallelEngine
 from threefold.parallel.engines.engine import LocalEngine
 from threefold.parallel.transforms.expert import apply_expert_parallel
 from threefold.parallel.transforms.fp8_linear import apply_fp8
+from threefold.parallel.transforms.mlp_tiles import apply_mlp_tiles
 from threefold.parallel.transforms.recompute import apply_recompute
 from threefold.parallel.materialize import materialize_buffers, materialize_parameters
 from threefold.parallel.transforms.tensor import apply_tensor_parallel
@@ -152,6 +153,7 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
     if not frozen:  # LoRA: adapters on the named layers, the rest (but ``trainable``) frozen
         model = apply_lora(model, cfg.lora, trainable)
     model = layout.split_pipeline(model)           # 1
+    model = apply_mlp_tiles(model, cfg.train.mlp_tiles)  # inside tp's operators (module doc)
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
     if not frozen:  # FP8 over the (sliced) projections, before recompute wraps the blocks
         apply_fp8(model, cfg.train.fp8, layout.comm if layout.tp_size > 1 else None)

@@ -12,6 +12,7 @@ from threefold.accounting.counts import norms_per_block
 from threefold.accounting import tp_shard
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
+from threefold.plan.mlp_tiling import tile_working_bytes, tiled_mlp_bytes
 from threefold.schedules.registry import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
@@ -233,6 +234,7 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
                                   layout.cp_algorithm)
     kept += block_document_mask_bytes(cfg, layout, work)
+    kept += tiled_mlp_bytes(cfg, layout, work)
     kept += fp8_scale_bytes(cfg, work)
     kept += gemma_extra_bytes(cfg, layout, work, b * local, sh.ffn)
     if cfg.qk_norm:
@@ -327,10 +329,10 @@ def recompute_working_bytes(cfg: ModelConfig, layout: Layout, work: Workload) ->
     log-sum-exp, gate and up: the same storage, counted in the activations); 0 without."""
     mode = layout.recompute
     if mode == "none" or work.block == "megatron" and mode == "selective":
-        return 0.0
+        return tile_working_bytes(cfg, layout, work)
     whole = model_layer_activation_bytes(cfg, layout, work, recompute="none")
     if mode == "full":
-        return whole
+        return whole + tile_working_bytes(cfg, layout, work)
     sh, d = tp_shard(cfg, layout.tp), work.act_bytes
     shared = d * sh.kv_heads * cfg.head_dim + 2 * d * sh.ffn
     if work.flash_attention:
