@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from threefold.config import MODEL_PRESETS, ConfigError
+from threefold.config import CP_ALGORITHMS, MODEL_PRESETS, ConfigError
 from threefold.hardware.catalogue import GPUS
 from threefold.plan.network import CLUSTERS
 from threefold.plan.search import CP_MIN_SEQ_LEN
@@ -111,7 +111,8 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
                    help="only these context-parallel degrees (default: 1, and every one that "
                    f"splits the sequence when --seq-len >= {CP_MIN_SEQ_LEN} or nothing fits "
                    "without)")
-    p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather")
+    p.add_argument("--cp-algorithm", help="only these cp algorithms (comma list): "
+                   + ",".join(CP_ALGORITHMS))
     p.add_argument("--ep", type=int_list,
                    help="only these expert-parallel degrees (a mixture of experts; default: "
                    "every divisor of the experts that divides dp_shard)")
@@ -132,6 +133,10 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
 def add_output_options(p: argparse.ArgumentParser) -> None:
     """What is printed, and the measured or published hardware to plan for instead."""
     p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="instead of ranking layouts at --seq-len: the longest sequence that "
+                   "fits for each cp split (degree, algorithm; --cp and --cp-algorithm "
+                   "narrow them), with the fastest layout there and its time per token")
     p.add_argument("--explain", action="store_true", help="say why each loses to the best")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (matmul FLOP/s, memory and gloo all-reduce "

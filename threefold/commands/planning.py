@@ -59,6 +59,7 @@ from threefold.plan.report import summary_lines, format_table, to_json_rows
 from threefold.plan.search import moe_notes, search
 from threefold.plan.terms import count_text
 from threefold.plan.network import CLUSTERS, levels_from_record
+from threefold.commands.plan_longest import print_longest
 from threefold.commands.plan_options import UsageError, build_parser, choices
 
 def load_model(spec: str) -> ModelConfig:
@@ -259,6 +260,8 @@ def main(argv: list[str]) -> int:
     except (UsageError, ConfigError, ValueError) as e:
         print(f"threefold plan: error: {e}", file=sys.stderr)
         return 2
+    if args.max_seq_len:
+        return print_longest(args, cfg, cluster, work, space)
     cpu = time.process_time()
     result = search(cfg, cluster, work, space, keep=args.top)
     cpu = time.process_time() - cpu
