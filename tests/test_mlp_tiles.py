@@ -35,13 +35,17 @@ def _model(tiles: int, tp: int = 1, sp: bool = False, **extra) -> CausalLM:
     return model
 
 
-def test_tiled_mlp_equals_the_untiled_one():
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_tiled_mlp_equals_the_untiled_one(recompute):
     """Loss and every gradient of a 1-block model, tiled (uneven tiles: 64 tokens in 5) and
-    not, fp32."""
+    not, fp32; under full recompute the tiles' checkpoints nest in the block's."""
+    from threefold.parallel.transforms.recompute import apply_recompute
+
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     grads, losses = [], []
     for tiles in (1, 5):
         model = _model(tiles, num_hidden_layers=1)
+        apply_recompute(model, recompute)
         assert any(isinstance(m, TiledMLP) for m in model.modules()) == (tiles > 1)
         loss = model(ids, labels=ids).mean()  # per-token losses
         loss.backward()
@@ -85,3 +89,28 @@ def test_tiled_block_keeps_what_the_planner_counts(tp, sp, dtype, act):
         model_layer_activation_bytes(cfg, lay, untiled_w) + tiled_mlp_bytes(cfg, lay, work)
     full = dataclasses.replace(lay, recompute="full")  # the block being recomputed: tiled
     assert recompute_working_bytes(cfg, full, work) < recompute_working_bytes(cfg, full, untiled_w)
+
+
+def test_tiled_lora_adapters_keep_what_the_planner_counts():
+    """LoRA on every projection: a tiled MLP's adapters recompute their x·Aᵀ with it, and
+    the planner's adapter count leaves them out (fp32)."""
+    from threefold.config import LoRAConfig
+    from threefold.config.validation import lora_targets
+    from threefold.model.lora import apply_lora
+    from threefold.plan.activations import adapter_activation_bytes
+
+    cfg = ModelConfig(preset="tiny", vocab_size=512).resolved()
+    lora = LoRAConfig(r=4, target_modules="all-linear")
+    b, s = 2, 64
+    for tiles in (1, TILES):
+        model = CausalLM(cfg)
+        apply_mlp_tiles(apply_lora(model, lora), tiles)
+        cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+        x = torch.randn(b, s, cfg.hidden_size, requires_grad=True)
+        with SavedBytes(list(model.parameters()) + [cos, sin]) as saved:
+            model.model.layers[0](x, cos, sin)
+        work = Workload(s, b, precision="fp32", residual_bytes=4, mlp_tiles=tiles, lora_r=4,
+                        lora_targets=lora_targets(lora))
+        lay = Layout(microbatch_size=b)
+        assert saved.total == model_layer_activation_bytes(cfg, lay, work) + \
+            adapter_activation_bytes(lay, work)

@@ -12,7 +12,7 @@ from threefold.accounting.counts import norms_per_block
 from threefold.accounting import tp_shard
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
-from threefold.plan.mlp_tiling import tile_working_bytes, tiled_mlp_bytes
+from threefold.plan.mlp_tiling import kept_lora_targets, tile_working_bytes, tiled_mlp_bytes
 from threefold.schedules.registry import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def adapter_activation_bytes(layout: Layout, work: Workload) -> float:
     adapted layer's input is the one the base layer keeps; with fewer targets than all, the
     frozen layers that are not adapted keep less than counted (their inputs are not needed),
     so the count is then an upper bound."""
-    per_layer = len(work.lora_targets) * work.lora_r
+    per_layer = kept_lora_targets(work) * work.lora_r  # a tiled MLP's are recomputed
     return layout.microbatch_size * local_seq_len(layout, work) * per_layer * work.act_bytes
 
 

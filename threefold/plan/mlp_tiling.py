@@ -35,6 +35,17 @@ def tiled_mlp_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     return tokens * (r * cfg.hidden_size - _untiled_per_token(cfg, work, sh.ffn)) - fp8_scales
 
 
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def kept_lora_targets(work: Workload) -> int:
+    """LoRA targets whose adapters keep their x·Aᵀ for backward: all of them, less the MLP's
+    under a tiled MLP (recomputed with it; LoRA is for dense models only)."""
+    if work.mlp_tiles > 1 and work.block == "threefold":
+        return sum(t not in MLP_PROJECTIONS for t in work.lora_targets)
+    return len(work.lora_targets)
+
+
 def tiled_mlp_weights(cfg: ModelConfig, layout: Layout, work: Workload) -> int:
     """Weights per block (per rank) whose autocast copies a tiled MLP does not keep: its
     gate, up and down projections (cast again in each tile's recompute)."""
