@@ -204,7 +204,8 @@ def test_cp_layouts_equal_single_process(world, runs, algorithm, reference, corp
 @pytest.mark.slow
 def test_sft_packed_under_cp_equals_single_process(corpus, cache_dir, tmp_path):
     """Packed conversations (per-document attention, positions restarting per document) split
-    over cp ranks: the masks see the whole sequence's document ids."""
+    over cp ranks by their documents (``parallel.cp_balance documents``, the default): the
+    masks see the whole sequence's document ids and the positions each rank holds."""
     from tests.dist import train_runs
     from tests.test_sft import post_overrides
     from threefold.post import SFTTask

@@ -58,3 +58,21 @@ def test_plan_max_seq_len_reports_every_split(capsys):
     tiled = json.loads(capsys.readouterr().out)
     plain = next(r for r in rows if r["cp"] == 1)
     assert tiled[0]["max_seq_len"] > plain["max_seq_len"]
+
+
+def test_the_splits_searched_follow_the_runtimes_algorithms(monkeypatch):
+    """Each algorithm over all cp ranks; hybrids (Ulysses inside cp, a ring or all-gather over
+    the rest) only where the runtime has Ulysses, at every divisor, or those asked for."""
+    from threefold.plan import search as searching
+
+    space = SearchSpace(cp_algorithm=("ring", "allgather"))
+    monkeypatch.setattr(searching, "CP_ALGORITHMS", ("ring", "allgather"))
+    assert searching.cp_splits(8, space) == [("ring", {}), ("allgather", {})]
+    assert searching.cp_splits(1, space) == [("ring", {})]
+    monkeypatch.setattr(searching, "CP_ALGORITHMS", ("ring", "allgather", "ulysses"))
+    with_all = dataclasses.replace(space, cp_algorithm=("ring", "ulysses"))
+    assert searching.cp_splits(8, with_all) == [
+        ("ring", {}), ("ring", {"cp_ulysses": 2}), ("ring", {"cp_ulysses": 4}), ("ulysses", {})]
+    asked = dataclasses.replace(space, cp_ulysses=(2,))
+    assert searching.cp_splits(4, asked) == [("ring", {"cp_ulysses": 2}),
+                                             ("allgather", {"cp_ulysses": 2})]

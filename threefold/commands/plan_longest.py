@@ -26,7 +26,7 @@ def _layout_text(row: Longest) -> str:
 
 def _json_row(row: Longest) -> dict:
     out = {"cp": row.cp, "cp_algorithm": row.algorithm if row.cp > 1 else None,
-           "max_seq_len": row.seq_len, "sequences_per_step": row.batch}
+           "cp_ulysses": row.ulysses, "max_seq_len": row.seq_len, "sequences_per_step": row.batch}
     if row.best is not None:
         lay, step = row.best.layout, row.best.step
         out.update(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, zero_stage=lay.zero_stage,
@@ -58,7 +58,9 @@ def print_longest(args, cfg: ModelConfig, cluster: Cluster, work: Workload,
     table = [head]
     for r in rows:
         step = r.best.step if r.best else None
-        table.append((str(r.cp), r.algorithm if r.cp > 1 else "-", f"{r.seq_len:,}",
+        split = "-" if r.cp == 1 else r.algorithm + (
+            f" x ulysses {r.ulysses}" if r.ulysses > 1 else "")
+        table.append((str(r.cp), split, f"{r.seq_len:,}",
                       str(r.batch), _layout_text(r),
                       f"{r.best.memory.total / 1e9:.1f}" if r.best else "-",
                       f"{r.seconds_per_token * 1e6:.1f}" if r.best else "-",

@@ -113,6 +113,10 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
                    "without)")
     p.add_argument("--cp-algorithm", help="only these cp algorithms (comma list): "
                    + ",".join(CP_ALGORITHMS))
+    p.add_argument("--cp-ulysses", type=int_list,
+                   help="hybrid cp: only these Ulysses (all-to-all) degrees inside cp, the ring "
+                   "or all-gather over the rest; 1 = the algorithm alone (default: 1 and every "
+                   "divisor of cp, where the runtime has Ulysses)")
     p.add_argument("--ep", type=int_list,
                    help="only these expert-parallel degrees (a mixture of experts; default: "
                    "every divisor of the experts that divides dp_shard)")

@@ -176,12 +176,24 @@ def _setup(args):
     tp = (1,) if args.fp8 != "none" and args.lora_r else args.tp  # FP8 under LoRA: tp 1
     space = SearchSpace(tp=tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
-                        cp_algorithm=algorithms, ep=args.ep, tp_overlap=args.tp_overlap,
+                        cp_algorithm=algorithms, cp_ulysses=_ulysses(args),
+                        ep=args.ep, tp_overlap=args.tp_overlap,
                         pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
                                              for x in splits),
                         offload_optimizer={"off": (False,), "on": (True,),
                                            "search": (False, True)}[args.offload_optimizer])
     return cfg, cluster, work, space
+
+
+def _ulysses(args) -> tuple[int, ...] | None:
+    """--cp-ulysses, refused where the runtime has no Ulysses to run a hybrid with."""
+    if args.cp_ulysses and any(u > 1 for u in args.cp_ulysses) and \
+            "ulysses" not in CP_ALGORITHMS:
+        raise ConfigError("--cp-ulysses: this threefold has no Ulysses all-to-all "
+                          f"(cp algorithms: {', '.join(CP_ALGORITHMS)}); use 1")
+    if args.cp_ulysses and any(u < 1 for u in args.cp_ulysses):
+        raise ConfigError("--cp-ulysses: degrees are >= 1 (1 = the algorithm alone)")
+    return args.cp_ulysses
 
 
 def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:

@@ -1,9 +1,10 @@
 """The longest sequence a model fits on a cluster, for each context-parallel split (``threefold
 plan --max-seq-len``): the long-context user's first question.
 
-For each split — cp degree and algorithm (every name in ``CP_ALGORITHMS``; the bytes each
+For each split — cp degree, algorithm (every name in ``CP_ALGORITHMS``; the bytes each
 moves are ``threefold.accounting.cp_bytes_per_attention``'s, so an algorithm added there is
-planned here too) — a binary search over the sequence length, in steps of ``granule`` tokens,
+planned here too) and, where the runtime has Ulysses, each hybrid's Ulysses degree
+(``search.cp_splits``) — a binary search over the sequence length, in steps of ``granule`` tokens,
 for the longest at which some layout of the rest (tp, pp, vpp, ZeRO, recompute, offload as
 ``space`` allows; micro-batches of one sequence) fits in memory, at its step and at
 start-up. Memory grows with the length for every layout, so "some layout fits" is monotone
@@ -22,7 +23,7 @@ from threefold.layout import Layout, Workload
 from threefold.plan.candidates import Candidate, SearchSpace
 from threefold.plan.cluster import Cluster
 from threefold.plan.memory import memory_per_rank
-from threefold.plan.search import enumerate_layouts, search
+from threefold.plan.search import cp_splits, enumerate_layouts, search
 from threefold.plan.startup import startup_peaks
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
 
@@ -35,6 +36,7 @@ class Longest(NamedTuple):
 
     cp: int
     algorithm: str
+    ulysses: int  # a hybrid's all-to-all degree inside cp (1: the algorithm alone)
     seq_len: int
     batch: int
     best: Candidate | None
@@ -66,12 +68,13 @@ def _fits(cfg: ModelConfig, world: int, work: Workload, space: SearchSpace,
 
 def longest_for(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpace,
                 cp: int, algorithm: str, batch_tokens: int, granule: int = 1024,
-                limit: float | None = None) -> Longest:
+                limit: float | None = None, ulysses: int = 1) -> Longest:
     """The longest sequence, a multiple of ``granule`` (and of 2·cp), that some layout with
-    this cp split fits, and the fastest layout there."""
+    this cp split (``ulysses`` > 1: a hybrid) fits, and the fastest layout there."""
     limit = cluster.hardware.memory_bytes if limit is None else limit
     step = granule * 2 * cp // _gcd(granule, 2 * cp)
-    one = dataclasses.replace(space, cp=(cp,), cp_algorithm=(algorithm,), microbatch_size=(1,))
+    one = dataclasses.replace(space, cp=(cp,), cp_algorithm=(algorithm,),
+                              cp_ulysses=(ulysses,), microbatch_size=(1,))
     world = cluster.num_gpus
 
     def ok(n: int) -> bool:
@@ -79,7 +82,7 @@ def longest_for(cfg: ModelConfig, cluster: Cluster, work: Workload, space: Searc
             is not None
 
     if not ok(1):
-        return Longest(cp, algorithm, 0, 0, None)
+        return Longest(cp, algorithm, ulysses, 0, 0, None)
     lo, hi = 1, 2
     while hi * step <= MAX_SEQ_LEN and ok(hi):  # double until it does not fit
         lo, hi = hi, hi * 2
@@ -90,7 +93,8 @@ def longest_for(cfg: ModelConfig, cluster: Cluster, work: Workload, space: Searc
     seq = lo * step
     at = _work(work, seq, batch_tokens)
     found = search(cfg, cluster, at, one, memory_limit=limit, keep=1)
-    return Longest(cp, algorithm, seq, at.global_batch, found.ranked[0] if found.ranked else None)
+    return Longest(cp, algorithm, ulysses, seq, at.global_batch,
+                   found.ranked[0] if found.ranked else None)
 
 
 def _gcd(a: int, b: int) -> int:
@@ -103,15 +107,15 @@ def longest_sequences(cfg: ModelConfig, cluster: Cluster, work: Workload,
                       space: SearchSpace, batch_tokens: int, granule: int = 1024,
                       limit: float | None = None) -> list[Longest]:
     """``longest_for`` every split in ``space``: cp degrees (None: every divisor of the
-    world; a mixture of experts only 1, as the runtime runs it) times ``space.cp_algorithm``
-    (one row at cp = 1, where none is used)."""
+    world; a mixture of experts only 1, as the runtime runs it) times the splits
+    ``search.cp_splits`` gives at each (one row at cp = 1, where none is used)."""
     world = cluster.num_gpus
     experts = bool(cfg.num_local_experts)
     degrees = space.cp or [d for d in range(1, world + 1) if world % d == 0 and
                            (d == 1 or not experts)]
     rows = []
     for cp in degrees:
-        for alg in (space.cp_algorithm[:1] if cp == 1 else space.cp_algorithm):
+        for alg, hybrid in cp_splits(cp, space):
             rows.append(longest_for(cfg, cluster, work, space, cp, alg, batch_tokens,
-                                    granule, limit))
+                                    granule, limit, hybrid.get("cp_ulysses", 1)))
     return rows

@@ -21,10 +21,11 @@ from threefold.accounting import row_spans
 BALANCED_ALGORITHMS = ("ring", "allgather")
 
 
-def split_balance(balance: str, algorithm: str) -> str:
-    """The split that runs: ``balance`` where ``algorithm`` composes with any split, else the
+def split_balance(balance: str, algorithm: str, ulysses: int = 1) -> str:
+    """The split that runs: ``balance`` where ``algorithm`` composes with any split and all
+    cp ranks form its one group (``ulysses`` 1: no all-to-all degree inside cp), else the
     causal head-tail split."""
-    return balance if algorithm in BALANCED_ALGORITHMS else "causal"
+    return balance if algorithm in BALANCED_ALGORITHMS and ulysses == 1 else "causal"
 
 
 def document_lengths(row: torch.Tensor) -> list[int]:
