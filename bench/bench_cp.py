@@ -281,7 +281,7 @@ def make_step(side: str, algorithm: str, mcfg, ocfg, seed, ctx):
     if side == "threefold":
         from threefold.parallel.transforms.context import apply_context_parallel
 
-        apply_context_parallel(model, ctx["comm"], algorithm)
+        apply_context_parallel(model, ctx["comm"], algorithm, **ctx.get("hybrid", {}))
     elif side == "torch":
         set_torch_rotate(algorithm)
     params = [p for p in model.parameters()]
@@ -304,7 +304,9 @@ def make_step(side: str, algorithm: str, mcfg, ocfg, seed, ctx):
         elif side == "threefold":
             from threefold.parallel.transforms.context import shard_batch
 
-            micro = shard_batch({"input_ids": ids, "labels": labels}, cp, rank)
+            # Ulysses' contiguous slices (all cp ranks, or a hybrid's inner ones)
+            whole = {"ulysses": cp} if algorithm == "ulysses" else ctx.get("hybrid", {})
+            micro = shard_batch({"input_ids": ids, "labels": labels}, cp, rank, **whole)
             with hooks:
                 loss = loss_of(micro["input_ids"], micro["labels"], micro["position_ids"],
                                n_tokens)

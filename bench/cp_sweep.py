@@ -33,7 +33,31 @@ MIB = 2**20
 
 
 def _cp_bytes(comm) -> int:
-    return sum(comm.totals().get("cp", {}).values())
+    """Bytes sent on the cp axes (a hybrid's cp_inner and cp_outer too)."""
+    return sum(sum(ops.values()) for axis, ops in comm.totals().items() if axis.startswith("cp"))
+
+
+def _splits(args, ctx) -> list[tuple[str, int, dict]]:
+    """(algorithm, Ulysses degree, ctx) of each split the planner searches at this cp
+    (``threefold.plan.search.cp_splits``: each algorithm, and where the runtime has Ulysses
+    each hybrid, on a mesh of its own cp_inner × cp_outer axes)."""
+    from threefold.comm.counted import Comm
+    from threefold.comm.mesh import build_mesh
+    from threefold.layout import Layout
+    from threefold.plan.candidates import SearchSpace
+    from threefold.plan.search import cp_splits
+
+    out = []
+    for alg, hybrid in cp_splits(ctx["cp"], SearchSpace(cp_algorithm=tuple(args.algorithm_list))):
+        mine = ctx
+        if hybrid:
+            dims = Layout(cp=ctx["cp"], cp_algorithm=alg, **hybrid)
+            comm = Comm(dims, build_mesh(dims, "cpu"))
+            for axis in dims.cp_axes:  # the hybrid's two axes (groups are made on every rank)
+                comm.add_axis(axis, dims.axis_groups(axis))
+            mine = {**ctx, "comm": comm, "hybrid": {"ulysses": hybrid["cp_ulysses"]}}
+        out.append((alg, hybrid.get("cp_ulysses", 1), mine))
+    return out
 
 
 def sweep_one(make_step, algorithm, mcfg, ocfg, args, ctx, seq_len) -> dict:
@@ -56,8 +80,15 @@ def sweep_one(make_step, algorithm, mcfg, ocfg, args, ctx, seq_len) -> dict:
         step(ids, labels)
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
-    kv = 2 * args.batch * mcfg.num_key_value_heads * (seq_len // world) * mcfg.head_dim * 4
-    fwd, bwd = cp_bytes_per_attention(kv, world, algorithm)
+    per_head = args.batch * (seq_len // world) * mcfg.head_dim * 4
+    kv_heads, extra = mcfg.num_key_value_heads, {}
+    u = world if algorithm == "ulysses" else ctx.get("hybrid", {}).get("ulysses", 1)
+    if u > 1:  # the all-to-all also moves q and the output; K/V heads are repeated up to
+        kv_heads = max(kv_heads, u)  # the Ulysses ranks where fewer
+        extra = {"q_bytes": mcfg.num_attention_heads * per_head,
+                 "out_bytes": mcfg.num_attention_heads * per_head,
+                 **({"ulysses": u} if algorithm != "ulysses" else {})}
+    fwd, bwd = cp_bytes_per_attention(2 * kv_heads * per_head, world, algorithm, **extra)
     return {"seconds": seconds, "saved": saved, "sent": sent,
             "formula": mcfg.num_hidden_layers * (fwd + bwd),
             "peak": (peak - rss0) if peak is not None and rss0 is not None else float("nan")}
@@ -68,17 +99,18 @@ def sweep(make_step, ocfg, args, ctx) -> list[dict]:
     ``--algorithms``; rows on rank 0 (None elsewhere)."""
     from threefold.config import ModelConfig
 
-    rows = []
+    rows, splits = [], _splits(args, ctx)
     for pair in args.sweep_heads.split(","):
         heads, kv = (int(x) for x in pair.split(":"))
         mcfg = ModelConfig(preset=args.preset, vocab_size=args.vocab, num_attention_heads=heads,
                            num_key_value_heads=kv).resolved()
         for seq_len in (int(x) for x in args.sweep_lens.split(",")):
             mcfg.max_position_embeddings = max(mcfg.max_position_embeddings, seq_len)
-            for alg in args.algorithm_list:
-                row = {"heads": heads, "kv_heads": kv, "seq_len": seq_len, "algorithm": alg}
+            for alg, u, mine_ctx in splits:
+                name = alg + (f"x{u}u" if u > 1 else "")  # ring x2u: 2 Ulysses ranks inside
+                row = {"heads": heads, "kv_heads": kv, "seq_len": seq_len, "algorithm": name}
                 try:
-                    mine = sweep_one(make_step, alg, mcfg, ocfg, args, ctx, seq_len)
+                    mine = sweep_one(make_step, alg, mcfg, ocfg, args, mine_ctx, seq_len)
                 except ValueError as e:  # the layout refuses it (the same on every rank)
                     rows.append({**row, "refused": str(e).splitlines()[0]})
                     continue
@@ -97,7 +129,6 @@ def packed_work(args, world: int) -> list[dict]:
     """Per length and mixture: max/mean attention work over the cp ranks, before and after,
     counted from the runtime's masks, and whether the planner's simulator agrees."""
     from threefold.accounting import attention_work, imbalance, row_spans
-    from threefold.parallel.transforms.context import chunk_index
     from threefold.parallel.transforms.cp_order import rank_positions, row_visibility
     from threefold.plan.packed_rows import MIXTURES, packed_rows
 
@@ -111,8 +142,7 @@ def packed_work(args, world: int) -> list[dict]:
                 docs = torch.repeat_interleave(torch.arange(len(lengths)),
                                                torch.tensor(lengths))[None]
                 for balance in stats:
-                    pos = rank_positions(docs, world, balance) if balance == "documents" else \
-                        torch.stack([chunk_index(seq_len, world, r)[None] for r in range(world)])
+                    pos = rank_positions(docs, world, balance)  # (cp, 1, T/cp)
                     every = torch.arange(seq_len)[None]
                     work = [int(row_visibility(pos[r], every, docs).sum()) for r in range(world)]
                     agree &= work == attention_work(lengths, row_spans(lengths, world, balance))

@@ -79,7 +79,7 @@ def test_shard_batch_by_documents_keeps_positions_and_labels():
     ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
     micro = {"input_ids": ids, "labels": ids.roll(-1, 1), "document_ids": docs,
              "position_ids": torch.arange(32).expand(2, 32) % 7}
-    parts = [shard_batch(micro, 2, r, "documents") for r in range(2)]
+    parts = [shard_batch(micro, 2, r, balance="documents") for r in range(2)]
     pos = rank_positions(docs, 2, "documents")
     for r, part in enumerate(parts):
         assert torch.equal(part["document_ids"], docs)  # whole on every rank
