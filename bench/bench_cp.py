@@ -4,6 +4,7 @@ the longest sequence one training step fits in a memory budget on 1 rank vs 4 cp
     python3 bench/bench_cp.py                        # the defaults below (a few minutes)
     python3 bench/bench_cp.py --rounds 2 --no-longest  # throughput and memory only, quicker
     python3 bench/bench_cp.py --algorithms ring,allgather --budget-mib 384
+    python3 bench/bench_cp.py --no-torch --no-longest --sweep-lens 1024,4096  # the sweep only
 
 Started without torchrun's environment, the script re-launches itself under
 ``python -m torch.distributed.run --standalone --nproc-per-node N`` (gloo, one OpenMP thread
@@ -62,6 +63,11 @@ Reported:
    the others waiting. For this phase glibc serves allocations of 128 KiB and more by mmap
    (``mallopt(M_MMAP_THRESHOLD)``), so the peak follows the live tensors (see
    ``exact_malloc``); phase 1 keeps the default allocator, as training runs.
+5. the sweep (``bench/cp_sweep.py``): every algorithm in ``CP_ALGORITHMS`` (or
+   ``--algorithms``) at each of ``--sweep-lens`` and ``--sweep-heads``, threefold alone:
+   tokens/s, peak memory, saved bytes, the cp bytes of a step measured and in closed form;
+   and the attention work of packed rows per cp rank before and after the split by documents.
+   Phases 1 and 4 compare with torch where torch has the algorithm (ring, allgather).
 """
 
 from __future__ import annotations
@@ -81,11 +87,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (ab_rows, peak_rss_bytes, print_table, report,  # noqa: E402
                           revision, run_ranks, start_peak_rss_window)
 from threefold.accounting import num_parameters  # noqa: E402
-from threefold.config import ModelConfig, OptimConfig  # noqa: E402
+from bench.cp_sweep import packed_work, print_sweep, sweep  # noqa: E402
+from threefold.config import CP_ALGORITHMS, ModelConfig, OptimConfig  # noqa: E402
 from threefold.parallel.engines.adamw import make_adamw
 from threefold.training.train import build_model  # noqa: E402
 
 SIDES = ("threefold", "torch")
+TORCH_ROTATE = {"ring": "alltoall", "allgather": "allgather"}  # torch's rotate method for each
 MIB = 2**20
 
 
@@ -94,9 +102,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # not "--nproc": torchrun's parser would take it for an abbreviation of its own option
     ap.add_argument("--ranks", type=int, default=4, help="processes = cp degree")
-    ap.add_argument("--algorithms", default="ring",
-                    help="comma-separated: ring (torch rotate 'alltoall'), allgather (torch "
-                         "rotate 'allgather')")
+    ap.add_argument("--algorithms", default="",
+                    help="comma-separated, of " + ",".join(CP_ALGORITHMS) + " (default: all); "
+                    "against torch: ring (torch rotate 'alltoall'), allgather ('allgather')")
+    ap.add_argument("--no-torch", dest="torch", action="store_false",
+                    help="skip phase 1 (threefold against torch at --seq-len)")
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false",
+                    help="skip the sweep over lengths, heads and algorithms")
+    ap.add_argument("--sweep-lens", default="1024,2048,4096", help="sweep: sequence lengths")
+    ap.add_argument("--sweep-heads", default="8:8,8:2",
+                    help="sweep: query:kv heads pairs (the preset's width)")
+    ap.add_argument("--packed-rows", type=int, default=16,
+                    help="sweep: packed rows per length and mixture for the work imbalance")
     ap.add_argument("--preset", default="tiny", help="model preset (tiny: h 256, 4 layers, "
                                                     "8 heads, 4 kv heads)")
     ap.add_argument("--kv-heads", type=int, default=0, help="override the preset's kv heads")
@@ -213,7 +230,7 @@ def set_torch_rotate(algorithm: str) -> None:
     allgather = allgather."""
     from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-    set_rotate_method("alltoall" if algorithm == "ring" else "allgather")
+    set_rotate_method(TORCH_ROTATE[algorithm])
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,7 +281,7 @@ def make_step(side: str, algorithm: str, mcfg, ocfg, seed, ctx):
     if side == "threefold":
         from threefold.parallel.transforms.context import apply_context_parallel
 
-        apply_context_parallel(model, ctx["comm"], algorithm)
+        apply_context_parallel(model, ctx["comm"], algorithm, **ctx.get("hybrid", {}))
     elif side == "torch":
         set_torch_rotate(algorithm)
     params = [p for p in model.parameters()]
@@ -287,7 +304,9 @@ def make_step(side: str, algorithm: str, mcfg, ocfg, seed, ctx):
         elif side == "threefold":
             from threefold.parallel.transforms.context import shard_batch
 
-            micro = shard_batch({"input_ids": ids, "labels": labels}, cp, rank)
+            # Ulysses' contiguous slices (all cp ranks, or a hybrid's inner ones)
+            whole = {"ulysses": cp} if algorithm == "ulysses" else ctx.get("hybrid", {})
+            micro = shard_batch({"input_ids": ids, "labels": labels}, cp, rank, **whole)
             with hooks:
                 loss = loss_of(micro["input_ids"], micro["labels"], micro["position_ids"],
                                n_tokens)
@@ -461,7 +480,8 @@ def worker(args: argparse.Namespace) -> None:
     mcfg.max_position_embeddings = max(mcfg.max_position_embeddings, args.seq_len,
                                        args.longest_max)
     ocfg = OptimConfig()
-    algorithms = [a for a in args.algorithms.split(",") if a]
+    args.algorithm_list = [a for a in args.algorithms.split(",") if a] or list(CP_ALGORITHMS)
+    algorithms = [a for a in args.algorithm_list if a in TORCH_ROTATE] if args.torch else []
 
     unmodified = unmodified_torch_cp_error(cp_mesh, mcfg.num_attention_heads,
                                            mcfg.num_key_value_heads)
@@ -471,7 +491,7 @@ def worker(args: argparse.Namespace) -> None:
     tokens = torch.randint(mcfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
-    single = single_reference(mcfg, ocfg, args, batch)
+    single = single_reference(mcfg, ocfg, args, batch) if algorithms else None
     results = {a: [] for a in algorithms}  # algorithm -> [(round, side, per-rank dicts)]
     for r in range(args.rounds):
         for a in algorithms:
@@ -491,8 +511,11 @@ def worker(args: argparse.Namespace) -> None:
         if args.longest_torch:
             searches[f"{world} ranks torch ring"] = longest("torch", "ring", mcfg, ocfg,
                                                            args, ctx, world)
+    swept = sweep(make_step, ocfg, args, ctx) if args.sweep else []
     if env.rank == 0:
-        summarise(args, mcfg, world, unmodified, single, results, searches)
+        if results or searches:
+            summarise(args, mcfg, world, unmodified, single, results, searches)
+        print_sweep(swept, packed_work(args, world) if args.sweep else [], world)
     shutdown()
 
 

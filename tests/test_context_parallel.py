@@ -43,13 +43,15 @@ def test_chunks_are_balanced_and_cover_the_sequence():
     assert got["document_ids"].shape == (1, 16)  # whole: masks need every token's document
 
 
-def _attention_check(rank, world, algorithm, packed):
-    """This cp rank's output and gradients against SDPA over the whole sequence."""
+def _attention_check(rank, world, algorithm, packed, balance="causal"):
+    """This cp rank's output and gradients against SDPA over the whole sequence, its tokens
+    split head-tail or (``balance`` documents) by the packed documents."""
     from threefold.comm.counted import Comm
     from threefold.layout import Layout
     from threefold.comm.mesh import build_mesh
     from threefold.model.attention import document_mask, sdpa_attention
     from threefold.parallel.transforms.context import RingAttention, allgather_attention
+    from threefold.parallel.transforms.cp_order import rank_positions
 
     dims = Layout(cp=world)
     comm = Comm(dims, build_mesh(dims, "cpu"))
@@ -60,12 +62,18 @@ def _attention_check(rank, world, algorithm, packed):
     ref = sdpa_attention(q, k, v, document_mask(docs) if packed else None)
     grad = torch.randn(ref.shape, generator=gen)
     ref.backward(grad)
-    idx = chunk_index(t, world, rank)
-    ql, kl, vl = (x.detach()[:, :, idx].clone().requires_grad_() for x in (q, k, v))
+    pos = rank_positions(docs, world, balance) if balance == "documents" else None
+    idx = chunk_index(t, world, rank).expand(b, -1) if pos is None else pos[rank]
+    assert pos is None or not torch.equal(idx, chunk_index(t, world, rank).expand(b, -1))
+
+    def mine(x):  # (B, heads, T, d) -> this rank's tokens of each row
+        return x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+    ql, kl, vl = (mine(x.detach()).clone().requires_grad_() for x in (q, k, v))
     fn = RingAttention.apply if algorithm == "ring" else allgather_attention
-    out = fn(ql, kl, vl, docs, comm, t)
-    out.backward(grad[:, :, idx])
-    err = {name: float((a - r[:, :, idx]).abs().max()) for name, a, r in
+    out = fn(ql, kl, vl, docs, comm, t, pos)
+    out.backward(mine(grad))
+    err = {name: float((a - mine(r)).abs().max()) for name, a, r in
            (("out", out, ref), ("dq", ql.grad, q.grad), ("dk", kl.grad, k.grad),
             ("dv", vl.grad, v.grad))}
     return err, sum(comm.totals()["cp"].values())
@@ -75,9 +83,10 @@ def _attention_check(rank, world, algorithm, packed):
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_attention_equals_whole_sequence_attention(world):
     cases = [(a, packed) for a in ALGORITHMS for packed in (False, True)]
+    cases += [(a, True, "documents") for a in ALGORITHMS]  # rows split by their documents
     results = run_checks(world, [(_attention_check, c) for c in cases], timeout=120)
     kv_bytes = 2 * 2 * 2 * (16 // world) * 8 * 4  # K and V: b·kv_heads·T/N·d fp32
-    for (algorithm, packed), per_rank in zip(cases, results):
+    for (algorithm, packed, *_), per_rank in zip(cases, results):
         fwd, bwd = cp_bytes_per_attention(kv_bytes, world, algorithm)
         for err, sent in per_rank:
             assert max(err.values()) < 5e-6, (algorithm, packed, err)
@@ -195,7 +204,8 @@ def test_cp_layouts_equal_single_process(world, runs, algorithm, reference, corp
 @pytest.mark.slow
 def test_sft_packed_under_cp_equals_single_process(corpus, cache_dir, tmp_path):
     """Packed conversations (per-document attention, positions restarting per document) split
-    over cp ranks: the masks see the whole sequence's document ids."""
+    over cp ranks by their documents (``parallel.cp_balance documents``, the default): the
+    masks see the whole sequence's document ids and the positions each rank holds."""
     from tests.dist import train_runs
     from tests.test_sft import post_overrides
     from threefold.post import SFTTask

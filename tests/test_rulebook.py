@@ -88,6 +88,9 @@ ROWS = [
         "train.recompute: selective is not available with parallel.cp > 1 (ring attention's "
         "per-hop results would all be kept); use full or none",
         ("--cp", "2", "--recompute", "selective")),
+    Row("mlp_tiles_plain", {"train.mlp_tiles": 4, "train.recompute": "selective"}, 2,
+        "train.mlp_tiles: 4 tiles a dense MLP with plain projections, not with train.recompute "
+        "selective; set train.mlp_tiles 1", ("--mlp-tiles", "4", "--recompute", "selective")),
     Row("cp_attention", {"model.sliding_window": 64, "parallel.cp": 2}, 2,
         "model.sliding_window: 64: context parallelism (parallel.cp=2) does not compute this "
         "attention yet; set parallel.cp 1", ("--cp", "2")),

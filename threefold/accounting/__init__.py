@@ -67,6 +67,8 @@ from threefold.accounting.stages import (
 )
 from threefold.accounting.collective import Collective
 from threefold.accounting.ep_levels import nodes_per_token
+from threefold.accounting.cp_balance import (attention_work, document_spans, headtail_spans,
+    imbalance, row_spans)
 from threefold.accounting.links import axis_crosses_nodes, axis_stride, axis_stride_and_span
 from threefold.accounting.traffic import (collectives, comm_bytes_per_step, cp_bytes_per_attention,
     offload_bytes_per_step)
@@ -80,4 +82,5 @@ __all__ = [
     "microbatches", "moe_matmul_parameters", "num_parameters", "offload_bytes_per_step",
     "owned_parameters", "padded_vocab", "parameter_numels", "pipeline_layers", "rank_layers",
     "stage_expert_units", "stage_parameters", "stage_units", "tp_shard", "TPShard",
+    "attention_work", "document_spans", "headtail_spans", "imbalance", "row_spans",
 ]

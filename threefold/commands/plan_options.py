@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from threefold.config import EP_DISPATCHES, MODEL_PRESETS, ConfigError
+from threefold.config import CP_ALGORITHMS, EP_DISPATCHES, MODEL_PRESETS, ConfigError
 from threefold.hardware.catalogue import GPUS
 from threefold.plan.network import CLUSTERS
 from threefold.plan.search import CP_MIN_SEQ_LEN
@@ -81,6 +81,9 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="bf16 mixed precision with fp32 Adam (16 bytes/param), or fp32")
     p.add_argument("--fp8", choices=("none", "tensorwise", "rowwise"), default="none",
                    help="as train.fp8: the blocks' projections in FP8, at the GPU's FP8 peak")
+    p.add_argument("--mlp-tiles", type=int, default=1, metavar="N",
+                   help="as train.mlp_tiles: each dense MLP over the sequence in N tiles, "
+                   "recomputed in backward (its activations stop growing with length)")
     p.add_argument("--attention", choices=("flash", "eager"), default="flash",
                    help="flash: attention probabilities not stored; eager: stored")
     p.add_argument("--block", choices=("threefold", "megatron"), default="threefold",
@@ -108,7 +111,12 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
                    help="only these context-parallel degrees (default: 1, and every one that "
                    f"splits the sequence when --seq-len >= {CP_MIN_SEQ_LEN} or nothing fits "
                    "without)")
-    p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather")
+    p.add_argument("--cp-algorithm", help="only these cp algorithms (comma list): "
+                   + ",".join(CP_ALGORITHMS))
+    p.add_argument("--cp-ulysses", type=int_list,
+                   help="hybrid cp: only these Ulysses (all-to-all) degrees inside cp, the ring "
+                   "or all-gather over the rest; 1 = the algorithm alone (default: 1 and every "
+                   "divisor of cp, where the runtime has Ulysses)")
     p.add_argument("--ep", type=int_list,
                    help="only these expert-parallel degrees (a mixture of experts; default: "
                    "every divisor of the experts that divides dp_shard)")
@@ -133,6 +141,10 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
 def add_output_options(p: argparse.ArgumentParser) -> None:
     """What is printed, and the measured or published hardware to plan for instead."""
     p.add_argument("--json", action="store_true", help="print the top layouts as JSON")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="instead of ranking layouts at --seq-len: the longest sequence that "
+                   "fits for each cp split (degree, algorithm; --cp and --cp-algorithm "
+                   "narrow them), with the fastest layout there and its time per token")
     p.add_argument("--explain", action="store_true", help="say why each loses to the best")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (matmul FLOP/s, memory and gloo all-reduce "

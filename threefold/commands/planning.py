@@ -59,6 +59,7 @@ from threefold.plan.report import summary_lines, format_table, to_json_rows
 from threefold.plan.search import moe_notes, search
 from threefold.plan.terms import count_text
 from threefold.plan.network import CLUSTERS, levels_from_record
+from threefold.commands.plan_longest import print_longest
 from threefold.commands.plan_options import UsageError, build_parser, choices
 
 def load_model(spec: str) -> ModelConfig:
@@ -140,7 +141,7 @@ def _hardware(args, record: dict | None = None) -> Hardware:
 
 def _setup(args):
     cfg = load_model(args.model)
-    for name in ("gpus", "gpus_per_node", "top", "global_batch_tokens"):
+    for name in ("gpus", "gpus_per_node", "top", "global_batch_tokens", "mlp_tiles"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
     for name in ("peak_tflops", "memory_gb", "intra_bw_gbps", "inter_bw_gbps"):
@@ -163,6 +164,7 @@ def _setup(args):
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
                     precision=args.precision, flash_attention=args.attention == "flash",
                     block=args.block, lora_r=args.lora_r, lora_targets=targets, fp8=args.fp8,
+                    mlp_tiles=args.mlp_tiles,
                     fp8_gather=args.fp8 == "tensorwise" and not args.lora_r
                     and not cfg.num_local_experts)
     record = _hardware_record(args)
@@ -174,13 +176,25 @@ def _setup(args):
     tp = (1,) if args.fp8 != "none" and args.lora_r else args.tp  # FP8 under LoRA: tp 1
     space = SearchSpace(tp=tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
                         recompute=recompute if args.recompute else None, cp=args.cp,
-                        cp_algorithm=algorithms, ep=args.ep, tp_overlap=args.tp_overlap,
+                        cp_algorithm=algorithms, cp_ulysses=_ulysses(args),
+                        ep=args.ep, tp_overlap=args.tp_overlap,
                         ep_dispatch=args.ep_dispatch, gpus_per_node=cluster.gpus_per_node,
                         pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
                                              for x in splits),
                         offload_optimizer={"off": (False,), "on": (True,),
                                            "search": (False, True)}[args.offload_optimizer])
     return cfg, cluster, work, space
+
+
+def _ulysses(args) -> tuple[int, ...] | None:
+    """--cp-ulysses, refused where the runtime has no Ulysses to run a hybrid with."""
+    if args.cp_ulysses and any(u > 1 for u in args.cp_ulysses) and \
+            "ulysses" not in CP_ALGORITHMS:
+        raise ConfigError("--cp-ulysses: this threefold has no Ulysses all-to-all "
+                          f"(cp algorithms: {', '.join(CP_ALGORITHMS)}); use 1")
+    if args.cp_ulysses and any(u < 1 for u in args.cp_ulysses):
+        raise ConfigError("--cp-ulysses: degrees are >= 1 (1 = the algorithm alone)")
+    return args.cp_ulysses
 
 
 def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:
@@ -259,6 +273,8 @@ def main(argv: list[str]) -> int:
     except (UsageError, ConfigError, ValueError) as e:
         print(f"threefold plan: error: {e}", file=sys.stderr)
         return 2
+    if args.max_seq_len:
+        return print_longest(args, cfg, cluster, work, space)
     cpu = time.process_time()
     result = search(cfg, cluster, work, space, keep=args.top)
     cpu = time.process_time() - cpu

@@ -25,6 +25,7 @@ from threefold.config.presets import GPT_SHAPES, MODEL_PRESETS
 from threefold.config.schema import (
     CP_ALGORITHMS,
     EP_DISPATCHES,
+    CP_BALANCES,
     MODEL_FAMILIES,
     PIPELINE_SCHEDULES,
     RECOMPUTE_MODES,
@@ -45,7 +46,8 @@ from threefold.config.validation import validate
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
     "LoRAConfig", "MetricsConfig", "MODEL_FAMILIES", "ModelConfig", "OptimConfig",
-    "CP_ALGORITHMS", "EP_DISPATCHES", "PIPELINE_SCHEDULES", "ParallelConfig", "RECOMPUTE_MODES",
+    "CP_ALGORITHMS", "CP_BALANCES", "EP_DISPATCHES", "PIPELINE_SCHEDULES", "ParallelConfig",
+    "RECOMPUTE_MODES",
     "TrainConfig",
     "apply_mapping", "describe", "fp8_all_gather", "load_config", "param_dtype",
     "parse_overrides", "take_flag",

@@ -20,6 +20,8 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dua
 # (threefold.parallel.transforms.recompute): named once here, at the bottom, for validation, the
 # rule book, the planner's options and the runtime.
 CP_ALGORITHMS = ("ring", "allgather")
+# How packed rows are split over cp ranks (threefold.accounting.cp_balance).
+CP_BALANCES = ("documents", "causal")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # How expert parallelism's all-to-alls travel (threefold.parallel.transforms.expert_dispatch).
 EP_DISPATCHES = ("flat", "hierarchical")
@@ -88,6 +90,10 @@ class ParallelConfig:
                             "launcher's --nproc-per-node (torchrun's LOCAL_WORLD_SIZE)")
     zero_stage: int = _f(0, "ZeRO stage over dp_shard: 0 none, 1 optimiser, 2 +grads, 3 +params")
     sequence_parallel: bool = _f(False, "shard norms/residuals on the sequence within tp")
+    cp_balance: str = _f("documents", "how packed rows split over the cp ranks: documents "
+                         "(each document head-tail split, equal attention work under "
+                         "data.document_mask) or causal (the whole row head-tail split); one "
+                         "of " + ", ".join(CP_BALANCES))
     schedule: str = _f("1f1b", "pipeline schedule: " + ", ".join(PIPELINE_SCHEDULES))
     microbatches: int = _f(0, "pipeline microbatches per step; 0 = from the batch")
     vpp: int = _f(1, "model chunks per pipeline stage (interleaved 1F1B; 2 for zb-v and "
@@ -143,6 +149,9 @@ class TrainConfig:
                         "and attention outputs kept, norms, RoPE, SwiGLU and casts recomputed); "
                         "full (each block from its input)")
     compile: bool = _f(False, "torch.compile each block")
+    mlp_tiles: int = _f(1, "run each dense MLP over the sequence in this many tiles, each "
+                        "recomputed in backward (ALST's tiled MLP): its activations stop "
+                        "growing with the length; 1 = off")
     host_mmap_threshold_mb: float = _f(256.0, "CPU runs: glibc keeps freed blocks below this "
                                        "many MiB for reuse instead of mapping fresh pages "
                                        "each step (threefold/training/hostmem.py; 1 MiB at most with "

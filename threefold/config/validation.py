@@ -12,8 +12,8 @@ import importlib.util
 from threefold.config.fields import ConfigError, unknown_value
 from threefold.config.model_shape import ModelConfig
 from threefold.config.presets import MODEL_PRESETS
-from threefold.config.schema import (CP_ALGORITHMS, EP_DISPATCHES, MODEL_FAMILIES, PIPELINE_SCHEDULES,
-                                     RECOMPUTE_MODES, CheckpointConfig,
+from threefold.config.schema import (CP_ALGORITHMS, CP_BALANCES, EP_DISPATCHES, MODEL_FAMILIES,
+                                     PIPELINE_SCHEDULES, RECOMPUTE_MODES, CheckpointConfig,
                                      Config, DataConfig, LoRAConfig, MetricsConfig,
                                      OptimConfig, ParallelConfig, TrainConfig)
 
@@ -169,6 +169,8 @@ def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
     _one_of("parallel.ep_dispatch", p.ep_dispatch, list(EP_DISPATCHES))
     _need(p.gpus_per_node >= 0, f"parallel.gpus_per_node: must be >= 0 (0 = the launcher's "
           f"--nproc-per-node), got {p.gpus_per_node}")
+    _one_of("parallel.cp_balance", p.cp_balance, list(CP_BALANCES))
+    _need(t.mlp_tiles >= 1, f"train.mlp_tiles: must be >= 1 (1 = untiled), got {t.mlp_tiles}")
     p.pipeline_split = p.pipeline_split.replace(" ", "")  # "7, 9, 9, 7" as "7,9,9,7"
     _need(p.pipeline_split in ("params", "flops", "uniform")
           or all(x.isdigit() for x in p.pipeline_split.split(",")),

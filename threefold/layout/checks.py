@@ -43,6 +43,8 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if work.lora_r:
         rules.lora_without_experts(work.lora_r, e)
         rules.lora_kv_needs_split_kv(work.lora_targets, cfg.num_key_value_heads, lay.tp)
+    if work.mlp_tiles > 1:
+        rules.mlp_tiles_plain(work.mlp_tiles, lay.recompute, lay.tp_overlap, e)
     rules.vpp_needs_pp(lay.pp, lay.vpp)
     rules.layers_fill_chunks(cfg.num_hidden_layers, lay.pp, lay.vpp)
     m, rem = divmod(work.global_batch, lay.dp * lay.microbatch_size)

@@ -232,6 +232,8 @@ class Workload:
     fp8: str = "none"
     # parallel.fp8_all_gather resolved: ZeRO-3 gathers the FP8 weights in e4m3 (1 byte each)
     fp8_gather: bool = False
+    # train.mlp_tiles: each dense MLP run in this many sequence tiles, recomputed in backward
+    mlp_tiles: int = 1
 
     def fp8_gathers(self, layout: Layout) -> bool:
         """Whether ZeRO-3 gathers ``layout``'s FP8 weights in e4m3: ``fp8_gather`` where the
@@ -286,6 +288,6 @@ class Workload:
                    document_mask=cfg.data.document_mask, lora_r=cfg.lora.r,
                    lora_targets=lora_targets(cfg.lora) if cfg.lora.r else (),
                    init_from=bool(cfg.checkpoint.init_from), fp8=cfg.train.fp8,
-                   fp8_gather=fp8_all_gather(cfg))
+                   fp8_gather=fp8_all_gather(cfg), mlp_tiles=cfg.train.mlp_tiles)
 
 

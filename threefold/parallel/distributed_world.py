@@ -24,6 +24,7 @@ from threefold.layout import Layout, validate_layout
 from threefold.layout.checks import pipeline_microbatches
 from threefold.comm.mesh import build_mesh
 from threefold.parallel.transforms.context import shard_batch
+from threefold.parallel.transforms.cp_order import split_balance
 from threefold.parallel.materialize import buffer_pieces
 from threefold.parallel.pipeline.executor import PipelineExecutor
 from threefold.schedules.registry import schedule_spec
@@ -290,7 +291,9 @@ class Distributed(World):
         """This cp rank's tokens of a micro-batch of whole sequences (as they are for cp 1)."""
         if self.cp_size == 1:
             return micro
-        return shard_batch(micro, self.cp_size, self.cp_rank)
+        p = self.cfg.parallel
+        return shard_batch(micro, self.cp_size, self.cp_rank,
+                           split_balance(p.cp_balance, p.cp_algorithm))
 
     def checkpoint_pieces(self, engine) -> list:
         """This rank's checkpoint pieces, each placed in its logical tensor and each

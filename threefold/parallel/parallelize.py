@@ -41,6 +41,7 @@ from threefold.parallel.engines.engine import LocalEngine
 from threefold.parallel.transforms.expert import apply_expert_parallel
 from threefold.parallel.transforms.expert_dispatch import apply_hierarchical_dispatch
 from threefold.parallel.transforms.fp8_linear import apply_fp8
+from threefold.parallel.transforms.mlp_tiles import apply_mlp_tiles
 from threefold.parallel.transforms.recompute import apply_recompute
 from threefold.parallel.materialize import materialize_buffers, materialize_parameters
 from threefold.parallel.transforms.tensor import apply_tensor_parallel
@@ -75,7 +76,8 @@ def apply_model_parallel(model: CausalLM, cfg: Config, layout) -> CausalLM:
         model = apply_tensor_parallel(model, layout.comm, cfg.parallel.sequence_parallel,
                                       cfg.parallel.tp_overlap)
     if layout.cp_size > 1:
-        model = apply_context_parallel(model, layout.comm, cfg.parallel.cp_algorithm)
+        model = apply_context_parallel(model, layout.comm, cfg.parallel.cp_algorithm,
+                                       cfg.parallel.cp_balance)
     if layout.ep_size > 1:
         model = apply_expert_parallel(model, layout.comm)
         if cfg.parallel.ep_dispatch == "hierarchical":
@@ -154,6 +156,7 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
     if not frozen:  # LoRA: adapters on the named layers, the rest (but ``trainable``) frozen
         model = apply_lora(model, cfg.lora, trainable)
     model = layout.split_pipeline(model)           # 1
+    model = apply_mlp_tiles(model, cfg.train.mlp_tiles)  # inside tp's operators (module doc)
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
     if not frozen:  # FP8 over the (sliced) projections, before recompute wraps the blocks
         apply_fp8(model, cfg.train.fp8, layout.comm if layout.tp_size > 1 else None)

@@ -12,6 +12,7 @@ from threefold.accounting.counts import norms_per_block
 from threefold.accounting import nodes_per_token, tp_shard
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
+from threefold.plan.mlp_tiling import kept_lora_targets, tile_working_bytes, tiled_mlp_bytes
 from threefold.schedules.registry import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
@@ -241,6 +242,7 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
                                   layout.cp_algorithm)
     kept += block_document_mask_bytes(cfg, layout, work)
+    kept += tiled_mlp_bytes(cfg, layout, work)
     kept += fp8_scale_bytes(cfg, work)
     kept += gemma_extra_bytes(cfg, layout, work, b * local, sh.ffn)
     if cfg.qk_norm:
@@ -311,7 +313,7 @@ def adapter_activation_bytes(layout: Layout, work: Workload) -> float:
     adapted layer's input is the one the base layer keeps; with fewer targets than all, the
     frozen layers that are not adapted keep less than counted (their inputs are not needed),
     so the count is then an upper bound."""
-    per_layer = len(work.lora_targets) * work.lora_r
+    per_layer = kept_lora_targets(work) * work.lora_r  # a tiled MLP's are recomputed
     return layout.microbatch_size * local_seq_len(layout, work) * per_layer * work.act_bytes
 
 
@@ -335,10 +337,10 @@ def recompute_working_bytes(cfg: ModelConfig, layout: Layout, work: Workload) ->
     log-sum-exp, gate and up: the same storage, counted in the activations); 0 without."""
     mode = layout.recompute
     if mode == "none" or work.block == "megatron" and mode == "selective":
-        return 0.0
+        return tile_working_bytes(cfg, layout, work)
     whole = model_layer_activation_bytes(cfg, layout, work, recompute="none")
     if mode == "full":
-        return whole
+        return whole + tile_working_bytes(cfg, layout, work)
     sh, d = tp_shard(cfg, layout.tp), work.act_bytes
     shared = d * sh.kv_heads * cfg.head_dim + 2 * d * sh.ffn
     if work.flash_attention:

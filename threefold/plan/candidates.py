@@ -29,6 +29,10 @@ class SearchSpace:
     # nothing fits without cp; see ``search``)
     cp: tuple[int, ...] | None = None
     cp_algorithm: tuple[str, ...] = CP_ALGORITHMS
+    # hybrid context parallelism's all-to-all (Ulysses) degrees inside cp, each with the ring
+    # or all-gather over the rest (``parallel.cp_ulysses``); None: every divisor of cp where
+    # the runtime has Ulysses ("ulysses" in CP_ALGORITHMS), else none (1)
+    cp_ulysses: tuple[int, ...] | None = None
     # optimiser state in host memory (threefold.parallel.engines.offload): (False,) = never, (True,)
     # = every layout offloads, (False, True) = search both
     offload_optimizer: tuple[bool, ...] = (False,)

@@ -20,6 +20,7 @@ from threefold.accounting import owned_parameters, rank_layers
 from threefold.accounting import offload_bytes_per_step
 from threefold.config import ModelConfig
 from threefold.families.shapes import moe_layers
+from threefold.plan.mlp_tiling import tile_recompute_flops
 
 # The one calibration constant: achieved matmul FLOP/s as a fraction of the datasheet peak.
 # Fitted once to Narayanan et al. 2021 Table 1 (ten GPT runs, 1.7B-1T on up to 3072 A100s;
@@ -118,6 +119,7 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
         bwd = layers * (tokens * (2 * sharded + 2 * core) + 4 * adapters)
         fwd += layers * 2 * adapters
         frozen = 1
+    bwd += layers * tile_recompute_flops(cfg, layout, work)  # the tiled MLP's own recompute
     if layout.recompute == "full":
         bwd += fwd
     elif layout.recompute == "selective" and not work.flash_attention:

@@ -51,6 +51,7 @@ from threefold.accounting.stages import distinct_stages
 from threefold.config import ModelConfig
 from threefold.families.shapes import grouped_widths_unfit
 from threefold.layout import Layout, Workload
+from threefold.plan.mlp_tiling import tiled_mlp_weights
 from threefold.plan.activations import (adapter_activation_bytes, head_inflight_microbatches,
                                         head_saved_bytes, inflight_microbatches, logits_bytes,
                                         microbatch_extra_bytes, model_layer_activation_bytes,
@@ -68,7 +69,7 @@ def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
     if work.weight_bytes <= d:
         return 0.0
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
-    return d * sharded * rank_layers(cfg, layout, stage)
+    return d * (sharded - tiled_mlp_weights(cfg, layout, work)) * rank_layers(cfg, layout, stage)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from typing import Iterator
 from threefold.accounting import microbatches
 from threefold.accounting import tp_shard
 from threefold.accounting import pipeline_layers
-from threefold.config import RECOMPUTE_MODES, ConfigError, ModelConfig, ParallelConfig
+from threefold.config import (CP_ALGORITHMS, RECOMPUTE_MODES, ConfigError, ModelConfig,
+                              ParallelConfig)
 from threefold.layout import Layout, Workload, check_layout, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.cluster import Cluster
@@ -59,7 +60,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
             reject(e)
             continue
         for cp in _cp_degrees(world // tp, tp, work, space, reject, experts):
-            algorithms = ("ring",) if cp == 1 else space.cp_algorithm
+            algorithms = cp_splits(cp, space)  # (algorithm, Ulysses degree) pairs
             for pp in space.pp or _divisors(world // (tp * cp)):
                 try:
                     _fits_world(tp, cp, pp, world)
@@ -78,7 +79,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                 if dropped:
                     reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms)
                            * len(pipe_splits))
-                for alg, vpp, (zero, dp_r), mbs, rc, off, psplit in itertools.product(
+                for (alg, uly), vpp, (zero, dp_r), mbs, rc, off, psplit in itertools.product(
                         algorithms, vpps, splits, sizes, recompute, space.offload_optimizer,
                         pipe_splits):
                     for (sched, bound), ep in itertools.product(
@@ -86,7 +87,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                             _ep_degrees(experts, dp // dp_r, space, reject)):
                         lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
                                      zero_stage=zero, vpp=vpp, microbatch_size=mbs,
-                                     recompute=rc, cp=cp, cp_algorithm=alg,
+                                     recompute=rc, cp=cp, cp_algorithm=alg, **uly,
                                      offload_optimizer=off, ep=ep, pipeline_split=psplit,
                                      sequence_parallel=not experts, schedule=sched,
                                      pipeline_inflight=bound, tp_overlap=space.tp_overlap,
@@ -98,6 +99,21 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                             reject(e)
                             continue
                         yield lay
+
+
+def cp_splits(cp: int, space: SearchSpace) -> list[tuple[str, dict]]:
+    """The context-parallel splits to try at degree ``cp``: each algorithm of
+    ``space.cp_algorithm`` over all cp ranks, and where the runtime has Ulysses each hybrid of a
+    ring or all-gather over cp/u ranks with Ulysses' all-to-all over u (``space.cp_ulysses``,
+    where 1 is the algorithm alone; None: 1 and every divisor u of cp, 1 < u < cp). Each as
+    (algorithm, the Layout's hybrid field: ``{"cp_ulysses": u}``, or ``{}`` for none)."""
+    if cp == 1:
+        return [("ring", {})]
+    hybrids = "ulysses" in CP_ALGORITHMS  # the runtime has the all-to-all
+    degrees = space.cp_ulysses or [1] + [u for u in range(2, cp) if cp % u == 0 and hybrids]
+    return [(alg, {"cp_ulysses": u} if u > 1 else {}) for alg in space.cp_algorithm
+            for u in degrees if u == 1 or (hybrids and alg != "ulysses" and u < cp
+                                           and cp % u == 0)]
 
 
 def _rejecter(invalid: dict[str, int]):

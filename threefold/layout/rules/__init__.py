@@ -40,6 +40,7 @@ from threefold.layout.rules.pipeline_rules import (
 )
 from threefold.layout.rules.sequence_rules import (
     cp_attention,
+    mlp_tiles_plain,
     selective_without_cp,
     seq_len_over_cp,
     sequence_parallel_tokens,
@@ -93,6 +94,7 @@ __all__ = [
     "lora_without_experts",
     "micro_batch_divides",
     "microbatches_agree",
+    "mlp_tiles_plain",
     "pipeline_inflight",
     "rule",
     "rule_of",

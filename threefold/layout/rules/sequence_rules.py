@@ -37,6 +37,17 @@ def selective_without_cp(recompute: str, cp: int) -> None:
 
 
 @rule
+def mlp_tiles_plain(tiles: int, recompute: str, tp_overlap: int, experts: int) -> None:
+    """The tiled MLP takes its input tile by tile through plain projections of a dense MLP."""
+    clash = ("train.recompute selective" if recompute == "selective" else
+             "parallel.tp_overlap" if tp_overlap > 1 else
+             "a mixture of experts" if experts else "")
+    if tiles > 1 and clash:
+        raise LayoutError(f"train.mlp_tiles: {tiles} tiles a dense MLP with plain projections, "
+                          f"not with {clash}; set train.mlp_tiles 1")
+
+
+@rule
 def cp_attention(m: ModelConfig, cp: int) -> None:
     """Context parallelism's attention computes neither a sliding window, another score scale
     nor latent attention."""

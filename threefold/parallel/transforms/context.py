@@ -43,6 +43,8 @@ import torch
 
 from threefold.model.attention import Attention, sdpa_attention
 from threefold.model.decoder import DecoderModel
+from threefold.parallel.transforms.cp_order import (masked_block, rank_positions, row_visibility,
+                                                   split_balance, take_positions)
 from threefold.parallel.transforms.wrap import wrap
 
 
@@ -68,10 +70,12 @@ def chunk_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
                       torch.arange(hi, hi + c, device=device)])
 
 
-def shard_batch(micro: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str, torch.Tensor]:
+def shard_batch(micro: dict[str, torch.Tensor], cp: int, rank: int, balance: str = "causal"
+                ) -> dict[str, torch.Tensor]:
     """This cp rank's share of a micro-batch of whole sequences: its tokens of every field in
     ``TOKEN_KEYS`` (positions 0..T−1 made explicit first: a shard cannot tell them), the
-    rest (``document_ids``, a task's own per-sequence fields) as they are."""
+    rest (``document_ids``, a task's own per-sequence fields) as they are. ``balance``
+    documents splits rows with ``document_ids`` by their documents (``cp_order``)."""
     if cp == 1:
         return micro
     ids = micro["input_ids"]
@@ -79,6 +83,9 @@ def shard_batch(micro: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str,
     out = dict(micro)
     if out.get("position_ids") is None:
         out["position_ids"] = torch.arange(t, device=ids.device).expand(b, t)
+    if balance == "documents" and out.get("document_ids") is not None:
+        idx = rank_positions(out["document_ids"], cp, balance)[rank]
+        return out | {key: take_positions(out[key], idx) for key in TOKEN_KEYS}
     idx = chunk_index(t, cp, rank, ids.device)
     for key in TOKEN_KEYS:
         out[key] = out[key][:, idx]
@@ -87,9 +94,11 @@ def shard_batch(micro: dict[str, torch.Tensor], cp: int, rank: int) -> dict[str,
 
 class CPMask(NamedTuple):
     """What a context-parallel attention gets as its mask: the whole sequence's document
-    ids (B, T), or None for plain causal attention."""
+    ids (B, T), or None for plain causal attention, and the (cp, B, T/cp) positions each
+    rank holds when the rows are split by their documents (None: the head-tail chunks)."""
 
     document_ids: torch.Tensor | None
+    positions: torch.Tensor | None = None
 
 
 def visibility(q_idx: torch.Tensor, k_idx: torch.Tensor, docs: torch.Tensor | None):
@@ -123,13 +132,17 @@ class Piece(NamedTuple):
 
 
 def ring_pieces(n: int, r: int, src: int, tl: int, docs: torch.Tensor | None,
-                dtype: torch.dtype) -> list[Piece]:
+                dtype: torch.dtype, positions: torch.Tensor | None = None) -> list[Piece]:
     """What rank ``r``'s queries compute against the K/V block of rank ``src`` (``tl`` local
     tokens each: chunk c and chunk 2n−1−c of the sequence). The balanced split makes every
     pair simple: its own block is plain causal (its positions increase); an earlier rank's
     first chunk is wholly visible and its second wholly hidden; a later rank's block is
     wholly visible to the second query chunk and hidden from the first. Packed documents
-    add a mask to each piece (pieces no query sees are dropped)."""
+    add a mask to each piece (pieces no query sees are dropped). A split by ``positions``
+    (cp, B, T/cp) is one masked piece per block."""
+    if positions is not None:
+        block = masked_block(positions[r], positions[src], docs, dtype)
+        return [] if block is False else [Piece(slice(0, tl), slice(0, tl), False, *block)]
     half = tl // 2
     if src == r:
         pieces = [Piece(slice(0, tl), slice(0, tl), True)]
@@ -261,12 +274,12 @@ class RingAttention(torch.autograd.Function):
     sequence, K/V passed around the cp ring. Inputs as ``Attention.attend`` gets them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, docs, comm, seq_len):
+    def forward(ctx, q, k, v, docs, comm, seq_len, positions=None):
         with torch.autocast(q.device.type, enabled=False):  # the softmax merge stays fp32
-            return RingAttention._forward(ctx, q, k, v, docs, comm, seq_len)
+            return RingAttention._forward(ctx, q, k, v, docs, comm, seq_len, positions)
 
     @staticmethod
-    def _forward(ctx, q, k, v, docs, comm, seq_len):
+    def _forward(ctx, q, k, v, docs, comm, seq_len, positions):
         ring = _Ring(comm)
         tl, d = q.shape[2:]
         scale = 1.0 / math.sqrt(d)
@@ -275,7 +288,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.n):
             src = (ring.r - step) % ring.n
             pending = ring.shift(kv) if step < ring.n - 1 else None  # overlap the next hop
-            for pc in ring_pieces(ring.n, ring.r, src, tl, docs, q.dtype):
+            for pc in ring_pieces(ring.n, ring.r, src, tl, docs, q.dtype, positions):
                 o_b, lse_b = _piece_forward(q, kv[0], kv[1], pc, scale)
                 if step == 0:  # its own block: every row, nothing to merge with yet
                     out, lse = o_b.float(), lse_b
@@ -286,7 +299,7 @@ class RingAttention(torch.autograd.Function):
                 kv = pending[1]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.docs, ctx.comm, ctx.scale = docs, comm, scale
+        ctx.docs, ctx.comm, ctx.scale, ctx.positions = docs, comm, scale, positions
         return out
 
     @staticmethod
@@ -307,7 +320,7 @@ class RingAttention(torch.autograd.Function):
             src = (ring.r - step) % ring.n
             pending = ring.shift(kv) if step < ring.n - 1 else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for pc in ring_pieces(ring.n, ring.r, src, tl, ctx.docs, q.dtype):
+            for pc in ring_pieces(ring.n, ring.r, src, tl, ctx.docs, q.dtype, ctx.positions):
                 dq_b, dk_b, dv_b = _piece_backward(grad_out, q, kv[0], kv[1], out, lse, pc,
                                                    scale)
                 dq[:, :, pc.rows] += dq_b
@@ -324,7 +337,7 @@ class RingAttention(torch.autograd.Function):
                 kv = pending[1]
         incoming[0].wait()  # this rank's own block, summed over every rank
         dkv = incoming[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,16 +362,20 @@ class GatherKV(torch.autograd.Function):
         return out, None
 
 
-def allgather_attention(q, k, v, docs, comm, seq_len):
+def allgather_attention(q, k, v, docs, comm, seq_len, positions=None):
     """This rank's queries against the all-gathered K/V of the whole sequence, through SDPA
     with the visibility mask of the keys' global positions."""
     n = comm.size(AXIS)
     full = GatherKV.apply(torch.stack([k, v]), comm)  # (N, 2, B, kvh, T/N, d)
     b, kvh, tl, d = k.shape
     full = full.permute(1, 2, 3, 0, 4, 5).reshape(2, b, kvh, n * tl, d)
-    q_idx = chunk_index(seq_len, n, comm.rank(AXIS), q.device)
-    k_idx = torch.cat([chunk_index(seq_len, n, j, q.device) for j in range(n)])
-    mask = visibility(q_idx, k_idx, docs)  # never all False: a query sees itself
+    if positions is not None:  # split by documents: the positions say who holds what
+        mask = row_visibility(positions[comm.rank(AXIS)], positions.permute(1, 0, 2).flatten(1),
+                              docs)
+    else:
+        q_idx = chunk_index(seq_len, n, comm.rank(AXIS), q.device)
+        k_idx = torch.cat([chunk_index(seq_len, n, j, q.device) for j in range(n)])
+        mask = visibility(q_idx, k_idx, docs)  # never all False: a query sees itself
     if mask is None:
         mask = torch.ones(tl, n * tl, dtype=torch.bool, device=q.device)
     return sdpa_attention(q, full[0], full[1], mask)
@@ -382,11 +399,11 @@ class ContextParallelAttention(Attention):
                attn_mask=None) -> torch.Tensor:
         """q (B, heads, T/cp, d), k/v (B, kv heads, T/cp, d), this rank's tokens after RoPE
         -> (B, heads, T/cp, d), attended over every token of the sequence."""
-        docs = attn_mask.document_ids if isinstance(attn_mask, CPMask) else None
+        docs, pos = attn_mask if isinstance(attn_mask, CPMask) else (None, None)
         seq_len = q.shape[2] * self.cp
         if self.algorithm == "ring":
-            return RingAttention.apply(q, k, v, docs, self.comm, seq_len)
-        return allgather_attention(q, k, v, docs, self.comm, seq_len)
+            return RingAttention.apply(q, k, v, docs, self.comm, seq_len, pos)
+        return allgather_attention(q, k, v, docs, self.comm, seq_len, pos)
 
     def extra_repr(self) -> str:
         return f"cp={self.cp}, {self.algorithm}"
@@ -399,23 +416,27 @@ class ContextParallelDecoderModel(DecoderModel):
     would not say which documents other ranks' tokens belong to."""
 
     cp = 1
+    balance = "causal"
 
     def attention_mask(self, document_ids: torch.Tensor | None) -> CPMask:
-        """The whole sequence's document ids (B, T) or None (causal), as a ``CPMask``."""
-        return CPMask(document_ids)
+        """The whole sequence's document ids (B, T) or None (causal), as a ``CPMask``, with
+        the positions of the split by documents when the rows are so split."""
+        if self.balance != "documents" or document_ids is None:
+            return CPMask(document_ids)
+        return CPMask(document_ids, rank_positions(document_ids, self.cp, self.balance))
 
     def extra_repr(self) -> str:
         return f"cp={self.cp}, masks from the whole sequence's document ids"
 
 
-def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring"
-                           ) -> torch.nn.Module:
+def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring",
+                           balance: str = "causal") -> torch.nn.Module:
     """Make every attention of ``model`` (a whole model or a pipeline rank's chunks) attend
     over the whole sequence from this cp rank's share of it, with ``algorithm`` (ring or
     allgather): each ``Attention`` becomes a ``ContextParallelAttention`` and each
     ``DecoderModel`` a ``ContextParallelDecoderModel``. In place; parameter names do not change.
     Micro-batches must be cut with ``shard_batch`` (positions explicit, ``document_ids``
-    whole)."""
+    whole) with the same ``balance`` (``split_balance`` of the configured one)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown cp algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
     n = comm.size(AXIS)
@@ -425,5 +446,5 @@ def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring"
         if isinstance(mod, Attention):
             wrap(mod, ContextParallelAttention, comm=comm, cp=n, algorithm=algorithm)
         elif isinstance(mod, DecoderModel):
-            wrap(mod, ContextParallelDecoderModel, cp=n)
+            wrap(mod, ContextParallelDecoderModel, cp=n, balance=split_balance(balance, algorithm))
     return model
