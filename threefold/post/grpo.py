@@ -31,7 +31,8 @@ from threefold.data.chat import check_messages, encode_text, eot_token, load_cha
 from threefold.post.grpo_loss import (
     LOSS_TYPES, advantages, grpo_token_loss, loss_units, reduce_token_loss)
 from threefold.generation.rollouts import Sampling
-from threefold.post.grpo_rollouts import (RolloutSource, check_engine, importance_weights,
+from threefold.post.grpo_rollouts import (RolloutSource, check_engine, check_installed,
+                                          importance_weights,
                                           mismatch_figures, mismatch_sums)
 from threefold.post.grpo_rewards import (
     call_reward, check_reward_function,
@@ -156,6 +157,7 @@ class GRPOTask(Task):
         """ConfigError for a layout or batch GRPO does not run with."""
         p, t, g = cfg.parallel, cfg.train, self.options.num_generations
         task_layout("grpo", cfg, self.options.rollout_engine)  # the rule book's
+        check_installed(self.options.rollout_engine)
         mu, every = self.options.num_iterations, cfg.checkpoint.interval
         if mu > 1 and every % mu:
             raise ConfigError(f"checkpoint.interval: {every} is not a multiple of "

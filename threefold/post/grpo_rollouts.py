@@ -37,7 +37,7 @@ IMPORTANCE_MODES = ("token_truncate", "sequence_mask", "none")
 
 
 def check_engine(engine: str, importance: str, cap: float) -> None:
-    """ConfigError for an unknown engine or correction, or vLLM asked for and not installed."""
+    """ConfigError for an unknown engine or correction."""
     if engine not in ROLLOUT_ENGINES:
         raise ConfigError(f"grpo.rollout_engine: '{engine}' is not one of "
                           f"{', '.join(ROLLOUT_ENGINES)}")
@@ -46,6 +46,11 @@ def check_engine(engine: str, importance: str, cap: float) -> None:
                           f"{', '.join(IMPORTANCE_MODES)}")
     if not cap > 1:
         raise ConfigError(f"grpo.importance_sampling_cap: {cap} must be > 1")
+
+
+def check_installed(engine: str) -> None:
+    """ConfigError when vLLM is asked for and not installed (after the layout's rules: a
+    layout the engine cannot run is refused for that first)."""
     if engine == "vllm" and not vllm_installed():
         raise ConfigError(f"grpo.rollout_engine: vllm is not installed here; install it with "
                           f"{VLLM_INSTALL}, or use grpo.rollout_engine builtin")
