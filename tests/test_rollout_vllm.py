@@ -128,3 +128,13 @@ def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(vbase, corpus, c
     assert all(r["rollout/sync_bytes"] > 0 for r in a)
     assert a[0]["sampling/sampling_logp_difference/mean"] < 1e-4
     assert a[0]["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
+    assert [r["rollout/staleness"] for r in a] == [0, 0]
+    # one step of staleness: step 2's completions were generated while step 1 trained, from
+    # the weights before it
+    stale = _Recording(GRPOOptions(rollout_engine="vllm", max_staleness=1,
+                                   vllm_kv_cache_mb=16, **opts))
+    train(load_config(None, over(tmp_path / "stale")), task=stale)
+    c = metrics(tmp_path / "stale")
+    assert [r["rollout/staleness"] for r in c] == [0, 1]
+    assert c[0]["reward"] == a[0]["reward"]  # step 1: the same weights sampled both
+    assert all(abs(r["loss"]) < 1e3 for r in c)

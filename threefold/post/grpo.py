@@ -68,6 +68,7 @@ class GRPOOptions:
     vllm_kv_cache_mb: int = 64  # the vLLM engine's KV cache, MiB per rank
     importance_sampling: str = "token_truncate"  # token_truncate, sequence_mask or none (vllm)
     importance_sampling_cap: float = 3.0  # the ratio's cap (vllm: TRL's default, 3)
+    max_staleness: int = 0  # vllm: generate step s+1 while step s trains (rollouts 1 step old)
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +144,8 @@ class GRPOTask(Task):
                             f"{', '.join(LOSS_TYPES)}")
         if o.num_iterations < 1:
             raise DataError(f"grpo.num_iterations: must be at least 1, got {o.num_iterations}")
-        check_engine(o.rollout_engine, o.importance_sampling, o.importance_sampling_cap)
+        check_engine(o.rollout_engine, o.importance_sampling, o.importance_sampling_cap,
+                     o.max_staleness, o.num_iterations)
         if not o.reward and not o.reward_model:
             raise DataError("grpo.reward: give a reward function or grpo.reward_model")
         self.reward_fn = load_reward(o.reward) if o.reward else None
@@ -254,18 +256,33 @@ class GRPOTask(Task):
                      prompt_ids: list[list[int]]) -> list[list[int]]:
         """G completions per prompt, prompt-major; completion j of the step's global rows
         draws from the generator seeded by its place in the run."""
-        o = self.options
-        g = o.num_generations
-        first = (step * sampler.global_batch_size + lo) * g
-        indices = list(range(first, first + len(prompt_ids)))
+        indices = self._indices(sampler, step, lo, len(prompt_ids))
         self.generation, self.sampled = (0.0, 0), None
         if self.fixed_rollout is not None:
             return [list(c) for c in self.fixed_rollout(step, prompt_ids, indices)]
-        res = self.source.complete(prompt_ids, indices, Sampling(
-            o.max_completion_length, o.temperature, o.top_p, o.top_k, self.eos, sampler.seed,
-            self.pad))
+        res = self.source.complete(prompt_ids, indices, self._sampling(sampler))
         self.generation, self.sampled = (res.seconds, res.generated), res
         return res.tokens
+
+    def _indices(self, sampler: RolloutSampler, step: int, lo: int, n: int) -> list[int]:
+        """The run-wide indices of a step's completions from row ``lo`` (their seeds)."""
+        first = (step * sampler.global_batch_size + lo) * self.options.num_generations
+        return list(range(first, first + n))
+
+    def _sampling(self, sampler: RolloutSampler) -> Sampling:
+        o = self.options
+        return Sampling(o.max_completion_length, o.temperature, o.top_p, o.top_k, self.eos,
+                        sampler.seed, self.pad)
+
+    def _prefetch(self, sampler: RolloutSampler, step: int, lo: int, n: int) -> None:
+        """With ``max_staleness``, start the next generation's completions (module doc)."""
+        if not self.options.max_staleness or sampler.evaluation or self.fixed_rollout:
+            return
+        g = self.options.num_generations
+        ids = [sampler.prompts[i] for i in sampler.indices(step + 1, lo, lo + n)
+               for _ in range(g)]
+        self.source.prefetch(ids, self._indices(sampler, step + 1, lo, len(ids)),
+                             self._sampling(sampler))
 
     def rollout(self, sampler: RolloutSampler, step: int, lo: int,
                 prompts: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -275,6 +292,7 @@ class GRPOTask(Task):
         ids = [sampler.prompts[i] for i in prompts for _ in range(g)]
         recs = [sampler.records[i] for i in prompts for _ in range(g)]
         comps = self._completions(sampler, step, lo, ids)
+        self._prefetch(sampler, step, lo, len(prompts))
         if len(comps) != len(ids) or any(len(c) > o.max_completion_length for c in comps):
             raise DataError("grpo: the rollout returned the wrong number or length of "
                             "completions")
@@ -356,14 +374,20 @@ class GRPOTask(Task):
         batch = {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y),
                  "advantages": torch.from_numpy(adv.astype(np.float32))}
         batch["ref_logps"] = self._logps(self.reference, batch, base=self.base_is_reference)
-        sampled = self.sampled is not None and self.sampled.logps is not None
-        if self.options.num_iterations > 1 or sampled:  # the sampling policy's, for μ
-            batch["old_logps"] = self._logps(self.run.engine, batch)  # updates' ratios
-        if sampled:  # the engine's log-probs where the labels are, for the correction
-            lp = torch.zeros(y.shape, dtype=torch.float32)
-            for i, (p, c) in enumerate(zip(prompts, self.sampled.logps)):
-                lp[i, len(p) - 1:len(p) + len(c) - 1] = torch.tensor(c, dtype=torch.float32)
-            batch["sampled_logps"] = lp
+        res = self.sampled
+        if res is None or res.logps is None:
+            if self.options.num_iterations > 1:  # the sampling policy's, for μ updates' ratios
+                batch["old_logps"] = self._logps(self.run.engine, batch)
+            return batch
+        lp = torch.zeros(y.shape, dtype=torch.float32)  # the engine's, where the labels are
+        for i, (p, c) in enumerate(zip(prompts, res.logps)):
+            lp[i, len(p) - 1:len(p) + len(c) - 1] = torch.tensor(c, dtype=torch.float32)
+        stale = self.run.engine.optim_step() - res.version
+        res.figures["rollout/staleness"] = stale
+        if stale:  # sampled by an older policy: the ratio is against it (the engine's
+            batch["old_logps"] = lp  # log-probs), the clip bounds how far the update goes
+        else:  # the trainer's own log-probs, corrected for the engine's sampling
+            batch["old_logps"], batch["sampled_logps"] = self._logps(self.run.engine, batch), lp
         return batch
 
     @torch.no_grad()

@@ -10,6 +10,13 @@ is collective under ZeRO-3 (the units are gathered): every rank syncs at the sam
 the step count alone decides it. Its seconds and bytes are logged (``rollout/sync_seconds``,
 ``rollout/sync_bytes``), with the engine's start-up time once.
 
+Bounded staleness (``grpo.max_staleness`` k >= 1, vllm only): when a training step's rollout is
+done, the next step's starts in a background thread with the weights as they are, and runs
+while the step trains (torch's kernels release the GIL). Those completions then train one
+policy version later: staleness 1, within any k >= 1; each records its version, logged as
+``rollout/staleness``. Their ratio is taken against the engine's own log-probs (the policy
+that sampled them), clipped by epsilon as usual. k = 0 is the synchronous loop, unchanged.
+
 Importance correction (``importance_weights``): vLLM's log-probability of a sampled token
 differs from the trainer's for the same weights (other kernels, bf16 rounding); the
 token loss is weighed by the ratio π_trainer / π_engine, truncated at a cap per token
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -36,8 +44,9 @@ from threefold.weights.hf_config import hf_config
 IMPORTANCE_MODES = ("token_truncate", "sequence_mask", "none")
 
 
-def check_engine(engine: str, importance: str, cap: float) -> None:
-    """ConfigError for an unknown engine or correction."""
+def check_engine(engine: str, importance: str, cap: float, staleness: int = 0,
+                 iterations: int = 1) -> None:
+    """ConfigError for an unknown engine or correction, or a staleness it cannot give."""
     if engine not in ROLLOUT_ENGINES:
         raise ConfigError(f"grpo.rollout_engine: '{engine}' is not one of "
                           f"{', '.join(ROLLOUT_ENGINES)}")
@@ -46,6 +55,14 @@ def check_engine(engine: str, importance: str, cap: float) -> None:
                           f"{', '.join(IMPORTANCE_MODES)}")
     if not cap > 1:
         raise ConfigError(f"grpo.importance_sampling_cap: {cap} must be > 1")
+    if staleness < 0 or (staleness and engine != "vllm"):
+        raise ConfigError(f"grpo.max_staleness: {staleness} needs >= 0, and > 0 needs "
+                          "grpo.rollout_engine vllm (the builtin engine is the training model "
+                          "itself, busy training)")
+    if staleness and iterations > 1:
+        raise ConfigError(f"grpo.max_staleness: {staleness} with grpo.num_iterations "
+                          f"{iterations}: a generation is trained on once when the next one "
+                          "is already under way; use grpo.num_iterations 1")
 
 
 def check_installed(engine: str) -> None:
@@ -63,6 +80,8 @@ class RolloutSource:
         self.run, self.kind = run, engine
         self.engine = None
         self.started = 0.0
+        self.ahead: tuple | None = None  # (request, its completions to come: a Future, figures)
+        self.worker: ThreadPoolExecutor | None = None
         if engine == "vllm":
             from threefold.generation.vllm_rollouts import VLLMRollouts, write_engine_config
 
@@ -82,8 +101,27 @@ class RolloutSource:
         sent = self.engine.load(policy_weights(self.run.engine, self.run.model_cfg), version)
         return {"rollout/sync_seconds": time.perf_counter() - t0, "rollout/sync_bytes": sent}
 
+    def prefetch(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> None:
+        """Start generating the next step's completions now, with the policy as it is, in a
+        background thread, while this step trains (``grpo.max_staleness`` >= 1): they reach
+        the trainer one policy version old. The weights are synced here, in the main thread
+        (collective under ZeRO-3), never while the engine generates."""
+        figures = self.sync()
+        if self.worker is None:
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
+        job = self.worker.submit(self.engine.generate, prompts, indices, s)
+        self.ahead = ((_request(prompts, indices), s), job, figures)
+
     def complete(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> Rollouts:
-        """Completions of ``prompts``, completion i seeded by ``indices[i]``."""
+        """Completions of ``prompts``, completion i seeded by ``indices[i]`` (the prefetched
+        ones when this is the request ``prefetch`` started)."""
+        if self.ahead is not None:  # (another request, evaluation's, waits for it: one
+            request, job, figures = self.ahead  # engine, one request at a time)
+            out = job.result()  # (an error in the thread is raised here)
+            if request == (_request(prompts, indices), s):
+                self.ahead = None
+                out.figures.update(figures)
+                return out
         if self.engine is not None:
             figures = self.sync()
             if self.started:
@@ -101,6 +139,10 @@ class RolloutSource:
                        pad_id=s.pad_id)
         return Rollouts(res.tokens, None, res.seconds, sum(res.lengths),
                         self.run.engine.optim_step())
+
+
+def _request(prompts: list[list[int]], indices: list[int]) -> tuple:
+    return tuple(map(tuple, prompts)), tuple(indices)
 
 
 def importance_weights(old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor,
