@@ -24,10 +24,12 @@ from threefold.weights.hf import hub_tensors
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 
-def policy_weights(engine, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(engine, cfg: ModelConfig, untied_head: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, fp32 tensor) of every weight of ``engine``'s model (``cfg``: its
-    resolved shape), adapters merged. Collective under ZeRO-3: every rank must iterate it to
-    the end, in step."""
+    resolved shape), adapters merged. With ``untied_head`` a tied model's head is sent as
+    ``lm_head.weight`` too (a receiver built untied: ``untied_config``). Collective under
+    ZeRO-3: every rank must iterate it to the end, in step."""
     scales = {name: m.lora_scale for name, m in engine.model.named_modules()
               if isinstance(m, LoRALinear)}
     for group in engine.weight_groups():
@@ -36,7 +38,18 @@ def policy_weights(engine, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor
         if cfg.tie_word_embeddings and "lm_head.weight" in names:
             names.remove("lm_head.weight")  # a checkpoint stores a tied head once
         for name, _shape, read in hub_tensors(DictSource(group), cfg, names):
-            yield name, read()
+            t = read()
+            yield name, t
+            if untied_head and cfg.tie_word_embeddings and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", t
+
+
+def untied_config(hf: dict) -> dict:
+    """A config.json with the head untied: vLLM's CPU backend packs the head's weight when it
+    builds the model, and an in-place reload of a tied model refreshes only the embedding,
+    leaving the head at its build-time values; an untied head that is sent the embedding's
+    values computes the same logits."""
+    return {**hf, "tie_word_embeddings": False}
 
 
 def merged(group: dict[str, torch.Tensor], scales: dict[str, float]) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ import torch
 
 from threefold.config import ConfigError
 from threefold.generation.generate import generate
-from threefold.generation.policy_weights import policy_weights
+from threefold.generation.policy_weights import policy_weights, untied_config
 from threefold.generation.rollouts import (ROLLOUT_ENGINES, VLLM_INSTALL, Rollouts, Sampling,
                                            vllm_installed)
 from threefold.weights.hf_config import hf_config
@@ -86,7 +86,7 @@ class RolloutSource:
             from threefold.generation.vllm_rollouts import VLLMRollouts, write_engine_config
 
             folder = write_engine_config(run.out / "rollout_engine" / f"rank{run.world.rank}",
-                                         hf_config(run.model_cfg))
+                                         untied_config(hf_config(run.model_cfg)))
             dtype = "bfloat16" if run.dtype == torch.bfloat16 else "float32"
             self.engine = VLLMRollouts(folder, dtype, max_len, kv_cache_mb << 20,
                                        seed=run.cfg.train.seed)
@@ -98,7 +98,8 @@ class RolloutSource:
         if self.engine is None or self.engine.version == version:
             return {}
         t0 = time.perf_counter()
-        sent = self.engine.load(policy_weights(self.run.engine, self.run.model_cfg), version)
+        sent = self.engine.load(policy_weights(self.run.engine, self.run.model_cfg,
+                                               untied_head=True), version)
         return {"rollout/sync_seconds": time.perf_counter() - t0, "rollout/sync_bytes": sent}
 
     def prefetch(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> None:
