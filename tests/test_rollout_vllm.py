@@ -133,6 +133,16 @@ def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(vbase, corpus, c
     assert a[0]["sampling/sampling_logp_difference/mean"] < 1e-4
     assert a[0]["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
     assert [r["rollout/staleness"] for r in a] == [0, 0]
+    # the dry run's GRPO model: the sync's bytes as measured, the engine in the step's peak
+    from threefold.launch.dryrun import predict
+    from threefold.plan.baseline import TaskData
+
+    cfg = load_config(None, over(tmp_path / "dry"))
+    plain = predict(cfg, 1, task=TaskData())
+    eng = predict(cfg, 1, task=TaskData(rollout_engine="vllm", engine_kv_bytes=16 << 20))
+    # (fp32: the engine holds what each sync sent it, 4 bytes a weight, and its KV cache)
+    assert eng.peaks["step"] - plain.peaks["step"] == a[0]["rollout/sync_bytes"] + (16 << 20)
+    assert f"hands it {a[0]['rollout/sync_bytes']:,} bytes" in " ".join(eng.notes)
     # one step of staleness: step 2's completions were generated while step 1 trained, from
     # the weights before it
     stale = _Recording(GRPOOptions(rollout_engine="vllm", max_staleness=1,
