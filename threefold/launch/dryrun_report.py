@@ -44,6 +44,7 @@ class DryRunResult:
     # checkpoint.async_save: rank 0's host copy of what it writes, held while a save is in
     # flight (``plan.states.async_save_copy_bytes``)
     async_copy: int = 0
+    engine: int = 0  # a colocated rollout engine's weights and KV cache (plan.rollout_engine)
 
     @property
     def peaks(self) -> dict[str, float]:
@@ -51,7 +52,7 @@ class DryRunResult:
         (building the model), loading (a resumed checkpoint) and the step."""
         return {"startup": self.baseline + self.startup.startup,
                 "loading": self.baseline + self.startup.loading,
-                "step": self.baseline + self.memory.total}
+                "step": self.baseline + self.memory.total + self.engine}
 
 
 def short_count(n: float) -> str:

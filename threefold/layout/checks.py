@@ -104,9 +104,11 @@ def pipeline_microbatches(cfg: Config, dp: int) -> int:
     return local // min(cfg.train.micro_batch_size, local)
 
 
-def task_layout(task: str, cfg: Config) -> None:
-    """The layouts a post-training task does not run under (``rules.task_layout``)."""
+def task_layout(task: str, cfg: Config, rollout_engine: str = "builtin") -> None:
+    """The layouts a post-training task does not run under (``rules.task_layout``; GRPO's
+    generation, and its rollout engine's)."""
     p = cfg.parallel
     rules.task_layout(task, p.pp, p.cp)
     if task == "grpo":  # generation with the training model
         rules.generation_layout(p.pp, p.cp, p.ep, p.tp, p.sequence_parallel)
+        rules.rollout_engine_layout(rollout_engine, p.tp, p.zero_stage, cfg.lora.r)

@@ -69,6 +69,8 @@ class TaskData:
     records: str = ""
     chat: str | None = None
     rows_per_item: int = 1
+    rollout_engine: str = "builtin"  # GRPO's: "vllm" holds an engine beside each rank
+    engine_kv_bytes: int = 0  # that engine's KV cache
 
 
 @dataclass(frozen=True)

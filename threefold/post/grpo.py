@@ -25,12 +25,15 @@ import torch
 from threefold.config import ConfigError
 from threefold.data import DataError
 from threefold.data.sampler import rank_rows
-from threefold.generation.generate import generate
 from threefold.layout import task_layout
 from threefold.model.lora import adapters_off, has_adapters
 from threefold.data.chat import check_messages, encode_text, eot_token, load_chat_template
 from threefold.post.grpo_loss import (
     LOSS_TYPES, advantages, grpo_token_loss, loss_units, reduce_token_loss)
+from threefold.generation.rollouts import Sampling
+from threefold.post.grpo_rollouts import (RolloutSource, check_engine, check_installed,
+                                          importance_weights,
+                                          mismatch_figures, mismatch_sums)
 from threefold.post.grpo_rewards import (
     call_reward, check_reward_function,
     columns_of, load_reward, reward_model_scorer, split_prompts)
@@ -61,6 +64,11 @@ class GRPOOptions:
     num_iterations: int = 1  # μ: optimiser updates per generation batch
     shuffle: bool = True  # prompts in a new order each epoch (false: in file order)
     chat_template: str = "auto"  # for conversational prompts: auto, builtin or a .jinja path
+    rollout_engine: str = "builtin"  # builtin (the training model) or vllm (colocated engine)
+    vllm_kv_cache_mb: int = 64  # the vLLM engine's KV cache, MiB per rank
+    importance_sampling: str = "token_truncate"  # token_truncate, sequence_mask or none (vllm)
+    importance_sampling_cap: float = 3.0  # the ratio's cap (vllm: TRL's default, 3)
+    max_staleness: int = 0  # vllm: generate step s+1 while step s trains (rollouts 1 step old)
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,6 +144,8 @@ class GRPOTask(Task):
                             f"{', '.join(LOSS_TYPES)}")
         if o.num_iterations < 1:
             raise DataError(f"grpo.num_iterations: must be at least 1, got {o.num_iterations}")
+        check_engine(o.rollout_engine, o.importance_sampling, o.importance_sampling_cap,
+                     o.max_staleness, o.num_iterations)
         if not o.reward and not o.reward_model:
             raise DataError("grpo.reward: give a reward function or grpo.reward_model")
         self.reward_fn = load_reward(o.reward) if o.reward else None
@@ -148,7 +158,8 @@ class GRPOTask(Task):
     def check(self, cfg) -> None:
         """ConfigError for a layout or batch GRPO does not run with."""
         p, t, g = cfg.parallel, cfg.train, self.options.num_generations
-        task_layout("grpo", cfg)  # the rule book's
+        task_layout("grpo", cfg, self.options.rollout_engine)  # the rule book's
+        check_installed(self.options.rollout_engine)
         mu, every = self.options.num_iterations, cfg.checkpoint.interval
         if mu > 1 and every % mu:
             raise ConfigError(f"checkpoint.interval: {every} is not a multiple of "
@@ -227,6 +238,7 @@ class GRPOTask(Task):
             self.reference = run.engine if self.base_is_reference else reference_engine(run)
         if o.reward_model:
             self.score = reward_model_scorer(o.reward_model, run.device)
+        self.source = RolloutSource(run, o.rollout_engine, self.width, o.vllm_kv_cache_mb)
         lay = run.world
         batch = self.train.local_batch(0, lay.dp_rank, lay.dp_size)  # (also kept for μ > 1)
         self.train.cached = (0, lay.dp_rank, batch, self.train.figures)
@@ -244,23 +256,33 @@ class GRPOTask(Task):
                      prompt_ids: list[list[int]]) -> list[list[int]]:
         """G completions per prompt, prompt-major; completion j of the step's global rows
         draws from the generator seeded by its place in the run."""
-        o, run = self.options, self.run
-        g = o.num_generations
-        first = (step * sampler.global_batch_size + lo) * g
-        indices = list(range(first, first + len(prompt_ids)))
-        self.generation = (0.0, 0)
+        indices = self._indices(sampler, step, lo, len(prompt_ids))
+        self.generation, self.sampled = (0.0, 0), None
         if self.fixed_rollout is not None:
             return [list(c) for c in self.fixed_rollout(step, prompt_ids, indices)]
-        model = run.engine.model
-        tp = model.tp_size
-        # under ZeRO-3 each forward gathers one unit at a time, as training does: the whole
-        # model is never on the rank (more gathers per token, the memory the planner promised)
-        res = generate(model, prompt_ids, o.max_completion_length,
-                       temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                       eos_id=self.eos, seed=sampler.seed, prompt_indices=indices,
-                       comm=run.world.comm if tp > 1 else None, pad_id=self.pad)
-        self.generation = (res.seconds, sum(res.lengths))
+        res = self.source.complete(prompt_ids, indices, self._sampling(sampler))
+        self.generation, self.sampled = (res.seconds, res.generated), res
         return res.tokens
+
+    def _indices(self, sampler: RolloutSampler, step: int, lo: int, n: int) -> list[int]:
+        """The run-wide indices of a step's completions from row ``lo`` (their seeds)."""
+        first = (step * sampler.global_batch_size + lo) * self.options.num_generations
+        return list(range(first, first + n))
+
+    def _sampling(self, sampler: RolloutSampler) -> Sampling:
+        o = self.options
+        return Sampling(o.max_completion_length, o.temperature, o.top_p, o.top_k, self.eos,
+                        sampler.seed, self.pad)
+
+    def _prefetch(self, sampler: RolloutSampler, step: int, lo: int, n: int) -> None:
+        """With ``max_staleness``, start the next generation's completions (module doc)."""
+        if not self.options.max_staleness or sampler.evaluation or self.fixed_rollout:
+            return
+        g = self.options.num_generations
+        ids = [sampler.prompts[i] for i in sampler.indices(step + 1, lo, lo + n)
+               for _ in range(g)]
+        self.source.prefetch(ids, self._indices(sampler, step + 1, lo, len(ids)),
+                             self._sampling(sampler))
 
     def rollout(self, sampler: RolloutSampler, step: int, lo: int,
                 prompts: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -270,6 +292,7 @@ class GRPOTask(Task):
         ids = [sampler.prompts[i] for i in prompts for _ in range(g)]
         recs = [sampler.records[i] for i in prompts for _ in range(g)]
         comps = self._completions(sampler, step, lo, ids)
+        self._prefetch(sampler, step, lo, len(prompts))
         if len(comps) != len(ids) or any(len(c) > o.max_completion_length for c in comps):
             raise DataError("grpo: the rollout returned the wrong number or length of "
                             "completions")
@@ -287,7 +310,20 @@ class GRPOTask(Task):
         if o.scale_rewards == "batch":
             adv = adv / (batch_std + 1e-4)
         batch = self._rows(ids, comps, adv)
+        if "sampled_logps" in batch:
+            figures.update(self._mismatch(batch))
+        if self.sampled is not None:
+            figures.update(self.sampled.figures)
         return batch, figures
+
+    def _mismatch(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The step's trainer-engine log-prob gap and importance ratios, over every rank."""
+        o, mask = self.options, (batch["labels"] != IGNORE).float()
+        old, sampled = batch["old_logps"], batch["sampled_logps"]
+        sums = mismatch_sums(old, sampled, mask, importance_weights(
+            old, sampled, mask, o.importance_sampling, o.importance_sampling_cap))
+        return mismatch_figures(self._dp_reduce(sums, "sum"), self._dp_reduce(sums, "max"),
+                                self._dp_reduce(sums, "min"))
 
     def _figures(self, rewards: np.ndarray, per_func: dict, comps: list[list[int]],
                  g: int) -> tuple[dict[str, float], float]:
@@ -338,8 +374,20 @@ class GRPOTask(Task):
         batch = {"input_ids": torch.from_numpy(x), "labels": torch.from_numpy(y),
                  "advantages": torch.from_numpy(adv.astype(np.float32))}
         batch["ref_logps"] = self._logps(self.reference, batch, base=self.base_is_reference)
-        if self.options.num_iterations > 1:  # the sampling policy's, for μ updates' ratios
-            batch["old_logps"] = self._logps(self.run.engine, batch)
+        res = self.sampled
+        if res is None or res.logps is None:
+            if self.options.num_iterations > 1:  # the sampling policy's, for μ updates' ratios
+                batch["old_logps"] = self._logps(self.run.engine, batch)
+            return batch
+        lp = torch.zeros(y.shape, dtype=torch.float32)  # the engine's, where the labels are
+        for i, (p, c) in enumerate(zip(prompts, res.logps)):
+            lp[i, len(p) - 1:len(p) + len(c) - 1] = torch.tensor(c, dtype=torch.float32)
+        stale = self.run.engine.optim_step() - res.version
+        res.figures["rollout/staleness"] = stale
+        if stale:  # sampled by an older policy: the ratio is against it (the engine's
+            batch["old_logps"] = lp  # log-probs), the clip bounds how far the update goes
+        else:  # the trainer's own log-probs, corrected for the engine's sampling
+            batch["old_logps"], batch["sampled_logps"] = self._logps(self.run.engine, batch), lp
         return batch
 
     @torch.no_grad()
@@ -382,6 +430,9 @@ class GRPOTask(Task):
         loss, kl, low, high = grpo_token_loss(logps, micro["advantages"], micro["ref_logps"],
                                               o.beta, o.epsilon, micro.get("old_logps"),
                                               kl_bias_correction=o.kl_bias_correction)
+        if "sampled_logps" in micro:  # an engine sampled: weigh by π_trainer / π_engine
+            loss = loss * importance_weights(micro["old_logps"], micro["sampled_logps"], mask,
+                                             o.importance_sampling, o.importance_sampling_cap)
         figures = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
                    "clip_ratio/region_mean": low | high}
         if o.beta:

@@ -180,6 +180,12 @@ class EngineBase:
         return [m.dispatcher for m in self.model.modules()
                 if isinstance(m, ExpertParallelExperts)]
 
+    def weight_groups(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The model's whole weights under their parameter names (tied ones once), a group at
+        a time, for a consumer that takes them tensor by tensor (a rollout engine's weight
+        sync). Here every rank holds them whole: one group. ZeRO-3 gives a unit at a time."""
+        yield {n: p.detach() for n, p in unique_named_parameters(self.model)}
+
     def begin_step(self) -> None:
         """Before a step's first forward: what the engine counts per step restarts, so that
         evaluation's or generation's traffic is not counted as the step's."""

@@ -8,8 +8,8 @@ import math
 import torch
 from torch import nn
 
-from threefold.parallel.engines.engine import sq_norm
-from threefold.parallel.materialize import fill_flat
+from threefold.parallel.engines.engine import sq_norm, unique_named_parameters
+from threefold.parallel.materialize import fill_flat, fill_local
 from threefold.parallel.placement import tied_replica, tp_shard_dim
 
 
@@ -153,3 +153,21 @@ class FlatUnit:
             else:
                 self.shard.grad.add_(out)
         self.reduce_jobs = []
+
+
+def frozen_named(model: nn.Module, trained: list) -> list:
+    """(name, parameter) of the weights that do not train while ``trained`` do (LoRA's base)."""
+    ids = {id(p) for _, p in trained}
+    return [(n, p) for n, p in unique_named_parameters(model) if id(p) not in ids]
+
+
+@torch.no_grad()
+def fill_frozen(model: nn.Module, trained: list, source, device, param_dtype) -> None:
+    """Weights that do not train (a LoRA run's base, under stages 1-2) stay whole on every
+    rank, as those stages keep parameters: filled from ``source`` in the compute dtype."""
+    for name, p in frozen_named(model, trained):
+        if source is not None:
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=device or p.device)
+            fill_local(source, name, p, p.data)
+        if param_dtype is not None:
+            p.data = p.data.to(param_dtype)

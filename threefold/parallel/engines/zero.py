@@ -39,11 +39,11 @@ from torch import nn
 from threefold.config import OptimConfig
 from threefold.model.head_loss import LMHead
 from threefold.parallel.engines.engine import (EngineBase, OptimizerSlot, global_sq_norm,
-                                       trained_named_parameters, unique_named_parameters)
-from threefold.parallel.engines.flat import FlatUnit
+                                       trained_named_parameters)
+from threefold.parallel.engines.flat import FlatUnit, fill_frozen, frozen_named
 from threefold.parallel.transforms.fp8_linear import Float8Linear
 from threefold.parallel.engines.fp8_gather import Fp8FlatUnit, GatheredWeight
-from threefold.parallel.materialize import fill_flat, fill_local, hollow_parameters
+from threefold.parallel.materialize import fill_flat, hollow_parameters
 from threefold.weights.checkpoint_verify import Piece
 
 
@@ -71,24 +71,6 @@ def _group_parameters(modules: list[nn.Module], named: list) -> tuple[list[list]
         inner = [i for i in u if all(id(modules[i]) in inside[j] for j in u)]
         (groups[inner[0]] if len(inner) == 1 else root).append((n, p))
     return groups, root
-
-
-def _frozen_named(model: nn.Module, trained: list) -> list:
-    """(name, parameter) of the weights that do not train while ``trained`` do (LoRA's base)."""
-    ids = {id(p) for _, p in trained}
-    return [(n, p) for n, p in unique_named_parameters(model) if id(p) not in ids]
-
-
-@torch.no_grad()
-def _fill_frozen(model: nn.Module, trained: list, source, device, param_dtype) -> None:
-    """Weights that do not train (a LoRA run's base, under stages 1-2) stay whole on every
-    rank, as those stages keep parameters: filled from ``source`` in the compute dtype."""
-    for name, p in _frozen_named(model, trained):
-        if source is not None:
-            p.data = torch.empty(p.shape, dtype=p.dtype, device=device or p.device)
-            fill_local(source, name, p, p.data)
-        if param_dtype is not None:
-            p.data = p.data.to(param_dtype)
 
 
 class ZeroEngine(EngineBase):
@@ -164,9 +146,9 @@ class ZeroEngine(EngineBase):
         trained one; ``frozen_root``; returns the trained root's (name, parameter) pairs.
         Under stages 1-2 frozen weights stay whole instead, as those stages keep
         parameters."""
-        frozen = _frozen_named(model, named)
+        frozen = frozen_named(model, named)
         if self.stage < 3:
-            _fill_frozen(model, named, kw["source"], kw["device"], kw["param_dtype"])
+            fill_frozen(model, named, kw["source"], kw["device"], kw["param_dtype"])
             frozen = []
         groups, root = _group_parameters(modules, named)
         fgroups, froot = _group_parameters(modules, frozen)
@@ -250,6 +232,19 @@ class ZeroEngine(EngineBase):
         for root in (self.root, self.frozen_root):
             if root:
                 self.model.register_forward_pre_hook(lambda _m, _a, r=root: r.wait_gather())
+
+    def weight_groups(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Stage 3: the whole weights a unit at a time (each gathered only while its group is
+        in use, then released as after a forward); stages 1-2 hold them whole."""
+        if self.stage < 3:
+            yield from super().weight_groups()
+            return
+        for unit in [u for u in (*self.units, self.root, self.frozen_root) if u is not None]:
+            held = unit.gathered
+            unit.wait_gather()
+            yield dict(zip(unit.names, (p.detach() for p in unit.params)))
+            if not held:
+                unit.release()
 
     def _close_frozen(self, keep: nn.Module | None = None) -> None:
         """Release the frozen units gathered for backwards that are over (all but those of

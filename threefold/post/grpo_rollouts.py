@@ -1,0 +1,183 @@
+"""Where GRPO's completions come from, for one training rank (``grpo.rollout_engine``), and the
+correction for sampling with an engine that is not the trainer.
+
+``builtin`` generates with the training model (``threefold.generation.generate``). ``vllm``
+keeps a colocated vLLM engine (``threefold.generation.vllm_rollouts``) per rank: started at
+set-up from the model's config.json alone, synced with the policy's weights
+(``threefold.generation.policy_weights``) whenever the policy has stepped since the last sync,
+that is, before the first rollout and after every optimiser step that precedes one. The sync
+is collective under ZeRO-3 (the units are gathered): every rank syncs at the same steps, since
+the step count alone decides it. Its seconds and bytes are logged (``rollout/sync_seconds``,
+``rollout/sync_bytes``), with the engine's start-up time once.
+
+Bounded staleness (``grpo.max_staleness`` k >= 1, vllm only): when a training step's rollout is
+done, the next step's starts in a background thread with the weights as they are, and runs
+while the step trains (torch's kernels release the GIL). Those completions then train one
+policy version later: staleness 1, within any k >= 1; each records its version, logged as
+``rollout/staleness``. Their ratio is taken against the engine's own log-probs (the policy
+that sampled them), clipped by epsilon as usual. k = 0 is the synchronous loop, unchanged.
+
+Importance correction (``importance_weights``): vLLM's log-probability of a sampled token
+differs from the trainer's for the same weights (other kernels, bf16 rounding); the
+token loss is weighed by the ratio π_trainer / π_engine, truncated at a cap per token
+(``token_truncate``, TIS as veRL and TRL apply it) or, per completion, zeroed when the
+sequence's ratio leaves [1/cap, cap] (``sequence_mask``, TRL's default), or not at all
+(``none``). The mismatch is logged each step under TRL's names.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from threefold.config import ConfigError
+from threefold.generation.generate import generate
+from threefold.generation.policy_weights import policy_weights, untied_config
+from threefold.generation.rollouts import (ROLLOUT_ENGINES, VLLM_INSTALL, Rollouts, Sampling,
+                                           vllm_installed)
+from threefold.weights.hf_config import hf_config
+
+IMPORTANCE_MODES = ("token_truncate", "sequence_mask", "none")
+
+
+def check_engine(engine: str, importance: str, cap: float, staleness: int = 0,
+                 iterations: int = 1) -> None:
+    """ConfigError for an unknown engine or correction, or a staleness it cannot give."""
+    if engine not in ROLLOUT_ENGINES:
+        raise ConfigError(f"grpo.rollout_engine: '{engine}' is not one of "
+                          f"{', '.join(ROLLOUT_ENGINES)}")
+    if importance not in IMPORTANCE_MODES:
+        raise ConfigError(f"grpo.importance_sampling: '{importance}' is not one of "
+                          f"{', '.join(IMPORTANCE_MODES)}")
+    if not cap > 1:
+        raise ConfigError(f"grpo.importance_sampling_cap: {cap} must be > 1")
+    if staleness < 0 or (staleness and engine != "vllm"):
+        raise ConfigError(f"grpo.max_staleness: {staleness} needs >= 0, and > 0 needs "
+                          "grpo.rollout_engine vllm (the builtin engine is the training model "
+                          "itself, busy training)")
+    if staleness and iterations > 1:
+        raise ConfigError(f"grpo.max_staleness: {staleness} with grpo.num_iterations "
+                          f"{iterations}: a generation is trained on once when the next one "
+                          "is already under way; use grpo.num_iterations 1")
+
+
+def check_installed(engine: str) -> None:
+    """ConfigError when vLLM is asked for and not installed (after the layout's rules: a
+    layout the engine cannot run is refused for that first)."""
+    if engine == "vllm" and not vllm_installed():
+        raise ConfigError(f"grpo.rollout_engine: vllm is not installed here; install it with "
+                          f"{VLLM_INSTALL}, or use grpo.rollout_engine builtin")
+
+
+class RolloutSource:
+    """One rank's completions for GRPO: ``complete(prompts, indices, sampling)``."""
+
+    def __init__(self, run, engine: str, max_len: int, kv_cache_mb: int):
+        self.run, self.kind = run, engine
+        self.engine = None
+        self.started = 0.0
+        self.ahead: tuple | None = None  # (request, its completions to come: a Future, figures)
+        self.worker: ThreadPoolExecutor | None = None
+        if engine == "vllm":
+            from threefold.generation.vllm_rollouts import VLLMRollouts, write_engine_config
+
+            folder = write_engine_config(run.out / "rollout_engine" / f"rank{run.world.rank}",
+                                         untied_config(hf_config(run.model_cfg)))
+            dtype = "bfloat16" if run.dtype == torch.bfloat16 else "float32"
+            self.engine = VLLMRollouts(folder, dtype, max_len, kv_cache_mb << 20,
+                                       seed=run.cfg.train.seed)
+            self.started = self.engine.start_seconds
+
+    def sync(self) -> dict[str, float]:
+        """Send the policy's weights when it has stepped since the engine's; the figures."""
+        version = self.run.engine.optim_step()
+        if self.engine is None or self.engine.version == version:
+            return {}
+        t0 = time.perf_counter()
+        sent = self.engine.load(policy_weights(self.run.engine, self.run.model_cfg,
+                                               untied_head=True), version)
+        return {"rollout/sync_seconds": time.perf_counter() - t0, "rollout/sync_bytes": sent}
+
+    def prefetch(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> None:
+        """Start generating the next step's completions now, with the policy as it is, in a
+        background thread, while this step trains (``grpo.max_staleness`` >= 1): they reach
+        the trainer one policy version old. The weights are synced here, in the main thread
+        (collective under ZeRO-3), never while the engine generates."""
+        figures = self.sync()
+        if self.worker is None:
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
+        job = self.worker.submit(self.engine.generate, prompts, indices, s)
+        self.ahead = ((_request(prompts, indices), s), job, figures)
+
+    def complete(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> Rollouts:
+        """Completions of ``prompts``, completion i seeded by ``indices[i]`` (the prefetched
+        ones when this is the request ``prefetch`` started)."""
+        if self.ahead is not None:  # (another request, evaluation's, waits for it: one
+            request, job, figures = self.ahead  # engine, one request at a time)
+            out = job.result()  # (an error in the thread is raised here)
+            if request == (_request(prompts, indices), s):
+                self.ahead = None
+                out.figures.update(figures)
+                return out
+        if self.engine is not None:
+            figures = self.sync()
+            if self.started:
+                figures["rollout/engine_start_seconds"], self.started = self.started, 0.0
+            out = self.engine.generate(prompts, indices, s)
+            out.figures.update(figures)
+            return out
+        model = self.run.engine.model
+        tp = model.tp_size
+        # under ZeRO-3 each forward gathers one unit at a time, as training does: the whole
+        # model is never on the rank (more gathers per token, the memory the planner promised)
+        res = generate(model, prompts, s.max_new_tokens, temperature=s.temperature,
+                       top_p=s.top_p, top_k=s.top_k, eos_id=s.eos_id, seed=s.seed,
+                       prompt_indices=indices, comm=self.run.world.comm if tp > 1 else None,
+                       pad_id=s.pad_id)
+        return Rollouts(res.tokens, None, res.seconds, sum(res.lengths),
+                        self.run.engine.optim_step())
+
+
+def _request(prompts: list[list[int]], indices: list[int]) -> tuple:
+    return tuple(map(tuple, prompts)), tuple(indices)
+
+
+def importance_weights(old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor,
+                       mode: str, cap: float) -> torch.Tensor:
+    """Per-token weights (rows, T) for the loss: the trainer's log-probs ``old`` against the
+    engine's ``sampled`` on the completion tokens ``mask`` (module doc)."""
+    diff = (old - sampled) * mask
+    if mode == "token_truncate":
+        return torch.exp(diff).clamp(max=cap)
+    if mode == "sequence_mask":
+        seq = diff.sum(1, keepdim=True)
+        keep = (seq <= math.log(cap)) & (seq >= -math.log(cap))
+        return keep.to(old.dtype).expand_as(old)
+    return torch.ones_like(old)
+
+
+def mismatch_sums(old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor,
+                  weights: torch.Tensor) -> np.ndarray:
+    """[tokens, Σ|Δlogp|, max|Δlogp|, Σ ratio, min ratio, max ratio] over the completion
+    tokens, to be reduced over the data-parallel ranks (sum, sum, max, sum, min, max)."""
+    m = mask.bool()
+    if not m.any():
+        return np.array([0.0, 0.0, 0.0, 0.0, math.inf, -math.inf])
+    d = (old - sampled)[m].abs().double()
+    r = weights[m].double()
+    return np.array([float(m.sum()), float(d.sum()), float(d.max()), float(r.sum()),
+                     float(r.min()), float(r.max())])
+
+
+def mismatch_figures(sums: np.ndarray, maxes: np.ndarray, mins: np.ndarray) -> dict[str, float]:
+    """TRL's sampling metrics from ``mismatch_sums`` reduced over the ranks (three ways)."""
+    n = max(sums[0], 1.0)
+    return {"sampling/sampling_logp_difference/mean": sums[1] / n,
+            "sampling/sampling_logp_difference/max": maxes[2],
+            "sampling/importance_sampling_ratio/mean": sums[3] / n,
+            "sampling/importance_sampling_ratio/min": mins[4],
+            "sampling/importance_sampling_ratio/max": maxes[5]}
