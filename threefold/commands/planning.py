@@ -43,8 +43,9 @@ from pathlib import Path
 
 from threefold.accounting import active_parameters, num_parameters, tp_shard
 from threefold.weights.checkpoint_verify import read_json
-from threefold.config import (CP_ALGORITHMS, MODEL_PRESETS, RECOMPUTE_MODES, ConfigError,
-                              LoRAConfig, ModelConfig, ParallelConfig, load_config)
+from threefold.config import (CP_ALGORITHMS, MODEL_PRESETS, RECOMPUTE_MODES,
+                              RECOMPUTE_MODULES, ConfigError, LoRAConfig, ModelConfig,
+                              ParallelConfig, load_config, module_names)
 from threefold.config.validation import LORA_TARGETS, lora_targets
 from threefold.weights.hf_config import HFError, model_config_from_hf
 from threefold.weights.hub import hub_id, locate
@@ -154,6 +155,14 @@ def _setup(args):
         raise ConfigError(f"--global-batch-tokens: {args.global_batch_tokens} is not a multiple "
                           f"of --seq-len {seq}")
     recompute = choices("--recompute", args.recompute, RECOMPUTE_MODES)
+    modules = None
+    if args.recompute_modules:
+        modules = (module_names(",".join(choices("--recompute-modules", args.recompute_modules,
+                                                 RECOMPUTE_MODULES))),)
+        if args.block == "megatron":
+            raise ConfigError("--recompute-modules: Megatron's block (--block megatron) is "
+                              "counted with its own selective recompute; use --block threefold")
+        recompute = recompute if args.recompute else ("selective",)
     if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
         raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
     algorithms = choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
@@ -173,7 +182,8 @@ def _setup(args):
                           "--gpu h100, h200 or b200")
     tp = (1,) if args.fp8 != "none" and args.lora_r else args.tp  # FP8 under LoRA: tp 1
     space = SearchSpace(tp=tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
-                        recompute=recompute if args.recompute else None, cp=args.cp,
+                        recompute=recompute if args.recompute or modules else None,
+                        recompute_modules=modules, cp=args.cp,
                         cp_algorithm=algorithms, ep=args.ep, tp_overlap=args.tp_overlap,
                         pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
                                              for x in splits),

@@ -26,7 +26,9 @@ from threefold.config.schema import (
     CP_ALGORITHMS,
     MODEL_FAMILIES,
     PIPELINE_SCHEDULES,
+    DEEPSEEK_RECOMPUTE,
     RECOMPUTE_MODES,
+    RECOMPUTE_MODULES,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -37,6 +39,7 @@ from threefold.config.schema import (
     TrainConfig,
     describe,
     fp8_all_gather,
+    module_names,
     param_dtype,
 )
 from threefold.config.validation import validate
@@ -45,8 +48,8 @@ __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
     "LoRAConfig", "MetricsConfig", "MODEL_FAMILIES", "ModelConfig", "OptimConfig",
     "CP_ALGORITHMS", "PIPELINE_SCHEDULES", "ParallelConfig", "RECOMPUTE_MODES",
-    "TrainConfig",
-    "apply_mapping", "describe", "fp8_all_gather", "load_config", "param_dtype",
+    "DEEPSEEK_RECOMPUTE", "RECOMPUTE_MODULES", "TrainConfig",
+    "apply_mapping", "describe", "fp8_all_gather", "load_config", "module_names", "param_dtype",
     "parse_overrides", "take_flag",
     "unknown_value", "validate",
 ]

@@ -21,6 +21,13 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dua
 # rule book, the planner's options and the runtime.
 CP_ALGORITHMS = ("ring", "allgather")
 RECOMPUTE_MODES = ("none", "selective", "full")
+# What selective recompute may name as recomputed (``train.recompute_modules``), in Megatron's
+# names; layernorm and moe_act are recomputed under any selective policy (the default: empty).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "moe",
+                     "shared_experts")
+# DeepSeek-V3's policy (arXiv 2412.19437 §3.2.3, §3.3.2): the norms, latent attention's
+# up-projections and SwiGLU's output recomputed, everything else kept.
+DEEPSEEK_RECOMPUTE = ("layernorm", "mla_up_proj", "moe_act")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.families.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
@@ -134,6 +141,11 @@ class TrainConfig:
     recompute: str = _f("none", "activations recomputed in backward: none; selective (matmul "
                         "and attention outputs kept, norms, RoPE, SwiGLU and casts recomputed); "
                         "full (each block from its input)")
+    recompute_modules: str = _f("", "with train.recompute selective, what is recomputed, as "
+                                "Megatron's --recompute-modules: a comma list of core_attn, "
+                                "layernorm, mla_up_proj, moe_act, mlp, moe, shared_experts "
+                                "(a named module keeps no matmul output); empty = "
+                                "layernorm,moe_act (always recomputed under selective)")
     compile: bool = _f(False, "torch.compile each block")
     host_mmap_threshold_mb: float = _f(256.0, "CPU runs: glibc keeps freed blocks below this "
                                        "many MiB for reuse instead of mapping fresh pages "
@@ -160,6 +172,16 @@ class TrainConfig:
     def recompute_mode(self) -> str:
         """none, selective or full: ``recompute``, or full under ``activation_checkpointing``."""
         return "full" if self.activation_checkpointing else self.recompute
+
+    @property
+    def recompute_module_names(self) -> tuple[str, ...]:
+        """``recompute_modules`` as a sorted tuple without repeats (the layout's form)."""
+        return module_names(self.recompute_modules)
+
+
+def module_names(text: str) -> tuple[str, ...]:
+    """A comma list of recompute modules as a sorted tuple without repeats or blanks."""
+    return tuple(sorted({n.strip() for n in text.split(",") if n.strip()}))
 
 
 @dataclass

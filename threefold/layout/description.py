@@ -41,6 +41,8 @@ class Layout(Ranks):
     pipeline_inflight: int = 0  # interleaved 1F1B's bound on chunk activations; 0 = Megatron's
     microbatch_size: int = 1
     recompute: str = "none"
+    # selective recompute's named modules (``train.recompute_modules``, sorted); () = default
+    recompute_modules: tuple = ()
     schedule: str = ""
     sequence_parallel: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
@@ -141,7 +143,15 @@ class Layout(Ranks):
         return dataclasses.replace(
             lay, microbatch_size=min(cfg.train.micro_batch_size, local),
             recompute=cfg.train.recompute_mode,
+            recompute_modules=cfg.train.recompute_module_names,
             pipeline_split=f"flops:{cfg.data.seq_len}" if split == "flops" else split)
+
+    @property
+    def recompute_label(self) -> str:
+        """The recompute mode as reports print it: selective with its modules, if named."""
+        if self.recompute_modules:
+            return f"{self.recompute}:{'+'.join(self.recompute_modules)}"
+        return self.recompute
 
     def notes(self) -> list[str]:
         """What this layout does that its user may not expect (not refusals)."""

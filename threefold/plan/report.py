@@ -81,8 +81,8 @@ def _cause(best: Candidate, other: Candidate, term: str) -> str:
     """A short reason for the largest term difference."""
     b, o = best.layout, other.layout
     if term == "compute":
-        if o.recompute != b.recompute:
-            return f"recompute {o.recompute} vs {b.recompute}"
+        if o.recompute_label != b.recompute_label:
+            return f"recompute {o.recompute_label} vs {b.recompute_label}"
         return "more FLOPs on the slowest stage (padding, replicated kv, head imbalance)"
     if term == "bubble":
         return f"pp={o.pp}, vpp={o.vpp} {schedule_name(o)}, {other.step.bubble_fraction:.0%} bubble"
@@ -118,6 +118,7 @@ def to_json_rows(cands: list[Candidate]) -> list[dict]:
                      "pipeline_split": lay.pipeline_split,
                      "stage_layers": list(c.stage_layers),
                      "microbatch_size": lay.microbatch_size, "recompute": lay.recompute,
+                     "recompute_modules": list(lay.recompute_modules),
                      "offload_optimizer": lay.offload_optimizer,
                      "memory_bytes_per_gpu": c.memory.total,
                      "host_memory_bytes_per_gpu": c.memory.host_total,
@@ -178,7 +179,7 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
             f"{lay.dp_shard:>4} " + (f"{lay.ep:>3} " if moe else "")
             + f"{str(lay.zero_stage) + ('o' if lay.offload_optimizer else ''):>4} "
             f"{lay.microbatch_size:>3} "
-            f"{lay.recompute:<9} {mem:<26} {s.step_time_s:>8.3f} "
+            f"{lay.recompute_label:<9} {mem:<26} {s.step_time_s:>8.3f} "
             f"{s.tokens_per_second_per_gpu:>9.0f} {s.tflops_per_gpu:>6.0f} {s.mfu:>5.1%} "
             f"{s.bubble_fraction:>6.1%}  {comm}")
         if s.axis_levels:
@@ -203,7 +204,7 @@ def summary_lines(result: PlanResult) -> str:
         lay, total, why = min(result.too_big, key=lambda r: r[1])
         lines.append(f"{len(result.too_big)} layouts do not fit in memory; the smallest "
                      f"(tp={lay.tp} cp={lay.cp} pp={lay.pp} ep={lay.ep} zero={lay.zero_stage} "
-                     f"mbs={lay.microbatch_size} recompute={lay.recompute}) {why}")
+                     f"mbs={lay.microbatch_size} recompute={lay.recompute_label}) {why}")
     for reason, n in sorted(result.invalid.items(), key=lambda kv: -kv[1])[:6]:
         lines.append(f"{n} skipped: {reason}")
     return "\n".join(lines)

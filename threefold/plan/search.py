@@ -16,7 +16,8 @@ from typing import Iterator
 from threefold.accounting import microbatches
 from threefold.accounting import tp_shard
 from threefold.accounting import pipeline_layers
-from threefold.config import RECOMPUTE_MODES, ConfigError, ModelConfig, ParallelConfig
+from threefold.config import (DEEPSEEK_RECOMPUTE, RECOMPUTE_MODES, ConfigError, ModelConfig,
+                              ParallelConfig)
 from threefold.layout import Layout, Workload, check_layout, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.cluster import Cluster
@@ -50,6 +51,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
     ``check_layout``; the others are counted into ``invalid`` by rule (``_rejecter``)."""
     reject = _rejecter({} if invalid is None else invalid)
     recompute, dropped = _recompute_options(space, work)
+    recompute = _with_modules(recompute, space, cfg, work)
     experts = cfg.num_local_experts or 0
     for tp in space.tp or _divisors(world):
         try:
@@ -86,7 +88,8 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                             _ep_degrees(experts, dp // dp_r, space, reject)):
                         lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
                                      zero_stage=zero, vpp=vpp, microbatch_size=mbs,
-                                     recompute=rc, cp=cp, cp_algorithm=alg,
+                                     recompute=rc[0], recompute_modules=rc[1], cp=cp,
+                                     cp_algorithm=alg,
                                      offload_optimizer=off, ep=ep, pipeline_split=psplit,
                                      sequence_parallel=not experts, schedule=sched,
                                      pipeline_inflight=bound, tp_overlap=space.tp_overlap)
@@ -231,6 +234,19 @@ def _recompute_options(space: SearchSpace, work: Workload) -> tuple[tuple[str, .
         return tuple(r for r in RECOMPUTE_MODES if r != "selective"), \
             "selective recompute: no memory saved under flash attention (never better than none)"
     return RECOMPUTE_MODES, ""
+
+
+def _with_modules(modes: tuple[str, ...], space: SearchSpace, cfg: ModelConfig,
+                  work: Workload) -> list[tuple[str, tuple[str, ...]]]:
+    """(mode, recompute modules) pairs: the policies asked for with every mode; else the
+    default, and for selective with latent attention DeepSeek-V3's too (its up-projections
+    recomputed: less memory for a few matmuls)."""
+    if space.recompute_modules is not None:
+        return [(m, mods) for m in modes for mods in space.recompute_modules]
+    out = [(m, ()) for m in modes]
+    if "selective" in modes and cfg.kv_lora_rank and work.block == "threefold":
+        out.append(("selective", DEEPSEEK_RECOMPUTE))
+    return out
 
 
 def _dp_splits(dp: int, space: SearchSpace, cp: int = 1) -> Iterator[tuple[int, int]]:
@@ -394,7 +410,7 @@ def _why_cp(cfg: ModelConfig, cluster: Cluster, work: Workload, result: PlanResu
         lay, total, why = min(big, key=lambda r: r[1])
         return head + (f"no layout with cp = 1 fits in {limit / 1e9:.0f} GB; the smallest "
                        f"(tp={lay.tp} pp={lay.pp} zero={lay.zero_stage} "
-                       f"mbs={lay.microbatch_size} recompute={lay.recompute}) {why}")
+                       f"mbs={lay.microbatch_size} recompute={lay.recompute_label}) {why}")
     top = None
     for bound, lay, mem in sorted(plain, key=lambda x: x[0]):
         if top is not None and bound >= top.step.step_time_s:

@@ -93,3 +93,24 @@ def selective_experts_eager(recompute: str, experts: int, ep: int, compiled: boo
                           f"expert parallelism (parallel.ep={ep}) runs eagerly only (a compiled "
                           "block could send its all-to-alls again); set train.compile false or "
                           "train.recompute full")
+
+
+@rule
+def recompute_modules_need_selective(recompute: str, modules: tuple[str, ...]) -> None:
+    """Named modules are a selective policy: full recompute recomputes everything, none
+    nothing."""
+    if modules and recompute != "selective":
+        raise LayoutError(f"train.recompute_modules: {','.join(modules)} applies to selective "
+                          f"recompute, not train.recompute {recompute}; set train.recompute "
+                          "selective or clear train.recompute_modules")
+
+
+@rule
+def recompute_modules_eager(modules: tuple[str, ...], compiled: bool) -> None:
+    """Named modules are found by forward hooks, which a compiled block does not run as the
+    eager policy needs."""
+    hooked = [m for m in modules if m in ("mla_up_proj", "mlp", "moe", "shared_experts")]
+    if hooked and compiled:
+        raise LayoutError(f"train.compile: train.recompute_modules {','.join(hooked)} runs "
+                          "eagerly only; set train.compile false or name only core_attn, "
+                          "layernorm, moe_act")

@@ -1,0 +1,140 @@
+"""Selective recompute's module policies (``train.recompute_modules``): what a block keeps
+under each equals the planner's count to the byte (grouped-query, latent attention, a
+mixture of experts), and every policy trains as no recompute, in one process and under
+expert parallelism, sending no all-to-all row twice."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.test_plan_moe import _kept_bytes
+from tests.test_tp_layer import SavedBytes
+from threefold.config import DEEPSEEK_RECOMPUTE, ModelConfig
+from threefold.layout import Layout, Workload
+
+LATENT = dict(kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+              v_head_dim=16, num_key_value_heads=8, rope_interleave=True)
+EXPERTS = dict(num_local_experts=8, num_experts_per_tok=2, moe_router="sigmoid_grouped",
+               n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+               shared_expert_intermediate_size=64, shared_expert_gate=False)
+CASES = [  # (model, its fields, policies, dtype)
+    ("gqa", {}, [(), ("core_attn",), ("mlp",), ("core_attn", "layernorm", "mlp")],
+     torch.float32),
+    ("gqa", {}, [("core_attn", "mlp")], torch.bfloat16),
+    ("latent", LATENT, [(), ("mla_up_proj",), ("mlp",), DEEPSEEK_RECOMPUTE], torch.float32),
+    ("latent-moe", {**LATENT, **EXPERTS},
+     [(), DEEPSEEK_RECOMPUTE, ("moe",), ("shared_experts",), ("core_attn", "mla_up_proj")],
+     torch.float32),
+    ("latent-moe", {**LATENT, **EXPERTS}, [DEEPSEEK_RECOMPUTE], torch.bfloat16),
+]
+
+
+def _kept(over: dict, modules: tuple, dtype) -> tuple[int, ModelConfig]:
+    """Bytes block 0 keeps under selective recompute with ``modules``: what autograd saves
+    (the checkpoint's input) and the distinct storages its ``_Keep`` tape holds, RoPE's
+    tables (made once per microbatch) left out."""
+    from threefold.model.decoder import CausalLM
+    from threefold.parallel.transforms import recompute
+
+    tapes = []
+    init = recompute._Keep.__init__
+
+    def spy(self, kept, *more):
+        tapes.append(kept)
+        init(self, kept, *more)
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(preset="tiny", vocab_size=256, **over).resolved()
+    model = CausalLM(cfg)
+    recompute.apply_recompute(model, "selective", modules)
+    b, s = 2, 32
+    x = torch.randn(b, s, cfg.hidden_size, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+        contextlib.nullcontext()
+    recompute._Keep.__init__ = spy
+    try:
+        with SavedBytes(list(model.parameters()) + [cos, sin]) as saved, auto:
+            model.model.layers[0](x, cos, sin)
+    finally:
+        recompute._Keep.__init__ = init
+    assert saved.total == x.nbytes  # autograd itself saves the checkpoint's input only
+    return saved.total + _kept_bytes(tapes[0], [x, cos, sin, *model.parameters()]), cfg
+
+
+@pytest.mark.parametrize("name,over,policies,dtype", CASES,
+                         ids=[f"{c[0]}-{str(c[3])[6:]}" for c in CASES])
+def test_each_policy_keeps_the_planners_bytes(name, over, policies, dtype):
+    """For every policy the block keeps exactly ``model_layer_activation_bytes`` (CPU's
+    fused attention needs v as wide as q, so latent attention's core runs materialised
+    there: counted without flash attention); naming a module keeps less than the default."""
+    from threefold.plan.activations import model_layer_activation_bytes
+
+    d = 2 if dtype == torch.bfloat16 else 4
+    default = None
+    for modules in policies:
+        got, cfg = _kept(over, modules, dtype)
+        work = Workload(seq_len=32, global_batch=2, precision="bf16" if d == 2 else "fp32",
+                        residual_bytes=4, master_bytes=4, flash_attention="latent" not in name)
+        lay = Layout(microbatch_size=2, recompute="selective", recompute_modules=modules)
+        assert got == model_layer_activation_bytes(cfg, lay, work), (name, modules)
+        default = got if not modules else default
+        if default is not None and set(modules) - {"layernorm", "moe_act"}:
+            assert got < default, modules
+
+
+def _policies(rank: int, world: int) -> dict:
+    """Loss, gradients and rows sent of a tiny DeepSeek-V3 (latent attention, a dense first
+    block, grouped routing, a shared expert) under no recompute and each policy (ep = world)."""
+    from threefold.comm.counted import Comm
+    from threefold.comm.mesh import build_mesh
+    from threefold.layout.axes import EXPERT_AXES
+    from threefold.model.decoder import CausalLM
+    from threefold.parallel.transforms.expert import apply_expert_parallel, take_rows_sent
+    from threefold.parallel.transforms.recompute import apply_recompute
+
+    cfg = ModelConfig(preset="tiny", vocab_size=256, hidden_size=64, intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, first_k_dense_replace=1,
+                      dense_intermediate_size=96, **{**LATENT, "num_key_value_heads": 4},
+                      **{**EXPERTS, "shared_expert_intermediate_size": 32}).resolved()
+    comm = None
+    if world > 1:
+        dims = Layout(dp_shard=world, ep=world)
+        comm = Comm(dims, build_mesh(dims, "cpu"))
+        for axis in EXPERT_AXES:
+            comm.add_axis(axis, dims.axis_groups(axis))
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for modules in (None, DEEPSEEK_RECOMPUTE, ("core_attn", "mlp", "moe"), ("shared_experts",)):
+        torch.manual_seed(0)
+        model = CausalLM(cfg)
+        if comm is not None:
+            apply_expert_parallel(model, comm)
+        apply_recompute(model, "none" if modules is None else "selective", modules or ())
+        loss = model.model(ids).pow(2).mean()
+        loss.backward()
+        out[modules] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()},
+                        take_rows_sent(model))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_policy_equals_no_recompute(world):
+    """DeepSeek-V3's policy, a policy recomputing the attention core, the dense MLP and the
+    whole mixture of experts, and one recomputing the shared expert give no recompute's loss
+    and gradients (fp32, rel 1e-5), in one process and under ep 2; none sends a row the
+    forward did not (the all-to-alls' results are kept under every policy)."""
+    res = [_policies(0, 1)] if world == 1 else run_distributed(_policies, world)
+    for out in res:
+        loss, grads, rows = out[None]
+        for modules, (got, got_grads, got_rows) in out.items():
+            torch.testing.assert_close(got, loss, rtol=1e-5, atol=0)
+            for name, g in grads.items():
+                torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-7,
+                                           msg=f"{modules}: {name}")
+            assert got_rows == rows
+        assert (rows > 0) == (world > 1)
