@@ -48,7 +48,7 @@ def _kept(over: dict, modules: tuple, dtype) -> tuple[int, ModelConfig]:
         init(self, kept, *more)
 
     torch.manual_seed(0)
-    cfg = ModelConfig(preset="tiny", vocab_size=256, **over).resolved()
+    cfg = ModelConfig(preset="tiny", vocab_size=256, num_hidden_layers=1, **over).resolved()
     model = CausalLM(cfg)
     recompute.apply_recompute(model, "selective", modules)
     b, s = 2, 32
@@ -88,26 +88,30 @@ def test_each_policy_keeps_the_planners_bytes(name, over, policies, dtype):
 
 
 def _policies(rank: int, world: int) -> dict:
-    """Loss, gradients and rows sent of a tiny DeepSeek-V3 (latent attention, a dense first
-    block, grouped routing, a shared expert) under no recompute and each policy (ep = world)."""
+    """Per expert-parallel degree (1, then ``world``): loss, gradients and rows sent of a tiny
+    DeepSeek-V3 (latent attention, a dense first block, grouped routing, a shared expert)
+    under no recompute and each policy. Both degrees in one launch: one process set-up."""
     from threefold.comm.counted import Comm
     from threefold.comm.mesh import build_mesh
     from threefold.layout.axes import EXPERT_AXES
-    from threefold.model.decoder import CausalLM
-    from threefold.parallel.transforms.expert import apply_expert_parallel, take_rows_sent
-    from threefold.parallel.transforms.recompute import apply_recompute
 
     cfg = ModelConfig(preset="tiny", vocab_size=256, hidden_size=64, intermediate_size=32,
                       num_hidden_layers=2, num_attention_heads=4, first_k_dense_replace=1,
                       dense_intermediate_size=96, **{**LATENT, "num_key_value_heads": 4},
                       **{**EXPERTS, "shared_expert_intermediate_size": 32}).resolved()
-    comm = None
-    if world > 1:
-        dims = Layout(dp_shard=world, ep=world)
-        comm = Comm(dims, build_mesh(dims, "cpu"))
-        for axis in EXPERT_AXES:
-            comm.add_axis(axis, dims.axis_groups(axis))
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(rank))
+    dims = Layout(dp_shard=world, ep=world)
+    comm = Comm(dims, build_mesh(dims, "cpu"))
+    for axis in EXPERT_AXES:
+        comm.add_axis(axis, dims.axis_groups(axis))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    return {ep: _each_policy(cfg, ids, comm if ep > 1 else None) for ep in (1, world)}
+
+
+def _each_policy(cfg: ModelConfig, ids: torch.Tensor, comm) -> dict:
+    from threefold.model.decoder import CausalLM
+    from threefold.parallel.transforms.expert import apply_expert_parallel, take_rows_sent
+    from threefold.parallel.transforms.recompute import apply_recompute
+
     out = {}
     for modules in (None, DEEPSEEK_RECOMPUTE, ("core_attn", "mlp", "moe"), ("shared_experts",)):
         torch.manual_seed(0)
@@ -122,19 +126,18 @@ def _policies(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_every_policy_equals_no_recompute(world):
+def test_every_policy_equals_no_recompute_in_one_process_and_under_ep2():
     """DeepSeek-V3's policy, a policy recomputing the attention core, the dense MLP and the
     whole mixture of experts, and one recomputing the shared expert give no recompute's loss
     and gradients (fp32, rel 1e-5), in one process and under ep 2; none sends a row the
     forward did not (the all-to-alls' results are kept under every policy)."""
-    res = [_policies(0, 1)] if world == 1 else run_distributed(_policies, world)
-    for out in res:
-        loss, grads, rows = out[None]
-        for modules, (got, got_grads, got_rows) in out.items():
-            torch.testing.assert_close(got, loss, rtol=1e-5, atol=0)
-            for name, g in grads.items():
-                torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-7,
-                                           msg=f"{modules}: {name}")
-            assert got_rows == rows
-        assert (rows > 0) == (world > 1)
+    for per_ep in run_distributed(_policies, 2):
+        for ep, out in per_ep.items():
+            loss, grads, rows = out[None]
+            for modules, (got, got_grads, got_rows) in out.items():
+                torch.testing.assert_close(got, loss, rtol=1e-5, atol=0)
+                for name, g in grads.items():
+                    torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-7,
+                                               msg=f"ep {ep}, {modules}: {name}")
+                assert got_rows == rows, (ep, modules)
+            assert (rows > 0) == (ep > 1)

@@ -93,7 +93,7 @@ def _layout_lines(r: DryRunResult, world: int) -> list[str]:
         + f"; zero {lay.zero_stage}"
         + (" with the optimizer offloaded to the host" if lay.offload_optimizer else "")
         + ", sequence parallel "
-        f"{'on' if lay.sp else 'off'}, recompute {lay.recompute}; micro-batch "
+        f"{'on' if lay.sp else 'off'}, recompute {lay.recompute_label}; micro-batch "
         f"{lay.microbatch_size} × {microbatches(lay, w)} per step, seq {w.seq_len}, "
         f"{w.precision} matmuls",
         f"parameters per rank{' (rank 0)' if lay.pp > 1 else ''}: "
