@@ -6,6 +6,7 @@ expert parallelism, sending no all-to-all row twice."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -22,8 +23,7 @@ EXPERTS = dict(num_local_experts=8, num_experts_per_tok=2, moe_router="sigmoid_g
                n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                shared_expert_intermediate_size=64, shared_expert_gate=False)
 CASES = [  # (model, its fields, policies, dtype)
-    ("gqa", {}, [(), ("core_attn",), ("mlp",), ("core_attn", "layernorm", "mlp")],
-     torch.float32),
+    ("gqa", {}, [(), ("core_attn",), ("layernorm", "mlp")], torch.float32),
     ("gqa", {}, [("core_attn", "mlp")], torch.bfloat16),
     ("latent", LATENT, [(), ("mla_up_proj",), ("mlp",), DEEPSEEK_RECOMPUTE], torch.float32),
     ("latent-moe", {**LATENT, **EXPERTS},
@@ -141,3 +141,46 @@ def test_every_policy_equals_no_recompute_in_one_process_and_under_ep2():
                                                msg=f"ep {ep}, {modules}: {name}")
                 assert got_rows == rows, (ep, modules)
             assert (rows > 0) == (ep > 1)
+
+
+def test_the_planner_charges_the_named_modules_matmuls_again():
+    """A named module's matmuls run again in backward: the planner's backward FLOPs grow by
+    2 per weight per token of what the module multiplies by (the model's own q_b and kv_b
+    for ``mla_up_proj``; the router, k experts and the shared expert for ``moe``), the
+    attention core's for ``core_attn``; its search tries DeepSeek-V3's policy for latent
+    attention, and ``threefold plan --recompute-modules`` names the policy it plans."""
+    from threefold.model.decoder import CausalLM
+    from threefold.plan.compute import stage_flops_per_microbatch
+    from threefold.hardware.catalogue import get_hardware
+    from threefold.plan.candidates import SearchSpace
+    from threefold.plan.cluster import Cluster
+    from threefold.plan.search import search
+
+    cfg = ModelConfig(preset="tiny", vocab_size=256, num_hidden_layers=2, **LATENT,
+                      **EXPERTS).resolved()
+    block = CausalLM(cfg).model.layers[1]
+    attn, moe = block.self_attn, block.mlp
+    work = Workload(seq_len=64, global_batch=8, precision="bf16")
+    tokens = 64 * 2
+
+    def extra(mods):
+        lay = Layout(microbatch_size=2, recompute="selective", recompute_modules=mods)
+        base = dataclasses.replace(lay, recompute_modules=())
+        return (stage_flops_per_microbatch(cfg, lay, work, 0)[1]
+                - stage_flops_per_microbatch(cfg, base, work, 0)[1]) / (2 * tokens * 2)
+
+    up = attn.q_b_proj.weight.numel() + attn.kv_b_proj.weight.numel()
+    assert extra(("mla_up_proj",)) == up
+    experts = moe.gate.weight.numel() + 2 * (moe.experts.gate_up_proj[0].numel()
+                                             + moe.experts.down_proj[0].numel())
+    shared = sum(p.numel() for p in moe.shared_experts.parameters())
+    assert extra(("moe",)) == experts + shared and extra(("shared_experts",)) == shared
+    assert extra(DEEPSEEK_RECOMPUTE) == up
+    core = 4 * 64 * cfg.num_attention_heads * cfg.head_dim / 2  # (per weight's 2 FLOPs)
+    assert extra(("core_attn",)) == core
+    cluster = Cluster(get_hardware("h100"), 8, 8)
+    res = search(cfg, cluster, work, SearchSpace(tp=(1,), pp=(1,), zero_stage=(1,),
+                                                  microbatch_size=(1,), ep=(1,),
+                                                  recompute=("selective",)))
+    policies = {c.layout.recompute_modules for c in res.ranked}
+    assert policies == {(), DEEPSEEK_RECOMPUTE}
