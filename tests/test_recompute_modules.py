@@ -180,7 +180,22 @@ def test_the_planner_charges_the_named_modules_matmuls_again():
     assert extra(("core_attn",)) == core
     cluster = Cluster(get_hardware("h100"), 8, 8)
     res = search(cfg, cluster, work, SearchSpace(tp=(1,), pp=(1,), zero_stage=(1,),
-                                                  microbatch_size=(1,), ep=(1,),
-                                                  recompute=("selective",)))
-    policies = {c.layout.recompute_modules for c in res.ranked}
+                                                  microbatch_size=(1,), ep=(1,)))
+    policies = {c.layout.recompute_modules for c in res.ranked
+                if c.layout.recompute == "selective"}
     assert policies == {(), DEEPSEEK_RECOMPUTE}
+
+
+def test_plan_takes_the_policy_it_prints(capsys):
+    """``threefold plan --recompute`` takes a policy as its table and JSON print it
+    (selective:a+b, modules in any order) and plans that policy only."""
+    import json
+
+    from threefold.commands.planning import main
+
+    assert main(["--model", "tiny", "--gpus", "2", "--json", "--top", "8", "--tp", "1",
+                 "--recompute", "selective:mlp+core_attn"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and {r["recompute"] for r in rows} == {"selective:core_attn+mlp"}
+    assert main(["--model", "tiny", "--gpus", "2", "--recompute", "full:mlp"]) == 2
+    assert "only selective takes modules" in capsys.readouterr().err

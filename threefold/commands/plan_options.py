@@ -112,7 +112,8 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int_list,
                    help="only these expert-parallel degrees (a mixture of experts; default: "
                    "every divisor of the experts that divides dp_shard)")
-    p.add_argument("--recompute", help="only these: none,selective,full")
+    p.add_argument("--recompute", help="only these: none,selective,full, or a selective "
+                   "policy as the table prints it, e.g. selective:layernorm+mla_up_proj+moe_act")
     p.add_argument("--recompute-modules",
                    help="what selective recompute recomputes, as train.recompute_modules (comma "
                    "list of core_attn, layernorm, mla_up_proj, moe_act, mlp, moe, "

@@ -154,7 +154,7 @@ def _setup(args):
     if args.global_batch_tokens % seq:
         raise ConfigError(f"--global-batch-tokens: {args.global_batch_tokens} is not a multiple "
                           f"of --seq-len {seq}")
-    recompute = choices("--recompute", args.recompute, RECOMPUTE_MODES)
+    recompute = _recompute_choices(args.recompute)
     modules = None
     if args.recompute_modules:
         modules = (module_names(",".join(choices("--recompute-modules", args.recompute_modules,
@@ -190,6 +190,23 @@ def _setup(args):
                         offload_optimizer={"off": (False,), "on": (True,),
                                            "search": (False, True)}[args.offload_optimizer])
     return cfg, cluster, work, space
+
+
+def _recompute_choices(text: str | None) -> tuple[str, ...]:
+    """``--recompute``'s modes: none, selective, full, or a selective policy as the table
+    prints it (selective:layernorm+mla_up_proj+moe_act), its modules sorted."""
+    out = []
+    for label in (text or ",".join(RECOMPUTE_MODES)).split(","):
+        mode, _, mods = label.partition(":")
+        choices("--recompute", mode, RECOMPUTE_MODES)
+        if mods:
+            if mode != "selective":
+                raise ConfigError(f"--recompute: {label}: only selective takes modules "
+                                  f"(selective:{mods})")
+            names = choices("--recompute", mods.replace("+", ","), RECOMPUTE_MODULES)
+            label = "selective:" + "+".join(module_names(",".join(names)))
+        out.append(label)
+    return tuple(out)
 
 
 def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:

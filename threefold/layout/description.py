@@ -148,7 +148,8 @@ class Layout(Ranks):
 
     @property
     def recompute_label(self) -> str:
-        """The recompute mode as reports print it: selective with its modules, if named."""
+        """The recompute mode as reports print it and ``threefold plan --recompute`` takes it:
+        selective with its modules, if named (``recompute_of_label`` reads it back)."""
         if self.recompute_modules:
             return f"{self.recompute}:{'+'.join(self.recompute_modules)}"
         return self.recompute
@@ -163,6 +164,13 @@ class Layout(Ranks):
             return [f"ZeRO-{self.zero_stage} shards over dp_shard·cp = {self.shard_size} ranks "
                     "(axis dp_shard_cp): context-parallel ranks hold the same weights"]
         return []
+
+
+def recompute_of_label(label: str) -> tuple[str, tuple[str, ...]]:
+    """(mode, modules) of a ``Layout.recompute_label``: "selective:layernorm+mla_up_proj" is
+    selective with those modules, a plain mode has none."""
+    mode, _, modules = label.partition(":")
+    return mode, tuple(sorted({m for m in modules.split("+") if m}))
 
 
 @dataclass(frozen=True)

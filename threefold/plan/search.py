@@ -18,7 +18,7 @@ from threefold.accounting import tp_shard
 from threefold.accounting import pipeline_layers
 from threefold.config import (DEEPSEEK_RECOMPUTE, RECOMPUTE_MODES, ConfigError, ModelConfig,
                               ParallelConfig)
-from threefold.layout import Layout, Workload, check_layout, rules
+from threefold.layout import Layout, Workload, check_layout, recompute_of_label, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.cluster import Cluster
 from threefold.plan.compute import fp8_expert_note
@@ -238,11 +238,14 @@ def _recompute_options(space: SearchSpace, work: Workload) -> tuple[tuple[str, .
 
 def _with_modules(modes: tuple[str, ...], space: SearchSpace, cfg: ModelConfig,
                   work: Workload) -> list[tuple[str, tuple[str, ...]]]:
-    """(mode, recompute modules) pairs: the policies asked for with every mode; else the
-    default, and for selective with latent attention DeepSeek-V3's too (its up-projections
-    recomputed: less memory for a few matmuls)."""
+    """(mode, recompute modules) pairs: the policies asked for with every mode; the modes as
+    asked (a label "selective:a+b" names its modules); else the default, and for selective
+    with latent attention DeepSeek-V3's too (its up-projections recomputed: less memory for
+    a few matmuls)."""
     if space.recompute_modules is not None:
         return [(m, mods) for m in modes for mods in space.recompute_modules]
+    if space.recompute:
+        return [recompute_of_label(m) for m in modes]
     out = [(m, ()) for m in modes]
     if "selective" in modes and cfg.kv_lora_rank and work.block == "threefold":
         out.append(("selective", DEEPSEEK_RECOMPUTE))
