@@ -159,7 +159,7 @@ def choose_hardware(cfg: Config, world: int) -> tuple[Cluster, str]:
 def _cpu_threads(world: int) -> int:
     """Threads each rank computes on: torchrun gives each of several ranks one
     (OMP_NUM_THREADS=1); one process takes the machine's cores."""
-    return 1 if world > 1 else max(1, os.cpushort_count() or 1)
+    return 1 if world > 1 else max(1, os.cpu_count() or 1)
 
 
 def _this_cpu(cfg: Config, world: int) -> tuple[Cluster, str]:
