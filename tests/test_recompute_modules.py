@@ -30,6 +30,9 @@ CASES = [  # (model, its fields, policies, dtype)
      [(), DEEPSEEK_RECOMPUTE, ("moe",), ("shared_experts",), ("core_attn", "mla_up_proj")],
      torch.float32),
     ("latent-moe", {**LATENT, **EXPERTS}, [DEEPSEEK_RECOMPUTE], torch.bfloat16),
+    ("latent-moe-dense-first", {**LATENT, **EXPERTS, "first_k_dense_replace": 1,
+                                "dense_intermediate_size": 96},
+     [(), DEEPSEEK_RECOMPUTE, ("mlp",)], torch.float32),
 ]
 
 
@@ -71,7 +74,8 @@ def _kept(over: dict, modules: tuple, dtype) -> tuple[int, ModelConfig]:
 def test_each_policy_keeps_the_planners_bytes(name, over, policies, dtype):
     """For every policy the block keeps exactly ``model_layer_activation_bytes`` (CPU's
     fused attention needs v as wide as q, so latent attention's core runs materialised
-    there: counted without flash attention); naming a module keeps less than the default."""
+    there: counted without flash attention; a mixture's dense first block as such);
+    naming a module keeps less than the default."""
     from threefold.plan.activations import model_layer_activation_bytes
 
     d = 2 if dtype == torch.bfloat16 else 4
@@ -81,7 +85,8 @@ def test_each_policy_keeps_the_planners_bytes(name, over, policies, dtype):
         work = Workload(seq_len=32, global_batch=2, precision="bf16" if d == 2 else "fp32",
                         residual_bytes=4, master_bytes=4, flash_attention="latent" not in name)
         lay = Layout(microbatch_size=2, recompute="selective", recompute_modules=modules)
-        assert got == model_layer_activation_bytes(cfg, lay, work), (name, modules)
+        want = model_layer_activation_bytes(cfg, lay, work, dense="dense" in name)
+        assert got == want, (name, modules)
         default = got if not modules else default
         if default is not None and set(modules) - {"layernorm", "moe_act"}:
             assert got < default, modules

@@ -157,12 +157,13 @@ def fp8_scale_bytes(cfg: ModelConfig, work: Workload) -> int:
 
 
 def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
-                                 recompute: str | None = None) -> float:
+                                 recompute: str | None = None, dense: bool = False) -> float:
     """Bytes one block keeps per rank per microbatch under ``layout``: ``block_activation_bytes``
     without recompute; with full recompute only the checkpoint's input, r·b·s·h (/t under SP);
     with selective recompute ``selective_block_bytes`` (the matmuls' and the fused attention's
-    outputs, less what ``layout.recompute_modules`` recomputes: ``plan.selective``). Under cp,
-    of this rank's seq_len/cp tokens."""
+    outputs, less what ``layout.recompute_modules`` recomputes: ``plan.selective``; ``dense``
+    a mixture of experts' dense first block there, elsewhere counted as its MoE blocks).
+    Under cp, of this rank's seq_len/cp tokens."""
     sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
     local = local_seq_len(layout, work)
     mode = recompute or layout.recompute
@@ -171,7 +172,7 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
     if mode == "full":
         return work.resid_bytes * b * local * cfg.hidden_size / (layout.tp if layout.sp else 1)
     if mode == "selective":  # (with the layout's recompute_modules)
-        return selective_layer_bytes(cfg, layout, work, b * local)
+        return selective_layer_bytes(cfg, layout, work, b * local, dense)
     kept = block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, work.flash_attention, s, layout.cp,

@@ -13,8 +13,9 @@ expert parallelism, the rows the all-to-alls moved. Counted per token, measured 
 against what the block keeps (tests/test_recompute_modules.py, tests/test_plan_moe.py,
 tests/test_dryrun.py).
 
-Every block of a mixture of experts counts as an MoE block here, as in the rest of the
-planner's activations (a DeepSeek model's dense first blocks keep less under ``moe``).
+A mixture of experts' dense first blocks (DeepSeek-V3's three) are counted as what they are
+(``dense``): the planner's stages hold them where the pipeline puts them
+(``accounting.rank_dense_layers``).
 """
 
 from __future__ import annotations
@@ -94,12 +95,13 @@ def moe_kept(cfg: ModelConfig, layout: Layout, work: Workload, modules: tuple) -
 
 
 def selective_layer_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
-                          tokens: int) -> float:
+                          tokens: int, dense: bool = False) -> float:
     """Bytes one block keeps per rank for ``tokens`` tokens under selective recompute with
     ``layout.recompute_modules``: its input, its attention's kept outputs (grouped-query as
     ``selective_block_bytes``, latent as ``latent_attention_kept``), o_proj's output, and
     the MLP's (d·(2·ffn + h), none under ``mlp``) or the mixture of experts' (``moe_kept``,
-    plus the ep count exchange's 8·E bytes per block)."""
+    plus the ep count exchange's 8·E bytes per block). ``dense``: a mixture of experts'
+    dense first block (``dense_intermediate_size`` wide, split over tp)."""
     mods, sh, d = layout.recompute_modules, tp_shard(cfg, layout.tp), work.act_bytes
     h, r = cfg.hidden_size, work.resid_bytes or work.act_bytes
     flash = work.flash_attention and "core_attn" not in mods
@@ -109,10 +111,11 @@ def selective_layer_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
         attn = selective_block_bytes(1, 0, sh.heads, sh.kv_heads, cfg.head_dim, 0,
                                      act_bytes=d, flash_attention=flash) + d * h
     per_token = r * h / (layout.tp if layout.sp and layout.tp > 1 else 1) + attn
-    if cfg.num_local_experts:
+    if cfg.num_local_experts and not dense:
         per_token += moe_kept(cfg, layout, work, mods)
         return tokens * per_token + (8 * cfg.num_local_experts if layout.ep > 1 else 0)
-    return tokens * (per_token + (0 if "mlp" in mods else d * (2 * sh.ffn + h)))
+    ffn = cfg.dense_intermediate_size // layout.tp if cfg.num_local_experts else sh.ffn
+    return tokens * (per_token + (0 if "mlp" in mods else d * (2 * ffn + h)))
 
 
 def recomputed_matmul_parameters(cfg: ModelConfig, layout: Layout) -> int:
