@@ -25,9 +25,8 @@ EXPERTS = dict(num_local_experts=8, num_experts_per_tok=2, moe_router="sigmoid_g
 CASES = [  # (model, its fields, policies, dtype)
     ("gqa", {}, [(), ("core_attn",), ("layernorm", "mlp")], torch.float32),
     ("gqa", {}, [("core_attn", "mlp")], torch.bfloat16),
-    ("latent", LATENT, [(), ("mla_up_proj",), ("mlp",), DEEPSEEK_RECOMPUTE], torch.float32),
-    ("latent-moe", {**LATENT, **EXPERTS},
-     [(), DEEPSEEK_RECOMPUTE, ("moe",), ("shared_experts",), ("core_attn", "mla_up_proj")],
+    ("latent", LATENT, [(), ("mlp",), DEEPSEEK_RECOMPUTE], torch.float32),
+    ("latent-moe", {**LATENT, **EXPERTS}, [(), DEEPSEEK_RECOMPUTE, ("moe",), ("shared_experts",)],
      torch.float32),
     ("latent-moe", {**LATENT, **EXPERTS}, [DEEPSEEK_RECOMPUTE], torch.bfloat16),
     ("latent-moe-dense-first", {**LATENT, **EXPERTS, "first_k_dense_replace": 1,
