@@ -19,7 +19,8 @@ from threefold.layout import Layout, Workload
 
 LATENT = dict(kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
               v_head_dim=16, num_key_value_heads=8, rope_interleave=True)
-EXPERTS = dict(num_local_experts=8, num_experts_per_tok=2, moe_router="sigmoid_grouped",
+EXPERTS = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
+               moe_router="sigmoid_grouped",
                n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                shared_expert_intermediate_size=64, shared_expert_gate=False)
 CASES = [  # (model, its fields, policies, dtype)
@@ -99,10 +100,11 @@ def _policies(rank: int, world: int) -> dict:
     from threefold.comm.mesh import build_mesh
     from threefold.layout.axes import EXPERT_AXES
 
-    cfg = ModelConfig(preset="tiny", vocab_size=256, hidden_size=64, intermediate_size=32,
-                      num_hidden_layers=2, num_attention_heads=4, first_k_dense_replace=1,
+    cfg = ModelConfig(preset="tiny", vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, first_k_dense_replace=1,
                       dense_intermediate_size=96, **{**LATENT, "num_key_value_heads": 4},
-                      **{**EXPERTS, "shared_expert_intermediate_size": 32}).resolved()
+                      **{**EXPERTS, "intermediate_size": 32,
+                         "shared_expert_intermediate_size": 32}).resolved()
     dims = Layout(dp_shard=world, ep=world)
     comm = Comm(dims, build_mesh(dims, "cpu"))
     for axis in EXPERT_AXES:
