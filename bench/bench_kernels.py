@@ -170,7 +170,7 @@ def _selective_bytes_per_token(dtype: torch.dtype) -> tuple[float, float]:
     from threefold.config import ModelConfig
     from threefold.model.decoder import CausalLM
     from threefold.parallel.transforms.recompute import apply_recompute
-    from threefold.plan.activations import selective_block_bytes
+    from threefold.plan.selective import selective_block_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
     model = CausalLM(cfg)
@@ -189,7 +189,8 @@ def _counted_per_token() -> dict:
     """What the planner counts per token per layer (bf16 autocast, fp32 residual) for the
     1.11B GPU shape and Llama 3 8B: no recompute, selective, full."""
     from threefold.config import ModelConfig
-    from threefold.plan.activations import block_activation_bytes, selective_block_bytes
+    from threefold.plan.activations import block_activation_bytes
+    from threefold.plan.selective import selective_block_bytes
 
     shapes = {"1.11B": ModelConfig(preset="tiny", vocab_size=32768, hidden_size=2048,
                                    intermediate_size=8192, num_attention_heads=32,

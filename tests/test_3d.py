@@ -53,7 +53,8 @@ def test_pipeline_through_trainer(reference, corpus, cache_dir, tmp_path):
             ("pp2_interleaved", {"parallel__pp": 2, "parallel__vpp": 2,
                                  "parallel__schedule": "interleaved-1f1b",
                                  "train__micro_batch_size": 4,
-                                 "train__recompute": "selective"})]
+                                 "train__recompute": "selective",
+                                 "train__recompute_modules": "core_attn,mlp"})]
     run_distributed(train_runs, 2, _overrides(corpus, cache_dir), tmp_path, runs, timeout=400)
     for name, _ in runs[:1] + runs[2:]:
         _check(reference, tmp_path / name, 2e-5)

@@ -327,7 +327,7 @@ def test_selective_block_bytes_equal_what_the_block_holds(tp, sp, dtype):
     from bench.bench_kernels import held_after_forward
     from threefold.parallel.transforms.recompute import apply_recompute
     from threefold.parallel.transforms.tensor import apply_tensor_parallel
-    from threefold.plan.activations import selective_block_bytes
+    from threefold.plan.selective import selective_block_bytes
 
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_hidden_layers=1).resolved()
     torch.manual_seed(0)

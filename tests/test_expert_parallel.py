@@ -436,11 +436,13 @@ def test_selective_recompute_equals_no_recompute(world):
 
 
 def test_ep2_with_selective_recompute_trains_as_one_process(corpus, cache_dir, tmp_path):
-    """2 ranks, ep 2, selective recompute: losses, router losses, expert counts and weights
-    equal the single-process run without recompute, and every step's bytes on ep are those
-    of no recompute (the recompute repeats no all-to-all)."""
+    """2 ranks, ep 2, selective recompute with the whole mixture of experts and the attention
+    core recomputed too (``train.recompute_modules``): losses, router losses, expert counts
+    and weights equal the single-process run without recompute, and every step's bytes on
+    ep are those of no recompute (the recompute repeats no all-to-all)."""
     want, weights = _single(corpus, cache_dir, tmp_path / "single", 4)
-    runs = [("ep2_selective", {"parallel__ep": 2, "train__recompute": "selective"})]
+    runs = [("ep2_selective", {"parallel__ep": 2, "train__recompute": "selective",
+                               "train__recompute_modules": "core_attn,moe"})]
     run_distributed(_runs, 2, corpus, cache_dir, tmp_path, runs)
     _assert_equal(tmp_path / "ep2_selective", want, weights, "ep2_selective")
     _assert_exact_bytes(tmp_path / "ep2_selective", 2, 2, 1, False)

@@ -201,16 +201,20 @@ def test_chunks_keep_names_own_the_ends_and_compose_to_the_model():
 # --------------------------------------------------------------------------------------------
 # Split backward and the single-rank executor
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["fp32", "bf16_autocast", "checkpointed", "selective"])
+@pytest.mark.parametrize("variant", ["fp32", "bf16_autocast", "checkpointed", "selective",
+                                     "selective_modules"])
 def test_split_backward_equals_one_backward(variant):
     """B (input grad) then W (weight grads) gives exactly what one backward gives, on a middle
-    stage whose input requires grad and on the last stage (loss)."""
+    stage whose input requires grad and on the last stage (loss); under selective recompute
+    (with named modules too: train.recompute_modules) W recomputes the blocks again."""
     from threefold.parallel.transforms.recompute import apply_recompute
 
     cfg = _cfg(layers=4)
     chunk = split_model(_model(cfg), 2, 1, 1)[0]  # layers 2-3, norm, head
     if variant in ("checkpointed", "selective"):
         apply_recompute(chunk, "full" if variant == "checkpointed" else variant)
+    if variant == "selective_modules":
+        apply_recompute(chunk, "selective", ("core_attn", "mlp"))
     _, labels = _batch(0)
     x0 = torch.randn(BATCH, SEQ, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if variant == "bf16_autocast"

@@ -339,14 +339,14 @@ def test_selective_moe_block_bytes_equal_what_the_block_keeps(monkeypatch, impl,
     (the matmuls' outputs, the router's choice), nothing autograd saves besides but the RoPE
     tables: together,
     to the byte, the dry run's selective count (``model_layer_activation_bytes``, MoE terms
-    ``selective_moe_extra_bytes``); full recompute's count stays the block's input."""
+    ``plan.selective.moe_kept``); full recompute's count stays the block's input."""
     from threefold.parallel.transforms import recompute
     from threefold.plan.activations import model_layer_activation_bytes
 
     keeps = []
     init = recompute._Keep.__init__
     monkeypatch.setattr(recompute._Keep, "__init__",
-                        lambda self, kept: (keeps.append(kept), init(self, kept))[1])
+                        lambda self, kept, *more: (keeps.append(kept), init(self, kept, *more))[1])
     torch.manual_seed(0)
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_local_experts=8, num_experts_per_tok=2,
                       moe_impl=impl).resolved()

@@ -145,6 +145,21 @@ ROWS = [
         "(parallel.ep=2) runs eagerly only (a compiled block could send its all-to-alls "
         "again); set train.compile false or train.recompute full",
         "plan has no compile flag: it plans eager and compiled runs alike"),
+    Row("recompute_modules_need_selective", {"train.recompute": "full",
+                                             "train.recompute_modules": "core_attn"}, 1,
+        "train.recompute_modules: core_attn applies to selective recompute, not "
+        "train.recompute full; set train.recompute selective or clear "
+        "train.recompute_modules", ("--recompute", "full", "--recompute-modules", "core_attn")),
+    Row("recompute_modules_in_model", {"train.recompute": "selective",
+                                       "train.recompute_modules": "mla_up_proj,moe"}, 1,
+        "train.recompute_modules: mla_up_proj,moe names no module of this model; use only "
+        "core_attn,layernorm,mlp", ("--recompute-modules", "mla_up_proj,moe")),
+    Row("recompute_modules_eager", {**MOE, "train.recompute": "selective",
+                                    "train.recompute_modules": "moe,core_attn",
+                                    "train.compile": True}, 1,
+        "train.compile: train.recompute_modules moe runs eagerly only; set train.compile "
+        "false or name only core_attn, layernorm, moe_act",
+        "plan has no compile flag: it plans eager and compiled runs alike"),
     Row("bf16_params_need_zero", {"parallel.param_dtype": "bfloat16",
                                   "train.dtype": "bfloat16"}, 2,
         "parallel.param_dtype: bfloat16 parameters under data parallelism need ZeRO (the 16-bit "

@@ -124,7 +124,14 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
                    help="as parallel.ep_dispatch: flat (one all-to-all over ep) or "
                    "hierarchical (over the network once per destination node, then NVLink "
                    "inside it; ep split by --gpus-per-node)")
-    p.add_argument("--recompute", help="only these: none,selective,full")
+    p.add_argument("--recompute", help="only these: none,selective,full, or a selective "
+                   "policy as the table prints it, e.g. selective:layernorm+mla_up_proj+moe_act")
+    p.add_argument("--recompute-modules",
+                   help="what selective recompute recomputes, as train.recompute_modules (comma "
+                   "list of core_attn, layernorm, mla_up_proj, moe_act, mlp, moe, "
+                   "shared_experts; DeepSeek-V3's: layernorm,mla_up_proj,moe_act), for every "
+                   "--recompute mode given (default: selective only); default: the default "
+                   "policy, and DeepSeek-V3's too for latent attention")
     p.add_argument("--offload-optimizer", choices=("off", "on", "search"), default="off",
                    help="optimizer state and fp32 master in host memory (ZeRO-Offload): off, "
                         "on for every layout, or search both (zero column marked 'o')")

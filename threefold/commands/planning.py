@@ -43,8 +43,9 @@ from pathlib import Path
 
 from threefold.accounting import active_parameters, num_parameters, tp_shard
 from threefold.weights.checkpoint_verify import read_json
-from threefold.config import (CP_ALGORITHMS, MODEL_PRESETS, RECOMPUTE_MODES, ConfigError,
-                              LoRAConfig, ModelConfig, ParallelConfig, load_config)
+from threefold.config import (CP_ALGORITHMS, MODEL_PRESETS, RECOMPUTE_MODES,
+                              RECOMPUTE_MODULES, ConfigError, LoRAConfig, ModelConfig,
+                              ParallelConfig, load_config, module_names)
 from threefold.config.validation import LORA_TARGETS, lora_targets
 from threefold.weights.hf_config import HFError, model_config_from_hf
 from threefold.weights.hub import hub_id, locate
@@ -55,8 +56,8 @@ from threefold.plan.calibrate import (DEFAULT_PATH, calibrate, hardware_from_cal
 from threefold.plan.candidates import SearchSpace
 from threefold.hardware.catalogue import Hardware, get_hardware
 from threefold.plan.cluster import Cluster, Level
-from threefold.plan.report import summary_lines, format_table, to_json_rows
-from threefold.plan.search import moe_notes, search
+from threefold.plan.report import moe_notes, summary_lines, format_table, to_json_rows
+from threefold.plan.search import search
 from threefold.plan.terms import count_text
 from threefold.plan.network import CLUSTERS, levels_from_record
 from threefold.commands.plan_longest import print_longest
@@ -154,7 +155,15 @@ def _setup(args):
     if args.global_batch_tokens % seq:
         raise ConfigError(f"--global-batch-tokens: {args.global_batch_tokens} is not a multiple "
                           f"of --seq-len {seq}")
-    recompute = choices("--recompute", args.recompute, RECOMPUTE_MODES)
+    recompute = _recompute_choices(args.recompute)
+    modules = None
+    if args.recompute_modules:
+        modules = (module_names(",".join(choices("--recompute-modules", args.recompute_modules,
+                                                 RECOMPUTE_MODULES))),)
+        if args.block == "megatron":
+            raise ConfigError("--recompute-modules: Megatron's block (--block megatron) is "
+                              "counted with its own selective recompute; use --block threefold")
+        recompute = recompute if args.recompute else ("selective",)
     if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
         raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
     algorithms = choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
@@ -175,7 +184,8 @@ def _setup(args):
                           "--gpu h100, h200 or b200")
     tp = (1,) if args.fp8 != "none" and args.lora_r else args.tp  # FP8 under LoRA: tp 1
     space = SearchSpace(tp=tp, pp=args.pp, zero_stage=args.zero_stage or (0, 1, 2, 3),
-                        recompute=recompute if args.recompute else None, cp=args.cp,
+                        recompute=recompute if args.recompute or modules else None,
+                        recompute_modules=modules, cp=args.cp,
                         cp_algorithm=algorithms, cp_ulysses=_ulysses(args),
                         ep=args.ep, tp_overlap=args.tp_overlap,
                         ep_dispatch=args.ep_dispatch, gpus_per_node=cluster.gpus_per_node,
@@ -195,6 +205,23 @@ def _ulysses(args) -> tuple[int, ...] | None:
     if args.cp_ulysses and any(u < 1 for u in args.cp_ulysses):
         raise ConfigError("--cp-ulysses: degrees are >= 1 (1 = the algorithm alone)")
     return args.cp_ulysses
+
+
+def _recompute_choices(text: str | None) -> tuple[str, ...]:
+    """``--recompute``'s modes: none, selective, full, or a selective policy as the table
+    prints it (selective:layernorm+mla_up_proj+moe_act), its modules sorted."""
+    out = []
+    for label in (text or ",".join(RECOMPUTE_MODES)).split(","):
+        mode, _, mods = label.partition(":")
+        choices("--recompute", mode, RECOMPUTE_MODES)
+        if mods:
+            if mode != "selective":
+                raise ConfigError(f"--recompute: {label}: only selective takes modules "
+                                  f"(selective:{mods})")
+            names = choices("--recompute", mods.replace("+", ","), RECOMPUTE_MODULES)
+            label = "selective:" + "+".join(module_names(",".join(names)))
+        out.append(label)
+    return tuple(out)
 
 
 def _lora_options(cfg: ModelConfig, args) -> tuple[str, ...]:

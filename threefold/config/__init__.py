@@ -28,7 +28,9 @@ from threefold.config.schema import (
     CP_BALANCES,
     MODEL_FAMILIES,
     PIPELINE_SCHEDULES,
+    DEEPSEEK_RECOMPUTE,
     RECOMPUTE_MODES,
+    RECOMPUTE_MODULES,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -39,6 +41,7 @@ from threefold.config.schema import (
     TrainConfig,
     describe,
     fp8_all_gather,
+    module_names,
     param_dtype,
 )
 from threefold.config.validation import validate
@@ -50,6 +53,9 @@ __all__ = [
     "RECOMPUTE_MODES",
     "TrainConfig",
     "apply_mapping", "describe", "fp8_all_gather", "load_config", "param_dtype",
+    "CP_ALGORITHMS", "PIPELINE_SCHEDULES", "ParallelConfig", "RECOMPUTE_MODES",
+    "DEEPSEEK_RECOMPUTE", "RECOMPUTE_MODULES", "TrainConfig",
+    "apply_mapping", "describe", "fp8_all_gather", "load_config", "module_names", "param_dtype",
     "parse_overrides", "take_flag",
     "unknown_value", "validate",
 ]

@@ -25,6 +25,13 @@ CP_BALANCES = ("documents", "causal")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # How expert parallelism's all-to-alls travel (threefold.parallel.transforms.expert_dispatch).
 EP_DISPATCHES = ("flat", "hierarchical")
+# What selective recompute may name as recomputed (``train.recompute_modules``), in Megatron's
+# names; layernorm and moe_act are recomputed under any selective policy (the default: empty).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "moe",
+                     "shared_experts")
+# DeepSeek-V3's policy (arXiv 2412.19437 §3.2.3, §3.3.2): the norms, latent attention's
+# up-projections and SwiGLU's output recomputed, everything else kept.
+DEEPSEEK_RECOMPUTE = ("layernorm", "mla_up_proj", "moe_act")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.families.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
@@ -148,6 +155,11 @@ class TrainConfig:
     recompute: str = _f("none", "activations recomputed in backward: none; selective (matmul "
                         "and attention outputs kept, norms, RoPE, SwiGLU and casts recomputed); "
                         "full (each block from its input)")
+    recompute_modules: str = _f("", "with train.recompute selective, what is recomputed, as "
+                                "Megatron's --recompute-modules: a comma list of core_attn, "
+                                "layernorm, mla_up_proj, moe_act, mlp, moe, shared_experts "
+                                "(a named module keeps no matmul output); empty = "
+                                "layernorm,moe_act (always recomputed under selective)")
     compile: bool = _f(False, "torch.compile each block")
     mlp_tiles: int = _f(1, "run each dense MLP over the sequence in this many tiles, each "
                         "recomputed in backward (ALST's tiled MLP): its activations stop "
@@ -177,6 +189,16 @@ class TrainConfig:
     def recompute_mode(self) -> str:
         """none, selective or full: ``recompute``, or full under ``activation_checkpointing``."""
         return "full" if self.activation_checkpointing else self.recompute
+
+    @property
+    def recompute_module_names(self) -> tuple[str, ...]:
+        """``recompute_modules`` as a sorted tuple without repeats (the layout's form)."""
+        return module_names(self.recompute_modules)
+
+
+def module_names(text: str) -> tuple[str, ...]:
+    """A comma list of recompute modules as a sorted tuple without repeats or blanks."""
+    return tuple(sorted({n.strip() for n in text.split(",") if n.strip()}))
 
 
 @dataclass

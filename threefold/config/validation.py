@@ -13,7 +13,8 @@ from threefold.config.fields import ConfigError, unknown_value
 from threefold.config.model_shape import ModelConfig
 from threefold.config.presets import MODEL_PRESETS
 from threefold.config.schema import (CP_ALGORITHMS, CP_BALANCES, EP_DISPATCHES, MODEL_FAMILIES,
-                                     PIPELINE_SCHEDULES, RECOMPUTE_MODES, CheckpointConfig,
+                                     PIPELINE_SCHEDULES, RECOMPUTE_MODES, RECOMPUTE_MODULES,
+                                     CheckpointConfig,
                                      Config, DataConfig, LoRAConfig, MetricsConfig,
                                      OptimConfig, ParallelConfig, TrainConfig)
 
@@ -233,6 +234,8 @@ def _check_recompute(t: TrainConfig) -> None:
     _need(not (t.activation_checkpointing and t.recompute != "none"),
           "train.activation_checkpointing: true means train.recompute full; set only "
           f"train.recompute ({t.recompute})")
+    for name in t.recompute_module_names:
+        _one_of("train.recompute_modules", name, list(RECOMPUTE_MODULES))
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:

@@ -94,7 +94,7 @@ def _layout_lines(r: DryRunResult, world: int) -> list[str]:
         + f"; zero {lay.zero_stage}"
         + (" with the optimizer offloaded to the host" if lay.offload_optimizer else "")
         + ", sequence parallel "
-        f"{'on' if lay.sp else 'off'}, recompute {lay.recompute}"
+        f"{'on' if lay.sp else 'off'}, recompute {lay.recompute_label}"
         + (f", MLP in {w.mlp_tiles} tiles" if w.mlp_tiles > 1 else "") + "; micro-batch "
         f"{lay.microbatch_size} × {microbatches(lay, w)} per step, seq {w.seq_len}, "
         f"{w.precision} matmuls",

@@ -9,6 +9,7 @@ Imports no torch.
 """
 
 from threefold.layout.checks import check_layout, task_layout, validate_layout
-from threefold.layout.description import Layout, Workload
+from threefold.layout.description import Layout, Workload, recompute_of_label
 
-__all__ = ["Layout", "Workload", "check_layout", "task_layout", "validate_layout"]
+__all__ = ["Layout", "Workload", "check_layout", "recompute_of_label", "task_layout",
+           "validate_layout"]

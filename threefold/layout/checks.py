@@ -20,6 +20,9 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     planner calls this for every layout it searches, so each group of rules is called only
     where one of them could refuse (tp, cp, ep, experts, a pipeline above 1)."""
     lay, e = layout, cfg.num_local_experts or 0
+    if lay.recompute_modules:
+        rules.recompute_modules_need_selective(lay.recompute, lay.recompute_modules)
+        rules.recompute_modules_in_model(cfg, lay.recompute_modules)
     if lay.recompute == "selective" and work.block != "megatron":
         rules.selective_without_cp(lay.recompute, lay.cp)
     if lay.cp > 1:
@@ -72,6 +75,7 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     rules.bf16_params_need_zero(param_dtype(cfg), p.zero_stage, layout.dp * layout.cp)
     rules.selective_experts_eager(cfg.train.recompute, m.num_local_experts or 0, layout.ep,
                                   cfg.train.compile)
+    rules.recompute_modules_eager(layout.recompute_modules, cfg.train.compile)
     rules.block_counts_need_pp(layout.pp, p.pipeline_split)
     rules.tp_overlap_needs_sequence_parallel(p.tp_overlap, layout.tp, p.sequence_parallel)
     rules.tp_overlap_plain_projections(p.tp_overlap, cfg.lora.r, m, layout.tp)

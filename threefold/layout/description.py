@@ -52,6 +52,8 @@ class Layout(Ranks):
     pipeline_inflight: int = 0  # interleaved 1F1B's bound on chunk activations; 0 = Megatron's
     microbatch_size: int = 1
     recompute: str = "none"
+    # selective recompute's named modules (``train.recompute_modules``, sorted); () = default
+    recompute_modules: tuple = ()
     schedule: str = ""
     sequence_parallel: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
@@ -173,7 +175,16 @@ class Layout(Ranks):
         return dataclasses.replace(
             lay, microbatch_size=min(cfg.train.micro_batch_size, local),
             recompute=cfg.train.recompute_mode,
+            recompute_modules=cfg.train.recompute_module_names,
             pipeline_split=f"flops:{cfg.data.seq_len}" if split == "flops" else split)
+
+    @property
+    def recompute_label(self) -> str:
+        """The recompute mode as reports print it and ``threefold plan --recompute`` takes it:
+        selective with its modules, if named (``recompute_of_label`` reads it back)."""
+        if self.recompute_modules:
+            return f"{self.recompute}:{'+'.join(self.recompute_modules)}"
+        return self.recompute
 
     def notes(self) -> list[str]:
         """What this layout does that its user may not expect (not refusals)."""
@@ -185,6 +196,13 @@ class Layout(Ranks):
             return [f"ZeRO-{self.zero_stage} shards over dp_shard·cp = {self.shard_size} ranks "
                     "(axis dp_shard_cp): context-parallel ranks hold the same weights"]
         return []
+
+
+def recompute_of_label(label: str) -> tuple[str, tuple[str, ...]]:
+    """(mode, modules) of a ``Layout.recompute_label``: "selective:layernorm+mla_up_proj" is
+    selective with those modules, a plain mode has none."""
+    mode, _, modules = label.partition(":")
+    return mode, tuple(sorted({m for m in modules.split("+") if m}))
 
 
 @dataclass(frozen=True)

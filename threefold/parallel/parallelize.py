@@ -160,7 +160,8 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
     if not frozen:  # FP8 over the (sliced) projections, before recompute wraps the blocks
         apply_fp8(model, cfg.train.fp8, layout.comm if layout.tp_size > 1 else None)
-        apply_recompute(model, cfg.train.recompute_mode)  # 5
+        apply_recompute(model, cfg.train.recompute_mode,  # 5
+                        cfg.train.recompute_module_names)
     if cfg.train.compile and not frozen:                   # 6
         apply_compile(model)
     materialize_buffers(model, device, source)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from threefold.layout import Layout, Workload
 from threefold.accounting import local_seq_len
 from threefold.accounting.counts import norms_per_block
-from threefold.accounting import nodes_per_token, tp_shard
+from threefold.accounting import tp_shard
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
 from threefold.plan.mlp_tiling import kept_lora_targets, tile_working_bytes, tiled_mlp_bytes
+from threefold.plan.selective import selective_layer_bytes
 from threefold.schedules.registry import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
@@ -116,69 +117,6 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
     return tokens * (norms + inputs + attn + rope + mlp)
 
 
-def selective_block_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_dim: int,
-                          ffn: int, tp: int = 1, sequence_parallel: bool = False,
-                          act_bytes: int = 2, residual_bytes: int = 0,
-                          flash_attention: bool = True) -> float:
-    """Bytes threefold's block keeps for backward under selective recompute
-    (``threefold.parallel.transforms.recompute``: the outputs of its matmuls and of the fused
-    attention kernel kept, everything else recomputed), per rank, for ``tokens`` tokens; arguments
-    as ``block_activation_bytes``'s. Per token:
-
-    - the block's input, which the checkpoint keeps: r·h (/t under sequence parallelism);
-    - the q, k and v projections' outputs (before RoPE): d·(heads + 2·kv heads)·head_dim;
-    - the fused attention kernel's output and fp32 log-sum-exp: d·heads·head_dim + 4·heads
-      (a materialised attention is recomputed whole: nothing);
-    - o_proj's and down_proj's outputs (before tensor parallelism's reduction): 2·d·h;
-    - gate and up: 2·d·ffn.
-
-    Against ``block_activation_bytes`` this drops the norms' inputs and 1/rms, the sub-layers'
-    normed inputs, RoPE's cast tables and SwiGLU's product (recomputed, with autocast's casts
-    of weights, which ``plan.memory.cast_weight_bytes`` then does not count), for the block's
-    input and the two projection outputs the residual additions need. tests/test_dryrun.py
-    measures it."""
-    d, r = act_bytes, residual_bytes or act_bytes
-    norm_div = tp if sequence_parallel and tp > 1 else 1
-    attn = d * (heads + 2 * kv_heads) * head_dim
-    if flash_attention:
-        attn += d * heads * head_dim + 4 * heads
-    return tokens * (r * h / norm_div + attn + 2 * d * h + 2 * d * ffn)
-
-
-def selective_moe_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload, tokens: int,
-                              ffn: int) -> float:
-    """What a mixture-of-experts block keeps under selective recompute beyond
-    ``selective_block_bytes``, whose dense MLP outputs (gate, up and down_proj's: d·(2·ffn + h)
-    per token) it replaces (``threefold.parallel.transforms.recompute``), for ``tokens``
-    tokens: per token the router's logits d·E and its choice (top-k's fp32 weights and int64
-    ids, 12 bytes each; the grouped router's group top-2 and group choice also), the k
-    experts' products d·(2f + h) each, a shared expert's gate, up and down d·(2f_s + h) (and
-    its gate, d); under ep the dispatched rows r·h (N·k in expectation, uniform routing), the
-    rows combined back d·h, and the count exchange's 8·E per block; under the hierarchical
-    dispatch also the network level's pair rows received and returned, (r + d)·h for each
-    of the D expected nodes per token (``nodes_per_token``), the assignments' ids and weights
-    (12·k), and the counts 16·A and 8·E/A instead. 0 for a dense model."""
-    e, k = cfg.num_local_experts or 0, cfg.num_experts_per_tok or 0
-    if not e:
-        return 0.0
-    h, f, d, r = cfg.hidden_size, cfg.intermediate_size, work.act_bytes, work.resid_bytes
-    fs = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
-    choice = k
-    if getattr(cfg, "moe_router", "softmax") == "sigmoid_grouped":
-        choice += 2 * cfg.n_group + cfg.topk_group
-    moe = d * e + 12 * choice + k * d * (2 * f + h)
-    if fs:
-        moe += d * (2 * fs + h) + (d if getattr(cfg, "shared_expert_gate", False) else 0)
-    counts = 8 * e if layout.ep > 1 else 0
-    if layout.ep > 1:
-        moe += k * (r + d) * h
-    if layout.ep > 1 and layout.ep_dispatch == "hierarchical":
-        a = layout.ep_inter
-        moe += float(nodes_per_token(cfg, a)) * (r + d) * h + 12 * k
-        counts = 16 * a + 8 * e // a
-    return tokens * (moe - d * (2 * ffn + h)) + counts
-
-
 def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
                        cp: int, algorithm: str, act_bytes: int) -> float:
     """Bytes one block's attention keeps for backward under context parallelism, on one rank
@@ -220,11 +158,13 @@ def fp8_scale_bytes(cfg: ModelConfig, work: Workload) -> int:
 
 
 def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
-                                 recompute: str | None = None) -> float:
+                                 recompute: str | None = None, dense: bool = False) -> float:
     """Bytes one block keeps per rank per microbatch under ``layout``: ``block_activation_bytes``
     without recompute; with full recompute only the checkpoint's input, r·b·s·h (/t under SP);
     with selective recompute ``selective_block_bytes`` (the matmuls' and the fused attention's
-    outputs). Under cp, of this rank's seq_len/cp tokens."""
+    outputs, less what ``layout.recompute_modules`` recomputes: ``plan.selective``; ``dense``
+    a mixture of experts' dense first block there, elsewhere counted as its MoE blocks).
+    Under cp, of this rank's seq_len/cp tokens."""
     sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
     local = local_seq_len(layout, work)
     mode = recompute or layout.recompute
@@ -232,11 +172,8 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
         return megatron_layer_activation_bytes(cfg, layout, work, mode)
     if mode == "full":
         return work.resid_bytes * b * local * cfg.hidden_size / (layout.tp if layout.sp else 1)
-    if mode == "selective":
-        return selective_block_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
-                                     cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
-                                     work.resid_bytes, work.flash_attention) \
-            + selective_moe_extra_bytes(cfg, layout, work, b * local, sh.ffn)
+    if mode == "selective":  # (with the layout's recompute_modules)
+        return selective_layer_bytes(cfg, layout, work, b * local, dense)
     kept = block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
@@ -334,16 +271,17 @@ def recompute_working_bytes(cfg: ModelConfig, layout: Layout, work: Workload) ->
     """What the block whose activations are being recomputed holds beyond what it keeps:
     under full recompute everything it keeps without recompute; under selective, that less
     the kept tensors its recomputed forward saves again (v, the attention's output and
-    log-sum-exp, gate and up: the same storage, counted in the activations); 0 without."""
+    log-sum-exp, gate and up where no named module recomputes them: the same storage,
+    counted in the activations); 0 without."""
     mode = layout.recompute
     if mode == "none" or work.block == "megatron" and mode == "selective":
         return tile_working_bytes(cfg, layout, work)
     whole = model_layer_activation_bytes(cfg, layout, work, recompute="none")
     if mode == "full":
         return whole + tile_working_bytes(cfg, layout, work)
-    sh, d = tp_shard(cfg, layout.tp), work.act_bytes
-    shared = d * sh.kv_heads * cfg.head_dim + 2 * d * sh.ffn
-    if work.flash_attention:
+    sh, d, mods = tp_shard(cfg, layout.tp), work.act_bytes, layout.recompute_modules
+    shared = d * sh.kv_heads * cfg.head_dim + (0 if "mlp" in mods else 2 * d * sh.ffn)
+    if work.flash_attention and "core_attn" not in mods:
         shared += d * sh.heads * cfg.head_dim + 4 * sh.heads
     return whole - layout.microbatch_size * local_seq_len(layout, work) * shared
 

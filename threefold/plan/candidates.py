@@ -25,6 +25,9 @@ class SearchSpace:
     zero_stage: tuple[int, ...] = (0, 1, 2, 3)
     microbatch_size: tuple[int, ...] | None = None
     recompute: tuple[str, ...] | None = None  # None: all, less selective under flash
+    # selective recompute's module policies (``Layout.recompute_modules``), for every mode in
+    # ``recompute`` when given; None: the default policy, and DeepSeek-V3's for latent attention
+    recompute_modules: tuple[tuple[str, ...], ...] | None = None
     # None: cp = 1, and every fitting cp degree when seq_len >= CP_MIN_SEQ_LEN (or when
     # nothing fits without cp; see ``search``)
     cp: tuple[int, ...] | None = None

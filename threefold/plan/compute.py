@@ -21,6 +21,7 @@ from threefold.accounting import offload_bytes_per_step
 from threefold.config import ModelConfig
 from threefold.families.shapes import moe_layers
 from threefold.plan.mlp_tiling import tile_recompute_flops
+from threefold.plan.selective import recomputed_core, recomputed_matmul_parameters
 
 # The one calibration constant: achieved matmul FLOP/s as a fraction of the datasheet peak.
 # Fitted once to Narayanan et al. 2021 Table 1 (ten GPT runs, 1.7B-1T on up to 3072 A100s;
@@ -97,8 +98,9 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     """(forward, backward + recompute) FLOPs one rank of ``stage`` executes per microbatch,
     over all its chunks: what the hardware does, including redundant replicated-kv work, the
     padded vocabulary and recomputation. Backward is twice forward (input and weight grads);
-    full recompute re-runs each block's forward; selective recomputes no matmul, and the
-    attention core only when it is materialised (Korthikanti et al., arXiv 2205.05198 §5);
+    full recompute re-runs each block's forward; selective recomputes no matmul but those of
+    the modules it names, and the attention core only when it is materialised (Korthikanti
+    et al., arXiv 2205.05198 §5) or named (``core_attn``);
     threefold's chunked head loss recomputes the head's logits in backward (Megatron's fused
     block, ``Workload.block``, does not). Under cp a rank computes its seq_len/cp tokens,
     each attending over all seq_len keys. A mixture of experts' feed-forward costs its
@@ -122,8 +124,10 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     bwd += layers * tile_recompute_flops(cfg, layout, work)  # the tiled MLP's own recompute
     if layout.recompute == "full":
         bwd += fwd
-    elif layout.recompute == "selective" and not work.flash_attention:
-        bwd += layers * tokens * core  # a materialised attention is recomputed whole
+    elif layout.recompute == "selective":  # a materialised attention or core_attn, and the
+        # matmuls of the modules the policy names (plan.selective), run again
+        again = core if recomputed_core(layout, work) else 0
+        bwd += layers * tokens * (again + 2 * recomputed_matmul_parameters(cfg, layout))
     if stage == layout.last_stage:  # LM head: threefold's chunked loss recomputes its logits
         head = 2 * tokens * sh.vocab * h
         fwd, bwd = fwd + head, bwd + ((2 if work.block == "megatron" else 3) - frozen) * head

@@ -47,7 +47,7 @@ from threefold.accounting import (layer_parameters_per_rank, local_seq_len, micr
                                   rank_layers, stage_expert_units, stage_units, tp_shard)
 from threefold.accounting.fp8 import fp8_gathered_numels
 from threefold.accounting.lora_counts import lora_units
-from threefold.accounting.stages import distinct_stages
+from threefold.accounting.stages import distinct_stages, rank_dense_layers
 from threefold.config import ModelConfig
 from threefold.families.shapes import grouped_widths_unfit
 from threefold.layout import Layout, Workload
@@ -176,6 +176,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
     state = state or state_bytes_for(work)
     m = microbatches(layout, work)
     per_layer = model_layer_activation_bytes(cfg, layout, work)
+    dense = model_layer_activation_bytes(cfg, layout, work, dense=True) - per_layer
     working = recompute_working_bytes(cfg, layout, work)  # the block being recomputed
     extra = microbatch_extra_bytes(cfg, layout, work)
     out = []
@@ -186,7 +187,8 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
                                          stage, layout.pipeline_inflight)
         layers = rank_layers(cfg, layout, stage)
         out.append(MemoryBreakdown(
-            stage=stage, activations=(per_layer * layers + extra) * inflight,
+            stage=stage, activations=(per_layer * layers + extra
+                                      + dense * rank_dense_layers(cfg, layout, stage)) * inflight,
             recompute_working=working,
             logits=(logits_bytes(cfg, layout, work)
                     + (head_inflight_microbatches(layout.pipeline_schedule, layout.pp, m) - 1)

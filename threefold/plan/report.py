@@ -4,7 +4,10 @@ loses to the best (``explain``).
 
 from __future__ import annotations
 
+from threefold.config import ModelConfig
+from threefold.layout import Workload
 from threefold.plan.candidates import Candidate, PlanResult
+from threefold.plan.compute import fp8_expert_note
 from threefold.plan.step import OVERLAP_RULES
 
 # --------------------------------------------------------------------------------------------
@@ -81,8 +84,8 @@ def _cause(best: Candidate, other: Candidate, term: str) -> str:
     """A short reason for the largest term difference."""
     b, o = best.layout, other.layout
     if term == "compute":
-        if o.recompute != b.recompute:
-            return f"recompute {o.recompute} vs {b.recompute}"
+        if o.recompute_label != b.recompute_label:
+            return f"recompute {o.recompute_label} vs {b.recompute_label}"
         return "more FLOPs on the slowest stage (padding, replicated kv, head imbalance)"
     if term == "bubble":
         return f"pp={o.pp}, vpp={o.vpp} {schedule_name(o)}, {other.step.bubble_fraction:.0%} bubble"
@@ -117,7 +120,7 @@ def to_json_rows(cands: list[Candidate]) -> list[dict]:
                      "pipeline_inflight": lay.pipeline_inflight,
                      "pipeline_split": lay.pipeline_split,
                      "stage_layers": list(c.stage_layers),
-                     "microbatch_size": lay.microbatch_size, "recompute": lay.recompute,
+                     "microbatch_size": lay.microbatch_size, "recompute": lay.recompute_label,
                      "offload_optimizer": lay.offload_optimizer,
                      "memory_bytes_per_gpu": c.memory.total,
                      "host_memory_bytes_per_gpu": c.memory.host_total,
@@ -180,7 +183,7 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
             f"{lay.dp_shard:>4} " + (f"{lay.ep:>3} " if moe else "")
             + f"{str(lay.zero_stage) + ('o' if lay.offload_optimizer else ''):>4} "
             f"{lay.microbatch_size:>3} "
-            f"{lay.recompute:<9} {mem:<26} {s.step_time_s:>8.3f} "
+            f"{lay.recompute_label:<9} {mem:<26} {s.step_time_s:>8.3f} "
             f"{s.tokens_per_second_per_gpu:>9.0f} {s.tflops_per_gpu:>6.0f} {s.mfu:>5.1%} "
             f"{s.bubble_fraction:>6.1%}  {comm}")
         if s.axis_levels:
@@ -205,7 +208,28 @@ def summary_lines(result: PlanResult) -> str:
         lay, total, why = min(result.too_big, key=lambda r: r[1])
         lines.append(f"{len(result.too_big)} layouts do not fit in memory; the smallest "
                      f"(tp={lay.tp} cp={lay.cp} pp={lay.pp} ep={lay.ep} zero={lay.zero_stage} "
-                     f"mbs={lay.microbatch_size} recompute={lay.recompute}) {why}")
+                     f"mbs={lay.microbatch_size} recompute={lay.recompute_label}) {why}")
     for reason, n in sorted(result.invalid.items(), key=lambda kv: -kv[1])[:6]:
         lines.append(f"{n} skipped: {reason}")
     return "\n".join(lines)
+
+
+def moe_notes(cfg: ModelConfig, top: list[Candidate], work: Workload) -> list[str]:
+    """What a user of a mixture of experts should know about the planned figures."""
+    if not cfg.num_local_experts:
+        return []
+    notes = ["mixture of experts: ep all-to-all bytes and time are the uniform-routing "
+             "expectation (each rank sends (ep-1)/ep of its N·k token-expert rows each way); "
+             "real routing is uneven; tp runs without sequence parallelism (the MoE is whole "
+             "on every tp rank)"]
+    if any(c.layout.ep_dispatch == "hierarchical" and c.layout.ep_inter > 1 for c in top):
+        notes.append("hierarchical ep dispatch: ep_inter (the network) carries each token "
+                     "once per destination node, the expected distinct nodes under uniform "
+                     "routing among the chosen groups (at most topk_group); ep_intra (NVLink) "
+                     "fans out inside the node")
+    notes += [n for n in (fp8_expert_note(cfg, work),) if n]
+    if any(c.layout.pp > 1 for c in top) and cfg.router_aux_loss_coef > 0 \
+            and not cfg.router_aux_loss_per_layer:
+        notes.append("pp > 1 with a mixture of experts: set model.router_aux_loss_per_layer "
+                     "true (the runtime needs the load-balancing loss per layer)")
+    return notes

@@ -16,12 +16,11 @@ from typing import Iterator
 from threefold.accounting import microbatches
 from threefold.accounting import tp_shard
 from threefold.accounting import pipeline_layers
-from threefold.config import (CP_ALGORITHMS, RECOMPUTE_MODES, ConfigError, ModelConfig,
-                              ParallelConfig)
-from threefold.layout import Layout, Workload, check_layout, rules
+from threefold.config import (CP_ALGORITHMS, DEEPSEEK_RECOMPUTE, RECOMPUTE_MODES, ConfigError,
+                              ModelConfig, ParallelConfig)
+from threefold.layout import Layout, Workload, check_layout, recompute_of_label, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.cluster import Cluster
-from threefold.plan.compute import fp8_expert_note
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import startup_peaks
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
@@ -51,6 +50,7 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
     ``check_layout``; the others are counted into ``invalid`` by rule (``_rejecter``)."""
     reject = _rejecter({} if invalid is None else invalid)
     recompute, dropped = _recompute_options(space, work)
+    recompute = _with_modules(recompute, space, cfg, work)
     experts = cfg.num_local_experts or 0
     for tp in space.tp or _divisors(world):
         try:
@@ -87,7 +87,8 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                             _ep_degrees(experts, dp // dp_r, space, reject)):
                         lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
                                      zero_stage=zero, vpp=vpp, microbatch_size=mbs,
-                                     recompute=rc, cp=cp, cp_algorithm=alg, **uly,
+                                     recompute=rc[0], recompute_modules=rc[1], cp=cp,
+                                     cp_algorithm=alg, **uly,
                                      offload_optimizer=off, ep=ep, pipeline_split=psplit,
                                      sequence_parallel=not experts, schedule=sched,
                                      pipeline_inflight=bound, tp_overlap=space.tp_overlap,
@@ -251,6 +252,22 @@ def _recompute_options(space: SearchSpace, work: Workload) -> tuple[tuple[str, .
     return RECOMPUTE_MODES, ""
 
 
+def _with_modules(modes: tuple[str, ...], space: SearchSpace, cfg: ModelConfig,
+                  work: Workload) -> list[tuple[str, tuple[str, ...]]]:
+    """(mode, recompute modules) pairs: the policies asked for with every mode; the modes as
+    asked (a label "selective:a+b" names its modules); else the default, and for selective
+    with latent attention DeepSeek-V3's too (its up-projections recomputed: less memory for
+    a few matmuls)."""
+    if space.recompute_modules is not None:
+        return [(m, mods) for m in modes for mods in space.recompute_modules]
+    if space.recompute:
+        return [recompute_of_label(m) for m in modes]
+    out = [(m, ()) for m in modes]
+    if "selective" in modes and cfg.kv_lora_rank and work.block == "threefold":
+        out.append(("selective", DEEPSEEK_RECOMPUTE))
+    return out
+
+
 def _dp_splits(dp: int, space: SearchSpace, cp: int = 1) -> Iterator[tuple[int, int]]:
     """(zero_stage, dp_replicate): stage 0 is plain DP (dp_replicate 1); stages 1-3 shard over
     dp_shard·cp = dp / dp_replicate · cp > 1, with any dp_replicate (hybrid sharding)."""
@@ -262,27 +279,6 @@ def _dp_splits(dp: int, space: SearchSpace, cp: int = 1) -> Iterator[tuple[int, 
         for dp_r in space.dp_replicate or _divisors(dp):
             if dp % dp_r == 0 and dp // dp_r * cp > 1:
                 yield zero, dp_r
-
-
-def moe_notes(cfg: ModelConfig, top: list[Candidate], work: Workload) -> list[str]:
-    """What a user of a mixture of experts should know about the planned figures."""
-    if not cfg.num_local_experts:
-        return []
-    notes = ["mixture of experts: ep all-to-all bytes and time are the uniform-routing "
-             "expectation (each rank sends (ep-1)/ep of its N·k token-expert rows each way); "
-             "real routing is uneven; tp runs without sequence parallelism (the MoE is whole "
-             "on every tp rank)"]
-    if any(c.layout.ep_dispatch == "hierarchical" and c.layout.ep_inter > 1 for c in top):
-        notes.append("hierarchical ep dispatch: ep_inter (the network) carries each token "
-                     "once per destination node, the expected distinct nodes under uniform "
-                     "routing among the chosen groups (at most topk_group); ep_intra (NVLink) "
-                     "fans out inside the node")
-    notes += [n for n in (fp8_expert_note(cfg, work),) if n]
-    if any(c.layout.pp > 1 for c in top) and cfg.router_aux_loss_coef > 0 \
-            and not cfg.router_aux_loss_per_layer:
-        notes.append("pp > 1 with a mixture of experts: set model.router_aux_loss_per_layer "
-                     "true (the runtime needs the load-balancing loss per layer)")
-    return notes
 
 
 def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: StepPrediction,
@@ -420,7 +416,7 @@ def _why_cp(cfg: ModelConfig, cluster: Cluster, work: Workload, result: PlanResu
         lay, total, why = min(big, key=lambda r: r[1])
         return head + (f"no layout with cp = 1 fits in {limit / 1e9:.0f} GB; the smallest "
                        f"(tp={lay.tp} pp={lay.pp} zero={lay.zero_stage} "
-                       f"mbs={lay.microbatch_size} recompute={lay.recompute}) {why}")
+                       f"mbs={lay.microbatch_size} recompute={lay.recompute_label}) {why}")
     top = None
     for bound, lay, mem in sorted(plain, key=lambda x: x[0]):
         if top is not None and bound >= top.step.step_time_s:

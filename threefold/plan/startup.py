@@ -146,7 +146,7 @@ def startup_peaks(cfg: ModelConfig, layout: Layout, work: Workload) -> StartupMe
     start-up depends on: not the micro-batch, recompute, the in-flight bound or the bucket, so
     a search's many layouts that differ only in those are computed once."""
     key = (shape_key(cfg), replace(layout, microbatch_size=1, recompute="none",
-                                   pipeline_inflight=0, bucket_mb=0.0, cp_algorithm="ring",
+                                   recompute_modules=(), pipeline_inflight=0, bucket_mb=0.0, cp_algorithm="ring",
                                    sequence_parallel=True),
            work.weight_bytes, work.backend_copies, work.lora_r, work.lora_targets,
            work.init_from)

@@ -17,6 +17,7 @@ from threefold.accounting import local_seq_len, microbatches
 from threefold.accounting.lora_counts import lora_units
 from threefold.accounting import tp_shard
 from threefold.accounting import rank_layers
+from threefold.accounting.stages import rank_dense_layers
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
 from threefold.plan.activations import (adapter_activation_bytes, block_document_mask_bytes,
@@ -61,8 +62,13 @@ def activation_line(cfg: ModelConfig, layout: Layout, work: Workload, mem: Memor
                      f"{work.seq_len}² a sequence, and K/V repeated to the query heads)")
     if adapters:
         parts.append(f"adapters {_gb(adapters)}")
-    return (f"  activations {_gb(mem.activations)} = {layers} layers × "
-            f"{_gb(block + adapters)} ({' + '.join(parts)}) × {inflight:g} microbatch(es) "
+    dense = rank_dense_layers(cfg, layout, mem.stage)
+    kind = model_layer_activation_bytes(cfg, layout, work, dense=True) - block
+    blocks = f"{layers} layers × {_gb(block + adapters)} ({' + '.join(parts)})"
+    if dense and kind:  # a mixture of experts' dense first blocks keep another amount
+        blocks = (f"({layers - dense} layers × {_gb(block)} + {dense} dense first blocks × "
+                  f"{_gb(block + kind)})")
+    return (f"  activations {_gb(mem.activations)} = {blocks} × {inflight:g} microbatch(es) "
             f"in flight + RoPE tables {_gb(microbatch_extra_bytes(cfg, layout, work))}"
             + (f"; the block being recomputed {_gb(mem.recompute_working)}"
                if mem.recompute_working else ""))

@@ -62,3 +62,24 @@ def layers_fill_chunks(layers: int, pp: int, vpp: int) -> None:
         raise LayoutError(f"model.num_hidden_layers: {layers} layers cannot fill pp·vpp = "
                           f"{pp}·{vpp} = {pp * vpp} pipeline chunks; lower parallel.pp or "
                           "parallel.vpp")
+
+
+def recompute_modules_of(cfg: ModelConfig) -> tuple[str, ...]:
+    """The ``train.recompute_modules`` names this model has, in Megatron's order."""
+    experts, dense = bool(cfg.num_local_experts), \
+        not cfg.num_local_experts or cfg.first_k_dense_replace > 0
+    have = {"core_attn": True, "layernorm": True, "mla_up_proj": bool(cfg.kv_lora_rank),
+            "moe_act": experts, "mlp": dense, "moe": experts,
+            "shared_experts": experts and bool(cfg.shared_expert_intermediate_size)}
+    return tuple(name for name, ok in have.items() if ok)
+
+
+@rule
+def recompute_modules_in_model(cfg: ModelConfig, modules: tuple[str, ...]) -> None:
+    """A named module must be one of this model's blocks' (latent attention, a dense MLP,
+    experts, a shared expert)."""
+    valid = recompute_modules_of(cfg)
+    missing = [m for m in modules if m not in valid]
+    if missing:
+        raise LayoutError(f"train.recompute_modules: {','.join(missing)} names no module of "
+                          f"this model; use only {','.join(valid)}")

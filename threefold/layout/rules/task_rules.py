@@ -109,3 +109,24 @@ def rollout_engine_layout(engine: str, tp: int, zero_stage: int, lora_r: int) ->
         raise LayoutError("parallel.zero_stage: grpo.rollout_engine vllm with LoRA merges "
                           "each layer's adapters into its weight, which ZeRO-3 keeps in other "
                           "units; use parallel.zero_stage 2 or grpo.rollout_engine builtin")
+
+
+@rule
+def recompute_modules_need_selective(recompute: str, modules: tuple[str, ...]) -> None:
+    """Named modules are a selective policy: full recompute recomputes everything, none
+    nothing."""
+    if modules and recompute != "selective":
+        raise LayoutError(f"train.recompute_modules: {','.join(modules)} applies to selective "
+                          f"recompute, not train.recompute {recompute}; set train.recompute "
+                          "selective or clear train.recompute_modules")
+
+
+@rule
+def recompute_modules_eager(modules: tuple[str, ...], compiled: bool) -> None:
+    """Named modules are found by forward hooks, which a compiled block does not run as the
+    eager policy needs."""
+    hooked = [m for m in modules if m in ("mla_up_proj", "mlp", "moe", "shared_experts")]
+    if hooked and compiled:
+        raise LayoutError(f"train.compile: train.recompute_modules {','.join(hooked)} runs "
+                          "eagerly only; set train.compile false or name only core_attn, "
+                          "layernorm, moe_act")
