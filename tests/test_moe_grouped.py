@@ -166,7 +166,7 @@ def test_grouped_keeps_its_offsets_more_as_the_planner_counts():
     its int32 offsets (4 bytes per expert), and the planner's block bytes differ by that."""
     from tests.test_tp_layer import SavedBytes
     from threefold.layout import Layout, Workload
-    from threefold.plan.memory import moe_block_extra_bytes
+    from threefold.plan.moe_memory import moe_block_extra_bytes
 
     cfg = ModelConfig(preset="tiny-moe", vocab_size=512).resolved()
     grouped, loop = _pair(SparseMoeBlock(cfg))

@@ -12,7 +12,7 @@ How a rank runs its local experts on those grouped rows (``model.moe_impl``):
 
 Both give the same values and gradients (fp32 to rounding: tests/test_moe_grouped.py) and keep
 the same tensors for backward, grouped also its offsets (4 bytes per local expert), which the
-planner counts (``threefold.plan.memory.grouped_experts_run``).
+planner counts (``threefold.plan.moe_memory.grouped_experts_run``).
 
 This module imports torch, the config and the kernels only, and the plain-number width rule
 from ``threefold.families.shapes``.
