@@ -133,6 +133,16 @@ def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(vbase, corpus, c
     assert a[0]["sampling/sampling_logp_difference/mean"] < 1e-4
     assert a[0]["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
     assert [r["rollout/staleness"] for r in a] == [0, 0]
+    # the same engine in a server process of its own, over gloo: the same completions (the
+    # same weights, synced over the wire, and seeds), so the same run to the bit
+    train(load_config(None, over(tmp_path / "server")), task=GRPOTask(GRPOOptions(
+        rollout_engine="vllm", vllm_mode="server", importance_sampling="none",
+        vllm_kv_cache_mb=16, **opts)))
+    s = metrics(tmp_path / "server")
+    for key in ("loss", "kl", "reward", "rollout/sync_bytes"):
+        assert [r[key] for r in s] == [r[key] for r in a], key
+    ws = final_weights(tmp_path / "server")
+    assert all(torch.equal(ws[k], wa[k]) for k in wa)
     # the dry run's GRPO model: the sync's bytes as measured, the engine in the step's peak
     from threefold.launch.dryrun import predict
     from threefold.plan.baseline import TaskData

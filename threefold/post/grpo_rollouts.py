@@ -27,7 +27,11 @@ sequence's ratio leaves [1/cap, cap] (``sequence_mask``, TRL's default), or not 
 
 from __future__ import annotations
 
+import atexit
 import math
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,11 +46,14 @@ from threefold.generation.rollouts import (ROLLOUT_ENGINES, VLLM_INSTALL, Rollou
 from threefold.weights.hf_config import hf_config
 
 IMPORTANCE_MODES = ("token_truncate", "sequence_mask", "none")
+VLLM_MODES = ("colocate", "server")
 
 
 def check_engine(engine: str, importance: str, cap: float, staleness: int = 0,
-                 iterations: int = 1) -> None:
-    """ConfigError for an unknown engine or correction, or a staleness it cannot give."""
+                 iterations: int = 1, mode: str = "colocate") -> None:
+    """ConfigError for an unknown engine, mode or correction, or a staleness it cannot give."""
+    if mode not in VLLM_MODES:
+        raise ConfigError(f"grpo.vllm_mode: '{mode}' is not one of {', '.join(VLLM_MODES)}")
     if engine not in ROLLOUT_ENGINES:
         raise ConfigError(f"grpo.rollout_engine: '{engine}' is not one of "
                           f"{', '.join(ROLLOUT_ENGINES)}")
@@ -76,21 +83,63 @@ def check_installed(engine: str) -> None:
 class RolloutSource:
     """One rank's completions for GRPO: ``complete(prompts, indices, sampling)``."""
 
-    def __init__(self, run, engine: str, max_len: int, kv_cache_mb: int):
+    def __init__(self, run, engine: str, max_len: int, kv_cache_mb: int, mode: str = "colocate",
+                 server: str = ""):
         self.run, self.kind = run, engine
         self.engine = None
         self.started = 0.0
         self.ahead: tuple | None = None  # (request, its completions to come: a Future, figures)
         self.worker: ThreadPoolExecutor | None = None
-        if engine == "vllm":
-            from threefold.generation.vllm_rollouts import VLLMRollouts, write_engine_config
+        self.server = None  # the server process this rank started (server mode, rank 0)
+        self.sender = True  # whether this rank sends the weights (server mode: rank 0)
+        if engine != "vllm":
+            return
+        dtype = "bfloat16" if run.dtype == torch.bfloat16 else "float32"
+        conf = untied_config(hf_config(run.model_cfg))
+        if mode == "server":
+            self._connect(server, conf, dtype, max_len, kv_cache_mb << 20)
+            return
+        from threefold.generation.vllm_rollouts import VLLMRollouts, write_engine_config
 
-            folder = write_engine_config(run.out / "rollout_engine" / f"rank{run.world.rank}",
-                                         untied_config(hf_config(run.model_cfg)))
-            dtype = "bfloat16" if run.dtype == torch.bfloat16 else "float32"
-            self.engine = VLLMRollouts(folder, dtype, max_len, kv_cache_mb << 20,
-                                       seed=run.cfg.train.seed)
+        folder = write_engine_config(run.out / "rollout_engine" / f"rank{run.world.rank}", conf)
+        self.engine = VLLMRollouts(folder, dtype, max_len, kv_cache_mb << 20,
+                                   seed=run.cfg.train.seed)
+        self.started = self.engine.start_seconds
+
+    def _connect(self, address: str, conf: dict, dtype: str, max_len: int, kv: int) -> None:
+        """Server mode: join the server at ``address`` (rank 0 starts one first when none is
+        given, at MASTER_ADDR and the port after MASTER_PORT's hundred), rank 0 starts its
+        engine."""
+        from threefold.generation.rollout_server import ServerClient
+
+        w = self.run.world
+        if not address:
+            port = int(os.environ.get("MASTER_PORT", "29500")) + 100
+            address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
+            if w.rank == 0:
+                self.server = subprocess.Popen(
+                    [sys.executable, "-m", "threefold.generation.rollout_server", "--port",
+                     str(port), "--clients", str(w.world_size)])
+        self.engine = ServerClient(address, w.rank, w.world_size)
+        atexit.register(self.close)
+        self.sender = w.rank == 0
+        if self.sender:
+            self.engine.init(conf, dtype, max_len, kv, self.run.cfg.train.seed)
             self.started = self.engine.start_seconds
+
+    def close(self) -> None:
+        """End the server connection, and the server this rank started (at exit: a task has
+        no end hook, and a server left waiting would hold its port until its timeout)."""
+        engine, self.engine = self.engine, None
+        try:
+            if hasattr(engine, "stop"):
+                engine.stop()
+        finally:
+            if self.server is not None:
+                try:
+                    self.server.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.server.kill()
 
     def sync(self) -> dict[str, float]:
         """Send the policy's weights when it has stepped since the engine's; the figures."""
@@ -98,8 +147,13 @@ class RolloutSource:
         if self.engine is None or self.engine.version == version:
             return {}
         t0 = time.perf_counter()
-        sent = self.engine.load(policy_weights(self.run.engine, self.run.model_cfg,
-                                               untied_head=True), version)
+        named = policy_weights(self.run.engine, self.run.model_cfg, untied_head=True)
+        if not self.sender:  # server mode: rank 0 sends; the others take part in the gathers
+            for _ in named:
+                pass
+            self.engine.version = version
+            return {}
+        sent = self.engine.load(named, version)
         return {"rollout/sync_seconds": time.perf_counter() - t0, "rollout/sync_bytes": sent}
 
     def prefetch(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> None:
