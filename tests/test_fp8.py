@@ -362,7 +362,7 @@ def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_by
     from threefold.layout import Layout
     from threefold.comm.mesh import build_mesh
     from threefold.model.decoder import CausalLM
-    from threefold.parallel.transforms.fp8_linear import E4M3, _cast, _scale
+    from threefold.parallel.transforms.fp8_cast import E4M3, _cast, _scale
     from threefold.parallel.engines.fp8_gather import Fp8FlatUnit, GatheredWeight
     from threefold.plan.memory import gathered_unit_bytes
 

@@ -24,6 +24,7 @@ from threefold.config.model_shape import ModelConfig
 from threefold.config.presets import GPT_SHAPES, MODEL_PRESETS
 from threefold.config.schema import (
     CP_ALGORITHMS,
+    FP8_RECIPES,
     MODEL_FAMILIES,
     PIPELINE_SCHEDULES,
     RECOMPUTE_MODES,
@@ -44,7 +45,7 @@ from threefold.config.validation import validate
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
     "LoRAConfig", "MetricsConfig", "MODEL_FAMILIES", "ModelConfig", "OptimConfig",
-    "CP_ALGORITHMS", "PIPELINE_SCHEDULES", "ParallelConfig", "RECOMPUTE_MODES",
+    "CP_ALGORITHMS", "FP8_RECIPES", "PIPELINE_SCHEDULES", "ParallelConfig", "RECOMPUTE_MODES",
     "TrainConfig",
     "apply_mapping", "describe", "fp8_all_gather", "load_config", "param_dtype",
     "parse_overrides", "take_flag",
