@@ -16,12 +16,12 @@
   process's only when each local width is a multiple of 128: the rule book's
   ``blockwise_tiles_over_tp``.) No amax crosses ranks: every tile lies inside one shard.
 
-How the matmul runs: an e4m3 value (4 significant bits) times a power of 2 is exact in fp32
-and in bf16, so each operand is dequantised exactly and multiplied once in fp32 (CPU) or in
-the compute dtype with fp32 accumulation (CUDA). That is the recipe's arithmetic with fp32
-accumulation throughout (DeepSeek promote Hopper's FP8 accumulator to fp32 every 128
-products; this accumulates in fp32 from the start), and on CPU it is what ``torch._scaled_mm``
-itself computes for rowwise scales. It is a numerics reference, not a fast kernel: torch 2.13
+How the matmul runs, on CPU and CUDA alike: an e4m3 value (4 significant bits) times a power
+of 2 is exact in fp32 and in bf16, so each operand is dequantised exactly and multiplied once
+in the compute dtype (fp32, or bf16 with fp32 accumulation). That is the recipe's arithmetic
+with fp32 accumulation throughout (DeepSeek promote Hopper's FP8 accumulator to fp32 every
+128 products; this accumulates in fp32 from the start); in fp32 it is what CPU's
+``torch._scaled_mm`` itself computes for rowwise scales (dequantise, then one fp32 matmul). It is a numerics reference, not a fast kernel: torch 2.13
 also exposes a blockwise FP8 kernel (``torch.nn.functional.scaled_mm`` with
 ``ScalingType.BlockWise1x128`` and ``BlockWise128x128``; the CPU build refuses it), which is
 not called here because it was not run on a GPU in this repository; the planner times the
@@ -90,9 +90,11 @@ def dequantise(x8: torch.Tensor, s: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b of exactly dequantised operands: in fp32 on CPU, in ``out_dtype`` on CUDA (the
-    values are exact in bf16; the product accumulates in fp32)."""
-    dt = out_dtype if a.is_cuda else torch.float32
+    """a @ b of exactly dequantised operands, in ``out_dtype`` (the values are exact in fp32
+    and bf16; CPU's and CUDA's bf16 matmuls accumulate in fp32); fp16, whose range would not
+    hold them, multiplies in fp32. The one matmul's output is what selective recompute
+    keeps, in the compute dtype as for the other recipes."""
+    dt = torch.float32 if out_dtype == torch.float16 else out_dtype
     return (a.to(dt) @ b.to(dt)).to(out_dtype)
 
 
