@@ -16,7 +16,8 @@ parameter names, checkpoints and the modules pipeline chunks share do not change
   ``threefold.plan.activations.selective_block_bytes``, which the planner and dry run use.
 
 A mixture-of-experts block keeps, beyond its matmuls' outputs (the router's logits, every
-expert's, grouped or looped: ``aten._grouped_mm`` or ``aten.mm``), the router's choice (the
+expert's, grouped or looped: ``aten._grouped_mm`` or ``aten.mm``, and under FP8
+``aten._scaled_grouped_mm`` or ``aten._scaled_mm``), the router's choice (the
 outputs of ``aten.topk``), so the recompute routes exactly as the forward did (the sort by
 expert and the counts are recomputed from it, identically), and the results of expert
 parallelism's count exchange, dispatch and combine (``replayed``): the recompute runs no
@@ -37,7 +38,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 # ops whose outputs selective recompute keeps; names a torch build lacks are skipped
-_KEPT_NAMES = ("mm", "addmm", "_scaled_mm", "_grouped_mm", "topk",
+_KEPT_NAMES = ("mm", "addmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm", "topk",
                "_scaled_dot_product_flash_attention_for_cpu",
                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_cudnn_attention")
