@@ -71,14 +71,21 @@ def fp8_flops_fraction(cfg: ModelConfig, work: Workload) -> float:
 
 
 def fp8_expert_note(cfg: ModelConfig, work: Workload) -> str | None:
-    """What a mixture of experts under ``train.fp8`` should know: routed experts whose widths
-    are not multiples of 16 run in the compute dtype, timed at its peak; None otherwise."""
+    """What a run under ``train.fp8`` should know (None: nothing): routed experts whose widths
+    are not multiples of 16 run in the compute dtype, timed at its peak; blockwise is timed
+    as a blockwise FP8 kernel would run it, which the runtime's exact reference is not."""
     h, f = cfg.hidden_size, cfg.intermediate_size
-    if work.fp8 == "none" or not cfg.num_local_experts or not (h % 16 or f % 16):
-        return None
-    return (f"train.fp8 {work.fp8}: the routed experts run in {work.precision} (hidden {h} and "
-            f"expert width {f} are not both multiples of 16, FP8's rule), so their FLOPs are "
-            f"timed at the {work.precision} peak")
+    notes = []
+    if work.fp8 != "none" and cfg.num_local_experts and (h % 16 or f % 16):
+        notes.append(f"train.fp8 {work.fp8}: the routed experts run in {work.precision} "
+                     f"(hidden {h} and expert width {f} are not both multiples of 16, FP8's "
+                     f"rule), so their FLOPs are timed at the {work.precision} peak")
+    if work.fp8 == "blockwise":
+        notes.append("train.fp8 blockwise: its FP8 share is timed at the FP8 peak, as a "
+                     "blockwise FP8 kernel would run it; threefold's blockwise is an exact "
+                     "reference (dequantised operands, one matmul in the compute dtype), no "
+                     "faster than bf16 on a GPU")
+    return "; ".join(notes) or None
 
 
 def matmul_peak(cfg: ModelConfig, work: Workload, hw) -> float | None:
