@@ -248,11 +248,13 @@ def test_a_moe_blocks_fp8_saved_bytes_are_the_planners(recipe):
 
 
 def test_a_mixture_of_experts_trains_in_fp8_as_in_bf16(corpus, cache_dir, tmp_path, monkeypatch):
-    """10 steps of a tiny MoE: tensorwise's and blockwise's final losses within 3% of bf16's,
-    and the runs' experts are FP8 experts (``parallelize`` made them: each call counted)."""
+    """10 steps of a tiny MoE: blockwise's final loss within 3% of bf16's, and the run's
+    experts are FP8 experts (``parallelize`` made them: each call counted). (Tensorwise and
+    rowwise experts are each expert's FP8 layer bit for bit, above, and those layers train
+    as bf16 does in tests/test_fp8.py.)"""
     from threefold.training.train import train
 
-    calls = {"tensorwise": 0, "blockwise": 0}
+    calls = {"blockwise": 0}
     compute = Float8Experts.compute
 
     def counted(self, rows, counts):
@@ -269,8 +271,8 @@ def test_a_mixture_of_experts_trains_in_fp8_as_in_bf16(corpus, cache_dir, tmp_pa
         return [r["loss"] for r in metrics(tmp_path / name)]
 
     bf16 = run("bf16")
-    assert calls == {"tensorwise": 0, "blockwise": 0}
-    for recipe in ("tensorwise", "blockwise"):
+    assert calls == {"blockwise": 0}
+    for recipe in ("blockwise",):
         got = run(recipe, train__fp8=recipe)
         assert calls[recipe] >= 10 * 2  # every step, both MoE blocks (and evaluation)
         assert got[-1] == pytest.approx(bf16[-1], rel=0.03), recipe
