@@ -315,3 +315,38 @@ def test_plan_and_dry_run_agree_on_blockwise_for_a_mixture_of_experts(tmp_path, 
     dry_act = {r: dry[r].memory.activations for r in dry}
     assert act["blockwise"] - act["none"] == pytest.approx(
         dry_act["blockwise"] - dry_act["none"]) and act["blockwise"] > act["none"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])  # (rowwise runs as tensorwise)
+def test_selective_recompute_keeps_the_planners_bytes_under_fp8(monkeypatch, recipe):
+    """A selective MoE block (bf16 autocast) whose projections and experts run in FP8 keeps
+    its input and its matmuls' outputs (``_scaled_mm`` per expert, blockwise's one matmul),
+    the planner's selective count to the byte, as without FP8: the quantisation is
+    recomputed, no scale is kept."""
+    from tests.test_plan_moe import _first_block_saved, _kept_bytes
+    from threefold.layout import Layout
+    from threefold.model.decoder import CausalLM
+    from threefold.parallel.transforms import recompute
+    from threefold.plan.activations import model_layer_activation_bytes
+
+    keeps = []
+    init = recompute._Keep.__init__
+    monkeypatch.setattr(recompute._Keep, "__init__",
+                        lambda self, kept: (keeps.append(kept), init(self, kept))[1])
+    torch.manual_seed(0)
+    cfg = ModelConfig(preset="tiny", vocab_size=512, num_local_experts=8,
+                      num_experts_per_tok=2).resolved()  # h 256, f 688: FP8's rule met
+    model = CausalLM(cfg)
+    assert apply_fp8(model, recipe) == [] and apply_fp8_experts(model, recipe) == []
+    recompute.apply_recompute(model, "selective")
+    b, s, h = 2, 64, cfg.hidden_size
+    saved, x = _first_block_saved(model, b, s, h, torch.bfloat16)
+    rope = 2 * 4 * b * s * cfg.head_dim
+    assert saved.total == 4 * b * s * h + rope and len(keeps) == 1
+    got = saved.total + _kept_bytes(keeps[0], [x, *model.parameters()]) - rope
+    work = Workload(seq_len=s, global_batch=b, precision="bf16", residual_bytes=4,
+                    master_bytes=4, flash_attention=True, fp8=recipe)
+    assert got == model_layer_activation_bytes(cfg, Layout(microbatch_size=b,
+                                                            recompute="selective"), work)
+    assert any(op is torch.ops.aten._scaled_mm.default for op, _, _ in keeps[0]) == \
+        (recipe != "blockwise")
