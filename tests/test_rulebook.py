@@ -93,7 +93,8 @@ ROWS = [
     Row("blockwise_tiles_over_tp", {"train.fp8": "blockwise", "parallel.tp": 2}, 2,
         "train.fp8: blockwise with parallel.tp=2 splits model.num_key_value_heads·head_dim into "
         "64-wide shards, not multiples of 128 (a shard's 1x128 tiles would not be one "
-        "process's); use parallel.tp in 1 or train.fp8 rowwise", ("--tp", "2", "--fp8", "blockwise")),
+        "process's); use parallel.tp in 1 or train.fp8 rowwise",
+        ("--tp", "2", "--fp8", "blockwise")),
     Row("layers_fill_chunks", {"parallel.pp": 8}, 8,
         "model.num_hidden_layers: 4 layers cannot fill pp·vpp = 8·1 = 8 pipeline chunks; lower "
         "parallel.pp or parallel.vpp", ("--pp", "8")),

@@ -21,11 +21,12 @@ of 2 is exact in fp32 and in bf16, so each operand is dequantised exactly and mu
 in the compute dtype (fp32, or bf16 with fp32 accumulation). That is the recipe's arithmetic
 with fp32 accumulation throughout (DeepSeek promote Hopper's FP8 accumulator to fp32 every
 128 products; this accumulates in fp32 from the start); in fp32 it is what CPU's
-``torch._scaled_mm`` itself computes for rowwise scales (dequantise, then one fp32 matmul). It is a numerics reference, not a fast kernel: torch 2.13
-also exposes a blockwise FP8 kernel (``torch.nn.functional.scaled_mm`` with
-``ScalingType.BlockWise1x128`` and ``BlockWise128x128``; the CPU build refuses it), which is
-not called here because it was not run on a GPU in this repository; the planner times the
-recipe's FP8 share at the FP8 peak, i.e. as such a kernel would run it.
+``torch._scaled_mm`` itself computes for rowwise scales (dequantise, then one fp32 matmul).
+It is a numerics reference, not a fast kernel: torch 2.13 also exposes a blockwise FP8 kernel
+(``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128`` and
+``BlockWise128x128``; the CPU build refuses it), which is not called here because it was not
+run on a GPU in this repository; the planner times the recipe's FP8 share at the FP8 peak,
+i.e. as such a kernel would run it.
 
 Like the other recipes the forward keeps the high-precision input and weight (what a plain
 linear keeps) and casts again in backward, so the only bytes blockwise adds to a block's

@@ -128,7 +128,8 @@ class _ExpertsMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, offs, counts, recipe, out_dtype, grouped):
-        ctx.counts, ctx.recipe, ctx.grouped, ctx.has_offs = counts, recipe, grouped, offs is not None
+        ctx.counts, ctx.recipe, ctx.grouped = counts, recipe, grouped
+        ctx.has_offs = offs is not None
         sw = _weight_scales(recipe, w)
         sx = torch.ones(len(counts), device=x.device) if recipe == "tensorwise" else None
         if grouped:
