@@ -175,11 +175,14 @@ class _ExpertsMatmul(torch.autograd.Function):
         return dx, torch.stack(dws), None, None, None, None, None
 
 
+@torch.compiler.disable
 def experts_fp8(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, counts: list[int],
                 recipe: str, out_dtype: torch.dtype, grouped: bool = False) -> torch.Tensor:
     """x (T, K) grouped by expert, ``counts[e]`` rows each (at least one row in all) ->
     x·w[e]ᵀ per group in FP8 by ``recipe``, as ``out_dtype``; ``offs``: the int32 group
-    ends, needed where ``grouped`` (and kept for backward, as the grouped matmul keeps them)."""
+    ends, needed where ``grouped`` (and kept for backward, as the grouped matmul keeps them).
+    Eager inside a compiled block (``train.compile``): the per-expert loop branches on the
+    host counts, which would recompile the block for every new pattern of empty experts."""
     with torch.autocast(x.device.type, enabled=False):
         return _ExpertsMatmul.apply(x, w, offs, counts, recipe, out_dtype, grouped)
 
