@@ -50,7 +50,14 @@ sides above:
   ``peak_flops_fp8``);
 - ``moe``: the shape as a mixture of experts (``MOE_SHAPES``: gpu 8 layers, 8 experts of
   f 1408, top-2; tiny 4 experts of f 176, top-2) with ``model.moe_impl grouped`` and ``loop``
-  (ratio grouped/loop), MFU from the MoE's active FLOPs per token against the dtype's peak.
+  (ratio grouped/loop), MFU from the MoE's active FLOPs per token against the dtype's peak;
+  and the same grouped MoE under ``train.fp8`` tensorwise, rowwise and blockwise
+  (``moe-fp8-*``: projections and routed experts in FP8, ``threefold.parallel.transforms.
+  fp8_experts``; rowwise's experts through ``torch._scaled_grouped_mm`` on compute
+  capability 9.x/10.x, the others one ``_scaled_mm`` per expert, blockwise the exact
+  dequantised reference of ``fp8_blockwise``), each against ``moe-grouped`` (ratio
+  fp8/bf16), MFU against the FP8 peak; skipped as the ``fp8`` rows are, and in compiled mode
+  (to keep the bench short: the FP8 experts run eagerly inside a compiled block anyway).
 
     PYTHONPATH=$PWD python3 bench/bench_gpu.py --rows fp8,moe      # only the new rows' parts
 """
@@ -91,6 +98,7 @@ MOE_SHAPES = {  # the shape's overrides that make it a mixture of experts (``moe
     "tiny": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=176),
 }
 FP8_RECIPES = ("tensorwise", "rowwise")
+MOE_FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
 ROW_GROUPS = ("base", "fp8", "moe")
 SIDES = ("threefold", "transformers")
 BUCKETS = ("matmul", "attention", "optimiser", "elementwise")
@@ -203,6 +211,8 @@ def extra_rows(args) -> list[tuple[str, list[tuple[str, str]]]]:
         shape = [(f"model.{k}", str(v)) for k, v in MOE_SHAPES[args.shape].items()]
         rows += [(f"moe-{impl}", shape + [("model.moe_impl", impl)])
                  for impl in ("grouped", "loop")]
+        rows += [(f"moe-fp8-{r}", shape + [("model.moe_impl", "grouped"), ("train.fp8", r)])
+                 for r in MOE_FP8_RECIPES]
     return rows
 
 
@@ -228,18 +238,32 @@ def check_fp8_built(run) -> None:
                       f"layer (threefold.parallel.transforms.fp8_linear's wrappers)")
 
 
+def check_fp8_experts_built(run) -> None:
+    """``check_fp8_built`` for the routed experts: ``SkipRow`` when none is a
+    ``Float8Experts`` (e.g. widths off ``_scaled_mm``'s rule of 16)."""
+    from threefold.parallel.transforms.fp8_experts import Float8Experts
+
+    check_fp8_built(run)
+    if not any(isinstance(m, Float8Experts) for m in run.model.modules()):
+        raise SkipRow(f"train.fp8={run.cfg.train.fp8} accepted but no routed expert was built "
+                      f"in FP8 (threefold.parallel.transforms.fp8_experts)")
+
+
 def measure_row(name: str, extra: list[tuple[str, str]], args, out: str, compile_: bool
                 ) -> dict:
     """One further row in one round and mode: its figures, or {"skipped": reason}."""
-    fp8 = name.startswith("fp8")
+    fp8, moe_fp8 = name.startswith("fp8"), name.startswith("moe-fp8")
     try:
         cfg = make_config(args, out, compile_, extra)
-        if fp8:
+        if fp8 or moe_fp8:
             reason = fp8_unavailable(torch.device(cfg.train.device))
             if reason:
                 raise SkipRow(reason)
-        return measure("threefold", cfg, args, compile_, False,
-                       check=check_fp8_built if fp8 else None)
+        if moe_fp8 and compile_:
+            raise SkipRow("eager only, to keep the bench short (under train.compile the FP8 "
+                          "experts run eagerly inside the compiled blocks anyway)")
+        check = check_fp8_experts_built if moe_fp8 else check_fp8_built if fp8 else None
+        return measure("threefold", cfg, args, compile_, False, check=check)
     except ConfigError as e:  # the configuration refuses the row's setting
         return {"skipped": f"refused: {e}"}
     except SkipRow as e:
@@ -403,7 +427,8 @@ def summarise_rows(args, modes: list[str], got: dict, seq: int) -> tuple[dict, l
             tok = statistics.median(x["tok_s"] for x in rs)
             rates.append(max(x["tok_s"] for x in rs) * fpt)
             ref = "threefold" if name.startswith("fp8") else \
-                ("moe-loop" if name == "moe-grouped" else None)
+                ("moe-loop" if name == "moe-grouped" else
+                 "moe-grouped" if name.startswith("moe-fp8") else None)
             ratios = [got[(r, mode, name)]["tok_s"] / got[(r, mode, ref)]["tok_s"]
                       for r in range(args.rounds)
                       if ref and "skipped" not in got[(r, mode, ref)]]
@@ -424,7 +449,7 @@ def rows_mfu(rows: dict, got: dict, peak: float | None, src: str) -> None:
         for name, e in entry.items():
             if "skipped" in e:
                 continue
-            p, s = device_peak_flops(device, torch.bfloat16, "fp8") if name.startswith("fp8") \
+            p, s = device_peak_flops(device, torch.bfloat16, "fp8") if "fp8" in name \
                 else (peak, src)
             e["peak_flops"], e["peak_source"] = p, s
             e["mfu"] = e["tok_s"] * e["flops_per_token"] / p if p else None
@@ -530,7 +555,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--rows", default=",".join(ROW_GROUPS),
                     help="comma-separated row groups: base (threefold vs transformers, always "
                          "run: the reference), fp8 (train.fp8 tensorwise/rowwise vs bf16), moe "
-                         "(grouped vs looped experts)")
+                         "(grouped vs looped experts; the MoE in FP8 vs bf16)")
     args = ap.parse_args(argv)
     args.rows = set(args.rows.split(",")) | {"base"}
     if args.rows - set(ROW_GROUPS):

@@ -47,11 +47,12 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, corpus, cache_dir):
     # the further rows (default --rows all): FP8 skipped on a CPU with the reason printed, the
     # MoE shape grouped against looped experts measured (the same weights: the same loss)
     rows = summary["rows"]["eager"]
-    assert list(rows) == ["fp8-tensorwise", "fp8-rowwise", "moe-grouped", "moe-loop"]
-    for recipe in ("tensorwise", "rowwise"):
-        reason = rows[f"fp8-{recipe}"]["skipped"]
+    moe_fp8 = [f"moe-fp8-{r}" for r in ("tensorwise", "rowwise", "blockwise")]
+    assert list(rows) == ["fp8-tensorwise", "fp8-rowwise", "moe-grouped", "moe-loop", *moe_fp8]
+    for name in ["fp8-tensorwise", "fp8-rowwise", *moe_fp8]:
+        reason = rows[name]["skipped"]
         assert "cpu" in reason or "refused" in reason
-        assert f"fp8-{recipe}: skipped: {reason}" in p.stdout
+        assert f"{name}: skipped: {reason}" in p.stdout
     grouped, loop = rows["moe-grouped"], rows["moe-loop"]
     for r in (grouped, loop):
         assert r["tok_s"] > 0 and 0 < r["mfu"] <= 1 and r["flops_per_token"] > 0

@@ -232,6 +232,19 @@ def _split_layer_errors(rank: int, world: int) -> dict:
             out[recipe, mode] = max(rel(yc, y[:, cols]), rel(summed(dxc), dx),
                                     rel(dwc, dw[cols]), rel(summed(yr), y),
                                     rel(dxr, dx[:, rows]), rel(dwr, dw[:, rows]))
+    # blockwise with 256-wide shards (two whole tiles each): every rank's own tiles are the
+    # whole layer's, with no amax agreed (the rule book's blockwise_tiles_over_tp)
+    k = 256 * world
+    xb = torch.randn(40, k, generator=gen) * torch.linspace(0.1, 3, k)
+    wb = torch.randn(k, k, generator=gen) * torch.linspace(3, 0.1, k)[:, None]
+    dyb = torch.randn(40, k, generator=gen) * torch.linspace(0.1, 3, k)
+    part = slice(rank * 256, rank * 256 + 256)
+    y, dx, dw = _grads(xb, wb, dyb, "blockwise")
+    yc, dxc, dwc = _grads(xb, wb[part], dyb[:, part], "blockwise")
+    yr, dxr, dwr = _grads(xb[:, part], wb[:, part], dyb, "blockwise")
+    out["blockwise", "own"] = max(rel(yc, y[:, part]), rel(summed(dxc), dx),
+                                  rel(dwc, dw[part]), rel(summed(yr), y),
+                                  rel(dxr, dx[:, part]), rel(dwr, dw[:, part]))
     return out
 
 
@@ -265,6 +278,8 @@ def test_layouts_equal_one_process_under_fp8(corpus, cache_dir, tmp_path):
         # scales are powers of 2, so a shard's own scale casts its normal-range values to
         # the same fp8 bits; the agreement matters only for the subnormal tail.)
         assert results[0]["split_layer"]["tensorwise", "own"] > 1e-3
+    for r in results:
+        assert r["split_layer"]["blockwise", "own"] < 1e-5
     refs = {}
     for name, extra, micro, steps in RUNS_2:
         key = (extra["train__fp8"], micro, steps)
@@ -362,7 +377,7 @@ def test_a_block_gathered_in_8_bits_computes_as_before_and_holds_the_planners_by
     from threefold.layout import Layout
     from threefold.comm.mesh import build_mesh
     from threefold.model.decoder import CausalLM
-    from threefold.parallel.transforms.fp8_linear import E4M3, _cast, _scale
+    from threefold.parallel.transforms.fp8_cast import E4M3, _cast, _scale
     from threefold.parallel.engines.fp8_gather import Fp8FlatUnit, GatheredWeight
     from threefold.plan.memory import gathered_unit_bytes
 

@@ -131,8 +131,9 @@ def _aligned(preset: str, **kw):
 ], ids=["dense", "moe"])
 def test_the_fp8_share_is_the_flops_of_the_layers_the_runtime_makes_fp8(cfg):
     """The planner's FP8 share of a token's forward FLOPs is what ``apply_fp8`` turns into
-    FP8 layers on the model itself: attention projections, dense MLPs and shared experts;
-    the routed experts (3-D tensors under grouped matmuls) stay in the compute dtype."""
+    FP8 layers on the model itself: attention projections, dense MLPs and shared experts
+    (tiny-moe's routed experts, 344 wide, fail FP8's rule of 16 and stay in the compute dtype;
+    tests/test_fp8_experts.py counts aligned ones)."""
     import torch
 
     from threefold.accounting import flops_per_token

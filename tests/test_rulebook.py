@@ -108,6 +108,11 @@ ROWS = [
     Row("ffn_over_tp", {"model.intermediate_size": 690, "parallel.tp": 4}, 4,
         "model.intermediate_size: 690 is not divisible by parallel.tp=4; this model splits over "
         "a tp in 1, 2", "plan pads the SwiGLU width (as published Megatron runs do) and warns"),
+    Row("blockwise_tiles_over_tp", {"train.fp8": "blockwise", "parallel.tp": 2}, 2,
+        "train.fp8: blockwise with parallel.tp=2 splits model.num_key_value_heads·head_dim into "
+        "64-wide shards, not multiples of 128 (a shard's 1x128 tiles would not be one "
+        "process's); use parallel.tp in 1 or train.fp8 rowwise",
+        ("--tp", "2", "--fp8", "blockwise")),
     Row("layers_fill_chunks", {"parallel.pp": 8}, 8,
         "model.num_hidden_layers: 4 layers cannot fill pp·vpp = 8·1 = 8 pipeline chunks; lower "
         "parallel.pp or parallel.vpp", ("--pp", "8")),

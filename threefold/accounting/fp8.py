@@ -16,7 +16,8 @@ def fp8_amaxes(add, cfg: ModelConfig, layout: Layout, recipe: str, blocks: tuple
     replicated over tp stay high precision). Tensorwise: 2 (x, W) per layer forward, again
     under recompute, and 1 (dy) backward; rowwise: a row-parallel layer's b·s + h (per token,
     per output row) forward, a column-parallel one's b·s + h (per token, per input column)
-    backward. ``blocks``: (blocks, of which with a dense MLP)."""
+    backward; blockwise none (the rule book keeps its tiles inside a shard). ``blocks``:
+    (blocks, of which with a dense MLP)."""
     t, h, hd, sh = layout.tp, cfg.hidden_size, cfg.head_dim, tp_shard(cfg, layout.tp)
     layers, dense = blocks
     ok = lambda *dims: all(x % 16 == 0 for x in dims)
@@ -24,6 +25,8 @@ def fp8_amaxes(add, cfg: ModelConfig, layout: Layout, recipe: str, blocks: tuple
     rows = layers * ok(sh.heads * hd, h)
     cols, rows = cols + dense * 2 * ok(sh.ffn, h), rows + dense * ok(sh.ffn, h)
     runs = 2 if rec else 1  # a recomputed block's forward agrees its amaxes again
+    if recipe == "blockwise":  # every tile lies inside one tp shard: nothing to agree
+        return
     if recipe == "tensorwise":
         add("tp", "all_reduce", 2, 4, (rows + cols) * runs, t, True, "none")
         add("tp", "all_reduce", 1, 4, rows + cols, t, True, "none")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from threefold.config import CP_ALGORITHMS, EP_DISPATCHES, MODEL_PRESETS, ConfigError
+from threefold.config import (CP_ALGORITHMS, EP_DISPATCHES, FP8_RECIPES, MODEL_PRESETS,
+                              ConfigError)
 from threefold.hardware.catalogue import GPUS
 from threefold.plan.network import CLUSTERS
 from threefold.plan.search import CP_MIN_SEQ_LEN
@@ -79,8 +80,9 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
                    help="tokens per optimiser step (a multiple of --seq-len)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                    help="bf16 mixed precision with fp32 Adam (16 bytes/param), or fp32")
-    p.add_argument("--fp8", choices=("none", "tensorwise", "rowwise"), default="none",
-                   help="as train.fp8: the blocks' projections in FP8, at the GPU's FP8 peak")
+    p.add_argument("--fp8", choices=FP8_RECIPES, default="none",
+                   help="as train.fp8: the blocks' projections and routed experts in FP8, at "
+                        "the GPU's FP8 peak")
     p.add_argument("--mlp-tiles", type=int, default=1, metavar="N",
                    help="as train.mlp_tiles: each dense MLP over the sequence in N tiles, "
                    "recomputed in backward (its activations stop growing with length)")

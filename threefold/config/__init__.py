@@ -26,6 +26,7 @@ from threefold.config.schema import (
     CP_ALGORITHMS,
     EP_DISPATCHES,
     CP_BALANCES,
+    FP8_RECIPES,
     MODEL_FAMILIES,
     PIPELINE_SCHEDULES,
     DEEPSEEK_RECOMPUTE,
@@ -49,8 +50,8 @@ from threefold.config.validation import validate
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
     "LoRAConfig", "MetricsConfig", "MODEL_FAMILIES", "ModelConfig", "OptimConfig",
-    "CP_ALGORITHMS", "CP_BALANCES", "EP_DISPATCHES", "PIPELINE_SCHEDULES", "ParallelConfig",
-    "RECOMPUTE_MODES",
+    "CP_ALGORITHMS", "CP_BALANCES", "EP_DISPATCHES", "FP8_RECIPES", "PIPELINE_SCHEDULES",
+    "ParallelConfig", "RECOMPUTE_MODES",
     "TrainConfig",
     "apply_mapping", "describe", "fp8_all_gather", "load_config", "param_dtype",
     "CP_ALGORITHMS", "PIPELINE_SCHEDULES", "ParallelConfig", "RECOMPUTE_MODES",

@@ -32,6 +32,7 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", 
 # DeepSeek-V3's policy (arXiv 2412.19437 §3.2.3, §3.3.2): the norms, latent attention's
 # up-projections and SwiGLU's output recomputed, everything else kept.
 DEEPSEEK_RECOMPUTE = ("layernorm", "mla_up_proj", "moe_act")
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.families.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
@@ -178,9 +179,11 @@ class TrainConfig:
     progress: str = _f("auto", "progress bar: auto (on a TTY), on or off")
     trace_step: int = _f(0, "write OUTPUT_DIR/trace.json, a Chrome/Perfetto trace of what every "
                          "rank did in this step (1-based; 0 = no trace)")
-    fp8: str = _f("none", "FP8 matmuls in the blocks' linear layers, scaled dynamically: none, "
-                  "tensorwise (one scale per tensor) or rowwise (per row of the input, per "
-                  "column of the weight); master weights, optimiser and head stay as they are")
+    fp8: str = _f("none", "FP8 matmuls in the blocks' linear layers and routed experts, scaled "
+                  "dynamically: none, tensorwise (one scale per tensor), rowwise (per row of the "
+                  "input, per column of the weight) or blockwise (DeepSeek-V3: 1x128 input "
+                  "tiles, 128x128 weight blocks); master weights, optimiser and head stay as "
+                  "they are")
     preemption_grace_s: float = _f(60.0, "on SIGTERM (a preemption notice) every rank finishes "
                                    "the step, saves a checkpoint and exits 0 within this many "
                                    "seconds; 0 = SIGTERM ends the run at once")

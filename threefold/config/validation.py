@@ -12,9 +12,9 @@ import importlib.util
 from threefold.config.fields import ConfigError, unknown_value
 from threefold.config.model_shape import ModelConfig
 from threefold.config.presets import MODEL_PRESETS
-from threefold.config.schema import (CP_ALGORITHMS, CP_BALANCES, EP_DISPATCHES, MODEL_FAMILIES,
-                                     PIPELINE_SCHEDULES, RECOMPUTE_MODES, RECOMPUTE_MODULES,
-                                     CheckpointConfig,
+from threefold.config.schema import (CP_ALGORITHMS, CP_BALANCES, EP_DISPATCHES, FP8_RECIPES,
+                                     MODEL_FAMILIES, PIPELINE_SCHEDULES, RECOMPUTE_MODES,
+                                     RECOMPUTE_MODULES, CheckpointConfig,
                                      Config, DataConfig, LoRAConfig, MetricsConfig,
                                      OptimConfig, ParallelConfig, TrainConfig)
 
@@ -211,7 +211,7 @@ def _check_train(t: TrainConfig) -> None:
 
 def _check_fp8(t: TrainConfig, lo: LoRAConfig, p: ParallelConfig) -> None:
     """FP8 (threefold.parallel.transforms.fp8_linear) and what it does not run with."""
-    _one_of("train.fp8", t.fp8, ["none", "tensorwise", "rowwise"])
+    _one_of("train.fp8", t.fp8, list(FP8_RECIPES))
     _need(not (t.fp8 != "none" and lo.r and p.tp > 1),
           f"train.fp8: {t.fp8} with lora.r > 0 and parallel.tp > 1 is not available (which "
           "frozen layers run backward, and so agree their amaxes over tp, is not modelled); "

@@ -41,6 +41,7 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
         rules.experts_without_sequence_parallel(e, lay.tp, lay.sequence_parallel)
     if lay.tp > 1:
         rules.k_norm_needs_split_kv(cfg, lay.tp)
+        rules.blockwise_tiles_over_tp(cfg, lay.tp, work.fp8)
     if lay.cp > 1:
         rules.cp_attention(cfg, lay.cp)
     if work.lora_r:

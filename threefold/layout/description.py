@@ -245,8 +245,9 @@ class Workload:
     # the weights start from files (checkpoint.init_from): start-up reads each rank's regions
     # instead of drawing whole tensors (plan.startup)
     init_from: bool = False
-    # train.fp8: the blocks' linear layers multiply in FP8 (none, tensorwise, rowwise); the
-    # planner times their FLOPs at the FP8 peak (plan.compute.matmul_peak)
+    # train.fp8: the blocks' linear layers and routed experts multiply in FP8 (none,
+    # tensorwise, rowwise, blockwise); the planner times their FLOPs at the FP8 peak
+    # (plan.compute.matmul_peak)
     fp8: str = "none"
     # parallel.fp8_all_gather resolved: ZeRO-3 gathers the FP8 weights in e4m3 (1 byte each)
     fp8_gather: bool = False

@@ -40,6 +40,7 @@ from threefold.parallel.engines.data_parallel import DataParallelEngine
 from threefold.parallel.engines.engine import LocalEngine
 from threefold.parallel.transforms.expert import apply_expert_parallel
 from threefold.parallel.transforms.expert_dispatch import apply_hierarchical_dispatch
+from threefold.parallel.transforms.fp8_experts import apply_fp8_experts
 from threefold.parallel.transforms.fp8_linear import apply_fp8
 from threefold.parallel.transforms.mlp_tiles import apply_mlp_tiles
 from threefold.parallel.transforms.recompute import apply_recompute
@@ -160,6 +161,7 @@ def parallelize(mcfg: ModelConfig, cfg: Config, layout, source, device: torch.de
     model = apply_model_parallel(model, cfg, layout)  # 2, 3, 4
     if not frozen:  # FP8 over the (sliced) projections, before recompute wraps the blocks
         apply_fp8(model, cfg.train.fp8, layout.comm if layout.tp_size > 1 else None)
+        apply_fp8_experts(model, cfg.train.fp8)  # the routed experts (after ep), same recipe
         apply_recompute(model, cfg.train.recompute_mode,  # 5
                         cfg.train.recompute_module_names)
     if cfg.train.compile and not frozen:                   # 6

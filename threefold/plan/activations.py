@@ -145,16 +145,26 @@ def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, se
     raise ValueError(f"unknown cp algorithm {algorithm!r}; use ring or allgather")
 
 
-def fp8_scale_bytes(cfg: ModelConfig, work: Workload) -> int:
-    """What ``train.fp8`` adds to a block's saved tensors (``threefold.parallel.transforms.fp8_linear``): it
-    keeps the input and weight a plain linear keeps and casts again in backward, so only
-    tensorwise's two fp32 scales per projection (q, k, v, o and a dense MLP's or a shared
-    expert's gate, up, down; the routed experts are no FP8 layers); rowwise recomputes its
+def fp8_scale_bytes(cfg: ModelConfig, work: Workload, tp: int = 1, ep: int = 1) -> int:
+    """What ``train.fp8`` adds to a block's saved tensors (``threefold.parallel.transforms``'
+    ``fp8_linear`` and ``fp8_experts``): each FP8 layer keeps the input and weight a plain one
+    keeps and casts again in backward, so only the weights' scales: tensorwise two fp32
+    scalars per projection (q, k, v, o and a dense MLP's or a shared expert's gate, up,
+    down) and two per local routed expert (ep splits them) and grouped product; blockwise
+    one fp32 per 128×128 block of each (local, under tp) weight. Rowwise recomputes its
     per-row scales."""
-    if work.fp8 != "tensorwise":
+    if work.fp8 not in ("tensorwise", "blockwise"):
         return 0
-    mlp = 3 if not cfg.num_local_experts or cfg.shared_expert_intermediate_size else 0
-    return 2 * 4 * (4 + mlp)
+    h, sh, e = cfg.hidden_size, tp_shard(cfg, tp), cfg.num_local_experts or 0
+    f = (cfg.shared_expert_intermediate_size or 0) if e else sh.ffn  # the FP8 MLP, if any
+    q, kv = sh.heads * cfg.head_dim, sh.kv_heads * cfg.head_dim
+    shapes = [(q, h), (kv, h), (kv, h), (h, q)] + ([(f, h), (f, h), (h, f)] if f else [])
+    fe = cfg.intermediate_size
+    experts = [(2 * fe, h), (h, fe)] if e and not (h % 16 or fe % 16) else []
+    if work.fp8 == "tensorwise":
+        return 8 * len(shapes) + 8 * (e // ep) * len(experts)
+    blocks = sum(-(-n // 128) * -(-k // 128) for n, k in shapes)
+    return 4 * blocks + 4 * (e // ep) * sum(-(-n // 128) * -(-k // 128) for n, k in experts)
 
 
 def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload,
@@ -180,7 +190,7 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
                                   layout.cp_algorithm)
     kept += block_document_mask_bytes(cfg, layout, work)
     kept += tiled_mlp_bytes(cfg, layout, work)
-    kept += fp8_scale_bytes(cfg, work)
+    kept += fp8_scale_bytes(cfg, work, layout.tp, layout.ep)
     kept += gemma_extra_bytes(cfg, layout, work, b * local, sh.ffn)
     if cfg.qk_norm:
         kept += qk_norm_bytes(b * local, sh.heads, sh.kv_heads, cfg.head_dim, work.act_bytes,

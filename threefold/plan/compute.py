@@ -49,31 +49,45 @@ def fp8_flops_fraction(cfg: ModelConfig, work: Workload) -> float:
     """The share of a token's forward FLOPs (``flops_per_token`` / 3) that ``train.fp8`` runs
     in FP8: the blocks' q/k/v/o, dense gate/up/down and shared-expert gate/up/down projections
     (``parallel.fp8.TARGETS``, plain linear layers; under latent attention only o, and q
-    without a query latent), against attention's core, the routed experts (one 3-D tensor
-    per projection, multiplied in the compute dtype: ``fp8_expert_note``), the routers, the
-    latents and the head, which stay in the compute dtype."""
+    without a query latent) and the routed experts' two grouped products (``Float8Experts``),
+    each where its widths are multiples of 16 (the runtime's rule, ``fp8_eligible``), against
+    attention's core, the routers, the latents and the head, which stay in the compute
+    dtype. Every recipe runs the same layers."""
     h, hd, heads = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+    ok = lambda *dims: all(x % 16 == 0 for x in dims)  # noqa: E731
     if cfg.kv_lora_rank:
         attn = h * heads * cfg.v_head_dim + (0 if cfg.q_lora_rank else h * heads * hd)
     else:
-        attn = h * hd * (2 * heads + 2 * cfg.num_key_value_heads)
-    dense = cfg.num_hidden_layers - moe_layers(cfg)
+        q, kv = heads * hd, cfg.num_key_value_heads * hd
+        attn = 2 * q * h * ok(q, h) + 2 * kv * h * ok(kv, h)
+    moe = moe_layers(cfg)
+    dense = cfg.num_hidden_layers - moe
     ffn = (cfg.dense_intermediate_size or cfg.intermediate_size) if cfg.num_local_experts \
         else cfg.intermediate_size
-    shared = moe_key(cfg)[2] * moe_layers(cfg)  # every MoE block's shared expert, if any
-    linear = 2 * (attn * cfg.num_hidden_layers + 3 * h * (ffn * dense + shared))
+    e, k, fs, *_ = moe_key(cfg)  # every MoE block's shared expert, if any, and k experts
+    f = cfg.intermediate_size
+    linear = 2 * (attn * cfg.num_hidden_layers + 3 * h * (ffn * dense * ok(ffn, h)
+                                                         + fs * moe * ok(fs, h)
+                                                         + k * f * moe * ok(f, h) * bool(e)))
     return linear / (flops_per_token(cfg, work.seq_len) / 3)
 
 
 def fp8_expert_note(cfg: ModelConfig, work: Workload) -> str | None:
-    """What a mixture of experts under ``train.fp8`` should know: its routed experts run in
-    the compute dtype, so their FLOPs are timed at that peak; None otherwise."""
-    if work.fp8 == "none" or not cfg.num_local_experts:
-        return None
-    return (f"train.fp8 {work.fp8}: the routed experts run in {work.precision} (their grouped "
-            "matmuls are not FP8 layers), so their FLOPs are timed at the "
-            f"{work.precision} peak; FP8 runs the attention projections, the dense blocks' "
-            "MLPs and the shared experts")
+    """What a run under ``train.fp8`` should know (None: nothing): routed experts whose widths
+    are not multiples of 16 run in the compute dtype, timed at its peak; blockwise is timed
+    as a blockwise FP8 kernel would run it, which the runtime's exact reference is not."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    notes = []
+    if work.fp8 != "none" and cfg.num_local_experts and (h % 16 or f % 16):
+        notes.append(f"train.fp8 {work.fp8}: the routed experts run in {work.precision} "
+                     f"(hidden {h} and expert width {f} are not both multiples of 16, FP8's "
+                     f"rule), so their FLOPs are timed at the {work.precision} peak")
+    if work.fp8 == "blockwise":
+        notes.append("train.fp8 blockwise: its FP8 share is timed at the FP8 peak, as a "
+                     "blockwise FP8 kernel would run it; threefold's blockwise is an exact "
+                     "reference (dequantised operands, one matmul in the compute dtype), no "
+                     "faster than bf16 on a GPU")
+    return "; ".join(notes) or None
 
 
 def matmul_peak(cfg: ModelConfig, work: Workload, hw) -> float | None:

@@ -46,6 +46,7 @@ from threefold.layout.rules.sequence_rules import (
     sequence_parallel_tokens,
 )
 from threefold.layout.rules.shape_rules import (
+    blockwise_tiles_over_tp,
     ffn_over_tp,
     heads_over_tp,
     recompute_modules_in_model,
@@ -77,6 +78,7 @@ __all__ = [
     "batch_over_dp",
     "bf16_params_need_zero",
     "block_counts_need_pp",
+    "blockwise_tiles_over_tp",
     "cp_attention",
     "divides_world",
     "ep_divides_dp_shard",

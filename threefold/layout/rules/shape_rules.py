@@ -83,3 +83,31 @@ def recompute_modules_in_model(cfg: ModelConfig, modules: tuple[str, ...]) -> No
     if missing:
         raise LayoutError(f"train.recompute_modules: {','.join(missing)} names no module of "
                           f"this model; use only {','.join(valid)}")
+
+
+def _blockwise_widths(m: ModelConfig, tp: int) -> dict[str, int]:
+    """The widths tp splits in the FP8 projections (kv only when sharded), per rank."""
+    hd, kv = m.head_dim, m.num_key_value_heads
+    dense = m.dense_intermediate_size if m.first_k_dense_replace else 0
+    ffn = dense if m.num_local_experts else m.intermediate_size  # experts are not split
+    widths = {"model.num_attention_heads·head_dim": m.num_attention_heads * hd // tp,
+              "model.num_key_value_heads·head_dim": kv * hd // tp if kv % tp == 0 else 0,
+              "model.intermediate_size": ffn // tp}
+    return {k: w for k, w in widths.items() if w and w % 16 == 0}  # FP8 layers only
+
+
+@rule
+def blockwise_tiles_over_tp(m: ModelConfig, tp: int, fp8: str) -> None:
+    """Blockwise FP8 under tp: each split width is a multiple of 128 on every rank, so a
+    shard's 1×128 tiles and 128×128 blocks are one process's (no amax crosses ranks)."""
+    if fp8 != "blockwise" or tp == 1:
+        return
+    bad = {k: w for k, w in _blockwise_widths(m, tp).items() if w % 128}
+    if bad:
+        field, width = next(iter(bad.items()))
+        fits = listed(t for t in divisors(tp) if t == 1 or not any(
+            w % 128 for w in _blockwise_widths(m, t).values()))
+        raise LayoutError(f"train.fp8: blockwise with parallel.tp={tp} splits {field} into "
+                          f"{width}-wide shards, not multiples of 128 (a shard's 1x128 tiles "
+                          f"would not be one process's); use parallel.tp in {fits} or "
+                          "train.fp8 rowwise")

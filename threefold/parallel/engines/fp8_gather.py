@@ -31,7 +31,7 @@ from torch import nn
 
 from threefold.comm.counted import Handle
 from threefold.parallel.engines.flat import FlatUnit
-from threefold.parallel.transforms.fp8_linear import E4M3, _cast, _scale
+from threefold.parallel.transforms.fp8_cast import E4M3, _cast, _scale
 
 
 class GatheredWeight:

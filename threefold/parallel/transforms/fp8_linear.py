@@ -15,7 +15,9 @@ neither of which threefold uses (threefold's TP and ZeRO are its own, counted by
   column of its right one, each along the matmul's inner dimension (forward: x per token,
   W per output row; grad input: dy per token, W per input column; grad weight: dy and x per
   feature along the tokens), scales rounded down to a power of 2 (torchao's
-  ``round_scales_to_power_of_2``).
+  ``round_scales_to_power_of_2``);
+- ``blockwise``: DeepSeek-V3's 1×128 activation tiles and 128×128 weight blocks, all e4m3
+  (``threefold.parallel.transforms.fp8_blockwise``, which says what runs where).
 
 As torchao does, the forward saves the high-precision input and weight (which autograd holds
 anyway for the plain layer) and casts again in backward, so FP8 adds no saved activation
@@ -43,41 +45,14 @@ from torch import nn
 from threefold.model.kernels import matmul_dtype
 from threefold.model.lora import LoRALinear
 from threefold.parallel.placement import tp_shard_dim
+from threefold.parallel.transforms.fp8_blockwise import blockwise_linear
+from threefold.parallel.transforms.fp8_cast import ALIGN, E4M3, E5M2, _cast, _mm8, _scale
 from threefold.parallel.transforms.tensor import TensorParallelLoRALinear
 from threefold.parallel.transforms.wrap import wrap
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AXIS = "tp"
 # the blocks' projections FP8 runs (never the embedding, the head or a router)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ALIGN = 16  # torch._scaled_mm's CUDA rule for the inner and output dimensions
-
-
-def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
-    """torchao's ``amax_to_scale``: the dtype's largest value over amax (in float64, as
-    torchao computes it), as float32; optionally rounded down to a power of 2."""
-    s = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
-    return torch.exp2(torch.floor(torch.log2(s))) if pow2 else s
-
-
-def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    m = torch.finfo(dtype).max
-    return (x.float() * scale).clamp(-m, m).to(dtype)
-
-
-def _mm8(a8, b8, sa, sb, out_dtype):
-    """a8 @ b8 with a8 = a·sa and b8 = b·sb scaled (sa (M,1) or (), sb (1,N) or ()):
-    ``torch._scaled_mm`` (its right operand column-major) where the shapes meet its CUDA
-    rule, else the same fp8 values dequantised and multiplied in fp32."""
-    k, n = a8.shape[1], b8.shape[1]
-    if k % ALIGN or n % ALIGN:
-        return ((a8.float() @ b8.float()) / (sa * sb)).to(out_dtype)
-    # CUDA's rowwise kernel writes bf16 only: under float32 it is widened after
-    mm_dtype = torch.bfloat16 if a8.is_cuda and sa.dim() else out_dtype
-    return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(),
-                            scale_a=(1 / sa).reshape(-1, 1) if sa.dim() else 1 / sa,
-                            scale_b=(1 / sb).reshape(1, -1) if sb.dim() else 1 / sb,
-                            out_dtype=mm_dtype).to(out_dtype)
 
 
 def _max_over_tp(comm, *amaxes: torch.Tensor) -> list[torch.Tensor]:
@@ -167,6 +142,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, reci
         x2 = x.reshape(-1, x.shape[-1])
         if recipe == "tensorwise":
             y = _TensorwiseMatmul.apply(x2, w, out_dtype, comm if split else None, weight8)
+        elif recipe == "blockwise":  # every tile inside one tp shard: no amax to agree
+            y = blockwise_linear(x2, w, out_dtype)
         else:
             y = _RowwiseMatmul.apply(x2, w, out_dtype, comm, split == "row", split == "column")
         y = y.reshape(*x.shape[:-1], w.shape[0])

@@ -16,7 +16,8 @@ parameter names, checkpoints and the modules pipeline chunks share do not change
   ``threefold.plan.selective.selective_layer_bytes``, which the planner and dry run use.
 
 A mixture-of-experts block keeps, beyond its matmuls' outputs (the router's logits, every
-expert's, grouped or looped: ``aten._grouped_mm`` or ``aten.mm``), the router's choice (the
+expert's, grouped or looped: ``aten._grouped_mm`` or ``aten.mm``, and under FP8
+``aten._scaled_grouped_mm`` or ``aten._scaled_mm``), the router's choice (the
 outputs of ``aten.topk``), so the recompute routes exactly as the forward did (the sort by
 expert and the counts are recomputed from it, identically), and the results of expert
 parallelism's count exchange, dispatch and combine (``replayed``): the recompute runs no
@@ -54,7 +55,8 @@ _ATTENTION_NAMES = ("_scaled_dot_product_flash_attention_for_cpu",
                     "_scaled_dot_product_flash_attention",
                     "_scaled_dot_product_efficient_attention",
                     "_scaled_dot_product_cudnn_attention")
-_KEPT_NAMES = ("mm", "addmm", "_scaled_mm", "_grouped_mm", "topk") + _ATTENTION_NAMES
+_KEPT_NAMES = ("mm", "addmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
+               "topk") + _ATTENTION_NAMES
 # kept inside a recomputed module too: the router's choice
 _ALWAYS_NAMES = ("topk",)
 
