@@ -332,7 +332,8 @@ def test_selective_recompute_keeps_the_planners_bytes_under_fp8(monkeypatch, rec
     keeps = []
     init = recompute._Keep.__init__
     monkeypatch.setattr(recompute._Keep, "__init__",
-                        lambda self, kept: (keeps.append(kept), init(self, kept))[1])
+                        lambda self, kept, modules=(): (keeps.append(kept),
+                                                        init(self, kept, modules))[1])
     torch.manual_seed(0)
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_local_experts=8,
                       num_experts_per_tok=2).resolved()  # h 256, f 688: FP8's rule met
