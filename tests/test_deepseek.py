@@ -73,11 +73,12 @@ def test_unsupported_fields_are_named():
                            "rope_parameters"), ({"scoring_func": "softmax"}, "scoring_func")):
         with pytest.raises(HFError, match=field):
             model_config_from_hf({**conf, **change})
-    # a folder that keeps the multi-token-prediction module (layer L, as DeepSeek's does)
+    # the multi-token-prediction module is layer L (tests/test_mtp.py); one past it is not
     cfg = model_config_from_hf(conf)
-    shapes = {**expected_shapes(cfg), "model.layers.3.enorm.weight": (64,)}
-    with pytest.raises(HFError, match="model.layers.3.enorm.weight is past "
-                                      "num_hidden_layers=3.*num_nextn_predict_layers"):
+    assert cfg.num_nextn_predict_layers == 1 and "model.layers.3.enorm.weight" in \
+        expected_shapes(cfg)
+    shapes = {**expected_shapes(cfg), "model.layers.4.enorm.weight": (64,)}
+    with pytest.raises(HFError, match="unexpected tensor model.layers.4.enorm.weight"):
         check_shapes(cfg, shapes, "folder")
 
 
