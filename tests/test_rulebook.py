@@ -73,6 +73,14 @@ ROWS = [
         "train.recompute: selective is not available with parallel.cp > 1 (ring attention's "
         "per-hop results would all be kept); use full or none",
         ("--cp", "2", "--recompute", "selective")),
+    Row("mtp_without_cp", {"model.num_nextn_predict_layers": 1, "parallel.cp": 2}, 2,
+        "parallel.cp: 2 with multi-token prediction (model.num_nextn_predict_layers=1) is not "
+        "built yet (a rank's slice lacks the tokens ahead); set parallel.cp 1", ("--cp", "2")),
+    Row("mtp_tied_pipeline", {"model.num_nextn_predict_layers": 1,
+                              "model.tie_word_embeddings": True, "parallel.pp": 2}, 2,
+        "model.tie_word_embeddings: a tied head with multi-token prediction "
+        "(model.num_nextn_predict_layers=1) is not built under pipeline parallelism (pp=2); "
+        "untie it or set parallel.pp 1", ("--pp", "2")),
     Row("cp_attention", {"model.sliding_window": 64, "parallel.cp": 2}, 2,
         "model.sliding_window: 64: context parallelism (parallel.cp=2) does not compute this "
         "attention yet; set parallel.cp 1", ("--cp", "2")),

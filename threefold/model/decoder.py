@@ -140,7 +140,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList((self.block_class if i < cfg.num_hidden_layers else mtp)
                                     (cfg, i) for i in range(cfg.num_hidden_layers
                                                             + cfg.num_nextn_predict_layers))
-        self.mtp_embed = None  # a pipeline's last stage: its copy of the embedding
+        # a pipeline's last stage: its copy of the embedding (registered here, between the
+        # blocks and the norm, as ZeRO's units and the planner order it)
+        self.register_module("mtp_embed", None)
         self.window = cfg.sliding_window
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one,
                             cfg.norm_fp32_weight)

@@ -32,12 +32,14 @@ from threefold.layout.rules.expert_rules import (
 from threefold.layout.rules.pipeline_rules import (
     block_counts_need_pp,
     interleaved_microbatches,
+    mtp_tied_pipeline,
     pipeline_inflight,
     schedule_chunks,
     vpp_needs_pp,
 )
 from threefold.layout.rules.sequence_rules import (
     cp_attention,
+    mtp_without_cp,
     selective_without_cp,
     seq_len_over_cp,
     sequence_parallel_tokens,
