@@ -83,7 +83,8 @@ def test_unsupported_fields_are_named():
 
 
 # the tiny DeepSeek-V3 as a training config: 3 blocks, the first dense (width 128), 8
-# experts of 64 in 4 groups (2 kept), top-2, one ungated shared expert, latent attention
+# experts of 64 in 4 groups (2 kept), top-2, one ungated shared expert, latent attention,
+# and its multi-token-prediction module (a fourth, routed block on the last stage)
 TRAIN = {"model__family": "deepseek_v3", "model__num_hidden_layers": 3,
          "model__num_key_value_heads": 4, "model__kv_lora_rank": 32, "model__q_lora_rank": 48,
          "model__qk_nope_head_dim": 16, "model__qk_rope_head_dim": 8, "model__v_head_dim": 16,
@@ -94,6 +95,7 @@ TRAIN = {"model__family": "deepseek_v3", "model__num_hidden_layers": 3,
          "model__shared_expert_gate": "false", "model__first_k_dense_replace": 1,
          "model__dense_intermediate_size": 128, "model__router_aux_loss_coef": 0.0,
          "model__router_aux_loss_per_layer": "true", "model__router_bias_update_rate": 0.01,
+         "model__num_nextn_predict_layers": 1, "model__mtp_loss_weight": 0.3,
          "train__micro_batch_size": 4, "train__steps": 3}
 
 

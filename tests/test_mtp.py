@@ -167,3 +167,30 @@ def test_deepseek_folder_with_its_module_imports_and_exports_exactly(tmp_path):
     save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(HFError, match="model.layers.3.embed_tokens.weight differs"):
         import_hf(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_kept_bytes_equal_autograd_saved_tensors(recompute):
+    """What the modules keep for backward (``mtp_activation_bytes``) is, to the byte, what
+    autograd saves beyond the same model without them (fp32; weights excluded), with and
+    without full recompute: D = 2, so depth 2's input is a module's output."""
+    from tests.test_tp_layer import SavedBytes
+    from threefold.layout import Layout, Workload
+    from threefold.parallel.transforms.recompute import apply_recompute
+    from threefold.plan.mtp_bytes import mtp_activation_bytes
+
+    b, s = 2, 24
+    ids = torch.randint(0, 96, (b, s))
+    labels = torch.cat([ids[:, 1:], torch.full((b, 1), -100)], 1)
+    saved = {}
+    for depth in (0, 2):
+        model = _model(num_nextn_predict_layers=depth)
+        apply_recompute(model, recompute)
+        with SavedBytes(list(model.parameters())) as got:
+            model(ids, labels=labels).sum()
+        saved[depth] = got.total
+    cfg = ModelConfig(**SHAPE).resolved()
+    work = Workload(seq_len=s, global_batch=b, precision="fp32", residual_bytes=4,
+                    master_bytes=4)
+    want = mtp_activation_bytes(cfg, Layout(microbatch_size=b, recompute=recompute), work)
+    assert want > 0 and saved[2] - saved[0] == want

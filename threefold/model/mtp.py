@@ -95,6 +95,12 @@ def is_mtp(layer: nn.Module) -> bool:
     return isinstance(layer, MultiTokenPrediction)
 
 
+def mtp_depth(model: nn.Module) -> int:
+    """How many multi-token-prediction modules ``model`` holds (each calls the head once
+    more per training forward)."""
+    return sum(map(is_mtp, model.modules()))
+
+
 def ahead(t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     """``t`` (B, T, ...) moved k positions back along T: position i holds t[:, i + k]; the
     last k positions hold ``fill``."""
@@ -116,8 +122,9 @@ def run_modules(layers, embed, h: torch.Tensor, ids: torch.Tensor, rope, masks, 
         if scale:
             e = e * torch.tensor(scale, dtype=e.dtype)
         slide = layer.self_attn.window
+        # (e positional: a recomputing block's checkpoint saves it as it saves h)
         h, normed = layer(h, *(rope[1] if slide else rope[0]),
-                          masks[1] if slide else masks[0], embedded=e)
+                          masks[1] if slide else masks[0], e)
         out.append(normed)
     return out
 

@@ -51,6 +51,7 @@ from threefold.accounting.stages import distinct_stages
 from threefold.config import ModelConfig
 from threefold.families.shapes import grouped_widths_unfit
 from threefold.layout import Layout, Workload
+from threefold.plan.mtp_bytes import mtp_activation_bytes
 from threefold.plan.activations import (adapter_activation_bytes, head_inflight_microbatches,
                                         head_saved_bytes, inflight_microbatches, logits_bytes,
                                         microbatch_extra_bytes, model_layer_activation_bytes,
@@ -184,8 +185,9 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage, layout.pipeline_inflight)
         layers = rank_layers(cfg, layout, stage)
+        mtp = mtp_activation_bytes(cfg, layout, work) if stage == layout.last_stage else 0.0
         out.append(MemoryBreakdown(
-            stage=stage, activations=(per_layer * layers + extra) * inflight,
+            stage=stage, activations=(per_layer * layers + mtp + extra) * inflight,
             recompute_working=working,
             logits=(logits_bytes(cfg, layout, work)
                     + (head_inflight_microbatches(layout.pipeline_schedule, layout.pp, m) - 1)

@@ -19,6 +19,7 @@ from threefold.accounting import tp_shard
 from threefold.accounting import rank_layers
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
+from threefold.plan.mtp_bytes import mtp_activation_bytes
 from threefold.plan.activations import (adapter_activation_bytes, block_document_mask_bytes,
                                         head_saved_bytes, inflight_microbatches,
                                         microbatch_extra_bytes, model_layer_activation_bytes)
@@ -61,8 +62,12 @@ def activation_line(cfg: ModelConfig, layout: Layout, work: Workload, mem: Memor
                      f"{work.seq_len}² a sequence, and K/V repeated to the query heads)")
     if adapters:
         parts.append(f"adapters {_gb(adapters)}")
+    mtp = mtp_activation_bytes(cfg, layout, work) if mem.stage == layout.last_stage else 0
     return (f"  activations {_gb(mem.activations)} = {layers} layers × "
-            f"{_gb(block + adapters)} ({' + '.join(parts)}) × {inflight:g} microbatch(es) "
+            f"{_gb(block + adapters)} ({' + '.join(parts)})"
+            + (f" + {cfg.num_nextn_predict_layers} multi-token-prediction module(s) "
+               f"{_gb(mtp)}" if mtp else "")
+            + f" × {inflight:g} microbatch(es) "
             f"in flight + RoPE tables {_gb(microbatch_extra_bytes(cfg, layout, work))}"
             + (f"; the block being recomputed {_gb(mem.recompute_working)}"
                if mem.recompute_working else ""))
