@@ -95,6 +95,11 @@ def test_modules_follow_the_paper_and_their_loss_enters_through_the_model_hook()
     with torch.no_grad():
         model(ids, labels=labels)
     assert model.mtp_losses is None
+    # a task whose objective is not the next tokens' (DPO, GRPO) takes and drops them
+    model(ids, labels=labels)
+    other = RouterLog(model.cfg, model, next_token=False)
+    assert other.add(model, 999) is None and model.mtp_losses is None
+    assert "mtp_loss" not in other.metrics(n)
 
 
 def _deepseek_folder_with_mtp(folder):

@@ -246,12 +246,16 @@ class RouterLog:
 
     Multi-token prediction's losses (``threefold.model.mtp``) are the model's too: ``add``
     also takes the per-depth sums its modules recorded and adds λ/D times their total, a sum
-    over tokens that the loop divides by the count as it does the token loss."""
+    over tokens that the loop divides by the count as it does the token loss; where the
+    task's objective is not the next tokens' (``next_token`` False: DPO, GRPO, a reward
+    model) it takes and drops them."""
 
-    def __init__(self, cfg: ModelConfig, model: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, model: nn.Module | None = None,
+                 next_token: bool = True):
         self.cfg = cfg
         self.routed = bool(cfg.num_local_experts)
         self.depth = cfg.num_nextn_predict_layers
+        self.next_token = next_token  # else the modules' losses are taken and dropped
         # the model's MoE blocks, its multi-token-prediction modules' included: what a
         # pipeline stage's per-layer terms are shares of
         self.moe_layers = (max(cfg.num_hidden_layers - cfg.first_k_dense_replace, 0)
@@ -274,7 +278,7 @@ class RouterLog:
         stats = take_router_stats(model) if self.routed else None  # (dense: no walk)
         depths = take_mtp_losses(model) if self.depth else None
         term = None
-        if depths:
+        if depths and self.next_token:
             total = torch.stack(depths).sum()
             self.mtp += float(total.detach())
             term = self.cfg.mtp_loss_weight / self.depth * total
@@ -304,7 +308,7 @@ class RouterLog:
         multi-token prediction, ``mtp_loss``: the depths' mean cross-entropy per target token
         (unweighted by λ)."""
         out = {}
-        if self.depth:
+        if self.depth and self.next_token:
             out["mtp_loss"] = sum_scalar(torch.tensor(self.mtp, dtype=torch.float64)) / n \
                 / self.depth
         if not self.routed:
