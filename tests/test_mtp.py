@@ -199,3 +199,37 @@ def test_kept_bytes_equal_autograd_saved_tensors(recompute):
                     master_bytes=4)
     want = mtp_activation_bytes(cfg, Layout(microbatch_size=b, recompute=recompute), work)
     assert want > 0 and saved[2] - saved[0] == want
+
+
+def test_pipeline_puts_the_modules_on_the_last_stage_with_a_copy_of_the_embedding():
+    """Split over two stages, the modules join the last one (with the head), which embeds
+    with its own copy of the embedding: placed as a replica of it (not saved, its values the
+    embedding's, initialised by name alone); the planner's last-stage units are the
+    runtime's (and so is the split)."""
+    from threefold.accounting.stages import stage_units
+    from threefold.layout import Layout
+    from threefold.parallel.pipeline.stage import embedding_replica, split_model
+    from threefold.parallel.placement import placement
+    from threefold.parallel.parallelize import zero_units
+
+    model = _model(num_hidden_layers=4)
+    model.init_weights(7)
+    first, = split_model(model, p=2, pp_rank=0)
+    last, = split_model(model, p=2, pp_rank=1)
+    # balanced by parameters, the modules, the copy and the head counted on the last stage
+    assert first.model.layers.layer_ids == [0, 1, 2] and last.model.layers.layer_ids == [3, 4, 5]
+    assert embedding_replica(first) is None and first.model.mtp_embed is None
+    copy = last.model.mtp_embed.weight
+    assert embedding_replica(last) is copy and placement(copy).tied_replica
+    assert placement(copy).source == "model.embed_tokens.weight"
+    assert torch.equal(copy, model.model.embed_tokens.weight)
+    with torch.device("meta"):
+        from threefold.model.decoder import CausalLM
+        alone, = split_model(CausalLM(model.cfg), p=2, pp_rank=1)
+    alone.to_empty(device="cpu")
+    alone.init_weights(7)
+    assert torch.equal(alone.model.mtp_embed.weight, model.model.embed_tokens.weight)
+    lay = Layout(pp=2)
+    for stage, chunk in enumerate((first, last)):
+        units = [tuple(q.numel() for q in u.parameters()) for u in zero_units(chunk, 1)[0]]
+        assert tuple(units) == stage_units(model.cfg, lay, stage)
