@@ -206,7 +206,7 @@ def test_pipeline_puts_the_modules_on_the_last_stage_with_a_copy_of_the_embeddin
     with its own copy of the embedding: placed as a replica of it (not saved, its values the
     embedding's, initialised by name alone); the planner's last-stage units are the
     runtime's (and so is the split)."""
-    from threefold.accounting.stages import stage_units
+    from threefold.accounting import stage_units
     from threefold.layout import Layout
     from threefold.parallel.pipeline.stage import embedding_replica, split_model
     from threefold.parallel.placement import placement
