@@ -15,6 +15,15 @@ SHAPE = dict(preset="tiny", vocab_size=96, hidden_size=32, intermediate_size=48,
              num_nextn_predict_layers=2, mtp_loss_weight=0.3)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: a second OpenMP thread only spins (badly so on a shared 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _model(**over):
     from threefold.model.decoder import CausalLM
 
