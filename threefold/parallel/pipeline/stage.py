@@ -131,7 +131,7 @@ def build_chunk(model: CausalLM, layers: range, first: bool, last: bool,
     embedding if ``first``, the final norm and head if ``last`` (None otherwise), and the
     RoPE module; ``pipeline_stage`` records the virtual stage. ``tied_replica`` (a tied head
     on another rank than the embedding) gives the head its own weight, a copy of the
-    embedding's (see ``tied_head_replica``)."""
+    embedding's (see ``embedding_replica``)."""
     chunk = _shell(model.cfg)
     chunk.model.embed_tokens = model.model.embed_tokens if first else None
     chunk.model.layers = StageLayers({i: model.model.layers[i] for i in layers})
@@ -197,7 +197,7 @@ def split_model(model: CausalLM, p: int, v: int = 1, pp_rank: int = 0,
     # A tied head on another rank than the embedding (any p > 1: the first stage is on rank 0,
     # the last on rank p-1) holds its own copy, as Megatron's embedding group does: both start
     # equal, their gradients are summed between the two ranks each step (the training layout
-    # does it, see ``tied_head_replica``), so identical AdamW updates keep them equal. In a V
+    # does it, see ``embedding_replica``), so identical AdamW updates keep them equal. In a V
     # both ends are on rank 0, in two chunks whose backwards run apart: one weight would get
     # two accumulations per micro-batch, which gradient buckets and ZeRO units count as one;
     # the copy keeps each chunk's parameters its own, and the sum is local (no message).
