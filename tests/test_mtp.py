@@ -183,26 +183,37 @@ def test_deepseek_folder_with_its_module_imports_and_exports_exactly(tmp_path):
         import_hf(tmp_path / "hf")
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
-def test_kept_bytes_equal_autograd_saved_tensors(recompute):
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_kept_bytes_equal_autograd_saved_tensors(recompute, monkeypatch):
     """What the modules keep for backward (``mtp_activation_bytes``) is, to the byte, what
-    autograd saves beyond the same model without them (fp32; weights excluded), with and
-    without full recompute: D = 2, so depth 2's input is a module's output."""
+    autograd saves, and selective recompute's blocks keep, beyond the same model without
+    them (fp32; weights excluded), under each recompute: D = 2, so depth 2's input is a
+    module's output."""
     from tests.test_tp_layer import SavedBytes
     from threefold.layout import Layout, Workload
-    from threefold.parallel.transforms.recompute import apply_recompute
+    from threefold.parallel.transforms import recompute as transform
     from threefold.plan.mtp_bytes import mtp_activation_bytes
 
+    keeps = []
+    init = transform._Keep.__init__
+    monkeypatch.setattr(transform._Keep, "__init__",
+                        lambda self, kept: (keeps.append(kept), init(self, kept))[1])
     b, s = 2, 24
     ids = torch.randint(0, 96, (b, s))
     labels = torch.cat([ids[:, 1:], torch.full((b, 1), -100)], 1)
     saved = {}
     for depth in (0, 2):
+        keeps.clear()
         model = _model(num_nextn_predict_layers=depth)
-        apply_recompute(model, recompute)
+        transform.apply_recompute(model, recompute)
         with SavedBytes(list(model.parameters())) as got:
             model(ids, labels=labels).sum()
+        seen = set(got.storages) | {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved[depth] = got.total
+        for t in torch.utils._pytree.tree_leaves([out for kept in keeps for _, out, _ in kept]):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                saved[depth] += t.untyped_storage().nbytes()
     cfg = ModelConfig(**SHAPE).resolved()
     work = Workload(seq_len=s, global_batch=b, precision="fp32", residual_bytes=4,
                     master_bytes=4)

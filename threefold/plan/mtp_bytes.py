@@ -26,7 +26,9 @@ def mtp_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> fl
     Under sequence parallelism the norms and ``eh_proj`` see 1/t of the tokens; the head's
     input is gathered whole. Under full recompute the module's block, norms and projection
     keep only the checkpoint's inputs: the embedding (r·h) and, beyond depth 1, the
-    previous depth's state (r·h; depth 1's is the main model's, kept by the final norm)."""
+    previous depth's state (r·h; depth 1's is the main model's, kept by the final norm).
+    Selective keeps the same plus its block's selective bytes (``eh_proj``'s output, a
+    matmul's, is the block's input those count)."""
     depth = cfg.num_nextn_predict_layers
     if not depth:
         return 0.0
@@ -35,8 +37,11 @@ def mtp_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> fl
     split = layout.tp if layout.sp else 1
     ids = 8 + (1 if layout.tp > 1 else 0)
     head = d * h + 8 + 4
-    if layout.recompute == "full":
-        return tokens * (depth * (ids + r * h / split + head) + (depth - 1) * r * h / split)
+    if layout.recompute != "none":
+        inputs = tokens * (depth * (ids + r * h / split + head) + (depth - 1) * r * h / split)
+        if layout.recompute == "full":
+            return inputs
+        return inputs + depth * model_layer_activation_bytes(cfg, layout, work)
     norms = (2 * (r * h + 4) + 4) / split
     module = ids + norms + 2 * d * h / split + head
     return depth * (tokens * module + model_layer_activation_bytes(cfg, layout, work))
