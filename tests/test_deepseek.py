@@ -73,16 +73,18 @@ def test_unsupported_fields_are_named():
                            "rope_parameters"), ({"scoring_func": "softmax"}, "scoring_func")):
         with pytest.raises(HFError, match=field):
             model_config_from_hf({**conf, **change})
-    # a folder that keeps the multi-token-prediction module (layer L, as DeepSeek's does)
+    # the multi-token-prediction module is layer L (tests/test_mtp.py); one past it is not
     cfg = model_config_from_hf(conf)
-    shapes = {**expected_shapes(cfg), "model.layers.3.enorm.weight": (64,)}
-    with pytest.raises(HFError, match="model.layers.3.enorm.weight is past "
-                                      "num_hidden_layers=3.*num_nextn_predict_layers"):
+    assert cfg.num_nextn_predict_layers == 1 and "model.layers.3.enorm.weight" in \
+        expected_shapes(cfg)
+    shapes = {**expected_shapes(cfg), "model.layers.4.enorm.weight": (64,)}
+    with pytest.raises(HFError, match="unexpected tensor model.layers.4.enorm.weight"):
         check_shapes(cfg, shapes, "folder")
 
 
 # the tiny DeepSeek-V3 as a training config: 3 blocks, the first dense (width 128), 8
-# experts of 64 in 4 groups (2 kept), top-2, one ungated shared expert, latent attention
+# experts of 64 in 4 groups (2 kept), top-2, one ungated shared expert, latent attention,
+# and its multi-token-prediction module (a fourth, routed block on the last stage)
 TRAIN = {"model__family": "deepseek_v3", "model__num_hidden_layers": 3,
          "model__num_key_value_heads": 4, "model__kv_lora_rank": 32, "model__q_lora_rank": 48,
          "model__qk_nope_head_dim": 16, "model__qk_rope_head_dim": 8, "model__v_head_dim": 16,
@@ -93,6 +95,7 @@ TRAIN = {"model__family": "deepseek_v3", "model__num_hidden_layers": 3,
          "model__shared_expert_gate": "false", "model__first_k_dense_replace": 1,
          "model__dense_intermediate_size": 128, "model__router_aux_loss_coef": 0.0,
          "model__router_aux_loss_per_layer": "true", "model__router_bias_update_rate": 0.01,
+         "model__num_nextn_predict_layers": 1, "model__mtp_loss_weight": 0.3,
          "train__micro_batch_size": 4, "train__steps": 3}
 
 

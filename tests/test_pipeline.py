@@ -152,13 +152,13 @@ def test_uniform_and_explicit_splits():
 
 
 def test_tied_head_on_another_rank_is_a_copy_of_the_embedding():
-    from threefold.parallel.pipeline.stage import tied_head_replica
+    from threefold.parallel.pipeline.stage import embedding_replica
 
     cfg = _cfg(layers=4, tie_word_embeddings=True)
     model = _model(cfg)
     first, = split_model(model, p=2, pp_rank=0)
     last, = split_model(model, p=2, pp_rank=1)
-    assert tied_head_replica(first) is None and tied_head_replica(last) is last.lm_head.weight
+    assert embedding_replica(first) is None and embedding_replica(last) is last.lm_head.weight
     assert last.lm_head.weight is not model.model.embed_tokens.weight  # its own storage
     assert torch.equal(last.lm_head.weight, model.model.embed_tokens.weight)
     # built alone and initialised by name, the copy starts from the embedding's values
@@ -167,7 +167,7 @@ def test_tied_head_on_another_rank_is_a_copy_of_the_embedding():
     # all stages on one rank (p = 1, v = 2): the head stays the embedding itself
     chunks = split_model(model, p=1, v=2)
     assert chunks[-1].lm_head.weight is chunks[0].model.embed_tokens.weight
-    assert tied_head_replica(rank_model(chunks)) is None
+    assert embedding_replica(rank_model(chunks)) is None
 
 
 def test_chunks_keep_names_own_the_ends_and_compose_to_the_model():

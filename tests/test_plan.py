@@ -78,13 +78,14 @@ def test_ranking_is_best_first_and_pruning_keeps_the_top(llama70b_on_64):
 
 
 def test_shape_key_is_the_model_and_attention_keys():
-    """The search's written-out key agrees with moe_key and attn_key."""
+    """The search's written-out key agrees with moe_key and attn_key, the
+    multi-token-prediction modules last."""
     for cfg in (load_model("llama3-8b"), load_model("mixtral-8x7b"),
                 ModelConfig(preset="tiny", vocab_size=512, qkv_bias=True, qk_norm=True,
                             attention_head_dim=24, num_local_experts=4, num_experts_per_tok=2,
                             shared_expert_intermediate_size=64).resolved()):
         key = shape_key(cfg)
-        assert key[-2:] == (moe_key(cfg), attn_key(cfg))
+        assert key[-3:] == (moe_key(cfg), attn_key(cfg), cfg.num_nextn_predict_layers)
 
 
 def test_explain_names_the_bigger_term(llama70b_on_64):

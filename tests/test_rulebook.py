@@ -91,6 +91,14 @@ ROWS = [
     Row("mlp_tiles_plain", {"train.mlp_tiles": 4, "train.recompute": "selective"}, 2,
         "train.mlp_tiles: 4 tiles a dense MLP with plain projections, not with train.recompute "
         "selective; set train.mlp_tiles 1", ("--mlp-tiles", "4", "--recompute", "selective")),
+    Row("mtp_without_cp", {"model.num_nextn_predict_layers": 1, "parallel.cp": 2}, 2,
+        "parallel.cp: 2 with multi-token prediction (model.num_nextn_predict_layers=1) is not "
+        "built yet (a rank's slice lacks the tokens ahead); set parallel.cp 1", ("--cp", "2")),
+    Row("mtp_tied_pipeline", {"model.num_nextn_predict_layers": 1,
+                              "model.tie_word_embeddings": True, "parallel.pp": 2}, 2,
+        "model.tie_word_embeddings: a tied head with multi-token prediction "
+        "(model.num_nextn_predict_layers=1) is not built under pipeline parallelism (pp=2); "
+        "untie it or set parallel.pp 1", ("--pp", "2")),
     Row("cp_attention", {"model.sliding_window": 64, "parallel.cp": 2}, 2,
         "model.sliding_window: 64: context parallelism (parallel.cp=2) does not compute this "
         "attention yet; set parallel.cp 1", ("--cp", "2")),

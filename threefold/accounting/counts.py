@@ -49,11 +49,19 @@ def layer_parameters(cfg: ModelConfig) -> int:
 
 
 def blocks_parameters(cfg: ModelConfig) -> int:
-    """Weights of all the blocks."""
+    """Weights of all the blocks, the multi-token-prediction modules included."""
     dense = min(cfg.first_k_dense_replace, cfg.num_hidden_layers) if cfg.num_local_experts \
         else 0
     return dense * block_parameters(cfg, 0) + (cfg.num_hidden_layers - dense) \
-        * layer_parameters(cfg)
+        * layer_parameters(cfg) + cfg.num_nextn_predict_layers * mtp_module_parameters(cfg)
+
+
+def mtp_module_parameters(cfg: ModelConfig) -> int:
+    """Weights of one multi-token-prediction module (``threefold.model.mtp``): its block (a
+    routed one in a mixture of experts), ``eh_proj`` (2h·h) and its three norms; the
+    embedding and the head are the model's."""
+    h = cfg.hidden_size
+    return block_parameters(cfg, cfg.num_hidden_layers) + 2 * h * h + 3 * h
 
 
 def latent_replicated_numels(cfg: ModelConfig) -> tuple[int, ...]:
@@ -100,9 +108,10 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     """Parameters that take part in a matrix multiply per token: every Linear weight (of a
     mixture of experts, the router and the token's k experts), the LM head included (tied or
     not); the embedding lookup and the norms excluded."""
-    h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.num_nextn_predict_layers
+    n = cfg.num_hidden_layers + d  # a multi-token-prediction module: a block, 3 norms, the head
     return blocks_parameters(cfg) - n * (norms_per_block(cfg) * h + attention_extras(cfg)) \
-        + v * h - inactive_parameters(cfg)
+        - 3 * d * h + (1 + d) * v * h - inactive_parameters(cfg)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -111,7 +120,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     values are narrower than the queries (latent attention). Recomputation excluded, so
     this is the model-FLOPs (MFU) numerator, not the hardware-FLOPs one."""
     v = cfg.v_head_dim if cfg.kv_lora_rank else cfg.head_dim
-    attn = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.head_dim + v) * seq_len
+    blocks = cfg.num_hidden_layers + cfg.num_nextn_predict_layers  # each module's block too
+    attn = 6 * blocks * cfg.num_attention_heads * (cfg.head_dim + v) * seq_len
     return 6.0 * matmul_parameters(cfg) + attn
 
 

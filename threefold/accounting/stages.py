@@ -18,7 +18,7 @@ def shape_key(cfg: ModelConfig) -> tuple:
     """The numbers of ``cfg`` a stage's shapes depend on, as a hashable key for the caches:
     ``moe`` = (experts, top-k, shared width, dense first blocks, their width, shared expert
     gated), then ``attn`` = (head dim, q/k/v biases, q/k norms, norm layout, latent
-    attention's widths) last."""
+    attention's widths), then the multi-token-prediction modules (D) last."""
     h, a, e = cfg.hidden_size, cfg.num_attention_heads, cfg.num_local_experts
     # moe_key and attn_key written out: a search asks for this key about a million times
     return (h, a, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
@@ -26,7 +26,7 @@ def shape_key(cfg: ModelConfig) -> tuple:
             (e, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size or 0,
              cfg.first_k_dense_replace, cfg.dense_intermediate_size,
              bool(cfg.shared_expert_gate)) if e else (0, 0, 0, 0, 0, True),
-            attn_key(cfg))
+            attn_key(cfg), cfg.num_nextn_predict_layers)
 
 
 def attn_key(cfg: ModelConfig) -> tuple:
@@ -104,7 +104,7 @@ def block_parameter_numels(cfg: ModelConfig, tp: int) -> tuple[int, ...]:
     registers them (a replicated k/v projection is held whole; a mixture of experts' every
     expert, as without expert parallelism; of a model with dense first blocks, a routed
     one)."""
-    h, a, kv, f, vocab, _, _, moe, attn = shape_key(cfg)
+    h, a, kv, f, vocab, _, _, moe, attn, _ = shape_key(cfg)
     return _layer_numels(h, a, kv, f, vocab, tp, moe, 1, attn)[0]
 
 
@@ -118,7 +118,7 @@ def _block_flops(key: tuple, layer: int, t: int) -> float:
     ``stage_costs`` counts them: 6 per nn.Linear weight (of a mixture of experts, the
     attention's and a shared expert's: the router and the 3-D expert tensors are not
     Linears) and 6·T per query-and-value feature (12·H·Q·T when they are as wide)."""
-    h, a, kv, f, vocab, _, _, moe, attn = key
+    h, a, kv, f, vocab, _, _, moe, attn, _ = key
     hd, mla = attn[0], attn[4]
     if mla:
         ql, c, nope, rope, v = mla
@@ -136,7 +136,7 @@ def _block_flops(key: tuple, layer: int, t: int) -> float:
 
 @lru_cache(maxsize=4096)
 def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> tuple[int, ...]:
-    h, a, kv, f, vocab, n_layers, tied, moe, attn = key
+    h, a, kv, f, vocab, n_layers, tied, moe, attn, mtp = key
     emb = vocab * h
     if split.startswith("flops"):  # "flops:T", as stage.stage_costs counts them at length T
         try:
@@ -144,11 +144,25 @@ def _virtual_stage_layers(key: tuple, n_stages: int, split: str = "params") -> t
         except (IndexError, ValueError):
             raise ValueError(f"pipeline_split '{split}': the planner needs 'flops:SEQ_LEN'") \
                 from None
+        # each multi-token-prediction module on the last stage: its block, eh_proj, the head
+        last = 6.0 * emb * (1 + mtp) + mtp * (_block_flops(key, n_layers, t) + 12.0 * h * h)
         return split_counts("flops", [_block_flops(key, i, t) for i in range(n_layers)],
-                            n_stages, 0.0, 6.0 * emb)
+                            n_stages, 0.0, last)
     layers = [float(sum(_layer_numels(h, a, kv, f, vocab, 1, moe, 1, attn,
                                       _dense(moe, i))[0])) for i in range(n_layers)]
-    return split_counts(split, layers, n_stages, float(emb), float(h + (0 if tied else emb)))
+    modules = mtp * float(sum(_mtp_numels(key, 1, 1)[0]) + (emb if mtp else 0))
+    return split_counts(split, layers, n_stages, float(emb),
+                        float(h + (0 if tied else emb)) + modules)
+
+
+def _mtp_numels(key: tuple, tp: int, ep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One multi-token-prediction module's parameters on one tp and ep rank, in registration
+    order (its block's, a routed one in a mixture, then enorm, hnorm, eh_proj (2h·h, whole on
+    every tp rank) and shared_head.norm), and its expert tensors held apart (ep > 1)."""
+    h, a, kv, f, vocab, n_layers, _, moe, attn, _ = key
+    block, experts = _layer_numels(h, a, kv, f, vocab, tp, moe, ep, attn,
+                                   _dense(moe, n_layers))
+    return block + (h, h, 2 * h * h, h), experts
 
 
 def pipeline_layers(cfg: ModelConfig, layout: Layout) -> tuple[int, ...]:
@@ -197,7 +211,7 @@ def rank_dense_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
 @lru_cache(maxsize=65536)
 def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep: int = 1,
                  vshape: bool = False) -> tuple[tuple[int, ...], ...]:
-    h, a, kv, f, vocab, n_layers, tied, moe, attn = key
+    h, a, kv, f, vocab, n_layers, tied, moe, attn, mtp = key
     emb = tp_shard_for(h, a, kv, f, vocab, tp).vocab * h
     shared = tied and p == 1  # one weight; pipelined, the head is a copy (a V's on rank 0 too)
     units: list[tuple[int, ...]] = []
@@ -206,6 +220,8 @@ def _stage_units(key: tuple, tp: int, p: int, v: int, split: str, stage: int, ep
     units += [_layer_numels(h, a, kv, f, vocab, tp, moe, ep, attn, _dense(moe, i))[0]
               for i in _rank_layer_ids(key, p, v, split, stage, vshape)]
     if stage == (0 if vshape else p - 1):
+        # the multi-token-prediction modules, and the copy of the embedding they embed with
+        units += [_mtp_numels(key, tp, ep)[0]] * mtp + ([(emb,)] if mtp and p > 1 else [])
         units.append((h,))
         if not shared:
             units.append((emb,))
@@ -232,11 +248,13 @@ def stage_expert_units(cfg: ModelConfig, layout: Layout, stage: int
     shards each over "edp_shard" (padded to a multiple of dp_shard/ep), its data parallelism
     all-reduces them over "edp" in buckets of their own. () without ep (the experts are then
     in their blocks' units) or for a dense model."""
-    h, a, kv, f, vocab, _, _, moe, attn = shape_key(cfg)
+    h, a, kv, f, vocab, _, _, moe, attn, mtp = shape_key(cfg)
     experts = _layer_numels(h, a, kv, f, vocab, layout.tp, moe, layout.ep, attn)[1]
     if not experts:
         return ()
-    return (experts,) * (rank_layers(cfg, layout, stage) - rank_dense_layers(cfg, layout, stage))
+    last = stage == (0 if layout.vshape else layout.pp - 1)  # with the modules' blocks
+    return (experts,) * (rank_layers(cfg, layout, stage) - rank_dense_layers(cfg, layout, stage)
+                         + (mtp if last else 0))
 
 
 def parameter_numels(cfg: ModelConfig, layout: Layout, stage: int = 0) -> list[int]:

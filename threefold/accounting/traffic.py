@@ -127,8 +127,9 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
         _cp_attention(add, layout, tp_shard(cfg, layout.tp).kv_heads * cfg.head_dim, tokens,
                       work.act_bytes, layers)
     if cfg.num_local_experts and layout.ep > 1:
+        mtp = cfg.num_nextn_predict_layers if stage == layout.last_stage else 0  # routed too
         _ep_collectives(add, cfg, layout, work, tokens,
-                        layers - rank_dense_layers(cfg, layout, stage))
+                        layers - rank_dense_layers(cfg, layout, stage) + mtp)
     if work.lora_r:  # only the adapters' gradients move (no mixture of experts under LoRA)
         lora_collectives(add, cfg, layout, work, stage, g, pb, _zero_unit)
         return out
@@ -155,14 +156,19 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
     t, h, d, r = layout.tp, cfg.hidden_size, work.act_bytes, work.resid_bytes
     x = tokens * h
     first, last = int(stage == 0), int(stage == layout.last_stage)
+    # the last stage's multi-token-prediction modules: a block each (routed in a mixture),
+    # and one more call each of the embedding and the head (with its loss)
+    mtp = cfg.num_nextn_predict_layers * last
+    dense = rank_dense_layers(cfg, layout, stage) if cfg.num_local_experts else layers + mtp
+    layers += mtp
     rec = layers if layout.recompute != "none" else 0  # selective re-runs them too
     # sub-layers with tp collectives: attention and a dense MLP (a mixture of experts is
     # whole on every tp rank; DeepSeek's dense first blocks are dense)
-    dense = rank_dense_layers(cfg, layout, stage) if cfg.num_local_experts else layers
     subs_layers = layers + dense
     # LoRA: the frozen embedding's output needs no gradient, so neither does the first
     # block's attention input: the backward collectives of both never run
     skip = first if work.lora_r else 0
+    first, last = first + mtp, last + mtp
     if layout.sp:
         # per layer 2 each: the sub-layers' input gathers forward and their gradients'
         # scatters backward, their output scatters forward and the gradients' gathers back
@@ -178,9 +184,10 @@ def _tp_collectives(add, cfg: ModelConfig, layout: Layout, work: Workload, stage
         add("tp", "reduce_scatter", x, d, 2 * layers - sub + rec, t, True, "none")
         add("tp", "all_gather", x, d, sub, t, True, "tp-chunks")
         add("tp", "all_gather", x, d, 2 * layers - sub, t, True, "none")
-        if not work.lora_r:  # frozen norms have no gradient
-            add("tp", "all_reduce", h, g, norms_per_block(cfg) * layers + last, t, True,
-                "none")
+        if not work.lora_r:  # frozen norms have no gradient (a module's: 3 more, eh_proj)
+            add("tp", "all_reduce", h, g, norms_per_block(cfg) * layers + last + 2 * mtp, t,
+                True, "none")
+            add("tp", "all_reduce", 2 * h * h, g, mtp, t, True, "none")
     else:
         add("tp", "all_reduce", x, r, subs_layers + first + last - skip, t, True, "none")
         add("tp", "all_reduce", x, d, subs_layers + rec, t, True, "none")
@@ -216,14 +223,15 @@ def _attention_norms(add, cfg: ModelConfig, work: Workload, layers: int, tokens:
 def _pp_collectives(add, cfg: ModelConfig, layout: Layout, stage: int, x: int, r: int,
                     g: int, frozen_embedding: bool = False) -> None:
     """pp: the activation (x elements, /t under SP) out of each chunk boundary and its
-    gradient back, per microbatch; a tied embedding's gradient between the two ends; the
+    gradient back, per microbatch; a copied embedding's gradient between the two ends; the
     gradient norm over the stages."""
     p = layout.pp
     sends = _p2p_sends_per_microbatch(p, layout.vpp, stage, layout.vshape)
     add("pp", "p2p", x // layout.tp if layout.sp else x, r, sends, p, True, _paired(layout))
-    if cfg.tie_word_embeddings and stage in (0, p - 1) and not layout.vshape \
-            and not frozen_embedding:
-        # the embedding and the last stage's copy of it: their gradients (this rank's ZeRO
+    copied = cfg.tie_word_embeddings or cfg.num_nextn_predict_layers
+    if copied and stage in (0, p - 1) and not layout.vshape and not frozen_embedding:
+        # the embedding and the last stage's copy of it (a tied head, or the one the
+        # multi-token-prediction modules embed with): their gradients (this rank's ZeRO
         # shard of them) summed between the two ends (runtime axis "pp_ends")
         tied = tp_shard(cfg, layout.tp).vocab * cfg.hidden_size
         if layout.zero_stage:
@@ -283,6 +291,12 @@ def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: i
     # the embedding's backward reads token ids, not its weight: stage 3 gathers it for the
     # forward only (``ZeroEngine``)
     embedding = units.pop(0) if stage == 0 and root is None else None
+    # multi-token prediction: the D modules embed again (with the embedding, or a pipeline's
+    # last-stage copy of it) and call the head again, each call gathering under stage 3
+    d = cfg.num_nextn_predict_layers
+    last = stage == (0 if layout.vshape else layout.pp - 1)
+    head = units.pop() if d and last and root is None else None
+    copy = units.pop(-2) if head is not None and layout.pp > 1 else None
     ax = layout.shard_axis
     fp8 = fp8_gathered_numels(cfg) if work.fp8_gathers(layout) else ()
     if fp8:
@@ -294,7 +308,12 @@ def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: i
         _zero_unit(add, ax, z, unit, count, ns, nr, g, pb, per_step_gathers=False)
     if embedding is not None:
         _zero_unit(add, ax, z, -(-sum(embedding) // ns) * ns, 1, ns, nr, g, pb,
-                   per_step_gathers=False, backward_gathers=0)
+                   per_step_gathers=False, backward_gathers=0,
+                   forward_gathers=1 + (d if layout.pp == 1 else 0))
+    for unit, calls, back in ((head, 1 + d, 1), (copy, d, 0)):
+        if unit is not None:
+            _zero_unit(add, ax, z, -(-sum(unit) // ns) * ns, 1, ns, nr, g, pb,
+                       per_step_gathers=False, backward_gathers=back, forward_gathers=calls)
     if root is not None:
         _zero_unit(add, ax, z, -(-sum(root) // ns) * ns, 1, ns, nr, g, pb,
                    per_step_gathers=True)
@@ -326,11 +345,12 @@ def _cp_attention(add, layout: Layout, kv_width: int, tokens: int, d: int, layer
 
 def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int, g: int,
                pb: int, per_step_gathers: bool, extra_gathers: int = 0,
-               backward_gathers: int = 1) -> None:
+               backward_gathers: int = 1, forward_gathers: int = 1) -> None:
     """The collectives of ``count`` ZeRO units of ``padded`` elements over ``axis`` (see
     ``collectives``); ``extra_gathers`` more stage-3 gathers per microbatch (an expert unit's
     in a recomputed forward); ``backward_gathers`` 0 for a unit whose backward does not read
-    its weights (the embedding)."""
+    its weights (the embedding); ``forward_gathers`` the calls of its module per forward
+    (the head's and the embedding's 1 + D under multi-token prediction)."""
     if z in (1, 2):
         add(axis, "reduce_scatter", padded, g, count, ns, False,
             "step" if z == 1 else "last")
@@ -340,7 +360,7 @@ def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int
         add(axis, "all_gather", padded, pb, count, ns, False, "step")
     else:
         add(axis, "reduce_scatter", padded, g, count, ns, True, "backward")
-        add(axis, "all_gather", padded, pb, count, ns, True, "forward")
+        add(axis, "all_gather", padded, pb, count * forward_gathers, ns, True, "forward")
         add(axis, "all_gather", padded, pb, count * (backward_gathers + extra_gathers), ns,
             True, "backward")
     add("dp_replicate", "all_reduce", padded // ns, g, count, nr, False, "step")

@@ -121,6 +121,12 @@ class ModelConfig:
                                          "layers (Megatron/DeepSeek style; what pipeline "
                                          "parallelism needs), instead of f and P pooled over "
                                          "all layers first (transformers' Mixtral)")
+    num_nextn_predict_layers: int = _f(0, "multi-token prediction depth D (DeepSeek-V3: 1): "
+                                       "D sequential modules after the last block, module k "
+                                       "predicting the token k + 1 after the next; 0 = none")
+    mtp_loss_weight: float = _f(0.1, "multi-token prediction: lambda, the D modules' mean "
+                                "cross-entropy's weight in the loss (DeepSeek-V3: 0.3, then "
+                                "0.1; Megatron's mtp_loss_scaling_factor)")
     moe_impl: str = field(default="grouped", compare=False, metadata={
         "doc": "how a rank runs its local experts: grouped (one torch._grouped_mm over the "
                "tokens sorted by expert) or loop (one matmul per expert, the reference); the "

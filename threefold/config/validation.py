@@ -70,6 +70,9 @@ def _check_model_settings(m: ModelConfig) -> None:
           "model.shared_expert_intermediate_size: must be >= 0 (0 = no shared expert)")
     _need(m.router_aux_loss_coef >= 0 and m.router_z_loss_coef >= 0,
           "model.router_aux_loss_coef/router_z_loss_coef: must be >= 0")
+    _need(m.num_nextn_predict_layers >= 0 and m.mtp_loss_weight >= 0,
+          "model.num_nextn_predict_layers/mtp_loss_weight: must be >= 0 (0 = no multi-token "
+          "prediction)")
     _one_of("model.norm_layout", m.norm_layout, ["pre", "post", "sandwich"])
     _one_of("model.hidden_act", m.hidden_act, ["silu", "gelu_tanh"])
     _need(0 < m.partial_rotary_factor <= 1, f"model.partial_rotary_factor: must be in (0, 1], "

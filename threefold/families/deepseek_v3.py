@@ -3,9 +3,9 @@
 ``routed_scaling_factor``, ungated shared experts, a load-balancing bias that moves outside
 the optimiser) after ``first_k_dense_replace`` dense blocks, RoPE on interleaved pairs, and
 YaRN. config.json's ``intermediate_size`` is the dense blocks' width and
-``moe_intermediate_size`` an expert's. The multi-token-prediction module
-(``num_nextn_predict_layers``) is not built, as in transformers: a folder that holds its
-tensors (layer ``num_hidden_layers``) is refused, naming the field."""
+``moe_intermediate_size`` an expert's. The multi-token-prediction modules
+(``num_nextn_predict_layers``, stored as layers ``num_hidden_layers`` onwards) are built and
+trained (``threefold.model.mtp``); transformers' model ignores them."""
 
 from threefold.families.llama import LLAMA_LIKE, NOT_DEEPSEEK
 from threefold.families.spec import Family, need
@@ -56,7 +56,7 @@ def _read(c: dict, where: str) -> dict:
                                                                       or 0),
         routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
         norm_topk_prob=bool(c.get("norm_topk_prob", True)), router_aux_loss_coef=0.0,
-        **_rope(c, where))
+        num_nextn_predict_layers=int(c.get("num_nextn_predict_layers") or 0), **_rope(c, where))
 
 
 def _write(cfg) -> dict:
@@ -73,7 +73,8 @@ def _write(cfg) -> dict:
             "intermediate_size": cfg.dense_intermediate_size or cfg.intermediate_size,
             "first_k_dense_replace": cfg.first_k_dense_replace, "n_shared_experts": shared,
             "routed_scaling_factor": cfg.routed_scaling_factor,
-            "norm_topk_prob": bool(cfg.norm_topk_prob), "num_nextn_predict_layers": 0,
+            "norm_topk_prob": bool(cfg.norm_topk_prob),
+            "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
             "rope_parameters": rope, "rope_scaling": None if cfg.rope_scaling != "yarn" else rope}
 
 

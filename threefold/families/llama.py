@@ -5,7 +5,8 @@ from threefold.families.spec import Family
 
 # what every family but DeepSeek-V3 has: grouped-query attention, softmax routing
 NOT_DEEPSEEK = dict(kv_lora_rank=0, rope_interleave=False, moe_router="softmax",
-                    first_k_dense_replace=0, shared_expert_gate=True)
+                    first_k_dense_replace=0, shared_expert_gate=True,
+                    num_nextn_predict_layers=0)
 # what every Llama-like family (Llama, Qwen, Mixtral, Mistral) has: none of Gemma's pieces
 LLAMA_LIKE = dict(**NOT_DEEPSEEK, norm_plus_one=False, hidden_act="silu", embed_scale=False,
                   query_pre_attn_scalar=0, rope_local_theta=0.0, sliding_window_pattern=0,

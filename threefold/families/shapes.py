@@ -36,10 +36,12 @@ def grouped_widths_unfit(h: int, f: int, element_size: int) -> str | None:
 
 def moe_layers(cfg: ModelConfig) -> int:
     """Blocks whose MLP is a mixture of experts: all of a mixture's but its dense first
-    ``first_k_dense_replace`` (DeepSeek-V3), none of a dense model's."""
+    ``first_k_dense_replace`` (DeepSeek-V3), none of a dense model's; the
+    multi-token-prediction modules' blocks (``num_nextn_predict_layers``) included."""
     if not cfg.num_local_experts:
         return 0
-    return max(cfg.num_hidden_layers - cfg.first_k_dense_replace, 0)
+    return max(cfg.num_hidden_layers - cfg.first_k_dense_replace, 0) \
+        + cfg.num_nextn_predict_layers
 
 
 def inactive_parameters(cfg: ModelConfig) -> int:

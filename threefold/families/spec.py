@@ -21,6 +21,7 @@ from threefold.config import ConfigError, ModelConfig
 # Every family built so far keeps threefold's (Hugging Face's Llama) module names in memory.
 LLAMA_TP_PLAN: dict[str, str] = {
     r"model\.embed_tokens": "vocab_embedding",
+    r"model\.mtp_embed": "vocab_embedding",  # a pipeline's last-stage copy (multi-token)
     r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)": "column",
     # latent attention's per-head expansions (DeepSeek-V3), split by heads like q/k/v
     r"model\.layers\.\d+\.self_attn\.(q_b_proj|kv_b_proj)": "column",
@@ -40,7 +41,8 @@ BLOCK_FIELDS = ("attention_head_dim", "qkv_bias", "qk_norm", "qk_norm_over", "no
                 "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 "rope_interleave", "moe_router", "n_group", "topk_group",
                 "routed_scaling_factor", "shared_expert_gate", "first_k_dense_replace",
-                "dense_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob")
+                "dense_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
+                "num_nextn_predict_layers")
 
 
 class FamilyError(ConfigError):

@@ -44,12 +44,16 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
         rules.blockwise_tiles_over_tp(cfg, lay.tp, work.fp8)
     if lay.cp > 1:
         rules.cp_attention(cfg, lay.cp)
+        rules.mtp_without_cp(cfg.num_nextn_predict_layers, lay.cp)
     if work.lora_r:
         rules.lora_without_experts(work.lora_r, e)
         rules.lora_kv_needs_split_kv(work.lora_targets, cfg.num_key_value_heads, lay.tp)
     if work.mlp_tiles > 1:
         rules.mlp_tiles_plain(work.mlp_tiles, lay.recompute, lay.tp_overlap, e)
     rules.vpp_needs_pp(lay.pp, lay.vpp)
+    if lay.pp > 1:
+        rules.mtp_tied_pipeline(cfg.num_nextn_predict_layers, bool(cfg.tie_word_embeddings),
+                                lay.pp)
     rules.layers_fill_chunks(cfg.num_hidden_layers, lay.pp, lay.vpp)
     m, rem = divmod(work.global_batch, lay.dp * lay.microbatch_size)
     if rem or not m:

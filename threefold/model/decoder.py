@@ -43,6 +43,7 @@ from threefold.model.kvcache import KVCache, LayerKV
 from threefold.model.mla import LatentAttention
 from threefold.families import FAMILIES, Family, FamilyError, spec_of
 from threefold.model.moe import SparseMoeBlock
+from threefold.model.mtp import depth_losses, is_mtp, mtp_block_class, run_modules
 from threefold.model.norm import RMSNorm
 
 
@@ -134,8 +135,14 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.block_class(cfg, i)
-                                    for i in range(cfg.num_hidden_layers))
+        # the multi-token-prediction modules are blocks L.. L+D-1 (threefold.model.mtp)
+        mtp = mtp_block_class(self.block_class)
+        self.layers = nn.ModuleList((self.block_class if i < cfg.num_hidden_layers else mtp)
+                                    (cfg, i) for i in range(cfg.num_hidden_layers
+                                                            + cfg.num_nextn_predict_layers))
+        # a pipeline's last stage: its copy of the embedding (registered here, between the
+        # blocks and the norm, as ZeRO's units and the planner order it)
+        self.register_module("mtp_embed", None)
         self.window = cfg.sliding_window
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one,
                             cfg.norm_fp32_weight)
@@ -146,14 +153,16 @@ class DecoderModel(nn.Module):
         self.embed_scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else 0.0
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, cache: KVCache | None = None
-                ) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                mtp_ids: torch.Tensor | None = None):
         """Token ids (B, T) -> final normed hidden states (B, T, h).
 
         On a pipeline stage without the embedding (``embed_tokens is None``) ``input_ids`` is
         taken to be the hidden states from the previous stage; without ``norm`` the output is
         the un-normed residual stream. With ``cache`` (generation) the tokens follow the
-        cached ones: positions and mask come from the cache, which then holds them too."""
+        cached ones: positions and mask come from the cache, which then holds them too. With
+        ``mtp_ids`` (the token ids, on the stage holding the multi-token-prediction modules)
+        also each module's normed output: (hidden states, [depth 1, ...])."""
         x = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids
         if self.embed_scale and self.embed_tokens is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -167,20 +176,30 @@ class DecoderModel(nn.Module):
             mask = self.attention_mask(document_ids)
             # the whole sequence's length: under sequence parallelism x holds a slice of it
             near = window_mask(mask, position_ids.shape[-1], self.window, x.device)
-            for layer in self.layers:
+            for layer in self.main_layers():
                 slide = layer.self_attn.window
                 x = layer(x, *(local if slide else rope), near if slide else mask)
+            if mtp_ids is not None:
+                states = run_modules([m for m in self.layers if is_mtp(m)],
+                                     self.mtp_embed if self.embed_tokens is None
+                                     else self.embed_tokens, x, mtp_ids,
+                                     (rope, local), (mask, near), self.embed_scale)
+                return self.norm(x), states
         else:
             if document_ids is not None:
                 raise ValueError("DecoderModel: document_ids and a KV cache do not combine")
             mask = cache.attention_mask(t)
             near = window_cache_mask(mask, cache.length, self.window)
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.main_layers()):
                 slide = layer.self_attn.window
                 x = layer(x, *(local if slide else rope), near if slide else mask,
                           cache=cache.layer(i))
             cache.advance(t)
         return self.norm(x) if self.norm is not None else x
+
+    def main_layers(self) -> list[nn.Module]:
+        """The blocks held, the multi-token-prediction modules left out."""
+        return [layer for layer in self.layers if not is_mtp(layer)]
 
     def attention_mask(self, document_ids: torch.Tensor | None):
         """What every block's attention gets as ``attn_mask``: None (causal) or the packed
@@ -312,7 +331,8 @@ class CausalLM(nn.Module):
             if seed is None or p.ndim == 1:
                 _init_in_place(p, name, self.cfg, None)
                 continue
-            key = "model.embed_tokens.weight" if replica and name == "lm_head.weight" else name
+            copy = (replica and name == "lm_head.weight") or name == "model.mtp_embed.weight"
+            key = "model.embed_tokens.weight" if copy else name
             p.copy_(initial_weight(key, tuple(p.shape), self.cfg, seed, p.device))
         for rotary in (self.model.rotary, self.model.rotary_local):
             if rotary is not None and not rotary.inv_freq.is_meta:
@@ -329,14 +349,27 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                labels: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+                labels: torch.Tensor | None = None, temperature: float = 1.0,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V) in fp32, or with ``labels`` (B, T) the loss
         of each token, −log softmax(logits / temperature) at its label (0 where it is -100),
         computed in chunks. ``position_ids`` default to 0..T-1; with ``document_ids`` (B, T)
         attention stays within each packed document (pass positions that restart per
         document, e.g. from ``document_position_ids``). With a ``KVCache`` the tokens
         continue the cached sequence (see ``threefold.generation.generate``). A pipeline stage
-        without the head returns its hidden states."""
+        without the head returns its hidden states. ``token_ids``: the micro-batch's token ids
+        where ``input_ids`` are a previous stage's hidden states (the multi-token-prediction
+        modules embed the tokens ahead); a training forward with labels records their losses
+        in ``mtp_losses`` (``threefold.model.mtp``)."""
+        if labels is not None and token_ids is None and self.model.embed_tokens is not None:
+            token_ids = input_ids
+        if labels is not None and torch.is_grad_enabled() and \
+                any(map(is_mtp, self.model.layers)):
+            # a training forward of the stage with the multi-token-prediction modules: their
+            # losses are recorded for the step's model hook (RouterLog.add)
+            h, states = self.model(input_ids, position_ids, document_ids, mtp_ids=token_ids)
+            self.mtp_losses = depth_losses(self.lm_head, states, labels, temperature)
+            return self.lm_head(h, labels=labels, temperature=temperature)
         h = self.forward_hidden(input_ids, position_ids, document_ids, cache)
         if self.lm_head is None:
             return h

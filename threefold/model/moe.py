@@ -46,6 +46,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.model.experts import Experts, SharedExpert
+from threefold.model.mtp import take_mtp_losses
 
 
 @dataclass
@@ -241,18 +242,31 @@ class RouterLog:
     coef · loss · count, which the loop divides by the global count like the summed token
     loss. One micro-batch therefore adds exactly coef · loss of its batch; several add the
     count-weighted mean of theirs (not the loss of the pooled batch, whose f_i would need every
-    micro-batch's routing before the first backward)."""
+    micro-batch's routing before the first backward).
 
-    def __init__(self, cfg: ModelConfig, model: nn.Module | None = None):
+    Multi-token prediction's losses (``threefold.model.mtp``) are the model's too: ``add``
+    also takes the per-depth sums its modules recorded and adds λ/D times their total, a sum
+    over tokens that the loop divides by the count as it does the token loss; where the
+    task's objective is not the next tokens' (``next_token`` False: DPO, GRPO, a reward
+    model) it takes and drops them."""
+
+    def __init__(self, cfg: ModelConfig, model: nn.Module | None = None,
+                 next_token: bool = True):
         self.cfg = cfg
         self.routed = bool(cfg.num_local_experts)
+        self.depth = cfg.num_nextn_predict_layers
+        self.next_token = next_token  # else the modules' losses are taken and dropped
+        # the model's MoE blocks, its multi-token-prediction modules' included: what a
+        # pipeline stage's per-layer terms are shares of
+        self.moe_layers = (max(cfg.num_hidden_layers - cfg.first_k_dense_replace, 0)
+                           + self.depth) if self.routed else 0
         self.biased = [m for m in (model.modules() if model is not None else ())  # found once
                        if isinstance(m, SparseMoeBlock) and m.grouped]
         self.restart()
 
     def restart(self) -> None:
         """Begin a step: no terms, no assignments yet."""
-        self.aux = self.z = 0.0
+        self.aux = self.z = self.mtp = 0.0
         self.counts = torch.zeros(self.cfg.num_local_experts, dtype=torch.int64)
 
     def add(self, model: nn.Module, count, part: bool = False) -> torch.Tensor | None:
@@ -262,17 +276,24 @@ class RouterLog:
         model), or None (a dense model, a chunk without MoE layers). ``part``: ``model``
         holds some of the layers (a pipeline chunk: per-layer terms, shares of the model's)."""
         stats = take_router_stats(model) if self.routed else None  # (dense: no walk)
+        depths = take_mtp_losses(model) if self.depth else None
+        term = None
+        if depths and self.next_token:
+            total = torch.stack(depths).sum()
+            self.mtp += float(total.detach())
+            term = self.cfg.mtp_loss_weight / self.depth * total
         if not stats:
-            return None
+            return term
         count = count() if callable(count) else count
-        layers = self.cfg.num_hidden_layers if part else None
+        layers = self.moe_layers if part else None
         aux = load_balancing_loss(stats, self.cfg.num_local_experts,
                                   self.cfg.router_aux_loss_per_layer, layers)
         z = router_z_loss(stats, layers)
         self.aux += float(aux.detach()) * count
         self.z += float(z.detach()) * count
         self.counts += torch.stack([s.counts for s in stats]).sum(0).cpu()
-        return (self.cfg.router_aux_loss_coef * aux + self.cfg.router_z_loss_coef * z) * count
+        routed = (self.cfg.router_aux_loss_coef * aux + self.cfg.router_z_loss_coef * z) * count
+        return routed if term is None else routed + term
 
     def balance(self, sum_over_data) -> None:
         """After the optimiser step: the grouped routers' bias update (``balance_routers``)."""
@@ -283,12 +304,19 @@ class RouterLog:
         coefficients), the step's assignments per expert summed over layers and micro-batches
         (they sum to tokens × k × layers), and their imbalance max / mean (1 = even). ``n`` is
         the global count; ``sum_scalar`` / ``sum_vector`` sum a rank's figures over the
-        data-parallel ranks (identity in one process); {} for a dense model (no sums)."""
+        data-parallel ranks (identity in one process); {} for a dense model (no sums). With
+        multi-token prediction, ``mtp_loss``: the depths' mean cross-entropy per target token
+        (unweighted by λ)."""
+        out = {}
+        if self.depth and self.next_token:
+            out["mtp_loss"] = sum_scalar(torch.tensor(self.mtp, dtype=torch.float64)) / n \
+                / self.depth
         if not self.routed:
-            return {}
+            return out
         counts = sum_vector(self.counts.clone()).tolist()
         mean = sum(counts) / len(counts)
         aux, z = (torch.tensor(x, dtype=torch.float64) for x in (self.aux, self.z))
-        return {"router_aux_loss": sum_scalar(aux) / n, "router_z_loss": sum_scalar(z) / n,
-                "expert_counts": counts, "expert_imbalance": max(counts) / mean if mean else None}
+        return {**out, "router_aux_loss": sum_scalar(aux) / n,
+                "router_z_loss": sum_scalar(z) / n, "expert_counts": counts,
+                "expert_imbalance": max(counts) / mean if mean else None}
 

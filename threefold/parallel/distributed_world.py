@@ -29,7 +29,7 @@ from threefold.parallel.materialize import buffer_pieces
 from threefold.parallel.pipeline.executor import PipelineExecutor
 from threefold.schedules.registry import schedule_spec
 from threefold.comm.topology import gather_topology
-from threefold.parallel.pipeline.stage import rank_model, split_model, tied_head_replica
+from threefold.parallel.pipeline.stage import rank_model, split_model, embedding_replica
 from threefold.parallel.placement import placement
 from threefold.parallel.engines.zero import ZeroEngine
 from threefold.weights.resharding import rank_pieces
@@ -227,7 +227,8 @@ class Distributed(World):
         self._micro_input = micro_input
         p = self.cfg.parallel
         split = self.dims.tp if p.sequence_parallel and self.dims.tp > 1 else 1
-        if self.chunks[0].cfg.tie_word_embeddings:
+        mcfg = self.chunks[0].cfg
+        if mcfg.tie_word_embeddings or mcfg.num_nextn_predict_layers:  # a copy on the last
             self._tie_pipeline_ends(engine.model)
         self.pipeline = PipelineExecutor(
             self.chunks, p.schedule, self.dims.pp, self.microbatches(self.cfg), p.vpp,
@@ -264,12 +265,14 @@ class Distributed(World):
         both are on rank 0 and their gradients are summed there, without a message."""
         if self.vshape:
             if model.model.embed_tokens is not None:
-                self._tied = (model.model.embed_tokens.weight, model.lm_head.weight)
+                copy = model.model.mtp_embed if model.model.mtp_embed is not None \
+                    else model.lm_head
+                self._tied = (model.model.embed_tokens.weight, copy.weight)
             return
         pairs = [[g[0], g[-1]] for g in self.dims.axis_groups("pp")]
         self.comm.add_axis("pp_ends", pairs, counted_as="pp")  # as the planner counts it
         self.comm.set_timeout(self._timeout_s)  # the new group's too
-        replica = tied_head_replica(model)
+        replica = embedding_replica(model)
         if replica is not None:  # placed as such by split_model: counted and saved elsewhere
             self._tied = (replica, True)
         elif model.model.embed_tokens is not None:

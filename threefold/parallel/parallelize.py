@@ -93,7 +93,7 @@ def zero_units(model: CausalLM, ep: int) -> tuple[list[nn.Module], dict[int, str
     "edp_shard"."""
     m = model.model
     units, axes = [], {}
-    for u in (m.embed_tokens, *m.layers, m.norm, model.lm_head):
+    for u in (m.embed_tokens, *m.layers, m.mtp_embed, m.norm, model.lm_head):
         if u is None:
             continue
         units.append(u)

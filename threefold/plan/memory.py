@@ -52,6 +52,7 @@ from threefold.config import ModelConfig
 from threefold.layout import Layout, Workload
 from threefold.plan.mlp_tiling import tiled_mlp_weights
 from threefold.plan.moe_memory import moe_block_extra_bytes, moe_cast_weight_bytes
+from threefold.plan.mtp_bytes import mtp_activation_bytes
 from threefold.plan.activations import (adapter_activation_bytes, head_inflight_microbatches,
                                         head_saved_bytes, inflight_microbatches, logits_bytes,
                                         microbatch_extra_bytes, model_layer_activation_bytes,
@@ -186,8 +187,9 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
         inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp,
                                          stage, layout.pipeline_inflight)
         layers = rank_layers(cfg, layout, stage)
+        mtp = mtp_activation_bytes(cfg, layout, work) if stage == layout.last_stage else 0.0
         out.append(MemoryBreakdown(
-            stage=stage, activations=(per_layer * layers + extra
+            stage=stage, activations=(per_layer * layers + mtp + extra
                                       + dense * rank_dense_layers(cfg, layout, stage)) * inflight,
             recompute_working=working,
             logits=(logits_bytes(cfg, layout, work)

@@ -20,6 +20,7 @@ from threefold.accounting import rank_layers
 from threefold.accounting.stages import rank_dense_layers
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
+from threefold.plan.mtp_bytes import mtp_activation_bytes
 from threefold.plan.activations import (adapter_activation_bytes, block_document_mask_bytes,
                                         head_saved_bytes, inflight_microbatches,
                                         microbatch_extra_bytes, model_layer_activation_bytes)
@@ -68,6 +69,9 @@ def activation_line(cfg: ModelConfig, layout: Layout, work: Workload, mem: Memor
     if dense and kind:  # a mixture of experts' dense first blocks keep another amount
         blocks = (f"({layers - dense} layers × {_gb(block)} + {dense} dense first blocks × "
                   f"{_gb(block + kind)})")
+    mtp = mtp_activation_bytes(cfg, layout, work) if mem.stage == layout.last_stage else 0
+    if mtp:
+        blocks += f" + {cfg.num_nextn_predict_layers} multi-token-prediction module(s) {_gb(mtp)}"
     return (f"  activations {_gb(mem.activations)} = {blocks} × {inflight:g} microbatch(es) "
             f"in flight + RoPE tables {_gb(microbatch_extra_bytes(cfg, layout, work))}"
             + (f"; the block being recomputed {_gb(mem.recompute_working)}"

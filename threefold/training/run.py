@@ -119,9 +119,10 @@ class Run:
     @functools.cached_property
     def router_log(self) -> RouterLog:
         """What routing adds to the steps (``threefold.model.moe.RouterLog``: a mixture of experts'
-        router losses and their log, the grouped routers' bias update; nothing for a dense
-        model), made once for this rank's model."""
-        return RouterLog(self.model_cfg, self.engine.model)
+        router losses and their log, the grouped routers' bias update; the
+        multi-token-prediction loss where the task's objective is the next tokens'; nothing
+        for a dense model), made once for this rank's model."""
+        return RouterLog(self.model_cfg, self.engine.model, next_token=self.task.next_token)
 
     def forward(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model on a micro-batch dict (positions and document ids when it has them)."""

@@ -45,6 +45,9 @@ class Task:
     # records load the tokenizer alone, and hold no token stream (nor tokenize one on a
     # machine's first run, which left its freed text resident)
     token_stream = False
+    # whether the objective is the next tokens', to which a model's multi-token-prediction
+    # modules add theirs (pre-training, SFT); other tasks leave their loss out
+    next_token = False
 
     def adapt_model(self, model):
         """The plain (meta) causal LM as this task trains it (unchanged here)."""
@@ -88,6 +91,7 @@ class PretrainTask(Task):
 
     name = "pretrain"
     token_stream = True
+    next_token = True
 
     def samplers(self, cfg, data) -> tuple[Any, Any]:
         """Windows of the sources' training tokens, in epochs and in proportion; the fixed

@@ -127,8 +127,7 @@ def build_run(cfg: Config, world=None, task=None) -> Run:
                               if task_loss else None,
                               metric_names=task.metric_names if task_loss else (),
                               micro_input=task.pipeline_micro,
-                              extra_loss=_pipeline_router_term(run)
-                              if mcfg.num_local_experts else None)
+                              extra_loss=_pipeline_router_term(run))
     task.setup(run)
     return run
 
@@ -136,7 +135,11 @@ def build_run(cfg: Config, world=None, task=None) -> Run:
 def _pipeline_router_term(run: Run):
     """A pipeline stage's router losses: after each forward of a chunk, the router term of
     that chunk's MoE layers for the micro-batch (``RouterLog.add`` with ``part``), into the
-    step's ``run.router_log``."""
+    step's ``run.router_log`` (with multi-token prediction, the modules' losses too); None
+    for a model that adds no term."""
+    if not (run.model_cfg.num_local_experts or run.model_cfg.num_nextn_predict_layers):
+        return None
+
     def term(chunk, mb):
         return run.router_log.add(chunk, run.task.count(mb), part=True)
     return term

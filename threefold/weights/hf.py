@@ -55,7 +55,7 @@ from threefold.weights.checkpoint_verify import list_checkpoints
 from threefold.config import Config, ModelConfig
 from threefold.weights.hf_config import (INDEX, LLAMA3_FIELDS, SHAPE_FIELDS, SINGLE, HFError,
                                  check_shapes, hf_config, hub_names,
-                                 hub_router, model_config_from_state,
+                                 hub_router, model_config_from_state, mtp_copies,
                                  qwen_layout, reward_hf_config, token_ids, tokenizer_config)
 from threefold.model.lora import is_adapter
 from threefold.families import fused_files
@@ -111,6 +111,9 @@ def hub_tensors(source: WeightSource, cfg: ModelConfig, names: list[str]
                 else:
                     out += [(w1, (f, h), reader(name, ((e, e + 1), (0, f)), (f, h))),
                             (w3, (f, h), reader(name, ((e, e + 1), (f, 2 * f)), (f, h)))]
+    listed = set(names)  # a multi-token-prediction module's copies of the embedding and head
+    out += [(copy, source.shape(model), reader(model))
+            for copy, model in mtp_copies(cfg).items() if model in listed]
     return out
 
 
@@ -280,6 +283,7 @@ def import_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path 
     tokenizer.json if it has one. HFError names the file, field or tensor at fault. Every
     tensor is whole in memory: ``threefold.weights.HFSource`` reads by region."""
     source = HFSource(Path(hf_dir))
+    source.check_copies()
     return source.config, source.tensors(), source.tokenizer
 
 
@@ -327,6 +331,7 @@ def convert_from_hf(hf_dir: Path, out: Path, seed: int = 0,
     if list_checkpoints(out / "checkpoints"):
         raise HFError(f"{out}: already holds checkpoints; choose a new output folder")
     source = HFSource(Path(hf_dir))
+    source.check_copies()
     cfg, tok = source.config, source.tokenizer
     out.mkdir(parents=True, exist_ok=True)
     if tok is not None:

@@ -52,13 +52,28 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     included)."""
     h, v = cfg.hidden_size, cfg.vocab_size
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
         p = f"model.layers.{i}."
         out.update({p + name + ".weight": (h,) for name in block_norms(cfg)})
         out.update(_latent_shapes(cfg, p) if cfg.kv_lora_rank else _attention_shapes(cfg, p))
         out.update(_mlp_shapes(cfg, p, i))
+        if i >= cfg.num_hidden_layers:  # a multi-token-prediction module's own weights
+            out.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,),
+                        p + "eh_proj.weight": (h, 2 * h), p + "shared_head.norm.weight": (h,)})
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (v, h)
+    return out
+
+
+def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+    """The tensors a folder stores again in each multi-token-prediction module (DeepSeek-V3's
+    layer L holds the embedding and the head), each the copy of a model tensor: file name ->
+    the model tensor it copies (the embedding for a tied head)."""
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    out = {}
+    for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        out[f"model.layers.{i}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"model.layers.{i}.shared_head.head.weight"] = head
     return out
 
 
@@ -146,12 +161,6 @@ def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: st
         raise HFError(f"{where}: tensor {missing[0]} is missing")
     extra = sorted(set(shapes) - set(want))
     if extra:
-        past = [n for n in extra if n.startswith("model.layers.") and
-                int(n.split(".")[2]) >= cfg.num_hidden_layers]
-        if past:  # DeepSeek-V3's folders keep the multi-token-prediction module as layer L
-            raise HFError(f"{where}: tensor {past[0]} is past num_hidden_layers="
-                          f"{cfg.num_hidden_layers}: a multi-token-prediction module "
-                          "(num_nextn_predict_layers) is not built; save the model without it")
         raise HFError(f"{where}: unexpected tensor {extra[0]} (not part of this model)")
 
 

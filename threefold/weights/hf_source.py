@@ -8,6 +8,7 @@ threefold's separate projections (each a region of the fused tensor's rows).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -19,7 +20,8 @@ from safetensors import SafetensorError, safe_open
 from threefold.weights.checkpoint_verify import read_json
 from threefold.config import ModelConfig
 from threefold.weights.hf_config import (INDEX, SINGLE, HFError, check_shapes, expected_shapes,
-                                 hub_names, hub_router, model_config_from_hf, qwen_layout)
+                                 hub_names, hub_router, model_config_from_hf, mtp_copies,
+                                 qwen_layout)
 from threefold.families import fused_files
 from threefold.weights.base import DTYPES, HEAD, WeightSource, blocks, box_index, extent
 
@@ -64,6 +66,29 @@ def weight_files(folder: Path) -> dict[Path, list[str] | None]:
                       "unpickles files: save the model with safetensors "
                       "(save_pretrained(..., safe_serialization=True)) and try again")
     raise HFError(f"{folder}: no {SINGLE} or {INDEX}")
+
+
+def without_absent_mtp(cfg: ModelConfig, folder: Path) -> ModelConfig:
+    """``cfg`` as the folder's weights have it: a config.json that names
+    ``num_nextn_predict_layers`` (transformers writes DeepSeek-V3's 1 by default) over weights
+    without layer ``num_hidden_layers`` (transformers' model ignores the module, and saves
+    none) is a model without the modules, as transformers reads it. Reads the index, or the
+    single file's header."""
+    if not cfg.num_nextn_predict_layers:
+        return cfg
+    names: set[str] = set()
+    for path, listed in weight_files(folder).items():
+        if listed is None:
+            try:
+                with safe_open(str(path), "pt") as f:
+                    listed = list(f.keys())
+            except SafetensorError as e:
+                raise HFError(f"{path}: not a readable safetensors file ({e})") from None
+        names.update(listed)
+    first = f"model.layers.{cfg.num_hidden_layers}."
+    if any(n.startswith(first) for n in names):
+        return cfg
+    return dataclasses.replace(cfg, num_nextn_predict_layers=0)
 
 
 @dataclass(frozen=True)
@@ -150,7 +175,8 @@ class HFSource(WeightSource):
         self.folder, self.bytes_read = Path(folder), 0
         cpath = self.folder / "config.json"
         raw = read_json(cpath, HFError, "not a Hugging Face model folder", "not valid JSON")
-        cfg = self.config = model_config_from_hf(raw, str(cpath))
+        cfg = self.config = without_absent_mtp(model_config_from_hf(raw, str(cpath)),
+                                               self.folder)
         tok = self.folder / "tokenizer.json"
         self.tokenizer = tok if tok.is_file() else None
         self._files: dict[Path, Any] = {}
@@ -179,6 +205,10 @@ class HFSource(WeightSource):
                               f"damaged ({e})") from None
         if cfg.tie_word_embeddings:
             parts.pop(HEAD, None)  # the model takes its head from the embedding
+        # the multi-token-prediction modules' copies of the embedding and the head: the
+        # model's own are read (check_copies compares them)
+        self.copies = {n: (parts.pop(n), model) for n, model in mtp_copies(cfg).items()
+                       if n in parts}
         parts = _split_fused(cfg, parts)
         self._entries = {("model", n): _HFTensor([p], p.ext, p.dtype) for n, p in parts.items()}
         if cfg.num_local_experts:
@@ -192,7 +222,7 @@ class HFSource(WeightSource):
         already fused is kept as it is); HFError names a missing or misshapen expert."""
         e_count, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         entries, qwen = self._entries, qwen_layout(cfg)  # Qwen MoE file names, or Mixtral's
-        for i in range(cfg.num_hidden_layers):
+        for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
             p = f"model.layers.{i}."
             if ("model", hub_names(i, 0, qwen)[0]) not in entries:
                 continue  # stored fused already
@@ -222,6 +252,19 @@ class HFSource(WeightSource):
 
     def __repr__(self) -> str:
         return f"HFSource({self.folder})"
+
+    def check_copies(self) -> None:
+        """HFError unless each multi-token-prediction module's stored embedding and head
+        equal the model's (the modules share them: a folder whose copies differ is not the
+        model threefold builds). Reads both whole."""
+        for name, (part, model) in self.copies.items():
+            copy = _HFTensor([part], part.ext, part.dtype)
+            mine = torch.empty(part.ext, dtype=torch.float32)
+            self._fill(copy, [(0, n) for n in part.ext], mine)
+            if part.ext != self.shape(model) or not torch.equal(mine, self.read(model)):
+                raise HFError(f"{part.path}: tensor {name} differs from {model}: the "
+                              "multi-token-prediction module shares the model's embedding "
+                              "and head")
 
     def release(self) -> None:
         """Close the files (they reopen on the next read)."""

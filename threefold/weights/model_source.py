@@ -41,7 +41,7 @@ SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_experts_per_tok", *BLOCK_FIELDS)
 CONTEXT = "max_position_embeddings"
 SETTINGS = ("init_std", "router_aux_loss_coef", "router_z_loss_coef",
-            "router_aux_loss_per_layer", "router_bias_update_rate")
+            "router_aux_loss_per_layer", "router_bias_update_rate", "mtp_loss_weight")
 _DEFAULTS = ModelConfig()
 
 

@@ -13,7 +13,7 @@ from threefold.config import ModelConfig
 from threefold.weights.hf_config import HFError, model_config_from_hf, model_config_from_state
 from threefold.weights.base import WeightSource
 from threefold.weights.checkpoint_source import CheckpointSource
-from threefold.weights.hf_source import HFSource
+from threefold.weights.hf_source import HFSource, without_absent_mtp
 
 
 def run_checkpoint_root(path: Path) -> Path:
@@ -51,12 +51,15 @@ def is_hf_folder(path: Path) -> bool:
 def pretrained_config(path: Path | str) -> ModelConfig:
     """The ModelConfig of pretrained weights from their configuration alone: a Hugging Face
     folder's config.json, or a threefold checkpoint's state.json (a run directory: its newest
-    checkpoint's). No tensor, not even a header, is read: what planning and the dry run use."""
+    checkpoint's). No tensor is read (of a Hugging Face folder whose config names
+    multi-token-prediction modules, the index or header says whether it holds them):
+    what planning and the dry run use."""
     path = Path(path)
     if is_hf_folder(path):
         conf = path / "config.json"
-        return model_config_from_hf(read_json(conf, HFError, "not a Hugging Face folder",
-                                              "not valid JSON"), str(conf))
+        return without_absent_mtp(model_config_from_hf(
+            read_json(conf, HFError, "not a Hugging Face folder", "not valid JSON"),
+            str(conf)), path)
     ckpt = find_checkpoint(path)
     state = read_json(ckpt / "state.json", HFError, "not a threefold checkpoint", "not valid JSON")
     return model_config_from_state(state, ckpt)

@@ -34,6 +34,7 @@ from threefold.layout.rules.expert_rules import (
 from threefold.layout.rules.pipeline_rules import (
     block_counts_need_pp,
     interleaved_microbatches,
+    mtp_tied_pipeline,
     pipeline_inflight,
     schedule_chunks,
     vpp_needs_pp,
@@ -41,6 +42,7 @@ from threefold.layout.rules.pipeline_rules import (
 from threefold.layout.rules.sequence_rules import (
     cp_attention,
     mlp_tiles_plain,
+    mtp_without_cp,
     selective_without_cp,
     seq_len_over_cp,
     sequence_parallel_tokens,
@@ -102,6 +104,8 @@ __all__ = [
     "micro_batch_divides",
     "microbatches_agree",
     "mlp_tiles_plain",
+    "mtp_tied_pipeline",
+    "mtp_without_cp",
     "pipeline_inflight",
     "rule",
     "rollout_engine_layout",

@@ -58,3 +58,13 @@ def pipeline_inflight(schedule: str, pp: int, vpp: int, inflight: int) -> None:
         raise LayoutError(f"parallel.pipeline_inflight: {inflight} is below (vpp-1)·pp + 1 = "
                           f"{low}: the first backward could never start; raise it, or 0 for "
                           "Megatron's warm-up")
+
+
+@rule
+def mtp_tied_pipeline(depth: int, tied: bool, pp: int) -> None:
+    """The last stage's multi-token-prediction modules embed with a copy of the embedding;
+    with a tied head there would be two copies of one weight there."""
+    if depth and tied and pp > 1:
+        raise LayoutError(f"model.tie_word_embeddings: a tied head with multi-token prediction "
+                          f"(model.num_nextn_predict_layers={depth}) is not built under "
+                          f"pipeline parallelism (pp={pp}); untie it or set parallel.pp 1")

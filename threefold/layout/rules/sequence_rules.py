@@ -56,3 +56,13 @@ def cp_attention(m: ModelConfig, cp: int) -> None:
             raise LayoutError(f"model.{field}: {getattr(m, field)}: context parallelism "
                               f"(parallel.cp={cp}) does not compute this attention yet; set "
                               "parallel.cp 1")
+
+
+@rule
+def mtp_without_cp(depth: int, cp: int) -> None:
+    """Multi-token prediction embeds the tokens k ahead of each position: a cp rank's slice
+    of the sequence does not hold them."""
+    if depth and cp > 1:
+        raise LayoutError(f"parallel.cp: {cp} with multi-token prediction "
+                          f"(model.num_nextn_predict_layers={depth}) is not built yet (a rank's "
+                          "slice lacks the tokens ahead); set parallel.cp 1")

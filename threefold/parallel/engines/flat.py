@@ -69,7 +69,8 @@ class FlatUnit:
         self.in_backward = False
         self.reads_weights_in_backward = True  # False for the embedding (see ZeroEngine)
         self.reads_weights_in_w = False  # True for the head (see ZeroEngine)
-        self.open_backwards = 0  # micro-batches whose backward began and has not ended
+        self.open_backwards = 0  # backwards of its module's calls begun and not ended
+        self.calls = 1  # its module's calls per micro-batch (see ZeroEngine)
 
     # -- parameters as views of the flat buffer -------------------------------------------
     def _point_params_at_full(self) -> None:

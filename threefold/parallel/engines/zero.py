@@ -38,6 +38,7 @@ from torch import nn
 
 from threefold.config import OptimConfig
 from threefold.model.head_loss import LMHead
+from threefold.model.mtp import mtp_depth
 from threefold.parallel.engines.engine import (EngineBase, OptimizerSlot, global_sq_norm,
                                        trained_named_parameters)
 from threefold.parallel.engines.flat import FlatUnit, fill_frozen, frozen_named
@@ -113,6 +114,8 @@ class ZeroEngine(EngineBase):
             # the chunked head loss recomputes its logits in a zero-bubble W as well: its
             # unit stays gathered until every micro-batch whose backward began has its W
             unit.reads_weights_in_w = isinstance(module, LMHead)
+            # the head's backwards per micro-batch: 1 + one per multi-token-prediction module
+            unit.calls = 1 + (mtp_depth(model) if isinstance(module, LMHead) else 0)
         self.root = FlatUnit("root", root, comm, shard_axis, stage, **kw) if root else None
         # the units that train: reduced, clipped, stepped, checkpointed
         self.all_units = [u for u in self.units if not u.frozen] + ([self.root] if self.root
@@ -280,7 +283,7 @@ class ZeroEngine(EngineBase):
         if unit.pending:
             return
         unit.pending = len(unit.params)
-        unit.open_backwards = max(0, unit.open_backwards - 1)
+        unit.open_backwards = max(0, unit.open_backwards - unit.calls)
         if self.stage == 3:
             self._reduce(unit)
             if unit.reads_weights_in_w and unit.open_backwards:
@@ -319,11 +322,18 @@ class ZeroEngine(EngineBase):
 
     def release_roots(self) -> None:
         """After a forward-only pass (evaluation): under stage 3 free the root units it
-        gathered, so that the next step gathers them as every step does."""
+        gathered, and any unit it prefetched without running (the multi-token-prediction
+        modules, which only a training forward runs), so that the next step gathers them
+        as every step does."""
         if self.stage == 3:
             for root in (self.root, self.frozen_root):
                 if root:
                     root.release()
+            for unit in self.units:
+                if unit.gather_handle is not None:  # prefetched: complete, then free
+                    unit.wait_gather()
+                if not unit.in_backward:
+                    unit.release()
 
     def finish_gradients(self) -> None:
         """Complete every unit's reduce-scatter (stage 1 starts them here), then all-reduce

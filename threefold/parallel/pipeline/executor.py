@@ -270,6 +270,8 @@ class PipelineExecutor:
         last = a.stage == self.n - 1
         if last:  # the last stage returns each token's loss (threefold.model.head_loss)
             extra = {**extra, "labels": labels}
+            if a.stage and self.chunks[a.chunk].model.mtp_embed is not None:
+                extra["token_ids"] = inputs  # the multi-token-prediction modules embed them
         with self.micro_context():
             out = self.chunks[a.chunk](x, **extra)
         term = None

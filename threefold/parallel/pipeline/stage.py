@@ -29,6 +29,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.model.head_loss import LMHead
 from threefold.model.decoder import CausalLM, family_class
+from threefold.model.mtp import is_mtp
 from threefold.schedules.actions import rank_stage
 from threefold.schedules.balance import partition, runs_of, split_counts
 from threefold.parallel.placement import place
@@ -75,15 +76,20 @@ def stage_costs(model: CausalLM, balance: str = "params",
         raise ValueError(f"pipeline balance must be one of {', '.join(BALANCES)}, got "
                          f"{balance!r}")
     inner = model.model
+    main, mtp = inner.main_layers(), [m for m in inner.layers if is_mtp(m)]
     if balance == "params":
         count = lambda m: float(sum(q.numel() for q in m.parameters()))
-        return ([count(layer) for layer in inner.layers], count(inner.embed_tokens),
+        # the multi-token-prediction modules sit on the last stage, with the head (and,
+        # when the embedding is elsewhere, a copy of it)
+        return ([count(layer) for layer in main], count(inner.embed_tokens),
                 count(inner.norm) + (0.0 if model.cfg.tie_word_embeddings
-                                     else count(model.lm_head)))
+                                     else count(model.lm_head))
+                + sum(map(count, mtp)) + (count(inner.embed_tokens) if mtp else 0.0))
     t = seq_len or model.cfg.max_position_embeddings
-    layers = [6.0 * _linear_weights(layer) + 6.0 * layer.self_attn.score_features() * t
-              for layer in inner.layers]
-    return layers, 0.0, 6.0 * model.lm_head.weight.numel()
+    flops = [6.0 * _linear_weights(layer) + 6.0 * layer.self_attn.score_features() * t
+             for layer in inner.layers]
+    head = 6.0 * model.lm_head.weight.numel()
+    return flops[:len(main)], 0.0, head * (1 + len(mtp)) + sum(flops[len(main):])
 
 
 def stage_layers(model: CausalLM, n_stages: int, balance: str = "params",
@@ -91,11 +97,14 @@ def stage_layers(model: CausalLM, n_stages: int, balance: str = "params",
     """The blocks of each virtual stage: balanced by ``balance`` "params" or "flops" (see
     ``stage_costs``), or split as ``parallel.pipeline_split`` says ("uniform", or explicit
     counts such as "7,9,9,7"; see balance.py)."""
+    n, d = model.cfg.num_hidden_layers, model.cfg.num_nextn_predict_layers
     if balance not in BALANCES:  # uniform or explicit counts: no costs needed
-        n = model.cfg.num_hidden_layers
-        return runs_of(split_counts(balance, [0.0] * n, n_stages))
-    layers, first, last = stage_costs(model, balance, seq_len)
-    return partition(layers, n_stages, first, last)
+        runs = runs_of(split_counts(balance, [0.0] * n, n_stages))
+    else:
+        layers, first, last = stage_costs(model, balance, seq_len)
+        runs = partition(layers, n_stages, first, last)
+    # the multi-token-prediction modules (blocks n.. n+d-1) join the last stage
+    return runs[:-1] + [range(runs[-1].start, n + d)] if d else runs
 
 
 def _shell(cfg: ModelConfig) -> CausalLM:
@@ -105,7 +114,8 @@ def _shell(cfg: ModelConfig) -> CausalLM:
     do the same, but meta initialisation imports torch's compiler stack, seconds per process.)"""
     tiny = dataclasses.replace(cfg, vocab_size=1, hidden_size=2, intermediate_size=1,
                                num_hidden_layers=1, num_attention_heads=1,
-                               num_key_value_heads=1, tie_word_embeddings=False)
+                               num_key_value_heads=1, tie_word_embeddings=False,
+                               num_nextn_predict_layers=0)
     # the class of the whole model's family (the minimal shape is not asked which it meets)
     cls = family_class(cfg)
     with torch.random.fork_rng(devices=[]):  # leave the caller's random stream as it was
@@ -121,7 +131,7 @@ def build_chunk(model: CausalLM, layers: range, first: bool, last: bool,
     embedding if ``first``, the final norm and head if ``last`` (None otherwise), and the
     RoPE module; ``pipeline_stage`` records the virtual stage. ``tied_replica`` (a tied head
     on another rank than the embedding) gives the head its own weight, a copy of the
-    embedding's (see ``tied_head_replica``)."""
+    embedding's (see ``embedding_replica``)."""
     chunk = _shell(model.cfg)
     chunk.model.embed_tokens = model.model.embed_tokens if first else None
     chunk.model.layers = StageLayers({i: model.model.layers[i] for i in layers})
@@ -140,10 +150,28 @@ def build_chunk(model: CausalLM, layers: range, first: bool, last: bool,
         place(chunk.lm_head.weight, tied_replica=True, source="model.embed_tokens.weight")
     # no weights; one buffer for all chunks (and the embedding's scale, which the shell's
     # minimal width would get wrong)
+    if last and not first and any(map(is_mtp, chunk.model.layers)):
+        chunk.model.mtp_embed = _embedding_copy(model)
     chunk.model.rotary, chunk.model.rotary_local = model.model.rotary, model.model.rotary_local
     chunk.model.embed_scale = model.model.embed_scale
     chunk.pipeline_stage = stage
     return chunk
+
+
+def _embedding_copy(model: CausalLM) -> nn.Embedding:
+    """The last stage's copy of the embedding for the multi-token-prediction modules (which
+    embed the tokens ahead there, as DeepSeek-V3's last pipeline rank does): a replica of the
+    first stage's, kept equal to it as a tied head's copy is (its gradient summed with the
+    embedding's, counted and saved by the first stage)."""
+    embed = model.model.embed_tokens
+    copy = nn.Embedding(embed.num_embeddings, embed.embedding_dim, device=embed.weight.device,
+                        dtype=embed.weight.dtype)
+    copy.weight.requires_grad_(embed.weight.requires_grad)
+    with torch.no_grad():
+        if not embed.weight.is_meta:
+            copy.weight.copy_(embed.weight)
+    place(copy.weight, tied_replica=True, source="model.embed_tokens.weight")
+    return copy
 
 
 def split_model(model: CausalLM, p: int, v: int = 1, pp_rank: int = 0,
@@ -169,7 +197,7 @@ def split_model(model: CausalLM, p: int, v: int = 1, pp_rank: int = 0,
     # A tied head on another rank than the embedding (any p > 1: the first stage is on rank 0,
     # the last on rank p-1) holds its own copy, as Megatron's embedding group does: both start
     # equal, their gradients are summed between the two ranks each step (the training layout
-    # does it, see ``tied_head_replica``), so identical AdamW updates keep them equal. In a V
+    # does it, see ``embedding_replica``), so identical AdamW updates keep them equal. In a V
     # both ends are on rank 0, in two chunks whose backwards run apart: one weight would get
     # two accumulations per micro-batch, which gradient buckets and ZeRO units count as one;
     # the copy keeps each chunk's parameters its own, and the sum is local (no message).
@@ -180,15 +208,17 @@ def split_model(model: CausalLM, p: int, v: int = 1, pp_rank: int = 0,
             for s in (rank_stage(pp_rank, c, p, vshape) for c in range(v))]
 
 
-def tied_head_replica(model: CausalLM) -> torch.nn.Parameter | None:
-    """The head weight of a pipeline rank that holds a tied LM head but not the embedding (a
-    copy of the embedding's weight, ``split_model``), else None. Its gradient is summed with
-    the embedding's on the first stage; it is counted once in the gradient norm and left out
-    of checkpoints (it is the embedding, which the first stage saves)."""
-    if (model.cfg.tie_word_embeddings and model.lm_head is not None
-            and model.model.embed_tokens is None):
+def embedding_replica(model: CausalLM) -> torch.nn.Parameter | None:
+    """The copy of the embedding a pipeline rank holds without the embedding itself
+    (``split_model``): a tied LM head's weight, or the multi-token-prediction modules' copy
+    (``model.mtp_embed``; the rule book refuses both at once), else None. Its gradient is
+    summed with the embedding's on the first stage; it is counted once in the gradient norm
+    and left out of checkpoints (it is the embedding, which the first stage saves)."""
+    if model.model.embed_tokens is not None:
+        return None
+    if model.cfg.tie_word_embeddings and model.lm_head is not None:
         return model.lm_head.weight
-    return None
+    return model.model.mtp_embed.weight if model.model.mtp_embed is not None else None
 
 
 def rank_model(chunks: list[CausalLM]) -> CausalLM:
@@ -204,6 +234,7 @@ def rank_model(chunks: list[CausalLM]) -> CausalLM:
                                        for i, layer in zip(c.model.layers.layer_ids,
                                                            c.model.layers)})
     merged.model.norm = chunks[-1].model.norm
+    merged.model.mtp_embed = chunks[-1].model.mtp_embed
     merged.lm_head = chunks[-1].lm_head
     merged.model.rotary, merged.model.rotary_local = chunks[0].model.rotary, \
         chunks[0].model.rotary_local

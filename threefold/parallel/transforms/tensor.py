@@ -41,6 +41,7 @@ from torch import nn
 from threefold.config import ConfigError
 from threefold.model.head_loss import LMHead, VocabShard
 from threefold.model.lora import LoRALinear
+from threefold.model.mtp import is_mtp
 from threefold.model.decoder import CausalLM, DecoderModel
 from threefold.model.norm import RMSNorm
 from threefold.families import tp_plan
@@ -384,6 +385,9 @@ def apply_tensor_parallel(model: CausalLM, comm, sequence_parallel: bool = False
                  tp_overlap=overlap)
         if sp:
             norms += layer.residual_norms()
+            if is_mtp(layer):  # its input projection sees this rank's tokens only
+                become(layer.eh_proj, ReplicatedLinear, comm=comm)
+                place(layer.eh_proj.weight, tp_grad_reduced=True)
         if hasattr(layer.self_attn, "kv_a_proj_with_mqa"):  # latent attention's latents
             norms += _replicate_latents(layer.self_attn, comm)
         if layer.self_attn.qk_norm == "head":  # per-head norms over this rank's heads only
