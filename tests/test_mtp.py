@@ -197,7 +197,8 @@ def test_kept_bytes_equal_autograd_saved_tensors(recompute, monkeypatch):
     keeps = []
     init = transform._Keep.__init__
     monkeypatch.setattr(transform._Keep, "__init__",
-                        lambda self, kept: (keeps.append(kept), init(self, kept))[1])
+                        lambda self, kept, modules=(): (keeps.append(kept),
+                                                        init(self, kept, modules))[1])
     b, s = 2, 24
     ids = torch.randint(0, 96, (b, s))
     labels = torch.cat([ids[:, 1:], torch.full((b, 1), -100)], 1)
