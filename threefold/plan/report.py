@@ -184,7 +184,9 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
         if s.axis_levels:
             lines.append(f"{'':>6}on: " + ", ".join(f"{a} {lvl}" for a, lvl in s.axis_levels))
         if lay.pp > 1:
-            lines.append(f"{'':>6}schedule {schedule_name(lay)}")
+            lines.append(f"{'':>6}schedule {schedule_name(lay)}, pipeline_split "
+                         f"{lay.pipeline_split}: blocks per stage "
+                         + ",".join(map(str, c.stage_layers)))
         for w in c.warnings:
             lines.append(f"{'':>6}! {w}")
         if explain_all:

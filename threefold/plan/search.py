@@ -21,6 +21,8 @@ from threefold.layout import Layout, Workload, check_layout, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
 from threefold.plan.cluster import Cluster
 from threefold.plan.compute import fp8_expert_note
+from threefold.plan.splits import searched_splits
+from threefold.schedules.registry import SCHEDULE_SPECS
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import startup_peaks
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
@@ -36,7 +38,8 @@ BUBBLE_WARN = 0.20
 MEMORY_WARN = 0.95
 MAX_MICROBATCH = 16
 MAX_VPP = 4  # and every divisor of layers // pp above it
-CP_MIN_SEQ_LEN = 32768  # shorter sequences: cp only when nothing fits without it
+CP_MIN_SEQ_LEN = 32768
+VSHAPED = {name for name, spec in SCHEDULE_SPECS.items() if spec.vshape}  # shorter sequences: cp only when nothing fits without it
 
 
 def _divisors(n: int) -> list[int]:
@@ -74,15 +77,12 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                 splits = list(_dp_splits(dp, space, cp))
                 sizes = space.microbatch_size or [b for b in _divisors(per_replica)
                                                   if b <= MAX_MICROBATCH]
-                pipe_splits = space.pipeline_split if pp > 1 else ("params",)
                 if dropped:
-                    reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms)
-                           * len(pipe_splits))
-                for alg, vpp, (zero, dp_r), mbs, rc, off, psplit in itertools.product(
-                        algorithms, vpps, splits, sizes, recompute, space.offload_optimizer,
-                        pipe_splits):
-                    for (sched, bound), ep in itertools.product(
-                            _schedules(pp, vpp, space),
+                    reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms))
+                for alg, vpp, (zero, dp_r), mbs, rc, off in itertools.product(
+                        algorithms, vpps, splits, sizes, recompute, space.offload_optimizer):
+                    for (sched, bound), ep, psplit in _pipe_choices(
+                            cfg, work, space, pp, vpp,
                             _ep_degrees(experts, dp // dp_r, space, reject)):
                         lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
                                      zero_stage=zero, vpp=vpp, microbatch_size=mbs,
@@ -96,6 +96,17 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                             reject(e)
                             continue
                         yield lay
+
+
+def _pipe_choices(cfg: ModelConfig, work: Workload, space: SearchSpace, pp: int, vpp: int,
+                  eps: list[int]) -> Iterator[tuple[tuple[str, int], int, str]]:
+    """((schedule, in-flight bound), ep, pipeline split) to try for one (pp, vpp): the
+    splits per schedule shape (``plan.splits.searched_splits``)."""
+    for (sched, bound), ep in itertools.product(_schedules(pp, vpp, space), eps):
+        vshape = pp > 1 and sched in VSHAPED
+        for psplit in searched_splits(cfg, pp, vpp, work.seq_len, vshape,
+                                      space.pipeline_split):
+            yield (sched, bound), ep, psplit
 
 
 def _rejecter(invalid: dict[str, int]):
