@@ -229,7 +229,7 @@ def test_deepseek_v3_compute_gap_is_the_params_split():
     pp 16 / ep 64 layout, term by term: the mean rank does the same work in both (same tokens
     per GPU, no tp, full recompute in both), so the whole gap is the busiest rank. By
     parameters, virtual stage 0 takes the 3 dense blocks (0.6B parameters each against an MoE
-    block's 11.9B, the same FLOPs) and an MoE block, and DualPipeV puts the last virtual stage
+    block's 11.5B, the same FLOPs) and an MoE block, and DualPipeV puts the last virtual stage
     (a block and the head) on the same rank: 5 blocks and the head against 3.8 per rank.
     Balanced by FLOPs (routed experts counted), the busiest rank holds 4 blocks and the
     search picks that split."""
@@ -243,6 +243,9 @@ def test_deepseek_v3_compute_gap_is_the_params_split():
     mean = pick.hardware_flops / 2048  # every layout's FLOPs per GPU: the same work
     assert params.hardware_flops / 2048 == pytest.approx(mean, rel=1e-9)
     assert params.compute_s / pick.compute_s == pytest.approx(1.55, abs=0.02)
+    # what --explain prints: the slowest stage against the mean rank
+    assert params.stage_imbalance == pytest.approx(1.60, abs=0.01)
+    assert pick.stage_imbalance == pytest.approx(1.04, abs=0.01)
     assert flops.compute_s / pick.compute_s < 1.0  # 4 blocks on the busiest rank, not 5 + head
     space = SearchSpace(tp=(1,), pp=(16,), ep=(64,), zero_stage=(1,), microbatch_size=(2,),
                         recompute=("full",), dp_replicate=(1,), schedules=("dualpipe-v",))
@@ -279,3 +282,36 @@ def test_zero3_over_1024_ranks_pays_the_rings_latency():
     two_level = hierarchical_time("all_gather", 1024, block.numel * 2, 8, Link(2e-6, 400e9),
                                   Link(6e-6, 50e9))
     assert two_level == pytest.approx(2.95e-3, rel=0.01)
+
+
+# The validation table's MoE rows (docs/planner.md): (id, fp8, recompute, published tokens/s
+# per GPU, band of predicted / published). DeepSeek's layout as published (pp 16 with
+# DualPipeV, the V-shaped DualPipe threefold runs, ep 64, ZeRO-1, tp 1; micro-batch 1, the
+# published report gives none), the flops split the search picks. FP8 is tensorwise (the
+# FP8 recipe threefold has; the routed experts stay bf16 in it). DeepSeek recomputed only
+# RMSNorm and MLA's up-projections: threefold's full recompute is the one that fits 80 GB
+# (its selective keeps every matmul output, the experts' too: 194 GB), and re-runs the
+# forward and its all-to-alls, so that row's gap is stated, not closed; "none" stands in for
+# DeepSeek's cheap recompute (memory aside) and must land within the ±30% target.
+MOE_ROWS = [
+    ("deepseek-v3-fp8-full-recompute", "tensorwise", "full", DEEPSEEK_V3_TOKENS_PER_S,
+     (0.55, 0.72)),
+    ("deepseek-v3-fp8-deepseeks-recompute", "tensorwise", "none", DEEPSEEK_V3_TOKENS_PER_S,
+     (0.90, 1.10)),
+]
+
+
+@pytest.mark.parametrize("row", MOE_ROWS, ids=[r[0] for r in MOE_ROWS])
+def test_moe_published_run_within_its_stated_band(row):
+    import dataclasses
+
+    from threefold.plan.step import predict_step
+
+    _, fp8, recompute, published, (low, high) = row
+    cfg, cluster, work = _deepseek_v3()
+    lay = _deepseek_layout(microbatch_size=1, recompute=recompute,
+                           pipeline_split="flops:4096")
+    step = predict_step(cfg, lay, dataclasses.replace(work, fp8=fp8), cluster)
+    assert low <= step.tokens_per_second_per_gpu / published <= high, \
+        step.tokens_per_second_per_gpu
+    assert round(DEEPSEEK_V3_TOKENS_PER_S) == 1543

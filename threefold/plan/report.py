@@ -23,7 +23,9 @@ def exposed_breakdown(c: Candidate) -> str:
     s, t = c.step, _terms(c)
     where = dict(s.axis_levels)
     axis_of = {"tp comm": "tp", "pp comm": "pp", "cp comm": "cp", "ep comm": "ep"}
-    parts = [f"compute {t['compute']:.3f}", f"bubble {t['bubble']:.3f}"]
+    parts = [f"compute {t['compute']:.3f}" + (f" (slowest stage {s.stage_imbalance:.2f}x "
+                                               "the mean)" if c.layout.pp > 1 else ""),
+             f"bubble {t['bubble']:.3f}"]
     for k, a in axis_of.items():
         if c.layout.axis_size(a) > 1:
             parts.append(f"{k} {t[k]:.3f} ({where.get(a, '?')})")
@@ -83,6 +85,10 @@ def _cause(best: Candidate, other: Candidate, term: str) -> str:
     if term == "compute":
         if o.recompute != b.recompute:
             return f"recompute {o.recompute} vs {b.recompute}"
+        if other.step.stage_imbalance > best.step.stage_imbalance + 0.02:
+            return (f"the slowest stage computes {other.step.stage_imbalance:.2f}x the mean "
+                    f"stage, against {best.step.stage_imbalance:.2f}x (pipeline_split "
+                    f"{o.pipeline_split})")
         return "more FLOPs on the slowest stage (padding, replicated kv, head imbalance)"
     if term == "bubble":
         return f"pp={o.pp}, vpp={o.vpp} {schedule_name(o)}, {other.step.bubble_fraction:.0%} bubble"

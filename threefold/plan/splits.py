@@ -5,8 +5,8 @@ Balancing parameters is balancing memory. For a dense model that is nearly balan
 (a block's FLOPs follow its weights; only the embedding, which costs no FLOPs, and the head
 weigh differently). A mixture of experts breaks it: a token uses k of E experts, so an MoE
 block holds E/k times the weights its FLOPs suggest, and a dense first block counts as a
-fraction of an MoE block by parameters while it costs as much time (DeepSeek-V3: 0.4B
-parameters against 11.9B per block, the same FLOPs per token). By parameters, DeepSeek-V3's
+fraction of an MoE block by parameters while it costs as much time (DeepSeek-V3: 0.6B
+parameters against 11.5B per MoE block, the same FLOPs per token). By parameters, DeepSeek-V3's
 first of 32 virtual stages takes its 3 dense blocks and an MoE block, and under a V schedule
 the last (one block and the head) lands on the same rank: that rank does 1.6x the mean rank's
 work. The ``flops`` balance (``threefold.schedules.balance``, the runtime's ``stage_costs``)
