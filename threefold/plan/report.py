@@ -190,8 +190,9 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
         if s.axis_levels:
             lines.append(f"{'':>6}on: " + ", ".join(f"{a} {lvl}" for a, lvl in s.axis_levels))
         if lay.pp > 1:
-            lines.append(f"{'':>6}schedule {schedule_name(lay)}, pipeline_split "
-                         f"{lay.pipeline_split}: blocks per stage "
+            # the runtime's value: "flops" balances at data.seq_len, the length planned for
+            lines.append(f"{'':>6}schedule {schedule_name(lay)}, parallel.pipeline_split "
+                         f"{lay.pipeline_split.split(':')[0]}: blocks per stage "
                          + ",".join(map(str, c.stage_layers)))
         for w in c.warnings:
             lines.append(f"{'':>6}! {w}")
