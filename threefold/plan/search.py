@@ -38,8 +38,9 @@ BUBBLE_WARN = 0.20
 MEMORY_WARN = 0.95
 MAX_MICROBATCH = 16
 MAX_VPP = 4  # and every divisor of layers // pp above it
-CP_MIN_SEQ_LEN = 32768
-VSHAPED = {name for name, spec in SCHEDULE_SPECS.items() if spec.vshape}  # shorter sequences: cp only when nothing fits without it
+CP_MIN_SEQ_LEN = 32768  # shorter sequences: cp only when nothing fits without it
+# the schedules whose rank r holds virtual stages r and 2pp-1-r (the splits differ for them)
+VSHAPED = {name for name, spec in SCHEDULE_SPECS.items() if spec.vshape}
 
 
 def _divisors(n: int) -> list[int]:
