@@ -277,6 +277,14 @@ def test_zero3_over_1024_ranks_pays_the_rings_latency():
     charged = {(a, op, rule): total for a, op, rule, total, _ in step.overlap}
     want = m * sum(c.count * ring(c.numel * c.elem) for c in gathers)
     assert charged[("dp_shard", "all_gather", "forward")] == pytest.approx(want)
+    # the overlap model hides it all; the row says how much of the step it fills
+    from threefold.plan.memory import memory_per_rank
+    from threefold.plan.search import layout_warnings
+
+    busy = sum(t for axis, _, _, t, _ in step.overlap if axis in ("dp_shard", "edp_shard"))
+    assert busy / step.step_time_s == pytest.approx(0.75, abs=0.03)
+    warned = layout_warnings(cfg, lay, memory_per_rank(cfg, lay, work), step, cluster, work)
+    assert any(w.startswith(f"data-parallel collectives take {busy:.1f} s") for w in warned)
     block = max(gathers, key=lambda c: c.count)  # the MoE blocks' non-expert units
     assert block.numel == 232996864 and ring(block.numel * 2) == pytest.approx(3.72e-3, rel=0.01)
     two_level = hierarchical_time("all_gather", 1024, block.numel * 2, 8, Link(2e-6, 400e9),

@@ -35,6 +35,9 @@ JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "ep", "cp", "cp_algorithm",
              "host_memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
              "tflops_per_gpu", "mfu", "bubble_fraction", "warnings")
 BUBBLE_WARN = 0.20
+# data-parallel traffic the overlap model hides, as a share of the step, above which a row
+# says so: ZeRO-3 over a network can keep the links busy for most of the step
+HIDDEN_WARN = 0.50
 MEMORY_WARN = 0.95
 MAX_MICROBATCH = 16
 MAX_VPP = 4  # and every divisor of layers // pp above it
@@ -301,6 +304,11 @@ def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: S
                        f"oversubscribed 1:{over[level]:g}")
     if step.bubble_fraction > BUBBLE_WARN:
         out.append(f"pipeline bubble {step.bubble_fraction:.0%} > {BUBBLE_WARN:.0%}")
+    busy = sum(t for axis, _, _, t, _ in step.overlap if axis not in ("tp", "pp", "cp", "ep"))
+    if busy > HIDDEN_WARN * step.step_time_s:
+        out.append(f"data-parallel collectives take {busy:.1f} s of the {step.step_time_s:.1f} s "
+                   f"step ({busy / step.step_time_s:.0%}): hidden only if they overlap compute "
+                   "perfectly")
     if mem.total > MEMORY_WARN * cluster.hardware.memory_bytes:
         out.append(f"within {1 - MEMORY_WARN:.0%} of the memory limit")
     if lay.offload_optimizer:
