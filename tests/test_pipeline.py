@@ -448,7 +448,7 @@ def test_flops_balance_counts_the_routed_experts():
     routed to (3-D tensors, not nn.Linear layers): the costs sum to the PaLM count the cost
     model uses, block by block they equal the planner's, and a DeepSeek-shaped model's dense
     first blocks (as wide as k routed experts and the shared one) cost what its MoE blocks do
-    rather than several times more."""
+    rather than about twice as much."""
     from threefold.accounting import flops_per_token, pipeline_layers
     from threefold.accounting.stages import _block_flops, shape_key
     from threefold.layout import Layout

@@ -66,7 +66,7 @@ def _routed_weights(layer: nn.Module) -> int:
     """Weights of a mixture of experts' router and of the k experts each token is routed to:
     3-D tensors, not nn.Linear layers, yet most of an MoE block's FLOPs (DeepSeek-V3's 8
     routed experts are 8x its shared expert), so a FLOPs balance that left them out would
-    take a dense first block for several MoE blocks."""
+    take a dense first block for about two MoE blocks."""
     moe = getattr(layer, "mlp", None)
     if not isinstance(moe, SparseMoeBlock):
         return 0
