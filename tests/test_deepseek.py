@@ -190,6 +190,8 @@ def test_the_planner_ranks_deepseek_v3_on_2048_h100s(capsys):
     out = capsys.readouterr().out
     assert "671B parameters (37.6B active: 256 experts, top-8)" in out
     assert "layouts fit" in out and "schedule dualpipe-v" in out
+    # the split that balances FLOPs, not parameters (routed experts and dense blocks weighed)
+    assert "parallel.pipeline_split flops: blocks per stage 2,2,1,1,2," in out
 
 
 def test_generation_equals_transformers(tmp_path):

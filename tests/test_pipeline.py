@@ -445,3 +445,31 @@ def test_every_schedule_equals_single_process(world, runs, single, tmp_path):
     write_chrome_trace([x for r in results for x in r[runs[-1]["name"]]["records"]], path)
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(events) == sum(len(r[runs[-1]["name"]]["records"]) for r in results)
+
+
+def test_flops_balance_counts_the_routed_experts():
+    """A mixture of experts' FLOPs balance counts the router and the k experts a token is
+    routed to (3-D tensors, not nn.Linear layers): the costs sum to the PaLM count the cost
+    model uses, block by block they equal the planner's, and a DeepSeek-shaped model's dense
+    first blocks (as wide as k routed experts and the shared one) cost what its MoE blocks do
+    rather than about twice as much."""
+    from threefold.accounting import flops_per_token, pipeline_layers
+    from threefold.accounting.stages import _block_flops, shape_key
+    from threefold.layout import Layout
+
+    cfg = ModelConfig(preset="deepseek-v3", vocab_size=VOCAB, num_hidden_layers=8,
+                      hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                      kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                      v_head_dim=8, num_local_experts=8, num_experts_per_tok=4,
+                      intermediate_size=32, shared_expert_intermediate_size=32,
+                      dense_intermediate_size=160, n_group=4, topk_group=2,
+                      first_k_dense_replace=2).resolved()
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    layers, first, last = stage_costs(model, "flops", seq_len=SEQ)
+    assert sum(layers) + first + last == flops_per_token(cfg, SEQ)
+    assert layers == [_block_flops(shape_key(cfg), i, SEQ) for i in range(8)]
+    # dense 3·64·160 against router 8·64 + 4 experts and the shared one 5·3·64·32
+    assert layers[0] == pytest.approx(layers[2], rel=0.05)
+    lay = Layout(pp=4, pipeline_split=f"flops:{SEQ}")
+    assert pipeline_layers(cfg, lay) == tuple(len(r) for r in partition(layers, 4, first, last))

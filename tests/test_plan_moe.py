@@ -21,7 +21,8 @@ from threefold.plan.cluster import Cluster
 from threefold.hardware.catalogue import get_hardware
 from threefold.plan.memory import memory_per_gpu, memory_per_rank
 from threefold.plan.moe_memory import moe_block_extra_bytes, moe_cast_weight_bytes
-from threefold.plan.search import layout_warnings, search
+from threefold.plan.search import search
+from threefold.plan.traps import layout_warnings
 from threefold.plan.step import predict_step
 from tests.test_tp_layer import SavedBytes
 

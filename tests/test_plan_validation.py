@@ -196,3 +196,165 @@ def test_dry_run_prediction_on_one_h200_within_10_percent_of_the_runtime(row):
     step = predict_step(cfg.model.resolved(32768), Layout.from_config(cfg, 1),
                         Workload.from_config(cfg), Cluster(get_hardware("h200"), 1, 1))
     assert step.tokens_per_second_per_gpu == pytest.approx(measured, rel=0.10)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixtures of experts
+# --------------------------------------------------------------------------------------------
+# DeepSeek-V3 (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv 2412.19437,
+# https://arxiv.org/abs/2412.19437, §3.1-3.3 and §4.2): 2,048 H800 GPUs (8 per node on
+# NVLink/NVSwitch, InfiniBand across nodes; the H800 has the H100's compute and 400 GB/s of
+# NVLink), pipeline 16 (DualPipe), expert parallelism 64 over 8 nodes, ZeRO-1 data
+# parallelism, no tensor parallelism; FP8 mixed precision; RMSNorm and MLA's up-projections
+# recomputed in backward; sequence 4,096, batch 15,360 sequences; 180K H800 GPU hours per
+# trillion tokens: 10^12 / (180,000 · 3,600) = 1,543 tokens/s per GPU.
+DEEPSEEK_V3_TOKENS_PER_S = 1e12 / (180e3 * 3600)
+
+
+def _deepseek_v3():
+    cluster = Cluster(get_hardware("h100").with_overrides(intra_node_bw=400e9), 2048, 8)
+    return load_model("deepseek-v3"), cluster, Workload(seq_len=4096, global_batch=15360)
+
+
+def _deepseek_layout(**kw):
+    from threefold.layout import Layout
+
+    base = dict(pp=16, vpp=2, schedule="dualpipe-v", dp_shard=128, ep=64, zero_stage=1,
+                microbatch_size=2, recompute="full", sequence_parallel=False)
+    return Layout(**{**base, **kw})
+
+
+def test_deepseek_v3_compute_gap_is_the_params_split():
+    """The planner's 1.55x compute gap between its pp 2 / ep 8 / ZeRO-3 pick and DeepSeek's
+    pp 16 / ep 64 layout, term by term: the mean rank does the same work in both (same tokens
+    per GPU, no tp, full recompute in both), so the whole gap is the busiest rank. By
+    parameters, virtual stage 0 takes the 3 dense blocks (0.6B parameters each against an MoE
+    block's 11.5B, the same FLOPs) and an MoE block, and DualPipeV puts the last virtual stage
+    (a block and the head) on the same rank: 5 blocks and the head against 3.8 per rank.
+    Balanced by FLOPs (routed experts counted), the busiest rank holds 4 blocks and the
+    search picks that split."""
+    from threefold.plan.step import predict_step
+
+    cfg, cluster, work = _deepseek_v3()
+    params = predict_step(cfg, _deepseek_layout(pipeline_split="params"), work, cluster)
+    flops = predict_step(cfg, _deepseek_layout(pipeline_split="flops:4096"), work, cluster)
+    pick = predict_step(cfg, _deepseek_layout(pp=2, dp_shard=1024, ep=8, zero_stage=3,
+                                              microbatch_size=5), work, cluster)
+    mean = pick.hardware_flops / 2048  # every layout's FLOPs per GPU: the same work
+    assert params.hardware_flops / 2048 == pytest.approx(mean, rel=1e-9)
+    assert params.compute_s / pick.compute_s == pytest.approx(1.55, abs=0.02)
+    # what --explain prints: the slowest stage against the mean rank
+    assert params.stage_imbalance == pytest.approx(1.60, abs=0.01)
+    assert pick.stage_imbalance == pytest.approx(1.04, abs=0.01)
+    assert flops.compute_s / pick.compute_s < 1.0  # 4 blocks on the busiest rank, not 5 + head
+    space = SearchSpace(tp=(1,), pp=(16,), ep=(64,), zero_stage=(1,), microbatch_size=(2,),
+                        recompute=("full",), dp_replicate=(1,), schedules=("dualpipe-v",))
+    best = search(cfg, cluster, work, space, keep=1).ranked[0]
+    assert best.layout.pipeline_split == "flops:4096"
+    assert best.step.compute_s == pytest.approx(flops.compute_s)
+
+
+def test_zero3_over_1024_ranks_pays_the_rings_latency():
+    """ZeRO-3 over 1,024 ranks in 128 nodes: each all-gather is NCCL's ring through every
+    rank, 127 network steps (6 µs) and 896 NVLink steps (2 µs), 2.55 ms a call whatever its
+    size, plus 1023/1024 of the unit over min(NVLink, 8 network cards). A block's non-expert
+    unit is 233M elements (0.46 MB per rank): its call is 3.7 ms, two thirds of it latency,
+    against 2.9 ms in the two-level form the planner used to credit."""
+    from threefold.accounting import collectives, microbatches
+    from threefold.plan.collectives import Link, hierarchical_time
+    from threefold.plan.step import predict_step
+
+    cfg, cluster, work = _deepseek_v3()
+    lay = _deepseek_layout(pp=2, dp_shard=1024, ep=8, zero_stage=3, microbatch_size=5)
+    step = predict_step(cfg, lay, work, cluster)
+    m = microbatches(lay, work)
+
+    def ring(size: float) -> float:
+        return 127 * 6e-6 + 896 * 2e-6 + 1023 / 1024 * size / min(400e9, 8 * 50e9)
+
+    gathers = [c for c in collectives(cfg, lay, work, 0)
+               if (c.axis, c.op, c.overlap) == ("dp_shard", "all_gather", "forward")]
+    charged = {(a, op, rule): total for a, op, rule, total, _ in step.overlap}
+    want = m * sum(c.count * ring(c.numel * c.elem) for c in gathers)
+    assert charged[("dp_shard", "all_gather", "forward")] == pytest.approx(want)
+    # the overlap model hides it all; the row says how much of the step it fills
+    from threefold.plan.memory import memory_per_rank
+    from threefold.plan.traps import layout_warnings
+
+    busy = sum(t for axis, _, _, t, _ in step.overlap if axis in ("dp_shard", "edp_shard"))
+    assert busy / step.step_time_s == pytest.approx(0.75, abs=0.03)
+    warned = layout_warnings(cfg, lay, memory_per_rank(cfg, lay, work), step, cluster, work)
+    assert any(w.startswith(f"data-parallel collectives take {busy:.1f} s") for w in warned)
+    block = max(gathers, key=lambda c: c.count)  # the MoE blocks' non-expert units
+    assert block.numel == 232996864 and ring(block.numel * 2) == pytest.approx(3.72e-3, rel=0.01)
+    two_level = hierarchical_time("all_gather", 1024, block.numel * 2, 8, Link(2e-6, 400e9),
+                                  Link(6e-6, 50e9))
+    assert two_level == pytest.approx(2.95e-3, rel=0.01)
+
+
+# DeepSeek-V2 (DeepSeek-AI, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-
+# Experts Language Model", arXiv 2405.04434, https://arxiv.org/abs/2405.04434, §3.1.3-3.1.4
+# and §3.1.5): 236B parameters (21B active), 60 layers, hidden 5,120, MLA (128 heads, q/kv
+# latents 1,536/512), the first block dense (12,288), then 160 routed experts of 1,536 (top 6)
+# and 2 shared; H800 clusters; 16-way zero-bubble pipeline parallelism, 8-way expert
+# parallelism, ZeRO-1 data parallelism, no tensor parallelism, some operators recomputed;
+# sequence 4,096, batch ramped to 9,216 sequences; 172.8K GPU hours per trillion tokens:
+# 1,608 tokens/s per GPU. The GPU count is not published: planned on 1,024 (from 512 to
+# 2,048 GPUs the prediction moves by +2% to -4%, through the micro-batches per replica).
+DEEPSEEK_V2_TOKENS_PER_S = 1e12 / (172.8e3 * 3600)
+
+
+def _deepseek_v2():
+    from threefold.config import ModelConfig
+
+    cfg = ModelConfig(preset="deepseek-v3", vocab_size=102400, hidden_size=5120,
+                      intermediate_size=1536, dense_intermediate_size=12288,
+                      num_hidden_layers=60, num_local_experts=160, num_experts_per_tok=6,
+                      shared_expert_intermediate_size=2 * 1536, first_k_dense_replace=1,
+                      n_group=8, topk_group=3).resolved()
+    cluster = Cluster(get_hardware("h100").with_overrides(intra_node_bw=400e9), 1024, 8)
+    return cfg, cluster, Workload(seq_len=4096, global_batch=9216)
+
+
+# The validation table's MoE rows (docs/planner.md): (id, model, layout, fp8, recompute,
+# published tokens/s per GPU, band of predicted / published). Each run's layout as published,
+# micro-batch 1 (neither report gives one), the flops split the search picks. DeepSeek-V3's
+# DualPipe is planned as DualPipeV (the V-shaped DualPipe threefold runs), its FP8 as
+# tensorwise (the FP8 recipe threefold has; the routed experts stay bf16 in it). DeepSeek
+# recomputed only RMSNorm and MLA's up-projections: threefold's full recompute is the one that
+# fits 80 GB (its selective keeps every matmul output, the experts' too: 194 GB) and re-runs
+# the forward and its all-to-alls, so that row's gap is stated, not closed; "none" stands in
+# for DeepSeek's cheap recompute (memory aside) and lands within the ±30% target.
+# DeepSeek-V2's zero-bubble pipeline is ZB-H1, in bf16, fully recomputed (what fits).
+MOE_ROWS = [
+    ("deepseek-v3-fp8-full-recompute", "v3", "tensorwise", "full", (0.55, 0.72)),
+    ("deepseek-v3-fp8-deepseeks-recompute", "v3", "tensorwise", "none", (0.90, 1.10)),
+    ("deepseek-v2-bf16-full-recompute", "v2", "none", "full", (0.90, 1.10)),
+]
+
+
+@pytest.mark.parametrize("row", MOE_ROWS, ids=[r[0] for r in MOE_ROWS])
+def test_moe_published_run_within_its_stated_band(row):
+    """Each MoE row of docs/planner.md's validation table: the published layout's predicted
+    tokens/s per GPU over the published figure stays inside the band the table states."""
+    import dataclasses
+
+    from threefold.plan.step import predict_step
+
+    _, run, fp8, recompute, (low, high) = row
+    if run == "v3":
+        cfg, cluster, work = _deepseek_v3()
+        lay = _deepseek_layout(microbatch_size=1, recompute=recompute,
+                               pipeline_split="flops:4096")
+        published = DEEPSEEK_V3_TOKENS_PER_S
+    else:
+        cfg, cluster, work = _deepseek_v2()
+        lay = _deepseek_layout(vpp=1, schedule="zb-h1", dp_shard=64, ep=8, microbatch_size=1,
+                               recompute=recompute, pipeline_split="flops:4096")
+        published = DEEPSEEK_V2_TOKENS_PER_S
+        from threefold.accounting import num_parameters
+
+        assert num_parameters(cfg) / 1e9 == pytest.approx(236, abs=0.5)  # as published
+    step = predict_step(cfg, lay, dataclasses.replace(work, fp8=fp8), cluster)
+    assert low <= step.tokens_per_second_per_gpu / published <= high, \
+        step.tokens_per_second_per_gpu

@@ -115,9 +115,9 @@ def _dense(moe: tuple, layer: int) -> bool:
 
 def _block_flops(key: tuple, layer: int, t: int) -> float:
     """Training FLOPs per token of block ``layer`` at sequence length ``t``, as the runtime's
-    ``stage_costs`` counts them: 6 per nn.Linear weight (of a mixture of experts, the
-    attention's and a shared expert's: the router and the 3-D expert tensors are not
-    Linears) and 6·T per query-and-value feature (12·H·Q·T when they are as wide)."""
+    ``stage_costs`` counts them: 6 per matmul weight a token uses (of a mixture of experts,
+    the router's and its k routed experts' as well as the attention's and a shared
+    expert's) and 6·T per query-and-value feature (12·H·Q·T when they are as wide)."""
     h, a, kv, f, vocab, _, _, moe, attn, _ = key
     hd, mla = attn[0], attn[4]
     if mla:
@@ -129,8 +129,9 @@ def _block_flops(key: tuple, layer: int, t: int) -> float:
         attention, features = 2 * a * hd * h + 2 * kv * hd * h, 2 * a * hd
     if not moe[0] or _dense(moe, layer):
         mlp = 3 * h * (moe[4] if moe[0] else f)
-    else:
-        mlp = 3 * h * moe[2] + (h if moe[2] and moe[5] else 0) if moe[2] else 0
+    else:  # the router and the k experts a token is routed to, then a shared expert
+        e, k, fs, _, _, gated = moe
+        mlp = e * h + k * 3 * h * f + (3 * h * fs + (h if gated else 0) if fs else 0)
     return 6.0 * (attention + mlp) + 6.0 * features * t
 
 

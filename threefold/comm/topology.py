@@ -3,7 +3,7 @@
 Every rank sends (hostname, local rank) to every other through the communication layer's
 object all-gather on the world (``gather_topology``: one call, the same on every rank, in
 rank order). A rank's node is its hostname. The planner warns when a layout's tp group would
-leave a node (``plan.search.layout_warnings``, from GPUs per node); here the same trap is seen
+leave a node (``plan.traps.layout_warnings``, from GPUs per node); here the same trap is seen
 in the running job, from where the ranks really are: tp's collectives (every layer's) or
 cp's K/V exchange across the network.
 

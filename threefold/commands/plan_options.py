@@ -104,10 +104,11 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=5, help="layouts to show")
     p.add_argument("--tp", type=int_list, help="only these tp degrees (comma list)")
     p.add_argument("--pp", type=int_list, help="only these pp degrees")
-    p.add_argument("--pipeline-split", default="params",
+    p.add_argument("--pipeline-split",
                    help="the runtime's parallel.pipeline_split values to search with pp > 1 "
-                   "(comma list): params (default; the first and last stages take fewer "
-                   "blocks, for the embedding and head), flops, uniform")
+                   "(comma list): params (the first and last stages take fewer blocks, for "
+                   "the embedding and head), flops, uniform; default: params, and flops "
+                   "where it lowers the busiest stage's FLOPs (a mixture of experts)")
     p.add_argument("--zero-stage", type=int_list, help="only these ZeRO stages")
     p.add_argument("--cp", type=int_list,
                    help="only these context-parallel degrees (default: 1, and every one that "

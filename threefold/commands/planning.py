@@ -167,7 +167,8 @@ def _setup(args):
     if args.zero_stage and any(z not in (0, 1, 2, 3) for z in args.zero_stage):
         raise ConfigError("--zero-stage: stages are 0, 1, 2, 3")
     algorithms = choices("--cp-algorithm", args.cp_algorithm, CP_ALGORITHMS)
-    splits = choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform"))
+    splits = choices("--pipeline-split", args.pipeline_split, ("params", "flops", "uniform")) \
+        if args.pipeline_split else None  # None: params, and flops where it helps
     _refuse_degrees(cfg, args, seq)
     targets = _lora_options(cfg, args)
     work = Workload(seq_len=seq, global_batch=args.global_batch_tokens // seq,
@@ -189,8 +190,8 @@ def _setup(args):
                         cp_algorithm=algorithms, cp_ulysses=_ulysses(args),
                         ep=args.ep, tp_overlap=args.tp_overlap,
                         ep_dispatch=args.ep_dispatch, gpus_per_node=cluster.gpus_per_node,
-                        pipeline_split=tuple(f"flops:{seq}" if x == "flops" else x
-                                             for x in splits),
+                        pipeline_split=None if splits is None else tuple(
+                            f"flops:{seq}" if x == "flops" else x for x in splits),
                         offload_optimizer={"off": (False,), "on": (True,),
                                            "search": (False, True)}[args.offload_optimizer])
     return cfg, cluster, work, space

@@ -50,8 +50,9 @@ class SearchSpace:
     gpus_per_node: int = 0
     # the runtime's parallel.pipeline_split values to search (pp > 1): "params" balances the
     # parameters, the embedding and head included (so the first and last stages take fewer
-    # blocks), "flops:SEQ" the training FLOPs at SEQ, "uniform" Megatron's even split
-    pipeline_split: tuple[str, ...] = ("params",)
+    # blocks), "flops:SEQ" the training FLOPs at SEQ, "uniform" Megatron's even split; None:
+    # params, and flops where it lowers the busiest rank's FLOPs (``plan.splits``)
+    pipeline_split: tuple[str, ...] | None = None
     # pipeline schedules to search (pp > 1); None: each that runs the layout's vpp — 1f1b and
     # zb-h1 at vpp 1, interleaved-1f1b above, zb-v and dualpipe-v at vpp 2
     schedules: tuple[str, ...] | None = None

@@ -18,11 +18,22 @@ the input):
   tree) + all-gather inside the node; all-gather and reduce-scatter likewise with one
   inter-node stage of S/g. The network term is that of S/g over k nodes per GPU, as every
   GPU drives its own network card (rail-optimised clusters).
+- ring over nodes (all-gather and reduce-scatter of a group with g > 1 ranks in each of
+  k = n/g nodes): what NCCL runs for them, one ring through all n ranks (NCCL has no
+  hierarchical all-gather; its tree serves all-reduce only, and its PAT algorithm one rank
+  per node only). Of the ring's n − 1 steps, k − 1 cross the network and n − k stay on
+  NVLink, so the latency is (k−1)·α_net + (n−k)·α_node, as NCCL's own tuning model counts
+  it: over 1,024 ranks in 128 nodes that is 127 network and 896 NVLink hops, 2.6 ms at 6
+  and 2 µs, against 0.8 ms for a two-level form, and it is paid per call whatever the
+  message. The bandwidth term is (n−1)/n·S at min(β_node, g·β_net): the ring's NVLink hops
+  run at the node's rate, and its node crossings, spread by NCCL's channels over the g
+  GPUs' network cards, at g cards' rate.
 - point-to-point: α + S/β.
 
 The planner takes, per call, the fastest of the algorithms that apply (``collective_time``):
 flat ring and tree over the slowest link the group crosses, and the hierarchical form when
-the group has several ranks per node. These are the closed forms only; the constants (α, β
+the group has several ranks per node (all-reduce); an all-gather or reduce-scatter across
+nodes with several ranks per node runs the ring over nodes. These are the closed forms only; the constants (α, β
 per level) are in ``threefold.plan.cluster`` and may be measured (``--calibrate``).
 """
 
@@ -74,6 +85,17 @@ def hierarchical_time(op: str, n: int, size: float, per_node: int, intra: Link,
     return inner + ring_time(op, k, size / g, inter)
 
 
+def ring_over_nodes_time(n: int, size: float, per_node: int, intra: Link,
+                         inter: Link) -> float:
+    """NCCL's ring all-gather or reduce-scatter over ``n`` ranks, ``per_node`` of them in
+    each node (see the module docstring): (k−1)·α_net + (n−k)·α_node + (n−1)/n·S over
+    min(β_node, per_node·β_net)."""
+    g = max(1, min(per_node, n))
+    k = n // g
+    rate = min(intra.bandwidth, g * inter.bandwidth)
+    return (k - 1) * inter.latency_s + (n - k) * intra.latency_s + (n - 1) / n * size / rate
+
+
 def collective_time(op: str, n: int, size: float, link: Link, per_node: int = 1,
                     intra: Link | None = None) -> float:
     """Time of one call of ``op`` (all_reduce, all_gather, reduce_scatter, all_to_all, p2p)
@@ -86,7 +108,10 @@ def collective_time(op: str, n: int, size: float, link: Link, per_node: int = 1,
         return 0.0
     if op == "all_to_all":
         return (n - 1) * link.latency_s + (n - 1) / n * size / link.bandwidth
+    nodes = per_node > 1 and intra is not None and n > per_node and n % per_node == 0
+    if op != "all_reduce" and nodes:
+        return ring_over_nodes_time(n, size, per_node, intra, link)
     best = all_reduce_time(n, size, link) if op == "all_reduce" else ring_time(op, n, size, link)
-    if per_node > 1 and intra is not None and n > per_node and n % per_node == 0:
+    if nodes:
         best = min(best, hierarchical_time(op, n, size, per_node, intra, link))
     return best

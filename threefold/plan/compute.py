@@ -17,6 +17,7 @@ from threefold.accounting import (flops_per_token, layer_parameters_per_rank, mo
 from threefold.accounting.counts import moe_key
 from threefold.accounting.stages import distinct_stages, stage_multiplicity
 from threefold.accounting import owned_parameters, rank_layers
+from threefold.accounting.stages import rank_dense_layers
 from threefold.accounting import offload_bytes_per_step
 from threefold.config import ModelConfig
 from threefold.families.shapes import moe_layers
@@ -120,14 +121,17 @@ def stage_flops_per_microbatch(cfg: ModelConfig, layout: Layout, work: Workload,
     each attending over all seq_len keys. A mixture of experts' feed-forward costs its
     router and k experts per token (``moe_matmul_parameters``) on every tp rank (it is not
     split by tp); under expert parallelism a rank computes the rows routed to its experts,
-    N·k in expectation under uniform routing, the same FLOPs."""
+    N·k in expectation under uniform routing, the same FLOPs. A dense first block
+    (DeepSeek-V3's three) costs its own MLP, split by tp, instead."""
     sh, h, hd, s = tp_shard(cfg, layout.tp), cfg.hidden_size, cfg.head_dim, work.seq_len
     tokens = layout.microbatch_size * local_seq_len(layout, work)
     layers = rank_layers(cfg, layout, stage)
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
     core = 4 * s * sh.heads * hd  # QK^T and AV per token, no causal halving (as PaLM)
     layer_fwd = tokens * (2 * sharded + 2 * moe_matmul_parameters(cfg) + core)
-    fwd = layers * layer_fwd
+    fwd = layers * layer_fwd + rank_dense_layers(cfg, layout, stage) * tokens * 2 * (
+        3 * cfg.hidden_size * -(-(cfg.dense_intermediate_size or 0) // layout.tp)
+        - moe_matmul_parameters(cfg))  # a dense first block: its own MLP, split by tp
     bwd = 2 * fwd
     frozen = 0  # the head's weight gradient not computed under LoRA
     if work.lora_r:  # a frozen base: input gradients only; each adapter's forward, both grads

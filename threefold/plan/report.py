@@ -26,7 +26,9 @@ def exposed_breakdown(c: Candidate) -> str:
     s, t = c.step, _terms(c)
     where = dict(s.axis_levels)
     axis_of = {"tp comm": "tp", "pp comm": "pp", "cp comm": "cp", "ep comm": "ep"}
-    parts = [f"compute {t['compute']:.3f}", f"bubble {t['bubble']:.3f}"]
+    parts = [f"compute {t['compute']:.3f}" + (f" (slowest stage {s.stage_imbalance:.2f}x "
+                                               "the mean)" if c.layout.pp > 1 else ""),
+             f"bubble {t['bubble']:.3f}"]
     for k, a in axis_of.items():
         if c.layout.axis_size(a) > 1:
             parts.append(f"{k} {t[k]:.3f} ({where.get(a, '?')})")
@@ -86,6 +88,10 @@ def _cause(best: Candidate, other: Candidate, term: str) -> str:
     if term == "compute":
         if o.recompute_label != b.recompute_label:
             return f"recompute {o.recompute_label} vs {b.recompute_label}"
+        if other.step.stage_imbalance > best.step.stage_imbalance + 0.02:
+            return (f"the slowest stage computes {other.step.stage_imbalance:.2f}x the mean "
+                    f"stage, against {best.step.stage_imbalance:.2f}x (pipeline_split "
+                    f"{o.pipeline_split})")
         return "more FLOPs on the slowest stage (padding, replicated kv, head imbalance)"
     if term == "bubble":
         return f"pp={o.pp}, vpp={o.vpp} {schedule_name(o)}, {other.step.bubble_fraction:.0%} bubble"
@@ -189,7 +195,10 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
         if s.axis_levels:
             lines.append(f"{'':>6}on: " + ", ".join(f"{a} {lvl}" for a, lvl in s.axis_levels))
         if lay.pp > 1:
-            lines.append(f"{'':>6}schedule {schedule_name(lay)}")
+            # the runtime's value: "flops" balances at data.seq_len, the length planned for
+            lines.append(f"{'':>6}schedule {schedule_name(lay)}, parallel.pipeline_split "
+                         f"{lay.pipeline_split.split(':')[0]}: blocks per stage "
+                         + ",".join(map(str, c.stage_layers)))
         for w in c.warnings:
             lines.append(f"{'':>6}! {w}")
         if explain_all:

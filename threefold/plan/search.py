@@ -13,30 +13,32 @@ import heapq
 import itertools
 from typing import Iterator
 
-from threefold.accounting import microbatches
 from threefold.accounting import tp_shard
 from threefold.accounting import pipeline_layers
 from threefold.config import (CP_ALGORITHMS, DEEPSEEK_RECOMPUTE, RECOMPUTE_MODES, ConfigError,
                               ModelConfig, ParallelConfig)
 from threefold.layout import Layout, Workload, check_layout, recompute_of_label, rules
 from threefold.plan.candidates import Candidate, PlanResult, SearchSpace
+from threefold.plan.traps import layout_warnings
 from threefold.plan.cluster import Cluster
+from threefold.plan.splits import searched_splits
+from threefold.schedules.registry import SCHEDULE_SPECS
 from threefold.plan.memory import MemoryBreakdown, memory_per_rank
 from threefold.plan.startup import startup_peaks
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES
 from threefold.plan.report import explain
-from threefold.plan.step import StepPrediction, compute_bound_step_time, predict_step
+from threefold.plan.step import compute_bound_step_time, predict_step
 
 JSON_KEYS = ("tp", "pp", "dp_replicate", "dp_shard", "ep", "cp", "cp_algorithm", "zero_stage",
              "vpp", "schedule", "pipeline_inflight", "pipeline_split", "stage_layers", "microbatch_size", "recompute",
              "offload_optimizer", "memory_bytes_per_gpu",
              "host_memory_bytes_per_gpu", "step_time_s", "tokens_per_second_per_gpu",
              "tflops_per_gpu", "mfu", "bubble_fraction", "warnings")
-BUBBLE_WARN = 0.20
-MEMORY_WARN = 0.95
 MAX_MICROBATCH = 16
 MAX_VPP = 4  # and every divisor of layers // pp above it
 CP_MIN_SEQ_LEN = 32768  # shorter sequences: cp only when nothing fits without it
+# the schedules whose rank r holds virtual stages r and 2pp-1-r (the splits differ for them)
+VSHAPED = {name for name, spec in SCHEDULE_SPECS.items() if spec.vshape}
 
 
 def _divisors(n: int) -> list[int]:
@@ -75,15 +77,12 @@ def enumerate_layouts(cfg: ModelConfig, world: int, work: Workload,
                 splits = list(_dp_splits(dp, space, cp))
                 sizes = space.microbatch_size or [b for b in _divisors(per_replica)
                                                   if b <= MAX_MICROBATCH]
-                pipe_splits = space.pipeline_split if pp > 1 else ("params",)
                 if dropped:
-                    reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms)
-                           * len(pipe_splits))
-                for (alg, uly), vpp, (zero, dp_r), mbs, rc, off, psplit in itertools.product(
-                        algorithms, vpps, splits, sizes, recompute, space.offload_optimizer,
-                        pipe_splits):
-                    for (sched, bound), ep in itertools.product(
-                            _schedules(pp, vpp, space),
+                    reject(dropped, len(vpps) * len(splits) * len(sizes) * len(algorithms))
+                for (alg, uly), vpp, (zero, dp_r), mbs, rc, off in itertools.product(
+                        algorithms, vpps, splits, sizes, recompute, space.offload_optimizer):
+                    for (sched, bound), ep, psplit in _pipe_choices(
+                            cfg, work, space, pp, vpp,
                             _ep_degrees(experts, dp // dp_r, space, reject)):
                         lay = Layout(tp=tp, pp=pp, dp_replicate=dp_r, dp_shard=dp // dp_r,
                                      zero_stage=zero, vpp=vpp, microbatch_size=mbs,
@@ -115,6 +114,17 @@ def cp_splits(cp: int, space: SearchSpace) -> list[tuple[str, dict]]:
     return [(alg, {"cp_ulysses": u} if u > 1 else {}) for alg in space.cp_algorithm
             for u in degrees if u == 1 or (hybrids and alg != "ulysses" and u < cp
                                            and cp % u == 0)]
+
+
+def _pipe_choices(cfg: ModelConfig, work: Workload, space: SearchSpace, pp: int, vpp: int,
+                  eps: list[int]) -> Iterator[tuple[tuple[str, int], int, str]]:
+    """((schedule, in-flight bound), ep, pipeline split) to try for one (pp, vpp): the
+    splits per schedule shape (``plan.splits.searched_splits``)."""
+    for (sched, bound), ep in itertools.product(_schedules(pp, vpp, space), eps):
+        vshape = pp > 1 and sched in VSHAPED
+        for psplit in searched_splits(cfg, pp, vpp, work.seq_len, vshape,
+                                      space.pipeline_split):
+            yield (sched, bound), ep, psplit
 
 
 def _rejecter(invalid: dict[str, int]):
@@ -279,50 +289,6 @@ def _dp_splits(dp: int, space: SearchSpace, cp: int = 1) -> Iterator[tuple[int, 
         for dp_r in space.dp_replicate or _divisors(dp):
             if dp % dp_r == 0 and dp // dp_r * cp > 1:
                 yield zero, dp_r
-
-
-def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: StepPrediction,
-                    cluster: Cluster, work: Workload | None = None) -> tuple[str, ...]:
-    """What a user should know before launching ``lay`` (with ``work``: batch-size effects)."""
-    out = []
-    if work is not None:
-        m = microbatches(lay, work)
-        if lay.pp > 1 and m < lay.pp:
-            out.append(f"{m} microbatches for pp={lay.pp} stages: the pipeline never fills "
-                       f"(1F1B wants >= {lay.pp}, the bubble is small from about {4 * lay.pp})")
-        if work.global_batch // lay.dp == 1:
-            out.append(f"dp={lay.dp} leaves one sequence per replica: no accumulation to hide "
-                       "the gradient reduction behind, and a larger dp cannot be used")
-    if "tp" in step.inter_node_axes:
-        out.append(f"tp crosses nodes (tp={lay.tp} > {cluster.gpus_per_node} GPUs per node)")
-    if "cp" in step.inter_node_axes:
-        out.append(f"cp crosses nodes (cp·tp={lay.cp * lay.tp} > {cluster.gpus_per_node} GPUs "
-                   "per node): K/V move over the network")
-    if "ep" in step.inter_node_axes:
-        out.append(f"ep crosses nodes (ep·tp={lay.ep * lay.tp} > {cluster.gpus_per_node} GPUs "
-                   "per node): " + ("each token crosses the network once per destination node"
-                                    " (hierarchical dispatch)" if lay.ep_dispatch ==
-                                    "hierarchical" else "the all-to-alls of every MoE layer "
-                                    "go over the network"))
-    over = {lv.name: lv.oversubscription for lv in cluster.topology()}
-    for axis, level in step.axis_levels:
-        if axis in ("dp_replicate", "dp_shard") and over.get(level, 1.0) > 1:
-            out.append(f"{axis}={lay.axis_size(axis)} collectives cross the {level} level, "
-                       f"oversubscribed 1:{over[level]:g}")
-    if step.bubble_fraction > BUBBLE_WARN:
-        out.append(f"pipeline bubble {step.bubble_fraction:.0%} > {BUBBLE_WARN:.0%}")
-    if mem.total > MEMORY_WARN * cluster.hardware.memory_bytes:
-        out.append(f"within {1 - MEMORY_WARN:.0%} of the memory limit")
-    if lay.offload_optimizer:
-        out.append(f"optimizer offload: {mem.host_total * cluster.gpus_per_node / 1e9:.0f} GB "
-                   f"of host memory per node ({mem.host_total / 1e9:.1f} per GPU), "
-                   f"{step.offload_s:.2f} s of PCIe copies per step")
-    sh = tp_shard(cfg, lay.tp)
-    if sh.kv_replicas > 1:
-        out.append(f"{cfg.num_key_value_heads} kv heads replicated {sh.kv_replicas}x over tp")
-    if cfg.intermediate_size % lay.tp:
-        out.append(f"intermediate size {cfg.intermediate_size} padded to {sh.ffn}·tp")
-    return tuple(out)
 
 
 def search(cfg: ModelConfig, cluster: Cluster, work: Workload,

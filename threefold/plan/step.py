@@ -144,6 +144,9 @@ class StepPrediction:
     # the overlap model, stated: (axis, op, what hides it, seconds per step in all, seconds
     # of it exposed) for each kind of collective of the slowest stage (``OVERLAP_RULES``)
     overlap: tuple[tuple[str, str, str, float, float], ...] = ()
+    # the slowest stage's compute over the mean rank's (1 without a pipeline): what an uneven
+    # split, the head, the embedding or dense first blocks cost
+    stage_imbalance: float = 1.0
 
 
 # What each collective's ``overlap`` tag (threefold.accounting.traffic) hides behind.
@@ -189,6 +192,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         opt_s, off_s = offload_step_seconds(cfg, layout, work, cluster)
     step = ideal + bubble + dp_step + opt_s + off_s
     comp, exp, _, ledger = parts[slow]
+    mean = sum(parts[st][0] * stage_multiplicity(cfg, layout, st) for st in parts) / layout.pp
     stated = tuple((axis, op, rule, tot * (1 if rule in ("last", "step") else m),
                     left * (1 if rule in ("last", "step") else m))
                    for (axis, op, rule), (tot, left) in ledger.items())
@@ -207,7 +211,8 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
         cp_exposed_s=m * exp["cp"], ep_exposed_s=m * exp["ep"],
         axis_levels=tuple((a, links[a].level) for a in AXES + ("ep",) + (
             EP_LEVELS if layout.ep_dispatch == "hierarchical" else ())
-            if layout.axis_size(a) > 1), overlap=stated)
+            if layout.axis_size(a) > 1), overlap=stated,
+        stage_imbalance=comp / mean if mean else 1.0)
 
 
 def _stage_times(cfg: ModelConfig, layout: Layout, work: Workload, rate: float, hbm: float,

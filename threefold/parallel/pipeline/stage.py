@@ -30,6 +30,7 @@ from threefold.config import ModelConfig
 from threefold.model.head_loss import LMHead
 from threefold.model.decoder import CausalLM, family_class
 from threefold.model.mtp import is_mtp
+from threefold.model.moe import SparseMoeBlock
 from threefold.schedules.actions import rank_stage
 from threefold.schedules.balance import partition, runs_of, split_counts
 from threefold.parallel.placement import place
@@ -62,6 +63,19 @@ def _linear_weights(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
+def _routed_weights(layer: nn.Module) -> int:
+    """Weights of a mixture of experts' router and of the k experts each token is routed to:
+    3-D tensors, not nn.Linear layers, yet most of an MoE block's FLOPs (DeepSeek-V3's 8
+    routed experts are 8x its shared expert), so a FLOPs balance that left them out would
+    take a dense first block for about two MoE blocks."""
+    moe = getattr(layer, "mlp", None)
+    if not isinstance(moe, SparseMoeBlock):
+        return 0
+    ex = moe.experts
+    per_expert = ex.gate_up_proj.shape[1:].numel() + ex.down_proj.shape[1:].numel()
+    return moe.gate.weight.numel() + moe.top_k * per_expert
+
+
 def stage_costs(model: CausalLM, balance: str = "params",
                 seq_len: int | None = None) -> tuple[list[float], float, float]:
     """(cost of each block, extra cost of the first stage, extra cost of the last stage),
@@ -86,7 +100,8 @@ def stage_costs(model: CausalLM, balance: str = "params",
                                      else count(model.lm_head))
                 + sum(map(count, mtp)) + (count(inner.embed_tokens) if mtp else 0.0))
     t = seq_len or model.cfg.max_position_embeddings
-    flops = [6.0 * _linear_weights(layer) + 6.0 * layer.self_attn.score_features() * t
+    flops = [6.0 * (_linear_weights(layer) + _routed_weights(layer))
+             + 6.0 * layer.self_attn.score_features() * t
              for layer in inner.layers]
     head = 6.0 * model.lm_head.weight.numel()
     return flops[:len(main)], 0.0, head * (1 + len(mtp)) + sum(flops[len(main):])
