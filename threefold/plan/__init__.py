@@ -6,8 +6,11 @@ Modules, bottom up: ``cluster`` (clusters of catalogue GPUs), ``network`` (where
 axis runs), ``collectives`` (their times), ``calibrate`` (this machine measured), ``baseline``
 (a CPU process's own bytes: interpreter, torch, tokenizer, data), ``compute`` (FLOPs and
 compute time), ``step`` (the step time: bubble, communication and overlap), ``states`` /
-``activations`` / ``memory`` / ``startup`` / ``terms`` (bytes per rank), ``candidates`` and
-``search`` (the layouts searched and ranked), ``report`` (table, JSON, explanations). The
+``activations`` / ``selective`` / ``mlp_tiling`` / ``mtp_bytes`` / ``moe_memory`` /
+``memory`` / ``startup`` / ``terms`` (bytes per rank), ``rollout_engine`` (GRPO's colocated
+engine), ``candidates``, ``splits`` and ``search`` (the layouts searched and ranked),
+``longest`` (the longest sequence that fits), ``traps`` (what to know before launch),
+``report`` (table, JSON, explanations). The
 command is ``threefold.commands.planning``, the dry run ``threefold.launch.dryrun``. Nothing
 is imported here, so that a module that needs one part loads only that part.
 """
