@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_twin
+from threefold.config import ModelConfig
 from threefold.model.decoder import CausalLM
 
 WINDOW = 7  # shorter than the prompts and the generation below
@@ -154,3 +155,92 @@ def test_mxfp4_experts_import_exactly_and_by_region(tmp_path):
     ids = torch.randint(0, 300, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(ids), hf(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_presets_count_the_published_totals():
+    """gpt-oss-120b and gpt-oss-20b as the planner counts them: OpenAI's model card gives
+    116.8B and 20.9B parameters, 5.1B and 3.6B active per token (the embedding left out,
+    the unembedding in); the model built on the meta device holds what the accounting says,
+    in its registration order."""
+    from threefold.accounting import active_parameters, num_parameters
+    from threefold.accounting import block_parameter_numels
+
+    for name, total, active in (("gpt-oss-120b", 116.8, 5.1), ("gpt-oss-20b", 20.9, 3.6)):
+        cfg = ModelConfig(preset=name).resolved()
+        assert round(num_parameters(cfg) / 1e9, 1) == total, name
+        embedding = cfg.vocab_size * cfg.hidden_size
+        assert round((active_parameters(cfg) - embedding) / 1e9, 1) == active, name
+        small = dataclasses.replace(cfg, num_hidden_layers=2)
+        with torch.device("meta"):
+            model = CausalLM(small)
+        assert sum(p.numel() for p in model.parameters()) == num_parameters(small)
+        assert list(block_parameter_numels(small, 1)) == [
+            p.numel() for p in model.model.layers[0].parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_block_activation_bytes_equal_autograd_saved_tensors(documents, dtype):
+    """One GPT-OSS block (sinks, windows, biases, the clamped experts) keeps for backward
+    what the planner counts, to the byte: the fused attention's count with the sink
+    attention's whole scores in its place (``threefold.plan.sink_bytes``), the experts' as a
+    mixture's, in a sliding block and a full one alike."""
+    import contextlib
+
+    from tests.test_tp_layer import SavedBytes
+    from threefold.accounting import layer_parameters_per_rank
+    from threefold.layout import Layout, Workload
+    from threefold.model.attention import document_mask, window_mask
+    from threefold.plan.activations import model_layer_activation_bytes
+    from threefold.plan.memory import moe_block_extra_bytes, moe_cast_weight_bytes
+
+    cfg = dataclasses.replace(ModelConfig(preset="gpt-oss-20b").resolved(), vocab_size=512,
+                              hidden_size=64, intermediate_size=64, num_attention_heads=8,
+                              num_key_value_heads=4, attention_head_dim=16,
+                              num_hidden_layers=2, num_local_experts=4,
+                              num_experts_per_tok=2, sliding_window=16)
+    model, tp = CausalLM(cfg), 1
+    b, s, h = 2, 64, cfg.hidden_size
+    x = torch.randn(b, s, h, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+    docs = document_mask(torch.tensor([[0] * 30 + [1] * 34] * b)) if documents else None
+    auto = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else \
+        contextlib.nullcontext()
+    d = 2 if dtype == torch.bfloat16 else 4
+    lay = Layout(tp=tp, microbatch_size=b)
+    work = Workload(s, b, precision="bf16" if d == 2 else "fp32", residual_bytes=4,
+                    master_bytes=4, document_mask=documents, backend_copies=True, eager=True)
+    want = model_layer_activation_bytes(cfg, lay, work) + moe_block_extra_bytes(cfg, lay, work)
+    want += 2 * 4 * b * s * cfg.head_dim if d == 4 else \
+        d * layer_parameters_per_rank(cfg, tp)[0] + moe_cast_weight_bytes(cfg, lay, work, 0) / 2
+    for block in model.model.layers:  # a sliding block, then a full one
+        with SavedBytes(list(model.parameters())) as saved, auto:
+            block(x, cos, sin, window_mask(docs, s, block.self_attn.window, x.device))
+        assert saved.total == want, block.self_attn.window
+
+
+def test_sinks_under_tensor_parallelism_keep_what_the_planner_counts():
+    """Under tp 2 a rank's sinks are its heads' and its scores those heads' only: what sinks
+    add to a block's saved bytes is the planner's sink term at the rank's head count."""
+    from tests.test_dryrun import _Loopback
+    from tests.test_tp_layer import SavedBytes
+    from threefold.layout import Layout, Workload
+    from threefold.parallel.transforms.tensor import apply_tensor_parallel
+    from threefold.plan.activations import model_layer_activation_bytes
+
+    b, s, saved, want = 2, 64, [], []
+    for sinks in (False, True):
+        cfg = ModelConfig(preset="tiny", vocab_size=512, num_local_experts=4,
+                          num_experts_per_tok=2, attention_sinks=sinks).resolved()
+        model = apply_tensor_parallel(CausalLM(cfg), _Loopback(2), False)
+        if sinks:  # the rank's 4 of the 8 heads
+            assert model.model.layers[0].self_attn.sinks.shape == (4,)
+        x = torch.randn(b, s, cfg.hidden_size, requires_grad=True)
+        cos, sin = model.model.rotary(torch.arange(s).expand(b, s))
+        with SavedBytes(list(model.parameters())) as kept:
+            model.model.layers[0](x, cos, sin)
+        saved.append(kept.total)
+        want.append(model_layer_activation_bytes(cfg, Layout(tp=2, microbatch_size=b),
+                                                 Workload(s, b, precision="fp32",
+                                                          residual_bytes=4)))
+    assert saved[1] - saved[0] == want[1] - want[0] > 0

@@ -208,8 +208,8 @@ class Attention(nn.Module):
         self.rope_fp32 = cfg.rope_fp32
         # the scores' scale: 1/sqrt(head width), or Gemma 3's 1/sqrt(query_pre_attn_scalar)
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
-        # GPT-OSS's sinks: one logit per query head in every softmax's denominator
-        # (registered last; tensor parallelism keeps a rank's heads' sinks)
+        # GPT-OSS's sinks: one logit per query head in every softmax's denominator (tensor
+        # parallelism keeps a rank's heads' sinks)
         self.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads)) \
             if cfg.attention_sinks else None
 

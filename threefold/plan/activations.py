@@ -12,6 +12,7 @@ from threefold.accounting.counts import norms_per_block
 from threefold.accounting import tp_shard
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
+from threefold.plan.sink_bytes import sink_attention_bytes
 from threefold.schedules.registry import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
@@ -232,7 +233,8 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
                                   layout.cp_algorithm)
-    kept += block_document_mask_bytes(cfg, layout, work)
+    kept += sink_attention_bytes(cfg, layout, work) if cfg.attention_sinks else \
+        block_document_mask_bytes(cfg, layout, work)
     kept += fp8_scale_bytes(cfg, work)
     kept += gemma_extra_bytes(cfg, layout, work, b * local, sh.ffn)
     if cfg.qk_norm:

@@ -38,6 +38,7 @@ from threefold.layout.rules.pipeline_rules import (
 )
 from threefold.layout.rules.sequence_rules import (
     cp_attention,
+    cp_attention_sinks,
     selective_without_cp,
     seq_len_over_cp,
     sequence_parallel_tokens,
@@ -70,6 +71,7 @@ __all__ = [
     "bf16_params_need_zero",
     "block_counts_need_pp",
     "cp_attention",
+    "cp_attention_sinks",
     "divides_world",
     "ep_divides_dp_shard",
     "ep_divides_experts",

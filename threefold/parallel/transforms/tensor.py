@@ -134,6 +134,21 @@ class ReplicatedLinear(nn.Linear):
         return f"{super().extra_repr()}, whole on every tp rank"
 
 
+class RowParallelBiasLinear(nn.Linear):
+    """A row-parallel projection with a bias (GPT-OSS's o_proj): the ranks' partial outputs
+    are summed over tp, so the bias joins on tp rank 0 alone (0 · bias elsewhere, for a zero
+    gradient); its gradient, whole on rank 0, is summed over tp."""
+
+    first = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of the projection, the bias on the first rank."""
+        return F.linear(x, self.weight, self.bias if self.first else 0.0 * self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, bias on tp rank 0"
+
+
 class SequenceParallelRMSNorm(RMSNorm):
     """RMSNorm over this rank's tokens (sequence parallelism), or over this rank's heads (a
     Qwen3 q/k norm): its weight's gradient is the sum over the tp ranks'."""
@@ -306,6 +321,9 @@ def _shard_weights(model: CausalLM, comm, sp: bool) -> None:
             _shard_adapter(module, "column", comm)
         elif style == "row":
             _set_weight(module, _shard_rows(w.t(), r, t).t(), 1, w.shape[1], r, t)
+            if module.bias is not None:  # (GPT-OSS's o_proj)
+                place(module.bias, tp_grad_reduced=True)
+                become(module, RowParallelBiasLinear, first=r == 0)
             _shard_adapter(module, "row", comm)
 
 
@@ -386,6 +404,11 @@ def apply_tensor_parallel(model: CausalLM, comm, sequence_parallel: bool = False
             norms += layer.residual_norms()
         if hasattr(layer.self_attn, "kv_a_proj_with_mqa"):  # latent attention's latents
             norms += _replicate_latents(layer.self_attn, comm)
+        sinks = getattr(layer.self_attn, "sinks", None)
+        if sinks is not None:  # GPT-OSS: this rank's heads' sinks
+            _set_weight(layer.self_attn, _shard_rows(sinks.detach(), comm.rank(AXIS),
+                                                     comm.size(AXIS)),
+                        0, sinks.shape[0], comm.rank(AXIS), comm.size(AXIS), "sinks")
         if layer.self_attn.qk_norm == "head":  # per-head norms over this rank's heads only
             norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         elif layer.self_attn.qk_norm == "projection":

@@ -1,0 +1,26 @@
+"""What attention with sinks (GPT-OSS, ``threefold.model.attention.sink_attention``) keeps for
+backward beyond the fused kernel's count in ``threefold.plan.activations``: no fused kernel
+takes the sink's extra logit, so the scores are made whole.
+"""
+
+from __future__ import annotations
+
+from threefold.accounting import local_seq_len, tp_shard
+from threefold.config import ModelConfig
+from threefold.layout import Layout, Workload
+
+
+def sink_attention_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """One block's attention with sinks, per rank and microbatch, less what
+    ``block_activation_bytes`` counts for the fused kernel (whose 4-byte log-sum-exp per head
+    it does not keep), in place of ``block_document_mask_bytes``. Per token: K and V repeated
+    to the query heads, d·2·(heads − kv heads)·head_dim, and the softmax's output over the
+    keys and the sink, d·heads·(s + 1); once per block the boolean mask it fills (s² bytes,
+    b·s² with packed documents: the causal mask it builds, the window's, or the documents').
+    Measured to the byte against autograd's saved tensors (fp32 and bf16 autocast,
+    tests/test_gpt_oss.py). Heads are this tp rank's."""
+    sh, b = tp_shard(cfg, layout.tp), layout.microbatch_size
+    s, d = local_seq_len(layout, work), work.act_bytes
+    per_token = d * (2 * (sh.heads - sh.kv_heads) * cfg.head_dim + sh.heads * (s + 1)) \
+        - 4 * sh.heads
+    return float(b * s * per_token + (b if work.document_mask else 1) * s * s)
