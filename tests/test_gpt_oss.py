@@ -244,3 +244,65 @@ def test_sinks_under_tensor_parallelism_keep_what_the_planner_counts():
                                                  Workload(s, b, precision="fp32",
                                                           residual_bytes=4)))
     assert saved[1] - saved[0] == want[1] - want[0] > 0
+
+
+TRAIN = {"model__family": "gpt_oss", "model__num_local_experts": 4,
+         "model__num_experts_per_tok": 2, "model__intermediate_size": 64,
+         "model__qkv_bias": "true", "model__attention_out_bias": "true",
+         "model__attention_sinks": "true", "model__moe_bias": "true",
+         "model__moe_activation": "clamped_swiglu", "model__swiglu_limit": 0.05,
+         "model__norm_fp32_weight": "true", "model__sliding_window": 8,
+         "model__sliding_window_pattern": 2, "model__rope_scaling": "yarn",
+         "model__rope_scaling_factor": 4.0, "model__original_max_position_embeddings": 16,
+         "model__yarn_truncate": "false", "model__router_aux_loss_per_layer": "true",
+         "train__micro_batch_size": 4, "train__steps": 3}
+LAYOUTS = [("dp2", {}), ("zero3", {"parallel__zero_stage": 3}), ("tp2", {"parallel__tp": 2}),
+           ("pp2", {"parallel__pp": 2}), ("ep2", {"parallel__ep": 2})]
+
+
+def _overrides(corpus, cache, out, **extra):
+    from tests.conftest import tiny_overrides
+
+    return tiny_overrides(corpus, cache, out, **{**TRAIN, **extra})
+
+
+@pytest.mark.slow
+def test_layouts_equal_single_process_and_the_planner_counts(corpus, cache_dir, tmp_path):
+    """DP, ZeRO-3, TP 2 (each rank its heads' sinks, o_proj's bias on one rank), PP 2 and
+    EP 2 (each rank its experts' biases) train as one process does (the sinks and biases
+    move from 0, the clamp acting), with the bytes per axis the planner says."""
+    import functools
+
+    from tests.conftest import final_weights, metrics
+    from tests.dist import run_distributed, train_runs
+    from threefold.accounting import comm_bytes_per_step, num_parameters
+    from threefold.config import load_config
+    from threefold.launch.dryrun import predict
+    from threefold.layout import Layout, Workload
+    from threefold.training.train import train
+
+    over = functools.partial(_overrides, corpus, cache_dir)
+    _, run = train(load_config(None, over(tmp_path / "single")), return_run=True)
+    assert run.model_cfg.family == "gpt_oss"
+    assert num_parameters(run.model_cfg) == sum(p.numel() for p in run.engine.model.parameters())
+    run_distributed(train_runs, 2, over, tmp_path, LAYOUTS, timeout=300)
+    ref, ref_w = metrics(tmp_path / "single"), final_weights(tmp_path / "single")
+    for key in ("self_attn.sinks", "self_attn.o_proj.bias", "mlp.gate.bias",
+                "experts.gate_up_proj_bias", "experts.down_proj_bias"):
+        assert ref_w[f"model.layers.0.{key.replace('experts', 'mlp.experts')}"].abs().max() > 0
+    for name, extra in LAYOUTS:
+        got = metrics(tmp_path / name)
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), \
+            name
+        w = final_weights(tmp_path / name)
+        for k, v in ref_w.items():
+            torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+        cfg = load_config(None, over(tmp_path / f"{name}-plan", **extra))
+        want = comm_bytes_per_step(cfg.model.resolved(cfg.data.vocab_size),
+                                   Layout.from_config(cfg, 2), Workload.from_config(cfg), 0)
+        moved = {a: v for a, v in json.loads((tmp_path / name / "summary.json").read_text())
+                 ["comm_bytes_per_step"].items() if v}
+        # ep's all-to-alls carry the rows the routing sends, which the planner takes as even
+        assert moved.pop("ep", 0) == pytest.approx(want["ep"], rel=0.1), name
+        assert moved == {a: v for a, v in want.items() if v and a != "ep"}, name
+        assert predict(cfg, 2).comm_bytes == want, name

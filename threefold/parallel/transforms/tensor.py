@@ -136,14 +136,17 @@ class ReplicatedLinear(nn.Linear):
 
 class RowParallelBiasLinear(nn.Linear):
     """A row-parallel projection with a bias (GPT-OSS's o_proj): the ranks' partial outputs
-    are summed over tp, so the bias joins on tp rank 0 alone (0 · bias elsewhere, for a zero
-    gradient); its gradient, whole on rank 0, is summed over tp."""
+    are summed over tp, so the bias joins on tp rank 0 alone. The others add
+    bias − bias.detach(), exactly 0, through which the output's gradient (the same on every
+    rank: g's backward copies it) still reaches the bias, so every rank holds the whole
+    gradient without a collective."""
 
     first = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's columns of the projection, the bias on the first rank."""
-        return F.linear(x, self.weight, self.bias if self.first else 0.0 * self.bias)
+        bias = self.bias if self.first else self.bias - self.bias.detach()
+        return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, bias on tp rank 0"
@@ -322,7 +325,6 @@ def _shard_weights(model: CausalLM, comm, sp: bool) -> None:
         elif style == "row":
             _set_weight(module, _shard_rows(w.t(), r, t).t(), 1, w.shape[1], r, t)
             if module.bias is not None:  # (GPT-OSS's o_proj)
-                place(module.bias, tp_grad_reduced=True)
                 become(module, RowParallelBiasLinear, first=r == 0)
             _shard_adapter(module, "row", comm)
 
