@@ -306,3 +306,32 @@ def test_layouts_equal_single_process_and_the_planner_counts(corpus, cache_dir, 
         assert moved.pop("ep", 0) == pytest.approx(want["ep"], rel=0.1), name
         assert moved == {a: v for a, v in want.items() if v and a != "ep"}, name
         assert predict(cfg, 2).comm_bytes == want, name
+
+
+def test_selective_recompute_with_sinks_keeps_what_the_planner_counts(monkeypatch):
+    """Under selective recompute a block with sinks keeps its input and the matmuls' outputs
+    (the sink attention's products are recomputed with its scores): to the byte the
+    planner's selective count."""
+    from tests.test_plan_moe import _first_block_saved, _kept_bytes
+    from threefold.layout import Layout, Workload
+    from threefold.parallel.transforms import recompute
+    from threefold.plan.activations import model_layer_activation_bytes
+
+    keeps = []
+    init = recompute._Keep.__init__
+    monkeypatch.setattr(recompute._Keep, "__init__",
+                        lambda self, kept: (keeps.append(kept), init(self, kept))[1])
+    cfg = ModelConfig(preset="tiny", vocab_size=512, num_local_experts=8,
+                      num_experts_per_tok=2, attention_sinks=True, moe_bias=True,
+                      moe_activation="clamped_swiglu").resolved()
+    model = CausalLM(cfg)
+    recompute.apply_recompute(model, "selective")
+    b, s, h = 2, 64, cfg.hidden_size
+    saved, x = _first_block_saved(model, b, s, h, torch.float32)
+    rope = 2 * 4 * b * s * cfg.head_dim
+    assert saved.total == 4 * b * s * h + rope  # autograd saves the checkpoint's inputs only
+    work = Workload(seq_len=s, global_batch=b, precision="fp32", residual_bytes=4,
+                    master_bytes=4)
+    got = saved.total + _kept_bytes(keeps[0], [x, *model.parameters()])
+    assert got - rope == model_layer_activation_bytes(
+        cfg, Layout(microbatch_size=b, recompute="selective"), work)

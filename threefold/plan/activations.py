@@ -12,7 +12,7 @@ from threefold.accounting.counts import norms_per_block
 from threefold.accounting import tp_shard
 from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
-from threefold.plan.sink_bytes import sink_attention_bytes
+from threefold.plan.sink_bytes import selective_sink_bytes, sink_attention_bytes
 from threefold.schedules.registry import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
@@ -228,7 +228,8 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
         return selective_block_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                      cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                      work.resid_bytes, work.flash_attention) \
-            + selective_moe_extra_bytes(cfg, layout, work, b * local, sh.ffn)
+            + selective_moe_extra_bytes(cfg, layout, work, b * local, sh.ffn) \
+            + (selective_sink_bytes(cfg, layout, work) if cfg.attention_sinks else 0.0)
     kept = block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, work.flash_attention, s, layout.cp,

@@ -24,3 +24,13 @@ def sink_attention_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> fl
     per_token = d * (2 * (sh.heads - sh.kv_heads) * cfg.head_dim + sh.heads * (s + 1)) \
         - 4 * sh.heads
     return float(b * s * per_token + (b if work.document_mask else 1) * s * s)
+
+
+def selective_sink_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
+    """What selective recompute keeps less with sinks than ``selective_block_bytes`` counts
+    (a negative number): it keeps the fused kernel's output and log-sum-exp, d·head_dim + 4
+    per head and token, but the sink attention's products are no kernel it keeps
+    (``threefold.parallel.transforms.recompute``): they are recomputed with the scores."""
+    sh, b = tp_shard(cfg, layout.tp), layout.microbatch_size
+    tokens = b * local_seq_len(layout, work)
+    return -float(tokens * sh.heads * (work.act_bytes * cfg.head_dim + 4))
