@@ -335,3 +335,30 @@ def test_selective_recompute_with_sinks_keeps_what_the_planner_counts(monkeypatc
     got = saved.total + _kept_bytes(keeps[0], [x, *model.parameters()])
     assert got - rope == model_layer_activation_bytes(
         cfg, Layout(microbatch_size=b, recompute="selective"), work)
+
+
+def test_a_published_config_reads_as_the_preset():
+    """gpt-oss-20b's config.json as OpenAI publishes it (RoPE in 4.x's rope_theta and
+    rope_scaling, YaRN untruncated, MXFP4 experts) reads as the gpt-oss-20b preset, but for
+    the load-balancing loss's weight, which the preset leaves at transformers' default;
+    another quantisation is refused by name."""
+    from threefold.weights.hf_config import HFError, model_config_from_hf
+
+    conf = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+            "attention_bias": True, "attention_dropout": 0.0, "head_dim": 64,
+            "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880,
+            "layer_types": ["sliding_attention", "full_attention"] * 12,
+            "max_position_embeddings": 131072, "num_attention_heads": 64,
+            "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+            "num_local_experts": 32, "quantization_config": {"quant_method": "mxfp4"},
+            "rms_norm_eps": 1e-05, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+            "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                             "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                             "truncate": False},
+            "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+            "vocab_size": 201088}
+    got = model_config_from_hf(conf)
+    assert got == dataclasses.replace(ModelConfig(preset="gpt-oss-20b").resolved(),
+                                      preset="tiny", router_aux_loss_coef=0.9)
+    with pytest.raises(HFError, match="quantization_config.*MXFP4"):
+        model_config_from_hf({**conf, "quantization_config": {"quant_method": "fp8"}})

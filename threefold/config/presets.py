@@ -82,7 +82,8 @@ GPT_OSS_SHAPE = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880
                      yarn_truncate=False, max_position_embeddings=131072,
                      tie_word_embeddings=False, qkv_bias=True, attention_out_bias=True,
                      attention_sinks=True, moe_bias=True, moe_activation="clamped_swiglu",
-                     norm_fp32_weight=True, norm_topk_prob=True, router_aux_loss_coef=0.001,
+                     norm_fp32_weight=True, norm_topk_prob=True,
+                     router_aux_loss_coef=0.001,  # (transformers' default, not OpenAI's)
                      family="gpt_oss")
 MODEL_PRESETS["gpt-oss-120b"] = dict(GPT_OSS_SHAPE, num_hidden_layers=36, num_local_experts=128)
 MODEL_PRESETS["gpt-oss-20b"] = dict(GPT_OSS_SHAPE, num_hidden_layers=24, num_local_experts=32)
