@@ -282,9 +282,9 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     """Attention whose softmax has one more logit per head, ``sinks[h]``, that takes no value:
     p_ij = exp(s_ij) / (exp(sink_h) + Σ_j exp(s_ij)), so a query may attend to nothing (GPT-OSS;
     Xiao et al.'s attention sinks, arXiv 2309.17453, learned). No fused kernel takes the extra
-    logit, so the scores are made whole: backward keeps q, the repeated k and v, the
-    probabilities (B, heads, T, keys + 1) and the mask (``threefold.plan.activations`` counts
-    them). ``attn_mask`` None is causal, queries being the last T of the keys."""
+    logit, so the scores are made whole: backward keeps q, the repeated k and v, the fp32
+    probabilities (B, heads, T, keys + 1) and their copy in v's dtype, and the mask
+    (``threefold.plan.sink_bytes`` counts them). ``attn_mask`` None is causal, queries being the last T of the keys."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -294,8 +294,10 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
     scores = scores.masked_fill(~attn_mask, float("-inf"))
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)
-    return torch.matmul(probs[..., :-1], v)
+    # the softmax in fp32 whatever the device's autocast would choose, so that what it keeps
+    # (and the planner counts) is the same on a CPU and a GPU
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1].to(v.dtype), v)
 
 
 def layer_is_sliding(cfg: ModelConfig, layer: int) -> bool:

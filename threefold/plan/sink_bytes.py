@@ -14,15 +14,16 @@ def sink_attention_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> fl
     """One block's attention with sinks, per rank and microbatch, less what
     ``block_activation_bytes`` counts for the fused kernel (whose 4-byte log-sum-exp per head
     it does not keep), in place of ``block_document_mask_bytes``. Per token: K and V repeated
-    to the query heads, d·2·(heads − kv heads)·head_dim, and the softmax's output over the
-    keys and the sink, d·heads·(s + 1); once per block the boolean mask it fills (s² bytes,
+    to the query heads, d·2·(heads − kv heads)·head_dim, and the softmax's fp32 output over
+    the keys and the sink, 4·heads·(s + 1), with its copy in d bytes below fp32
+    (d·heads·s); once per block the boolean mask it fills (s² bytes,
     b·s² with packed documents: the causal mask it builds, the window's, or the documents').
     Measured to the byte against autograd's saved tensors (fp32 and bf16 autocast,
     tests/test_gpt_oss.py). Heads are this tp rank's."""
     sh, b = tp_shard(cfg, layout.tp), layout.microbatch_size
     s, d = local_seq_len(layout, work), work.act_bytes
-    per_token = d * (2 * (sh.heads - sh.kv_heads) * cfg.head_dim + sh.heads * (s + 1)) \
-        - 4 * sh.heads
+    probs = 4 * (s + 1) + (d * s if d != 4 else 0)  # fp32, and its cast for the product
+    per_token = d * 2 * (sh.heads - sh.kv_heads) * cfg.head_dim + sh.heads * (probs - 4)
     return float(b * s * per_token + (b if work.document_mask else 1) * s * s)
 
 
