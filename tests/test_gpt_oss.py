@@ -85,16 +85,16 @@ def test_logits_equal_transformers_and_convert_round_trips(twin, tmp_path):
 
 
 def test_generation_past_the_window_equals_transformers(twin):
-    """The KV cache with sinks and the window: 12 greedy tokens after 10 (window 7) equal
+    """The KV cache with sinks and the window: 9 greedy tokens after 10 (window 7) equal
     transformers'; a left-padded batch row gives the tokens it gives alone."""
     from threefold.generation.generate import generate
 
     hf, model = twin[0], twin[4]
     prompt = torch.randint(0, 300, (1, 10))
     with torch.no_grad():
-        want = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
-        got = generate(model.eval(), prompt.tolist(), max_new_tokens=12)
-        both = generate(model, [prompt[0, 3:].tolist(), prompt[0].tolist()], max_new_tokens=12)
+        want = hf.generate(prompt, max_new_tokens=9, do_sample=False, min_new_tokens=9)
+        got = generate(model.eval(), prompt.tolist(), max_new_tokens=9)
+        both = generate(model, [prompt[0, 3:].tolist(), prompt[0].tolist()], max_new_tokens=9)
     assert got.tokens == want[:, 10:].tolist()
     assert both.tokens[1] == got.tokens[0]
 
@@ -120,6 +120,7 @@ def test_mxfp4_experts_import_exactly_and_by_region(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from threefold.weights import HFSource
+    from threefold.weights.hf_config import HFError
 
     hf = hf_gpt_oss(hidden_size=64, intermediate_size=64)
     hf.save_pretrained(tmp_path / "bf16")
@@ -152,6 +153,11 @@ def test_mxfp4_experts_import_exactly_and_by_region(tmp_path):
     assert src.bytes_read - before == 2 * 128 * (64 // 2 + 64 // 32)  # theirs alone
     model = CausalLM(src.config)
     model.load_state_dict(src.tensors())
+    scales = files.pop(name + "_scales")  # a folder without them is refused by name
+    save_file(files, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFError, match=f"{name}_scales is missing"):
+        HFSource(folder)
+    files[name + "_scales"] = scales
     ids = torch.randint(0, 300, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(ids), hf(ids).logits, rtol=0, atol=1e-5)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from threefold.weights.hf_config import HFError
 from threefold.weights.mxfp4 import BLOCK, dequantise
 
 EXPERTS = "mlp.experts."
@@ -100,7 +101,8 @@ def gpt_oss_entries(cfg, entries: dict, part_of) -> None:
                 path, key, _, dtype = part_of(stored)
                 entries["model", name] = ExpertFileTensor(
                     (e, rows, cols), dtype, path, key, f, gate_up, transposed=True)
-            elif blocks is not None and scales is not None:
+            elif blocks is not None or scales is not None:
+                _check_mxfp4(name, part_of, blocks, scales, (e, rows, cols // BLOCK))
                 path, key, _, _ = part_of(blocks)
                 entries["model", name] = ExpertFileTensor(
                     (e, rows, cols), torch.bfloat16, path, key, f, gate_up,
@@ -110,6 +112,20 @@ def gpt_oss_entries(cfg, entries: dict, part_of) -> None:
                 path, key, shape, dtype = part_of(bias)
                 entries["model", name + "_bias"] = ExpertFileTensor(
                     tuple(shape), dtype, path, key, f, interleaved=True)
+
+
+def _check_mxfp4(name: str, part_of, blocks, scales, groups: tuple[int, ...]) -> None:
+    """HFError naming the MXFP4 tensor of ``name`` that is missing or misshapen (blocks
+    (E, rows, cols / 32, 16), scales (E, rows, cols / 32))."""
+    for kind, entry, shape in (("_blocks", blocks, (*groups, BLOCK // 2)),
+                               ("_scales", scales, groups)):
+        if entry is None:
+            raise HFError(f"tensor {name}{kind} is missing (MXFP4 experts need blocks and "
+                          "scales)")
+        path, _, got, _ = part_of(entry)
+        if tuple(got) != shape:
+            raise HFError(f"{path}: tensor {name}{kind} has shape {tuple(got)}, the config "
+                          f"needs {shape}")
 
 
 def interleave(t: torch.Tensor) -> torch.Tensor:
