@@ -113,14 +113,12 @@ def _mxfp4(rows: int, cols: int, experts: int, gen: torch.Generator):
     return values, blocks, scales.to(torch.uint8)
 
 
-def test_mxfp4_experts_import_exactly_and_by_region(tmp_path):
-    """A folder as published (experts in MXFP4, gate and up rows alternating) imports as the
-    weights quantised, its logits transformers' on those weights; a box of experts reads
-    exactly those experts' blocks and scales."""
+def _mxfp4_folder(tmp_path):
+    """A folder as published, written here: (folder, its safetensors dict, the known expert
+    weights by name in the file's orientation, transformers' model holding them)."""
     from safetensors.torch import load_file, save_file
 
-    from threefold.weights import HFSource
-    from threefold.weights.hf_config import HFError
+    from threefold.data import train_bpe
 
     hf = hf_gpt_oss(hidden_size=64, intermediate_size=64)
     hf.save_pretrained(tmp_path / "bf16")
@@ -141,6 +139,20 @@ def test_mxfp4_experts_import_exactly_and_by_region(tmp_path):
     conf = json.loads((tmp_path / "bf16" / "config.json").read_text())
     conf["quantization_config"] = {"quant_method": "mxfp4"}
     (folder / "config.json").write_text(json.dumps(conf))
+    train_bpe(["a few words to learn merges from"] * 4, 300).save(str(folder / "tokenizer.json"))
+    return folder, files, known, hf
+
+
+def test_mxfp4_experts_import_exactly_and_by_region(tmp_path):
+    """A folder as published (experts in MXFP4, gate and up rows alternating) imports as the
+    weights quantised, its logits transformers' on those weights; a box of experts reads
+    exactly those experts' blocks and scales."""
+    from safetensors.torch import save_file
+
+    from threefold.weights import HFSource
+    from threefold.weights.hf_config import HFError
+
+    folder, files, known, hf = _mxfp4_folder(tmp_path)
     src = HFSource(folder)
     name = "model.layers.1.mlp.experts.gate_up_proj"
     gate_up = src.read(name)
@@ -368,3 +380,47 @@ def test_a_published_config_reads_as_the_preset():
                                       preset="tiny", router_aux_loss_coef=0.9)
     with pytest.raises(HFError, match="quantization_config.*MXFP4"):
         model_config_from_hf({**conf, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_an_ep_rank_starts_from_mxfp4_reading_its_experts_alone(corpus, cache_dir, tmp_path):
+    """Each rank of ep 2 (one at a time, on torch's fake process group: starting needs no
+    collective) starts from the MXFP4 folder: its experts hold exactly the known weights of
+    its half, and it reads every other tensor once and of the experts its own half's
+    blocks, scales and biases, nothing of the other half."""
+    import os
+
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
+
+    from tests.conftest import tiny_overrides
+    from tests.dist import local_object_collectives
+    from threefold.config import load_config
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.training.train import build_run
+
+    folder, files, known, _ = _mxfp4_folder(tmp_path)
+    total = sum(t.numel() * t.element_size() for t in files.values())
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in files.items()
+                       if ".mlp.experts." in n)
+    local_object_collectives(dist)
+    deinterleave = torch.cat((torch.arange(0, 128, 2), torch.arange(1, 128, 2)))
+    for r in range(2):
+        over = tiny_overrides(corpus, cache_dir, tmp_path / f"r{r}", parallel__ep=2,
+                              checkpoint__init_from=str(folder), data__seq_len=16,
+                              train__global_batch_size=2, train__micro_batch_size=1,
+                              model__router_aux_loss_per_layer="true")
+        cfg = load_config(None, [(k, v) for k, v in over if not k.startswith("model.")
+                                 or k == "model.router_aux_loss_per_layer"])
+        os.environ.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
+        dist.init_process_group("fake", store=dist.HashStore(), rank=r, world_size=2)
+        try:
+            run = build_run(cfg, Distributed(cfg))
+            experts = run.engine.model.model.layers[3].mlp.experts
+            name = "model.layers.3.mlp.experts."
+            assert torch.equal(experts.gate_up_proj.detach(),
+                               known[name + "gate_up_proj"][2 * r:2 * r + 2][:, deinterleave])
+            assert torch.equal(experts.down_proj.detach(),
+                               known[name + "down_proj"][2 * r:2 * r + 2])
+            assert run.memory["init_from_bytes_read"] == total - expert_bytes / 2
+        finally:
+            dist.destroy_process_group()
