@@ -115,7 +115,7 @@ def test_registry_reads_by_model_type_and_never_guesses(tmp_path):
 
     conf = _hf_model("mistral").config.to_dict()
     for kind, name in (("gemma3", "multimodal"), ("granite", "Granite"),
-                       ("qwen3_next", "Qwen3-Next"), ("gpt_oss", "GPT-OSS")):
+                       ("qwen3_next", "Qwen3-Next")):
         with pytest.raises(HFError, match=f"model_type='{kind}'.*{name}"):
             model_config_from_hf({**conf, "model_type": kind})
     with pytest.raises(HFError, match="sliding_window"):

@@ -183,7 +183,7 @@ def test_shape_mismatch_and_truncation_name_file_and_tensor(hf_folders, capsys):
 
 @pytest.mark.parametrize("change,field", [
     ({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),
-    ({"head_dim": 15}, "head_dim"), ({"model_type": "gpt_oss"}, "model_type"),
+    ({"head_dim": 15}, "head_dim"), ({"model_type": "granite"}, "model_type"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
 ])

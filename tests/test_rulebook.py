@@ -102,6 +102,11 @@ ROWS = [
     Row("cp_attention", {"model.sliding_window": 64, "parallel.cp": 2}, 2,
         "model.sliding_window: 64: context parallelism (parallel.cp=2) does not compute this "
         "attention yet; set parallel.cp 1", ("--cp", "2")),
+    Row("cp_attention_sinks", {"model.attention_sinks": True, "parallel.cp": 2}, 2,
+        "model.attention_sinks: true: context parallelism (parallel.cp=2) does not add the "
+        "sinks to its softmax yet; set parallel.cp 1",
+        "a model field plan takes from the model: GPT-OSS, the family with sinks, is a "
+        "mixture of experts, which experts_without_cp refuses under cp first"),
     Row("heads_over_tp", {"parallel.tp": 16}, 16,
         "model.num_attention_heads: 8 is not divisible by parallel.tp=16; this model splits "
         "over a tp in 1, 2, 4, 8 (with a world size that tp divides)", ("--tp", "16")),

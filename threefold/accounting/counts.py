@@ -11,7 +11,7 @@ from functools import lru_cache
 
 from threefold.config import ModelConfig
 from threefold.layout import rules
-from threefold.families.shapes import inactive_parameters, moe_layer_parameters
+from threefold.families.shapes import inactive_parameters, moe_layer_parameters, moe_layers
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,14 +77,16 @@ def norms_per_block(cfg: ModelConfig) -> int:
 
 
 def attention_extras(cfg: ModelConfig) -> int:
-    """A block's attention weights that are in no matmul: q/k/v biases (Qwen2), the q/k
-    norms (Qwen3's per head, OLMo 2's over the whole projections), latent attention's
+    """A block's attention weights that are in no matmul: q/k/v biases (Qwen2; o's too and
+    the sinks, GPT-OSS), the q/k norms (Qwen3's per head, OLMo 2's over the whole projections), latent attention's
     latent norms."""
     if cfg.kv_lora_rank:
         return cfg.q_lora_rank + cfg.kv_lora_rank
     hd = cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    bias = q + 2 * kv if cfg.qkv_bias else 0
+    bias = (q + 2 * kv if cfg.qkv_bias else 0) + (cfg.hidden_size if cfg.attention_out_bias
+                                                  else 0) \
+        + (cfg.num_attention_heads if cfg.attention_sinks else 0)  # GPT-OSS's o bias, sinks
     if not cfg.qk_norm:
         return bias
     return bias + (q + kv if cfg.qk_norm_over == "projection" else 2 * hd)
@@ -111,7 +113,17 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     h, v, d = cfg.hidden_size, cfg.vocab_size, cfg.num_nextn_predict_layers
     n = cfg.num_hidden_layers + d  # a multi-token-prediction module: a block, 3 norms, the head
     return blocks_parameters(cfg) - n * (norms_per_block(cfg) * h + attention_extras(cfg)) \
-        - 3 * d * h + (1 + d) * v * h - inactive_parameters(cfg)
+        - 3 * d * h + (1 + d) * v * h - inactive_parameters(cfg) \
+        - moe_layers(cfg) * moe_biases(cfg)
+
+
+def moe_biases(cfg: ModelConfig) -> int:
+    """A routed block's biases a token uses, in no matmul: the router's and its k experts'
+    (GPT-OSS; 0 without them)."""
+    if not cfg.moe_bias or not cfg.num_local_experts:
+        return 0
+    return cfg.num_local_experts + cfg.num_experts_per_tok * (2 * cfg.intermediate_size
+                                                              + cfg.hidden_size)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

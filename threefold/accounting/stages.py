@@ -32,11 +32,13 @@ def shape_key(cfg: ModelConfig) -> tuple:
 def attn_key(cfg: ModelConfig) -> tuple:
     """(head dim, q/k/v biases, q/k norms: "" none, "head" or "projection", the norm layout,
     latent attention's (q latent, kv latent, features without and with RoPE, value width) or
-    ()) of ``cfg``'s block."""
+    (), GPT-OSS's pieces (o_proj bias, sinks, router and expert biases)) of ``cfg``'s
+    block."""
     mla = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
            cfg.v_head_dim) if cfg.kv_lora_rank else ()
     return (cfg.head_dim, bool(cfg.qkv_bias), cfg.qk_norm_over if cfg.qk_norm else "",
-            cfg.norm_layout or "pre", mla)
+            cfg.norm_layout or "pre", mla,
+            (bool(cfg.attention_out_bias), bool(cfg.attention_sinks), bool(cfg.moe_bias)))
 
 
 def _latent_numels(h: int, heads: int, mla: tuple) -> tuple[int, ...]:
@@ -53,17 +55,21 @@ def _latent_numels(h: int, heads: int, mla: tuple) -> tuple[int, ...]:
 def _block_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int,
                   attn: tuple = ()) -> tuple[int, ...]:
     sh = tp_shard_for(h, a, kv, f, vocab, tp)
-    hd, bias, qk_norm, layout, mla = attn or (h // a, False, "", "pre", ())
+    hd, bias, qk_norm, layout, mla, oss = attn or (h // a, False, "", "pre", (), (False,) * 3)
     kv_rows = (kv * hd) if sh.kv_replicas > 1 else sh.kv_heads * hd  # replicated: whole
     q_rows = sh.heads * hd
     # registration order of threefold.model.decoder.DecoderLayer: input_layernorm (pre
-    # layout), q/k/v_proj (each weight, then its bias), o_proj, q/k_norm (per head: d; over
-    # the projection: this rank's rows), post_attention_layernorm, gate/up/down_proj,
-    # post_feedforward_layernorm (post and sandwich layouts)
+    # layout), the attention's own sinks (GPT-OSS: this rank's heads; a module's own
+    # parameters come before its children's), q/k/v_proj (each weight, then its bias),
+    # o_proj (its bias whole on every rank), q/k_norm (per head: d; over the projection: this
+    # rank's rows), post_attention_layernorm, gate/up/down_proj, post_feedforward_layernorm
+    # (post and sandwich layouts)
     proj = [(q_rows * h, q_rows), (kv_rows * h, kv_rows), (kv_rows * h, kv_rows)]
     qkv = tuple(x for w, b in proj for x in ((w, b) if bias else (w,)))
     norms = {"": (), "head": (hd, hd), "projection": (q_rows, sh.kv_heads * hd)}[qk_norm]
-    attention = (*(_latent_numels(h, sh.heads, mla) if mla else (*qkv, h * q_rows, *norms)),
+    out = (h * q_rows, h) if oss[0] else (h * q_rows,)
+    sinks = (sh.heads,) if oss[1] else ()
+    attention = (*(_latent_numels(h, sh.heads, mla) if mla else (*sinks, *qkv, *out, *norms)),
                  h)
     mlp = (sh.ffn * h, sh.ffn * h, h * sh.ffn)
     if layout == "post":
@@ -89,8 +95,10 @@ def _layer_numels(h: int, a: int, kv: int, f: int, vocab: int, tp: int, moe: tup
     if not e or dense:
         return _block_numels(h, a, kv, dense_f if e else f, vocab, tp, attn), ()
     block = _block_numels(h, a, kv, f, vocab, tp, attn)
-    router = (e * h,)
-    experts = ((e // ep) * 2 * f * h, (e // ep) * h * f)
+    biased = bool(attn) and attn[5][2]  # GPT-OSS: the router's bias, then the experts'
+    router = (e * h, e) if biased else (e * h,)
+    experts = ((e // ep) * 2 * f * h, (e // ep) * h * f,
+               *(((e // ep) * 2 * f, (e // ep) * h) if biased else ()))
     shared = (fs * h, fs * h, h * fs, *((h,) if gated else ())) if fs else ()
     post = (h,) if attn and attn[3] != "pre" else ()  # the norm after the MLP
     before = block[:len(block) - 3 - len(post)]

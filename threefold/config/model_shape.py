@@ -79,6 +79,19 @@ class ModelConfig:
                                       "the first ones (Phi-3); 1 = all")
     rope_local_theta: float = _f(0.0, "RoPE base of the sliding-window blocks (Gemma 3: "
                                  "10000); 0 = rope_theta")
+    yarn_truncate: bool = _f(True, "YaRN: the ramp's ends rounded to whole dimensions "
+                             "(DeepSeek); false: kept fractional (GPT-OSS)")
+    attention_sinks: bool = _f(False, "a learned logit per head that joins each query's "
+                               "softmax denominator and takes no value (GPT-OSS's sinks)")
+    attention_out_bias: bool = _f(False, "a bias on the attention's output projection o_proj "
+                                  "(GPT-OSS, whose attention_bias covers q, k, v and o)")
+    moe_bias: bool = _f(False, "biases on the router and on the experts' projections "
+                        "(GPT-OSS)")
+    moe_activation: str = _f("swiglu", "the experts' activation: swiglu, or clamped_swiglu "
+                             "(GPT-OSS: gate clamped above and up both ways at swiglu_limit, "
+                             "(up + 1) · gate · sigmoid(swiglu_alpha · gate))")
+    swiglu_alpha: float = _f(1.702, "clamped_swiglu: the sigmoid's gain")
+    swiglu_limit: float = _f(7.0, "clamped_swiglu: where gate and up are clamped")
     # (not compared: two configs that differ only in the name compute the same model)
     family: str | None = field(default=None, compare=False, metadata={
         "doc": "the Hugging Face model_type this model is and exports as (threefold.families "

@@ -71,6 +71,22 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                         max_position_embeddings=163840, tie_word_embeddings=False,
                         family="deepseek_v3"),
 }
+# openai/gpt-oss-120b and gpt-oss-20b config.json (OpenAI's model card: 116.8B parameters,
+# 5.1B active per token without the embedding; 20.9B, 3.6B): 36 or 24 blocks alternating a
+# 128-token window with full attention, 128 or 32 experts of which 4 per token
+GPT_OSS_SHAPE = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                     num_attention_heads=64, num_key_value_heads=8, attention_head_dim=64,
+                     num_experts_per_tok=4, sliding_window=128, sliding_window_pattern=2,
+                     rms_norm_eps=1e-5, rope_theta=150000.0, rope_scaling="yarn",
+                     rope_scaling_factor=32.0, original_max_position_embeddings=4096,
+                     yarn_truncate=False, max_position_embeddings=131072,
+                     tie_word_embeddings=False, qkv_bias=True, attention_out_bias=True,
+                     attention_sinks=True, moe_bias=True, moe_activation="clamped_swiglu",
+                     norm_fp32_weight=True, norm_topk_prob=True,
+                     router_aux_loss_coef=0.001,  # (transformers' default, not OpenAI's)
+                     family="gpt_oss")
+MODEL_PRESETS["gpt-oss-120b"] = dict(GPT_OSS_SHAPE, num_hidden_layers=36, num_local_experts=128)
+MODEL_PRESETS["gpt-oss-20b"] = dict(GPT_OSS_SHAPE, num_hidden_layers=24, num_local_experts=32)
 
 # (params in billions as published, heads, hidden, layers) — Narayanan et al. 2021, Table 1.
 GPT_SHAPES = {

@@ -36,7 +36,7 @@ FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
 # The model families' names (Hugging Face model_type), for the same reason: the registry,
 # threefold.families.FAMILIES, holds each family's spec and refuses to load unless it lists these.
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
-                  "olmo2", "gemma3_text", "phi3", "deepseek_v3")
+                  "olmo2", "gemma3_text", "phi3", "deepseek_v3", "gpt_oss")
 
 
 @dataclass

@@ -82,6 +82,7 @@ def _check_model_settings(m: ModelConfig) -> None:
               f"{getattr(m, name)}")
     _one_of("model.qk_norm_over", m.qk_norm_over, ["head", "projection"])
     _one_of("model.moe_impl", m.moe_impl, ["grouped", "loop"])
+    _one_of("model.moe_activation", m.moe_activation, ["swiglu", "clamped_swiglu"])
     _need(m.sliding_window >= 0, f"model.sliding_window: must be >= 0 (0 = none), got "
           f"{m.sliding_window}")
     if m.family is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from threefold.config import MODEL_FAMILIES, ModelConfig
 from threefold.families.deepseek_v3 import DEEPSEEK_V3
 from threefold.families.gemma3 import GEMMA3
+from threefold.families.gpt_oss import GPT_OSS
 from threefold.families.llama import LLAMA
 from threefold.families.mistral import MISTRAL
 from threefold.families.mixtral import MIXTRAL
@@ -21,7 +22,7 @@ from threefold.families.spec import LLAMA_TP_PLAN, Family, FamilyError, need
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     LLAMA, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, MISTRAL, OLMO2, GEMMA3, PHI3,
-    DEEPSEEK_V3)}
+    DEEPSEEK_V3, GPT_OSS)}
 # config names the families so that it can check model.family without importing this
 if tuple(FAMILIES) != MODEL_FAMILIES:
     raise ImportError(f"threefold.config.MODEL_FAMILIES {MODEL_FAMILIES} must list the "
@@ -32,7 +33,7 @@ REFUSED = {"gemma2": "Gemma 2",
            "gemma3": "Gemma 3's multimodal model (its text_config, model_type gemma3_text, "
                      "is built: save the text model alone)",
            "granite": "Granite",
-           "gpt_oss": "GPT-OSS", "qwen3_next": "Qwen3-Next"}
+           "qwen3_next": "Qwen3-Next"}
 
 __all__ = ["FAMILIES", "Family", "FamilyError", "family_for", "fused_files", "need",
            "spec_of", "tp_plan"]

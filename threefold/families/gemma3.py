@@ -4,13 +4,13 @@ norms (before and after each sub-layer) that scale by (1 + weight), per-head q/k
 and local sliding-window blocks, each with a RoPE base of its own, between global ones
 (``layer_types``, every ``sliding_window_pattern``-th block global)."""
 
-from threefold.families.llama import NOT_DEEPSEEK
+from threefold.families.llama import NOT_DEEPSEEK, PLAIN_BLOCKS
 from threefold.families.spec import Family, FamilyError, need
 
 ROPE_TYPES = ("default", "linear")
 
 
-def _pattern(c: dict, where: str) -> dict:
+def window_pattern(c: dict, where: str) -> dict:
     """The window fields from ``layer_types`` (or the older ``sliding_window_pattern``)."""
     n = c.get("num_hidden_layers", 0)
     kinds = c.get("layer_types") or [
@@ -63,7 +63,7 @@ def _read(c: dict, where: str) -> dict:
     need(c, where, isinstance(scalar, (int, float)) and scalar > 0 and scalar == int(scalar),
          "query_pre_attn_scalar", "a positive whole number is needed")
     return dict(query_pre_attn_scalar=int(scalar), hidden_act="gelu_tanh",
-                **_pattern(c, where), **_rope(c, where))
+                **window_pattern(c, where), **_rope(c, where))
 
 
 def _write(cfg) -> dict:
@@ -98,7 +98,7 @@ def _check(cfg) -> str | None:
 
 
 GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", read=_read, write=_write,
-                fixed=dict(**NOT_DEEPSEEK, qkv_bias=False, qk_norm=True, qk_norm_over="head",
+                fixed=dict(**NOT_DEEPSEEK, **PLAIN_BLOCKS, qkv_bias=False, qk_norm=True, qk_norm_over="head",
                            norm_layout="sandwich", norm_plus_one=True, hidden_act="gelu_tanh",
                            embed_scale=True, partial_rotary_factor=1.0,
                            norm_fp32_weight=True, rope_fp32=False),

@@ -10,16 +10,19 @@ from threefold.config import ModelConfig
 
 
 def expert_parameters(cfg: ModelConfig) -> int:
-    """Weights of one expert (a SwiGLU MLP of width ``intermediate_size``)."""
-    return 3 * cfg.hidden_size * cfg.intermediate_size
+    """Weights of one expert (a SwiGLU MLP of width ``intermediate_size``; with its biases,
+    2f + h, where it has them: GPT-OSS)."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    return 3 * h * f + (2 * f + h if cfg.moe_bias else 0)
 
 
 def moe_layer_parameters(cfg: ModelConfig) -> int:
-    """Weights of one MoE feed-forward: the router and all experts (and a shared expert, with
-    its gate where it has one)."""
+    """Weights of one MoE feed-forward: the router (with its bias where it has one) and all
+    experts (and a shared expert, with its gate where it has one)."""
     h, fs = cfg.hidden_size, cfg.shared_expert_intermediate_size
     shared = 3 * h * fs + (h if cfg.shared_expert_gate else 0) if fs else 0
-    return cfg.num_local_experts * (h + expert_parameters(cfg)) + shared
+    router = h + 1 if cfg.moe_bias else h
+    return cfg.num_local_experts * (router + expert_parameters(cfg)) + shared
 
 
 def grouped_widths_unfit(h: int, f: int, element_size: int) -> str | None:

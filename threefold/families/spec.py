@@ -42,7 +42,9 @@ BLOCK_FIELDS = ("attention_head_dim", "qkv_bias", "qk_norm", "qk_norm_over", "no
                 "rope_interleave", "moe_router", "n_group", "topk_group",
                 "routed_scaling_factor", "shared_expert_gate", "first_k_dense_replace",
                 "dense_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
-                "num_nextn_predict_layers")
+                "num_nextn_predict_layers", "yarn_truncate", "attention_sinks",
+                "attention_out_bias", "moe_bias", "moe_activation", "swiglu_alpha",
+                "swiglu_limit")
 
 
 class FamilyError(ConfigError):

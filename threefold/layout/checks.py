@@ -45,6 +45,7 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if lay.cp > 1:
         rules.cp_attention(cfg, lay.cp)
         rules.mtp_without_cp(cfg.num_nextn_predict_layers, lay.cp)
+        rules.cp_attention_sinks(cfg, lay.cp)
     if work.lora_r:
         rules.lora_without_experts(work.lora_r, e)
         rules.lora_kv_needs_split_kv(work.lora_targets, cfg.num_key_value_heads, lay.tp)

@@ -58,14 +58,17 @@ def yarn_frequencies(cfg: ModelConfig, inv: torch.Tensor, d: int, theta: float
     """YaRN's frequencies (Peng et al., arXiv 2309.00071 §3.2): those that turn more than
     ``yarn_beta_fast`` times over the original context are kept, those that turn fewer than
     ``yarn_beta_slow`` times are divided by the factor, and a linear ramp between the two
-    (in whole dimensions, as DeepSeek's reference rounds them) blends them."""
+    (in whole dimensions, as DeepSeek's reference rounds them, or fractional ones:
+    ``yarn_truncate``) blends them."""
     factor, old = cfg.rope_scaling_factor, cfg.original_max_position_embeddings
 
     def dim_of(turns: float) -> float:  # the dimension whose frequency turns this often
         return d * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
-    lo = max(math.floor(dim_of(cfg.yarn_beta_fast)), 0)
-    hi = min(math.ceil(dim_of(cfg.yarn_beta_slow)), d - 1)
+    lo, hi = dim_of(cfg.yarn_beta_fast), dim_of(cfg.yarn_beta_slow)
+    if cfg.yarn_truncate:  # (GPT-OSS keeps them fractional)
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
     ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv.device) - lo)
             / ((hi - lo) or 0.001)).clamp(0, 1)
     return inv / factor * ramp + inv * (1 - ramp)
@@ -191,7 +194,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=cfg.attention_out_bias)
         # q/k norms, registered after the projections (as Qwen3's and OLMo 2's attention
         # do): per head (width d) or over the whole projection (OLMo 2)
         self.qk_norm = cfg.qk_norm and cfg.qk_norm_over
@@ -205,6 +208,10 @@ class Attention(nn.Module):
         self.rope_fp32 = cfg.rope_fp32
         # the scores' scale: 1/sqrt(head width), or Gemma 3's 1/sqrt(query_pre_attn_scalar)
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        # GPT-OSS's sinks: one logit per query head in every softmax's denominator (tensor
+        # parallelism keeps a rank's heads' sinks)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads)) \
+            if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerKV | None = None
@@ -231,7 +238,7 @@ class Attention(nn.Module):
             out = self.attend(q, k, v, attn_mask)
         else:
             k, v = cache.append(k, v)
-            out = sdpa_attention(q, k, v, attn_mask, self.scale)
+            out = sdpa_attention(q, k, v, attn_mask, self.scale, self.sinks)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def score_features(self) -> int:
@@ -245,14 +252,18 @@ class Attention(nn.Module):
         (B, heads, T, d). Context parallelism overrides it (``ContextParallelAttention``: its
         queries and keys are the rank's share of a longer sequence); ``attn_mask`` is what
         ``DecoderModel.attention_mask`` made."""
-        return sdpa_attention(q, k, v, attn_mask, self.scale)
+        return sdpa_attention(q, k, v, attn_mask, self.scale, self.sinks)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    attn_mask: torch.Tensor | None = None,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, sinks: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """Causal (``attn_mask`` None) or masked (boolean, True = attend) grouped-query attention
-    through ``scaled_dot_product_attention``; ``scale`` None is 1/sqrt(head width)."""
+    through ``scaled_dot_product_attention``; ``scale`` None is 1/sqrt(head width). With
+    ``sinks`` (one logit per query head: GPT-OSS) ``sink_attention``."""
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, attn_mask, scale)
     groups = q.shape[1] // k.shape[1]
     if attn_mask is None:
         # SDPA's own GQA avoids materialising repeated keys/values.
@@ -263,6 +274,30 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None,
+                   scale: float | None = None) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, ``sinks[h]``, that takes no value:
+    p_ij = exp(s_ij) / (exp(sink_h) + Σ_j exp(s_ij)), so a query may attend to nothing (GPT-OSS;
+    Xiao et al.'s attention sinks, arXiv 2309.17453, learned). No fused kernel takes the extra
+    logit, so the scores are made whole: backward keeps q, the repeated k and v, the fp32
+    probabilities (B, heads, T, keys + 1) and their copy in v's dtype, and the mask
+    (``threefold.plan.sink_bytes`` counts them). ``attn_mask`` None is causal, queries being the last T of the keys."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    t, keys = q.shape[-2], k.shape[-2]
+    if attn_mask is None:
+        attn_mask = torch.ones(t, keys, dtype=torch.bool, device=q.device).tril(keys - t)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    # the softmax in fp32 whatever the device's autocast would choose, so that what it keeps
+    # (and the planner counts) is the same on a CPU and a GPU
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1].to(v.dtype), v)
 
 
 def layer_is_sliding(cfg: ModelConfig, layer: int) -> bool:

@@ -228,6 +228,9 @@ def _init_in_place(p: torch.Tensor, name: str, cfg: ModelConfig,
         from threefold.model.lora import init_adapter
         init_adapter(p, name, gen)
         return
+    if name.endswith(("_bias", ".sinks")):  # experts' biases (2-D), attention sinks: 0
+        nn.init.zeros_(p)
+        return
     if p.ndim == 1:  # biases 0 (DeepSeek's routing bias too); norm weights 1, or 0 where
         # the norm adds 1 (Gemma)
         zero = name.endswith((".bias", "e_score_correction_bias")) or cfg.norm_plus_one

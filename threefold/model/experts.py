@@ -20,12 +20,14 @@ from ``threefold.families.shapes``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.model.kernels import matmul_dtype, swiglu
+from threefold.model.kernels import clamped_swiglu, matmul_dtype, swiglu
 from threefold.families.shapes import grouped_widths_unfit
 
 
@@ -100,6 +102,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, f))
         self.impl = cfg.moe_impl
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        self.act = swiglu
+        add_gpt_oss_pieces(self, cfg)
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert (``counts`` (E,) rows each, in order) -> each row through its
@@ -130,10 +135,11 @@ class Experts(nn.Module):
         offs = offs.to(rows.device, non_blocking=True)
         r = rows.to(dtype)
         gate_up = torch._grouped_mm(r, self.gate_up_proj.to(dtype).transpose(1, 2), offs=offs)
+        gate_up = with_bias(gate_up, self.gate_up_proj_bias, counts)
         gate, up = _ContiguousGrad.apply(gate_up).chunk(2, dim=-1)
-        y = torch._grouped_mm(swiglu(gate, up), self.down_proj.to(dtype).transpose(1, 2),
+        y = torch._grouped_mm(self.act(gate, up), self.down_proj.to(dtype).transpose(1, 2),
                               offs=offs)
-        return _ContiguousGrad.apply(y)
+        return with_bias(_ContiguousGrad.apply(y), self.down_proj_bias, counts)
 
     def compute_loop(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``compute`` one expert at a time (the reference)."""
@@ -141,12 +147,13 @@ class Experts(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 r = rows[start:start + n]
-                gate, up = F.linear(r, self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(swiglu(gate, up), self.down_proj[e]))
+                b1, b2 = (None if b is None else b[e]
+                          for b in (self.gate_up_proj_bias, self.down_proj_bias))
+                gate, up = F.linear(r, self.gate_up_proj[e], b1).chunk(2, dim=-1)
+                outs.append(F.linear(self.act(gate, up), self.down_proj[e], b2))
                 start += n
-        if not outs:  # no rows at all: a zero that still reaches both tensors
-            return rows.new_zeros(rows.shape) + 0.0 * (self.gate_up_proj.sum()
-                                                       + self.down_proj.sum())
+        if not outs:  # no rows at all: a zero that still reaches every tensor
+            return rows.new_zeros(rows.shape) + 0.0 * sum(p.sum() for p in self.parameters())
         return torch.cat(outs)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
@@ -160,6 +167,47 @@ class Experts(nn.Module):
         y = self.dispatch(x[token], counts)
         y = y * weights.reshape(-1)[order, None]  # fp32 weights, as HF
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# GPT-OSS's experts: biases on both projections, the clamped SwiGLU
+# --------------------------------------------------------------------------------------------
+def add_gpt_oss_pieces(experts: Experts, cfg: ModelConfig) -> None:
+    """Give ``experts`` what ``cfg`` asks beyond plain SwiGLU experts: biases (E, 2f) and
+    (E, h) registered after the weights (``moe_bias``; in the weights' row order, gate rows
+    then up rows), and the activation (``moe_activation``)."""
+    e, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    if cfg.moe_bias:
+        experts.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * f))
+        experts.down_proj_bias = nn.Parameter(torch.empty(e, h))
+    if cfg.moe_activation == "clamped_swiglu":
+        experts.act = functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha,
+                                        limit=cfg.swiglu_limit)
+
+
+class _GroupRows(torch.autograd.Function):
+    """Row e of ``bias`` repeated ``counts[e]`` times (one per row routed to expert e); the
+    backward sums each group's gradient rows. Saves no tensor."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ctx.counts = counts
+        repeats = torch.tensor(counts, device=bias.device)
+        return bias.repeat_interleave(repeats, dim=0, output_size=sum(counts))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        counts = torch.tensor(ctx.counts, device=g.device)
+        ids = torch.repeat_interleave(torch.arange(len(ctx.counts), device=g.device), counts)
+        return g.new_zeros((len(ctx.counts), g.shape[-1])).index_add_(0, ids, g), None
+
+
+def with_bias(y: torch.Tensor, bias: torch.Tensor | None, counts: list[int]) -> torch.Tensor:
+    """Grouped rows ``y`` (``counts[e]`` rows of expert e, in order) plus their expert's row of
+    ``bias`` (None: ``y`` as it is)."""
+    if bias is None:
+        return y
+    return y + _GroupRows.apply(bias.to(y.dtype), counts)
 
 
 class SharedExpert(nn.Module):

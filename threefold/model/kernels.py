@@ -130,3 +130,39 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return F.silu(gate) * up
     return _SwiGLU.apply(gate, up)
+
+
+def _clamped_swiglu_ops(gate: torch.Tensor, up: torch.Tensor, alpha: float,
+                        limit: float) -> torch.Tensor:
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class _ClampedSwiGLU(torch.autograd.Function):
+    """``clamped_swiglu`` keeping only gate and up for backward, as ``_SwiGLU`` does; the
+    backward recomputes the forward's elementwise ops under autograd (autograd's numbers)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float):
+        ctx.save_for_backward(gate, up)
+        ctx.alpha, ctx.limit = alpha, limit
+        return _clamped_swiglu_ops(gate, up, alpha, limit)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = _clamped_swiglu_ops(gate, up, ctx.alpha, ctx.limit)
+        dgate, dup = torch.autograd.grad(out, (gate, up), grad)
+        return dgate, dup, None, None
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float,
+                   limit: float) -> torch.Tensor:
+    """GPT-OSS's experts' activation: gate clamped above at ``limit`` and up to ±``limit``,
+    then (up + 1) · gate · sigmoid(``alpha`` · gate); saving gate and up only (plain ops
+    under ``torch.compile``)."""
+    if torch.compiler.is_compiling():
+        return _clamped_swiglu_ops(gate, up, alpha, limit)
+    return _ClampedSwiGLU.apply(gate, up, alpha, limit)

@@ -106,6 +106,8 @@ class TopKRouter(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_local_experts, cfg.hidden_size))
+        # GPT-OSS's router has a bias (``moe_bias``)
+        self.bias = nn.Parameter(torch.empty(cfg.num_local_experts)) if cfg.moe_bias else None
         self.fp32 = cfg.moe_router == "sigmoid_grouped"
         if self.fp32:
             self.register_buffer("e_score_correction_bias",
@@ -115,7 +117,7 @@ class TopKRouter(nn.Module):
         """x (N, h) -> logits (N, E)."""
         if self.fp32:
             return F.linear(x.float(), self.weight.float())
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class SparseMoeBlock(nn.Module):

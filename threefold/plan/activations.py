@@ -14,6 +14,7 @@ from threefold.config import ModelConfig
 from threefold.families.shapes import chunk_tokens
 from threefold.plan.mlp_tiling import kept_lora_targets, tile_working_bytes, tiled_mlp_bytes
 from threefold.plan.selective import selective_layer_bytes
+from threefold.plan.sink_bytes import selective_sink_bytes, sink_attention_bytes
 from threefold.schedules.registry import inflight_of, schedule_spec
 
 # --------------------------------------------------------------------------------------------
@@ -183,12 +184,14 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
     if mode == "full":
         return work.resid_bytes * b * local * cfg.hidden_size / (layout.tp if layout.sp else 1)
     if mode == "selective":  # (with the layout's recompute_modules)
-        return selective_layer_bytes(cfg, layout, work, b * local, dense)
+        return selective_layer_bytes(cfg, layout, work, b * local, dense) \
+            + (selective_sink_bytes(cfg, layout, work) if cfg.attention_sinks else 0.0)
     kept = block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
                                   layout.cp_algorithm)
-    kept += block_document_mask_bytes(cfg, layout, work)
+    kept += sink_attention_bytes(cfg, layout, work) if cfg.attention_sinks else \
+        block_document_mask_bytes(cfg, layout, work)
     kept += tiled_mlp_bytes(cfg, layout, work)
     kept += fp8_scale_bytes(cfg, work, layout.tp, layout.ep)
     kept += gemma_extra_bytes(cfg, layout, work, b * local, sh.ffn)

@@ -25,6 +25,7 @@ from threefold.plan.activations import (adapter_activation_bytes, block_document
                                         head_saved_bytes, inflight_microbatches,
                                         microbatch_extra_bytes, model_layer_activation_bytes)
 from threefold.plan.memory import MemoryBreakdown
+from threefold.plan.sink_bytes import sink_attention_bytes
 
 
 def count_text(n: float) -> str:
@@ -44,6 +45,8 @@ def _mask_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     ``model_layer_activation_bytes`` adds it (no recompute, threefold's own block)."""
     if layout.recompute != "none" or work.block != "threefold":
         return 0.0
+    if cfg.attention_sinks:  # (GPT-OSS: its scores whole, in place of the mask's term)
+        return sink_attention_bytes(cfg, layout, work)
     return block_document_mask_bytes(cfg, layout, work)
 
 
@@ -58,7 +61,11 @@ def activation_line(cfg: ModelConfig, layout: Layout, work: Workload, mem: Memor
                                      microbatches(layout, work), layout.vpp, mem.stage,
                                      layout.pipeline_inflight)
     parts = [f"block {_gb(block - mask)}"]
-    if mask:
+    if mask and cfg.attention_sinks:
+        parts.append(f"attention with sinks {_gb(mask)} (the probabilities over "
+                     f"{work.seq_len} keys and the sink a head, K/V repeated to the query "
+                     "heads, the boolean mask)")
+    elif mask:
         parts.append(f"document mask's attention {_gb(mask)} (the mask in the matmul dtype, "
                      f"{work.seq_len}² a sequence, and K/V repeated to the query heads)")
     if adapters:

@@ -11,7 +11,9 @@ verify and open a checkpoint (the latter collectively, for resuming); ``open_pre
 opens either kind of folder for ``checkpoint.init_from``.
 
 Where: ``base`` (the interface, ``DictSource``, boxes and blocks), ``hf_source``,
-``checkpoint_source``, ``pretrained`` (finding and opening pretrained weights).
+``checkpoint_source``, ``pretrained`` (finding and opening pretrained weights),
+``gpt_oss_files`` (GPT-OSS's expert layouts, as transformers saves them or in MXFP4, served
+as the shared layout) and ``mxfp4`` (the format's dequantisation).
 
 The folder also holds what writes and names those files: ``checkpoint`` (sharded, atomic,
 checksummed checkpoints; ``checkpoint_async`` saves them in the background,

@@ -61,6 +61,7 @@ from threefold.model.lora import is_adapter
 from threefold.families import fused_files
 from threefold.weights.checkpoint_source import CheckpointSource
 from threefold.weights.hf_source import HFSource
+from threefold.weights.gpt_oss_files import gpt_oss_file_tensors
 from threefold.weights.base import WeightSource
 from threefold.weights.pretrained import find_checkpoint, open_pretrained
 
@@ -93,13 +94,16 @@ def hub_tensors(source: WeightSource, cfg: ModelConfig, names: list[str]
     h, f, qwen = cfg.hidden_size, cfg.intermediate_size, qwen_layout(cfg)  # Qwen MoE names?
     fused = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     joined = _joined(source, cfg, names)
+    oss = cfg.family == "gpt_oss"  # GPT-OSS's own file layout (threefold.weights.gpt_oss_files)
     out = []
     for name in names:
         layer, _, rest = name.removeprefix("model.layers.").partition(".")
         if name in joined:
             if joined[name] is not None:  # the fused tensor, where its first part was
                 out.append(joined[name])
-        elif not cfg.num_local_experts or rest not in fused:
+        elif oss and gpt_oss_file_tensors(source, name, rest) is not None:
+            out += gpt_oss_file_tensors(source, name, rest)
+        elif not cfg.num_local_experts or rest not in fused or oss:
             out.append((name, source.shape(name), reader(name)))
         elif rest == "mlp.gate.weight":
             out.append((hub_router(int(layer), qwen), source.shape(name), reader(name)))

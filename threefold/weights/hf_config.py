@@ -86,6 +86,10 @@ def _attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     if cfg.qkv_bias:  # Qwen2
         out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                     p + "self_attn.v_proj.bias": (kv,)})
+    if cfg.attention_out_bias:  # GPT-OSS
+        out[p + "self_attn.o_proj.bias"] = (h,)
+    if cfg.attention_sinks:
+        out[p + "self_attn.sinks"] = (cfg.num_attention_heads,)
     if cfg.qk_norm:  # Qwen3: per head; OLMo 2: over the whole projection
         whole = cfg.qk_norm_over == "projection"
         out.update({p + "self_attn.q_norm.weight": (q if whole else d,),
@@ -123,6 +127,9 @@ def _mlp_shapes(cfg: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ..
            p + "mlp.experts.down_proj": (e, h, f)}
     if cfg.moe_router == "sigmoid_grouped":
         out[p + "mlp.gate.e_score_correction_bias"] = (e,)
+    if cfg.moe_bias:  # GPT-OSS
+        out.update({p + "mlp.gate.bias": (e,), p + "mlp.experts.gate_up_proj_bias": (e, 2 * f),
+                    p + "mlp.experts.down_proj_bias": (e, h)})
     shared = "shared_expert" if cfg.shared_expert_gate else "shared_experts"
     if fs:  # Qwen2-MoE's shared expert and its gate, or DeepSeek's ungated ones
         out.update({p + f"mlp.{shared}.gate_proj.weight": (fs, h),
@@ -302,7 +309,8 @@ def model_config_from_hf(c: dict, where: str = "config.json") -> ModelConfig:
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "vocab_size"):
         need(isinstance(c.get(field), int) and c[field] > 0, field, "a positive integer is needed")
-    need(not c.get("attention_bias", False), "attention_bias", "this model has no biases")
+    need(not c.get("attention_bias", False) or own.get("attention_out_bias"), "attention_bias",
+         "this model has no biases")
     need(not c.get("mlp_bias", False), "mlp_bias", "this model has no biases")
     if "hidden_act" not in own:  # (Gemma's GeGLU is its family's to read)
         need(c.get("hidden_act", "silu") == "silu", "hidden_act", "SwiGLU uses silu")

@@ -24,6 +24,7 @@ from threefold.weights.hf_config import (INDEX, SINGLE, HFError, check_shapes, e
                                  qwen_layout)
 from threefold.families import fused_files
 from threefold.weights.base import DTYPES, HEAD, WeightSource, blocks, box_index, extent
+from threefold.weights.gpt_oss_files import ExpertFileTensor, gpt_oss_entries
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -193,7 +194,8 @@ class HFSource(WeightSource):
                                       "it here)")
                     sl = f.get_slice(name)
                     dt = DTYPES.get(sl.get_dtype(), sl.get_dtype())
-                    if not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                    packed = dt == torch.uint8 and name.endswith(("_blocks", "_scales"))
+                    if not (isinstance(dt, torch.dtype) and dt.is_floating_point or packed):
                         raise HFError(f"{path}: tensor {name} has dtype {dt}, not floating "
                                       "point")
                     # Older checkpoints stored the RoPE buffer; it is recomputed, never loaded.
@@ -211,10 +213,13 @@ class HFSource(WeightSource):
                        if n in parts}
         parts = _split_fused(cfg, parts)
         self._entries = {("model", n): _HFTensor([p], p.ext, p.dtype) for n, p in parts.items()}
-        if cfg.num_local_experts:
+        if cfg.family == "gpt_oss":  # its own file layout, MXFP4 experts included
+            gpt_oss_entries(cfg, self._entries, lambda e: (e.parts[0].path, e.parts[0].key,
+                                                           e.shape, e.dtype))
+        elif cfg.num_local_experts:
             self._fuse_experts(cfg)
         check_shapes(cfg, {n: e.shape for (_, n), e in self._entries.items()},
-                     str(self.folder), files={n: e.parts[0].path
+                     str(self.folder), files={n: getattr(e, "path", None) or e.parts[0].path
                                               for (_, n), e in self._entries.items()})
 
     def _fuse_experts(self, cfg: ModelConfig) -> None:
@@ -270,7 +275,18 @@ class HFSource(WeightSource):
         """Close the files (they reopen on the next read)."""
         self._files.clear()
 
+    def read_file(self, path: Path, key: str, index: tuple) -> torch.Tensor:
+        """``index`` of file tensor ``key`` in ``path`` (counted in ``bytes_read``)."""
+        if path not in self._files:
+            self._files[path] = safe_open(str(path), "pt")
+        t = self._files[path].get_slice(key)[index]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
     def _fill(self, entry: _HFTensor, box, out: torch.Tensor) -> None:
+        if isinstance(entry, ExpertFileTensor):  # GPT-OSS's layouts
+            entry.fill(self, box, out)
+            return
         for p in entry.parts:
             inter = [(max(a, lo), min(b, lo + n)) for (a, b), lo, n in zip(box, p.lo, p.ext)]
             if any(a >= b for a, b in inter):

@@ -48,6 +48,16 @@ def mlp_tiles_plain(tiles: int, recompute: str, tp_overlap: int, experts: int) -
 
 
 @rule
+def cp_attention_sinks(m: ModelConfig, cp: int) -> None:
+    """Context parallelism's ring and all-gather attention have no term for a sink's logit
+    (GPT-OSS): its softmax denominators would leave the sinks out."""
+    if cp > 1 and m.attention_sinks:
+        raise LayoutError(f"model.attention_sinks: true: context parallelism "
+                          f"(parallel.cp={cp}) does not add the sinks to its softmax yet; set "
+                          "parallel.cp 1")
+
+
+@rule
 def cp_attention(m: ModelConfig, cp: int) -> None:
     """Context parallelism's attention computes neither a sliding window, another score scale
     nor latent attention."""

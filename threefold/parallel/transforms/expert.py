@@ -141,7 +141,9 @@ def apply_expert_parallel(model: nn.Module, comm) -> nn.Module:
         if isinstance(m, Experts):
             e = m.gate_up_proj.shape[0]
             n = e // ep
-            for p in (m.gate_up_proj, m.down_proj):
+            for p in (m.gate_up_proj, m.down_proj, m.gate_up_proj_bias, m.down_proj_bias):
+                if p is None:  # (biases: GPT-OSS's experts alone have them)
+                    continue
                 p.data = p.data[r * n:(r + 1) * n].clone()
                 place(p, ep_index=r, ep_count=ep)
             become(m, ExpertParallelExperts, dispatcher=Dispatcher(comm, e), first=r * n)

@@ -135,6 +135,24 @@ class ReplicatedLinear(nn.Linear):
         return f"{super().extra_repr()}, whole on every tp rank"
 
 
+class RowParallelBiasLinear(nn.Linear):
+    """A row-parallel projection with a bias (GPT-OSS's o_proj): the ranks' partial outputs
+    are summed over tp, so the bias joins on tp rank 0 alone. The others add
+    bias − bias.detach(), exactly 0, through which the output's gradient (the same on every
+    rank: g's backward copies it) still reaches the bias, so every rank holds the whole
+    gradient without a collective."""
+
+    first = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of the projection, the bias on the first rank."""
+        bias = self.bias if self.first else self.bias - self.bias.detach()
+        return F.linear(x, self.weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, bias on tp rank 0"
+
+
 class SequenceParallelRMSNorm(RMSNorm):
     """RMSNorm over this rank's tokens (sequence parallelism), or over this rank's heads (a
     Qwen3 q/k norm): its weight's gradient is the sum over the tp ranks'."""
@@ -307,6 +325,8 @@ def _shard_weights(model: CausalLM, comm, sp: bool) -> None:
             _shard_adapter(module, "column", comm)
         elif style == "row":
             _set_weight(module, _shard_rows(w.t(), r, t).t(), 1, w.shape[1], r, t)
+            if module.bias is not None:  # (GPT-OSS's o_proj)
+                become(module, RowParallelBiasLinear, first=r == 0)
             _shard_adapter(module, "row", comm)
 
 
@@ -390,6 +410,11 @@ def apply_tensor_parallel(model: CausalLM, comm, sequence_parallel: bool = False
                 place(layer.eh_proj.weight, tp_grad_reduced=True)
         if hasattr(layer.self_attn, "kv_a_proj_with_mqa"):  # latent attention's latents
             norms += _replicate_latents(layer.self_attn, comm)
+        sinks = getattr(layer.self_attn, "sinks", None)
+        if sinks is not None:  # GPT-OSS: this rank's heads' sinks
+            _set_weight(layer.self_attn, _shard_rows(sinks.detach(), comm.rank(AXIS),
+                                                     comm.size(AXIS)),
+                        0, sinks.shape[0], comm.rank(AXIS), comm.size(AXIS), "sinks")
         if layer.self_attn.qk_norm == "head":  # per-head norms over this rank's heads only
             norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         elif layer.self_attn.qk_norm == "projection":
