@@ -210,7 +210,7 @@ def test_block_activation_bytes_equal_autograd_saved_tensors(documents, dtype):
     from threefold.layout import Layout, Workload
     from threefold.model.attention import document_mask, window_mask
     from threefold.plan.activations import model_layer_activation_bytes
-    from threefold.plan.memory import moe_block_extra_bytes, moe_cast_weight_bytes
+    from threefold.plan.moe_memory import moe_block_extra_bytes, moe_cast_weight_bytes
 
     cfg = dataclasses.replace(ModelConfig(preset="gpt-oss-20b").resolved(), vocab_size=512,
                               hidden_size=64, intermediate_size=64, num_attention_heads=8,
@@ -338,7 +338,8 @@ def test_selective_recompute_with_sinks_keeps_what_the_planner_counts(monkeypatc
     keeps = []
     init = recompute._Keep.__init__
     monkeypatch.setattr(recompute._Keep, "__init__",
-                        lambda self, kept: (keeps.append(kept), init(self, kept))[1])
+                        lambda self, kept, modules=(): (keeps.append(kept),
+                                                        init(self, kept, modules))[1])
     cfg = ModelConfig(preset="tiny", vocab_size=512, num_local_experts=8,
                       num_experts_per_tok=2, attention_sinks=True, moe_bias=True,
                       moe_activation="clamped_swiglu").resolved()
