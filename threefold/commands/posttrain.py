@@ -93,6 +93,13 @@ DOCS = {
     "num_iterations": "optimiser steps per generation batch (ratio against the sampling policy)",
     "scale_rewards": "group, batch or none: what the advantages are divided by",
     "shuffle": "prompts in a new order each epoch (false: file order)",
+    "rollout_engine": "builtin (the training model generates) or vllm (docs/post-training.md)",
+    "vllm_kv_cache_mb": "vllm: the engine's KV cache per rank, MiB",
+    "importance_sampling": "vllm: token_truncate, sequence_mask or none (engine vs trainer)",
+    "importance_sampling_cap": "vllm: the importance ratio's cap",
+    "max_staleness": "vllm: >= 1 generates step s+1 while step s trains (1 step stale)",
+    "vllm_mode": "vllm: colocate (an engine per rank) or server (one engine process)",
+    "vllm_server": "vllm server mode: host:port of a running server; empty = start one",
 }
 
 
