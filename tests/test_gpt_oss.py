@@ -383,12 +383,12 @@ def test_a_published_config_reads_as_the_preset():
         model_config_from_hf({**conf, "quantization_config": {"quant_method": "fp8"}})
 
 
-def test_an_ep_rank_starts_from_mxfp4_reading_its_experts_alone(corpus, cache_dir, tmp_path):
+def test_an_ep_rank_starts_from_mxfp4_reading_its_experts_alone(corpus, cache_dir, tmp_path,
+                                                                monkeypatch):
     """Each rank of ep 2 (one at a time, on torch's fake process group: starting needs no
     collective) starts from the MXFP4 folder: its experts hold exactly the known weights of
     its half, and it reads every other tensor once and of the experts its own half's
     blocks, scales and biases, nothing of the other half."""
-    import os
 
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
@@ -412,7 +412,8 @@ def test_an_ep_rank_starts_from_mxfp4_reading_its_experts_alone(corpus, cache_di
                               model__router_aux_loss_per_layer="true")
         cfg = load_config(None, [(k, v) for k, v in over if not k.startswith("model.")
                                  or k == "model.router_aux_loss_per_layer"])
-        os.environ.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
+        for key, value in (("RANK", r), ("WORLD_SIZE", 2), ("LOCAL_RANK", r)):
+            monkeypatch.setenv(key, str(value))  # (undone after the test)
         dist.init_process_group("fake", store=dist.HashStore(), rank=r, world_size=2)
         try:
             run = build_run(cfg, Distributed(cfg))
