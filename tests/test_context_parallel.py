@@ -116,6 +116,16 @@ def test_cp_byte_closed_forms():
     assert cp_bytes_per_attention(100, 4, "ring") == (300, 300 + 400)
     assert cp_bytes_per_attention(100, 4, "ring", forwards=2) == (600, 700)
     assert cp_bytes_per_attention(100, 4, "allgather") == (300, 300)
+    # Ulysses: (u−1)/u of q, K/V and the output each way, forward and backward alike
+    assert cp_bytes_per_attention(100, 4, "ulysses", q_bytes=200, out_bytes=200) == (375, 375)
+    assert cp_bytes_per_attention(100, 4, "ulysses", 2, q_bytes=200, out_bytes=200) == (750,
+                                                                                        375)
+    # hybrid, 2 Ulysses × 2 ring ranks: the all-to-alls, then the ring of the K/V block
+    a2a = 100 + 50
+    assert cp_bytes_per_attention(100, 4, "ring", ulysses=2, q_bytes=100, out_bytes=100) == (
+        a2a + 100, a2a + 100 + 200)
+    assert cp_bytes_per_attention(100, 4, "allgather", ulysses=2, q_bytes=100,
+                                  out_bytes=100) == (a2a + 100, a2a + 100)
     with pytest.raises(ValueError, match="cp algorithm"):
         cp_bytes_per_attention(100, 2, "tree")
 

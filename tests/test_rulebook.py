@@ -74,8 +74,25 @@ ROWS = [
         "per-hop results would all be kept); use full or none",
         ("--cp", "2", "--recompute", "selective")),
     Row("cp_attention", {"model.sliding_window": 64, "parallel.cp": 2}, 2,
-        "model.sliding_window: 64: context parallelism (parallel.cp=2) does not compute this "
-        "attention yet; set parallel.cp 1", ("--cp", "2")),
+        "model.sliding_window: 64: ring and all-gather context parallelism (parallel.cp=2) do "
+        "not compute this attention; set parallel.cp_algorithm ulysses, or parallel.cp 1",
+        ("--cp", "2", "--cp-algorithm", "ring,allgather")),
+    Row("ulysses_degree", {"parallel.cp": 4, "parallel.cp_ulysses": 3}, 4,
+        "parallel.cp_ulysses: 3 does not divide parallel.cp=4 (cp = ring ranks × Ulysses "
+        "ranks); use one of 1, 2, 4", "plan searches the Ulysses degree itself (no flag sets "
+        "it)"),
+    Row("heads_over_ulysses", {"model.num_attention_heads": 12, "model.num_key_value_heads": 4,
+                               "model.hidden_size": 384, "parallel.cp": 8,
+                               "parallel.cp_algorithm": "ulysses"}, 8,
+        "parallel.cp_ulysses: the 12 query heads do not split over tp·ulysses = 1·8 ranks "
+        "(Ulysses gives each rank whole heads); choose tp·ulysses dividing them, or "
+        "cp_algorithm ring", ("--tp", "1", "--cp", "8", "--cp-algorithm", "ulysses")),
+    Row("kv_heads_over_ulysses", {"model.num_attention_heads": 12,
+                                  "model.num_key_value_heads": 3, "model.hidden_size": 384,
+                                  "parallel.cp": 4, "parallel.cp_algorithm": "ulysses"}, 4,
+        "parallel.cp_ulysses: the 3 KV heads neither split over nor repeat up to tp·ulysses = "
+        "4 ranks; choose tp·ulysses a divisor or a multiple of 3, or cp_algorithm ring",
+        ("--tp", "1", "--cp", "4", "--cp-algorithm", "ulysses")),
     Row("heads_over_tp", {"parallel.tp": 16}, 16,
         "model.num_attention_heads: 8 is not divisible by parallel.tp=16; this model splits "
         "over a tp in 1, 2, 4, 8 (with a world size that tp divides)", ("--tp", "16")),

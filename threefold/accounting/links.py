@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from threefold.layout import Layout
-from threefold.layout.axes import AXES, EXPERT_AXES, FLATTENED
+from threefold.layout.axes import AXES, CP_AXES, EXPERT_AXES, FLATTENED
 
 def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXES
                          ) -> tuple[int, int]:
@@ -16,7 +16,9 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXE
     a planner may compare with a published system's). A flattened axis ("dp", "dp_cp",
     "dp_shard_cp") takes its innermost part's stride and its outermost part's reach;
     the expert axes divide dp_shard as ``threefold.comm.mesh`` does: "ep" is its innermost ep ranks
-    (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate."""
+    (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate;
+    the hybrid cp axes divide cp alike: "cp_inner" its innermost ``ulysses`` ranks (the
+    all-to-all stays among neighbours), "cp_outer" the rest (the ring may cross nodes)."""
     def stride(a: str) -> int:
         return math.prod(layout.axis_size(x) for x in order[order.index(a) + 1:])
 
@@ -28,6 +30,11 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXE
             return base * layout.ep, base * layout.dp_shard
         return base * layout.ep, max(base * layout.dp_shard,
                                      stride("dp_replicate") * layout.dp_replicate)
+    if axis in CP_AXES:
+        base, u = stride("cp"), layout.ulysses
+        if axis == "cp_inner":
+            return base, base * u
+        return base * u, base * layout.cp
     parts = [a for a in FLATTENED.get(axis, (axis,)) if layout.axis_size(a) > 1] \
         or [FLATTENED.get(axis, (axis,))[-1]]
     return min(stride(a) for a in parts), max(stride(a) * layout.axis_size(a) for a in parts)

@@ -108,7 +108,7 @@ def add_search_options(p: argparse.ArgumentParser) -> None:
                    help="only these context-parallel degrees (default: 1, and every one that "
                    f"splits the sequence when --seq-len >= {CP_MIN_SEQ_LEN} or nothing fits "
                    "without)")
-    p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather")
+    p.add_argument("--cp-algorithm", help="only these cp algorithms: ring,allgather,ulysses")
     p.add_argument("--ep", type=int_list,
                    help="only these expert-parallel degrees (a mixture of experts; default: "
                    "every divisor of the experts that divides dp_shard)")

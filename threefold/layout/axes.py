@@ -30,8 +30,15 @@ experts (ZeRO shards the experts over them), ``edp`` those with dp_replicate too
 parallelism sums the experts' gradients over them). With ep = 1, edp is dp and edp_shard is
 dp_shard."""
 
-DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, "world")
+CP_AXES = ("cp_inner", "cp_outer")
+"""Axes of hybrid context parallelism, carved out of cp (which is cp_outer × cp_inner,
+cp_inner innermost): ``cp_inner`` the ``Layout.ulysses`` neighbouring ranks that trade sequence
+shards for head shards by all-to-all (Ulysses; inside a node), ``cp_outer`` the ranks with the
+same cp_inner index, which run the ring or the all-gather over the shares (they may cross
+nodes). Used only when both are above 1; a pure algorithm runs on "cp" itself."""
+
+DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, *CP_AXES, "world")
 """Axes made of other axes, plus ``world`` (every rank)."""
 
-COMM_AXES = AXES + tuple(FLATTENED) + EXPERT_AXES
+COMM_AXES = AXES + tuple(FLATTENED) + EXPERT_AXES + CP_AXES
 """Axes communication is counted on (the keys of ``comm_bytes_per_step``)."""

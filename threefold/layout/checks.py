@@ -23,7 +23,10 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if lay.recompute == "selective" and work.block != "megatron":
         rules.selective_without_cp(lay.recompute, lay.cp)
     if lay.cp > 1:
-        rules.seq_len_over_cp(work.seq_len, lay.cp)
+        rules.ulysses_degree(lay.cp, lay.cp_algorithm, lay.cp_ulysses)
+        rules.seq_len_over_cp(work.seq_len, lay.cp, lay.cp_algorithm)
+        rules.heads_over_ulysses(cfg, lay.tp, lay.ulysses)
+        rules.kv_heads_over_ulysses(cfg, lay.tp, lay.ulysses)
     if lay.tp > 1:
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
         rules.heads_over_tp(heads, kv, cfg.intermediate_size, lay.tp)
@@ -37,7 +40,7 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if lay.tp > 1:
         rules.k_norm_needs_split_kv(cfg, lay.tp)
     if lay.cp > 1:
-        rules.cp_attention(cfg, lay.cp)
+        rules.cp_attention(cfg, lay.cp, lay.cp_ring)
     if work.lora_r:
         rules.lora_without_experts(work.lora_r, e)
         rules.lora_kv_needs_split_kv(work.lora_targets, cfg.num_key_value_heads, lay.tp)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 
-from threefold.layout.axes import AXES, DERIVED_AXES, EXPERT_AXES, FLATTENED
+from threefold.layout.axes import AXES, CP_AXES, DERIVED_AXES, EXPERT_AXES, FLATTENED
 
 
 class Ranks:
     """The rank arithmetic ``Layout`` inherits: it reads the degrees (``pp``, ``dp_replicate``,
-    ``dp_shard``, ``cp``, ``tp``, ``ep``) and nothing else."""
+    ``dp_shard``, ``cp``, ``tp``, ``ep``, and ``ulysses``: cp's all-to-all part) and nothing
+    else."""
 
     @property
     def world_size(self) -> int:
@@ -39,6 +40,8 @@ class Ranks:
         if axis in EXPERT_AXES:
             return {"ep": self.ep, "edp_shard": self.dp_shard // self.ep,
                     "edp": self.dp_replicate * self.dp_shard // self.ep}[axis]
+        if axis in CP_AXES:
+            return self.ulysses if axis == "cp_inner" else self.cp // self.ulysses
         if axis not in AXES:
             raise KeyError(f"unknown mesh axis '{axis}'; axes: {', '.join(AXES + DERIVED_AXES)}")
         return getattr(self, axis)
@@ -63,6 +66,7 @@ class Ranks:
             out[name] = idx
         out["edp_shard"], out["ep"] = divmod(out["dp_shard"], self.ep)
         out["edp"] = out["dp_replicate"] * (self.dp_shard // self.ep) + out["edp_shard"]
+        out["cp_outer"], out["cp_inner"] = divmod(out["cp"], self.ulysses)
         out["world"] = rank
         return out
 
@@ -81,6 +85,11 @@ class Ranks:
             base -= c["dp_replicate"] * st["dp_replicate"]
             return [base + r * st["dp_replicate"] + (o * self.ep + c["ep"]) * st["dp_shard"]
                     for r in reps for o in range(outer)]
+        if axis in CP_AXES:  # cp index = cp_outer · ulysses + cp_inner
+            base, u = rank - c["cp"] * st["cp"], self.ulysses
+            if axis == "cp_inner":
+                return [base + (c["cp_outer"] * u + i) * st["cp"] for i in range(n)]
+            return [base + (o * u + c["cp_inner"]) * st["cp"] for o in range(n)]
         if axis in FLATTENED:
             parts = FLATTENED[axis]
             base = rank - sum(c[a] * st[a] for a in parts)

@@ -295,6 +295,10 @@ def _chunked(c: Collective, where: Placement, chunks: int, matmul: float
             c.count * (piece + (chunks - 1) * max(0.0, piece - matmul)))
 
 
+_KINDS = {"tp": "tp", "pp": "pp", "cp": "cp", "cp_inner": "cp", "cp_outer": "cp", "ep": "ep"}
+"""The exposed-time bucket of each axis: a hybrid's two cp axes count as cp; the rest as dp."""
+
+
 def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
                   bucket_bytes: float, attention_block: tuple[float, float] = (0.0, 0.0),
                   ledger: dict | None = None, tp_chunk: tuple[int, float] = (1, 0.0)
@@ -324,7 +328,7 @@ def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,
             continue
         where = links[c.axis]
         one = call_time(c, where)
-        kind = c.axis if c.axis in ("tp", "pp", "cp", "ep") else "dp"
+        kind = _KINDS.get(c.axis, "dp")
         if c.overlap.startswith("attention-"):  # each hop behind one block's attention
             window = attention_block[0 if c.overlap == "attention-forward" else 1]
             exposed[kind] += c.count * max(0.0, one - window)

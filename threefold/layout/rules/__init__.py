@@ -38,9 +38,12 @@ from threefold.layout.rules.pipeline_rules import (
 )
 from threefold.layout.rules.sequence_rules import (
     cp_attention,
+    heads_over_ulysses,
+    kv_heads_over_ulysses,
     selective_without_cp,
     seq_len_over_cp,
     sequence_parallel_tokens,
+    ulysses_degree,
 )
 from threefold.layout.rules.shape_rules import (
     ffn_over_tp,
@@ -81,9 +84,11 @@ __all__ = [
     "fills_world",
     "generation_layout",
     "heads_over_tp",
+    "heads_over_ulysses",
     "interleaved_microbatches",
     "k_norm_needs_split_kv",
     "kv_heads_over_tp",
+    "kv_heads_over_ulysses",
     "layers_fill_chunks",
     "lora_kv_needs_split_kv",
     "lora_without_experts",
@@ -100,5 +105,6 @@ __all__ = [
     "task_layout",
     "tp_overlap_needs_sequence_parallel",
     "tp_overlap_plain_projections",
+    "ulysses_degree",
     "vpp_needs_pp",
 ]
