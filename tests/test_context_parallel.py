@@ -15,7 +15,8 @@ from tests.dist import run_checks, run_distributed
 from tests.test_dp_zero import _check_equal
 from threefold.config import ConfigError, load_config
 from threefold.accounting import cp_bytes_per_attention
-from threefold.parallel.transforms.context import chunk_index, shard_batch
+from threefold.parallel.transforms.context import shard_batch
+from threefold.parallel.transforms.ring_blocks import chunk_index
 from threefold.training.train import train
 
 STEPS = 4
@@ -88,7 +89,7 @@ def test_cp_attention_equals_whole_sequence_attention(world):
 def test_ring_piece_math_path_equals_the_fused_kernel(causal, packed):
     """The math path (used off CPU) computes the fused kernel's output, log-sum-exp and
     gradients, fully masked rows included."""
-    from threefold.parallel.transforms.context import Piece, _piece_backward, _piece_forward
+    from threefold.parallel.transforms.ring_blocks import Piece, _piece_backward, _piece_forward
 
     gen = torch.Generator().manual_seed(1)
     q, do = (torch.randn(2, 4, 8, 16, generator=gen) for _ in range(2))

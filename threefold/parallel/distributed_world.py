@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.comm import faults
-from threefold.layout.axes import EXPERT_AXES
+from threefold.layout.axes import CP_AXES, EXPERT_AXES
 from threefold.weights.checkpoint_verify import CheckpointError
 from threefold.comm.collective_check import CHECK_ENV, GroupCheck, Ledger, check_groups
 from threefold.comm.counted import Comm
@@ -70,9 +70,10 @@ class Distributed(World):
         # Logging traffic (loss sums, token counts) goes through its own counter so that
         # `comm` holds exactly what training itself moves.
         self.control = Comm(self.dims, self.mesh, ledger=self.ledger)
-        if self.dims.ep > 1:  # expert parallelism: groups carved out of dp_shard
-            for axis in EXPERT_AXES:
-                self.comm.add_axis(axis, self.dims.axis_groups(axis))
+        # groups carved out of dp_shard (experts) and cp (a hybrid's Ulysses and ring parts)
+        for axis in (EXPERT_AXES if self.dims.ep > 1 else ()) + \
+                (CP_AXES if self.dims.cp_axes == CP_AXES else ()):
+            self.comm.add_axis(axis, self.dims.axis_groups(axis))
         # Groups made after the default one (the mesh's, flattened axes', expert axes') get
         # torch's default timeout (30 min for gloo), not the start-up timeout: make them all
         # now and give them the run's, so that a stuck collective anywhere fails in time.
@@ -289,7 +290,7 @@ class Distributed(World):
         """This cp rank's tokens of a micro-batch of whole sequences (as they are for cp 1)."""
         if self.cp_size == 1:
             return micro
-        return shard_batch(micro, self.cp_size, self.cp_rank)
+        return shard_batch(micro, self.cp_size, self.cp_rank, self.dims.ulysses)
 
     def checkpoint_pieces(self, engine) -> list:
         """This rank's checkpoint pieces, each placed in its logical tensor and each

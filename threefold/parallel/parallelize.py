@@ -74,7 +74,8 @@ def apply_model_parallel(model: CausalLM, cfg: Config, layout) -> CausalLM:
         model = apply_tensor_parallel(model, layout.comm, cfg.parallel.sequence_parallel,
                                       cfg.parallel.tp_overlap)
     if layout.cp_size > 1:
-        model = apply_context_parallel(model, layout.comm, cfg.parallel.cp_algorithm)
+        model = apply_context_parallel(model, layout.comm, cfg.parallel.cp_algorithm,
+                                       layout.dims.ulysses)
     if layout.ep_size > 1:
         model = apply_expert_parallel(model, layout.comm)
     return model
