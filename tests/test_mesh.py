@@ -154,8 +154,10 @@ def test_coords_and_groups_of_a_2x2x2_layout():
     d = dims(8, dp_shard=2, cp=2, tp=2)
     assert d.coords(7) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 1, "tp": 1, "dp": 1,
                            "dp_cp": 3, "dp_shard_cp": 3, "world": 7,
-                           "ep": 0, "edp_shard": 1, "edp": 1, "cp_inner": 0, "cp_outer": 1}
+                           "ep": 0, "edp_shard": 3, "edp": 3, "cp_inner": 0, "cp_outer": 1}
     assert d.axis_ranks(7, "cp") == [5, 7] and d.axis_ranks(7, "dp") == [3, 7]
+    # the experts' data ranks span cp (ep 1: edp is dp_cp)
+    assert d.axis_ranks(7, "edp") == [1, 3, 5, 7] == d.axis_ranks(7, "edp_shard")
     assert d.axis_ranks(7, "dp_cp") == [1, 3, 5, 7] == d.axis_ranks(7, "dp_shard_cp")
     assert d.describe() == "pp 1 × dp_replicate 1 × dp_shard 2 × cp 2 × tp 2 = 8 ranks"
 

@@ -49,10 +49,6 @@ ROWS = [
         "parallel.ep: 4 does not divide parallel.dp_shard=2 (expert-parallel ranks are "
         "data-parallel ranks of one shard group); valid ep values: 1, 2",
         ("--ep", "4", "--zero-stage", "0")),
-    Row("experts_without_cp", {**MOE, "parallel.cp": 2}, 2,
-        "parallel.cp: 2 with a mixture of experts (model.num_local_experts=8) is not built yet "
-        "(the router and the expert all-to-alls take whole sequences per rank); set "
-        "parallel.cp 1, or model.num_local_experts 0 for a dense model", ("--cp", "2")),
     Row("experts_without_sequence_parallel",
         {**MOE, "parallel.tp": 2, "parallel.sequence_parallel": True}, 2,
         "parallel.sequence_parallel: tp=2 with a mixture of experts (model.num_local_experts=8) "
@@ -156,10 +152,10 @@ ROWS = [
     Row("lora_kv_needs_split_kv", {"lora.r": 4, "parallel.tp": 8}, 8,
         "lora.target_modules: k_proj/v_proj stay whole when parallel.tp=8 exceeds the 4 KV "
         "heads; leave them out or lower parallel.tp", ("--tp", "8", "--lora-r", "4")),
-    Row("task_layout", {"parallel.cp": 2}, 2,
-        "parallel.cp: DPO does not run under context parallelism yet (got cp=2); use "
-        "parallel.cp 1 and shard over dp_shard or tp instead",
-        "plan plans pre-training layouts, not DPO's", command="dpo"),
+    Row("task_layout", {"parallel.cp": 2, "parallel.pp": 2}, 4,
+        "parallel.pp: DPO under context parallelism (cp=2) runs without a pipeline (got pp=2); "
+        "use parallel.pp 1, or parallel.cp 1", "plan plans pre-training layouts, not DPO's",
+        command="dpo"),
     Row("task_layout", {"parallel.pp": 2}, 2,
         "parallel.pp: reward training does not run under pipeline parallelism yet (got pp=2); "
         "use parallel.pp 1 and shard over dp_shard (ZeRO) or tp instead",
@@ -265,14 +261,3 @@ def test_every_rule_has_a_row_and_every_row_a_rule():
     assert {r.rule for r in ROWS} == set(RULES)
     for r in ROWS:
         assert isinstance(r.plan, tuple) or len(r.plan) > 20, f"{r.rule}: say why plan cannot"
-
-
-def test_the_moe_and_cp_refusal_is_written_once():
-    """The text of the rule that refuses a mixture of experts under cp is in one file."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1] / "threefold"
-    needle = "with a mixture of experts (model.num_local_experts"
-    holders = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
-               if needle in p.read_text()}
-    assert holders == {"layout/rules/expert_rules.py"}

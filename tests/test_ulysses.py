@@ -181,3 +181,34 @@ def test_ulysses_layouts_train_as_one_process(reference, corpus, cache_dir, tmp_
         for per_rank in results:
             for axis, b in want.items():
                 assert [s[axis] for s in per_rank[name]] == [b] * STEPS, (name, axis)
+
+
+# --------------------------------------------------------------------------------------------
+# A mixture of experts under cp
+# --------------------------------------------------------------------------------------------
+MOE_RUNS = [("ep2_cp2_zero1", {"parallel__ep": 2, "parallel__cp": 2, "parallel__zero_stage": 1})]
+
+
+@pytest.mark.slow
+def test_experts_under_cp_train_as_one_process(corpus, cache_dir, tmp_path):
+    """ep 2 × cp 2 on 4 ranks: each cp rank routes its tokens of the same sequences, the
+    router losses pool f, P and z over cp, the experts' gradients are summed over their
+    data ranks × cp ("edp"): the single process's losses, router losses, expert counts and
+    weights; the bytes on cp, edp and dp_cp are the accounting's."""
+    from tests.test_expert_parallel import MOE, _assert_equal, _runs, _single
+    from threefold.accounting import comm_bytes_per_step
+    from threefold.layout import Layout, Workload
+
+    want, weights = _single(corpus, cache_dir, tmp_path / "single", 4)
+    run_distributed(_runs, 4, corpus, cache_dir, tmp_path, MOE_RUNS)
+    for name, extra in MOE_RUNS:
+        _assert_equal(tmp_path / name, want, weights, name)
+        cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path,
+                                               **{**MOE, "train__steps": 3, **extra}))
+        lay = Layout.from_config(cfg, 4)
+        assert (lay.edp, lay.edp_shard) == (2, 2)  # dp_shard / ep × cp
+        plan = comm_bytes_per_step(cfg.model.resolved(320), lay, Workload.from_config(cfg))
+        assert plan["cp"] > 0 and plan["edp_shard"] > 0 and plan["dp_shard_cp"] > 0
+        for rec in metrics(tmp_path / name):
+            for axis in ("cp", "edp", "edp_shard", "dp_cp", "dp_shard_cp"):
+                assert rec["comm_bytes"].get(axis, 0) == plan[axis], (name, axis)

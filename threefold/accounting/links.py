@@ -26,10 +26,11 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXE
         base = stride("dp_shard")
         if axis == "ep":
             return base, base * layout.ep
+        # the outer part of dp_shard, and cp (whose stride is smaller) when above 1
+        near = stride("cp") if layout.cp > 1 else base * layout.ep
         if axis == "edp_shard":
-            return base * layout.ep, base * layout.dp_shard
-        return base * layout.ep, max(base * layout.dp_shard,
-                                     stride("dp_replicate") * layout.dp_replicate)
+            return near, base * layout.dp_shard
+        return near, max(base * layout.dp_shard, stride("dp_replicate") * layout.dp_replicate)
     if axis in CP_AXES:
         base, u = stride("cp"), layout.ulysses
         if axis == "cp_inner":

@@ -74,6 +74,9 @@ recompute) and backward, exposed. A hybrid runs Ulysses on "cp_inner" and the ri
 all-gather on "cp_outer" (``cp_attention_widths`` gives the sizes).
 With cp > 1, s above is seq_len/cp, the data-parallel all-reduce runs over "dp_cp" (dp·cp
 ranks) and ZeRO over "dp_shard_cp" (dp_shard·cp ranks, units padded to a multiple of it).
+A mixture of experts under cp pools each chunk's router statistics over cp (one fp32
+all-reduce of (2E + 1) per MoE block forward, its gradient's backward:
+``threefold.model.moe.pooled``), and its experts' data ranks span cp too ("edp", "edp_shard").
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ from threefold.accounting.stages import (
     owned_parameters,
     rank_dense_layers,
     rank_layers,
+    rank_moe_chunks,
     stage_expert_units,
     stage_units,
 )
@@ -128,6 +132,9 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                         frozen_embedding=bool(work.lora_r))
     if layout.cp > 1:
         cp_collectives(add, cfg, layout, tokens, work.act_bytes, layers)
+        for moe in rank_moe_chunks(cfg, layout, stage):  # router statistics pooled over cp
+            add("cp", "all_reduce", moe * (2 * cfg.num_local_experts + 1), 4, 2, layout.cp,
+                True, "none")
     e, k, *_ = moe_key(cfg)
     if e and layout.ep > 1:
         _ep_collectives(add, layout, work, e, tokens * k * cfg.hidden_size,

@@ -23,12 +23,13 @@ same weights: gradients are reduced over them with cp > 1), and ``dp_shard_cp`` 
 group (as torchtitan folds cp into its FSDP axis). With cp = 1 these are dp and dp_shard."""
 
 EXPERT_AXES = ("ep", "edp_shard", "edp")
-"""Axes of a mixture of experts, carved out of dp_shard (which is edp_shard × ep, ep
-innermost): ``ep`` the ranks whose experts together make a layer's E experts (tokens travel
-between them by all-to-all), ``edp_shard`` the ranks of one shard group that hold the same
-experts (ZeRO shards the experts over them), ``edp`` those with dp_replicate too (plain data
-parallelism sums the experts' gradients over them). With ep = 1, edp is dp and edp_shard is
-dp_shard."""
+"""Axes of a mixture of experts, carved out of dp_shard (which is its outer part × ep, ep
+innermost) and cp: ``ep`` the ranks whose experts together make a layer's E experts (tokens
+travel between them by all-to-all), ``edp_shard`` the ranks of one shard group that hold the
+same experts, dp_shard's outer part × cp (ZeRO shards the experts over them; cp ranks route
+other tokens of the same sequences), ``edp`` those with dp_replicate too (plain data
+parallelism sums the experts' gradients over them). With ep = 1, edp is dp_cp and edp_shard
+is dp_shard_cp."""
 
 CP_AXES = ("cp_inner", "cp_outer")
 """Axes of hybrid context parallelism, carved out of cp (which is cp_outer × cp_inner,

@@ -35,7 +35,6 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
         rules.ep_needs_experts(lay.ep, e)
         rules.ep_divides_experts(lay.ep, e, lay.dp_shard)
         rules.ep_divides_dp_shard(lay.ep, lay.dp_shard)
-        rules.experts_without_cp(e, lay.cp)
         rules.experts_without_sequence_parallel(e, lay.tp, lay.sequence_parallel)
     if lay.tp > 1:
         rules.k_norm_needs_split_kv(cfg, lay.tp)

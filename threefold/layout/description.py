@@ -131,15 +131,15 @@ class Layout(Ranks):
 
     @property
     def edp_shard(self) -> int:
-        """Ranks of dp_shard holding the same experts: dp_shard / ep (ZeRO shards the expert
-        units over them)."""
-        return self.dp_shard // self.ep
+        """Ranks of dp_shard × cp holding the same experts: dp_shard / ep · cp (ZeRO shards
+        the expert units over them; cp ranks route other tokens of the same sequences)."""
+        return self.dp_shard // self.ep * self.cp
 
     @property
     def edp(self) -> int:
-        """Data-parallel ranks holding the same experts: dp / ep (plain data parallelism
-        all-reduces the expert gradients over them)."""
-        return self.dp // self.ep
+        """Data-parallel and context-parallel ranks holding the same experts: dp / ep · cp
+        (plain data parallelism all-reduces the expert gradients over them)."""
+        return self.dp // self.ep * self.cp
 
     @classmethod
     def from_parallel(cls, p: ParallelConfig, world_size: int) -> "Layout":

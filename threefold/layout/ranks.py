@@ -38,8 +38,9 @@ class Ranks:
         if axis == "world":
             return self.world_size
         if axis in EXPERT_AXES:
-            return {"ep": self.ep, "edp_shard": self.dp_shard // self.ep,
-                    "edp": self.dp_replicate * self.dp_shard // self.ep}[axis]
+            edp_shard = self.dp_shard // self.ep * self.cp  # cp ranks hold the same experts
+            return {"ep": self.ep, "edp_shard": edp_shard,
+                    "edp": self.dp_replicate * edp_shard}[axis]
         if axis in CP_AXES:
             return self.ulysses if axis == "cp_inner" else self.cp // self.ulysses
         if axis not in AXES:
@@ -64,8 +65,11 @@ class Ranks:
             for a in parts:
                 idx = idx * getattr(self, a) + out[a]
             out[name] = idx
-        out["edp_shard"], out["ep"] = divmod(out["dp_shard"], self.ep)
-        out["edp"] = out["dp_replicate"] * (self.dp_shard // self.ep) + out["edp_shard"]
+        # dp_shard index = its outer part · ep + ep index; the experts' data ranks are the
+        # outer part × cp (row-major, as dp_shard_cp)
+        outer, out["ep"] = divmod(out["dp_shard"], self.ep)
+        out["edp_shard"] = outer * self.cp + out["cp"]
+        out["edp"] = out["dp_replicate"] * (self.dp_shard // self.ep * self.cp) + out["edp_shard"]
         out["cp_outer"], out["cp_inner"] = divmod(out["cp"], self.ulysses)
         out["world"] = rank
         return out
@@ -76,15 +80,16 @@ class Ranks:
         if axis == "world":
             return list(range(self.world_size))
         c, st = self.coords(rank), self._strides()
-        if axis in EXPERT_AXES:  # dp_shard index = edp_shard · ep + ep index
+        if axis in EXPERT_AXES:  # dp_shard index = outer part · ep + ep index
             base = rank - c["dp_shard"] * st["dp_shard"]
             if axis == "ep":
-                return [base + (c["edp_shard"] * self.ep + i) * st["dp_shard"] for i in range(n)]
+                first = c["dp_shard"] - c["ep"]
+                return [base + (first + i) * st["dp_shard"] for i in range(n)]
             outer = self.dp_shard // self.ep
             reps = range(self.dp_replicate) if axis == "edp" else [c["dp_replicate"]]
-            base -= c["dp_replicate"] * st["dp_replicate"]
+            base -= c["dp_replicate"] * st["dp_replicate"] + c["cp"] * st["cp"]
             return [base + r * st["dp_replicate"] + (o * self.ep + c["ep"]) * st["dp_shard"]
-                    for r in reps for o in range(outer)]
+                    + k * st["cp"] for r in reps for o in range(outer) for k in range(self.cp)]
         if axis in CP_AXES:  # cp index = cp_outer · ulysses + cp_inner
             base, u = rank - c["cp"] * st["cp"], self.ulysses
             if axis == "cp_inner":

@@ -23,7 +23,7 @@ from threefold.comm.liveness import Heartbeats
 from threefold.layout import Layout, validate_layout
 from threefold.layout.checks import pipeline_microbatches
 from threefold.comm.mesh import build_mesh
-from threefold.parallel.transforms.context import shard_batch
+from threefold.parallel.transforms.context import SequenceSum, shard_batch
 from threefold.parallel.materialize import buffer_pieces
 from threefold.parallel.pipeline.executor import PipelineExecutor
 from threefold.schedules.registry import schedule_spec
@@ -291,6 +291,12 @@ class Distributed(World):
         if self.cp_size == 1:
             return micro
         return shard_batch(micro, self.cp_size, self.cp_rank, self.dims.ulysses)
+
+    def sequence_sum(self, partial: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(``partial`` summed over cp, 1/cp): see ``World.sequence_sum``."""
+        if self.cp_size == 1:
+            return partial, 1.0
+        return SequenceSum.apply(partial, self.comm), 1.0 / self.cp_size
 
     def checkpoint_pieces(self, engine) -> list:
         """This rank's checkpoint pieces, each placed in its logical tensor and each

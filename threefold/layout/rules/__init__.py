@@ -26,7 +26,6 @@ from threefold.layout.rules.expert_rules import (
     ep_divides_experts,
     ep_needs_experts,
     experts_balance_per_layer,
-    experts_without_cp,
     experts_without_sequence_parallel,
 )
 from threefold.layout.rules.pipeline_rules import (
@@ -78,7 +77,6 @@ __all__ = [
     "ep_divides_experts",
     "ep_needs_experts",
     "experts_balance_per_layer",
-    "experts_without_cp",
     "experts_without_sequence_parallel",
     "ffn_over_tp",
     "fills_world",

@@ -78,9 +78,11 @@ def token_index(seq_len: int, cp: int, rank: int, ulysses: int = 1, device=None
 def shard_batch(micro: dict[str, torch.Tensor], cp: int, rank: int, ulysses: int = 1
                 ) -> dict[str, torch.Tensor]:
     """This cp rank's share of a micro-batch of whole sequences (``token_index``): its tokens
-    of every field in ``TOKEN_KEYS`` (positions 0..T−1 made explicit first: a shard cannot
-    tell them), the rest (``document_ids``, a task's own per-sequence fields) as they are."""
-    if cp == 1:
+    of every field in ``TOKEN_KEYS`` it has (positions 0..T−1 made explicit first: a shard
+    cannot tell them), the rest (``document_ids``, a task's own per-sequence fields) as they
+    are. A micro-batch without ``input_ids`` (preference pairs) stays whole: its task cuts
+    the rows it forms (``World.split_sequence``)."""
+    if cp == 1 or "input_ids" not in micro:
         return micro
     ids = micro["input_ids"]
     b, t = ids.shape[:2]
@@ -89,8 +91,30 @@ def shard_batch(micro: dict[str, torch.Tensor], cp: int, rank: int, ulysses: int
         out["position_ids"] = torch.arange(t, device=ids.device).expand(b, t)
     idx = token_index(t, cp, rank, ulysses, ids.device)
     for key in TOKEN_KEYS:
-        out[key] = out[key][:, idx]
+        if key in out:
+            out[key] = out[key][:, idx]
     return out
+
+
+class SequenceSum(torch.autograd.Function):
+    """Per-sequence partial sums of this cp rank's tokens (a log-prob, a score) summed over
+    cp (an all-reduce), for a loss of whole sequences that every cp rank then computes alike.
+    Backward sums the gradients over cp too: each rank's loss is counted once overall when
+    each returns 1/cp of it (``World.sequence_sum``), and every rank's tokens get the whole
+    loss's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        out = x.detach().clone().contiguous()
+        comm.all_reduce(out, AXIS)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone().contiguous()
+        ctx.comm.all_reduce(grad, AXIS)
+        return grad, None
 
 
 class CPMask(NamedTuple):
