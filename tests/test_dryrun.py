@@ -376,7 +376,8 @@ def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
     model = apply_context_parallel(CausalLM(cfg), comm, algorithm)
     b, s = 2, 64
     whole = torch.zeros(b, s, dtype=torch.long)
-    micro = shard_batch({"input_ids": whole, "labels": whole}, world, comm.rank("cp"))
+    micro = shard_batch({"input_ids": whole, "labels": whole}, world, comm.rank("cp"),
+                        world if algorithm == "ulysses" else 1)
     cos, sin = model.model.rotary(micro["position_ids"])
     x = torch.randn(b, s // world, cfg.hidden_size, requires_grad=True)
     dtype = getattr(torch, dtype_name)
@@ -390,14 +391,15 @@ def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
 
 @pytest.mark.slow
 def test_block_activation_bytes_under_cp_equal_autograd_saved_tensors():
-    """Under context parallelism (2 ranks, ring and allgather, fp32 and bf16 autocast, with
-    and without grouped-query attention) every byte autograd saves in one block is what
+    """Under context parallelism (2 ranks, ring, allgather and Ulysses, fp32 and bf16
+    autocast, with and without grouped-query attention) every byte autograd saves in one
+    block is what
     ``block_activation_bytes(cp=2, ...)`` counts for the rank's tokens, plus the RoPE tables
     (fp32) or the autocast weight copies (bf16), as in the cp = 1 test above."""
     from tests.dist import run_checks
 
-    cases = [(a, dt, kv) for a in ("ring", "allgather") for dt in ("float32", "bfloat16")
-             for kv in (4, 8)]
+    cases = [(a, dt, kv) for a in ("ring", "allgather", "ulysses")
+             for dt in ("float32", "bfloat16") for kv in (4, 8)]
     results = run_checks(2, [(_cp_block_saved_bytes, c) for c in cases], timeout=180)
     b, s, cp = 2, 64, 2
     for (algorithm, dt, kv), per_rank in zip(cases, results):
