@@ -7,7 +7,9 @@ gives every rank the same attention work. Everything but attention is per token 
 unchanged on the rank's tokens; the positions (RoPE), labels and packed documents' ids of the
 whole sequence say what each local token is.
 
-Attention needs every earlier key. Two algorithms (``parallel.cp_algorithm``):
+Attention needs every earlier key. Three algorithms (``parallel.cp_algorithm``); the first
+two here (their blocks in ``threefold.parallel.transforms.ring_blocks``), the third in
+``threefold.parallel.transforms.ulysses``:
 
 - ``ring`` (Liu et al., "Ring Attention", arXiv 2310.01889): the K/V of each rank travel
   around the ring of cp ranks, one hop per step, N−1 hops; each rank attends its queries to the
@@ -32,6 +34,12 @@ Bytes a rank sends per attention call, with kv = the bytes of its local K and V 
 (reduce-scatter). Activation checkpointing runs the forward twice.
 ``threefold.accounting.cp_bytes_per_attention`` is that closed form; the planner and the tests use
 it.
+
+- ``ulysses``: an all-to-all trades sequence shards for head shards, and each rank runs the
+  model's own attention over whole sequences (``ulysses_attention``); its ranks hold
+  contiguous slices. With ``parallel.cp_ulysses`` u (1 < u < cp) the two combine (a hybrid):
+  Ulysses over the innermost u cp ranks (axis "cp_inner"), then the ring or the all-gather
+  over the cp/u ring ranks (axis "cp_outer") on the gathered share (``token_index``).
 """
 
 from __future__ import annotations
