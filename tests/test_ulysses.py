@@ -217,24 +217,24 @@ def test_experts_under_cp_train_as_one_process(corpus, cache_dir, tmp_path):
 
 
 def test_dry_run_of_a_hybrid_names_both_parts_and_counts_each_axis(monkeypatch, tmp_path):
-    """Llama 3 8B at 128K tokens on 8 ranks, cp 8 = ring 2 × Ulysses 4: the layout line names
+    """The tiny model at 1K tokens on 8 ranks, cp 8 = ring 2 × Ulysses 4: the layout line names
     both parts; the all-to-alls' bytes are on cp_inner, the ring's on cp_outer, each the
-    closed form's (32 blocks, 4 micro-batches)."""
+    closed form's (4 blocks, 4 micro-batches)."""
     from threefold.launch.dryrun import predict
     from threefold.launch.dryrun_report import format_report
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
-    base = [("model.preset", "llama3-8b"), ("data.seq_len", "131072"),
+    base = [("model.preset", "tiny"), ("data.seq_len", "1024"),
             ("train.dtype", "bfloat16"), ("train.global_batch_size", "4"),
             ("train.micro_batch_size", "1"), ("parallel.cp", "8"), ("parallel.cp_ulysses", "4"),
             ("train.output_dir", str(tmp_path))]
     r = predict(load_config(None, base), 8)
-    assert "cp 8 (ring 2 × ulysses 4, 16384 tokens of each sequence per rank)" in \
+    assert "cp 8 (ring 2 × ulysses 4, 128 tokens of each sequence per rank)" in \
         format_report(r, 8)
-    n, e = 16384, 2
-    q, kv, out = (n * w * e for w in cp_attention_widths(ModelConfig(preset="llama3-8b")
-                                                          .resolved(128256), 1, 4))
+    n, e = 128, 2
+    q, kv, out = (n * w * e for w in cp_attention_widths(ModelConfig(preset="tiny")
+                                                          .resolved(512), 1, 4))
     a2a = 3 * (q + kv) // 4 + 3 * out // 4
-    per = 32 * 4  # blocks × micro-batches
+    per = 4 * 4  # blocks × micro-batches
     assert r.comm_bytes["cp_inner"] == per * 2 * a2a
     assert r.comm_bytes["cp_outer"] == per * (kv + 3 * kv) and r.comm_bytes["cp"] == 0
