@@ -188,7 +188,19 @@ def test_ulysses_layouts_train_as_one_process(reference, corpus, cache_dir, tmp_
 # --------------------------------------------------------------------------------------------
 # A mixture of experts under cp
 # --------------------------------------------------------------------------------------------
-MOE_RUNS = [("ep2_cp2_zero1", {"parallel__ep": 2, "parallel__cp": 2, "parallel__zero_stage": 1})]
+MOE_RUNS = [("ep2_cp2_zero1", {"parallel__ep": 2, "parallel__cp": 2,
+                               "parallel__zero_stage": 1})]
+MOE_STEPS = 2
+
+
+def _moe_runs(rank, world, corpus, cache, root, runs):
+    from tests.test_expert_parallel import MOE
+    from threefold.parallel.distributed_world import Distributed
+
+    for name, extra in runs:
+        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, **{
+            **MOE, "train__steps": MOE_STEPS, **extra}))
+        train(cfg, Distributed(cfg))
 
 
 @pytest.mark.slow
@@ -197,16 +209,19 @@ def test_experts_under_cp_train_as_one_process(corpus, cache_dir, tmp_path):
     router losses pool f, P and z over cp, the experts' gradients are summed over their
     data ranks × cp ("edp"): the single process's losses, router losses, expert counts and
     weights; the bytes on cp, edp and dp_cp are the accounting's."""
-    from tests.test_expert_parallel import MOE, _assert_equal, _runs, _single
+    from tests.test_expert_parallel import MOE, _assert_equal
     from threefold.accounting import comm_bytes_per_step
     from threefold.layout import Layout, Workload
 
-    want, weights = _single(corpus, cache_dir, tmp_path / "single", 4)
-    run_distributed(_runs, 4, corpus, cache_dir, tmp_path, MOE_RUNS)
+    single = tmp_path / "single"
+    train(load_config(None, tiny_overrides(corpus, cache_dir, single, **{
+        **MOE, "train__steps": MOE_STEPS, "train__micro_batch_size": 4})))
+    want, weights = metrics(single), final_weights(single)
+    run_distributed(_moe_runs, 4, corpus, cache_dir, tmp_path, MOE_RUNS)
     for name, extra in MOE_RUNS:
         _assert_equal(tmp_path / name, want, weights, name)
         cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path,
-                                               **{**MOE, "train__steps": 3, **extra}))
+                                               **{**MOE, "train__steps": MOE_STEPS, **extra}))
         lay = Layout.from_config(cfg, 4)
         assert (lay.edp, lay.edp_shard) == (2, 2)  # dp_shard / ep × cp
         plan = comm_bytes_per_step(cfg.model.resolved(320), lay, Workload.from_config(cfg))

@@ -63,8 +63,9 @@ collectives (stage 3 under full recompute gathers it a third time: the recompute
 runs before the unit's backward hook) and, with dp_replicate > 1, its shard gradient
 all-reduced over dp_replicate.
 cp (``threefold.parallel.transforms.context``), per microbatch and layer: the attention's K/V moves,
-``cp_bytes_per_attention`` (``threefold.accounting.context_traffic``) of this rank's K and V (2·b·kv heads per tp rank·s/cp·head_dim
-in the matmul dtype), its forward twice under recompute. Ring: point-to-point hops of the
+``cp_bytes_per_attention`` (``threefold.accounting.context_traffic``) of this rank's K and V
+(2·b·kv heads per tp rank·s/cp·head_dim in the matmul dtype), its forward twice under
+recompute. Ring: point-to-point hops of the
 K/V block, posted before the block in hand is computed (each hides behind one block's
 attention), and in backward the dK/dV accumulator's hops, which wait right after their
 block (exposed). Allgather: an all-gather forward and a reduce-scatter backward, exposed.

@@ -349,8 +349,8 @@ def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring"
     """Make every attention of ``model`` (a whole model or a pipeline rank's chunks) attend
     over the whole sequence from this cp rank's share of it, with ``algorithm`` (ring,
     allgather or ulysses; ring or allgather with ``ulysses`` > 1 Ulysses ranks inside: the
-    hybrid, ``parallel.cp_ulysses``): each ``Attention`` (``LatentAttention``) becomes a ``ContextParallelAttention``
-    (``ContextParallelLatentAttention``) and each ``DecoderModel`` a
+    hybrid, ``parallel.cp_ulysses``): each ``Attention`` (``LatentAttention``) becomes a
+    ``ContextParallelAttention`` (``ContextParallelLatentAttention``) and each ``DecoderModel`` a
     ``ContextParallelDecoderModel``. In place; parameter names do not change. Micro-batches
     must be cut with ``shard_batch`` (positions explicit, ``document_ids`` whole)."""
     if algorithm not in ALGORITHMS:
