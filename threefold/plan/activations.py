@@ -280,13 +280,16 @@ def gemma_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload, tokens: 
 def block_document_mask_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """What masked attention (packed documents, ``data.document_mask``, or a sliding window
     shorter than the sequence, ``model.sliding_window``) adds to one block's kept bytes
-    without recompute (``document_mask_bytes``; none under context parallelism, whose
-    attention takes no mask)."""
+    without recompute (``document_mask_bytes``; none under ring or all-gather context
+    parallelism, whose attention takes no mask). Under Ulysses a rank runs the masked
+    attention over whole sequences for heads/u of the heads (K/V heads repeated up to u):
+    the same count for those heads, b·s tokens."""
     window = 0 < cfg.sliding_window < work.seq_len  # a sliding window masks attention too
-    if not (work.document_mask or window) or layout.cp > 1:
+    if not (work.document_mask or window) or layout.cp_ring > 1:
         return 0.0
-    sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
-    out = document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s, work.act_bytes)
+    sh, b, s, u = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len, layout.ulysses
+    out = document_mask_bytes(b * s, sh.heads // u, max(sh.kv_heads, u) // u, cfg.head_dim, s,
+                              work.act_bytes)
     if not work.document_mask:  # a window alone: one (1, 1, T, T) mask for the whole batch,
         out -= (b - 1) * s * s * work.act_bytes
         n, every = cfg.num_hidden_layers, cfg.sliding_window_pattern
