@@ -15,7 +15,8 @@ from tests.dist import run_checks, run_distributed
 from tests.test_dp_zero import _check_equal
 from threefold.config import ConfigError, load_config
 from threefold.accounting import cp_bytes_per_attention
-from threefold.parallel.transforms.context import chunk_index, shard_batch
+from threefold.parallel.transforms.context import shard_batch
+from threefold.parallel.transforms.ring_blocks import chunk_index
 from threefold.training.train import train
 
 STEPS = 4
@@ -97,7 +98,7 @@ def test_cp_attention_equals_whole_sequence_attention(world):
 def test_ring_piece_math_path_equals_the_fused_kernel(causal, packed):
     """The math path (used off CPU) computes the fused kernel's output, log-sum-exp and
     gradients, fully masked rows included."""
-    from threefold.parallel.transforms.context import Piece, _piece_backward, _piece_forward
+    from threefold.parallel.transforms.ring_blocks import Piece, _piece_backward, _piece_forward
 
     gen = torch.Generator().manual_seed(1)
     q, do = (torch.randn(2, 4, 8, 16, generator=gen) for _ in range(2))
@@ -125,6 +126,16 @@ def test_cp_byte_closed_forms():
     assert cp_bytes_per_attention(100, 4, "ring") == (300, 300 + 400)
     assert cp_bytes_per_attention(100, 4, "ring", forwards=2) == (600, 700)
     assert cp_bytes_per_attention(100, 4, "allgather") == (300, 300)
+    # Ulysses: (u−1)/u of q, K/V and the output each way, forward and backward alike
+    assert cp_bytes_per_attention(100, 4, "ulysses", q_bytes=200, out_bytes=200) == (375, 375)
+    assert cp_bytes_per_attention(100, 4, "ulysses", 2, q_bytes=200, out_bytes=200) == (750,
+                                                                                        375)
+    # hybrid, 2 Ulysses × 2 ring ranks: the all-to-alls, then the ring of the K/V block
+    a2a = 100 + 50
+    assert cp_bytes_per_attention(100, 4, "ring", ulysses=2, q_bytes=100, out_bytes=100) == (
+        a2a + 100, a2a + 100 + 200)
+    assert cp_bytes_per_attention(100, 4, "allgather", ulysses=2, q_bytes=100,
+                                  out_bytes=100) == (a2a + 100, a2a + 100)
     with pytest.raises(ValueError, match="cp algorithm"):
         cp_bytes_per_attention(100, 2, "tree")
 

@@ -1,5 +1,5 @@
 """DPO: the loss formula, pair tokenization, step-0 loss of ln 2 with TRL's metric names,
-step losses and log-probs equal to TRL's DPOTrainer, DP2 and ZeRO-3 equal to one process,
+step losses and log-probs equal to TRL's DPOTrainer, DP2, ZeRO-3 and cp 2 equal to one process,
 HF export, and `threefold dpo` out of the box after `threefold train`."""
 
 from __future__ import annotations
@@ -89,7 +89,20 @@ def dpo_task(root):
 
 
 RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
-        ("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 1})]
+        ("pp2_1f1b", {"parallel__pp": 2, "train__micro_batch_size": 1}),
+        ("cp2", {"parallel__cp": 2})]
+
+
+def _dpo_cp_bytes(rows: int, seq_len: int) -> int:
+    """Bytes a rank sends on "cp" per DPO step of one micro-batch of ``rows`` (chosen and
+    rejected) rows under ring cp 2 over the tiny model's 2 blocks: each attention's closed
+    form, and the log-probs' sum over cp forward and its gradient's backward (all-reduces of
+    ``rows`` fp32, each rank sending the half it does not own, twice)."""
+    from threefold.accounting import cp_bytes_per_attention
+
+    kv = 2 * rows * 2 * (seq_len // 2) * 16 * 4  # K and V: rows · 2 kv heads · T/2 · 16, fp32
+    fwd, bwd = cp_bytes_per_attention(kv, 2, "ring")
+    return 2 * (fwd + bwd) + 2 * (2 * (rows // 2) * 4)
 
 
 @pytest.mark.slow
@@ -124,6 +137,8 @@ def test_dpo_step0_is_ln2_learns_and_layouts_equal_single_process(corpus, cache_
         w = final_weights(tmp_path / name)
         for k, v in ref_w.items():
             torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+    # DPO under cp 2: every step moves the closed form's bytes (one micro-batch of 8 pairs)
+    assert {r["comm_bytes"]["cp"] for r in metrics(tmp_path / "cp2")} == {_dpo_cp_bytes(16, 128)}
     export_hf(tmp_path / "dp2", tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 

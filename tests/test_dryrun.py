@@ -360,7 +360,7 @@ def test_selective_block_bytes_equal_what_the_block_holds(tp, sp, dtype):
             assert torch.equal(a, c)
 
 
-def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
+def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads, window=0):
     """What autograd saves in one block of the tiny model on this cp rank (its share of 2
     sequences of 64 tokens), weights excluded, with the block's attention under
     ``algorithm``; run forward and backward on every rank (the ring needs all of them)."""
@@ -371,12 +371,15 @@ def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
 
     dims = Layout(cp=world)
     comm = Comm(dims, build_mesh(dims, "cpu"))
-    cfg = ModelConfig(preset="tiny", vocab_size=512, num_key_value_heads=kv_heads).resolved()
+    cfg = ModelConfig(preset="tiny", vocab_size=512, num_key_value_heads=kv_heads,
+                      sliding_window=window).resolved()
     torch.manual_seed(0)
-    model = apply_context_parallel(CausalLM(cfg), comm, algorithm)
+    model = apply_context_parallel(CausalLM(cfg), comm, algorithm,
+                                   world if algorithm == "ulysses" else 1)
     b, s = 2, 64
     whole = torch.zeros(b, s, dtype=torch.long)
-    micro = shard_batch({"input_ids": whole, "labels": whole}, world, comm.rank("cp"))
+    micro = shard_batch({"input_ids": whole, "labels": whole}, world, comm.rank("cp"),
+                        world if algorithm == "ulysses" else 1)
     cos, sin = model.model.rotary(micro["position_ids"])
     x = torch.randn(b, s // world, cfg.hidden_size, requires_grad=True)
     dtype = getattr(torch, dtype_name)
@@ -390,15 +393,26 @@ def _cp_block_saved_bytes(rank, world, algorithm, dtype_name, kv_heads):
 
 @pytest.mark.slow
 def test_block_activation_bytes_under_cp_equal_autograd_saved_tensors():
-    """Under context parallelism (2 ranks, ring and allgather, fp32 and bf16 autocast, with
-    and without grouped-query attention) every byte autograd saves in one block is what
+    """Under context parallelism (2 ranks, ring, allgather and Ulysses, fp32 and bf16
+    autocast, with and without grouped-query attention) every byte autograd saves in one
+    block is what
     ``block_activation_bytes(cp=2, ...)`` counts for the rank's tokens, plus the RoPE tables
     (fp32) or the autocast weight copies (bf16), as in the cp = 1 test above."""
     from tests.dist import run_checks
 
-    cases = [(a, dt, kv) for a in ("ring", "allgather") for dt in ("float32", "bfloat16")
-             for kv in (4, 8)]
-    results = run_checks(2, [(_cp_block_saved_bytes, c) for c in cases], timeout=180)
+    cases = [(a, dt, kv) for a in ("ring", "allgather", "ulysses")
+             for dt in ("float32", "bfloat16") for kv in (4, 8)]
+    windowed = ("ulysses", "float32", 4, 16)  # Mistral's window under Ulysses: a masked SDPA
+    results = run_checks(2, [(_cp_block_saved_bytes, c) for c in cases + [windowed]],
+                         timeout=180)
+    cfg = ModelConfig(preset="tiny", vocab_size=512, sliding_window=16).resolved()
+    lay = Layout(cp=2, cp_algorithm="ulysses", microbatch_size=2)
+    work = Workload(seq_len=64, global_batch=2, precision="fp32", residual_bytes=4)
+    want = model_layer_activation_bytes(cfg, lay, work) + 2 * 4 * 2 * 64 // 2 * cfg.head_dim
+    assert model_layer_activation_bytes(cfg, lay, work) > block_activation_bytes(
+        2 * 64 // 2, cfg.hidden_size, 8, 4, cfg.head_dim, cfg.intermediate_size, act_bytes=4,
+        residual_bytes=4, seq_len=64, cp=2, cp_algorithm="ulysses")  # the mask is counted
+    assert results.pop() == [want] * 2
     b, s, cp = 2, 64, 2
     for (algorithm, dt, kv), per_rank in zip(cases, results):
         cfg = ModelConfig(preset="tiny", vocab_size=512, num_key_value_heads=kv).resolved()

@@ -113,13 +113,32 @@ def test_validate_model_refuses_with_field_and_fix(world, kw, model, vpp, messag
 
 
 # ------------------------------------------------------------------ rank arithmetic
+def test_hybrid_cp_axes_keep_the_all_to_all_inside_a_node():
+    """cp 4 = 2 ring ranks × 2 Ulysses ranks over tp 2 on nodes of 4: the all-to-all's group
+    (cp_inner) is 2 neighbouring cp ranks, inside a node; the ring's (cp_outer) crosses."""
+    from threefold.accounting import axis_crosses_nodes, axis_stride_and_span
+    from threefold.layout import Layout
+
+    d = Layout(cp=4, cp_ulysses=2, tp=2)
+    assert (d.ulysses, d.cp_ring, d.cp_axes) == (2, 2, ("cp_inner", "cp_outer"))
+    assert d.axis_groups("cp_inner") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.axis_groups("cp_outer") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert {k: d.coords(6)[k] for k in ("cp", "cp_outer", "cp_inner")} == {
+        "cp": 3, "cp_outer": 1, "cp_inner": 1}
+    assert axis_stride_and_span(d, "cp_inner") == (2, 4)
+    assert axis_stride_and_span(d, "cp_outer") == (4, 8)
+    assert not axis_crosses_nodes(d, "cp_inner", 4) and axis_crosses_nodes(d, "cp_outer", 4)
+    assert Layout(cp=4, cp_algorithm="ulysses").cp_axes == ("cp", None)
+    assert Layout(cp=4).cp_axes == (None, "cp")
+
+
 def test_coords_and_groups_of_a_2x2x2_layout():
     d = dims(8, dp_replicate=2, dp_shard=2, tp=2)
     # rank = dp_replicate·4 + dp_shard·2 + tp (tp innermost): rank 5 = (1, 0, 1)
     assert d.coords(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1, "dp": 2,
                            "dp_cp": 2, "dp_shard_cp": 0, "world": 5,
                            "ep": 0, "edp_shard": 0, "edp": 2,  # ep 1: edp is dp
-                           "ep_inter": 0, "ep_intra": 0}
+                           "ep_inter": 0, "ep_intra": 0, "cp_inner": 0, "cp_outer": 0}
     assert d.axis_ranks(5, "tp") == [4, 5]
     assert d.axis_ranks(5, "dp_shard") == [5, 7]
     assert d.axis_ranks(5, "dp_replicate") == [1, 5]
@@ -129,14 +148,18 @@ def test_coords_and_groups_of_a_2x2x2_layout():
     d = dims(8, pp=2, dp_shard=2, tp=2)
     assert d.coords(6) == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0, "dp": 1,
                            "dp_cp": 1, "dp_shard_cp": 1, "world": 6,
-                           "ep": 0, "edp_shard": 1, "edp": 1, "ep_inter": 0, "ep_intra": 0}
+                           "ep": 0, "edp_shard": 1, "edp": 1, "ep_inter": 0, "ep_intra": 0,
+                           "cp_inner": 0, "cp_outer": 0}
     assert d.axis_ranks(6, "pp") == [2, 6] and d.axis_ranks(6, "dp") == [4, 6]
     # cp between dp_shard and tp: rank = dp_shard·4 + cp·2 + tp
     d = dims(8, dp_shard=2, cp=2, tp=2)
     assert d.coords(7) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 1, "tp": 1, "dp": 1,
                            "dp_cp": 3, "dp_shard_cp": 3, "world": 7,
-                           "ep": 0, "edp_shard": 1, "edp": 1, "ep_inter": 0, "ep_intra": 0}
+                           "ep": 0, "edp_shard": 3, "edp": 3, "ep_inter": 0, "ep_intra": 0,
+                           "cp_inner": 0, "cp_outer": 1}
     assert d.axis_ranks(7, "cp") == [5, 7] and d.axis_ranks(7, "dp") == [3, 7]
+    # the experts' data ranks span cp (ep 1: edp is dp_cp)
+    assert d.axis_ranks(7, "edp") == [1, 3, 5, 7] == d.axis_ranks(7, "edp_shard")
     assert d.axis_ranks(7, "dp_cp") == [1, 3, 5, 7] == d.axis_ranks(7, "dp_shard_cp")
     assert d.describe() == "pp 1 × dp_replicate 1 × dp_shard 2 × cp 2 × tp 2 = 8 ranks"
 
@@ -146,12 +169,13 @@ def test_coords_and_groups_of_a_2x2x2_layout():
                                 {"pp": 2, "dp_replicate": 2, "tp": 2},
                                 {"pp": 2, "dp_replicate": 2, "dp_shard": 2},
                                 {"dp_replicate": 2, "cp": 2, "tp": 2},
-                                {"pp": 2, "dp_shard": 2, "cp": 2}])
+                                {"pp": 2, "dp_shard": 2, "cp": 2},
+                                {"cp": 4, "cp_ulysses": 2, "tp": 2}])
 def test_groups_partition_the_world_and_agree_with_coords(kw):
     from threefold.layout.axes import DERIVED_AXES, FLATTENED
 
     d = dims(8, **kw)
-    for axis in AXES + tuple(FLATTENED):
+    for axis in AXES + tuple(FLATTENED) + ("cp_inner", "cp_outer"):
         groups = d.axis_groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(8))
         assert all(len(g) == d.axis_size(axis) for g in groups)
@@ -160,9 +184,11 @@ def test_groups_partition_the_world_and_agree_with_coords(kw):
                 assert d.coords(r)[axis] == i and d.axis_ranks(r, axis) == g
                 # ranks in one group differ only in this axis's coordinates
                 others = {a: v for a, v in d.coords(r).items()
-                          if a in AXES and a not in FLATTENED.get(axis, (axis,))}
+                          if a in AXES and a not in FLATTENED.get(axis, (axis,))
+                          and a != axis[:2]}  # (cp_inner, cp_outer: parts of cp)
                 assert others == {a: v for a, v in d.coords(g[0]).items() if a in others}
     assert set(DERIVED_AXES) == {*FLATTENED, "ep", "edp", "edp_shard", "ep_inter", "ep_intra",
+                                 "cp_inner", "cp_outer",
                                  "world"}
     with pytest.raises(ValueError, match="outside world size 8"):
         d.coords(8)

@@ -373,17 +373,23 @@ def test_moe_is_refused_with_model_parallelism_and_bad_shapes_are_named(capsys):
     cfg = load_config(None, [("model.preset", "tiny-moe")])
     validate_layout(cfg, 1, cfg.model.resolved(320))
     validate_layout(cfg, 4, cfg.model.resolved(320))  # data parallel / ZeRO
-    for axis in ("cp",):
-        bad = load_config(None, [("model.preset", "tiny-moe"), (f"parallel.{axis}", "2")])
-        for mcfg in (bad.model.resolved(320), None):
-            with pytest.raises(ConfigError, match=rf"parallel\.{axis}: 2 with a mixture of "
-                               r"experts \(model\.num_local_experts=8\) is not built yet"):
-                validate_layout(bad, 2, mcfg)
+    # cp takes experts now (router statistics pooled over cp: tests/test_ulysses.py
+    # test_experts_under_cp_train_as_one_process);
+    # sequence parallelism still does not (the MoE is whole on every tp rank)
+    for mcfg in (cfg.model.resolved(320), None):
+        validate_layout(load_config(None, [("model.preset", "tiny-moe"), ("parallel.cp", "2")]),
+                        2, mcfg)
+    bad = load_config(None, [("model.preset", "tiny-moe"), ("parallel.tp", "2"),
+                             ("parallel.sequence_parallel", "true")])
+    for mcfg in (bad.model.resolved(320), None):
+        with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel: tp=2 with a mixture "
+                           r"of experts \(model\.num_local_experts=8\)"):
+            validate_layout(bad, 2, mcfg)
     # the dry run refuses what the runtime refuses, by name, before anything (the planner and
     # the dry run model experts: tests/test_plan_moe.py)
     capsys.readouterr()
-    assert main(["train", "--dry-run", "--model.preset", "mixtral-8x7b", "--parallel.cp", "2",
-                 "--nproc-per-node", "8"]) == 2
+    assert main(["train", "--dry-run", "--model.preset", "mixtral-8x7b", "--parallel.tp", "2",
+                 "--parallel.sequence_parallel", "true", "--nproc-per-node", "8"]) == 2
     assert "num_local_experts" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="model.num_experts_per_tok"):
         load_config(None, [("model.preset", "tiny-moe"), ("model.num_experts_per_tok", "9")])

@@ -46,13 +46,20 @@ def test_the_longest_fits_and_one_granule_more_does_not(setting, cp, algorithm):
 
 def test_plan_max_seq_len_reports_every_split(capsys):
     """Every cp degree of the world with every algorithm in CP_ALGORITHMS (an algorithm added
-    there is planned too); tiling the MLP lengthens what fits without recompute."""
+    there is planned too), and the hybrids with Ulysses inside cp; tiling the MLP lengthens
+    what fits without recompute."""
     args = ["--model", "llama3-8b", "--gpus", "4", "--gpu", "h100", "--max-seq-len",
             "--json", "--recompute", "none"]
     assert plan(args) == 0
     rows = json.loads(capsys.readouterr().out)
     splits = {(r["cp"], r["cp_algorithm"]) for r in rows}
     assert splits == {(1, None)} | {(cp, a) for cp in (2, 4) for a in CP_ALGORITHMS}
+    # the runtime has Ulysses: the hybrids too (Ulysses over 2 ranks, the ring or the
+    # all-gather over the other 2), and pure Ulysses over all
+    assert "ulysses" in CP_ALGORITHMS
+    hybrids = {(r["cp"], r["cp_algorithm"]) for r in rows if r["cp_ulysses"] > 1}
+    assert hybrids == {(4, a) for a in CP_ALGORITHMS if a != "ulysses"}
+    assert all(r["cp_ulysses"] == 2 for r in rows if r["cp_ulysses"] > 1)
     assert all(r["max_seq_len"] > 0 and r["memory_bytes_per_gpu"] <= 80e9 for r in rows)
     assert plan(args + ["--mlp-tiles", "8", "--cp", "1"]) == 0
     tiled = json.loads(capsys.readouterr().out)

@@ -184,19 +184,19 @@ def test_ep_across_nodes_is_slower_and_flagged():
 
 def test_moe_layouts_the_runtime_refuses_are_refused_by_name():
     cfg, work = MIXTRAL, Workload(seq_len=4096, global_batch=64)
-    cases = [(Layout(dp_shard=4, cp=2), "parallel.cp"),
-             (Layout(tp=2, dp_shard=4), "parallel.sequence_parallel"),
+    cases = [(Layout(tp=2, dp_shard=4), "parallel.sequence_parallel"),
              (Layout(dp_shard=6, ep=3), "parallel.ep"),
              (Layout(dp_shard=2, ep=4), "parallel.ep")]
     for lay, field in cases:
         with pytest.raises(LayoutError, match=field):
             check_layout(cfg, lay, work)
     check_layout(cfg, Layout(tp=2, dp_shard=4, ep=4, pp=2, sequence_parallel=False), work)
+    check_layout(cfg, Layout(dp_shard=4, cp=2, ep=2), work)  # experts route a cp share too
 
 
 def test_planner_searches_ep_for_mixtral_on_64_gpus():
     """Every layout ranked is one the runtime takes (ep dividing the experts and dp_shard, no
-    SP, no cp) and fits; ep > 1 is searched, and, keeping every activation or recomputing
+    SP) and fits; ep > 1 is searched, and, keeping every activation or recomputing
     whole blocks, it wins: holding 1/ep of the experts leaves room that ep = 1 (every expert
     on every rank, or gathered by ZeRO-3) does not. (Selective recompute makes room at ep 1
     too: a near tie, within 0.1%.)"""
@@ -207,7 +207,7 @@ def test_planner_searches_ep_for_mixtral_on_64_gpus():
     assert res.ranked and res.fits > 0
     for c in res.ranked:
         lay = c.layout
-        assert 8 % lay.ep == 0 and lay.dp_shard % lay.ep == 0 and lay.cp == 1 and not lay.sp
+        assert 8 % lay.ep == 0 and lay.dp_shard % lay.ep == 0 and not lay.sp
         assert c.memory.total <= H100.memory_bytes
     best = res.ranked[0]
     only1 = search(MIXTRAL, cluster, work, SearchSpace(ep=(1,), recompute=("none", "full")),
@@ -220,14 +220,15 @@ def test_planner_searches_ep_for_mixtral_on_64_gpus():
 
 def test_plan_cli_for_moe(capsys):
     """``threefold plan`` ranks MoE layouts with an ep column and says the ep figures are
-    the uniform-routing expectation; --cp > 1 and a bad --ep are refused by the rule book's
-    messages (the fields they set)."""
+    the uniform-routing expectation; --cp 2 ranks MoE layouts under context parallelism;
+    a bad --ep is refused by the rule book's message (the field it sets)."""
     assert main(["--model", "olmoe-shape-1b-7b", "--gpus", "16", "--gpu", "h100",
                  "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "1.28B active" in out and " ep " in out and "uniform-routing" in out
-    assert main(["--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100", "--cp", "2"]) == 2
-    assert "parallel.cp: 2 with a mixture of experts" in capsys.readouterr().err
+    assert main(["--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100", "--cp", "2",
+                 "--top", "1"]) == 0
+    assert " ep " in capsys.readouterr().out
     assert main(["--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100", "--ep", "3"]) == 2
     assert "parallel.ep: 3 does not divide model.num_local_experts=8" in capsys.readouterr().err
 
@@ -265,14 +266,26 @@ def test_dry_run_of_mixtral_with_ep(monkeypatch, tmp_path):
     assert f"ep {r.comm_bytes['ep']:,}" in text and "12.88B of 46.70B" in text
 
 
-def test_dry_run_refuses_moe_with_cp_by_name(monkeypatch, tmp_path):
+def test_dry_run_of_moe_under_cp(monkeypatch, tmp_path):
+    """Mixtral under cp 2 × ep 2 on 8 ranks: per micro-batch and block, cp moves the ring's
+    closed form and the router statistics pooled over cp (an fp32 all-reduce of 2E + 1
+    per block, forward and backward)."""
+    from threefold.accounting import cp_bytes_per_attention
     from threefold.launch.dryrun import predict
 
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
     cfg = load_config(None, _pairs(["--model.preset", "mixtral-8x7b", "--parallel.cp", "2",
-                             "--train.output_dir", str(tmp_path)]))
-    with pytest.raises(ConfigError, match="parallel.cp"):
-        predict(cfg, 8)
+                                    "--parallel.ep", "2", "--parallel.zero_stage", "3",
+                                    "--data.seq_len", "4096", "--train.dtype", "bfloat16",
+                                    "--train.global_batch_size", "8",
+                                    "--train.micro_batch_size", "1",
+                                    "--train.output_dir", str(tmp_path)]))
+    r = predict(cfg, 8)
+    kv = 2 * 1 * 8 * 2048 * 128 * 2  # K and V: b · kv heads · s/cp · head_dim, bf16
+    fwd, bwd = cp_bytes_per_attention(kv, 2, "ring")
+    pooled = 2 * (32 * 17 // 2) * 4  # rank 0 sends the half of 32·(2·8 + 1) fp32 it lacks
+    assert r.comm_bytes["cp"] == 2 * 32 * (fwd + bwd) + 2 * 2 * pooled
+    assert r.comm_bytes["ep"] > 0 and r.comm_bytes["edp_shard"] > 0
 
 
 def _first_block_saved(model, b: int, s: int, h: int, dtype):

@@ -68,7 +68,8 @@ def reward_overrides(corpus, cache, out, **extra):
 
 RUNS = [("dp2", {}), ("zero3_accum", {"parallel__zero_stage": 3, "train__micro_batch_size": 2}),
         ("tp2", {"parallel__tp": 2}),
-        ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"})]
+        ("tp2_sp", {"parallel__tp": 2, "parallel__sequence_parallel": "true"}),
+        ("cp2_ulysses", {"parallel__cp": 2, "parallel__cp_algorithm": "ulysses"})]
 
 
 def our_scores(weights: dict, mcfg, ids: torch.Tensor, pad: int) -> torch.Tensor:

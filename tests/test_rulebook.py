@@ -64,10 +64,6 @@ ROWS = [
         "reaches at most topk_group=1 nodes); choose parallel.ep or the ranks per node so that "
         "the nodes divide 3, or parallel.ep_dispatch flat",
         ("--ep", "2", "--ep-dispatch", "hierarchical", "--gpus-per-node", "1")),
-    Row("experts_without_cp", {**MOE, "parallel.cp": 2}, 2,
-        "parallel.cp: 2 with a mixture of experts (model.num_local_experts=8) is not built yet "
-        "(the router and the expert all-to-alls take whole sequences per rank); set "
-        "parallel.cp 1, or model.num_local_experts 0 for a dense model", ("--cp", "2")),
     Row("experts_without_sequence_parallel",
         {**MOE, "parallel.tp": 2, "parallel.sequence_parallel": True}, 2,
         "parallel.sequence_parallel: tp=2 with a mixture of experts (model.num_local_experts=8) "
@@ -100,13 +96,30 @@ ROWS = [
         "(model.num_nextn_predict_layers=1) is not built under pipeline parallelism (pp=2); "
         "untie it or set parallel.pp 1", ("--pp", "2")),
     Row("cp_attention", {"model.sliding_window": 64, "parallel.cp": 2}, 2,
-        "model.sliding_window: 64: context parallelism (parallel.cp=2) does not compute this "
-        "attention yet; set parallel.cp 1", ("--cp", "2")),
+        "model.sliding_window: 64: ring and all-gather context parallelism (parallel.cp=2) do "
+        "not compute this attention; set parallel.cp_algorithm ulysses, or parallel.cp 1",
+        ("--cp", "2", "--cp-algorithm", "ring,allgather")),
+    Row("ulysses_degree", {"parallel.cp": 4, "parallel.cp_ulysses": 3}, 4,
+        "parallel.cp_ulysses: 3 does not divide parallel.cp=4 (cp = ring ranks × Ulysses "
+        "ranks); use one of 1, 2, 4", "plan searches the Ulysses degree itself (no flag sets "
+        "it)"),
+    Row("heads_over_ulysses", {"model.num_attention_heads": 12, "model.num_key_value_heads": 4,
+                               "model.hidden_size": 384, "parallel.cp": 8,
+                               "parallel.cp_algorithm": "ulysses"}, 8,
+        "parallel.cp_ulysses: the 12 query heads do not split over tp·ulysses = 1·8 ranks "
+        "(Ulysses gives each rank whole heads); choose tp·ulysses dividing them, or "
+        "cp_algorithm ring", ("--tp", "1", "--cp", "8", "--cp-algorithm", "ulysses")),
+    Row("kv_heads_over_ulysses", {"model.num_attention_heads": 12,
+                                  "model.num_key_value_heads": 3, "model.hidden_size": 384,
+                                  "parallel.cp": 4, "parallel.cp_algorithm": "ulysses"}, 4,
+        "parallel.cp_ulysses: the 3 KV heads neither split over nor repeat up to tp·ulysses = "
+        "4 ranks; choose tp·ulysses a divisor or a multiple of 3, or cp_algorithm ring",
+        ("--tp", "1", "--cp", "4", "--cp-algorithm", "ulysses")),
     Row("cp_attention_sinks", {"model.attention_sinks": True, "parallel.cp": 2}, 2,
         "model.attention_sinks: true: context parallelism (parallel.cp=2) does not add the "
         "sinks to its softmax yet; set parallel.cp 1",
-        "a model field plan takes from the model: GPT-OSS, the family with sinks, is a "
-        "mixture of experts, which experts_without_cp refuses under cp first"),
+        "a model field: plan skips every cp layout of a model with sinks under this rule, "
+        "among the other rules a tiny model's cp layouts meet"),
     Row("heads_over_tp", {"parallel.tp": 16}, 16,
         "model.num_attention_heads: 8 is not divisible by parallel.tp=16; this model splits "
         "over a tp in 1, 2, 4, 8 (with a world size that tp divides)", ("--tp", "16")),
@@ -190,10 +203,10 @@ ROWS = [
     Row("lora_kv_needs_split_kv", {"lora.r": 4, "parallel.tp": 8}, 8,
         "lora.target_modules: k_proj/v_proj stay whole when parallel.tp=8 exceeds the 4 KV "
         "heads; leave them out or lower parallel.tp", ("--tp", "8", "--lora-r", "4")),
-    Row("task_layout", {"parallel.cp": 2}, 2,
-        "parallel.cp: DPO does not run under context parallelism yet (got cp=2); use "
-        "parallel.cp 1 and shard over dp_shard or tp instead",
-        "plan plans pre-training layouts, not DPO's", command="dpo"),
+    Row("task_layout", {"parallel.cp": 2, "parallel.pp": 2}, 4,
+        "parallel.pp: DPO under context parallelism (cp=2) runs without a pipeline (got pp=2); "
+        "use parallel.pp 1, or parallel.cp 1", "plan plans pre-training layouts, not DPO's",
+        command="dpo"),
     Row("task_layout", {"parallel.pp": 2}, 2,
         "parallel.pp: reward training does not run under pipeline parallelism yet (got pp=2); "
         "use parallel.pp 1 and shard over dp_shard (ZeRO) or tp instead",
@@ -309,14 +322,3 @@ def test_every_rule_has_a_row_and_every_row_a_rule():
     assert {r.rule for r in ROWS} == set(RULES)
     for r in ROWS:
         assert isinstance(r.plan, tuple) or len(r.plan) > 20, f"{r.rule}: say why plan cannot"
-
-
-def test_the_moe_and_cp_refusal_is_written_once():
-    """The text of the rule that refuses a mixture of experts under cp is in one file."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1] / "threefold"
-    needle = "with a mixture of experts (model.num_local_experts"
-    holders = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
-               if needle in p.read_text()}
-    assert holders == {"layout/rules/expert_rules.py"}

@@ -105,6 +105,14 @@ def test_topology_flags_tp_and_cp_across_nodes_only():
     [line] = two_by_two.warnings(cp_tp)  # tp inside each node, cp across them
     assert line.startswith("threefold: warning: cp=2 spans nodes (ranks 0 on n1, 2 on n2; 2 of "
                            "2 cp groups)") and "parallel.cp × parallel.tp dividing" in line
+    # a hybrid: Ulysses' all-to-all inside each node, the ring across them, as meant
+    hybrid = Layout(cp=4, cp_ulysses=2)
+    assert two_by_two.warnings(hybrid) == []
+    assert two_by_two.summary(hybrid)["axes_across_nodes"] == ["cp_outer"]
+    four_by_two = Topology(tuple(f"n{r // 2}" for r in range(8)), (0, 1) * 4)
+    [line] = four_by_two.warnings(Layout(cp=4, cp_ulysses=2, tp=2))
+    assert line.startswith("threefold: warning: cp_inner=2 spans nodes") and \
+        "parallel.cp_ulysses × parallel.tp dividing" in line
     ragged = Topology(("a", "a", "a", "b"), (0, 1, 2, 0))
     assert ragged.describe() == "2 nodes (3+1 ranks)"
 

@@ -70,14 +70,16 @@ from threefold.accounting.ep_levels import nodes_per_token
 from threefold.accounting.cp_balance import (attention_work, document_spans, headtail_spans,
     imbalance, row_spans)
 from threefold.accounting.links import axis_crosses_nodes, axis_stride, axis_stride_and_span
-from threefold.accounting.traffic import (collectives, comm_bytes_per_step, cp_bytes_per_attention,
-    offload_bytes_per_step)
+from threefold.accounting.context_traffic import cp_attention_widths, cp_bytes_per_attention
+from threefold.accounting.traffic import (collectives, comm_bytes_per_step,
+                                          offload_bytes_per_step)
 
 
 __all__ = [
     "active_parameters", "axis_crosses_nodes", "axis_stride", "axis_stride_and_span",
     "block_parameter_numels", "Collective", "collectives", "comm_bytes_per_step",
-    "cp_bytes_per_attention", "flops_per_token", "nodes_per_token", "gradient_buckets", "largest_unit_parameters",
+    "cp_attention_widths", "cp_bytes_per_attention", "flops_per_token", "nodes_per_token",
+    "gradient_buckets", "largest_unit_parameters",
     "layer_parameters", "layer_parameters_per_rank", "local_seq_len", "matmul_parameters",
     "microbatches", "moe_matmul_parameters", "num_parameters", "offload_bytes_per_step",
     "owned_parameters", "padded_vocab", "parameter_numels", "pipeline_layers", "rank_layers",

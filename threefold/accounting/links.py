@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from threefold.layout import Layout
-from threefold.layout.axes import AXES, EP_LEVELS, EXPERT_AXES, FLATTENED
+from threefold.layout.axes import AXES, CP_AXES, EP_LEVELS, EXPERT_AXES, FLATTENED
 
 def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXES
                          ) -> tuple[int, int]:
@@ -18,7 +18,9 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXE
     the expert axes divide dp_shard as ``threefold.comm.mesh`` does: "ep" is its innermost ep ranks
     (dp_shard's stride), "edp_shard" the rest of dp_shard, "edp" edp_shard then dp_replicate;
     the hierarchical dispatch's levels divide ep: "ep_intra" its innermost ep_intra ranks,
-    "ep_inter" the rest."""
+    "ep_inter" the rest; the hybrid cp axes divide cp alike: "cp_inner" its innermost
+    ``ulysses`` ranks (the all-to-all stays among neighbours), "cp_outer" the rest (the ring
+    may cross nodes)."""
     def stride(a: str) -> int:
         return math.prod(layout.axis_size(x) for x in order[order.index(a) + 1:])
 
@@ -31,10 +33,16 @@ def axis_stride_and_span(layout: Layout, axis: str, order: tuple[str, ...] = AXE
         base = stride("dp_shard")
         if axis == "ep":
             return base, base * layout.ep
+        # the outer part of dp_shard, and cp (whose stride is smaller) when above 1
+        near = stride("cp") if layout.cp > 1 else base * layout.ep
         if axis == "edp_shard":
-            return base * layout.ep, base * layout.dp_shard
-        return base * layout.ep, max(base * layout.dp_shard,
-                                     stride("dp_replicate") * layout.dp_replicate)
+            return near, base * layout.dp_shard
+        return near, max(base * layout.dp_shard, stride("dp_replicate") * layout.dp_replicate)
+    if axis in CP_AXES:
+        base, u = stride("cp"), layout.ulysses
+        if axis == "cp_inner":
+            return base, base * u
+        return base * u, base * layout.cp
     parts = [a for a in FLATTENED.get(axis, (axis,)) if layout.axis_size(a) > 1] \
         or [FLATTENED.get(axis, (axis,))[-1]]
     return min(stride(a) for a in parts), max(stride(a) * layout.axis_size(a) for a in parts)

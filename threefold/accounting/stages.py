@@ -209,6 +209,19 @@ def _rank_layer_ids(key: tuple, p: int, v: int, split: str, stage: int,
                  for i in range(starts[s], starts[s] + counts[s]))
 
 
+def rank_moe_chunks(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[int, ...]:
+    """The mixture-of-experts blocks in each chunk one rank of ``stage`` holds (its router
+    losses are taken chunk by chunk); () for a dense model."""
+    key = shape_key(cfg)
+    if not cfg.num_local_experts:
+        return ()
+    p, v = layout.pp, layout.vpp
+    counts = _virtual_stage_layers(key, p * v, layout.pipeline_split)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return tuple(sum(not _dense(key[7], i) for i in range(starts[s], starts[s] + counts[s]))
+                 for c in range(v) for s in [rank_stage(stage, c, p, layout.vshape)])
+
+
 def rank_dense_layers(cfg: ModelConfig, layout: Layout, stage: int) -> int:
     """Of the blocks one rank of ``stage`` holds, the dense first blocks of a mixture of
     experts (DeepSeek-V3's ``first_k_dense_replace``); 0 for any other model."""

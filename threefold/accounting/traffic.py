@@ -64,13 +64,21 @@ multiple of it, with the dense units' collectives (stage 3 under full recompute 
 a third time: the recomputed forward runs before the unit's backward hook) and, with dp_replicate > 1, its shard gradient
 all-reduced over dp_replicate.
 cp (``threefold.parallel.transforms.context``), per microbatch and layer: the attention's K/V moves,
-``cp_bytes_per_attention`` of this rank's K and V (2·b·kv heads per tp rank·s/cp·head_dim
-in the matmul dtype), its forward twice under recompute. Ring: point-to-point hops of the
+``cp_bytes_per_attention`` (``threefold.accounting.context_traffic``) of this rank's K and V
+(2·b·kv heads per tp rank·s/cp·head_dim in the matmul dtype), its forward twice under
+recompute. Ring: point-to-point hops of the
 K/V block, posted before the block in hand is computed (each hides behind one block's
 attention), and in backward the dK/dV accumulator's hops, which wait right after their
 block (exposed). Allgather: an all-gather forward and a reduce-scatter backward, exposed.
+Ulysses (``threefold.parallel.transforms.ulysses``): one all-to-all of q, K and V (K/V heads
+repeated up to the Ulysses degree when fewer) and one of the output, forward (again under
+recompute) and backward, exposed. A hybrid runs Ulysses on "cp_inner" and the ring or
+all-gather on "cp_outer" (``cp_attention_widths`` gives the sizes).
 With cp > 1, s above is seq_len/cp, the data-parallel all-reduce runs over "dp_cp" (dp·cp
 ranks) and ZeRO over "dp_shard_cp" (dp_shard·cp ranks, units padded to a multiple of it).
+A mixture of experts under cp pools each chunk's router statistics over cp (one fp32
+all-reduce of (2E + 1) per MoE block forward, its gradient's backward:
+``threefold.model.moe.pooled``), and its experts' data ranks span cp too ("edp", "edp_shard").
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ import functools
 from collections import Counter
 
 from threefold.accounting.collective import Collective
+from threefold.accounting.context_traffic import cp_collectives
 from threefold.accounting.ep_levels import ep_level_collectives
 from threefold.accounting.fp8 import fp8_amaxes, fp8_block_unit, fp8_gathered_numels
 from threefold.layout import Layout, Workload
@@ -93,6 +102,7 @@ from threefold.accounting.stages import (
     owned_parameters,
     rank_dense_layers,
     rank_layers,
+    rank_moe_chunks,
     stage_expert_units,
     stage_units,
 )
@@ -124,8 +134,10 @@ def collectives(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
         _pp_collectives(add, cfg, layout, stage, tokens * cfg.hidden_size, work.resid_bytes, g,
                         frozen_embedding=bool(work.lora_r))
     if layout.cp > 1:
-        _cp_attention(add, layout, tp_shard(cfg, layout.tp).kv_heads * cfg.head_dim, tokens,
-                      work.act_bytes, layers)
+        cp_collectives(add, cfg, layout, tokens, work.act_bytes, layers)
+        for moe in rank_moe_chunks(cfg, layout, stage):  # router statistics pooled over cp
+            add("cp", "all_reduce", moe * (2 * cfg.num_local_experts + 1), 4, 2, layout.cp,
+                True, "none")
     if cfg.num_local_experts and layout.ep > 1:
         mtp = cfg.num_nextn_predict_layers if stage == layout.last_stage else 0  # routed too
         _ep_collectives(add, cfg, layout, work, tokens,
@@ -325,24 +337,6 @@ def _zero(add, cfg: ModelConfig, layout: Layout, stage: int, experts: list, g: i
 
 
 
-def _cp_attention(add, layout: Layout, kv_width: int, tokens: int, d: int, layers: int) -> None:
-    """The cp collectives of ``layers`` attentions per microbatch (see ``collectives``):
-    ``kv_width`` = kv heads per tp rank · head_dim, ``tokens`` = b·s/cp, ``d`` the K/V
-    element size. Bytes per call from ``cp_bytes_per_attention``."""
-    cp, numel = layout.cp, 2 * tokens * kv_width  # this rank's K and V
-    forwards = 1 if layout.recompute == "none" else 2  # recompute repeats the attention
-    fwd, bwd = cp_bytes_per_attention(numel * d, cp, layout.cp_algorithm, forwards)
-    if layout.cp_algorithm == "ring":  # hops of one K/V block (or its dK/dV) each
-        hops_f = fwd // (numel * d)
-        kv_b = hops_f // forwards  # backward's K/V hops: as one forward's
-        add("cp", "p2p", numel, d, layers * hops_f, cp, True, "attention-forward")
-        add("cp", "p2p", numel, d, layers * kv_b, cp, True, "attention-backward")
-        add("cp", "p2p", numel, d, layers * (bwd // (numel * d) - kv_b), cp, True, "none")
-    else:  # one all-gather of every rank's K/V forward, one reduce-scatter backward
-        add("cp", "all_gather", cp * numel, d, layers * forwards, cp, True, "none")
-        add("cp", "reduce_scatter", cp * numel, d, layers, cp, True, "none")
-
-
 def _zero_unit(add, axis: str, z: int, padded: int, count: int, ns: int, nr: int, g: int,
                pb: int, per_step_gathers: bool, extra_gathers: int = 0,
                backward_gathers: int = 1, forward_gathers: int = 1) -> None:
@@ -374,20 +368,6 @@ def _p2p_sends_per_microbatch(p: int, v: int, rank: int, vshape: bool = False) -
     chunks = [rank_stage(rank, c, p, vshape) for c in range(v)]
     return sum(s < n - 1 and stage_rank(s + 1, p, vshape) != rank for s in chunks) \
         + sum(s > 0 and stage_rank(s - 1, p, vshape) != rank for s in chunks)
-
-
-def cp_bytes_per_attention(kv_bytes: int, cp: int, algorithm: str,
-                           forwards: int = 1) -> tuple[int, int]:
-    """(forward, backward) bytes one rank sends on "cp" for one attention call, ``kv_bytes``
-    being its local K and V together; ``forwards`` 2 under activation checkpointing (the
-    forward runs again in backward, with its communication)."""
-    if cp == 1:
-        return 0, 0
-    if algorithm == "ring":
-        return forwards * (cp - 1) * kv_bytes, (cp - 1) * kv_bytes + cp * kv_bytes
-    if algorithm == "allgather":
-        return forwards * (cp - 1) * kv_bytes, (cp - 1) * kv_bytes
-    raise ValueError(f"unknown cp algorithm {algorithm!r}; use ring or allgather")
 
 
 def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,

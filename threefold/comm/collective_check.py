@@ -28,7 +28,7 @@ import zlib
 from collections import deque
 from datetime import timedelta
 
-from threefold.layout.axes import AXES, DERIVED_AXES, EP_LEVELS, EXPERT_AXES
+from threefold.layout.axes import AXES, CP_AXES, DERIVED_AXES, EP_LEVELS, EXPERT_AXES
 
 
 CHECK_ENV = "THREEFOLD_CHECK_COLLECTIVES"
@@ -86,13 +86,14 @@ class Ledger:
 
 def check_groups(comm) -> list[tuple[str, tuple[int, ...]]]:
     """(axis, its ranks) for every axis of more than one rank that ``comm``'s rank belongs
-    to, in the configuration's order: what the check compares. The expert axes exist as axes
-    the layout added (ep > 1; their levels under the hierarchical dispatch) only."""
+    to, in the configuration's order: what the check compares. The expert axes (their levels
+    under the hierarchical dispatch) and the hybrid cp axes exist as axes the layout added
+    (ep > 1; hybrid cp) only."""
     if comm.mesh is None:
         return []
     out = []
     for axis in dict.fromkeys((*AXES, *DERIVED_AXES, *comm.added)):
-        if axis in EXPERT_AXES + EP_LEVELS and axis not in comm.added:
+        if axis in (*EXPERT_AXES, *EP_LEVELS, *CP_AXES) and axis not in comm.added:
             continue
         ranks = comm.members(axis)
         if len(ranks) > 1:

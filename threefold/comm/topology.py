@@ -26,6 +26,13 @@ TEST_HOSTNAME_ENV = "THREEFOLD_TEST_HOSTNAME"  # test-only: this process's node 
 CHECKED_AXES = ("tp", "cp")  # axes whose traffic is meant to stay inside a node
 
 
+def checked_axes(dims: Layout) -> tuple[str, ...]:
+    """The axes of ``dims`` whose traffic is meant to stay inside a node: tp, and cp, or of
+    a hybrid cp only its all-to-all part (cp_inner); its ring (cp_outer) may cross nodes,
+    which is what the hybrid is for."""
+    return ("tp", "cp_inner") if dims.cp_axes == ("cp_inner", "cp_outer") else CHECKED_AXES
+
+
 def hostname() -> str:
     """This process's node: its hostname, or ``$THREEFOLD_TEST_HOSTNAME`` (test-only)."""
     return os.environ.get(TEST_HOSTNAME_ENV) or socket.gethostname()
@@ -63,15 +70,17 @@ class Topology:
         return [g for g in dims.axis_groups(axis) if len({self.hosts[r] for r in g}) > 1]
 
     def warnings(self, dims: Layout) -> list[str]:
-        """One line per axis of ``CHECKED_AXES`` that has a group across nodes (and the
+        """One line per axis of ``checked_axes`` that has a group across nodes (and the
         hierarchical ep dispatch's node level, whose nodes ``parallel.gpus_per_node`` says)."""
         out, per_node = [], min(self.ranks_per_node)
-        # tp is the mesh's innermost axis and cp the next: torchrun numbers ranks node by
-        # node, so tp (cp·tp) dividing a node's ranks keeps every group inside one
+        # tp is the mesh's innermost axis and cp the next (a hybrid's Ulysses ranks
+        # innermost in it): torchrun numbers ranks node by node, so tp (cp·tp,
+        # cp_ulysses·tp) dividing a node's ranks keeps every group inside one
         fix = {"tp": "parallel.tp", "cp": "parallel.cp × parallel.tp",
+               "cp_inner": "parallel.cp_ulysses × parallel.tp",
                "ep_intra": "parallel.gpus_per_node"}
         hierarchical = dims.ep > 1 and dims.ep_dispatch == "hierarchical"
-        for axis in CHECKED_AXES + (("ep_intra",) if hierarchical else ()):
+        for axis in checked_axes(dims) + (("ep_intra",) if hierarchical else ()):
             groups = self.spanning_groups(dims, axis)
             if groups:
                 where = ", ".join(f"{r} on {self.hosts[r]}" for r in groups[0])
@@ -85,7 +94,8 @@ class Topology:
         """What summary.json records: nodes × ranks per node, the axes across nodes."""
         return {"nodes": len(self.nodes), "ranks_per_node": self.ranks_per_node,
                 "node_names": self.nodes,
-                "axes_across_nodes": [a for a in CHECKED_AXES if self.spanning_groups(dims, a)]}
+                "axes_across_nodes": [a for a in (*checked_axes(dims), "cp_outer")
+                                      if self.spanning_groups(dims, a)]}
 
 
 def gather_topology(comm: Comm, local_rank: int) -> Topology:

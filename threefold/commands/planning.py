@@ -263,7 +263,6 @@ def _refuse_degrees(cfg: ModelConfig, args, seq: int) -> None:
     for pp in args.pp or ():
         rules.layers_fill_chunks(cfg.num_hidden_layers, pp, 1)
     for cp in args.cp or ():
-        rules.experts_without_cp(experts, cp)
         rules.seq_len_over_cp(seq, cp)
     combos = [ParallelConfig(tp=tp, cp=cp, pp=pp) for tp, cp, pp in itertools.product(
         args.tp or (1,), args.cp or (1,), args.pp or (1,))]

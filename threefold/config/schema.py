@@ -19,7 +19,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dua
 # Context-parallel attention algorithms (threefold.parallel.transforms.context) and recompute modes
 # (threefold.parallel.transforms.recompute): named once here, at the bottom, for validation, the
 # rule book, the planner's options and the runtime.
-CP_ALGORITHMS = ("ring", "allgather")
+CP_ALGORITHMS = ("ring", "allgather", "ulysses")
 # How packed rows are split over cp ranks (threefold.accounting.cp_balance).
 CP_BALANCES = ("documents", "causal")
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -84,8 +84,13 @@ class ParallelConfig:
     cp: int = _f(1, "context-parallel degree: each sequence split over this many ranks "
                  "(between tp and dp_shard in the mesh)")
     cp_algorithm: str = _f("ring", "context-parallel attention: ring (K/V blocks passed "
-                           "around the cp ranks) or allgather (K/V all-gathered; suits GQA); "
+                           "around the cp ranks), allgather (K/V all-gathered; suits GQA) or "
+                           "ulysses (all-to-all from sequence to head shards); "
                            "one of " + ", ".join(CP_ALGORITHMS))
+    cp_ulysses: int = _f(1, "hybrid context parallelism: the innermost cp_ulysses of the cp "
+                         "ranks trade sequence shards for head shards by all-to-all (inside a "
+                         "node), the other cp/cp_ulysses run cp_algorithm (ring or allgather) "
+                         "across them; 1 = none")
     pp: int = _f(1, "pipeline stages")
     ep: int = _f(1, "expert-parallel degree (mixture of experts): each expert lives on one of "
                  "this many data-parallel ranks (the innermost part of dp_shard), tokens reach "

@@ -159,7 +159,7 @@ def _check_optim(o: OptimConfig) -> None:
 def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
     """Degrees and choices of ``parallel`` (bfloat16 parameters against ``train.dtype``);
     writes ``pipeline_split`` without spaces."""
-    for name in ("dp_replicate", "tp", "pp", "vpp", "cp", "ep"):
+    for name in ("dp_replicate", "tp", "pp", "vpp", "cp", "cp_ulysses", "ep"):
         _need(getattr(p, name) >= 1, f"parallel.{name}: must be >= 1, got {getattr(p, name)}")
     _need(p.dp_shard == -1 or p.dp_shard >= 1,
           f"parallel.dp_shard: must be >= 1 or -1 (the rest), got {p.dp_shard}")

@@ -88,8 +88,8 @@ def _layout_lines(r: DryRunResult, world: int) -> list[str]:
         "nothing allocated",
         f"layout: {world} ranks = pp {lay.pp} × dp_replicate {lay.dp_replicate} × dp_shard "
         f"{lay.dp_shard} × "
-        + (f"cp {lay.cp} ({lay.cp_algorithm}, {w.seq_len // lay.cp} tokens of each sequence "
-           "per rank) × " if lay.cp > 1 else "")
+        + (f"cp {lay.cp} ({_cp_algorithm(lay)}, {w.seq_len // lay.cp} tokens of each "
+           "sequence per rank) × " if lay.cp > 1 else "")
         + f"tp {lay.tp}" + (f" (ep {lay.ep} inside dp_shard)" if lay.ep > 1 else "")
         + f"; zero {lay.zero_stage}"
         + (" with the optimizer offloaded to the host" if lay.offload_optimizer else "")
@@ -174,3 +174,11 @@ def _step_line(r: DryRunResult, world: int) -> str:
         + (f", offload copies {s.offload_s:.3g}" if lay.offload_optimizer else "") + "); "
         f"{s.tokens_per_second_per_gpu * world:,.0f} tokens/s "
         f"({s.tokens_per_second_per_gpu:,.0f} per rank), MFU {mfu}")
+
+
+def _cp_algorithm(lay: Layout) -> str:
+    """The cp algorithm as the layout line names it: a hybrid's two parts, e.g. "ring 2 ×
+    ulysses 4" (the all-to-all inside)."""
+    if 1 < lay.ulysses < lay.cp:
+        return f"{lay.cp_algorithm} {lay.cp_ring} × ulysses {lay.ulysses}"
+    return lay.cp_algorithm

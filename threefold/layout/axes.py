@@ -23,12 +23,13 @@ same weights: gradients are reduced over them with cp > 1), and ``dp_shard_cp`` 
 group (as torchtitan folds cp into its FSDP axis). With cp = 1 these are dp and dp_shard."""
 
 EXPERT_AXES = ("ep", "edp_shard", "edp")
-"""Axes of a mixture of experts, carved out of dp_shard (which is edp_shard × ep, ep
-innermost): ``ep`` the ranks whose experts together make a layer's E experts (tokens travel
-between them by all-to-all), ``edp_shard`` the ranks of one shard group that hold the same
-experts (ZeRO shards the experts over them), ``edp`` those with dp_replicate too (plain data
-parallelism sums the experts' gradients over them). With ep = 1, edp is dp and edp_shard is
-dp_shard."""
+"""Axes of a mixture of experts, carved out of dp_shard (which is its outer part × ep, ep
+innermost) and cp: ``ep`` the ranks whose experts together make a layer's E experts (tokens
+travel between them by all-to-all), ``edp_shard`` the ranks of one shard group that hold the
+same experts, dp_shard's outer part × cp (ZeRO shards the experts over them; cp ranks route
+other tokens of the same sequences), ``edp`` those with dp_replicate too (plain data
+parallelism sums the experts' gradients over them). With ep = 1, edp is dp_cp and edp_shard
+is dp_shard_cp."""
 
 EP_LEVELS = ("ep_inter", "ep_intra")
 """The two levels of the hierarchical expert dispatch (``parallel.ep_dispatch hierarchical``),
@@ -37,8 +38,15 @@ fan out over NVLink among them), ``ep_inter`` the ep ranks with the same local i
 node the ep group spans (each token crosses the network once per destination node between
 them). Under the flat dispatch ep_intra is ep and ep_inter 1."""
 
-DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, *EP_LEVELS, "world")
+CP_AXES = ("cp_inner", "cp_outer")
+"""Axes of hybrid context parallelism, carved out of cp (which is cp_outer × cp_inner,
+cp_inner innermost): ``cp_inner`` the ``Layout.ulysses`` neighbouring ranks that trade sequence
+shards for head shards by all-to-all (Ulysses; inside a node), ``cp_outer`` the ranks with the
+same cp_inner index, which run the ring or the all-gather over the shares (they may cross
+nodes). Used only when both are above 1; a pure algorithm runs on "cp" itself."""
+
+DERIVED_AXES = (*FLATTENED, *EXPERT_AXES, *EP_LEVELS, *CP_AXES, "world")
 """Axes made of other axes, plus ``world`` (every rank)."""
 
-COMM_AXES = AXES + tuple(FLATTENED) + EXPERT_AXES + EP_LEVELS
+COMM_AXES = AXES + tuple(FLATTENED) + EXPERT_AXES + EP_LEVELS + CP_AXES
 """Axes communication is counted on (the keys of ``comm_bytes_per_step``)."""

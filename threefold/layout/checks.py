@@ -26,7 +26,10 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
     if lay.recompute == "selective" and work.block != "megatron":
         rules.selective_without_cp(lay.recompute, lay.cp)
     if lay.cp > 1:
-        rules.seq_len_over_cp(work.seq_len, lay.cp)
+        rules.ulysses_degree(lay.cp, lay.cp_algorithm, lay.cp_ulysses)
+        rules.seq_len_over_cp(work.seq_len, lay.cp, lay.cp_algorithm)
+        rules.heads_over_ulysses(cfg, lay.tp, lay.ulysses)
+        rules.kv_heads_over_ulysses(cfg, lay.tp, lay.ulysses)
     if lay.tp > 1:
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
         rules.heads_over_tp(heads, kv, cfg.intermediate_size, lay.tp)
@@ -37,13 +40,12 @@ def check_layout(cfg: ModelConfig, layout: Layout, work: Workload) -> None:
         rules.ep_nodes_tile(lay.ep, lay.ep_dispatch, lay.gpus_per_node, lay.cp * lay.tp)
         rules.ep_groups_map_to_nodes(cfg, lay.ep_inter)
         rules.ep_divides_dp_shard(lay.ep, lay.dp_shard)
-        rules.experts_without_cp(e, lay.cp)
         rules.experts_without_sequence_parallel(e, lay.tp, lay.sequence_parallel)
     if lay.tp > 1:
         rules.k_norm_needs_split_kv(cfg, lay.tp)
         rules.blockwise_tiles_over_tp(cfg, lay.tp, work.fp8)
     if lay.cp > 1:
-        rules.cp_attention(cfg, lay.cp)
+        rules.cp_attention(cfg, lay.cp, lay.cp_ring)
         rules.mtp_without_cp(cfg.num_nextn_predict_layers, lay.cp)
         rules.cp_attention_sinks(cfg, lay.cp)
     if work.lora_r:

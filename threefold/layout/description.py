@@ -60,6 +60,9 @@ class Layout(Ranks):
     pipeline_split: str = "params"
     cp: int = 1
     cp_algorithm: str = "ring"
+    # hybrid context parallelism (``parallel.cp_ulysses``): the innermost cp_ulysses of the cp
+    # ranks run Ulysses' all-to-all, the rest ``cp_algorithm``
+    cp_ulysses: int = 1
     # AdamW's state and the fp32 master in host memory, the step run there
     # (``parallel.offload_optimizer``, threefold.parallel.engines.offload)
     offload_optimizer: bool = False
@@ -97,6 +100,27 @@ class Layout(Ranks):
         return self.dp_shard * self.cp
 
     @property
+    def ulysses(self) -> int:
+        """The all-to-all (Ulysses) part of cp: all of it under cp_algorithm ulysses, else
+        ``cp_ulysses`` (1: none)."""
+        return self.cp if self.cp_algorithm == "ulysses" else self.cp_ulysses
+
+    @property
+    def cp_ring(self) -> int:
+        """The ring (or all-gather) part of cp: cp / ulysses ranks (1: none)."""
+        return self.cp // self.ulysses
+
+    @property
+    def cp_axes(self) -> tuple[str | None, str | None]:
+        """(the axis Ulysses' all-to-alls run on, the axis the ring or all-gather runs on),
+        None where that part is absent: "cp" for a pure algorithm, "cp_inner" and "cp_outer"
+        for a hybrid."""
+        u, r = self.ulysses, self.cp_ring
+        if u > 1 and r > 1:
+            return "cp_inner", "cp_outer"
+        return ("cp" if u > 1 else None), ("cp" if r > 1 else None)
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism in effect (needs tp > 1)."""
         return self.sequence_parallel and self.tp > 1
@@ -125,15 +149,15 @@ class Layout(Ranks):
 
     @property
     def edp_shard(self) -> int:
-        """Ranks of dp_shard holding the same experts: dp_shard / ep (ZeRO shards the expert
-        units over them)."""
-        return self.dp_shard // self.ep
+        """Ranks of dp_shard × cp holding the same experts: dp_shard / ep · cp (ZeRO shards
+        the expert units over them; cp ranks route other tokens of the same sequences)."""
+        return self.dp_shard // self.ep * self.cp
 
     @property
     def edp(self) -> int:
-        """Data-parallel ranks holding the same experts: dp / ep (plain data parallelism
-        all-reduces the expert gradients over them)."""
-        return self.dp // self.ep
+        """Data-parallel and context-parallel ranks holding the same experts: dp / ep · cp
+        (plain data parallelism all-reduces the expert gradients over them)."""
+        return self.dp // self.ep * self.cp
 
     @property
     def ep_intra(self) -> int:
@@ -161,6 +185,7 @@ class Layout(Ranks):
                    zero_stage=p.zero_stage, vpp=p.vpp, pipeline_inflight=p.pipeline_inflight,
                    schedule=p.schedule, sequence_parallel=p.sequence_parallel,
                    bucket_mb=p.bucket_mb, cp_algorithm=p.cp_algorithm,
+                   cp_ulysses=p.cp_ulysses,
                    offload_optimizer=p.offload_optimizer, tp_overlap=p.tp_overlap,
                    pipeline_split=p.pipeline_split)
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 
-from threefold.layout.axes import AXES, DERIVED_AXES, EP_LEVELS, EXPERT_AXES, FLATTENED
+from threefold.layout.axes import AXES, CP_AXES, DERIVED_AXES, EP_LEVELS, EXPERT_AXES, FLATTENED
 
 
 class Ranks:
     """The rank arithmetic ``Layout`` inherits: it reads the degrees (``pp``, ``dp_replicate``,
-    ``dp_shard``, ``cp``, ``tp``, ``ep``) and nothing else."""
+    ``dp_shard``, ``cp``, ``tp``, ``ep``, and ``ulysses``: cp's all-to-all part) and nothing
+    else."""
 
     @property
     def world_size(self) -> int:
@@ -39,8 +40,11 @@ class Ranks:
         if axis in EP_LEVELS:
             return self.ep_intra if axis == "ep_intra" else self.ep // self.ep_intra
         if axis in EXPERT_AXES:
-            return {"ep": self.ep, "edp_shard": self.dp_shard // self.ep,
-                    "edp": self.dp_replicate * self.dp_shard // self.ep}[axis]
+            edp_shard = self.dp_shard // self.ep * self.cp  # cp ranks hold the same experts
+            return {"ep": self.ep, "edp_shard": edp_shard,
+                    "edp": self.dp_replicate * edp_shard}[axis]
+        if axis in CP_AXES:
+            return self.ulysses if axis == "cp_inner" else self.cp // self.ulysses
         if axis not in AXES:
             raise KeyError(f"unknown mesh axis '{axis}'; axes: {', '.join(AXES + DERIVED_AXES)}")
         return getattr(self, axis)
@@ -63,9 +67,13 @@ class Ranks:
             for a in parts:
                 idx = idx * getattr(self, a) + out[a]
             out[name] = idx
-        out["edp_shard"], out["ep"] = divmod(out["dp_shard"], self.ep)
+        # dp_shard index = its outer part · ep + ep index; the experts' data ranks are the
+        # outer part × cp (row-major, as dp_shard_cp)
+        outer, out["ep"] = divmod(out["dp_shard"], self.ep)
         out["ep_inter"], out["ep_intra"] = divmod(out["ep"], self.ep_intra)
-        out["edp"] = out["dp_replicate"] * (self.dp_shard // self.ep) + out["edp_shard"]
+        out["edp_shard"] = outer * self.cp + out["cp"]
+        out["edp"] = out["dp_replicate"] * (self.dp_shard // self.ep * self.cp) + out["edp_shard"]
+        out["cp_outer"], out["cp_inner"] = divmod(out["cp"], self.ulysses)
         out["world"] = rank
         return out
 
@@ -79,15 +87,21 @@ class Ranks:
             ep, b = self.axis_ranks(rank, "ep"), self.ep_intra
             return ep[c["ep_inter"] * b:(c["ep_inter"] + 1) * b] if axis == "ep_intra" \
                 else ep[c["ep_intra"]::b]
-        if axis in EXPERT_AXES:  # dp_shard index = edp_shard · ep + ep index
+        if axis in EXPERT_AXES:  # dp_shard index = outer part · ep + ep index
             base = rank - c["dp_shard"] * st["dp_shard"]
             if axis == "ep":
-                return [base + (c["edp_shard"] * self.ep + i) * st["dp_shard"] for i in range(n)]
+                first = c["dp_shard"] - c["ep"]
+                return [base + (first + i) * st["dp_shard"] for i in range(n)]
             outer = self.dp_shard // self.ep
             reps = range(self.dp_replicate) if axis == "edp" else [c["dp_replicate"]]
-            base -= c["dp_replicate"] * st["dp_replicate"]
+            base -= c["dp_replicate"] * st["dp_replicate"] + c["cp"] * st["cp"]
             return [base + r * st["dp_replicate"] + (o * self.ep + c["ep"]) * st["dp_shard"]
-                    for r in reps for o in range(outer)]
+                    + k * st["cp"] for r in reps for o in range(outer) for k in range(self.cp)]
+        if axis in CP_AXES:  # cp index = cp_outer · ulysses + cp_inner
+            base, u = rank - c["cp"] * st["cp"], self.ulysses
+            if axis == "cp_inner":
+                return [base + (c["cp_outer"] * u + i) * st["cp"] for i in range(n)]
+            return [base + (o * u + c["cp_inner"]) * st["cp"] for o in range(n)]
         if axis in FLATTENED:
             parts = FLATTENED[axis]
             base = rank - sum(c[a] * st[a] for a in parts)

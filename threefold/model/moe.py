@@ -232,6 +232,23 @@ def router_z_loss(stats: list[RouterStats], layers: int | None = None) -> torch.
     return z / (layers * stats[0].tokens)
 
 
+def pooled(stats: list[RouterStats], pool) -> list[RouterStats]:
+    """Each layer's statistics over the whole sequences when this rank routes a share of
+    their tokens (context parallelism): probability sums, z sums and counts summed by
+    ``pool`` (``World.sequence_sum``: one all-reduce of (2E + 1)·layers fp32 over cp, whose
+    backward sums the gradients too), so the router losses are those of every token, as in
+    one process. Every cp rank routes as many tokens (1/share of the sequences' whole)."""
+    e = stats[0].prob_sum.shape[0]
+    flat = torch.cat([torch.cat([s.prob_sum.float(), s.z_sum.float().reshape(1),
+                                 s.counts.float()]) for s in stats])
+    total, share = pool(flat)
+    out = []
+    for s, row in zip(stats, total.view(len(stats), 2 * e + 1)):
+        out.append(RouterStats(row[:e], row[e + 1:2 * e + 1].detach().round().long(), row[e],
+                               round(s.tokens / share)))
+    return out
+
+
 class RouterLog:
     """The router terms of a run's optimiser steps, micro-batch by micro-batch (``restart``
     begins a step): what a mixture of experts adds to a step, on the model's side (a dense
@@ -253,8 +270,8 @@ class RouterLog:
     model) it takes and drops them."""
 
     def __init__(self, cfg: ModelConfig, model: nn.Module | None = None,
-                 next_token: bool = True):
-        self.cfg = cfg
+                 next_token: bool = True, pool=None):
+        self.cfg, self.pool = cfg, pool  # pool: ``World.sequence_sum`` under cp, else None
         self.routed = bool(cfg.num_local_experts)
         self.depth = cfg.num_nextn_predict_layers
         self.next_token = next_token  # else the modules' losses are taken and dropped
@@ -288,9 +305,10 @@ class RouterLog:
             return term
         count = count() if callable(count) else count
         layers = self.moe_layers if part else None
-        aux = load_balancing_loss(stats, self.cfg.num_local_experts,
+        whole = stats if self.pool is None else pooled(stats, self.pool)
+        aux = load_balancing_loss(whole, self.cfg.num_local_experts,
                                   self.cfg.router_aux_loss_per_layer, layers)
-        z = router_z_loss(stats, layers)
+        z = router_z_loss(whole, layers)
         self.aux += float(aux.detach()) * count
         self.z += float(z.detach()) * count
         self.counts += torch.stack([s.counts for s in stats]).sum(0).cpu()

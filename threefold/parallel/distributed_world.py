@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.comm import faults
-from threefold.layout.axes import EP_LEVELS, EXPERT_AXES
+from threefold.layout.axes import CP_AXES, EP_LEVELS, EXPERT_AXES
 from threefold.weights.checkpoint_verify import CheckpointError
 from threefold.comm.collective_check import CHECK_ENV, GroupCheck, Ledger, check_groups
 from threefold.comm.counted import Comm
@@ -23,7 +23,7 @@ from threefold.comm.liveness import Heartbeats
 from threefold.layout import Layout, validate_layout
 from threefold.layout.checks import pipeline_microbatches
 from threefold.comm.mesh import build_mesh
-from threefold.parallel.transforms.context import shard_batch
+from threefold.parallel.transforms.context import SequenceSum, shard_batch
 from threefold.parallel.transforms.cp_order import split_balance
 from threefold.parallel.materialize import buffer_pieces
 from threefold.parallel.pipeline.executor import PipelineExecutor
@@ -38,6 +38,14 @@ from threefold.parallel.world import World
 
 _RUNS = itertools.count()  # Distributed layouts made in this process: every rank makes the
 # same ones in the same order, so the count tells runs sharing one process group apart
+
+
+def carved_axes(dims: Layout) -> tuple[str, ...]:
+    """The groups the layout carves out of dp_shard (experts, with their levels under the
+    hierarchical dispatch) and cp (a hybrid's Ulysses and ring parts), which the mesh lacks."""
+    hierarchical = dims.ep_dispatch == "hierarchical"
+    experts = EXPERT_AXES + (EP_LEVELS if hierarchical else ()) if dims.ep > 1 else ()
+    return experts + (CP_AXES if dims.cp_axes == CP_AXES else ())
 
 
 class Distributed(World):
@@ -71,10 +79,8 @@ class Distributed(World):
         # Logging traffic (loss sums, token counts) goes through its own counter so that
         # `comm` holds exactly what training itself moves.
         self.control = Comm(self.dims, self.mesh, ledger=self.ledger)
-        if self.dims.ep > 1:  # expert parallelism: groups carved out of dp_shard
-            hierarchical = self.dims.ep_dispatch == "hierarchical"
-            for axis in EXPERT_AXES + (EP_LEVELS if hierarchical else ()):
-                self.comm.add_axis(axis, self.dims.axis_groups(axis))
+        for axis in carved_axes(self.dims):
+            self.comm.add_axis(axis, self.dims.axis_groups(axis))
         # Groups made after the default one (the mesh's, flattened axes', expert axes') get
         # torch's default timeout (30 min for gloo), not the start-up timeout: make them all
         # now and give them the run's, so that a stuck collective anywhere fails in time.
@@ -294,9 +300,15 @@ class Distributed(World):
         """This cp rank's tokens of a micro-batch of whole sequences (as they are for cp 1)."""
         if self.cp_size == 1:
             return micro
-        p = self.cfg.parallel
-        return shard_batch(micro, self.cp_size, self.cp_rank,
-                           split_balance(p.cp_balance, p.cp_algorithm))
+        p, u = self.cfg.parallel, self.dims.ulysses
+        return shard_batch(micro, self.cp_size, self.cp_rank, u,
+                           split_balance(p.cp_balance, p.cp_algorithm, u))
+
+    def sequence_sum(self, partial: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(``partial`` summed over cp, 1/cp): see ``World.sequence_sum``."""
+        if self.cp_size == 1:
+            return partial, 1.0
+        return SequenceSum.apply(partial, self.comm), 1.0 / self.cp_size
 
     def checkpoint_pieces(self, engine) -> list:
         """This rank's checkpoint pieces, each placed in its logical tensor and each

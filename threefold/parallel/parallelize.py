@@ -78,7 +78,7 @@ def apply_model_parallel(model: CausalLM, cfg: Config, layout) -> CausalLM:
                                       cfg.parallel.tp_overlap)
     if layout.cp_size > 1:
         model = apply_context_parallel(model, layout.comm, cfg.parallel.cp_algorithm,
-                                       cfg.parallel.cp_balance)
+                                       layout.dims.ulysses, cfg.parallel.cp_balance)
     if layout.ep_size > 1:
         model = apply_expert_parallel(model, layout.comm)
         if cfg.parallel.ep_dispatch == "hierarchical":

@@ -101,6 +101,14 @@ class World:
         """This rank's tokens of a micro-batch (all of them: no context parallelism)."""
         return micro
 
+    def sequence_sum(self, partial: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(per-sequence sums of ``partial``, this rank's tokens' share of them, over the
+        context-parallel ranks; the share of a whole-sequence loss this rank returns): a
+        task whose loss needs whole sequences (DPO's log-probs, a reward model's score)
+        computes it alike on every cp rank and returns that share of it. Here: (``partial``,
+        1.0)."""
+        return partial, 1.0
+
     def checkpoint_pieces(self, engine) -> list:
         """The pieces this rank writes (everything, for one process: its persistent buffers
         too)."""

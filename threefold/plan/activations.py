@@ -74,7 +74,7 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
                            ffn: int, tp: int = 1, sequence_parallel: bool = False,
                            act_bytes: int = 2, residual_bytes: int = 0,
                            flash_attention: bool = True, seq_len: int = 0, cp: int = 1,
-                           cp_algorithm: str = "ring") -> float:
+                           cp_algorithm: str = "ring", ulysses: int = 1) -> float:
     """Bytes threefold's block (``threefold.model.decoder.DecoderLayer`` under
     ``threefold.parallel.transforms.tensor`` and ``threefold.parallel.transforms.context``) keeps
     for backward on one rank for ``tokens`` = b·s/cp tokens (this cp rank's share of b sequences of
@@ -111,7 +111,7 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
     mlp = 3 * d * ffn
     if cp > 1:
         return tokens * (norms + inputs + rope + mlp) + cp_attention_bytes(
-            tokens, heads, kv_heads, head_dim, seq_len, cp, cp_algorithm, d)
+            tokens, heads, kv_heads, head_dim, seq_len, cp, cp_algorithm, d, ulysses)
     attn = d * (2 * heads * head_dim + 2 * kv_heads * head_dim) + 4 * heads
     if not flash_attention:
         attn += d * heads * seq_len
@@ -119,7 +119,7 @@ def block_activation_bytes(tokens: int, h: int, heads: int, kv_heads: int, head_
 
 
 def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, seq_len: int,
-                       cp: int, algorithm: str, act_bytes: int) -> float:
+                       cp: int, algorithm: str, act_bytes: int, ulysses: int = 1) -> float:
     """Bytes one block's attention keeps for backward under context parallelism, on one rank
     for its ``tokens`` = b·seq_len/cp tokens (heads and kv heads per tp rank, d =
     ``act_bytes``), as ``threefold.parallel.transforms.context`` runs it (measured to the byte in
@@ -135,15 +135,25 @@ def cp_attention_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, se
       fp32 log-sum-exp per local token — plus the visibility mask of (seq_len/cp × seq_len)
       that SDPA keeps converted to d bytes. Without packed documents the mask is one per
       layer; with them it is (b, 1, seq_len/cp, seq_len), b times more, which this count
-      (the planner's, for unpacked pre-training) leaves out."""
+      (the planner's, for unpacked pre-training) leaves out;
+    - ulysses (``threefold.parallel.transforms.ulysses``): the model's own attention over the
+      whole sequence for heads/cp of the heads keeps as much per local token as the ring does
+      (q, K/V repeated up to ``ulysses`` heads when fewer, the output and its log-sum-exp,
+      and o_proj's input, the output back from the all-to-all);
+    - a hybrid (1 < ``ulysses`` < cp) keeps the ring's or the all-gather's over cp/ulysses
+      ranks with heads/ulysses heads on ulysses·tokens tokens (the all-to-all's output),
+      plus o_proj's input."""
     d = act_bytes
-    if algorithm == "ring":
-        return tokens * (d * (3 * heads + 2 * kv_heads) * head_dim + 4 * heads)
+    u = cp if algorithm == "ulysses" else ulysses
+    kv = max(kv_heads, u) if u > 1 else kv_heads
+    if algorithm in ("ring", "ulysses") or u == cp:
+        return tokens * (d * (3 * heads + 2 * kv) * head_dim + 4 * heads)
     if algorithm == "allgather":
-        b_seq = tokens * cp  # b · seq_len
-        return tokens * (2 * d * heads * head_dim + 4 * heads) \
-            + 2 * d * heads * head_dim * b_seq + d * (seq_len // cp) * seq_len
-    raise ValueError(f"unknown cp algorithm {algorithm!r}; use ring or allgather")
+        n, b_seq = cp // u, tokens * cp  # ring ranks, b · seq_len
+        own = d * heads * head_dim if u > 1 else 0  # o_proj's input, after the all-to-all
+        return tokens * (2 * d * heads * head_dim + 4 * heads + own) \
+            + 2 * d * (heads // u) * head_dim * b_seq + d * (seq_len // n) * seq_len
+    raise ValueError(f"unknown cp algorithm {algorithm!r}; use ring, allgather or ulysses")
 
 
 def fp8_scale_bytes(cfg: ModelConfig, work: Workload, tp: int = 1, ep: int = 1) -> int:
@@ -189,7 +199,7 @@ def model_layer_activation_bytes(cfg: ModelConfig, layout: Layout, work: Workloa
     kept = block_activation_bytes(b * local, cfg.hidden_size, sh.heads, sh.kv_heads,
                                   cfg.head_dim, sh.ffn, layout.tp, layout.sp, work.act_bytes,
                                   work.resid_bytes, work.flash_attention, s, layout.cp,
-                                  layout.cp_algorithm)
+                                  layout.cp_algorithm, layout.ulysses)
     kept += sink_attention_bytes(cfg, layout, work) if cfg.attention_sinks else \
         block_document_mask_bytes(cfg, layout, work)
     kept += tiled_mlp_bytes(cfg, layout, work)
@@ -230,13 +240,16 @@ def gemma_extra_bytes(cfg: ModelConfig, layout: Layout, work: Workload, tokens: 
 def block_document_mask_bytes(cfg: ModelConfig, layout: Layout, work: Workload) -> float:
     """What masked attention (packed documents, ``data.document_mask``, or a sliding window
     shorter than the sequence, ``model.sliding_window``) adds to one block's kept bytes
-    without recompute (``document_mask_bytes``; none under context parallelism, whose
-    attention takes no mask)."""
+    without recompute (``document_mask_bytes``; none under ring or all-gather context
+    parallelism, whose attention takes no mask). Under Ulysses a rank runs the masked
+    attention over whole sequences for heads/u of the heads (K/V heads repeated up to u):
+    the same count for those heads, b·s tokens."""
     window = 0 < cfg.sliding_window < work.seq_len  # a sliding window masks attention too
-    if not (work.document_mask or window) or layout.cp > 1:
+    if not (work.document_mask or window) or layout.cp_ring > 1:
         return 0.0
-    sh, b, s = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len
-    out = document_mask_bytes(b * s, sh.heads, sh.kv_heads, cfg.head_dim, s, work.act_bytes)
+    sh, b, s, u = tp_shard(cfg, layout.tp), layout.microbatch_size, work.seq_len, layout.ulysses
+    out = document_mask_bytes(b * s, sh.heads // u, max(sh.kv_heads, u) // u, cfg.head_dim, s,
+                              work.act_bytes)
     if not work.document_mask:  # a window alone: one (1, 1, T, T) mask for the whole batch,
         out -= (b - 1) * s * s * work.act_bytes
         n, every = cfg.num_hidden_layers, cfg.sliding_window_pattern

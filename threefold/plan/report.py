@@ -144,6 +144,7 @@ def schedule_name(lay) -> str:
     return lay.pipeline_schedule + bound
 
 
+CP_TAGS = {"ring": "r", "allgather": "ag", "ulysses": "u"}  # the table's cp column
 # the table's "GB sent per step" columns, in order (the header names them from this list)
 SENT_AXES = ("tp", "cp", "pp", "ep", "dp_s", "dp_r")
 SENT_AXES_DENSE = tuple(a for a in SENT_AXES if a != "ep")
@@ -156,8 +157,8 @@ def sent_per_axis(b: dict[str, float]) -> dict[str, float]:
     two levels too."""
     data = b["dp"] + b["dp_shard"] + b["dp_cp"] + b["dp_shard_cp"] + b["edp"] + b["edp_shard"]
     ep = b["ep"] + b.get("ep_inter", 0) + b.get("ep_intra", 0)
-    return {"tp": b["tp"], "cp": b["cp"], "pp": b["pp"], "ep": ep, "dp_s": data,
-            "dp_r": b["dp_replicate"]}
+    return {"tp": b["tp"], "cp": b["cp"] + b.get("cp_inner", 0) + b.get("cp_outer", 0),
+            "pp": b["pp"], "ep": ep, "dp_s": data, "dp_r": b["dp_replicate"]}
 
 
 def _gb(x: float) -> str:
@@ -183,7 +184,7 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
         mem = f"{_gb(m.total)} ({_gb(states)}+{_gb(act)}+{_gb(other)})"
         sent = sent_per_axis(s.comm_bytes)
         comm = "/".join(_gb(sent[a]) for a in (SENT_AXES if moe else SENT_AXES_DENSE))
-        cp = f"{lay.cp}{'r' if lay.cp_algorithm == 'ring' else 'ag'}" if lay.cp > 1 else "1"
+        cp = f"{lay.cp}{CP_TAGS[lay.cp_algorithm]}" if lay.cp > 1 else "1"
         lines.append(
             f"{i:>2} {lay.tp:>3} {cp:>6} {lay.pp:>3} {lay.vpp:>3} {lay.dp_replicate:>4} "
             f"{lay.dp_shard:>4} " + (f"{lay.ep:>3} " if moe else "")

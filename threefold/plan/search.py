@@ -233,13 +233,11 @@ def _cp_degrees(rest: int, tp: int, work: Workload, space: SearchSpace, reject,
     """cp degrees to try with ``tp``: ``space.cp`` (None: 1, and with ``seq_len >=
     CP_MIN_SEQ_LEN`` every divisor of ``rest`` = world/tp) less those the sequence does not
     split into (seq_len a multiple of 2·cp, each cp rank's seq_len/cp of tp for sequence
-    parallelism). A mixture of experts takes no cp (the runtime refuses it)."""
-    wanted = space.cp or ([1] if work.seq_len < CP_MIN_SEQ_LEN or experts
-                          else _divisors(rest))
+    parallelism)."""
+    wanted = space.cp or ([1] if work.seq_len < CP_MIN_SEQ_LEN else _divisors(rest))
     out = []
     for cp in wanted:
         try:
-            rules.experts_without_cp(experts, cp)
             rules.fills_world(ParallelConfig(tp=tp, cp=cp), rest * tp)
             rules.seq_len_over_cp(work.seq_len, cp)
             rules.sequence_parallel_tokens(work.seq_len, cp, tp, not experts)

@@ -42,7 +42,7 @@ from threefold.accounting.stages import (
 )
 from threefold.accounting import Collective, collectives
 from threefold.accounting.traffic import bytes_per_axis
-from threefold.layout.axes import AXES, COMM_AXES, EP_LEVELS
+from threefold.layout.axes import AXES, COMM_AXES, CP_AXES, EP_LEVELS
 from threefold.config import ModelConfig
 from threefold.schedules.registry import bubble_of, schedule_spec
 from threefold.schedules import Costs
@@ -302,9 +302,13 @@ def _chunked(c: Collective, where: Placement, chunks: int, matmul: float
 
 
 def _exposure_kind(axis: str) -> str:
-    """Which exposed term an axis's time goes to: tp, pp, cp, ep (the hierarchical dispatch's
-    levels too) or dp (the data axes)."""
-    return "ep" if axis in EP_LEVELS else axis if axis in ("tp", "pp", "cp", "ep") else "dp"
+    """Which exposed term an axis's time goes to: tp, pp, cp (a hybrid's two cp axes too),
+    ep (the hierarchical dispatch's levels too) or dp (the data axes)."""
+    if axis in EP_LEVELS:
+        return "ep"
+    if axis in CP_AXES:
+        return "cp"
+    return axis if axis in ("tp", "pp", "cp", "ep") else "dp"
 
 
 def _exposed_comm(colls: list[Collective], links: dict, t_f: float, t_b: float,

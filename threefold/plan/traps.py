@@ -32,7 +32,10 @@ def layout_warnings(cfg: ModelConfig, lay: Layout, mem: MemoryBreakdown, step: S
                        "the gradient reduction behind, and a larger dp cannot be used")
     if "tp" in step.inter_node_axes:
         out.append(f"tp crosses nodes (tp={lay.tp} > {cluster.gpus_per_node} GPUs per node)")
-    if "cp" in step.inter_node_axes:
+    if "cp_inner" in step.inter_node_axes:  # a hybrid's ring may cross; its all-to-all not
+        out.append(f"cp's all-to-all crosses nodes (cp_ulysses·tp={lay.ulysses * lay.tp} > "
+                   f"{cluster.gpus_per_node} GPUs per node): q, K, V move over the network")
+    elif "cp" in step.inter_node_axes and lay.cp_ring in (1, lay.cp):
         out.append(f"cp crosses nodes (cp·tp={lay.cp * lay.tp} > {cluster.gpus_per_node} GPUs "
                    "per node): K/V move over the network")
     if "ep" in step.inter_node_axes:

@@ -277,12 +277,17 @@ def trimmed(run, both: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": both["input_ids"][:, :n], "labels": labels[:, :n]}
 
 
-def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Policy log-probs (chosen, rejected) of a micro-batch of pairs, in one forward of the
-    whole model over the ``concatenated`` rows (``trimmed``)."""
+def pair_logps(run, micro: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                            float]:
+    """(policy log-probs (chosen, rejected) of a micro-batch of pairs, this rank's share of
+    the loss), in one forward of the whole model over the ``concatenated`` rows
+    (``trimmed``). Under context parallelism each cp rank runs its tokens of the rows and the
+    log-probs are summed over cp (``World.sequence_sum``): every cp rank then holds whole
+    sequences' log-probs and returns 1/cp of the loss."""
     both = trimmed(run, concatenated(micro))
-    return halves(rows_logps(run.token_losses({"input_ids": both["input_ids"]},
-                                              both["labels"])))
+    rows = run.world.split_sequence({"input_ids": both["input_ids"], "labels": both["labels"]})
+    logps, share = run.world.sequence_sum(rows_logps(run.token_losses(rows)))
+    return halves(logps), share
 
 
 class DPOTask(Task):
@@ -343,7 +348,7 @@ class DPOTask(Task):
             out = self._pipelined_reference(run, pipe, mine, out)
         else:
             for idx, micro in mine:
-                for col, logps in enumerate(pair_logps(run, micro)):
+                for col, logps in enumerate(pair_logps(run, micro)[0]):
                     if idx:
                         out[idx[0]:idx[-1] + 1, col] = logps[:len(idx)].double().cpu().numpy()
         if dp > 1:
@@ -398,14 +403,16 @@ class DPOTask(Task):
                       ) -> tuple[torch.Tensor, dict]:
         """``loss`` on a pipeline's last stage, from the token losses of the concatenated
         rows."""
-        return self._dpo(micro, *halves(rows_logps(losses)))
+        return self._dpo(micro, halves(rows_logps(losses)))
 
     def loss(self, run, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        """Summed DPO loss of the micro-batch's pairs and summed metrics."""
+        """Summed DPO loss of the micro-batch's pairs and summed metrics (this cp rank's
+        share of them, ``pair_logps``)."""
         return self._dpo(micro, *pair_logps(run, micro))
 
-    def _dpo(self, micro: dict[str, torch.Tensor], chosen: torch.Tensor,
-             rejected: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _dpo(self, micro: dict[str, torch.Tensor], logps: tuple[torch.Tensor, torch.Tensor],
+             share: float = 1.0) -> tuple[torch.Tensor, dict]:
+        chosen, rejected = logps
         o = self.options
         w = micro["weight"].double()
         # log-ratios in fp64: at step 0 policy and reference scores are the same fp32 numbers,
@@ -422,4 +429,6 @@ class DPOTask(Task):
                    "rewards/margins": ((rc - rr) * w).sum(),
                    "logps/chosen": (chosen.detach().double() * w).sum(),
                    "logps/rejected": (rejected.detach().double() * w).sum()}
+        if share != 1.0:
+            total, metrics = total * share, {k: v * share for k, v in metrics.items()}
         return total.float(), metrics

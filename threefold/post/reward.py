@@ -26,8 +26,9 @@ Model: ``build_run`` builds the reward model directly (``RewardTask.adapt_model`
 ``checkpoint.init_from`` as for SFT and DPO, the head from the seed, ``new_weights``). Under tensor
 parallelism the score head is replicated: without sequence parallelism its input is the replicated
 residual stream; with it, each rank scores its own positions and the (B, T) scores are all-gathered
-(the weight's gradient summed over tp, as for sequence-parallel norms). Pipeline and context
-parallelism are refused.
+(the weight's gradient summed over tp, as for sequence-parallel norms). Under context
+parallelism each cp rank scores its positions and the last token's score is summed over cp.
+Pipeline parallelism is refused.
 """
 
 from __future__ import annotations
@@ -177,10 +178,15 @@ class RewardTask(Task):
                  f"template {s['template']}, score head {run.model_cfg.hidden_size} -> 1",
                  s, "prompt fills data.seq_len")
 
-    def scores(self, run, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B,) fp32 score of each row: the score head at its last non-padding token."""
+    def scores(self, run, input_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """((B,) fp32 score of each row: the score head at its last non-padding token, this
+        rank's share of the loss). Under context parallelism each cp rank scores its own
+        positions and the one at the row's last token is summed over cp
+        (``World.sequence_sum``): every cp rank holds every score and returns 1/cp of the
+        loss."""
         model = run.engine.model
-        hidden = run.forward({"input_ids": input_ids})  # (B, T, h): the model has no LM head
+        mine = run.world.split_sequence({"input_ids": input_ids})  # this cp rank's tokens
+        hidden = run.forward(mine)  # (B, T, h): the model has no LM head
         last = last_token_index(input_ids, self.pad)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         with autocast(run):
@@ -189,8 +195,15 @@ class RewardTask(Task):
                 # each rank scores its own positions: the replicated head's gradient is
                 # the sum over tp, as for sequence-parallel norms
                 per_pos = F.linear(hidden, copy_to_tp(model.score.weight, comm))
-                return _GatherScores.apply(per_pos[..., 0].float(), comm)[rows, last]
-            return model.score(hidden[rows, last])[:, 0].float()
+                per_pos = _GatherScores.apply(per_pos[..., 0].float(), comm)
+            elif "position_ids" in mine:  # a cp rank's positions: score them all
+                per_pos = model.score(hidden)[..., 0].float()
+            else:
+                return model.score(hidden[rows, last])[:, 0].float(), 1.0
+        if "position_ids" not in mine:
+            return per_pos[rows, last], 1.0
+        at_last = mine["position_ids"] == last[:, None]  # on one cp rank of each row
+        return run.world.sequence_sum((per_pos * at_last).sum(1))
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """Pairs (empty validation fillers weigh 0)."""
@@ -200,8 +213,8 @@ class RewardTask(Task):
         """Summed Bradley–Terry loss of the micro-batch's pairs and summed metrics; chosen and
         rejected rows go through the model as one batch."""
         b = micro["chosen_input_ids"].shape[0]
-        both = self.scores(run, torch.cat([micro["chosen_input_ids"],
-                                           micro["rejected_input_ids"]]))
+        both, share = self.scores(run, torch.cat([micro["chosen_input_ids"],
+                                                  micro["rejected_input_ids"]]))
         rc, rr = both[:b], both[b:]
         w = micro["weight"].to(both.dtype)
         total = (bradley_terry_loss(rc, rr, self.options.center_rewards_coefficient) * w).sum()
@@ -209,4 +222,6 @@ class RewardTask(Task):
         metrics = {"accuracy": ((rc > rr).double() * w).sum(),
                    "margin": ((rc - rr) * w).sum(),
                    "mean_reward": ((rc + rr) / 2 * w).sum()}
+        if share != 1.0:  # each cp rank's share of the loss of whole sequences
+            total, metrics = total * share, {k: v * share for k, v in metrics.items()}
         return total, metrics

@@ -122,7 +122,11 @@ class Run:
         router losses and their log, the grouped routers' bias update; the
         multi-token-prediction loss where the task's objective is the next tokens'; nothing
         for a dense model), made once for this rank's model."""
-        return RouterLog(self.model_cfg, self.engine.model, next_token=self.task.next_token)
+        # under context parallelism a rank routes a share of each sequence's tokens: the
+        # router losses pool the statistics over cp (``World.sequence_sum``)
+        pool = self.world.sequence_sum if self.world.cp_size > 1 else None
+        return RouterLog(self.model_cfg, self.engine.model, next_token=self.task.next_token,
+                         pool=pool)
 
     def forward(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model on a micro-batch dict (positions and document ids when it has them)."""

@@ -28,7 +28,6 @@ from threefold.layout.rules.expert_rules import (
     ep_needs_experts,
     ep_nodes_tile,
     experts_balance_per_layer,
-    experts_without_cp,
     experts_without_sequence_parallel,
 )
 from threefold.layout.rules.pipeline_rules import (
@@ -41,12 +40,15 @@ from threefold.layout.rules.pipeline_rules import (
 )
 from threefold.layout.rules.sequence_rules import (
     cp_attention,
+    heads_over_ulysses,
+    kv_heads_over_ulysses,
     mlp_tiles_plain,
     mtp_without_cp,
     cp_attention_sinks,
     selective_without_cp,
     seq_len_over_cp,
     sequence_parallel_tokens,
+    ulysses_degree,
 )
 from threefold.layout.rules.shape_rules import (
     blockwise_tiles_over_tp,
@@ -91,15 +93,16 @@ __all__ = [
     "ep_needs_experts",
     "ep_nodes_tile",
     "experts_balance_per_layer",
-    "experts_without_cp",
     "experts_without_sequence_parallel",
     "ffn_over_tp",
     "fills_world",
     "generation_layout",
     "heads_over_tp",
+    "heads_over_ulysses",
     "interleaved_microbatches",
     "k_norm_needs_split_kv",
     "kv_heads_over_tp",
+    "kv_heads_over_ulysses",
     "layers_fill_chunks",
     "lora_kv_needs_split_kv",
     "lora_without_experts",
@@ -124,5 +127,6 @@ __all__ = [
     "task_layout",
     "tp_overlap_needs_sequence_parallel",
     "tp_overlap_plain_projections",
+    "ulysses_degree",
     "vpp_needs_pp",
 ]

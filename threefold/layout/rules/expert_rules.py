@@ -34,16 +34,6 @@ def ep_divides_dp_shard(ep: int, dp_shard: int) -> None:
 
 
 @rule
-def experts_without_cp(experts: int, cp: int) -> None:
-    """A mixture of experts routes whole sequences per rank: no context parallelism yet."""
-    if experts and cp > 1:
-        raise LayoutError(f"parallel.cp: {cp} with a mixture of experts (model.num_local_experts"
-                          f"={experts}) is not built yet (the router and the expert all-to-alls "
-                          "take whole sequences per rank); set parallel.cp 1, or "
-                          "model.num_local_experts 0 for a dense model")
-
-
-@rule
 def experts_without_sequence_parallel(experts: int, tp: int, sequence_parallel: bool) -> None:
     """A mixture of experts is whole on every tp rank: tp without sequence parallelism."""
     if experts and tp > 1 and sequence_parallel:

@@ -24,18 +24,15 @@ def lora_kv_needs_split_kv(targets: tuple[str, ...], kv: int, tp: int) -> None:
 
 @rule
 def task_layout(task: str, pp: int, cp: int) -> None:
-    """DPO and reward models score whole sequences per rank (no cp); reward training runs
-    no pipeline."""
-    if task == "dpo" and cp > 1:  # its sequence log-probs would be partial sums per cp rank
-        raise LayoutError(f"parallel.cp: DPO does not run under context parallelism yet (got "
-                          f"cp={cp}); use parallel.cp 1 and shard over dp_shard or tp instead")
+    """DPO under context parallelism runs without a pipeline (its pipelined rows are formed
+    after the sequence split); reward training runs no pipeline."""
+    if task == "dpo" and cp > 1 and pp > 1:
+        raise LayoutError(f"parallel.pp: DPO under context parallelism (cp={cp}) runs without "
+                          f"a pipeline (got pp={pp}); use parallel.pp 1, or parallel.cp 1")
     if task == "reward" and pp > 1:
         raise LayoutError(f"parallel.pp: reward training does not run under pipeline "
                           f"parallelism yet (got pp={pp}); use parallel.pp 1 and shard over "
                           "dp_shard (ZeRO) or tp instead")
-    if task == "reward" and cp > 1:
-        raise LayoutError(f"parallel.cp: reward training does not run under context "
-                          f"parallelism yet (got cp={cp}); use parallel.cp 1")
 
 
 @rule

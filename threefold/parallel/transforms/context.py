@@ -7,7 +7,9 @@ gives every rank the same attention work. Everything but attention is per token 
 unchanged on the rank's tokens; the positions (RoPE), labels and packed documents' ids of the
 whole sequence say what each local token is.
 
-Attention needs every earlier key. Two algorithms (``parallel.cp_algorithm``):
+Attention needs every earlier key. Three algorithms (``parallel.cp_algorithm``); the first
+two here (their blocks in ``threefold.parallel.transforms.ring_blocks``), the third in
+``threefold.parallel.transforms.ulysses``:
 
 - ``ring`` (Liu et al., "Ring Attention", arXiv 2310.01889): the K/V of each rank travel
   around the ring of cp ranks, one hop per step, N−1 hops; each rank attends its queries to the
@@ -32,6 +34,12 @@ Bytes a rank sends per attention call, with kv = the bytes of its local K and V 
 (reduce-scatter). Activation checkpointing runs the forward twice.
 ``threefold.accounting.cp_bytes_per_attention`` is that closed form; the planner and the tests use
 it.
+
+- ``ulysses``: an all-to-all trades sequence shards for head shards, and each rank runs the
+  model's own attention over whole sequences (``ulysses_attention``); its ranks hold
+  contiguous slices. With ``parallel.cp_ulysses`` u (1 < u < cp) the two combine (a hybrid):
+  Ulysses over the innermost u cp ranks (axis "cp_inner"), then the ring or the all-gather
+  over the cp/u ring ranks (axis "cp_outer") on the gathered share (``token_index``).
 """
 
 from __future__ import annotations
@@ -41,15 +49,19 @@ from typing import NamedTuple
 
 import torch
 
-from threefold.model.attention import Attention, sdpa_attention
+from threefold.model.attention import Attention, document_mask, sdpa_attention, window_mask
 from threefold.model.decoder import DecoderModel
-from threefold.parallel.transforms.cp_order import (masked_block, rank_positions, row_visibility,
-                                                   split_balance, take_positions)
+from threefold.model.mla import LatentAttention
+from threefold.parallel.transforms.ring_blocks import (_merge, _piece_backward, _piece_forward,
+                                                        chunk_index, ring_pieces, visibility)
+from threefold.parallel.transforms.cp_order import (rank_positions, row_visibility, split_balance,
+                                                   take_positions)
+from threefold.parallel.transforms.ulysses import ulysses_attention
 from threefold.parallel.transforms.wrap import wrap
 
 
 AXIS = "cp"
-ALGORITHMS = ("ring", "allgather")
+ALGORITHMS = ("ring", "allgather", "ulysses")
 TOKEN_KEYS = ("input_ids", "labels", "position_ids")
 """Per-token fields of a micro-batch that each cp rank keeps its share of. ``document_ids``
 stays whole: attention masks need every token's document."""
@@ -58,25 +70,30 @@ stays whole: attention masks need every token's document."""
 # --------------------------------------------------------------------------------------------
 # Which tokens a rank holds
 # --------------------------------------------------------------------------------------------
-def chunk_index(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """Global positions of the tokens cp rank ``rank`` holds: chunks ``rank`` and
-    ``2·cp − 1 − rank`` of ``2·cp`` (seq_len must divide by 2·cp)."""
-    c = seq_len // (2 * cp)
-    if c * 2 * cp != seq_len:
-        raise ValueError(f"context parallel: sequence length {seq_len} is not divisible by "
-                         f"2·cp = {2 * cp}")
-    lo, hi = rank * c, (2 * cp - 1 - rank) * c
-    return torch.cat([torch.arange(lo, lo + c, device=device),
-                      torch.arange(hi, hi + c, device=device)])
+def token_index(seq_len: int, cp: int, rank: int, ulysses: int = 1, device=None
+                ) -> torch.Tensor:
+    """Global positions of the tokens cp rank ``rank`` holds when ``ulysses`` of the cp ranks
+    run Ulysses (the innermost: rank = ring rank · ulysses + Ulysses rank): its ring rank's
+    balanced share (``chunk_index`` over cp/ulysses ring ranks; the whole sequence under pure
+    Ulysses), cut in ``ulysses`` contiguous slices, this rank's the one of its Ulysses index.
+    Ulysses' all-to-all gathers the slices in order, so each rank then sees its ring rank's
+    share (pure Ulysses: the sequence) in position order and needs no reordering."""
+    ring, (outer, inner) = cp // ulysses, divmod(rank, ulysses)
+    share = chunk_index(seq_len, ring, outer, device) if ring > 1 else \
+        torch.arange(seq_len, device=device)
+    n = share.numel() // ulysses
+    return share[inner * n:(inner + 1) * n]
 
 
-def shard_batch(micro: dict[str, torch.Tensor], cp: int, rank: int, balance: str = "causal"
-                ) -> dict[str, torch.Tensor]:
-    """This cp rank's share of a micro-batch of whole sequences: its tokens of every field in
-    ``TOKEN_KEYS`` (positions 0..T−1 made explicit first: a shard cannot tell them), the
-    rest (``document_ids``, a task's own per-sequence fields) as they are. ``balance``
-    documents splits rows with ``document_ids`` by their documents (``cp_order``)."""
-    if cp == 1:
+def shard_batch(micro: dict[str, torch.Tensor], cp: int, rank: int, ulysses: int = 1,
+                balance: str = "causal") -> dict[str, torch.Tensor]:
+    """This cp rank's share of a micro-batch of whole sequences (``token_index``): its tokens
+    of every field in ``TOKEN_KEYS`` it has (positions 0..T−1 made explicit first: a shard
+    cannot tell them), the rest (``document_ids``, a task's own per-sequence fields) as they
+    are. A micro-batch without ``input_ids`` (preference pairs) stays whole: its task cuts
+    the rows it forms (``World.split_sequence``). ``balance`` documents splits rows with
+    ``document_ids`` by their documents (``cp_order``; ``split_balance`` says where)."""
+    if cp == 1 or "input_ids" not in micro:
         return micro
     ids = micro["input_ids"]
     b, t = ids.shape[:2]
@@ -85,179 +102,61 @@ def shard_batch(micro: dict[str, torch.Tensor], cp: int, rank: int, balance: str
         out["position_ids"] = torch.arange(t, device=ids.device).expand(b, t)
     if balance == "documents" and out.get("document_ids") is not None:
         idx = rank_positions(out["document_ids"], cp, balance)[rank]
-        return out | {key: take_positions(out[key], idx) for key in TOKEN_KEYS}
-    idx = chunk_index(t, cp, rank, ids.device)
+        return out | {key: take_positions(out[key], idx) for key in TOKEN_KEYS if key in out}
+    idx = token_index(t, cp, rank, ulysses, ids.device)
     for key in TOKEN_KEYS:
-        out[key] = out[key][:, idx]
+        if key in out:
+            out[key] = out[key][:, idx]
     return out
+
+
+class SequenceSum(torch.autograd.Function):
+    """Per-sequence partial sums of this cp rank's tokens (a log-prob, a score) summed over
+    cp (an all-reduce), for a loss of whole sequences that every cp rank then computes alike.
+    Backward sums the gradients over cp too: each rank's loss is counted once overall when
+    each returns 1/cp of it (``World.sequence_sum``), and every rank's tokens get the whole
+    loss's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        out = x.detach().clone().contiguous()
+        comm.all_reduce(out, AXIS)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone().contiguous()
+        ctx.comm.all_reduce(grad, AXIS)
+        return grad, None
 
 
 class CPMask(NamedTuple):
     """What a context-parallel attention gets as its mask: the whole sequence's document
     ids (B, T), or None for plain causal attention, and the (cp, B, T/cp) positions each
-    rank holds when the rows are split by their documents (None: the head-tail chunks)."""
+    rank holds when the rows are split by their documents (None: ``token_index``'s)."""
 
     document_ids: torch.Tensor | None
     positions: torch.Tensor | None = None
 
-
-def visibility(q_idx: torch.Tensor, k_idx: torch.Tensor, docs: torch.Tensor | None):
-    """Which keys each query may attend: True where the key is not later than the query and,
-    with packed documents, in the same one. Returns a (Tq, Tk) or (B, 1, Tq, Tk) boolean
-    mask, None when every pair is visible, or False when none is (the block is skipped)."""
-    m = k_idx[None, :] <= q_idx[:, None]
-    if docs is not None:
-        same = docs[:, q_idx][:, :, None] == docs[:, k_idx][:, None, :]
-        m = (m[None] & same)[:, None]
-    if bool(m.all()):
-        return None
-    if not bool(m.any()):
-        return False
-    return m
-
-
-# --------------------------------------------------------------------------------------------
-# Attention of a query block against one key block, with its log-sum-exp
-# --------------------------------------------------------------------------------------------
-class Piece(NamedTuple):
-    """One attention call of a ring step: query rows and key columns of the local blocks
-    (slices), causal (a square block of increasing positions) or not, and an additive float
-    mask (packed documents) or None, with the query rows that see any key under it."""
-
-    rows: slice
-    cols: slice
-    causal: bool
-    mask: torch.Tensor | None = None
-    seen: torch.Tensor | None = None
-
-
-def ring_pieces(n: int, r: int, src: int, tl: int, docs: torch.Tensor | None,
-                dtype: torch.dtype, positions: torch.Tensor | None = None) -> list[Piece]:
-    """What rank ``r``'s queries compute against the K/V block of rank ``src`` (``tl`` local
-    tokens each: chunk c and chunk 2n−1−c of the sequence). The balanced split makes every
-    pair simple: its own block is plain causal (its positions increase); an earlier rank's
-    first chunk is wholly visible and its second wholly hidden; a later rank's block is
-    wholly visible to the second query chunk and hidden from the first. Packed documents
-    add a mask to each piece (pieces no query sees are dropped). A split by ``positions``
-    (cp, B, T/cp) is one masked piece per block."""
-    if positions is not None:
-        block = masked_block(positions[r], positions[src], docs, dtype)
-        return [] if block is False else [Piece(slice(0, tl), slice(0, tl), False, *block)]
-    half = tl // 2
-    if src == r:
-        pieces = [Piece(slice(0, tl), slice(0, tl), True)]
-    elif src < r:
-        pieces = [Piece(slice(0, tl), slice(0, half), False)]
-    else:
-        pieces = [Piece(slice(half, tl), slice(0, tl), False)]
-    if docs is None:
-        return pieces
-    q_idx, k_idx = chunk_index(tl * n, n, r, docs.device), chunk_index(tl * n, n, src, docs.device)
-    out = []
-    for pc in pieces:
-        vis = visibility(q_idx[pc.rows], k_idx[pc.cols], docs)
-        if vis is False:
-            continue
-        if vis is None:
-            out.append(pc._replace(causal=False))
-            continue
-        mask = torch.zeros(vis.shape, dtype=dtype, device=docs.device)
-        mask.masked_fill_(~vis, float("-inf"))
-        out.append(Piece(pc.rows, pc.cols, False, mask, vis.any(-1)))  # (B, 1, Tq) rows seen
-    return out
-
-
-def _flash_forward():
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
-
-
-def _fused(q: torch.Tensor, fused: bool | None) -> bool:
-    """Whether to use aten's CPU flash kernel (the one fused kernel whose log-sum-exp output is
-    public on every build); elsewhere the math path computes the same quantities."""
-    return q.device.type == "cpu" if fused is None else fused
-
-
-def _piece_forward(q, k, v, pc: Piece, scale: float, fused: bool | None = None):
-    """(output, log-sum-exp) of one piece through the fused attention kernel that returns its
-    log-sum-exp (on CPU aten's flash kernel; the math path elsewhere or with ``fused``
-    False). Rows that see no key get log-sum-exp −inf, so the merge ignores them."""
-    groups = q.shape[1] // k.shape[1]
-    qs = q[:, :, pc.rows].contiguous()
-    if _fused(q, fused):  # the CPU kernel takes grouped K/V as they are
-        ks, vs = (x[:, :, pc.cols].contiguous() for x in (k, v))
-        out, lse = _flash_forward()(qs, ks, vs, 0.0, pc.causal, attn_mask=pc.mask, scale=scale)
-    else:  # the same quantities by the math path (fp32), on any device
-        s, _, vs = _math_scores(qs, k, v, pc, groups, scale)
-        lse = torch.logsumexp(s, -1)
-        out = torch.matmul(torch.softmax(s, -1).nan_to_num(0.0), vs.float()).to(q.dtype)
-    if pc.seen is not None:
-        lse = lse.masked_fill(~pc.seen, float("-inf"))
-    return out, lse
-
-
-def _math_scores(qs, k, v, pc: Piece, groups: int, scale: float):
-    """The math path's fp32 scores of one piece (causal and document masks applied) and its
-    K and V blocks with each K/V head repeated for the query heads that share it."""
-    ks, vs = (_repeat_kv(x[:, :, pc.cols], groups).contiguous() for x in (k, v))
-    s = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
-    if pc.causal:
-        s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-    if pc.mask is not None:
-        s = s + pc.mask.float()
-    return s, ks, vs
-
-
-def _piece_backward(do, q, k, v, out, lse, pc: Piece, scale: float, fused: bool | None = None):
-    """(dq rows, dk cols, dv cols) of one piece, from the whole attention's output and
-    log-sum-exp (the block's own softmax is exp(s − lse) over the full row, FlashAttention-2's
-    backward, arXiv 2307.08691 Alg. 2); dK/dV summed over the query heads sharing each."""
-    groups = q.shape[1] // k.shape[1]
-    qs, dos, outs = (x[:, :, pc.rows].contiguous() for x in (q, do, out))
-    lses = lse[:, :, pc.rows].contiguous()
-    if _fused(q, fused):  # grouped K/V in, their gradients out (summed over each group)
-        ks, vs = (x[:, :, pc.cols].contiguous() for x in (k, v))
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dos, qs, ks, vs, outs, lses, 0.0, pc.causal, attn_mask=pc.mask, scale=scale)
-    s, ks, vs = _math_scores(qs, k, v, pc, groups, scale)
-    p = torch.exp(s - lses.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dos.float())
-    dp = torch.matmul(dos.float(), vs.float().transpose(-1, -2))
-    ds = p * (dp - (dos.float() * outs.float()).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, ks.float()) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qs.float()) * scale
-    if groups > 1:
-        b, h, t, d = dk.shape
-        dk = dk.view(b, h // groups, groups, t, d).sum(2)
-        dv = dv.view(b, h // groups, groups, t, d).sum(2)
-    return dq, dk, dv
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o_b: torch.Tensor,
-           lse_b: torch.Tensor) -> None:
-    """Fold one piece's (output, log-sum-exp) into the running fp32 ones, in place: the
-    online softmax's rescaling by exp(lse − new lse)."""
-    old = lse[:, :, rows]
-    new = torch.logaddexp(old, lse_b)
-    safe = new.masked_fill(torch.isinf(new), 0.0)  # rows nothing has reached yet
-    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - safe).unsqueeze(-1)
-                       + o_b.float() * torch.exp(lse_b - safe).unsqueeze(-1))
-    lse[:, :, rows] = new
+    def __and__(self, _window) -> "CPMask":
+        """The decoder limits a sliding-window layer's mask with ``&``; a window over the
+        rank's local tokens would be wrong: each attention applies its own window to the
+        whole sequence (Ulysses; the ring and the all-gather refuse windows)."""
+        return self
 
 
 # --------------------------------------------------------------------------------------------
 # Ring attention
 # --------------------------------------------------------------------------------------------
 class _Ring:
-    """The cp ring as seen from one rank: neighbours and a counted K/V hop."""
+    """The ring of ``axis`` ("cp", or a hybrid's "cp_outer") as seen from one rank:
+    neighbours and a counted K/V hop."""
 
-    def __init__(self, comm):
-        self.comm = comm
-        self.n, self.r = comm.size(AXIS), comm.rank(AXIS)
-        ranks = comm.dims.axis_ranks(comm.global_rank, AXIS)
+    def __init__(self, comm, axis: str = AXIS):
+        self.comm, self.axis = comm, axis
+        self.n, self.r = comm.size(axis), comm.rank(axis)
+        ranks = comm.members(axis)
         self.next, self.prev = ranks[(self.r + 1) % self.n], ranks[(self.r - 1) % self.n]
 
     def shift(self, t: torch.Tensor):
@@ -265,22 +164,24 @@ class _Ring:
         returns (handle, buffer)."""
         buf = torch.empty_like(t)
         h = self.comm.batch_isend_irecv([("send", t, self.next), ("recv", buf, self.prev)],
-                                        async_op=True, axis=AXIS)
+                                        async_op=True, axis=self.axis)
         return h, buf
 
 
 class RingAttention(torch.autograd.Function):
     """Causal (optionally per-document) attention of this rank's queries over the whole
-    sequence, K/V passed around the cp ring. Inputs as ``Attention.attend`` gets them."""
+    sequence, K/V passed around the ring of ``axis`` (cp; a hybrid's cp_outer, whose queries and
+    keys are the ring rank's share after the all-to-all). Inputs as ``Attention.attend`` gets
+    them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, docs, comm, seq_len, positions=None):
+    def forward(ctx, q, k, v, docs, comm, seq_len, positions=None, axis=AXIS):
         with torch.autocast(q.device.type, enabled=False):  # the softmax merge stays fp32
-            return RingAttention._forward(ctx, q, k, v, docs, comm, seq_len, positions)
+            return RingAttention._forward(ctx, q, k, v, docs, comm, axis, positions)
 
     @staticmethod
-    def _forward(ctx, q, k, v, docs, comm, seq_len, positions):
-        ring = _Ring(comm)
+    def _forward(ctx, q, k, v, docs, comm, axis, positions):
+        ring = _Ring(comm, axis)
         tl, d = q.shape[2:]
         scale = 1.0 / math.sqrt(d)
         out = lse = None
@@ -299,7 +200,8 @@ class RingAttention(torch.autograd.Function):
                 kv = pending[1]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.docs, ctx.comm, ctx.scale, ctx.positions = docs, comm, scale, positions
+        ctx.docs, ctx.comm, ctx.scale, ctx.axis = docs, comm, scale, axis
+        ctx.positions = positions
         return out
 
     @staticmethod
@@ -310,7 +212,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale = _Ring(ctx.comm), ctx.scale
+        ring, scale = _Ring(ctx.comm, ctx.axis), ctx.scale
         tl = q.shape[2]
         grad_out = grad_out.contiguous()
         kv = torch.stack([k, v]).contiguous()
@@ -337,43 +239,45 @@ class RingAttention(torch.autograd.Function):
                 kv = pending[1]
         incoming[0].wait()  # this rank's own block, summed over every rank
         dkv = incoming[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
+                None)
 
 
 # --------------------------------------------------------------------------------------------
 # All-gather attention
 # --------------------------------------------------------------------------------------------
 class GatherKV(torch.autograd.Function):
-    """(2, B, kvh, T/N, d) local K/V -> (N, 2, B, kvh, T/N, d) of every cp rank (all-gather);
-    backward reduce-scatters the gradient back to each rank's share."""
+    """(2, B, kvh, T/N, d) local K/V -> (N, 2, B, kvh, T/N, d) of every rank of ``axis``
+    (all-gather); backward reduce-scatters the gradient back to each rank's share."""
 
     @staticmethod
-    def forward(ctx, kv, comm):
-        ctx.comm = comm
-        n = comm.size(AXIS)
+    def forward(ctx, kv, comm, axis=AXIS):
+        ctx.comm, ctx.axis = comm, axis
+        n = comm.size(axis)
         out = kv.new_empty((n * kv.shape[0], *kv.shape[1:]))  # c10d's layout: ranks on dim 0
-        comm.all_gather(out, kv.contiguous(), AXIS)
+        comm.all_gather(out, kv.contiguous(), axis)
         return out.view(n, *kv.shape)
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty(grad.shape[1:])
-        ctx.comm.reduce_scatter(out, grad.contiguous().flatten(0, 1), AXIS)
-        return out, None
+        ctx.comm.reduce_scatter(out, grad.contiguous().flatten(0, 1), ctx.axis)
+        return out, None, None
 
 
-def allgather_attention(q, k, v, docs, comm, seq_len, positions=None):
-    """This rank's queries against the all-gathered K/V of the whole sequence, through SDPA
-    with the visibility mask of the keys' global positions."""
-    n = comm.size(AXIS)
-    full = GatherKV.apply(torch.stack([k, v]), comm)  # (N, 2, B, kvh, T/N, d)
+def allgather_attention(q, k, v, docs, comm, seq_len, positions=None, axis=AXIS):
+    """This rank's queries against the all-gathered K/V of the whole sequence (of ``axis``'s
+    ranks: cp, or a hybrid's cp_outer), through SDPA with the visibility mask of the keys'
+    global positions."""
+    n = comm.size(axis)
+    full = GatherKV.apply(torch.stack([k, v]), comm, axis)  # (N, 2, B, kvh, T/N, d)
     b, kvh, tl, d = k.shape
     full = full.permute(1, 2, 3, 0, 4, 5).reshape(2, b, kvh, n * tl, d)
     if positions is not None:  # split by documents: the positions say who holds what
-        mask = row_visibility(positions[comm.rank(AXIS)], positions.permute(1, 0, 2).flatten(1),
+        mask = row_visibility(positions[comm.rank(axis)], positions.permute(1, 0, 2).flatten(1),
                               docs)
     else:
-        q_idx = chunk_index(seq_len, n, comm.rank(AXIS), q.device)
+        q_idx = chunk_index(seq_len, n, comm.rank(axis), q.device)
         k_idx = torch.cat([chunk_index(seq_len, n, j, q.device) for j in range(n)])
         mask = visibility(q_idx, k_idx, docs)  # never all False: a query sees itself
     if mask is None:
@@ -384,29 +288,58 @@ def allgather_attention(q, k, v, docs, comm, seq_len, positions=None):
 # --------------------------------------------------------------------------------------------
 # Applying it
 # --------------------------------------------------------------------------------------------
-class ContextParallelAttention(Attention):
-    """An ``Attention`` whose queries, keys and values are this cp rank's share of a
-    sequence ``cp`` times longer (``apply_context_parallel`` turns each attention into one,
-    in place): its core attends over the whole sequence with ``algorithm`` (ring or
-    allgather) on ``comm``'s "cp" axis. Its mask is the ``CPMask`` that
-    ``ContextParallelDecoderModel`` makes."""
+class _ContextParallelCore:
+    """The core of a context-parallel attention, whose queries, keys and values are this cp
+    rank's share of a sequence ``cp`` times longer: it attends over the whole sequence.
+    With ``ulysses`` > 1 an all-to-all first trades the sequence shards of the Ulysses ranks
+    for head shards (``ulysses_attention``; on "cp", or a hybrid's "cp_inner"); what is then
+    left apart, the ring rank's shares, is joined by ``algorithm`` (ring or allgather, on "cp"
+    or a hybrid's "cp_outer"). Under pure Ulysses every rank holds whole sequences for its
+    heads and runs the model's own attention, window and score scale included. Its mask is
+    the ``CPMask`` that ``ContextParallelDecoderModel`` makes."""
 
     comm = None
     cp = 1
     algorithm = "ring"
+    ulysses = 1  # the Ulysses ranks: cp under cp_algorithm ulysses, a hybrid's cp_ulysses
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_mask=None) -> torch.Tensor:
         """q (B, heads, T/cp, d), k/v (B, kv heads, T/cp, d), this rank's tokens after RoPE
         -> (B, heads, T/cp, d), attended over every token of the sequence."""
         docs, pos = attn_mask if isinstance(attn_mask, CPMask) else (None, None)
-        seq_len = q.shape[2] * self.cp
+        if self.ulysses == 1:  # (only here can the rows be split by documents: split_balance)
+            return self._across(q, k, v, docs, AXIS, pos)
+        inner = AXIS if self.ulysses == self.cp else "cp_inner"
+        return ulysses_attention(q, k, v, self.comm, inner,
+                                 lambda *qkv: self._across(*qkv, docs, "cp_outer"))
+
+    def _across(self, q, k, v, docs, axis: str, pos=None) -> torch.Tensor:
+        """These queries (the ring rank's share of the sequence, whole sequences under pure
+        Ulysses) attended over every key of the sequence."""
+        if self.ulysses == self.cp:
+            mask = document_mask(docs) if docs is not None else None
+            mask = window_mask(mask, q.shape[2], self.window, q.device)
+            return super().attend(q, k, v, mask)
+        seq_len = q.shape[2] * (self.cp // self.ulysses)
         if self.algorithm == "ring":
-            return RingAttention.apply(q, k, v, docs, self.comm, seq_len, pos)
-        return allgather_attention(q, k, v, docs, self.comm, seq_len, pos)
+            return RingAttention.apply(q, k, v, docs, self.comm, seq_len, pos, axis)
+        return allgather_attention(q, k, v, docs, self.comm, seq_len, pos, axis)
 
     def extra_repr(self) -> str:
-        return f"cp={self.cp}, {self.algorithm}"
+        hybrid = f" × ulysses {self.ulysses}" if 1 < self.ulysses < self.cp else ""
+        return f"cp={self.cp}, {self.algorithm}{hybrid}"
+
+
+class ContextParallelAttention(_ContextParallelCore, Attention):
+    """An ``Attention`` over the whole sequence from this cp rank's share of it
+    (``_ContextParallelCore``; ``apply_context_parallel`` turns each attention into one, in
+    place)."""
+
+
+class ContextParallelLatentAttention(_ContextParallelCore, LatentAttention):
+    """A ``LatentAttention`` (DeepSeek's) over the whole sequence from this cp rank's share of
+    it: Ulysses only (the ring and the all-gather refuse it, ``rules.cp_attention``)."""
 
 
 class ContextParallelDecoderModel(DecoderModel):
@@ -430,21 +363,27 @@ class ContextParallelDecoderModel(DecoderModel):
 
 
 def apply_context_parallel(model: torch.nn.Module, comm, algorithm: str = "ring",
-                           balance: str = "causal") -> torch.nn.Module:
+                           ulysses: int = 1, balance: str = "causal") -> torch.nn.Module:
     """Make every attention of ``model`` (a whole model or a pipeline rank's chunks) attend
-    over the whole sequence from this cp rank's share of it, with ``algorithm`` (ring or
-    allgather): each ``Attention`` becomes a ``ContextParallelAttention`` and each
-    ``DecoderModel`` a ``ContextParallelDecoderModel``. In place; parameter names do not change.
-    Micro-batches must be cut with ``shard_batch`` (positions explicit, ``document_ids``
-    whole) with the same ``balance`` (``split_balance`` of the configured one)."""
+    over the whole sequence from this cp rank's share of it, with ``algorithm`` (ring,
+    allgather or ulysses; ring or allgather with ``ulysses`` > 1 Ulysses ranks inside: the
+    hybrid, ``parallel.cp_ulysses``): each ``Attention`` (``LatentAttention``) becomes a
+    ``ContextParallelAttention`` (``ContextParallelLatentAttention``) and each ``DecoderModel`` a
+    ``ContextParallelDecoderModel``. In place; parameter names do not change. Micro-batches
+    must be cut with ``shard_batch`` (positions explicit, ``document_ids`` whole) with the
+    same ``balance`` (``split_balance`` of the configured one)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown cp algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
     n = comm.size(AXIS)
     if n == 1:
         return model
+    u = n if algorithm == "ulysses" else ulysses
     for mod in model.modules():
-        if isinstance(mod, Attention):
-            wrap(mod, ContextParallelAttention, comm=comm, cp=n, algorithm=algorithm)
+        if isinstance(mod, (Attention, LatentAttention)):
+            cls = ContextParallelAttention if isinstance(mod, Attention) else \
+                ContextParallelLatentAttention
+            wrap(mod, cls, comm=comm, cp=n, algorithm=algorithm, ulysses=u)
         elif isinstance(mod, DecoderModel):
-            wrap(mod, ContextParallelDecoderModel, cp=n, balance=split_balance(balance, algorithm))
+            wrap(mod, ContextParallelDecoderModel, cp=n,
+                 balance=split_balance(balance, algorithm, u))
     return model
