@@ -92,3 +92,37 @@ def hf_twin(hf, folder: Path, prompt_len: int = 24):
         want = hf(ids).logits
         torch.testing.assert_close(model.eval()(ids), want, rtol=0, atol=1e-5)
     return cfg, weights, model, ids, want
+
+
+def assert_layouts_train_as_one_process(out: Path, over, layouts, world: int = 2) -> dict:
+    """For runs already made under ``out`` (``single`` and one per layout name, ``over``
+    giving each one's overrides): every layout's losses equal the single process's (rel
+    1e-5) and its final weights (1e-4 / 2e-5), and its bytes per axis equal the planner's
+    and the dry run's (ep's within 10%: the planner takes routing as even). Returns the
+    single process's final weights."""
+    import json
+
+    import torch
+
+    from threefold.accounting import comm_bytes_per_step
+    from threefold.config import load_config
+    from threefold.launch.dryrun import predict
+    from threefold.layout import Layout, Workload
+
+    ref, ref_w = metrics(out / "single"), final_weights(out / "single")
+    for name, extra in layouts:
+        got = metrics(out / name)
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), \
+            name
+        w = final_weights(out / name)
+        for k, v in ref_w.items():
+            torch.testing.assert_close(w[k], v, rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+        cfg = load_config(None, over(out / f"{name}-plan", **extra))
+        want = comm_bytes_per_step(cfg.model.resolved(cfg.data.vocab_size),
+                                   Layout.from_config(cfg, world), Workload.from_config(cfg), 0)
+        moved = {a: v for a, v in json.loads((out / name / "summary.json").read_text())
+                 ["comm_bytes_per_step"].items() if v}
+        assert moved.pop("ep", 0) == pytest.approx(want["ep"], rel=0.1), name
+        assert moved == {a: v for a, v in want.items() if v and a != "ep"}, name
+        assert predict(cfg, world).comm_bytes == want, name
+    return ref_w

@@ -12,7 +12,6 @@ import torch
 
 from tests.test_dryrun import _Loopback
 from tests.test_tp_layer import SavedBytes
-from threefold.accounting import layer_parameters_per_rank
 from threefold.config import ModelConfig
 from threefold.layout import Layout, Workload
 from threefold.model.decoder import CausalLM

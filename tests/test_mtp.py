@@ -8,20 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.test_pipeline import _one_thread  # noqa: F401 (its autouse fixture: one thread)
 from threefold.config import ModelConfig
 
 SHAPE = dict(preset="tiny", vocab_size=96, hidden_size=32, intermediate_size=48,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              num_nextn_predict_layers=2, mtp_loss_weight=0.3)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: a second OpenMP thread only spins (badly so on a shared 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(**over):

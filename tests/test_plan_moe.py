@@ -12,7 +12,7 @@ from threefold.layout.rules import LayoutError
 from threefold.accounting import (active_parameters, comm_bytes_per_step, flops_per_token,
     layer_parameters_per_rank, matmul_parameters, num_parameters, owned_parameters,
     stage_parameters, tp_shard)
-from threefold.config import ConfigError, ModelConfig, load_config
+from threefold.config import ModelConfig, load_config
 from threefold.model.decoder import CausalLM
 from threefold.plan.activations import block_activation_bytes
 from threefold.plan.candidates import SearchSpace
