@@ -85,7 +85,7 @@ class RolloutSource:
 
     def __init__(self, run, engine: str, max_len: int, kv_cache_mb: int, mode: str = "colocate",
                  server: str = ""):
-        self.run, self.kind = run, engine
+        self.run = run
         self.engine = None
         self.started = 0.0
         self.ahead: tuple | None = None  # (request, its completions to come: a Future, figures)
