@@ -88,3 +88,22 @@ def test_a_task_on_its_own_records_tokenizes_no_corpus(tmp_path):
     assert data.sources == [] and data.vocab_size == 1000 and data.eot_id == 0
     assert not (tmp_path / "cache").exists()
     assert len(prepare_data(cfg).sources) == 1 and (tmp_path / "cache" / "tokens").is_dir()
+
+
+def test_a_measurement_is_kept_per_environment(tmp_path, monkeypatch):
+    """A process's measured bytes are reused only under the same installed packages and
+    threefold source: a cached figure from before an install (vLLM's makes torch import
+    Triton, +85 MB a process) must not be read back after it."""
+    import sys
+
+    from threefold.plan import calibrate
+
+    path = tmp_path / "calibration.json"
+    probe = [sys.executable, "-c", "print(7)"]
+    assert calibrate.measured_once("probe", probe, {}, path) == [7]
+    # the same key, environment unchanged: read back, never re-run
+    assert calibrate.measured_once("probe", [sys.executable, "-c", "print(8)"], {}, path) == [7]
+    monkeypatch.setattr(calibrate, "_DIGEST", "another-environment")
+    assert calibrate.measured_once("probe", [sys.executable, "-c", "print(8)"], {}, path) == [8]
+    kept = json.loads((tmp_path / "baseline.json").read_text())
+    assert list(kept) == ["probe|env=another-environment"]  # the stale figure is dropped

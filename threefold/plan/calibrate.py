@@ -21,6 +21,7 @@ The result is a JSON file (``--calibrate-out``, default ``DEFAULT_PATH``) that `
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -288,7 +289,8 @@ def cpu_baseline_bytes(threads: int = 1, path: str | Path = DEFAULT_PATH) -> int
     mask) and dropped it: what every rank holds besides its model (torchrun gives each of
     several ranks one thread) — the code a step runs (autograd, the kernels) is loaded once
     and stays, ~14 MB on torch 2.13, whatever the model.
-    Measured once per machine, Python and torch (``measured_once``); 0 where it cannot be
+    Measured once per machine, Python, installed packages and threefold source
+    (``measured_once``); 0 where it cannot be
     measured."""
     code = ("import torch, threefold.training.train, threefold.parallel.distributed_world\n"
             "from threefold.hardware.metrics import current_memory_bytes\n"
@@ -297,33 +299,63 @@ def cpu_baseline_bytes(threads: int = 1, path: str | Path = DEFAULT_PATH) -> int
             "torch.ones(64, 64) @ torch.ones(64, 64)\n" + _TINY_STEP +
             "print(current_memory_bytes(torch.device('cpu')))\n")
     key = f"step|{sys.executable}|{torch.__version__}|{int(threads)}"  # step: with _TINY_STEP
-    env = {**os.environ, "OMP_NUM_THREADS": str(int(threads))}
+    root = str(Path(__file__).resolve().parents[2])  # threefold importable from any directory
+    env = {**os.environ, "OMP_NUM_THREADS": str(int(threads)), "PYTHONPATH": os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     got = measured_once(key, [sys.executable, "-c", code], env, path)
     return got[-1] if got else 0
+
+
+def environment_digest() -> str:
+    """A short digest of what a fresh process imports: every installed distribution's name
+    and version, and threefold's own source files (their paths and sizes: an editable
+    install changes without a new version). A probe's resident bytes depend on all of it:
+    installing vLLM's CPU engine beside torch makes torch import Triton, +85 MB a process,
+    under the same Python and torch. Computed once per process."""
+    global _DIGEST
+    if _DIGEST is None:
+        from importlib import metadata
+
+        h = hashlib.sha256()
+        for name in sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+                           if d.metadata['Name']):
+            h.update(name.encode() + b"\n")
+        root = Path(__file__).resolve().parents[1]
+        for f in sorted(root.rglob("*.py")):
+            h.update(f"{f.relative_to(root)}:{f.stat().st_size}\n".encode())
+        _DIGEST = h.hexdigest()[:16]
+    return _DIGEST
+
+
+_DIGEST: str | None = None
 
 
 def measured_once(key: str, argv: list[str], env: dict, path: str | Path = DEFAULT_PATH
                   ) -> list[int] | None:
     """The integers a fresh process (``argv``, ``env``) prints, measured once and kept by
-    ``key`` in the calibration file's directory (``baseline.json``: the process's own bytes,
-    each tokenizer's); None where the process fails. A read-only home measures again next
-    time."""
+    ``key`` and the ``environment_digest`` in the calibration file's directory
+    (``baseline.json``: the process's own bytes, each tokenizer's); None where the process
+    fails. A measurement under another environment is replaced, never reused. A read-only
+    home measures again next time."""
     cache = Path(path).expanduser().with_name("baseline.json")
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
-    if key not in known:
+    full = f"{key}|env={environment_digest()}"
+    if full not in known:
         try:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=120,
                                  check=True, env=env).stdout
-            known[key] = [int(x) for x in out.strip().splitlines()[-1].split()]
+            value = [int(x) for x in out.strip().splitlines()[-1].split()]
         except (OSError, subprocess.SubprocessError, ValueError, IndexError):
             return None
+        known = {k: v for k, v in known.items() if k.split("|env=")[0] != key}
+        known[full] = value
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(known))
         except OSError:
             pass
-    value = known[key]
+    value = known[full]
     return value if isinstance(value, list) else [value]
