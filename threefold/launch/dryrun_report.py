@@ -12,6 +12,7 @@ from threefold.hardware.catalogue import GPUS, Hardware
 from threefold.layout import Layout, Workload
 from threefold.layout.axes import COMM_AXES
 from threefold.plan.baseline import Baseline
+from threefold.plan.checkpoint_interval import IntervalChoice
 from threefold.plan.cluster import Cluster
 from threefold.plan.memory import MemoryBreakdown
 from threefold.plan.startup import StartupMemory
@@ -45,6 +46,8 @@ class DryRunResult:
     # flight (``plan.states.async_save_copy_bytes``)
     async_copy: int = 0
     engine: int = 0  # a colocated rollout engine's weights and KV cache (plan.rollout_engine)
+    # checkpoint.interval's cost (auto's choice) at the predicted step (plan.checkpoint_interval)
+    interval: IntervalChoice | None = None
 
     @property
     def peaks(self) -> dict[str, float]:
@@ -70,6 +73,9 @@ def format_report(r: DryRunResult, world: int) -> str:
     lines = _layout_lines(r, world) + _memory_lines(r, fits) \
         + memory_terms(r.model, r.layout, r.work, mem, r.baseline, r.baseline_parts) \
         + [_step_line(r, world)]
+    if r.interval is not None:
+        lines.append(r.interval.line("save: rank 0's bytes / checkpoint.write_gbps; step: "
+                                     "predicted above"))
     sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes.get(a))
     lines.append("bytes sent per step by rank 0: " + (sent or "none (one rank)"))
     lines += [f"note: {n}" for n in r.notes]
