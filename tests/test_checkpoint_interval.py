@@ -5,13 +5,17 @@ interval it chose."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
+from tests.conftest import tiny_overrides
 from threefold.config import ConfigError, load_config
 from threefold.launch.dryrun import dry_run, predict
 from threefold.plan.checkpoint_interval import (GPU_HOURS_PER_FAILURE, choose_interval,
     daly_interval, job_mtbf_hours, planned_interval, rank_write_bytes, young_interval)
+from threefold.training.train import train
+from threefold.weights.checkpoint_verify import list_checkpoints
 
 
 def test_llama3_rate_gives_the_jobs_mtbf():
@@ -97,3 +101,26 @@ def test_interval_takes_a_count_or_auto():
     assert load_config(None, [("checkpoint.interval", "25")]).checkpoint.interval == 25
     assert load_config(None, [("checkpoint.interval", "auto")]).checkpoint.interval == "auto"
     assert math.isclose(load_config(None, []).checkpoint.write_gbps, 0.122)
+
+
+def test_a_run_saves_at_the_interval_it_chose(corpus, cache_dir, tmp_path, capsys):
+    """One process: the count is decided after step 2 (a save predicted at an ample bandwidth:
+    every step), re-decided from the first save's measured cost, and the checkpoints on disk
+    are exactly the multiples of the count in force, plus the final one."""
+    out, steps = tmp_path / "run", 8
+    cfg = load_config(None, tiny_overrides(
+        corpus, cache_dir, out, train__steps=steps, checkpoint__interval="auto",
+        checkpoint__mtbf_hours="2e-5", checkpoint__write_gbps="1000", checkpoint__keep_last=99))
+    train(cfg)
+    said = re.findall(r"step +(\d+) checkpoint interval: (\d+) steps .*(measured|predicted)",
+                      capsys.readouterr().out)
+    decisions = [(int(s), int(n)) for s, n, _ in said]
+    assert decisions[0] == (2, 1) and "predicted" in said[0][2]
+    assert len(decisions) == 2 and decisions[1][0] == 3  # the first save, at step 3, measured
+    expected = {steps}
+    for s in range(1, steps + 1):
+        n = [n for d, n in decisions if d < s]
+        if n and s % n[-1] == 0:
+            expected.add(s)
+    assert list_checkpoints(out / "checkpoints") == sorted(expected)
+    assert cfg.checkpoint.interval == decisions[-1][1]
