@@ -10,6 +10,9 @@ import re
 import pytest
 
 from tests.conftest import tiny_overrides
+from threefold.commands.main import main as cli_main
+from threefold.accounting import num_parameters
+from threefold.commands.planning import load_model
 from threefold.config import ConfigError, load_config
 from threefold.launch.dryrun import dry_run, predict
 from threefold.plan.checkpoint_interval import (GPU_HOURS_PER_FAILURE, choose_interval,
@@ -124,3 +127,22 @@ def test_a_run_saves_at_the_interval_it_chose(corpus, cache_dir, tmp_path, capsy
             expected.add(s)
     assert list_checkpoints(out / "checkpoints") == sorted(expected)
     assert cfg.checkpoint.interval == decisions[-1][1]
+
+
+def test_plan_explain_gives_each_layout_its_interval(capsys):
+    """``threefold plan --explain``: one interval line per layout, from its own save (rank 0's
+    owned elements at --write-gbps: under ZeRO-3 1/dp_shard of the model) and the job MTBF
+    given."""
+    argv = ["plan", "--model", "tiny", "--gpus", "8", "--top", "2", "--zero-stage", "3",
+            "--tp", "1", "--pp", "1", "--explain", "--mtbf-hours", "0.5", "--write-gbps", "0.1"]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    # each row (tp 1, cp 1, pp 1, vpp 1, dp_r, dp_s, zero 3) and the interval line under it
+    rows = re.findall(r"\n\s*\d+\s+1\s+1\s+1\s+1\s+\d+\s+(\d+)\s+3 .*?checkpoint interval: "
+                      r"(\d+) steps .*? a save of ([\d.]+) ms and a job MTBF of 30 min", text,
+                      re.S)
+    assert len(rows) == 2
+    params = num_parameters(load_model("tiny"))  # the planner's tiny (vocab 4096)
+    for dp_shard, _, save_ms in rows:
+        assert float(save_ms) == pytest.approx((params / int(dp_shard) * 12 + 5056) / 1e8 * 1e3,
+                                               rel=0.01)

@@ -28,7 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from threefold.config import Config
+from threefold.accounting import owned_parameters
+from threefold.config import Config, ModelConfig
+from threefold.layout import Layout
 from threefold.plan.states import CHECKPOINT_BYTES_PER_PARAMETER, CPU_RNG_STATE_BYTES
 
 # Llama 3's 54-day snapshot of pre-training (arXiv 2407.21783 §3.3.4, Table 5).
@@ -148,6 +150,15 @@ def planned_interval(cfg: Config, ranks: int, trained: int,
     save_s = predicted_save_s(rank_write_bytes(trained), c.write_gbps)
     return choose_interval(save_s, step_s, job_mtbf_hours(ranks, c.mtbf_hours), c.restart_s,
                            None if c.interval == "auto" else c.interval)
+
+
+def layout_interval(mcfg: ModelConfig, layout: Layout, step_s: float, gpus: int,
+                    mtbf_hours: float = 0.0, write_gbps: float = LLAMA3_WRITE_GBPS,
+                    restart_s: float = 0.0) -> IntervalChoice:
+    """``checkpoint.interval auto``'s choice for a planned layout (``threefold plan``): rank 0
+    writes every element it owns (``owned_parameters``) at ``write_gbps``."""
+    save_s = predicted_save_s(rank_write_bytes(owned_parameters(mcfg, layout, 0)), write_gbps)
+    return choose_interval(save_s, step_s, job_mtbf_hours(gpus, mtbf_hours), restart_s)
 
 
 def _dur(s: float) -> str:
