@@ -15,8 +15,9 @@ from threefold.accounting import num_parameters
 from threefold.commands.planning import load_model
 from threefold.config import ConfigError, load_config
 from threefold.launch.dryrun import dry_run, predict
-from threefold.plan.checkpoint_interval import (GPU_HOURS_PER_FAILURE, choose_interval,
-    daly_interval, job_mtbf_hours, planned_interval, rank_write_bytes, young_interval)
+from threefold.plan.checkpoint_interval import (GPU_HOURS_PER_FAILURE, HOST_COPY_GBPS,
+    choose_interval, daly_interval, job_mtbf_hours, planned_intervals, rank_write_bytes,
+    young_interval)
 from threefold.training.train import train
 from threefold.weights.checkpoint_verify import list_checkpoints
 
@@ -75,7 +76,8 @@ def test_dry_run_prints_the_chosen_interval_and_its_goodput(monkeypatch):
     assert rank_write_bytes(r.owned_per_rank) / 1e7 == pytest.approx(save_s)
     tau = daly_interval(save_s, 3600.0)
     steps = round(tau / r.step.step_time_s)
-    assert r.interval.steps == steps > 1 and r.interval.save_s == pytest.approx(save_s)
+    (chosen,) = r.intervals
+    assert chosen.steps == steps > 1 and chosen.save_s == pytest.approx(save_s)
     lines: list[str] = []
     dry_run(cfg, 4, out=lines.append)
     line = next(x for x in lines[0].splitlines() if x.startswith("checkpoint interval:"))
@@ -83,9 +85,9 @@ def test_dry_run_prints_the_chosen_interval_and_its_goodput(monkeypatch):
         - (steps * r.step.step_time_s / 2 + save_s) / 3600.0
     assert f"{steps} steps" in line and "Daly" in line and f"goodput {goodput:.2%}" in line
     # the default MTBF: Llama 3's per-GPU rate over the 4 ranks
-    default = planned_interval(_tiny(("checkpoint.interval", "auto")), 4, 1000, 0.1)
+    (default,) = planned_intervals(_tiny(("checkpoint.interval", "auto")), 4, 1000, 0.1)
     assert default.mtbf_s == pytest.approx(GPU_HOURS_PER_FAILURE / 4 * 3600)
-    assert planned_interval(_tiny(), 4, 1000, 0.1) is None  # no interval saves: no line
+    assert planned_intervals(_tiny(), 4, 1000, 0.1) == ()  # no interval saves: no line
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -110,7 +112,7 @@ def test_a_run_saves_at_the_interval_it_chose(corpus, cache_dir, tmp_path, capsy
     """One process: the count is decided after step 2 (a save predicted at an ample bandwidth:
     every step), re-decided from the first save's measured cost, and the checkpoints on disk
     are exactly the multiples of the count in force, plus the final one."""
-    out, steps = tmp_path / "run", 8
+    out, steps = tmp_path / "run", 6
     cfg = load_config(None, tiny_overrides(
         corpus, cache_dir, out, train__steps=steps, checkpoint__interval="auto",
         checkpoint__mtbf_hours="2e-5", checkpoint__write_gbps="1000", checkpoint__keep_last=99))
@@ -146,3 +148,16 @@ def test_plan_explain_gives_each_layout_its_interval(capsys):
     for dp_shard, _, save_ms in rows:
         assert float(save_ms) == pytest.approx((params / int(dp_shard) * 12 + 5056) / 1e8 * 1e3,
                                                rel=0.01)
+
+
+def test_memory_interval_auto_is_costed_at_a_host_copys_rate():
+    """Where the run has ``checkpoint.memory_interval`` (set here as the attribute, whichever
+    branch defines the field) and it says auto, it gets its own optimum: the same bytes at
+    HOST_COPY_GBPS instead of the storage's bandwidth, so a shorter interval."""
+    cfg = _tiny(("checkpoint.interval", "auto"), ("checkpoint.write_gbps", "0.1"))
+    cfg.checkpoint.memory_interval = "auto"
+    storage, memory = planned_intervals(cfg, 8, 10**6, 0.01)
+    assert memory.field == "checkpoint.memory_interval" and "memory checkpoint" in memory.line()
+    assert memory.save_s == pytest.approx(storage.save_s * 0.1 / HOST_COPY_GBPS)
+    assert memory.steps == round(daly_interval(memory.save_s, storage.mtbf_s) / 0.01)
+    assert memory.steps < storage.steps

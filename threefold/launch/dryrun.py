@@ -61,7 +61,7 @@ from threefold.parallel.transforms.tensor import apply_tensor_parallel
 from threefold.plan.baseline import TaskData, heap_note, run_baseline
 from threefold.plan.calibrate import hardware_from_calibration, load, machine_ram, matmul_flops
 from threefold.hardware.catalogue import Hardware, get_hardware, hardware_for_device_name
-from threefold.plan.checkpoint_interval import planned_interval
+from threefold.plan.checkpoint_interval import planned_intervals
 from threefold.plan.cluster import Cluster
 from threefold.plan.compute import fp8_expert_note
 from threefold.plan.memory import memory_per_rank
@@ -231,8 +231,8 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
                         comm, notes, startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work), parts.total if parts else 0,
                         parts, async_save_copy_bytes(cfg, owned, adapters), engine,
-                        step and planned_interval(cfg, world_size, adapters if cfg.lora.r
-                                                  else owned, step.step_time_s))
+                        planned_intervals(cfg, world_size, adapters if cfg.lora.r else owned,
+                                          step.step_time_s) if step else ())
 
 
 def _engine(cfg: Config, mcfg: ModelConfig, task: TaskData | None, notes: list[str]) -> int:

@@ -42,6 +42,9 @@ GPU_HOURS_PER_FAILURE = LLAMA3_DAYS * 24 * LLAMA3_GPUS / LLAMA3_UNEXPECTED_INTER
 # Llama 3's checkpoint storage (Tectonic): 2 TB/s sustained over its 16,384 GPUs, per GPU.
 LLAMA3_WRITE_GBPS = 2e12 / LLAMA3_GPUS / 1e9
 METHOD = "Daly's higher-order optimum"
+# A save into host memory (checkpoint.memory_interval): a copy at about this rate, GB/s (a CPU's
+# memcpy; a pinned device-to-host copy over PCIe 4.0 x16 runs at about twice it).
+HOST_COPY_GBPS = 10.0
 
 
 def job_mtbf_hours(ranks: int, mtbf_hours: float = 0.0) -> float:
@@ -84,6 +87,7 @@ class IntervalChoice:
     restart_s: float  # R: from a failure to the next step
     optimum_s: float  # tau, Daly's
     auto: bool = True  # False: ``steps`` was set (checkpoint.interval N), not chosen
+    field: str = "checkpoint.interval"  # or checkpoint.memory_interval (saves to host memory)
 
     @property
     def interval_s(self) -> float:
@@ -109,9 +113,10 @@ class IntervalChoice:
         """One line: the interval, how it was chosen and what it costs (``source``: where C
         and the step time come from)."""
         best = max(1, round(self.optimum_s / self.step_s))
-        how = (f"checkpoint.interval auto, {METHOD}" if self.auto else
+        how = (f"{self.field} auto, {METHOD}" if self.auto else
                f"set; auto would choose {best}, by {METHOD}")
-        return (f"checkpoint interval: {self.steps} steps = {_dur(self.interval_s)} ({how} "
+        what = "memory checkpoint" if self.field.endswith("memory_interval") else "checkpoint"
+        return (f"{what} interval: {self.steps} steps = {_dur(self.interval_s)} ({how} "
                 f"{_dur(self.optimum_s)} for a save of {_dur(self.save_s)} and a job MTBF of "
                 f"{_dur(self.mtbf_s)}{'; ' + source if source else ''}): {_dur(self.lost_s)} "
                 f"lost per failure (half an interval + restart {_dur(self.restart_s)}), save "
@@ -119,7 +124,8 @@ class IntervalChoice:
 
 
 def choose_interval(save_s: float, step_s: float, mtbf_hours: float, restart_s: float = 0.0,
-                    steps: int | None = None) -> IntervalChoice:
+                    steps: int | None = None,
+                    field: str = "checkpoint.interval") -> IntervalChoice:
     """The step count between saves that loses the least time, for saves of ``save_s``, steps
     of ``step_s`` and the job's ``mtbf_hours`` (or the cost of a set ``steps``);
     ``restart_s`` 0 counts the restart as one save's cost (the checkpoint read back at the
@@ -130,7 +136,7 @@ def choose_interval(save_s: float, step_s: float, mtbf_hours: float, restart_s: 
     tau = daly_interval(save_s, mtbf_s)
     chosen = steps if steps else max(1, round(tau / step_s))
     return IntervalChoice(chosen, step_s, save_s, mtbf_s, restart_s if restart_s > 0 else save_s,
-                          tau, auto=not steps)
+                          tau, auto=not steps, field=field)
 
 
 def rank_write_bytes(trained: int) -> int:
@@ -139,17 +145,21 @@ def rank_write_bytes(trained: int) -> int:
     return trained * CHECKPOINT_BYTES_PER_PARAMETER + CPU_RNG_STATE_BYTES
 
 
-def planned_interval(cfg: Config, ranks: int, trained: int,
-                     step_s: float) -> IntervalChoice | None:
-    """What ``cfg``'s ``checkpoint.interval`` costs on ``ranks`` ranks, rank 0 owning
-    ``trained`` elements and a step taking ``step_s`` (the planner's): the save's cost from
-    ``checkpoint.write_gbps``, auto's choice or the set count; None without interval saves."""
-    c = cfg.checkpoint
-    if not c.interval:
-        return None
-    save_s = predicted_save_s(rank_write_bytes(trained), c.write_gbps)
-    return choose_interval(save_s, step_s, job_mtbf_hours(ranks, c.mtbf_hours), c.restart_s,
-                           None if c.interval == "auto" else c.interval)
+def planned_intervals(cfg: Config, ranks: int, trained: int,
+                      step_s: float) -> tuple[IntervalChoice, ...]:
+    """What ``cfg``'s checkpoint intervals cost on ``ranks`` ranks, rank 0 owning ``trained``
+    elements and a step taking ``step_s`` (the planner's): auto's choice or the set count of
+    ``checkpoint.interval`` (a save's cost from ``checkpoint.write_gbps``) and, where the run
+    has it, of ``checkpoint.memory_interval`` (a copy at ``HOST_COPY_GBPS``); none for 0."""
+    c, out = cfg.checkpoint, []
+    mtbf = job_mtbf_hours(ranks, c.mtbf_hours)
+    for field, gbps in (("interval", c.write_gbps), ("memory_interval", HOST_COPY_GBPS)):
+        every = getattr(c, field, 0)
+        if every:
+            save_s = predicted_save_s(rank_write_bytes(trained), gbps)
+            out.append(choose_interval(save_s, step_s, mtbf, c.restart_s,
+                                       None if every == "auto" else every, f"checkpoint.{field}"))
+    return tuple(out)
 
 
 def layout_interval(mcfg: ModelConfig, layout: Layout, step_s: float, gpus: int,

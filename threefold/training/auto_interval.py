@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from threefold.plan.checkpoint_interval import choose_interval, job_mtbf_hours, predicted_save_s
+from threefold.plan.checkpoint_interval import (HOST_COPY_GBPS, choose_interval, job_mtbf_hours,
+    predicted_save_s)
 from threefold.plan.states import CPU_RNG_STATE_BYTES
 
 if TYPE_CHECKING:  # annotations only
@@ -39,34 +40,46 @@ class AutoInterval:
         c = self.run.cfg.checkpoint
         if step > self.start or step == self.decide_at:  # (the first carries the warm-up)
             self.timed.append(step_s)
-        step_s = sum(self.timed) / max(1, len(self.timed))
+        step_s = sum(self.timed) / len(self.timed) if self.timed else step_s
         if step == self.decide_at:
-            step_s, save_s = self._rank0(step_s, None)
+            step_s, written = self._rank0((step_s, self._written()))
+            save_s = predicted_save_s(written, c.write_gbps)
             how = f"a save predicted at checkpoint.write_gbps {c.write_gbps:g}"
+            self._memory_interval(step, step_s, written, say)
         elif not self.retuned and c.interval and (step + 1) % c.interval == 0 \
                 and step > self.decide_at:
-            step_s, save_s = self._rank0(step_s, checkpoint_s)
+            step_s, save_s = self._rank0((step_s, checkpoint_s))
             self.retuned, how = True, f"the save of step {step + 1} measured"
         else:
             return
-        choice = choose_interval(save_s, step_s, job_mtbf_hours(self.run.world.world_size,
-                                                                 c.mtbf_hours), c.restart_s)
+        choice = choose_interval(save_s, step_s, self._mtbf_hours(), c.restart_s)
         c.interval = choice.steps
         say(f"step {step + 1:>6} {choice.line(f'step {step + 1} measured, {how}')}")
 
-    def _rank0(self, step_s: float, save_s: float | None) -> tuple[float, float]:
-        """(step time, save cost) of rank 0 on every rank; the cost predicted from the bytes
-        rank 0 writes when ``save_s`` is None. Collective on the control channel."""
-        lay = self.run.world
-        if save_s is None and lay.rank == 0:
-            written = sum(p.data.numel() * p.data.element_size()
-                          for p in lay.checkpoint_pieces(self.run.engine))
-            save_s = predicted_save_s(written + CPU_RNG_STATE_BYTES,
-                                      self.run.cfg.checkpoint.write_gbps)
-        figures = (step_s, save_s)
-        if lay.control is not None:
-            figures = lay.control.broadcast_object(figures)
-        return figures
+    def _memory_interval(self, step: int, step_s: float, written: int, say) -> None:
+        """``checkpoint.memory_interval auto`` (where the field exists and says so): the same
+        optimum for a save into host memory, its cost predicted at ``HOST_COPY_GBPS``."""
+        c = self.run.cfg.checkpoint
+        if getattr(c, "memory_interval", 0) != "auto":
+            return
+        choice = choose_interval(predicted_save_s(written, HOST_COPY_GBPS), step_s,
+                                 self._mtbf_hours(), c.restart_s,
+                                 field="checkpoint.memory_interval")
+        c.memory_interval = choice.steps
+        say(f"step {step + 1:>6} {choice.line(f'a copy predicted at {HOST_COPY_GBPS:g} GB/s')}")
+
+    def _mtbf_hours(self) -> float:
+        return job_mtbf_hours(self.run.world.world_size, self.run.cfg.checkpoint.mtbf_hours)
+
+    def _written(self) -> int:
+        """The bytes this rank writes to a checkpoint: its pieces and its RNG state."""
+        pieces = self.run.world.checkpoint_pieces(self.run.engine)
+        return sum(p.data.numel() * p.data.element_size() for p in pieces) + CPU_RNG_STATE_BYTES
+
+    def _rank0(self, figures: tuple) -> tuple:
+        """Rank 0's ``figures`` on every rank (collective on the control channel)."""
+        control = self.run.world.control
+        return figures if control is None else control.broadcast_object(figures)
 
 
 def auto_interval(run: Run, start: int) -> AutoInterval | None:
