@@ -33,7 +33,9 @@ With ``parallel.offload_optimizer`` the report adds host memory per rank (and pe
 ranks of a node sharing it) apart from the device's, and the bytes each rank moves between
 device and host per step. With ``checkpoint.async_save`` it adds the host copy rank 0 holds
 while a save is written in the background (``async_save_copy_bytes``; on a CPU that copy is on
-top of the peak of the step it overlaps).
+top of the peak of the step it overlaps). With ``checkpoint.interval`` (auto or a count) it adds
+the interval's cost at the predicted step: work lost per failure, save overhead, goodput
+(``threefold.plan.checkpoint_interval``).
 """
 
 from __future__ import annotations
