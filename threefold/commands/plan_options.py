@@ -8,6 +8,7 @@ import argparse
 from threefold.config import (CP_ALGORITHMS, EP_DISPATCHES, FP8_RECIPES, MODEL_PRESETS,
                               ConfigError)
 from threefold.hardware.catalogue import GPUS
+from threefold.plan.checkpoint_interval import LLAMA3_WRITE_GBPS
 from threefold.plan.network import CLUSTERS
 from threefold.plan.search import CP_MIN_SEQ_LEN
 
@@ -155,7 +156,14 @@ def add_output_options(p: argparse.ArgumentParser) -> None:
                    help="instead of ranking layouts at --seq-len: the longest sequence that "
                    "fits for each cp split (degree, algorithm; --cp and --cp-algorithm "
                    "narrow them), with the fastest layout there and its time per token")
-    p.add_argument("--explain", action="store_true", help="say why each loses to the best")
+    p.add_argument("--explain", action="store_true", help="say why each loses to the best, "
+                   "and each layout's checkpoint interval (as checkpoint.interval auto)")
+    p.add_argument("--mtbf-hours", type=float, default=0.0,
+                   help="with --explain: the job's mean time between failures, hours (as "
+                   "checkpoint.mtbf_hours; default: Llama 3's rate per GPU over the GPUs)")
+    p.add_argument("--write-gbps", type=float, default=LLAMA3_WRITE_GBPS,
+                   help="with --explain: storage write bandwidth per GPU, GB/s (as "
+                   "checkpoint.write_gbps; default Llama 3's 2 TB/s over 16,384 GPUs)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (matmul FLOP/s, memory and gloo all-reduce "
                    "bandwidth between local processes), print and save it, and exit")

@@ -54,6 +54,7 @@ from threefold.weights.model_source import read_model
 from threefold.plan.calibrate import (DEFAULT_PATH, calibrate, hardware_from_calibration, load,
                                       save)
 from threefold.plan.candidates import SearchSpace
+from threefold.plan.checkpoint_interval import layout_interval
 from threefold.hardware.catalogue import Hardware, get_hardware
 from threefold.plan.cluster import Cluster, Level
 from threefold.plan.report import moe_notes, summary_lines, format_table, to_json_rows
@@ -340,7 +341,10 @@ def _print_table(args, cfg: ModelConfig, cluster: Cluster, work: Workload, resul
     print(f"{result.fits} layouts fit (searched in {cpu:.1f} s of CPU); top {len(top)} by "
           "predicted step time:")
     if top:
-        print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts)))
+        print(format_table(top, explain_all=args.explain, moe=bool(cfg.num_local_experts),
+                           interval=lambda c: layout_interval(
+                               cfg, c.layout, c.step.step_time_s, cluster.num_gpus,
+                               args.mtbf_hours, args.write_gbps)))
     if summary := summary_lines(result):
         print(summary)
     notes = result.notes + moe_notes(cfg, top, work)

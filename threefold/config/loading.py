@@ -20,6 +20,11 @@ def _coerce(path: str, value: Any, typ: Any) -> Any:
     """Convert a TOML or CLI string value to the field's type, or raise ConfigError."""
     args = [a for a in typing.get_args(typ) if a is not type(None)]
     if args and typing.get_origin(typ) in (typing.Union, types.UnionType):
+        if str in args:  # a number or a word (checkpoint.interval: 100 or auto)
+            try:
+                return _coerce(path, value, args[0])
+            except ConfigError:
+                return _coerce(path, value, str)
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         typ = args[0]

@@ -244,12 +244,17 @@ def _check_recompute(t: TrainConfig) -> None:
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
     """Checkpoint interval, retention, directory pattern and background saves."""
-    _need(c.interval >= 0, f"checkpoint.interval: must be >= 0, got {c.interval}")
+    _need(c.interval == "auto" or (isinstance(c.interval, int) and c.interval >= 0),
+          f"checkpoint.interval: must be a step count >= 0 or auto, got {c.interval!r}")
+    for name in ("mtbf_hours", "restart_s"):
+        _need(getattr(c, name) >= 0, f"checkpoint.{name}: must be >= 0 (0 = the default), "
+              f"got {getattr(c, name)}")
+    _need(c.write_gbps > 0, f"checkpoint.write_gbps: must be > 0, got {c.write_gbps}")
     _need(c.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {c.keep_last}")
     _need("{" not in c.dir.replace("{node}", "") and "}" not in c.dir.replace("{node}", ""),
           f"checkpoint.dir: '{c.dir}' has a placeholder other than {{node}}")
     # the final save ends the run, so it is always waited for: only interval saves overlap
-    _need(not c.async_save or c.interval > 0,
+    _need(not c.async_save or c.interval == "auto" or c.interval > 0,
           "checkpoint.async_save: true writes the checkpoint.interval saves while training "
           "goes on, but checkpoint.interval is 0 (only the final save, which the run waits "
           "for anyway); set checkpoint.interval > 0 or checkpoint.async_save false")

@@ -33,7 +33,9 @@ With ``parallel.offload_optimizer`` the report adds host memory per rank (and pe
 ranks of a node sharing it) apart from the device's, and the bytes each rank moves between
 device and host per step. With ``checkpoint.async_save`` it adds the host copy rank 0 holds
 while a save is written in the background (``async_save_copy_bytes``; on a CPU that copy is on
-top of the peak of the step it overlaps).
+top of the peak of the step it overlaps). With ``checkpoint.interval`` (auto or a count) it adds
+the interval's cost at the predicted step: work lost per failure, save overhead, goodput
+(``threefold.plan.checkpoint_interval``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from threefold.parallel.transforms.tensor import apply_tensor_parallel
 from threefold.plan.baseline import TaskData, heap_note, run_baseline
 from threefold.plan.calibrate import hardware_from_calibration, load, machine_ram, matmul_flops
 from threefold.hardware.catalogue import Hardware, get_hardware, hardware_for_device_name
+from threefold.plan.checkpoint_interval import planned_intervals
 from threefold.plan.cluster import Cluster
 from threefold.plan.compute import fp8_expert_note
 from threefold.plan.memory import memory_per_rank
@@ -229,7 +232,9 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm, notes, startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work), parts.total if parts else 0,
-                        parts, async_save_copy_bytes(cfg, owned, adapters), engine)
+                        parts, async_save_copy_bytes(cfg, owned, adapters), engine,
+                        planned_intervals(cfg, world_size, adapters if cfg.lora.r else owned,
+                                          step.step_time_s) if step else ())
 
 
 def _engine(cfg: Config, mcfg: ModelConfig, task: TaskData | None, notes: list[str]) -> int:

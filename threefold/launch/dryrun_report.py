@@ -12,6 +12,7 @@ from threefold.hardware.catalogue import GPUS, Hardware
 from threefold.layout import Layout, Workload
 from threefold.layout.axes import COMM_AXES
 from threefold.plan.baseline import Baseline
+from threefold.plan.checkpoint_interval import IntervalChoice
 from threefold.plan.cluster import Cluster
 from threefold.plan.memory import MemoryBreakdown
 from threefold.plan.startup import StartupMemory
@@ -45,6 +46,9 @@ class DryRunResult:
     # flight (``plan.states.async_save_copy_bytes``)
     async_copy: int = 0
     engine: int = 0  # a colocated rollout engine's weights and KV cache (plan.rollout_engine)
+    # the checkpoint intervals' costs (auto's choices) at the predicted step
+    # (plan.checkpoint_interval): storage's, and host memory's where the run has one
+    intervals: tuple[IntervalChoice, ...] = ()
 
     @property
     def peaks(self) -> dict[str, float]:
@@ -70,6 +74,9 @@ def format_report(r: DryRunResult, world: int) -> str:
     lines = _layout_lines(r, world) + _memory_lines(r, fits) \
         + memory_terms(r.model, r.layout, r.work, mem, r.baseline, r.baseline_parts) \
         + [_step_line(r, world)]
+    lines += [i.line("save: rank 0's bytes at " + ("checkpoint.write_gbps" if i.field ==
+                                                   "checkpoint.interval" else "a host copy's rate")
+                     + "; step: predicted above") for i in r.intervals]
     sent = ", ".join(f"{a} {r.comm_bytes[a]:,}" for a in COMM_AXES if r.comm_bytes.get(a))
     lines.append("bytes sent per step by rank 0: " + (sent or "none (one rank)"))
     lines += [f"note: {n}" for n in r.notes]

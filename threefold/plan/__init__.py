@@ -10,6 +10,7 @@ compute time), ``step`` (the step time: bubble, communication and overlap), ``st
 ``memory`` / ``startup`` / ``terms`` (bytes per rank), ``rollout_engine`` (GRPO's colocated
 engine), ``candidates``, ``splits`` and ``search`` (the layouts searched and ranked),
 ``longest`` (the longest sequence that fits), ``traps`` (what to know before launch),
+``checkpoint_interval`` (how often to save, from a save's cost and the failure rate),
 ``report`` (table, JSON, explanations). The
 command is ``threefold.commands.planning``, the dry run ``threefold.launch.dryrun``. Nothing
 is imported here, so that a module that needs one part loads only that part.

@@ -166,9 +166,10 @@ def _gb(x: float) -> str:
 
 
 def format_table(cands: list[Candidate], explain_all: bool = False,
-                 moe: bool | None = None) -> str:
+                 moe: bool | None = None, interval=None) -> str:
     """The text table of ``cands`` (best first), with warnings and explanations under rows;
-    ``moe`` adds the ep column and bytes (None: when some layout has ep > 1)."""
+    ``moe`` adds the ep column and bytes (None: when some layout has ep > 1); ``interval``
+    (a candidate -> ``IntervalChoice``) adds each one's checkpoint interval when explaining."""
     if moe is None:
         moe = any(c.layout.ep > 1 for c in cands)
     head = (f"{'#':>2} {'tp':>3} {'cp':>6} {'pp':>3} {'vpp':>3} {'dp_r':>4} {'dp_s':>4} "
@@ -205,6 +206,8 @@ def format_table(cands: list[Candidate], explain_all: bool = False,
         if explain_all:
             lines.append(f"{'':>6}{exposed_breakdown(c)}")
             lines.extend(f"{'':>8}{x}" for x in overlap_lines(c))
+            if interval is not None:
+                lines.append(f"{'':>6}{interval(c).line()}")
         if explain_all and i > 1:
             lines.append(f"{'':>6}why not best: {explain(cands[0], c)}")
     return "\n".join(lines)

@@ -163,7 +163,7 @@ class GRPOTask(Task):
         task_layout("grpo", cfg, self.options.rollout_engine)  # the rule book's
         check_installed(self.options.rollout_engine)
         mu, every = self.options.num_iterations, cfg.checkpoint.interval
-        if mu > 1 and every % mu:
+        if mu > 1 and (every == "auto" or every % mu):  # (auto's count is chosen at run time)
             raise ConfigError(f"checkpoint.interval: {every} is not a multiple of "
                               f"grpo.num_iterations={mu}; a resume inside a generation cycle "
                               "would lose the sampling policy's log-probs: use a multiple")

@@ -25,6 +25,7 @@ from threefold.model.decoder import CausalLM
 from threefold.weights.model_source import choose_tokenizer, init_from_model, locate_init_from
 from threefold.parallel.world import SingleProcess
 from threefold.parallel.parallelize import parallelize
+from threefold.training.auto_interval import auto_interval
 from threefold.training.preempt import Preemption
 from threefold.training.resume import finished_step, resume, save
 from threefold.training.run import Run, autocast, weights_source
@@ -190,6 +191,7 @@ def _loop(run: Run, preempt, return_run: bool):
     initial_val = evaluate(run)[0] if start == 0 else None
     val_loss, loss, preempted = initial_val, float("nan"), None
     saver = AsyncSaver() if run.cfg.checkpoint.async_save else None
+    auto = auto_interval(run, start)  # checkpoint.interval auto: decided as the run goes
     wall0 = time.perf_counter()
     for step in range(start, t.steps):
         trace = [] if step + 1 == t.trace_step else None
@@ -202,7 +204,10 @@ def _loop(run: Run, preempt, return_run: bool):
             rec = log.record(step, loss, norm, extras, seconds,
                              validate=functools.partial(evaluate, run) if due else None)
             val_loss = rec.get("validation_loss", val_loss)
+            saving = time.perf_counter()
             stop = _checkpoint_or_stop(run, preempt, step, log, saver)
+            if auto is not None:
+                auto.after_step(step, seconds, time.perf_counter() - saving, log.say)
         lay.check_collectives(f"step {step + 1}")
         if stop:
             preempted = {"step": step + 1}
