@@ -71,6 +71,7 @@ class TaskData:
     rows_per_item: int = 1
     rollout_engine: str = "builtin"  # GRPO's: "vllm" holds an engine beside each rank
     engine_kv_bytes: int = 0  # that engine's KV cache
+    engine_mode: str = "colocate"  # or "server": the engine in a process of its own
 
 
 @dataclass(frozen=True)
