@@ -174,14 +174,20 @@ def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(colocated, tmp_p
     assert a[0]["sampling/sampling_logp_difference/mean"] < 1e-4
     assert a[0]["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
     assert [r["rollout/staleness"] for r in a] == [0, 0]
-    # the same engine in a server process of its own, over gloo: the same completions (the
-    # same weights, synced over the wire, and seeds), so the same run to the bit
-    train(load_config(None, over(tmp_path / "server")), task=GRPOTask(GRPOOptions(
-        rollout_engine="vllm", vllm_mode="server", importance_sampling="none",
-        vllm_kv_cache_mb=16, **opts)))
+    # the same engine in a server process of its own, over gloo, sharded over two worker
+    # processes (vllm_server_tp 2; the colocated engine is one): the same completions token
+    # for token (the same weights, synced over the wire whole, and seeds; the shards' partial
+    # sums add up to the same sampling probabilities), so the same run to the bit
+    server = _Recording(GRPOOptions(rollout_engine="vllm", vllm_mode="server",
+                                    vllm_server_tp=2, importance_sampling="none",
+                                    vllm_kv_cache_mb=16, **opts))
+    train(load_config(None, over(tmp_path / "server")), task=server)
+    assert server.seen == seen
     s = metrics(tmp_path / "server")
     for key in ("loss", "kl", "reward", "rollout/sync_bytes"):
         assert [r[key] for r in s] == [r[key] for r in a], key
+    # the engine's log-probs, computed over two shards, are the trainer's to rounding
+    assert s[0]["sampling/sampling_logp_difference/mean"] < 1e-4
     ws = final_weights(tmp_path / "server")
     assert all(torch.equal(ws[k], wa[k]) for k in wa)
     # one step of staleness: step 2's completions were generated while step 1 trained, from

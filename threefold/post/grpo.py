@@ -71,6 +71,7 @@ class GRPOOptions:
     max_staleness: int = 0  # vllm: generate step s+1 while step s trains (rollouts 1 step old)
     vllm_mode: str = "colocate"  # vllm: colocate (an engine per rank) or server (one process)
     vllm_server: str = ""  # server mode: host:port of a running server; "" = start one
+    vllm_server_tp: int = 1  # server mode: the engine's tensor parallelism (vLLM shards)
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ class GRPOTask(Task):
         if o.num_iterations < 1:
             raise DataError(f"grpo.num_iterations: must be at least 1, got {o.num_iterations}")
         check_engine(o.rollout_engine, o.importance_sampling, o.importance_sampling_cap,
-                     o.max_staleness, o.num_iterations, o.vllm_mode)
+                     o.max_staleness, o.num_iterations, o.vllm_mode, o.vllm_server_tp)
         if not o.reward and not o.reward_model:
             raise DataError("grpo.reward: give a reward function or grpo.reward_model")
         self.reward_fn = load_reward(o.reward) if o.reward else None
@@ -241,7 +242,7 @@ class GRPOTask(Task):
         if o.reward_model:
             self.score = reward_model_scorer(o.reward_model, run.device)
         self.source = RolloutSource(run, o.rollout_engine, self.width, o.vllm_kv_cache_mb,
-                                    o.vllm_mode, o.vllm_server)
+                                    o.vllm_mode, o.vllm_server, o.vllm_server_tp)
         lay = run.world
         batch = self.train.local_batch(0, lay.dp_rank, lay.dp_size)  # (also kept for μ > 1)
         self.train.cached = (0, lay.dp_rank, batch, self.train.figures)
