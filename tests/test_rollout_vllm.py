@@ -49,6 +49,9 @@ def test_vllm_engine_refused_by_field_without_the_install(monkeypatch):
         task.check(load_config(None, []))
     with pytest.raises(ConfigError, match="grpo.importance_sampling: 'tokens'"):
         GRPOTask(GRPOOptions(importance_sampling="tokens"))
+    with pytest.raises(ConfigError, match=r"^grpo.vllm_server_tp: 2 needs >= 1, and > 1 needs "
+                                          r"grpo.rollout_engine vllm with grpo.vllm_mode server"):
+        GRPOTask(GRPOOptions(rollout_engine="vllm", vllm_server_tp=2))
 
 
 def test_vllm_completions_and_log_probs_equal_the_trainers(vbase, tmp_path):
@@ -234,3 +237,15 @@ def test_the_dry_run_predicts_the_vllm_runs_peak(colocated, capsys):
     print(said)
     assert f"vLLM's runtime {runtime / 1e9:.3f} (measured once" in report
     assert f"hands it {e.sync:,} bytes" in report
+    # a server holds the engine in processes of its own: none of it on the training ranks;
+    # at tp 2 each worker holds its shard and, while a sync lasts, the weights whole
+    for tp in (1, 2):
+        srv = predict(cfg, 1, task=task_data("grpo", GRPOOptions(
+            **{**opts, "vllm_mode": "server", "vllm_server_tp": tp})))
+        assert srv.peaks["step"] == plain.peaks["step"]
+        shard = engine_bytes(eng.model, 4, 16 << 20, on_cpu=True, tp=tp)
+        process = eng.baseline_parts.process
+        assert srv.server == process + runtime + shard.resident + (e.sync if tp > 1 else 0)
+        assert any(n.startswith("rollout engine vllm (server" + (", tp 2): 3 processes"
+                                                                 if tp > 1 else ")"))
+                   for n in srv.notes)

@@ -41,13 +41,16 @@ class EngineBytes:
 
 
 def engine_bytes(m: ModelConfig, dtype_bytes: int, kv_bytes: int,
-                 on_cpu: bool = False) -> EngineBytes:
+                 on_cpu: bool = False, tp: int = 1) -> EngineBytes:
     """The engine of model ``m`` (resolved) in a dtype of ``dtype_bytes`` with ``kv_bytes``
-    of KV cache; ``on_cpu``: vLLM's CPU backend (packed copies of the embedding and head)."""
+    of KV cache; ``on_cpu``: vLLM's CPU backend (packed copies of the embedding and head);
+    ``tp``: one of that many tensor-parallel workers (its shard of the weights, ``kv_bytes``
+    of KV cache of its own; the norms, replicated, are a rounding error). ``sync`` is the
+    whole model's, whatever ``tp``."""
     vocab = m.vocab_size * m.hidden_size
     weights = num_parameters(m) + (vocab if m.tie_word_embeddings else 0)
-    packed = 2 * vocab * dtype_bytes if on_cpu else 0
-    return EngineBytes(weights * dtype_bytes + packed + kv_bytes, weights * 4, packed)
+    packed = 2 * vocab * dtype_bytes // tp if on_cpu else 0
+    return EngineBytes(weights * dtype_bytes // tp + packed + kv_bytes, weights * 4, packed)
 
 
 # The probe's engine: one block of two 32-feature heads (vLLM's CPU attention takes heads of
