@@ -32,6 +32,7 @@ from threefold.post.grpo_loss import (
     LOSS_TYPES, advantages, grpo_token_loss, loss_units, reduce_token_loss)
 from threefold.generation.rollouts import Sampling
 from threefold.post.grpo_rollouts import (RolloutSource, check_engine, check_installed,
+                                          server_layout,
                                           importance_weights,
                                           mismatch_figures, mismatch_sums)
 from threefold.post.grpo_rewards import (
@@ -161,7 +162,7 @@ class GRPOTask(Task):
     def check(self, cfg) -> None:
         """ConfigError for a layout or batch GRPO does not run with."""
         p, t, g = cfg.parallel, cfg.train, self.options.num_generations
-        task_layout("grpo", cfg, self.options.rollout_engine)  # the rule book's
+        task_layout("grpo", cfg, *server_layout(cfg, self.options))  # the rule book's
         check_installed(self.options.rollout_engine)
         mu, every = self.options.num_iterations, cfg.checkpoint.interval
         if mu > 1 and every % mu:

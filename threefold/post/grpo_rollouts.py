@@ -81,6 +81,18 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
+def server_layout(cfg, o) -> tuple:
+    """(engine, server tp, the model's shape) the rule book checks GRPO's options ``o``
+    with: the shape only for a server sharded over workers (the checkpoint's configuration
+    when ``checkpoint.init_from`` gives the weights; else None: the preset's)."""
+    tp = o.vllm_server_tp if o.vllm_mode == "server" else 1
+    if tp == 1 or not cfg.checkpoint.init_from:
+        return o.rollout_engine, tp, None
+    from threefold.weights.model_source import init_from_model
+
+    return o.rollout_engine, tp, init_from_model(cfg)[0]
+
+
 def check_installed(engine: str) -> None:
     """ConfigError when vLLM is asked for and not installed (after the layout's rules: a
     layout the engine cannot run is refused for that first)."""
