@@ -41,8 +41,10 @@ def _parts(e: EngineBytes, kv: int, runtime: int, on_cpu: bool) -> str:
             + (f", the CPU kernels' packed embedding and head {_gb(e.packed)}" if on_cpu
                else "")
             + f", KV cache {_gb(kv)}"
-            + (f", vLLM's runtime {_gb(runtime)} (measured once: a tiny engine in a fresh "
-               "process)" if on_cpu else ", vLLM's runtime not counted (host memory)"))
+            + (", vLLM's runtime not counted (host memory)" if not on_cpu else
+               f", vLLM's runtime {_gb(runtime)} (measured once: a tiny engine in a fresh "
+               "process)" if runtime else ", vLLM's runtime not measured (vLLM did not start "
+               "here)"))
 
 
 def _server(e: EngineBytes, task: TaskData, tp: int, process: int, runtime: int,
