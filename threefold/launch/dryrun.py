@@ -68,7 +68,7 @@ from threefold.plan.cluster import Cluster
 from threefold.plan.compute import fp8_expert_note
 from threefold.plan.memory import memory_per_rank
 from threefold.plan.startup import startup_peaks
-from threefold.plan.rollout_engine import engine_bytes
+from threefold.launch.engine_memory import engine_memory
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES, async_save_copy_bytes
 from threefold.plan.step import predict_step
 from threefold.launch.dryrun_report import (ENV_HARDWARE, DryRunResult, format_report, peaks_known,
@@ -228,25 +228,14 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
         notes.append(heap_note(cfg.train.host_mmap_threshold_mb))
     parts = run_baseline(cfg, layout.dp * layout.cp, mcfg.vocab_size, _cpu_threads(world_size),
                          task) if on_cpu else None
-    engine = _engine(cfg, mcfg, task, notes)
+    engine, server = engine_memory(cfg, mcfg, task, notes, on_cpu, _cpu_threads(world_size),
+                                   parts.process if parts else 0)
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm, notes, startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work), parts.total if parts else 0,
-                        parts, async_save_copy_bytes(cfg, owned, adapters), engine,
+                        parts, async_save_copy_bytes(cfg, owned, adapters), engine, server,
                         planned_intervals(cfg, world_size, adapters if cfg.lora.r else owned,
                                           step.step_time_s) if step else ())
-
-
-def _engine(cfg: Config, mcfg: ModelConfig, task: TaskData | None, notes: list[str]) -> int:
-    """GRPO's colocated rollout engine: its resident bytes (the step's peak includes them)
-    and a note with them and the sync's bytes; 0 without one."""
-    if task is None or task.rollout_engine != "vllm":
-        return 0
-    e = engine_bytes(mcfg, 2 if cfg.train.dtype == "bfloat16" else 4, task.engine_kv_bytes)
-    notes.append(f"rollout engine vllm (colocated): {e.resident / 1e9:.3f} GB per rank for its weights "
-                 f"and KV cache (in the step's peak; vLLM's own runtime not counted); each "
-                 f"weight sync hands it {e.sync:,} bytes (fp32), once per optimiser step")
-    return e.resident
 
 
 def _moe_note(mcfg: ModelConfig, layout, total: int, p) -> str:

@@ -45,7 +45,10 @@ class DryRunResult:
     # checkpoint.async_save: rank 0's host copy of what it writes, held while a save is in
     # flight (``plan.states.async_save_copy_bytes``)
     async_copy: int = 0
-    engine: int = 0  # a colocated rollout engine's weights and KV cache (plan.rollout_engine)
+    # a colocated rollout engine's weights, KV cache and (on a CPU) vLLM's runtime, in each
+    # rank's step peak (plan.rollout_engine)
+    engine: int = 0
+    server: int = 0  # a rollout server's process (grpo.vllm_mode server), not on the ranks
     # the checkpoint intervals' costs (auto's choices) at the predicted step
     # (plan.checkpoint_interval): storage's, and host memory's where the run has one
     intervals: tuple[IntervalChoice, ...] = ()

@@ -116,11 +116,16 @@ def pipeline_microbatches(cfg: Config, dp: int) -> int:
     return local // min(cfg.train.micro_batch_size, local)
 
 
-def task_layout(task: str, cfg: Config, rollout_engine: str = "builtin") -> None:
+def task_layout(task: str, cfg: Config, rollout_engine: str = "builtin", server_tp: int = 1,
+                mcfg: ModelConfig | None = None) -> None:
     """The layouts a post-training task does not run under (``rules.task_layout``; GRPO's
-    generation, and its rollout engine's)."""
+    generation, and its rollout engine's: ``server_tp``, a rollout server's tensor
+    parallelism, for the model ``mcfg``, the checkpoint's where the weights bring it)."""
     p = cfg.parallel
     rules.task_layout(task, p.pp, p.cp)
     if task == "grpo":  # generation with the training model
         rules.generation_layout(p.pp, p.cp, p.ep, p.tp, p.sequence_parallel)
         rules.rollout_engine_layout(rollout_engine, p.tp, p.zero_stage, cfg.lora.r)
+        if server_tp > 1:
+            m = mcfg if mcfg is not None else cfg.model.resolved(vocab_size=1)
+            rules.rollout_server_tp(server_tp, m.num_attention_heads, m.num_key_value_heads)

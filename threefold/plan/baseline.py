@@ -71,6 +71,8 @@ class TaskData:
     rows_per_item: int = 1
     rollout_engine: str = "builtin"  # GRPO's: "vllm" holds an engine beside each rank
     engine_kv_bytes: int = 0  # that engine's KV cache
+    engine_mode: str = "colocate"  # or "server": the engine in a process of its own
+    engine_tp: int = 1  # the server's tensor parallelism (a worker process per shard)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from threefold.post.grpo_loss import (
     LOSS_TYPES, advantages, grpo_token_loss, loss_units, reduce_token_loss)
 from threefold.generation.rollouts import Sampling
 from threefold.post.grpo_rollouts import (RolloutSource, check_engine, check_installed,
+                                          server_layout,
                                           importance_weights,
                                           mismatch_figures, mismatch_sums)
 from threefold.post.grpo_rewards import (
@@ -71,6 +72,7 @@ class GRPOOptions:
     max_staleness: int = 0  # vllm: generate step s+1 while step s trains (rollouts 1 step old)
     vllm_mode: str = "colocate"  # vllm: colocate (an engine per rank) or server (one process)
     vllm_server: str = ""  # server mode: host:port of a running server; "" = start one
+    vllm_server_tp: int = 1  # server mode: the engine's tensor parallelism (vLLM shards)
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,7 +149,7 @@ class GRPOTask(Task):
         if o.num_iterations < 1:
             raise DataError(f"grpo.num_iterations: must be at least 1, got {o.num_iterations}")
         check_engine(o.rollout_engine, o.importance_sampling, o.importance_sampling_cap,
-                     o.max_staleness, o.num_iterations, o.vllm_mode)
+                     o.max_staleness, o.num_iterations, o.vllm_mode, o.vllm_server_tp)
         if not o.reward and not o.reward_model:
             raise DataError("grpo.reward: give a reward function or grpo.reward_model")
         self.reward_fn = load_reward(o.reward) if o.reward else None
@@ -160,7 +162,7 @@ class GRPOTask(Task):
     def check(self, cfg) -> None:
         """ConfigError for a layout or batch GRPO does not run with."""
         p, t, g = cfg.parallel, cfg.train, self.options.num_generations
-        task_layout("grpo", cfg, self.options.rollout_engine)  # the rule book's
+        task_layout("grpo", cfg, *server_layout(cfg, self.options))  # the rule book's
         check_installed(self.options.rollout_engine)
         mu, every = self.options.num_iterations, cfg.checkpoint.interval
         if mu > 1 and (every == "auto" or every % mu):  # (auto's count is chosen at run time)
@@ -241,7 +243,7 @@ class GRPOTask(Task):
         if o.reward_model:
             self.score = reward_model_scorer(o.reward_model, run.device)
         self.source = RolloutSource(run, o.rollout_engine, self.width, o.vllm_kv_cache_mb,
-                                    o.vllm_mode, o.vllm_server)
+                                    o.vllm_mode, o.vllm_server, o.vllm_server_tp)
         lay = run.world
         batch = self.train.local_batch(0, lay.dp_rank, lay.dp_size)  # (also kept for μ > 1)
         self.train.cached = (0, lay.dp_rank, batch, self.train.figures)

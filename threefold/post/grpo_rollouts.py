@@ -50,10 +50,15 @@ VLLM_MODES = ("colocate", "server")
 
 
 def check_engine(engine: str, importance: str, cap: float, staleness: int = 0,
-                 iterations: int = 1, mode: str = "colocate") -> None:
-    """ConfigError for an unknown engine, mode or correction, or a staleness it cannot give."""
+                 iterations: int = 1, mode: str = "colocate", server_tp: int = 1) -> None:
+    """ConfigError for an unknown engine, mode or correction, or a staleness or server
+    tensor parallelism it cannot give."""
     if mode not in VLLM_MODES:
         raise ConfigError(f"grpo.vllm_mode: '{mode}' is not one of {', '.join(VLLM_MODES)}")
+    if server_tp < 1 or (server_tp > 1 and (mode != "server" or engine != "vllm")):
+        raise ConfigError(f"grpo.vllm_server_tp: {server_tp} needs >= 1, and > 1 needs "
+                          "grpo.rollout_engine vllm with grpo.vllm_mode server (a colocated "
+                          "engine lives in its training rank's process)")
     if engine not in ROLLOUT_ENGINES:
         raise ConfigError(f"grpo.rollout_engine: '{engine}' is not one of "
                           f"{', '.join(ROLLOUT_ENGINES)}")
@@ -72,6 +77,22 @@ def check_engine(engine: str, importance: str, cap: float, staleness: int = 0,
                           "is already under way; use grpo.num_iterations 1")
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def server_layout(cfg, o) -> tuple:
+    """(engine, server tp, the model's shape) the rule book checks GRPO's options ``o``
+    with: the shape only for a server sharded over workers (the checkpoint's configuration
+    when ``checkpoint.init_from`` gives the weights; else None: the preset's)."""
+    tp = o.vllm_server_tp if o.vllm_mode == "server" else 1
+    if tp == 1 or not cfg.checkpoint.init_from:
+        return o.rollout_engine, tp, None
+    from threefold.weights.model_source import init_from_model
+
+    return o.rollout_engine, tp, init_from_model(cfg)[0]
+
+
 def check_installed(engine: str) -> None:
     """ConfigError when vLLM is asked for and not installed (after the layout's rules: a
     layout the engine cannot run is refused for that first)."""
@@ -84,7 +105,7 @@ class RolloutSource:
     """One rank's completions for GRPO: ``complete(prompts, indices, sampling)``."""
 
     def __init__(self, run, engine: str, max_len: int, kv_cache_mb: int, mode: str = "colocate",
-                 server: str = ""):
+                 server: str = "", server_tp: int = 1):
         self.run = run
         self.engine = None
         self.started = 0.0
@@ -97,7 +118,7 @@ class RolloutSource:
         dtype = "bfloat16" if run.dtype == torch.bfloat16 else "float32"
         conf = untied_config(hf_config(run.model_cfg))
         if mode == "server":
-            self._connect(server, conf, dtype, max_len, kv_cache_mb << 20)
+            self._connect(server, conf, dtype, max_len, kv_cache_mb << 20, server_tp)
             return
         from threefold.generation.vllm_rollouts import VLLMRollouts, write_engine_config
 
@@ -106,7 +127,8 @@ class RolloutSource:
                                    seed=run.cfg.train.seed)
         self.started = self.engine.start_seconds
 
-    def _connect(self, address: str, conf: dict, dtype: str, max_len: int, kv: int) -> None:
+    def _connect(self, address: str, conf: dict, dtype: str, max_len: int, kv: int,
+                 tp: int) -> None:
         """Server mode: join the server at ``address`` (rank 0 starts one first when none is
         given, at MASTER_ADDR and the port after MASTER_PORT's hundred), rank 0 starts its
         engine."""
@@ -117,14 +139,16 @@ class RolloutSource:
             port = int(os.environ.get("MASTER_PORT", "29500")) + 100
             address = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
             if w.rank == 0:
+                # (without torchrun's variables: the server's workers are a world of their own)
+                env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
                 self.server = subprocess.Popen(
                     [sys.executable, "-m", "threefold.generation.rollout_server", "--port",
-                     str(port), "--clients", str(w.world_size)])
+                     str(port), "--clients", str(w.world_size)], env=env)
         self.engine = ServerClient(address, w.rank, w.world_size)
         atexit.register(self.close)
         self.sender = w.rank == 0
         if self.sender:
-            self.engine.init(conf, dtype, max_len, kv, self.run.cfg.train.seed)
+            self.engine.init(conf, dtype, max_len, kv, self.run.cfg.train.seed, tp)
             self.started = self.engine.start_seconds
 
     def close(self) -> None:

@@ -109,6 +109,21 @@ def rollout_engine_layout(engine: str, tp: int, zero_stage: int, lora_r: int) ->
 
 
 @rule
+def rollout_server_tp(tp: int, heads: int, kv_heads: int) -> None:
+    """A rollout server's vLLM engine shards the attention heads over its ``tp`` workers, and
+    the key-value heads too, or replicates them where there are fewer than workers."""
+    def fits(t: int) -> bool:
+        return heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)
+
+    if not fits(tp):
+        valid = ", ".join(str(t) for t in range(1, heads + 1) if fits(t))
+        raise LayoutError(f"grpo.vllm_server_tp: {tp} must divide model.num_attention_heads="
+                          f"{heads} and divide or be a multiple of model.num_key_value_heads="
+                          f"{kv_heads} (the server's vLLM shards the heads); valid values: "
+                          f"{valid}")
+
+
+@rule
 def recompute_modules_need_selective(recompute: str, modules: tuple[str, ...]) -> None:
     """Named modules are a selective policy: full recompute recomputes everything, none
     nothing."""
