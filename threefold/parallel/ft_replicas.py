@@ -34,6 +34,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -199,8 +200,8 @@ class ReplicaWorld:
 
     def step_metrics(self, count: bool = True) -> dict:
         """The group's own, with the cross-group bytes among ``comm_bytes``, the quorum's
-        size, the attempts the step took, this process's id; the weights' digest and the
-        heal on the steps where they happened."""
+        size, the attempts the step took, this process's id, the wall clock at the step's
+        end; the weights' digest and the heal on the steps where they happened."""
         out = self._inner.step_metrics(count)
         sent = dict(self._sent)  # zeroed in place: the transport counts into the same dict
         self._sent.update(dict.fromkeys(sent, 0))
@@ -209,7 +210,7 @@ class ReplicaWorld:
         events, self._events = self._events, {}
         return {**out, "comm_bytes": {**out.get("comm_bytes", {}), **sent},
                 "ft_participants": self._participants, "ft_attempts": self._attempts,
-                "pid": os.getpid(), **events}
+                "pid": os.getpid(), "time": time.time(), **events}
 
     def describe(self) -> str:
         f = self._cfg.ft
