@@ -3,6 +3,7 @@ surviving replica group goes without a step when the other group's process dies.
 
     python3 bench/bench_ft_restart.py                 # 4 kills (~1 min, 2 cores)
     python3 bench/bench_ft_restart.py --kills 6 --stall-s 0.1
+    python3 bench/bench_ft_restart.py --heartbeat-timeout-ms 300
 
 How: a torchft Lighthouse (``python3 -m threefold.parallel.ft_replicas``), two replica groups,
 each `threefold train --nproc-per-node 1 --max-restarts K` (the tests' tiny model, one OpenMP
@@ -100,14 +101,17 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=4)
     ap.add_argument("--steps", type=int, default=100000)
     ap.add_argument("--stall-s", type=float, default=0.1)
+    ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000,
+                    help="the Lighthouse's: silence after which a group is taken as gone")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-ft-"))
     corpus, cache = sample_corpus(work / "corpus.txt"), work / "cache"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
-    lh = subprocess.Popen([sys.executable, "-m", "threefold.parallel.ft_replicas", "--port",
-                           "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                          text=True, start_new_session=True)
+    lh = subprocess.Popen([sys.executable, "-m", "threefold.parallel.ft_replicas", "--port", "0",
+                           "--heartbeat-timeout-ms", str(args.heartbeat_timeout_ms)],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          start_new_session=True)
     procs = [lh]
     try:
         address = lh.stdout.readline().split()[-1]

@@ -60,6 +60,7 @@ def _make_manager(cfg, rank: int, world_size: int, state, load, counted: dict):
     """torchft's Manager for this rank of the group: a synchronous quorum at each step start
     (a heal is applied before the step's forward), its gloo group, the HTTP checkpoint
     transport with the bytes it serves counted."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every step at info
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing import HTTPTransport
 
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000,
                     help="silence after which a group is taken as gone")
     a = ap.parse_args(argv)
+    os.environ.setdefault("RUST_LOG", "warn")  # else a line per quorum, several per step
     from torchft.coordination import LighthouseServer
 
     lh = LighthouseServer(bind=f"[::]:{a.port}", min_replicas=a.min_replicas,
