@@ -8,6 +8,7 @@ weights are the survivor's, bitwise, at the step of the rejoin."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -64,6 +65,9 @@ class _Rows:
 
 @pytest.mark.slow
 def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
+    # the replay's run, built first: it prepares the data both groups then read
+    run = build_run(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "ref",
+                                                     train__steps=STEPS)))
     lighthouse, address = _lighthouse()
     procs = []
     try:
@@ -82,10 +86,11 @@ def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
             p.wait()
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(o[-3000:] for o in outs)
     recs = [{r["step"]: r for r in metrics(tmp_path / g)} for g in ("g0", "g1")]
-    # which groups trained each step (whoever starts first trains alone until the other
-    # joins and heals from it)
+    # which groups trained each step: both from the start, group 0 alone from the kill to
+    # the rejoin, both at the end
     groups = {s - 1: {g for g in (0, 1) if s in recs[g]} for s in range(1, STEPS + 1)}
-    assert all(groups.values()) and groups[KILL_AT - 1] == {0} and groups[STEPS - 1] == {0, 1}
+    assert [groups[s] for s in range(KILL_AT)] == [{0, 1}] * (KILL_AT - 1) + [{0}]
+    assert groups[STEPS - 1] == {0, 1}
     for s, gs in groups.items():
         assert all(recs[g][s + 1]["ft_participants"] == len(gs) for g in gs)
     assert len({r["pid"] for r in recs[0].values()}) == 1  # the survivor never restarted
@@ -96,16 +101,19 @@ def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
     assert recs[1][rejoin]["ft_weights_sha256"] == recs[0][rejoin]["ft_weights_sha256"]
 
     # one process, replaying the batches the quorum trained on
-    run = build_run(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "ref",
-                                                     train__steps=STEPS)))
     run.sampler = _Rows(run.sampler, groups)
     losses = [train_step(run, s)[0] for s in range(STEPS)]
     for g in (0, 1):
         assert [r["loss"] for r in recs[g].values()] == \
             pytest.approx([losses[s - 1] for s in recs[g]], rel=1e-5)
+    # the gradients' bytes across groups: the closed form on each step's quorum (group 0
+    # first in it); a group that trained alone sent none
     numels = [p.numel() for _, p in run.engine.named_params]
     for g in (0, 1):
         for r in recs[g].values():
             n = r["ft_participants"]
             assert r["comm_bytes"]["replica"] == replica_gradient_bytes(
                 numels, 4, n, g if n == 2 else 0)
+    summary = json.loads((tmp_path / "g0" / "summary.json").read_text())
+    assert summary["comm_bytes_per_step"]["replica"] == pytest.approx(
+        sum(r["comm_bytes"]["replica"] for r in recs[0].values()) / len(recs[0]))

@@ -20,15 +20,16 @@ gradients are summed over the quorum, so a step trains on exactly the participan
 step whose commit fails is run again on the same batch after a new quorum; the state a
 group heals with is the engine's (weights, AdamW moments and step) plus the step, which also
 fixes the sampler (a pure function of the step). The bytes of the cross-group all-reduces are
-counted per step under the axes "replica" (gradients) and "replica_log" (counts and logged
-sums), as ``threefold.accounting.replica_traffic`` states them, and the heal under
-"replica_heal".
+counted per step under the axes "replica" (gradients; the step's closed form is
+``threefold.accounting.replica_gradient_bytes``) and "replica_log" (counts and logged sums),
+and the state a group serves to heal another under "replica_heal".
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import signal
 import socket
@@ -39,12 +40,13 @@ from datetime import timedelta
 
 import torch
 
-from threefold.accounting import replica_gradient_bytes, ring_all_reduce_bytes
+from threefold.accounting import ring_all_reduce_bytes
 from threefold.comm import faults
 from threefold.parallel.engines.engine import LocalEngine
 from threefold.weights import DictSource
 
 MAX_ATTEMPTS = 50  # failed commits of one step before the run gives up
+START_WAIT_S = 60.0  # how long a fresh job's first step waits for every replica group
 
 
 def _state_bytes(state) -> int:
@@ -61,6 +63,9 @@ def _make_manager(cfg, rank: int, world_size: int, state, load, counted: dict):
     (a heal is applied before the step's forward), its gloo group, the HTTP checkpoint
     transport with the bytes it serves counted."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every step at info
+    # a warning at every quorum that NCCL's flight recorder (absent on gloo) was not reset
+    logging.getLogger("torchft.manager").addFilter(
+        lambda record: "flight recorder" not in record.getMessage())
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing import HTTPTransport
 
@@ -78,14 +83,14 @@ def _make_manager(cfg, rank: int, world_size: int, state, load, counted: dict):
         store = {"store_addr": socket.gethostname(), "store_port": server.port,
                  "_server": server}
     server = store.pop("_server", None)
-    manager = Manager(pg=ProcessGroupGloo(timeout=t), load_state_dict=load, state_dict=state,
+    pg = ProcessGroupGloo(timeout=t)
+    manager = Manager(pg=pg, load_state_dict=load, state_dict=state,
                       min_replica_size=cfg.ft.min_replicas, use_async_quorum=False, timeout=t,
                       quorum_timeout=max(t, timedelta(seconds=60)), connect_timeout=t,
                       rank=rank, world_size=world_size, lighthouse_addr=cfg.ft.lighthouse,
                       replica_id=f"threefold_{cfg.ft.replica_group}", init_sync=False,
                       checkpoint_transport=CountedTransport(timeout=t, num_chunks=0), **store)
-    manager._threefold_store = server  # kept alive with the manager
-    return manager
+    return manager, pg, server
 
 
 class ReplicaWorld:
@@ -100,6 +105,7 @@ class ReplicaWorld:
         self._sent = {"replica": 0, "replica_log": 0, "replica_heal": 0}
         self._participants, self._attempts, self._ready = 0, 0, False
         self._events: dict = {}
+        self._steps: list[dict] = []  # each step's cross-group bytes, for the summary
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -116,17 +122,27 @@ class ReplicaWorld:
     def join(self, run, start: int) -> int:
         """After the group's own resume (``start``: its step): the Manager, the engine's
         commits through it, and the first quorum, which heals this group from a live one's
-        memory when it is behind. Returns the step the loop starts at."""
+        memory when it is behind (at step 0, repeated until every group is in it). Returns
+        the step the loop starts at."""
         if not isinstance(run.engine, LocalEngine):
             raise RuntimeError("ft.lighthouse: replica groups need an engine whose ranks hold "
                                "whole tensors (data parallelism within a group)")
         self.engine = ReplicaEngine(run.engine, self)
-        self.manager = _make_manager(self._cfg, self._inner.rank, self._inner.world_size,
-                                     self.engine.state, self.engine.load, self._sent)
+        self.manager, self._pg, self._store = _make_manager(
+            self._cfg, self._inner.rank, self._inner.world_size, self.engine.state,
+            self.engine.load, self._sent)
         if start:
             self.manager.load_state_dict({"step": start, "batches_committed": 0})
         run.engine = self.engine
         self._quorum()
+        # a fresh job starts with every group (else whichever started first trains alone
+        # until the others heal from it); a group that comes back later finds the others
+        # there, and one that never comes is waited for START_WAIT_S at most
+        deadline = time.monotonic() + START_WAIT_S
+        while self.manager.current_step() == 0 and time.monotonic() < deadline \
+                and self._participants < self._cfg.ft.replica_groups:
+            time.sleep(0.1)
+            self._quorum()
         return self.manager.current_step()
 
     def _quorum(self) -> None:
@@ -170,12 +186,8 @@ class ReplicaWorld:
                  for t in tensors]
         for w in works:
             w.wait()
-        if axis == "replica":
-            self._sent[axis] += replica_gradient_bytes([t.numel() for t in tensors],
-                                                       tensors[0].element_size(), n, index)
-        else:
-            self._sent[axis] += sum(ring_all_reduce_bytes(t.numel(), t.element_size(), n,
-                                                          index) for t in tensors)
+        self._sent[axis] += sum(ring_all_reduce_bytes(t.numel(), t.element_size(), n, index)
+                                for t in tensors)
 
     def _sum_float(self, x: float) -> float:
         t = torch.tensor([float(x)], dtype=torch.float64)
@@ -208,10 +220,19 @@ class ReplicaWorld:
         self._sent.update(dict.fromkeys(sent, 0))
         if not count:
             return out
+        self._steps.append(sent)
         events, self._events = self._events, {}
         return {**out, "comm_bytes": {**out.get("comm_bytes", {}), **sent},
                 "ft_participants": self._participants, "ft_attempts": self._attempts,
                 "pid": os.getpid(), "time": time.time(), **events}
+
+    def summary_metrics(self) -> dict:
+        """The group's own, with the cross-group axes' mean bytes per step among
+        ``comm_bytes_per_step``."""
+        out = self._inner.summary_metrics()
+        steps = self._steps or [{}]
+        mean = {a: sum(s.get(a, 0) for s in steps) / len(steps) for a in self._sent}
+        return {**out, "comm_bytes_per_step": {**out.get("comm_bytes_per_step", {}), **mean}}
 
     def describe(self) -> str:
         f = self._cfg.ft
@@ -219,8 +240,13 @@ class ReplicaWorld:
                 f"{f.replica_groups} (torchft)")
 
     def close(self) -> None:
+        """Stop the Manager's servers, then drop the gloo group now (its threads are joined
+        while the interpreter is whole, as ``threefold.comm.distributed.shutdown`` does for
+        threefold's own groups), then the group's own layout."""
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+            self._pg.shutdown()
+            self.manager = self._pg = self._store = None
         self._inner.close()
 
 
