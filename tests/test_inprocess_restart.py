@@ -18,14 +18,33 @@ import pytest
 
 from tests.conftest import metrics, tiny_overrides
 from tests.test_launch import _args, _env
-from threefold.accounting import replica_gradient_bytes
-from threefold.config import load_config
+from threefold.accounting import replica_gradient_bytes, ring_all_reduce_bytes
+from threefold.config import ConfigError, load_config
+from threefold.launch.replica_note import replica_note
 from threefold.training.steps import train_step
 from threefold.training.train import build_run
 
-pytest.importorskip("torchft")
-
 STEPS, KILL_AT = 36, 4
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"ft.replica_group": 2, "ft.replica_groups": 2},
+     "ft.replica_group: 2 is not in 0 .. 1; give each launcher its own group below "
+     "ft.replica_groups"),
+    ({"ft.min_replicas": 3, "ft.replica_groups": 2},
+     "ft.min_replicas: 3; must be 1 .. ft.replica_groups (2)"),
+])
+def test_replica_group_fields_are_checked(fields, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [(k, str(v)) for k, v in fields.items()])
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("numel,n", [(10, 3), (7, 2), (1, 4), (12, 4)])
+def test_replica_ring_bytes_sum_to_the_ring_total(numel, n):
+    # every participant sends all chunks but its own twice: 2·(N−1)·nbytes over the ring
+    assert sum(ring_all_reduce_bytes(numel, 4, n, i) for i in range(n)) == 2 * (n - 1) * numel * 4
+    assert ring_all_reduce_bytes(numel, 4, 1, 0) == 0
 
 
 def _lighthouse():
@@ -65,6 +84,7 @@ class _Rows:
 
 @pytest.mark.slow
 def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
+    pytest.importorskip("torchft")
     # the replay's run, built first: it prepares the data both groups then read
     run = build_run(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "ref",
                                                      train__steps=STEPS)))
@@ -114,6 +134,13 @@ def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
             n = r["ft_participants"]
             assert r["comm_bytes"]["replica"] == replica_gradient_bytes(
                 numels, 4, n, g if n == 2 else 0)
+    # the dry run's note states the same bytes for a full quorum, and the state a heal serves
+    note = replica_note(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "dry",
+                                                         ft__replica_groups=2)), run.model_cfg)
+    full = recs[0][STEPS]["comm_bytes"]["replica"]
+    heals = [r["comm_bytes"]["replica_heal"] for r in recs[0].values()
+             if r["comm_bytes"]["replica_heal"]]
+    assert f"quorum: {full:,} bytes" in note and heals and f"serves {heals[0]:,} bytes" in note
     summary = json.loads((tmp_path / "g0" / "summary.json").read_text())
     assert summary["comm_bytes_per_step"]["replica"] == pytest.approx(
         sum(r["comm_bytes"]["replica"] for r in recs[0].values()) / len(recs[0]))
