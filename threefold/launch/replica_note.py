@@ -27,7 +27,7 @@ def replica_note(cfg: Config, mcfg: ModelConfig) -> str | None:
     numels = [p.numel() for _, p in trained_named_parameters(model)]
     grads = replica_gradient_bytes(numels, 4, f.replica_groups, 0)
     return (f"replica groups: {f.replica_groups} (ft.*, torchft), this launcher's "
-            f"{f.replica_group}; each step's gradients are all-reduced across the groups in the quorum: {grads:,}"
-            " bytes sent by a rank first in a full quorum (axis replica), none by a group "
-            f"training alone; a heal serves {3 * sum(numels) * 4:,} bytes per rank (weights and "
-            "AdamW's moments, fp32)")
+            f"{f.replica_group}; each step's gradients are all-reduced across the groups in "
+            f"the quorum: {grads:,} bytes sent by a rank first in a full quorum (axis "
+            "replica), none by a group training alone; a heal serves "
+            f"{3 * sum(numels) * 4:,} bytes per rank (weights and AdamW's moments, fp32)")
