@@ -35,6 +35,7 @@ from threefold.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    FaultToleranceConfig,
     LoRAConfig,
     MetricsConfig,
     OptimConfig,
@@ -48,7 +49,8 @@ from threefold.config.schema import (
 from threefold.config.validation import validate
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GPT_SHAPES", "MODEL_PRESETS",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "FaultToleranceConfig",
+    "GPT_SHAPES", "MODEL_PRESETS",
     "LoRAConfig", "MetricsConfig", "MODEL_FAMILIES", "ModelConfig", "OptimConfig",
     "CP_ALGORITHMS", "CP_BALANCES", "EP_DISPATCHES", "FP8_RECIPES", "PIPELINE_SCHEDULES",
     "ParallelConfig", "RECOMPUTE_MODES",

@@ -266,6 +266,23 @@ class LoRAConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Replica groups that fail and heal on their own (torchft, the ft extra): each group is
+    one launcher with threefold's normal layout inside; gradients are summed across groups
+    through torchft's Manager, and a restarted group heals from a live group's memory."""
+
+    lighthouse: str = _f("", "the torchft Lighthouse's address (http://host:port; "
+                         "`python3 -m threefold.parallel.ft_replicas` starts one); empty = off")
+    replica_group: int = _f(0, "this launcher's replica group, 0 .. replica_groups - 1 (its "
+                            "share of the global batch)")
+    replica_groups: int = _f(1, "replica groups in the job; the global batch is split over "
+                             "them times each group's data-parallel ranks")
+    min_replicas: int = _f(1, "fewest replica groups a step may commit with")
+    timeout_s: float = _f(10.0, "torchft's timeout for a cross-group collective, a quorum and a "
+                          "heal")
+
+
+@dataclass
 class Config:
     """Everything a run needs."""
 
@@ -277,6 +294,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (JSON/TOML-serialisable)."""

@@ -42,6 +42,7 @@ def validate(cfg: Config) -> None:
     _check_metrics(cfg.metrics)
     _check_lora(cfg.lora)
     _check_fp8(cfg.train, cfg.lora, cfg.parallel)
+    _check_ft(cfg)
     if not cfg.checkpoint.init_from:  # else the checkpoint's shape, once read (model_source)
         check_against_model(cfg, _check_model(cfg.model, cfg.data.vocab_size))
 
@@ -258,6 +259,26 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
           "checkpoint.async_save: true writes the checkpoint.interval saves while training "
           "goes on, but checkpoint.interval is 0 (only the final save, which the run waits "
           "for anyway); set checkpoint.interval > 0 or checkpoint.async_save false")
+
+
+def _check_ft(cfg: Config) -> None:
+    """Replica groups (``ft.*``): torchft installed, the group inside the job, the global
+    batch split evenly over the groups."""
+    f = cfg.ft
+    _need(f.replica_groups >= 1, f"ft.replica_groups: {f.replica_groups}; must be at least 1")
+    _need(0 <= f.replica_group < f.replica_groups,
+          f"ft.replica_group: {f.replica_group} is not in 0 .. {f.replica_groups - 1}; give each "
+          "launcher its own group below ft.replica_groups")
+    _need(1 <= f.min_replicas <= f.replica_groups,
+          f"ft.min_replicas: {f.min_replicas}; must be 1 .. ft.replica_groups ({f.replica_groups})")
+    _need(f.timeout_s > 0, f"ft.timeout_s: {f.timeout_s}; must be positive")
+    if not f.lighthouse:
+        return
+    _need(importlib.util.find_spec("torchft") is not None,
+          "ft.lighthouse needs torchft: pip install 'threefold[ft]'")
+    _need(cfg.train.global_batch_size % f.replica_groups == 0,
+          f"train.global_batch_size: {cfg.train.global_batch_size} does not split over "
+          f"ft.replica_groups {f.replica_groups}; make it a multiple of it")
 
 
 def _check_metrics(m: MetricsConfig) -> None:

@@ -71,6 +71,7 @@ from threefold.plan.startup import startup_peaks
 from threefold.launch.engine_memory import engine_memory
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES, async_save_copy_bytes
 from threefold.plan.step import predict_step
+from threefold.launch.replica_note import replica_note
 from threefold.launch.dryrun_report import (ENV_HARDWARE, DryRunResult, format_report, peaks_known,
                                            short_count)
 
@@ -218,6 +219,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
     if mcfg.num_local_experts:
         notes.append(_moe_note(mcfg, layout, total, p))
     notes += [n for n in (fp8_expert_note(mcfg, work),) if n]  # (a mixture's only)
+    notes += [n for n in (replica_note(cfg, mcfg),) if n]  # (replica groups' only)
     step = None
     if peaks_known(work, cluster.hardware):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)

@@ -275,10 +275,16 @@ def run_training(cfg, make_task=None) -> int:
 
 def world_from_env(cfg):
     """The layout of this process: ``Distributed`` under torchrun (WORLD_SIZE > 1), else
-    None (one process)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    # torch.distributed, imported only here: see the module docstring
-    from threefold.parallel.distributed_world import Distributed
+    None (one process); one replica group of several under ``ft.lighthouse``."""
+    world = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torch.distributed, imported only here: see the module docstring
+        from threefold.parallel.distributed_world import Distributed
 
-    return Distributed(cfg)
+        world = Distributed(cfg)
+    if cfg.ft.lighthouse:
+        from threefold.parallel.ft_replicas import ReplicaWorld
+        from threefold.parallel.world import SingleProcess
+
+        world = ReplicaWorld(world or SingleProcess(), cfg)
+    return world

@@ -135,6 +135,16 @@ class World:
     def before_step(self, step: int) -> None:
         """Hook at the start of each step."""
 
+    def join(self, run, start: int) -> int:
+        """After the run's own resume at ``start``: the step the loop starts at (replica groups
+        may heal from a live group's memory to a later one, ``threefold.parallel.ft_replicas``)."""
+        return start
+
+    def run_step(self, step: int, fn: Callable[[], Any]) -> Any:
+        """Run one training step, ``fn()`` (replica groups run it again when it does not
+        commit)."""
+        return fn()
+
     def phase(self, name: str, grace_s: Callable[[], float] = lambda: 0.0) -> ContextManager:
         """Tag the collectives issued inside with ``name`` and report a failed one (nothing
         to tag or report in one process)."""

@@ -254,7 +254,7 @@ def _load(run: Run) -> int:
     """``resume``, between fresh peaks of memory: the loading phase's own, then the steps'
     (metrics.jsonl's peaks are the steps' own)."""
     reset_peak_memory(run.device)
-    start = resume(run)
+    start = run.world.join(run, resume(run))
     if start:
         run.memory["loading_peak_bytes"] = peak_memory_bytes(run.device)
     if run.device.type == "cpu":  # what loading freed is not held for the steps
@@ -274,7 +274,7 @@ def _step(run: Run, preempt, step: int, trace: list | None):
     # hold the restart back.
     with run.world.phase(f"step {step + 1}",
                           grace_s=lambda: 0.0 if preempt.received_at else 3.0):
-        loss, norm, extras = train_step(run, step, trace)
+        loss, norm, extras = run.world.run_step(step, lambda: train_step(run, step, trace))
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     preempt.step_finished()

@@ -76,6 +76,7 @@ from threefold.layout.rules.task_rules import (
 from threefold.layout.rules.world_rules import (
     divides_world,
     fills_world,
+    replica_groups_data_parallel,
 )
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "experts_without_sequence_parallel",
     "ffn_over_tp",
     "fills_world",
+    "replica_groups_data_parallel",
     "generation_layout",
     "heads_over_tp",
     "heads_over_ulysses",

@@ -33,3 +33,19 @@ def fills_world(p: ParallelConfig, world: int) -> int:
                           f"{fixed * p.dp_shard}, not world size {world}; set parallel.dp_shard "
                           f"to {rest} or -1 (the rest)")
     return rest
+
+
+@rule
+def replica_groups_data_parallel(groups: int, world: int, zero_stage: int, tp: int, pp: int,
+                                 cp: int, ep: int) -> None:
+    """Replica groups (``ft.replica_groups`` > 1) heal from a live group's whole tensors:
+    each group trains by data parallelism alone (a group of ``world`` ranks)."""
+    if groups <= 1:
+        return
+    for name, value, plain in (("zero_stage", zero_stage if world > 1 else 0, 0), ("tp", tp, 1),
+                               ("pp", pp, 1), ("cp", cp, 1), ("ep", ep, 1)):
+        if value != plain:
+            raise LayoutError(f"parallel.{name}: {value} with ft.replica_groups {groups}; a "
+                              "replica group heals from a live group's whole tensors, so each "
+                              f"group trains by data parallelism alone: set parallel.{name} "
+                              f"{plain}")

@@ -1,0 +1,146 @@
+"""Restart without restarting the survivors: two replica groups, each its own torchrun agent
+(one process, ``--max-restarts 1``) on 127.0.0.1, and a torchft Lighthouse. Group 1's process
+is killed; torchrun restarts it alone, it heals from group 0's memory and rejoins, while group
+0's process trains on through the failure on its half of the batch. The survivor's losses are
+those of one process replaying exactly the batches the quorum trained on; the healed
+weights are the survivor's, bitwise, at the step of the rejoin."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import metrics, tiny_overrides
+from tests.test_launch import _args, _env
+from threefold.accounting import replica_gradient_bytes, ring_all_reduce_bytes
+from threefold.config import ConfigError, load_config
+from threefold.launch.replica_note import replica_note
+from threefold.training.steps import train_step
+from threefold.training.train import build_run
+
+STEPS, KILL_AT = 36, 4
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"ft.replica_group": 2, "ft.replica_groups": 2},
+     "ft.replica_group: 2 is not in 0 .. 1; give each launcher its own group below "
+     "ft.replica_groups"),
+    ({"ft.min_replicas": 3, "ft.replica_groups": 2},
+     "ft.min_replicas: 3; must be 1 .. ft.replica_groups (2)"),
+])
+def test_replica_group_fields_are_checked(fields, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [(k, str(v)) for k, v in fields.items()])
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("numel,n", [(10, 3), (7, 2), (1, 4), (12, 4)])
+def test_replica_ring_bytes_sum_to_the_ring_total(numel, n):
+    # every participant sends all chunks but its own twice: 2·(N−1)·nbytes over the ring
+    assert sum(ring_all_reduce_bytes(numel, 4, n, i) for i in range(n)) == 2 * (n - 1) * numel * 4
+    assert ring_all_reduce_bytes(numel, 4, 1, 0) == 0
+
+
+def _lighthouse():
+    """A Lighthouse on a free port; (process, address)."""
+    p = subprocess.Popen([sys.executable, "-m", "threefold.parallel.ft_replicas", "--port", "0"],
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True, start_new_session=True)
+    line = p.stdout.readline()
+    assert "Lighthouse at" in line, line
+    return p, line.split()[-1]
+
+
+def _group(corpus, cache, out, address, group, env_extra):
+    cmd = [sys.executable, "-m", "threefold", "train", "--nproc-per-node", "1",
+           "--max-restarts", "1",
+           *_args(corpus, cache, out, train__steps=STEPS, checkpoint__save_final="false",
+                  ft__lighthouse=address, ft__replica_group=group, ft__replica_groups=2)]
+    return subprocess.Popen(cmd, env={**_env(), **env_extra}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+class _Rows:
+    """The training sampler of the replay: at each step the rows of the groups that trained
+    it (``groups[step]``: both, or one group's half)."""
+
+    def __init__(self, sampler, groups: dict[int, set[int]]):
+        self.sampler, self.groups = sampler, groups
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+    def local_batch(self, step, dp_rank, dp_size):
+        (g,) = self.groups[step] if len(self.groups[step]) == 1 else (None,)
+        return self.sampler.local_batch(step, 0, 1) if g is None \
+            else self.sampler.local_batch(step, g, 2)
+
+
+@pytest.mark.slow
+def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
+    pytest.importorskip("torchft")
+    # the replay's run, built first: it prepares the data both groups then read
+    run = build_run(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "ref",
+                                                     train__steps=STEPS)))
+    lighthouse, address = _lighthouse()
+    procs = []
+    try:
+        # the survivor slowed from the kill on, so that it is still training when the
+        # restarted group has started again
+        stalls = ",".join(f"stall:0:{s}:0.25" for s in range(KILL_AT, STEPS + 1))
+        procs = [_group(corpus, cache_dir, tmp_path / "g0", address, 0,
+                        {"THREEFOLD_FAULT": stalls}),
+                 _group(corpus, cache_dir, tmp_path / "g1", address, 1,
+                        {"THREEFOLD_FAULT": f"kill:0:{KILL_AT}"})]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in [*procs, lighthouse]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(o[-3000:] for o in outs)
+    recs = [{r["step"]: r for r in metrics(tmp_path / g)} for g in ("g0", "g1")]
+    # which groups trained each step: both from the start, group 0 alone from the kill to
+    # the rejoin, both at the end
+    groups = {s - 1: {g for g in (0, 1) if s in recs[g]} for s in range(1, STEPS + 1)}
+    assert [groups[s] for s in range(KILL_AT)] == [{0, 1}] * (KILL_AT - 1) + [{0}]
+    assert groups[STEPS - 1] == {0, 1}
+    for s, gs in groups.items():
+        assert all(recs[g][s + 1]["ft_participants"] == len(gs) for g in gs)
+    assert len({r["pid"] for r in recs[0].values()}) == 1  # the survivor never restarted
+    pids = [{r["pid"] for s, r in recs[1].items() if (s < KILL_AT) == early} for early in (1, 0)]
+    assert len(pids[0]) == len(pids[1]) == 1 and pids[0] != pids[1]  # group 1 restarted alone
+    rejoin = min(s for s in recs[1] if s >= KILL_AT)
+    assert "ft_healed_from_step" in recs[1][rejoin]
+    assert recs[1][rejoin]["ft_weights_sha256"] == recs[0][rejoin]["ft_weights_sha256"]
+
+    # one process, replaying the batches the quorum trained on
+    run.sampler = _Rows(run.sampler, groups)
+    losses = [train_step(run, s)[0] for s in range(STEPS)]
+    for g in (0, 1):
+        assert [r["loss"] for r in recs[g].values()] == \
+            pytest.approx([losses[s - 1] for s in recs[g]], rel=1e-5)
+    # the gradients' bytes across groups: the closed form on each step's quorum (group 0
+    # first in it); a group that trained alone sent none
+    numels = [p.numel() for _, p in run.engine.named_params]
+    for g in (0, 1):
+        for r in recs[g].values():
+            n = r["ft_participants"]
+            assert r["comm_bytes"]["replica"] == replica_gradient_bytes(
+                numels, 4, n, g if n == 2 else 0)
+    # the dry run's note states the same bytes for a full quorum, and the state a heal serves
+    note = replica_note(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "dry",
+                                                         ft__replica_groups=2)), run.model_cfg)
+    full = recs[0][STEPS]["comm_bytes"]["replica"]
+    heals = [r["comm_bytes"]["replica_heal"] for r in recs[0].values()
+             if r["comm_bytes"]["replica_heal"]]
+    assert f"quorum: {full:,} bytes" in note and heals and f"serves {heals[0]:,} bytes" in note
+    summary = json.loads((tmp_path / "g0" / "summary.json").read_text())
+    assert summary["comm_bytes_per_step"]["replica"] == pytest.approx(
+        sum(r["comm_bytes"]["replica"] for r in recs[0].values()) / len(recs[0]))
