@@ -64,6 +64,7 @@ from threefold.hardware.catalogue import Hardware, get_hardware, hardware_for_de
 from threefold.plan.cluster import Cluster
 from threefold.plan.compute import fp8_expert_note
 from threefold.plan.memory import memory_per_rank
+from threefold.plan.memory_copies import memory_checkpoint
 from threefold.plan.startup import startup_peaks
 from threefold.plan.rollout_engine import engine_bytes
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES, async_save_copy_bytes
@@ -229,7 +230,9 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm, notes, startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work), parts.total if parts else 0,
-                        parts, async_save_copy_bytes(cfg, owned, adapters), engine)
+                        parts, async_save_copy_bytes(cfg, owned, adapters), engine,
+                        memory_checkpoint(cfg, owned, adapters,
+                                          -(-world_size // cluster.gpus_per_node)))
 
 
 def _engine(cfg: Config, mcfg: ModelConfig, task: TaskData | None, notes: list[str]) -> int:

@@ -14,6 +14,7 @@ from threefold.layout.axes import COMM_AXES
 from threefold.plan.baseline import Baseline
 from threefold.plan.cluster import Cluster
 from threefold.plan.memory import MemoryBreakdown
+from threefold.plan.memory_copies import MemoryCheckpoint
 from threefold.plan.startup import StartupMemory
 from threefold.plan.step import StepPrediction
 from threefold.plan.terms import memory_terms
@@ -45,6 +46,7 @@ class DryRunResult:
     # flight (``plan.states.async_save_copy_bytes``)
     async_copy: int = 0
     engine: int = 0  # a colocated rollout engine's weights and KV cache (plan.rollout_engine)
+    memory_copy: MemoryCheckpoint | None = None  # checkpoint.memory_interval's figures
 
     @property
     def peaks(self) -> dict[str, float]:
@@ -132,6 +134,8 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
             "each save and holds it until written (the next step)"
             + (f": that step's peak is {_gb(pk['step'] + r.async_copy)}" if r.baseline else
                ""))
+    if r.memory_copy:
+        lines.append(memory_copy_line(r.memory_copy))
     if r.layout.offload_optimizer:
         per_node = r.cluster.gpus_per_node
         moved = r.offload_bytes or {"down": 0, "up": 0}
@@ -142,6 +146,19 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
             f"rank(s) of a node); device <-> host per step: gradients down "
             f"{moved['down']:,} bytes, parameters up {moved['up']:,} bytes")
     return lines
+
+
+def memory_copy_line(m: MemoryCheckpoint) -> str:
+    """The in-memory checkpoints' line: host memory kept and replica bytes sent."""
+    every = f"every {m.interval} step{'s' if m.interval > 1 else ''}"
+    if m.nodes < 2:
+        return (f"checkpoint.memory_interval {m.interval}: rank 0 keeps {_gb(m.held)} GB in "
+                f"host memory (tmpfs: its own part; {_gb(m.peak)} while the next is written), "
+                "one node: no replica")
+    return (f"checkpoint.memory_interval {m.interval}: rank 0 keeps {_gb(m.held)} GB in host "
+            f"memory (tmpfs: its own part + its peer's; {_gb(m.peak)} while the next is "
+            f"written and sent), sends {_gb(m.sent)} GB ({m.sent:,} bytes of tensors) to node 1 "
+            f"{every} ({_gb(m.sent_per_step)} GB per step)")
 
 
 def peaks_known(work: Workload, hw: Hardware) -> bool:

@@ -25,6 +25,7 @@ from threefold.model.decoder import CausalLM
 from threefold.weights.model_source import choose_tokenizer, init_from_model, locate_init_from
 from threefold.parallel.world import SingleProcess
 from threefold.parallel.parallelize import parallelize
+from threefold.training.memory_saves import MemorySaves
 from threefold.training.preempt import Preemption
 from threefold.training.resume import finished_step, resume, save
 from threefold.training.run import Run, autocast, weights_source
@@ -190,6 +191,7 @@ def _loop(run: Run, preempt, return_run: bool):
     initial_val = evaluate(run)[0] if start == 0 else None
     val_loss, loss, preempted = initial_val, float("nan"), None
     saver = AsyncSaver() if run.cfg.checkpoint.async_save else None
+    mem = MemorySaves(run, start) if run.cfg.checkpoint.memory_interval else None
     wall0 = time.perf_counter()
     for step in range(start, t.steps):
         trace = [] if step + 1 == t.trace_step else None
@@ -203,6 +205,8 @@ def _loop(run: Run, preempt, return_run: bool):
                              validate=functools.partial(evaluate, run) if due else None)
             val_loss = rec.get("validation_loss", val_loss)
             stop = _checkpoint_or_stop(run, preempt, step, log, saver)
+            if mem is not None and not stop:
+                mem.after_step(step)
         lay.check_collectives(f"step {step + 1}")
         if stop:
             preempted = {"step": step + 1}
@@ -216,6 +220,8 @@ def _loop(run: Run, preempt, return_run: bool):
         if c.save_final and not (c.interval and t.steps % c.interval == 0):
             with lay.phase(f"save {t.steps}"):
                 save(run, t.steps)
+    if mem is not None:  # its host memory given back once storage holds the final step
+        mem.close(release=not preempted and t.steps > start and run.cfg.checkpoint.save_final)
     with lay.phase("summary"):
         summary = log.summary(loss, val_loss, initial_val, wall, preempted)
     lay.close()
