@@ -15,7 +15,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -100,11 +99,18 @@ def _weights(out):
     return load_checkpoint(out / "checkpoints" / "7")[0]
 
 
+@pytest.fixture(scope="module")
+def ladder(corpus, cache_dir, tmp_path_factory):
+    """(each rank's results of ``_ladder``, its root): one launch for the module."""
+    root = tmp_path_factory.mktemp("ladder")
+    return run_distributed(_ladder, 2, corpus, cache_dir, root, timeout=400), root
+
+
 @pytest.mark.slow
-def test_recovery_ladder_on_two_nodes(corpus, cache_dir, tmp_path, monkeypatch):
+def test_recovery_ladder_on_two_nodes(ladder, corpus, cache_dir, monkeypatch):
     from threefold.launch.dryrun import predict
 
-    per_rank = run_distributed(_ladder, 2, corpus, cache_dir, tmp_path, timeout=400)
+    per_rank, tmp_path = ladder
     log = {name: per_rank[0][name][1] for name in ("own", "peer", "lost")}
     assert "resumed step 6 from memory" in log["own"], log["own"]
     assert "resumed step 6 from peer memory" in log["peer"], log["peer"]
@@ -133,54 +139,35 @@ def test_recovery_ladder_on_two_nodes(corpus, cache_dir, tmp_path, monkeypatch):
             sum(per_rank[1 - rank]["files"].values())
 
 
-def _agents(corpus, cache, out, fault, **extra):
-    """Two torchrun agents (one rank each) as two nodes with ``--max-restarts 1`` and
-    ``fault``; (return codes, outputs). Both sessions are killed on the way out."""
-    port, procs = _free_port(), []
+def _torchrun(corpus, cache, out, fault, **extra):
+    """One torchrun agent of two ranks, ``--max-restarts 1``, with ``fault``."""
+    cmd = [sys.executable, "-m", "threefold", "train", "--nproc-per-node", "2",
+           "--max-restarts", "1", *_args(corpus, cache, out, **extra)]
     env = {**_env(), "THREEFOLD_FAULT": fault}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
     try:
-        for node in range(2):
-            cmd = [sys.executable, "-m", "threefold", "train", "--nnodes", "2",
-                   "--nproc-per-node", "1", "--node-rank", str(node), "--max-restarts", "1",
-                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mem{port}",
-                   *_args(corpus, cache, out, **extra)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))
-            time.sleep(0.5)
-        outs = wait_agents(procs, timeout=300)
+        text = wait_agents([p], timeout=300)[0]
+        return p.returncode, text
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, 9)
-    return [p.returncode for p in procs], outs
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, 9)
 
 
 @pytest.mark.slow
-def test_killed_rank_resumes_from_memory(corpus, cache_dir, tmp_path):
+def test_killed_rank_resumes_from_memory(ladder, corpus, cache_dir, tmp_path):
     """kill:1:6 with memory checkpoints every 2 steps and storage every 3: memory's 4 is
-    newer than storage's 3, so the restart reads memory (the log says so) and the run ends
-    with the weights of ``test_recovery_ladder_on_two_nodes``'s uninterrupted run."""
+    newer than storage's 3, so the restart reads memory (the log says so; storage is not
+    read) and the run ends with the uninterrupted run's losses and weights, bit for bit."""
     out = tmp_path / "killed"
-    rcs, outs = _agents(corpus, cache_dir, out, "kill:1:6", train__steps=7,
-                        checkpoint__memory_dir=str(tmp_path / "mem{node}"), **BASE, **MEM)
-    text = "\n".join(outs)
-    assert rcs == [0, 0], text[-4000:]
+    rc, text = _torchrun(corpus, cache_dir, out, "kill:1:6", train__steps=7,
+                         checkpoint__memory_dir=str(tmp_path / "mem{node}"), **BASE, **MEM)
+    assert rc == 0, text[-4000:]
     assert "resumed step 4 from memory" in text, text[-4000:]
     s = json.loads((out / "summary.json").read_text())
-    assert s["restarts"] == 1 and s["resumed_from_step"] == 4
-    ref = tmp_path / "ref"  # the same layout uninterrupted, under the test launcher
-    run_distributed(_reference, 2, corpus, cache_dir, ref, timeout=300)
+    assert s["restarts"] == 1 and s["resumed_from_step"] == 4 and s["lost_steps"] == 1
+    ref = ladder[1] / "ref"
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
     a, b = _weights(out), _weights(ref)
     for kind in ("model", "optim"):
         assert all(torch.equal(a[kind][k], v) for k, v in b[kind].items()), kind
-
-
-def _reference(rank, world, corpus, cache, out):
-    from threefold.parallel.distributed_world import Distributed
-    from threefold.training.train import train
-
-    cfg = load_config(None, tiny_overrides(corpus, cache, out, train__steps=7, **BASE))
-    with contextlib.redirect_stdout(io.StringIO()):
-        train(cfg, Distributed(cfg))
