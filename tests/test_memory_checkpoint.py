@@ -127,7 +127,8 @@ def test_recovery_ladder_on_two_nodes(ladder, corpus, cache_dir, monkeypatch):
     assert not (tmp_path / "own-mem0").exists() and not (tmp_path / "own-mem1").exists()
     # the bytes: each rank's copy holds the dry run's tensor bytes; the replica's counted
     # bytes are the files it put on the other node
-    monkeypatch.setenv("THREEFOLD_GPUS_PER_NODE", "1")
+    monkeypatch.setenv("THREEFOLD_GPUS_PER_NODE", "1")  # two nodes of one rank, as above
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")  # no CPU probe: the bytes are the same
     cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "dry", **BASE, **MEM))
     m = predict(cfg, 2).memory_copy
     assert m.nodes == 2 and m.sent == m.own == m.peer

@@ -51,8 +51,9 @@ class MemorySaves:
         self.seconds = 0.0
 
     def after_step(self, step: int) -> None:
-        """After 0-based ``step`` (its storage checkpoint, if any, taken): commit the memory
-        save in flight, then start this step's if one is due."""
+        """After 0-based ``step``, before its storage checkpoint (a kill while storage is
+        written then finds the memory save in flight committed): commit the memory save in
+        flight, then start this step's if one is due."""
         if self.saver.pending_step is not None:
             self._commit()
         if (step + 1) % self.every == 0:

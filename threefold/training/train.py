@@ -204,9 +204,9 @@ def _loop(run: Run, preempt, return_run: bool):
             rec = log.record(step, loss, norm, extras, seconds,
                              validate=functools.partial(evaluate, run) if due else None)
             val_loss = rec.get("validation_loss", val_loss)
-            stop = _checkpoint_or_stop(run, preempt, step, log, saver)
-            if mem is not None and not stop:
+            if mem is not None:  # first: a failure in the storage save finds it committed
                 mem.after_step(step)
+            stop = _checkpoint_or_stop(run, preempt, step, log, saver)
         lay.check_collectives(f"step {step + 1}")
         if stop:
             preempted = {"step": step + 1}
