@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -109,6 +110,7 @@ def ladder(corpus, cache_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_recovery_ladder_on_two_nodes(ladder, corpus, cache_dir, monkeypatch):
     from threefold.launch.dryrun import predict
+    from threefold.launch.dryrun_report import memory_copy_line
 
     per_rank, tmp_path = ladder
     log = {name: per_rank[0][name][1] for name in ("own", "peer", "lost")}
@@ -131,7 +133,9 @@ def test_recovery_ladder_on_two_nodes(ladder, corpus, cache_dir, monkeypatch):
     monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")  # no CPU probe: the bytes are the same
     cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "dry", **BASE, **MEM))
     m = predict(cfg, 2).memory_copy
-    assert m.nodes == 2 and m.sent == m.own == m.peer
+    assert m.nodes == 2 and m.sent == m.own == m.peer and m.peak == 2 * (m.own + m.peer)
+    assert f"sends {m.sent / 1e6:.2f} MB ({m.sent:,} bytes of tensors) to node 1 every 2 " \
+        "steps" in memory_copy_line(m)
     for rank in (0, 1):
         mem = per_rank[rank]["x"][0]["memory"]
         assert mem["memory_checkpoint_tensor_bytes"] == per_rank[rank]["tensors"] == m.own
@@ -172,3 +176,27 @@ def test_killed_rank_resumes_from_memory(ladder, corpus, cache_dir, tmp_path):
     a, b = _weights(out), _weights(ref)
     for kind in ("model", "optim"):
         assert all(torch.equal(a[kind][k], v) for k, v in b[kind].items()), kind
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("checkpoint.memory_interval", "-1", "must be >= 0"),
+    ("checkpoint.memory_dir", "/dev/shm/x{rank}", "placeholder other than {node}")])
+def test_memory_fields_are_validated(field, value, needle, corpus, cache_dir, tmp_path):
+    from threefold.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"{field}: .*{re.escape(needle)}"):
+        load_config(None, tiny_overrides(corpus, cache_dir, tmp_path, **{
+            field.replace(".", "__"): value}))
+
+
+def test_unwritable_memory_dir_is_named_before_a_save(corpus, cache_dir, tmp_path):
+    from threefold.config import ConfigError
+    from threefold.training.train import train
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "o", train__steps=1,
+                                           checkpoint__memory_interval=1,
+                                           checkpoint__memory_dir=str(blocker / "m{node}")))
+    with pytest.raises(ConfigError, match=r"checkpoint\.memory_dir: .*node 0.*not a directory"):
+        train(cfg)

@@ -150,15 +150,16 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
 
 def memory_copy_line(m: MemoryCheckpoint) -> str:
     """The in-memory checkpoints' line: host memory kept and replica bytes sent."""
+    def size(x: float) -> str:  # a small model's copies would read 0.000 GB
+        return f"{_gb(x)} GB" if x >= 1e8 else f"{x / 1e6:.2f} MB"
     every = f"every {m.interval} step{'s' if m.interval > 1 else ''}"
+    head = f"checkpoint.memory_interval {m.interval}: rank 0 keeps {size(m.held)} in host memory"
     if m.nodes < 2:
-        return (f"checkpoint.memory_interval {m.interval}: rank 0 keeps {_gb(m.held)} GB in "
-                f"host memory (tmpfs: its own part; {_gb(m.peak)} while the next is written), "
-                "one node: no replica")
-    return (f"checkpoint.memory_interval {m.interval}: rank 0 keeps {_gb(m.held)} GB in host "
-            f"memory (tmpfs: its own part + its peer's; {_gb(m.peak)} while the next is "
-            f"written and sent), sends {_gb(m.sent)} GB ({m.sent:,} bytes of tensors) to node 1 "
-            f"{every} ({_gb(m.sent_per_step)} GB per step)")
+        return (f"{head} (tmpfs: its own part; {size(m.peak)} while the next is written), one "
+                "node: no replica")
+    return (f"{head} (tmpfs: its own part + its peer's; {size(m.peak)} while the next is "
+            f"written and sent), sends {size(m.sent)} ({m.sent:,} bytes of tensors) to node 1 "
+            f"{every} ({size(m.sent_per_step)} per step)")
 
 
 def peaks_known(work: Workload, hw: Hardware) -> bool:

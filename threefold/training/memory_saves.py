@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from threefold.config import ConfigError
+from threefold.weights.checkpoint import unwritable
 from threefold.weights.checkpoint_async import AsyncSaver
 from threefold.weights.checkpoint_memory import (REPLICA_AXIS, clear_memory, memory_root,
                                                  prune_below, replica_rings, send_replica)
@@ -46,6 +48,11 @@ class MemorySaves:
             lay.control.add_axis(REPLICA_AXIS, rings)
             self.comm = lay.control
         self.leader = self.group.is_leader(lay.rank)
+        why = unwritable(self.root) if self.leader else None
+        for node, bad in zip(self.group.node_of, self.group.all_gather(why)):
+            if bad:  # said now, not at the first commit
+                raise ConfigError(f"checkpoint.memory_dir: memory checkpoints of node {node} "
+                                  f"cannot be written: {bad}")
         if start == 0 and self.leader:  # nothing of an earlier run is resumed from
             clear_memory(self.root)
         self.seconds = 0.0
