@@ -239,6 +239,12 @@ class CheckpointConfig:
                   "is replaced by the node rank (torchrun's GROUP_RANK). Nodes need not share "
                   "it: each writes its own ranks' files and manifest part, rank 0's root gets "
                   "the index (the commit); a resume sends nodes the parts they lack")
+    memory_interval: int = _f(0, "also keep a checkpoint in host memory (memory_dir) every this "
+                              "many steps, each node's part replicated to the next node; a "
+                              "restart resumes from it before storage; 0 = off")
+    memory_dir: str = _f("", "where the in-memory checkpoints live (a tmpfs); empty = "
+                         "/dev/shm/threefold-<hash of the output dir>/node{node}; '{node}' is "
+                         "replaced by the node rank")
 
 
 @dataclass

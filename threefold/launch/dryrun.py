@@ -67,6 +67,7 @@ from threefold.plan.checkpoint_interval import planned_intervals
 from threefold.plan.cluster import Cluster
 from threefold.plan.compute import fp8_expert_note
 from threefold.plan.memory import memory_per_rank
+from threefold.plan.memory_copies import memory_checkpoint
 from threefold.plan.startup import startup_peaks
 from threefold.launch.engine_memory import engine_memory
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES, async_save_copy_bytes
@@ -237,7 +238,9 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
                         offload_bytes_per_step(mcfg, layout, work), parts.total if parts else 0,
                         parts, async_save_copy_bytes(cfg, owned, adapters), engine, server,
                         planned_intervals(cfg, world_size, adapters if cfg.lora.r else owned,
-                                          step.step_time_s) if step else ())
+                                          step.step_time_s) if step else (),
+                        memory_checkpoint(cfg, owned, adapters,
+                                          -(-world_size // cluster.gpus_per_node)))
 
 
 def _moe_note(mcfg: ModelConfig, layout, total: int, p) -> str:

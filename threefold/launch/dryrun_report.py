@@ -15,6 +15,7 @@ from threefold.plan.baseline import Baseline
 from threefold.plan.checkpoint_interval import IntervalChoice
 from threefold.plan.cluster import Cluster
 from threefold.plan.memory import MemoryBreakdown
+from threefold.plan.memory_copies import MemoryCheckpoint
 from threefold.plan.startup import StartupMemory
 from threefold.plan.step import StepPrediction
 from threefold.plan.terms import memory_terms
@@ -52,6 +53,7 @@ class DryRunResult:
     # the checkpoint intervals' costs (auto's choices) at the predicted step
     # (plan.checkpoint_interval): storage's, and host memory's where the run has one
     intervals: tuple[IntervalChoice, ...] = ()
+    memory_copy: MemoryCheckpoint | None = None  # checkpoint.memory_interval's figures
 
     @property
     def peaks(self) -> dict[str, float]:
@@ -142,6 +144,8 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
             "each save and holds it until written (the next step)"
             + (f": that step's peak is {_gb(pk['step'] + r.async_copy)}" if r.baseline else
                ""))
+    if r.memory_copy:
+        lines.append(memory_copy_line(r.memory_copy))
     if r.layout.offload_optimizer:
         per_node = r.cluster.gpus_per_node
         moved = r.offload_bytes or {"down": 0, "up": 0}
@@ -152,6 +156,20 @@ def _memory_lines(r: DryRunResult, fits: bool) -> list[str]:
             f"rank(s) of a node); device <-> host per step: gradients down "
             f"{moved['down']:,} bytes, parameters up {moved['up']:,} bytes")
     return lines
+
+
+def memory_copy_line(m: MemoryCheckpoint) -> str:
+    """The in-memory checkpoints' line: host memory kept and replica bytes sent."""
+    def size(x: float) -> str:  # a small model's copies would read 0.000 GB
+        return f"{_gb(x)} GB" if x >= 1e8 else f"{x / 1e6:.2f} MB"
+    every = f"every {m.interval} step{'s' if m.interval > 1 else ''}"
+    head = f"checkpoint.memory_interval {m.interval}: rank 0 keeps {size(m.held)} in host memory"
+    if m.nodes < 2:
+        return (f"{head} (tmpfs: its own part; {size(m.peak)} while the next is written), one "
+                "node: no replica")
+    return (f"{head} (tmpfs: its own part + its peer's; {size(m.peak)} while the next is "
+            f"written and sent), sends {size(m.sent)} ({m.sent:,} bytes of tensors) to node 1 "
+            f"{every} ({size(m.sent_per_step)} per step)")
 
 
 def peaks_known(work: Workload, hw: Hardware) -> bool:

@@ -98,7 +98,11 @@ def async_save_copy_bytes(cfg: Config, owned: int, adapters: int) -> int:
     owns (``owned``; replicated tensors are written by the first replica, which it is), or
     under LoRA its ``adapters`` only — and its RNG state. Persistent buffers (DeepSeek's
     routing bias) are not counted."""
-    if not cfg.checkpoint.async_save:
-        return 0
+    return checkpoint_shard_bytes(cfg, owned, adapters) if cfg.checkpoint.async_save else 0
+
+
+def checkpoint_shard_bytes(cfg: Config, owned: int, adapters: int) -> int:
+    """The tensor bytes one rank writes into a checkpoint: every element it owns, or under
+    LoRA its adapters only, with AdamW's moments, and its RNG state."""
     trained = adapters if cfg.lora.r else owned
     return trained * CHECKPOINT_BYTES_PER_PARAMETER + CPU_RNG_STATE_BYTES

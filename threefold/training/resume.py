@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,7 @@ from threefold.weights.checkpoint_verify import (CheckpointError, NodeGroup, com
     resolve_root)
 from threefold.weights.checkpoint import save_sharded, unwritable
 from threefold.weights.checkpoint_async import AsyncSaver
+from threefold.weights.checkpoint_memory import memory_ladder, memory_root
 from threefold.config import ConfigError
 from threefold.parallel.materialize import load_buffers
 from threefold.training.steps import lr_at
@@ -39,14 +41,17 @@ def node_group(lay) -> NodeGroup:
     return _GROUPS[lay]
 
 
-def save(run: Run, step: int, saver: AsyncSaver | None = None) -> None:
+def save(run: Run, step: int, saver: AsyncSaver | None = None, root: Path | None = None,
+         keep_last: int | None = None) -> None:
     """Collective: every rank writes what it holds into its node's checkpoint root; rank 0
     adds the run's state and, once every node's part is in place, the global index. With
     ``saver`` (``checkpoint.async_save``) the files are written in the background from a host
-    copy and the commit is ``saver.finish()``, which the caller runs at a point it fixes."""
+    copy and the commit is ``saver.finish()``, which the caller runs at a point it fixes.
+    ``root`` and ``keep_last``: another root than storage's (the in-memory checkpoints')."""
     lay = run.world
     group = node_group(lay)
-    ckroot = resolve_root(run.cfg.checkpoint.dir, run.out, group.node_of[lay.rank])
+    ckroot = root or resolve_root(run.cfg.checkpoint.dir, run.out, group.node_of[lay.rank])
+    keep = keep_last or run.cfg.checkpoint.keep_last
     state = None
     if lay.is_writer:
         state = {"step": step, "optim_step": run.engine.optim_step(),
@@ -56,12 +61,12 @@ def save(run: Run, step: int, saver: AsyncSaver | None = None) -> None:
     pieces, rng = lay.checkpoint_pieces(run.engine), {"cpu_rng": torch.get_rng_state()}
     with lay.phase(f"save {step}"):
         if saver is None:
-            save_sharded(ckroot, step, lay.rank, lay.world_size, pieces, rng, state,
-                         run.cfg.checkpoint.keep_last, lay.barrier, group)
+            save_sharded(ckroot, step, lay.rank, lay.world_size, pieces, rng, state, keep,
+                         lay.barrier, group)
         else:
-            saver.start(ckroot, step, lay.rank, lay.world_size, pieces, rng, state,
-                        run.cfg.checkpoint.keep_last, group)
-            run.memory["async_save_copy_bytes"] = saver.copy_bytes
+            saver.start(ckroot, step, lay.rank, lay.world_size, pieces, rng, state, keep, group)
+            if root is None:
+                run.memory["async_save_copy_bytes"] = saver.copy_bytes
 
 
 def finished_step(cfg, lay) -> int | None:
@@ -98,13 +103,22 @@ def resume(run: Run) -> int:
                               f"checkpoints (step {steps[-1]}); pass --checkpoint.resume true "
                               "to continue, or choose another --train.output_dir")
         return 0
-    if not steps:
+    root, step, where = ckroot, steps[-1] if steps else 0, "storage"
+    if c.memory_interval:  # the ladder: memory (own or the peer's copy) before storage
+        root = memory_root(c.memory_dir, run.out, group.node_of[lay.rank])
+        step, where, notes = memory_ladder(root, lay.rank, group, step)
+        root = ckroot if where == "storage" else root
+        for note in notes if lay.is_writer else ():
+            print(f"threefold: {note}", flush=True)
+    if not step:
         return 0
-    source, state, rng = open_sharded(ckroot, steps[-1], lay.rank, group)
+    source, state, rng = open_sharded(root, step, lay.rank, group)
+    if lay.is_writer:
+        print(f"threefold: resumed step {step} from {where}", flush=True)
     saved = state["model_config"]
     for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
         if saved[key] != getattr(run.model_cfg, key):
-            raise CheckpointError(f"checkpoint {steps[-1]}: model.{key}={saved[key]} but this "
+            raise CheckpointError(f"checkpoint {step}: model.{key}={saved[key]} but this "
                                   f"run has {getattr(run.model_cfg, key)}")
     # each rank reads the regions it holds, whatever layout wrote them
     run.engine.load_from(source, state["optim_step"])

@@ -26,6 +26,7 @@ from threefold.weights.model_source import choose_tokenizer, init_from_model, lo
 from threefold.parallel.world import SingleProcess
 from threefold.parallel.parallelize import parallelize
 from threefold.training.auto_interval import auto_interval
+from threefold.training.memory_saves import MemorySaves
 from threefold.training.preempt import Preemption
 from threefold.training.resume import finished_step, resume, save
 from threefold.training.run import Run, autocast, weights_source
@@ -192,6 +193,7 @@ def _loop(run: Run, preempt, return_run: bool):
     val_loss, loss, preempted = initial_val, float("nan"), None
     saver = AsyncSaver() if run.cfg.checkpoint.async_save else None
     auto = auto_interval(run, start)  # checkpoint.interval auto: decided as the run goes
+    mem = MemorySaves(run, start) if run.cfg.checkpoint.memory_interval else None
     wall0 = time.perf_counter()
     for step in range(start, t.steps):
         trace = [] if step + 1 == t.trace_step else None
@@ -205,6 +207,8 @@ def _loop(run: Run, preempt, return_run: bool):
                              validate=functools.partial(evaluate, run) if due else None)
             val_loss = rec.get("validation_loss", val_loss)
             saving = time.perf_counter()
+            if mem is not None:  # first: a failure in the storage save finds it committed
+                mem.after_step(step)
             stop = _checkpoint_or_stop(run, preempt, step, log, saver)
             if auto is not None:
                 auto.after_step(step, seconds, time.perf_counter() - saving, log.say)
@@ -221,6 +225,8 @@ def _loop(run: Run, preempt, return_run: bool):
         if c.save_final and not (c.interval and t.steps % c.interval == 0):
             with lay.phase(f"save {t.steps}"):
                 save(run, t.steps)
+    if mem is not None:  # its host memory given back once storage holds the final step
+        mem.close(release=not preempted and t.steps > start and run.cfg.checkpoint.save_final)
     with lay.phase("summary"):
         summary = log.summary(loss, val_loss, initial_val, wall, preempted)
     lay.close()

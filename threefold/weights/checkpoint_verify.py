@@ -169,6 +169,16 @@ def _check_part(path: Path, name: str, rec: dict) -> dict[str, dict]:
     return files
 
 
+def part_intact(path: Path, name: str, rec: dict) -> bool:
+    """Whether node part ``name`` (its index record ``rec``) and all its files are in ``path``
+    and match their digests (the in-memory checkpoints' recovery ladder asks each node)."""
+    try:
+        _check_part(path, name, rec)
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return True
+
+
 def verify_checkpoint(path: Path) -> dict[str, Any]:
     """Check the index, every node part and every file's size and SHA-256 in one directory
     (all parts present: a shared filesystem, or the nodes' parts copied together); return
