@@ -33,7 +33,9 @@ With ``parallel.offload_optimizer`` the report adds host memory per rank (and pe
 ranks of a node sharing it) apart from the device's, and the bytes each rank moves between
 device and host per step. With ``checkpoint.async_save`` it adds the host copy rank 0 holds
 while a save is written in the background (``async_save_copy_bytes``; on a CPU that copy is on
-top of the peak of the step it overlaps).
+top of the peak of the step it overlaps). With ``checkpoint.memory_interval`` it adds the host
+memory rank 0's in-memory checkpoints keep (its part and, on several nodes, its peer's) and the
+bytes its replica sends to the next node (``threefold.plan.memory_copies``).
 """
 
 from __future__ import annotations
