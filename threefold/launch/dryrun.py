@@ -35,7 +35,10 @@ device and host per step. With ``checkpoint.async_save`` it adds the host copy r
 while a save is written in the background (``async_save_copy_bytes``; on a CPU that copy is on
 top of the peak of the step it overlaps). With ``checkpoint.interval`` (auto or a count) it adds
 the interval's cost at the predicted step: work lost per failure, save overhead, goodput
-(``threefold.plan.checkpoint_interval``).
+(``threefold.plan.checkpoint_interval``). With
+``checkpoint.memory_interval`` it adds the host memory rank 0's in-memory checkpoints keep (its
+part and, on several nodes, its peer's) and the bytes its replica sends to the next node
+(``threefold.plan.memory_copies``).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ wins, since reading it costs no storage traffic.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -144,6 +145,9 @@ def clear_memory(root: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
     if not any(root.iterdir()):
         root.rmdir()
+        if root.parent.name.startswith("threefold-"):  # the default's run folder, once empty
+            with contextlib.suppress(OSError):  # (another node's folder may still be in it)
+                root.parent.rmdir()
 
 
 # --------------------------------------------------------------------------------------------
