@@ -150,14 +150,37 @@ def test_plan_explain_gives_each_layout_its_interval(capsys):
                                                rel=0.01)
 
 
-def test_memory_interval_auto_is_costed_at_a_host_copys_rate():
-    """Where the run has ``checkpoint.memory_interval`` (set here as the attribute, whichever
-    branch defines the field) and it says auto, it gets its own optimum: the same bytes at
+def test_memory_interval_auto_is_costed_at_a_host_copys_rate(monkeypatch):
+    """``checkpoint.memory_interval auto`` gets its own optimum: the same bytes at
     HOST_COPY_GBPS instead of the storage's bandwidth, so a shorter interval."""
-    cfg = _tiny(("checkpoint.interval", "auto"), ("checkpoint.write_gbps", "0.1"))
-    cfg.checkpoint.memory_interval = "auto"
+    cfg = _tiny(("checkpoint.interval", "auto"), ("checkpoint.write_gbps", "0.1"),
+                ("checkpoint.memory_interval", "auto"))
     storage, memory = planned_intervals(cfg, 8, 10**6, 0.01)
     assert memory.field == "checkpoint.memory_interval" and "memory checkpoint" in memory.line()
     assert memory.save_s == pytest.approx(storage.save_s * 0.1 / HOST_COPY_GBPS)
     assert memory.steps == round(daly_interval(memory.save_s, storage.mtbf_s) / 0.01)
     assert memory.steps < storage.steps
+    # the dry run's host-memory line is for the count auto chose
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    r = predict(cfg, 4)
+    chosen = next(i for i in r.intervals if i.field == "checkpoint.memory_interval")
+    assert r.memory_copy is not None and r.memory_copy.interval == chosen.steps > 0
+
+
+def test_a_run_keeps_memory_checkpoints_at_the_interval_auto_chose(corpus, cache_dir, tmp_path,
+                                                                  capsys):
+    """``checkpoint.memory_interval auto`` with storage saves off: the count is decided after
+    step 2 from a copy's predicted cost (a failure every 0.07 s: every step), and the memory
+    checkpoints kept are the newest multiples of it."""
+    out, mem, steps = tmp_path / "run", tmp_path / "mem", 5
+    cfg = load_config(None, tiny_overrides(
+        corpus, cache_dir, out, train__steps=steps, checkpoint__memory_interval="auto",
+        checkpoint__memory_dir=str(mem), checkpoint__mtbf_hours="2e-5",
+        checkpoint__save_final="false"))
+    train(cfg)
+    said = re.findall(r"step +(\d+) memory checkpoint interval: (\d+) steps",
+                      capsys.readouterr().out)
+    assert said == [("2", "1")] and cfg.checkpoint.memory_interval == 1
+    assert cfg.checkpoint.interval == 0  # storage's count untouched
+    assert list_checkpoints(mem)[-1] == steps  # steps 3.. kept in memory, the newest last
+    assert not (out / "checkpoints").exists() or not list_checkpoints(out / "checkpoints")

@@ -179,7 +179,7 @@ def test_killed_rank_resumes_from_memory(ladder, corpus, cache_dir, tmp_path):
 
 
 @pytest.mark.parametrize("field,value,needle", [
-    ("checkpoint.memory_interval", "-1", "must be >= 0"),
+    ("checkpoint.memory_interval", "-1", "must be a step count >= 0"),
     ("checkpoint.memory_dir", "/dev/shm/x{rank}", "placeholder other than {node}")])
 def test_memory_fields_are_validated(field, value, needle, corpus, cache_dir, tmp_path):
     from threefold.config import ConfigError

@@ -239,9 +239,11 @@ class CheckpointConfig:
                   "is replaced by the node rank (torchrun's GROUP_RANK). Nodes need not share "
                   "it: each writes its own ranks' files and manifest part, rank 0's root gets "
                   "the index (the commit); a resume sends nodes the parts they lack")
-    memory_interval: int = _f(0, "also keep a checkpoint in host memory (memory_dir) every this "
-                              "many steps, each node's part replicated to the next node; a "
-                              "restart resumes from it before storage; 0 = off")
+    memory_interval: int | str = _f(0, "also keep a checkpoint in host memory (memory_dir) "
+                                    "every this many steps, each node's part replicated to "
+                                    "the next node; a restart resumes from it before storage; "
+                                    "0 = off; auto = the failure rate's optimum for a copy "
+                                    "into host memory (as checkpoint.interval auto)")
     memory_dir: str = _f("", "where the in-memory checkpoints live (a tmpfs); empty = "
                          "/dev/shm/threefold-<hash of the output dir>/node{node}; '{node}' is "
                          "replaced by the node rank")

@@ -254,8 +254,10 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
     _need(c.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {c.keep_last}")
     _need("{" not in c.dir.replace("{node}", "") and "}" not in c.dir.replace("{node}", ""),
           f"checkpoint.dir: '{c.dir}' has a placeholder other than {{node}}")
-    _need(c.memory_interval >= 0,
-          f"checkpoint.memory_interval: must be >= 0 (0 = off), got {c.memory_interval}")
+    _need(c.memory_interval == "auto"
+          or (isinstance(c.memory_interval, int) and c.memory_interval >= 0),
+          "checkpoint.memory_interval: must be a step count >= 0 (0 = off) or auto, got "
+          f"{c.memory_interval!r}")
     _need("{" not in c.memory_dir.replace("{node}", "")
           and "}" not in c.memory_dir.replace("{node}", ""),
           f"checkpoint.memory_dir: '{c.memory_dir}' has a placeholder other than {{node}}")

@@ -204,16 +204,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
                            "from threefold.model.decoder / parallel.tensor / parallel.pipeline")
     owned = owned_parameters(mcfg, layout, 0)
     if layout.pp > 1:
-        counts = pipeline_layers(mcfg, layout)
-        notes.append("pipeline blocks per virtual stage: " + ", ".join(map(str, counts))
-                     + f" (parallel.pipeline_split {p.pipeline_split}); parameters per rank "
-                     + ", ".join(short_count(stage_parameters(mcfg, layout, st))
-                                 for st in range(layout.pp)))
-        if schedule_spec(p.schedule).split_backward and cfg.train.recompute_mode != "none":
-            notes.append(f"{p.schedule} with activation checkpointing: each W (weight "
-                         "gradients) recomputes its blocks once per weight it splits off (up to "
-                         "9 per Llama block: a separate autograd call each), not counted in the "
-                         "step time below; 1f1b recomputes each block once")
+        notes += _pipeline_notes(cfg, mcfg, layout)
     cluster, source = choose_hardware(cfg, world_size)
     on_cpu = source.startswith(("this CPU", "calibration"))
     work = dataclasses.replace(
@@ -234,16 +225,35 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
         notes.append(heap_note(cfg.train.host_mmap_threshold_mb))
     parts = run_baseline(cfg, layout.dp * layout.cp, mcfg.vocab_size, _cpu_threads(world_size),
                          task) if on_cpu else None
+    intervals = planned_intervals(cfg, world_size, adapters if cfg.lora.r else owned,
+                                  step.step_time_s) if step else ()
     engine, server = engine_memory(cfg, mcfg, task, notes, on_cpu, _cpu_threads(world_size),
                                    parts.process if parts else 0)
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm, notes, startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work), parts.total if parts else 0,
                         parts, async_save_copy_bytes(cfg, owned, adapters), engine, server,
-                        planned_intervals(cfg, world_size, adapters if cfg.lora.r else owned,
-                                          step.step_time_s) if step else (),
-                        memory_checkpoint(cfg, owned, adapters,
-                                          -(-world_size // cluster.gpus_per_node)))
+                        intervals, memory_checkpoint(
+                            cfg, owned, adapters, -(-world_size // cluster.gpus_per_node),
+                            auto_steps=next((i.steps for i in intervals
+                                             if i.field == "checkpoint.memory_interval"), 0)))
+
+
+def _pipeline_notes(cfg: Config, mcfg: ModelConfig, layout) -> list[str]:
+    """A pipeline's notes: blocks per virtual stage, parameters per rank, and what a
+    zero-bubble schedule recomputes under activation checkpointing."""
+    p = cfg.parallel
+    counts = pipeline_layers(mcfg, layout)
+    out = ["pipeline blocks per virtual stage: " + ", ".join(map(str, counts))
+           + f" (parallel.pipeline_split {p.pipeline_split}); parameters per rank "
+           + ", ".join(short_count(stage_parameters(mcfg, layout, st))
+                       for st in range(layout.pp))]
+    if schedule_spec(p.schedule).split_backward and cfg.train.recompute_mode != "none":
+        out.append(f"{p.schedule} with activation checkpointing: each W (weight "
+                   "gradients) recomputes its blocks once per weight it splits off (up to "
+                   "9 per Llama block: a separate autograd call each), not counted in the "
+                   "step time below; 1f1b recomputes each block once")
+    return out
 
 
 def _moe_note(mcfg: ModelConfig, layout, total: int, p) -> str:

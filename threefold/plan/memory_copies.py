@@ -46,11 +46,14 @@ class MemoryCheckpoint:
 
 
 def memory_checkpoint(cfg: Config, owned: int, adapters: int, nodes: int,
-                      peer_owned: int | None = None) -> MemoryCheckpoint | None:
+                      peer_owned: int | None = None, auto_steps: int = 0
+                      ) -> MemoryCheckpoint | None:
     """The figures of rank 0 (owning ``owned`` elements, ``adapters`` under LoRA) on
     ``nodes`` nodes; ``peer_owned``: what its peer on the previous node owns (default the
-    same: ZeRO's equal shards). None when ``checkpoint.memory_interval`` is off."""
+    same: ZeRO's equal shards); ``auto_steps``: the count ``checkpoint.memory_interval auto``
+    chose. None when ``checkpoint.memory_interval`` is off (or auto, with no choice)."""
     every = cfg.checkpoint.memory_interval
+    every = auto_steps if every == "auto" else every
     if not every:
         return None
     own = checkpoint_shard_bytes(cfg, owned, adapters)

@@ -32,7 +32,9 @@ class AutoInterval:
     def __init__(self, run: Run, start: int):
         self.run, self.decide_at = run, min(start + 1, run.cfg.train.steps - 1)
         self.retuned, self.start, self.timed = False, start, []
-        run.cfg.checkpoint.interval = 0  # no save is due before the first decision
+        self.storage = run.cfg.checkpoint.interval == "auto"  # else only memory_interval is
+        if self.storage:
+            run.cfg.checkpoint.interval = 0  # no save is due before the first decision
 
     def after_step(self, step: int, step_s: float, checkpoint_s: float, say) -> None:
         """After step ``step`` (0-based) took ``step_s`` and its checkpoint work
@@ -46,6 +48,10 @@ class AutoInterval:
             save_s = predicted_save_s(written, c.write_gbps)
             how = f"a save predicted at checkpoint.write_gbps {c.write_gbps:g}"
             self._memory_interval(step, step_s, written, say)
+            if not self.storage:
+                return
+        elif not self.storage:
+            return
         elif not self.retuned and c.interval and (step + 1) % c.interval == 0 \
                 and step > self.decide_at:
             step_s, save_s = self._rank0((step_s, checkpoint_s))
@@ -57,10 +63,10 @@ class AutoInterval:
         say(f"step {step + 1:>6} {choice.line(f'step {step + 1} measured, {how}')}")
 
     def _memory_interval(self, step: int, step_s: float, written: int, say) -> None:
-        """``checkpoint.memory_interval auto`` (where the field exists and says so): the same
+        """``checkpoint.memory_interval auto``: the same
         optimum for a save into host memory, its cost predicted at ``HOST_COPY_GBPS``."""
         c = self.run.cfg.checkpoint
-        if getattr(c, "memory_interval", 0) != "auto":
+        if c.memory_interval != "auto":
             return
         choice = choose_interval(predicted_save_s(written, HOST_COPY_GBPS), step_s,
                                  self._mtbf_hours(), c.restart_s,
@@ -84,7 +90,9 @@ class AutoInterval:
 
 def auto_interval(run: Run, start: int) -> AutoInterval | None:
     """Called once at start-up: the decisions of ``checkpoint.interval auto`` for a session
-    starting at step ``start``; None for a set interval (or no step left)."""
-    if run.cfg.checkpoint.interval != "auto" or start >= run.cfg.train.steps:
+    starting at step ``start`` (and of ``checkpoint.memory_interval auto``); None where
+    neither is auto (or no step is left)."""
+    c = run.cfg.checkpoint
+    if "auto" not in (c.interval, c.memory_interval) or start >= run.cfg.train.steps:
         return None
     return AutoInterval(run, start)

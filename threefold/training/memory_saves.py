@@ -36,7 +36,7 @@ class MemorySaves:
 
     def __init__(self, run: Run, start: int):
         lay = run.world
-        self.run, self.every = run, run.cfg.checkpoint.memory_interval
+        self.run = run
         self.group = node_group(lay)
         self.rank = lay.rank
         self.root = memory_root(run.cfg.checkpoint.memory_dir, run.out,
@@ -63,7 +63,8 @@ class MemorySaves:
         flight, then start this step's if one is due."""
         if self.saver.pending_step is not None:
             self._commit()
-        if (step + 1) % self.every == 0:
+        every = self.run.cfg.checkpoint.memory_interval  # auto: a count once decided
+        if isinstance(every, int) and every > 0 and (step + 1) % every == 0:
             t0 = time.perf_counter()
             save(self.run, step + 1, self.saver, root=self.root, keep_last=KEEP)
             self.seconds = time.perf_counter() - t0
