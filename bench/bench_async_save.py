@@ -34,7 +34,6 @@ holds (``copy_gb``) is what ``threefold train --dry-run`` predicts for the same 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -44,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import report  # noqa: E402
+from bench.common import save_bench_args, report  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 import threefold.training.train as tt  # noqa: E402
 
@@ -103,16 +102,7 @@ def measure(work: Path, args, mode: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=13)
-    ap.add_argument("--interval", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--dir", type=Path, default=None, help="where the checkpoints go")
-    args = ap.parse_args()
+    args = save_bench_args(__doc__.splitlines()[0], "where the checkpoints go")
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="bench_async_save_")
     work = args.dir or Path(tmp.name)
     rows = []

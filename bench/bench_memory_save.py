@@ -20,7 +20,6 @@ reported is storage's stall ÷ memory's (the goal is > 1).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import report  # noqa: E402
+from bench.common import save_bench_args, report  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 import threefold.training.train as tt  # noqa: E402
 from threefold.training.memory_saves import MemorySaves  # noqa: E402
@@ -88,16 +87,7 @@ def measure(work: Path, args, mode: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=13)
-    ap.add_argument("--interval", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--dir", type=Path, default=None, help="where storage checkpoints go")
-    args = ap.parse_args()
+    args = save_bench_args(__doc__.splitlines()[0], "where storage checkpoints go")
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="bench_memory_save_")
     work = args.dir or Path(tmp.name)
     rows = []

@@ -179,3 +179,22 @@ def tp_rank(args):
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(mcfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
     return env, dims, mesh, mcfg, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def save_bench_args(description: str, dir_help: str):
+    """The options of the checkpoint-save benchmarks (bench_async_save, bench_memory_save):
+    rounds of a ``--steps`` run of a ``--hidden`` x ``--layers`` model saving every
+    ``--interval`` steps into ``--dir`` (a temporary directory unless given)."""
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=13)
+    ap.add_argument("--interval", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--dir", type=Path, default=None, help=dir_help)
+    return ap.parse_args()
