@@ -21,6 +21,7 @@ from pathlib import Path
 
 from threefold.config import ConfigError, load_config
 from threefold.layout import Layout, validate_layout
+from threefold.launch.elastic import elastic_argv, replan_for_world
 from threefold.launch.slurm import slurm_launch_flags
 from threefold.comm.topology import Topology
 
@@ -115,7 +116,9 @@ def check_launch(cfg, nproc: int | None, launcher: list[str]) -> int:
     world = world_size_for(nproc, launcher)
     if nproc and not cfg.parallel.gpus_per_node and "LOCAL_WORLD_SIZE" not in os.environ:
         cfg.parallel.gpus_per_node = nproc  # what each worker reads from LOCAL_WORLD_SIZE
-    check_launch_layout(cfg, world)
+    # an elastic worker checks the layout it was configured with: its own world is re-planned
+    # when it starts (threefold.launch.elastic)
+    check_launch_layout(cfg, cfg.parallel.elastic_world or world)
     for line in node_span_warnings(cfg, world, nproc):
         print(line, file=sys.stderr)
     return world
@@ -252,6 +255,7 @@ def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list
         except (ConfigError, ValueError) as e:
             return fail(str(e))
     if nproc is not None and "LOCAL_RANK" not in os.environ:
+        argv = elastic_argv(cfg, nproc, launcher, argv)
         return launch(nproc, launcher, argv, target, cfg.train.preemption_grace_s,
                       cfg.train.output_dir)
     return run()
@@ -274,10 +278,20 @@ def run_training(cfg, make_task=None) -> int:
 
 
 def world_from_env(cfg):
-    """The layout of this process: ``Distributed`` under torchrun (WORLD_SIZE > 1), else
-    None (one process)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
+    """The layout of this process: ``Distributed`` under torchrun (WORLD_SIZE > 1), else one
+    process (which under torchrun knows its restarts: a restarted run resumes). Under an
+    elastic launch a world of another size first re-plans ``cfg``'s layout
+    (``threefold.launch.elastic``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    line = replan_for_world(cfg, world)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"threefold: {line}", flush=True)
+    if world <= 1:
+        from threefold.parallel.world import SingleProcess
+
+        single = SingleProcess()
+        single.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        return single
     # torch.distributed, imported only here: see the module docstring
     from threefold.parallel.distributed_world import Distributed
 
