@@ -111,6 +111,20 @@ def elastic_argv(cfg: Config, nproc: int, launcher: list[str], argv: list[str]) 
     return [*argv, "--parallel.elastic_world", str(world), "--checkpoint.resume", "true"]
 
 
+def elastic_env(launcher: list[str]) -> dict[str, str] | None:
+    """torchrun's environment for an elastic launch (None: this process's, unchanged).
+
+    With its default, the rendezvous shares the agent's TCP store with the workers, and an
+    agent that stays rank 0 keeps the store's address from the first round without writing it
+    again for the next: a node that joins later waits for that address for good (measured:
+    torch 2.13, two agents; the workers of both wait 60 s, then fail). Without sharing
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) every round publishes a fresh address and the
+    workers' rank 0 hosts their store (``threefold.comm.distributed``)."""
+    if elastic_nodes(launcher) is None or "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in os.environ:
+        return None
+    return {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def set_layout(cfg: Config, lay: Layout) -> None:
     """Write ``lay`` into ``cfg``'s parallel section and the loop's micro-batch and recompute
     (the inverse of ``Layout.from_config``)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from threefold.config import ConfigError, load_config
 from threefold.layout import Layout, validate_layout
-from threefold.launch.elastic import elastic_argv, replan_for_world
+from threefold.launch.elastic import elastic_argv, elastic_env, replan_for_world
 from threefold.launch.slurm import slurm_launch_flags
 from threefold.comm.topology import Topology
 
@@ -216,7 +216,7 @@ def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str],
     if grace_s > 0 and not any(a.startswith("--shutdown") for a in launcher) \
             and torchrun_accepts("--shutdown-timeout"):
         cmd += [f"--shutdown-timeout={int(grace_s) + 15}"]
-    proc = subprocess.Popen(cmd + launcher + ["-m", *target] + args)
+    proc = subprocess.Popen(cmd + launcher + ["-m", *target] + args, env=elastic_env(launcher))
     signalled: list[float] = []
 
     def forward(signum, _frame):
