@@ -55,6 +55,21 @@ def test_replan_keeps_the_global_batch(corpus, cache_dir, tmp_path):
     assert full.to_dict() == _cfg(corpus, cache_dir, tmp_path, **over).to_dict()
 
 
+def test_replan_on_named_hardware(corpus, cache_dir, tmp_path, monkeypatch):
+    """``THREEFOLD_HARDWARE`` (as the dry run reads it) sets the figures the re-plan ranks by;
+    every rank reading the same variable picks the same layout."""
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    monkeypatch.setenv("THREEFOLD_GPUS_PER_NODE", "8")
+    over = dict(parallel__dp_shard=8, parallel__elastic_world=8, train__micro_batch_size=1)
+    lines = []
+    for _ in range(2):
+        cfg = _cfg(corpus, cache_dir, tmp_path, **over)
+        lines.append(replan_for_world(cfg, 4))
+        assert Layout.from_config(cfg, 4).world_size == 4
+    assert lines[0] == lines[1] and lines[0].startswith("elastic: 8 -> 4 ranks: layout ")
+    assert lines[0].endswith("s/step (catalogue (THREEFOLD_HARDWARE))")
+
+
 def test_replan_refuses_in_one_line(corpus, cache_dir, tmp_path):
     """No layout fits the per-rank memory, or none divides the batch and the model: one line
     naming the field and what to do."""

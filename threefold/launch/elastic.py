@@ -43,6 +43,7 @@ KNOBS = ("tp", "pp", "vpp", "cp", "ep", "dp_replicate", "zero_stage", "microbatc
 # this CPU's matmul rate as the re-plan assumes it: a fixed figure (a measurement would differ
 # between ranks, which must all choose the same layout); it scales the predicted step time
 NOMINAL_CPU_FLOPS = 2e10
+NOMINAL_GPU_FLOPS = 4e14  # bf16, for a GPU the catalogue does not know (fp32: an eighth)
 
 
 @dataclass(frozen=True)
@@ -205,10 +206,17 @@ def planning_cluster(cfg: Config, world: int):
 
     import torch
 
-    if os.environ.get(ENV_HARDWARE) or (cfg.train.device != "cpu" and torch.cuda.is_available()):
-        return choose_hardware(cfg, world)
-    per_node = max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE") or world)))
     precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
+    if os.environ.get(ENV_HARDWARE) or (cfg.train.device != "cpu" and torch.cuda.is_available()):
+        cluster, source = choose_hardware(cfg, world)
+        if cluster.hardware.peak_flops(precision):
+            return cluster, source
+        # a GPU the catalogue lacks: its memory is known, its rate only ranks the layouts
+        hw = cluster.hardware.with_overrides(peak_flops_16bit=NOMINAL_GPU_FLOPS,
+                                             peak_flops_fp32=NOMINAL_GPU_FLOPS / 8)
+        return (Cluster(hw, world, cluster.gpus_per_node),
+                f"{source}, {NOMINAL_GPU_FLOPS / 1e12:.0f} TFLOP/s assumed")
+    per_node = max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE") or world)))
     hw = Hardware.measured("this cpu", peak_flops=NOMINAL_CPU_FLOPS, bandwidth=LOOPBACK_BANDWIDTH,
                            latency_s=LOOPBACK_LATENCY_S, memory_bytes=machine_ram() / per_node,
                            precision=precision)
