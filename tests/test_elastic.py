@@ -147,8 +147,7 @@ def test_node_lost_then_back(corpus, cache_dir, tmp_path):
     layout. Every step's loss equals the uninterrupted single process's (``REL``)."""
     over = dict(train__steps=6, checkpoint__interval=2, parallel__dp_shard=2,
                 parallel__zero_stage=2, train__micro_batch_size=4)
-    ref = tmp_path / "ref"  # one process, the same global batch
-    train(_cfg(corpus, cache_dir, ref, **{**over, "parallel__dp_shard": -1}))
+    ref = tmp_path / "ref"  # one process, the same global batch: run while the agents start
     out, port = tmp_path / "run", _free_port()
     killed, go = tmp_path / "killed", tmp_path / "go"
     env = dict(_env(), LOGLEVEL="INFO",  # torchrun's agent says when it sees a node waiting
@@ -175,6 +174,7 @@ def test_node_lost_then_back(corpus, cache_dir, tmp_path):
         procs.append(node(1, logs[1]))  # node 1 first, so that the first round has both
         time.sleep(0.3)
         procs.insert(0, node(0, logs[0]))
+        train(_cfg(corpus, cache_dir, ref, **{**over, "parallel__dp_shard": -1}))
         _wait_for(lambda: 2 in list_checkpoints(out / "checkpoints"), 120,
                   "checkpoint 2 of the two-node run", logs)
         _kill_node(procs[1])
