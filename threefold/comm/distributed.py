@@ -7,7 +7,9 @@ store whose keys are prefixed per restart attempt. A world of one starts no proc
 
 Why the per-attempt prefix: when torchrun restarts workers, a second attempt that reuses the
 first attempt's keys in the agent's store sees stale addresses; with two launchers this failed
-every time, and prefixing the keys with the attempt number fixed it (3 of 3 runs passed).
+every time, and prefixing the keys with the attempt number fixed it (3 of 3 runs passed). A
+store of the workers' own (torchrun without the shared store, as an elastic launch runs it) is
+new every attempt and takes no prefix: the nodes of one attempt may count different restarts.
 
 This module holds no state: the process group is torch's, and everything above it reaches
 groups through the mesh (``threefold.comm.mesh``) and the communication layer
@@ -123,7 +125,12 @@ def init_distributed(timeout_s: float = 600.0, device: str = "auto", trace_buf_s
             Path(trace_dir).mkdir(parents=True, exist_ok=True)
     timeout = timedelta(seconds=timeout_s)
     _import_before_the_group()
-    store = dist.PrefixStore(f"threefold/attempt{restart}", _store(rank, world, timeout))
+    # the agent's store outlives an attempt, so its keys are prefixed per attempt; without it
+    # (an elastic launch) each round's rank 0 hosts a fresh store, on which a node that joins
+    # a grown group (restart count 0, the survivors' higher) must meet the others' keys
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.PrefixStore(f"threefold/attempt{restart}" if agent else "threefold",
+                             _store(rank, world, timeout))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=dev if dev.type == "cuda" else None)
     return DistEnv(rank, world, local_rank, dev, _name(dev), restart)

@@ -11,11 +11,13 @@ variable so that no test-only code path changes what a normal run does.
   checkpoint of step STEP (a slow disk; under ``checkpoint.async_save`` the background writer
   sleeps, and the save is still in flight when the next one is due);
 - ``term:RANK:STEP`` — that rank's process gets SIGTERM (a preemption notice) before step STEP;
+- ``hold:RANK:STEP:PATH`` — that rank waits before step STEP until the file PATH exists (at
+  most ``HOLD_S``): a test holds a run at a step until something outside it has happened;
 - ``extra:RANK:AXIS`` — at the end of start-up that rank issues one all-reduce on AXIS that its
   peers do not (a desynchronised group, which the collective check and the hang report name).
 
 Kills, terms and extras fire on the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a run
-restarted by torchrun goes on; stalls and slow saves fire on every attempt.
+restarted by torchrun goes on; stalls, holds and slow saves fire on every attempt.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 import torch
 
 ENV = "THREEFOLD_FAULT"
+HOLD_S = 120.0
 
 
 def _faults() -> list[tuple[str, list[str]]]:
@@ -45,11 +48,15 @@ def _first_attempt() -> bool:
 def at_step(rank: int, step: int) -> None:
     """Called by every rank before 0-based ``step``: fire the faults named for it."""
     for kind, args in _faults():
-        if kind not in ("kill", "stall", "term") or int(args[0]) != rank \
+        if kind not in ("kill", "stall", "term", "hold") or int(args[0]) != rank \
                 or int(args[1]) != step + 1:
             continue
         if kind == "stall":
             time.sleep(float(args[2]))
+        elif kind == "hold":
+            deadline = time.monotonic() + HOLD_S
+            while not os.path.exists(":".join(args[2:])) and time.monotonic() < deadline:
+                time.sleep(0.05)
         elif kind == "kill" and _first_attempt():
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "term" and _first_attempt():

@@ -143,6 +143,10 @@ class ParallelConfig:
                          "column-parallel matmuls and each reduce-scatter after the row-parallel "
                          "ones into this many chunks, each overlapping the neighbouring chunk's "
                          "matmul (async TP); 0 or 1 = off")
+    elastic_world: int = _f(0, "the world size this section describes under an elastic launch "
+                            "(--nnodes MIN:MAX sets MAX × --nproc-per-node): a run that starts on "
+                            "another number of ranks re-plans its layout with the planner, "
+                            "keeping the global batch; 0 = no re-plan")
     trace_buf_size: int = _f(20000, "CUDA: entries of NCCL's flight recorder per rank (dumped "
                              "to OUTPUT_DIR/comm_traces/ when a collective times out); 0 = off")
 

@@ -176,6 +176,8 @@ def _check_parallel(p: ParallelConfig, t: TrainConfig) -> None:
     _need(p.gpus_per_node >= 0, f"parallel.gpus_per_node: must be >= 0 (0 = the launcher's "
           f"--nproc-per-node), got {p.gpus_per_node}")
     _one_of("parallel.cp_balance", p.cp_balance, list(CP_BALANCES))
+    _need(p.elastic_world >= 0, f"parallel.elastic_world: must be >= 0 (0 = no re-plan), got "
+          f"{p.elastic_world}")
     _need(t.mlp_tiles >= 1, f"train.mlp_tiles: must be >= 1 (1 = untiled), got {t.mlp_tiles}")
     p.pipeline_split = p.pipeline_split.replace(" ", "")  # "7, 9, 9, 7" as "7,9,9,7"
     _need(p.pipeline_split in ("params", "flops", "uniform")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from threefold.config import ConfigError, load_config
 from threefold.layout import Layout, validate_layout
+from threefold.launch.elastic import elastic_argv, elastic_env, replan_for_world
 from threefold.launch.slurm import slurm_launch_flags
 from threefold.comm.topology import Topology
 
@@ -115,7 +116,9 @@ def check_launch(cfg, nproc: int | None, launcher: list[str]) -> int:
     world = world_size_for(nproc, launcher)
     if nproc and not cfg.parallel.gpus_per_node and "LOCAL_WORLD_SIZE" not in os.environ:
         cfg.parallel.gpus_per_node = nproc  # what each worker reads from LOCAL_WORLD_SIZE
-    check_launch_layout(cfg, world)
+    # an elastic worker checks the layout it was configured with: its own world is re-planned
+    # when it starts (threefold.launch.elastic)
+    check_launch_layout(cfg, cfg.parallel.elastic_world or world)
     for line in node_span_warnings(cfg, world, nproc):
         print(line, file=sys.stderr)
     return world
@@ -213,7 +216,7 @@ def launch(nproc: int, launcher: list[str], argv: list[str], target: list[str],
     if grace_s > 0 and not any(a.startswith("--shutdown") for a in launcher) \
             and torchrun_accepts("--shutdown-timeout"):
         cmd += [f"--shutdown-timeout={int(grace_s) + 15}"]
-    proc = subprocess.Popen(cmd + launcher + ["-m", *target] + args)
+    proc = subprocess.Popen(cmd + launcher + ["-m", *target] + args, env=elastic_env(launcher))
     signalled: list[float] = []
 
     def forward(signum, _frame):
@@ -252,6 +255,7 @@ def dispatch(cfg, world: int, nproc: int | None, launcher: list[str], argv: list
         except (ConfigError, ValueError) as e:
             return fail(str(e))
     if nproc is not None and "LOCAL_RANK" not in os.environ:
+        argv = elastic_argv(cfg, nproc, launcher, argv)
         return launch(nproc, launcher, argv, target, cfg.train.preemption_grace_s,
                       cfg.train.output_dir)
     return run()
@@ -274,17 +278,26 @@ def run_training(cfg, make_task=None) -> int:
 
 
 def world_from_env(cfg):
-    """The layout of this process: ``Distributed`` under torchrun (WORLD_SIZE > 1), else
-    None (one process); one replica group of several under ``ft.lighthouse``."""
-    world = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    """The layout of this process: ``Distributed`` under torchrun (WORLD_SIZE > 1), else one
+    process (which under torchrun knows its restarts: a restarted run resumes); one replica
+    group of several under ``ft.lighthouse``. Under an elastic launch a world of another size
+    first re-plans ``cfg``'s layout (``threefold.launch.elastic``)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    line = replan_for_world(cfg, size)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"threefold: {line}", flush=True)
+    if size <= 1:
+        from threefold.parallel.world import SingleProcess
+
+        world = SingleProcess()
+        world.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    else:
         # torch.distributed, imported only here: see the module docstring
         from threefold.parallel.distributed_world import Distributed
 
         world = Distributed(cfg)
     if cfg.ft.lighthouse:
         from threefold.parallel.ft_replicas import ReplicaWorld
-        from threefold.parallel.world import SingleProcess
 
-        world = ReplicaWorld(world or SingleProcess(), cfg)
+        world = ReplicaWorld(world, cfg)
     return world

@@ -11,6 +11,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
+from threefold.comm import faults
 from threefold.config import Config, ModelConfig
 from threefold.parallel.materialize import buffer_pieces
 from threefold.layout import validate_layout
@@ -179,4 +180,9 @@ class World:
 
 
 class SingleProcess(World):
-    """One process, no process group: every default of ``World``."""
+    """One process, no process group: every default of ``World``, but the test's faults
+    (``threefold.comm.faults``) fire for it as for rank 0 of a group."""
+
+    def before_step(self, step: int) -> None:
+        """Fire the faults named for rank 0 before ``step``."""
+        faults.at_step(self.rank, step)
