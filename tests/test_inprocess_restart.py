@@ -123,9 +123,11 @@ def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
     # one process, replaying the batches the quorum trained on
     run.sampler = _Rows(run.sampler, groups)
     losses = [train_step(run, s)[0] for s in range(STEPS)]
+    # fp32 reduction order (two halves summed across groups vs one process's rows) drifts
+    # with the steps trained: ~1e-5 by step 20 here; a wrong batch moves a loss by ~1e-2
     for g in (0, 1):
         assert [r["loss"] for r in recs[g].values()] == \
-            pytest.approx([losses[s - 1] for s in recs[g]], rel=1e-5)
+            pytest.approx([losses[s - 1] for s in recs[g]], rel=5e-5)
     # the gradients' bytes across groups: the closed form on each step's quorum (group 0
     # first in it); a group that trained alone sent none
     numels = [p.numel() for _, p in run.engine.named_params]
