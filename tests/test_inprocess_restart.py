@@ -13,8 +13,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
+import torch
 
 from tests.conftest import metrics, tiny_overrides
 from tests.test_launch import _args, _env
@@ -47,9 +49,10 @@ def test_replica_ring_bytes_sum_to_the_ring_total(numel, n):
     assert ring_all_reduce_bytes(numel, 4, 1, 0) == 0
 
 
-def _lighthouse():
+def _lighthouse(*flags: str):
     """A Lighthouse on a free port; (process, address)."""
-    p = subprocess.Popen([sys.executable, "-m", "threefold.parallel.ft_replicas", "--port", "0"],
+    p = subprocess.Popen([sys.executable, "-m", "threefold.parallel.ft_replicas", "--port", "0",
+                          *flags],
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                          text=True, start_new_session=True)
     line = p.stdout.readline()
@@ -144,3 +147,112 @@ def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
     summary = json.loads((tmp_path / "g0" / "summary.json").read_text())
     assert summary["comm_bytes_per_step"]["replica"] == pytest.approx(
         sum(r["comm_bytes"]["replica"] for r in recs[0].values()) / len(recs[0]))
+
+
+
+HSDP = dict(train__micro_batch_size=2, parallel__zero_stage=3, checkpoint__save_final="false")
+LEAVE, HSDP_STEPS = 3, 6  # group 1 leaves after step LEAVE and comes back fresh
+
+
+def _zero3_group(rank, world, corpus, cache, out, address, group, steps):
+    """One rank of a replica group of two ZeRO-3 ranks (a ``run_distributed`` body: the group
+    as torchrun would start it). Trains, then returns its log's records (rank 0), the pieces
+    of weights and moments it holds and the sizes it sums across groups."""
+    from pathlib import Path
+
+    from threefold.config import load_config as load
+    from threefold.parallel.distributed_world import Distributed
+    from threefold.parallel.engines.rank_state import rank_numels
+    from threefold.parallel.ft_replicas import ReplicaWorld
+    from threefold.training.train import train
+
+    out = Path(out)
+    # validation every LEAVE steps: the leaving group's last step validates with the others
+    cfg = load(None, tiny_overrides(corpus, cache, out, **HSDP, train__steps=steps,
+                                    train__eval_interval=LEAVE, ft__lighthouse=address,
+                                    ft__replica_group=group, ft__replica_groups=2))
+    _, run = train(cfg, ReplicaWorld(Distributed(cfg), cfg), return_run=True)
+    inner = run.engine._inner
+    pieces = [(q.name, q.kind, q.data.clone(), q.start, q.end) for q in inner.local_pieces()]
+    return (metrics(out) if rank == 0 else None), pieces, rank_numels(inner)
+
+
+def _launch_groups(tmp_path, corpus, cache_dir, address) -> dict:
+    """Group 0 for HSDP_STEPS steps; group 1 for LEAVE steps, then started again fresh for
+    HSDP_STEPS: it heals (group 0 waits for it: the Lighthouse's quorum needs both). Returns
+    the ranks' results by output folder (an exception where a launch failed)."""
+    from tests.dist import run_distributed
+
+    got: dict = {}
+
+    def launch(name, group, steps):
+        try:
+            got[name] = run_distributed(_zero3_group, 2, str(corpus), str(cache_dir),
+                                        str(tmp_path / name), address, group, steps,
+                                        timeout=240)
+        except BaseException as e:  # reported in the test's thread
+            got[name] = e
+
+    threads = [threading.Thread(target=launch, args=("g0", 0, HSDP_STEPS)),
+               threading.Thread(target=lambda: (launch("g1", 1, LEAVE),
+                                                launch("g1b", 1, HSDP_STEPS)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+@pytest.mark.slow
+def test_zero3_groups_heal_and_train_as_one_process(corpus, cache_dir, tmp_path):
+    """HSDP with an elastic replicate axis: 2 replica groups × 2 ZeRO-3 ranks. Group 1 leaves
+    after step LEAVE and comes back as a fresh group, which heals rank by rank from group 0's
+    shards. Every step's losses, and the final weights and AdamW moments of both groups, are
+    one process's at the same global batch; each rank sums only its own shards across the
+    groups, and serves only them to heal."""
+    pytest.importorskip("torchft")
+    run = build_run(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "ref",
+                                                     **HSDP, train__steps=HSDP_STEPS)))
+    # a quorum of both groups or none: group 0 waits for group 1's return, so that the heal
+    # is certain whatever the machine's load (training alone is the test above's)
+    lighthouse, address = _lighthouse("--min-replicas", "2")
+    try:
+        got = _launch_groups(tmp_path, corpus, cache_dir, address)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(lighthouse.pid, signal.SIGKILL)
+        lighthouse.wait()
+    for name, res in got.items():
+        assert not isinstance(res, BaseException), f"{name}: {res}"
+    numels = got["g0"][0][2]
+    assert all(got[n][r][2] == numels for n in got for r in (0, 1))  # the same shard sizes
+    total = sum(p.numel() for _, p in run.engine.named_params)
+    assert total / 2 <= sum(numels) < total / 2 + len(numels)  # a shard: half, padded
+    recs = {n: {r["step"]: r for r in got[n][0][0]} for n in got}
+    recs[1] = {**recs.pop("g1"), **recs.pop("g1b")}
+    recs[0] = recs.pop("g0")
+    assert sorted(recs[0]) == list(range(1, HSDP_STEPS + 1))
+    assert sorted(recs[1]) == list(range(1, HSDP_STEPS + 1))  # LEAVE steps, then the rest
+    assert [r["ft_participants"] for g in (0, 1) for r in recs[g].values()] == \
+        [2] * 2 * HSDP_STEPS
+    back = recs[1][LEAVE + 1]
+    assert back["ft_healed_from_step"] == 0 and "ft_healed_from_step" not in recs[0][LEAVE + 1]
+    assert back["ft_weights_sha256"] == recs[0][LEAVE + 1]["ft_weights_sha256"]
+    # the heal served rank 0's shards and their two moments, nothing whole
+    heals = [r["comm_bytes"]["replica_heal"] for r in recs[0].values()
+             if r["comm_bytes"]["replica_heal"]]
+    assert heals == [3 * sum(numels) * 4]
+
+    losses = [train_step(run, s)[0] for s in range(HSDP_STEPS)]
+    ref = {**run.engine.state_dict()["model"], **run.engine.state_dict()["optim"]}
+    for g in (0, 1):
+        assert [r["loss"] for r in recs[g].values()] == \
+            pytest.approx([losses[s - 1] for s in recs[g]], rel=1e-5)
+        # the closed form on the shards (group g is g-th in the quorum)
+        assert {r["comm_bytes"]["replica"] for r in recs[g].values()} == {
+            replica_gradient_bytes(numels, 4, 2, g)}
+        for rank in (0, 1):
+            for name, kind, data, a, b in got[("g0", "g1b")[g]][rank][1]:
+                key = name if kind == "model" else f"{name}.{kind}"
+                torch.testing.assert_close(data, ref[key].reshape(-1)[a:b], rtol=1e-5,
+                                           atol=1e-6, msg=key)
