@@ -23,6 +23,7 @@ from tests.test_launch import _args, _env
 from threefold.accounting import replica_gradient_bytes, ring_all_reduce_bytes
 from threefold.config import ConfigError, load_config
 from threefold.launch.replica_note import replica_note
+from threefold.layout import Layout
 from threefold.training.steps import train_step
 from threefold.training.train import build_run
 
@@ -49,10 +50,9 @@ def test_replica_ring_bytes_sum_to_the_ring_total(numel, n):
     assert ring_all_reduce_bytes(numel, 4, 1, 0) == 0
 
 
-def _lighthouse(*flags: str):
+def _lighthouse():
     """A Lighthouse on a free port; (process, address)."""
-    p = subprocess.Popen([sys.executable, "-m", "threefold.parallel.ft_replicas", "--port", "0",
-                          *flags],
+    p = subprocess.Popen([sys.executable, "-m", "threefold.parallel.ft_replicas", "--port", "0"],
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                          text=True, start_new_session=True)
     line = p.stdout.readline()
@@ -204,7 +204,7 @@ def _launch_groups(tmp_path, corpus, cache_dir, address) -> dict:
 
 
 @pytest.mark.slow
-def test_zero3_groups_heal_and_train_as_one_process(corpus, cache_dir, tmp_path):
+def test_zero3_groups_heal_and_train_as_one_process(corpus, cache_dir, tmp_path, monkeypatch):
     """HSDP with an elastic replicate axis: 2 replica groups × 2 ZeRO-3 ranks. Group 1 leaves
     after step LEAVE and comes back as a fresh group, which heals rank by rank from group 0's
     shards. Every step's losses, and the final weights and AdamW moments of both groups, are
@@ -213,15 +213,18 @@ def test_zero3_groups_heal_and_train_as_one_process(corpus, cache_dir, tmp_path)
     pytest.importorskip("torchft")
     run = build_run(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "ref",
                                                      **HSDP, train__steps=HSDP_STEPS)))
-    # a quorum of both groups or none: group 0 waits for group 1's return, so that the heal
-    # is certain whatever the machine's load (training alone is the test above's)
-    lighthouse, address = _lighthouse("--min-replicas", "2")
+    from torchft.coordination import LighthouseServer
+
+    monkeypatch.setenv("RUST_LOG", "warn")
+    # in this process (no interpreter to start); a quorum of both groups or none: group 0
+    # waits for group 1's return, so that the heal is certain whatever the machine's load
+    # (training alone is the test above's)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000,
+                                  quorum_tick_ms=50, heartbeat_timeout_ms=1000)
     try:
-        got = _launch_groups(tmp_path, corpus, cache_dir, address)
+        got = _launch_groups(tmp_path, corpus, cache_dir, lighthouse.address())
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(lighthouse.pid, signal.SIGKILL)
-        lighthouse.wait()
+        lighthouse.shutdown()
     for name, res in got.items():
         assert not isinstance(res, BaseException), f"{name}: {res}"
     numels = got["g0"][0][2]
@@ -242,6 +245,12 @@ def test_zero3_groups_heal_and_train_as_one_process(corpus, cache_dir, tmp_path)
     heals = [r["comm_bytes"]["replica_heal"] for r in recs[0].values()
              if r["comm_bytes"]["replica_heal"]]
     assert heals == [3 * sum(numels) * 4]
+    # the dry run's note: the same bytes, from the closed form on a meta model's units
+    cfg = load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "dry", **HSDP,
+                                           ft__replica_groups=2))
+    note = replica_note(cfg, run.model_cfg, Layout.from_config(cfg, 2))
+    assert f"quorum: {recs[0][1]['comm_bytes']['replica']:,} bytes" in note
+    assert f"serves {heals[0]:,} bytes" in note
 
     losses = [train_step(run, s)[0] for s in range(HSDP_STEPS)]
     ref = {**run.engine.state_dict()["model"], **run.engine.state_dict()["optim"]}
