@@ -3,7 +3,8 @@
 is killed; torchrun restarts it alone, it heals from group 0's memory and rejoins, while group
 0's process trains on through the failure on its half of the batch. The survivor's losses are
 those of one process replaying exactly the batches the quorum trained on; the healed
-weights are the survivor's, bitwise, at the step of the rejoin."""
+weights are the survivor's, bitwise, at the step of the rejoin. Then the same with ZeRO-3
+inside each group: shards summed and healed rank to rank."""
 
 from __future__ import annotations
 
