@@ -222,10 +222,10 @@ ROWS = [
         "parallel.tp_overlap: 4 cannot overlap the projections of LoRA adapters (lora.r > 0); "
         "set parallel.tp_overlap 0", "plan has no overlapped LoRA: it plans the adapters "
         "unoverlapped"),
-    Row("replica_groups_data_parallel", {"ft.replica_groups": 2, "parallel.zero_stage": 2}, 2,
-        "parallel.zero_stage: 2 with ft.replica_groups 2; a replica group heals from a live "
-        "group's whole tensors, so each group trains by data parallelism alone: set "
-        "parallel.zero_stage 0", "plan plans one job, not replica groups that heal (ft.*)"),
+    Row("replica_groups_data_parallel", {"ft.replica_groups": 2, "parallel.tp": 2}, 2,
+        "parallel.tp: 2 with ft.replica_groups 2; a replica group trains by data parallelism "
+        "or ZeRO (stages 1-3) alone, the cross-group sum and heal are not checked with tp: "
+        "set parallel.tp 1", "plan plans one job, not replica groups that heal (ft.*)"),
     Row("generation_layout", {"parallel.pp": 2}, 2,
         "parallel.pp: GRPO does not run with pp=2 (generation runs the whole model on each "
         "rank); use parallel.pp 1", "plan plans pre-training layouts, not GRPO's generation",

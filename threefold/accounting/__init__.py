@@ -72,13 +72,13 @@ from threefold.accounting.cp_balance import (attention_work, document_spans, hea
 from threefold.accounting.links import axis_crosses_nodes, axis_stride, axis_stride_and_span
 from threefold.accounting.context_traffic import cp_attention_widths, cp_bytes_per_attention
 from threefold.accounting.replica_traffic import (replica_gradient_bytes,
-                                                  ring_all_reduce_bytes)
+                                                  replica_rank_numels, ring_all_reduce_bytes)
 from threefold.accounting.traffic import (collectives, comm_bytes_per_step,
                                           offload_bytes_per_step)
 
 
 __all__ = [
-    "replica_gradient_bytes", "ring_all_reduce_bytes",
+    "replica_gradient_bytes", "replica_rank_numels", "ring_all_reduce_bytes",
     "active_parameters", "axis_crosses_nodes", "axis_stride", "axis_stride_and_span",
     "block_parameter_numels", "Collective", "collectives", "comm_bytes_per_step",
     "cp_attention_widths", "cp_bytes_per_attention", "flops_per_token", "nodes_per_token",

@@ -214,7 +214,7 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
     if mcfg.num_local_experts:
         notes.append(_moe_note(mcfg, layout, total, p))
     notes += [n for n in (fp8_expert_note(mcfg, work),) if n]  # (a mixture's only)
-    notes += [n for n in (replica_note(cfg, mcfg),) if n]  # (replica groups' only)
+    notes += [n for n in (replica_note(cfg, mcfg, layout),) if n]  # (replica groups' only)
     step = None
     if peaks_known(work, cluster.hardware):
         step = predict_step(mcfg, layout, work, cluster, simulate=True)

@@ -87,8 +87,8 @@ def validate_layout(cfg: Config, world_size: int, mcfg: ModelConfig | None = Non
     rules.block_counts_need_pp(layout.pp, p.pipeline_split)
     rules.tp_overlap_needs_sequence_parallel(p.tp_overlap, layout.tp, p.sequence_parallel)
     rules.tp_overlap_plain_projections(p.tp_overlap, cfg.lora.r, m, layout.tp)
-    rules.replica_groups_data_parallel(cfg.ft.replica_groups, world_size, p.zero_stage,
-                                       layout.tp, layout.pp, layout.cp, layout.ep)
+    rules.replica_groups_data_parallel(cfg.ft.replica_groups, layout.tp, layout.pp, layout.cp,
+                                       layout.ep)
     check_layout(m, layout, Workload.from_config(cfg))
     rules.ffn_over_tp(m, layout.tp)  # the planner pads these widths instead
     if layout.pp > 1:

@@ -18,8 +18,10 @@ What threefold does (here): the step's batch is this group's share of the global
 (``dp_rank``/``dp_size`` span every group); the token count, the logged sums and the
 gradients are summed over the quorum, so a step trains on exactly the participants' rows; a
 step whose commit fails is run again on the same batch after a new quorum; the state a
-group heals with is the engine's (weights, AdamW moments and step) plus the step, which also
-fixes the sampler (a pure function of the step). The bytes of the cross-group all-reduces are
+rank heals with is the same rank's of a live group (its trained tensors or ZeRO shards, their
+AdamW moments and step; every group has one layout) plus the step, which also fixes the
+sampler (a pure function of the step). Gradients are summed rank to rank likewise: each
+rank's local gradients (ZeRO: its reduced shards) after the group's own reduction. The bytes of the cross-group all-reduces are
 counted per step under the axes "replica" (gradients; the step's closed form is
 ``threefold.accounting.replica_gradient_bytes``) and "replica_log" (counts and logged sums),
 and the state a group serves to heal another under "replica_heal".
@@ -28,7 +30,6 @@ and the state a group serves to heal another under "replica_heal".
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import signal
@@ -43,7 +44,9 @@ import torch
 from threefold.accounting import ring_all_reduce_bytes
 from threefold.comm import faults
 from threefold.parallel.engines.engine import LocalEngine
-from threefold.weights import DictSource
+from threefold.parallel.engines.rank_state import (load_rank_state, rank_digest,
+                                                   rank_gradients, rank_state)
+from threefold.parallel.engines.zero import ZeroEngine
 
 MAX_ATTEMPTS = 50  # failed commits of one step before the run gives up
 START_WAIT_S = 60.0  # how long a fresh job's first step waits for every replica group
@@ -124,9 +127,9 @@ class ReplicaWorld:
         commits through it, and the first quorum, which heals this group from a live one's
         memory when it is behind (at step 0, repeated until every group is in it). Returns
         the step the loop starts at."""
-        if not isinstance(run.engine, LocalEngine):
-            raise RuntimeError("ft.lighthouse: replica groups need an engine whose ranks hold "
-                               "whole tensors (data parallelism within a group)")
+        if not isinstance(run.engine, (LocalEngine, ZeroEngine)):
+            raise RuntimeError("ft.lighthouse: replica groups need a data-parallel or ZeRO "
+                               "engine in each group")
         self.engine = ReplicaEngine(run.engine, self)
         self.manager, self._pg, self._store = _make_manager(
             self._cfg, self._inner.rank, self._inner.world_size, self.engine.state,
@@ -148,8 +151,9 @@ class ReplicaWorld:
     def _quorum(self) -> None:
         """A new quorum (synchronous: a heal is applied before it returns). The weights'
         digest is kept for the log whenever the participants change: a healed group's equals
-        the groups' it joined."""
-        before = self.manager.current_step()
+        the groups' it joined, and the digest of the group that served it (kept whenever this
+        group served a heal)."""
+        before, served = self.manager.current_step(), self._sent["replica_heal"]
         self.manager.start_quorum()
         now, n = self.manager.current_step(), self.manager.num_participants()
         if now != before:
@@ -158,7 +162,7 @@ class ReplicaWorld:
                 print(f"threefold: replica group {self._cfg.ft.replica_group} healed at step "
                       f"{now} from a live group's memory (torchft; it was at step {before})",
                       flush=True)
-        if n != self._participants:
+        if n != self._participants or self._sent["replica_heal"] != served:
             self._events["ft_weights_sha256"] = self.engine.digest()
         self._participants, self._ready = n, True
 
@@ -253,21 +257,20 @@ class ReplicaWorld:
 class ReplicaEngine:
     """The group's engine (every name not defined here is its) with the gradients summed
     over the quorum after its own reduction, and the optimiser step taken only when every
-    participant commits (``committed``); otherwise the gradients are zeroed for the retry."""
+    participant commits (``committed``); otherwise the gradients are zeroed for the retry.
+    The sum and the heal go rank to rank on what the rank holds
+    (``threefold.parallel.engines.rank_state``: whole local tensors, or ZeRO's shards)."""
 
-    def __init__(self, inner: LocalEngine, world: ReplicaWorld):
+    def __init__(self, inner, world: ReplicaWorld):
         self._inner, self._world = inner, world
         self.committed = False
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def _grads(self) -> list[torch.Tensor]:
-        return [self._inner.gradient_of(p) for _, p in self._inner.named_params]
-
     def finish_gradients(self) -> None:
         self._inner.finish_gradients()
-        self._world.reduce(self._grads(), "replica")
+        self._world.reduce(rank_gradients(self._inner), "replica")
 
     def step(self, lr: float) -> None:
         self.committed = self._world.manager.should_commit()
@@ -275,22 +278,19 @@ class ReplicaEngine:
             self._inner.step(lr)
         else:
             with torch.no_grad():
-                for g in self._grads():
+                for g in rank_gradients(self._inner):
                     g.zero_()
 
-    # the state a group heals with: the engine's, whole tensors (its step is the Manager's)
+    # the state a group heals with: this rank's (its step is the Manager's)
     def state(self) -> dict:
-        return self._inner.state_dict()
+        return rank_state(self._inner)
 
     def load(self, state: dict) -> None:
-        self._inner.load_from(DictSource(state), state["optim_step"])
+        load_rank_state(self._inner, state)
 
     def digest(self) -> str:
-        """SHA-256 of the trained weights' bytes, in parameter order."""
-        h = hashlib.sha256()
-        for _, p in self._inner.named_params:
-            h.update(self._inner._trained(p).detach().contiguous().cpu().numpy().tobytes())
-        return h.hexdigest()
+        """SHA-256 of this rank's trained tensors' bytes."""
+        return rank_digest(self._inner)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,16 +36,17 @@ def fills_world(p: ParallelConfig, world: int) -> int:
 
 
 @rule
-def replica_groups_data_parallel(groups: int, world: int, zero_stage: int, tp: int, pp: int,
-                                 cp: int, ep: int) -> None:
-    """Replica groups (``ft.replica_groups`` > 1) heal from a live group's whole tensors:
-    each group trains by data parallelism alone (a group of ``world`` ranks)."""
+def replica_groups_data_parallel(groups: int, tp: int, pp: int, cp: int, ep: int) -> None:
+    """Replica groups (``ft.replica_groups`` > 1) sum gradients and heal rank to rank, which
+    holds for data parallelism and ZeRO 1-3 inside a group (rank r of every group holds the
+    same tensors or shards). tp, pp, cp and ep are refused: their ranks' pieces would match
+    too, but the cross-group sum and heal are not checked with them (pipeline stages also
+    step on their own schedule, and tied weights are summed across stages)."""
     if groups <= 1:
         return
-    for name, value, plain in (("zero_stage", zero_stage if world > 1 else 0, 0), ("tp", tp, 1),
-                               ("pp", pp, 1), ("cp", cp, 1), ("ep", ep, 1)):
-        if value != plain:
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if value != 1:
             raise LayoutError(f"parallel.{name}: {value} with ft.replica_groups {groups}; a "
-                              "replica group heals from a live group's whole tensors, so each "
-                              f"group trains by data parallelism alone: set parallel.{name} "
-                              f"{plain}")
+                              "replica group trains by data parallelism or ZeRO (stages 1-3) "
+                              f"alone, the cross-group sum and heal are not checked with "
+                              f"{name}: set parallel.{name} 1")

@@ -57,7 +57,7 @@ def _attach(unit_ref, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _group_parameters(modules: list[nn.Module], named: list) -> tuple[list[list], list]:
+def group_parameters(modules: list[nn.Module], named: list) -> tuple[list[list], list]:
     """(each module's (name, parameter) pairs, the root's: parameters used by several)."""
     users: dict[nn.Parameter, list[int]] = {}
     for i, module in enumerate(modules):
@@ -153,8 +153,8 @@ class ZeroEngine(EngineBase):
         if self.stage < 3:
             fill_frozen(model, named, kw["source"], kw["device"], kw["param_dtype"])
             frozen = []
-        groups, root = _group_parameters(modules, named)
-        fgroups, froot = _group_parameters(modules, frozen)
+        groups, root = group_parameters(modules, named)
+        fgroups, froot = group_parameters(modules, frozen)
         comm, stage, axis = self.comm, self.stage, self.shard_axis
         # parallel.fp8_all_gather: the tensorwise FP8 layers' weights, gathered in 8 bits
         fp8 = {id(q.weight): q for q in model.modules()
