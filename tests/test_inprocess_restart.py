@@ -21,6 +21,7 @@ from tests.test_launch import _args, _env
 from threefold.accounting import replica_gradient_bytes, ring_all_reduce_bytes
 from threefold.config import ConfigError, load_config
 from threefold.launch.replica_note import replica_note
+from threefold.parallel.ft_replicas import QuorumRows
 from threefold.training.steps import train_step
 from threefold.training.train import build_run
 
@@ -66,22 +67,6 @@ def _group(corpus, cache, out, address, group, env_extra):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-class _Rows:
-    """The training sampler of the replay: at each step the rows of the groups that trained
-    it (``groups[step]``: both, or one group's half)."""
-
-    def __init__(self, sampler, groups: dict[int, set[int]]):
-        self.sampler, self.groups = sampler, groups
-
-    def __getattr__(self, name):
-        return getattr(self.sampler, name)
-
-    def local_batch(self, step, dp_rank, dp_size):
-        (g,) = self.groups[step] if len(self.groups[step]) == 1 else (None,)
-        return self.sampler.local_batch(step, 0, 1) if g is None \
-            else self.sampler.local_batch(step, g, 2)
-
-
 @pytest.mark.slow
 def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
     pytest.importorskip("torchft")
@@ -121,7 +106,7 @@ def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
     assert recs[1][rejoin]["ft_weights_sha256"] == recs[0][rejoin]["ft_weights_sha256"]
 
     # one process, replaying the batches the quorum trained on
-    run.sampler = _Rows(run.sampler, groups)
+    run.sampler = QuorumRows(run.sampler, groups)
     losses = [train_step(run, s)[0] for s in range(STEPS)]
     for g in (0, 1):
         assert [r["loss"] for r in recs[g].values()] == \
