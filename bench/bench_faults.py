@@ -103,7 +103,8 @@ rungs on the same kills. ``--trials`` (2) kills are drawn once from ``--seed``: 
 SIGKILLs itself just before a step in 2..``--steps``; each is applied to three ways, every
 one with two launchers on 127.0.0.1 as two nodes of one process each:
 
-- ``storage``: two torchrun agents (c10d rendezvous, each node its own ``checkpoint.dir``),
+- ``storage``: two torchrun agents (each node its own ``checkpoint.dir``; static rendezvous,
+  ``--rdzv-backend c10d`` to try c10d's: see below),
   ZeRO-2 over the two ranks, a storage checkpoint every ``--interval`` steps,
   ``--max-restarts`` (6): torchrun restarts both workers, which resume from storage;
 - ``memory``: the same plus ``--checkpoint.memory_interval 1`` (each node its own memory
@@ -124,13 +125,23 @@ healed group starts at the quorum's step); ``bitwise``, the final weights and Ad
 against an uninterrupted two-node run (storage, memory), or for in-process against one
 process replaying the rows the quorum actually trained (the survivor's half while the other
 healed; ``threefold.parallel.ft_replicas.QuorumRows``): summed across groups in another order,
-those agree to fp32 rounding, not bitwise, so the column gives the largest difference (a
-trial fails above 1e-4, or when the two groups' final weights differ at all, or when the
-losses differ from the replay's by rel 1e-5); ``storage_read``, from the resume line
-(``resumed step S from memory|peer memory|storage``; in-process: the heal line). Then a row
+those agree to fp32 rounding, not bitwise (AdamW turns a rounding difference in a gradient
+near rounding level into up to 2·lr of update), so the column gives the largest difference
+and the elements above 1e-5; such a trial passes when its losses equal the replay's (rel
+1e-5, every step, both groups) and the two groups' final weights are bit-identical;
+``storage_read``, from the resume line (``resumed step S from memory|peer memory|storage``;
+none when the kill came before any checkpoint; in-process: the heal line). Then a row
 per way (means and maxima) and one JSON line with the load average at start and end; the
 goal: a mean ``to_next_step_s`` under 5 s for in-process recovery from memory
 (``memory_restart_under_5s`` says the same of the memory way).
+
+Why static rendezvous: under c10d's, the agent whose worker was killed restarts it and
+rendezvouses again; the other agent sees a node waiting and restarts its own worker without
+counting a failure, so the two workers start with different ``TORCHELASTIC_RESTART_COUNT``
+and look for each other under different store prefixes (torch keys a worker's process-group
+rendezvous by it): the new group's gloo connection waits on the dead worker's address, and
+the restart hangs (seen: > 2.5 min) or fails its way through restarts. Under static
+rendezvous each agent restarts only on its worker's failure, and the counts agree.
 """
 
 from __future__ import annotations
@@ -574,9 +585,13 @@ def exits(args, work: Path) -> int:
 # --------------------------------------------------------------------------------------------
 WAYS = ("storage", "memory", "inprocess")
 # the in-process way against its replay: the groups' gradients are summed across groups, the
-# replay's in one process, so the weights drift apart by fp32 rounding over the run (3e-6 on
-# weights of 0.1 after 48 steps); a wrong batch or a lost update moves them by ~1e-3
-FT_ATOL = 1e-4
+# replay's in one process, so the weights drift apart by fp32 rounding, and AdamW turns a
+# rounding difference in a gradient that is itself near rounding level (embedding rows of
+# tokens hardly seen) into a difference of up to 2·lr in the update. The pass criterion is
+# therefore the losses (rel 1e-5 at every step, as tests/test_inprocess_restart.py) and the
+# two groups' final weights being bit-identical; the weights' gap to the replay is reported
+# (largest |difference|, and the elements above FT_ATOL)
+FT_ATOL = 1e-5
 
 
 def recovery_kills(args) -> list[tuple[int, int]]:
@@ -647,7 +662,7 @@ def node_row(args, res: dict, ref: dict) -> dict:
     if rs is None:
         problems.append("no restart seen")
     return {"to_next_step_s": rs, "rejoin_s": rs, "lost_steps": summary.get("lost_steps"),
-            "bitwise": bitwise, "resumed_from": where[-1] if where else "-",
+            "bitwise": bitwise, "resumed_from": where[-1] if where else "none (step 0)",
             "storage_read": ("yes" if where[-1] == "storage" else "no") if where else "-",
             "problems": problems}
 
@@ -713,6 +728,13 @@ def replay(args, corpus, cache, out: Path, steps: int, groups: dict) -> tuple[li
     return losses, load_checkpoint(out / "checkpoints" / str(steps))[0]
 
 
+def replay_gap(got: dict, ref: dict) -> tuple[float, int]:
+    """(largest |difference| of the model weights, elements differing by more than
+    FT_ATOL)."""
+    diffs = [(got["model"][n] - v).abs() for n, v in ref["model"].items()]
+    return max(d.max().item() for d in diffs), sum(int((d > FT_ATOL).sum()) for d in diffs)
+
+
 def ft_times(events: list, killed: int, step: int) -> dict:
     """From the killed group's last line before the kill (its step ``step`` - 1) to the
     survivor's next step, and to the killed group's first step after its restart."""
@@ -764,11 +786,8 @@ def ft_row(args, corpus, cache, work: Path, res: dict, kill: tuple[int, int]) ->
                       for o in res["outs"]]
             if not same_bits(finals[0], finals[1]):  # the healed group holds the survivor's
                 problems.append("the groups' final weights differ")
-            worst = max((f["model"][n] - v).abs().max().item()
-                        for f in finals for n, v in ref["model"].items())
-            if worst > FT_ATOL:
-                problems.append(f"final weights differ from the replay's by {worst:.2g}")
-            bitwise = "yes" if same_bits(finals[0], ref) else f"no ({worst:.1e})"
+            worst, off = replay_gap(finals[0], ref)
+            bitwise = "yes" if same_bits(finals[0], ref) else f"no ({worst:.0e}, {off} el.)"
     return {**times, "lost_steps": lost, "bitwise": bitwise,
             "resumed_from": "peer (torchft)" if healed else "-", "storage_read": "no" if healed
             else "-", "problems": problems}
