@@ -825,7 +825,7 @@ def recovery(args, work: Path) -> int:
                   f"({', '.join(f'{k} {v:.2f}' if isinstance(v, float) else f'{k} {v}' for k, v in got.items())})",
                   flush=True)
     print()
-    print_table(rows, width=14)
+    print_table(rows, width=18)
     per_way = [recovery_totals([r for r in rows if r["way"] == way], way) for way in WAYS
                if way in args.ways.split(",")]
     print()
