@@ -11,7 +11,7 @@ layout and with no half-written checkpoint left behind.
     python3 bench/bench_faults.py --stall-mode every       # stalls as threefold.comm.faults has
     them python3 bench/bench_faults.py --exits                  # clean runs' exits: 20 + 20 runs
     python3 bench/bench_faults.py --exits --quick          # 3 + 3 runs (~2 min, 2 cores)
-    python3 bench/bench_faults.py --recovery               # 2 kills, three ways (~5 min, 2 cores)
+    python3 bench/bench_faults.py --recovery               # 2 kills, three ways (~3-4 min, 2 cores)
     python3 bench/bench_faults.py --recovery --trials 4 --seed 5
 
 How: a tiny model (2 layers, 64 wide, seq 32, vocab 320; the tests' ``tiny_overrides``) on a
@@ -128,7 +128,8 @@ healed; ``threefold.parallel.ft_replicas.QuorumRows``): summed across groups in 
 those agree to fp32 rounding, not bitwise (AdamW turns a rounding difference in a gradient
 near rounding level into up to 2·lr of update), so the column gives the largest difference
 and the elements above 1e-5; such a trial passes when its losses equal the replay's (rel
-1e-5, every step, both groups) and the two groups' final weights are bit-identical;
+1e-4, every step, both groups: the test's 1e-5 holds over 36 steps, this way runs 56) and the
+two groups' final weights are bit-identical;
 ``storage_read``, from the resume line (``resumed step S from memory|peer memory|storage``;
 none when the kill came before any checkpoint; in-process: the heal line). Then a row
 per way (means and maxima) and one JSON line with the load average at start and end; the
@@ -588,10 +589,12 @@ WAYS = ("storage", "memory", "inprocess")
 # replay's in one process, so the weights drift apart by fp32 rounding, and AdamW turns a
 # rounding difference in a gradient that is itself near rounding level (embedding rows of
 # tokens hardly seen) into a difference of up to 2·lr in the update. The pass criterion is
-# therefore the losses (rel 1e-5 at every step, as tests/test_inprocess_restart.py) and the
-# two groups' final weights being bit-identical; the weights' gap to the replay is reported
-# (largest |difference|, and the elements above FT_ATOL)
-FT_ATOL = 1e-5
+# therefore the losses (within FT_LOSS_REL at every step) and the two groups' final weights
+# being bit-identical; the weights' gap to the replay is reported (largest |difference|, and
+# the elements above FT_ATOL). The losses' tolerance: tests/test_inprocess_restart.py holds
+# rel 1e-5 over 36 steps; over this way's 56 the drift reached 2.4e-5 at a loss spike (grad
+# norm 16 against 1-2), while a wrong batch moves a loss by ~1e-2
+FT_ATOL, FT_LOSS_REL = 1e-5, 1e-4
 
 
 def recovery_kills(args) -> list[tuple[int, int]]:
@@ -780,8 +783,10 @@ def ft_row(args, corpus, cache, work: Path, res: dict, kill: tuple[int, int]) ->
             for g in (0, 1):
                 got = [r["loss"] for r in recs[g].values()]
                 want = [losses[s - 1] for s in recs[g]]
-                if any(abs(a - b) > 1e-5 * abs(b) for a, b in zip(got, want)):
-                    problems.append(f"group {g}'s losses differ from the replay's (rel 1e-5)")
+                worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+                if worst > FT_LOSS_REL:
+                    problems.append(f"group {g}'s losses differ from the replay's by rel "
+                                    f"{worst:.1e}")
             finals = [load_checkpoint(o / "checkpoints" / str(res["steps"]))[0]
                       for o in res["outs"]]
             if not same_bits(finals[0], finals[1]):  # the healed group holds the survivor's
@@ -794,8 +799,8 @@ def ft_row(args, corpus, cache, work: Path, res: dict, kill: tuple[int, int]) ->
 
 
 def recovery(args, work: Path) -> int:
-    """``--recovery``: each seeded kill three ways; a row per trial and way, then a row per
-    way (means and maxima) and one JSON line."""
+    """``--recovery``: an uninterrupted two-node run, then each seeded kill three ways; a
+    row per trial and way, a row per way (means and maxima) and one JSON line."""
     corpus, cache = sample_corpus(work / "corpus.txt"), work / "cache"
     load0 = os.getloadavg()
     clean = node_run(args, corpus, cache, work, "clean", memory=False)
@@ -806,44 +811,48 @@ def recovery(args, work: Path) -> int:
     ref = {**node_weights(clean["out"], args.steps),
            "losses": [r["loss"] for r in read_metrics(clean["out"])]}
     print(f"uninterrupted two-node run: wall {clean['wall']:.1f} s", flush=True)
-    rows = []
-    for trial, kill in enumerate(recovery_kills(args)):
-        for way in args.ways.split(","):
-            name = f"{way}{trial}"
-            if way == "inprocess":
-                got = ft_row(args, corpus, cache, work, ft_run(args, corpus, cache, work, name,
-                                                               kill), kill)
-            else:
-                got = node_row(args, node_run(args, corpus, cache, work, name,
-                                              way == "memory", kill), ref)
-            problems = got.pop("problems")
-            rows.append({"trial": trial, "way": way, "kill": f"rank{kill[0]}:step{kill[1]}",
-                         "passed": "NO" if problems else "yes",
-                         **{k: "-" if v is None else v for k, v in got.items()}})
-            print(f"trial {trial} {way} kill {kill}: "
-                  f"{'FAILED: ' + '; '.join(problems) if problems else 'passed'} "
-                  f"({', '.join(f'{k} {v:.2f}' if isinstance(v, float) else f'{k} {v}' for k, v in got.items())})",
-                  flush=True)
+    rows = [recovery_row(args, corpus, cache, work, ref, trial, kill, way)
+            for trial, kill in enumerate(recovery_kills(args)) for way in args.ways.split(",")]
     print()
     print_table(rows, width=18)
     per_way = [recovery_totals([r for r in rows if r["way"] == way], way) for way in WAYS
                if way in args.ways.split(",")]
     print()
     print_table(per_way, width=14)
-    load1 = os.getloadavg()
 
-    def under(way: dict) -> bool:
-        return way["passed"].split("/")[0] == way["passed"].split("/")[1] \
-            and isinstance(way["mean_to_next_s"], float) and way["mean_to_next_s"] < 5
+    def under(way: str) -> bool:  # every trial passed, mean under 5 s
+        w = next((w for w in per_way if w["way"] == way), None)
+        return w is not None and w["passed"].split("/")[0] == w["passed"].split("/")[1] \
+            and isinstance(w["mean_to_next_s"], float) and w["mean_to_next_s"] < 5
+
     print(json.dumps({"benchmark": "faults_recovery", "ways": per_way, "seed": args.seed,
-                      "trials": args.trials, "loadavg_start": load0[:3], "loadavg_end": load1[:3],
+                      "trials": args.trials, "rdzv_backend": args.rdzv_backend,
+                      "loadavg_start": load0[:3], "loadavg_end": os.getloadavg()[:3],
                       "goal": "mean to_next_step_s < 5 for in-process recovery from memory",
-                      "rdzv_backend": args.rdzv_backend,
-                      "meets_goal": any(w["way"] == "inprocess" and under(w) for w in per_way),
-                      "memory_restart_under_5s": any(w["way"] == "memory" and under(w)
-                                                     for w in per_way)}),
-          flush=True)
+                      "meets_goal": under("inprocess"),
+                      "memory_restart_under_5s": under("memory")}), flush=True)
     return 0
+
+
+def recovery_row(args, corpus, cache, work: Path, ref: dict, trial: int,
+                 kill: tuple[int, int], way: str) -> dict:
+    """Run one way of one trial; its row (printed as it comes)."""
+    name = f"{way}{trial}"
+    if way == "inprocess":
+        got = ft_row(args, corpus, cache, work, ft_run(args, corpus, cache, work, name, kill),
+                     kill)
+    else:
+        got = node_row(args, node_run(args, corpus, cache, work, name, way == "memory", kill),
+                       ref)
+    problems = got.pop("problems")
+    figures = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in got.items())
+    print(f"trial {trial} {way} kill {kill}: "
+          f"{'FAILED: ' + '; '.join(problems) if problems else 'passed'} ({figures})",
+          flush=True)
+    return {"trial": trial, "way": way, "kill": f"rank{kill[0]}:step{kill[1]}",
+            "passed": "NO" if problems else "yes",
+            **{k: "-" if v is None else v for k, v in got.items()}}
 
 
 def recovery_totals(rows: list[dict], way: str) -> dict:
@@ -906,6 +915,9 @@ def main() -> int:
         args.trials = 2 if args.recovery else 10
     if args.max_restarts is None:
         args.max_restarts = 6 if args.recovery else 2
+    for name in args.ways.split(","):
+        if name not in WAYS:
+            ap.error(f"--ways: unknown way {name!r}; choose from {','.join(WAYS)}")
     if args.quick:
         args.runs = 3
     for name in args.layouts.split(","):
