@@ -25,6 +25,7 @@ from threefold.accounting import replica_gradient_bytes, ring_all_reduce_bytes
 from threefold.config import ConfigError, load_config
 from threefold.launch.replica_note import replica_note
 from threefold.layout import Layout
+from threefold.parallel.ft_replicas import QuorumRows
 from threefold.training.steps import train_step
 from threefold.training.train import build_run
 
@@ -70,22 +71,6 @@ def _group(corpus, cache, out, address, group, env_extra):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-class _Rows:
-    """The training sampler of the replay: at each step the rows of the groups that trained
-    it (``groups[step]``: both, or one group's half)."""
-
-    def __init__(self, sampler, groups: dict[int, set[int]]):
-        self.sampler, self.groups = sampler, groups
-
-    def __getattr__(self, name):
-        return getattr(self.sampler, name)
-
-    def local_batch(self, step, dp_rank, dp_size):
-        (g,) = self.groups[step] if len(self.groups[step]) == 1 else (None,)
-        return self.sampler.local_batch(step, 0, 1) if g is None \
-            else self.sampler.local_batch(step, g, 2)
-
-
 @pytest.mark.slow
 def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
     pytest.importorskip("torchft")
@@ -125,7 +110,7 @@ def test_survivors_keep_their_processes(corpus, cache_dir, tmp_path):
     assert recs[1][rejoin]["ft_weights_sha256"] == recs[0][rejoin]["ft_weights_sha256"]
 
     # one process, replaying the batches the quorum trained on
-    run.sampler = _Rows(run.sampler, groups)
+    run.sampler = QuorumRows(run.sampler, groups)
     losses = [train_step(run, s)[0] for s in range(STEPS)]
     # fp32 reduction order (two halves summed across groups vs one process's rows) drifts
     # with the steps trained (1.03e-5 seen by step 24 here); a wrong batch moves it far more

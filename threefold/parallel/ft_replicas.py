@@ -293,6 +293,27 @@ class ReplicaEngine:
         return rank_digest(self._inner)
 
 
+class QuorumRows:
+    """A sampler of one process that replays a replica-group run: at each step the rows of
+    the groups that trained it (``groups[step]``, 0-based: every group's, or one group's
+    share), as ``local_batch(step, g, groups)`` gave them. What a run that healed trained on,
+    for the losses and weights a single process must reproduce."""
+
+    def __init__(self, sampler, groups: dict[int, set[int]], replica_groups: int = 2):
+        self.sampler, self.groups, self.n = sampler, groups, replica_groups
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+    def local_batch(self, step, dp_rank, dp_size):
+        which = self.groups[step]
+        if len(which) == self.n:
+            return self.sampler.local_batch(step, 0, 1)
+        if len(which) != 1:  # several but not all: their shares are not one row range
+            raise ValueError(f"step {step + 1}: groups {sorted(which)} of {self.n}")
+        return self.sampler.local_batch(step, next(iter(which)), self.n)
+
+
 def main(argv: list[str] | None = None) -> int:
     """A torchft Lighthouse for the replica groups, until SIGTERM or SIGINT; its address
     (give it as ``--ft.lighthouse``) is the first line printed."""
