@@ -104,13 +104,15 @@ def resume(run: Run) -> int:
                               "to continue, or choose another --train.output_dir")
         return 0
     root, step, where = ckroot, steps[-1] if steps else 0, "storage"
+    found = bool(steps)  # (an imported checkpoint is step 0: found, and loaded)
     if c.memory_interval:  # the ladder: memory (own or the peer's copy) before storage
         root = memory_root(c.memory_dir, run.out, group.node_of[lay.rank])
         step, where, notes = memory_ladder(root, lay.rank, group, step)
         root = ckroot if where == "storage" else root
+        found = found or where != "storage"
         for note in notes if lay.is_writer else ():
             print(f"threefold: {note}", flush=True)
-    if not step:
+    if not found:
         return 0
     source, state, rng = open_sharded(root, step, lay.rank, group)
     if lay.is_writer:
