@@ -38,12 +38,11 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import save_bench_args, report  # noqa: E402
+from bench.common import save_bench_args, save_bench_rounds  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 import threefold.training.train as tt  # noqa: E402
 
@@ -101,32 +100,24 @@ def measure(work: Path, args, mode: str) -> dict:
             "copy_bytes": summary["memory"].get("async_save_copy_bytes")}
 
 
+def _row(got: dict) -> dict:
+    row = {}
+    for mode in ("sync", "async"):
+        g = got[mode]
+        stall = g["held_s"] / g["saves"]
+        row[f"{mode}_stall_per_save_s"] = stall
+        row[f"{mode}_cost_per_save_s"] = stall + g["overlap_step_s"] - g["step_s"]
+    a = got["async"]
+    row.update(async_step_s=a["step_s"], async_overlap_step_s=a["overlap_step_s"],
+               overlap_slowdown=a["overlap_step_s"] / a["step_s"],
+               copy_gb=a["copy_bytes"] / 1e9,
+               sync_over_async=row["sync_stall_per_save_s"] / row["async_stall_per_save_s"])
+    return row
+
+
 def main() -> int:
     args = save_bench_args(__doc__.splitlines()[0], "where the checkpoints go")
-    tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="bench_async_save_")
-    work = args.dir or Path(tmp.name)
-    rows = []
-    for rnd in range(args.rounds):
-        order = MODES[rnd % 2:] + MODES[:rnd % 2]
-        got = {mode: measure(work, args, mode) for mode in order}
-        row = {"round": rnd}
-        for mode in ("sync", "async"):
-            g = got[mode]
-            stall = g["held_s"] / g["saves"]
-            row[f"{mode}_stall_per_save_s"] = stall
-            row[f"{mode}_cost_per_save_s"] = stall + g["overlap_step_s"] - g["step_s"]
-        a = got["async"]
-        row.update(async_step_s=a["step_s"], async_overlap_step_s=a["overlap_step_s"],
-                   overlap_slowdown=a["overlap_step_s"] / a["step_s"],
-                   copy_gb=a["copy_bytes"] / 1e9,
-                   sync_over_async=row["sync_stall_per_save_s"] / row["async_stall_per_save_s"])
-        rows.append(row)
-        print(json.dumps({"round": rnd, "order": order, **got}), flush=True)
-    report("async_save", rows, "sync_over_async", goal=1.0)
-    if tmp is not None:
-        tmp.cleanup()
-    return 0
-
+    return save_bench_rounds("async_save", args, measure, MODES, _row, "sync_over_async")
 
 if __name__ == "__main__":
     sys.exit(main())

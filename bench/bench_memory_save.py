@@ -20,15 +20,13 @@ reported is storage's stall ÷ memory's (the goal is > 1).
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import save_bench_args, report  # noqa: E402
+from bench.common import save_bench_args, save_bench_rounds  # noqa: E402
 from threefold.config import load_config  # noqa: E402
 import threefold.training.train as tt  # noqa: E402
 from threefold.training.memory_saves import MemorySaves  # noqa: E402
@@ -86,26 +84,18 @@ def measure(work: Path, args, mode: str) -> dict:
     return {"held_s": sum(held), "saves": saves, "bytes_per_save": nbytes}
 
 
+def _row(got: dict) -> dict:
+    row = {"mb_per_save": got["memory"]["bytes_per_save"] / 1e6}
+    for mode in MODES:
+        row[f"{mode}_stall_per_save_s"] = got[mode]["held_s"] / got[mode]["saves"]
+    row["storage_over_memory"] = row["storage_stall_per_save_s"] / \
+        row["memory_stall_per_save_s"]
+    return row
+
+
 def main() -> int:
     args = save_bench_args(__doc__.splitlines()[0], "where storage checkpoints go")
-    tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="bench_memory_save_")
-    work = args.dir or Path(tmp.name)
-    rows = []
-    for rnd in range(args.rounds):
-        order = MODES[rnd % 2:] + MODES[:rnd % 2]
-        got = {mode: measure(work, args, mode) for mode in order}
-        row = {"round": rnd, "mb_per_save": got["memory"]["bytes_per_save"] / 1e6}
-        for mode in MODES:
-            row[f"{mode}_stall_per_save_s"] = got[mode]["held_s"] / got[mode]["saves"]
-        row["storage_over_memory"] = row["storage_stall_per_save_s"] / \
-            row["memory_stall_per_save_s"]
-        rows.append(row)
-        print(json.dumps({"round": rnd, "order": order, **got}), flush=True)
-    report("memory_save", rows, "storage_over_memory", goal=1.0)
-    if tmp is not None:
-        tmp.cleanup()
-    return 0
-
+    return save_bench_rounds("memory_save", args, measure, MODES, _row, "storage_over_memory")
 
 if __name__ == "__main__":
     sys.exit(main())

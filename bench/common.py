@@ -198,3 +198,24 @@ def save_bench_args(description: str, dir_help: str):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--dir", type=Path, default=None, help=dir_help)
     return ap.parse_args()
+
+
+def save_bench_rounds(name: str, args, measure, modes: tuple, row_of, ratio_key: str) -> int:
+    """The save benchmarks' rounds: each measures every mode (``measure(work, args, mode)``),
+    the order alternating between rounds so neither mode always runs first; ``row_of`` turns
+    one round's results into its table row; the report's ratio is ``ratio_key``."""
+    import tempfile
+    from pathlib import Path
+
+    tmp = None if args.dir else tempfile.TemporaryDirectory(prefix=f"bench_{name}_")
+    work = args.dir or Path(tmp.name)
+    rows = []
+    for rnd in range(args.rounds):
+        order = modes[rnd % 2:] + modes[:rnd % 2]
+        got = {mode: measure(work, args, mode) for mode in order}
+        rows.append({"round": rnd, **row_of(got)})
+        print(json.dumps({"round": rnd, "order": order, **got}), flush=True)
+    report(name, rows, ratio_key, goal=1.0)
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
