@@ -119,5 +119,6 @@ def main() -> int:
     args = save_bench_args(__doc__.splitlines()[0], "where the checkpoints go")
     return save_bench_rounds("async_save", args, measure, MODES, _row, "sync_over_async")
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -97,5 +97,6 @@ def main() -> int:
     args = save_bench_args(__doc__.splitlines()[0], "where storage checkpoints go")
     return save_bench_rounds("memory_save", args, measure, MODES, _row, "storage_over_memory")
 
+
 if __name__ == "__main__":
     sys.exit(main())
