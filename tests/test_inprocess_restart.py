@@ -253,3 +253,20 @@ def test_zero3_groups_heal_and_train_as_one_process(corpus, cache_dir, tmp_path,
                 key = name if kind == "model" else f"{name}.{kind}"
                 torch.testing.assert_close(data, ref[key].reshape(-1)[a:b], rtol=1e-5,
                                            atol=1e-6, msg=key)
+
+
+def test_dry_run_plans_one_groups_share_of_the_batch(monkeypatch):
+    """Under ft.replica_groups the dry run plans one group: its share of the global batch (2
+    groups of 16 sequences: each steps as a job of 8 would), not the whole batch per group."""
+    pytest.importorskip("torchft")
+    from threefold.launch.dryrun import predict
+
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    base = [("model.preset", "tiny"), ("data.seq_len", "64"), ("train.micro_batch_size", "2")]
+    groups = predict(load_config(None, base + [("train.global_batch_size", "16"),
+                                               ("ft.replica_groups", "2"),
+                                               ("ft.lighthouse", "http://127.0.0.1:1")]), 2)
+    half = predict(load_config(None, base + [("train.global_batch_size", "8")]), 2)
+    whole = predict(load_config(None, base + [("train.global_batch_size", "16")]), 2)
+    assert groups.work.global_batch == 8
+    assert groups.step.step_time_s == half.step.step_time_s < whole.step.step_time_s

@@ -325,7 +325,10 @@ class Workload:
         precision = "bf16" if cfg.train.dtype == "bfloat16" else "fp32"
         weights = 2 if param_dtype(cfg) == "bfloat16" else 4
         reduce = 2 if cfg.parallel.reduce_dtype == "bfloat16" else 4
-        return cls(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch_size,
+        # torchft replica groups (ft.replica_groups, with ft.lighthouse) split the global
+        # batch between them: the layout is one group's, so is its batch
+        groups = max(1, cfg.ft.replica_groups) if cfg.ft.lighthouse else 1
+        return cls(seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch_size // groups,
                    precision=precision, flash_attention=True, residual_bytes=weights,
                    master_bytes=weights, eager=not cfg.train.compile,
                    reduce_bytes=reduce if cfg.parallel.zero_stage else 0,
