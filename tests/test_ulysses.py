@@ -12,13 +12,13 @@ import torch
 
 from tests.conftest import final_weights, metrics, tiny_overrides
 from tests.dist import run_checks, run_distributed
+from tests.test_context_parallel import STEPS, _runs  # the same runs, under Ulysses
 from tests.test_dp_zero import _check_equal
 from threefold.accounting import cp_attention_widths, cp_bytes_per_attention
 from threefold.config import ModelConfig, load_config
 from threefold.parallel.transforms.context import token_index
 from threefold.training.train import train
 
-STEPS = 4
 
 
 def test_ulysses_ranks_hold_slices_in_order_and_a_hybrid_the_ring_share():
@@ -128,19 +128,6 @@ def reference(corpus, cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ulyref") / "single"
     train(load_config(None, tiny_overrides(corpus, cache_dir, out, train__steps=STEPS)))
     return {"losses": [r["loss"] for r in metrics(out)], "weights": final_weights(out)}
-
-
-def _runs(rank, world, corpus, cache, root, runs):
-    from threefold.parallel.distributed_world import Distributed
-
-    out = {}
-    for name, extra in runs:
-        cfg = load_config(None, tiny_overrides(corpus, cache, root / name, train__steps=STEPS,
-                                               **extra))
-        layout = Distributed(cfg)
-        train(cfg, layout)
-        out[name] = layout._steps
-    return out
 
 
 def _step_bytes(cfg, world: int) -> dict[str, int]:
