@@ -206,9 +206,9 @@ def _loop(run: Run, preempt, return_run: bool):
             rec = log.record(step, loss, norm, extras, seconds,
                              validate=functools.partial(evaluate, run) if due else None)
             val_loss = rec.get("validation_loss", val_loss)
-            saving = time.perf_counter()
             if mem is not None:  # first: a failure in the storage save finds it committed
                 mem.after_step(step)
+            saving = time.perf_counter()  # the storage save's own cost, for auto's re-tune
             stop = _checkpoint_or_stop(run, preempt, step, log, saver)
             if auto is not None:
                 auto.after_step(step, seconds, time.perf_counter() - saving, log.say)
