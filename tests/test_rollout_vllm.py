@@ -7,6 +7,7 @@ test starts at most one."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -125,19 +126,25 @@ def child_main() -> None:
                                               in task.seen.items()]))
 
 
+def run_overrides(corpus: Path, cache: Path, base: Path, out: Path, **extra) -> list:
+    """The vLLM runs' configuration: 2 steps of the tiny model from ``base``, into ``out``."""
+    from tests.test_grpo import OPTIM
+
+    return tiny_overrides(corpus, cache, out, **{
+        "checkpoint__init_from": str(base), "train__steps": 2, "train__eval_batches": 1,
+        "train__global_batch_size": 8, "train__micro_batch_size": 4, **OPTIM, **HEADS,
+        **extra})
+
+
 @pytest.fixture(scope="module")
 def colocated(vbase, corpus, cache_dir, tmp_path_factory):
     """The colocated vLLM run (2 steps), in a fresh interpreter: (its overrides for an output
     folder, its GRPO options, its output folder, its completions by (step, prompts))."""
     pytest.importorskip("vllm")
-    from tests.test_grpo import OPTIM, reward_spec
+    from tests.test_grpo import reward_spec
 
     root = tmp_path_factory.mktemp("colocated")
-
-    def over(out):
-        return tiny_overrides(corpus, cache_dir, out, **{
-            "checkpoint__init_from": str(vbase), "train__steps": 2, "train__eval_batches": 1,
-            "train__global_batch_size": 8, "train__micro_batch_size": 4, **OPTIM, **HEADS})
+    over = functools.partial(run_overrides, corpus, cache_dir, vbase)
 
     opts = dict(reward=reward_spec(root), max_completion_length=6, beta=0.1,
                 rollout_engine="vllm", importance_sampling="none", vllm_kv_cache_mb=16)
@@ -177,22 +184,6 @@ def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(colocated, tmp_p
     assert a[0]["sampling/sampling_logp_difference/mean"] < 1e-4
     assert a[0]["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
     assert [r["rollout/staleness"] for r in a] == [0, 0]
-    # the same engine in a server process of its own, over gloo, sharded over two worker
-    # processes (vllm_server_tp 2; the colocated engine is one): the same completions token
-    # for token (the same weights, synced over the wire whole, and seeds; the shards' partial
-    # sums add up to the same sampling probabilities), so the same run to the bit
-    server = _Recording(GRPOOptions(rollout_engine="vllm", vllm_mode="server",
-                                    vllm_server_tp=2, importance_sampling="none",
-                                    vllm_kv_cache_mb=16, **opts))
-    train(load_config(None, over(tmp_path / "server")), task=server)
-    assert server.seen == seen
-    s = metrics(tmp_path / "server")
-    for key in ("loss", "kl", "reward", "rollout/sync_bytes"):
-        assert [r[key] for r in s] == [r[key] for r in a], key
-    # the engine's log-probs, computed over two shards, are the trainer's to rounding
-    assert s[0]["sampling/sampling_logp_difference/mean"] < 1e-4
-    ws = final_weights(tmp_path / "server")
-    assert all(torch.equal(ws[k], wa[k]) for k in wa)
     # one step of staleness: step 2's completions were generated while step 1 trained, from
     # the weights before it
     stale = _Recording(GRPOOptions(rollout_engine="vllm", max_staleness=1,
@@ -202,6 +193,68 @@ def test_grpo_with_vllm_equals_builtin_fed_the_same_completions(colocated, tmp_p
     assert [r["rollout/staleness"] for r in c] == [0, 1]
     assert c[0]["reward"] == a[0]["reward"]  # step 1: the same weights sampled both
     assert all(abs(r["loss"]) < 1e3 for r in c)
+
+
+def tp_runs(rank: int, world: int, over, root: Path, runs: list) -> dict:
+    """A ``run_distributed`` body: GRPO runs ``(name, options)`` under ``parallel.tp`` =
+    ``world``; each one's requests' completions as this rank saw them, by (step, prompts)."""
+    from threefold.parallel.distributed_world import Distributed
+
+    seen = {}
+    for name, options in runs:
+        cfg = load_config(None, over(Path(root) / name, parallel__tp=world))
+        task = _Recording(GRPOOptions(**options))
+        train(cfg, Distributed(cfg), task=task)
+        seen[name] = task.seen
+    return seen
+
+
+def test_vllm_under_the_trainers_tensor_parallelism(colocated, tmp_path, monkeypatch):
+    """Training at tp 2, with the weights gathered whole over tp for each sync. Colocated:
+    each rank is a worker of one vLLM engine, with its shard of the weights. Server: the
+    server's engine is sharded over two worker processes of its own (vllm_server_tp 2),
+    reached over gloo; a tp group's first rank asks for its completions and shares them. In
+    both, both ranks see the one-process colocated engine's completions token for token (the
+    same weights and seeds; the shards' partial sums add up to the same sampling
+    probabilities), and the run trains as the one-process run does."""
+    from tests.dist import run_distributed
+
+    over, opts, out, seen = colocated
+    server = {**opts, "vllm_mode": "server", "vllm_server_tp": 2}
+    ranks = run_distributed(tp_runs, 2, over, tmp_path, [("tp", opts), ("server", server)],
+                            timeout=300)
+    a = metrics(out)
+    wa = final_weights(out)
+    for name in ("tp", "server"):
+        assert ranks[0][name] == ranks[1][name] == seen, name
+        b = metrics(tmp_path / name)
+        for key in ("loss", "kl", "reward"):
+            assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5), key
+        assert [r["rollout/sync_bytes"] for r in b] == [r["rollout/sync_bytes"] for r in a]
+        # the engine's log-probs, computed over two shards, are the trainer's to rounding
+        assert b[0]["sampling/sampling_logp_difference/mean"] < 1e-4
+        wb = final_weights(tmp_path / name)
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=2e-5, msg=f"{name}: {k}")
+    # the dry run: each rank's engine a shard, the sync's gathers on tp as the run counted them
+    import threefold.launch.engine_memory as engine_memory
+    from threefold.launch.dryrun import predict
+    from threefold.plan.rollout_engine import engine_bytes
+    from threefold.post.inputs import task_data
+
+    # (vLLM's runtime is measured by the dry-run test below; a rank's, on one thread, would
+    # take a probe of its own, seconds long: a stand-in figure here)
+    monkeypatch.setattr(engine_memory, "runtime_bytes", lambda dtype, threads: 12345)
+    cfg = load_config(None, over(tmp_path / "tp-plan", parallel__tp=2))
+    dry = predict(cfg, 2, task=task_data("grpo", GRPOOptions(**opts)))
+    gathered = [r["rollout/sync_tp_bytes"] for r in metrics(tmp_path / "tp")]
+    note = next(n for n in dry.notes if n.startswith("rollout engine vllm (colocated, tp 2"))
+    assert gathered[0] == gathered[1] > 0 and f"each rank sends {gathered[0]:,} bytes" in note
+    plain = predict(cfg, 2, task=task_data("grpo", GRPOOptions()))
+    shard = engine_bytes(dry.model, 4, 16 << 20, on_cpu=True, tp=2)
+    whole = engine_bytes(dry.model, 4, 16 << 20, on_cpu=True)
+    assert shard.resident < whole.resident and shard.sync == whole.sync
+    assert dry.peaks["step"] - plain.peaks["step"] == shard.resident + 12345
 
 
 def test_the_dry_run_predicts_the_vllm_runs_peak(colocated, capsys):

@@ -234,10 +234,6 @@ ROWS = [
         "parallel.sequence_parallel: GRPO's generation decodes one token a step, which cannot "
         "be split over tp ranks; set it false",
         "plan plans pre-training layouts, not GRPO's generation", command="grpo"),
-    Row("rollout_engine_layout", {"parallel.tp": 2, "grpo.rollout_engine": "vllm"}, 2,
-        "parallel.tp: grpo.rollout_engine vllm runs at tp 1 for now (got tp=2); use "
-        "parallel.tp 1 or grpo.rollout_engine builtin",
-        "plan plans pre-training layouts, not GRPO's rollout engine", command="grpo"),
     Row("rollout_engine_layout", {"parallel.zero_stage": 3, "lora.r": 4,
                                   "grpo.rollout_engine": "vllm"}, 2,
         "parallel.zero_stage: grpo.rollout_engine vllm with LoRA merges each layer's adapters "

@@ -14,7 +14,9 @@ header gives, so each side knows what to receive:
 - ``LOAD`` (training rank 0, after each optimiser step that precedes a rollout): the policy's
   weights, one tensor at a time (name, shape, fp32 values).
 - ``GENERATE`` (every training rank, once per rollout): prompts, indices and sampling; the
-  reply is the completions' tokens, their log-probs and the engine's policy version.
+  reply is the completions' tokens, their log-probs and the engine's policy version. Under
+  the trainer's tensor parallelism the ranks of a tp group have the same prompts: the first
+  asks for them and shares the reply over tp, the others ask for none.
 - ``STOP`` (every training rank, at the end).
 
 The server serves the training ranks in rank order, each until its ``GENERATE``: every rank
@@ -213,7 +215,9 @@ def _answer(pg, peer: int, h: torch.Tensor, engine) -> None:
     prompts = [flat[a:b] for a, b in zip(cut, cut[1:])]
     eos = int(h[5])
     s = Sampling(int(h[3]), temp, top_p, int(h[4]), None if eos < 0 else eos, int(h[6]))
-    out = engine.generate(prompts, indices, s)
+    # (no prompts: a training rank whose tp group's first rank asks for them all)
+    out = engine.generate(prompts, indices, s) if n else Rollouts([], [], 0.0, 0,
+                                                                  engine.version)
     toks = [t for c in out.tokens for t in c]
     _send(pg, peer, _header(n, len(toks), out.version), _ints(map(len, out.tokens)),
           _ints(toks), torch.tensor([v for c in out.logps for v in c], dtype=torch.float64),

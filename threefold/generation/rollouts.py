@@ -3,9 +3,11 @@
 
 - ``builtin``: the training model itself, through ``threefold.generation.generate`` (a KV cache
   on the training ranks, ZeRO-3 gathering one unit at a time, tensor parallel with the trainer).
-- ``vllm``: a vLLM engine beside each training rank (colocated, in-process:
-  ``threefold.generation.vllm_rollouts``), built once from the model's ``config.json`` and then
-  fed the policy's weights after every optimiser step, under their Hugging Face names.
+- ``vllm``: a vLLM engine beside each training rank (colocated, in-process, sharded over the
+  trainer's tp group under tensor parallelism: ``threefold.generation.vllm_rollouts``) or in a
+  server of its own (``threefold.generation.rollout_server``), built once from the model's
+  ``config.json`` and then fed the policy's weights after every optimiser step, under their
+  Hugging Face names.
 
 Both take the same ``Sampling`` and give back ``Rollouts``: token ids per completion (the EOS
 included when the completion ended), plus, from vLLM, the log-probability the engine sampled

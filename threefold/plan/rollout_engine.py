@@ -16,6 +16,9 @@ weight sync hands it.
 
 Each sync sends the same tensors in fp32, once per optimiser step. Colocated, every training
 rank holds an engine; a server (``grpo.vllm_mode server``) holds it in a process of its own.
+Under the trainer's tensor parallelism a colocated engine is sharded as the trainer is (each
+rank its shard of the weights, a KV cache of its heads), and each sync first all-gathers
+every tensor the trainer slices over tp (``sync_tp_bytes``), a layer at a time.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from threefold.accounting import num_parameters
+import dataclasses
+
+from threefold.accounting import num_parameters, parameter_numels
+from threefold.accounting.lora_counts import adapter_numels
 from threefold.config import ModelConfig
+from threefold.layout import Layout, Workload
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,23 @@ def engine_bytes(m: ModelConfig, dtype_bytes: int, kv_bytes: int,
     weights = num_parameters(m) + (vocab if m.tie_word_embeddings else 0)
     packed = 2 * vocab * dtype_bytes // tp if on_cpu else 0
     return EngineBytes(weights * dtype_bytes // tp + packed + kv_bytes, weights * 4, packed)
+
+
+def sync_tp_bytes(m: ModelConfig, layout: Layout, work: Workload) -> int:
+    """Bytes one rank sends over tp in a sync under the trainer's tensor parallelism: every
+    tensor tp slices (a LoRA run's adapters too) is all-gathered, its slices padded alike
+    (``threefold.generation.policy_weights``); 0 at tp 1. A tensor is sliced where a tp rank
+    holds less of it than the whole."""
+    tp = layout.tp
+    if tp == 1:
+        return 0
+    one = dataclasses.replace(layout, tp=1)
+    pairs = list(zip(parameter_numels(m, layout), parameter_numels(m, one)))
+    if work.lora_r:
+        pairs += list(zip(adapter_numels(m, tp, work.lora_r, work.lora_targets),
+                          adapter_numels(m, 1, work.lora_r, work.lora_targets))
+                      ) * m.num_hidden_layers
+    return (tp - 1) * work.weight_bytes * sum(mine for mine, whole in pairs if mine < whole)
 
 
 # The probe's engine: one block of two 32-feature heads (vLLM's CPU attention takes heads of

@@ -32,16 +32,14 @@ from threefold.post.grpo_loss import (
     LOSS_TYPES, advantages, grpo_token_loss, loss_units, reduce_token_loss)
 from threefold.generation.rollouts import Sampling
 from threefold.post.grpo_rollouts import (RolloutSource, check_engine, check_installed,
-                                          server_layout,
-                                          importance_weights,
-                                          mismatch_figures, mismatch_sums)
+                                          importance_weights, mismatch_figures, mismatch_sums,
+                                          server_layout)
 from threefold.post.grpo_rewards import (
     call_reward, check_reward_function,
     columns_of, load_reward, reward_model_scorer, split_prompts)
 from threefold.post.sft import IGNORE, EpochSampler, fingerprint, pad_id
 from threefold.training.task import Task
 from threefold.training.run import autocast, reference_engine
-
 
 
 @dataclass
@@ -256,6 +254,10 @@ class GRPOTask(Task):
                   f"{' + '.join(x for x in (o.reward, o.reward_model) if x)}, beta {o.beta}",
                   flush=True)
 
+    def close(self) -> None:
+        """Stop the rollout engine (a colocated one's process groups go before the run's)."""
+        self.source.close()
+
     # -- one step's completions --------------------------------------------------------------
     def _completions(self, sampler: RolloutSampler, step: int, lo: int,
                      prompt_ids: list[list[int]]) -> list[list[int]]:
@@ -299,8 +301,7 @@ class GRPOTask(Task):
         comps = self._completions(sampler, step, lo, ids)
         self._prefetch(sampler, step, lo, len(prompts))
         if len(comps) != len(ids) or any(len(c) > o.max_completion_length for c in comps):
-            raise DataError("grpo: the rollout returned the wrong number or length of "
-                            "completions")
+            raise DataError("grpo: the rollout gave the wrong number or length of completions")
         texts = [self.tok.decode(c, skip_special_tokens=True) for c in comps]
         per_func: dict[str, np.ndarray] = {}
         if self.reward_fn is not None:

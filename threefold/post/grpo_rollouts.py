@@ -6,9 +6,13 @@ keeps a colocated vLLM engine (``threefold.generation.vllm_rollouts``) per rank:
 set-up from the model's config.json alone, synced with the policy's weights
 (``threefold.generation.policy_weights``) whenever the policy has stepped since the last sync,
 that is, before the first rollout and after every optimiser step that precedes one. The sync
-is collective under ZeRO-3 (the units are gathered): every rank syncs at the same steps, since
-the step count alone decides it. Its seconds and bytes are logged (``rollout/sync_seconds``,
-``rollout/sync_bytes``), with the engine's start-up time once.
+is collective under ZeRO-3 (the units are gathered) and tensor parallelism (the slices are
+gathered over tp): every rank syncs at the same steps, since the step count alone decides it.
+Its seconds and bytes are logged (``rollout/sync_seconds``, ``rollout/sync_bytes``, and under
+tp the bytes this rank sent to gather, ``rollout/sync_tp_bytes``), with the engine's start-up
+time once. Under tensor parallelism the colocated engine is sharded as the trainer is: the
+ranks of a training tp group are the workers of one engine, each asked the same; with a server
+the group's first rank asks for the group's completions and broadcasts them over tp.
 
 Bounded staleness (``grpo.max_staleness`` k >= 1, vllm only): when a training step's rollout is
 done, the next step's starts in a background thread with the weights as they are, and runs
@@ -113,6 +117,8 @@ class RolloutSource:
         self.worker: ThreadPoolExecutor | None = None
         self.server = None  # the server process this rank started (server mode, rank 0)
         self.sender = True  # whether this rank sends the weights (server mode: rank 0)
+        comm = run.world.comm  # a server under tp: one request per tp group (``_ask``)
+        self.split_tp = mode == "server" and comm is not None and comm.size("tp") > 1
         if engine != "vllm":
             return
         dtype = "bfloat16" if run.dtype == torch.bfloat16 else "float32"
@@ -123,8 +129,10 @@ class RolloutSource:
         from threefold.generation.vllm_rollouts import VLLMRollouts, write_engine_config
 
         folder = write_engine_config(run.out / "rollout_engine" / f"rank{run.world.rank}", conf)
+        # under tensor parallelism the training tp group is the engine's (every rank a worker)
+        group = comm.members("tp") if comm is not None and comm.size("tp") > 1 else ()
         self.engine = VLLMRollouts(folder, dtype, max_len, kv_cache_mb << 20,
-                                   seed=run.cfg.train.seed)
+                                   seed=run.cfg.train.seed, colocated_tp=group)
         self.started = self.engine.start_seconds
 
     def _connect(self, address: str, conf: dict, dtype: str, max_len: int, kv: int,
@@ -152,12 +160,17 @@ class RolloutSource:
             self.started = self.engine.start_seconds
 
     def close(self) -> None:
-        """End the server connection, and the server this rank started (at exit: a task has
-        no end hook, and a server left waiting would hold its port until its timeout)."""
+        """End the server connection, and the server this rank started (also at exit: a run
+        that fails never reaches the task's ``close``, and a server left waiting would hold
+        its port until its timeout); or stop the colocated engine."""
         engine, self.engine = self.engine, None
+        if self.worker is not None:  # (a prefetch still generating ends first)
+            self.worker.shutdown(wait=True)
         try:
             if hasattr(engine, "stop"):
                 engine.stop()
+            elif engine is not None:
+                engine.close()
         finally:
             if self.server is not None:
                 try:
@@ -170,15 +183,19 @@ class RolloutSource:
         version = self.run.engine.optim_step()
         if self.engine is None or self.engine.version == version:
             return {}
-        t0 = time.perf_counter()
-        named = policy_weights(self.run.engine, self.run.model_cfg, untied_head=True)
+        t0, comm = time.perf_counter(), self.run.world.comm
+        gathered = _tp_bytes(comm)
+        named = policy_weights(self.run.engine, self.run.model_cfg, untied_head=True, comm=comm)
         if not self.sender:  # server mode: rank 0 sends; the others take part in the gathers
             for _ in named:
                 pass
             self.engine.version = version
             return {}
         sent = self.engine.load(named, version)
-        return {"rollout/sync_seconds": time.perf_counter() - t0, "rollout/sync_bytes": sent}
+        figures = {"rollout/sync_seconds": time.perf_counter() - t0, "rollout/sync_bytes": sent}
+        if comm is not None and comm.size("tp") > 1:  # what this rank sent to gather slices
+            figures["rollout/sync_tp_bytes"] = _tp_bytes(comm) - gathered
+        return figures
 
     def prefetch(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> None:
         """Start generating the next step's completions now, with the policy as it is, in a
@@ -188,7 +205,7 @@ class RolloutSource:
         figures = self.sync()
         if self.worker is None:
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
-        job = self.worker.submit(self.engine.generate, prompts, indices, s)
+        job = self.worker.submit(self._ask, prompts, indices, s)
         self.ahead = ((_request(prompts, indices), s), job, figures)
 
     def complete(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> Rollouts:
@@ -196,7 +213,7 @@ class RolloutSource:
         ones when this is the request ``prefetch`` started)."""
         if self.ahead is not None:  # (another request, evaluation's, waits for it: one
             request, job, figures = self.ahead  # engine, one request at a time)
-            out = job.result()  # (an error in the thread is raised here)
+            out = self._shared(job.result())  # (an error in the thread is raised here)
             if request == (_request(prompts, indices), s):
                 self.ahead = None
                 out.figures.update(figures)
@@ -205,7 +222,7 @@ class RolloutSource:
             figures = self.sync()
             if self.started:
                 figures["rollout/engine_start_seconds"], self.started = self.started, 0.0
-            out = self.engine.generate(prompts, indices, s)
+            out = self._shared(self._ask(prompts, indices, s))
             out.figures.update(figures)
             return out
         model = self.run.engine.model
@@ -218,6 +235,26 @@ class RolloutSource:
                        pad_id=s.pad_id)
         return Rollouts(res.tokens, None, res.seconds, sum(res.lengths),
                         self.run.engine.optim_step())
+
+
+    def _ask(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> Rollouts:
+        """The engine's completions; a server's, under the trainer's tensor parallelism, for
+        the tp group's first rank only (the others ask for none: ``_shared``)."""
+        if self.split_tp and self.run.world.comm.rank("tp"):
+            prompts, indices = [], []
+        return self.engine.generate(prompts, indices, s)
+
+    def _shared(self, out: Rollouts) -> Rollouts:
+        """``out`` as the tp group's first rank got it, on every rank of the group (a server
+        under the trainer's tensor parallelism; counted on tp), in the main thread."""
+        if not self.split_tp:
+            return out
+        return self.run.world.comm.broadcast_object(out, "tp")
+
+
+def _tp_bytes(comm) -> int:
+    """The bytes this rank has sent on the tp axis so far (0 without a communication layer)."""
+    return sum(comm.totals().get("tp", {}).values()) if comm is not None else 0
 
 
 def _request(prompts: list[list[int]], indices: list[int]) -> tuple:

@@ -56,6 +56,10 @@ class Task:
     def setup(self, run) -> None:
         """Called once the run (model, engine) exists; nothing to do here."""
 
+    def close(self) -> None:
+        """Called once the run's last step, save and summary are done, before its process
+        group goes (what ``setup`` started stops here); nothing to do here."""
+
     def pipeline_micro(self, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A micro-batch as the pipeline executor takes it (as it is here)."""
         return micro

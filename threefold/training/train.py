@@ -229,6 +229,7 @@ def _loop(run: Run, preempt, return_run: bool):
         mem.close(release=not preempted and t.steps > start and run.cfg.checkpoint.save_final)
     with lay.phase("summary"):
         summary = log.summary(loss, val_loss, initial_val, wall, preempted)
+    run.task.close()
     lay.close()
     return (summary, run) if return_run else summary
 

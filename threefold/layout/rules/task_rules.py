@@ -93,16 +93,11 @@ def selective_experts_eager(recompute: str, experts: int, ep: int, compiled: boo
 
 
 @rule
-def rollout_engine_layout(engine: str, tp: int, zero_stage: int, lora_r: int) -> None:
-    """A colocated vLLM engine holds the whole policy beside each training rank and takes its
-    weights a ZeRO unit at a time: not yet with tensor parallelism (the tp ranks would each
-    sample), nor LoRA under ZeRO-3 (a layer's adapters and base sit in different units)."""
-    if engine != "vllm":
-        return
-    if tp > 1:
-        raise LayoutError(f"parallel.tp: grpo.rollout_engine vllm runs at tp 1 for now (got "
-                          f"tp={tp}); use parallel.tp 1 or grpo.rollout_engine builtin")
-    if zero_stage == 3 and lora_r:
+def rollout_engine_layout(engine: str, zero_stage: int, lora_r: int) -> None:
+    """A vLLM engine takes the policy's weights a ZeRO unit at a time, with each LoRA layer's
+    adapters merged into its weight: not under ZeRO-3, whose units keep a layer's adapters
+    and its base apart."""
+    if engine == "vllm" and zero_stage == 3 and lora_r:
         raise LayoutError("parallel.zero_stage: grpo.rollout_engine vllm with LoRA merges "
                           "each layer's adapters into its weight, which ZeRO-3 keeps in other "
                           "units; use parallel.zero_stage 2 or grpo.rollout_engine builtin")
