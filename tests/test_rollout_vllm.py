@@ -302,3 +302,72 @@ def test_the_dry_run_predicts_the_vllm_runs_peak(colocated, capsys):
         assert any(n.startswith("rollout engine vllm (server" + (", tp 2): 3 processes"
                                                                  if tp > 1 else ")"))
                    for n in srv.notes)
+
+
+class _SleepyLLM:
+    """vLLM's ``LLM`` as far as a sleeping engine uses it: records each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def collective_rpc(self, fn, args):
+        self.calls.append("load")
+        list(args[0])
+
+    def wake_up(self, tags):
+        self.calls.append(f"wake {tags[0]}")
+
+    def sleep(self, level):
+        self.calls.append(f"sleep {level}")
+
+    def generate(self, prompts, params, use_tqdm):
+        self.calls.append("generate")
+        return []
+
+
+def test_a_sleeping_engine_wakes_for_each_sync_and_generation():
+    """On a GPU the colocated engine sleeps (level 2) after each generation, while the
+    trainer trains: its weights' memory wakes before the next sync, which refills it (a
+    sleeping engine has no version: the sync cannot be skipped), and its KV cache before the
+    next generation. (vLLM has no sleep mode on a CPU: its calls are recorded here.)"""
+    pytest.importorskip("vllm")
+    from threefold.generation.rollouts import Sampling
+    from threefold.generation.vllm_rollouts import VLLMRollouts
+
+    engine = object.__new__(VLLMRollouts)
+    engine.llm, engine.in_process, engine.version = _SleepyLLM(), True, -1
+    engine.sleeps, engine.asleep = True, False
+    with pytest.raises(RuntimeError, match="before the policy's weights were loaded"):
+        engine.generate([[1, 2]], [0], Sampling(4))
+    weights = [("w", torch.ones(2))]
+    assert engine.load(iter(weights), version=0) == 8
+    assert engine.generate([[1, 2]], [0], Sampling(4)).version == 0
+    assert engine.version == -1 and engine.asleep  # (the next sync is never skipped)
+    engine.load(iter(weights), version=1)
+    engine.generate([[1, 2]], [1], Sampling(4))
+    assert engine.llm.calls == ["load", "generate", "sleep 2", "wake weights", "load",
+                                "wake kv_cache", "generate", "sleep 2"]
+
+
+def test_the_dry_run_on_a_gpu_counts_a_sleeping_engine_once(colocated, monkeypatch):
+    """On a GPU a synchronous colocated engine sleeps while the trainer trains: the step's
+    peak is the larger of training's and the rollout's; an asynchronous one (max_staleness)
+    generates while the trainer trains, so it adds to the step's peak."""
+    from threefold.launch.dryrun import predict
+    from threefold.plan.rollout_engine import engine_bytes
+    from threefold.post.inputs import task_data
+
+    monkeypatch.setenv("THREEFOLD_HARDWARE", "h100")
+    over, opts, out, _ = colocated
+    cfg = load_config(None, over(out))
+    asleep = predict(cfg, 1, task=task_data("grpo", GRPOOptions(**opts)))
+    awake = predict(cfg, 1, task=task_data("grpo", GRPOOptions(**opts, max_staleness=1)))
+    e = engine_bytes(asleep.model, 4, 16 << 20)  # (no packed copies on a GPU)
+    m = asleep.memory
+    rollout = m.params + m.optimizer + m.buffers + m.overhead + m.grads + e.resident
+    assert asleep.engine == awake.engine == e.resident
+    assert awake.peaks["step"] == awake.baseline + m.total + e.resident
+    assert asleep.peaks["step"] == asleep.baseline + max(m.total, rollout)
+    assert asleep.peaks["step"] < awake.peaks["step"]
+    assert any("asleep while the trainer trains" in n for n in asleep.notes)
+    assert not any("asleep" in n for n in awake.notes)

@@ -122,8 +122,8 @@ class ServerClient:
         def run():
             sent = 0
             _send(self.pg, 0, _header(LOAD, version))
-            for name, t in named:
-                t = t.detach().float().contiguous()
+            for name, t in named:  # (through host memory: gloo sends host tensors)
+                t = t.detach().float().contiguous().cpu()
                 raw = torch.frombuffer(bytearray(name.encode()), dtype=torch.uint8)
                 _send(self.pg, 0, _header(TENSOR, raw.numel(), t.dim(), t.numel()), raw,
                       _ints(t.shape), t.reshape(-1))

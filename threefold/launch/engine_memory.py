@@ -38,10 +38,20 @@ def engine_memory(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload
     if task.engine_mode == "server":
         return 0, _server(e, task, tp, process, runtime, on_cpu, notes, sync)
     where = f"colocated, tp {tp}: a shard" if tp > 1 else "colocated"
+    peak = ("in the step's peak" if not sleeps(task, on_cpu) else
+            "asleep while the trainer trains (vLLM's sleep mode, level 2), so the peak is the "
+            "larger of the step's and the rollout's (weights, gradients, optimiser state and "
+            "this)")
     notes.append(f"rollout engine vllm ({where}): {_gb(e.resident + runtime)} GB per rank, "
-                 f"in the step's peak: {_parts(e, task.engine_kv_bytes, runtime, on_cpu)}; "
-                 f"{sync}")
+                 f"{peak}: {_parts(e, task.engine_kv_bytes, runtime, on_cpu)}; {sync}")
     return e.resident + runtime, 0
+
+
+def sleeps(task: TaskData | None, on_cpu: bool) -> bool:
+    """Whether GRPO's engine sleeps while the trainer trains: colocated, synchronous, on a
+    GPU (``threefold.generation.vllm_rollouts``; vLLM has no sleep mode on a CPU)."""
+    return (task is not None and task.rollout_engine == "vllm" and not on_cpu
+            and task.engine_mode == "colocate" and not task.engine_async)
 
 
 def _parts(e: EngineBytes, kv: int, runtime: int, on_cpu: bool) -> str:

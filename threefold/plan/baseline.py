@@ -73,6 +73,7 @@ class TaskData:
     engine_kv_bytes: int = 0  # that engine's KV cache
     engine_mode: str = "colocate"  # or "server": the engine in a process of its own
     engine_tp: int = 1  # the server's tensor parallelism (a worker process per shard)
+    engine_async: bool = False  # generates while the trainer trains (grpo.max_staleness > 0)
 
 
 @dataclass(frozen=True)

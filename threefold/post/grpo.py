@@ -241,7 +241,7 @@ class GRPOTask(Task):
         if o.reward_model:
             self.score = reward_model_scorer(o.reward_model, run.device)
         self.source = RolloutSource(run, o.rollout_engine, self.width, o.vllm_kv_cache_mb,
-                                    o.vllm_mode, o.vllm_server, o.vllm_server_tp)
+                                    o.vllm_mode, o.vllm_server, o.vllm_server_tp, o.max_staleness)
         lay = run.world
         batch = self.train.local_batch(0, lay.dp_rank, lay.dp_size)  # (also kept for μ > 1)
         self.train.cached = (0, lay.dp_rank, batch, self.train.figures)

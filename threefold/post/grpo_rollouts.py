@@ -109,7 +109,7 @@ class RolloutSource:
     """One rank's completions for GRPO: ``complete(prompts, indices, sampling)``."""
 
     def __init__(self, run, engine: str, max_len: int, kv_cache_mb: int, mode: str = "colocate",
-                 server: str = "", server_tp: int = 1):
+                 server: str = "", server_tp: int = 1, staleness: int = 0):
         self.run = run
         self.engine = None
         self.started = 0.0
@@ -131,8 +131,11 @@ class RolloutSource:
         folder = write_engine_config(run.out / "rollout_engine" / f"rank{run.world.rank}", conf)
         # under tensor parallelism the training tp group is the engine's (every rank a worker)
         group = comm.members("tp") if comm is not None and comm.size("tp") > 1 else ()
+        # on a GPU, a synchronous run's engine sleeps while the trainer trains (vLLM's
+        # sleep mode: there is none on a CPU); an asynchronous one generates meanwhile
         self.engine = VLLMRollouts(folder, dtype, max_len, kv_cache_mb << 20,
-                                   seed=run.cfg.train.seed, colocated_tp=group)
+                                   seed=run.cfg.train.seed, colocated_tp=group,
+                                   sleep=run.device.type == "cuda" and not staleness)
         self.started = self.engine.start_seconds
 
     def _connect(self, address: str, conf: dict, dtype: str, max_len: int, kv: int,

@@ -16,6 +16,7 @@ def task_data(cmd: str, opts, rows_per_item: int = 1) -> TaskData:
     if cmd == "grpo":  # prompts alone are kept (completions are made each step); "": built-in
         return TaskData(opts.prompts, opts.chat_template, rollout_engine=opts.rollout_engine,
                         engine_kv_bytes=opts.vllm_kv_cache_mb << 20,
-                        engine_mode=opts.vllm_mode, engine_tp=opts.vllm_server_tp)
+                        engine_mode=opts.vllm_mode, engine_tp=opts.vllm_server_tp,
+                        engine_async=opts.max_staleness > 0)
     return TaskData(getattr(opts, "data", "") or str(example_path(DEFAULTS[cmd])),
                     opts.chat_template, rows_per_item)
