@@ -337,7 +337,7 @@ def test_a_sleeping_engine_wakes_for_each_sync_and_generation():
     engine = object.__new__(VLLMRollouts)
     engine.llm, engine.in_process, engine.version = _SleepyLLM(), True, -1
     engine.sleeps, engine.asleep = True, False
-    with pytest.raises(RuntimeError, match="before the policy's weights were loaded"):
+    with pytest.raises(RuntimeError, match="generate with no policy weights loaded"):
         engine.generate([[1, 2]], [0], Sampling(4))
     weights = [("w", torch.ones(2))]
     assert engine.load(iter(weights), version=0) == 8
@@ -371,3 +371,45 @@ def test_the_dry_run_on_a_gpu_counts_a_sleeping_engine_once(colocated, monkeypat
     assert asleep.peaks["step"] < awake.peaks["step"]
     assert any("asleep while the trainer trains" in n for n in asleep.notes)
     assert not any("asleep" in n for n in awake.notes)
+
+
+class _SlicesComm:
+    """A tp axis of ``len(slices)`` ranks whose all-gather returns ``slices`` (every rank's
+    piece of the tensor being gathered), as gloo's would."""
+
+    def __init__(self, slices):
+        self.slices, self.calls = slices, 0
+
+    def size(self, axis):
+        return len(self.slices)
+
+    def all_gather(self, out, mine, axis):
+        assert axis == "tp" and mine.shape == self.slices[0].reshape(-1).shape
+        out.copy_(torch.cat([s.reshape(-1) for s in self.slices]))
+        self.calls += 1
+
+
+def test_a_sync_gathers_each_tensor_parallel_slice_back_whole():
+    """``policy_weights.whole``: rows (a vocabulary padded to a multiple of tp loses its
+    padding) and columns (a row-parallel weight) come back as the unsliced tensor; a tensor
+    tp does not slice is sent as it is, with no gather; ``by_layer`` keeps a group's layers
+    apart, in order, what belongs to none first."""
+    from threefold.generation.policy_weights import by_layer, whole
+    from threefold.parallel.placement import Placement
+
+    full = torch.arange(15.0).view(5, 3)  # 5 rows over 2 ranks: 3 each, the last one padded
+    rows = [full[:3], torch.cat([full[3:], torch.full((1, 3), -1.0)])]
+    comm = _SlicesComm(rows)
+    rec = Placement(tp_dim=0, tp_full=5, tp_index=1, tp_count=2)
+    assert torch.equal(whole(rows[1], rec, comm), full)
+    wide = torch.arange(24.0).view(4, 6)
+    cols = [wide[:, :3].contiguous(), wide[:, 3:].contiguous()]
+    rec = Placement(tp_dim=1, tp_full=6, tp_index=0, tp_count=2)
+    assert torch.equal(whole(cols[0], rec, _SlicesComm(cols)), wide)
+    norm = torch.ones(3)
+    assert whole(norm, Placement(), comm) is norm and comm.calls == 1
+    group = {"model.layers.1.a": 1, "model.embed_tokens.weight": 2, "model.layers.0.b": 3,
+             "model.layers.1.c": 4, "lm_head.weight": 5}
+    assert by_layer(group) == [{"model.embed_tokens.weight": 2, "lm_head.weight": 5},
+                               {"model.layers.1.a": 1, "model.layers.1.c": 4},
+                               {"model.layers.0.b": 3}]

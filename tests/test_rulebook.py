@@ -240,6 +240,12 @@ ROWS = [
         "into its weight, which ZeRO-3 keeps in other units; use parallel.zero_stage 2 or "
         "grpo.rollout_engine builtin",
         "plan plans pre-training layouts, not GRPO's rollout engine", command="grpo"),
+    Row("rollout_overlap_tp", {"parallel.tp": 2, "grpo.rollout_engine": "vllm",
+                               "grpo.max_staleness": 1}, 2,
+        "grpo.max_staleness: 1 with a colocated vLLM engine at parallel.tp=2 would overlap the "
+        "engine's tp collectives with training's; use grpo.max_staleness 0, grpo.vllm_mode "
+        "server, or parallel.tp 1",
+        "plan plans pre-training layouts, not GRPO's rollout engine", command="grpo"),
     Row("rollout_server_tp", {"model.hidden_size": 96, "model.num_attention_heads": 3,
                               "model.num_key_value_heads": 3, "grpo.rollout_engine": "vllm",
                               "grpo.vllm_mode": "server", "grpo.vllm_server_tp": 2}, 1,

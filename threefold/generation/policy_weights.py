@@ -62,10 +62,12 @@ def _whole_groups(engine, comm) -> Iterator[dict[str, torch.Tensor]]:
     if tp == 1:
         yield from engine.weight_groups()
         return
+    # (every name is one of the model's parameters: a miss is a KeyError, never a slice sent
+    # as if it were whole)
     places = {n: placement(p) for n, p in unique_named_parameters(engine.model)}
     for group in engine.weight_groups():
         for part in by_layer(group):
-            yield {n: whole(t, places.get(n, Placement()), comm) for n, t in part.items()}
+            yield {n: whole(t, places[n], comm) for n, t in part.items()}
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

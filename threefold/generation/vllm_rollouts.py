@@ -66,17 +66,21 @@ class VLLMRollouts:
 
     def __init__(self, folder: Path, dtype: str, max_len: int, kv_cache_bytes: int,
                  seed: int = 0, tp: int = 1, colocated_tp: tuple[int, ...] = (),
-                 sleep: bool = False):
+                 sleep: bool = False, rank: int | None = None):
         """``tp`` > 1: worker processes of the engine's own; or ``colocated_tp``, the global
-        ranks of this rank's training tp group, of which each is a worker; ``sleep``: sleep
-        between generations (a GPU's; module doc)."""
+        ranks of this rank's training tp group, of which each is a worker (``rank``: this
+        one's); ``sleep``: sleep between generations (a GPU's; module doc). ``rank`` given:
+        the process group is a training run's, which outlives the engine (``close``)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        backend, self._shm = "uni", []
+        backend, self._shm, self.run_group = "uni", [], rank is not None
         if colocated_tp:
             tp, backend = len(colocated_tp), "external_launcher"
-            # (the trainer has set this process's threads; vLLM would bind its own)
+            # (vLLM's external launcher reads them; the trainer has set this process's
+            # threads, which vLLM would bind again)
+            os.environ.setdefault("RANK", str(rank))
+            os.environ.setdefault("LOCAL_RANK", str(rank))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            self._shm = _clear_shared_memory(colocated_tp)
+            self._shm = _clear_shared_memory(colocated_tp, rank)
         elif tp > 1:
             backend = "mp"
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tp))
@@ -88,8 +92,7 @@ class VLLMRollouts:
                        skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
                        tensor_parallel_size=tp, distributed_executor_backend=backend,
                        kv_cache_memory_bytes=kv_cache_bytes,
-                       logprobs_mode="processed_logprobs", seed=seed,
-                       **({"enable_sleep_mode": True} if sleep else {}))
+                       logprobs_mode="processed_logprobs", seed=seed, **_device_memory(sleep))
         self.start_seconds = time.perf_counter() - t0
         self.version = -1  # no policy weights yet: ``load`` must run before ``generate``
         self.sleeps, self.asleep = sleep, False
@@ -117,15 +120,22 @@ class VLLMRollouts:
         return sent[0]
 
     def close(self) -> None:
-        """Stop the engine. With worker processes (a server's tensor parallelism): stop them.
-        In process, under a training run's process group: destroy the groups vLLM made of
-        it, before the run destroys its own (vLLM's own shutdown would destroy the run's
-        default group too, under the run; at exit it finds that gone and does nothing)."""
-        if not self.in_process:
-            self.llm.llm_engine.engine_core.shutdown()
+        """Stop the engine. With worker processes (a server's tensor parallelism), or in a
+        process of its own whose group vLLM made: vLLM's own shutdown. Under a training
+        run's process group: vLLM's shutdown would destroy the run's default group too (now,
+        or at exit, from the hook it keeps), so that hook is dropped, and the executor and
+        the groups vLLM made of the run's ranks are stopped here, before the run destroys
+        its own."""
+        client = self.llm.llm_engine.engine_core
+        if not (self.in_process and self.run_group):
+            client.shutdown()
             return
         from vllm.distributed import parallel_state
 
+        finalizer = getattr(client, "_finalizer", None)  # (vLLM 0.32's in-process client)
+        if finalizer is not None:
+            finalizer.detach()
+        client.engine_core.model_executor.shutdown()
         parallel_state.destroy_model_parallel()
         if parallel_state._WORLD is not None:  # (vLLM's world: groups of its own too)
             parallel_state._WORLD.destroy()
@@ -169,8 +179,8 @@ class VLLMRollouts:
         """``work()`` with the KV cache awake; after it, with ``sleeps``, the engine sleeps
         at level 2 until the next sync refills its weights (module doc)."""
         if self.version < 0:
-            raise RuntimeError("rollout engine vllm: generate before the policy's weights "
-                               "were loaded")
+            raise RuntimeError("rollout engine vllm: generate with no policy weights loaded "
+                               "(none yet, or given back by sleeping)")
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -186,12 +196,24 @@ def _sampled_logp(step: dict, token: int) -> float:
     return float(step[token].logprob)
 
 
-def _clear_shared_memory(ranks: tuple[int, ...]) -> list[Path]:
+def _device_memory(sleep: bool) -> dict:
+    """vLLM's arguments for the device's memory. On a GPU vLLM checks at start-up that its
+    share of the device, ``gpu_memory_utilization`` (0.9 by default), is free, even with its
+    KV cache sized exactly; a colocated engine starts beside a trainer that already holds its
+    model, so it is given what is free then. ``sleep``: vLLM's sleep mode (a GPU's)."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"gpu_memory_utilization": max(0.01, min(0.9, 0.95 * free / total)),
+            "enable_sleep_mode": sleep}
+
+
+def _clear_shared_memory(ranks: tuple[int, ...], rank: int) -> list[Path]:
     """The shared-memory files of this rank's part of vLLM's CPU all-reduce for the tp group
     of global ``ranks``, removed if a killed run left them (vLLM names them after the ranks
     alone, and would refuse to create them again); the paths, to remove at ``close``. Each
     rank removes only its own."""
-    me = ranks.index(int(os.environ.get("RANK", "0")))
+    me = ranks.index(rank)
     shm = Path("/dev/shm")
     group = "-".join(map(str, ranks))
     paths = [shm / f"-tp:0-[{group}]-cpushm_{me}"]

@@ -119,15 +119,18 @@ def pipeline_microbatches(cfg: Config, dp: int) -> int:
 
 
 def task_layout(task: str, cfg: Config, rollout_engine: str = "builtin", server_tp: int = 1,
-                mcfg: ModelConfig | None = None) -> None:
+                mcfg: ModelConfig | None = None, mode: str = "colocate",
+                staleness: int = 0) -> None:
     """The layouts a post-training task does not run under (``rules.task_layout``; GRPO's
     generation, and its rollout engine's: ``server_tp``, a rollout server's tensor
-    parallelism, for the model ``mcfg``, the checkpoint's where the weights bring it)."""
+    parallelism, for the model ``mcfg``, the checkpoint's where the weights bring it; the
+    engine's ``mode`` and ``staleness``, GRPO's options)."""
     p = cfg.parallel
     rules.task_layout(task, p.pp, p.cp)
     if task == "grpo":  # generation with the training model
         rules.generation_layout(p.pp, p.cp, p.ep, p.tp, p.sequence_parallel)
         rules.rollout_engine_layout(rollout_engine, p.zero_stage, cfg.lora.r)
+        rules.rollout_overlap_tp(rollout_engine, mode, staleness, p.tp)
         if server_tp > 1:
             m = mcfg if mcfg is not None else cfg.model.resolved(vocab_size=1)
             rules.rollout_server_tp(server_tp, m.num_attention_heads, m.num_key_value_heads)

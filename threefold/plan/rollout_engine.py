@@ -57,7 +57,13 @@ def engine_bytes(m: ModelConfig, dtype_bytes: int, kv_bytes: int,
     vocab = m.vocab_size * m.hidden_size
     weights = num_parameters(m) + (vocab if m.tie_word_embeddings else 0)
     packed = 2 * vocab * dtype_bytes // tp if on_cpu else 0
-    return EngineBytes(weights * dtype_bytes // tp + packed + kv_bytes, weights * 4, packed)
+    # with fewer key-value heads than workers vLLM gives each worker one of them whole: its
+    # k and v projections are a head's, not 1/tp of all of them
+    kv = m.num_key_value_heads
+    replicated = (m.num_hidden_layers * 2 * m.hidden_size * m.head_dim * (tp - kv)
+                  if 1 < tp and kv < tp and not m.kv_lora_rank else 0)
+    return EngineBytes((weights + replicated) * dtype_bytes // tp + packed + kv_bytes,
+                       weights * 4, packed)
 
 
 def sync_tp_bytes(m: ModelConfig, layout: Layout, work: Workload) -> int:

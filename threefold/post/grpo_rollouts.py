@@ -37,7 +37,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ import torch
 from threefold.config import ConfigError
 from threefold.generation.generate import generate
 from threefold.generation.policy_weights import policy_weights, untied_config
+from threefold.generation.rollout_server import RolloutServerError
 from threefold.generation.rollouts import (ROLLOUT_ENGINES, VLLM_INSTALL, Rollouts, Sampling,
                                            vllm_installed)
 from threefold.weights.hf_config import hf_config
@@ -86,15 +87,17 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def server_layout(cfg, o) -> tuple:
-    """(engine, server tp, the model's shape) the rule book checks GRPO's options ``o``
-    with: the shape only for a server sharded over workers (the checkpoint's configuration
-    when ``checkpoint.init_from`` gives the weights; else None: the preset's)."""
+    """(engine, server tp, the model's shape, mode, staleness) the rule book checks GRPO's
+    options ``o`` with (``layout.task_layout``): the shape only for a server sharded over
+    workers (the checkpoint's configuration when ``checkpoint.init_from`` gives the weights;
+    else None: the preset's)."""
     tp = o.vllm_server_tp if o.vllm_mode == "server" else 1
-    if tp == 1 or not cfg.checkpoint.init_from:
-        return o.rollout_engine, tp, None
-    from threefold.weights.model_source import init_from_model
+    shape = None
+    if tp > 1 and cfg.checkpoint.init_from:
+        from threefold.weights.model_source import init_from_model
 
-    return o.rollout_engine, tp, init_from_model(cfg)[0]
+        shape = init_from_model(cfg)[0]
+    return o.rollout_engine, tp, shape, o.vllm_mode, o.max_staleness
 
 
 def check_installed(engine: str) -> None:
@@ -135,7 +138,8 @@ class RolloutSource:
         # sleep mode: there is none on a CPU); an asynchronous one generates meanwhile
         self.engine = VLLMRollouts(folder, dtype, max_len, kv_cache_mb << 20,
                                    seed=run.cfg.train.seed, colocated_tp=group,
-                                   sleep=run.device.type == "cuda" and not staleness)
+                                   sleep=run.device.type == "cuda" and not staleness,
+                                   rank=run.world.rank if comm is not None else None)
         self.started = self.engine.start_seconds
 
     def _connect(self, address: str, conf: dict, dtype: str, max_len: int, kv: int,
@@ -163,9 +167,9 @@ class RolloutSource:
             self.started = self.engine.start_seconds
 
     def close(self) -> None:
-        """End the server connection, and the server this rank started (also at exit: a run
-        that fails never reaches the task's ``close``, and a server left waiting would hold
-        its port until its timeout); or stop the colocated engine."""
+        """End the server connection, and the server this rank started (also at exit, for a
+        process that ends before the task's ``close``: a server left waiting would hold its
+        port until its timeout); or stop the colocated engine. A second call does nothing."""
         engine, self.engine = self.engine, None
         if self.worker is not None:  # (a prefetch still generating ends first)
             self.worker.shutdown(wait=True)
@@ -187,6 +191,8 @@ class RolloutSource:
         if self.engine is None or self.engine.version == version:
             return {}
         t0, comm = time.perf_counter(), self.run.world.comm
+        if not self.sender and 0 not in comm.members("tp"):
+            comm = None  # (a server's weights come from rank 0's tp group: no gathers here)
         gathered = _tp_bytes(comm)
         named = policy_weights(self.run.engine, self.run.model_cfg, untied_head=True, comm=comm)
         if not self.sender:  # server mode: rank 0 sends; the others take part in the gathers
@@ -216,16 +222,17 @@ class RolloutSource:
         ones when this is the request ``prefetch`` started)."""
         if self.ahead is not None:  # (another request, evaluation's, waits for it: one
             request, job, figures = self.ahead  # engine, one request at a time)
-            out = self._shared(job.result())  # (an error in the thread is raised here)
+            wait([job])
             if request == (_request(prompts, indices), s):
                 self.ahead = None
+                out = self._shared(job.result)  # (an error in the thread is raised here)
                 out.figures.update(figures)
                 return out
         if self.engine is not None:
             figures = self.sync()
             if self.started:
                 figures["rollout/engine_start_seconds"], self.started = self.started, 0.0
-            out = self._shared(self._ask(prompts, indices, s))
+            out = self._shared(lambda: self._ask(prompts, indices, s))
             out.figures.update(figures)
             return out
         model = self.run.engine.model
@@ -247,12 +254,21 @@ class RolloutSource:
             prompts, indices = [], []
         return self.engine.generate(prompts, indices, s)
 
-    def _shared(self, out: Rollouts) -> Rollouts:
-        """``out`` as the tp group's first rank got it, on every rank of the group (a server
-        under the trainer's tensor parallelism; counted on tp), in the main thread."""
+    def _shared(self, get) -> Rollouts:
+        """``get()``'s completions; a server's under the trainer's tensor parallelism, as the
+        tp group's first rank got them, on every rank of the group (counted on tp), in the
+        main thread. A failure there is every rank's, raised on each (no peer is left
+        waiting in the broadcast)."""
         if not self.split_tp:
-            return out
-        return self.run.world.comm.broadcast_object(out, "tp")
+            return get()
+        try:
+            out = (get(), None)
+        except RolloutServerError as e:
+            out = (None, str(e))
+        got, error = self.run.world.comm.broadcast_object(out, "tp")
+        if error is not None:
+            raise RolloutServerError(error)
+        return got
 
 
 def _tp_bytes(comm) -> int:

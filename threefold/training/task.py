@@ -58,7 +58,8 @@ class Task:
 
     def close(self) -> None:
         """Called once the run's last step, save and summary are done, before its process
-        group goes (what ``setup`` started stops here); nothing to do here."""
+        group goes, or when the run fails (what ``setup`` started stops here; a second call
+        does nothing); nothing to do here."""
 
     def pipeline_micro(self, micro: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A micro-batch as the pipeline executor takes it (as it is here)."""

@@ -8,6 +8,7 @@ none of them imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from pathlib import Path
@@ -177,6 +178,10 @@ def train(cfg: Config, world=None, return_run: bool = False, task=None):
     preempt = Preemption(cfg.train.preemption_grace_s, run.world.rank)
     try:
         return _loop(run, preempt, return_run)
+    except BaseException:
+        with contextlib.suppress(Exception):  # (the run's own error is the one to see)
+            run.task.close()  # what the task started stops when the run fails, too
+        raise
     finally:
         preempt.close()
 

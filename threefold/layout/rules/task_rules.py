@@ -104,6 +104,19 @@ def rollout_engine_layout(engine: str, zero_stage: int, lora_r: int) -> None:
 
 
 @rule
+def rollout_overlap_tp(engine: str, mode: str, staleness: int, tp: int) -> None:
+    """A colocated vLLM engine under the trainer's tensor parallelism generates with
+    collectives of its own over the tp group's ranks; generating while the step trains
+    (``grpo.max_staleness``) would run them beside the trainer's own collectives, in another
+    thread, in an order no rank agrees on (on GPUs, two communicators that can deadlock)."""
+    if engine == "vllm" and mode == "colocate" and staleness and tp > 1:
+        raise LayoutError(f"grpo.max_staleness: {staleness} with a colocated vLLM engine at "
+                          f"parallel.tp={tp} would overlap the engine's tp collectives with "
+                          "training's; use grpo.max_staleness 0, grpo.vllm_mode server, or "
+                          "parallel.tp 1")
+
+
+@rule
 def rollout_server_tp(tp: int, heads: int, kv_heads: int) -> None:
     """A rollout server's vLLM engine shards the attention heads over its ``tp`` workers, and
     the key-value heads too, or replicates them where there are fewer than workers."""
