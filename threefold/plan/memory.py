@@ -63,7 +63,8 @@ from threefold.plan.states import (HOST_GRAD_BYTES, HOST_MASTER_BYTES, RUNTIME_O
 def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
     """Under autocast with weights wider than the matmul dtype (threefold's fp32 weights under
     bf16), every linear's weight is cast once per forward and the cast is kept for backward:
-    d bytes per matmul weight of the stage's blocks, per microbatch in flight. 0 otherwise.
+    d bytes per matmul weight of the stage's blocks, for one microbatch (``cast_copies_held``:
+    how many such sets a rank holds). 0 otherwise.
     (The head's cast is not kept: the chunked loss casts it again in backward, and
     ``activations.logits_bytes`` counts it while the loss runs.)"""
     d = work.act_bytes
@@ -71,6 +72,16 @@ def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
         return 0.0
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
     return d * (sharded - tiled_mlp_weights(cfg, layout, work)) * rank_layers(cfg, layout, stage)
+
+
+def cast_copies_held(recompute: str, inflight: int, layers: int) -> float:
+    """How many times a stage's cast weights (``cast_weight_bytes``, ``moe_cast_weight_bytes``:
+    all ``layers`` of its blocks) are held at the start of the last backward. Each microbatch's
+    forward runs in an autocast context of its own, so without recompute every microbatch in
+    flight keeps its own casts. Under full or selective recompute the checkpointed forward
+    keeps none (autocast's cache is dropped when its context exits); only the block being
+    recomputed casts its weights again and keeps them until its backward ends: one block's."""
+    return inflight if recompute == "none" else 1 / max(1, layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +209,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
                     if stage == layout.last_stage else 0.0),
             overhead=overhead_bytes,
             cast_weights=cast_weight_bytes(cfg, layout, work, stage)
-            * (inflight if layout.recompute != "selective" else 1 / max(1, layers)),
+            * cast_copies_held(layout.recompute, inflight, layers),
             **states))
     return out
 
@@ -313,8 +324,8 @@ def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
         ch["recompute_working"] = mem.recompute_working + extra
     if layout.recompute == "none":  # (selective's kept MoE tensors: in mem.activations)
         ch["activations"] = mem.activations + extra * rank_layers(cfg, layout, stage) * inflight
-    ch["cast_weights"] = mem.cast_weights + moe_cast_weight_bytes(cfg, layout, work,
-                                                                  stage) * inflight
+    ch["cast_weights"] = mem.cast_weights + moe_cast_weight_bytes(cfg, layout, work, stage) \
+        * cast_copies_held(layout.recompute, inflight, rank_layers(cfg, layout, stage))
     units = stage_expert_units(cfg, layout, stage)
     if units:  # ep > 1: the expert units, sharded over edp_shard = dp_shard/ep under ZeRO
         p, g, o = state.param, state.grad, state.optimizer
