@@ -49,7 +49,7 @@ from threefold.accounting.fp8 import fp8_gathered_numels
 from threefold.accounting.lora_counts import lora_units
 from threefold.accounting.stages import distinct_stages, rank_dense_layers
 from threefold.config import ModelConfig
-from threefold.layout import Layout, Workload
+from threefold.layout import Layout, Workload, check_layout
 from threefold.plan.mlp_tiling import tiled_mlp_weights
 from threefold.plan.moe_memory import moe_block_extra_bytes, moe_cast_weight_bytes
 from threefold.plan.mtp_bytes import mtp_activation_bytes
@@ -159,7 +159,9 @@ def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                  state: StateBytes | None = None,
                  overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """Peak memory of one rank of pipeline ``stage`` under threefold's engines (see
-    ``_stage_memories``)."""
+    ``_stage_memories``). A layout the rule book refuses raises its LayoutError, as in
+    ``memory_per_gpu`` and ``memory_per_rank``."""
+    check_layout(cfg, layout, work)
     return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
 
 
@@ -167,7 +169,15 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
                    state: StateBytes | None = None,
                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """The breakdown of the pipeline stage with the largest peak (stage 0 holds the most
-    activations, the last stage the logits and head)."""
+    activations, the last stage the logits and head). A layout the rule book refuses raises
+    its LayoutError (``check_layout``: a microsecond, which the search pays again for the
+    layouts it has checked) rather than a division by zero deep inside."""
+    check_layout(cfg, layout, work)
+    return _largest_stage(cfg, layout, work, state, overhead_bytes)
+
+
+def _largest_stage(cfg: ModelConfig, layout: Layout, work: Workload, state: StateBytes | None,
+                   overhead_bytes: float) -> MemoryBreakdown:
     stages = distinct_stages(cfg, layout)
     return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes), key=lambda mb: mb.total)
 
@@ -299,7 +309,8 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
     dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
     (see the module docstring). A dense model's figure is unchanged. Under LoRA
     (``work.lora_r``) the model states are the adapters' and the frozen base's
-    (``_lora_memory``)."""
+    (``_lora_memory``). A layout the rule book refuses raises its LayoutError."""
+    check_layout(cfg, layout, work)
     if work.lora_r:  # LoRA runs no mixture of experts (refused before launch)
         state = state or state_bytes_for(work)
         stages = distinct_stages(cfg, layout)
@@ -307,7 +318,7 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
                     _stage_memories(cfg, layout, work, stages, state, overhead_bytes)),
                    key=lambda mb: mb.total)
     if not cfg.num_local_experts:
-        return memory_per_gpu(cfg, layout, work, state, overhead_bytes)
+        return _largest_stage(cfg, layout, work, state, overhead_bytes)
     state = state or state_bytes_for(work)
     return max((_moe_stage_memory(cfg, layout, work, st, state, overhead_bytes)
                 for st in distinct_stages(cfg, layout)), key=lambda mb: mb.total)
@@ -315,7 +326,7 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
 
 def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                       state: StateBytes, overhead_bytes: float) -> MemoryBreakdown:
-    mem = stage_memory(cfg, layout, work, stage, state, overhead_bytes)
+    mem = _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
     m = microbatches(layout, work)
     inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage,
                                      layout.pipeline_inflight)

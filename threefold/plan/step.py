@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from threefold.layout import Layout, Workload
+from threefold.layout import Layout, Workload, check_layout
 from threefold.accounting import microbatches
 from threefold.accounting.stages import (
     distinct_stages,
@@ -172,7 +172,9 @@ def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
     data-parallel traffic, the optimiser step and the offload traffic. With
     ``overlap_grad_reduce=False`` no data-parallel communication overlaps anything, as in
     Megatron-LM of 2021; ``simulate`` replays the schedule (a single layout, e.g. a dry
-    run)."""
+    run). A layout the rule book refuses raises its LayoutError (a microsecond: the search
+    pays it again for layouts it has checked)."""
+    check_layout(cfg, layout, work)
     hw = cluster.hardware
     peak = matmul_peak(cfg, work, hw)
     if not peak:
