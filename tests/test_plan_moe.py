@@ -394,16 +394,17 @@ QWEN3_235B = dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64
                         "parallel.pp > 1 or parallel.vpp 1")])
 def test_the_planners_entry_points_refuse_a_bad_layout_by_its_rule(bad, message):
     """A layout built by hand and given to the planner's Python entry points (the step, the
-    memory per rank, GPU or stage, the bytes per axis) is refused by the rule book's rule with
-    its message, before any formula divides by a degree that cannot be."""
+    memory per rank, GPU or stage, start-up's peaks, the bytes per axis) is refused by the
+    rule book's rule with its message, before any formula divides by a degree that cannot be."""
     from threefold.plan.memory import stage_memory
+    from threefold.plan.startup import startup_peaks
 
     cfg = ModelConfig(preset="tiny", **QWEN3_235B).resolved()
     lay = Layout(tp=4, dp_shard=16, sequence_parallel=False, zero_stage=3, **bad)
     work, cluster = Workload(seq_len=4096, global_batch=64), Cluster(H100, 64, 8)
     for call in (lambda: predict_step(cfg, lay, work, cluster),
                  lambda: memory_per_rank(cfg, lay, work), lambda: memory_per_gpu(cfg, lay, work),
-                 lambda: stage_memory(cfg, lay, work, 0),
+                 lambda: stage_memory(cfg, lay, work, 0), lambda: startup_peaks(cfg, lay, work),
                  lambda: comm_bytes_per_step(cfg, lay, work)):
         with pytest.raises(LayoutError) as refused:
             call()

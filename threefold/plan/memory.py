@@ -170,8 +170,7 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """The breakdown of the pipeline stage with the largest peak (stage 0 holds the most
     activations, the last stage the logits and head). A layout the rule book refuses raises
-    its LayoutError (``check_layout``: a microsecond, which the search pays again for the
-    layouts it has checked) rather than a division by zero deep inside."""
+    its LayoutError (``check_layout``) rather than a division by zero deep inside."""
     check_layout(cfg, layout, work)
     return _largest_stage(cfg, layout, work, state, overhead_bytes)
 
@@ -299,7 +298,8 @@ def _offload(states: dict[str, float], z: int, owned: float, state: StateBytes) 
 # --------------------------------------------------------------------------------------------
 def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
                     state: StateBytes | None = None,
-                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
+                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES, *,
+                    checked: bool = False) -> MemoryBreakdown:
     """``threefold.plan.memory.memory_per_gpu``, and for a mixture of experts what it does not
     count: the MoE blocks' activations and cast weights (``moe_block_extra_bytes``,
     ``moe_cast_weight_bytes``) and, under expert parallelism, the expert tensors, which
@@ -309,8 +309,11 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
     dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
     (see the module docstring). A dense model's figure is unchanged. Under LoRA
     (``work.lora_r``) the model states are the adapters' and the frozen base's
-    (``_lora_memory``). A layout the rule book refuses raises its LayoutError."""
-    check_layout(cfg, layout, work)
+    (``_lora_memory``). A layout the rule book refuses raises its LayoutError; ``checked``:
+    the caller has run ``check_layout`` on it already (the search, on every layout it
+    enumerates, thousands of times a second)."""
+    if not checked:
+        check_layout(cfg, layout, work)
     if work.lora_r:  # LoRA runs no mixture of experts (refused before launch)
         state = state or state_bytes_for(work)
         stages = distinct_stages(cfg, layout)
