@@ -375,3 +375,40 @@ def test_selective_moe_block_bytes_equal_what_the_block_keeps(monkeypatch, impl,
     assert got - rope == model_layer_activation_bytes(cfg, lay, work)
     full = Layout(microbatch_size=b, recompute="full")
     assert model_layer_activation_bytes(cfg, full, work) == 4 * b * s * h
+
+
+# Qwen3-235B-A22B's shape (Hugging Face config): 94 blocks of width 4,096, 64 query and 4
+# key/value heads of 128, 128 experts of width 1,536, 8 per token, vocabulary 151,936.
+QWEN3_235B = dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+                  num_key_value_heads=4, attention_head_dim=128, intermediate_size=1536,
+                  num_local_experts=128, num_experts_per_tok=8, vocab_size=151936, qk_norm=True)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(ep=32), "parallel.ep: 32 does not divide parallel.dp_shard=16 (expert-parallel "
+                  "ranks are data-parallel ranks of one shard group); valid ep values: 1, 2, "
+                  "4, 8, 16"),  # was a ZeroDivisionError
+    (dict(ep=3), "parallel.ep: 3 does not divide model.num_local_experts=128; use an ep in 1, "
+                 "2, 4, 8, 16"),  # was a prediction for 128/3 experts per rank
+    (dict(ep=8, vpp=2), "parallel.vpp: 2 model chunks per stage need pipeline stages; set "
+                        "parallel.pp > 1 or parallel.vpp 1")])
+def test_the_planners_entry_points_refuse_a_bad_layout_by_its_rule(bad, message):
+    """A layout built by hand and given to the planner's Python entry points (the step, the
+    memory per rank, GPU or stage, start-up's peaks, the bytes per axis) is refused by the
+    rule book's rule with its message, before any formula divides by a degree that cannot be."""
+    from threefold.plan.memory import stage_memory
+    from threefold.plan.startup import startup_peaks
+
+    cfg = ModelConfig(preset="tiny", **QWEN3_235B).resolved()
+    lay = Layout(tp=4, dp_shard=16, sequence_parallel=False, zero_stage=3, **bad)
+    work, cluster = Workload(seq_len=4096, global_batch=64), Cluster(H100, 64, 8)
+    for call in (lambda: predict_step(cfg, lay, work, cluster),
+                 lambda: memory_per_rank(cfg, lay, work), lambda: memory_per_gpu(cfg, lay, work),
+                 lambda: stage_memory(cfg, lay, work, 0), lambda: startup_peaks(cfg, lay, work),
+                 lambda: comm_bytes_per_step(cfg, lay, work)):
+        with pytest.raises(LayoutError) as refused:
+            call()
+        assert str(refused.value) == message
+    good = Layout(tp=4, dp_shard=16, sequence_parallel=False, zero_stage=3, ep=16)
+    assert predict_step(cfg, good, work, cluster).step_time_s > 0
+    assert memory_per_rank(cfg, good, work).total > 0

@@ -90,7 +90,7 @@ from threefold.accounting.collective import Collective
 from threefold.accounting.context_traffic import cp_collectives
 from threefold.accounting.ep_levels import ep_level_collectives
 from threefold.accounting.fp8 import fp8_amaxes, fp8_block_unit, fp8_gathered_numels
-from threefold.layout import Layout, Workload
+from threefold.layout import Layout, Workload, check_layout
 from threefold.accounting.batches import local_seq_len, microbatches, tp_chunks
 from threefold.accounting.lora_counts import lora_collectives, tp_reduced_numel
 from threefold.accounting.counts import (latent_replicated_numels, norms_per_block,
@@ -378,7 +378,9 @@ def comm_bytes_per_step(cfg: ModelConfig, layout: Layout, work: Workload,
     exactly what threefold's runtime reports as ``comm_bytes_per_step`` in summary.json
     (tests/test_dryrun.py checks it for DP, ZeRO 1/2/3 and TP). Gradients and gathered
     parameters move in ``work.weight_bytes`` unless ``grad_bytes``/``param_bytes`` say
-    otherwise. See ``collectives`` for what each axis carries."""
+    otherwise. See ``collectives`` for what each axis carries. A layout the rule book refuses
+    raises its LayoutError."""
+    check_layout(cfg, layout, work)
     stages = distinct_stages(cfg, layout) if stage is None else [stage]
     lists = [collectives(cfg, layout, work, st, grad_bytes, param_bytes) for st in stages]
     return bytes_per_axis(lists, microbatches(layout, work))

@@ -59,9 +59,9 @@ def _fits(cfg: ModelConfig, world: int, work: Workload, space: SearchSpace,
           limit: float) -> Layout | None:
     """A layout in ``space`` that fits in ``limit`` at ``work``'s length, or None."""
     for lay in enumerate_layouts(cfg, world, work, space):
-        if memory_per_rank(cfg, lay, work).total > limit:
+        if memory_per_rank(cfg, lay, work, checked=True).total > limit:  # checked: enumerated
             continue
-        if startup_peaks(cfg, lay, work).startup + RUNTIME_OVERHEAD_BYTES <= limit:
+        if startup_peaks(cfg, lay, work, checked=True).startup + RUNTIME_OVERHEAD_BYTES <= limit:
             return lay
     return None
 

@@ -49,7 +49,7 @@ from threefold.accounting.fp8 import fp8_gathered_numels
 from threefold.accounting.lora_counts import lora_units
 from threefold.accounting.stages import distinct_stages, rank_dense_layers
 from threefold.config import ModelConfig
-from threefold.layout import Layout, Workload
+from threefold.layout import Layout, Workload, check_layout
 from threefold.plan.mlp_tiling import tiled_mlp_weights
 from threefold.plan.moe_memory import moe_block_extra_bytes, moe_cast_weight_bytes
 from threefold.plan.mtp_bytes import mtp_activation_bytes
@@ -63,7 +63,8 @@ from threefold.plan.states import (HOST_GRAD_BYTES, HOST_MASTER_BYTES, RUNTIME_O
 def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: int) -> float:
     """Under autocast with weights wider than the matmul dtype (threefold's fp32 weights under
     bf16), every linear's weight is cast once per forward and the cast is kept for backward:
-    d bytes per matmul weight of the stage's blocks, per microbatch in flight. 0 otherwise.
+    d bytes per matmul weight of the stage's blocks, for one microbatch (``cast_copies_held``:
+    how many such sets a rank holds). 0 otherwise.
     (The head's cast is not kept: the chunked loss casts it again in backward, and
     ``activations.logits_bytes`` counts it while the loss runs.)"""
     d = work.act_bytes
@@ -71,6 +72,16 @@ def cast_weight_bytes(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
         return 0.0
     sharded, _ = layer_parameters_per_rank(cfg, layout.tp)
     return d * (sharded - tiled_mlp_weights(cfg, layout, work)) * rank_layers(cfg, layout, stage)
+
+
+def cast_copies_held(recompute: str, inflight: int, layers: int) -> float:
+    """How many times a stage's cast weights (``cast_weight_bytes``, ``moe_cast_weight_bytes``:
+    all ``layers`` of its blocks) are held at the start of the last backward. Each microbatch's
+    forward runs in an autocast context of its own, so without recompute every microbatch in
+    flight keeps its own casts. Under full or selective recompute the checkpointed forward
+    keeps none (autocast's cache is dropped when its context exits); only the block being
+    recomputed casts its weights again and keeps them until its backward ends: one block's."""
+    return inflight if recompute == "none" else 1 / max(1, layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,7 +159,9 @@ def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                  state: StateBytes | None = None,
                  overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """Peak memory of one rank of pipeline ``stage`` under threefold's engines (see
-    ``_stage_memories``)."""
+    ``_stage_memories``). A layout the rule book refuses raises its LayoutError, as in
+    ``memory_per_gpu`` and ``memory_per_rank``."""
+    check_layout(cfg, layout, work)
     return _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
 
 
@@ -156,7 +169,14 @@ def memory_per_gpu(cfg: ModelConfig, layout: Layout, work: Workload,
                    state: StateBytes | None = None,
                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
     """The breakdown of the pipeline stage with the largest peak (stage 0 holds the most
-    activations, the last stage the logits and head)."""
+    activations, the last stage the logits and head). A layout the rule book refuses raises
+    its LayoutError (``check_layout``) rather than a division by zero deep inside."""
+    check_layout(cfg, layout, work)
+    return _largest_stage(cfg, layout, work, state, overhead_bytes)
+
+
+def _largest_stage(cfg: ModelConfig, layout: Layout, work: Workload, state: StateBytes | None,
+                   overhead_bytes: float) -> MemoryBreakdown:
     stages = distinct_stages(cfg, layout)
     return max(_stage_memories(cfg, layout, work, stages, state, overhead_bytes), key=lambda mb: mb.total)
 
@@ -198,7 +218,7 @@ def _stage_memories(cfg: ModelConfig, layout: Layout, work: Workload, stages: li
                     if stage == layout.last_stage else 0.0),
             overhead=overhead_bytes,
             cast_weights=cast_weight_bytes(cfg, layout, work, stage)
-            * (inflight if layout.recompute != "selective" else 1 / max(1, layers)),
+            * cast_copies_held(layout.recompute, inflight, layers),
             **states))
     return out
 
@@ -278,7 +298,8 @@ def _offload(states: dict[str, float], z: int, owned: float, state: StateBytes) 
 # --------------------------------------------------------------------------------------------
 def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
                     state: StateBytes | None = None,
-                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES) -> MemoryBreakdown:
+                    overhead_bytes: float = RUNTIME_OVERHEAD_BYTES, *,
+                    checked: bool = False) -> MemoryBreakdown:
     """``threefold.plan.memory.memory_per_gpu``, and for a mixture of experts what it does not
     count: the MoE blocks' activations and cast weights (``moe_block_extra_bytes``,
     ``moe_cast_weight_bytes``) and, under expert parallelism, the expert tensors, which
@@ -288,7 +309,11 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
     dp_shard/ep ranks (padded to a multiple of it), with the dense units' rules per stage
     (see the module docstring). A dense model's figure is unchanged. Under LoRA
     (``work.lora_r``) the model states are the adapters' and the frozen base's
-    (``_lora_memory``)."""
+    (``_lora_memory``). A layout the rule book refuses raises its LayoutError; ``checked``:
+    the caller has run ``check_layout`` on it already (the search, on every layout it
+    enumerates, thousands of times a second)."""
+    if not checked:
+        check_layout(cfg, layout, work)
     if work.lora_r:  # LoRA runs no mixture of experts (refused before launch)
         state = state or state_bytes_for(work)
         stages = distinct_stages(cfg, layout)
@@ -296,7 +321,7 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
                     _stage_memories(cfg, layout, work, stages, state, overhead_bytes)),
                    key=lambda mb: mb.total)
     if not cfg.num_local_experts:
-        return memory_per_gpu(cfg, layout, work, state, overhead_bytes)
+        return _largest_stage(cfg, layout, work, state, overhead_bytes)
     state = state or state_bytes_for(work)
     return max((_moe_stage_memory(cfg, layout, work, st, state, overhead_bytes)
                 for st in distinct_stages(cfg, layout)), key=lambda mb: mb.total)
@@ -304,7 +329,7 @@ def memory_per_rank(cfg: ModelConfig, layout: Layout, work: Workload,
 
 def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
                       state: StateBytes, overhead_bytes: float) -> MemoryBreakdown:
-    mem = stage_memory(cfg, layout, work, stage, state, overhead_bytes)
+    mem = _stage_memories(cfg, layout, work, [stage], state, overhead_bytes)[0]
     m = microbatches(layout, work)
     inflight = inflight_microbatches(layout.pipeline_schedule, layout.pp, m, layout.vpp, stage,
                                      layout.pipeline_inflight)
@@ -313,8 +338,8 @@ def _moe_stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, stage: i
         ch["recompute_working"] = mem.recompute_working + extra
     if layout.recompute == "none":  # (selective's kept MoE tensors: in mem.activations)
         ch["activations"] = mem.activations + extra * rank_layers(cfg, layout, stage) * inflight
-    ch["cast_weights"] = mem.cast_weights + moe_cast_weight_bytes(cfg, layout, work,
-                                                                  stage) * inflight
+    ch["cast_weights"] = mem.cast_weights + moe_cast_weight_bytes(cfg, layout, work, stage) \
+        * cast_copies_held(layout.recompute, inflight, rank_layers(cfg, layout, stage))
     units = stage_expert_units(cfg, layout, stage)
     if units:  # ep > 1: the expert units, sharded over edp_shard = dp_shard/ep under ZeRO
         p, g, o = state.param, state.grad, state.optimizer

@@ -170,14 +170,14 @@ def _fitting_bound(cfg: ModelConfig, lay: Layout, work: Workload, limit: float,
         return lay, mem
     lo, hi = (lay.vpp - 1) * lay.pp + 1, 2 * (lay.pp - 1) + (lay.vpp - 1) * lay.pp
     low = dataclasses.replace(lay, pipeline_inflight=lo)
-    m = memory_per_rank(cfg, low, work)
+    m = memory_per_rank(cfg, low, work, checked=True)  # bounds the pipeline_inflight rule allows
     if m.total > limit:  # not even the smallest bound fits (most layouts a search tries)
         return lay, mem
     best, lo = (low, m), lo + 1
     while lo <= hi:  # memory grows with the bound: the largest that fits
         mid = (lo + hi) // 2
         cand = dataclasses.replace(lay, pipeline_inflight=mid)
-        m = memory_per_rank(cfg, cand, work)
+        m = memory_per_rank(cfg, cand, work, checked=True)
         if m.total <= limit:
             best, lo = (cand, m), mid + 1
         else:
@@ -320,7 +320,7 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
     result = PlanResult(ranked=[])
     fitting = []
     for lay in enumerate_layouts(cfg, cluster.num_gpus, work, space, result.invalid):
-        mem = memory_per_rank(cfg, lay, work)
+        mem = memory_per_rank(cfg, lay, work, checked=True)  # enumerate_layouts checked it
         if mem.total > limit and space.pipeline_inflight is None:
             lay, mem = _fitting_bound(cfg, lay, work, limit, mem)
         if mem.total > limit:
@@ -330,7 +330,7 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
                    f"{mem.logits / 1e9:.1f})")
             result.too_big.append((lay, mem.total, why))
             continue
-        start = startup_peaks(cfg, lay, work).startup + RUNTIME_OVERHEAD_BYTES
+        start = startup_peaks(cfg, lay, work, checked=True).startup + RUNTIME_OVERHEAD_BYTES
         if start > limit:  # building the model needs more than its step
             result.too_big.append((lay, start, f"start-up needs {start / 1e9:.1f} GB > "
                                    f"{limit / 1e9:.0f} GB (the largest tensor is drawn whole "
@@ -349,7 +349,7 @@ def _search(cfg: ModelConfig, cluster: Cluster, work: Workload, space: SearchSpa
         if keep and len(best) >= keep and lay.pp > 1 \
                 and compute_bound_step_time(cfg, lay, work, cluster) >= -best[0]:
             continue
-        step = predict_step(cfg, lay, work, cluster, **predict_kw)
+        step = predict_step(cfg, lay, work, cluster, **predict_kw, checked=True)
         result.ranked.append(Candidate(lay, mem, step,
                                        layout_warnings(cfg, lay, mem, step, cluster, work),
                                        pipeline_layers(cfg, lay)))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from threefold.layout import Layout, Workload
+from threefold.layout import Layout, Workload, check_layout
 from threefold.accounting.lora_counts import lora_units
 from threefold.accounting import tp_shard
 from threefold.accounting.stages import distinct_stages, shape_key
@@ -141,10 +141,14 @@ def _whole_filling(cfg: ModelConfig, layout: Layout, work: Workload, stage: int,
     return max(per * emb, kept + max(4, work.weight_bytes) * later)
 
 
-def startup_peaks(cfg: ModelConfig, layout: Layout, work: Workload) -> StartupMemory:
+def startup_peaks(cfg: ModelConfig, layout: Layout, work: Workload, *,
+                  checked: bool = False) -> StartupMemory:
     """Each phase's largest peak over the pipeline stages (``startup_memory``). Cached on what
     start-up depends on: not the micro-batch, recompute, the in-flight bound or the bucket, so
-    a search's many layouts that differ only in those are computed once."""
+    a search's many layouts that differ only in those are computed once. A layout the rule
+    book refuses raises its LayoutError; ``checked``: the caller has run ``check_layout``."""
+    if not checked:
+        check_layout(cfg, layout, work)
     key = (shape_key(cfg), replace(layout, microbatch_size=1, recompute="none",
                                    recompute_modules=(), pipeline_inflight=0, bucket_mb=0.0, cp_algorithm="ring",
                                    sequence_parallel=True),

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from threefold.layout import Layout, Workload
+from threefold.layout import Layout, Workload, check_layout
 from threefold.accounting import microbatches
 from threefold.accounting.stages import (
     distinct_stages,
@@ -165,14 +165,18 @@ OVERLAP_RULES = {
 
 def predict_step(cfg: ModelConfig, layout: Layout, work: Workload, cluster,
                  efficiency: float | None = None, bucket_bytes: float | None = None,
-                 simulate: bool = False, overlap_grad_reduce: bool = True) -> StepPrediction:
+                 simulate: bool = False, overlap_grad_reduce: bool = True, *,
+                 checked: bool = False) -> StepPrediction:
     """Predicted step of ``layout`` on ``cluster`` (a ``threefold.plan.cluster.Cluster``), by
     the time model of the module docstring: each stage's microbatch (``_stage_times``), the
     pipeline's m·T_slowest plus its bubble (``_pipeline_span``), then the step's exposed
     data-parallel traffic, the optimiser step and the offload traffic. With
     ``overlap_grad_reduce=False`` no data-parallel communication overlaps anything, as in
     Megatron-LM of 2021; ``simulate`` replays the schedule (a single layout, e.g. a dry
-    run)."""
+    run). A layout the rule book refuses raises its LayoutError; ``checked``: the caller has
+    run ``check_layout`` on it already (the search, on every layout it enumerates)."""
+    if not checked:
+        check_layout(cfg, layout, work)
     hw = cluster.hardware
     peak = matmul_peak(cfg, work, hw)
     if not peak:
