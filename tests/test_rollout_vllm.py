@@ -217,12 +217,31 @@ def test_vllm_under_the_trainers_tensor_parallelism(colocated, tmp_path, monkeyp
     both, both ranks see the one-process colocated engine's completions token for token (the
     same weights and seeds; the shards' partial sums add up to the same sampling
     probabilities), and the run trains as the one-process run does."""
+    import socket
+
     from tests.dist import run_distributed
 
     over, opts, out, seen = colocated
-    server = {**opts, "vllm_mode": "server", "vllm_server_tp": 2}
-    ranks = run_distributed(tp_runs, 2, over, tmp_path, [("tp", opts), ("server", server)],
-                            timeout=300)
+    # the server started here, by address (``grpo.vllm_server``), as a user starts one: its
+    # start overlaps the ranks' and the colocated run; it ends when both ranks have stopped
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "threefold.generation.rollout_server", "--port", str(port),
+         "--clients", "2"], cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
+        start_new_session=True)
+    server = {**opts, "vllm_mode": "server", "vllm_server_tp": 2,
+              "vllm_server": f"127.0.0.1:{port}"}
+    try:
+        ranks = run_distributed(tp_runs, 2, over, tmp_path, [("tp", opts), ("server", server)],
+                                timeout=300)
+        assert proc.wait(timeout=60) == 0  # (every rank stopped it)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     a = metrics(out)
     wa = final_weights(out)
     for name in ("tp", "server"):
