@@ -72,7 +72,7 @@ class VLLMRollouts:
         one's); ``sleep``: sleep between generations (a GPU's; module doc). ``rank`` given:
         the process group is a training run's, which outlives the engine (``close``)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        backend, self._shm, self.run_group = "uni", [], rank is not None
+        backend, self._shm, self.run_group = "uni", None, rank is not None
         if colocated_tp:
             tp, backend = len(colocated_tp), "external_launcher"
             # (vLLM's external launcher reads them; the trainer has set this process's
@@ -87,7 +87,7 @@ class VLLMRollouts:
         from vllm import LLM
 
         t0 = time.perf_counter()
-        self.tp, self.in_process = tp, backend != "mp"
+        self.in_process = backend != "mp"
         self.llm = LLM(model=str(folder), dtype=dtype, load_format="dummy",
                        skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
                        tensor_parallel_size=tp, distributed_executor_backend=backend,
@@ -140,8 +140,8 @@ class VLLMRollouts:
         if parallel_state._WORLD is not None:  # (vLLM's world: groups of its own too)
             parallel_state._WORLD.destroy()
             parallel_state._WORLD = None
-        for path in self._shm:
-            path.unlink(missing_ok=True)
+        if self._shm is not None:
+            self._shm.unlink(missing_ok=True)
 
     def generate(self, prompts: list[list[int]], indices: list[int], s: Sampling) -> Rollouts:
         """Completions of ``prompts`` (token ids), completion i seeded by ``indices[i]``."""
@@ -208,18 +208,14 @@ def _device_memory(sleep: bool) -> dict:
             "enable_sleep_mode": sleep}
 
 
-def _clear_shared_memory(ranks: tuple[int, ...], rank: int) -> list[Path]:
-    """The shared-memory files of this rank's part of vLLM's CPU all-reduce for the tp group
-    of global ``ranks``, removed if a killed run left them (vLLM names them after the ranks
-    alone, and would refuse to create them again); the paths, to remove at ``close``. Each
-    rank removes only its own."""
-    me = ranks.index(rank)
-    shm = Path("/dev/shm")
-    group = "-".join(map(str, ranks))
-    paths = [shm / f"-tp:0-[{group}]-cpushm_{me}"]
-    for path in paths:
-        path.unlink(missing_ok=True)
-    return paths
+def _clear_shared_memory(ranks: tuple[int, ...], rank: int) -> Path:
+    """The shared-memory file of this rank's part of vLLM's CPU all-reduce for the tp group
+    of global ``ranks``, removed if a killed run left it (vLLM names it after the ranks
+    alone, and would refuse to create it again); its path, to remove at ``close``. Each rank
+    removes only its own."""
+    path = Path("/dev/shm") / f"-tp:0-[{'-'.join(map(str, ranks))}]-cpushm_{ranks.index(rank)}"
+    path.unlink(missing_ok=True)
+    return path
 
 
 def cpu_binding(tp: int) -> str:

@@ -71,8 +71,7 @@ class DryRunResult:
         m = self.memory
         if not self.engine_sleeps:
             return m.total + self.engine
-        return max(m.total, m.params + m.optimizer + m.buffers + m.overhead + m.grads
-                   + self.engine)
+        return max(m.total, m.model_states + m.buffers + m.overhead + self.engine)
 
 
 def short_count(n: float) -> str:

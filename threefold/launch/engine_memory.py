@@ -7,8 +7,8 @@ from __future__ import annotations
 from threefold.config import Config, ModelConfig
 from threefold.layout import Layout, Workload
 from threefold.plan.baseline import TaskData
-from threefold.plan.rollout_engine import (EngineBytes, engine_bytes, runtime_bytes,
-                                           sync_tp_bytes)
+from threefold.plan.rollout_engine import (EngineBytes, engine_bytes, engine_sleeps,
+                                           runtime_bytes, sync_tp_bytes)
 
 
 def _gb(x: float) -> str:
@@ -50,8 +50,8 @@ def engine_memory(cfg: Config, mcfg: ModelConfig, layout: Layout, work: Workload
 def sleeps(task: TaskData | None, on_cpu: bool) -> bool:
     """Whether GRPO's engine sleeps while the trainer trains: colocated, synchronous, on a
     GPU (``threefold.generation.vllm_rollouts``; vLLM has no sleep mode on a CPU)."""
-    return (task is not None and task.rollout_engine == "vllm" and not on_cpu
-            and task.engine_mode == "colocate" and not task.engine_async)
+    return (task is not None and task.rollout_engine == "vllm"
+            and engine_sleeps(not on_cpu, task.engine_mode, task.engine_async))
 
 
 def _parts(e: EngineBytes, kv: int, runtime: int, on_cpu: bool) -> str:

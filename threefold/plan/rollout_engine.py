@@ -66,6 +66,13 @@ def engine_bytes(m: ModelConfig, dtype_bytes: int, kv_bytes: int,
                        weights * 4, packed)
 
 
+def engine_sleeps(on_gpu: bool, mode: str, staleness: int) -> bool:
+    """Whether GRPO's vLLM engine sleeps while the trainer trains: on a GPU (vLLM has no
+    sleep mode on a CPU), colocated, synchronous (with ``grpo.max_staleness`` it generates
+    meanwhile). The run and the dry run both ask this."""
+    return on_gpu and mode == "colocate" and not staleness
+
+
 def sync_tp_bytes(m: ModelConfig, layout: Layout, work: Workload) -> int:
     """Bytes one rank sends over tp in a sync under the trainer's tensor parallelism: every
     tensor tp slices (a LoRA run's adapters too) is all-gathered, its slices padded alike

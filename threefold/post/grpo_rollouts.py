@@ -48,6 +48,7 @@ from threefold.generation.policy_weights import policy_weights, untied_config
 from threefold.generation.rollout_server import RolloutServerError
 from threefold.generation.rollouts import (ROLLOUT_ENGINES, VLLM_INSTALL, Rollouts, Sampling,
                                            vllm_installed)
+from threefold.plan.rollout_engine import engine_sleeps
 from threefold.weights.hf_config import hf_config
 
 IMPORTANCE_MODES = ("token_truncate", "sequence_mask", "none")
@@ -134,11 +135,10 @@ class RolloutSource:
         folder = write_engine_config(run.out / "rollout_engine" / f"rank{run.world.rank}", conf)
         # under tensor parallelism the training tp group is the engine's (every rank a worker)
         group = comm.members("tp") if comm is not None and comm.size("tp") > 1 else ()
-        # on a GPU, a synchronous run's engine sleeps while the trainer trains (vLLM's
-        # sleep mode: there is none on a CPU); an asynchronous one generates meanwhile
         self.engine = VLLMRollouts(folder, dtype, max_len, kv_cache_mb << 20,
                                    seed=run.cfg.train.seed, colocated_tp=group,
-                                   sleep=run.device.type == "cuda" and not staleness,
+                                   sleep=engine_sleeps(run.device.type == "cuda", mode,
+                                                       staleness),
                                    rank=run.world.rank if comm is not None else None)
         self.started = self.engine.start_seconds
 
